@@ -1,0 +1,1 @@
+"""00 · The big picture: from data to a weight update (labels, masks, one loss contract)."""

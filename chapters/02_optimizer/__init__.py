@@ -1,0 +1,1 @@
+"""02 · Optimizer: the algorithms and the infrastructure (master weights, scaler, clip, DistributedOptimizer)."""

@@ -1,0 +1,1 @@
+"""03 · Checkpoint: formats, async save and resharding resume."""

@@ -1,0 +1,1 @@
+"""04 · Data: from .bin/.idx to get_batch."""

@@ -1,0 +1,1 @@
+"""05 · Grad/param buffers: the contiguous buffer and its read/write loop."""

@@ -1,0 +1,1 @@
+"""06 · Activation recompute and CPU offload."""

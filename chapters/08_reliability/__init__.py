@@ -1,0 +1,1 @@
+"""08 · Reliability, observability and the full-iteration CUDA graph."""

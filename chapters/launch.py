@@ -1,0 +1,127 @@
+"""Run a function on N ranks of a real process group, on one machine.
+
+Used by the tests and by the chapters' multi-process demos. Each rank is a fresh process
+(``spawn``), joins a gloo (CPU) or NCCL (CUDA) world through a TCPStore that the parent hosts
+on a free loopback port, calls ``fn(*args)`` and sends back its return value. A rank that
+raises is reported with its traceback; the other ranks are then stopped instead of being left
+to hang in a collective that will never complete; a world that runs past ``timeout`` is killed
+and the ranks that had not finished are named.
+
+``fn`` must be importable by name (a module-level function of an installed module): a function
+defined in a notebook or in ``python -c`` cannot be sent to a spawned process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+__all__ = ["run_on_ranks", "RankError"]
+
+
+class RankError(RuntimeError):
+    """One or more ranks raised (or died); the message holds each failing rank's traceback."""
+
+    def __init__(self, failures: dict[int, str]):
+        self.failures = failures
+        parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())]
+        super().__init__(f"{len(failures)} rank(s) failed: {sorted(failures)}\n" + "\n".join(parts))
+
+
+def _rank_main(fn, args, kwargs, rank, world_size, port, backend, timeout_s, num_threads, results):
+    """Body of one spawned rank: join the world, run ``fn``, report the result or the traceback."""
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(num_threads)  # N ranks on few cores: one thread each avoids thrashing
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                              timeout=timedelta(seconds=timeout_s))
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, pickle.dumps(out)))
+    except BaseException:  # noqa: BLE001 - everything a rank raises must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
+                 timeout: float = 120.0, num_threads: int = 1, **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the per-rank results in rank order."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    import torch.distributed as dist
+
+    # The parent hosts the rendezvous store on port 0 (the OS picks a free port), so two test
+    # worlds started at once can never collide on a port.
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
+                          timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, name=f"rank{r}", daemon=True,
+                         args=(fn, args, kwargs, r, world_size, store.port, backend, timeout,
+                               num_threads, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        outputs, failures = _collect(procs, results, timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        del store
+    if failures:
+        raise RankError(failures)
+    return [outputs[r] for r in range(world_size)]
+
+
+def _collect(procs: Sequence, results, timeout: float, grace_s: float = 10.0):
+    """Gather every rank's report; stop early (after a grace period) once one rank has failed."""
+    outputs: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    while len(outputs) + len(failures) < len(procs):
+        now = time.monotonic()
+        if now > deadline:
+            missing = [r for r in range(len(procs)) if r not in outputs and r not in failures]
+            why = (f"stopped: still running {grace_s:.0f} s after rank(s) {sorted(failures)} failed"
+                   if failures else f"timed out after {timeout:.0f} s")
+            for r in missing:
+                failures[r] = f"{why} (unfinished ranks: {missing})"
+            break
+        try:
+            rank, ok, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            for r, p in enumerate(procs):
+                if r not in outputs and r not in failures and not p.is_alive() and p.exitcode != 0:
+                    # Died without reporting (segfault, os._exit, OOM kill). Drain first: the
+                    # report may still be in the pipe.
+                    time.sleep(0.2)
+                    if results.empty():
+                        failures[r] = f"process exited with code {p.exitcode} without a report"
+            continue
+        if ok:
+            outputs[rank] = pickle.loads(payload)
+        else:
+            failures[rank] = payload
+            # The survivors are likely blocked in a collective with the dead rank: give them a
+            # short grace period to report their own errors, then stop waiting.
+            deadline = min(deadline, time.monotonic() + grace_s)
+    return outputs, failures

@@ -1,0 +1,43 @@
+"""The multi-rank harness: real gloo worlds on loopback, failures reported, hangs bounded."""
+
+import time
+
+import pytest
+
+from tinytron.launch import RankError, run_on_ranks
+from tests import _rank_fns
+
+
+def test_collectives_on_four_ranks():
+    out = run_on_ranks(_rank_fns.collectives, 4, timeout=90)
+    assert [o["rank"] for o in out] == [0, 1, 2, 3]
+    for o in out:
+        assert o["world"] == 4 and o["env_rank"] == o["rank"]
+        assert o["sum"] == 1 + 2 + 3 + 4
+        assert o["gathered"] == [0.0, 1.0, 2.0, 3.0]
+        assert o["bcast"] == 30.0
+        assert o["from_left"] == (o["rank"] - 1) % 4
+
+
+def test_failing_rank_is_reported_not_hung():
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as err:
+        run_on_ranks(_rank_fns.raise_on, 3, 1, timeout=120)
+    assert time.monotonic() - t0 < 60, "a failing rank must not leave the world hanging"
+    assert 1 in err.value.failures
+    assert "deliberate failure on rank 1" in err.value.failures[1]
+    assert "ValueError" in str(err.value)
+
+
+def test_timeout_names_unfinished_ranks():
+    with pytest.raises(RankError) as err:
+        run_on_ranks(_rank_fns.sleep_forever, 2, timeout=8)
+    assert set(err.value.failures) == {0, 1}
+    assert "timed out" in err.value.failures[0]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="world_size"):
+        run_on_ranks(_rank_fns.collectives, 0)
+    with pytest.raises(ValueError, match="backend"):
+        run_on_ranks(_rank_fns.collectives, 2, backend="mpi")
