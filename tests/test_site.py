@@ -1,0 +1,147 @@
+"""The rendered book: `mkdocs build --strict` executes every page, and a real browser renders it offline."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, chapter_pages
+
+ARTIFACTS = ROOT / "test-artifacts"
+
+# Injected by the test server only: material renders each mermaid diagram into a *closed*
+# shadow root, invisible to --dump-dom. The probe opens those roots and copies what they hold
+# into attributes, so the test reads the browser's own rendering.
+PROBE = b"""<script>(function () {
+  var attach = Element.prototype.attachShadow;
+  Element.prototype.attachShadow = function (init) {
+    return attach.call(this, Object.assign({}, init, {mode: "open"}));
+  };
+  setInterval(function () {
+    document.querySelectorAll("div.mermaid").forEach(function (d) {
+      var root = d.shadowRoot;
+      if (!root) return;
+      d.setAttribute("data-tt-svg", root.querySelector("svg") ? "yes" : "no");
+      d.setAttribute("data-tt-error", /Syntax error|Parse error/.test(root.textContent) ? "yes" : "no");
+    });
+  }, 100);
+})();</script>"""
+
+
+@pytest.fixture(scope="session")
+def site_dir():
+    """Build the book once per session (this executes every chapter page)."""
+    out = Path(tempfile.mkdtemp(prefix="tinytron-site-"))
+    env = dict(os.environ, MPLBACKEND="Agg", NO_MKDOCS_2_WARNING="1")
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        pytest.fail(f"mkdocs build --strict failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}")
+    yield out
+    shutil.rmtree(out, ignore_errors=True)
+
+
+def test_book_builds_strict_and_offline(site_dir):
+    assert (site_dir / "index.html").exists()
+    for page in chapter_pages():
+        html = site_dir / page.parent.name / page.stem / "index.html"
+        assert html.exists(), f"{page} is not in the built book (missing from the nav?)"
+    for html in site_dir.rglob("*.html"):
+        text = html.read_text(encoding="utf-8")
+        # No page may load a script or a font from the network: readers may be offline.
+        remote = re.findall(r'<(?:script|link)[^>]+(?:src|href)="(https?://[^"]+)"', text)
+        remote += re.findall(r'import\("(https?://[^"]+)"\)', text)
+        assert not remote, f"{html.relative_to(site_dir)} loads from the network: {remote[:3]}"
+
+
+class _ProbeHandler(http.server.SimpleHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 - http.server's naming
+        path = self.translate_path(self.path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "index.html")
+        if not path.endswith(".html"):
+            return super().do_GET()
+        try:
+            data = Path(path).read_bytes().replace(b"<head>", b"<head>" + PROBE, 1)
+        except OSError:
+            return self.send_error(404)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="session")
+def served_site(site_dir):
+    handler = functools.partial(_ProbeHandler, directory=str(site_dir))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def _chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if path := shutil.which(name):
+            return path
+    pytest.skip("no Chromium found: install it with `apt-get install chromium` (scripts/setup.sh does)")
+
+
+def _browser(url: str, *extra: str) -> str:
+    user_dir = tempfile.mkdtemp(prefix="tinytron-chromium-")
+    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+           "--no-first-run", "--disable-background-networking", "--disable-component-update",
+           "--disable-sync", f"--user-data-dir={user_dir}", "--virtual-time-budget=15000",
+           *extra, url]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    finally:
+        shutil.rmtree(user_dir, ignore_errors=True)
+    return proc.stdout
+
+
+def _pages_to_check(site_dir):
+    yield "", site_dir / "index.html", (ROOT / "chapters" / "index.md").read_text()
+    for page in chapter_pages():
+        yield f"{page.parent.name}/{page.stem}/", None, page.read_text()
+
+
+def test_browser_renders_diagrams_and_math(site_dir, served_site):
+    """In headless Chromium every mermaid block becomes an SVG and the math is typeset."""
+    checked_mermaid = checked_math = 0
+    for rel, _, source in _pages_to_check(site_dir):
+        dom = _browser(f"{served_site}/{rel}", "--dump-dom")
+        assert "</html>" in dom, f"Chromium returned no page for /{rel}"
+        expected = source.count("```mermaid")
+        rendered = re.findall(r'<div class="mermaid"[^>]*data-tt-svg="yes"[^>]*data-tt-error="no"', dom)
+        assert len(rendered) == expected, (
+            f"/{rel}: {len(rendered)} of {expected} mermaid diagrams rendered as SVG without error; "
+            f"left unrendered: {re.findall(r'<pre class=.mermaid.>(.{0,80})', dom, re.S)[:2]}")
+        checked_mermaid += expected
+        if re.search(r"(?<![\\$])\$[^$\s][^$\n]*\$", source):
+            assert "<mjx-container" in dom, f"/{rel}: has $math$ but nothing was typeset by MathJax"
+            checked_math += 1
+    assert checked_mermaid >= 1 and checked_math >= 1
+
+
+def test_front_page_screenshot(served_site):
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "front-page.png"
+    shot.unlink(missing_ok=True)
+    _browser(f"{served_site}/", f"--screenshot={shot}", "--window-size=1280,2000")
+    assert shot.exists() and shot.stat().st_size > 20_000, "no screenshot of the front page"
