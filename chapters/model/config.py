@@ -1,0 +1,351 @@
+# %% [markdown]
+# # B.1 · Model: the config and its exact parameter count
+#
+# The one dataclass that describes the Llama-style GPT every chapter trains, the checks that
+# reject a shape no layout can hold, and a parameter count that is exact to the last weight,
+# for the whole model and for any one rank of a TP × PP layout.
+#
+# You will build: `ModelConfig`, `tiny_config`, `stage_layer_ranges`, `count_parameters`,
+# `count_parameters_per_rank` and `parameter_breakdown`.
+
+# %%
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+__all__ = [
+    "ModelConfig",
+    "tiny_config",
+    "llama_7b_config",
+    "padded_vocab_size",
+    "stage_layer_ranges",
+    "parameter_breakdown",
+    "count_parameters",
+    "count_parameters_per_rank",
+]
+
+# %% [markdown]
+# ## What a Llama-style decoder is made of
+#
+# A token id becomes a row of the embedding table ($V \times h$). Then $L$ identical layers, each
+#
+# 1. `input_layernorm` (RMSNorm, a weight of $h$) → self-attention: one fused projection
+#    `linear_qkv` of shape $(a + 2g)\,d \times h$ ($a$ query heads, $g$ key/value groups, head
+#    size $d = h / a$), RoPE on queries and keys, causal attention, output projection
+#    `linear_proj` of $h \times a d$; add the residual;
+# 2. `pre_mlp_layernorm` (RMSNorm) → SwiGLU MLP: `linear_fc1` ($2f \times h$, the gate and the up
+#    projection stacked) → $\mathrm{silu}(\text{gate}) \cdot \text{up}$ → `linear_fc2`
+#    ($h \times f$); add the residual.
+#
+# After the last layer a `final_layernorm` and the output layer ($V \times h$), which is the
+# embedding table itself when the embeddings are tied. No linear layer has a bias.
+#
+# The names follow Megatron's `TransformerConfig` (`megatron/core/transformer/transformer_config.py`):
+# `num_query_groups` is GQA's number of key/value heads, `ffn_hidden_size` is $f$. Megatron
+# splits `hidden_dropout` and `attention_dropout`; here one `dropout` drives both.
+#
+# ## Which shapes a layout can hold
+#
+# Tensor parallelism over $t$ ranks gives each rank whole heads, whole key/value groups, a slice
+# of the MLP width and a slice of the vocabulary, so $t$ must divide $a$, $g$, $f$ and $V$.
+# Megatron checks the heads at `transformer_config.py:1202` and the groups at `:1214-1224`
+# (it also lets $g < t$ by replicating key/value heads; this book keeps $t \mid g$).
+# Context parallelism over $c$ ranks cuts the sequence into $2c$ chunks (appendix A), so
+# $2c \mid s$; sequence parallelism then splits each rank's $s / c$ tokens over $t$ ranks.
+# Pipeline parallelism over $p$ stages with $v$ virtual stages each hands out $L / (p v)$ layers
+# per model chunk.
+#
+# A shape that breaks one of these rules must fail *before* any process group exists, with the
+# name of the field to change: `ValueError: num_attention_heads (6) must be divisible by tp (4)`.
+#
+# The vocabulary is padded once, before the model is built, to a multiple of $128 t$
+# (`megatron/core/tokenizers/utils/build_tokenizer.py:124`): 32,000 tokens at $t = 2$ stay 32,000;
+# 50,257 (GPT-2) become 50,432.
+
+# %%
+@dataclass
+class ModelConfig:
+    """Shape and hyper-parameters of the Llama-style decoder (Megatron's names)."""
+
+    hidden_size: int
+    """Width h of the residual stream."""
+    num_layers: int
+    """Number L of transformer layers."""
+    num_attention_heads: int
+    """Query heads a; the head size is hidden_size // num_attention_heads."""
+    num_query_groups: int
+    """Key/value heads g of grouped-query attention (g == a is plain multi-head attention)."""
+    ffn_hidden_size: int
+    """Width f of the SwiGLU MLP (fc1 is 2f wide: gate and up)."""
+    vocab_size: int
+    """Rows V of the embedding table (already padded, see padded_vocab_size)."""
+    seq_length: int
+    """Training sequence length s; RoPE tables are built for it."""
+    norm_epsilon: float = 1e-5
+    """RMSNorm epsilon (Megatron --norm-epsilon)."""
+    rotary_base: int = 10000
+    """RoPE theta (Megatron --rotary-base)."""
+    tie_embeddings: bool = True
+    """Output layer reuses the embedding table (Megatron: not --untie-embeddings-and-output-weights)."""
+    dropout: float = 0.0
+    """Dropout on embeddings, attention probabilities and both residual branches."""
+    init_std: float = 0.02
+    """Std of the normal init; fc2 and proj use init_std / sqrt(2 L) (Megatron's scaled init)."""
+    seed: int = 1234
+    """Seed of the parameter init; the same seed gives the same full weights on any layout."""
+    sequence_parallel: bool = False
+    """Split norms, dropout and residuals along the sequence over the TP ranks."""
+
+    def __post_init__(self):
+        for name in ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+                     "ffn_hidden_size", "vocab_size", "seq_length", "rotary_base"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        _divides(self.num_attention_heads, self.hidden_size, "hidden_size", "num_attention_heads")
+        _divides(self.num_query_groups, self.num_attention_heads, "num_attention_heads",
+                 "num_query_groups")
+        if self.head_dim % 2:
+            raise ValueError(f"hidden_size // num_attention_heads = {self.head_dim} must be even "
+                             "(RoPE rotates pairs)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if not self.norm_epsilon > 0:
+            raise ValueError(f"norm_epsilon must be > 0, got {self.norm_epsilon}")
+        if not self.init_std > 0:
+            raise ValueError(f"init_std must be > 0, got {self.init_std}")
+
+    @property
+    def head_dim(self) -> int:
+        """Size d of one attention head."""
+        return self.hidden_size // self.num_attention_heads
+
+    def replace(self, **changes) -> "ModelConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def check_layout(self, tp: int = 1, cp: int = 1, pp: int = 1, num_virtual_stages: int = 1):
+        """Raise ValueError naming the field when this shape cannot be cut into the given layout."""
+        for axis, size in (("tp", tp), ("cp", cp), ("pp", pp), ("num_virtual_stages",
+                                                                 num_virtual_stages)):
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"{axis} must be a positive int, got {size!r}")
+        _divides(tp, self.num_attention_heads, "num_attention_heads", "tp")
+        _divides(tp, self.num_query_groups, "num_query_groups", "tp")
+        _divides(tp, self.ffn_hidden_size, "ffn_hidden_size", "tp")
+        _divides(tp, self.vocab_size, "vocab_size", "tp")
+        if cp > 1:
+            _divides(2 * cp, self.seq_length, "seq_length", "2 * cp")
+        if self.sequence_parallel:
+            _divides(tp, self.seq_length // cp, "seq_length // cp", "tp (sequence_parallel)")
+        if num_virtual_stages > 1 and pp == 1:
+            raise ValueError(f"num_virtual_stages ({num_virtual_stages}) > 1 needs pp > 1")
+        _divides(pp * num_virtual_stages, self.num_layers, "num_layers",
+                 "pp * num_virtual_stages")
+
+
+def _divides(divisor: int, value: int, field: str, by: str):
+    """ValueError naming `field` unless `divisor` divides `value`."""
+    if value % divisor:
+        raise ValueError(f"{field} ({value}) must be divisible by {by} ({divisor})")
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """A CPU-sized config: h 64, 2 layers, 4 heads / 2 kv groups, ffn 128, vocab 512, seq 64."""
+    base = dict(hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                ffn_hidden_size=128, vocab_size=512, seq_length=64)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def llama_7b_config(**overrides) -> ModelConfig:
+    """The book's running example (Llama-3-8B shape): h 4096, L 32, 32/8 heads, f 14336, V 128256."""
+    base = dict(hidden_size=4096, num_layers=32, num_attention_heads=32, num_query_groups=8,
+                ffn_hidden_size=14336, vocab_size=128256, seq_length=4096, rotary_base=500000)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def padded_vocab_size(vocab_size: int, tp: int = 1, divisible_by: int = 128) -> int:
+    """Round the tokenizer's vocabulary up to a multiple of divisible_by * tp (Megatron's padding)."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+# %% [markdown]
+# ## Cutting the layers into pipeline stages
+#
+# With $p$ stages and $v$ virtual stages (model chunks) per stage, the $L$ layers are cut into
+# $p v$ equal runs. Chunk $k$ of stage $r$ holds run number $k p + r$: with $L = 8$, $p = 2$,
+# $v = 2$, stage 0 holds layers 0-1 and 4-5, stage 1 holds 2-3 and 6-7, so a micro-batch
+# visits stage 0, stage 1, stage 0, stage 1 (the interleaved schedule of chapter 01). This is
+# Megatron's `get_transformer_layer_offset` (`megatron/core/transformer/transformer_layer.py:46`)
+# for an even split.
+
+# %%
+def stage_layer_ranges(num_layers: int, pp: int = 1, num_virtual_stages: int = 1,
+                       pp_rank: int = 0) -> list[tuple[int, int]]:
+    """The [start, end) global layer range of each model chunk held by pipeline rank `pp_rank`."""
+    chunks = pp * num_virtual_stages
+    if num_layers % chunks:
+        raise ValueError(f"num_layers ({num_layers}) must be divisible by "
+                         f"pp * num_virtual_stages ({chunks})")
+    if not 0 <= pp_rank < pp:
+        raise ValueError(f"pp_rank must be in [0, {pp}), got {pp_rank}")
+    per_chunk = num_layers // chunks
+    return [((k * pp + pp_rank) * per_chunk, (k * pp + pp_rank + 1) * per_chunk)
+            for k in range(num_virtual_stages)]
+
+
+# %% [markdown]
+# ## The count, exactly
+#
+# Per layer, with $d$ the head size:
+#
+# - attention: `linear_qkv` $(a + 2g) d \cdot h$ plus `linear_proj` $h \cdot a d$;
+# - MLP: `linear_fc1` $2f \cdot h$ plus `linear_fc2` $h \cdot f$, so $3 h f$;
+# - norms: two RMSNorm weights, $2h$.
+#
+# The model adds the embedding $V h$, the final norm $h$ and, when untied, an output layer $V h$.
+#
+# Worked example, the book's running model ($h = 4096$, $L = 32$, $a = 32$, $g = 8$, $d = 128$,
+# $f = 14336$, $V = 128256$):
+#
+# | part | formula | count |
+# |---|---|---|
+# | attention / layer | $(32 + 16) \cdot 128 \cdot 4096 + 4096 \cdot 4096$ | 41,943,040 |
+# | MLP / layer | $3 \cdot 4096 \cdot 14336$ | 176,160,768 |
+# | norms / layer | $2 \cdot 4096$ | 8,192 |
+# | 32 layers + final norm | | 6,979,588,096 |
+# | embedding | $128256 \cdot 4096$ | 525,336,576 |
+# | **tied total** | | **7,504,924,672** |
+# | **untied total** | + output layer | **8,030,261,248** |
+#
+# These are the numbers of Megatron's memory model (`megatron/training/theoretical_memory_usage.py:12`,
+# attention at `:82-93`, embeddings at `:95-100`).
+#
+# **Per rank.** A TP rank holds $1/t$ of every matrix and a full copy of every norm weight. The
+# first pipeline stage holds the embedding; the last holds the final norm and an output layer —
+# its own when untied, and *also* when tied but $p > 1$: the last stage then keeps a duplicate
+# of the embedding table (`language_module.py:191-300`; its gradient is summed with the first
+# stage's over the embedding group). For TP 2 × PP 2 the first stage holds 2,007,629,824
+# parameters and the last 2,007,633,920. Megatron's memory model reports 2,007,631,872 for its
+# "most loaded shard" because it spreads the final norm evenly over the stages
+# (`theoretical_memory_usage.py:219-239`) — an approximation; the count below is what a rank
+# really allocates, and the tests compare it with `sum(p.numel())` of the built model.
+
+# %%
+def parameter_breakdown(config: ModelConfig) -> dict[str, int]:
+    """Full (unsharded) parameter count of each kind of weight, per layer and model-wide."""
+    h, d, f, v = config.hidden_size, config.head_dim, config.ffn_hidden_size, config.vocab_size
+    a, g = config.num_attention_heads, config.num_query_groups
+    return {
+        "linear_qkv": (a + 2 * g) * d * h,
+        "linear_proj": h * a * d,
+        "linear_fc1": 2 * f * h,
+        "linear_fc2": h * f,
+        "layer_norms": 2 * h,
+        "embedding": v * h,
+        "final_layernorm": h,
+        "output_layer": 0 if config.tie_embeddings else v * h,
+    }
+
+
+def count_parameters(config: ModelConfig) -> int:
+    """Total parameters of the model, each tied weight counted once."""
+    parts = parameter_breakdown(config)
+    per_layer = sum(parts[k] for k in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",
+                                       "layer_norms"))
+    return (config.num_layers * per_layer + parts["embedding"] + parts["final_layernorm"]
+            + parts["output_layer"])
+
+
+def count_parameters_per_rank(config: ModelConfig, tp: int = 1, pp: int = 1, pp_rank: int = 0,
+                              num_virtual_stages: int = 1) -> int:
+    """Parameters one rank of (tp, pp) allocates, including the last stage's tied duplicate."""
+    config.check_layout(tp=tp, pp=pp, num_virtual_stages=num_virtual_stages)
+    parts = parameter_breakdown(config)
+    sharded = (parts["linear_qkv"] + parts["linear_proj"] + parts["linear_fc1"]
+               + parts["linear_fc2"]) // tp
+    num_local_layers = sum(e - s for s, e in
+                           stage_layer_ranges(config.num_layers, pp, num_virtual_stages, pp_rank))
+    total = num_local_layers * (sharded + parts["layer_norms"])
+    if pp_rank == 0:
+        total += parts["embedding"] // tp
+    if pp_rank == pp - 1:
+        total += parts["final_layernorm"]
+        if not config.tie_embeddings or pp > 1:
+            total += parts["embedding"] // tp  # own output layer, or the tied duplicate
+    return total
+
+
+# %% [markdown]
+# ## Demo: the running example, counted
+#
+# The demo prints the breakdown of the running example, checks the totals above, shows the
+# per-rank numbers of a TP 2 × PP 2 layout and draws where the parameters live.
+
+# %%
+if __name__ == "__main__":
+    import matplotlib.pyplot as plt
+
+    big = llama_7b_config()
+    parts = parameter_breakdown(big)
+    for name, n in parts.items():
+        print(f"{name:>16}: {n:>15,}")
+    tied, untied = count_parameters(big), count_parameters(big.replace(tie_embeddings=False))
+    print(f"tied total {tied:,}   untied total {untied:,}")
+    per_rank = [count_parameters_per_rank(big, tp=2, pp=2, pp_rank=r) for r in range(2)]
+    print(f"TP2 x PP2, per rank: first stage {per_rank[0]:,}, last stage {per_rank[1]:,}")
+
+    layers = big.num_layers
+    labels = ["attention", "MLP", "norms", "embedding"]
+    sizes = [layers * (parts["linear_qkv"] + parts["linear_proj"]),
+             layers * (parts["linear_fc1"] + parts["linear_fc2"]),
+             layers * parts["layer_norms"] + parts["final_layernorm"], parts["embedding"]]
+    fig, ax = plt.subplots(figsize=(6, 2.4))
+    ax.barh(labels, [s / 1e9 for s in sizes], color=["#4c72b0", "#dd8452", "#55a868", "#c44e52"])
+    ax.set_xlabel("parameters (billions), tied 7.50 B model")
+    fig.tight_layout()
+    plt.show()
+
+    assert tied == 7_504_924_672 and untied == 8_030_261_248
+    assert per_rank == [2_007_629_824, 2_007_633_920]
+    assert padded_vocab_size(50257, tp=2) == 50432 and padded_vocab_size(32000, tp=2) == 32000
+    assert stage_layer_ranges(8, pp=2, num_virtual_stages=2, pp_rank=0) == [(0, 2), (4, 6)]
+    try:
+        tiny_config(num_attention_heads=6, num_query_groups=6, hidden_size=96).check_layout(tp=4)
+        raise AssertionError("a 6-head model must not split over 4 TP ranks")
+    except ValueError as err:
+        print("rejected:", err)
+        assert "num_attention_heads" in str(err)
+
+# %% [markdown]
+# ## Summary
+#
+# - `ModelConfig` carries Megatron's names; `check_layout` refuses, by field name, any shape a
+#   TP / CP / PP layout cannot cut evenly.
+# - Per layer a GQA + SwiGLU layer holds $(a + 2g) d h + a d h + 3 h f + 2h$ weights; the running
+#   example has 7,504,924,672 tied and 8,030,261,248 untied.
+# - A rank allocates its $1/t$ of each matrix, every norm in its layers, and on the last stage an
+#   output layer — a duplicate of the embedding when tied and $p > 1$.
+#
+# ## How production does it
+#
+# - Megatron: `megatron/core/transformer/transformer_config.py` (fields and checks),
+#   `megatron/training/theoretical_memory_usage.py` (the count inside the memory model),
+#   `megatron/core/transformer/transformer_layer.py:46` (layer offsets per stage),
+#   `megatron/core/models/common/language_module/language_module.py:191` (tied embeddings
+#   across stages).
+# - torchtitan: `torchtitan/models/llama3/model/args.py` (the config) and the parameter count in
+#   its `get_nparams_and_flops`.
+#
+# ## Exercises
+#
+# 1. Allow $g < t$ by replicating key/value heads as Megatron does: which checks and which counts
+#    change?
+# 2. Pad the vocabulary with `padded_vocab_size` for $V = 32000$, $t = 3$: how many rows are
+#    padding, and what does it cost in parameters at $h = 4096$?
+# 3. Derive the count of a LayerNorm model (a weight and a bias per norm) and compare with the
+#    bracketed numbers of chapter 07.
