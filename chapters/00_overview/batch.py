@@ -265,7 +265,7 @@ def plot_masks(attention_mask: torch.Tensor, loss_mask: torch.Tensor, position_i
                              gridspec_kw={"height_ratios": [s, 1.2, 1.2]})
     axes[0].imshow(allowed, cmap="Greys", vmin=0, vmax=1)
     axes[0].set_ylabel("query")
-    axes[0].set_title(title or "attention (dark = may attend)")
+    axes[0].set_title(title or "attention (dark = may attend)", fontsize=9)
     axes[1].imshow(loss_mask.reshape(1, -1).float().numpy(), cmap="Greens", vmin=0, vmax=1,
                    aspect="auto")
     axes[1].set_ylabel("loss", rotation=0, ha="right")
