@@ -1,1 +1,3 @@
 """02 · Optimizer: the algorithms and the infrastructure (master weights, scaler, clip, DistributedOptimizer)."""
+
+__pages__ = ["algorithms", "muon"]
