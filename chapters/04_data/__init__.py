@@ -1,1 +1,3 @@
 """04 · Data: from .bin/.idx to get_batch."""
+
+__pages__ = ["indexed", "gpt_dataset"]

@@ -1,0 +1,555 @@
+# %% [markdown]
+# # 04 · Data: GPTDataset and its three index tables
+#
+# How Megatron turns a pile of variable-length sequences into a fixed, shuffled list of
+# `seq_length + 1`-token windows — the same windows in the same order as Megatron, built with a
+# few numpy calls instead of a C++ extension, cached on disk and keyed on the data itself.
+
+# %%
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional
+
+import numpy as np
+import torch
+
+from tinytron.data.indexed import IndexedDataset, get_bin_path, get_idx_path
+from tinytron.overview.batch import PAD_SENTINEL, get_ltor_masks_and_position_ids, mask_padding
+
+__all__ = [
+    "Split", "parse_and_normalize_split", "convert_split_vector_to_split_matrix", "split_indices",
+    "GPTDatasetConfig", "get_num_epochs", "needs_separate_final_epoch", "build_document_index",
+    "build_sample_index", "build_shuffle_index", "build_document_sample_shuffle_indices",
+    "data_identity", "GPTDataset", "plot_index_tables",
+]
+
+# %% [markdown]
+# ## Splits
+#
+# `--split 969,30,1` is normalised to weights and turned into book-ends
+# $[(0, .969), (.969, .999), (.999, 1)]$; a dataset of $n$ sequences gives split $i$ the
+# sequence ids `arange(round(lo·n), round(hi·n))` — the unit is the *sequence* (for GPT one
+# sequence per document). A zero weight gives `None`, no split at all
+# (`blended_megatron_dataset_config.py:155-215`, `blended_megatron_dataset_builder.py:467-470`).
+
+# %%
+class Split(Enum):
+    """The three splits, in Megatron's order."""
+
+    train = 0
+    valid = 1
+    test = 2
+
+
+def parse_and_normalize_split(split: str) -> list[float]:
+    """'99,1,0' -> [0.99, 0.01, 0.0]."""
+    try:
+        parts = [float(x) for x in str(split).replace("/", ",").split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"split {split!r} must be up to three comma-separated numbers") from None
+    if len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise ValueError(f"split {split!r} must be up to three non-negative numbers with a positive sum")
+    parts += [0.0] * (3 - len(parts))
+    total = float(np.sum(np.array(parts, dtype=np.float64)))
+    return (np.array(parts, dtype=np.float64) / total).tolist()
+
+
+def convert_split_vector_to_split_matrix(vector: list[float]) -> list[Optional[tuple]]:
+    """Cumulative book-ends per split; None for an empty split."""
+    ends = [0.0]
+    for w in vector:
+        ends.append(ends[-1] + w)
+    return [(lo, hi) if hi > lo else None for lo, hi in zip(ends[:-1], ends[1:])]
+
+
+def split_indices(bookends: Optional[tuple], num_elements: int) -> Optional[np.ndarray]:
+    """The sequence ids of one split (int32)."""
+    if bookends is None:
+        return None
+    beg = int(round(bookends[0] * float(num_elements)))
+    end = int(round(bookends[1] * float(num_elements)))
+    return np.arange(beg, end, dtype=np.int32)
+
+# %% [markdown]
+# ## The config
+#
+# Names and defaults follow `GPTDatasetConfig` (`gpt_dataset.py:25`) and its parent
+# `BlendedMegatronDatasetConfig`. Instead of a tokenizer object the config takes the two ids the
+# dataset needs, `eod_id` and `pad_id` (Megatron's `-1` sentinel when the tokenizer has no pad).
+
+# %%
+@dataclass
+class GPTDatasetConfig:
+    """Everything that decides which samples a GPTDataset yields."""
+
+    sequence_length: int
+    """Tokens per sample input (the sample reads sequence_length + 1)."""
+    random_seed: int = 1234
+    """Seed of the document and shuffle permutations."""
+    blend: Optional[tuple] = None
+    """(prefixes, weights or None) for one distribution split into train/valid/test."""
+    blend_per_split: Optional[list] = None
+    """One (prefixes, weights) per split, instead of `blend` + `split`."""
+    split: Optional[str] = "969,30,1"
+    """Train/valid/test weights."""
+    path_to_cache: Optional[str] = None
+    """Where index .npy files go (default: <prefix>/cache/GPTDataset_indices)."""
+    mmap_bin_files: bool = True
+    """Memory-map the .bin (else seek + read)."""
+    mid_level_dataset_surplus: float = 0.005
+    """Extra fraction of samples each blended component builds."""
+    eod_id: int = 0
+    """End-of-document token id."""
+    pad_id: int = PAD_SENTINEL
+    """Pad token id (-1 when the tokenizer has none)."""
+    reset_position_ids: bool = False
+    """Restart positions after each EOD."""
+    reset_attention_mask: bool = False
+    """Block attention across EODs."""
+    eod_mask_loss: bool = False
+    """Zero the loss at EOD inputs."""
+    create_attention_mask: bool = True
+    """Return the [1, s, s] boolean mask (True = masked)."""
+    drop_last_partial_validation_sequence: bool = True
+    """Drop the last partial valid sample (else pad it)."""
+    add_extra_token_to_sequence: bool = True
+    """Read seq_length + 1 tokens so labels need no padding."""
+    split_matrix: Optional[list] = field(init=False, default=None)
+    """Book-ends derived from `split`."""
+
+    def __post_init__(self):
+        if self.sequence_length < 2:
+            raise ValueError(f"sequence_length must be >= 2, got {self.sequence_length}")
+        if self.blend is not None and self.blend_per_split is not None:
+            raise ValueError("give either blend (with split) or blend_per_split, not both")
+        if self.blend_per_split is None:
+            self.split_matrix = convert_split_vector_to_split_matrix(
+                parse_and_normalize_split(self.split))
+
+# %% [markdown]
+# ## How many epochs, and the separate final epoch
+#
+# A split holds $T$ tokens. $S$ samples of $L$ tokens, plus the one extra token the last sample
+# reads, need $E$ passes over the data: the smallest $E \ge 1$ with $E\cdot T \ge S\cdot L + 1$
+# (`_get_num_epochs`, `gpt_dataset.py:617`, a loop there, a ceiling here).
+#
+# If the last epoch is only partly used, shuffling all $E$ epochs together would let its
+# sequences land anywhere and over-represent the documents of that partial pass early on. So
+# when the samples drawn from the final epoch are fewer than 80% of a full epoch's samples,
+# that epoch is shuffled separately and appended (`gpt_dataset.py:453-494`).
+#
+# Worked example: $T = 100$, $L = 10$, $S = 12$: $E = 2$ ($200 \ge 121$);
+# $S_{prev} = (100 - 1)//10 = 9$, $S_{last} = 3$, $S_{epoch} = 9$; $3 < \lfloor 0.8\cdot 9\rfloor = 7$
+# so the second epoch is kept apart.
+
+# %%
+def get_num_epochs(tokens_per_epoch: int, num_samples: Optional[int], seq_length: int,
+                   extra: int = 1, what: str = "dataset") -> int:
+    """Smallest E >= 1 with E * tokens_per_epoch >= num_samples * seq_length + extra."""
+    if num_samples is None:
+        return 1
+    needed = num_samples * seq_length + extra
+    if tokens_per_epoch <= extra and num_samples > 0:
+        # Megatron's epoch loop never ends here (an empty split asked for samples).
+        raise ValueError(f"{what} holds {tokens_per_epoch} tokens but {num_samples} samples of "
+                         f"{seq_length} tokens were requested: the split is empty")
+    return max(1, -(-needed // tokens_per_epoch))
+
+
+def needs_separate_final_epoch(num_epochs: int, tokens_per_epoch: int, num_samples: int,
+                               seq_length: int, extra: int = 1) -> tuple[bool, int]:
+    """(separate?, samples before the final epoch) by the 80% rule."""
+    if num_epochs == 1:
+        return False, 0
+    before_last = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_length
+    from_last = num_samples - before_last
+    per_epoch = (tokens_per_epoch - extra) // seq_length
+    assert 0 <= from_last <= per_epoch + 1
+    return from_last < int(0.80 * per_epoch), before_last
+
+# %% [markdown]
+# ## The document index and the shuffle index
+#
+# The document index is the split's sequence ids repeated $E$ times and shuffled with
+# `numpy.random.RandomState(seed)`; the shuffle index is `arange(num_samples)` shuffled with the
+# *same* generator, continuing its stream. The order of the draws is part of the format: first
+# the document shuffle(s) (first $E-1$ epochs, then the last one when separate), then the sample
+# shuffle(s) (`_build_document_index`, `:640`; `_build_shuffle_index`, `:674`). A permutation of
+# $n$ items drawn by `RandomState.shuffle` depends only on $n$ and the stream, not on the dtype.
+
+# %%
+def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
+                         separate_final_epoch: bool) -> np.ndarray:
+    """The sequence ids tiled num_epochs times, shuffled (int32)."""
+    if not separate_final_epoch or num_epochs == 1:
+        doc_index = np.tile(np.asarray(documents, dtype=np.int32), num_epochs)
+        rng.shuffle(doc_index)
+        return doc_index
+    first = build_document_index(documents, num_epochs - 1, rng, False)
+    last = build_document_index(documents, 1, rng, False)
+    return np.concatenate((first, last))
+
+
+def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.RandomState) -> np.ndarray:
+    """arange(total_size) with [0, num_samples) and [num_samples, total) shuffled separately."""
+    dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
+    first = np.arange(num_samples, dtype=dtype)
+    rng.shuffle(first)
+    if num_samples == total_size:
+        return first
+    last = np.arange(num_samples, total_size, dtype=dtype)
+    rng.shuffle(last)
+    return np.concatenate((first, last))
+
+# %% [markdown]
+# ## The sample index, without a loop
+#
+# Megatron's C++ (`helpers.cpp:145`) walks the shuffled sequences with a token budget of
+# $L+1$ per sample and records where each sample starts: `(position in the document index,
+# token offset in that sequence)`. Because every sample re-uses the last token of the previous
+# one (the label of its last input), sample $i$ simply starts at token $i\cdot L$ of the
+# concatenated stream. With $c_j$ = the tokens before document-index position $j$ (a cumulative
+# sum), the start of sample $i$ is the $j$ with $c_j \le iL < c_{j+1}$ — one `searchsorted` for
+# all samples at once — and the offset is $iL - c_j$.
+#
+# Worked example: lengths in document-index order `4, 3, 5` ($c = 0, 4, 7, 12$), $L = 3$:
+# $(12-1)//3 = 3$ samples starting at tokens $0, 3, 6, 9$ → rows `(0,0) (0,3) (1,2) (2,2)`.
+# Sample 1 reads tokens 3..6: the last token of sequence 0 and all of sequence 1.
+#
+# Two corner rules of the C++ are kept: row 0 is always `(0, 0)` (even when the first sequence
+# is empty), and a partial last sample (validation only, when not dropped) ends at
+# `(last position, len - 1)`. Without the extra token a sample that ends exactly at a sequence
+# end is recorded as `(j, len_j)` rather than `(j+1, 0)`, hence the `q = p - 1` below.
+
+# %%
+def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length: int,
+                       num_epochs: int, tokens_per_epoch: int, drop_last_partial_sequence: bool = True,
+                       add_extra_token: int = 1) -> np.ndarray:
+    """[(doc position, offset)] of every sample start: the vectorized helpers.cpp build_sample_idx."""
+    total = num_epochs * tokens_per_epoch
+    if drop_last_partial_sequence:
+        num_samples = (total - add_extra_token) // seq_length
+    else:  # the C++ rounds through a 32-bit float here
+        num_samples = math.ceil(float(np.float32(total - add_extra_token)) / seq_length)
+    big = max(len(document_index), int(sizes.max()) if len(sizes) else 0) > np.iinfo(np.int32).max
+    out_dtype = np.int64 if big else np.int32
+    doc_lengths = np.asarray(sizes)[document_index].astype(np.int64)
+    cum = np.zeros(len(doc_lengths) + 1, dtype=np.int64)
+    np.cumsum(doc_lengths, out=cum[1:])
+    assert cum[-1] == total, (cum[-1], total)
+    starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
+    last_token = starts - (1 - add_extra_token)  # the token whose sequence holds the boundary
+    complete = last_token <= total - 1
+    pos = np.searchsorted(cum, np.minimum(last_token, total - 1), side="right") - 1
+    out = np.empty((num_samples + 1, 2), dtype=out_dtype)
+    out[:, 0] = pos
+    out[:, 1] = starts - cum[pos]
+    if not complete.all():  # the kept partial sample: only the last row
+        out[~complete, 0] = len(document_index) - 1
+        out[~complete, 1] = doc_lengths[-1] - add_extra_token
+    out[0] = (0, 0)
+    return out
+
+
+def build_document_sample_shuffle_indices(sizes: np.ndarray, documents: np.ndarray,
+                                          num_samples: Optional[int], seq_length: int,
+                                          seed: int = 1234, add_extra_token: int = 1,
+                                          drop_last_partial_sequence: bool = True,
+                                          what: str = "dataset"):
+    """The three tables of gpt_dataset.py:381, in Megatron's RNG stream order."""
+    tokens_per_epoch = int(np.asarray(sizes)[documents].sum(dtype=np.int64))
+    num_epochs = get_num_epochs(tokens_per_epoch, num_samples, seq_length, add_extra_token, what)
+    if tokens_per_epoch <= add_extra_token:
+        raise ValueError(f"{what} holds {tokens_per_epoch} tokens: too few for one sample")
+    separate, before_last = (needs_separate_final_epoch(num_epochs, tokens_per_epoch, num_samples,
+                                                        seq_length, add_extra_token)
+                             if num_samples is not None else (False, 0))
+    rng = np.random.RandomState(seed)
+    document_index = build_document_index(documents, num_epochs, rng, separate)
+    sample_index = build_sample_index(np.asarray(sizes), document_index, seq_length, num_epochs,
+                                      tokens_per_epoch, drop_last_partial_sequence, add_extra_token)
+    n = sample_index.shape[0] - 1
+    shuffle_index = build_shuffle_index(before_last if separate else n, n, rng)
+    return document_index, sample_index, shuffle_index
+
+# %% [markdown]
+# ## A cache key that notices new data
+#
+# The tables are saved as `.npy` files named by the md5 of a JSON description
+# (`megatron_dataset.py:57-71`). Megatron's description holds the dataset *path*, the sample
+# count and the config, but nothing about the file contents: re-run preprocessing into the same
+# prefix and training silently uses stale indices (wrong windows, or reads past the end).
+# Ours adds the data's identity: the `.bin` and `.idx` sizes and modification times and a
+# BLAKE2 hash of the `.idx` (the index is small — 12 bytes per sequence — and any change in
+# sequence lengths changes it).
+#
+# Files are written to temporary names and renamed, the description last, so a reader that sees
+# the description sees complete arrays. With `torch.distributed` initialised only global rank 0
+# builds; the others wait at a barrier and memory-map the files (`gpt_dataset.py:441-551`).
+
+# %%
+def data_identity(path_prefix: str) -> dict:
+    """Sizes, mtimes and the .idx hash of a prefix: changes whenever the data changes."""
+    idx, bin_ = get_idx_path(path_prefix), get_bin_path(path_prefix)
+    h = hashlib.blake2b(digest_size=16)
+    with open(idx, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return {"idx_blake2b": h.hexdigest(),
+            "idx_size": os.path.getsize(idx), "bin_size": os.path.getsize(bin_),
+            "idx_mtime_ns": os.stat(idx).st_mtime_ns, "bin_mtime_ns": os.stat(bin_).st_mtime_ns}
+
+
+_TABLES = ("document_index", "sample_index", "shuffle_index")
+
+
+def _save_atomic(path: str, array: Optional[np.ndarray] = None, text: Optional[str] = None) -> None:
+    """Write one cache file under a temporary name, then rename it into place."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        if text is not None:
+            f.write(text.encode())
+        else:
+            np.save(f, array, allow_pickle=False)
+    os.replace(tmp, path)
+
+
+def _is_rank_zero() -> bool:
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
+        or torch.distributed.get_rank() == 0
+
+# %% [markdown]
+# ## GPTDataset
+#
+# A sample is read by following the three tables: `j = shuffle[i]`; rows `j` and `j+1` of the
+# sample index give start and end; the tokens are the tail of the first sequence, any middle
+# sequences whole, and the head of the last one plus the extra token (`gpt_dataset.py:298`).
+# The dataset keeps one flat memory-mapped view of the `.bin` and each sequence's token offset,
+# so a window is one slice when it lies in one sequence and a short concatenation otherwise.
+# `tokens`, `labels`, `loss_mask`, `position_ids` and the attention mask come from chapter 00's
+# `get_ltor_masks_and_position_ids` and `mask_padding`; like Megatron they are computed once and
+# reused when no EOD-dependent option is on (`gpt_dataset.py:131-137`).
+
+# %%
+class GPTDataset(torch.utils.data.Dataset):
+    """Megatron's GPTDataset: a split of an IndexedDataset as shuffled seq_length+1 windows."""
+
+    def __init__(self, indexed_dataset: IndexedDataset, dataset_path: Optional[str],
+                 indexed_indices: np.ndarray, num_samples: Optional[int], index_split: Split,
+                 config: GPTDatasetConfig):
+        self.dataset, self.dataset_path, self.indices = indexed_dataset, dataset_path, indexed_indices
+        self.num_samples, self.index_split, self.config = num_samples, index_split, config
+        self.extra = int(config.add_extra_token_to_sequence)
+        self.unique_identifiers = {
+            "class": type(self).__name__, "dataset_path": dataset_path, "num_samples": num_samples,
+            "index_split": index_split.name, "random_seed": config.random_seed,
+            "sequence_length": config.sequence_length, "split": config.split,
+            "split_matrix": config.split_matrix, "eod_id": config.eod_id,
+            "add_extra_token_to_sequence": config.add_extra_token_to_sequence,
+            "drop_last_partial_validation_sequence": config.drop_last_partial_validation_sequence,
+            "first_index": int(indexed_indices[0]) if len(indexed_indices) else None,
+            "num_indices": len(indexed_indices),
+            "data": data_identity(dataset_path) if dataset_path else None,
+        }
+        self.unique_description = json.dumps(self.unique_identifiers, indent=4)
+        self.unique_description_hash = hashlib.md5(self.unique_description.encode()).hexdigest()
+        self.cache_hit = False
+        self.document_index, self.sample_index, self.shuffle_index = self._load_or_build()
+        self._tokens = indexed_dataset._tokens  # None for the file reader (mmap=False)
+        self._offsets = indexed_dataset._token_offsets if self._tokens is not None else None
+        self._cached_masks = None
+
+    def _cache_paths(self) -> Optional[dict]:
+        """The four cache file paths, or None when caching is impossible."""
+        root = self.config.path_to_cache
+        if root is None and self.dataset_path:
+            root = os.path.join(self.dataset_path, "cache", f"{type(self).__name__}_indices")
+        if root is None:
+            return None
+        base = f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}"
+        return {a: os.path.join(root, f"{base}-{a}{'.txt' if a == 'description' else '.npy'}")
+                for a in ("description",) + _TABLES}
+
+    def _load_or_build(self):
+        """Load cached tables (mmap) or build them on rank 0 and save them."""
+        paths = self._cache_paths()
+        hit = paths is not None and all(os.path.isfile(p) for p in paths.values())
+        if paths is None or (not hit and _is_rank_zero()):
+            tables = self._build()
+            if paths is not None:
+                os.makedirs(os.path.dirname(paths["description"]), exist_ok=True)
+                for name, arr in zip(_TABLES, tables):
+                    _save_atomic(paths[name], arr)
+                _save_atomic(paths["description"], text=self.unique_description)
+            return tables
+        if not hit:
+            raise FileNotFoundError(f"{paths['description']}: index cache missing on a non-zero "
+                                    "rank; build the dataset on rank 0 first (barrier)")
+        self.cache_hit = True
+        return tuple(np.load(paths[name], mmap_mode="r") for name in _TABLES)
+
+    def _build(self):
+        """The three tables for this split."""
+        drop = (self.config.drop_last_partial_validation_sequence
+                if self.index_split == Split.valid else True)
+        return build_document_sample_shuffle_indices(
+            self.dataset.sequence_lengths, self.indices, self.num_samples,
+            self.config.sequence_length, self.config.random_seed, self.extra, drop,
+            what=f"dataset {self.dataset_path!r} split {self.index_split.name!r}")
+
+    def __len__(self) -> int:
+        return self.sample_index.shape[0] - 1
+
+    def query_tokens(self, idx: int) -> np.ndarray:
+        """The seq_length + extra token ids of sample idx (int64; pad id where short)."""
+        j = int(self.shuffle_index[idx])
+        d0, o0 = self.sample_index[j].tolist()
+        d1, o1 = self.sample_index[j + 1].tolist()
+        doc, extra = self.document_index, self.extra
+        if d0 == d1:
+            parts = [self._read(int(doc[d0]), o0, o1 - o0 + extra)]
+        else:
+            parts = [self._read(int(doc[d0]), o0, None)]
+            parts += [self._read(int(s), 0, None) for s in doc[d0 + 1:d1]]
+            parts.append(self._read(int(doc[d1]), 0, o1 + extra))
+        out = np.concatenate(parts).astype(np.int64) if len(parts) > 1 else parts[0].astype(np.int64)
+        need = self.config.sequence_length + extra
+        if len(out) < need:
+            out = np.concatenate([out, np.full(need - len(out), self.config.pad_id, np.int64)])
+        return out
+
+    def _read(self, seq: int, offset: int, length: Optional[int]) -> np.ndarray:
+        """Tokens of one sequence: a slice of the flat mmap, or the dataset's file reader."""
+        if self._offsets is None:
+            return self.dataset.get(seq, offset, length)
+        start = int(self._offsets[seq]) + offset
+        if length is None:
+            length = int(self.dataset.sequence_lengths[seq]) - offset
+        return self._tokens[start:start + length]
+
+    def __getitem__(self, idx: Optional[int]) -> dict:
+        """tokens, labels, loss_mask, position_ids (+ attention_mask) of sample idx."""
+        text = torch.from_numpy(self.query_tokens(0 if idx is None else idx))
+        cfg = self.config
+        if self.extra:
+            tokens, labels = text[:-1].contiguous(), text[1:].contiguous()
+        else:
+            tokens, labels = text, torch.roll(text, -1)
+            labels[-1] = cfg.pad_id
+        attention_mask, loss_mask, position_ids = self._masks(tokens)
+        tokens, labels, loss_mask = mask_padding(tokens, labels, loss_mask, cfg.pad_id)
+        if idx is None:
+            loss_mask = torch.zeros_like(loss_mask)
+        sample = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+                  "position_ids": position_ids}
+        if cfg.create_attention_mask:
+            sample["attention_mask"] = attention_mask
+        return sample
+
+    def _masks(self, tokens: torch.Tensor):
+        """Chapter 00's masks and positions, computed once when they do not depend on EODs."""
+        cfg = self.config
+        cacheable = not (cfg.reset_position_ids or cfg.reset_attention_mask or cfg.eod_mask_loss)
+        if cacheable and self._cached_masks is not None:
+            mask, loss_mask, pos = self._cached_masks
+            return mask, loss_mask.clone(), pos
+        out = get_ltor_masks_and_position_ids(tokens, cfg.eod_id, cfg.reset_position_ids,
+                                              cfg.reset_attention_mask, cfg.eod_mask_loss,
+                                              cfg.create_attention_mask)
+        if cacheable:
+            self._cached_masks = out
+            return out[0], out[1].clone(), out[2]
+        return out
+
+# %% [markdown]
+# ## Drawing the three tables
+
+# %%
+def plot_index_tables(sizes, document_index, sample_index, shuffle_index, seq_length: int):
+    """The token stream coloured by sequence, sample windows below it, and the shuffle order."""
+    import matplotlib.pyplot as plt
+
+    lengths = np.asarray(sizes)[document_index]
+    cum = np.concatenate([[0], np.cumsum(lengths)])
+    fig, ax = plt.subplots(figsize=(10, 3.2))
+    cmap = plt.get_cmap("tab10")
+    for j, (lo, n) in enumerate(zip(cum[:-1], lengths)):
+        ax.barh(2, n, left=lo, color=cmap(int(document_index[j]) % 10), edgecolor="k")
+        ax.text(lo + n / 2, 2, f"seq {document_index[j]}", ha="center", va="center", fontsize=8)
+    for i in range(len(sample_index) - 1):
+        start = cum[sample_index[i][0]] + sample_index[i][1]
+        ax.barh(1 - 0.35 * (i % 2), seq_length + 1, left=start, height=0.3, color="0.8", edgecolor="k")
+        order = int(np.flatnonzero(np.asarray(shuffle_index) == i)[0])
+        ax.text(start + (seq_length + 1) / 2, 1 - 0.35 * (i % 2), f"s{i}→#{order}",
+                ha="center", va="center", fontsize=7)
+    ax.set_yticks([2, 0.8], ["document index\n(shuffled seqs)", "sample index\n(windows → order)"])
+    ax.set_xlabel("token position in the concatenated stream")
+    ax.set_title(f"three index tables, seq_length={seq_length}")
+    fig.tight_layout()
+    return fig
+
+# %% [markdown]
+# ## Demo: a tiny corpus, its three tables, and Megatron's loop
+
+# %%
+if __name__ == "__main__":
+    import tempfile
+
+    import matplotlib.pyplot as plt
+
+    from tinytron.data._reference import reference_sample_idx, reference_sample_tokens
+    from tinytron.data.indexed import IndexedDatasetBuilder
+
+    tmp = tempfile.mkdtemp()
+    prefix = os.path.join(tmp, "tiny")
+    b = IndexedDatasetBuilder(get_bin_path(prefix), dtype=np.uint16)
+    for s, n in enumerate([7, 3, 9, 5, 6]):
+        b.add_item(np.arange(n) + 100 * s)  # sequence s holds 100s, 100s+1, ...
+        b.end_document()
+    b.finalize(get_idx_path(prefix))
+    ds_ix = IndexedDataset(prefix)
+    cfg = GPTDatasetConfig(sequence_length=4, split="100,0,0", path_to_cache=os.path.join(tmp, "c"))
+    ds = GPTDataset(ds_ix, prefix, np.arange(5, dtype=np.int32), 8, Split.train, cfg)
+    print("document index:", ds.document_index.tolist())
+    print("sample index:  ", ds.sample_index.tolist())
+    print("shuffle index: ", ds.shuffle_index.tolist())
+    for i in range(3):
+        print(f"sample {i}:", ds.query_tokens(i).tolist())
+    plot_index_tables(ds_ix.sequence_lengths, ds.document_index, ds.sample_index, ds.shuffle_index, 4)
+    plt.show()
+    ref = reference_sample_idx(ds_ix.sequence_lengths, ds.document_index, 4, 2, 30)  # E = 2 epochs
+    assert np.array_equal(ref, ds.sample_index)
+    assert all(np.array_equal(ds.query_tokens(i), reference_sample_tokens(
+        ds_ix, ds.document_index, ds.sample_index, ds.shuffle_index, i, 4)) for i in range(len(ds)))
+    again = GPTDataset(ds_ix, prefix, np.arange(5, dtype=np.int32), 8, Split.train, cfg)
+    assert again.cache_hit and np.array_equal(again.shuffle_index, ds.shuffle_index)
+    sample = ds[0]
+    assert torch.equal(sample["labels"][:-1], sample["tokens"][1:])
+
+# %% [markdown]
+# ## Summary
+#
+# * Document index: sequence ids × epochs, shuffled (the last epoch apart under the 80% rule).
+# * Sample index: sample $i$ starts at token $iL$ of that stream; one `searchsorted` builds it.
+# * Shuffle index: a permutation of samples from the same RNG stream, drawn after the documents.
+# * Cached on disk under a key that includes the data's own identity.
+#
+# ## How production does it
+#
+# * Megatron: `megatron/core/datasets/gpt_dataset.py` (`GPTDataset` `:101`, lookup `:298`, build
+#   `:381`), `helpers.cpp:145` (`build_sample_idx`, compiled with pybind11 on first use),
+#   `megatron_dataset.py:57-71` (the cache description).
+# * torchtitan streams Hugging Face datasets and packs on the fly instead: no index files, but no
+#   exact resume by sample count either.
+#
+# ## Exercises
+#
+# 1. Change one sequence's length in the tiny corpus, re-run: which cache files are rebuilt?
+# 2. Show that with `add_extra_token_to_sequence=False` consecutive samples no longer overlap.
+# 3. Set $S$ so that the final epoch holds exactly 80% of an epoch's samples: separate or not?

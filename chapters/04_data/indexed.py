@@ -1,0 +1,455 @@
+# %% [markdown]
+# # 04 · Data: the `.bin` / `.idx` indexed dataset
+#
+# Megatron's on-disk token format, byte for byte: a raw token file plus a small index that says
+# where every sequence starts. You will build the writer, the zero-copy reader, the checks that
+# turn a corrupt file into a clear error, and a writer that a crash cannot leave half-done.
+
+# %%
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+from typing import Iterable, Optional
+
+import numpy as np
+
+__all__ = [
+    "INDEX_HEADER", "DType", "IndexedDatasetError", "IndexedDataset", "IndexedDatasetBuilder",
+    "get_idx_path", "get_bin_path", "write_index_bytes", "optimal_dtype", "hexdump_index",
+]
+
+# %% [markdown]
+# ## Why two files
+#
+# Training reads random windows of a corpus of billions of tokens. Parsing text at that point
+# would be far too slow, so the corpus is tokenized once, ahead of time
+# (`tinytron-preprocess`, next page) into two files that share a path prefix `P`:
+#
+# * `P.bin` — every sequence's token ids, concatenated, little-endian, in one dtype. No header,
+#   no separators: the file is exactly `Σ length · itemsize` bytes.
+# * `P.idx` — the table of contents:
+#
+# | offset | size | field |
+# |---|---|---|
+# | 0 | 9 B | magic `MMIDIDX\x00\x00` |
+# | 9 | 8 B | version, `<Q` = 1 |
+# | 17 | 1 B | dtype code, `<B` |
+# | 18 | 8 B | sequence count $N$, `<Q` |
+# | 26 | 8 B | document count $D+1$, `<Q` |
+# | 34 | $4N$ | sequence lengths, int32 |
+# | $34+4N$ | $8N$ | sequence pointers (byte offsets into `.bin`), int64 |
+# | $34+12N$ | $8(D+1)$ | document indices: sequence id where each document starts; first 0, last $N$ |
+#
+# Worked example: the sequences `[5, 6, 7]`, `[8, 9]` (document 0) and `[3]` (document 1) in
+# uint16 give lengths `3, 2, 1`, pointers `0, 6, 10` (bytes: 3 tokens × 2 bytes = 6) and document
+# indices `0, 2, 3`. The index is $34 + 12 + 24 + 24 = 94$ bytes, the `.bin` is 12 bytes.
+#
+# The dtype code table is Megatron's (`megatron/core/datasets/indexed_dataset.py:50`); the
+# writer is `_IndexWriter` (`:122`, `write` at `:175`, pointers at `:213`), the reader
+# `_IndexReader` (`:233`), the builder `IndexedDatasetBuilder` (`:937`).
+#
+# ```mermaid
+# flowchart LR
+#   T[token ids per sequence] -->|add_item| B[P.bin.partial]
+#   T -->|lengths| L[lengths list]
+#   E[end_document] --> D[document indices]
+#   L --> F[finalize]
+#   D --> F
+#   F -->|write + fsync| I[P.idx.partial]
+#   F -->|rename .bin then .idx| OK[P.bin + P.idx]
+# ```
+
+# %%
+INDEX_HEADER = b"MMIDIDX\x00\x00"
+_FIXED_HEADER_BYTES = 34  # 9 magic + 8 version + 1 dtype + 8 N + 8 (D+1)
+
+
+class DType:
+    """Megatron's dtype code table (indexed_dataset.py:50)."""
+
+    codes = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
+             6: np.float64, 7: np.float32, 8: np.uint16}
+
+    @classmethod
+    def code_from_dtype(cls, dtype) -> int:
+        """The code of a numpy dtype; ValueError for a dtype with no code."""
+        dt = np.dtype(dtype)
+        for code, candidate in cls.codes.items():
+            if np.dtype(candidate) == dt:
+                return code
+        raise ValueError(f"dtype {dt} has no MMIDIDX code; use one of "
+                         f"{[np.dtype(d).name for d in cls.codes.values()]}")
+
+    @classmethod
+    def dtype_from_code(cls, code: int):
+        """The numpy dtype of a code; ValueError for an unknown code."""
+        if code not in cls.codes:
+            raise ValueError(f"unknown dtype code {code} (known: {sorted(cls.codes)})")
+        return cls.codes[code]
+
+
+def optimal_dtype(vocab_size: Optional[int]):
+    """uint16 when every token id fits below 65500, else int32 (indexed_dataset.py:107)."""
+    return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
+
+
+def get_idx_path(path_prefix: str) -> str:
+    """The index file of a prefix."""
+    return str(path_prefix) + ".idx"
+
+
+def get_bin_path(path_prefix: str) -> str:
+    """The token file of a prefix."""
+    return str(path_prefix) + ".bin"
+
+
+class IndexedDatasetError(ValueError):
+    """A `.bin`/`.idx` pair that cannot be read: the message names the file and the problem."""
+
+# %% [markdown]
+# ## Writing the index
+#
+# The whole `.idx` is a pure function of (dtype, lengths, document indices), so it is built as
+# one byte string. The pointers are a running sum of `length · itemsize`: a cumulative sum in
+# numpy rather than Megatron's per-sequence Python loop.
+
+# %%
+def write_index_bytes(dtype, sequence_lengths, document_indices, sequence_modes=None) -> bytes:
+    """The exact bytes of an MMIDIDX version-1 index."""
+    lengths = np.asarray(sequence_lengths, dtype=np.int64)
+    itemsize = np.dtype(dtype).itemsize
+    pointers = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1] * itemsize, out=pointers[1:])
+    doc = np.asarray(document_indices, dtype=np.int64)
+    parts = [INDEX_HEADER, struct.pack("<Q", 1), struct.pack("<B", DType.code_from_dtype(dtype)),
+             struct.pack("<Q", len(lengths)), struct.pack("<Q", len(doc)),
+             lengths.astype("<i4").tobytes(), pointers.astype("<i8").tobytes(),
+             doc.astype("<i8").tobytes()]
+    if sequence_modes is not None:
+        parts.append(np.asarray(sequence_modes, dtype=np.int8).tobytes())
+    return b"".join(parts)
+
+# %% [markdown]
+# ## A builder a crash cannot corrupt
+#
+# Megatron's builder writes straight into `P.bin` and writes `P.idx` in `finalize`. A job
+# killed in between leaves a `.bin` with no index, or worse, a half-written `.idx` next to a
+# full `.bin`. Ours writes `P.bin.partial` and `P.idx.partial`, flushes them to disk, and only
+# then renames them into place. The old index (if any) is removed first, so at every instant
+# the prefix is either the old complete pair, a pair with no `.idx` (does not open), or the new
+# complete pair. `os.replace` is atomic on POSIX file systems.
+
+# %%
+class IndexedDatasetBuilder:
+    """Append sequences to `P.bin`; `finalize` writes `P.idx` (indexed_dataset.py:937)."""
+
+    def __init__(self, bin_path: str, dtype=np.int32, multimodal: bool = False):
+        DType.code_from_dtype(dtype)  # reject a dtype with no code before writing anything
+        self.bin_path = str(bin_path)
+        self._tmp_bin = self.bin_path + ".partial"
+        self.data_file = open(self._tmp_bin, "wb")
+        self.dtype = np.dtype(dtype).type
+        self.multimodal = multimodal
+        self.sequence_lengths: list[int] = []
+        self.document_indices: list[int] = [0]
+        self.sequence_modes: Optional[list[int]] = [] if multimodal else None
+
+    def add_item(self, tokens, mode: int = 0) -> None:
+        """Append one sequence."""
+        arr = _as_tokens(tokens, self.dtype)
+        self.data_file.write(arr.tobytes(order="C"))
+        self.sequence_lengths.append(int(arr.size))
+        if self.multimodal:
+            self.sequence_modes.append(mode)
+
+    def add_document(self, tokens, lengths: list[int], modes=None) -> None:
+        """Append several sequences that form one document."""
+        arr = _as_tokens(tokens, self.dtype)
+        if sum(lengths) != arr.size:
+            raise ValueError(f"lengths {lengths} sum to {sum(lengths)}, not {arr.size} tokens")
+        self.data_file.write(arr.tobytes(order="C"))
+        self.sequence_lengths.extend(int(n) for n in lengths)
+        self.document_indices.append(len(self.sequence_lengths))
+        if self.multimodal:
+            self.sequence_modes.extend(modes if modes is not None else [0] * len(lengths))
+
+    def end_document(self) -> None:
+        """Close the current document (after one or more add_item)."""
+        self.document_indices.append(len(self.sequence_lengths))
+
+    def add_index(self, path_prefix: str) -> None:
+        """Append a whole finished dataset (merging partial outputs)."""
+        other = IndexedDataset(path_prefix, multimodal=self.multimodal)
+        if np.dtype(other.dtype) != np.dtype(self.dtype):
+            raise IndexedDatasetError(f"{get_idx_path(path_prefix)}: dtype {np.dtype(other.dtype)} "
+                                      f"differs from the builder's {np.dtype(self.dtype)}")
+        offset = len(self.sequence_lengths)
+        self.sequence_lengths.extend(other.sequence_lengths.tolist())
+        self.document_indices.extend((other.document_indices[1:] + offset).tolist())
+        if self.multimodal:
+            self.sequence_modes.extend(other.sequence_modes.tolist())
+        with open(get_bin_path(path_prefix), "rb") as src:
+            while chunk := src.read(1 << 24):
+                self.data_file.write(chunk)
+
+    def finalize(self, idx_path: str) -> None:
+        """Write the index, then move both files into place (the .idx last)."""
+        idx_path = str(idx_path)
+        self.data_file.flush()
+        os.fsync(self.data_file.fileno())
+        self.data_file.close()
+        tmp_idx = idx_path + ".partial"
+        with open(tmp_idx, "wb") as f:
+            f.write(write_index_bytes(self.dtype, self.sequence_lengths, self.document_indices,
+                                      self.sequence_modes))
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(idx_path):
+            os.remove(idx_path)  # from here until the last rename the prefix does not open
+        os.replace(self._tmp_bin, self.bin_path)
+        os.replace(tmp_idx, idx_path)
+
+
+def _as_tokens(tokens, dtype) -> np.ndarray:
+    """A 1-D array in the builder's dtype (accepts lists, numpy arrays and torch tensors)."""
+    if hasattr(tokens, "numpy"):
+        tokens = tokens.numpy()
+    return np.ascontiguousarray(np.asarray(tokens).reshape(-1), dtype=dtype)
+
+# %% [markdown]
+# ## Reading: zero-copy views, and errors that say what is wrong
+#
+# The reader maps the `.idx` and creates numpy views on it (no copy: opening a 1 GB index costs
+# milliseconds). Megatron only asserts the magic and version (`indexed_dataset.py:243-247`) and
+# that `len(lengths) == document_indices[-1]` (`:673`); a truncated index or a short `.bin` shows
+# up later as a wrong sample or a crash deep inside training. Here every inconsistency we can
+# check cheaply is checked on open and raised as `IndexedDatasetError` naming the file:
+# magic, version, dtype code, a file too short for the counts it declares, document indices that
+# do not start at 0, end at $N$ or go backwards, negative lengths, pointers that disagree with
+# the lengths, a `.bin` whose size differs from what the pointers say, or a dtype other than
+# the one the caller expects.
+
+# %%
+def _parse_header(idx_path: str, raw: memoryview) -> tuple:
+    """Check the fixed 34-byte header; return (dtype, N, D+1)."""
+    if len(raw) < _FIXED_HEADER_BYTES:
+        raise IndexedDatasetError(f"{idx_path}: truncated index, {len(raw)} bytes is shorter "
+                                  f"than the {_FIXED_HEADER_BYTES}-byte header")
+    if bytes(raw[:9]) != INDEX_HEADER:
+        raise IndexedDatasetError(f"{idx_path}: bad magic {bytes(raw[:9])!r}, "
+                                  f"expected {INDEX_HEADER!r} (not an MMIDIDX index)")
+    version, code = struct.unpack_from("<QB", raw, 9)
+    if version != 1:
+        raise IndexedDatasetError(f"{idx_path}: unsupported version {version}, expected 1")
+    try:
+        dtype = DType.dtype_from_code(code)
+    except ValueError as err:
+        raise IndexedDatasetError(f"{idx_path}: {err}") from None
+    n, d = struct.unpack_from("<QQ", raw, 18)
+    return dtype, n, d
+
+
+def _check_tables(idx_path, lengths, pointers, docs, itemsize) -> None:
+    """Consistency of lengths, pointers and document indices."""
+    n = len(lengths)
+    if len(docs) == 0 or docs[0] != 0 or docs[-1] != n:
+        first, last = (docs[0], docs[-1]) if len(docs) else (None, None)
+        raise IndexedDatasetError(f"{idx_path}: inconsistent document indices (first {first}, "
+                                  f"last {last}); expected first 0 and last {n} = sequence count")
+    if np.any(np.diff(docs) < 0):
+        raise IndexedDatasetError(f"{idx_path}: document indices decrease")
+    if n and lengths.min() < 0:
+        raise IndexedDatasetError(f"{idx_path}: negative sequence length {lengths.min()}")
+    expected = np.zeros(n, dtype=np.int64)
+    np.cumsum(lengths[:-1].astype(np.int64) * itemsize, out=expected[1:])
+    bad = np.flatnonzero(expected != pointers)
+    if bad.size:
+        i = int(bad[0])
+        raise IndexedDatasetError(f"{idx_path}: inconsistent pointer for sequence {i}: "
+                                  f"{pointers[i]} bytes, lengths say {expected[i]}")
+
+
+class IndexedDataset:
+    """A memory-mapped `.bin`/`.idx` pair: `ds[i]`, `ds.get(i, offset, length)`."""
+
+    def __init__(self, path_prefix: str, multimodal: bool = False, mmap: bool = True,
+                 dtype_code: Optional[int] = None):
+        self.path_prefix = str(path_prefix)
+        self.multimodal, self.mmap = multimodal, mmap
+        idx_path, bin_path = get_idx_path(path_prefix), get_bin_path(path_prefix)
+        for p in (idx_path, bin_path):
+            if not os.path.isfile(p):
+                raise FileNotFoundError(f"{p}: missing (an IndexedDataset needs both "
+                                        f"{Path(bin_path).name} and {Path(idx_path).name})")
+        if os.path.getsize(idx_path) < _FIXED_HEADER_BYTES:
+            raise IndexedDatasetError(f"{idx_path}: truncated index, {os.path.getsize(idx_path)} "
+                                      f"bytes is shorter than the {_FIXED_HEADER_BYTES}-byte header")
+        self._idx_map = np.memmap(idx_path, mode="r", dtype=np.uint8)
+        raw = memoryview(self._idx_map)
+        self.dtype, n, d = _parse_header(idx_path, raw)
+        if dtype_code is not None and DType.dtype_from_code(dtype_code) != self.dtype:
+            raise IndexedDatasetError(
+                f"{idx_path}: dtype mismatch, the index holds {np.dtype(self.dtype).name} "
+                f"(code {DType.code_from_dtype(self.dtype)}) but code {dtype_code} "
+                f"({np.dtype(DType.dtype_from_code(dtype_code)).name}) was expected")
+        self._load_tables(idx_path, raw, n, d)
+        self._open_bin(bin_path)
+
+    def _load_tables(self, idx_path, raw, n, d) -> None:
+        """Zero-copy views of the three tables, after checking the file is long enough."""
+        need = _FIXED_HEADER_BYTES + 12 * n + 8 * d
+        allowed = (need + n,) if self.multimodal else (need,)
+        if len(raw) not in allowed:
+            what = "truncated" if len(raw) < allowed[0] else "oversized"
+            raise IndexedDatasetError(f"{idx_path}: {what} index, {len(raw)} bytes but the header "
+                                      f"declares N={n}, D+1={d} -> {allowed[0]} bytes")
+        off = _FIXED_HEADER_BYTES
+        self.sequence_lengths = np.frombuffer(raw, np.int32, n, off)
+        self.sequence_pointers = np.frombuffer(raw, np.int64, n, off + 4 * n)
+        self.document_indices = np.frombuffer(raw, np.int64, d, off + 12 * n)
+        self.sequence_modes = (np.frombuffer(raw, np.int8, n, off + 12 * n + 8 * d)
+                               if self.multimodal else None)
+        _check_tables(idx_path, self.sequence_lengths, self.sequence_pointers,
+                      self.document_indices, np.dtype(self.dtype).itemsize)
+
+    def _open_bin(self, bin_path) -> None:
+        """Check the .bin size against the index, then map it (or keep a file handle)."""
+        itemsize = np.dtype(self.dtype).itemsize
+        n = len(self.sequence_lengths)
+        expected = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * itemsize if n else 0
+        actual = os.path.getsize(bin_path)
+        if actual != expected:
+            what = "shorter" if actual < expected else "longer"
+            raise IndexedDatasetError(f"{bin_path}: data file is {actual} bytes, {what} than the "
+                                      f"{expected} bytes its index says (truncated or mismatched pair)")
+        self._bin_path = bin_path
+        self._tokens = (np.memmap(bin_path, mode="r", dtype=self.dtype) if self.mmap and actual
+                        else np.zeros(0, self.dtype) if self.mmap else None)
+        self._token_offsets = self.sequence_pointers // itemsize
+
+    def __len__(self) -> int:
+        return len(self.sequence_lengths)
+
+    def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
+        """`length` tokens of sequence `idx` starting `offset` tokens in (indexed_dataset.py:843)."""
+        if length is None:
+            length = int(self.sequence_lengths[idx]) - offset
+        start = int(self._token_offsets[idx]) + offset
+        if self._tokens is not None:
+            return self._tokens[start:start + length]
+        return self._read_file(start, length)
+
+    def _read_file(self, start: int, length: int) -> np.ndarray:
+        """The non-mmap reader: seek + readinto (Megatron's _FileBinReader)."""
+        out = np.empty(length, dtype=self.dtype)
+        with open(self._bin_path, "rb", buffering=0) as f:
+            f.seek(start * out.itemsize)
+            f.readinto(memoryview(out).cast("B"))
+        return out
+
+    def __getitem__(self, idx):
+        """One sequence, or a list of sequences for a slice."""
+        if isinstance(idx, slice):
+            return [self.get(i) for i in range(*idx.indices(len(self)))]
+        return self.get(int(idx))
+
+    @property
+    def document_count(self) -> int:
+        """The number of documents D."""
+        return len(self.document_indices) - 1
+
+    @property
+    def token_array(self) -> np.ndarray:
+        """All tokens of the .bin as one flat (memory-mapped) array."""
+        if self._tokens is None:
+            return np.fromfile(self._bin_path, dtype=self.dtype)
+        return self._tokens
+
+# %% [markdown]
+# ## Reading an index by eye
+#
+# The annotator walks the same layout table the reader uses and prints each field with its
+# offset, hex bytes and decoded value: the page's first demo shows a real file.
+
+# %%
+def hexdump_index(idx_path: str, max_rows_per_table: int = 4) -> str:
+    """An annotated hex dump of an `.idx` file: offset, bytes, field, decoded value."""
+    raw = Path(idx_path).read_bytes()
+    dtype, n, d = _parse_header(str(idx_path), memoryview(raw))
+    fields = [(0, 9, "magic", repr(raw[:9])), (9, 8, "version", 1),
+              (17, 1, "dtype code", f"{raw[17]} = {np.dtype(dtype).name}"),
+              (18, 8, "sequence count N", n), (26, 8, "document count D+1", d)]
+    off = _FIXED_HEADER_BYTES
+    for name, size, count, fmt in (("length", 4, n, "<i"), ("pointer", 8, n, "<q"),
+                                   ("doc index", 8, d, "<q")):
+        for i in range(count):
+            if i < max_rows_per_table or i == count - 1:
+                fields.append((off + i * size, size, f"{name}[{i}]",
+                               struct.unpack_from(fmt, raw, off + i * size)[0]))
+            elif i == max_rows_per_table:
+                fields.append((off + i * size, 0, f"... {count - max_rows_per_table - 1} more", ""))
+        off += size * count
+    lines = [f"{o:08x}  {raw[o:o + s].hex(' '):<26}  {name:<20} {value}" for o, s, name, value in fields]
+    lines.append(f"{len(raw):08x}  (end of file, {len(raw)} bytes)")
+    return "\n".join(lines)
+
+# %% [markdown]
+# ## Demo: the worked example, on disk
+
+# %%
+if __name__ == "__main__":
+    import tempfile
+
+    tmp = tempfile.mkdtemp()
+    prefix = os.path.join(tmp, "tiny")
+    builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=np.uint16)
+    builder.add_item([5, 6, 7])
+    builder.add_item([8, 9])
+    builder.end_document()
+    builder.add_item([3])
+    builder.end_document()
+    builder.finalize(get_idx_path(prefix))
+    print(hexdump_index(get_idx_path(prefix)))
+    ds = IndexedDataset(prefix)
+    print("sequences:", [ds[i].tolist() for i in range(len(ds))], "documents:", ds.document_indices)
+    assert os.path.getsize(get_idx_path(prefix)) == 94 and os.path.getsize(get_bin_path(prefix)) == 12
+    assert ds.sequence_pointers.tolist() == [0, 6, 10] and ds.document_indices.tolist() == [0, 2, 3]
+    assert ds.get(0, offset=1, length=2).tolist() == [6, 7]
+
+# %% [markdown]
+# ## Demo: a corrupt pair is named, not silently misread
+
+# %%
+if __name__ == "__main__":
+    with open(get_bin_path(prefix), "r+b") as f:
+        f.truncate(10)  # lose the last token
+    try:
+        IndexedDataset(prefix)
+        raise AssertionError("a short .bin must not open")
+    except IndexedDatasetError as err:
+        print("error:", err)
+        assert "shorter" in str(err) and "tiny.bin" in str(err)
+
+# %% [markdown]
+# ## Summary
+#
+# * `.bin` is raw tokens; `.idx` is a 34-byte header and three little-endian tables; pointers are
+#   byte offsets, document indices are sequence ids from 0 to $N$.
+# * The reader is zero-copy; the checks on open turn silent corruption into a named error.
+# * Writes go to `.partial` files renamed into place, so a killed job never leaves a prefix that
+#   opens as complete.
+#
+# ## How production does it
+#
+# * Megatron: `megatron/core/datasets/indexed_dataset.py` — `_IndexWriter` (`:122`),
+#   `_IndexReader` (`:233`), the bin readers for mmap, plain files, S3 and MSC (`:389-586`),
+#   `IndexedDataset` (`:611`), `IndexedDatasetBuilder` (`:937`).
+# * NeMo and many other trainers read the same files through Megatron's class.
+#
+# ## Exercises
+#
+# 1. Add the multimodal `sequence_modes` table to the demo and check the file grows by $N$ bytes.
+# 2. Time opening a 100k-sequence index with and without the pointer check; is it worth it?
+# 3. Why must the old `.idx` be removed *before* the new `.bin` is renamed into place?
