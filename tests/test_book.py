@@ -7,8 +7,9 @@ import subprocess
 import sys
 import tomllib
 
-import jupytext
 import pytest
+
+jupytext = pytest.importorskip("jupytext")  # the book extra; absent on a bare GPU box
 
 from tests.conftest import CHAPTERS, ROOT, chapter_pages
 
