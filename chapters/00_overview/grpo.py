@@ -1,0 +1,218 @@
+# %% [markdown]
+# # 00 · RL with GRPO: rollouts, advantages, a clipped per-token loss
+#
+# In RL the tokens are not read from a dataset: the model writes them. Megatron's GRPO samples a
+# *group* of completions per prompt, scores each with a verifiable reward, turns rewards into
+# advantages by normalising inside the group, and trains with a PPO-style clipped per-token loss
+# plus a KL penalty towards a frozen reference model. After that the micro-batch goes through
+# the same loss contract and `train_step` as pretraining.
+#
+# What you will build: per-token log-probabilities, sampling of groups of completions, group
+# advantages, `grpo_loss` exactly as Megatron computes it, and its `loss_func`.
+
+# %%
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+__all__ = [
+    "token_logprobs",
+    "group_advantages",
+    "grpo_loss",
+    "grpo_loss_func",
+    "sample_completions",
+    "completion_loss_mask",
+]
+
+# %% [markdown]
+# ## Log-probabilities of the tokens a sequence actually contains
+#
+# For a sequence $t_0..t_{L-1}$ the model's logits at position $i$ score the next token, so the
+# log-probability of $t_{i+1}$ is `log_softmax(logits[:, i])[t_{i+1}]`: a `[b, L-1]` tensor, one
+# shorter than the sequence (`megatron/rl/rl_utils.py:744`, `get_logprobs`). Three copies of it
+# enter the loss: $\log\pi$ (the model being trained, with gradients), $\log\pi_{old}$ (the
+# model that produced the rollouts, frozen at collection time) and $\log\pi_{ref}$ (a frozen
+# reference, usually the starting checkpoint).
+
+# %%
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(tokens[:, i+1] | tokens[:, :i+1]) as [b, L-1] fp32, from logits [b, L, V]."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+# %% [markdown]
+# ## Group-normalised advantages
+#
+# With rewards $r_{g,1..G}$ for the $G$ completions of prompt $g$,
+# $A_{g,k} = \dfrac{r_{g,k} - \bar r_g}{10^{-4} + \sigma_g}$ with the population standard deviation
+# (`calculate_grpo_advantages`, `megatron/rl/rl_utils.py:824`). No value network: the group is its
+# own baseline. A group whose completions all score the same gets advantage 0 everywhere and
+# teaches nothing. Example: rewards $(1, 0, 0, 0)$ give mean $0.25$, $\sigma = 0.433$,
+# advantages $(1.732, -0.577, -0.577, -0.577)$.
+
+# %%
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """[num_groups, group_size] rewards -> flat advantages (r - mean) / (eps + population std)."""
+    if rewards.dim() != 2 or rewards.shape[1] < 2:
+        raise ValueError(f"rewards must be [num_groups, group_size>=2], got {tuple(rewards.shape)}")
+    rewards = rewards.double()  # 1e-4 next to a std of ~0.4: keep the small term exact
+    mean = rewards.mean(dim=1, keepdim=True)
+    std = rewards.std(dim=1, keepdim=True, unbiased=False)
+    return ((rewards - mean) / (eps + std)).reshape(-1).float()
+
+
+# %% [markdown]
+# ## The per-token GRPO loss
+#
+# `calculate_grpo_loss` (`megatron/rl/rl_utils.py:1855`), per token, with the advantage $A$ of the
+# token's sequence broadcast to all its tokens:
+#
+# $$r = e^{\log\pi - \log\pi_{old}}, \qquad
+#   L = -w\,\min\!\big(rA,\ \mathrm{clip}(r, 1-\epsilon_{lo}, 1+\epsilon_{hi})\,A\big)
+#       + \beta\,\mathrm{KL} - \lambda_{ent} H$$
+#
+# $$\mathrm{KL} = e^{\log\pi_{ref} - \log\pi} - (\log\pi_{ref} - \log\pi) - 1
+#   \quad(\text{the "k3" estimator, always} \ge 0), \qquad H = -e^{\log\pi}\log\pi$$
+#
+# The importance weight $w = e^{\log\pi_{old} - \log\pi_{inf}}$ corrects for the inference engine
+# (which sampled the tokens, with its own numerics) disagreeing with the training model's
+# $\pi_{old}$; it is capped at `is_truncation_coef` when that is set, and is 1 when no inference
+# log-probs are given. The min makes the objective pessimistic: for $A > 0$ the ratio gains
+# nothing above $1+\epsilon_{hi}$; for $A < 0$ nothing below $1-\epsilon_{lo}$. Megatron also
+# returns which tokens were clipped from above ($r > 1+\epsilon_{hi}$) and below
+# ($r < 1-\epsilon_{lo}$), for logging.
+
+# %%
+def grpo_loss(current_logprobs, old_logprobs, ref_logprobs, advantages, clamp_eps_lower: float,
+              clamp_eps_upper: float, kl_beta: float, entropy_weight: float = 0.0,
+              inference_logprobs=None, is_truncation_coef: float | None = None) -> dict:
+    """Per-token GRPO loss [b, L-1] and its parts; advantages are per sequence [b]."""
+    if advantages.dim() != 1 or advantages.shape[0] != current_logprobs.shape[0]:
+        raise ValueError(f"advantages must be [b={current_logprobs.shape[0]}], got "
+                         f"{tuple(advantages.shape)}")
+    adv = advantages.view(-1, 1)
+    ratios = torch.exp(current_logprobs - old_logprobs)
+    clamped = ratios.clamp(1 - clamp_eps_lower, 1 + clamp_eps_upper)
+    ref_diff = ref_logprobs - current_logprobs
+    kl = torch.exp(ref_diff) - ref_diff - 1
+    entropy = -torch.exp(current_logprobs) * current_logprobs
+    weight = torch.ones((), dtype=old_logprobs.dtype, device=old_logprobs.device)
+    if inference_logprobs is not None:
+        weight = torch.exp(old_logprobs - inference_logprobs)
+        if is_truncation_coef is not None:
+            weight = weight.clamp(max=is_truncation_coef)
+    loss = -weight * torch.minimum(ratios * adv, clamped * adv) + kl_beta * kl - entropy_weight * entropy
+    return {"loss": loss, "kl": kl, "ratios": ratios, "entropy": entropy,
+            "clipped_above": ratios > 1 + clamp_eps_upper,
+            "clipped_below": ratios < 1 - clamp_eps_lower}
+
+
+def grpo_loss_func(loss_mask: torch.Tensor, parts: dict, output_tensor: torch.Tensor):
+    """RL loss_func with the 3-tuple contract: (loss_sum, num_tokens, report of [sum, count] pairs)."""
+    mask = loss_mask.reshape(-1).float()
+    total = mask.sum().clamp(min=1)  # an all-masked row still reports a count of 1, as train_rl.py:85
+    loss_sum = torch.sum(output_tensor.reshape(-1).float() * mask)
+    report = {"lm loss": torch.stack([loss_sum.detach(), total])}
+    for key in ("kl", "ratios", "entropy", "clipped_above", "clipped_below"):
+        masked = torch.sum(parts[key].detach().reshape(-1).float() * mask)
+        report[f"rl/{key}"] = torch.stack([masked, total])
+    return loss_sum, total.to(torch.int), report
+
+
+# %% [markdown]
+# ## Rollouts: groups of sampled completions
+#
+# Each prompt is repeated $G$ times and the model samples up to `max_new_tokens` tokens at
+# temperature 1, recording the log-probability of every sampled token (this plays the inference
+# engine's $\log\pi_{inf}$). After the first `<|end|>` the sequence is finished: later positions
+# are filled with the pad id and excluded from the loss. The loss mask lives in log-prob space
+# (`[b, L-1]`): entry $i$ is 1 when token $i+1$ is a generated token up to and including `<|end|>`.
+# Real systems run this with a dedicated inference engine and KV caches; a plain loop over
+# positions is enough for 3-token answers.
+
+# %%
+@torch.no_grad()
+def sample_completions(model, prompts: torch.Tensor, group_size: int, max_new_tokens: int,
+                       end_id: int, pad_id: int, generator: torch.Generator | None = None):
+    """(sequences [P*G, Lp+T], sampled-token logprobs [P*G, T]) from prompts [P, Lp]."""
+    seqs = prompts.repeat_interleave(group_size, dim=0)
+    logps, done = [], torch.zeros(seqs.shape[0], dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        logits = model(seqs)[:, -1].float()
+        probs = torch.softmax(logits, dim=-1)
+        nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        logps.append(torch.log(probs.gather(-1, nxt[:, None]).squeeze(-1)))
+        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+        done |= nxt == end_id
+        seqs = torch.cat([seqs, nxt[:, None]], dim=1)
+    return seqs, torch.stack(logps, dim=1)
+
+
+def completion_loss_mask(seqs: torch.Tensor, prompt_len: int, pad_id: int) -> torch.Tensor:
+    """[b, L-1] float mask: 1 where the predicted token is generated and not padding."""
+    target = seqs[:, 1:]
+    is_generated = torch.arange(1, seqs.shape[1]) >= prompt_len
+    return (is_generated[None, :] & (target != pad_id)).float()
+
+
+# %% [markdown]
+# ## Demo: the loss by hand, clipping on both sides
+#
+# Two sequences of three tokens, $\epsilon_{lo} = 0.2$, $\epsilon_{hi} = 0.28$ (an asymmetric
+# "clip-higher" setting), $\beta = 0.1$. The ratios are chosen to land inside, above and below the
+# clip range, and the advantages have both signs.
+
+# %%
+if __name__ == "__main__":
+    import math
+
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]]))
+    cur = old + torch.log(torch.tensor([[1.1, 1.5, 0.6], [1.1, 1.5, 0.6]]))  # r = 1.1, 1.5, 0.6
+    ref = torch.log(torch.tensor([[0.4, 0.6, 0.5], [0.5, 0.5, 0.5]]))
+    adv = torch.tensor([2.0, -1.0])
+    out = grpo_loss(cur, old, ref, adv, clamp_eps_lower=0.2, clamp_eps_upper=0.28, kl_beta=0.1)
+
+    def by_hand(r, a, lp, lr):
+        """One token's loss written out with Python floats."""
+        clipped = min(max(r, 0.8), 1.28)
+        kl = math.exp(lr - lp) - (lr - lp) - 1
+        return -min(r * a, clipped * a) + 0.1 * kl
+
+    for b in range(2):
+        for i, r in enumerate([1.1, 1.5, 0.6]):
+            want = by_hand(r, float(adv[b]), float(cur[b, i]), float(ref[b, i]))
+            got = float(out["loss"][b, i])
+            print(f"A={float(adv[b]):+.0f} r={r:.1f}: loss {got:+.5f} (by hand {want:+.5f}) "
+                  f"clipped above={bool(out['clipped_above'][b, i])} below={bool(out['clipped_below'][b, i])}")
+            assert abs(got - want) < 1e-6
+    # A>0, r=1.5: the gain stops at 1.28; A<0, r=0.6: the gain stops at 0.8
+    assert abs(float(out["loss"][0, 1]) - (-1.28 * 2 + 0.1 * float(out["kl"][0, 1]))) < 1e-6
+    assert abs(float(out["loss"][1, 2]) - (0.8 * 1 + 0.1 * float(out["kl"][1, 2]))) < 1e-6
+    print("advantages of rewards (1,0,0,0), (1,1,0,0):",
+          group_advantages(torch.tensor([[1.0, 0, 0, 0], [1.0, 1, 0, 0]])).tolist())
+
+# %% [markdown]
+# ## Summary
+#
+# - GRPO's tokens come from the model; rewards are verified per completion and normalised within
+#   the group of completions of one prompt.
+# - The per-token loss is a clipped policy-gradient term (asymmetric clip allowed), a k3 KL term
+#   towards a frozen reference, an optional entropy bonus, and an optional (truncated) importance
+#   weight against the inference engine's log-probs.
+# - Its `loss_func` returns the same `(loss_sum, num_tokens, report)` as pretraining, so the same
+#   schedule, optimizer and `train_step` apply.
+#
+# ## How production does it
+#
+# - `megatron/rl/rl_utils.py:824` (advantages), `:744` (`get_logprobs`), `:1855`
+#   (`calculate_grpo_loss`); `train_rl.py:85` (`loss_func`), `:419` (`pretrain(...)` with the RL
+#   step); sequence packing of rollouts in `megatron/rl/sequence_packing_utils.py`.
+#
+# ## Exercises
+#
+# 1. Show that with $\log\pi = \log\pi_{old}$ (the first step after a rollout) the gradient of the
+#    clipped term equals the plain policy gradient $-A\,\nabla\log\pi$.
+# 2. Why is the k3 estimator non-negative for every sample, while $\log\pi - \log\pi_{ref}$ is not?
