@@ -14,3 +14,78 @@ def grid_views(tp: int, pp: int, cp: int = 1) -> dict:
     grid.all_reduce(x, "tp")
     return {"describe": grid.describe(), "tp_sum": int(x.item()), "embd": grid.ranks("embd"),
             "first": grid.is_first_stage(), "last": grid.is_last_stage()}
+
+
+def _dense_mlp_reference(x, dy, h, f, seeds):
+    """The dense fc1 -> gelu -> fc2 with the same full weights; returns y, x.grad and the modules."""
+    from tinytron.parallel.tensor_parallel import normal_init
+
+    fc1, fc2 = torch.nn.Linear(h, f), torch.nn.Linear(f, h)
+    for lin, seed in ((fc1, seeds[0]), (fc2, seeds[1])):
+        normal_init(0.5, seed)(lin.weight.data)
+        torch.nn.init.zeros_(lin.bias)
+    x = x.clone().requires_grad_(True)
+    y = fc2(torch.nn.functional.gelu(fc1(x)))
+    (y * dy).sum().backward()
+    return y.detach(), x.grad, fc1, fc2
+
+
+def tp_mlp_parity(sequence_parallel: bool, s: int = 8, b: int = 2, h: int = 16, f: int = 32) -> float:
+    """Column -> gelu -> row on this TP grid vs the dense MLP; return the largest abs difference."""
+    from tinytron.parallel._comm import all_reduce
+    from tinytron.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                                   gather_shards, normal_init)
+
+    grid = ParallelGrid(tp=torch.distributed.get_world_size())
+    gen = torch.Generator().manual_seed(0)
+    x, dy = torch.randn(s, b, h, generator=gen), torch.randn(s, b, h, generator=gen)
+    y_ref, dx_ref, fc1_ref, fc2_ref = _dense_mlp_reference(x, dy, h, f, (1, 2))
+    fc1 = ColumnParallelLinear(h, f, grid, sequence_parallel=sequence_parallel, init_method=normal_init(0.5, 1))
+    fc2 = RowParallelLinear(f, h, grid, sequence_parallel=sequence_parallel, init_method=normal_init(0.5, 2))
+    tp, r = grid.size("tp"), grid.rank("tp")
+    slice_ = (lambda t: t.chunk(tp, 0)[r]) if sequence_parallel else (lambda t: t)
+    x_in = slice_(x).clone().requires_grad_(True)
+    y = fc2(torch.nn.functional.gelu(fc1(x_in)))
+    (y * slice_(dy)).sum().backward()
+    bias2_grad = all_reduce(fc2.bias.grad, grid, "tp") if sequence_parallel else fc2.bias.grad
+    pairs = [(y, slice_(y_ref)), (x_in.grad, slice_(dx_ref)),
+             (gather_shards(fc1.weight.grad, grid, 0), fc1_ref.weight.grad),
+             (gather_shards(fc1.bias.grad, grid, 0), fc1_ref.bias.grad),
+             (gather_shards(fc2.weight.grad, grid, 1), fc2_ref.weight.grad),
+             (bias2_grad, fc2_ref.bias.grad)]
+    return max((a.detach() - e).abs().max().item() for a, e in pairs)
+
+
+def vocab_parity(b: int = 2, s: int = 3, h: int = 8, v: int = 16, sequence_parallel: bool = False) -> dict:
+    """Vocab-parallel embedding and CE vs nn.Embedding / F.cross_entropy; return max abs errors."""
+    import torch.nn.functional as F
+
+    from tinytron.parallel.tensor_parallel import gather_shards, normal_init
+    from tinytron.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+
+    grid = ParallelGrid(tp=torch.distributed.get_world_size())
+    tp, r = grid.size("tp"), grid.rank("tp")
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, v, (b, s), generator=gen)
+    logits = torch.randn(b, s, v, generator=gen) * 3
+    labels = torch.randint(0, v, (b, s), generator=gen)
+    ref_emb = torch.nn.Embedding(v, h)
+    normal_init(1.0, 7)(ref_emb.weight.data)
+    emb = VocabParallelEmbedding(v, h, grid, init_method=normal_init(1.0, 7),
+                                 reduce_scatter_embeddings=sequence_parallel)
+    out, ref = emb(tokens), ref_emb(tokens)
+    if sequence_parallel:  # [s/tp, b, h]: compare with my sequence slice of the reference
+        ref = ref.transpose(0, 1).chunk(tp, 0)[r]
+    (out * ref.detach().cos()).sum().backward()
+    (ref * ref.detach().cos()).sum().backward()
+    full = logits.clone().requires_grad_(True)
+    local = logits.chunk(tp, -1)[r].clone().requires_grad_(True)
+    loss, loss_ref = vocab_parallel_cross_entropy(local, labels, grid), F.cross_entropy(
+        full.transpose(1, 2), labels, reduction="none")
+    weights = torch.arange(b * s, dtype=torch.float32).reshape(b, s)  # uneven upstream grads
+    (loss * weights).sum().backward()
+    (loss_ref * weights).sum().backward()
+    return {"emb_out": (out - ref).abs().max().item(),
+            "emb_grad": (gather_shards(emb.weight.grad, grid, 0) - ref_emb.weight.grad).abs().max().item(),
+            "ce": (loss - loss_ref).abs().max().item(),
+            "ce_grad": (local.grad - full.grad.chunk(tp, -1)[r]).abs().max().item()}
