@@ -1,1 +1,16 @@
 """05 · Grad/param buffers: the contiguous buffer and its read/write loop."""
+
+from tinytron.buffers.param_and_grad_buffer import (Bucket, BufferKey, ParamAndGradBuffer,
+                                                    ParamLayout, ShardRange, compute_param_layout,
+                                                    group_params_for_buffers, pad_bucket_end,
+                                                    pad_param_start)
+from tinytron.buffers.distributed_data_parallel import (BucketGroup, DistributedDataParallel,
+                                                        DistributedDataParallelConfig,
+                                                        default_bucket_size)
+
+__pages__ = ["param_and_grad_buffer", "distributed_data_parallel"]
+
+__all__ = ["Bucket", "BufferKey", "ParamAndGradBuffer", "ParamLayout", "ShardRange",
+           "compute_param_layout", "group_params_for_buffers", "pad_bucket_end", "pad_param_start",
+           "BucketGroup", "DistributedDataParallel", "DistributedDataParallelConfig",
+           "default_bucket_size"]

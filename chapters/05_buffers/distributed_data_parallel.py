@@ -1,0 +1,429 @@
+# %% [markdown]
+# # 05 · Buffers: DDP hooks, bucket collectives and their overlap with backward
+#
+# How the grads in the flat buffer get averaged across data-parallel ranks while backward is
+# still running, and how the distributed optimizer's new weights come back before the forward
+# needs them. We build Megatron's `DistributedDataParallel` wrapper on the buffer of the
+# previous page and record a timeline of one real backward.
+
+# %%
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tinytron.buffers._comm import (CommStream, CommTimeline, Handles, all_gather, all_reduce,
+                                    axis_info, reduce_scatter)
+from tinytron.buffers.param_and_grad_buffer import (ParamAndGradBuffer,
+                                                    group_params_for_buffers)
+
+__all__ = ["DistributedDataParallelConfig", "BucketGroup", "DistributedDataParallel",
+           "default_bucket_size"]
+
+# %% [markdown]
+# ## The configuration
+#
+# The field names and defaults are Megatron's `DistributedDataParallelConfig`
+# (`megatron/core/distributed/distributed_data_parallel_config.py:12`). Note that
+# `grad_reduce_in_fp32` defaults to `False` there; Megatron's training script turns it on for
+# bf16 models unless `--grad-reduce-in-bf16` is given (`megatron/training/arguments.py:1181`).
+# `calculate_per_token_loss` lives on Megatron's `TransformerConfig`; it is here because it only
+# changes how DDP scales gradients.
+
+# %%
+@dataclass
+class DistributedDataParallelConfig:
+    """Megatron's DDP options that tinytron implements (same names, same defaults)."""
+
+    grad_reduce_in_fp32: bool = False
+    """Accumulate and reduce grads in fp32 (main_grad is fp32 even for bf16 params)."""
+    overlap_grad_reduce: bool = False
+    """Launch each bucket's grad collective from the backward hooks as soon as it is complete."""
+    overlap_param_gather: bool = False
+    """Defer the param all-gather to forward pre-hooks (distributed optimizer only)."""
+    align_param_gather: bool = False
+    """The schedule dispatches all param all-gathers itself; pre-hooks only wait."""
+    use_distributed_optimizer: bool = False
+    """Reduce-scatter grads (each DP rank owns one shard) and keep a param buffer to all-gather."""
+    num_distributed_optimizer_instances: int = 1
+    """Number of distributed-optimizer replicas; tinytron supports 1."""
+    check_for_nan_in_grad: bool = False
+    """Raise before the collective if a bucket holds a NaN or Inf grad."""
+    bucket_size: int | None = None
+    """Elements per bucket; None -> max(40M, 1M*dp) with overlap, one bucket without."""
+    pad_buckets_for_high_nccl_busbw: bool = False
+    """Pad bucket ends to lcm(dp, 128, 2**16) instead of lcm(dp, 128)."""
+    average_in_collective: bool = False
+    """Average with ReduceOp.AVG instead of pre-scaling grads by 1/dp_cp and summing."""
+    calculate_per_token_loss: bool = False
+    """Grads are neither pre-scaled nor averaged; finalize_model_grads divides by the token count."""
+
+    def __post_init__(self):
+        if self.num_distributed_optimizer_instances != 1:
+            raise ValueError("num_distributed_optimizer_instances must be 1, got "
+                             f"{self.num_distributed_optimizer_instances}")
+        if self.bucket_size is not None and self.bucket_size <= 0:
+            raise ValueError(f"bucket_size must be positive or None, got {self.bucket_size}")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("overlap_param_gather=True needs use_distributed_optimizer=True")
+        if self.average_in_collective and self.calculate_per_token_loss:
+            raise ValueError("average_in_collective cannot be combined with "
+                             "calculate_per_token_loss (grads are summed, then divided by tokens)")
+
+
+def default_bucket_size(config: DistributedDataParallelConfig, dp_size: int) -> int | None:
+    """Megatron's bucket size: the configured one, else max(40M, 1M*dp); None without overlap."""
+    if not config.overlap_grad_reduce:
+        return None  # one bucket: nothing to overlap with, so fewer, larger collectives win
+    if config.bucket_size is not None:
+        return config.bucket_size
+    # Large DP: keep each ring chunk (bucket / dp) big enough to stay bandwidth-bound.
+    return max(40_000_000, 1_000_000 * dp_size)
+
+
+# %% [markdown]
+# ## Hooks, readiness, and one collective per bucket
+#
+# Each trainable parameter gets a **backward post-hook** that fires after autograd has written
+# `param.grad` (`distributed_data_parallel.py:449`). The hook adds `param.grad` into
+# `param.main_grad` (fp32 accumulation across micro-batches) and sets `param.grad = None`, so
+# only one copy of each gradient stays in memory. Megatron registers it on the parameter's
+# `AccumulateGrad` node (`:368-373`); we use `Tensor.register_post_accumulate_grad_hook`, which
+# fires at the same moment.
+#
+# With `overlap_grad_reduce` the hook also calls `register_grad_ready(param)` on the param's
+# **bucket group** (`param_and_grad_buffer.py:800`). It counts only on the *last* micro-batch
+# (`no_sync()` clears `is_last_microbatch`, `distributed_data_parallel.py:480`). A parameter
+# may be used twice in one forward (a shared weight) and then fires twice, so the first step
+# only *records* the counts; from the second step on, the bucket's collective is launched the
+# moment the counts equal those "golden" counts. In the first step the launch happens in
+# `finish_grad_sync` instead.
+#
+# The collective itself (`start_grad_sync`, `param_and_grad_buffer.py:556`):
+#
+# - multiply the bucket by `gradient_scaling_factor` (below), then
+# - plain DDP: `all_reduce(bucket.grad_data)`; distributed optimizer:
+#   `reduce_scatter(out=my shard of the bucket, in=the whole bucket)` — rank `r` ends up with
+#   the sum of everyone's `[r·S, (r+1)·S)`; the rest of its bucket is left stale;
+# - asynchronously when overlapping; `finish_grad_sync` (`:724`) waits for the handle.
+#
+# **Scaling.** The goal is the mean over DP×CP ranks (`distributed_data_parallel.py:169-204`).
+# Default: factor `1/dp_cp` before a SUM — the pre-scale keeps bf16 sums from overflowing and
+# works on every backend. `average_in_collective=True`: factor 1 and `ReduceOp.AVG`. With
+# `calculate_per_token_loss`: factor 1 and SUM; `finalize_model_grads` later divides by the
+# global number of tokens.
+#
+# ```mermaid
+# sequenceDiagram
+#   participant BW as backward (compute)
+#   participant H as grad hooks
+#   participant C as collectives
+#   BW->>H: grad of final_norm, fc2, fc1 ... (bucket 0 params)
+#   H->>C: bucket 0 complete: reduce-scatter(bucket 0), async
+#   BW->>H: grads of layer 0 (bucket 1 params)
+#   H->>C: bucket 1 complete: reduce-scatter(bucket 1), async
+#   Note over BW,C: bucket 0's collective ran while layer 0's backward computed
+#   BW->>C: finish_grad_sync: wait(bucket 0), wait(bucket 1)
+# ```
+
+# %%
+class BucketGroup:
+    """Buckets whose collectives are launched together, with grad-ready counting."""
+
+    def __init__(self, buckets, config: DistributedDataParallelConfig, group, group_size: int,
+                 stream: CommStream, timeline: CommTimeline | None = None):
+        self.buckets = list(buckets)
+        self.config, self.group, self.group_size = config, group, group_size
+        self.stream, self.timeline = stream, timeline
+        self.params = [p for b in self.buckets for p in b.params]
+        self.param_to_bucket = {p: b for b in self.buckets for p in b.params}
+        self.golden_grad_ready_counts: dict = {}
+        self.grad_ready_counts: dict = {}
+        self.is_last_microbatch = True
+        self.is_first_batch = True
+        self.grad_reduce_handle: Handles | None = None
+        self.grad_reduce_finished = False
+        self.param_gather_handle: Handles | None = None
+        self.param_gather_dispatched = False
+        self.next_param_gather_bucket_group: BucketGroup | None = None
+
+    def _record(self, event: str) -> None:
+        if self.timeline is not None:
+            for b in self.buckets:
+                self.timeline.record(event, b.bucket_id)
+
+    def reset(self) -> None:
+        """Prepare for the next step; after the first step, keep its counts as the golden ones."""
+        if self.is_first_batch and self.grad_ready_counts:
+            assert len(self.grad_ready_counts) == len(self.params)
+            self.golden_grad_ready_counts = self.grad_ready_counts
+            self.is_first_batch = False
+        self.grad_ready_counts = {}
+        self.is_last_microbatch = True
+        self.grad_reduce_finished = False
+
+    def register_grad_ready(self, param) -> None:
+        """Count ``param`` as ready (last micro-batch only); launch once all counts are golden."""
+        assert self.config.overlap_grad_reduce
+        if not self.is_last_microbatch:
+            return
+        self.grad_ready_counts[param] = self.grad_ready_counts.get(param, 0) + 1
+        if not self.is_first_batch and self.grad_ready_counts == self.golden_grad_ready_counts:
+            self.start_grad_sync()
+
+    def _check_finite(self) -> None:
+        for b in self.buckets:
+            norm = b.grad_data.float().norm()
+            if not torch.isfinite(norm):
+                raise RuntimeError(f"non-finite grad norm {norm.item()} in bucket {b.bucket_id} "
+                                   f"(dp rank {b.dp_rank}) before the grad collective")
+
+    def start_grad_sync(self) -> None:
+        """Scale each bucket and launch its all-reduce / reduce-scatter (async with overlap)."""
+        if self.is_first_batch and self.grad_reduce_handle is not None:
+            return  # already launched by finish_grad_sync in the first step
+        self._record("ready")
+        if self.config.check_for_nan_in_grad:
+            self._check_finite()
+        average = self.config.average_in_collective
+        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        async_op = self.config.overlap_grad_reduce
+        works = []
+        with self.stream.launch():
+            for b in self.buckets:
+                if b.gradient_scaling_factor != 1.0:
+                    b.grad_data.mul_(b.gradient_scaling_factor)
+                if self.group_size == 1:
+                    continue
+                if self.config.use_distributed_optimizer:
+                    works.append(reduce_scatter(b.grad_shard(), b.grad_data, op, self.group,
+                                                async_op))
+                else:
+                    works.append(all_reduce(b.grad_data, op, self.group, async_op))
+        self.grad_reduce_handle = Handles(works if async_op else [], self.stream)
+        self._record("start")
+        if self.timeline is not None:
+            for b in self.buckets:
+                self.timeline.watch(b.bucket_id, self.grad_reduce_handle)
+
+    def finish_grad_sync(self) -> None:
+        """Make this step's grad collectives complete (launch them first if nothing did)."""
+        self.param_gather_dispatched = False
+        if not self.config.overlap_grad_reduce:
+            self.start_grad_sync()
+            self.grad_reduce_handle = None
+            self._record("done")
+            return
+        if self.grad_reduce_finished:
+            return
+        if self.is_first_batch:
+            self.start_grad_sync()
+        if self.grad_reduce_handle is None:
+            raise RuntimeError(f"grad collective was never launched for buckets "
+                               f"{[b.bucket_id for b in self.buckets]}: "
+                               f"{len(self.grad_ready_counts)}/{len(self.params)} params reported "
+                               "a grad (a parameter without a grad this step?)")
+        if self.timeline is not None:
+            self.timeline.poll()
+        self.grad_reduce_handle.wait()
+        self._record("waited")
+        self.grad_reduce_handle = None
+        self.grad_reduce_finished = True
+
+    # The param all-gather (distributed optimizer): see the next section.
+    def start_param_sync(self, force_sync: bool = False) -> None:
+        """All-gather each bucket's param shards into its param buffer (async with overlap)."""
+        assert self.config.use_distributed_optimizer
+        async_op = self.config.overlap_param_gather and not force_sync
+        if self.param_gather_dispatched and async_op:
+            return
+        works = []
+        with self.stream.launch():
+            for b in self.buckets:
+                if self.group_size > 1:
+                    works.append(all_gather(b.param_data, b.param_shard(), self.group, async_op))
+        self.param_gather_handle = Handles(works, self.stream) if async_op else None
+        if not async_op:
+            self.stream.join()
+        self.param_gather_dispatched = True
+        self._record("gather_start")
+
+    def finish_param_sync(self, skip_next_bucket_dispatch: bool = False) -> None:
+        """Wait for this group's all-gather (dispatching it if needed), then start the next one."""
+        assert self.config.overlap_param_gather
+        if not self.param_gather_dispatched:
+            self.start_param_sync()
+        if self.param_gather_handle is None:
+            return
+        self.param_gather_handle.wait()
+        self.param_gather_handle = None
+        self._record("gather_done")
+        nxt = self.next_param_gather_bucket_group
+        if nxt is not None and not skip_next_bucket_dispatch and not nxt.param_gather_dispatched:
+            nxt.start_param_sync()
+
+
+# %% [markdown]
+# ## The param all-gather and the forward pre-hook
+#
+# With the distributed optimizer each rank updates only its shard of each bucket, writing the
+# new (bf16) weights into `param_data` — the storage that `param.data` already points to.
+# One `all_gather_into_tensor(out=bucket.param_data, in=my shard)` per bucket then gives every
+# rank the full new weights (`param_and_grad_buffer.py:351`). Without overlap this runs
+# synchronously at the end of the optimizer step. With `overlap_param_gather` it is deferred:
+# a **forward pre-hook** on every module (`distributed_data_parallel.py:413`) calls
+# `finish_param_sync` on the bucket groups of that module's own parameters. That call
+# dispatches the group's gather if nobody did yet, waits for it, and dispatches the *next*
+# group's gather, so gathering bucket `i+1` overlaps the forward compute that uses bucket `i`.
+# Buckets are stored in backward order, so "next in forward order" is the previous bucket group
+# (`distributed_data_parallel.py:300-306`).
+
+# %%
+class DistributedDataParallel(torch.nn.Module):
+    """Megatron-style DDP: contiguous grad/param buffers, bucketed async collectives, hooks."""
+
+    def __init__(self, module: torch.nn.Module, grid, config: DistributedDataParallelConfig | None
+                 = None, *, disable_bucketing: bool = False, timeline: CommTimeline | None = None):
+        super().__init__()
+        self.module = module
+        self.ddp_config = config = config or DistributedDataParallelConfig()
+        self.grid = grid
+        self.dp_group, self.dp_size, self.dp_rank = axis_info(grid, "dp_cp")
+        _, _, pp_rank = axis_info(grid, "pp")
+        self.bucket_size = default_bucket_size(config, self.dp_size)
+        if disable_bucketing or pp_rank > 0:  # DP comm of later stages is off the critical path
+            self.bucket_size = None
+        self.timeline = timeline
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("DistributedDataParallel: the module has no trainable parameters")
+        names = {p: n for n, p in module.named_parameters()}
+        self.params_with_grad = params
+        scaling = self._gradient_scaling_factor()
+        # Megatron keeps the list under the name `buffers` (shadowing nn.Module.buffers()).
+        self.buffers: list[ParamAndGradBuffer] = []
+        for key, group_params in group_params_for_buffers(params, config.grad_reduce_in_fp32).items():
+            self.buffers.append(ParamAndGradBuffer(
+                group_params, param_dtype=key.param_dtype, grad_dtype=key.grad_dtype,
+                dp_size=self.dp_size, dp_rank=self.dp_rank, bucket_size=self.bucket_size,
+                use_distributed_optimizer=config.use_distributed_optimizer,
+                pad_for_high_nccl_busbw=config.pad_buckets_for_high_nccl_busbw,
+                gradient_scaling_factor=scaling, param_names=names))
+        self.comm_stream = CommStream(params[0].device)
+        self.bucket_groups = [BucketGroup([b], config, self.dp_group, self.dp_size,
+                                          self.comm_stream, timeline)
+                              for buf in self.buffers for b in buf.buckets]
+        for i in range(1, len(self.bucket_groups)):  # forward order = reverse bucket order
+            self.bucket_groups[i].next_param_gather_bucket_group = self.bucket_groups[i - 1]
+        self.param_to_bucket_group = {p: g for g in self.bucket_groups for p in g.params}
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._backward_hook)
+                            for p in params]
+        self._pre_hooks: dict = {}
+        if config.overlap_param_gather:
+            self.enable_forward_pre_hook()
+
+    def _gradient_scaling_factor(self) -> float:
+        """1/dp_cp before a SUM (default); 1 with AVG or per-token normalisation."""
+        c = self.ddp_config
+        if c.calculate_per_token_loss or c.average_in_collective:
+            return 1.0
+        return 1.0 / self.dp_size
+
+    def forward(self, *args, **kwargs):
+        """Run the wrapped module."""
+        return self.module(*args, **kwargs)
+
+    def _backward_hook(self, param) -> None:
+        """Accumulate param.grad into main_grad, free it, and report the param as ready."""
+        if param.grad is not None:
+            param.main_grad.add_(param.grad)
+        param.grad = None
+        if self.timeline is not None:
+            self.timeline.record("grad", self.param_to_bucket_group[param].buckets[0].bucket_id)
+        if self.ddp_config.overlap_grad_reduce:
+            self.param_to_bucket_group[param].register_grad_ready(param)
+
+    def enable_forward_pre_hook(self) -> None:
+        """Register the pre-hooks that wait for a module's param all-gather before it runs."""
+        if not self.ddp_config.overlap_param_gather:
+            raise ValueError("forward pre-hooks need overlap_param_gather=True")
+        for m in self.module.modules():
+            if m not in self._pre_hooks:
+                self._pre_hooks[m] = m.register_forward_pre_hook(self._forward_pre_hook)
+
+    def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
+        """Remove the pre-hooks (e.g. for evaluation); by default gather all params now."""
+        for handle in self._pre_hooks.values():
+            handle.remove()
+        self._pre_hooks.clear()
+        if param_sync:
+            self.start_param_sync(force_sync=True)
+
+    def _forward_pre_hook(self, module, args) -> None:
+        """Before ``module`` runs: its parameters' all-gathers must have finished."""
+        skip_next = self.ddp_config.align_param_gather
+        for p in module.parameters(recurse=False):
+            group = self.param_to_bucket_group.get(p)
+            if group is not None:
+                group.finish_param_sync(skip_next_bucket_dispatch=skip_next)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Inside: accumulate grads only (not the last micro-batch), launch no collective."""
+        for g in self.bucket_groups:
+            g.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            for g in self.bucket_groups:
+                g.is_last_microbatch = True
+
+    def start_grad_sync(self) -> None:
+        """Launch every bucket group's grad collective now (normally the hooks do this)."""
+        for g in self.bucket_groups:
+            g.start_grad_sync()
+
+    def finish_grad_sync(self) -> None:
+        """Wait for (or run) every bucket group's grad collective."""
+        for g in self.bucket_groups:
+            g.finish_grad_sync()
+
+    def start_param_sync(self, force_sync: bool = False) -> None:
+        """All-gather the updated params of every bucket (async with overlap_param_gather)."""
+        if not self.ddp_config.use_distributed_optimizer:
+            raise ValueError("start_param_sync needs use_distributed_optimizer=True")
+        for g in self.bucket_groups:
+            g.start_param_sync(force_sync=force_sync)
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every grad buffer and reset the bucket groups for a new step."""
+        for p in self.params_with_grad:
+            p.grad = None
+        for buf in self.buffers:
+            buf.reset()
+        for g in self.bucket_groups:
+            g.reset()
+
+    def scale_gradients(self, factor) -> None:
+        """Multiply all grad buffers by ``factor`` (a float or a 1-element tensor)."""
+        for buf in self.buffers:
+            buf.scale_gradients(factor)
+
+    def broadcast_params(self) -> None:
+        """Copy DP rank 0's parameters to every DP rank (call once after init)."""
+        if self.dp_size == 1:
+            return
+        src = dist.get_global_rank(self.dp_group, 0)
+        for p in self.module.parameters():
+            dist.broadcast(p.data, src=src, group=self.dp_group)
+
+    def state_dict(self, *args, **kwargs):
+        """The wrapped module's state dict (no ``module.`` prefix), as Megatron does."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Load into the wrapped module (in-place copies, so the values land in the buffers)."""
+        return self.module.load_state_dict(state_dict, strict=strict)

@@ -1,0 +1,483 @@
+# %% [markdown]
+# # 05 · Buffers: one contiguous buffer for all grads (and params)
+#
+# Where every gradient of a step lives, and why its address decides when it can be sent.
+# We build Megatron's `_ParamAndGradBuffer`: parameters grouped by dtype, laid out in reverse
+# order, cut into buckets, padded so that every bucket splits evenly over the data-parallel
+# ranks, with each parameter's `.main_grad` (and, with the distributed optimizer, its `.data`)
+# a view into one flat tensor.
+
+# %%
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["pad_to_divisor", "pad_param_start", "bucket_end_divisor", "pad_bucket_end",
+           "BufferKey", "ParamLayout", "compute_param_layout", "group_params_for_buffers",
+           "ShardRange", "Bucket", "ParamAndGradBuffer", "plot_buffer_layout"]
+
+# %% [markdown]
+# ## Why one flat buffer
+#
+# Plain PyTorch gives every parameter its own `.grad` tensor. Data parallelism then has to
+# average every one of them across the DP ranks: a 7B Llama has 291 weight tensors, so 291
+# collectives of very different sizes, most of them too small to keep the network busy.
+# Megatron instead allocates **one flat tensor per dtype** and makes each parameter's
+# gradient a *view* into it (`param.main_grad`). Now "all-reduce the gradients" is a handful of
+# large collectives over contiguous slices — the **buckets**.
+#
+# Four layout rules make this work (`megatron/core/distributed/param_and_grad_buffer.py:889`,
+# `megatron/core/optimizer/distrib_optimizer.py:483`):
+#
+# 1. **Group by dtype.** Each `BufferKey(param_dtype, grad_dtype)` gets its own buffer
+#    (`param_and_grad_buffer.py:825`). `grad_dtype` is fp32 when `grad_reduce_in_fp32` (what
+#    Megatron's training script sets for bf16 models) else the param dtype.
+# 2. **Reverse order.** Parameters are placed last-registered first. Backward produces grads
+#    roughly in reverse registration order, so bucket 0 (the last layers) is complete first
+#    and can be reduced while earlier layers are still running backward.
+# 3. **Buckets by size.** Walk the reversed list; close a bucket as soon as it holds at least
+#    `bucket_size` elements (the parameter that crosses the threshold stays in it). Megatron's
+#    default is `max(40_000_000, 1_000_000 · dp)` elements when grads are overlapped, and one
+#    single bucket otherwise (`distributed_data_parallel.py:66-72`).
+# 4. **Padding (distributed optimizer only).** Each DP rank will own one equal slice of every
+#    bucket, so bucket ends are rounded up to a multiple of `lcm(dp, 128)` elements
+#    (`param_layout.py:29-42`); every parameter start is rounded up to 64 elements
+#    (`param_layout.py:24`) for aligned memory access. A tied embedding weight
+#    (`param.shared_embedding`) gets a bucket of its own so it sits at the same place in the
+#    first and last pipeline stage's buffers (`distrib_optimizer.py:507`).
+#
+# ### Worked example in small numbers
+#
+# Three parameters registered in the order `a` (10 elements), `b` (100), `c` (30), with
+# the distributed optimizer, `dp = 2`, `bucket_size = 100`:
+#
+# | step | param | start (64-aligned) | end | bucket fill | action |
+# |---|---|---|---|---|---|
+# | 1 | `c` | 0 | 30 | 30 | keep going |
+# | 2 | `b` | 64 | 164 | 164 ≥ 100 | close bucket 0, pad end 164 → 256 (`lcm(2,128)=128`) |
+# | 3 | `a` | 256 | 266 | 10 | last param: close bucket 1, pad 266 → 384 |
+#
+# Buffer numel 384: bucket 0 is `[0, 256)`, bucket 1 is `[256, 384)`. Rank 0 owns
+# `[0,128)` of bucket 0 and `[256,320)` of bucket 1. Without the distributed optimizer there
+# is no padding: `c=[0,30)`, `b=[30,130)` closes bucket 0 at 130, `a=[130,140)`.
+#
+# ```mermaid
+# flowchart LR
+#   subgraph B0["bucket 0 = [0, 256)"]
+#     c["c 0..30"] --> p1["pad 30..64"] --> b["b 64..164"] --> p2["pad 164..256"]
+#   end
+#   subgraph B1["bucket 1 = [256, 384)"]
+#     a["a 256..266"] --> p3["pad 266..384"]
+#   end
+#   B0 --> B1
+# ```
+
+# %%
+def pad_to_divisor(value: int, divisor: int) -> int:
+    """Round ``value`` up to a multiple of ``divisor``."""
+    return int(math.ceil(value / divisor) * divisor)
+
+
+def pad_param_start(index: int) -> int:
+    """Align a parameter start to 64 elements (Megatron's `pad_param_start`)."""
+    return pad_to_divisor(index, 64)
+
+
+def bucket_end_divisor(dp_size: int, pad_for_high_nccl_busbw: bool = False) -> int:
+    """What a bucket end is padded to: lcm(dp, 128), or lcm(dp, 128, 2**16) for NCCL busbw."""
+    if pad_for_high_nccl_busbw:
+        return math.lcm(dp_size, 128, 2**16)
+    return math.lcm(dp_size, 128)
+
+
+def pad_bucket_end(end: int, dp_size: int, pad_for_high_nccl_busbw: bool = False) -> int:
+    """Round a bucket end up so the bucket splits evenly into ``dp_size`` shards."""
+    return pad_to_divisor(end, bucket_end_divisor(dp_size, pad_for_high_nccl_busbw))
+
+
+# %%
+@dataclass(frozen=True)
+class BufferKey:
+    """Which buffer a parameter goes into: one buffer per (param dtype, grad dtype)."""
+
+    param_dtype: torch.dtype
+    grad_dtype: torch.dtype
+
+
+def group_params_for_buffers(params, grad_reduce_in_fp32: bool) -> dict[BufferKey, list]:
+    """Group trainable params by BufferKey, keeping registration order inside each group."""
+    groups: dict[BufferKey, list] = {}
+    for p in params:
+        if not p.requires_grad:
+            raise ValueError(f"param of shape {tuple(p.shape)} does not require grad")
+        grad_dtype = torch.float32 if grad_reduce_in_fp32 else p.dtype
+        groups.setdefault(BufferKey(p.dtype, grad_dtype), []).append(p)
+    return groups
+
+
+# %%
+@dataclass
+class ParamLayout:
+    """Where each param sits: ``param_index_map[p] = (start, end, bucket_id)`` plus bucket ranges."""
+
+    param_index_map: dict = field(default_factory=dict)
+    bucket_indices: list = field(default_factory=list)  # [(start, end)] padded
+    per_bucket_numel_unpadded: list = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        """Elements in the whole buffer (end of the last bucket)."""
+        return self.bucket_indices[-1][1] if self.bucket_indices else 0
+
+
+def compute_param_layout(params, bucket_size: int | None, dp_size: int, *,
+                         use_distributed_optimizer: bool,
+                         pad_for_high_nccl_busbw: bool = False) -> ParamLayout:
+    """Lay ``params`` out in reverse order, cut into buckets, padded for the distributed optimizer."""
+    if bucket_size is not None and bucket_size <= 0:
+        raise ValueError(f"bucket_size must be positive or None, got {bucket_size}")
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    pad = use_distributed_optimizer
+    layout = ParamLayout()
+    bucket_start = start = end = 0
+    open_params = 0
+
+    def close(param_end: int) -> int:
+        layout.per_bucket_numel_unpadded.append(param_end - bucket_start)
+        bucket_end = pad_bucket_end(param_end, dp_size, pad_for_high_nccl_busbw) if pad else param_end
+        layout.bucket_indices.append((bucket_start, bucket_end))
+        return bucket_end
+
+    for p in reversed(list(params)):
+        own_bucket = pad and getattr(p, "shared_embedding", False)
+        start = pad_param_start(start) if pad else start
+        if own_bucket and open_params:  # close the current bucket before a tied embedding
+            bucket_start = start = close(start)
+            open_params = 0
+        end = start + p.numel()
+        layout.param_index_map[p] = (start, end, len(layout.bucket_indices))
+        open_params += 1
+        if (bucket_size is not None and end - bucket_start >= bucket_size) or own_bucket:
+            bucket_start = start = close(end)
+            open_params = 0
+        else:
+            start = end
+    if open_params:
+        close(end)
+    return layout
+
+
+# %% [markdown]
+# ## Buckets and shards
+#
+# A bucket is a `[start, end)` slice of the buffer plus the parameters inside it. With the
+# distributed optimizer DP rank `r` owns the shard `[r·S, (r+1)·S)` of every bucket, where
+# `S = bucket.numel / dp`; after the reduce-scatter only that shard holds the averaged
+# gradient, and the optimizer updates only the parameter pieces in it. A shard boundary can
+# cut a parameter in two, so the optimizer needs, for every parameter touching its shard,
+# *which elements of the parameter* map to *which elements of the shard*: `ShardRange`
+# (Megatron's DistributedOptimizer builds the same map in
+# `distrib_optimizer.py` `_build_model_gbuf_param_range_map`).
+
+# %%
+@dataclass(frozen=True)
+class ShardRange:
+    """One param's piece inside one DP rank's shard of a bucket (all ranges are [start, end))."""
+
+    param: torch.nn.Parameter
+    param_start: int   # flat element range inside the param
+    param_end: int
+    shard_start: int   # the same elements inside the rank's shard
+    shard_end: int
+    bucket_start: int  # ... inside the bucket
+    bucket_end: int
+    buffer_start: int  # ... inside the whole buffer
+    buffer_end: int
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of this piece."""
+        return self.param_end - self.param_start
+
+
+class Bucket:
+    """A contiguous slice of the buffer: its params, grad/param views, and per-DP-rank shards."""
+
+    def __init__(self, params, param_data, grad_data, offset: int, numel_unpadded: int,
+                 bucket_id: int, param_index_map: dict, dp_size: int, dp_rank: int,
+                 gradient_scaling_factor: float):
+        self.params = list(params)  # layout order (reverse registration order)
+        self.param_data = param_data  # None without the distributed optimizer
+        self.grad_data = grad_data
+        self.offset = offset
+        self.numel_unpadded = numel_unpadded
+        self.bucket_id = bucket_id
+        self.dp_size, self.dp_rank = dp_size, dp_rank
+        self.gradient_scaling_factor = gradient_scaling_factor
+        self.param_to_index = {p: (param_index_map[p][0] - offset, param_index_map[p][1] - offset)
+                               for p in self.params}
+
+    @property
+    def numel(self) -> int:
+        """Elements in the bucket, padding included."""
+        return self.grad_data.numel()
+
+    @property
+    def shard_size(self) -> int:
+        """Elements each DP rank owns."""
+        return self.numel // self.dp_size
+
+    def shard_range(self, rank: int | None = None) -> tuple[int, int]:
+        """Bucket-local [start, end) owned by DP ``rank`` (default: this rank)."""
+        rank = self.dp_rank if rank is None else rank
+        if not 0 <= rank < self.dp_size:
+            raise ValueError(f"dp rank {rank} out of range for dp size {self.dp_size}")
+        return rank * self.shard_size, (rank + 1) * self.shard_size
+
+    def grad_shard(self, rank: int | None = None) -> torch.Tensor:
+        """View of the grad buffer that DP ``rank`` owns in this bucket."""
+        s, e = self.shard_range(rank)
+        return self.grad_data[s:e]
+
+    def param_shard(self, rank: int | None = None) -> torch.Tensor:
+        """View of the param buffer that DP ``rank`` owns (distributed optimizer only)."""
+        if self.param_data is None:
+            raise ValueError("this buffer has no param_data (use_distributed_optimizer=False)")
+        s, e = self.shard_range(rank)
+        return self.param_data[s:e]
+
+    def shard_param_ranges(self, rank: int | None = None) -> list[ShardRange]:
+        """Every param piece inside DP ``rank``'s shard, in layout order."""
+        shard_start, shard_end = self.shard_range(rank)
+        out = []
+        for p in self.params:
+            p_start, p_end = self.param_to_index[p]
+            lo, hi = max(p_start, shard_start), min(p_end, shard_end)
+            if lo < hi:
+                out.append(ShardRange(p, lo - p_start, hi - p_start, lo - shard_start,
+                                      hi - shard_start, lo, hi, lo + self.offset, hi + self.offset))
+        return out
+
+    def __repr__(self) -> str:
+        return (f"Bucket(id={self.bucket_id}, [{self.offset}, {self.offset + self.numel}), "
+                f"{len(self.params)} params, unpadded {self.numel_unpadded})")
+
+
+# %% [markdown]
+# ## The buffer
+#
+# `ParamAndGradBuffer` allocates `grad_data` (zeros, `grad_dtype`) always and `param_data`
+# (`param_dtype`) only with the distributed optimizer (`param_and_grad_buffer.py:962`). Then,
+# for every parameter, `param.main_grad = grad_data[start:end].view(shape)` (`:1220`); with the
+# distributed optimizer the parameter's current values are copied into `param_data` and
+# `param.data` is **re-pointed** to that view (`:1205-1216`). From then on the optimizer writes
+# new bf16 weights into `param_data` and one all-gather per bucket refreshes every rank's model
+# — no per-tensor copies anywhere.
+
+# %%
+class ParamAndGradBuffer:
+    """Flat grad (and param) storage for params of one (param dtype, grad dtype), cut into buckets."""
+
+    def __init__(self, params, *, param_dtype: torch.dtype, grad_dtype: torch.dtype,
+                 dp_size: int = 1, dp_rank: int = 0, bucket_size: int | None = None,
+                 use_distributed_optimizer: bool = False, pad_for_high_nccl_busbw: bool = False,
+                 gradient_scaling_factor: float = 1.0, param_names: dict | None = None):
+        self.params = list(params)
+        if not self.params:
+            raise ValueError("ParamAndGradBuffer needs at least one parameter")
+        for p in self.params:
+            if p.dtype != param_dtype:
+                raise ValueError(f"param dtype {p.dtype} != buffer param_dtype {param_dtype}")
+        self.param_dtype, self.grad_dtype = param_dtype, grad_dtype
+        self.dp_size, self.dp_rank = dp_size, dp_rank
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.param_names = param_names or {}
+        self.layout = compute_param_layout(self.params, bucket_size, dp_size,
+                                           use_distributed_optimizer=use_distributed_optimizer,
+                                           pad_for_high_nccl_busbw=pad_for_high_nccl_busbw)
+        self.param_index_map = self.layout.param_index_map
+        self.numel = self.layout.numel
+        if use_distributed_optimizer:
+            assert self.numel % dp_size == 0, (self.numel, dp_size)
+        device = self.params[0].device
+        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        self.param_data = (torch.zeros(self.numel, dtype=param_dtype, device=device)
+                           if use_distributed_optimizer else None)
+        self._attach_views()
+        self.buckets = self._make_buckets(gradient_scaling_factor)
+        self.param_to_bucket = {p: b for b in self.buckets for p in b.params}
+
+    def _attach_views(self) -> None:
+        """Point each param's main_grad (and .data with the distributed optimizer) into the buffer."""
+        for p in self.params:
+            start, end, _ = self.param_index_map[p]
+            if self.param_data is not None:
+                view = self.param_data[start:end].view(p.shape)
+                view.copy_(p.data)
+                p.data = view
+            p.main_grad = self.grad_data[start:end].view(p.shape)
+
+    def _make_buckets(self, scaling: float) -> list[Bucket]:
+        """One Bucket per layout range, holding views of both buffers."""
+        by_bucket: dict[int, list] = {}
+        for p, (start, _, b) in sorted(self.param_index_map.items(), key=lambda kv: kv[1][0]):
+            by_bucket.setdefault(b, []).append(p)
+        buckets = []
+        for b, (start, end) in enumerate(self.layout.bucket_indices):
+            pdata = self.param_data[start:end] if self.param_data is not None else None
+            buckets.append(Bucket(by_bucket.get(b, []), pdata, self.grad_data[start:end], start,
+                                  self.layout.per_bucket_numel_unpadded[b], b,
+                                  self.param_index_map, self.dp_size, self.dp_rank, scaling))
+        return buckets
+
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply the whole grad buffer by ``factor`` in place."""
+        self.grad_data.mul_(factor)
+
+    def reset(self) -> None:
+        """Zero the grad buffer (every main_grad with it)."""
+        self.grad_data.zero_()
+
+    def name(self, p) -> str:
+        """A readable name for ``p`` (its module path when known)."""
+        if p in self.param_names:
+            return self.param_names[p]
+        return f"param{next(i for i, q in enumerate(self.params) if q is p)}"
+
+    def __repr__(self) -> str:
+        return (f"ParamAndGradBuffer({self.param_dtype}->{self.grad_dtype}, numel={self.numel}, "
+                f"{len(self.buckets)} buckets, dp={self.dp_size})")
+
+
+# %% [markdown]
+# ## Drawing a real buffer
+#
+# `plot_buffer_layout` reads nothing but the data structure above: each parameter's
+# `(start, end)`, each bucket's range, and the padding between them, with one row per DP rank
+# showing which part of every bucket that rank owns.
+
+# %%
+def plot_buffer_layout(buffer: ParamAndGradBuffer, ax=None, title: str = ""):
+    """Draw params, padding, bucket boundaries and each DP rank's shard of ``buffer``."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(11, 1.2 + 0.45 * buffer.dp_size))
+    cmap = plt.get_cmap("tab20")
+    ax.barh(0, buffer.numel, left=0, height=0.8, color="#dddddd", hatch="//", edgecolor="#999999")
+    for i, p in enumerate(sorted(buffer.params, key=lambda q: buffer.param_index_map[q][0])):
+        s, e, _ = buffer.param_index_map[p]
+        ax.barh(0, e - s, left=s, height=0.8, color=cmap(i % 20), edgecolor="black", lw=0.5)
+        if e - s > buffer.numel / 30:
+            ax.text((s + e) / 2, 0, buffer.name(p), ha="center", va="center", fontsize=7,
+                    rotation=90 if e - s < buffer.numel / 8 else 0)
+    for b in buffer.buckets:
+        ax.axvline(b.offset, color="red", lw=1.5)
+        ax.text(b.offset + b.numel / 2, 0.55, f"bucket {b.bucket_id}", ha="center", color="red",
+                fontsize=8)
+        for r in range(buffer.dp_size):
+            s, e = b.shard_range(r)
+            ax.barh(-1 - r, e - s, left=b.offset + s, height=0.6, color=plt.get_cmap("Set2")(r),
+                    edgecolor="black", lw=0.5)
+    ax.axvline(buffer.numel, color="red", lw=1.5)
+    ax.set_yticks([0] + [-1 - r for r in range(buffer.dp_size)],
+                  ["params"] + [f"dp rank {r}" for r in range(buffer.dp_size)])
+    ax.set_xlabel("element offset in the flat buffer (grey hatch = padding)")
+    ax.set_title(title or repr(buffer), fontsize=9)
+    return ax
+
+
+# %% [markdown]
+# ## Demo: the worked example, then a small Llama-like block
+#
+# First the three-parameter example from the table, checked number by number; then the
+# buffer of a two-layer toy transformer stack (embedding, per layer: norm, QKV, proj, norm,
+# MLP up/down; final norm) as Megatron would lay it out for a 4-way data-parallel run.
+
+# %%
+if __name__ == "__main__":
+    a, b, c = (torch.nn.Parameter(torch.randn(n)) for n in (10, 100, 30))
+    buf = ParamAndGradBuffer([a, b, c], param_dtype=torch.float32, grad_dtype=torch.float32,
+                             dp_size=2, bucket_size=100, use_distributed_optimizer=True,
+                             param_names={a: "a", b: "b", c: "c"})
+    for p in (c, b, a):
+        print(buf.name(p), buf.param_index_map[p])
+    print([bk.shard_range(0) for bk in buf.buckets], buf.buckets)
+    assert buf.param_index_map[c] == (0, 30, 0) and buf.param_index_map[b] == (64, 164, 0)
+    assert buf.param_index_map[a] == (256, 266, 1) and buf.numel == 384
+    assert a.main_grad.data_ptr() == buf.grad_data[256:].data_ptr()
+    assert a.data.data_ptr() == buf.param_data[256:].data_ptr()  # re-pointed into param_data
+    plain = compute_param_layout([a, b, c], 100, 2, use_distributed_optimizer=False)
+    assert [plain.param_index_map[p] for p in (c, b, a)] == [(0, 30, 0), (30, 130, 0), (130, 140, 1)]
+
+# %%
+if __name__ == "__main__":
+    import matplotlib.pyplot as plt
+
+    h, ffn, vocab = 64, 160, 96
+    torch.manual_seed(0)
+    stack = torch.nn.ModuleDict({"embedding": torch.nn.Embedding(vocab, h)})
+    for i in range(2):
+        stack[f"l{i}_norm1"] = torch.nn.RMSNorm(h)
+        stack[f"l{i}_qkv"] = torch.nn.Linear(h, 3 * h, bias=False)
+        stack[f"l{i}_proj"] = torch.nn.Linear(h, h, bias=False)
+        stack[f"l{i}_norm2"] = torch.nn.RMSNorm(h)
+        stack[f"l{i}_fc1"] = torch.nn.Linear(h, ffn, bias=False)
+        stack[f"l{i}_fc2"] = torch.nn.Linear(ffn, h, bias=False)
+    stack["final_norm"] = torch.nn.RMSNorm(h)
+    stack = stack.to(torch.bfloat16)  # .to() makes new Parameters: take names afterwards
+    names = {p: n.replace(".weight", "") for n, p in stack.named_parameters()}
+    (key, params), = group_params_for_buffers(stack.parameters(), grad_reduce_in_fp32=True).items()
+    buf = ParamAndGradBuffer(params, param_dtype=key.param_dtype, grad_dtype=key.grad_dtype,
+                             dp_size=4, bucket_size=30_000, use_distributed_optimizer=True,
+                             param_names=names)
+    print(key, buf)
+    for bk in buf.buckets:
+        print(bk, [buf.name(p) for p in bk.params])
+    print("rank 1's shard of bucket 0:",
+          [(buf.name(r.param), (r.param_start, r.param_end), (r.shard_start, r.shard_end))
+           for r in buf.buckets[0].shard_param_ranges(1)])
+    plot_buffer_layout(buf, title="bf16 params / fp32 grads, dp=4, bucket_size=30000")
+    plt.tight_layout()
+    plt.show()
+    assert buf.buckets[0].params[0] is stack["final_norm"].weight  # reverse order: last first
+    assert all(bk.numel % math.lcm(4, 128) == 0 for bk in buf.buckets)
+    assert all(buf.param_index_map[p][0] % 64 == 0 for p in params)
+    assert all(p.main_grad.dtype == torch.float32 and p.dtype == torch.bfloat16 for p in params)
+    pieces = sum(r.numel for bk in buf.buckets for rk in range(4) for r in bk.shard_param_ranges(rk))
+    assert pieces == sum(p.numel() for p in params)  # the shards cover every element exactly once
+
+# %% [markdown]
+# ## Summary
+#
+# - One flat buffer per `(param dtype, grad dtype)`; every `main_grad` (and, with the
+#   distributed optimizer, every `param.data`) is a view into it.
+# - Reverse registration order puts the last layers in bucket 0, which backward fills first.
+# - Buckets close once they reach `bucket_size`; with the distributed optimizer param starts
+#   are 64-aligned and bucket ends padded to `lcm(dp, 128)` so each DP rank owns an equal
+#   shard; a tied embedding gets a bucket of its own.
+# - `Bucket.shard_param_ranges(r)` maps DP rank `r`'s shard back to parameter pieces: this is
+#   what chapter 02's distributed optimizer updates.
+#
+# ## How production does it
+#
+# - Megatron-LM: `megatron/core/distributed/param_and_grad_buffer.py` (`_ParamAndGradBuffer`
+#   :940, `_ParamAndGradBucket` :72, `group_params_for_buffers` :825, default layout :889),
+#   `megatron/core/optimizer/param_layout.py` (padding helpers :19-42, `BufferKey` :46),
+#   `megatron/core/optimizer/distrib_optimizer.py:483` (the padded layout).
+# - PyTorch DDP (`torch/nn/parallel/distributed.py`, the C++ `Reducer`) also buckets grads
+#   (25 MB default, first bucket 1 MB) but copies grads into bucket storage unless
+#   `gradient_as_bucket_view=True`; FSDP2 (`torch.distributed.fsdp`) shards per parameter
+#   group instead of per bucket.
+#
+# ## Exercises
+#
+# 1. Lay out ten 95×95 weights with `bucket_size=18000` and `dp=4` with and without the
+#    distributed optimizer; how many buckets and how much padding in each case?
+# 2. Turn on `pad_for_high_nccl_busbw` for the toy stack. How much bigger does the buffer get?
+# 3. Why must a tied embedding have its own bucket for the first and last pipeline stage to
+#    agree on which DP rank owns which element?

@@ -1,0 +1,183 @@
+"""Rank functions for tests/test_buffers*.py (spawned ranks need module-level functions)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+import torch.distributed as dist
+
+from tinytron.buffers import DistributedDataParallel, DistributedDataParallelConfig
+from tinytron.buffers._comm import CommTimeline
+from tinytron.buffers._workers import TinyNet, lm_loss, make_batches
+from tinytron.parallel import ParallelGrid
+
+LR = 0.1
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+def _reference_grads(ref, batches_step, dtype) -> dict:
+    """Grads of the global-mean loss over every rank's micro-batches, in one process."""
+    world, num_micro = batches_step.shape[:2]
+    for p in ref.parameters():
+        p.grad = None
+    if dtype == torch.float32:  # the combined batch in one forward
+        lm_loss(ref, batches_step.reshape(-1, batches_step.shape[-1])).backward()
+        return {n: p.grad.clone() for n, p in ref.named_parameters()}
+    acc = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in ref.named_parameters()}
+    for r in range(world):  # bf16: same micro-batches, fp32 accumulation like main_grad
+        for m in range(num_micro):
+            (lm_loss(ref, batches_step[r, m]) / (num_micro * world)).backward()
+            for n, p in ref.named_parameters():
+                acc[n] += p.grad.float()
+                p.grad = None
+    return acc
+
+
+def _sgd_reference(ref, grads) -> None:
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            p.copy_((p.float() - LR * grads[n]).to(p.dtype))
+
+
+def _sgd_ddp(ddp, cfg) -> None:
+    """SGD on what this rank owns: its shard of each bucket (DistOpt) or every param."""
+    with torch.no_grad():
+        if not cfg.use_distributed_optimizer:
+            for p in ddp.params_with_grad:
+                p.copy_((p.float() - LR * p.main_grad).to(p.dtype))
+            return
+        for buf in ddp.buffers:
+            for b in buf.buckets:
+                ps, gs = b.param_shard(), b.grad_shard()
+                for sr in b.shard_param_ranges():
+                    sl = slice(sr.shard_start, sr.shard_end)
+                    ps[sl] = (ps[sl].float() - LR * gs[sl]).to(ps.dtype)
+        if not cfg.overlap_param_gather:
+            ddp.start_param_sync()  # with overlap the next forward's pre-hooks gather
+
+
+def _compare_grads(ddp, ref_grads, names, cfg) -> float:
+    """Worst relative error of the synced grads this rank is responsible for."""
+    worst = 0.0
+    if not cfg.use_distributed_optimizer:
+        for p in ddp.params_with_grad:
+            worst = max(worst, _rel_err(p.main_grad, ref_grads[names[p]]))
+        return worst
+    for buf in ddp.buffers:
+        for b in buf.buckets:
+            for sr in b.shard_param_ranges():
+                mine = sr.param.main_grad.reshape(-1)[sr.param_start:sr.param_end]
+                ref = ref_grads[names[sr.param]].reshape(-1)[sr.param_start:sr.param_end]
+                worst = max(worst, _rel_err(mine, ref))
+    return worst
+
+
+def _install_read_checks(ddp, ref, violations: list) -> None:
+    """Pre-hooks (after DDP's) asserting each module's params already hold the new values."""
+    ref_params = dict(ref.named_parameters())
+    for mod_name, m in ddp.module.named_modules():
+        direct = [(n, p) for n, p in m.named_parameters(recurse=False)]
+        if not direct:
+            continue
+
+        def check(module, args, direct=direct, prefix=mod_name):
+            for n, p in direct:
+                full = f"{prefix}.{n}" if prefix else n
+                if not torch.equal(p.data, ref_params[full].data):
+                    violations.append(full)
+        m.register_forward_pre_hook(check)
+
+
+def run_case(grid, case: dict) -> dict:
+    """Train ``case['steps']`` steps with DDP and the reference side by side; report errors."""
+    dtype = case.get("dtype", torch.float32)
+    num_micro, steps = case.get("num_micro", 2), case.get("steps", 3)
+    cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, **case["ddp"])
+    torch.manual_seed(0)
+    model = TinyNet().to(dtype)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, grid, cfg)
+    names = {p: n for n, p in model.named_parameters()}
+    violations: list = []
+    if cfg.overlap_param_gather:
+        _install_read_checks(ddp, ref, violations)
+    batches = make_batches(1, steps, grid.size("dp"), num_micro, micro_bs=2)
+    r = grid.rank("dp")
+    errs = []
+    for step in range(steps):
+        ddp.zero_grad_buffer()
+        for m in range(num_micro):
+            ctx = ddp.no_sync() if m < num_micro - 1 else contextlib.nullcontext()
+            with ctx:
+                (lm_loss(ddp, batches[step, r, m]) / num_micro).backward()
+        ddp.finish_grad_sync()
+        assert all(p.grad is None for p in model.parameters())
+        ref_grads = _reference_grads(ref, batches[step], dtype)
+        errs.append(_compare_grads(ddp, ref_grads, names, cfg))
+        _sgd_ddp(ddp, cfg)
+        _sgd_reference(ref, ref_grads)
+    if cfg.overlap_param_gather:
+        ddp.disable_forward_pre_hook()  # gathers the last update synchronously
+    flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    ref_flat = torch.cat([p.detach().float().reshape(-1) for p in ref.parameters()])
+    return {"name": case["name"], "grad_err": max(errs), "param_err": _rel_err(flat, ref_flat),
+            "params": flat, "violations": violations,
+            "num_buckets": sum(len(b.buckets) for b in ddp.buffers)}
+
+
+def parity_cases(cases: list[dict]) -> list[dict]:
+    """Rank function: run every case on a dp-only grid of the whole world."""
+    grid = ParallelGrid()
+    return [run_case(grid, c) for c in cases]
+
+
+def shard_vs_allreduce() -> dict:
+    """Each rank's reduce-scatter shard equals its slice of the all-reduced (mean) buffer."""
+    grid = ParallelGrid()
+    dp, r = grid.size("dp"), grid.rank("dp")
+    torch.manual_seed(0)
+    model = TinyNet()
+    cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
+                                        bucket_size=1500)
+    ddp = DistributedDataParallel(model, grid, cfg)
+    batches = make_batches(2, 1, dp, 1, micro_bs=2)
+    lm_loss(ddp, batches[0, r, 0]).backward()  # first step: nothing launched until finish
+    expected = []
+    for buf in ddp.buffers:
+        full = buf.grad_data.clone()
+        dist.all_reduce(full, group=grid.group("dp"))
+        full /= dp
+        expected.append([full[b.offset:b.offset + b.numel][slice(*b.shard_range())]
+                         for b in buf.buckets])
+    ddp.finish_grad_sync()
+    worst = 0.0
+    for buf, exp in zip(ddp.buffers, expected):
+        for b, e in zip(buf.buckets, exp):
+            worst = max(worst, (b.grad_shard() - e).abs().max().item())
+    return {"max_abs_diff": worst, "num_buckets": len(ddp.buffers[0].buckets)}
+
+
+def timeline_case(overlap: bool, bucket_size: int = 1500) -> dict:
+    """Second-step backward timeline (events per bucket) with overlap on or off."""
+    grid = ParallelGrid()
+    r = grid.rank("dp")
+    torch.manual_seed(0)
+    timeline = CommTimeline()
+    cfg = DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=bucket_size,
+                                        use_distributed_optimizer=True)
+    ddp = DistributedDataParallel(TinyNet(), grid, cfg, timeline=timeline,
+                                  disable_bucketing=False)
+    batches = make_batches(3, 2, grid.size("dp"), 1, micro_bs=4)
+    for step in range(2):
+        ddp.zero_grad_buffer()
+        loss = lm_loss(ddp, batches[step, r, 0])
+        timeline.reset()
+        loss.backward()
+        timeline.record("backward_end", -1)
+        ddp.finish_grad_sync()
+    return {"events": list(timeline.events), "num_buckets": len(ddp.bucket_groups)}
