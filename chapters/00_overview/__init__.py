@@ -1,3 +1,3 @@
 """00 · The big picture: from data to a weight update (labels, masks, one loss contract)."""
 
-__pages__ = ["batch", "sft", "loss", "grpo"]
+__pages__ = ["pipeline", "batch", "sft", "loss", "grpo", "modes"]

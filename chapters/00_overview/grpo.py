@@ -137,25 +137,28 @@ def grpo_loss_func(loss_mask: torch.Tensor, parts: dict, output_tensor: torch.Te
 @torch.no_grad()
 def sample_completions(model, prompts: torch.Tensor, group_size: int, max_new_tokens: int,
                        end_id: int, pad_id: int, generator: torch.Generator | None = None):
-    """(sequences [P*G, Lp+T], sampled-token logprobs [P*G, T]) from prompts [P, Lp]."""
+    """(sequences [P*G, Lp+T], sampled-token logprobs [P*G, T], generated mask [P*G, T])."""
     seqs = prompts.repeat_interleave(group_size, dim=0)
-    logps, done = [], torch.zeros(seqs.shape[0], dtype=torch.bool)
+    logps, live = [], []
+    done = torch.zeros(seqs.shape[0], dtype=torch.bool)
     for _ in range(max_new_tokens):
         logits = model(seqs)[:, -1].float()
         probs = torch.softmax(logits, dim=-1)
         nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         logps.append(torch.log(probs.gather(-1, nxt[:, None]).squeeze(-1)))
+        live.append(~done)
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
-        done |= nxt == end_id
+        done = done | (nxt == end_id)
         seqs = torch.cat([seqs, nxt[:, None]], dim=1)
-    return seqs, torch.stack(logps, dim=1)
+    return seqs, torch.stack(logps, dim=1), torch.stack(live, dim=1)
 
 
-def completion_loss_mask(seqs: torch.Tensor, prompt_len: int, pad_id: int) -> torch.Tensor:
-    """[b, L-1] float mask: 1 where the predicted token is generated and not padding."""
-    target = seqs[:, 1:]
-    is_generated = torch.arange(1, seqs.shape[1]) >= prompt_len
-    return (is_generated[None, :] & (target != pad_id)).float()
+def completion_loss_mask(generated: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """[b, L-1] float mask in log-prob space from the [b, T] generated-token mask."""
+    if prompt_len < 1:
+        raise ValueError(f"prompt_len must be >= 1, got {prompt_len}")
+    prompt_part = torch.zeros(generated.shape[0], prompt_len - 1)
+    return torch.cat([prompt_part, generated.float()], dim=1)
 
 
 # %% [markdown]

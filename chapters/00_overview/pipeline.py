@@ -1,0 +1,140 @@
+# %% [markdown]
+# # 00 · The big picture: one training step, from data to a weight update
+#
+# Every chapter of this book zooms into one box of a single picture: a batch of tokens goes in,
+# a loss comes out, gradients flow back, and the optimizer moves the weights a little. This page
+# draws that picture, then runs it once on a tiny model and prints what each box produced.
+#
+# What you will build: `one_step`, a training step that keeps every intermediate (tokens,
+# logits, per-token loss, loss, gradient norm, update size) so you can look at them.
+
+# %%
+from __future__ import annotations
+
+import torch
+
+from tinytron.overview.loss import lm_loss_func, microbatch_objective
+
+__all__ = ["one_step"]
+
+# %% [markdown]
+# ## The pipeline
+#
+# ```mermaid
+# flowchart LR
+#   D["dataset<br/>seq_length+1 tokens"] --> B["batch<br/>tokens, labels,<br/>masks, positions"]
+#   B --> F["forward<br/>logits [b,s,V]"]
+#   F --> L["per-token CE [b,s]<br/>× loss mask"]
+#   L --> C["loss contract<br/>(loss_sum, num_tokens, report)"]
+#   C --> K["backward<br/>grads accumulate"]
+#   K --> R["finalize grads<br/>DP reduce, clip"]
+#   R --> O["optimizer.step<br/>weights move"]
+#   O -. next iteration .-> D
+# ```
+#
+# In numbers, for the demo below: 2 samples of 16 tokens, a vocabulary of 262 byte-level ids,
+# so the logits are $2 \times 16 \times 262$; at initialisation every token is about equally
+# likely, so the per-token loss starts near $\ln 262 \approx 5.57$. The loss is the masked mean
+# $\sum_i \ell_i m_i / \sum_i m_i$; its gradient is clipped to norm 1 and AdamW's first step moves
+# every weight by about the learning rate, whatever the gradient's scale.
+#
+# Megatron's version of each box: the dataset (`megatron/core/datasets/gpt_dataset.py:225`),
+# `get_batch` and `loss_func` (`pretrain_gpt.py:76`, `:121`), the schedule that runs forward and
+# backward per micro-batch (`megatron/core/pipeline_parallel/schedules.py:251`, `:494`),
+# `finalize_model_grads` (`megatron/core/distributed/finalize_model_grads.py:445`) and the
+# optimizer step inside `train_step` (`megatron/training/training.py`).
+
+# %%
+def one_step(model, optimizer, batch: dict, clip_grad: float = 1.0) -> dict:
+    """One pretraining step on one micro-batch that returns every intermediate for inspection."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(batch["tokens"], batch.get("position_ids"),
+                   attention_mask=batch.get("attention_mask"))
+    v = logits.shape[-1]
+    per_token = torch.nn.functional.cross_entropy(
+        logits.float().reshape(-1, v), batch["labels"].reshape(-1), reduction="none"
+    ).view(batch["labels"].shape)
+    loss_sum, num_tokens, report = lm_loss_func(batch["loss_mask"], per_token)
+    loss = microbatch_objective(loss_sum, num_tokens, 1, calculate_per_token_loss=False)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip_grad)
+    before = [p.detach().clone() for p in params]
+    optimizer.step()
+    deltas = [(p.detach() - b) for p, b in zip(params, before)]
+    return {"logits": logits.detach(), "per_token_loss": per_token.detach(), "loss": float(loss),
+            "num_tokens": int(num_tokens), "report": report, "grad_norm": float(grad_norm),
+            "update_norm": float(torch.sqrt(sum((d ** 2).sum() for d in deltas))),
+            "max_update": max(float(d.abs().max()) for d in deltas)}
+
+
+# %% [markdown]
+# ## Demo: one step on a tiny model
+
+# %%
+if __name__ == "__main__":
+    import copy
+    import math
+
+    from tinytron.overview._tiny_model import build_demo_model
+    from tinytron.overview.batch import ByteTokenizer, build_gpt_sample
+    from tinytron.overview.loss import pretrain_forward_step, train_step
+
+    torch.set_num_threads(1)
+    tok = ByteTokenizer()
+    text = "the cat sat on the mat.<eod>a dog ran far away."
+    ids = [i for part in text.split("<eod>") for i in tok.encode(part) + [tok.eod]]
+    stream = torch.tensor(ids[:33])
+    samples = [build_gpt_sample(stream[k * 16: k * 16 + 17], tok.eod, tok.pad,
+                                reset_position_ids=True, reset_attention_mask=True,
+                                eod_mask_loss=True) for k in range(2)]
+    batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+    model, name = build_demo_model(vocab_size=tok.vocab_size, seq_length=16)
+    twin = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    out = one_step(model, opt, batch)
+
+    print(f"model            : {name}")
+    print("1 tokens         :", [tok.decode(r) for r in batch["tokens"]])
+    print("  labels         :", [tok.decode(r) for r in batch["labels"]])
+    print("2 logits         :", tuple(out["logits"].shape), "argmax ids of row 0:",
+          out["logits"][0].argmax(-1)[:8].tolist(), "...")
+    print("3 per-token loss :", [round(x, 2) for x in out["per_token_loss"][0].tolist()])
+    print("  loss mask      :", batch["loss_mask"][0].int().tolist())
+    print(f"4 loss           : {out['loss']:.4f} over {out['num_tokens']} tokens (ln 262 = {math.log(262):.4f})")
+    print(f"5 grad norm      : {out['grad_norm']:.4f} (clipped to 1.0)")
+    print(f"6 update         : norm {out['update_norm']:.4f}, largest |dw| {out['max_update']:.2e} (lr 1e-3)")
+
+    assert abs(out["loss"] - math.log(262)) < 0.5                # near-uniform at initialisation
+    assert out["num_tokens"] == int(batch["loss_mask"].sum())
+    assert out["max_update"] <= 1e-3 * 1.01                      # Adam's first step: |dw| <= lr
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3, weight_decay=0.0)
+    same = train_step(twin, twin_opt, [batch], pretrain_forward_step)  # the reusable step agrees
+    assert abs(same["lm loss"] - out["loss"]) < 1e-5 and abs(same["grad_norm"] - out["grad_norm"]) < 1e-4
+
+# %% [markdown]
+# ## What happens next
+#
+# | box | Megatron at e03878b5f | where this book builds it for real |
+# |---|---|---|
+# | labels, masks, positions | `megatron/core/datasets/gpt_dataset.py:225`, `:706` | this chapter's *batch* page; chapter 04 |
+# | SFT packing, `cu_seqlens` | `megatron/training/datasets/sft_dataset.py:51` | *SFT* page; chapter 04 `get_batch` |
+# | the loss contract | `pretrain_gpt.py:121`, `schedules.py:251` | *loss* page; chapter 01 |
+# | forward/backward schedules | `megatron/core/pipeline_parallel/schedules.py` | chapter 01 |
+# | grad buffers, DP reduce, `finalize_model_grads` | `megatron/core/distributed/` | chapter 05 |
+# | clipping, Adam, fp32 master weights | `megatron/core/optimizer/` | chapter 02 |
+# | checkpoint of weights + optimizer + RNG | `megatron/training/checkpointing.py` | chapter 03 |
+# | activation memory, recompute | `megatron/core/tensor_parallel/random.py` | chapters 06, 07 |
+# | GRPO | `megatron/rl/rl_utils.py:1855`, `train_rl.py:85` | *GRPO* and *modes* pages |
+#
+# ## Summary
+#
+# One step is: make a batch, run the model to logits, turn logits and labels into a masked
+# per-token loss, reduce it through the loss contract, back-propagate, clip, and step. The
+# numbers to watch are the ones printed above: a loss near $\ln V$ at initialisation, the token
+# count behind it, the gradient norm before clipping, and how far the weights actually moved.
+#
+# ## Exercises
+#
+# 1. Set `clip_grad` to 0.01. Does the first AdamW update change? Why not, and what about SGD?
+# 2. Turn `eod_mask_loss` off: how many more tokens does the loss average over, and which ones?
