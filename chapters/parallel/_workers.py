@@ -89,3 +89,81 @@ def vocab_parity(b: int = 2, s: int = 3, h: int = 8, v: int = 16, sequence_paral
             "emb_grad": (gather_shards(emb.weight.grad, grid, 0) - ref_emb.weight.grad).abs().max().item(),
             "ce": (loss - loss_ref).abs().max().item(),
             "ce_grad": (local.grad - full.grad.chunk(tp, -1)[r]).abs().max().item()}
+
+
+def dropout_masks(n: int = 12) -> dict:
+    """Dropout masks drawn outside a fork, in the TP stream, in the DP stream, and replayed."""
+    from tinytron.parallel.rng import DATA_PARALLEL_RNG, RNGStatesTracker, model_parallel_seed
+
+    grid = ParallelGrid(tp=torch.distributed.get_world_size())
+    tracker = model_parallel_seed(1234, grid, RNGStatesTracker("cpu"))
+
+    def mask() -> str:
+        keep = torch.nn.functional.dropout(torch.ones(n), p=0.5) > 0
+        return "".join("1" if k else "0" for k in keep.tolist())
+
+    default = mask()
+    saved = tracker.get_states()
+    with tracker.fork():
+        tp = mask()
+    with tracker.fork(DATA_PARALLEL_RNG):
+        dp = mask()
+    tracker.set_states(saved)
+    with tracker.fork():
+        replayed = mask()
+    return {"default": default, "tp": tp, "dp": dp, "replayed": replayed}
+
+
+def cp_attention_parity(b: int = 2, hq: int = 4, hkv: int = 2, s: int = 16, d: int = 8,
+                        tp: int = 1) -> float:
+    """Attention on a zig-zag CP split vs full causal attention (out and q/k/v grads); max abs error."""
+    from tinytron.parallel.context_parallel import context_parallel_attention, split_for_context_parallel
+
+    world = torch.distributed.get_world_size()
+    grid = ParallelGrid(tp=tp, cp=world // tp)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(b, n, s, d, generator=gen) for n in (hq, hkv, hkv))
+    w = torch.randn(b, hq, s, d, generator=gen)
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out_ref = context_parallel_attention(*full, ParallelGrid.single())
+    (out_ref * w).sum().backward()
+    local = [split_for_context_parallel(t, grid, 2).requires_grad_(True) for t in (q, k, v)]
+    out = context_parallel_attention(*local, grid)
+    (out * split_for_context_parallel(w, grid, 2)).sum().backward()
+    pairs = [(out, out_ref)] + [(loc.grad, ref.grad) for loc, ref in zip(local, full)]
+    return max((a.detach() - split_for_context_parallel(e, grid, 2)).abs().max().item() for a, e in pairs)
+
+
+def pipeline_parity(h: int = 8, b: int = 4) -> dict:
+    """One micro-batch through a pp-stage chain of Linear+tanh vs the unsplit chain on every rank."""
+    from tinytron.parallel import pipeline_p2p as p2p
+    from tinytron.parallel.tensor_parallel import normal_init
+
+    grid = ParallelGrid(pp=torch.distributed.get_world_size())
+    num_stages, me = grid.size("pp"), grid.rank("pp")
+    layers = [torch.nn.Linear(h, h) for _ in range(num_stages)]
+    for i, lin in enumerate(layers):
+        normal_init(0.5, 10 + i)(lin.weight.data)
+        normal_init(0.5, 20 + i)(lin.bias.data)  # nn.Linear's own init would differ per process
+    gen = torch.Generator().manual_seed(4)
+    x, target = torch.randn(b, h, generator=gen), torch.randn(b, h, generator=gen)
+    y = x
+    for lin in layers:  # the unsplit reference, run on every rank
+        y = torch.tanh(lin(y))
+    loss_ref = ((y - target) ** 2).mean()
+    loss_ref.backward()
+    ref_grad = layers[me].weight.grad.clone()
+    layer = layers[me]
+    layer.weight.grad = None
+    inp = x if grid.is_first_stage() else p2p.recv_forward((b, h), grid)
+    out = torch.tanh(layer(inp))
+    loss = None
+    if grid.is_last_stage():
+        loss = ((out - target) ** 2).mean()
+        loss.backward()
+    else:
+        out.backward(p2p.send_forward_recv_backward(out, (b, h), grid))
+    if not grid.is_first_stage():
+        p2p.send_backward(inp.grad, grid)
+    return {"grad_err": (layer.weight.grad - ref_grad).abs().max().item(),
+            "loss": None if loss is None else round(loss.item(), 6), "loss_ref": loss_ref.item()}

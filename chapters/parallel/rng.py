@@ -1,0 +1,234 @@
+# %% [markdown]
+# # A.6 · Random numbers under model parallelism: the RNG states tracker
+#
+# Dropout on a TP-split tensor must draw *different* masks on each TP rank (each holds different
+# features), while dropout on a replicated tensor must draw the *same* mask on every TP rank
+# (they hold the same values and must stay identical). One default generator cannot do both;
+# a tracker of named generator states can.
+
+# %%
+from __future__ import annotations
+
+import contextlib
+import random
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from tinytron.parallel.grid import ParallelGrid
+
+__all__ = ["MODEL_PARALLEL_RNG", "DATA_PARALLEL_RNG", "EXPERT_PARALLEL_RNG", "RNGStatesTracker",
+           "get_rng_tracker", "model_parallel_seed", "set_random_seed"]
+
+# %% [markdown]
+# ## The idea
+#
+# Megatron keeps the device's default generator for the replicated regions and a dictionary of
+# extra named generator *states* (`CudaRNGStatesTracker`,
+# `megatron/core/tensor_parallel/random.py:216`). `fork(name)` swaps the named state into the
+# default generator, runs the block, saves the advanced named state and swaps the original back
+# (`:298`). So code inside `with tracker.fork():` draws from the named stream and code outside
+# is unaffected, as if the fork never happened.
+#
+# The seeds (`model_parallel_cuda_manual_seed`, `random.py:433`, offset at `:466-467`):
+#
+# | stream | seed | same across | differs across |
+# |---|---|---|---|
+# | default generator, `data-parallel-rng` | `seed` | TP ranks, DP replicas | PP stages |
+# | `model-parallel-rng` | `seed + 2718 + tp_rank` | DP replicas | TP ranks |
+# | `expert-parallel-rng` | `seed + 1024 + 100·ep_rank + etp_rank` | expert-DP | expert ranks |
+#
+# where `seed` is already `args.seed + 100·pp_rank` (`_set_random_seed`,
+# `megatron/training/initialize.py:381-403`; default `--seed 1234`), so every pipeline stage
+# draws its own numbers. Expert parallelism is size 1 in this book (`ep_rank = 0`,
+# `etp_rank = tp_rank`); the stream is kept so checkpoints carry the same names.
+#
+# Worked example, seed 1234, tp 2, pp 2: stage 0 uses base seed 1234 and TP streams 3952 and
+# 3953; stage 1 uses 1334 with TP streams 4052 and 4053.
+#
+# On CPU the "default generator" is `torch.default_generator`; on CUDA it is the current
+# device's generator. The tracker is told which one at construction, so the same code runs on
+# both. Saving `get_states()` and restoring with `set_states()` rewinds every stream: chapter 06
+# uses it to recompute identical dropout masks, chapter 03 to resume.
+
+# %%
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+DATA_PARALLEL_RNG = "data-parallel-rng"
+EXPERT_PARALLEL_RNG = "expert-parallel-rng"
+"""Megatron's stream names (`megatron/core/tensor_parallel/random.py:91-93`)."""
+
+
+class RNGStatesTracker:
+    """Named RNG states for one device's default generator; `fork(name)` runs a block on one of them."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device}")
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every named state."""
+        self._states: dict[str, torch.Tensor] = {}
+        self._seeds: set[int] = set()
+        self._active: str | None = None
+
+    def _get(self) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return torch.cuda.get_rng_state(self.device)
+        return torch.get_rng_state()
+
+    def _set(self, state: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    def _manual_seed(self, seed: int) -> None:
+        if self.device.type == "cuda":
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            torch.cuda.default_generators[index].manual_seed(seed)
+        else:
+            torch.default_generator.manual_seed(seed)
+
+    def add(self, name: str, seed: int) -> None:
+        """Create stream `name` seeded with `seed`; the default generator is left as it was."""
+        if name in self._states:
+            raise ValueError(f"RNG state {name!r} already exists")
+        if seed in self._seeds:
+            raise ValueError(f"seed {seed} is already used by another RNG state")
+        original = self._get()
+        self._manual_seed(seed)
+        self._states[name] = self._get()
+        self._set(original)
+        self._seeds.add(seed)
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        """A copy of every named state (save it to rewind later)."""
+        return {name: state.clone() for name, state in self._states.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        """Replace the named states with `states` (from get_states)."""
+        self._states = {name: state.clone() for name, state in states.items()}
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
+        """Run the block with stream `name` as the default generator; restore the original after."""
+        if name not in self._states:
+            raise ValueError(f"RNG state {name!r} was never added; have {sorted(self._states)}")
+        original, outer = self._get(), self._active
+        if outer is not None:  # nested fork: park the outer stream's progress first
+            self._states[outer] = original
+        self._set(self._states[name])
+        self._active = name
+        try:
+            yield
+        finally:
+            self._states[name] = self._get()
+            self._active = outer
+            self._set(self._states[outer] if outer is not None else original)
+
+# %% [markdown]
+# Megatron reaches its tracker through a process-wide getter (`get_cuda_rng_tracker`,
+# `random.py:401`): dropout deep inside a layer needs it and nobody wants to thread it through
+# every constructor. The same here, one per device type; a test or a second model can still
+# build its own `RNGStatesTracker`.
+
+# %%
+_TRACKERS: dict[str, RNGStatesTracker] = {}
+
+
+def get_rng_tracker(device: torch.device | str = "cpu") -> RNGStatesTracker:
+    """The process-wide tracker for `device`'s type (cpu or cuda), created on first use."""
+    dev = torch.device(device)
+    if dev.type not in _TRACKERS:
+        _TRACKERS[dev.type] = RNGStatesTracker(dev)
+    return _TRACKERS[dev.type]
+
+
+def model_parallel_seed(seed: int, grid: ParallelGrid,
+                        tracker: RNGStatesTracker | None = None) -> RNGStatesTracker:
+    """Seed the default generator and the data/model/expert streams as Megatron does; return the tracker."""
+    tracker = tracker if tracker is not None else get_rng_tracker(grid.device)
+    tp_rank = max(grid.rank("tp"), 0)
+    tracker.reset()
+    tracker._manual_seed(seed)
+    tracker.add(DATA_PARALLEL_RNG, seed)
+    tracker.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
+    tracker.add(EXPERT_PARALLEL_RNG, seed + 1024 + 100 * 0 + tp_rank)  # ep_rank 0, etp_rank = tp_rank
+    return tracker
+
+
+def set_random_seed(seed: int, grid: ParallelGrid, data_parallel_random_init: bool = False,
+                    tracker: RNGStatesTracker | None = None) -> int:
+    """Megatron's `_set_random_seed`: offset by pipeline (and optionally DP) rank, seed everything."""
+    if not isinstance(seed, int) or seed <= 0:
+        raise ValueError(f"seed must be a positive int, got {seed!r}")
+    seed = seed + 100 * grid.rank("pp")
+    if data_parallel_random_init:
+        seed += 10 * grid.rank("dp")
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_seed(seed, grid, tracker)
+    return seed
+
+# %% [markdown]
+# ## Demo: two TP ranks, three dropouts
+#
+# Each rank seeds with 1234 and draws a dropout mask three ways: outside any fork (the default
+# stream), inside `fork()` (the model-parallel stream) and inside `fork("data-parallel-rng")`.
+# The first and third must agree across TP ranks; the second must differ. A fourth draw after
+# restoring saved states must repeat the second exactly. (`data-parallel-rng` is seeded with the
+# same seed as the default generator, so its first draw repeats the default's first draw.)
+
+# %%
+if __name__ == "__main__":
+    from tinytron.launch import run_on_ranks
+    from tinytron.parallel._workers import dropout_masks
+
+    masks = run_on_ranks(dropout_masks, 2)
+    for r, m in enumerate(masks):
+        print(f"tp rank {r}: default {m['default']}  model-parallel {m['tp']}  data-parallel {m['dp']}")
+    assert masks[0]["default"] == masks[1]["default"]
+    assert masks[0]["dp"] == masks[1]["dp"]
+    assert masks[0]["tp"] != masks[1]["tp"]
+    assert all(m["replayed"] == m["tp"] for m in masks)
+
+# %%
+if __name__ == "__main__":
+    tracker = RNGStatesTracker("cpu")
+    tracker.add("a", 1)
+    torch.manual_seed(0)
+    before = torch.rand(3)
+    torch.manual_seed(0)
+    with tracker.fork("a"):
+        inside = torch.rand(3)
+    after = torch.rand(3)
+    print("outside the fork the default stream is untouched:", torch.equal(before, after))
+    assert torch.equal(before, after) and not torch.equal(inside, before)
+
+# %% [markdown]
+# ## Summary
+#
+# - Replicated regions use the default generator (same seed on all TP ranks); TP-split regions
+#   fork into `model-parallel-rng` (seed offset by `2718 + tp_rank`).
+# - `get_states` / `set_states` snapshot and rewind every stream; recompute and resume rely on it.
+#
+# ## How production does it
+#
+# - Megatron-LM: `megatron/core/tensor_parallel/random.py` (`CudaRNGStatesTracker` `:216`,
+#   `model_parallel_cuda_manual_seed` `:433`, the checkpoint function that captures and restores
+#   all of them `:555`); Transformer Engine brings its own tracker
+#   (`te_rng_tracker`), and a CUDA-graph-safe variant keeps `torch.Generator` objects instead of
+#   state tensors.
+# - torchtitan: DTensor's `OffsetBasedRNGTracker` (`torch/distributed/tensor/_random.py`)
+#   gives each shard its own Philox offset instead of its own seed.
+#
+# ## Exercises
+#
+# 1. Nest `fork("model-parallel-rng")` inside `fork("data-parallel-rng")` and show the result
+#    equals doing the two forks one after the other.
+# 2. Why is the data-parallel stream the *same* on every DP replica? (Hint: dropout masks there
+#    are on replicated activations of different samples — does it matter?)
