@@ -1,0 +1,159 @@
+"""Index build and random access of GPTDataset vs a per-sample Python loop of Megatron's algorithm.
+
+Corpus: 100M uint16 tokens in synthetic documents (lengths drawn like Megatron's MockGPTDataset,
+1..4095 tokens); 1M training samples of 1024 tokens. Measures, side by side:
+  * the whole index build (document, sample and shuffle index) with tinytron's vectorized numpy
+    vs the straightforward per-sample loop transcription of helpers.cpp build_sample_idx (the loop
+    is timed on a prefix of the samples and extrapolated linearly; the JSON says so);
+  * random-access samples/s: GPTDataset.query_tokens and the full sample dict, vs the per-sample
+    reference lookup;
+  * the blending index for 1M samples over two datasets (greedy rule).
+Writes benchmarks/results/data.json.
+
+    python benchmarks/bench_data.py [--tokens 100000000] [--samples 1000000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tinytron.data._reference import (reference_blending_indices, reference_sample_idx,
+                                      reference_sample_tokens)
+from tinytron.data.blended import build_blending_indices
+from tinytron.data.gpt_dataset import (GPTDataset, GPTDatasetConfig, Split,
+                                       build_document_sample_shuffle_indices, build_document_index,
+                                       build_shuffle_index,
+                                       get_num_epochs)
+from tinytron.data.indexed import IndexedDataset, get_bin_path, get_idx_path, write_index_bytes
+
+
+def make_corpus(prefix: str, num_tokens: int, seed: int = 0) -> None:
+    """Synthetic uint16 corpus of ~num_tokens tokens with MockGPTDataset-like document lengths."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 4096, size=num_tokens // 2048 + 16).astype(np.int64)
+    cum = np.cumsum(lengths)
+    lengths = lengths[: int(np.searchsorted(cum, num_tokens)) + 1]
+    lengths[-1] -= int(lengths.sum() - num_tokens)
+    tokens = rng.integers(0, 50000, size=num_tokens, dtype=np.uint16)
+    tokens.tofile(get_bin_path(prefix))
+    Path(get_idx_path(prefix)).write_bytes(
+        write_index_bytes(np.uint16, lengths, np.arange(len(lengths) + 1)))
+
+
+def time_it(fn, repeat: int = 3):
+    """Best wall time of fn() over `repeat` runs, and its last result."""
+    best, out = float("inf"), None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def bench_build(ix: IndexedDataset, num_samples: int, seq_length: int, loop_fraction: float):
+    """Vectorized build vs the per-sample loop (loop on a prefix, extrapolated)."""
+    docs = np.arange(len(ix), dtype=np.int32)
+    sizes = np.array(ix.sequence_lengths)
+    t_fast, (doc_idx, sample_idx, shuffle_idx) = time_it(
+        lambda: build_document_sample_shuffle_indices(sizes, docs, num_samples, seq_length))
+    # The loop version shares the document and shuffle shuffles (numpy calls in Megatron too);
+    # only the sample index is a loop there. Time the loop on a prefix of the samples.
+    tokens = int(sizes.sum())
+    epochs = get_num_epochs(tokens, num_samples, seq_length)
+    rng = np.random.RandomState(1234)
+    t_doc, _ = time_it(lambda: build_document_index(docs, epochs, rng, False))
+    t_shuf, _ = time_it(lambda: build_shuffle_index(num_samples, num_samples, rng))
+    part = max(1000, int(num_samples * loop_fraction))
+    part_tokens = part * seq_length + 1
+    t0 = time.perf_counter()
+    ref = reference_sample_idx(sizes, doc_idx, seq_length, 1, part_tokens)  # a prefix of the walk
+    t_loop_part = time.perf_counter() - t0
+    assert np.array_equal(ref[:part + 1], sample_idx[:part + 1]), "vectorized != loop"
+    t_loop = t_loop_part * (num_samples / part) + t_doc + t_shuf  # the numpy shuffles are shared
+    return {"samples": int(len(sample_idx) - 1), "epochs": epochs,
+            "vectorized_build_s": t_fast, "loop_sample_index_s_measured": t_loop_part,
+            "loop_samples_measured": part, "loop_build_s_extrapolated": t_loop,
+            "build_speedup": t_loop / t_fast}, (doc_idx, sample_idx, shuffle_idx)
+
+
+def bench_access(ix: IndexedDataset, prefix: str, tables, num_samples: int, seq_length: int,
+                 n_fast: int, n_loop: int, cache: str):
+    """Random samples/s: query_tokens, full __getitem__, and the reference lookup."""
+    cfg = GPTDatasetConfig(sequence_length=seq_length, split="100,0,0", path_to_cache=cache,
+                           create_attention_mask=False)
+    ds = GPTDataset(ix, prefix, np.arange(len(ix), dtype=np.int32), num_samples, Split.train, cfg)
+    rng = np.random.default_rng(1)
+    order = rng.integers(0, len(ds), size=n_fast)
+    t_q, _ = time_it(lambda: [ds.query_tokens(int(i)) for i in order], repeat=2)
+    t_item, _ = time_it(lambda: [ds[int(i)] for i in order[: n_fast // 2]], repeat=2)
+    doc_idx, sample_idx, shuffle_idx = ds.document_index, ds.sample_index, ds.shuffle_index
+    t_ref, _ = time_it(lambda: [reference_sample_tokens(ix, doc_idx, sample_idx, shuffle_idx, int(i),
+                                                        seq_length) for i in order[:n_loop]], repeat=1)
+    for i in order[:20]:
+        assert np.array_equal(ds.query_tokens(int(i)), reference_sample_tokens(
+            ix, doc_idx, sample_idx, shuffle_idx, int(i), seq_length))
+    return {"query_tokens_samples_per_s": n_fast / t_q,
+            "getitem_samples_per_s": (n_fast // 2) / t_item,
+            "loop_lookup_samples_per_s": n_loop / t_ref,
+            "access_speedup": (n_fast / t_q) / (n_loop / t_ref)}
+
+
+def bench_blend(size: int, loop_size: int):
+    """Greedy blending index for two datasets, 0.3/0.7."""
+    w = [0.3, 0.7]
+    t_fast, (di, dsi) = time_it(lambda: build_blending_indices(w, size), repeat=1)
+    t0 = time.perf_counter()
+    ref_di, ref_dsi = reference_blending_indices(w, loop_size)
+    t_loop = (time.perf_counter() - t0) * size / loop_size
+    assert np.array_equal(ref_di, di[:loop_size]) and np.array_equal(ref_dsi, dsi[:loop_size])
+    return {"blend_size": size, "blend_build_s": t_fast, "loop_blend_s_extrapolated": t_loop,
+            "blend_speedup": t_loop / t_fast}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=100_000_000)
+    ap.add_argument("--samples", type=int, default=1_000_000)
+    ap.add_argument("--seq-length", type=int, default=1024)
+    ap.add_argument("--loop-fraction", type=float, default=0.05)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "data.json"))
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp()
+    prefix = os.path.join(tmp, "corpus")
+    t0 = time.perf_counter()
+    make_corpus(prefix, args.tokens)
+    ix = IndexedDataset(prefix)
+    print(f"corpus: {args.tokens:,} tokens, {len(ix):,} documents ({time.perf_counter() - t0:.1f} s)")
+    build, tables = bench_build(ix, args.samples, args.seq_length, args.loop_fraction)
+    access = bench_access(ix, prefix, tables, args.samples, args.seq_length, 20000, 2000,
+                          os.path.join(tmp, "cache"))
+    blend = bench_blend(args.samples, args.samples // 20)
+    result = {"command": "python benchmarks/bench_data.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus",
+        "tokens": args.tokens, "documents": len(ix), "seq_length": args.seq_length,
+        "note": "loop timings measured on a prefix (loop_samples_measured / blend size/20) and "
+                "extrapolated linearly; the document/shuffle numpy shuffles are shared",
+        **build, **access, **blend}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"index build: vectorized {build['vectorized_build_s']:.3f} s vs per-sample loop "
+          f"{build['loop_build_s_extrapolated']:.1f} s (extrapolated) -> {build['build_speedup']:.0f}x")
+    print(f"random access: query_tokens {access['query_tokens_samples_per_s']:,.0f}/s, "
+          f"__getitem__ {access['getitem_samples_per_s']:,.0f}/s vs loop lookup "
+          f"{access['loop_lookup_samples_per_s']:,.0f}/s -> {access['access_speedup']:.1f}x")
+    print(f"blend index ({args.samples:,}): {blend['blend_build_s']:.3f} s vs loop "
+          f"{blend['loop_blend_s_extrapolated']:.2f} s -> {blend['blend_speedup']:.1f}x")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Rank functions for chapter 04's multi-process demos and tests (spawned ranks import them by name)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tinytron.parallel.grid import ParallelGrid
+
+
+class CountingIterator:
+    """Yields the same micro-batch forever and counts how often it was read."""
+
+    def __init__(self, batch: dict):
+        self.batch, self.reads = batch, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        self.reads += 1
+        return {k: v.clone() for k, v in self.batch.items()}
+
+
+def make_pretrain_batch(mbs: int, seq: int, seed: int = 0) -> dict:
+    """A micro-batch whose position_ids are the global positions and tokens are random."""
+    from tinytron.overview.batch import get_ltor_masks_and_position_ids
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 100, (mbs, seq), generator=g)
+    mask, loss_mask, pos = get_ltor_masks_and_position_ids(tokens, eod_token=0)
+    return {"tokens": tokens, "labels": torch.randint(0, 100, (mbs, seq), generator=g),
+            "loss_mask": loss_mask, "position_ids": pos, "attention_mask": mask}
+
+
+def make_sft_batch(seq: int, cu: list[int]) -> dict:
+    """One packed row (mbs 1) with the given segment boundaries and per-segment positions."""
+    pos = torch.cat([torch.arange(b - a) for a, b in zip(cu[:-1], cu[1:])])
+    tokens = torch.arange(seq).unsqueeze(0) + 1000
+    return {"tokens": tokens, "labels": tokens + 1, "loss_mask": torch.ones(1, seq),
+            "position_ids": pos.unsqueeze(0), "attention_mask": torch.ones(1, 1, seq, seq, dtype=torch.bool),
+            "cu_seqlens": torch.tensor([cu], dtype=torch.int32)}
+
+
+def _tp_peers_equal(t: torch.Tensor, grid: ParallelGrid) -> bool:
+    """True when every TP rank holds the same tensor."""
+    if grid.size("tp") == 1:
+        return True
+    parts = [torch.empty_like(t) for _ in range(grid.size("tp"))]
+    dist.all_gather(parts, t.contiguous(), group=grid.group("tp"))
+    return all(torch.equal(p, parts[0]) for p in parts)
+
+
+def get_batch_demo(tp: int, cp: int, pp: int, seq: int) -> dict:
+    """Run get_batch on this rank's grid; report positions received and TP agreement."""
+    from tinytron.data.get_batch import get_batch
+
+    grid = ParallelGrid(tp=tp, cp=cp, pp=pp)
+    it = CountingIterator(make_pretrain_batch(2, seq)) if grid.rank("tp") == 0 else None
+    batch = get_batch(it, grid, micro_batch_size=2, seq_length=seq)
+    return {"rank": grid.global_rank, "tp": grid.rank("tp"), "cp": grid.rank("cp"),
+            "positions": batch["position_ids"][0].tolist(),
+            "tokens_equal_tp_peer": _tp_peers_equal(batch["tokens"], grid)}
+
+
+def get_batch_check(tp: int, cp: int, pp: int, seq: int, sft_cu=None) -> dict:
+    """Everything a test wants to know about this rank's get_batch result."""
+    from tinytron.data.get_batch import get_batch
+
+    grid = ParallelGrid(tp=tp, cp=cp, pp=pp)
+    full = make_sft_batch(seq, sft_cu) if sft_cu else make_pretrain_batch(2, seq)
+    it = CountingIterator(full)  # handed to every rank: only TP rank 0 may read it
+    mbs = 1 if sft_cu else 2
+    batch = get_batch(it, grid, micro_batch_size=mbs, seq_length=seq, is_sft=bool(sft_cu))
+    present = {k: v is not None for k, v in batch.items()}
+    out = {"rank": grid.global_rank, "tp": grid.rank("tp"), "cp": grid.rank("cp"),
+           "pp": grid.rank("pp"), "reads": it.reads, "present": present,
+           "dtypes": {k: str(v.dtype) for k, v in batch.items() if v is not None},
+           "shapes": {k: tuple(v.shape) for k, v in batch.items() if v is not None}}
+    ref = next(CountingIterator(full))
+    from tinytron.data.get_batch import thd_partitioned_indices
+
+    if sft_cu:
+        index = thd_partitioned_indices(ref["cu_seqlens"], cp, grid.rank("cp"))
+    else:
+        from tinytron.parallel.context_parallel import cp_positions
+
+        index = cp_positions(seq, cp, grid.rank("cp")) if cp > 1 else torch.arange(seq)
+    expect = {k: (v.index_select(2 if k == "attention_mask" else 1, index) if k != "cu_seqlens" else v)
+              for k, v in ref.items()}
+    out["matches_reference"] = all(torch.equal(batch[k], expect[k].to(batch[k].dtype))
+                                   for k in batch if batch[k] is not None)
+    agree = [(_tp_peers_equal(batch[k].float(), grid)) for k in sorted(batch) if batch[k] is not None]
+    out["tp_agree"] = all(agree)
+    return out

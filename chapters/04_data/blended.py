@@ -1,0 +1,422 @@
+# %% [markdown]
+# # 04 · Data: blending datasets and the dataset builder
+#
+# Training corpora are mixtures: 70% web, 20% code, 10% books. Megatron's `BlendedDataset`
+# interleaves several GPTDatasets deterministically so that *every prefix* of the stream tracks
+# the weights — and `BlendedMegatronDatasetBuilder` turns `--data-path 0.7 web 0.3 code` and a
+# `--split` into train/valid/test datasets. You will build both, fix the two ways Megatron's
+# version fails (extreme weights, empty splits), and plot the realized mixture over time.
+
+# %%
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from tinytron.data.gpt_dataset import (GPTDataset, GPTDatasetConfig, Split, _is_rank_zero,
+                                       _save_atomic, split_indices)
+from tinytron.data.indexed import IndexedDataset
+
+__all__ = [
+    "normalize", "build_blending_indices", "build_exhaustive_blending_indices",
+    "get_size_per_split_per_dataset", "parse_data_path", "BlendedDataset",
+    "BlendedMegatronDatasetBuilder", "plot_blend_ratios",
+]
+
+# %% [markdown]
+# ## The greedy "largest error" rule
+#
+# With normalised weights $w_i$, position $k$ of the blend goes to the dataset whose count lags
+# its target the most: $\arg\max_i\; w_i \cdot \max(k, 1) - c_i(k)$ (lowest index on ties), and
+# that dataset's count goes up by one (`build_blending_indices`, `helpers.cpp:77`). No random
+# numbers: the same weights always give the same interleaving, and after any prefix of $k$
+# samples every dataset is within one sample of $w_i k$.
+#
+# Worked example, $w = (0.25, 0.75)$: $k=0$: errors $(0.25, 0.75)$ → B; $k=1$: $(0.25, -0.25)$ → A;
+# $k=2$: $(-0.5, 0.5)$ → B; $k=3$: $(-0.25, 0.25)$ → B; so `B A B B B A B B ...`.
+#
+# Without weights (`--data-path p1 p2`), the weights are the dataset sizes and the *exhaustive*
+# variant uses every sample of every dataset exactly once (`helpers.cpp:22`).
+#
+# Each step is one argmax over the datasets, a loop over positions that cannot be vectorized
+# (each choice depends on the previous counts); plain Python floats keep it at well under a
+# microsecond per dataset and position, and give the C++'s double-precision ties bit for bit.
+
+# %%
+def normalize(weights: Sequence[float]) -> list[float]:
+    """Weights divided by their sum (float64)."""
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 1 or len(w) == 0 or np.any(~np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
+        raise ValueError(f"weights must be non-negative, finite and not all zero, got {list(weights)}")
+    return (w / w.sum()).tolist()
+
+
+def _greedy_pick(w: list, counts: list, candidates, kk: float) -> int:
+    """The candidate with the largest w_i * kk - count_i; the first one on ties (strict >)."""
+    best, best_err = -1, -math.inf
+    for i in candidates:
+        err = w[i] * kk - counts[i]
+        if err > best_err:
+            best, best_err = i, err
+    return best
+
+
+def build_blending_indices(weights: Sequence[float], size: int):
+    """(dataset_index int16, dataset_sample_index int64) for `size` positions, greedy rule."""
+    w = [float(x) for x in weights]
+    counts = [0] * len(w)
+    datasets = range(len(w))
+    picks, ranks = [0] * size, [0] * size
+    for k in range(size):
+        best = _greedy_pick(w, counts, datasets, k if k > 1 else 1.0)
+        picks[k], ranks[k] = best, counts[best]
+        counts[best] += 1
+    return np.array(picks, dtype=np.int16), np.array(ranks, dtype=np.int64)
+
+
+def build_exhaustive_blending_indices(sizes: Sequence[int]):
+    """Every sample of every dataset exactly once, interleaved by the same greedy rule."""
+    sizes = [int(s) for s in sizes]
+    if any(s <= 0 for s in sizes):
+        raise ValueError(f"every dataset in an exhaustive blend needs samples, got sizes {sizes}")
+    total = sum(sizes)
+    w = [s / total for s in sizes]
+    counts, unspent = [0] * len(sizes), list(range(len(sizes)))
+    picks, ranks = [0] * total, [0] * total
+    for k in range(total):
+        best = _greedy_pick(w, counts, unspent, k if k > 1 else 1.0)
+        picks[k], ranks[k] = best, counts[best]
+        counts[best] += 1
+        if counts[best] == sizes[best]:
+            unspent.remove(best)
+    return np.array(picks, dtype=np.int16), np.array(ranks, dtype=np.int64)
+
+# %% [markdown]
+# ## How many samples each component builds
+#
+# For a split that must deliver $N$ samples, dataset $i$ is *used* for $\lceil N w_i\rceil$ of
+# them and *built* with a small surplus, $\lceil\lceil N w_i\rceil (1 + 0.005)\rceil$, so that the
+# greedy order never asks a component for a sample it does not have
+# (`_get_size_per_split_per_dataset`, `blended_megatron_dataset_builder.py:553`). The blend's size
+# is the sum of the targets, which can exceed $N$ by up to one per dataset.
+#
+# Megatron issue #705: with weights $0.001/0.999$ the blend crashes. The greedy rule itself is
+# fine; what breaks is a component so small that its split of the data is empty, or the
+# surplus rounding. Here an empty split that is asked for samples raises a `ValueError` naming
+# the dataset and the split (Megatron's epoch loop spins forever there), and the blend checks
+# every component's size before training starts.
+
+# %%
+def get_size_per_split_per_dataset(weights: Sequence[float], sizes: Sequence[Optional[int]],
+                                   surplus: float = 0.0) -> list[list[Optional[int]]]:
+    """[dataset][split] sample counts: ceil(ceil(N * w) * (1 + surplus))."""
+    if not math.isclose(sum(weights), 1.0, rel_tol=1e-9):
+        raise ValueError(f"weights must be normalised, sum is {sum(weights)}")
+    return [[None if n is None else int(math.ceil(math.ceil(n * w) * (1 + surplus)))
+             for n in sizes] for w in weights]
+
+
+def parse_data_path(args: Sequence[str]) -> tuple[list[str], Optional[list[float]]]:
+    """Megatron's `--data-path`: `p1 p2 ...` or `w1 p1 w2 p2 ...` -> (prefixes, weights or None)."""
+    args = [str(a) for a in args]
+    if not args:
+        raise ValueError("--data-path is empty")
+    if len(args) == 1:
+        return args, None
+
+    def is_number(s):
+        try:
+            float(s)
+            return True
+        except ValueError:
+            return False
+
+    if not is_number(args[0]):
+        if any(is_number(a) for a in args):
+            raise ValueError(f"--data-path mixes weights and paths: {args}")
+        return args, None
+    if len(args) % 2:
+        raise ValueError(f"--data-path with weights needs 'w1 p1 w2 p2 ...' pairs, got {args}")
+    weights, prefixes = [float(w) for w in args[0::2]], args[1::2]
+    bad = [p for p in prefixes if is_number(p)]
+    if bad:
+        raise ValueError(f"--data-path expected paths at odd positions, got numbers {bad}")
+    return prefixes, weights
+
+# %% [markdown]
+# ## BlendedDataset
+#
+# `blend[k]` returns sample `dataset_sample_index[k]` of dataset `dataset_index[k]`, with a
+# `dataset_id` key added (`blended_dataset.py:97-110`). The two index arrays are cached like
+# GPTDataset's, under a key built from the components' own keys (which include their data).
+
+# %%
+class BlendedDataset(torch.utils.data.Dataset):
+    """Several datasets interleaved by weight (blended_dataset.py:24)."""
+
+    def __init__(self, datasets: list, weights: Optional[Sequence[float]], size: Optional[int],
+                 config: GPTDatasetConfig):
+        if not datasets or len(datasets) >= 32767:
+            raise ValueError(f"a blend needs 1..32766 datasets, got {len(datasets)}")
+        self.datasets, self.size, self.config = datasets, size, config
+        self.split = datasets[0].index_split
+        if weights is None:
+            weights = [len(d) for d in datasets]
+        self.weights = normalize(weights) if size is not None else [int(w) for w in weights]
+        ident = {"class": type(self).__name__, "split": self.split.name, "weights": self.weights,
+                 "size": size, "datasets": [d.unique_description_hash for d in datasets]}
+        self.unique_description = json.dumps(ident, indent=4)
+        self.unique_description_hash = hashlib.md5(self.unique_description.encode()).hexdigest()
+        self.dataset_index, self.dataset_sample_index = self._load_or_build()
+        self._check_sizes()
+
+    def _build(self):
+        if self.size is not None:
+            return build_blending_indices(self.weights, self.size)
+        return build_exhaustive_blending_indices(self.weights)
+
+    def _load_or_build(self):
+        """Cached index arrays, or build them (rank 0 saves)."""
+        root = self.config.path_to_cache
+        if root is None:
+            return self._build()
+        base = os.path.join(root, f"{self.unique_description_hash}-{type(self).__name__}-{self.split.name}")
+        paths = [f"{base}-dataset_index.npy", f"{base}-dataset_sample_index.npy", f"{base}-description.txt"]
+        if all(os.path.isfile(p) for p in paths):
+            return tuple(np.load(p, mmap_mode="r") for p in paths[:2])
+        tables = self._build()
+        if _is_rank_zero():
+            os.makedirs(root, exist_ok=True)
+            _save_atomic(paths[0], tables[0])
+            _save_atomic(paths[1], tables[1])
+            _save_atomic(paths[2], text=self.unique_description)
+        return tables
+
+    def _check_sizes(self) -> None:
+        """Every component must hold the samples the blend asks of it."""
+        used = np.bincount(np.asarray(self.dataset_index, dtype=np.int64), minlength=len(self.datasets))
+        for i, (n, d) in enumerate(zip(used, self.datasets)):
+            if n > len(d):
+                raise ValueError(
+                    f"the {self.split.name} blend asks dataset {i} ({d.dataset_path!r}) for {n} "
+                    f"samples but it has {len(d)}; raise mid_level_dataset_surplus "
+                    f"(now {self.config.mid_level_dataset_surplus})")
+
+    def __len__(self) -> int:
+        return len(self.dataset_index)
+
+    def __getitem__(self, idx: int) -> dict:
+        i = int(self.dataset_index[idx])
+        return {"dataset_id": i, **self.datasets[i][int(self.dataset_sample_index[idx])]}
+
+# %% [markdown]
+# ## The builder
+#
+# `BlendedMegatronDatasetBuilder(cls, sizes, is_built_on_rank, config).build()` returns
+# `[train, valid, test]` (`blended_megatron_dataset_builder.py:77`):
+#
+# ```mermaid
+# flowchart TD
+#   C[config.blend = prefixes, weights] -->|one prefix, no weights| S[GPTDataset per split]
+#   C -->|several prefixes| M[each prefix: GPTDataset per split, size = target x weight + surplus]
+#   M --> B[BlendedDataset per split, size = sum of targets]
+#   P[config.blend_per_split] --> Q[per split: its own blend]
+# ```
+#
+# Ranks: with `torch.distributed` initialised, global rank 0 builds (and caches) first, everyone
+# meets at a barrier, then the other ranks that need data load the cached tables; ranks for
+# which `is_built_on_rank()` is False get `None` (`build_generic_dataset`, `:491`).
+
+# %%
+class BlendedMegatronDatasetBuilder:
+    """Build the train/valid/test datasets of a config (blended_megatron_dataset_builder.py:29)."""
+
+    def __init__(self, cls, sizes: Sequence[Optional[int]], is_built_on_rank: Callable[[], bool],
+                 config: GPTDatasetConfig):
+        if len(sizes) != 3:
+            raise ValueError(f"sizes must list train, valid and test sample counts, got {sizes}")
+        if config.blend is None and config.blend_per_split is None:
+            raise ValueError("config needs blend or blend_per_split")
+        self.cls, self.sizes, self.is_built_on_rank, self.config = cls, list(sizes), is_built_on_rank, config
+
+    def build(self) -> list:
+        """[train, valid, test] datasets (None where a split is empty or not built here)."""
+        if self.config.blend_per_split is not None:
+            out = []
+            for i, blend in enumerate(self.config.blend_per_split):
+                split = [None] * 3
+                split[i] = (0.0, 1.0)
+                sizes = [0] * 3
+                sizes[i] = self.sizes[i]
+                out.append(None if blend is None else self._build_blend(blend, split, sizes)[i])
+            return out
+        return self._build_blend(self.config.blend, self.config.split_matrix, self.sizes)
+
+    def _build_blend(self, blend, split, sizes) -> list:
+        """One distribution: a single prefix directly, several as BlendedDatasets."""
+        prefixes, weights = blend
+        if len(prefixes) == 1 and weights is None:
+            return self._build_splits(prefixes[0], split, sizes)
+        if weights is not None:
+            weights = normalize(weights)
+            if any(sizes[i] is None for i in range(3) if split[i] is not None):
+                raise ValueError("a weighted blend needs a sample count for every non-empty split")
+            target = get_size_per_split_per_dataset(weights, sizes)
+            buffered = get_size_per_split_per_dataset(weights, sizes,
+                                                      self.config.mid_level_dataset_surplus)
+        else:
+            buffered = [[None] * 3 for _ in prefixes]
+        per_prefix = [self._build_splits(p, split, buffered[j]) for j, p in enumerate(prefixes)]
+        out = []
+        for i in range(3):
+            parts = [pp[i] for pp in per_prefix]
+            if split[i] is None or any(p is None for p in parts):
+                out.append(None)
+                continue
+            if weights is not None:
+                w_i, size_i = weights, sum(t[i] for t in target)
+            else:
+                w_i = [len(p) for p in parts]
+                size_i = None if sizes[i] is None else min(sizes[i], sum(w_i))
+            out.append(self._generic(lambda: BlendedDataset(parts, w_i, size_i, self.config)))
+        return out
+
+    def _build_splits(self, prefix: str, split, sizes) -> list:
+        """GPTDatasets of one prefix, one per non-empty split."""
+        if not self._built_here():
+            self._generic(lambda: None, count=sum(s is not None for s in split))
+            return [None] * 3
+        indexed = IndexedDataset(prefix, mmap=self.config.mmap_bin_files)
+        n = len(indexed.sequence_lengths)
+        out = []
+        for i, sp in enumerate(Split):
+            if split[i] is None:
+                out.append(None)
+                continue
+            ids = split_indices(split[i], n)
+            if len(ids) == 0 and sizes[i]:
+                raise ValueError(f"dataset {prefix!r} split {sp.name!r} holds no sequences "
+                                 f"({n} sequences, split {self.config.split!r}) but {sizes[i]} "
+                                 f"samples were requested")
+            out.append(None if len(ids) == 0 else self._generic(
+                lambda ids=ids, i=i, sp=sp: self.cls(indexed, prefix, ids, sizes[i], sp, self.config)))
+        return out
+
+    def _built_here(self) -> bool:
+        return not _dist() or self.is_built_on_rank()
+
+    def _generic(self, make: Callable, count: int = 1):
+        """Rank 0 builds first, barrier, then the other ranks (they hit the cache)."""
+        if not _dist():
+            return make()
+        out = None
+        rank = torch.distributed.get_rank()
+        if rank == 0 and self.is_built_on_rank():
+            out = make()
+        for _ in range(count):
+            torch.distributed.barrier()
+        if rank != 0 and self.is_built_on_rank():
+            out = make()
+        return out
+
+
+def _dist() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+# %% [markdown]
+# ## Drawing the realized mixture
+
+# %%
+def plot_blend_ratios(dataset_index: np.ndarray, weights: Sequence[float], names=None):
+    """Running fraction of each dataset over the blend positions, against its weight."""
+    import matplotlib.pyplot as plt
+
+    di = np.asarray(dataset_index, dtype=np.int64)
+    k = np.arange(1, len(di) + 1)
+    fig, (ax, ax_err) = plt.subplots(1, 2, figsize=(10, 3.2))
+    for i, w in enumerate(weights):
+        counts = np.cumsum(di == i)
+        label = names[i] if names else f"dataset {i}"
+        ax.plot(k, counts / k, label=f"{label} (w={w:.3f})")
+        ax.axhline(w, color="0.6", lw=0.6, ls="--")
+        ax_err.plot(k, counts - w * k, label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("samples drawn")
+    ax.set_ylabel("realized fraction")
+    ax.legend(fontsize=8)
+    ax_err.set_xscale("log")
+    ax_err.set_xlabel("samples drawn")
+    ax_err.set_ylabel("count − w·k (samples)")
+    ax_err.axhline(1, color="r", lw=0.6)
+    ax_err.axhline(-1, color="r", lw=0.6)
+    fig.tight_layout()
+    return fig
+
+# %% [markdown]
+# ## Demo: a three-way blend, its running ratios, and the extreme 0.001/0.999 case
+
+# %%
+if __name__ == "__main__":
+    import tempfile
+
+    import matplotlib.pyplot as plt
+
+    from tinytron.data.indexed import IndexedDatasetBuilder, get_bin_path, get_idx_path
+
+    w = normalize([0.5, 0.3, 0.2])
+    di, dsi = build_blending_indices(w, 2000)
+    print("first 20 picks:", di[:20].tolist())
+    counts = np.cumsum(np.eye(3, dtype=np.int64)[di], axis=0)
+    err = counts - np.outer(np.arange(1, 2001), w)
+    print("max |count - w*k| over all prefixes:", float(np.abs(err).max()))
+    plot_blend_ratios(di, w, ["web", "code", "books"])
+    plt.show()
+    assert np.abs(err).max() <= 1.0
+
+    tmp = tempfile.mkdtemp()
+    rng = np.random.default_rng(0)
+    prefixes = []
+    for name, n_docs in (("big", 400), ("small", 40)):
+        p = os.path.join(tmp, name)
+        b = IndexedDatasetBuilder(get_bin_path(p), dtype=np.uint16)
+        for _ in range(n_docs):
+            b.add_item(rng.integers(0, 1000, rng.integers(5, 60)))
+            b.end_document()
+        b.finalize(get_idx_path(p))
+        prefixes.append(p)
+    prefixes_w, weights = parse_data_path(["0.999", prefixes[0], "0.001", prefixes[1]])
+    cfg = GPTDatasetConfig(sequence_length=16, blend=(prefixes_w, weights), split="98,2,0",
+                           path_to_cache=os.path.join(tmp, "cache"))
+    train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, [3000, 100, None],
+                                                       lambda: True, cfg).build()
+    print("train:", len(train), "samples; per dataset:", np.bincount(train.dataset_index).tolist())
+    assert test is None and len(train) == math.ceil(3000 * 0.999) + math.ceil(3000 * 0.001)
+    assert train[5]["tokens"].shape == (16,)
+
+# %% [markdown]
+# ## Summary
+#
+# * The greedy largest-error rule makes every prefix of the blend track the weights within one
+#   sample, with no randomness.
+# * Components are built with a 0.5% surplus; the blend checks that none is oversampled.
+# * An empty split asked for samples is an error that names the dataset and the split.
+#
+# ## How production does it
+#
+# * Megatron: `megatron/core/datasets/blended_dataset.py` (`:24`),
+#   `blended_megatron_dataset_builder.py` (`build` `:77`, splits `:416`, sizes `:553`),
+#   `helpers.cpp:22,77` (the two blending loops, in C++).
+# * torchtitan and Hugging Face `datasets.interleave_datasets` sample the mixture *randomly*;
+#   the realized ratios then drift by $O(\sqrt{k})$ samples instead of staying within one.
+#
+# ## Exercises
+#
+# 1. Plot `count − w·k` for a random (multinomial) mixture of the same weights and compare.
+# 2. Why does position $k = 0$ use $\max(k, 1) = 1$? What would change with $k$ itself?
+# 3. Find weights for which the 0.5% surplus is not enough for a 10-sample split.

@@ -1,0 +1,187 @@
+# %% [markdown]
+# # 04 · Data: the SFT dataset
+#
+# Supervised fine-tuning reads chats, not a token stream. This page wraps chapter 00's packer
+# into a dataset with Megatron's indexing — one JSONL record per sample, its conversations
+# packed into one row with `cu_seqlens` — and adds the padding that context parallelism needs.
+
+# %%
+from __future__ import annotations
+
+import json
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from tinytron.overview.batch import ByteTokenizer
+from tinytron.overview.sft import (block_causal_mask, pack_conversations, parse_chat_record,
+                                   split_conversations)
+
+__all__ = ["read_chat_jsonl", "pad_segments_for_context_parallel", "SFTDataset"]
+
+# %% [markdown]
+# ## One record, one row
+#
+# Megatron's `SFTDataset` (`megatron/training/datasets/sft_dataset.py:51`) maps sample `i` to
+# record `indices[i % len(indices)]` of the JSONL file: a record holds one or more
+# conversations (a new one starts at each `system` message), and they are packed into a single
+# row of `seq_length + 1` tokens. Everything about a row — prompt-masked targets, the label
+# shift, `cu_seqlens`, per-conversation positions, the block-causal mask — is chapter 00's
+# `pack_conversations`; this page only does the indexing and the CP padding.
+#
+# When a record does not fit in one row Megatron cuts it on the right, mid-conversation. Here
+# that is a `ValueError` naming the record, or, with `truncate=True`, the conversations that do
+# not fit are dropped whole (a half conversation teaches a wrong ending).
+
+# %%
+def read_chat_jsonl(path: str) -> list[dict]:
+    """The records of a chat JSONL file (blank lines skipped), each validated."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append({"messages": parse_chat_record(line)})
+            except ValueError as err:
+                raise ValueError(f"{path}:{n}: {err}") from None
+    if not records:
+        raise ValueError(f"{path}: no chat records")
+    return records
+
+# %% [markdown]
+# ## Padding segments for context parallelism
+#
+# With CP each conversation is split into $2\cdot cp$ zig-zag chunks (previous page), so its
+# length must be a multiple of $2\cdot cp$. Megatron pads each conversation right after
+# tokenizing it (`sft_dataset.py:119-124`). We pad the packed row instead: after the last token
+# of every conversation segment, insert pad positions (token 0, label 0, loss 0, positions
+# continuing), taken from the row's trailing padding. Nothing trainable changes: the label of a
+# conversation's last token was the next conversation's role marker, a prompt token with loss 0,
+# and becomes a pad, also loss 0.
+#
+# Worked example, cp = 2 (multiple of 4), segments of 7 and 5 tokens in a 16-token row:
+# `cu_seqlens = [0, 7, 12, 16]` becomes `[0, 8, 16]` — one pad after each conversation, and the
+# trailing pad segment is used up.
+
+# %%
+def _is_pad_tail(row: dict, lo: int, hi: int) -> bool:
+    """True for the row's trailing padding segment: pad tokens (mapped to 0), no loss.
+
+    A conversation segment always starts with a role marker id, never 0."""
+    return bool((row["tokens"][lo:hi] == 0).all() and (row["loss_mask"][lo:hi] == 0).all())
+
+
+def pad_segments_for_context_parallel(row: dict, multiple: int, seq_length: int) -> dict:
+    """Insert pads so every conversation segment is a multiple of `multiple` tokens."""
+    if multiple == 1:
+        return row
+    if seq_length % multiple:
+        raise ValueError(f"seq_length {seq_length} must be a multiple of 2*cp = {multiple}")
+    cu = row["cu_seqlens"].tolist()
+    segments = list(zip(cu[:-1], cu[1:]))
+    if _is_pad_tail(row, *segments[-1]):
+        segments = segments[:-1]
+    keys = ("tokens", "labels", "loss_mask", "position_ids")
+    parts = {k: [] for k in keys}
+    new_cu = [0]
+    for lo, hi in segments:
+        pad = -(hi - lo) % multiple
+        for k in keys:
+            parts[k].append(row[k][lo:hi])
+            if k != "position_ids":
+                parts[k].append(row[k].new_zeros(pad))
+        last = int(row["position_ids"][hi - 1])
+        parts["position_ids"].append(torch.arange(last + 1, last + 1 + pad))
+        new_cu.append(new_cu[-1] + hi - lo + pad)
+    if new_cu[-1] > seq_length:
+        raise ValueError(f"padding conversations to a multiple of {multiple} needs {new_cu[-1]} "
+                         f"tokens, more than seq_length {seq_length}")
+    tail = seq_length - new_cu[-1]
+    for k in keys:
+        parts[k].append(torch.arange(tail) if k == "position_ids" else row[k].new_zeros(tail))
+    out = {k: torch.cat(parts[k]) for k in keys}
+    if tail:
+        new_cu.append(seq_length)
+    out["cu_seqlens"] = torch.tensor(new_cu, dtype=torch.int32)
+    out["max_seqlen"] = int((out["cu_seqlens"][1:] - out["cu_seqlens"][:-1]).max())
+    if "attention_mask" in row:
+        out["attention_mask"] = block_causal_mask(out["cu_seqlens"], seq_length)
+    return out
+
+# %% [markdown]
+# ## The dataset
+
+# %%
+class SFTDataset(torch.utils.data.Dataset):
+    """Chat records as packed rows (sft_dataset.py:51): sample i = record indices[i % len]."""
+
+    def __init__(self, records, seq_length: int, tokenizer: Optional[ByteTokenizer] = None,
+                 indices: Optional[Sequence[int]] = None, num_samples: Optional[int] = None,
+                 context_parallel_size: int = 1, truncate: bool = False,
+                 create_attention_mask: bool = True):
+        self.records = read_chat_jsonl(records) if isinstance(records, str) else list(records)
+        self.seq_length, self.tok = seq_length, tokenizer or ByteTokenizer()
+        self.indices = np.arange(len(self.records)) if indices is None else np.asarray(indices)
+        if len(self.indices) == 0:
+            raise ValueError("SFTDataset split holds no records")
+        self.num_samples = len(self.indices) if num_samples is None else int(num_samples)
+        self.cp, self.truncate, self.create_attention_mask = context_parallel_size, truncate, create_attention_mask
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, idx: int) -> dict:
+        rec_id = int(self.indices[idx % len(self.indices)])
+        rec = self.records[rec_id]
+        conversations = split_conversations(parse_chat_record(rec))
+        try:
+            rows = pack_conversations(conversations, self.seq_length, self.tok, self.truncate)
+        except ValueError as err:
+            raise ValueError(f"SFT record {rec_id}: {err}") from None
+        if len(rows) > 1 and not self.truncate:
+            raise ValueError(f"SFT record {rec_id} needs {len(rows)} rows of seq_length "
+                             f"{self.seq_length}; raise seq_length or pass truncate=True")
+        row = pad_segments_for_context_parallel(rows[0], 2 * self.cp, self.seq_length)
+        if not self.create_attention_mask:
+            row.pop("attention_mask", None)
+        return row
+
+# %% [markdown]
+# ## Demo: two records, with and without CP padding
+
+# %%
+if __name__ == "__main__":
+    recs = [json.loads('{"messages": [{"role": "system", "content": "be brief"}, '
+                       '{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}, '
+                       '{"role": "system", "content": ""}, {"role": "user", "content": "hi"}, '
+                       '{"role": "assistant", "content": "yo"}]}'),
+            {"messages": [{"role": "user", "content": "ok?"}, {"role": "assistant", "content": "ok"}]}]
+    plain = SFTDataset(recs, seq_length=40)
+    cp2 = SFTDataset(recs, seq_length=40, context_parallel_size=2)
+    for name, ds in (("cp=1", plain), ("cp=2", cp2)):
+        row = ds[0]
+        print(f"{name}: cu_seqlens {row['cu_seqlens'].tolist()}, trained labels "
+              f"{ds.tok.decode(row['labels'][row['loss_mask'] > 0])!r}")
+    a, b = plain[0], cp2[0]
+    assert a["loss_mask"].sum() == b["loss_mask"].sum()  # padding trains nothing new
+    assert all(n % 4 == 0 for n in (b["cu_seqlens"][1:] - b["cu_seqlens"][:-1]).tolist())
+    assert len(plain) == 2 and torch.equal(plain[2 % len(plain)]["tokens"], a["tokens"])
+
+# %% [markdown]
+# ## Summary
+#
+# * One JSONL record is one packed row; its conversations are chapter 00's segments.
+# * For CP each conversation is padded to a multiple of $2\cdot cp$ so `get_batch` can split it.
+#
+# ## How production does it
+#
+# * Megatron: `megatron/training/datasets/sft_dataset.py` (`SFTLowLevelDataset` `:14`,
+#   `SFTDataset` `:51`, padding and packing `:91`); THD attention through Transformer Engine.
+# * torchtune and TRL pack across records into fixed rows (`PackedDataset`, `packing=True`).
+#
+# ## Exercises
+#
+# 1. How many tokens does CP padding waste for cp = 4 on your chat data?
+# 2. Change `__getitem__` to pack greedily across records. What breaks for exact resume?
