@@ -62,8 +62,9 @@ def one_step(model, optimizer, batch: dict, clip_grad: float = 1.0) -> dict:
     before = [p.detach().clone() for p in params]
     optimizer.step()
     deltas = [(p.detach() - b) for p, b in zip(params, before)]
-    return {"logits": logits.detach(), "per_token_loss": per_token.detach(), "loss": float(loss),
-            "num_tokens": int(num_tokens), "report": report, "grad_norm": float(grad_norm),
+    return {"logits": logits.detach(), "per_token_loss": per_token.detach(),
+            "loss": float(loss.detach()), "num_tokens": int(num_tokens), "report": report,
+            "grad_norm": float(grad_norm),
             "update_norm": float(torch.sqrt(sum((d ** 2).sum() for d in deltas))),
             "max_update": max(float(d.abs().max()) for d in deltas)}
 
