@@ -1,3 +1,3 @@
 """02 · Optimizer: the algorithms and the infrastructure (master weights, scaler, clip, DistributedOptimizer)."""
 
-__pages__ = ["algorithms", "muon", "scheduler", "mixed_precision"]
+__pages__ = ["algorithms", "muon", "scheduler", "mixed_precision", "distributed"]

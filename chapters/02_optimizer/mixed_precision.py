@@ -204,12 +204,13 @@ def clip_grad_by_total_norm_fp32(grads: list[torch.Tensor], max_norm: float, tot
     return min(coef, 1.0)
 
 
-def count_zeros_fp32(params: Iterable[torch.Tensor], tp_rank: int = 0, group=None) -> int:
+def count_zeros_fp32(params: Iterable[torch.Tensor], tp_rank: int = 0, group=None,
+                     reduce: bool = True) -> int:
     """Number of exactly-zero grad entries over the counted params of all ranks."""
     grads = grads_for_norm(params, tp_rank)
     local = sum(g.numel() - int(torch.count_nonzero(g)) for g in grads)
     t = torch.tensor(float(local))
-    if dist.is_initialized():
+    if reduce and dist.is_initialized():
         dist.all_reduce(t, group=group)
     return int(t)
 
@@ -256,13 +257,19 @@ class MixedPrecisionOptimizer:
         self.grid, self.log_num_zeros_in_grad = grid, log_num_zeros_in_grad
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []   # (model_param, main_param)
         self.names: list[str] = []
-        for gi, group in enumerate(optimizer.param_groups):
-            names = group.get("param_names") or [f"group{gi}.param{i}" for i in range(len(group["params"]))]
+        self.group_names = [list(g.get("param_names") or [f"group{gi}.param{i}" for i in
+                                                           range(len(g["params"]))])
+                            for gi, g in enumerate(optimizer.param_groups)]
+        self._build_main_params()
+        self._state_of = self._state_owners()
+
+    def _build_main_params(self) -> None:
+        """Put a master param in place of every model param in the inner optimizer's groups."""
+        for group, names in zip(self.optimizer.param_groups, self.group_names):
             for i, p in enumerate(group["params"]):
                 group["params"][i] = self._make_main_param(p)
                 self.pairs.append((p, group["params"][i]))
                 self.names.append(names[i])
-        self._state_of = self._state_owners()
 
     def _make_main_param(self, p: torch.Tensor) -> torch.Tensor:
         """An fp32 master copy for a half-precision param; fp32 params are their own master."""
@@ -368,9 +375,8 @@ class MixedPrecisionOptimizer:
         grad_norm = self.clip_grad_norm(self.clip_grad) if self.clip_grad > 0 else self.get_grad_norm()
         num_zeros = None
         if self.log_num_zeros_in_grad:
-            group = self.grad_stats_group()
-            num_zeros = count_zeros_fp32(self.main_params(), self._tp_rank(), group) if group \
-                else count_zeros_fp32(self.main_params(), self._tp_rank(), None)
+            num_zeros = count_zeros_fp32(self.main_params(), self._tp_rank(),
+                                         self.grad_stats_group(), reduce=self._reduce())
         self.step_with_ready_grads()
         return True, grad_norm, num_zeros
 
@@ -388,7 +394,7 @@ class MixedPrecisionOptimizer:
             for k, v in self._state_of[id(main)].get(main, {}).items():
                 entry[k] = v.detach().clone() if torch.is_tensor(v) else v
             params[name] = entry
-        return {"params": params, "param_groups": _group_hparams(self.param_groups),
+        return {"params": params, "param_groups": _group_hparams(self.param_groups, self.group_names),
                 "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict()}
 
     @torch.no_grad()
@@ -410,9 +416,10 @@ class MixedPrecisionOptimizer:
             self.grad_scaler.load_state_dict(sd["grad_scaler"])
 
 
-def _group_hparams(groups: list[dict]) -> list[dict]:
-    """Every group's hyperparameters (everything but the tensors)."""
-    return [{k: v for k, v in g.items() if k != "params"} for g in groups]
+def _group_hparams(groups: list[dict], names: list[list[str]]) -> list[dict]:
+    """Every group's hyperparameters, with the names of all its model params."""
+    return [dict({k: v for k, v in g.items() if k != "params"}, param_names=list(n))
+            for g, n in zip(groups, names)]
 
 
 def _load_group_hparams(groups: list[dict], saved: list[dict]) -> None:
@@ -420,7 +427,7 @@ def _load_group_hparams(groups: list[dict], saved: list[dict]) -> None:
     if len(groups) != len(saved):
         raise ValueError(f"checkpoint has {len(saved)} param groups, optimizer has {len(groups)}")
     for g, s in zip(groups, saved):
-        g.update({k: v for k, v in s.items() if k != "params"})
+        g.update({k: v for k, v in s.items() if k not in ("params", "param_names")})
 
 
 # %% [markdown]

@@ -1,0 +1,128 @@
+"""Functions the chapter's multi-rank demos and tests run on spawned ranks (importable by name)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tinytron.buffers import DistributedDataParallel, DistributedDataParallelConfig
+from tinytron.optimizer.algorithms import AdamW, build_param_groups
+from tinytron.optimizer.distributed import DistributedOptimizer
+from tinytron.optimizer.mixed_precision import DynamicGradScaler, MixedPrecisionOptimizer
+from tinytron.parallel import ParallelGrid
+
+
+def small_mlp(dtype=torch.float32, seed: int = 0) -> torch.nn.Module:
+    """Linear(16,32)+bias, GELU, LayerNorm(32), Linear(32,8)+bias: weights, biases and a norm."""
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
+                            torch.nn.Linear(32, 8))
+    return m.to(dtype)
+
+
+def batch(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic regression batch for `step`."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(n, 16, generator=g), torch.randn(n, 8, generator=g)
+
+
+def _scaler(use: bool):
+    """A lively dynamic scaler (short window, hysteresis 1) or None."""
+    return DynamicGradScaler(initial_scale=2.0 ** 12, growth_interval=2, hysteresis=1) if use else None
+
+
+def _adamw(model, lr: float = 1e-2):
+    """Megatron-style groups (no decay on biases / norms) under our AdamW."""
+    return AdamW(build_param_groups(model.named_parameters(), lr=lr, weight_decay=0.1), lr=lr)
+
+
+def _build_distopt(model, grid, clip: float, use_scaler: bool, bucket_size: int):
+    """DDP over chapter 05's buffers + the DistributedOptimizer on it."""
+    cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True,
+                                        overlap_grad_reduce=True, bucket_size=bucket_size)
+    ddp = DistributedDataParallel(model, grid, cfg)
+    return ddp, DistributedOptimizer(_adamw(model), ddp, clip_grad=clip,
+                                     grad_scaler=_scaler(use_scaler))
+
+
+def _ddp_step(ddp, opt, x, y, dtype, poison: bool):
+    """One DP step on this rank's half of the batch; `poison` makes this rank's grads inf/NaN."""
+    ddp.zero_grad_buffer()
+    loss = F.mse_loss(ddp(x.to(dtype)).float(), y)
+    if poison:
+        loss = loss * float("inf")
+    opt.scale_loss(loss).backward()
+    ddp.finish_grad_sync()
+    return opt.step()
+
+
+def _ref_step(model, opt, x, y, dtype, poison: bool):
+    """One step of the plain optimizer on the whole batch."""
+    loss = F.mse_loss(model(x.to(dtype)).float(), y)
+    if poison:
+        loss = loss * float("inf")
+    opt.scale_loss(loss).backward()
+    out = opt.step()
+    opt.zero_grad()
+    return out
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    """Largest |difference| between two layout-free optimizer state dicts (same names/keys)."""
+    worst = 0.0
+    for name, entry in a["params"].items():
+        for k, v in entry.items():
+            w = b["params"][name][k]
+            if torch.is_tensor(v):
+                worst = max(worst, (v.float() - w.float()).abs().max().item())
+            elif v != w:
+                return float("inf")
+    return worst
+
+
+def distopt_parity(dtype_name: str, steps: int, clip: float, use_scaler: bool,
+                   poison_steps=(), bucket_size: int = 300, reload_steps: int = 2) -> dict:
+    """DistributedOptimizer over DP=world vs the plain optimizer on the full batch, in one rank."""
+    dtype = getattr(torch, dtype_name)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    grid = ParallelGrid(dp=world)
+    model = small_mlp(dtype)
+    ref = copy.deepcopy(model)
+    ddp, opt = _build_distopt(model, grid, clip, use_scaler, bucket_size)
+    ref_opt = MixedPrecisionOptimizer(_adamw(ref), clip_grad=clip, grad_scaler=_scaler(use_scaler))
+    ok, ref_ok, norms, ref_norms = [], [], [], []
+    for step in range(steps):
+        x, y = batch(step, 4 * world)
+        poison = step in poison_steps
+        o = _ddp_step(ddp, opt, x.chunk(world)[rank], y.chunk(world)[rank], dtype,
+                      poison and rank == 0)
+        r = _ref_step(ref, ref_opt, x, y, dtype, poison)
+        ok.append(o[0]), ref_ok.append(r[0]), norms.append(o[1]), ref_norms.append(r[1])
+    param_diff = max((p.float() - q.float()).abs().max().item()
+                     for p, q in zip(model.parameters(), ref.parameters()))
+    state_diff = _max_diff(opt.state_dict(), ref_opt.state_dict())
+    out = dict(max_param_diff=param_diff, max_state_diff=state_diff, ok=ok, ref_ok=ref_ok,
+               norms=norms, ref_norms=ref_norms,
+               scale=None if opt.grad_scaler is None else opt.grad_scaler.scale,
+               ref_scale=None if ref_opt.grad_scaler is None else ref_opt.grad_scaler.scale)
+    out["reload_param_diff"] = _reload_and_continue(ref, ref_opt, dtype, clip, use_scaler,
+                                                    bucket_size, grid, steps, reload_steps)
+    return out
+
+
+def _reload_and_continue(ref, ref_opt, dtype, clip, use_scaler, bucket_size, grid, start,
+                         steps) -> float:
+    """Load the plain optimizer's state into a fresh DistributedOptimizer; train both on."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = small_mlp(dtype, seed=123)   # different init: everything must come from the state
+    ddp, opt = _build_distopt(model, grid, clip, use_scaler, bucket_size)
+    opt.load_state_dict(ref_opt.state_dict())
+    for step in range(start, start + steps):
+        x, y = batch(step, 4 * world)
+        _ddp_step(ddp, opt, x.chunk(world)[rank], y.chunk(world)[rank], dtype, False)
+        _ref_step(ref, ref_opt, x, y, dtype, False)
+    return max((p.float() - q.float()).abs().max().item()
+               for p, q in zip(model.parameters(), ref.parameters()))
