@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from tinytron.buffers import DistributedDataParallel, DistributedDataParallelConfig
-from tinytron.buffers._comm import CommTimeline
+from tinytron.buffers import _comm as comm
 from tinytron.buffers._workers import TinyNet, lm_loss, make_batches
 from tinytron.parallel import ParallelGrid
 
@@ -105,6 +105,8 @@ def run_case(grid, case: dict) -> dict:
     names = {p: n for n, p in model.named_parameters()}
     violations: list = []
     if cfg.overlap_param_gather:
+        if case.get("no_prehook"):  # negative control: nobody waits for the all-gather
+            ddp.disable_forward_pre_hook(param_sync=False)
         _install_read_checks(ddp, ref, violations)
     batches = make_batches(1, steps, grid.size("dp"), num_micro, micro_bs=2)
     r = grid.rank("dp")
@@ -123,6 +125,8 @@ def run_case(grid, case: dict) -> dict:
         _sgd_reference(ref, ref_grads)
     if cfg.overlap_param_gather:
         ddp.disable_forward_pre_hook()  # gathers the last update synchronously
+    elif cfg.use_distributed_optimizer:
+        ddp.start_param_sync(force_sync=True)
     flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
     ref_flat = torch.cat([p.detach().float().reshape(-1) for p in ref.parameters()])
     return {"name": case["name"], "grad_err": max(errs), "param_err": _rel_err(flat, ref_flat),
@@ -130,15 +134,26 @@ def run_case(grid, case: dict) -> dict:
             "num_buckets": sum(len(b.buckets) for b in ddp.buffers)}
 
 
-def parity_cases(cases: list[dict]) -> list[dict]:
-    """Rank function: run every case on a dp-only grid of the whole world."""
+def parity_cases(cases: list[dict], with_shard_check: bool = True) -> dict:
+    """Rank function: every parity case on a dp-only grid, plus the shard checks."""
     grid = ParallelGrid()
-    return [run_case(grid, c) for c in cases]
+    out = {"cases": []}
+    for case in cases:
+        comm.native_gloo_reduce_scatter = case.get("native_rs", False)
+        try:
+            out["cases"].append(run_case(grid, case))
+        finally:
+            comm.native_gloo_reduce_scatter = False
+    if with_shard_check:
+        for native in (False, True):
+            comm.native_gloo_reduce_scatter = native
+            out[f"shard_native={native}"] = shard_vs_allreduce(grid)
+        comm.native_gloo_reduce_scatter = False
+    return out
 
 
-def shard_vs_allreduce() -> dict:
+def shard_vs_allreduce(grid) -> dict:
     """Each rank's reduce-scatter shard equals its slice of the all-reduced (mean) buffer."""
-    grid = ParallelGrid()
     dp, r = grid.size("dp"), grid.rank("dp")
     torch.manual_seed(0)
     model = TinyNet()
@@ -160,24 +175,3 @@ def shard_vs_allreduce() -> dict:
         for b, e in zip(buf.buckets, exp):
             worst = max(worst, (b.grad_shard() - e).abs().max().item())
     return {"max_abs_diff": worst, "num_buckets": len(ddp.buffers[0].buckets)}
-
-
-def timeline_case(overlap: bool, bucket_size: int = 1500) -> dict:
-    """Second-step backward timeline (events per bucket) with overlap on or off."""
-    grid = ParallelGrid()
-    r = grid.rank("dp")
-    torch.manual_seed(0)
-    timeline = CommTimeline()
-    cfg = DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=bucket_size,
-                                        use_distributed_optimizer=True)
-    ddp = DistributedDataParallel(TinyNet(), grid, cfg, timeline=timeline,
-                                  disable_bucketing=False)
-    batches = make_batches(3, 2, grid.size("dp"), 1, micro_bs=4)
-    for step in range(2):
-        ddp.zero_grad_buffer()
-        loss = lm_loss(ddp, batches[step, r, 0])
-        timeline.reset()
-        loss.backward()
-        timeline.record("backward_end", -1)
-        ddp.finish_grad_sync()
-    return {"events": list(timeline.events), "num_buckets": len(ddp.bucket_groups)}

@@ -8,9 +8,11 @@ from tinytron.buffers.distributed_data_parallel import (BucketGroup, Distributed
                                                         DistributedDataParallelConfig,
                                                         default_bucket_size)
 
-__pages__ = ["param_and_grad_buffer", "distributed_data_parallel"]
+from tinytron.buffers.finalize_model_grads import finalize_model_grads, main_grad_of
+
+__pages__ = ["param_and_grad_buffer", "distributed_data_parallel", "finalize_model_grads"]
 
 __all__ = ["Bucket", "BufferKey", "ParamAndGradBuffer", "ParamLayout", "ShardRange",
            "compute_param_layout", "group_params_for_buffers", "pad_bucket_end", "pad_param_start",
            "BucketGroup", "DistributedDataParallel", "DistributedDataParallelConfig",
-           "default_bucket_size"]
+           "default_bucket_size", "finalize_model_grads", "main_grad_of"]

@@ -38,8 +38,26 @@ def _quiet():
         yield
 
 
+# gloo has no reduce-scatter of its own: torch emulates `reduce_scatter_tensor` with an
+# all-reduce into a temporary copy of the whole input and copies my chunk out only inside
+# `wait()` (so `is_completed()` stays False until then). When the output is my chunk of the
+# input (always the case for the buckets), reducing the input in place gives the same chunk
+# without the temporary, and a completion we can observe. Set to True to use torch's emulation.
+native_gloo_reduce_scatter = False
+
+
+def _is_my_chunk(output: torch.Tensor, input_: torch.Tensor, group) -> bool:
+    n = output.numel()
+    rank = dist.get_rank(group)
+    return (input_.is_contiguous() and output.numel() * dist.get_world_size(group) == input_.numel()
+            and output.data_ptr() == input_.data_ptr() + rank * n * input_.element_size())
+
+
 def reduce_scatter(output: torch.Tensor, input_: torch.Tensor, op, group, async_op: bool):
     """Reduce ``input_`` over ``group`` and keep my chunk in ``output`` (may alias input)."""
+    if (not native_gloo_reduce_scatter and dist.get_backend(group) == "gloo"
+            and _is_my_chunk(output, input_, group)):
+        return dist.all_reduce(input_, op=op, group=group, async_op=async_op)
     with _quiet():
         return dist.reduce_scatter_tensor(output, input_, op=op, group=group, async_op=async_op)
 
@@ -118,9 +136,24 @@ class CommTimeline:
         self.poll()
 
     def watch(self, bucket_id: int, handles: Handles) -> None:
-        """Start watching a launched collective so its completion time gets recorded."""
-        self._pending[bucket_id] = handles
-        self.poll()
+        """Record when a launched collective completes: by a future callback, else by polling."""
+        try:
+            futures = [w.get_future() for w in handles.works if w is not None]
+        except RuntimeError:  # this work type has no future: poll at every later event
+            self._pending[bucket_id] = handles
+            self.poll()
+            return
+        if not futures:
+            return
+        remaining = [len(futures)]
+
+        def one_done(_):
+            remaining[0] -= 1  # callbacks run in the backend's thread, one at a time per work
+            if remaining[0] == 0:
+                self.events.append(("done", bucket_id, time.perf_counter() - self.t0))
+
+        for f in futures:
+            f.then(one_done)
 
     def poll(self) -> None:
         """Record "done" for every watched collective that has completed since the last poll."""

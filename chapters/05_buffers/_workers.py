@@ -40,3 +40,109 @@ def make_batches(seed: int, num_steps: int, world: int, num_micro: int, micro_bs
     """Token ids [step, dp rank, micro-batch, b, s], identical on every rank."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (num_steps, world, num_micro, micro_bs, seq), generator=g)
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+
+
+def _demo_data(V: int = 12, h: int = 6, s: int = 8):
+    """The finalize demo's inputs (same on every rank): table, gain, tokens, labels, mask."""
+    g = torch.Generator().manual_seed(0)
+    return dict(table=torch.randn(V, h, generator=g) * 0.5,
+                gain=1 + 0.1 * torch.randn(h, generator=g), x=torch.randn(s, h, generator=g),
+                tokens=torch.randint(0, V, (s,), generator=g),
+                labels=torch.randint(0, V, (s,), generator=g),
+                mask=(torch.arange(s) < 6).float())  # 6 real tokens, 2 padding
+
+
+def _demo_loss_terms(d, emb_out, out_table, gain, rows):
+    """Summed per-token loss: tied-embedding LM term + a norm term on sequence ``rows``."""
+    logits = emb_out @ out_table.t()
+    ce = F.cross_entropy(logits, d["labels"], reduction="none")
+    norm_term = (_rms(d["x"][rows]) * gain).sum(-1)
+    return (d["mask"] * ce).sum() + (d["mask"][rows] * norm_term).sum()
+
+
+def finalize_reference() -> dict:
+    """Single-process grads of the per-token mean loss (one table used twice, full sequence)."""
+    d = _demo_data()
+    table = d["table"].clone().requires_grad_()
+    gain = d["gain"].clone().requires_grad_()
+    s = d["x"].shape[0]
+    loss = _demo_loss_terms(d, table[d["tokens"]], table, gain, slice(0, s)) / d["mask"].sum()
+    loss.backward()
+    return {"table": table.grad, "gain": gain.grad}
+
+
+def finalize_demo() -> dict:
+    """TP2 x PP2 world: tied table split over 2 stages, SP norm on the last stage, token count."""
+    import torch.distributed as dist
+
+    from tinytron.buffers.finalize_model_grads import finalize_model_grads
+    from tinytron.parallel import ParallelGrid
+
+    grid = ParallelGrid(tp=2, pp=2)
+    tp_rank, stage = grid.rank("tp"), grid.rank("pp")
+    d = _demo_data()
+    s = d["x"].shape[0]
+    peer = grid.ranks("pp")[1 - stage]
+    chunk = torch.nn.Module()
+    chunk.word = torch.nn.Parameter(d["table"].clone())
+    chunk.word.shared_embedding = True
+    if stage == 0:
+        h0 = chunk.word[d["tokens"]]
+        dist.send(h0.detach().contiguous(), dst=peer)
+        grad = torch.empty_like(h0)
+        dist.recv(grad, src=peer)
+        h0.backward(grad)
+        num_tokens = torch.zeros(1)  # filled by the broadcast from the last stage
+    else:
+        chunk.word.shared = True  # the last-stage copy: not counted twice in the grad norm
+        chunk.gain = torch.nn.Parameter(d["gain"].clone())
+        chunk.gain.sequence_parallel = True
+        h = torch.empty(s, d["table"].shape[1])
+        dist.recv(h, src=peer)
+        h.requires_grad_()
+        rows = slice(tp_rank * s // 2, (tp_rank + 1) * s // 2)  # my sequence-parallel slice
+        _demo_loss_terms(d, h, chunk.word, chunk.gain, rows).backward()
+        dist.send(h.grad, dst=peer)
+        num_tokens = d["mask"].sum().reshape(1)
+    before = {n: p.grad.clone() for n, p in chunk.named_parameters()}
+    info = finalize_model_grads([chunk], grid, num_tokens=num_tokens)
+    return {"stage": stage, "tp_rank": tp_rank, "before": before,
+            "after": {n: p.grad.clone() for n, p in chunk.named_parameters()},
+            "num_tokens": info["num_tokens"].item(), "tp_reduced": info["tp_reduced_params"]}
+
+
+def timeline_case(overlap: bool, bucket_size: int = 200_000, hidden: int = 256, ffn: int = 1024,
+                  num_layers: int = 6, micro_bs: int = 8, seq: int = 64) -> dict:
+    """DP world: record the second step's backward (grad arrivals, collectives) on every rank."""
+    from tinytron.buffers._comm import CommTimeline
+    from tinytron.buffers.distributed_data_parallel import (DistributedDataParallel,
+                                                            DistributedDataParallelConfig)
+    from tinytron.parallel import ParallelGrid
+
+    grid = ParallelGrid()
+    torch.manual_seed(0)
+    timeline = CommTimeline()
+    cfg = DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=bucket_size,
+                                        use_distributed_optimizer=True)
+    ddp = DistributedDataParallel(TinyNet(256, hidden, ffn, num_layers), grid, cfg,
+                                  timeline=timeline)
+    batches = make_batches(3, 2, grid.size("dp"), 1, micro_bs, seq=seq, vocab=256)
+    for step in range(2):  # step 0 records the golden counts; step 1 launches from the hooks
+        ddp.zero_grad_buffer()
+        loss = lm_loss(ddp, batches[step, grid.rank("dp"), 0])
+        timeline.reset()
+        loss.backward()
+        timeline.record("backward_end", -1)
+        ddp.finish_grad_sync()
+        timeline.record("synced", -1)
+    sizes = [b.numel for buf in ddp.buffers for b in buf.buckets]
+    return {"events": list(timeline.events), "bucket_numels": sizes, "overlap": overlap}
+
+
+def timeline_runs(overlaps=(False, True), **kwargs) -> list[dict]:
+    """Rank function: ``timeline_case`` for each overlap setting, in one world."""
+    return [timeline_case(o, **kwargs) for o in overlaps]

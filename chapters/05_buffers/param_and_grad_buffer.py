@@ -372,18 +372,19 @@ def plot_buffer_layout(buffer: ParamAndGradBuffer, ax=None, title: str = ""):
     for i, p in enumerate(sorted(buffer.params, key=lambda q: buffer.param_index_map[q][0])):
         s, e, _ = buffer.param_index_map[p]
         ax.barh(0, e - s, left=s, height=0.8, color=cmap(i % 20), edgecolor="black", lw=0.5)
-        if e - s > buffer.numel / 30:
+        if e - s > buffer.numel / 40:
             ax.text((s + e) / 2, 0, buffer.name(p), ha="center", va="center", fontsize=7,
                     rotation=90 if e - s < buffer.numel / 8 else 0)
     for b in buffer.buckets:
         ax.axvline(b.offset, color="red", lw=1.5)
-        ax.text(b.offset + b.numel / 2, 0.55, f"bucket {b.bucket_id}", ha="center", color="red",
-                fontsize=8)
+        ax.text(b.offset + b.numel / 2, 0.5, f"bucket {b.bucket_id}", ha="center", va="bottom",
+                color="red", fontsize=8)
         for r in range(buffer.dp_size):
             s, e = b.shard_range(r)
             ax.barh(-1 - r, e - s, left=b.offset + s, height=0.6, color=plt.get_cmap("Set2")(r),
                     edgecolor="black", lw=0.5)
     ax.axvline(buffer.numel, color="red", lw=1.5)
+    ax.set_ylim(-buffer.dp_size - 0.5, 1.0)
     ax.set_yticks([0] + [-1 - r for r in range(buffer.dp_size)],
                   ["params"] + [f"dp rank {r}" for r in range(buffer.dp_size)])
     ax.set_xlabel("element offset in the flat buffer (grey hatch = padding)")
@@ -401,16 +402,17 @@ def plot_buffer_layout(buffer: ParamAndGradBuffer, ax=None, title: str = ""):
 # %%
 if __name__ == "__main__":
     a, b, c = (torch.nn.Parameter(torch.randn(n)) for n in (10, 100, 30))
-    buf = ParamAndGradBuffer([a, b, c], param_dtype=torch.float32, grad_dtype=torch.float32,
-                             dp_size=2, bucket_size=100, use_distributed_optimizer=True,
-                             param_names={a: "a", b: "b", c: "c"})
+    example = ParamAndGradBuffer([a, b, c], param_dtype=torch.float32,
+                                 grad_dtype=torch.float32, dp_size=2, bucket_size=100,
+                                 use_distributed_optimizer=True,
+                                 param_names={a: "a", b: "b", c: "c"})
     for p in (c, b, a):
-        print(buf.name(p), buf.param_index_map[p])
-    print([bk.shard_range(0) for bk in buf.buckets], buf.buckets)
-    assert buf.param_index_map[c] == (0, 30, 0) and buf.param_index_map[b] == (64, 164, 0)
-    assert buf.param_index_map[a] == (256, 266, 1) and buf.numel == 384
-    assert a.main_grad.data_ptr() == buf.grad_data[256:].data_ptr()
-    assert a.data.data_ptr() == buf.param_data[256:].data_ptr()  # re-pointed into param_data
+        print(example.name(p), example.param_index_map[p])
+    print([bk.shard_range(0) for bk in example.buckets], example.buckets)
+    assert example.param_index_map[c] == (0, 30, 0) and example.param_index_map[b] == (64, 164, 0)
+    assert example.param_index_map[a] == (256, 266, 1) and example.numel == 384
+    assert a.main_grad.data_ptr() == example.grad_data[256:].data_ptr()
+    assert a.data.data_ptr() == example.param_data[256:].data_ptr()  # re-pointed into param_data
     plain = compute_param_layout([a, b, c], 100, 2, use_distributed_optimizer=False)
     assert [plain.param_index_map[p] for p in (c, b, a)] == [(0, 30, 0), (30, 130, 0), (130, 140, 1)]
 
@@ -418,7 +420,7 @@ if __name__ == "__main__":
 if __name__ == "__main__":
     import matplotlib.pyplot as plt
 
-    h, ffn, vocab = 64, 160, 96
+    h, ffn, vocab = 32, 64, 48
     torch.manual_seed(0)
     stack = torch.nn.ModuleDict({"embedding": torch.nn.Embedding(vocab, h)})
     for i in range(2):
@@ -433,7 +435,7 @@ if __name__ == "__main__":
     names = {p: n.replace(".weight", "") for n, p in stack.named_parameters()}
     (key, params), = group_params_for_buffers(stack.parameters(), grad_reduce_in_fp32=True).items()
     buf = ParamAndGradBuffer(params, param_dtype=key.param_dtype, grad_dtype=key.grad_dtype,
-                             dp_size=4, bucket_size=30_000, use_distributed_optimizer=True,
+                             dp_size=4, bucket_size=4_000, use_distributed_optimizer=True,
                              param_names=names)
     print(key, buf)
     for bk in buf.buckets:
@@ -441,7 +443,10 @@ if __name__ == "__main__":
     print("rank 1's shard of bucket 0:",
           [(buf.name(r.param), (r.param_start, r.param_end), (r.shard_start, r.shard_end))
            for r in buf.buckets[0].shard_param_ranges(1)])
-    plot_buffer_layout(buf, title="bf16 params / fp32 grads, dp=4, bucket_size=30000")
+    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(11, 5.5), height_ratios=[3, 5])
+    plot_buffer_layout(example, ax0, title="the worked example: dp=2, bucket_size=100")
+    plot_buffer_layout(buf, ax1, title="toy 2-layer stack: bf16 params / fp32 grads, dp=4, "
+                                       "bucket_size=4000")
     plt.tight_layout()
     plt.show()
     assert buf.buckets[0].params[0] is stack["final_norm"].weight  # reverse order: last first
