@@ -30,18 +30,24 @@ def _dense_mlp_reference(x, dy, h, f, seeds):
     return y.detach(), x.grad, fc1, fc2
 
 
-def tp_mlp_parity(sequence_parallel: bool, s: int = 8, b: int = 2, h: int = 16, f: int = 32) -> float:
-    """Column -> gelu -> row on this TP grid vs the dense MLP; return the largest abs difference."""
+def tp_mlp_parity(sequence_parallel: bool, grid: ParallelGrid | None = None, gathered: bool = False,
+                  s: int = 8, b: int = 2, h: int = 16, f: int = 32) -> float:
+    """Column -> gelu -> row on a TP grid vs the dense MLP; return the largest abs difference.
+
+    `gathered=True` uses column(gather_output=True) -> row(input_is_parallel=False) instead.
+    """
     from tinytron.parallel._comm import all_reduce
     from tinytron.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                                    gather_shards, normal_init)
 
-    grid = ParallelGrid(tp=torch.distributed.get_world_size())
+    grid = grid or ParallelGrid(tp=torch.distributed.get_world_size())
     gen = torch.Generator().manual_seed(0)
     x, dy = torch.randn(s, b, h, generator=gen), torch.randn(s, b, h, generator=gen)
     y_ref, dx_ref, fc1_ref, fc2_ref = _dense_mlp_reference(x, dy, h, f, (1, 2))
-    fc1 = ColumnParallelLinear(h, f, grid, sequence_parallel=sequence_parallel, init_method=normal_init(0.5, 1))
-    fc2 = RowParallelLinear(f, h, grid, sequence_parallel=sequence_parallel, init_method=normal_init(0.5, 2))
+    fc1 = ColumnParallelLinear(h, f, grid, sequence_parallel=sequence_parallel, gather_output=gathered,
+                               init_method=normal_init(0.5, 1))
+    fc2 = RowParallelLinear(f, h, grid, sequence_parallel=sequence_parallel, input_is_parallel=not gathered,
+                            init_method=normal_init(0.5, 2))
     tp, r = grid.size("tp"), grid.rank("tp")
     slice_ = (lambda t: t.chunk(tp, 0)[r]) if sequence_parallel else (lambda t: t)
     x_in = slice_(x).clone().requires_grad_(True)
@@ -56,14 +62,15 @@ def tp_mlp_parity(sequence_parallel: bool, s: int = 8, b: int = 2, h: int = 16, 
     return max((a.detach() - e).abs().max().item() for a, e in pairs)
 
 
-def vocab_parity(b: int = 2, s: int = 3, h: int = 8, v: int = 16, sequence_parallel: bool = False) -> dict:
+def vocab_parity(sequence_parallel: bool = False, grid: ParallelGrid | None = None,
+                 b: int = 2, s: int = 4, h: int = 8, v: int = 16) -> dict:
     """Vocab-parallel embedding and CE vs nn.Embedding / F.cross_entropy; return max abs errors."""
     import torch.nn.functional as F
 
     from tinytron.parallel.tensor_parallel import gather_shards, normal_init
     from tinytron.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
-    grid = ParallelGrid(tp=torch.distributed.get_world_size())
+    grid = grid or ParallelGrid(tp=torch.distributed.get_world_size())
     tp, r = grid.size("tp"), grid.rank("tp")
     gen = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, v, (b, s), generator=gen)
@@ -73,11 +80,12 @@ def vocab_parity(b: int = 2, s: int = 3, h: int = 8, v: int = 16, sequence_paral
     normal_init(1.0, 7)(ref_emb.weight.data)
     emb = VocabParallelEmbedding(v, h, grid, init_method=normal_init(1.0, 7),
                                  reduce_scatter_embeddings=sequence_parallel)
-    out, ref = emb(tokens), ref_emb(tokens)
+    out, ref_full = emb(tokens), ref_emb(tokens)
+    ref = ref_full
     if sequence_parallel:  # [s/tp, b, h]: compare with my sequence slice of the reference
-        ref = ref.transpose(0, 1).chunk(tp, 0)[r]
+        ref = ref_full.transpose(0, 1).chunk(tp, 0)[r]
     (out * ref.detach().cos()).sum().backward()
-    (ref * ref.detach().cos()).sum().backward()
+    (ref_full * ref_full.detach().cos()).sum().backward()
     full = logits.clone().requires_grad_(True)
     local = logits.chunk(tp, -1)[r].clone().requires_grad_(True)
     loss, loss_ref = vocab_parallel_cross_entropy(local, labels, grid), F.cross_entropy(
@@ -91,11 +99,11 @@ def vocab_parity(b: int = 2, s: int = 3, h: int = 8, v: int = 16, sequence_paral
             "ce_grad": (local.grad - full.grad.chunk(tp, -1)[r]).abs().max().item()}
 
 
-def dropout_masks(n: int = 12) -> dict:
+def dropout_masks(grid: ParallelGrid | None = None, n: int = 12) -> dict:
     """Dropout masks drawn outside a fork, in the TP stream, in the DP stream, and replayed."""
     from tinytron.parallel.rng import DATA_PARALLEL_RNG, RNGStatesTracker, model_parallel_seed
 
-    grid = ParallelGrid(tp=torch.distributed.get_world_size())
+    grid = grid or ParallelGrid(tp=torch.distributed.get_world_size())
     tracker = model_parallel_seed(1234, grid, RNGStatesTracker("cpu"))
 
     def mask() -> str:
@@ -114,32 +122,31 @@ def dropout_masks(n: int = 12) -> dict:
     return {"default": default, "tp": tp, "dp": dp, "replayed": replayed}
 
 
-def cp_attention_parity(b: int = 2, hq: int = 4, hkv: int = 2, s: int = 16, d: int = 8,
-                        tp: int = 1) -> float:
+def cp_attention_parity(grid: ParallelGrid | None = None, causal: bool = True, b: int = 2, hq: int = 4,
+                        hkv: int = 2, s: int = 16, d: int = 8) -> float:
     """Attention on a zig-zag CP split vs full causal attention (out and q/k/v grads); max abs error."""
     from tinytron.parallel.context_parallel import context_parallel_attention, split_for_context_parallel
 
-    world = torch.distributed.get_world_size()
-    grid = ParallelGrid(tp=tp, cp=world // tp)
+    grid = grid or ParallelGrid(cp=torch.distributed.get_world_size())
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(b, n, s, d, generator=gen) for n in (hq, hkv, hkv))
     w = torch.randn(b, hq, s, d, generator=gen)
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    out_ref = context_parallel_attention(*full, ParallelGrid.single())
+    out_ref = context_parallel_attention(*full, ParallelGrid.single(), causal=causal)
     (out_ref * w).sum().backward()
     local = [split_for_context_parallel(t, grid, 2).requires_grad_(True) for t in (q, k, v)]
-    out = context_parallel_attention(*local, grid)
+    out = context_parallel_attention(*local, grid, causal=causal)
     (out * split_for_context_parallel(w, grid, 2)).sum().backward()
     pairs = [(out, out_ref)] + [(loc.grad, ref.grad) for loc, ref in zip(local, full)]
     return max((a.detach() - split_for_context_parallel(e, grid, 2)).abs().max().item() for a, e in pairs)
 
 
-def pipeline_parity(h: int = 8, b: int = 4) -> dict:
+def pipeline_parity(grid: ParallelGrid | None = None, h: int = 8, b: int = 4) -> dict:
     """One micro-batch through a pp-stage chain of Linear+tanh vs the unsplit chain on every rank."""
     from tinytron.parallel import pipeline_p2p as p2p
     from tinytron.parallel.tensor_parallel import normal_init
 
-    grid = ParallelGrid(pp=torch.distributed.get_world_size())
+    grid = grid or ParallelGrid(pp=torch.distributed.get_world_size())
     num_stages, me = grid.size("pp"), grid.rank("pp")
     layers = [torch.nn.Linear(h, h) for _ in range(num_stages)]
     for i, lin in enumerate(layers):
@@ -167,3 +174,9 @@ def pipeline_parity(h: int = 8, b: int = 4) -> dict:
         p2p.send_backward(inp.grad, grid)
     return {"grad_err": (layer.weight.grad - ref_grad).abs().max().item(),
             "loss": None if loss is None else round(loss.item(), 6), "loss_ref": loss_ref.item()}
+
+
+def tp_mlp_both_modes() -> list[float]:
+    """tp_mlp_parity without and with sequence parallelism, on one TP grid over the whole world."""
+    grid = ParallelGrid(tp=torch.distributed.get_world_size())
+    return [tp_mlp_parity(False, grid), tp_mlp_parity(True, grid)]

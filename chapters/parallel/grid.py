@@ -92,11 +92,16 @@ _AXIS_TOKENS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",),
                 "dp_cp": ("dp", "cp"), "tp_cp": ("tp", "cp"), "mp": ("tp", "pp")}
 
 
-def _parse_order(order: str) -> list[str]:
-    """Split an order string into base axes; `ep` is accepted and ignored (size 1 here)."""
+def _parse_order(order: str, sizes: dict) -> list[str]:
+    """Split an order string into base axes; `ep` is dropped (size 1 here), unnamed size-1 axes go last."""
     tokens = [t for t in order.lower().split("-") if t != "ep"]
-    if sorted(tokens) != ["cp", "dp", "pp", "tp"]:
-        raise ValueError(f"order must name tp, cp, dp and pp once each, got {order!r}")
+    if len(set(tokens)) != len(tokens) or not set(tokens) <= set(sizes):
+        raise ValueError(f"order must name each of tp, cp, dp, pp at most once, got {order!r}")
+    for axis in ("tp", "cp", "dp", "pp"):  # as RankGenerator (parallel_state.py:475-482)
+        if axis not in tokens:
+            if sizes[axis] != 1:
+                raise ValueError(f"order {order!r} does not name {axis}, whose size is {sizes[axis]}")
+            tokens.append(axis)
     return tokens
 
 
@@ -167,8 +172,8 @@ def rank_layout(world_size: int, tp: int = 1, cp: int = 1, pp: int = 1, dp: int 
                 order: str = DEFAULT_ORDER) -> RankLayout:
     """Compute every group of every axis for a world, without creating any process group."""
     dp = _check_sizes(world_size, tp, cp, pp, dp)
-    axes = _parse_order(order)
     sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+    axes = _parse_order(order, sizes)
     groups = {name: _groups_for(tokens, axes, sizes) for name, tokens in _AXIS_TOKENS.items()}
     # Embedding group: first and last rank of each pipeline group (one rank when pp == 1),
     # as Megatron's default_embedding_ranks (`parallel_state.py:524`).
@@ -321,22 +326,23 @@ if __name__ == "__main__":
         raise AssertionError("tp=3 on 16 ranks must be rejected")
 
 # %% [markdown]
-# And the same object on real processes: 8 gloo ranks with tp 2, pp 2 (dp 2), each reporting
-# its own view. `run_on_ranks` starts the world; the worker builds a `ParallelGrid` and
-# all-reduces its global rank over the `tp` and `embd` groups.
+# And the same object on real processes: 4 gloo ranks with tp 2, pp 2, each reporting its own
+# view. `run_on_ranks` starts the world; the worker builds a `ParallelGrid` and all-reduces its
+# global rank over the `tp` group.
 
 # %%
 if __name__ == "__main__":
     from tinytron.launch import run_on_ranks
     from tinytron.parallel._workers import grid_views
 
-    views = run_on_ranks(grid_views, 8, 2, 2)
+    views = run_on_ranks(grid_views, 4, 2, 2)
     for v in views:
         print(v["describe"], "| tp sum", v["tp_sum"], "| embd", v["embd"])
-    expected = rank_layout(8, tp=2, pp=2)
+    expected = rank_layout(4, tp=2, pp=2)
     for r, v in enumerate(views):
         assert v["tp_sum"] == sum(expected.group_of("tp", r))
         assert v["embd"] == expected.group_of("embd", r)
+    assert [v["first"] for v in views] == [True, True, False, False]
 
 # %% [markdown]
 # ## Summary
