@@ -124,8 +124,9 @@ def test_packed_mask_isolates_documents():
 
 
 @pytest.fixture(scope="module")
-def layouts():
-    return run_on_ranks(_workers.all_layouts, 4, timeout=240)
+def layouts(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf_tp2_pp2")
+    return run_on_ranks(_workers.all_layouts, 4, str(folder), timeout=240)
 
 
 @pytest.mark.parametrize("name", ["tp2_cp1_sp0_packed0", "tp2_cp1_sp1_packed1",
@@ -161,3 +162,9 @@ def test_dropout_draws_agree_across_tp(layouts, name):
     for rank_out in layouts:
         r = rank_out[name]
         assert r["tp_ranks_agree"] and r["train_differs"] and r["eval_gap"] == 0.0, r
+
+
+def test_hf_export_from_tp2_pp2_and_import_into_tp2(layouts):
+    for rank_out in layouts:
+        r = rank_out["hf"]
+        assert r["file_equal"] and r["shards_equal"] and r["logits_gap"] < TOL, r

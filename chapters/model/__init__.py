@@ -7,7 +7,7 @@ from tinytron.model.gpt import (GPTModel, SelfAttention, SwiGLUMLP, TransformerL
                                 build_stage_models, global_parameter_name, init_parameters)
 from tinytron.model.layers import RMSNorm, ShardSpec, apply_rope, rope_cos_sin, shard_of, unshard
 
-__pages__ = ["config", "layers", "gpt"]
+__pages__ = ["config", "layers", "gpt", "hf"]
 
 __all__ = ["ModelConfig", "tiny_config", "llama_7b_config", "padded_vocab_size",
            "stage_layer_ranges", "parameter_breakdown", "count_parameters",

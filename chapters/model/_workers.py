@@ -193,7 +193,33 @@ def dropout_consistency(tp: int, sequence_parallel: bool) -> dict:
             "eval_gap": float((eval_loss - plain).abs().max())}
 
 
-def all_layouts() -> dict:
+def hf_roundtrip(folder: str) -> dict:
+    """Export from TP2 x PP2 stages, then import into TP2: bit-identical to the one-process model."""
+    from safetensors.torch import load_file
+
+    from tinytron.model.hf import gather_full_state, load_hf_llama, save_hf_llama, to_hf_tensors
+    from tinytron.model.layers import shard_of
+
+    config = tiny_config(seed=99, tie_embeddings=True)
+    save_hf_llama(build_stage_models(config, ParallelGrid(tp=2, pp=2)), folder)
+    single = GPTModel(config)
+    expected = {}
+    for name, full in gather_full_state(single).items():
+        expected.update(to_hf_tensors(config, name, full))
+    written = load_file(f"{folder}/model.safetensors")
+    grid = ParallelGrid(tp=2)
+    model, _ = load_hf_llama(folder, grid, seq_length=config.seq_length)
+    shards_equal = all(
+        torch.equal(p, shard_of(q.detach(), p.shard_spec, grid.rank("tp"), 2))
+        for p, q in zip(model.parameters(), single.parameters()))
+    tokens = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    gap = float((_gather_vocab(model(tokens), grid) - single(tokens)).abs().max())
+    return {"file_equal": set(written) == set(expected)
+            and all(torch.equal(written[k], expected[k]) for k in expected),
+            "shards_equal": shards_equal, "logits_gap": gap}
+
+
+def all_layouts(hf_folder: str | None = None) -> dict:
     """Every parity check the model tests need, in one 4-rank world."""
     out = {}
     for tp, cp, sp, packed in [(2, 1, False, False), (2, 1, True, True), (1, 2, False, True),
@@ -205,4 +231,6 @@ def all_layouts() -> dict:
                                       num_virtual_stages=2)
     out["dropout_sp0"] = dropout_consistency(tp=2, sequence_parallel=False)
     out["dropout_sp1"] = dropout_consistency(tp=2, sequence_parallel=True)
+    if hf_folder is not None:
+        out["hf"] = hf_roundtrip(hf_folder)
     return out

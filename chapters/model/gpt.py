@@ -266,7 +266,7 @@ class GPTModel(nn.Module):
     def __init__(self, config: ModelConfig, grid: ParallelGrid | None = None, *,
                  pre_process: bool = True, post_process: bool = True,
                  layer_range: tuple[int, int] | None = None, rng_tracker=None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, initialize: bool = True):
         super().__init__()
         grid = grid if grid is not None else ParallelGrid.single()
         config.check_layout(tp=grid.size("tp"), cp=grid.size("cp"))
@@ -281,7 +281,8 @@ class GPTModel(nn.Module):
         self._build(config, grid, start, end, rng_tracker)
         device = device if device is not None else grid.device
         self.to(device)
-        init_parameters(self)
+        if initialize:  # a loader that overwrites every weight skips the draw
+            init_parameters(self)
 
     def _build(self, config, grid, start, end, rng_tracker):
         """Create the embedding, the layers [start, end), and the head, as this chunk needs."""
@@ -406,7 +407,8 @@ def init_parameters(model: GPTModel) -> None:
 
 def build_stage_models(config: ModelConfig, grid: ParallelGrid | None = None,
                        num_virtual_stages: int = 1, rng_tracker=None,
-                       device: torch.device | str | None = None) -> list[GPTModel]:
+                       device: torch.device | str | None = None,
+                       initialize: bool = True) -> list[GPTModel]:
     """This pipeline rank's model chunks (one per virtual stage), in schedule order."""
     grid = grid if grid is not None else ParallelGrid.single()
     pp, rank = grid.size("pp"), grid.rank("pp")
@@ -416,7 +418,7 @@ def build_stage_models(config: ModelConfig, grid: ParallelGrid | None = None,
     last = len(ranges) - 1
     return [GPTModel(config, grid, pre_process=(rank == 0 and k == 0),
                      post_process=(rank == pp - 1 and k == last), layer_range=r,
-                     rng_tracker=rng_tracker, device=device)
+                     rng_tracker=rng_tracker, device=device, initialize=initialize)
             for k, r in enumerate(ranges)]
 
 
