@@ -126,3 +126,29 @@ def _reload_and_continue(ref, ref_opt, dtype, clip, use_scaler, bucket_size, gri
         _ref_step(ref, ref_opt, x, y, dtype, False)
     return max((p.float() - q.float()).abs().max().item()
                for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def layer_wise_parity(steps: int, lr: float = 2e-2) -> dict:
+    """Layer-wise distributed Muon(+AdamW) over DP=world vs plain Muon(+AdamW) on the full batch."""
+    from tinytron.optimizer.layer_wise import LayerWiseDistributedOptimizer
+    from tinytron.optimizer.muon import build_muon_adamw
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    grid = ParallelGrid(dp=world)
+    model = small_mlp()
+    ref = copy.deepcopy(model)
+
+    def build(named):
+        return build_muon_adamw(named, lr=lr, weight_decay=0.1, fp32_matmul_prec="highest")
+
+    ddp = DistributedDataParallel(model, grid, DistributedDataParallelConfig())
+    opt = LayerWiseDistributedOptimizer(build, model.named_parameters(), grid, clip_grad=1.0)
+    ref_opt = MixedPrecisionOptimizer(build(list(ref.named_parameters())), clip_grad=1.0)
+    for step in range(steps):
+        x, y = batch(step, 4 * world)
+        _ddp_step(ddp, opt, x.chunk(world)[rank], y.chunk(world)[rank], torch.float32, False)
+        _ref_step(ref, ref_opt, x, y, torch.float32, False)
+    return dict(owned=opt.names,
+                max_param_diff=max((p - q).abs().max().item()
+                                   for p, q in zip(model.parameters(), ref.parameters())),
+                max_state_diff=_max_diff(opt.state_dict(), ref_opt.state_dict()))

@@ -282,8 +282,7 @@ class ChainedOptimizer:
     """Several optimizers stepped together; param_groups is the concatenation of theirs."""
 
     def __init__(self, optimizers: list):
-        if not optimizers:
-            raise ValueError("ChainedOptimizer needs at least one optimizer, got []")
+        # May be empty: a DP rank of the layer-wise optimizer can own no parameter at all.
         self.chained_optimizers = list(optimizers)
 
     @property
