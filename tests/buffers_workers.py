@@ -144,6 +144,7 @@ def parity_cases(cases: list[dict], with_shard_check: bool = True) -> dict:
             out["cases"].append(run_case(grid, case))
         finally:
             comm.native_gloo_reduce_scatter = False
+    out["per_token"] = per_token_dp(grid)
     if with_shard_check:
         for native in (False, True):
             comm.native_gloo_reduce_scatter = native
@@ -175,3 +176,111 @@ def shard_vs_allreduce(grid) -> dict:
         for b, e in zip(buf.buckets, exp):
             worst = max(worst, (b.grad_shard() - e).abs().max().item())
     return {"max_abs_diff": worst, "num_buckets": len(ddp.buffers[0].buckets)}
+
+
+def _gpt_reference(cfg, tokens, labels, mask) -> dict:
+    """Single-process grads of the masked per-token mean loss, by global parameter name."""
+    import dataclasses
+
+    from tinytron.model import GPTModel
+
+    ref = GPTModel(dataclasses.replace(cfg, sequence_parallel=False))
+    per_token = ref(tokens, labels=labels)
+    ((per_token * mask).sum() / mask.sum()).backward()
+    return {n: p.grad for n, p in ref.named_parameters()}
+
+
+def finalize_gpt_tp2_pp2() -> list[dict]:
+    """TP2+SP x PP2 (tied embeddings): finalize_model_grads gives the single-process grads."""
+    from tinytron.buffers import finalize_model_grads
+    from tinytron.model import build_stage_models, global_parameter_name, shard_of, tiny_config
+
+    grid = ParallelGrid(tp=2, pp=2)
+    cfg = tiny_config(sequence_parallel=True, tie_embeddings=True, seq_length=16)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
+    labels = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g)
+    mask = (torch.rand(2, cfg.seq_length, generator=g) > 0.25).float()
+    ref_grads = _gpt_reference(cfg, tokens, labels, mask)
+    chunk = build_stage_models(cfg, grid)[0]
+    ddp = DistributedDataParallel(chunk, grid, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True, calculate_per_token_loss=True))
+    peer = grid.ranks("pp")[1 - grid.rank("pp")]
+    act_shape = (cfg.seq_length // 2, 2, cfg.hidden_size)  # [s/tp, b, h] under SP
+    num_tokens = torch.zeros(1)
+    if grid.is_first_stage():
+        out = ddp(tokens)
+        dist.send(out.detach().contiguous(), dst=peer)
+        grad = torch.empty(act_shape)
+        dist.recv(grad, src=peer)
+        out.backward(grad)
+    else:
+        x = torch.empty(act_shape)
+        dist.recv(x, src=peer)
+        x.requires_grad_()
+        chunk.set_input_tensor(x)
+        (ddp(labels=labels) * mask).sum().backward()  # a sum: DDP must not average
+        dist.send(x.grad, dst=peer)
+        num_tokens = mask.sum().reshape(1)
+    tp_rank = grid.rank("tp")
+
+    def errors():
+        out = {}
+        for name, p in chunk.named_parameters():
+            full = global_parameter_name(name, chunk.layer_offset)
+            if full == "output_layer.weight":
+                full = "embedding.word_embeddings.weight"  # tied: the same single-process grad
+            ref = ref_grads[full]
+            if getattr(p, "tensor_model_parallel", False) or hasattr(p, "shard_spec"):
+                ref = shard_of(ref, p.shard_spec, tp_rank, 2)
+            out[name] = ((p.main_grad - ref).abs().max() / ref.abs().max()).item()
+        return out
+
+    before = {n: p.main_grad.clone() for n, p in chunk.named_parameters()}
+    info = finalize_model_grads([ddp], grid, num_tokens=num_tokens)
+    after = errors()
+    sp_names = [n for n, p in chunk.named_parameters() if getattr(p, "sequence_parallel", False)]
+    emb = [n for n, p in chunk.named_parameters() if getattr(p, "shared_embedding", False)]
+    # before finalize: the SP norm grads are partial (only my half of the sequence)
+    n_tok = info["num_tokens"].item()
+    partial = {}
+    for n in sp_names + emb:  # relative error had finalize only divided by the token count
+        full = global_parameter_name(n, chunk.layer_offset)
+        ref = ref_grads["embedding.word_embeddings.weight" if n in emb else full]
+        if n in emb:
+            ref = shard_of(ref, dict(chunk.named_parameters())[n].shard_spec, tp_rank, 2)
+        partial[n] = ((before[n] / n_tok - ref).abs().max() / ref.abs().max()).item()
+    return [{"rank": grid.global_rank, "stage": grid.rank("pp"), "errors": after,
+             "sp_names": sp_names, "embedding": emb, "partial_before": partial,
+             "num_tokens": n_tok, "mask_sum": mask.sum().item()}]
+
+
+def per_token_dp(grid) -> dict:
+    """DP ranks with different real-token counts: summed losses, finalize divides by the total."""
+    from tinytron.buffers import finalize_model_grads
+
+    from torch.nn import functional as F
+
+    dp, r = grid.size("dp"), grid.rank("dp")
+    torch.manual_seed(0)
+    model = TinyNet()
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, grid, DistributedDataParallelConfig(
+        calculate_per_token_loss=True, overlap_grad_reduce=True, bucket_size=1000))
+    tokens = make_batches(7, 1, dp, 1, micro_bs=2)[0, :, 0]  # [dp, b, s]
+    lengths = torch.arange(dp) * 3 + 2  # rank r has 3r+2 real tokens per sequence
+    masks = (torch.arange(tokens.shape[-1] - 1) < lengths[:, None, None]).float()
+
+    def summed(m, t, mask):
+        logits = m(t[:, :-1]).float()
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t[:, 1:].reshape(-1),
+                             reduction="none")
+        return (ce * mask.expand(t.shape[0], -1).reshape(-1)).sum()
+
+    summed(ddp, tokens[r], masks[r]).backward()
+    info = finalize_model_grads(ddp, grid, num_tokens=masks[r].expand(2, -1).sum().reshape(1))
+    total = sum(summed(ref, tokens[k], masks[k]) for k in range(dp))
+    (total / masks.expand(dp, 2, -1).sum()).backward()
+    err = max(_rel_err(p.main_grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+    return {"err": err, "num_tokens": info["num_tokens"].item(),
+            "expected_tokens": masks.expand(dp, 2, -1).sum().item()}

@@ -241,3 +241,18 @@ def test_ddp_grads_equal_single_process(world, cases):
     _check_parity(per_rank)
     multi = [c for c in per_rank[0]["cases"] if c["num_buckets"] > 1]
     assert len(multi) >= 2  # several bucket sizes really gave several buckets
+    for r in per_rank:
+        assert r["per_token"]["err"] < 1e-5, r["per_token"]
+        assert r["per_token"]["num_tokens"] == r["per_token"]["expected_tokens"]
+
+
+def test_finalize_model_grads_tp2_sp_pp2_tied():
+    """TP2+SP x PP2 GPT with tied embeddings: after finalize every grad is the 1-rank grad."""
+    per_rank = [r[0] for r in run_on_ranks(workers.finalize_gpt_tp2_pp2, 4, timeout=180)]
+    for r in per_rank:
+        assert r["num_tokens"] == r["mask_sum"]
+        assert r["sp_names"] and r["embedding"]
+        assert max(r["errors"].values()) < 1e-5, r["errors"]
+        # the check is sensitive: before finalize the SP norm and tied grads were partial
+        assert min(r["partial_before"].values()) > 1e-3, r["partial_before"]
+    assert sum(1 for r in per_rank if "decoder.final_layernorm.weight" in r["sp_names"]) == 2
