@@ -167,6 +167,7 @@ def _demo_gradients(model, microbatches, calculate_per_token_loss):
 if __name__ == "__main__":
     from tinytron.overview._tiny_model import build_demo_model
 
+    torch.set_num_threads(1)  # tiny matrices: threads only contend on a small shared machine
     model, name = build_demo_model(vocab_size=262, seq_length=8)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 256, (2, 8), generator=g)

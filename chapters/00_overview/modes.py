@@ -141,7 +141,7 @@ def rl_forward_step(model, batch: dict, clamp_eps_lower: float = 0.2,
 # %% [markdown]
 # ## Demo: one model, three modes, one `train_step`
 #
-# 60 pretraining steps, 60 SFT steps, then 20 GRPO iterations (a fresh rollout each time), all
+# 50 pretraining steps, 50 SFT steps, then 12 GRPO iterations (a fresh rollout each time), all
 # with the same AdamW and the same `train_step`. We measure accuracy by sampling.
 
 # %%
@@ -165,15 +165,15 @@ if __name__ == "__main__":
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     history = {"pretrain": [], "sft": [], "rl": []}
     pre = pretrain_microbatches(problems, tok, seq_length=24, micro_batch_size=4)
-    for step in range(60):
+    for step in range(50):
         history["pretrain"].append(train_step(model, opt, pre, pretrain_forward_step)["lm loss"])
     sft = sft_microbatches(problems, tok, seq_length=32, micro_batch_size=4)
-    for step in range(60):
+    for step in range(50):
         history["sft"].append(train_step(model, opt, sft, pretrain_forward_step)["lm loss"])
     acc_after_sft = _accuracy(model, problems, tok)
     ref_model = copy.deepcopy(model).requires_grad_(False)
     g = torch.Generator().manual_seed(1)
-    for it in range(20):
+    for it in range(12):
         batch = collect_rollouts(model, ref_model, problems, tok, group_size=8, generator=g)
         stats = train_step(model, opt, [batch], rl_forward_step)
         history["rl"].append(float(batch["rewards"].mean()))
