@@ -10,6 +10,7 @@ from tinytron.model.gpt import GPTModel, build_stage_models, global_parameter_na
 from tinytron.model.layers import unshard
 from tinytron.parallel import ParallelGrid
 from tinytron.parallel.context_parallel import cp_positions
+from tinytron.parallel.pipeline_p2p import communicate
 
 
 def packed_batch(config, b: int = 2, seed: int = 0):
@@ -109,24 +110,9 @@ def layout_parity(tp: int, cp: int, sequence_parallel: bool, packed: bool, seed:
     }
 
 
-def _send_recv(send: torch.Tensor | None, peer_send: int | None, recv_like: torch.Tensor | None,
-               peer_recv: int | None) -> torch.Tensor | None:
-    """One batched isend/irecv between neighbouring stages."""
-    ops, out = [], None
-    if send is not None:
-        ops.append(dist.P2POp(dist.isend, send.contiguous(), peer_send))
-    if recv_like is not None:
-        out = torch.empty_like(recv_like)
-        ops.append(dist.P2POp(dist.irecv, out, peer_recv))
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-    return out
-
-
 def pipeline_parity(tp: int, sequence_parallel: bool, num_layers: int = 2,
                     num_virtual_stages: int = 1, tie: bool = True) -> dict:
-    """A PP2 split (optionally with virtual stages) with p2p vs the unsplit model, fwd and bwd."""
+    """A PP2 split (optionally with virtual stages) with appendix A's p2p vs the unsplit model."""
     config = tiny_config(sequence_parallel=sequence_parallel, num_layers=num_layers,
                          tie_embeddings=tie)
     tokens, labels, _, _ = packed_batch(config, seed=1)
@@ -134,14 +120,13 @@ def pipeline_parity(tp: int, sequence_parallel: bool, num_layers: int = 2,
     grid = ParallelGrid(tp=tp, pp=2)
     models = build_stage_models(config, grid, num_virtual_stages=num_virtual_stages)
     rank, pp = grid.rank("pp"), grid.size("pp")
-    prev, nxt = grid.ranks("pp")[(rank - 1) % pp], grid.ranks("pp")[(rank + 1) % pp]
     s_local = config.seq_length // (tp if sequence_parallel else 1)
-    shape = torch.empty(s_local, tokens.shape[0], config.hidden_size)
+    shape = (s_local, tokens.shape[0], config.hidden_size)
     inputs, outputs, loss = [], [], None
     for k, model in enumerate(models):  # chunk k of stage 0, of stage 1, then chunk k+1 ...
         recv = None
-        if not model.pre_process:
-            recv = _send_recv(None, None, shape, prev).requires_grad_()
+        if not model.pre_process:  # from the previous rank, wrapping around for chunk k > 0
+            recv, _ = communicate(grid, recv_prev_shape=shape)
             model.set_input_tensor(recv)
         out = model(tokens if model.pre_process else None,
                     labels=labels if model.post_process else None)
@@ -150,15 +135,15 @@ def pipeline_parity(tp: int, sequence_parallel: bool, num_layers: int = 2,
         if model.post_process:
             loss = out
         else:
-            _send_recv(out.detach(), nxt, None, None)
+            communicate(grid, send_next=out)
     for k in reversed(range(len(models))):
         if models[k].post_process:
             outputs[k].sum().backward()
         else:
-            grad = _send_recv(None, None, outputs[k], nxt)
+            _, grad = communicate(grid, recv_next_shape=outputs[k].shape)
             outputs[k].backward(grad)
         if inputs[k] is not None:
-            _send_recv(inputs[k].grad, prev, None, None)
+            communicate(grid, send_prev=inputs[k].grad)
     result = {
         "grad_gap": _max_grad_gap(models, grid, ref_grads, sequence_parallel),
         "num_params": sum(p.numel() for m in models for p in m.parameters()),

@@ -60,7 +60,7 @@ __all__ = [
 #
 # Without sequence parallelism the column layers' input gather is a no-op copy and the row
 # layers all-reduce instead of reduce-scattering. Parameter names follow Megatron's local
-# spec (`megatron/core/models/gpt/gpt_layer_specs.py`): `embedding.word_embeddings.weight`,
+# spec (`megatron/core/models/gpt/gpt_layer_specs.py:467`): `embedding.word_embeddings.weight`,
 # `decoder.layers.{i}.self_attention.linear_qkv.weight`, `…linear_proj`, `…mlp.linear_fc1`,
 # `…mlp.linear_fc2`, `…input_layernorm`, `…pre_mlp_layernorm`, `decoder.final_layernorm.weight`,
 # `output_layer.weight`.
@@ -176,7 +176,7 @@ class SelfAttention(nn.Module):
 # `mlp.py:252`).
 #
 # The layer is pre-norm with residuals: $x \mathrel{+}= \mathrm{drop}(\mathrm{attn}(\mathrm{norm}_1(x)))$,
-# $x \mathrel{+}= \mathrm{drop}(\mathrm{mlp}(\mathrm{norm}_2(x)))$ (`transformer_layer.py:673-935`,
+# $x \mathrel{+}= \mathrm{drop}(\mathrm{mlp}(\mathrm{norm}_2(x)))$ (`transformer_layer.py:682` and `:931`,
 # "bias-dropout-add" with no bias here).
 #
 # **Which dropout draws differ per TP rank.** Without sequence parallelism the hidden states are
@@ -500,7 +500,7 @@ if __name__ == "__main__":
 #   the unfused attention), `megatron/core/transformer/mlp.py`, `transformer_layer.py`,
 #   `transformer_block.py` (the SP RNG fork, `set_input_tensor`),
 #   `megatron/core/models/common/language_module/language_module.py` (loss, tied embeddings),
-#   and `megatron/core/transformer/custom_layers/transformer_engine.py` for the fused TE layers
+#   and `megatron/core/extensions/transformer_engine.py` for the fused TE layers
 #   the GPU path uses instead (fused QKV + norm, flash / cuDNN attention with CP rings).
 # - torchtitan: `torchtitan/models/llama3/model/model.py` with DTensor-based TP plans in
 #   `torchtitan/models/llama3/infra/parallelize.py`.

@@ -53,8 +53,9 @@ __all__ = ["hf_config_dict", "config_from_hf", "to_hf_tensors", "from_hf_tensor"
 # **RoPE needs no permutation.** Hugging Face's Llama uses rotate-half (pairs $i$ and
 # $i + d/2$), and so does this model (page B.2); Meta's original checkpoints pair adjacent
 # channels, and the Meta → HF conversion script permutes the q/k rows once. Megatron's own
-# converter (`tools/checkpoint/loader_llama_mistral.py`) and Megatron Bridge do the same
-# q/k/v regrouping as here.
+# Hugging Face loader does the same q/k/v regrouping as here
+# (`tools/checkpoint/loader_mixtral_hf.py:77-98`, `set_attn_state`), with the HF names listed in
+# `tools/checkpoint/schema_hf.py:25`.
 #
 # **Shards.** Export gathers each weight's TP pieces (`unshard` with the parameter's
 # `ShardSpec`) and the pipeline stages' tensors to the first rank, which writes one file.
@@ -399,9 +400,10 @@ if __name__ == "__main__":
 #
 # ## How production does it
 #
-# - Megatron: `tools/checkpoint/loader_llama_mistral.py` and `saver_mcore.py` (offline
-#   conversion through a queue of full tensors), and Megatron Bridge's HF ↔ Megatron mappings
-#   that convert on the fly with TP/PP-aware gathers.
+# - Megatron: `tools/checkpoint/convert.py` with `loader_mixtral_hf.py` and `saver_core.py`
+#   (offline conversion through a queue of full tensors; `docs/llama_mistral.md` explains the
+#   Llama route), and Megatron Bridge's HF ↔ Megatron mappings that convert on the fly with
+#   TP/PP-aware gathers.
 # - torchtitan: `scripts/convert_llama_to_dcp.py` and its `StateDictAdapter` (HF names, with the
 #   q/k permutation because its RoPE pairs adjacent channels).
 #
