@@ -147,11 +147,11 @@ def get_rng_tracker(device: torch.device | str = "cpu") -> RNGStatesTracker:
     return _TRACKERS[dev.type]
 
 
-def model_parallel_seed(seed: int, grid: ParallelGrid,
-                        tracker: RNGStatesTracker | None = None) -> RNGStatesTracker:
+def model_parallel_seed(seed: int, grid: ParallelGrid, tracker: RNGStatesTracker | None = None,
+                        tp_rank: int | None = None) -> RNGStatesTracker:
     """Seed the default generator and the data/model/expert streams as Megatron does; return the tracker."""
     tracker = tracker if tracker is not None else get_rng_tracker(grid.device)
-    tp_rank = max(grid.rank("tp"), 0)
+    tp_rank = grid.rank("tp") if tp_rank is None else tp_rank  # explicit rank: as Megatron's tp_rank=
     tracker.reset()
     tracker._manual_seed(seed)
     tracker.add(DATA_PARALLEL_RNG, seed)
@@ -177,20 +177,36 @@ def set_random_seed(seed: int, grid: ParallelGrid, data_parallel_random_init: bo
 # %% [markdown]
 # ## Demo: two TP ranks, three dropouts
 #
-# Each rank seeds with 1234 and draws a dropout mask three ways: outside any fork (the default
-# stream), inside `fork()` (the model-parallel stream) and inside `fork("data-parallel-rng")`.
-# The first and third must agree across TP ranks; the second must differ. A fourth draw after
-# restoring saved states must repeat the second exactly. (`data-parallel-rng` is seeded with the
-# same seed as the default generator, so its first draw repeats the default's first draw.)
+# The tracker never communicates, so one process can play both TP ranks of a tp-2 group by
+# passing `tp_rank` explicitly (Megatron's `model_parallel_cuda_manual_seed` takes the same
+# argument). Each "rank" seeds with 1234 and draws a dropout mask three ways: outside any fork
+# (the default stream), inside `fork()` (the model-parallel stream) and inside
+# `fork("data-parallel-rng")`. The first and third must agree across TP ranks; the second must
+# differ. A fourth draw after restoring saved states must repeat the second exactly.
+# (`data-parallel-rng` is seeded with the same seed as the default generator, so its first draw
+# repeats the default's first draw.) The tests run the same check on real 2- and 4-rank worlds.
 
 # %%
 if __name__ == "__main__":
-    from tinytron.launch import run_on_ranks
-    from tinytron.parallel._workers import dropout_masks
+    def _mask(n: int = 12) -> str:
+        """A dropout keep-mask as a bit string, drawn from the default generator."""
+        keep = torch.nn.functional.dropout(torch.ones(n), p=0.5) > 0
+        return "".join("1" if k else "0" for k in keep.tolist())
 
-    masks = run_on_ranks(dropout_masks, 2)
-    for r, m in enumerate(masks):
-        print(f"tp rank {r}: default {m['default']}  model-parallel {m['tp']}  data-parallel {m['dp']}")
+    masks = []
+    for tp_rank in range(2):
+        tracker = model_parallel_seed(1234, ParallelGrid.single(), RNGStatesTracker("cpu"), tp_rank=tp_rank)
+        m = {"default": _mask()}
+        saved = tracker.get_states()
+        with tracker.fork():
+            m["tp"] = _mask()
+        with tracker.fork(DATA_PARALLEL_RNG):
+            m["dp"] = _mask()
+        tracker.set_states(saved)
+        with tracker.fork():
+            m["replayed"] = _mask()
+        masks.append(m)
+        print(f"tp rank {tp_rank}: default {m['default']}  model-parallel {m['tp']}  data-parallel {m['dp']}")
     assert masks[0]["default"] == masks[1]["default"]
     assert masks[0]["dp"] == masks[1]["dp"]
     assert masks[0]["tp"] != masks[1]["tp"]
