@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tinytron.overview._tiny_model import TinyLM
+from tinytron.overview._tiny_model import TinyLM, build_demo_model
 from tinytron.overview.batch import (ByteTokenizer, build_gpt_sample, get_ltor_masks_and_position_ids,
                                      mask_padding, shift_labels, split_into_samples)
 from tinytron.overview.grpo import (completion_loss_mask, group_advantages, grpo_loss,
@@ -218,8 +218,12 @@ def test_sft_overlong_conversation_raises_or_truncates():
 
 # ---------------------------------------------------------------- loss contract, normalisation
 
-def _tiny_lm(seed=0):
+def _tiny_lm(kind="TinyLM", seed=0):
+    if kind == "GPTModel":
+        return build_demo_model(vocab_size=32, seq_length=8, seed=seed, hidden_size=32,
+                                num_layers=1, ffn_hidden_size=64)[0]
     return TinyLM(vocab_size=32, hidden=16, num_layers=1, heads=2, max_seq=8, seed=seed)
+
 
 
 def _grads(model):
@@ -263,8 +267,9 @@ def test_loss_contract_shapes_and_report():
         lm_loss_func(torch.ones(3), torch.ones(4))
 
 
-def test_normalisation_equal_counts_split_invariant():
-    model = _tiny_lm()
+@pytest.mark.parametrize("kind", ["TinyLM", "GPTModel"])
+def test_normalisation_equal_counts_split_invariant(kind):
+    model = _tiny_lm(kind)
     mbs = _mbs([5, 5, 5, 5])
     whole = _grad_of(model, _merge(mbs), False)
     for split in (mbs, [_merge(mbs[:2])[0], _merge(mbs[2:])[0]]):
@@ -272,8 +277,9 @@ def test_normalisation_equal_counts_split_invariant():
         assert torch.allclose(_grad_of(model, split, True), whole, rtol=1e-4, atol=1e-7)
 
 
-def test_normalisation_unequal_counts_differs_but_per_token_is_global_mean():
-    model = _tiny_lm()
+@pytest.mark.parametrize("kind", ["TinyLM", "GPTModel"])
+def test_normalisation_unequal_counts_differs_but_per_token_is_global_mean(kind):
+    model = _tiny_lm(kind)
     mbs = _mbs([1, 7])
     whole = _grad_of(model, _merge(mbs), False)                # global token mean
     default = _grad_of(model, mbs, False)
@@ -361,7 +367,7 @@ def test_group_advantages_and_loss_func_contract():
 
 
 def test_token_logprobs_and_rollout_masks():
-    model = _tiny_lm()
+    model = _tiny_lm("GPTModel")
     prompts = torch.randint(0, 30, (2, 3), generator=torch.Generator().manual_seed(1))
     g = torch.Generator().manual_seed(2)
     seqs, logp, generated = sample_completions(model, prompts, 3, 4, end_id=31, pad_id=30, generator=g)
@@ -382,7 +388,6 @@ def test_token_logprobs_and_rollout_masks():
 def test_pretrain_sft_rl_each_take_a_real_step_through_train_step():
     import copy
 
-    from tinytron.overview._tiny_model import build_demo_model
     from tinytron.overview.loss import pretrain_forward_step
     from tinytron.overview.modes import (addition_problems, collect_rollouts, pretrain_microbatches,
                                          rl_forward_step, sft_microbatches)

@@ -1,4 +1,9 @@
-"""A small causal LM for the chapter's demos and tests, and the switch to tinytron.model."""
+"""The chapter's model: tinytron.model's GPT at tiny size, plus a minimal stand-in LM.
+
+The demos train the book's own GPTModel (appendix B). TinyLM is a second, deliberately plain
+model with the same call signature; the tests use it to show that the batch, loss and GRPO code
+of this chapter depend only on "tokens [b, s] in, logits [b, s, V] or per-token loss out".
+"""
 
 from __future__ import annotations
 
@@ -60,12 +65,9 @@ class TinyLM(nn.Module):
         return logits if labels is None else per_token_cross_entropy(logits, labels)
 
 
-def build_demo_model(vocab_size: int = 262, seq_length: int = 64, seed: int = 1234):
-    """The book's GPTModel (tiny_config) when available, else TinyLM; returns (model, name)."""
-    try:
-        from tinytron.model import GPTModel, tiny_config
-    except ImportError:
-        return TinyLM(vocab_size=vocab_size, max_seq=seq_length, seed=seed), "TinyLM"
-    torch.manual_seed(seed)
-    config = tiny_config(vocab_size=vocab_size, seq_length=seq_length, seed=seed)
+def build_demo_model(vocab_size: int = 262, seq_length: int = 64, seed: int = 1234, **overrides):
+    """The book's GPTModel at tiny_config size (one process); returns (model, name)."""
+    from tinytron.model import GPTModel, tiny_config
+
+    config = tiny_config(vocab_size=vocab_size, seq_length=seq_length, seed=seed, **overrides)
     return GPTModel(config), "tinytron.model.GPTModel"
