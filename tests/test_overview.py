@@ -149,6 +149,9 @@ def test_sft_packing_never_attends_across_conversations():
     for row in rows:
         cu = row["cu_seqlens"]
         assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == 40
+        assert row["loss_mask"].dtype == torch.float32 and row["attention_mask"].dtype == torch.bool
+        assert all(row[k].dtype == torch.int64 for k in ("tokens", "labels", "position_ids"))
+        assert row["attention_mask"].shape == (1, 40, 40) and row["tokens"].shape == (40,)
         seg = _segments(cu, 40)
         allowed = ~row["attention_mask"][0]
         assert not (allowed & (seg[:, None] != seg[None, :])).any()      # never across

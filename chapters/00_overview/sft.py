@@ -125,8 +125,8 @@ def block_causal_mask(cu_seqlens: torch.Tensor, seq_length: int) -> torch.Tensor
         raise ValueError(f"cu_seqlens must start at 0 and end at {seq_length}: {cu_seqlens.tolist()}")
     if (cu_seqlens[1:] <= cu_seqlens[:-1]).any():
         raise ValueError(f"cu_seqlens must be strictly increasing: {cu_seqlens.tolist()}")
-    seg = torch.bucketize(torch.arange(seq_length), cu_seqlens[1:].long(), right=True)
-    q = torch.arange(seq_length)
+    q = torch.arange(seq_length, device=cu_seqlens.device)
+    seg = torch.bucketize(q, cu_seqlens[1:].long(), right=True)
     masked = (q[None, :] > q[:, None]) | (seg[:, None] != seg[None, :])
     return masked.unsqueeze(0)
 
@@ -164,13 +164,13 @@ def _build_row(convs, seq_length: int, tok: ByteTokenizer) -> dict:
     positions += list(range(pad_len))
     if cu[-1] < seq_length:
         cu.append(seq_length)
+    inputs = torch.tensor(tokens[:-1], dtype=torch.long)
     labels = torch.tensor(targets[1:], dtype=torch.long)
     loss_mask = ((labels != tok.pad) & (labels != IGNORE_INDEX)).float()
     cu_seqlens = torch.tensor(cu, dtype=torch.int32)
     return {
-        "tokens": torch.tensor(tokens[:-1], dtype=torch.long).masked_fill(
-            torch.tensor(tokens[:-1]) == tok.pad, 0),
-        "labels": labels.masked_fill(loss_mask == 0, 0),  # keep ids in range for the embedding
+        "tokens": inputs.masked_fill(inputs == tok.pad, 0),  # pads become 0, as gpt_dataset.py:275
+        "labels": labels.masked_fill(loss_mask == 0, 0),  # -100 and pad: keep ids in vocab range
         "loss_mask": loss_mask,
         "position_ids": torch.tensor(positions[:-1], dtype=torch.long),
         "cu_seqlens": cu_seqlens,
