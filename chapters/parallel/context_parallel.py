@@ -68,9 +68,13 @@ def split_for_context_parallel(t: torch.Tensor, grid: ParallelGrid, seq_dim: int
     return t.index_select(seq_dim, index)
 
 
+# Per-batch metadata that has no sequence dim (Megatron skips the same keys, `utils.py:2342-2348`).
+_CP_METADATA_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "local_cp_size")
+
+
 def slice_batch_for_context_parallel(batch: dict, grid: ParallelGrid) -> dict:
     """Slice every tensor of a [b, s, ...] batch to this CP rank (attention_mask on its query dim 2)."""
-    return {key: (val if not torch.is_tensor(val) else
+    return {key: (val if not torch.is_tensor(val) or key in _CP_METADATA_KEYS else
                   split_for_context_parallel(val, grid, 2 if key == "attention_mask" else 1))
             for key, val in batch.items()}
 
