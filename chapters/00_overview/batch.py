@@ -337,8 +337,9 @@ if __name__ == "__main__":
 #
 # - `megatron/core/datasets/gpt_dataset.py:225` (`GPTDataset.__getitem__`), `:706`
 #   (`_get_ltor_masks_and_position_ids`), caching of the masks when no reset is on (`:131-137`).
-# - `megatron/training/utils/common_utils.py:334`: a batched variant used by inference and RL
-#   code paths, `[b, 1, s, s]` mask.
+# - `megatron/training/utils/common_utils.py:334`: a batched variant (`[b, 1, s, s]` mask, plus
+#   pad handling) used by the RL code (`megatron/rl/rl_utils.py:1490`) and the post-training
+#   fine-tuning example.
 # - Chapter 04 builds the real dataset (`.bin/.idx`, sample index) and `get_batch` on top of
 #   these functions; fused attention kernels take `cu_seqlens` instead of a dense mask.
 #

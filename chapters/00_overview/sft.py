@@ -34,8 +34,10 @@ __all__ = [
 #
 # A JSONL line holds `{"messages": [{"role": ..., "content": ...}, ...]}`; one line may hold several
 # conversations, each starting at a `system` message (Megatron splits them there,
-# `megatron/training/datasets/sft_dataset.py:76-90`). Each message becomes
-# `<|role|> content <|end|>`. The *targets* copy the tokens where the model should learn (the
+# `megatron/training/datasets/sft_dataset.py:76-90`). Megatron renders a conversation with the
+# tokenizer's chat template (`tokenize_conversation`,
+# `megatron/core/tokenizers/text/libraries/sft_tokenizer.py:130`); this chapter's byte-level
+# template writes each message as `<|role|> content <|end|>`. The *targets* copy the tokens where the model should learn (the
 # assistant's content and its closing `<|end|>`) and hold `IGNORE_INDEX = -100` everywhere else
 # (`sft_dataset.py:14`, the same value PyTorch's cross entropy ignores). The role marker that opens
 # the assistant turn stays a prompt token: at inference it is given, not generated.
@@ -97,7 +99,7 @@ def tokenize_conversation(conversation: list[dict], tok: ByteTokenizer):
 # ## Packing: `cu_seqlens` and a block-diagonal causal mask
 #
 # Each row holds `seq_length + 1` tokens and is then shifted, exactly like a pretraining sample:
-# `tokens = row[:-1]`, `labels = targets[1:]` (`sft_dataset.py:172-174`). Conversations are
+# `tokens = row[:-1]`, `labels = targets[1:]` (`sft_dataset.py:164-165`). Conversations are
 # placed one after another while they fit in `seq_length` inputs; the next one opens a new row.
 # The rest of a row is padding. `cu_seqlens` (int32) lists the segment starts plus the end:
 # for conversations of 8, 11 and 8 tokens in a 32-token row it is `[0, 8, 19, 27, 32]`, the last
@@ -108,7 +110,7 @@ def tokenize_conversation(conversation: list[dict], tok: ByteTokenizer):
 # Production kernels never build this `[s, s]` tensor: they take `cu_seqlens` directly
 # (THD format, `PackedSeqParams(qkv_format="thd")`, `pretrain_gpt.py:212-233`).
 #
-# Loss mask: zero where the label is pad or `IGNORE_INDEX` (`sft_dataset.py:178-180`). The label
+# Loss mask: zero where the label is pad or `IGNORE_INDEX` (`sft_dataset.py:170-171`). The label
 # of a conversation's last input is the next conversation's first target, a role marker, which is
 # always `IGNORE_INDEX`, so no loss crosses a boundary either.
 #
@@ -259,7 +261,7 @@ if __name__ == "__main__":
 # ## How production does it
 #
 # - `megatron/training/datasets/sft_dataset.py:51` (`SFTDataset`), `:76` (split on `system`),
-#   `:99` (`__getitem__`: pack, truncate, pad, shift, `cu_seqlens`), padding of each conversation
+#   `:91` (`__getitem__`: pack, truncate, pad, shift, `cu_seqlens`), padding of each conversation
 #   to a multiple of `2·cp` under context parallelism.
 # - `megatron/core/tokenizers/text/libraries/sft_tokenizer.py:130` (`tokenize_conversation`).
 # - `pretrain_gpt.py:212-233`: the packed THD format handed to the attention kernel.
