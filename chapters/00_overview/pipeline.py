@@ -42,7 +42,7 @@ __all__ = ["one_step"]
 # `get_batch` and `loss_func` (`pretrain_gpt.py:76`, `:121`), the schedule that runs forward and
 # backward per micro-batch (`megatron/core/pipeline_parallel/schedules.py:251`, `:494`),
 # `finalize_model_grads` (`megatron/core/distributed/finalize_model_grads.py:445`) and the
-# optimizer step inside `train_step` (`megatron/training/training.py`).
+# optimizer step inside `train_step` (`megatron/training/training.py:2162`).
 
 # %%
 def one_step(model, optimizer, batch: dict, clip_grad: float = 1.0) -> dict:
@@ -119,13 +119,16 @@ if __name__ == "__main__":
 # | box | Megatron at e03878b5f | where this book builds it for real |
 # |---|---|---|
 # | labels, masks, positions | `megatron/core/datasets/gpt_dataset.py:225`, `:706` | this chapter's *batch* page; chapter 04 |
-# | SFT packing, `cu_seqlens` | `megatron/training/datasets/sft_dataset.py:51` | *SFT* page; chapter 04 `get_batch` |
-# | the loss contract | `pretrain_gpt.py:121`, `schedules.py:251` | *loss* page; chapter 01 |
-# | forward/backward schedules | `megatron/core/pipeline_parallel/schedules.py` | chapter 01 |
-# | grad buffers, DP reduce, `finalize_model_grads` | `megatron/core/distributed/` | chapter 05 |
-# | clipping, Adam, fp32 master weights | `megatron/core/optimizer/` | chapter 02 |
-# | checkpoint of weights + optimizer + RNG | `megatron/training/checkpointing.py` | chapter 03 |
-# | activation memory, recompute | `megatron/core/tensor_parallel/random.py` | chapters 06, 07 |
+# | SFT packing, `cu_seqlens` | `megatron/training/datasets/sft_dataset.py:91` | *SFT* page; chapter 04 `get_batch` |
+# | the loss contract | `pretrain_gpt.py:121`, `megatron/core/pipeline_parallel/schedules.py:251` | *loss* page; chapter 01 |
+# | the iteration | `megatron/training/training.py:1029` (`pretrain`), `:3065` (`train`), `:2162` (`train_step`) | chapter 01 |
+# | forward/backward schedules | `schedules.py:634` (no pipelining), `:2089` (1F1B) | chapter 01 |
+# | grad buffers, DP reduce | `megatron/core/distributed/param_and_grad_buffer.py:940`, `distributed_data_parallel.py:22` | chapter 05 |
+# | `finalize_model_grads` | `megatron/core/distributed/finalize_model_grads.py:445` | chapter 05 |
+# | clipping, Adam, fp32 master weights | `megatron/core/optimizer/optimizer.py:220` (clip), `:330` (step); `distrib_optimizer.py:102` | chapter 02 |
+# | checkpoint of weights + optimizer + RNG | `megatron/training/checkpointing.py:495` (save), `:1613` (load) | chapter 03 |
+# | recompute | `megatron/core/tensor_parallel/random.py:555` (`CheckpointFunction`) | chapter 06 |
+# | the memory model | `megatron/training/theoretical_memory_usage.py:12`, `:428` | chapter 07 |
 # | GRPO | `megatron/rl/rl_utils.py:1855`, `train_rl.py:85` | *GRPO* and *modes* pages |
 #
 # ## Summary
