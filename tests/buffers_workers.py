@@ -99,7 +99,7 @@ def run_case(grid, case: dict) -> dict:
     num_micro, steps = case.get("num_micro", 2), case.get("steps", 3)
     cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, **case["ddp"])
     torch.manual_seed(0)
-    model = TinyNet().to(dtype)
+    model = TinyNet().to(device=grid.device, dtype=dtype)
     ref = copy.deepcopy(model)
     ddp = DistributedDataParallel(model, grid, cfg)
     names = {p: n for n, p in model.named_parameters()}
@@ -108,7 +108,7 @@ def run_case(grid, case: dict) -> dict:
         if case.get("no_prehook"):  # negative control: nobody waits for the all-gather
             ddp.disable_forward_pre_hook(param_sync=False)
         _install_read_checks(ddp, ref, violations)
-    batches = make_batches(1, steps, grid.size("dp"), num_micro, micro_bs=2)
+    batches = make_batches(1, steps, grid.size("dp"), num_micro, micro_bs=2).to(grid.device)
     r = grid.rank("dp")
     errs = []
     for step in range(steps):
@@ -130,7 +130,7 @@ def run_case(grid, case: dict) -> dict:
     flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
     ref_flat = torch.cat([p.detach().float().reshape(-1) for p in ref.parameters()])
     return {"name": case["name"], "grad_err": max(errs), "param_err": _rel_err(flat, ref_flat),
-            "params": flat, "violations": violations,
+            "params": flat.cpu(), "violations": violations,
             "num_buckets": sum(len(b.buckets) for b in ddp.buffers)}
 
 
@@ -157,11 +157,11 @@ def shard_vs_allreduce(grid) -> dict:
     """Each rank's reduce-scatter shard equals its slice of the all-reduced (mean) buffer."""
     dp, r = grid.size("dp"), grid.rank("dp")
     torch.manual_seed(0)
-    model = TinyNet()
+    model = TinyNet().to(grid.device)
     cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True,
                                         bucket_size=1500)
     ddp = DistributedDataParallel(model, grid, cfg)
-    batches = make_batches(2, 1, dp, 1, micro_bs=2)
+    batches = make_batches(2, 1, dp, 1, micro_bs=2).to(grid.device)
     lm_loss(ddp, batches[0, r, 0]).backward()  # first step: nothing launched until finish
     expected = []
     for buf in ddp.buffers:
@@ -184,7 +184,7 @@ def _gpt_reference(cfg, tokens, labels, mask) -> dict:
 
     from tinytron.model import GPTModel
 
-    ref = GPTModel(dataclasses.replace(cfg, sequence_parallel=False))
+    ref = GPTModel(dataclasses.replace(cfg, sequence_parallel=False), device="cpu")
     per_token = ref(tokens, labels=labels)
     ((per_token * mask).sum() / mask.sum()).backward()
     return {n: p.grad for n, p in ref.named_parameters()}
@@ -263,13 +263,13 @@ def per_token_dp(grid) -> dict:
 
     dp, r = grid.size("dp"), grid.rank("dp")
     torch.manual_seed(0)
-    model = TinyNet()
+    model = TinyNet().to(grid.device)
     ref = copy.deepcopy(model)
     ddp = DistributedDataParallel(model, grid, DistributedDataParallelConfig(
         calculate_per_token_loss=True, overlap_grad_reduce=True, bucket_size=1000))
-    tokens = make_batches(7, 1, dp, 1, micro_bs=2)[0, :, 0]  # [dp, b, s]
+    tokens = make_batches(7, 1, dp, 1, micro_bs=2)[0, :, 0].to(grid.device)  # [dp, b, s]
     lengths = torch.arange(dp) * 3 + 2  # rank r has 3r+2 real tokens per sequence
-    masks = (torch.arange(tokens.shape[-1] - 1) < lengths[:, None, None]).float()
+    masks = (torch.arange(tokens.shape[-1] - 1) < lengths[:, None, None]).float().to(grid.device)
 
     def summed(m, t, mask):
         logits = m(t[:, :-1]).float()
