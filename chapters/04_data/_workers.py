@@ -63,11 +63,11 @@ def get_batch_demo(tp: int, cp: int, pp: int, seq: int) -> dict:
             "tokens_equal_tp_peer": _tp_peers_equal(batch["tokens"], grid)}
 
 
-def get_batch_check(tp: int, cp: int, pp: int, seq: int, sft_cu=None) -> dict:
+def get_batch_check(grid: ParallelGrid, seq: int, sft_cu=None) -> dict:
     """Everything a test wants to know about this rank's get_batch result."""
     from tinytron.data.get_batch import get_batch
 
-    grid = ParallelGrid(tp=tp, cp=cp, pp=pp)
+    cp = grid.size("cp")
     full = make_sft_batch(seq, sft_cu) if sft_cu else make_pretrain_batch(2, seq)
     it = CountingIterator(full)  # handed to every rank: only TP rank 0 may read it
     mbs = 1 if sft_cu else 2
@@ -92,4 +92,30 @@ def get_batch_check(tp: int, cp: int, pp: int, seq: int, sft_cu=None) -> dict:
                                    for k in batch if batch[k] is not None)
     agree = [(_tp_peers_equal(batch[k].float(), grid)) for k in sorted(batch) if batch[k] is not None]
     out["tp_agree"] = all(agree)
+    return out
+
+
+def build_on_rank0_check(grid: ParallelGrid, prefix: str, cache: str) -> dict:
+    """Build train/valid datasets where Megatron would (TP rank 0 of first/last stage)."""
+    from tinytron.data.blended import BlendedMegatronDatasetBuilder
+    from tinytron.data.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    on_rank = lambda: grid.rank("tp") == 0 and (grid.is_first_stage() or grid.is_last_stage())  # noqa: E731
+    cfg = GPTDatasetConfig(sequence_length=16, blend=([prefix, prefix], [0.25, 0.75]), split="90,10,0",
+                           path_to_cache=cache)
+    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, [64, 8, None], on_rank, cfg).build()
+    return {"rank": grid.global_rank, "built": train is not None,
+            "cache_hit": None if train is None else [d.cache_hit for d in train.datasets],
+            "sample": None if train is None else train[5]["tokens"].tolist()}
+
+
+def get_batch_suite(prefix: str = None, cache: str = None) -> dict:
+    """One 4-rank world, two grids: TP2 x CP2 (+ the dataset build) and PP4 (first/middle/last)."""
+    out = {}
+    for name, sizes in (("tp2cp2", dict(tp=2, cp=2)), ("pp4", dict(pp=4))):
+        grid = ParallelGrid(**sizes)  # one grid per layout: every new_group is a collective
+        out[name] = {"pp": grid.rank("pp"), "pretrain": get_batch_check(grid, 16),
+                     "sft": get_batch_check(grid, 16, sft_cu=[0, 8, 12, 16])}
+    if prefix is not None:
+        out["build"] = build_on_rank0_check(ParallelGrid(tp=2, cp=2), prefix, cache)
     return out

@@ -35,8 +35,14 @@ __all__ = [
 # With normalised weights $w_i$, position $k$ of the blend goes to the dataset whose count lags
 # its target the most: $\arg\max_i\; w_i \cdot \max(k, 1) - c_i(k)$ (lowest index on ties), and
 # that dataset's count goes up by one (`build_blending_indices`, `helpers.cpp:77`). No random
-# numbers: the same weights always give the same interleaving, and after any prefix of $k$
-# samples every dataset is within one sample of $w_i k$.
+# numbers: the same weights always give the same interleaving. How close does a prefix stay?
+# Write $e_i = w_i k - c_i$. The errors sum to 0, the chosen one is the largest (so $\ge 0$) and
+# drops by 1, hence no $e_i$ ever falls below $-1$: no dataset is ever a whole sample *ahead*
+# of its weight, and none is more than $N-1$ samples *behind*. For two datasets that means
+# within one sample both ways at every prefix. With more datasets Megatron's rule can lag by a
+# little more than one sample (1.7 samples for weights `.171/.003/.817/.003/.003/.003`, a test
+# pins this); we keep the rule as it is, because changing it would change which samples
+# Megatron-compatible runs see.
 #
 # Worked example, $w = (0.25, 0.75)$: $k=0$: errors $(0.25, 0.75)$ → B; $k=1$: $(0.25, -0.25)$ → A;
 # $k=2$: $(-0.5, 0.5)$ → B; $k=3$: $(-0.25, 0.25)$ → B; so `B A B B B A B B ...`.
@@ -70,6 +76,8 @@ def _greedy_pick(w: list, counts: list, candidates, kk: float) -> int:
 def build_blending_indices(weights: Sequence[float], size: int):
     """(dataset_index int16, dataset_sample_index int64) for `size` positions, greedy rule."""
     w = [float(x) for x in weights]
+    if len(w) == 2:
+        return _blend_two(w[0], w[1], size)
     counts = [0] * len(w)
     datasets = range(len(w))
     picks, ranks = [0] * size, [0] * size
@@ -77,6 +85,21 @@ def build_blending_indices(weights: Sequence[float], size: int):
         best = _greedy_pick(w, counts, datasets, k if k > 1 else 1.0)
         picks[k], ranks[k] = best, counts[best]
         counts[best] += 1
+    return np.array(picks, dtype=np.int16), np.array(ranks, dtype=np.int64)
+
+
+def _blend_two(w0: float, w1: float, size: int):
+    """The same rule unrolled for two datasets (the common case; ~4x faster)."""
+    c0 = c1 = 0
+    picks, ranks = [0] * size, [0] * size
+    for k in range(size):
+        kk = k if k > 1 else 1.0
+        if w1 * kk - c1 > w0 * kk - c0:
+            picks[k], ranks[k] = 1, c1
+            c1 += 1
+        else:
+            ranks[k] = c0
+            c0 += 1
     return np.array(picks, dtype=np.int16), np.array(ranks, dtype=np.int64)
 
 
@@ -141,7 +164,7 @@ def parse_data_path(args: Sequence[str]) -> tuple[list[str], Optional[list[float
         if any(is_number(a) for a in args):
             raise ValueError(f"--data-path mixes weights and paths: {args}")
         return args, None
-    if len(args) % 2:
+    if len(args) % 2 or not all(is_number(w) for w in args[0::2]):
         raise ValueError(f"--data-path with weights needs 'w1 p1 w2 p2 ...' pairs, got {args}")
     weights, prefixes = [float(w) for w in args[0::2]], args[1::2]
     bad = [p for p in prefixes if is_number(p)]
@@ -276,8 +299,11 @@ class BlendedMegatronDatasetBuilder:
         out = []
         for i in range(3):
             parts = [pp[i] for pp in per_prefix]
-            if split[i] is None or any(p is None for p in parts):
+            if split[i] is None:
                 out.append(None)
+                continue
+            if not self._built_here() or any(p is None for p in parts):
+                out.append(self._generic(lambda: None))  # every rank meets the same barriers
                 continue
             if weights is not None:
                 w_i, size_i = weights, sum(t[i] for t in target)
@@ -304,7 +330,7 @@ class BlendedMegatronDatasetBuilder:
                 raise ValueError(f"dataset {prefix!r} split {sp.name!r} holds no sequences "
                                  f"({n} sequences, split {self.config.split!r}) but {sizes[i]} "
                                  f"samples were requested")
-            out.append(None if len(ids) == 0 else self._generic(
+            out.append(self._generic(lambda: None) if len(ids) == 0 else self._generic(
                 lambda ids=ids, i=i, sp=sp: self.cls(indexed, prefix, ids, sizes[i], sp, self.config)))
         return out
 
@@ -374,7 +400,7 @@ if __name__ == "__main__":
     print("first 20 picks:", di[:20].tolist())
     counts = np.cumsum(np.eye(3, dtype=np.int64)[di], axis=0)
     err = counts - np.outer(np.arange(1, 2001), w)
-    print("max |count - w*k| over all prefixes:", float(np.abs(err).max()))
+    print("max |count - w*k| over all prefixes:", round(float(np.abs(err).max()), 3))
     plot_blend_ratios(di, w, ["web", "code", "books"])
     plt.show()
     assert np.abs(err).max() <= 1.0

@@ -25,7 +25,7 @@ from tinytron.overview.batch import PAD_SENTINEL, get_ltor_masks_and_position_id
 __all__ = [
     "Split", "parse_and_normalize_split", "convert_split_vector_to_split_matrix", "split_indices",
     "GPTDatasetConfig", "get_num_epochs", "needs_separate_final_epoch", "build_document_index",
-    "build_sample_index", "build_shuffle_index", "build_document_sample_shuffle_indices",
+    "build_sample_index", "build_shuffle_index", "shuffle_index_dtype", "build_document_sample_shuffle_indices",
     "data_identity", "GPTDataset", "plot_index_tables",
 ]
 
@@ -196,9 +196,14 @@ def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.
     return np.concatenate((first, last))
 
 
+def shuffle_index_dtype(total_size: int):
+    """uint32, or int64 from 2**32 - 2 samples on (gpt_dataset.py:690)."""
+    return np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
+
+
 def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.RandomState) -> np.ndarray:
     """arange(total_size) with [0, num_samples) and [num_samples, total) shuffled separately."""
-    dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
+    dtype = shuffle_index_dtype(total_size)
     first = np.arange(num_samples, dtype=dtype)
     rng.shuffle(first)
     if num_samples == total_size:

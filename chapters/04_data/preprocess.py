@@ -110,7 +110,9 @@ def train_bpe_tokenizer(texts: Iterator[str], vocab_size: int, out_path: str,
 # ## Inputs
 #
 # A JSONL line is one document (the text under `--json-keys`, default `text`); a plain text file
-# is one document. With no `--input`, the corpus is every `.py` file of the running Python's
+# is one document. Each document is one sequence, followed by EOD with `--append-eod`; an empty
+# text becomes an empty document (no sequence, no EOD), exactly as `tools/preprocess_data.py`
+# writes it, so the same tokenizer gives byte-identical files. With no `--input`, the corpus is every `.py` file of the running Python's
 # standard library (`sysconfig.get_paths()["stdlib"]`, skipping `site-packages`): about 1,800
 # files and 30 MB of real, varied text on any machine with Python.
 
@@ -170,7 +172,7 @@ def _encode(doc: tuple[str, str]) -> tuple[np.ndarray, int]:
     kind, payload = doc
     text = Path(payload).read_text(encoding="utf-8", errors="replace") if kind == "file" else payload
     ids = _WORKER["tok"].encode(text)
-    if _WORKER["append_eod"]:
+    if _WORKER["append_eod"] and len(ids):  # as tools/preprocess_data.py: no EOD for empty text
         ids = list(ids) + [_WORKER["tok"].eod]
     return np.asarray(ids, dtype=_WORKER["dtype"]), len(text.encode("utf-8"))
 
@@ -190,10 +192,10 @@ def _write_partition(docs: Sequence, prefix: str, spec, append_eod, dtype, worke
         results = map(_encode, docs)
     try:
         for ids, nbytes in results:
-            if ids.size:
+            if ids.size:  # an empty text is an empty document: no sequence (like Megatron's tool)
                 builder.add_item(ids)
-                builder.end_document()
-                written += 1
+            builder.end_document()
+            written += 1
             if progress is not None:
                 progress.update(nbytes)
     finally:
@@ -313,7 +315,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     prefix = preprocess(inputs, args.output_prefix, spec, args.json_keys, args.append_eod,
                         args.workers, args.partitions, not args.no_progress)
     ds = IndexedDataset(prefix)
-    print(f"wrote {prefix}.bin/.idx: {len(ds)} documents, {int(ds.sequence_lengths.sum()):,} tokens, "
+    print(f"wrote {prefix}.bin/.idx: {ds.document_count} documents, {int(ds.sequence_lengths.sum()):,} tokens, "
           f"dtype {np.dtype(ds.dtype).name}" + (f", tokenizer {spec.path}" if spec.path else ""))
     return prefix
 
