@@ -181,7 +181,7 @@ def test_sft_prompt_masking_and_targets():
 
 def test_sft_jsonl_splits_on_system_and_packs_in_order():
     line = json.dumps({"messages": _chat("a", "b", "s1") + _chat("c", "d", "s2")})
-    rows = sft_rows_from_jsonl([line, {"messages": _chat("e", "f")}], 16, TOK)
+    rows = sft_rows_from_jsonl([line + "\n", "\n", {"messages": _chat("e", "f")}], 16, TOK)
     lens = [r["cu_seqlens"].tolist() for r in rows]
     assert lens == [[0, 10, 16], [0, 10, 16]]          # 10 + 10 > 16; 10 + 6 fills a row exactly
     assert [TOK.decode(r["labels"][r["loss_mask"] == 1]) for r in rows] == [

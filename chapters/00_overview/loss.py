@@ -19,6 +19,7 @@ __all__ = [
     "lm_loss_func",
     "pretrain_forward_step",
     "microbatch_objective",
+    "token_weights",
     "forward_backward",
     "reduce_reports",
     "train_step",
@@ -86,6 +87,21 @@ def microbatch_objective(loss_sum: torch.Tensor, num_tokens: torch.Tensor, num_m
     if calculate_per_token_loss:
         return loss_sum  # grads are divided by the global token count after the last micro-batch
     return loss_sum / torch.clamp(num_tokens, min=1) / num_microbatches
+
+
+# %% [markdown]
+# The difference is easiest to see as the weight each loss token receives in the gradient:
+# $\frac{1}{M N_j}$ by default, $\frac{1}{\sum_j N_j}$ per token. With $N = (2, 6)$ a token of the
+# small micro-batch counts $\frac{1}{4}$, one of the large micro-batch $\frac{1}{12}$; per token
+# every one counts $\frac{1}{8}$.
+
+# %%
+def token_weights(num_tokens: list[int], calculate_per_token_loss: bool) -> list[list[float]]:
+    """Gradient weight of each loss token, grouped by micro-batch, under either normalisation."""
+    total, m = sum(num_tokens), len(num_tokens)
+    if calculate_per_token_loss:
+        return [[1.0 / max(total, 1)] * n for n in num_tokens]
+    return [[1.0 / (m * n)] * n for n in num_tokens]
 
 
 # %% [markdown]
@@ -187,6 +203,22 @@ if __name__ == "__main__":
               f"|per-token - global|/|global| = {d2:.3e}")
         assert d2 < 1e-5                                   # per-token mode: always the global mean
         assert (d1 > 1e-2) if keep[0] != keep[1] else (d1 < 1e-5)
+
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 2.4))
+    for per_token, offset in [(False, -0.2), (True, 0.2)]:
+        w = [x for mb in token_weights([2, 6], per_token) for x in mb]
+        ax.bar([i + offset for i in range(len(w))], w, width=0.4,
+               label="per-token (global mean)" if per_token else "default (mean of means)")
+    ax.axvline(1.5, color="grey", linestyle=":")
+    ax.set_xlabel("loss token (micro-batch 1 | micro-batch 2)")
+    ax.set_ylabel("gradient weight")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.show()
+    assert token_weights([2, 6], False) == [[0.25] * 2, [1 / 12] * 6]
+    assert token_weights([4, 4], False) == token_weights([4, 4], True)
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     stats = train_step(model, opt, mbs)

@@ -195,9 +195,11 @@ def pack_conversations(conversations: list[list[dict]], seq_length: int,
 
 def sft_rows_from_jsonl(lines, seq_length: int, tok: ByteTokenizer | None = None,
                         truncate: bool = False) -> list[dict]:
-    """JSONL lines (str or dict) with 'messages' → packed SFT rows."""
+    """JSONL lines (an open file, str lines or dicts) with 'messages' → packed SFT rows."""
     conversations = []
     for n, line in enumerate(lines):
+        if isinstance(line, str) and not line.strip():
+            continue  # a blank line (e.g. the file's trailing newline) holds no record
         try:
             conversations += split_conversations(parse_chat_record(line))
         except ValueError as err:
