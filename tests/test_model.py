@@ -168,3 +168,16 @@ def test_hf_export_from_tp2_pp2_and_import_into_tp2(layouts):
     for rank_out in layouts:
         r = rank_out["hf"]
         assert r["file_equal"] and r["shards_equal"] and r["logits_gap"] < TOL, r
+
+
+@pytest.mark.gpu
+def test_cuda_model_matches_cpu_and_runs_bf16():
+    config = tiny_config()
+    tokens = torch.randint(0, config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    cpu, gpu = GPTModel(config), GPTModel(config, device="cuda")
+    assert all(p.is_cuda for p in gpu.parameters())
+    with torch.no_grad():
+        assert torch.allclose(gpu(tokens.cuda()).cpu(), cpu(tokens), atol=1e-4)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = gpu(tokens.cuda(), labels=tokens.cuda())
+    assert loss.dtype == torch.float32 and torch.isfinite(loss).all()

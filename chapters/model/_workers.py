@@ -1,6 +1,8 @@
-"""Rank functions for the model page demos and tests: every layout against the single-process model."""
+"""Rank functions for the model demos and tests: every layout against the single-process model."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -11,6 +13,16 @@ from tinytron.model.layers import unshard
 from tinytron.parallel import ParallelGrid
 from tinytron.parallel.context_parallel import cp_positions
 from tinytron.parallel.pipeline_p2p import communicate
+
+
+_GRIDS: dict = {}
+
+
+def _grid(tp: int = 1, cp: int = 1, pp: int = 1) -> ParallelGrid:
+    """One grid per layout per process: building one creates every group (~0.5 s on gloo)."""
+    if (tp, cp, pp) not in _GRIDS:
+        _GRIDS[(tp, cp, pp)] = ParallelGrid(tp=tp, cp=cp, pp=pp)
+    return _GRIDS[(tp, cp, pp)]
 
 
 def packed_batch(config, b: int = 2, seed: int = 0):
@@ -92,7 +104,7 @@ def layout_parity(tp: int, cp: int, sequence_parallel: bool, packed: bool, seed:
     tokens, labels, pos, mask = packed_batch(config, seed=seed)
     pos, mask = (pos, mask) if packed else (None, None)
     ref_logits, ref_loss, ref_grads = reference(config, tokens, labels, pos, mask)
-    grid = ParallelGrid(tp=tp, cp=cp)
+    grid = _grid(tp=tp, cp=cp)
     idx = cp_positions(config.seq_length, cp, grid.rank("cp"))
     local = lambda t: None if t is None else t[:, idx]  # noqa: E731
     mask_local = None if mask is None else mask[:, :, idx, :]
@@ -110,20 +122,10 @@ def layout_parity(tp: int, cp: int, sequence_parallel: bool, packed: bool, seed:
     }
 
 
-def pipeline_parity(tp: int, sequence_parallel: bool, num_layers: int = 2,
-                    num_virtual_stages: int = 1, tie: bool = True) -> dict:
-    """A PP2 split (optionally with virtual stages) with appendix A's p2p vs the unsplit model."""
-    config = tiny_config(sequence_parallel=sequence_parallel, num_layers=num_layers,
-                         tie_embeddings=tie)
-    tokens, labels, _, _ = packed_batch(config, seed=1)
-    ref_logits, ref_loss, ref_grads = reference(config, tokens, labels)
-    grid = ParallelGrid(tp=tp, pp=2)
-    models = build_stage_models(config, grid, num_virtual_stages=num_virtual_stages)
-    rank, pp = grid.rank("pp"), grid.size("pp")
-    s_local = config.seq_length // (tp if sequence_parallel else 1)
-    shape = (s_local, tokens.shape[0], config.hidden_size)
+def run_pipeline(models, grid, tokens, labels, shape):
+    """All chunks forward then backward, one micro-batch, with p2p between ranks; the loss."""
     inputs, outputs, loss = [], [], None
-    for k, model in enumerate(models):  # chunk k of stage 0, of stage 1, then chunk k+1 ...
+    for model in models:  # chunk k of stage 0, of stage 1, then chunk k+1 ...
         recv = None
         if not model.pre_process:  # from the previous rank, wrapping around for chunk k > 0
             recv, _ = communicate(grid, recv_prev_shape=shape)
@@ -144,6 +146,21 @@ def pipeline_parity(tp: int, sequence_parallel: bool, num_layers: int = 2,
             outputs[k].backward(grad)
         if inputs[k] is not None:
             communicate(grid, send_prev=inputs[k].grad)
+    return loss
+
+
+def pipeline_parity(tp: int, sequence_parallel: bool, num_layers: int = 2,
+                    num_virtual_stages: int = 1, tie: bool = True) -> dict:
+    """A PP2 split (optionally with virtual stages) with appendix A's p2p vs the unsplit model."""
+    config = tiny_config(sequence_parallel=sequence_parallel, num_layers=num_layers,
+                         tie_embeddings=tie)
+    tokens, labels, _, _ = packed_batch(config, seed=1)
+    ref_logits, ref_loss, ref_grads = reference(config, tokens, labels)
+    grid = _grid(tp=tp, pp=2)
+    models = build_stage_models(config, grid, num_virtual_stages=num_virtual_stages)
+    rank, pp = grid.rank("pp"), grid.size("pp")
+    s_local = config.seq_length // (tp if sequence_parallel else 1)
+    loss = run_pipeline(models, grid, tokens, labels, (s_local, tokens.shape[0], config.hidden_size))
     result = {
         "grad_gap": _max_grad_gap(models, grid, ref_grads, sequence_parallel),
         "num_params": sum(p.numel() for m in models for p in m.parameters()),
@@ -164,7 +181,7 @@ def dropout_consistency(tp: int, sequence_parallel: bool) -> dict:
 
     config = tiny_config(sequence_parallel=sequence_parallel, dropout=0.2)
     tokens, labels, _, _ = packed_batch(config, seed=2)
-    grid = ParallelGrid(tp=tp)
+    grid = _grid(tp=tp)
     tracker = model_parallel_seed(1234, grid, tracker=RNGStatesTracker("cpu"))
     model = GPTModel(config, grid, rng_tracker=tracker)
     train_loss = model(tokens, labels=labels).detach()
@@ -186,36 +203,41 @@ def hf_roundtrip(folder: str) -> dict:
     from tinytron.model.layers import shard_of
 
     config = tiny_config(seed=99, tie_embeddings=True)
-    save_hf_llama(build_stage_models(config, ParallelGrid(tp=2, pp=2)), folder)
+    save_hf_llama(build_stage_models(config, _grid(tp=2, pp=2)), folder)
     single = GPTModel(config)
     expected = {}
     for name, full in gather_full_state(single).items():
         expected.update(to_hf_tensors(config, name, full))
     written = load_file(f"{folder}/model.safetensors")
-    grid = ParallelGrid(tp=2)
+    grid = _grid(tp=2)
     model, _ = load_hf_llama(folder, grid, seq_length=config.seq_length)
     shards_equal = all(
         torch.equal(p, shard_of(q.detach(), p.shard_spec, grid.rank("tp"), 2))
         for p, q in zip(model.parameters(), single.parameters()))
     tokens = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
-    gap = float((_gather_vocab(model(tokens), grid) - single(tokens)).abs().max())
+    with torch.no_grad():
+        gap = float((_gather_vocab(model(tokens), grid) - single(tokens)).abs().max())
     return {"file_equal": set(written) == set(expected)
             and all(torch.equal(written[k], expected[k]) for k in expected),
             "shards_equal": shards_equal, "logits_gap": gap}
 
 
 def all_layouts(hf_folder: str | None = None) -> dict:
-    """Every parity check the model tests need, in one 4-rank world."""
-    out = {}
-    for tp, cp, sp, packed in [(2, 1, False, False), (2, 1, True, True), (1, 2, False, True),
-                               (2, 2, True, True), (2, 2, False, False)]:
-        out[f"tp{tp}_cp{cp}_sp{int(sp)}_packed{int(packed)}"] = layout_parity(tp, cp, sp, packed)
-    out["pp2"] = pipeline_parity(tp=1, sequence_parallel=False)
-    out["pp2_tp2_sp"] = pipeline_parity(tp=2, sequence_parallel=True, tie=False)
-    out["pp2_vpp2"] = pipeline_parity(tp=1, sequence_parallel=False, num_layers=4,
-                                      num_virtual_stages=2)
-    out["dropout_sp0"] = dropout_consistency(tp=2, sequence_parallel=False)
-    out["dropout_sp1"] = dropout_consistency(tp=2, sequence_parallel=True)
+    """Every parity check the model tests need, in one 4-rank world (with seconds per check)."""
+    checks = {f"tp{tp}_cp{cp}_sp{int(sp)}_packed{int(pk)}": (layout_parity, tp, cp, sp, pk)
+              for tp, cp, sp, pk in [(2, 1, False, False), (2, 1, True, True), (1, 2, False, True),
+                                     (2, 2, True, True), (2, 2, False, False)]}
+    checks["pp2"] = (pipeline_parity, 1, False)
+    checks["pp2_tp2_sp"] = (pipeline_parity, 2, True, 2, 1, False)
+    checks["pp2_vpp2"] = (pipeline_parity, 1, False, 4, 2)
+    checks["dropout_sp0"] = (dropout_consistency, 2, False)
+    checks["dropout_sp1"] = (dropout_consistency, 2, True)
     if hf_folder is not None:
-        out["hf"] = hf_roundtrip(hf_folder)
+        checks["hf"] = (hf_roundtrip, hf_folder)
+    out, seconds = {}, {}
+    for name, (fn, *args) in checks.items():
+        t0 = time.perf_counter()
+        out[name] = fn(*args)
+        seconds[name] = round(time.perf_counter() - t0, 2)
+    out["seconds"] = seconds
     return out

@@ -138,7 +138,8 @@ def to_hf_tensors(config: ModelConfig, name: str, full: torch.Tensor) -> dict[st
     layer, rest = _split_layer(name)
     pre = f"model.layers.{layer}."
     if rest == "self_attention.linear_qkv.weight":
-        v4, per, h = _qkv_view(config, full), config.num_attention_heads // config.num_query_groups, config.hidden_size
+        v4, h = _qkv_view(config, full), config.hidden_size
+        per = config.num_attention_heads // config.num_query_groups
         return {pre + "self_attn.q_proj.weight": v4[:, :per].reshape(-1, h),
                 pre + "self_attn.k_proj.weight": v4[:, per].reshape(-1, h),
                 pre + "self_attn.v_proj.weight": v4[:, per + 1].reshape(-1, h)}
@@ -195,7 +196,8 @@ def from_hf_tensor(config: ModelConfig, name: str, read) -> torch.Tensor:
     shapes, pre = _expected_shapes(config, layer), f"model.layers.{layer}."
     get = lambda n: _fetch(read, pre + n, shapes[pre + n])  # noqa: E731
     if rest == "self_attention.linear_qkv.weight":
-        g, d, per = config.num_query_groups, config.head_dim, config.num_attention_heads // config.num_query_groups
+        g, d = config.num_query_groups, config.head_dim
+        per = config.num_attention_heads // g
         q = get("self_attn.q_proj.weight").view(g, per, d, h)
         k = get("self_attn.k_proj.weight").view(g, 1, d, h)
         vv = get("self_attn.v_proj.weight").view(g, 1, d, h)
