@@ -278,6 +278,10 @@ def build_muon_adamw(named_params: Iterable[tuple[str, torch.Tensor]], lr: float
                      adam_betas=(0.9, 0.999), adam_eps: float = 1e-8, **muon_kw) -> ChainedOptimizer:
     """Muon on the hidden matrices, AdamW on everything else, chained (Megatron's split)."""
     named = [(n, p) for n, p in named_params if p.requires_grad]
+    if muon_kw.get("qkv_split_shapes"):   # tag fused QKV weights by their Megatron name
+        for n, p in named:
+            if n.endswith("linear_qkv.weight"):
+                p.is_qkv = True
     muon_named = [(n, p) for n, p in named if is_muon_param(n, p)]
     adam_named = [(n, p) for n, p in named if not is_muon_param(n, p)]
     optimizers = []
