@@ -143,7 +143,9 @@ class SFTDataset(torch.utils.data.Dataset):
         if len(rows) > 1 and not self.truncate:
             raise ValueError(f"SFT record {rec_id} needs {len(rows)} rows of seq_length "
                              f"{self.seq_length}; raise seq_length or pass truncate=True")
-        row = pad_segments_for_context_parallel(rows[0], 2 * self.cp, self.seq_length)
+        if self.cp > 1:  # Megatron pads only under context parallelism (sft_dataset.py:119)
+            rows[0] = pad_segments_for_context_parallel(rows[0], 2 * self.cp, self.seq_length)
+        row = rows[0]
         if not self.create_attention_mask:
             row.pop("attention_mask", None)
         return row
