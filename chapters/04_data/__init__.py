@@ -2,7 +2,7 @@
 
 from importlib import import_module
 
-__pages__ = ["indexed", "preprocess", "gpt_dataset", "blended", "samplers", "get_batch", "sft"]
+__pages__ = ["indexed", "preprocess", "gpt_dataset", "blended", "samplers", "distribute", "sft"]
 
 # Megatron's names, importable from the package; loaded on first use so that the light
 # modules (the preprocessing CLI, the .idx reader) do not pay for the rest.
@@ -13,7 +13,7 @@ _EXPORTS = {
     "parse_data_path": "blended",
     "MegatronPretrainingSampler": "samplers", "MegatronPretrainingRandomSampler": "samplers",
     "build_pretraining_data_loader": "samplers", "cyclic_iter": "samplers",
-    "get_batch": "get_batch", "SFTDataset": "sft", "preprocess": "preprocess",
+    "get_batch": "distribute", "SFTDataset": "sft",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -53,7 +53,7 @@ def _tp_peers_equal(t: torch.Tensor, grid: ParallelGrid) -> bool:
 
 def get_batch_demo(tp: int, cp: int, pp: int, seq: int) -> dict:
     """Run get_batch on this rank's grid; report positions received and TP agreement."""
-    from tinytron.data.get_batch import get_batch
+    from tinytron.data.distribute import get_batch
 
     grid = ParallelGrid(tp=tp, cp=cp, pp=pp)
     it = CountingIterator(make_pretrain_batch(2, seq)) if grid.rank("tp") == 0 else None
@@ -65,7 +65,7 @@ def get_batch_demo(tp: int, cp: int, pp: int, seq: int) -> dict:
 
 def get_batch_check(grid: ParallelGrid, seq: int, sft_cu=None) -> dict:
     """Everything a test wants to know about this rank's get_batch result."""
-    from tinytron.data.get_batch import get_batch
+    from tinytron.data.distribute import get_batch
 
     cp = grid.size("cp")
     full = make_sft_batch(seq, sft_cu) if sft_cu else make_pretrain_batch(2, seq)
@@ -78,7 +78,7 @@ def get_batch_check(grid: ParallelGrid, seq: int, sft_cu=None) -> dict:
            "dtypes": {k: str(v.dtype) for k, v in batch.items() if v is not None},
            "shapes": {k: tuple(v.shape) for k, v in batch.items() if v is not None}}
     ref = next(CountingIterator(full))
-    from tinytron.data.get_batch import thd_partitioned_indices
+    from tinytron.data.distribute import thd_partitioned_indices
 
     if sft_cu:
         index = thd_partitioned_indices(ref["cu_seqlens"], cp, grid.rank("cp"))
