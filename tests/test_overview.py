@@ -11,7 +11,7 @@ import torch
 from tinytron.overview._tiny_model import TinyLM, build_demo_model
 from tinytron.overview.batch import (ByteTokenizer, build_gpt_sample, get_ltor_masks_and_position_ids,
                                      mask_padding, shift_labels, split_into_samples)
-from tinytron.overview.grpo import (completion_loss_mask, group_advantages, grpo_loss,
+from tinytron.overview.grpo import (GRPOConfig, completion_loss_mask, group_advantages, grpo_loss,
                                     grpo_loss_func, sample_completions, token_logprobs)
 from tinytron.overview.loss import (forward_backward, lm_loss_func, microbatch_objective,
                                     reduce_reports, train_step)
@@ -415,3 +415,13 @@ def test_pretrain_sft_rl_each_take_a_real_step_through_train_step():
         assert math.isfinite(stats["lm loss"]) and stats["num_tokens"] > 0, (mode, stats)
         assert moved > 0 and stats["grad_norm"] > 0, mode
     assert "rl/kl" in stats and stats["rl/kl"] >= 0
+
+
+def test_grpo_config_defaults_and_checks():
+    c = GRPOConfig()
+    assert (c.group_size, c.prompts_per_step, c.clamp_eps_lower, c.clamp_eps_upper, c.kl_beta,
+            c.entropy_weight, c.is_truncation_coef) == (2, 32, 0.01, 0.01, 0.001, 0.0, None)
+    with pytest.raises(ValueError, match="group_size"):
+        GRPOConfig(group_size=1)
+    with pytest.raises(ValueError, match="clip range"):
+        GRPOConfig(clamp_eps_lower=1.5)

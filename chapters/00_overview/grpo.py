@@ -13,11 +13,12 @@
 # %%
 from __future__ import annotations
 
-from functools import partial
+from dataclasses import dataclass
 
 import torch
 
 __all__ = [
+    "GRPOConfig",
     "token_logprobs",
     "group_advantages",
     "grpo_loss",
@@ -84,6 +85,10 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
 # nothing above $1+\epsilon_{hi}$; for $A < 0$ nothing below $1-\epsilon_{lo}$. Megatron also
 # returns which tokens were clipped from above ($r > 1+\epsilon_{hi}$) and below
 # ($r < 1-\epsilon_{lo}$), for logging.
+#
+# Megatron's defaults are tight: $\epsilon_{lo} = \epsilon_{hi} = 0.01$, $\beta = 0.001$, no entropy
+# term, groups of 2 completions for 32 prompts per step (`megatron/training/arguments.py:2380-2440`).
+# `GRPOConfig` carries them.
 
 # %%
 def grpo_loss(current_logprobs, old_logprobs, ref_logprobs, advantages, clamp_eps_lower: float,
@@ -108,6 +113,32 @@ def grpo_loss(current_logprobs, old_logprobs, ref_logprobs, advantages, clamp_ep
     return {"loss": loss, "kl": kl, "ratios": ratios, "entropy": entropy,
             "clipped_above": ratios > 1 + clamp_eps_upper,
             "clipped_below": ratios < 1 - clamp_eps_lower}
+
+
+@dataclass
+class GRPOConfig:
+    """GRPO knobs with Megatron's defaults (megatron/training/arguments.py:2380-2440)."""
+
+    group_size: int = 2
+    """Completions sampled per prompt (--grpo-group-size)."""
+    prompts_per_step: int = 32
+    """Prompts per rollout collection (--grpo-prompts-per-step)."""
+    clamp_eps_lower: float = 0.01
+    """Ratio clip below 1 (--grpo-clamp-eps-lower)."""
+    clamp_eps_upper: float = 0.01
+    """Ratio clip above 1 (--grpo-clamp-eps-upper); larger than lower = "clip-higher"."""
+    kl_beta: float = 0.001
+    """Weight of the k3 KL term towards the reference model (--grpo-kl-beta)."""
+    entropy_weight: float = 0.0
+    """Weight of the entropy bonus (--grpo-entropy-term-weight)."""
+    is_truncation_coef: float | None = None
+    """Cap on the importance weight (--rl-importance-sampling-truncation-coef); None = no cap."""
+
+    def __post_init__(self):
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 (advantages need a group), got {self.group_size}")
+        if not (0 <= self.clamp_eps_lower < 1 and self.clamp_eps_upper >= 0):
+            raise ValueError(f"clip range (1-{self.clamp_eps_lower}, 1+{self.clamp_eps_upper}) is invalid")
 
 
 def grpo_loss_func(loss_mask: torch.Tensor, parts: dict, output_tensor: torch.Tensor):

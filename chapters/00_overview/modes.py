@@ -19,8 +19,8 @@ from functools import partial
 import torch
 
 from tinytron.overview.batch import ByteTokenizer, build_gpt_sample
-from tinytron.overview.grpo import (completion_loss_mask, group_advantages, grpo_loss,
-                                    grpo_loss_func, sample_completions, token_logprobs)
+from tinytron.overview.grpo import (GRPOConfig, completion_loss_mask, group_advantages,
+                                    grpo_loss, grpo_loss_func, sample_completions, token_logprobs)
 from tinytron.overview.sft import pack_conversations
 
 __all__ = [
@@ -127,14 +127,13 @@ def collect_rollouts(model, ref_model, problems, tok: ByteTokenizer, group_size:
             "rewards": rewards}
 
 
-def rl_forward_step(model, batch: dict, clamp_eps_lower: float = 0.2,
-                    clamp_eps_upper: float = 0.2, kl_beta: float = 0.01,
-                    entropy_weight: float = 0.0, is_truncation_coef: float | None = 2.0):
+def rl_forward_step(model, batch: dict, config: GRPOConfig | None = None):
     """Per-token GRPO loss of one rollout micro-batch and its loss_func (3-tuple contract)."""
+    c = config or GRPOConfig()
     current = token_logprobs(model(batch["tokens"]), batch["tokens"])
     parts = grpo_loss(current, batch["old_logprobs"], batch["ref_logprobs"], batch["advantages"],
-                      clamp_eps_lower, clamp_eps_upper, kl_beta, entropy_weight,
-                      batch.get("inference_logprobs"), is_truncation_coef)
+                      c.clamp_eps_lower, c.clamp_eps_upper, c.kl_beta, c.entropy_weight,
+                      batch.get("inference_logprobs"), c.is_truncation_coef)
     return parts["loss"], partial(grpo_loss_func, batch["loss_mask"], parts)
 
 
@@ -173,9 +172,13 @@ if __name__ == "__main__":
     acc_after_sft = _accuracy(model, problems, tok)
     ref_model = copy.deepcopy(model).requires_grad_(False)
     g = torch.Generator().manual_seed(1)
+    # a few big steps on a toy: wider clip and KL than Megatron's defaults (0.01, 0.001)
+    rl_config = GRPOConfig(group_size=8, clamp_eps_lower=0.2, clamp_eps_upper=0.28, kl_beta=0.01,
+                           is_truncation_coef=2.0)
+    rl_step = partial(rl_forward_step, config=rl_config)
     for it in range(12):
-        batch = collect_rollouts(model, ref_model, problems, tok, group_size=8, generator=g)
-        stats = train_step(model, opt, [batch], rl_forward_step)
+        batch = collect_rollouts(model, ref_model, problems, tok, rl_config.group_size, generator=g)
+        stats = train_step(model, opt, [batch], rl_step)
         history["rl"].append(float(batch["rewards"].mean()))
     acc_after_rl = _accuracy(model, problems, tok)
     print(f"model: {name}; pretrain loss {history['pretrain'][0]:.3f} -> {history['pretrain'][-1]:.3f}; "
