@@ -80,7 +80,7 @@ def world_of_2() -> dict:
         "mlp": [tp_mlp_parity(False, tp), tp_mlp_parity(True, tp), tp_mlp_parity(False, tp, gathered=True)],
         "vocab": vocab_parity(False, tp), "vocab_sp": vocab_parity(True, tp),
         "attrs": _attrs_and_init(tp), "sp_regions": _sp_regions(tp),
-        "cp": [cp_attention_parity(cp, True), cp_attention_parity(cp, False)],
+        "cp": cp_attention_parity(cp, True) + cp_attention_parity(cp, False),
         "cp_gather": torch.equal(gather_from_context_parallel(split_for_context_parallel(x, cp), cp), x),
         "pp": pipeline_parity(pp), "p2p": _p2p_both_ways(pp), "rng": dropout_masks(tp),
         "grid": _grid_matches_layout(tp, tp=2), "first_last": (pp.is_first_stage(), pp.is_last_stage()),
@@ -89,15 +89,15 @@ def world_of_2() -> dict:
 
 
 def world_of_4() -> dict:
-    """Every 4-rank check: TP4 layers, TP2xCP2 layers and attention, PP4 p2p, mixed grids."""
+    """Every 4-rank check: TP4 layers, TP2xCP2 layers and attention, CP4 (ring) attention, PP4 p2p, grids."""
     t0 = time.perf_counter()
-    tp4, tpcp, pp4 = ParallelGrid(tp=4), ParallelGrid(tp=2, cp=2), ParallelGrid(pp=4)
+    tp4, tpcp, pp4, cp4 = ParallelGrid(tp=4), ParallelGrid(tp=2, cp=2), ParallelGrid(pp=4), ParallelGrid(cp=4)
     tppp = ParallelGrid(tp=2, pp=2)
     return {
         "mlp": [tp_mlp_parity(False, tp4), tp_mlp_parity(True, tp4), tp_mlp_parity(True, tpcp)],
         "vocab": vocab_parity(False, tp4), "vocab_sp": vocab_parity(True, tp4),
         "attrs": _attrs_and_init(tp4), "sp_regions": _sp_regions(tp4),
-        "cp": [cp_attention_parity(tpcp, True)],
+        "cp": cp_attention_parity(tpcp, True) + cp_attention_parity(cp4, True),
         "pp": pipeline_parity(pp4), "p2p": _p2p_both_ways(pp4),
         "grid": _grid_matches_layout(tpcp, tp=2, cp=2) and _grid_matches_layout(tppp, tp=2, pp=2),
         "embd": tppp.ranks("embd"), "rng": dropout_masks(tpcp),

@@ -2,8 +2,8 @@
 
 from tinytron.parallel.context_parallel import (
     context_parallel_attention, cp_chunk_ids, cp_positions, gather_from_context_parallel,
-    gather_kv_for_context_parallel, restore_sequence_order, slice_batch_for_context_parallel,
-    split_for_context_parallel)
+    gather_kv_for_context_parallel, restore_sequence_order, ring_attention,
+    slice_batch_for_context_parallel, split_for_context_parallel)
 from tinytron.parallel.grid import AXES, DEFAULT_ORDER, ParallelGrid, RankLayout, rank_layout
 from tinytron.parallel.pipeline_p2p import (
     communicate, recv_backward, recv_forward, send_backward, send_backward_recv_backward,
@@ -35,7 +35,7 @@ __all__ = [
     # context parallel
     "cp_chunk_ids", "cp_positions", "split_for_context_parallel", "slice_batch_for_context_parallel",
     "restore_sequence_order", "gather_from_context_parallel", "gather_kv_for_context_parallel",
-    "context_parallel_attention",
+    "context_parallel_attention", "ring_attention",
     # pipeline p2p
     "communicate", "recv_forward", "recv_backward", "send_forward", "send_backward",
     "send_forward_recv_backward", "send_backward_recv_forward", "send_forward_recv_forward",

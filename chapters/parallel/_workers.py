@@ -123,9 +123,10 @@ def dropout_masks(grid: ParallelGrid | None = None, n: int = 12) -> dict:
 
 
 def cp_attention_parity(grid: ParallelGrid | None = None, causal: bool = True, b: int = 2, hq: int = 4,
-                        hkv: int = 2, s: int = 16, d: int = 8) -> float:
-    """Attention on a zig-zag CP split vs full causal attention (out and q/k/v grads); max abs error."""
-    from tinytron.parallel.context_parallel import context_parallel_attention, split_for_context_parallel
+                        hkv: int = 2, s: int = 16, d: int = 8) -> list[float]:
+    """CP attention (all-gather, and ring when causal) vs full attention; max abs error of out and q/k/v grads."""
+    from tinytron.parallel.context_parallel import (context_parallel_attention, ring_attention,
+                                                    split_for_context_parallel)
 
     grid = grid or ParallelGrid(cp=torch.distributed.get_world_size())
     gen = torch.Generator().manual_seed(5)
@@ -134,11 +135,18 @@ def cp_attention_parity(grid: ParallelGrid | None = None, causal: bool = True, b
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
     out_ref = context_parallel_attention(*full, ParallelGrid.single(), causal=causal)
     (out_ref * w).sum().backward()
-    local = [split_for_context_parallel(t, grid, 2).requires_grad_(True) for t in (q, k, v)]
-    out = context_parallel_attention(*local, grid, causal=causal)
-    (out * split_for_context_parallel(w, grid, 2)).sum().backward()
-    pairs = [(out, out_ref)] + [(loc.grad, ref.grad) for loc, ref in zip(local, full)]
-    return max((a.detach() - split_for_context_parallel(e, grid, 2)).abs().max().item() for a, e in pairs)
+    variants = [lambda *t: context_parallel_attention(*t, grid, causal=causal)]
+    if causal:
+        variants.append(lambda *t: ring_attention(*t, grid))
+    errors = []
+    for attend in variants:
+        local = [split_for_context_parallel(t, grid, 2).requires_grad_(True) for t in (q, k, v)]
+        out = attend(*local)
+        (out * split_for_context_parallel(w, grid, 2)).sum().backward()
+        pairs = [(out, out_ref)] + [(loc.grad, ref.grad) for loc, ref in zip(local, full)]
+        errors.append(max((a.detach() - split_for_context_parallel(e, grid, 2)).abs().max().item()
+                          for a, e in pairs))
+    return errors
 
 
 def pipeline_parity(grid: ParallelGrid | None = None, h: int = 8, b: int = 4) -> dict:

@@ -9,7 +9,10 @@
 # %%
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from tinytron.parallel._comm import all_gather_dim, reduce_scatter_dim
@@ -18,7 +21,7 @@ from tinytron.parallel.grid import ParallelGrid
 __all__ = ["cp_chunk_ids", "cp_positions", "split_for_context_parallel",
            "slice_batch_for_context_parallel", "restore_sequence_order",
            "gather_from_context_parallel", "gather_kv_for_context_parallel",
-           "context_parallel_attention"]
+           "context_parallel_attention", "ring_attention"]
 
 # %% [markdown]
 # ## The split: $2\cdot cp$ chunks, zig-zag
@@ -166,11 +169,90 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout_p)
 
 # %% [markdown]
+# ## The ring variant
+#
+# The all-gather holds all of $K, V$ on every rank at once. A **ring** never does: in step
+# $i = 0, \dots, cp-1$ each rank attends its queries to the K/V block that started on rank
+# $(r - i) \bmod cp$, then passes that block to the next rank and receives one from the previous
+# (Megatron's default `cp_comm_type="p2p"`; production overlaps each hop with the next block's
+# math). Softmax over the whole row is rebuilt from per-block pieces with the log-sum-exp: for
+# block outputs $o_a, o_b$ with row log-sum-exps $\ell_a, \ell_b$,
+#
+# $$\ell = \log(e^{\ell_a} + e^{\ell_b}), \qquad o = e^{\ell_a - \ell} o_a + e^{\ell_b - \ell} o_b .$$
+#
+# The shift is an autograd function: forward sends to the next rank, backward sends the gradient
+# back to the previous one, so autograd alone produces the K/V gradients (every block's gradient
+# travels back around the ring to its owner). This teaching version keeps every step's scores
+# for backward; real kernels (FlashAttention with a ring) recompute them.
+
+# %%
+class _RingShift(torch.autograd.Function):
+    """Forward: send to the next CP rank, receive from the previous. Backward: the reverse."""
+
+    @staticmethod
+    def _exchange(x, grid, to_next: bool):
+        ranks, me = grid.ranks("cp"), grid.rank("cp")
+        dst, src = ranks[(me + 1) % len(ranks)], ranks[(me - 1) % len(ranks)]
+        if not to_next:
+            dst, src = src, dst
+        x = x.contiguous()
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        ops = [dist.P2POp(dist.isend, x, dst, grid.group("cp")),
+               dist.P2POp(dist.irecv, out, src, grid.group("cp"))]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+        return out
+
+    @staticmethod
+    def forward(ctx, x, grid):
+        ctx.grid = grid
+        return _RingShift._exchange(x, grid, True)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _RingShift._exchange(g, ctx.grid, False), None
+
+
+def _block_attention(q, k, v, q_pos, k_pos, scale):
+    """Attention of q to one K/V block with a global-position causal mask; returns (out, lse)."""
+    scores = (q @ k.transpose(-1, -2)) * scale
+    # A large finite negative instead of -inf: a row that sees nothing in this block gets a finite
+    # lse about 1e30 below the real one, so its weight exp(lse_b - lse) underflows to exactly 0.
+    scores = scores.masked_fill(k_pos.unsqueeze(0) > q_pos.unsqueeze(1), -1e30)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return torch.exp(scores - lse) @ v, lse
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: ParallelGrid,
+                   *, scale: float | None = None) -> torch.Tensor:
+    """Causal attention under CP by passing K/V blocks around the ring; same contract as context_parallel_attention."""
+    if q.shape[1] != k.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    cp, me, s_local = grid.size("cp"), grid.rank("cp"), q.shape[-2]
+    seq_len, scale = s_local * cp, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    q_pos = cp_positions(seq_len, cp, me).to(q.device)
+    out, lse = None, None
+    for step in range(cp):
+        k_pos = cp_positions(seq_len, cp, (me - step) % cp).to(q.device)
+        o_b, l_b = _block_attention(q, k, v, q_pos, k_pos, scale)
+        if out is None:
+            out, lse = o_b, l_b  # step 0 is my own block: every row sees at least its diagonal
+        else:
+            new_lse = torch.logaddexp(lse, l_b)
+            out = torch.exp(lse - new_lse) * out + torch.exp(l_b - new_lse) * o_b
+            lse = new_lse
+        if step < cp - 1:
+            k, v = _RingShift.apply(k, grid), _RingShift.apply(v, grid)
+    return out.to(q.dtype)
+
+# %% [markdown]
 # ## Demo
 #
-# The split of the worked example, then two CP ranks running attention on a zig-zag-split
-# sequence, compared with plain causal attention on the whole sequence: outputs and the
-# gradients of $Q$, $K$, $V$.
+# The split of the worked example and the causal work per rank for $cp = 4$, $s = 64$ with
+# contiguous and with zig-zag chunks; then two CP ranks running both attentions on a
+# zig-zag-split sequence, compared with plain causal attention on the whole sequence: outputs
+# and the gradients of $Q$, $K$, $V$.
 
 # %%
 if __name__ == "__main__":
@@ -187,12 +269,31 @@ if __name__ == "__main__":
 
 # %%
 if __name__ == "__main__":
+    import matplotlib.pyplot as plt
+
+    cp, seq = 4, 64
+    zigzag = [int((cp_positions(seq, cp, r) + 1).sum()) for r in range(cp)]
+    contiguous = [sum(range(r * seq // cp + 1, (r + 1) * seq // cp + 1)) for r in range(cp)]
+    fig, ax = plt.subplots(figsize=(6, 3))
+    width = 0.38
+    ax.bar([r - width / 2 for r in range(cp)], contiguous, width, label="contiguous chunks")
+    ax.bar([r + width / 2 for r in range(cp)], zigzag, width, label="zig-zag (r, 2cp-1-r)")
+    ax.set_xlabel("CP rank"), ax.set_ylabel("query-key pairs (causal)")
+    ax.set_title(f"Causal attention work per rank, cp={cp}, s={seq}")
+    ax.set_xticks(range(cp)), ax.legend()
+    plt.show()
+    print("contiguous:", contiguous, " zig-zag:", zigzag)
+    assert len(set(zigzag)) == 1 and max(contiguous) / min(contiguous) > 5
+
+# %%
+if __name__ == "__main__":
     from tinytron.launch import run_on_ranks
     from tinytron.parallel._workers import cp_attention_parity
 
-    errors = run_on_ranks(cp_attention_parity, 2)
-    print("max |cp - full| (out, dq, dk, dv) per rank:", [f"{e:.1e}" for e in errors])
-    assert max(errors) < 1e-5
+    errors = run_on_ranks(cp_attention_parity, 2)  # per rank: [all-gather, ring]
+    for i, name in enumerate(("all-gather", "ring")):
+        print(f"{name:>10}: max |cp - full| (out, dq, dk, dv) per rank:", [f"{e[i]:.1e}" for e in errors])
+    assert max(max(e) for e in errors) < 1e-5
 
 # %% [markdown]
 # ## Summary
@@ -200,7 +301,8 @@ if __name__ == "__main__":
 # - Zig-zag chunks ($r$ and $2cp-1-r$) balance causal work; every per-token tensor of the batch
 #   is sliced the same way, so positions stay global.
 # - Exact attention under CP only needs all of $K, V$ and a mask built from global positions;
-#   the gather's backward is a reduce-scatter.
+#   the gather's backward is a reduce-scatter. The ring gets the same result holding one block
+#   at a time, merging blocks with their log-sum-exp.
 # - Gradients of weights now come from different tokens on each CP rank: they are reduced over
 #   `dp_cp`, not `dp` (chapter 05).
 #
@@ -216,5 +318,8 @@ if __name__ == "__main__":
 #
 # 1. Compute the causal work per rank for $cp = 4$, $s = 16$ with contiguous chunks and with the
 #    zig-zag; what is the speed-up of the slowest rank?
-# 2. Replace the all-gather by a ring: pass K/V to the next rank $cp - 1$ times and combine the
-#    partial softmaxes with their log-sum-exp.
+# 2. `ring_attention` sends K and V as two messages per hop; stack them into one and measure
+#    the difference on 4 ranks.
+# 3. Show that with the zig-zag layout every off-diagonal ring step is exactly half visible (no
+#    step can be skipped), then count the steps rank 0 could skip at $cp = 4$ with contiguous
+#    chunks.
