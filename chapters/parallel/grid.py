@@ -43,10 +43,10 @@ __all__ = ["AXES", "DEFAULT_ORDER", "RankLayout", "rank_layout", "ParallelGrid"]
 # |---|---|---|---|
 # | `tp` | `tp` | the all-reduces inside each layer | `:1003` |
 # | `cp` | `cp` | K/V exchange in attention | `:957` |
-# | `dp` | `dp` | — (kept for reporting) | `:935` |
+# | `dp` | `dp` | which samples a rank reads; gradient reduction when cp is 1 | `:935` |
 # | `pp` | `pp` | activations between stages | `:1079` |
 # | `dp_cp` | `dp-cp` | gradient reduction (CP ranks see different tokens of the same sample) | `:924` |
-# | `tp_cp` | `tp-cp` | CP-aware TP collectives | `:1159` |
+# | `tp_cp` | `tp-cp` | sums over all shards of one sequence (MoE router statistics) | `:1159` |
 # | `mp` | `tp-pp` | model-parallel: grad-norm and inf checks across one model replica | `:986` |
 # | `embd` | first + last of each `pp` group | tied word-embedding gradient all-reduce | `:1108`, `:524` |
 #
@@ -56,8 +56,7 @@ __all__ = ["AXES", "DEFAULT_ORDER", "RankLayout", "rank_layout", "ParallelGrid"]
 #
 # The docstring of `initialize_model_parallel` (`megatron/core/parallel_state.py:683-693`) uses
 # exactly this case. For rank 13, $13 = 1 + 2\,(d + 2p)$ gives $d + 2p = 6$, so $t = 1$, $d = 0$,
-# $p = 3$: tensor rank 1,
-# data rank 0, last pipeline stage. Its groups: `tp` $=[12, 13]$, `dp` $=[13, 15]$,
+# $p = 3$: tensor rank 1, data rank 0, last pipeline stage. Its groups: `tp` $=[12, 13]$, `dp` $=[13, 15]$,
 # `pp` $=[1, 5, 9, 13]$, and the embedding group of its pipeline is $[1, 13]$. The demo below
 # prints every group, computed by `rank_layout`, the same function `ParallelGrid` uses.
 #
