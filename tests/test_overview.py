@@ -419,8 +419,11 @@ def test_pretrain_sft_rl_each_take_a_real_step_through_train_step():
 
 def test_grpo_config_defaults_and_checks():
     c = GRPOConfig()
-    assert (c.group_size, c.prompts_per_step, c.clamp_eps_lower, c.clamp_eps_upper, c.kl_beta,
-            c.entropy_weight, c.is_truncation_coef) == (2, 32, 0.01, 0.01, 0.001, 0.0, None)
+    assert (c.group_size, c.prompts_per_step, c.grpo_iterations, c.clamp_eps_lower,
+            c.clamp_eps_upper, c.kl_beta, c.entropy_weight) == (2, 32, 2, 0.01, 0.01, 0.001, 0.0)
+    assert c.inference_logprobs_is_correction is False and c.is_truncation_coef is None
+    with pytest.raises(ValueError, match="grpo_iterations"):
+        GRPOConfig(grpo_iterations=0)
     with pytest.raises(ValueError, match="group_size"):
         GRPOConfig(group_size=1)
     with pytest.raises(ValueError, match="clip range"):

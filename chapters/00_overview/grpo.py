@@ -87,8 +87,10 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
 # ($r < 1-\epsilon_{lo}$), for logging.
 #
 # Megatron's defaults are tight: $\epsilon_{lo} = \epsilon_{hi} = 0.01$, $\beta = 0.001$, no entropy
-# term, groups of 2 completions for 32 prompts per step (`megatron/training/arguments.py:2380-2440`).
-# `GRPOConfig` carries them.
+# term, groups of 2 completions for 32 prompts per step, and each collection of rollouts is used
+# for `grpo_iterations = 2` passes of optimizer steps (`megatron/training/arguments.py:2380-2440`,
+# `megatron/rl/rl_utils.py:1701`). Only from the second pass on does $\pi$ differ from
+# $\pi_{old}$, so only then can the clip bite. `GRPOConfig` carries these settings.
 
 # %%
 def grpo_loss(current_logprobs, old_logprobs, ref_logprobs, advantages, clamp_eps_lower: float,
@@ -123,6 +125,8 @@ class GRPOConfig:
     """Completions sampled per prompt (--grpo-group-size)."""
     prompts_per_step: int = 32
     """Prompts per rollout collection (--grpo-prompts-per-step)."""
+    grpo_iterations: int = 2
+    """Optimizer passes over each rollout collection before sampling again (--grpo-iterations)."""
     clamp_eps_lower: float = 0.01
     """Ratio clip below 1 (--grpo-clamp-eps-lower)."""
     clamp_eps_upper: float = 0.01
@@ -131,10 +135,14 @@ class GRPOConfig:
     """Weight of the k3 KL term towards the reference model (--grpo-kl-beta)."""
     entropy_weight: float = 0.0
     """Weight of the entropy bonus (--grpo-entropy-term-weight)."""
+    inference_logprobs_is_correction: bool = False
+    """Use the sampler's log-probs as an importance weight (--rl-inference-logprobs-is-correction)."""
     is_truncation_coef: float | None = None
     """Cap on the importance weight (--rl-importance-sampling-truncation-coef); None = no cap."""
 
     def __post_init__(self):
+        if self.grpo_iterations < 1:
+            raise ValueError(f"grpo_iterations must be >= 1, got {self.grpo_iterations}")
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 (advantages need a group), got {self.group_size}")
         if not (0 <= self.clamp_eps_lower < 1 and self.clamp_eps_upper >= 0):

@@ -133,14 +133,15 @@ def rl_forward_step(model, batch: dict, config: GRPOConfig | None = None):
     current = token_logprobs(model(batch["tokens"]), batch["tokens"])
     parts = grpo_loss(current, batch["old_logprobs"], batch["ref_logprobs"], batch["advantages"],
                       c.clamp_eps_lower, c.clamp_eps_upper, c.kl_beta, c.entropy_weight,
-                      batch.get("inference_logprobs"), c.is_truncation_coef)
+                      batch["inference_logprobs"] if c.inference_logprobs_is_correction else None,
+                      c.is_truncation_coef)
     return parts["loss"], partial(grpo_loss_func, batch["loss_mask"], parts)
 
 
 # %% [markdown]
 # ## Demo: one model, three modes, one `train_step`
 #
-# 50 pretraining steps, 50 SFT steps, then 12 GRPO iterations (a fresh rollout each time), all
+# 50 pretraining steps, 50 SFT steps, then 8 rollout collections of 2 GRPO passes each, all
 # with the same AdamW and the same `train_step`. We measure accuracy by sampling.
 
 # %%
@@ -174,17 +175,22 @@ if __name__ == "__main__":
     g = torch.Generator().manual_seed(1)
     # a few big steps on a toy: wider clip and KL than Megatron's defaults (0.01, 0.001)
     rl_config = GRPOConfig(group_size=8, clamp_eps_lower=0.2, clamp_eps_upper=0.28, kl_beta=0.01,
-                           is_truncation_coef=2.0)
+                           inference_logprobs_is_correction=True, is_truncation_coef=2.0)
     rl_step = partial(rl_forward_step, config=rl_config)
-    for it in range(12):
+    clipped = []
+    for it in range(8):
         batch = collect_rollouts(model, ref_model, problems, tok, rl_config.group_size, generator=g)
-        stats = train_step(model, opt, [batch], rl_step)
         history["rl"].append(float(batch["rewards"].mean()))
+        for _ in range(rl_config.grpo_iterations):  # pass 1: ratio 1; pass 2: the clip can act
+            stats = train_step(model, opt, [batch], rl_step)
+            clipped.append(stats["rl/clipped_above"] + stats["rl/clipped_below"])
     acc_after_rl = _accuracy(model, problems, tok)
     print(f"model: {name}; pretrain loss {history['pretrain'][0]:.3f} -> {history['pretrain'][-1]:.3f}; "
           f"SFT loss {history['sft'][0]:.3f} -> {history['sft'][-1]:.3f}")
     print(f"accuracy after SFT {acc_after_sft:.3f}, after RL {acc_after_rl:.3f}; "
           f"last RL step: kl {stats['rl/kl']:.4f}, grad norm {stats['grad_norm']:.3f}")
+    print("fraction of tokens clipped, first/second pass:",
+          [round(c, 3) for c in clipped[0::2]], [round(c, 3) for c in clipped[1::2]])
     fig, axes = plt.subplots(1, 3, figsize=(10, 2.6))
     for ax, (mode, ys) in zip(axes, history.items()):
         ax.plot(ys, marker="." if mode == "rl" else None)
@@ -195,6 +201,7 @@ if __name__ == "__main__":
     assert history["pretrain"][-1] < 0.6 * history["pretrain"][0]
     assert history["sft"][-1] < history["sft"][0]
     assert acc_after_rl >= acc_after_sft - 0.05
+    assert max(clipped[0::2]) == 0 and max(clipped[1::2]) > 0   # ratio is 1 on a fresh rollout
 
 # %% [markdown]
 # ## Summary
