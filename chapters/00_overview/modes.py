@@ -90,9 +90,11 @@ def sft_microbatches(problems, tok: ByteTokenizer, seq_length: int, micro_batch_
 # ## RL: rollouts and the forward step
 #
 # `collect_rollouts` samples `group_size` completions per prompt from the current model, scores
-# them, and freezes what the loss needs: $\log\pi_{old}$ (recomputed by the training model, as
-# Megatron does), $\log\pi_{ref}$ from the frozen reference model, the sampler's own log-probs as
-# $\log\pi_{inf}$, the loss mask over generated tokens and the per-sequence advantages.
+# them, and freezes what the loss needs: $\log\pi_{old}$ recomputed by the training model without
+# gradients (`megatron/rl/rl_utils.py:1528`), $\log\pi_{ref}$ from the reference weights (Megatron
+# swaps them into the same model, `:1548`; we keep a frozen copy), the sampler's own log-probs as
+# $\log\pi_{inf}$ laid over the generated positions of the $\log\pi_{old}$ tensor (`:494`), the loss
+# mask over generated tokens and the per-sequence advantages.
 # `rl_forward_step` is to RL what `pretrain_forward_step` is to pretraining: run the model, build
 # the per-token loss, hand back a `loss_func` with the 3-tuple contract.
 
