@@ -45,7 +45,8 @@ __all__ = [
 # Megatron-compatible runs see.
 #
 # Worked example, $w = (0.25, 0.75)$: $k=0$: errors $(0.25, 0.75)$ → B; $k=1$: $(0.25, -0.25)$ → A;
-# $k=2$: $(-0.5, 0.5)$ → B; $k=3$: $(-0.25, 0.25)$ → B; so `B A B B B A B B ...`.
+# $k=2$: $(-0.5, 0.5)$ → B; $k=3$: $(-0.25, 0.25)$ → B; $k=4$: $(0, 0)$, a tie, goes to the
+# lower index → A; so `B A B B A B B B A B B B`: one A in every four after the start.
 #
 # Without weights (`--data-path p1 p2`), the weights are the dataset sizes and the *exhaustive*
 # variant uses every sample of every dataset exactly once (`helpers.cpp:22`).
@@ -395,6 +396,9 @@ if __name__ == "__main__":
 
     from tinytron.data.indexed import IndexedDatasetBuilder, get_bin_path, get_idx_path
 
+    worked = "".join("AB"[i] for i in build_blending_indices([0.25, 0.75], 12)[0])
+    print("w = (0.25, 0.75):", worked)
+    assert worked == "BABBABBBABBB"
     w = normalize([0.5, 0.3, 0.2])
     di, dsi = build_blending_indices(w, 2000)
     print("first 20 picks:", di[:20].tolist())

@@ -25,7 +25,8 @@ from tinytron.overview.batch import PAD_SENTINEL, get_ltor_masks_and_position_id
 __all__ = [
     "Split", "parse_and_normalize_split", "convert_split_vector_to_split_matrix", "split_indices",
     "GPTDatasetConfig", "get_num_epochs", "needs_separate_final_epoch", "build_document_index",
-    "build_sample_index", "build_shuffle_index", "shuffle_index_dtype", "build_document_sample_shuffle_indices",
+    "build_sample_index", "build_shuffle_index", "shuffle_index_dtype",
+    "build_document_sample_shuffle_indices",
     "data_identity", "GPTDataset", "plot_index_tables",
 ]
 
@@ -36,7 +37,7 @@ __all__ = [
 # $[(0, .969), (.969, .999), (.999, 1)]$; a dataset of $n$ sequences gives split $i$ the
 # sequence ids `arange(round(lo·n), round(hi·n))` — the unit is the *sequence* (for GPT one
 # sequence per document). A zero weight gives `None`, no split at all
-# (`blended_megatron_dataset_config.py:155-215`, `blended_megatron_dataset_builder.py:467-470`).
+# (`blended_megatron_dataset_config.py:155-215`, `blended_megatron_dataset_builder.py:470`).
 
 # %%
 class Split(Enum):
@@ -197,7 +198,7 @@ def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.
 
 
 def shuffle_index_dtype(total_size: int):
-    """uint32, or int64 from 2**32 - 2 samples on (gpt_dataset.py:690)."""
+    """uint32, or int64 from 2**32 - 2 samples on (gpt_dataset.py:693)."""
     return np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
 
 
@@ -536,6 +537,8 @@ if __name__ == "__main__":
     plt.show()
     ref = reference_sample_idx(ds_ix.sequence_lengths, ds.document_index, 4, 2, 30)  # E = 2 epochs
     assert np.array_equal(ref, ds.sample_index)
+    worked = build_sample_index(np.array([4, 3, 5]), np.arange(3), 3, 1, 12)  # the prose example
+    assert worked.tolist() == [[0, 0], [0, 3], [1, 2], [2, 2]]
     assert all(np.array_equal(ds.query_tokens(i), reference_sample_tokens(
         ds_ix, ds.document_index, ds.sample_index, ds.shuffle_index, i, 4)) for i in range(len(ds)))
     again = GPTDataset(ds_ix, prefix, np.arange(5, dtype=np.int32), 8, Split.train, cfg)

@@ -222,7 +222,7 @@ def _as_tokens(tokens, dtype) -> np.ndarray:
 # ## Reading: zero-copy views, and errors that say what is wrong
 #
 # The reader maps the `.idx` and creates numpy views on it (no copy: opening a 1 GB index costs
-# milliseconds). Megatron only asserts the magic and version (`indexed_dataset.py:243-247`) and
+# milliseconds). Megatron only asserts the magic and version (`indexed_dataset.py:266-269`) and
 # that `len(lengths) == document_indices[-1]` (`:673`); a truncated index or a short `.bin` shows
 # up later as a wrong sample or a crash deep inside training. Here every inconsistency we can
 # check cheaply is checked on open and raised as `IndexedDatasetError` naming the file:

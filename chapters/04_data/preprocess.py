@@ -112,7 +112,9 @@ def train_bpe_tokenizer(texts: Iterator[str], vocab_size: int, out_path: str,
 # A JSONL line is one document (the text under `--json-keys`, default `text`); a plain text file
 # is one document. Each document is one sequence, followed by EOD with `--append-eod`; an empty
 # text becomes an empty document (no sequence, no EOD), exactly as `tools/preprocess_data.py`
-# writes it, so the same tokenizer gives byte-identical files. With no `--input`, the corpus is every `.py` file of the running Python's
+# writes it, so the same tokenizer gives byte-identical files.
+#
+# With no `--input`, the corpus is every `.py` file of the running Python's
 # standard library (`sysconfig.get_paths()["stdlib"]`, skipping `site-packages`): about 1,800
 # files and 30 MB of real, varied text on any machine with Python.
 
@@ -315,7 +317,8 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     prefix = preprocess(inputs, args.output_prefix, spec, args.json_keys, args.append_eod,
                         args.workers, args.partitions, not args.no_progress)
     ds = IndexedDataset(prefix)
-    print(f"wrote {prefix}.bin/.idx: {ds.document_count} documents, {int(ds.sequence_lengths.sum()):,} tokens, "
+    tokens = int(ds.sequence_lengths.sum())
+    print(f"wrote {prefix}.bin/.idx: {ds.document_count} documents, {tokens:,} tokens, "
           f"dtype {np.dtype(ds.dtype).name}" + (f", tokenizer {spec.path}" if spec.path else ""))
     return prefix
 

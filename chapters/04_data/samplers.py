@@ -120,7 +120,8 @@ class MegatronPretrainingRandomSampler:
         g = torch.Generator()
         g.manual_seed(self.epoch)
         if self.data_sharding:
-            bucket = (self.total_samples // self.micro_batch_times_data_parallel_size) * self.micro_batch_size
+            steps = self.total_samples // self.micro_batch_times_data_parallel_size
+            bucket = steps * self.micro_batch_size
             start = self.data_parallel_rank * bucket
             perm = torch.randperm(bucket, generator=g).tolist()
             return [start + x for x in perm[offset // self.data_parallel_size:]]

@@ -55,7 +55,7 @@ def read_chat_jsonl(path: str) -> list[dict]:
 #
 # With CP each conversation is split into $2\cdot cp$ zig-zag chunks (previous page), so its
 # length must be a multiple of $2\cdot cp$. Megatron pads each conversation right after
-# tokenizing it (`sft_dataset.py:119-124`). We pad the packed row instead: after the last token
+# tokenizing it (`sft_dataset.py:127-131`). We pad the packed row instead: after the last token
 # of every conversation segment, insert pad positions (token 0, label 0, loss 0, positions
 # continuing), taken from the row's trailing padding. Nothing trainable changes: the label of a
 # conversation's last token was the next conversation's role marker, a prompt token with loss 0,
@@ -127,7 +127,8 @@ class SFTDataset(torch.utils.data.Dataset):
         if len(self.indices) == 0:
             raise ValueError("SFTDataset split holds no records")
         self.num_samples = len(self.indices) if num_samples is None else int(num_samples)
-        self.cp, self.truncate, self.create_attention_mask = context_parallel_size, truncate, create_attention_mask
+        self.cp, self.truncate = context_parallel_size, truncate
+        self.create_attention_mask = create_attention_mask
 
     def __len__(self) -> int:
         return self.num_samples
@@ -143,7 +144,7 @@ class SFTDataset(torch.utils.data.Dataset):
         if len(rows) > 1 and not self.truncate:
             raise ValueError(f"SFT record {rec_id} needs {len(rows)} rows of seq_length "
                              f"{self.seq_length}; raise seq_length or pass truncate=True")
-        if self.cp > 1:  # Megatron pads only under context parallelism (sft_dataset.py:119)
+        if self.cp > 1:  # Megatron pads only under context parallelism (sft_dataset.py:127)
             rows[0] = pad_segments_for_context_parallel(rows[0], 2 * self.cp, self.seq_length)
         row = rows[0]
         if not self.create_attention_mask:
