@@ -251,3 +251,21 @@ def test_cuda_tracker_forks_the_cuda_generator():
     assert torch.equal(torch.rand(4, device="cuda"), expected)
     assert torch.equal(torch.get_rng_state(), cpu_before)
     assert torch.equal(inside, torch.rand(4, device="cuda", generator=torch.Generator("cuda").manual_seed(3)))
+
+
+@pytest.mark.gpu
+def test_single_grid_layers_on_cuda_match_cpu():
+    g = ParallelGrid.single()
+    x = torch.randn(4, 2, 8)
+    outs = []
+    for device in ("cpu", "cuda"):
+        col = ColumnParallelLinear(8, 6, g, init_method=normal_init(0.1, 1), device=device)
+        row = RowParallelLinear(6, 8, g, init_method=normal_init(0.1, 2), device=device)
+        y = row(torch.tanh(col(x.to(device))))
+        logits = y.reshape(8, 8)
+        loss = vocab_parallel_cross_entropy(logits, torch.arange(8, device=device) % 8, g)
+        q = y.permute(1, 0, 2).unsqueeze(1)  # [b, 1 head, s, d]
+        att = context_parallel_attention(q, q, q, g)
+        outs.append((y.cpu(), loss.cpu(), att.cpu()))
+    for a, b in zip(*outs):
+        assert torch.allclose(a, b, atol=1e-4)

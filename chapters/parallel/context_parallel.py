@@ -71,7 +71,7 @@ def split_for_context_parallel(t: torch.Tensor, grid: ParallelGrid, seq_dim: int
     return t.index_select(seq_dim, index)
 
 
-# Per-batch metadata that has no sequence dim (Megatron skips the same keys, `utils.py:2342-2348`).
+# Per-batch metadata that has no sequence dim (Megatron skips the same keys, `utils.py:2340-2346`).
 _CP_METADATA_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "local_cp_size")
 
 

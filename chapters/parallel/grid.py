@@ -221,6 +221,14 @@ class ParallelGrid:
                     handle = dist.new_group(ranks, backend=backend)
                     if rank in ranks:
                         self._groups[axis] = handle
+            if self.backend == "nccl":
+                self._warm_up_p2p_groups()
+
+    def _warm_up_p2p_groups(self) -> None:
+        """NCCL: run one collective on the pp and cp groups so a later batched p2p is not their first call."""
+        for axis in ("pp", "cp"):  # torch requires all ranks in a group's first batch_isend_irecv
+            if self.size(axis) > 1:
+                dist.all_reduce(torch.zeros(1, device=self.device), group=self.group(axis))
 
     @classmethod
     def single(cls) -> "ParallelGrid":
