@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tinytron.data._workers import get_batch_suite
-from tinytron.data.get_batch import thd_partitioned_indices
+from tinytron.data.distribute import thd_partitioned_indices
 from tinytron.data.indexed import IndexedDatasetBuilder, get_bin_path, get_idx_path
 from tinytron.launch import run_on_ranks
 
@@ -63,3 +63,12 @@ def test_get_batch_over_tp_cp_pp_and_rank0_build(tmp_path):
     assert len(built) == 2 and built[0]["rank"] == 0
     assert all(built[1]["cache_hit"]) and not any(built[0]["cache_hit"])
     assert built[1]["sample"] == built[0]["sample"]
+
+
+@pytest.mark.gpu
+def test_get_batch_on_cuda_with_nccl():
+    from tinytron.data._workers import get_batch_cuda_check
+
+    world = min(2, torch.cuda.device_count())
+    for r in run_on_ranks(get_batch_cuda_check, world, backend="nccl", timeout=180):
+        assert r["devices"] == ["cuda"] and r["equal"]

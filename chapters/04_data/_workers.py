@@ -119,3 +119,15 @@ def get_batch_suite(prefix: str = None, cache: str = None) -> dict:
     if prefix is not None:
         out["build"] = build_on_rank0_check(ParallelGrid(tp=2, cp=2), prefix, cache)
     return out
+
+
+def get_batch_cuda_check(seq: int = 16) -> dict:
+    """On a CUDA/NCCL world: the batch lands on the GPU with Megatron's dtypes and values."""
+    grid = ParallelGrid(tp=torch.distributed.get_world_size())
+    from tinytron.data.distribute import get_batch
+
+    full = make_pretrain_batch(2, seq)
+    it = CountingIterator(full) if grid.rank("tp") == 0 else None
+    batch = get_batch(it, grid, micro_batch_size=2, seq_length=seq)
+    return {"devices": sorted({str(v.device.type) for v in batch.values() if v is not None}),
+            "equal": all(torch.equal(batch[k].cpu(), full[k]) for k in full)}
