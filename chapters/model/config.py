@@ -5,8 +5,9 @@
 # reject a shape no layout can hold, and a parameter count that is exact to the last weight,
 # for the whole model and for any one rank of a TP × PP layout.
 #
-# You will build: `ModelConfig`, `tiny_config`, `stage_layer_ranges`, `count_parameters`,
-# `count_parameters_per_rank` and `parameter_breakdown`.
+# You will build: `ModelConfig` (with `check_layout`), `tiny_config`, `llama_7b_config`,
+# `padded_vocab_size`, `stage_layer_ranges`, `parameter_breakdown`, `count_parameters` and
+# `count_parameters_per_rank`.
 
 # %%
 from __future__ import annotations

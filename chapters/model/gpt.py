@@ -46,17 +46,18 @@ __all__ = [
 # sequence parallelism on, a rank sees:
 #
 # ```mermaid
-# flowchart TD
-#   T["tokens [b, s/c]"] --> E["VocabParallelEmbedding -> [s/c, b, h]"]
-#   E -->|"SP: keep s/(c t) tokens"| H0["hidden [s/(c t), b, h]"]
-#   H0 --> N1["input_layernorm"] --> QKV["linear_qkv (column): all-gather s -> [s/c, b, (a+2g) d / t]"]
-#   QKV --> ROPE["RoPE on q, k"] --> ATT["attention: K, V gathered over CP -> [s/c, b, a d / t]"]
-#   ATT --> PROJ["linear_proj (row): reduce-scatter s -> [s/(c t), b, h]"] --> ADD1["+ residual"]
-#   ADD1 --> N2["pre_mlp_layernorm"] --> FC1["linear_fc1 (column) -> [s/c, b, 2f/t]"]
-#   FC1 --> SW["silu(gate) * up -> [s/c, b, f/t]"] --> FC2["linear_fc2 (row) -> [s/(c t), b, h]"]
-#   FC2 --> ADD2["+ residual"] --> FN["final_layernorm"] --> OUT["output layer (column) -> logits [b, s/c, V/t]"]
-#   OUT --> CE["vocab-parallel CE -> loss [b, s/c]"]
+# flowchart LR
+#   T["tokens<br/>[b, s/c]"] --> E["embedding<br/>(vocab-parallel)<br/>[s/(c t), b, h]"]
+#   E --> A["norm, linear_qkv (all-gather s)<br/>RoPE, K/V gathered over CP<br/>attention, linear_proj<br/>(reduce-scatter s), + residual"]
+#   A --> M["norm, linear_fc1 (all-gather s)<br/>silu(gate) * up<br/>linear_fc2 (reduce-scatter s)<br/>+ residual"]
+#   M -->|"x L layers"| A
+#   M --> H["final norm, output layer<br/>logits [b, s/c, V/t]"]
+#   H --> L["vocab-parallel CE<br/>loss [b, s/c]"]
 # ```
+#
+# The widths inside a layer: `linear_qkv` gives $[s/c, b, (a + 2g) d / t]$, attention
+# $[s/c, b, a d / t]$, `linear_fc1` $[s/c, b, 2f/t]$, the SwiGLU product $[s/c, b, f/t]$; the
+# row-parallel layers bring each block back to $[s/(c t), b, h]$.
 #
 # Without sequence parallelism the column layers' input gather is a no-op copy and the row
 # layers all-reduce instead of reduce-scattering. Parameter names follow Megatron's local
@@ -84,9 +85,11 @@ __all__ = [
 #
 # **Context parallel.** A CP rank holds sequence chunks $r$ and $2c - 1 - r$ of every sample
 # (appendix A). Its queries need the keys and values of every earlier token, so K and V are
-# all-gathered over the CP group (and put back in sequence order), and the causal mask
-# compares the *global* sequence index of each local query with each key. The gather's
-# backward reduce-scatters the K/V gradients home. The `attention_mask` of a CP rank holds its
+# all-gathered over the CP group (`gather_kv_for_context_parallel`), and the causal mask
+# compares the *global* sequence index of each local query with that of each key. The keys
+# arrive in rank order — for $c = 2$ chunks 0, 3, 1, 2 — so the mask's columns are put in that
+# order rather than moving the tensors. The gather's backward reduce-scatters the K/V
+# gradients home. The `attention_mask` of a CP rank holds its
 # own query rows and all key columns, `[b, 1, s/c, s]`, which is how Megatron's
 # `get_batch_on_this_cp_rank` slices it (`megatron/core/utils.py`).
 
