@@ -319,7 +319,7 @@ if __name__ == "__main__":
     assert s["position_ids"].tolist() == [0, 1, 2, 0, 1, 2, 3, 0, 1, 2, 3]
     assert s["loss_mask"][2] == 0 and s["loss_mask"][6] == 0   # input EOD positions
 
-    pad_row = build_gpt_sample(stream[-7:], tok.eod, tok.pad)   # "z<eod><pad><pad><pad>"-ish tail
+    pad_row = build_gpt_sample(stream[-7:], tok.eod, tok.pad)   # "xyz<eod>" then 3 pads
     print("padded row  :", tok.decode(stream[-7:]), "-> loss_mask", pad_row["loss_mask"].tolist())
     assert (pad_row["loss_mask"][-3:] == 0).all() and (pad_row["tokens"] != tok.pad).all()
     filler = build_gpt_sample(stream[:7], tok.eod, tok.pad, is_padding_sample=True)
