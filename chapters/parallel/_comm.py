@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.distributed as dist
 
-
-def _quiet(fn, *args, **kwargs):
-    """Call a collective whose old name torch 2.13+ marks deprecated (the only name in 2.11)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", category=FutureWarning)
-        warnings.simplefilter("ignore", category=UserWarning)
-        warnings.simplefilter("ignore", category=DeprecationWarning)
-        return fn(*args, **kwargs)
+# torch 2.13 renamed the flat collectives (and warns on the old names); torch 2.11 has only the
+# old ones. Same (output, input, ..., group=) signature either way.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def all_reduce(x: torch.Tensor, grid, axis: str) -> torch.Tensor:
@@ -43,7 +37,7 @@ def all_gather_dim(x: torch.Tensor, grid, axis: str, dim: int) -> torch.Tensor:
         return x
     x0 = x.movedim(dim, 0).contiguous()  # the flat collective gathers along dim 0
     out = torch.empty((size * x0.shape[0], *x0.shape[1:]), dtype=x.dtype, device=x.device)
-    _quiet(dist.all_gather_into_tensor, out, x0, group=grid.group(axis))
+    _all_gather_flat(out, x0, group=grid.group(axis))
     return out.movedim(0, dim)
 
 
@@ -56,5 +50,5 @@ def reduce_scatter_dim(x: torch.Tensor, grid, axis: str, dim: int) -> torch.Tens
         raise ValueError(f"dim {dim} of shape {tuple(x.shape)} is not divisible by {axis} size {size}")
     x0 = x.movedim(dim, 0).contiguous()
     out = torch.empty((x0.shape[0] // size, *x0.shape[1:]), dtype=x.dtype, device=x.device)
-    _quiet(dist.reduce_scatter_tensor, out, x0, group=grid.group(axis))
+    _reduce_scatter_flat(out, x0, group=grid.group(axis))
     return out.movedim(0, dim)
