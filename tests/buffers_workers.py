@@ -96,7 +96,7 @@ def _install_read_checks(ddp, ref, violations: list) -> None:
 def run_case(grid, case: dict) -> dict:
     """Train ``case['steps']`` steps with DDP and the reference side by side; report errors."""
     dtype = case.get("dtype", torch.float32)
-    num_micro, steps = case.get("num_micro", 2), case.get("steps", 3)
+    num_micro, steps = case.get("num_micro", 2), case.get("steps", 2)
     cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, **case["ddp"])
     torch.manual_seed(0)
     model = TinyNet().to(device=grid.device, dtype=dtype)

@@ -192,7 +192,7 @@ DP2_CASES = [
     dict(name="fp32 all-reduce, overlap, avg in collective", num_micro=3,
          ddp=dict(overlap_grad_reduce=True, bucket_size=3000, average_in_collective=True)),
     dict(name="fp32 distopt, no overlap", ddp=dict(use_distributed_optimizer=True)),
-    dict(name="fp32 distopt, overlap, bucket 2000", ddp=dict(
+    dict(name="fp32 distopt, overlap, bucket 2000", steps=3, ddp=dict(
         use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=2000)),
     dict(name="fp32 distopt, torch's gloo reduce_scatter", native_rs=True, ddp=dict(
         use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=1500)),

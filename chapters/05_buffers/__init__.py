@@ -10,7 +10,8 @@ from tinytron.buffers.distributed_data_parallel import (BucketGroup, Distributed
 
 from tinytron.buffers.finalize_model_grads import finalize_model_grads, main_grad_of
 
-__pages__ = ["param_and_grad_buffer", "distributed_data_parallel", "finalize_model_grads"]
+__pages__ = ["param_and_grad_buffer", "distributed_data_parallel", "overlap_timeline",
+             "finalize_model_grads"]
 
 __all__ = ["Bucket", "BufferKey", "ParamAndGradBuffer", "ParamLayout", "ShardRange",
            "compute_param_layout", "group_params_for_buffers", "pad_bucket_end", "pad_param_start",

@@ -127,7 +127,7 @@ class CommTimeline:
     def __init__(self):
         self.t0 = time.perf_counter()
         self.events: list[tuple[str, int, float]] = []
-        self._pending: dict[int, Handles] = {}
+        self._pending: dict[tuple[str, int], Handles] = {}
 
     def record(self, event: str, bucket_id: int) -> None:
         """Note that ``event`` happened to ``bucket_id`` now (and poll pending collectives)."""
@@ -135,12 +135,12 @@ class CommTimeline:
         self.events.append((event, bucket_id, now))
         self.poll()
 
-    def watch(self, bucket_id: int, handles: Handles) -> None:
-        """Record when a launched collective completes: by a future callback, else by polling."""
+    def watch(self, bucket_id: int, handles: Handles, event: str = "done") -> None:
+        """Record ``event`` when a launched collective completes: by a future, else by polling."""
         try:
             futures = [w.get_future() for w in handles.works if w is not None]
         except RuntimeError:  # this work type has no future: poll at every later event
-            self._pending[bucket_id] = handles
+            self._pending[(event, bucket_id)] = handles
             self.poll()
             return
         if not futures:
@@ -150,7 +150,7 @@ class CommTimeline:
         def one_done(_):
             remaining[0] -= 1  # callbacks run in the backend's thread, one at a time per work
             if remaining[0] == 0:
-                self.events.append(("done", bucket_id, time.perf_counter() - self.t0))
+                self.events.append((event, bucket_id, time.perf_counter() - self.t0))
 
         for f in futures:
             f.then(one_done)
@@ -158,10 +158,10 @@ class CommTimeline:
     def poll(self) -> None:
         """Record "done" for every watched collective that has completed since the last poll."""
         now = time.perf_counter() - self.t0
-        for bucket_id, handles in list(self._pending.items()):
+        for (event, bucket_id), handles in list(self._pending.items()):
             if handles.is_completed():
-                self.events.append(("done", bucket_id, now))
-                del self._pending[bucket_id]
+                self.events.append((event, bucket_id, now))
+                del self._pending[(event, bucket_id)]
 
     def reset(self) -> None:
         """Forget all events and restart the clock."""

@@ -146,3 +146,51 @@ def timeline_case(overlap: bool, bucket_size: int = 200_000, hidden: int = 256, 
 def timeline_runs(overlaps=(False, True), **kwargs) -> list[dict]:
     """Rank function: ``timeline_case`` for each overlap setting, in one world."""
     return [timeline_case(o, **kwargs) for o in overlaps]
+
+
+def param_gather_case(hidden: int = 256, ffn: int = 1024, num_layers: int = 6,
+                      bucket_size: int = 200_000, micro_bs: int = 8, seq: int = 64) -> dict:
+    """DP world, distributed optimizer + overlap_param_gather: record the forward after a step."""
+    from tinytron.buffers._comm import CommTimeline
+    from tinytron.buffers.distributed_data_parallel import (DistributedDataParallel,
+                                                            DistributedDataParallelConfig)
+    from tinytron.parallel import ParallelGrid
+
+    grid = ParallelGrid()
+    torch.manual_seed(0)
+    timeline = CommTimeline()
+    cfg = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=bucket_size,
+                                        use_distributed_optimizer=True, overlap_param_gather=True)
+    ddp = DistributedDataParallel(TinyNet(256, hidden, ffn, num_layers), grid, cfg,
+                                  timeline=timeline)
+    stale_reads = []
+
+    def on_forward(module, args):  # runs after DDP's pre-hook on the same module
+        for p in module.parameters(recurse=False):
+            group = ddp.param_to_bucket_group[p]
+            timeline.record("forward", group.buckets[0].bucket_id)
+            if group.param_gather_handle is not None or not group.param_gather_dispatched:
+                stale_reads.append(group.buckets[0].bucket_id)
+    for m in ddp.module.modules():
+        if any(True for _ in m.parameters(recurse=False)):
+            m.register_forward_pre_hook(on_forward)
+    batches = make_batches(4, 2, grid.size("dp"), 1, micro_bs, seq=seq, vocab=256)
+    r = grid.rank("dp")
+    ddp.zero_grad_buffer()
+    lm_loss(ddp, batches[0, r, 0]).backward()
+    ddp.finish_grad_sync()
+    with torch.no_grad():  # an SGD "optimizer step" on my shard of every bucket
+        for buf in ddp.buffers:
+            for b in buf.buckets:
+                b.param_shard().add_(b.grad_shard(), alpha=-0.1)
+    timeline.reset()
+    lm_loss(ddp, batches[1, r, 0])  # the next forward: pre-hooks gather bucket by bucket
+    timeline.record("forward_end", -1)
+    return {"events": list(timeline.events), "stale_reads": stale_reads,
+            "num_buckets": len(ddp.bucket_groups)}
+
+
+def timeline_and_gather_runs() -> dict:
+    """Rank function for the DDP page: backward timelines (overlap off/on) and a gathered forward."""
+    off, on = timeline_runs()
+    return {"off": off, "on": on, "gather": param_gather_case()}

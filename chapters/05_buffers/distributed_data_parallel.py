@@ -21,7 +21,7 @@ from tinytron.buffers.param_and_grad_buffer import (ParamAndGradBuffer,
                                                     group_params_for_buffers)
 
 __all__ = ["DistributedDataParallelConfig", "BucketGroup", "DistributedDataParallel",
-           "default_bucket_size", "timeline_summary", "plot_timeline"]
+           "default_bucket_size"]
 
 # %% [markdown]
 # ## The configuration
@@ -115,6 +115,15 @@ def default_bucket_size(config: DistributedDataParallelConfig, dp_size: int) -> 
 # works on every backend. `average_in_collective=True`: factor 1 and `ReduceOp.AVG`. With
 # `calculate_per_token_loss`: factor 1 and SUM; `finalize_model_grads` later divides by the
 # global number of tokens.
+#
+# **Where the collective runs.** On GPU every launch happens on a CUDA side stream that first
+# waits for the compute stream (so it sees the grads backward just wrote), and `wait()` makes the
+# compute stream wait for it in turn; NCCL then moves the bytes while backward kernels keep
+# running. On CPU, gloo runs each async collective on its own worker thread: the same code, the
+# same `Work.wait()` semantics. One gloo detail: torch emulates `reduce_scatter_tensor` on gloo
+# with an all-reduce into a temporary copy, so on gloo we all-reduce the bucket in place and keep
+# our shard (the facts brief's portable fallback) — the shard is identical, and the test suite
+# also runs torch's emulation to prove it.
 #
 # ```mermaid
 # sequenceDiagram
@@ -240,6 +249,10 @@ class BucketGroup:
         async_op = self.config.overlap_param_gather and not force_sync
         if self.param_gather_dispatched and async_op:
             return
+        if self.param_gather_handle is not None:  # a forced sync gather after an async one
+            self.param_gather_handle.wait()
+            self.param_gather_handle = None
+        self._record("gather_start")
         works = []
         with self.stream.launch():
             for b in self.buckets:
@@ -248,8 +261,10 @@ class BucketGroup:
         self.param_gather_handle = Handles(works, self.stream) if async_op else None
         if not async_op:
             self.stream.join()
+        elif self.timeline is not None:
+            for b in self.buckets:
+                self.timeline.watch(b.bucket_id, self.param_gather_handle, "gather_complete")
         self.param_gather_dispatched = True
-        self._record("gather_start")
 
     def finish_param_sync(self, skip_next_bucket_dispatch: bool = False) -> None:
         """Wait for this group's all-gather (dispatching it if needed), then start the next one."""
@@ -260,7 +275,7 @@ class BucketGroup:
             return
         self.param_gather_handle.wait()
         self.param_gather_handle = None
-        self._record("gather_done")
+        self._record("gather_waited")
         nxt = self.next_param_gather_bucket_group
         if nxt is not None and not skip_next_bucket_dispatch and not nxt.param_gather_dispatched:
             nxt.start_param_sync()
@@ -430,54 +445,6 @@ class DistributedDataParallel(torch.nn.Module):
 
 
 # %% [markdown]
-# ## Recording and drawing a backward
-#
-# Passing a `CommTimeline` to the wrapper records, per bucket, each parameter's grad arrival
-# (`grad`), the launch of its collective (`start`), the first moment the collective was seen
-# complete (`done`, polled at every later hook and before waiting, so it is an upper bound at
-# hook granularity), and when `finish_grad_sync` returned from waiting (`waited`).
-
-# %%
-def timeline_summary(events) -> dict:
-    """Per bucket: last grad arrival, collective start/done/waited; plus backward end and sync."""
-    out: dict = {}
-    for event, bucket, t in events:
-        row = out.setdefault(bucket, {})
-        if event == "grad":
-            row["ready"] = max(row.get("ready", 0.0), t)
-        else:
-            row.setdefault(event, t)
-    return out
-
-
-def plot_timeline(runs, axes=None):
-    """One panel per (title, events) run: grads (dots), collective (bar), backward end (line)."""
-    import matplotlib.pyplot as plt
-
-    if axes is None:
-        _, axes = plt.subplots(len(runs), 1, figsize=(10, 1.6 + 1.3 * len(runs)), sharex=True)
-    for ax, (title, events) in zip(list(axes), runs):
-        rows = timeline_summary(events)
-        for event, bucket, t in events:
-            if event == "grad":
-                ax.plot(t * 1e3, bucket, "|", color="grey", ms=8)
-        for bucket, row in rows.items():
-            if bucket < 0 or "start" not in row:
-                continue
-            done = row.get("done", row.get("waited", row["start"]))
-            ax.barh(bucket, (done - row["start"]) * 1e3, left=row["start"] * 1e3, height=0.5,
-                    color="tab:blue", alpha=0.7)
-            ax.plot(row["ready"] * 1e3, bucket, "o", color="tab:orange", ms=5)
-        ax.axvline(rows[-1]["backward_end"] * 1e3, color="black", ls="--", lw=1)
-        ax.axvline(rows[-1]["synced"] * 1e3, color="tab:red", lw=1.5)
-        ax.set_ylabel("bucket")
-        ax.set_title(title, fontsize=9)
-    axes[-1].set_xlabel("ms since backward started (| grad arrives, o bucket ready, bar = "
-                        "reduce-scatter in flight, -- backward ends, red = grads synced)")
-    return axes
-
-
-# %% [markdown]
 # ## Demo 1: one process — hooks, `main_grad` and micro-batch accumulation
 #
 # On `ParallelGrid.single()` there is nobody to talk to, but the buffer, the hooks and the
@@ -511,40 +478,6 @@ if __name__ == "__main__":
                for p, q in zip(net.parameters(), plain.parameters()))
     start = ddp.buffers[0].param_index_map[w][0]
     assert w.main_grad.data_ptr() == ddp.buffers[0].grad_data[start:].data_ptr()
-
-# %% [markdown]
-# ## Demo 2: a real 2-rank backward, overlap off and on
-#
-# Two gloo ranks train a small residual MLP (6 blocks, hidden 256) with the distributed
-# optimizer's reduce-scatter. We record the *second* step (the first step only learns the
-# golden grad counts). Without overlap Megatron uses one bucket and reduces it after backward;
-# with overlap and 200k-element buckets, bucket 0 (the output head and last blocks) is
-# reduce-scattered while the earlier blocks are still in backward.
-
-# %%
-if __name__ == "__main__":
-    import matplotlib.pyplot as plt
-
-    from tinytron.buffers._workers import timeline_runs
-    from tinytron.launch import run_on_ranks
-
-    off, on = run_on_ranks(timeline_runs, 2, timeout=120)[0]
-    tail = {}
-    for run in (off, on):
-        rows = timeline_summary(run["events"])
-        tail[run["overlap"]] = (rows[-1]["synced"] - rows[-1]["backward_end"]) * 1e3
-        print(f"overlap={run['overlap']}: {len(run['bucket_numels'])} bucket(s) "
-              f"{run['bucket_numels']}, backward {rows[-1]['backward_end'] * 1e3:.1f} ms, "
-              f"sync after backward {tail[run['overlap']]:.1f} ms")
-    plot_timeline([("overlap_grad_reduce=False (one bucket, reduced after backward)", off["events"]),
-                   ("overlap_grad_reduce=True (bucket_size=200k, launched from the hooks)",
-                    on["events"])])
-    plt.tight_layout()
-    plt.show()
-    rows_on, rows_off = timeline_summary(on["events"]), timeline_summary(off["events"])
-    assert rows_on[0]["start"] < rows_on[-1]["backward_end"]  # launched during backward
-    assert all(r["start"] >= rows_off[-1]["backward_end"] for b, r in rows_off.items() if b >= 0)
-    assert len(on["bucket_numels"]) > 1 and len(off["bucket_numels"]) == 1
 
 # %% [markdown]
 # ## Summary
