@@ -71,9 +71,19 @@ def _grid_matches_layout(grid: ParallelGrid, **sizes) -> bool:
     return ok
 
 
+def _bad_grid_message() -> str:
+    """The ValueError a grid whose sizes do not fit the world raises."""
+    try:
+        ParallelGrid(tp=2, pp=2)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
 def world_of_2() -> dict:
     """Every 2-rank check: TP2 layers, vocab, CP2 attention, PP2 p2p, RNG, grids."""
     t0 = time.perf_counter()
+    bad = _bad_grid_message()  # before any group exists: a failed grid must create none
     tp, cp, pp = ParallelGrid(tp=2), ParallelGrid(cp=2), ParallelGrid(pp=2)
     x = torch.arange(8.0).reshape(1, 8, 1)
     return {
@@ -84,6 +94,7 @@ def world_of_2() -> dict:
         "cp_gather": torch.equal(gather_from_context_parallel(split_for_context_parallel(x, cp), cp), x),
         "pp": pipeline_parity(pp), "p2p": _p2p_both_ways(pp), "rng": dropout_masks(tp),
         "grid": _grid_matches_layout(tp, tp=2), "first_last": (pp.is_first_stage(), pp.is_last_stage()),
+        "bad_grid": bad,
         "seconds": time.perf_counter() - t0,
     }
 

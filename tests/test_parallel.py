@@ -109,6 +109,23 @@ def test_single_rank_layers_equal_torch():
                           F.cross_entropy(logits.transpose(1, 2), labels, reduction="none"), atol=1e-6)
 
 
+def test_cross_entropy_accepts_int32_labels():
+    g = ParallelGrid.single()
+    logits, labels = torch.randn(2, 3, 10), torch.randint(0, 10, (2, 3))
+    assert torch.allclose(vocab_parallel_cross_entropy(logits, labels.int(), g),
+                          vocab_parallel_cross_entropy(logits, labels, g))
+
+
+def test_p2p_on_a_single_stage_raises():
+    from tinytron.parallel import communicate, recv_forward, send_forward
+
+    g = ParallelGrid.single()
+    assert recv_forward((2, 3), g) is None  # the first stage has no previous stage
+    send_forward(torch.ones(2), g)  # the last stage sends nothing
+    with pytest.raises(ValueError, match="more than 1 rank"):
+        communicate(g, send_next=torch.ones(2))
+
+
 def test_cross_entropy_bf16_logits_give_fp32_loss_and_bf16_grad():
     g = ParallelGrid.single()
     logits = torch.randn(2, 3, 10).bfloat16().requires_grad_(True)

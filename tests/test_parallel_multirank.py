@@ -83,6 +83,11 @@ def test_p2p_round_trip_wraps_around_the_ring(world, n, request):
         assert ring == (r - 1) % n
 
 
+def test_grid_with_sizes_not_fitting_the_world_raises(two):
+    for res in two:
+        assert res["bad_grid"] == "world_size 2 is not divisible by tp*cp*pp = 2*1*2 = 4"
+
+
 def test_grids_match_pure_layout(two, four):
     assert all(res["grid"] for res in two + four)
     assert [res["first_last"] for res in two] == [(True, False), (False, True)]

@@ -123,7 +123,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         z = logits_local.float() - global_max.unsqueeze(-1)
         local_v = z.shape[-1]
         outside = (labels < vocab_start) | (labels >= vocab_start + local_v)
-        idx = (labels - vocab_start).masked_fill(outside, 0)
+        idx = (labels.long() - vocab_start).masked_fill(outside, 0)
         target = z.gather(-1, idx.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         exp_z = z.exp()
         sum_exp = all_reduce(exp_z.sum(dim=-1), grid, "tp")
