@@ -181,3 +181,17 @@ def test_cuda_model_matches_cpu_and_runs_bf16():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss = gpu(tokens.cuda(), labels=tokens.cuda())
     assert loss.dtype == torch.float32 and torch.isfinite(loss).all()
+
+
+def test_bf16_params_and_stage_shape():
+    config = tiny_config(sequence_parallel=True)
+    tokens = torch.randint(0, config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
+    fp32, bf16 = GPTModel(config), GPTModel(config, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in bf16.parameters())
+    with torch.no_grad():
+        loss32, loss16 = fp32(tokens, labels=tokens), bf16(tokens, labels=tokens)
+    assert loss16.dtype == torch.float32 and abs(float(loss16.mean() - loss32.mean())) < 0.05
+    from tinytron.model.gpt import stage_tensor_shape
+    from tinytron.parallel import ParallelGrid
+
+    assert stage_tensor_shape(config, ParallelGrid.single(), 2) == (64, 2, 64)

@@ -4,7 +4,8 @@ from tinytron.model.config import (ModelConfig, count_parameters, count_paramete
                                    llama_7b_config, padded_vocab_size, parameter_breakdown,
                                    stage_layer_ranges, tiny_config)
 from tinytron.model.gpt import (GPTModel, SelfAttention, SwiGLUMLP, TransformerLayer,
-                                build_stage_models, global_parameter_name, init_parameters)
+                                build_stage_models, global_parameter_name, init_parameters,
+                                stage_tensor_shape)
 from tinytron.model.layers import RMSNorm, ShardSpec, apply_rope, rope_cos_sin, shard_of, unshard
 
 __pages__ = ["config", "layers", "gpt", "hf"]
@@ -13,4 +14,5 @@ __all__ = ["ModelConfig", "tiny_config", "llama_7b_config", "padded_vocab_size",
            "stage_layer_ranges", "parameter_breakdown", "count_parameters",
            "count_parameters_per_rank", "RMSNorm", "ShardSpec", "apply_rope", "rope_cos_sin",
            "shard_of", "unshard", "GPTModel", "SelfAttention", "SwiGLUMLP", "TransformerLayer",
-           "build_stage_models", "global_parameter_name", "init_parameters"]
+           "build_stage_models", "global_parameter_name", "init_parameters",
+           "stage_tensor_shape"]

@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from tinytron.model.config import count_parameters_per_rank, tiny_config
-from tinytron.model.gpt import GPTModel, build_stage_models, global_parameter_name
+from tinytron.model.gpt import (GPTModel, build_stage_models, global_parameter_name,
+                                stage_tensor_shape)
 from tinytron.model.layers import unshard
 from tinytron.parallel import ParallelGrid
 from tinytron.parallel.context_parallel import cp_positions
@@ -159,8 +160,8 @@ def pipeline_parity(tp: int, sequence_parallel: bool, num_layers: int = 2,
     grid = _grid(tp=tp, pp=2)
     models = build_stage_models(config, grid, num_virtual_stages=num_virtual_stages)
     rank, pp = grid.rank("pp"), grid.size("pp")
-    s_local = config.seq_length // (tp if sequence_parallel else 1)
-    loss = run_pipeline(models, grid, tokens, labels, (s_local, tokens.shape[0], config.hidden_size))
+    loss = run_pipeline(models, grid, tokens, labels,
+                        stage_tensor_shape(config, grid, tokens.shape[0]))
     result = {
         "grad_gap": _max_grad_gap(models, grid, ref_grads, sequence_parallel),
         "num_params": sum(p.numel() for m in models for p in m.parameters()),

@@ -34,6 +34,7 @@ __all__ = [
     "TransformerLayer",
     "GPTModel",
     "build_stage_models",
+    "stage_tensor_shape",
     "init_parameters",
     "global_parameter_name",
 ]
@@ -254,7 +255,9 @@ class TransformerLayer(nn.Module):
 #
 # `build_stage_models(config, grid, num_virtual_stages)` builds this pipeline rank's chunks:
 # chunk $k$ of stage $r$ holds layers run $k p + r$ (page B.1), only the very first chunk has
-# `pre_process` and only the very last `post_process`.
+# `pre_process` and only the very last `post_process`. `stage_tensor_shape` is the shape the
+# schedule sends between stages, $[s/c, b, h]$, or $[s/(c t), b, h]$ under sequence
+# parallelism (Megatron's `get_tensor_shapes`, `megatron/core/pipeline_parallel/schedules.py:2057`).
 
 # %%
 def global_parameter_name(name: str, layer_offset: int) -> str:
@@ -269,7 +272,8 @@ class GPTModel(nn.Module):
     def __init__(self, config: ModelConfig, grid: ParallelGrid | None = None, *,
                  pre_process: bool = True, post_process: bool = True,
                  layer_range: tuple[int, int] | None = None, rng_tracker=None,
-                 device: torch.device | str | None = None, initialize: bool = True):
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 initialize: bool = True):
         super().__init__()
         grid = grid if grid is not None else ParallelGrid.single()
         config.check_layout(tp=grid.size("tp"), cp=grid.size("cp"))
@@ -283,7 +287,7 @@ class GPTModel(nn.Module):
         self.layer_offset, self.input_tensor = start, None
         self._build(config, grid, start, end, rng_tracker)
         device = device if device is not None else grid.device
-        self.to(device)
+        self.to(device=device, dtype=dtype)  # e.g. bf16 params; the init is drawn in fp32
         if initialize:  # a loader that overwrites every weight skips the draw
             init_parameters(self)
 
@@ -408,9 +412,17 @@ def init_parameters(model: GPTModel) -> None:
         param.copy_(shard_of(full, spec, grid.rank("tp"), grid.size("tp")))
 
 
+def stage_tensor_shape(config: ModelConfig, grid: ParallelGrid,
+                       micro_batch_size: int) -> tuple[int, int, int]:
+    """Shape [s/(c t if SP else c), b, h] of the activation sent between pipeline stages."""
+    split = grid.size("cp") * (grid.size("tp") if config.sequence_parallel else 1)
+    return (config.seq_length // split, micro_batch_size, config.hidden_size)
+
+
 def build_stage_models(config: ModelConfig, grid: ParallelGrid | None = None,
                        num_virtual_stages: int = 1, rng_tracker=None,
                        device: torch.device | str | None = None,
+                       dtype: torch.dtype | None = None,
                        initialize: bool = True) -> list[GPTModel]:
     """This pipeline rank's model chunks (one per virtual stage), in schedule order."""
     grid = grid if grid is not None else ParallelGrid.single()
@@ -421,7 +433,8 @@ def build_stage_models(config: ModelConfig, grid: ParallelGrid | None = None,
     last = len(ranges) - 1
     return [GPTModel(config, grid, pre_process=(rank == 0 and k == 0),
                      post_process=(rank == pp - 1 and k == last), layer_range=r,
-                     rng_tracker=rng_tracker, device=device, initialize=initialize)
+                     rng_tracker=rng_tracker, device=device, dtype=dtype,
+                     initialize=initialize)
             for k, r in enumerate(ranges)]
 
 

@@ -328,7 +328,8 @@ class _Reader:
 
 @torch.no_grad()
 def load_hf_llama(path: str | os.PathLike, grid: ParallelGrid | None = None, *,
-                  num_virtual_stages: int = 1, **config_overrides):
+                  num_virtual_stages: int = 1, dtype: torch.dtype | None = None,
+                  **config_overrides):
     """(model, config) from a Hugging Face Llama folder; this rank's shard and stage(s) of it."""
     folder = Path(path)
     if not (folder / "config.json").is_file():
@@ -337,7 +338,7 @@ def load_hf_llama(path: str | os.PathLike, grid: ParallelGrid | None = None, *,
     read = _Reader(folder)
     _check_checkpoint(config, set(read.where), read)
     grid = grid if grid is not None else ParallelGrid.single()
-    chunks = build_stage_models(config, grid, num_virtual_stages=num_virtual_stages,
+    chunks = build_stage_models(config, grid, num_virtual_stages=num_virtual_stages, dtype=dtype,
                                 initialize=False)
     for model in chunks:
         for name, p in model.named_parameters():
