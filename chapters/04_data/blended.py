@@ -360,28 +360,27 @@ def _dist() -> bool:
 # ## Drawing the realized mixture
 
 # %%
-def plot_blend_ratios(dataset_index: np.ndarray, weights: Sequence[float], names=None):
-    """Running fraction of each dataset over the blend positions, against its weight."""
+def plot_blend_ratios(dataset_index: np.ndarray, weights: Sequence[float], names=None, seed: int = 0):
+    """Running fraction of each dataset vs its weight; worst |count - w*k| vs a random mixture."""
     import matplotlib.pyplot as plt
 
     di = np.asarray(dataset_index, dtype=np.int64)
+    w = np.asarray(weights, dtype=np.float64)
     k = np.arange(1, len(di) + 1)
+    rand = np.random.default_rng(seed).choice(len(w), size=len(di), p=w)
     fig, (ax, ax_err) = plt.subplots(1, 2, figsize=(10, 3.2))
-    for i, w in enumerate(weights):
-        counts = np.cumsum(di == i)
-        label = names[i] if names else f"dataset {i}"
-        ax.plot(k, counts / k, label=f"{label} (w={w:.3f})")
-        ax.axhline(w, color="0.6", lw=0.6, ls="--")
-        ax_err.plot(k, counts - w * k, label=label)
-    ax.set_xscale("log")
-    ax.set_xlabel("samples drawn")
-    ax.set_ylabel("realized fraction")
-    ax.legend(fontsize=8)
-    ax_err.set_xscale("log")
-    ax_err.set_xlabel("samples drawn")
-    ax_err.set_ylabel("count − w·k (samples)")
+    for i, wi in enumerate(w):
+        ax.plot(k, np.cumsum(di == i) / k, label=f"{names[i] if names else i} (w={wi:.3f})")
+        ax.axhline(wi, color="0.6", lw=0.6, ls="--")
+    for picks, label in ((di, "greedy (Megatron)"), (rand, "random, same weights")):
+        counts = np.cumsum(np.eye(len(w), dtype=np.int64)[picks], axis=0)
+        ax_err.plot(k, np.abs(counts - np.outer(k, w)).max(axis=1), label=label)
+    ax.set(xscale="log", xlabel="samples drawn", ylabel="realized fraction")
+    ax_err.set(xscale="log", yscale="log", xlabel="samples drawn",
+               ylabel="worst |count − w·k| (samples)")
     ax_err.axhline(1, color="r", lw=0.6)
-    ax_err.axhline(-1, color="r", lw=0.6)
+    for a in (ax, ax_err):
+        a.legend(fontsize=8)
     fig.tight_layout()
     return fig
 

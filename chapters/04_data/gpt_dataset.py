@@ -483,7 +483,8 @@ class GPTDataset(torch.utils.data.Dataset):
 # ## Drawing the three tables
 
 # %%
-def plot_index_tables(sizes, document_index, sample_index, shuffle_index, seq_length: int):
+def plot_index_tables(sizes, document_index, sample_index, shuffle_index, seq_length: int,
+                      tokens_per_epoch: Optional[int] = None):
     """The token stream coloured by sequence, sample windows below it, and the shuffle order."""
     import matplotlib.pyplot as plt
 
@@ -500,7 +501,11 @@ def plot_index_tables(sizes, document_index, sample_index, shuffle_index, seq_le
         order = int(np.flatnonzero(np.asarray(shuffle_index) == i)[0])
         ax.text(start + (seq_length + 1) / 2, 1 - 0.35 * (i % 2), f"s{i}→#{order}",
                 ha="center", va="center", fontsize=7)
-    ax.set_yticks([2, 0.8], ["document index\n(shuffled seqs)", "sample index\n(windows → order)"])
+    if tokens_per_epoch:
+        for e in range(1, int(cum[-1] // tokens_per_epoch) + 1):
+            ax.axvline(e * tokens_per_epoch, color="k", ls="--", lw=1)
+            ax.text(e * tokens_per_epoch - 0.5, 1.45, f"end of epoch {e}", ha="right", fontsize=7)
+    ax.set_yticks([2, 0.8], ["document index\n(shuffled seqs)", "sample index\n(window → read at step #)"])
     ax.set_xlabel("token position in the concatenated stream")
     ax.set_title(f"three index tables, seq_length={seq_length}")
     fig.tight_layout()
@@ -533,7 +538,8 @@ if __name__ == "__main__":
     print("shuffle index: ", ds.shuffle_index.tolist())
     for i in range(3):
         print(f"sample {i}:", ds.query_tokens(i).tolist())
-    plot_index_tables(ds_ix.sequence_lengths, ds.document_index, ds.sample_index, ds.shuffle_index, 4)
+    plot_index_tables(ds_ix.sequence_lengths, ds.document_index, ds.sample_index, ds.shuffle_index, 4,
+                      tokens_per_epoch=30)
     plt.show()
     ref = reference_sample_idx(ds_ix.sequence_lengths, ds.document_index, 4, 2, 30)  # E = 2 epochs
     assert np.array_equal(ref, ds.sample_index)
