@@ -42,8 +42,8 @@ __all__ = ["communicate", "recv_forward", "recv_backward", "send_forward", "send
 # B's recv-prev and A's send-prev with B's recv-next.
 #
 # **Shapes.** A receive must allocate its buffer before the data arrives, so the caller passes
-# the shape: for a transformer it is $[s/(tp \cdot cp)$ or $s/cp, b, h]$, the same every
-# micro-batch. A received activation is made a leaf that requires grad, so the stage's
+# the shape: for a transformer it is $[s/cp, b, h]$, or $[s/(cp \cdot tp), b, h]$ under sequence
+# parallelism, the same every micro-batch. A received activation is made a leaf that requires grad, so the stage's
 # backward produces the gradient to send back.
 #
 # ```mermaid
