@@ -164,10 +164,11 @@ def test_dropout_draws_agree_across_tp(layouts, name):
         assert r["tp_ranks_agree"] and r["train_differs"] and r["eval_gap"] == 0.0, r
 
 
-def test_hf_export_from_tp2_pp2_and_import_into_tp2(layouts):
+def test_hf_export_from_tp2_pp2_and_import_into_tp2_and_pp2(layouts):
     for rank_out in layouts:
         r = rank_out["hf"]
         assert r["file_equal"] and r["shards_equal"] and r["logits_gap"] < TOL, r
+        assert r["pp_loss_gap"] < TOL, r
 
 
 @pytest.mark.gpu

@@ -91,6 +91,7 @@ def test_logits_match_transformers_llama(tmp_path):
     with torch.no_grad():
         expected = reference(tokens).logits
         got = model(tokens)
+    print(f"max |logits - transformers logits| = {float((got - expected).abs().max()):.2e}")
     assert torch.allclose(got, expected, atol=2e-5, rtol=1e-4), float((got - expected).abs().max())
     # ... and the other way: our export loads into transformers with the same logits.
     save_hf_llama(model, tmp_path / "ours")

@@ -218,9 +218,16 @@ def hf_roundtrip(folder: str) -> dict:
     tokens = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         gap = float((_gather_vocab(model(tokens), grid) - single(tokens)).abs().max())
+    # ... and into TP2 x PP2 stages: the pipelined loss equals the one-process loss.
+    stages, _ = load_hf_llama(folder, _grid(tp=2, pp=2), seq_length=config.seq_length)
+    labels = tokens.roll(-1, dims=1)
+    pp_loss = run_pipeline([stages], stages.grid, tokens, labels,
+                           (16, 2, config.hidden_size))
+    pp_gap = 0.0 if pp_loss is None else float(
+        (pp_loss.detach() - single(tokens, labels=labels).detach()).abs().max())
     return {"file_equal": set(written) == set(expected)
             and all(torch.equal(written[k], expected[k]) for k in expected),
-            "shards_equal": shards_equal, "logits_gap": gap}
+            "shards_equal": shards_equal, "logits_gap": gap, "pp_loss_gap": pp_gap}
 
 
 def all_layouts(hf_folder: str | None = None) -> dict:
