@@ -2,7 +2,8 @@
 
 from importlib import import_module
 
-__pages__ = ["indexed", "preprocess", "gpt_dataset", "blended", "samplers", "distribute", "sft"]
+__pages__ = ["indexed", "preprocess", "gpt_dataset", "blended", "samplers", "distribute", "sft",
+             "pipeline"]
 
 # Megatron's names, importable from the package; loaded on first use so that the light
 # modules (the preprocessing CLI, the .idx reader) do not pay for the rest.
@@ -14,6 +15,8 @@ _EXPORTS = {
     "MegatronPretrainingSampler": "samplers", "MegatronPretrainingRandomSampler": "samplers",
     "build_pretraining_data_loader": "samplers", "cyclic_iter": "samplers",
     "get_batch": "distribute", "SFTDataset": "sft",
+    "DataConfig": "pipeline", "build_train_valid_test_datasets": "pipeline",
+    "build_data_iterators": "pipeline", "is_dataset_built_on_rank": "pipeline",
 }
 
 __all__ = sorted(_EXPORTS)
