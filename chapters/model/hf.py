@@ -61,6 +61,8 @@ __all__ = ["hf_config_dict", "config_from_hf", "to_hf_tensors", "from_hf_tensor"
 # `ShardSpec`) and the pipeline stages' tensors to the first rank, which writes one file.
 # Import reads the file on every rank and keeps its own shard (`shard_of`): the full tensors of
 # one layer at a time pass through memory, never the whole model at once on top of the shards.
+# Every `*.safetensors` file of the folder is read, so the multi-file checkpoints Hugging Face
+# publishes for large models (`model-00001-of-00004.safetensors`, …) load as they are.
 
 # %%
 _LAYER_RE = r"decoder\.layers\.(\d+)\.(.+)"

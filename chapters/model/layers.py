@@ -127,7 +127,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # draw-the-master-then-split (`megatron/core/tensor_parallel/layers.py:152`), with one global
 # RNG stream whose order depends on the layout; seeding per name removes that dependence.
 # The cost is that each rank draws the full tensors of its own layers: for the 7B example at
-# TP 8 a rank draws 8× its shard, seconds on a CPU, once.
+# TP 8 a rank draws 8× its shard, 7.5 B normal numbers — about two minutes on one busy CPU
+# core of the machine this book was written on — once, holding at most one full tensor (the
+# 2.1 GB fp32 embedding) at a time. A loader that overwrites every weight skips the draw
+# (`GPTModel(..., initialize=False)`).
 #
 # A `ShardSpec` on each parameter records its full shape and how TP cuts it: `dim` is the
 # partitioned dimension (None = replicated); `chunks = 2` says the dimension holds two stacked
