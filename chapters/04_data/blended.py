@@ -247,10 +247,10 @@ class BlendedDataset(torch.utils.data.Dataset):
 #
 # ```mermaid
 # flowchart TD
-#   C[config.blend = prefixes, weights] -->|one prefix, no weights| S[GPTDataset per split]
-#   C -->|several prefixes| M[each prefix: GPTDataset per split, size = target x weight + surplus]
-#   M --> B[BlendedDataset per split, size = sum of targets]
-#   P[config.blend_per_split] --> Q[per split: its own blend]
+#   C["config.blend: prefixes, weights"] -->|"one prefix, no weights"| S["GPTDataset per split"]
+#   C -->|"several prefixes"| M["per prefix: GPTDataset per split, target x weight + surplus"]
+#   M --> B["BlendedDataset per split, size = sum of targets"]
+#   P["config.blend_per_split"] --> Q["per split: its own blend"]
 # ```
 #
 # Ranks: with `torch.distributed` initialised, global rank 0 builds (and caches) first, everyone

@@ -45,11 +45,11 @@ __all__ = ["BATCH_KEYS", "stage_keys", "broadcast_from_tp_rank0", "get_batch_on_
 #
 # ```mermaid
 # flowchart LR
-#   IT[data iterator<br/>TP rank 0 only] -->|next| R0[TP rank 0]
-#   R0 -->|broadcast over TP group| R1[TP rank 1..tp-1]
-#   R0 --> CP[CP slice: chunks r and 2cp-1-r]
+#   IT["data iterator (TP rank 0 only)"] -->|"next()"| R0["TP rank 0"]
+#   R0 -->|"broadcast over the TP group"| R1["TP ranks 1 .. tp-1"]
+#   R0 --> CP["CP slice: chunks r and 2cp-1-r"]
 #   R1 --> CP
-#   CP --> M[model stage]
+#   CP --> M["this pipeline stage's keys"]
 # ```
 
 # %%

@@ -52,13 +52,13 @@ __all__ = [
 #
 # ```mermaid
 # flowchart LR
-#   T[token ids per sequence] -->|add_item| B[P.bin.partial]
-#   T -->|lengths| L[lengths list]
-#   E[end_document] --> D[document indices]
-#   L --> F[finalize]
+#   T["token ids per sequence"] -->|add_item| B["P.bin.partial"]
+#   T -->|lengths| L["lengths list"]
+#   E["end_document"] --> D["document indices"]
+#   L --> F["finalize"]
 #   D --> F
-#   F -->|write + fsync| I[P.idx.partial]
-#   F -->|rename .bin then .idx| OK[P.bin + P.idx]
+#   F -->|"write + fsync"| I["P.idx.partial"]
+#   I -->|"rename .bin, then .idx"| DONE["P.bin + P.idx"]
 # ```
 
 # %%

@@ -29,11 +29,11 @@ __all__ = ["DataConfig", "build_train_valid_test_datasets", "build_data_iterator
 #
 # ```mermaid
 # flowchart LR
-#   C[DataConfig] --> B[BlendedMegatronDatasetBuilder<br/>rank 0 builds, cache]
-#   B --> D[train / valid / test datasets]
-#   D --> L[DataLoader + sampler<br/>from consumed_samples]
-#   L --> I[iterator on TP rank 0]
-#   I --> G[get_batch: TP broadcast, CP slice]
+#   C["DataConfig"] --> B["BlendedMegatronDatasetBuilder (rank 0 builds the cache)"]
+#   B --> D["train / valid / test datasets"]
+#   D --> L["DataLoader + sampler from consumed_samples"]
+#   L --> I["iterator on TP rank 0"]
+#   I --> G["get_batch: TP broadcast, CP slice"]
 # ```
 
 # %%

@@ -32,10 +32,11 @@ __all__ = ["MegatronPretrainingSampler", "MegatronPretrainingRandomSampler",
 #
 # ```mermaid
 # flowchart LR
-#   subgraph chunk m [chunk of mbs·dp indices]
-#     A["r0: j=0..mbs-1"] --- B["r1"] --- C["..."] --- D["r dp-1"]
+#   S["consumed_samples"] --> CH
+#   subgraph CH ["chunk m: mbs x dp consecutive indices"]
+#     A["rank 0: mbs rows"] --- B["rank 1: mbs rows"] --- C["..."] --- D["rank dp-1: mbs rows"]
 #   end
-#   S[consumed_samples] --> chunk m --> N[next chunk]
+#   CH --> N["chunk m+1"]
 # ```
 
 # %%
