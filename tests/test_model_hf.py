@@ -99,3 +99,14 @@ def test_logits_match_transformers_llama(tmp_path):
                                                          attn_implementation="eager").eval()
     with torch.no_grad():
         assert torch.allclose(back(tokens).logits, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_multi_file_checkpoint_loads(exported):
+    model, _, folder = exported
+    tensors = load_file(folder / "model.safetensors")
+    names = sorted(tensors)
+    (folder / "model.safetensors").unlink()
+    save_file({k: tensors[k] for k in names[::2]}, folder / "model-00001-of-00002.safetensors")
+    save_file({k: tensors[k] for k in names[1::2]}, folder / "model-00002-of-00002.safetensors")
+    loaded, _ = load_hf_llama(folder)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), loaded.parameters()))
