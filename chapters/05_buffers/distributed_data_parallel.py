@@ -110,7 +110,8 @@ def default_bucket_size(config: DistributedDataParallelConfig, dp_size: int) -> 
 #   the sum of everyone's `[r·S, (r+1)·S)`; the rest of its bucket is left stale;
 # - asynchronously when overlapping; `finish_grad_sync` (`:724`) waits for the handle.
 #
-# **Scaling.** The goal is the mean over DP×CP ranks (`distributed_data_parallel.py:169-204`).
+# **Scaling.** The goal is the mean over the $d$ DP×CP ranks,
+# $\bar g = \frac{1}{d}\sum_{r=0}^{d-1} g_r$ (`distributed_data_parallel.py:169-204`).
 # Default: factor `1/dp_cp` before a SUM — the pre-scale keeps bf16 sums from overflowing and
 # works on every backend. `average_in_collective=True`: factor 1 and `ReduceOp.AVG`. With
 # `calculate_per_token_loss`: factor 1 and SUM; `finalize_model_grads` later divides by the
@@ -443,6 +444,25 @@ class DistributedDataParallel(torch.nn.Module):
         """Load into the wrapped module (in-place copies, so the values land in the buffers)."""
         return self.module.load_state_dict(state_dict, strict=strict)
 
+
+# %% [markdown]
+# ## What the distributed optimizer (chapter 02) uses
+#
+# Everything it needs is on the wrapper, read after `finalize_model_grads`:
+#
+# | what | where |
+# |---|---|
+# | buffers, one per `(param dtype, grad dtype)` | `ddp.buffers` (`ParamAndGradBuffer`) |
+# | the buckets of a buffer, in layout order | `buffer.buckets` |
+# | this rank's DP-mean fp32 grads of a bucket | `bucket.grad_shard()` |
+# | where this rank writes its updated (bf16) weights | `bucket.param_shard()` (a view of `param_data`, i.e. of `param.data`) |
+# | which parameter elements those shard elements are | `bucket.shard_param_ranges()` → `ShardRange(param, param_start, param_end, shard_start, shard_end, …)` |
+# | give every rank the new weights | `ddp.start_param_sync()` (with `overlap_param_gather`: left to the next forward's pre-hooks) |
+# | start the next step | `ddp.zero_grad_buffer()` |
+#
+# Its fp32 master weights and Adam moments are then three fp32 tensors of `shard_size` elements
+# per bucket: `2 + 4 + 12/dp` bytes per parameter in total (bf16 param buffer, fp32 grad buffer,
+# sharded optimizer state).
 
 # %% [markdown]
 # ## Demo 1: one process — hooks, `main_grad` and micro-batch accumulation

@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 05 · Buffers: `finalize_model_grads`, the last stop before the optimizer
+# # 05 · Buffers: finalize_model_grads, the last stop before the optimizer
 #
 # After the last micro-batch's backward, three kinds of gradients are still incomplete:
 # the DP collectives may still be in flight, parameters replicated across tensor-parallel
@@ -42,8 +42,9 @@ __all__ = ["finalize_model_grads", "main_grad_of"]
 #    `calculate_per_token_loss` the loss is a *sum* over tokens and DDP did not average; the
 #    last stage counts the non-masked tokens, broadcasts the count over the pipeline group, the
 #    count is summed over DP×CP, and every gradient is multiplied by `1/max(num_tokens, 1)`.
-#    The result is the gradient of the mean loss over all tokens of the global batch, correct
-#    even when micro-batches hold different numbers of real tokens.
+#    The result is the gradient of the mean loss over all tokens of the global batch,
+#    $\nabla \frac{1}{n}\sum_{r}\sum_{t \in r} \ell_t$ with $n = \sum_r n_r$, correct even when
+#    micro-batches and DP ranks hold different numbers $n_r$ of real tokens.
 #
 # Why these reductions are safe on a sharded buffer: every TP rank (and the first and last
 # stage, thanks to the tied embedding's own bucket) has the *same* buffer layout, so with the

@@ -175,13 +175,16 @@ def compute_param_layout(params, bucket_size: int | None, dp_size: int, *,
 # ## Buckets and shards
 #
 # A bucket is a `[start, end)` slice of the buffer plus the parameters inside it. With the
-# distributed optimizer DP rank `r` owns the shard `[r·S, (r+1)·S)` of every bucket, where
-# `S = bucket.numel / dp`; after the reduce-scatter only that shard holds the averaged
-# gradient, and the optimizer updates only the parameter pieces in it. A shard boundary can
+# distributed optimizer DP rank $r$ owns the shard $[rS, (r+1)S)$ of every bucket, where
+# $S = N_b / d$ for a bucket of $N_b$ elements and $d$ DP ranks. The padding rule makes that
+# division exact: a bucket whose last parameter ends at buffer offset $e$ ends at
+# $\lceil e / m \rceil \cdot m$ with $m = \mathrm{lcm}(d, 128)$, and since every bucket starts
+# where the previous one ended, every $N_b$ is a multiple of $m$. After the reduce-scatter only
+# that shard holds the averaged gradient, and the optimizer updates only the parameter pieces in it. A shard boundary can
 # cut a parameter in two, so the optimizer needs, for every parameter touching its shard,
 # *which elements of the parameter* map to *which elements of the shard*: `ShardRange`
 # (Megatron's DistributedOptimizer builds the same map in
-# `distrib_optimizer.py` `_build_model_gbuf_param_range_map`).
+# `megatron/core/optimizer/distrib_optimizer.py:123`, `_build_model_gbuf_param_range_map`).
 
 # %%
 @dataclass(frozen=True)
