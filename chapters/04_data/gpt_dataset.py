@@ -291,9 +291,12 @@ def build_document_sample_shuffle_indices(sizes: np.ndarray, documents: np.ndarr
 # (`megatron_dataset.py:57-71`). Megatron's description holds the dataset *path*, the sample
 # count and the config, but nothing about the file contents: re-run preprocessing into the same
 # prefix and training silently uses stale indices (wrong windows, or reads past the end).
-# Ours adds the data's identity: the `.bin` and `.idx` sizes and modification times and a
-# BLAKE2 hash of the `.idx` (the index is small — 12 bytes per sequence — and any change in
-# sequence lengths changes it).
+# Ours adds the data's identity: the `.bin` and `.idx` sizes and a BLAKE2 hash of the `.idx`
+# (small: 12 bytes per sequence). The three tables depend on the data only through the
+# sequence lengths, which the `.idx` holds, so this key changes exactly when the cached tables
+# would be wrong. Modification times are deliberately left out: two byte-identical copies of a
+# dataset (one per node, or restored from a backup) must share one cache, and a `touch` must
+# not trigger a rebuild.
 #
 # Files are written to temporary names and renamed, the description last, so a reader that sees
 # the description sees complete arrays. With `torch.distributed` initialised only global rank 0
@@ -301,15 +304,14 @@ def build_document_sample_shuffle_indices(sizes: np.ndarray, documents: np.ndarr
 
 # %%
 def data_identity(path_prefix: str) -> dict:
-    """Sizes, mtimes and the .idx hash of a prefix: changes whenever the data changes."""
+    """File sizes and the .idx hash of a prefix: changes whenever the sequence lengths change."""
     idx, bin_ = get_idx_path(path_prefix), get_bin_path(path_prefix)
     h = hashlib.blake2b(digest_size=16)
     with open(idx, "rb") as f:
         while chunk := f.read(1 << 22):
             h.update(chunk)
-    return {"idx_blake2b": h.hexdigest(),
-            "idx_size": os.path.getsize(idx), "bin_size": os.path.getsize(bin_),
-            "idx_mtime_ns": os.stat(idx).st_mtime_ns, "bin_mtime_ns": os.stat(bin_).st_mtime_ns}
+    return {"idx_blake2b": h.hexdigest(), "idx_size": os.path.getsize(idx),
+            "bin_size": os.path.getsize(bin_)}
 
 
 _TABLES = ("document_index", "sample_index", "shuffle_index")
