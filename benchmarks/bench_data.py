@@ -126,6 +126,7 @@ def main() -> None:
     ap.add_argument("--loop-fraction", type=float, default=0.05)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "data.json"))
     args = ap.parse_args()
+    load_start = list(os.getloadavg())  # other jobs on the machine slow every number down
     tmp = tempfile.mkdtemp()
     prefix = os.path.join(tmp, "corpus")
     t0 = time.perf_counter()
@@ -139,6 +140,7 @@ def main() -> None:
     result = {"command": "python benchmarks/bench_data.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus",
+        "load_average_at_start": load_start, "load_average_at_end": list(os.getloadavg()),
         "tokens": args.tokens, "documents": len(ix), "seq_length": args.seq_length,
         "note": "loop timings measured on a prefix (loop_samples_measured / blend size/20) and "
                 "extrapolated linearly; the document/shuffle numpy shuffles are shared",
@@ -152,7 +154,8 @@ def main() -> None:
           f"{access['loop_lookup_samples_per_s']:,.0f}/s -> {access['access_speedup']:.1f}x")
     print(f"blend index ({args.samples:,}): {blend['blend_build_s']:.3f} s vs loop "
           f"{blend['loop_blend_s_extrapolated']:.2f} s -> {blend['blend_speedup']:.1f}x")
-    print(f"wrote {args.out}")
+    print(f"load average at start/end: {load_start[0]:.1f} / {os.getloadavg()[0]:.1f} "
+          f"on {os.cpu_count()} cpus; wrote {args.out}")
 
 
 if __name__ == "__main__":
