@@ -207,3 +207,14 @@ def test_empty_split_asked_for_samples_names_dataset_and_split(tmp_path):
     cfg = GPTDatasetConfig(sequence_length=4, split="100,0,0", path_to_cache=str(tmp_path / "c"))
     with pytest.raises(ValueError, match=r"tiny.*'valid'.*empty"):
         GPTDataset(IndexedDataset(p), p, np.zeros(0, dtype=np.int32), 10, Split.valid, cfg)
+
+
+def test_pickles_without_copying_the_token_file(corpus, tmp_path):
+    """Spawned DataLoader workers receive the dataset pickled: it must re-open, not copy, the .bin."""
+    import pickle
+
+    ds, ix = _dataset(corpus, str(tmp_path / "c"))
+    blob = pickle.dumps(ds)
+    assert len(pickle.dumps(ix)) < 200 and len(blob) < ix.token_array.nbytes + 40_000
+    again = pickle.loads(blob)
+    assert all(np.array_equal(again.query_tokens(i), ds.query_tokens(i)) for i in range(len(ds)))

@@ -369,11 +369,22 @@ class GPTDataset(torch.utils.data.Dataset):
         self.unique_description_hash = hashlib.md5(self.unique_description.encode()).hexdigest()
         self.cache_hit = False
         self.document_index, self.sample_index, self.shuffle_index = self._load_or_build()
-        # Plain ndarray views of the mappings: numpy's memmap subclass costs ~5 us per slice.
-        tok = indexed_dataset._tokens  # None for the file reader (mmap=False)
+        self._attach_tokens()
+
+    def _attach_tokens(self) -> None:
+        """Plain ndarray views of the mapped .bin: numpy's memmap subclass costs ~5 us per slice."""
+        tok = self.dataset._tokens  # None for the file reader (mmap=False)
         self._tokens = None if tok is None else tok.view(np.ndarray)
-        self._offsets = indexed_dataset._token_offsets if self._tokens is not None else None
+        self._offsets = self.dataset._token_offsets if self._tokens is not None else None
         self._cached_masks = None
+
+    def __getstate__(self):
+        """Pickle without the token views; the IndexedDataset re-opens its files."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_tokens", "_offsets")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._attach_tokens()
 
     def _cache_paths(self) -> Optional[dict]:
         """The four cache file paths, or None when caching is impossible."""

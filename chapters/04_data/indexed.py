@@ -332,6 +332,13 @@ class IndexedDataset:
     def __len__(self) -> int:
         return len(self.sequence_lengths)
 
+    def __getstate__(self):
+        """Pickle the prefix, not the mapped files (a spawned DataLoader worker re-opens them)."""
+        return (self.path_prefix, self.multimodal, self.mmap)
+
+    def __setstate__(self, state):
+        self.__init__(*state)
+
     def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
         """`length` tokens of sequence `idx` starting `offset` tokens in (indexed_dataset.py:843)."""
         if length is None:
