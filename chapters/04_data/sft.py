@@ -62,8 +62,8 @@ def read_chat_jsonl(path: str) -> list[dict]:
 # and becomes a pad, also loss 0.
 #
 # Worked example, cp = 2 (multiple of 4), segments of 7 and 5 tokens in a 16-token row:
-# `cu_seqlens = [0, 7, 12, 16]` becomes `[0, 8, 16]` — one pad after each conversation, and the
-# trailing pad segment is used up.
+# `cu_seqlens = [0, 7, 12, 16]` becomes `[0, 8, 16]` — one pad after the first conversation, three
+# after the second, and the trailing pad segment is used up.
 
 # %%
 def _is_pad_tail(row: dict, lo: int, hi: int) -> bool:
