@@ -125,6 +125,49 @@ def muon_tp_modes() -> dict:
     return out
 
 
+def gpt_distopt_tp_dp(steps: int = 3, clip: float = 0.3) -> dict:
+    """Appendix B's GPT at TP=2 x DP=2 with the DistributedOptimizer vs one process, plain AdamW."""
+    from tinytron.buffers import DistributedDataParallel, DistributedDataParallelConfig
+    from tinytron.model import GPTModel, tiny_config
+    from tinytron.model.layers import unshard
+    from tinytron.optimizer.algorithms import AdamW, build_param_groups
+    from tinytron.optimizer.distributed import DistributedOptimizer
+
+    config = tiny_config(seq_length=16)
+    grid = ParallelGrid(tp=2)
+    dp, dp_rank = grid.size("dp"), grid.rank("dp")
+    model, ref = GPTModel(config, grid), GPTModel(config)
+
+    def adamw(m):
+        return AdamW(build_param_groups(m.named_parameters(), lr=3e-3, weight_decay=0.1), lr=3e-3)
+
+    ddp = DistributedDataParallel(model, grid, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True))
+    opt = DistributedOptimizer(adamw(model), ddp, clip_grad=clip)
+    ref_opt = MixedPrecisionOptimizer(adamw(ref), clip_grad=clip)
+    norms = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, config.vocab_size, (4, 16), generator=g)
+        labels = torch.randint(0, config.vocab_size, (4, 16), generator=g)
+        ddp.zero_grad_buffer()
+        ddp(tokens.chunk(dp)[dp_rank], labels=labels.chunk(dp)[dp_rank]).mean().backward()
+        ddp.finish_grad_sync()
+        _, norm, _ = opt.step()
+        ref(tokens, labels=labels).mean().backward()
+        _, ref_norm, _ = ref_opt.step()
+        ref_opt.zero_grad()
+        norms.append((norm, ref_norm))
+    ref_params = dict(ref.named_parameters())
+    gap = 0.0
+    for name, p in model.named_parameters():
+        pieces = [torch.empty_like(p) for _ in range(2)]
+        dist.all_gather(pieces, p.detach().contiguous(), group=grid.group("tp"))
+        full = unshard(pieces, p.shard_spec)
+        gap = max(gap, (full - ref_params[name].detach()).abs().max().item())
+    return dict(norms=norms, max_param_diff=gap)
+
+
 def world_checks(dp_parity: bool = True) -> dict:
     """Everything one world checks: DistOpt parity (fp32, bf16), clip layouts, Muon TP, layer-wise."""
     world = dist.get_world_size()
@@ -135,5 +178,7 @@ def world_checks(dp_parity: bool = True) -> dict:
     out["clip"] = clip_norm_layouts(layouts)
     if world == 2:
         out["muon_tp"] = muon_tp_modes()
+    else:
+        out["gpt_tp2_dp2"] = gpt_distopt_tp_dp()
     out["layer_wise"] = _workers.layer_wise_parity(4)
     return out
