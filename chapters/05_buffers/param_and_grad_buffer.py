@@ -180,8 +180,9 @@ def compute_param_layout(params, bucket_size: int | None, dp_size: int, *,
 # division exact: a bucket whose last parameter ends at buffer offset $e$ ends at
 # $\lceil e / m \rceil \cdot m$ with $m = \mathrm{lcm}(d, 128)$, and since every bucket starts
 # where the previous one ended, every $N_b$ is a multiple of $m$. After the reduce-scatter only
-# that shard holds the averaged gradient, and the optimizer updates only the parameter pieces in it. A shard boundary can
-# cut a parameter in two, so the optimizer needs, for every parameter touching its shard,
+# that shard holds the averaged gradient, and the optimizer updates only the parameter pieces
+# in it. A shard boundary can cut a parameter in two, so the optimizer needs, for every
+# parameter touching its shard,
 # *which elements of the parameter* map to *which elements of the shard*: `ShardRange`
 # (Megatron's DistributedOptimizer builds the same map in
 # `megatron/core/optimizer/distrib_optimizer.py:123`, `_build_model_gbuf_param_range_map`).
