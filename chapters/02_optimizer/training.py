@@ -13,12 +13,13 @@ import time
 import torch
 
 from tinytron.model import GPTModel, tiny_config
+from tinytron.model.layers import apply_rope
 from tinytron.optimizer.algorithms import AdamW, Lion, build_param_groups
 from tinytron.optimizer.mixed_precision import MixedPrecisionOptimizer
-from tinytron.optimizer.muon import build_muon_adamw
+from tinytron.optimizer.muon import MaxLogitTracker, attention_max_logits, build_muon_adamw, qk_clip_
 from tinytron.optimizer.scheduler import OptimizerParamScheduler
 
-__all__ = ["markov_batch", "build_optimizer", "train_tiny"]
+__all__ = ["markov_batch", "build_optimizer", "train_tiny", "track_max_logits", "clip_qk_model"]
 
 # %% [markdown]
 # ## The task and the recipe
@@ -108,6 +109,69 @@ def train_tiny(name: str, lr: float, steps: int = 150, batch: int = 8, seq: int 
 
 
 # %% [markdown]
+# ## MuonClip on the real model
+#
+# Megatron receives each head's max logit from Transformer Engine's attention kernel. The tiny
+# model uses `scaled_dot_product_attention`, which does not report it, so a forward hook on every
+# `SelfAttention` recomputes $\max q k^\top/\sqrt d$ per head from the layer's input (one extra
+# QKV projection, under `no_grad`) and folds it into that layer's `MaxLogitTracker`. After the
+# optimizer step, `clip_qk_model` applies QK-clip to each layer's fused `linear_qkv.weight` and
+# its fp32 master, then resets the trackers — the order of Megatron's `train_step`.
+
+# %%
+def track_max_logits(model: GPTModel) -> dict:
+    """Attach a per-head max-logit tracker to every attention layer; return {layer: tracker}."""
+    trackers = {}
+    for i, layer in enumerate(model.decoder.layers):
+        attn, tracker = layer.self_attention, MaxLogitTracker()
+
+        def hook(module, args, _out, tracker=tracker):
+            x, cos, sin = args[:3]
+            with torch.no_grad():
+                s, b = x.shape[:2]
+                d, per = module.config.head_dim, module.heads_per_group
+                qkv = module.linear_qkv(x).view(s, b, module.local_groups, per + 2, d)
+                q = apply_rope(qkv[:, :, :, :per].reshape(s, b, -1, d), cos, sin)
+                k = apply_rope(qkv[:, :, :, per], cos, sin)
+                tracker.update(attention_max_logits(q.transpose(0, 1), k.transpose(0, 1),
+                                                    d ** -0.5))
+
+        attn.register_forward_hook(hook)
+        trackers[i] = tracker
+    return trackers
+
+
+def clip_qk_model(model: GPTModel, trackers: dict, threshold: float, alpha: float = 0.5) -> float:
+    """QK-clip every layer (model weight + fp32 master) after the step; return the max logit seen."""
+    worst = 0.0
+    for i, layer in enumerate(model.decoder.layers):
+        attn, logits = layer.self_attention, trackers[i].current_max_attn_logits
+        w = attn.linear_qkv.weight
+        weights = [w.data] + ([w.main_param.data] if hasattr(w, "main_param") else [])
+        qk_clip_(weights, logits, attn.local_groups, attn.config.head_dim, threshold, alpha)
+        worst = max(worst, float(logits.max()))
+        trackers[i].reset()
+    return worst
+
+
+def train_with_qk_clip(threshold: float | None, lr: float = 3e-2, steps: int = 60) -> list[float]:
+    """Muon at a high lr on the tiny GPT; QK-clip after every step when threshold is set."""
+    torch.manual_seed(0)
+    config = tiny_config(seq_length=32)
+    model = GPTModel(config)
+    trackers = track_max_logits(model)
+    opt = MixedPrecisionOptimizer(build_optimizer("muon", model, lr), clip_grad=1.0)
+    max_logits = []
+    for step in range(steps):
+        tokens, labels = markov_batch(step, 8, 32, config.vocab_size)
+        model(tokens, labels=labels).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        max_logits.append(clip_qk_model(model, trackers, threshold if threshold else float("inf")))
+    return max_logits
+
+
+# %% [markdown]
 # ## Demo: three optimizers, one plot
 
 # %%
@@ -132,6 +196,28 @@ if __name__ == "__main__":
     plt.show()
     for name, losses in curves.items():
         assert sum(losses[-20:]) / 20 < 0.6 * losses[0], name   # every recipe learns
+
+# %% [markdown]
+# ## Demo: QK-clip keeps the attention logits bounded
+#
+# Muon at a deliberately high learning rate lets the largest attention logit grow quickly. With
+# QK-clip at $\tau = 15$ the logit seen in each forward stays near $\tau$: the clip after every
+# step brings each offending group back to exactly $\tau$ on that batch, and one step of growth
+# is all the next batch can show.
+
+# %%
+if __name__ == "__main__":
+    free = train_with_qk_clip(None)
+    clipped = train_with_qk_clip(15.0)
+    print(f"max attention logit over training: no clip {max(free):.1f}, QK-clip(15) {max(clipped):.1f}")
+    fig, ax = plt.subplots(figsize=(7, 2.8))
+    ax.plot(free, label="Muon, no clip")
+    ax.plot(clipped, label="Muon + QK-clip, τ = 15")
+    ax.axhline(15.0, color="grey", ls=":")
+    ax.set(xlabel="step", ylabel="max pre-softmax logit", title="largest attention logit per step")
+    ax.legend()
+    plt.show()
+    assert max(clipped) < 2 * 15.0 < max(free)   # bounded by one step of growth above tau
 
 # %% [markdown]
 # ## Summary
