@@ -145,6 +145,7 @@ def parity_cases(cases: list[dict], with_shard_check: bool = True) -> dict:
         finally:
             comm.native_gloo_reduce_scatter = False
     out["per_token"] = per_token_dp(grid)
+    out["broadcast_equal"] = broadcast_check(grid)
     if with_shard_check:
         for native in (False, True):
             comm.native_gloo_reduce_scatter = native
@@ -284,3 +285,15 @@ def per_token_dp(grid) -> dict:
     err = max(_rel_err(p.main_grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
     return {"err": err, "num_tokens": info["num_tokens"].item(),
             "expected_tokens": masks.expand(dp, 2, -1).sum().item()}
+
+
+def broadcast_check(grid) -> bool:
+    """broadcast_params makes every DP rank hold DP rank 0's (different) initial weights."""
+    torch.manual_seed(100 + grid.rank("dp"))  # deliberately different on every rank
+    ddp = DistributedDataParallel(TinyNet().to(grid.device), grid, DistributedDataParallelConfig(
+        use_distributed_optimizer=True))
+    ddp.broadcast_params()
+    flat = torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(grid.size("dp"))]
+    dist.all_gather(gathered, flat, group=grid.group("dp"))
+    return all(torch.equal(g, gathered[0]) for g in gathered)

@@ -175,6 +175,17 @@ def test_finish_raises_when_a_param_never_reports():
         ddp.finish_grad_sync()
 
 
+def test_load_state_dict_lands_in_the_buffers():
+    ddp, _, _ = _single_ddp(use_distributed_optimizer=True)
+    other = TinyNet()
+    ddp.load_state_dict(other.state_dict())
+    buf = ddp.buffers[0]
+    for (n, p), q in zip(ddp.module.named_parameters(), other.parameters()):
+        s, _, _ = buf.param_index_map[p]
+        assert torch.equal(p, q) and p.data.data_ptr() == buf.param_data[s:].data_ptr(), n
+    assert set(ddp.state_dict()) == set(other.state_dict())  # no "module." prefix
+
+
 def test_nan_check():
     ddp, _, batches = _single_ddp(check_for_nan_in_grad=True)
     lm_loss(ddp, batches[0, 0]).backward()
@@ -242,6 +253,7 @@ def test_ddp_grads_equal_single_process(world, cases):
     multi = [c for c in per_rank[0]["cases"] if c["num_buckets"] > 1]
     assert len(multi) >= 2  # several bucket sizes really gave several buckets
     for r in per_rank:
+        assert r["broadcast_equal"]
         assert r["per_token"]["err"] < 1e-5, r["per_token"]
         assert r["per_token"]["num_tokens"] == r["per_token"]["expected_tokens"]
 

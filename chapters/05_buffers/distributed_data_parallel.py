@@ -215,6 +215,7 @@ class BucketGroup:
                     works.append(all_reduce(b.grad_data, op, self.group, async_op))
         self.grad_reduce_handle = Handles(works if async_op else [], self.stream)
         if not async_op:
+            self.stream.join()  # synchronous: the compute stream may read the result right away
             self._record("done")
         elif self.timeline is not None:
             for b in self.buckets:
