@@ -30,7 +30,7 @@ from tinytron.data._reference import (reference_blending_indices, reference_samp
 from tinytron.data.blended import build_blending_indices
 from tinytron.data.gpt_dataset import (GPTDataset, GPTDatasetConfig, Split,
                                        build_document_sample_shuffle_indices, build_document_index,
-                                       build_shuffle_index,
+                                       build_sample_index, build_shuffle_index,
                                        get_num_epochs)
 from tinytron.data.indexed import IndexedDataset, get_bin_path, get_idx_path, write_index_bytes
 
@@ -78,10 +78,28 @@ def bench_build(ix: IndexedDataset, num_samples: int, seq_length: int, loop_frac
     t_loop_part = time.perf_counter() - t0
     assert np.array_equal(ref[:part + 1], sample_idx[:part + 1]), "vectorized != loop"
     t_loop = t_loop_part * (num_samples / part) + t_doc + t_shuf  # the numpy shuffles are shared
-    return {"samples": int(len(sample_idx) - 1), "epochs": epochs,
+    cpp = _time_megatron_cpp(sizes, doc_idx, seq_length, epochs, tokens, sample_idx)
+    return {"samples": int(len(sample_idx) - 1), "epochs": epochs, **cpp,
             "vectorized_build_s": t_fast, "loop_sample_index_s_measured": t_loop_part,
             "loop_samples_measured": part, "loop_build_s_extrapolated": t_loop,
             "build_speedup": t_loop / t_fast}, (doc_idx, sample_idx, shuffle_idx)
+
+
+def _time_megatron_cpp(sizes, doc_idx, seq_length, epochs, tokens, ours) -> dict:
+    """Megatron's compiled build_sample_idx, when TINYTRON_MEGATRON_HELPERS points at a build."""
+    folder = os.environ.get("TINYTRON_MEGATRON_HELPERS")
+    if not folder:
+        return {}
+    import sys
+
+    sys.path.insert(0, folder)
+    import helpers_cpp
+
+    t, ref = time_it(lambda: helpers_cpp.build_sample_idx_int32(sizes, doc_idx, seq_length, epochs,
+                                                                tokens, True, 1))
+    assert np.array_equal(ref, ours), "numpy sample index != Megatron's helpers.cpp"
+    t_np, _ = time_it(lambda: build_sample_index(sizes, doc_idx, seq_length, epochs, tokens))
+    return {"megatron_cpp_sample_index_s": t, "numpy_sample_index_s": t_np}
 
 
 def bench_access(ix: IndexedDataset, prefix: str, tables, num_samples: int, seq_length: int,
@@ -149,6 +167,9 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"index build: vectorized {build['vectorized_build_s']:.3f} s vs per-sample loop "
           f"{build['loop_build_s_extrapolated']:.1f} s (extrapolated) -> {build['build_speedup']:.0f}x")
+    if "megatron_cpp_sample_index_s" in build:
+        print(f"sample index alone: numpy {build['numpy_sample_index_s']:.3f} s vs Megatron's "
+              f"compiled helpers.cpp {build['megatron_cpp_sample_index_s']:.3f} s (identical arrays)")
     print(f"random access: query_tokens {access['query_tokens_samples_per_s']:,.0f}/s, "
           f"__getitem__ {access['getitem_samples_per_s']:,.0f}/s vs loop lookup "
           f"{access['loop_lookup_samples_per_s']:,.0f}/s -> {access['access_speedup']:.1f}x")
