@@ -490,3 +490,36 @@ def test_muon_bf16_newton_schulz_on_gpu():
     d = torch.randn(256, 512, device="cuda")
     sv = torch.linalg.svdvals(newton_schulz(d, matmul_dtype=torch.bfloat16).float())
     assert 0.6 < sv.min() and sv.max() < 1.3
+
+
+def test_distopt_on_one_rank_with_offloaded_inner_equals_plain():
+    import copy
+
+    import torch.nn.functional as F
+
+    from tinytron.buffers import DistributedDataParallel, DistributedDataParallelConfig
+    from tinytron.optimizer._workers import batch, small_mlp
+    from tinytron.optimizer.distributed import DistributedOptimizer
+    from tinytron.parallel import ParallelGrid
+
+    model = small_mlp()
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, ParallelGrid.single(), DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True))
+    opt = DistributedOptimizer(HybridDeviceOptimizer(model.parameters(), 0.7, lr=1e-2), ddp)
+    ref_opt = MixedPrecisionOptimizer(AdamW(ref.parameters(), lr=1e-2))
+    for step in range(3):
+        x, y = batch(step, 8)
+        ddp.zero_grad_buffer()
+        F.mse_loss(ddp(x), y).backward()
+        ddp.finish_grad_sync()
+        opt.step()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert opt.optimizer.host_of   # part of the shard really is stepped on the host
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="use_distributed_optimizer"):
+        plain = DistributedDataParallel(small_mlp(), ParallelGrid.single())
+        DistributedOptimizer(AdamW(plain.module.parameters()), plain)
