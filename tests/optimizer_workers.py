@@ -173,7 +173,8 @@ def world_checks(dp_parity: bool = True) -> dict:
     world = dist.get_world_size()
     out = {}
     out["fp32"] = _workers.distopt_parity("float32", 6, 0.5, True, (2,))
-    out["bf16"] = _workers.distopt_parity("bfloat16", 6, 0.5, False, ())
+    # bf16 with the param all-gather deferred to the forward pre-hooks (overlap_param_gather)
+    out["bf16"] = _workers.distopt_parity("bfloat16", 6, 0.5, False, (), overlap_param_gather=True)
     layouts = [(2, 1), (1, 2), (1, 1)] if world == 2 else [(2, 1), (1, 2), (2, 2), (4, 1)]
     out["clip"] = clip_norm_layouts(layouts)
     if world == 2:

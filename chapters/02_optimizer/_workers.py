@@ -39,10 +39,12 @@ def _adamw(model, lr: float = 1e-2):
     return AdamW(build_param_groups(model.named_parameters(), lr=lr, weight_decay=0.1), lr=lr)
 
 
-def _build_distopt(model, grid, clip: float, use_scaler: bool, bucket_size: int):
+def _build_distopt(model, grid, clip: float, use_scaler: bool, bucket_size: int,
+                   overlap_param_gather: bool = False):
     """DDP over chapter 05's buffers + the DistributedOptimizer on it."""
     cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True,
-                                        overlap_grad_reduce=True, bucket_size=bucket_size)
+                                        overlap_grad_reduce=True, bucket_size=bucket_size,
+                                        overlap_param_gather=overlap_param_gather)
     ddp = DistributedDataParallel(model, grid, cfg)
     return ddp, DistributedOptimizer(_adamw(model), ddp, clip_grad=clip,
                                      grad_scaler=_scaler(use_scaler))
@@ -84,14 +86,15 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 def distopt_parity(dtype_name: str, steps: int, clip: float, use_scaler: bool,
-                   poison_steps=(), bucket_size: int = 300, reload_steps: int = 2) -> dict:
+                   poison_steps=(), bucket_size: int = 300, reload_steps: int = 2,
+                   overlap_param_gather: bool = False) -> dict:
     """DistributedOptimizer over DP=world vs the plain optimizer on the full batch, in one rank."""
     dtype = getattr(torch, dtype_name)
     world, rank = dist.get_world_size(), dist.get_rank()
     grid = ParallelGrid(dp=world)
     model = small_mlp(dtype)
     ref = copy.deepcopy(model)
-    ddp, opt = _build_distopt(model, grid, clip, use_scaler, bucket_size)
+    ddp, opt = _build_distopt(model, grid, clip, use_scaler, bucket_size, overlap_param_gather)
     ref_opt = MixedPrecisionOptimizer(_adamw(ref), clip_grad=clip, grad_scaler=_scaler(use_scaler))
     ok, ref_ok, norms, ref_norms = [], [], [], []
     for step in range(steps):
@@ -101,6 +104,8 @@ def distopt_parity(dtype_name: str, steps: int, clip: float, use_scaler: bool,
                       poison and rank == 0)
         r = _ref_step(ref, ref_opt, x, y, dtype, poison)
         ok.append(o[0]), ref_ok.append(r[0]), norms.append(o[1]), ref_norms.append(r[1])
+    if overlap_param_gather:   # the last gather would happen in the next forward's pre-hooks
+        ddp.start_param_sync(force_sync=True)
     param_diff = max((p.float() - q.float()).abs().max().item()
                      for p, q in zip(model.parameters(), ref.parameters()))
     state_diff = _max_diff(opt.state_dict(), ref_opt.state_dict())
