@@ -155,7 +155,9 @@ def main() -> None:
     access = bench_access(ix, prefix, tables, args.samples, args.seq_length, 20000, 2000,
                           os.path.join(tmp, "cache"))
     blend = bench_blend(args.samples, args.samples // 20)
-    result = {"command": "python benchmarks/bench_data.py " + " ".join(
+    env = ("TINYTRON_MEGATRON_HELPERS=<helpers.cpp build> "
+           if os.environ.get("TINYTRON_MEGATRON_HELPERS") else "")
+    result = {"command": env + "python benchmarks/bench_data.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus",
         "load_average_at_start": load_start, "load_average_at_end": list(os.getloadavg()),
