@@ -17,7 +17,7 @@ PRETRAIN_KEYS = {  # (first, last) -> keys present, as pretrain_gpt.py:76 / util
     (False, True): {"labels", "loss_mask", "attention_mask"},
     (False, False): set(),
 }
-DTYPES = {"tokens": "torch.int64", "labels": "torch.int64", "loss_mask": "torch.float32",
+DTYPES = {"max_seqlen": "torch.int32", "tokens": "torch.int64", "labels": "torch.int64", "loss_mask": "torch.float32",
           "position_ids": "torch.int64", "attention_mask": "torch.bool", "cu_seqlens": "torch.int32"}
 
 
@@ -34,7 +34,8 @@ def _check(result, pp, cp):
     pre, sft = result["pretrain"], result["sft"]
     assert {k for k, v in pre["present"].items() if v} == PRETRAIN_KEYS[stage]
     sft_keys = {k for k, v in sft["present"].items() if v}
-    assert sft_keys == PRETRAIN_KEYS[stage] | {"cu_seqlens"}  # SFT: cu_seqlens on every stage
+    assert sft_keys == PRETRAIN_KEYS[stage] | {"cu_seqlens", "max_seqlen"}  # on every stage
+    assert sft["max_seqlen"] == 8
     for r in (pre, sft):
         assert r["reads"] == (1 if r["tp"] == 0 and (any(stage) or r is sft) else 0)
         assert r["matches_reference"] and r["tp_agree"]

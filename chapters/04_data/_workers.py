@@ -89,7 +89,9 @@ def get_batch_check(grid: ParallelGrid, seq: int, sft_cu=None) -> dict:
     expect = {k: (v.index_select(2 if k == "attention_mask" else 1, index) if k != "cu_seqlens" else v)
               for k, v in ref.items()}
     out["matches_reference"] = all(torch.equal(batch[k], expect[k].to(batch[k].dtype))
-                                   for k in batch if batch[k] is not None)
+                                   for k in batch if batch[k] is not None and k != "max_seqlen")
+    if sft_cu:
+        out["max_seqlen"] = int(batch["max_seqlen"])
     agree = [(_tp_peers_equal(batch[k].float(), grid)) for k in sorted(batch) if batch[k] is not None]
     out["tp_agree"] = all(agree)
     return out

@@ -36,7 +36,7 @@ __all__ = ["BATCH_KEYS", "stage_keys", "broadcast_from_tp_rank0", "get_batch_on_
 # needs the segment boundaries `cu_seqlens`, sent with a length prefix because their number
 # varies per row.
 #
-# | stage | tokens | position_ids | labels | loss_mask | attention_mask | cu_seqlens (SFT) |
+# | stage | tokens | position_ids | labels | loss_mask | attention_mask | cu_seqlens, max_seqlen (SFT) |
 # |---|---|---|---|---|---|---|
 # | only (pp = 1) | ✓ | ✓ | ✓ | ✓ | ✓ | ✓ |
 # | first | ✓ | ✓ | – | – | ✓ | ✓ |
@@ -118,8 +118,9 @@ def get_batch_on_this_tp_rank(data_iterator: Optional[Iterator], grid: ParallelG
         batch[k] = broadcast_from_tp_rank0(None if data is None else data[k], shapes[k],
                                            _DTYPES[k], grid, device)
     if is_sft:
-        batch["cu_seqlens"] = _broadcast_varlen(None if data is None else data["cu_seqlens"],
-                                                grid, device)
+        cu = _broadcast_varlen(None if data is None else data["cu_seqlens"], grid, device)
+        batch["cu_seqlens"] = cu
+        batch["max_seqlen"] = (cu[0, 1:] - cu[0, :-1]).max()  # 0-d, as sft_dataset.py returns it
     return batch
 
 # %% [markdown]
