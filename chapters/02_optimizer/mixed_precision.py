@@ -477,6 +477,7 @@ if __name__ == "__main__":
     ax.scatter(skipped, [math.log2(hist[i][1]) for i in skipped], color="red", label="skipped")
     ax.set(xlabel="step", ylabel="log2 scale", title="dynamic loss scale")
     ax.legend()
+    plt.tight_layout()
     plt.show()
     assert skipped == [12, 13]
     assert hist[12][1] == hist[13][1] == 2 * hist[14][1]   # hysteresis 2: backoff on the 2nd inf

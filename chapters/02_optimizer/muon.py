@@ -394,14 +394,18 @@ if __name__ == "__main__":
     mats = {"random 64x96": torch.randn(64, 96, generator=gen),
             "cond 1e2 64x64": _spread_matrix(64, 64, gen),
             "tall 96x32": torch.randn(96, 32, generator=gen)}
-    fig, ax = plt.subplots(figsize=(6, 3))
+    fig, (ax0, ax) = plt.subplots(1, 2, figsize=(10, 3))
     for name, m in mats.items():
         sv = torch.linalg.svdvals(newton_schulz(m))
         print(f"{name:16s} singular values after NS: min {sv.min():.3f} max {sv.max():.3f}")
         assert 0.6 < sv.min() and sv.max() < 1.25, name
+        before = torch.linalg.svdvals(m)
+        ax0.semilogy((before / before.max()).numpy(), label=name)
         ax.plot(sv.numpy(), label=name)
+    ax0.set(xlabel="index", ylabel="σ / σ_max", title="input singular values")
     ax.set(xlabel="index", ylabel="singular value", title="after 5 quintic NS steps")
     ax.legend()
+    plt.tight_layout()
     plt.show()
 
     # sigma -> a s + b s^3 + c s^5 over the five steps, starting from small sigmas

@@ -223,7 +223,9 @@ class OptimizerParamScheduler:
 #
 # One optimizer-like object with two groups: the default one and a "decoupled" embedding group
 # with its own `max_lr`/`min_lr`; a norm group with `wd_mult=0`. Sample counts as in a run with
-# global batch 8: warmup 10 iterations, decay over 100.
+# global batch 8: warmup 10 iterations, decay over 100. Note the cliff of
+# `inverse-square-root` at the end of the decay: past `lr_decay_steps` every style returns
+# `min_lr` (rule 2 comes before rule 3), even though $1/\sqrt n$ has not reached it yet.
 
 # %%
 class _Groups:
@@ -274,6 +276,7 @@ if __name__ == "__main__":
     for ax, title in zip(axes, ["lr decay styles", "WSD anneals", "weight-decay increment"]):
         ax.set(title=title, xlabel="samples")
         ax.legend(fontsize=7)
+    plt.tight_layout()
     plt.show()
 
     # the worked example, and a decoupled group with its own max/min
