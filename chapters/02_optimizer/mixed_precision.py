@@ -146,8 +146,8 @@ class DynamicGradScaler(ConstantGradScaler):
 # ```mermaid
 # flowchart LR
 #   P[params on this rank] --> F{"shared?<br/>TP duplicate on tp_rank>0?"}
-#   F -- skip --> X[ ]
-#   F -- keep --> S["Σ ‖g‖² (local)"] --> R["all-reduce SUM<br/>(mp group, or world for DistOpt)"] --> N["√ → total norm"]
+#   F -- yes --> X[not counted]
+#   F -- no --> S["Σ ‖g‖² (local)"] --> R["all-reduce SUM<br/>(mp group, or world for DistOpt)"] --> N["√ → total norm"]
 #   N --> C["coef = max/(norm+1e-6); scale grads if coef<1"]
 # ```
 
