@@ -117,6 +117,11 @@ def default_bucket_size(config: DistributedDataParallelConfig, dp_size: int) -> 
 # `calculate_per_token_loss`: factor 1 and SUM; `finalize_model_grads` later divides by the
 # global number of tokens.
 #
+# **Bucket groups.** Megatron issues collectives per *bucket group*, coalescing the buckets of
+# a group into one NCCL call (`partition_buckets`, `param_and_grad_buffer.py:1512`). By default
+# each group holds one bucket, which is what tinytron builds; `BucketGroup` keeps the list so
+# grouping more buckets only changes how the groups are formed.
+#
 # **Where the collective runs.** On GPU every launch happens on a CUDA side stream that first
 # waits for the compute stream (so it sees the grads backward just wrote), and `wait()` makes the
 # compute stream wait for it in turn; NCCL then moves the bytes while backward kernels keep
