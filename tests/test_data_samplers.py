@@ -33,6 +33,12 @@ def test_sequential_sampler_slices_and_resumes(dp, mbs):
     for stop in range(n):
         resumed = _steps(make, dp, stop * mbs * dp, n - stop)
         assert all(full[r][stop:] == resumed[r] for r in range(dp))
+    start = 5  # a run that itself began at an odd consumed_samples resumes exactly too
+    m = (total - start) // (mbs * dp)
+    from_odd = _steps(make, dp, start, m)
+    for stop in range(m):
+        assert all(from_odd[r][stop:] == _steps(make, dp, start + stop * mbs * dp, m - stop)[r]
+                   for r in range(dp))
     assert all(len(full[r]) == n for r in range(dp))  # the last partial chunk is dropped
     tail = list(MegatronPretrainingSampler(10, 8, 2, 1, 2, drop_last=False))
     assert tail == [[]]  # Megatron yields rank 1's empty slice of the partial chunk too

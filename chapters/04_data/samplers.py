@@ -177,6 +177,7 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_si
     else:
         raise ValueError(f"dataloader_type {dataloader_type!r}: expected 'single' or 'cyclic'")
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                       pin_memory=torch.cuda.is_available(),  # CPU: nothing to pin
                                        persistent_workers=num_workers > 0)
 
 # %% [markdown]
