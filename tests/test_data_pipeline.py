@@ -45,3 +45,17 @@ def test_data_config_errors(tmp_path):
         DataConfig(data_path=["a"], train_data_path=["b"]).blend()
     blend, per_split = DataConfig(train_data_path=["0.5", "a", "0.5", "b"], valid_data_path=["c"]).blend()
     assert blend is None and per_split == [(["a", "b"], [0.5, 0.5]), (["c"], None), None]
+
+
+def test_loader_workers_give_the_same_batches(tmp_path):
+    """DataConfig's default of 2 loader worker processes reads exactly what one process reads."""
+    a = _make(str(tmp_path / "a"), 0)
+    grid = ParallelGrid.single()
+    outs = []
+    for workers in (0, 2):
+        cfg = DataConfig(data_path=[a], split="100,0,0", num_workers=workers,
+                         data_cache_path=str(tmp_path / "cache"))
+        datasets = build_train_valid_test_datasets(cfg, 16, [32, None, None], lambda: True, eod_id=0)
+        it = build_data_iterators(cfg, datasets, [4, 0, 0], 4, grid)[0]
+        outs.append([next(it)["tokens"] for _ in range(3)])
+    assert all(torch.equal(x, y) for x, y in zip(*outs))
