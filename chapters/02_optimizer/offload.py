@@ -88,6 +88,11 @@ class _Streams:
         if stream is not None:
             torch.cuda.current_stream(stream.device).wait_stream(stream)
 
+    def after_compute(self, stream) -> None:
+        """Make `stream` wait for the default stream (the grads come from its backward)."""
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+
 
 # %%
 class HybridDeviceOptimizer(torch.optim.Optimizer):
@@ -159,6 +164,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._build()
         self._sync_hyperparams_and_state()
         events = {}
+        self.streams.after_compute(self.streams.d2h)
         with self.streams.on(self.streams.d2h):
             for p, host in self.host_of.items():
                 if p.grad is not None:
