@@ -122,7 +122,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 if offload[id(p)]:
                     host = p.detach().to("cpu", torch.float32, copy=True)
                     host = torch.nn.Parameter(host.pin_memory() if pin else host)
-                    host.grad = torch.zeros_like(host)
+                    host.grad = torch.zeros_like(host).pin_memory() if pin else torch.zeros_like(host)
                     self.host_of[p] = host
                     cpu_groups.append(dict(hyper, params=[host], _outer=gi))
         chunks = [[g] for g in cpu_groups] if self.overlap_d2h_h2d else [cpu_groups]
