@@ -523,3 +523,15 @@ def test_distopt_on_one_rank_with_offloaded_inner_equals_plain():
     with pytest.raises(ValueError, match="use_distributed_optimizer"):
         plain = DistributedDataParallel(small_mlp(), ParallelGrid.single())
         DistributedOptimizer(AdamW(plain.module.parameters()), plain)
+
+
+def test_grad_norm_skip_threshold_and_zero_count():
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = MixedPrecisionOptimizer(SGD([p], lr=0.1, momentum=0.0), clip_grad=0.0,
+                                  grad_norm_skip_threshold=1.0, log_num_zeros_in_grad=True)
+    p.grad = torch.tensor([3.0, 0.0, 0.0, 4.0])
+    ok, norm, zeros = opt.step()
+    assert (ok, norm, zeros) == (False, 5.0, 2) and torch.equal(p, torch.ones(4))
+    p.grad = torch.tensor([0.3, 0.0, 0.0, 0.4])
+    ok, norm, _ = opt.step()
+    assert ok and norm == pytest.approx(0.5) and p[0].item() == pytest.approx(0.97)

@@ -10,6 +10,7 @@
 # %%
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -137,7 +138,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     """ZeRO-1 on chapter 05's buffers: fp32 master + state only for this DP rank's bucket ranges."""
 
     def __init__(self, optimizer, ddp, *, clip_grad: float = 1.0, grad_scaler=None,
-                 log_num_zeros_in_grad: bool = False):
+                 log_num_zeros_in_grad: bool = False, grad_norm_skip_threshold: float = math.inf):
         if not ddp.ddp_config.use_distributed_optimizer:
             raise ValueError("DistributedOptimizer needs DDP built with use_distributed_optimizer=True")
         leaves = getattr(optimizer, "chained_optimizers", [optimizer])
@@ -147,7 +148,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.ddp, self.buffers = ddp, ddp.buffers
         self.dp_group, self.dp_size = ddp.dp_group, ddp.dp_size
         super().__init__(optimizer, clip_grad=clip_grad, grad_scaler=grad_scaler, grid=ddp.grid,
-                         log_num_zeros_in_grad=log_num_zeros_in_grad)
+                         log_num_zeros_in_grad=log_num_zeros_in_grad,
+                         grad_norm_skip_threshold=grad_norm_skip_threshold)
 
     def _build_main_params(self) -> None:
         """Replace each model param in the groups by fp32 copies of its pieces in my shards."""

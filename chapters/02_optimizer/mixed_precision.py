@@ -233,7 +233,8 @@ def count_zeros_fp32(params: Iterable[torch.Tensor], tp_rank: int = 0, group=Non
 #    grad-stats group so **all** ranks agree; `scaler.update(found_inf)`;
 # 2. on overflow return `(False, None, None)` — nothing is updated, the scheduler is not stepped;
 # 3. clip with the global norm (`clip_grad`, default 1.0);
-# 4. optionally count zero grads;
+# 4. optionally count zero grads; if the norm exceeds `grad_norm_skip_threshold` (default
+#    $+\infty$; checked in `ChainedOptimizer.step`, `:1451`) report the step as unsuccessful;
 # 5. inner `optimizer.step()`, then copy fp32 masters back into the bf16 params.
 #
 # ## A state dict that does not depend on the layout
@@ -250,10 +251,11 @@ class MixedPrecisionOptimizer:
     """fp32 master params + state around any optimizer; scaler, global-norm clip, skip on overflow."""
 
     def __init__(self, optimizer, *, clip_grad: float = 1.0, grad_scaler=None, grid=None,
-                 log_num_zeros_in_grad: bool = False):
+                 log_num_zeros_in_grad: bool = False, grad_norm_skip_threshold: float = math.inf):
         if clip_grad < 0:
             raise ValueError(f"clip_grad must be >= 0, got {clip_grad}")
         self.optimizer, self.clip_grad, self.grad_scaler = optimizer, clip_grad, grad_scaler
+        self.grad_norm_skip_threshold = grad_norm_skip_threshold
         self.grid, self.log_num_zeros_in_grad = grid, log_num_zeros_in_grad
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []   # (model_param, main_param)
         self.names: list[str] = []
@@ -377,6 +379,8 @@ class MixedPrecisionOptimizer:
         if self.log_num_zeros_in_grad:
             num_zeros = count_zeros_fp32(self.main_params(), self._tp_rank(),
                                          self.grad_stats_group(), reduce=self._reduce())
+        if grad_norm > self.grad_norm_skip_threshold:   # ChainedOptimizer.step's guard
+            return False, grad_norm, num_zeros
         self.step_with_ready_grads()
         return True, grad_norm, num_zeros
 
