@@ -443,7 +443,9 @@ def test_hybrid_state_lives_in_host_copies_and_reloads():
     assert len(opt.cpu_optimizers) == 1 and opt.device_optimizer is None
     host = opt.host_of[ps[0]]
     assert opt.state[ps[0]] is opt._owner(host).state[host]
-    assert split_by_fraction([600, 300, 100], 0.7) == [True, False, False]
+    assert split_by_fraction([600, 300, 100], 0.5) == [True, False, False]   # crossing param taken
+    assert split_by_fraction([600, 300, 100], 0.7) == [True, True, False]
+    assert split_by_fraction([600, 300, 100], 0.0) == [False] * 3
     with pytest.raises(ValueError, match="fraction"):
         split_by_fraction([1], 1.5)
 
@@ -506,7 +508,7 @@ def test_distopt_on_one_rank_with_offloaded_inner_equals_plain():
     ref = copy.deepcopy(model)
     ddp = DistributedDataParallel(model, ParallelGrid.single(), DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=True))
-    opt = DistributedOptimizer(HybridDeviceOptimizer(model.parameters(), 0.7, lr=1e-2), ddp)
+    opt = DistributedOptimizer(HybridDeviceOptimizer(model.parameters(), 0.5, lr=1e-2), ddp)
     ref_opt = MixedPrecisionOptimizer(AdamW(ref.parameters(), lr=1e-2))
     for step in range(3):
         x, y = batch(step, 8)
