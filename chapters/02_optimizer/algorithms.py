@@ -243,7 +243,7 @@ class Lion(torch.optim.Optimizer):
     """Lion: decoupled decay, sign of the beta1 interpolation, beta2 EMA of the gradient."""
 
     def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.95, 0.98),
-                 weight_decay: float = 0.0):
+                 weight_decay: float = 0.01):
         _check_common(lr, weight_decay)
         _check_betas(betas)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
