@@ -234,10 +234,12 @@ def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.Random
 # end is recorded as `(j, len_j)` rather than `(j+1, 0)`: the code looks up the sequence of
 # the last token read (`last_token`), not of the next start.
 #
-# Checked three ways: against a step-by-step Python transcription of the C++ (`_reference.py`,
-# in the tests), against Megatron's own compiled `helpers.cpp` (an opt-in test,
-# `tests/test_data_megatron_helpers.py`: identical arrays in hundreds of random corpora), and in
-# `benchmarks/bench_data.py` at a million samples.
+# Checked against a step-by-step Python transcription of the C++ (`_reference.py`, in the
+# tests), against Megatron's own compiled `helpers.cpp` (opt-in
+# `tests/test_data_megatron_helpers.py`: identical arrays in hundreds of random corpora, and in
+# `benchmarks/bench_data.py` at a million samples), and end to end against Megatron's own
+# `GPTDataset` and `BlendedDataset` (opt-in `tests/test_data_megatron_compat.py`: the same
+# tokens, labels, masks and positions for every sample of every split, blends included).
 
 # %%
 def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length: int,

@@ -1,0 +1,94 @@
+"""Chapter 04 · optional: same files and same samples as Megatron-LM's own dataset classes.
+
+Skipped unless TINYTRON_MEGATRON_SRC names a Megatron-LM checkout (e03878b5f) whose
+`megatron.core.datasets` imports, with `helpers_cpp` built next to helpers.cpp (see
+test_data_megatron_helpers.py). Without Megatron's full dependency set (Transformer Engine,
+triton, ...) a scratch copy whose `megatron/core/__init__.py` is emptied imports fine.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import importlib
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tinytron.data.blended import BlendedMegatronDatasetBuilder
+from tinytron.data.gpt_dataset import GPTDataset, GPTDatasetConfig
+from tinytron.data.indexed import IndexedDataset, IndexedDatasetBuilder, get_bin_path, get_idx_path
+
+SRC = os.environ.get("TINYTRON_MEGATRON_SRC")
+pytestmark = pytest.mark.skipif(not SRC, reason="TINYTRON_MEGATRON_SRC not set")
+
+
+@pytest.fixture(scope="module")
+def meg():
+    sys.path.insert(0, SRC)
+    try:
+        importlib.import_module("megatron.core.parallel_state")  # settles an import cycle
+        return {name: importlib.import_module(f"megatron.core.datasets.{name}")
+                for name in ("indexed_dataset", "gpt_dataset", "blended_megatron_dataset_builder")}
+    finally:
+        sys.path.remove(SRC)
+
+
+class _Tok:
+    vocab_size, eod, pad = 60001, 0, 60000
+    special_tokens_dict: dict = {}
+    unique_identifiers = {"class": "Tok"}
+
+
+def _write(builder_cls, prefix, docs):
+    b = builder_cls(get_bin_path(prefix), dtype=np.uint16)
+    for doc in docs:
+        for seq in doc:
+            b.add_item(torch.from_numpy(seq.astype(np.int64)))
+        b.end_document()
+    b.finalize(get_idx_path(prefix))
+
+
+@pytest.fixture(scope="module")
+def docs():
+    rng = np.random.default_rng(0)
+    return [[rng.integers(0, 60000, rng.integers(1, 300)) for _ in range(rng.integers(1, 3))]
+            for _ in range(300)]
+
+
+def test_builders_write_identical_files(meg, docs, tmp_path):
+    _write(IndexedDatasetBuilder, str(tmp_path / "ours"), docs)
+    _write(meg["indexed_dataset"].IndexedDatasetBuilder, str(tmp_path / "meg"), docs)
+    for ext in (".bin", ".idx"):
+        assert filecmp.cmp(str(tmp_path / "ours") + ext, str(tmp_path / "meg") + ext, shallow=False)
+    theirs, ours = meg["indexed_dataset"].IndexedDataset(str(tmp_path / "ours")), IndexedDataset(str(tmp_path / "meg"))
+    assert all(np.array_equal(theirs[i], ours[i]) for i in range(len(ours)))
+
+
+@pytest.mark.parametrize("case", ["one_prefix", "blend_0.999_0.001", "one_epoch"])
+def test_same_samples_as_megatron(meg, docs, tmp_path, case):
+    _write(IndexedDatasetBuilder, str(tmp_path / "a"), docs)
+    _write(IndexedDatasetBuilder, str(tmp_path / "b"), docs[::-1])
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    blend, sizes, split, seq = {
+        "one_prefix": (([a], None), [2000, 150, 40], "90,8,2", 128),
+        "blend_0.999_0.001": (([a, b], [0.999, 0.001]), [1500, 80, 0], "98,2,0", 128),
+        "one_epoch": (([a], None), [None, None, None], "100,0,0", 64)}[case]
+    mcfg = meg["gpt_dataset"].GPTDatasetConfig(
+        random_seed=1234, sequence_length=seq, blend=blend, split=split, tokenizer=_Tok(),
+        path_to_cache=str(tmp_path / "m"), reset_position_ids=False, reset_attention_mask=False,
+        eod_mask_loss=False)
+    theirs = meg["blended_megatron_dataset_builder"].BlendedMegatronDatasetBuilder(
+        meg["gpt_dataset"].GPTDataset, sizes, lambda: True, mcfg).build()
+    cfg = GPTDatasetConfig(sequence_length=seq, blend=blend, split=split, eod_id=0, pad_id=60000,
+                           path_to_cache=str(tmp_path / "t"))
+    ours = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, cfg).build()
+    for x, y in zip(theirs, ours):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert len(x) == len(y)
+            for i in range(len(x)):
+                for k in ("tokens", "labels", "loss_mask", "position_ids", "attention_mask"):
+                    assert torch.equal(x[i][k], y[i][k]), (i, k)
