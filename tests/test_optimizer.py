@@ -537,3 +537,36 @@ def test_grad_norm_skip_threshold_and_zero_count():
     p.grad = torch.tensor([0.3, 0.0, 0.0, 0.4])
     ok, norm, _ = opt.step()
     assert ok and norm == pytest.approx(0.5) and p[0].item() == pytest.approx(0.97)
+
+
+def test_factory_choices_and_scheduler_lengths():
+    from tinytron.buffers import DistributedDataParallel, DistributedDataParallelConfig
+    from tinytron.optimizer._workers import small_mlp
+    from tinytron.optimizer.distributed import DistributedOptimizer
+    from tinytron.optimizer.factory import (OptimizerConfig, SchedulerConfig, get_megatron_optimizer,
+                                            get_optimizer_param_scheduler)
+    from tinytron.optimizer.layer_wise import LayerWiseDistributedOptimizer
+    from tinytron.parallel import ParallelGrid
+
+    with pytest.raises(ValueError, match="lr"):
+        get_megatron_optimizer(OptimizerConfig(), small_mlp())
+    with pytest.raises(ValueError, match="optimizer must be"):
+        OptimizerConfig(optimizer="adagrad")
+    with pytest.raises(ValueError, match="optimizer_cpu_offload"):
+        OptimizerConfig(optimizer="sgd", optimizer_cpu_offload=True)
+    with pytest.raises(ValueError, match="ddp"):
+        get_megatron_optimizer(OptimizerConfig(lr=1.0, use_distributed_optimizer=True), small_mlp())
+    model = small_mlp()
+    ddp = DistributedDataParallel(model, ParallelGrid.single(),
+                                  DistributedDataParallelConfig(use_distributed_optimizer=True))
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-3, use_distributed_optimizer=True), model, ddp=ddp)
+    assert isinstance(opt, DistributedOptimizer) and opt.grad_scaler is None
+    muon = get_megatron_optimizer(OptimizerConfig(optimizer="muon", lr=1e-3, use_distributed_optimizer=True),
+                                  small_mlp(), grid=ParallelGrid.single())
+    assert isinstance(muon, LayerWiseDistributedOptimizer)
+    sgd = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.1, fp16=True), small_mlp())
+    assert isinstance(sgd.optimizer, SGD) and isinstance(sgd.grad_scaler, DynamicGradScaler)
+    s = get_optimizer_param_scheduler(SchedulerConfig(lr_decay_style="WSD", lr_warmup_iters=5,
+                                                      lr_wsd_decay_iters=20, lr_decay_iters=80),
+                                      sgd, OptimizerConfig(lr=0.1), train_iters=100, global_batch_size=8)
+    assert (s.lr_warmup_steps, s.lr_decay_steps, s.wsd_decay_steps, s.wd_incr_steps) == (40, 640, 160, 800)
