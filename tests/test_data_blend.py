@@ -82,7 +82,9 @@ def _make(prefix, n_docs, seed, lo=5, hi=60):
 
 
 def test_builder_extreme_weights_and_per_dataset_sizes(tmp_path):
-    big, small = _make(str(tmp_path / "big"), 300, 0), _make(str(tmp_path / "small"), 30, 1)
+    # the small component holds ~80 tokens of train split: 0.001 of 5000 samples of 16 tokens
+    # more than one epoch of it (the case of Megatron-LM issue #705)
+    big, small = _make(str(tmp_path / "big"), 300, 0), _make(str(tmp_path / "small"), 12, 1, 5, 12)
     prefixes, weights = parse_data_path(["0.999", big, "0.001", small])
     cfg = GPTDatasetConfig(sequence_length=16, blend=(prefixes, weights), split="90,10,0",
                            path_to_cache=str(tmp_path / "cache"))
@@ -93,6 +95,8 @@ def test_builder_extreme_weights_and_per_dataset_sizes(tmp_path):
     assert [d.num_samples for d in train.datasets] == [math.ceil(math.ceil(5000 * 0.999) * 1.005),
                                                       math.ceil(math.ceil(5000 * 0.001) * 1.005)]
     assert np.bincount(train.dataset_index).tolist() == [4995, 5]
+    tiny = train.datasets[1]
+    assert len(tiny.document_index) > len(tiny.indices)  # more than one epoch of the small one
     s = train[17]
     assert s["dataset_id"] in (0, 1) and s["tokens"].shape == (16,)
     assert len(valid) == math.ceil(200 * 0.999) + math.ceil(200 * 0.001)
