@@ -82,8 +82,8 @@ def _make(prefix, n_docs, seed, lo=5, hi=60):
 
 
 def test_builder_extreme_weights_and_per_dataset_sizes(tmp_path):
-    # the small component holds ~80 tokens of train split: 0.001 of 5000 samples of 16 tokens
-    # more than one epoch of it (the case of Megatron-LM issue #705)
+    # the small component's train split holds ~80 tokens; 0.001 of 5000 samples of 16 tokens
+    # needs more than one epoch of it (the case of Megatron-LM issue #705)
     big, small = _make(str(tmp_path / "big"), 300, 0), _make(str(tmp_path / "small"), 12, 1, 5, 12)
     prefixes, weights = parse_data_path(["0.999", big, "0.001", small])
     cfg = GPTDatasetConfig(sequence_length=16, blend=(prefixes, weights), split="90,10,0",

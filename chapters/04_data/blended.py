@@ -137,9 +137,9 @@ def build_exhaustive_blending_indices(sizes: Sequence[int]):
 # for a single epoch then indexed past its end (`IndexError`, Megatron-LM issue #705). Here, as
 # in Megatron at e03878b5f, each component is built for the number of samples it will be asked
 # for, so a small dataset simply repeats for as many epochs as it needs (the test builds one
-# that needs more than one pass). A split that holds *no* sequences but is asked for samples is different:
-# no number of epochs helps, Megatron's epoch loop spins forever, and here it raises a
-# `ValueError` naming the dataset and the split. The blend also checks, before training starts,
+# that needs more than one pass). A split that holds *no* sequences but is asked for samples
+# is different: no number of epochs helps, Megatron's epoch loop spins forever, and here it
+# raises a `ValueError` naming the dataset and the split. The blend also checks, before training starts,
 # that no component is asked for more samples than it built.
 
 # %%
