@@ -172,7 +172,7 @@ def _init_worker(spec: TokenizerSpec, append_eod: bool, dtype) -> None:
 def _encode(doc: tuple[str, str]) -> tuple[np.ndarray, int]:
     """(token ids, input bytes) of one document."""
     kind, payload = doc
-    text = Path(payload).read_text(encoding="utf-8", errors="replace") if kind == "file" else payload
+    text = _read_file(payload) if kind == "file" else payload
     ids = _WORKER["tok"].encode(text)
     if _WORKER["append_eod"] and len(ids):  # as tools/preprocess_data.py: no EOD for empty text
         ids = list(ids) + [_WORKER["tok"].eod]
@@ -325,7 +325,13 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
 
 def _encode_text(doc: tuple[str, str]) -> str:
     kind, payload = doc
-    return Path(payload).read_text(encoding="utf-8", errors="replace") if kind == "file" else payload
+    return _read_file(payload) if kind == "file" else payload
+
+
+def _read_file(path: str) -> str:
+    """A text file exactly as stored (newline="" keeps \r\n; bad UTF-8 becomes U+FFFD)."""
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        return f.read()
 
 # %% [markdown]
 # ## Demo: 40 stdlib files, two workers, two partitions, then a BPE
