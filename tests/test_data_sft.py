@@ -67,3 +67,17 @@ def test_too_long_record_and_bad_lines(path, tmp_path):
         read_chat_jsonl(str(bad))
     with pytest.raises(ValueError, match="seq_length 30 must be a multiple"):
         SFTDataset(path, seq_length=30, context_parallel_size=2)[1]
+
+
+def test_sft_rows_flow_through_the_loader_and_get_batch(path):
+    from tinytron.data.distribute import get_batch
+    from tinytron.data.samplers import build_pretraining_data_loader
+    from tinytron.parallel.grid import ParallelGrid
+
+    ds = SFTDataset(path, seq_length=64)
+    loader = build_pretraining_data_loader(ds, 0, 1, 0, 1)
+    batch = get_batch(iter(loader), ParallelGrid.single(), micro_batch_size=1, seq_length=64,
+                      is_sft=True)
+    assert batch["cu_seqlens"].shape == (1, 4) and int(batch["max_seqlen"]) == 35  # [0, 19, 29, 64]: the pad tail is longest
+    assert batch["attention_mask"].shape == (1, 1, 64, 64)
+    assert torch.equal(batch["tokens"][0], ds[0]["tokens"])
