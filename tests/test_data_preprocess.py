@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tinytron.data.indexed import IndexedDataset, get_bin_path
-from tinytron.data.preprocess import (TokenizerSpec, build_tokenizer, main, stdlib_corpus,
+from tinytron.data.preprocess import (TokenizerSpec, build_tokenizer, main, run, stdlib_corpus,
                                       train_bpe_tokenizer)
 
 TEXTS = ["hello world", "", "ünïcode ✓ text", "a" * 300, "line one\nline two", "x"]
@@ -23,7 +23,7 @@ def jsonl(tmp_path):
 
 
 def _run(*args):
-    return main([*args, "--no-progress"])
+    return run([*args, "--no-progress"])
 
 
 def test_jsonl_byte_tokenizer_with_eod(jsonl, tmp_path):
@@ -100,3 +100,13 @@ def test_bad_inputs_name_the_problem(tmp_path):
         _run("--input", str(good), "--output-prefix", str(tmp_path / "x"), "--tokenizer-type", "hf",
              "--tokenizer-file", str(tmp_path / "missing.json"))
     assert not Path(get_bin_path(str(tmp_path / "x_text_document"))).exists()
+
+
+def test_console_entry_point_exits_zero(tmp_path, capsys):
+    """pip's console script does sys.exit(main()): main must return 0, not the prefix."""
+    (tmp_path / "t.txt").write_text("abc")
+    assert main(["--input", str(tmp_path / "t.txt"), "--output-prefix", str(tmp_path / "o"),
+                 "--workers", "1", "--no-progress"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert main(["--input", str(tmp_path / "missing.txt"), "--output-prefix", str(tmp_path / "o")]) == 2
+    assert "error: input" in capsys.readouterr().err

@@ -139,15 +139,15 @@ if __name__ == "__main__":
     import torch
 
     from tinytron.data.distribute import get_batch
-    from tinytron.data.preprocess import main as preprocess_main, stdlib_corpus
+    from tinytron.data.preprocess import run as preprocess, stdlib_corpus
     from tinytron.overview.batch import ByteTokenizer
     from tinytron.parallel.grid import ParallelGrid
 
     tmp = tempfile.mkdtemp()
     files = stdlib_corpus(30)
-    a = preprocess_main(["--input", *files[:15], "--output-prefix", f"{tmp}/a", "--workers", "1",
+    a = preprocess(["--input", *files[:15], "--output-prefix", f"{tmp}/a", "--workers", "1",
                          "--no-progress"])
-    b = preprocess_main(["--input", *files[15:], "--output-prefix", f"{tmp}/b", "--workers", "1",
+    b = preprocess(["--input", *files[15:], "--output-prefix", f"{tmp}/b", "--workers", "1",
                          "--no-progress"])
     cfg = DataConfig(data_path=["0.7", a, "0.3", b], split="90,10,0", num_workers=0,
                      data_cache_path=os.path.join(tmp, "cache"))

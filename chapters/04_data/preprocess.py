@@ -27,7 +27,7 @@ from tinytron.data.indexed import (IndexedDataset, IndexedDatasetBuilder, get_bi
 
 __all__ = [
     "TokenizerSpec", "build_tokenizer", "train_bpe_tokenizer", "stdlib_corpus", "iter_documents",
-    "preprocess", "merge_datasets", "main",
+    "preprocess", "merge_datasets", "main", "run",
 ]
 
 # %% [markdown]
@@ -297,8 +297,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[Sequence[str]] = None) -> str:
-    """Entry point of `tinytron-preprocess`; returns the written prefix."""
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of `tinytron-preprocess`: exit status 0, or 2 with a one-line error."""
+    try:
+        run(argv)
+    except (ValueError, FileNotFoundError) as err:  # bad input: say what, without a traceback
+        print(f"tinytron-preprocess: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def run(argv: Optional[Sequence[str]] = None) -> str:
+    """The command line's work, callable from Python; returns the written prefix."""
     args = _parser().parse_args(argv)
     if args.workers < 1 or args.partitions < 1:
         raise SystemExit(f"--workers and --partitions must be >= 1, got {args.workers}, {args.partitions}")
@@ -342,15 +352,15 @@ if __name__ == "__main__":
 
     tmp = tempfile.mkdtemp()
     files = stdlib_corpus(40)
-    one = main(["--input", *files, "--output-prefix", f"{tmp}/one", "--workers", "1", "--no-progress"])
-    two = main(["--input", *files, "--output-prefix", f"{tmp}/two", "--workers", "2",
+    one = run(["--input", *files, "--output-prefix", f"{tmp}/one", "--workers", "1", "--no-progress"])
+    two = run(["--input", *files, "--output-prefix", f"{tmp}/two", "--workers", "2",
                 "--partitions", "2", "--no-progress"])
     a, b = IndexedDataset(one), IndexedDataset(two)
     print("first document starts:", repr(bytes(a[0][:60].astype(np.uint8)).decode()))
     assert a.document_indices.tolist() == b.document_indices.tolist()
     assert Path(get_bin_path(one)).read_bytes() == Path(get_bin_path(two)).read_bytes()
     assert int(a[0][-1]) == 256  # EOD appended
-    bpe = main(["--input", *files[:10], "--output-prefix", f"{tmp}/bpe", "--tokenizer-type", "bpe",
+    bpe = run(["--input", *files[:10], "--output-prefix", f"{tmp}/bpe", "--tokenizer-type", "bpe",
                 "--vocab-size", "600", "--workers", "1", "--no-progress"])
     c = IndexedDataset(bpe)
     ratio = int(a.sequence_lengths[:len(c)].sum()) / int(c.sequence_lengths.sum())
