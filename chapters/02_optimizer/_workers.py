@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from tinytron.buffers import DistributedDataParallel, DistributedDataParallelConfig
 from tinytron.optimizer.algorithms import AdamW, build_param_groups
-from tinytron.optimizer.distributed import DistributedOptimizer
+from tinytron.optimizer.distributed import DistributedOptimizer, merge_sharded_state_dicts
 from tinytron.optimizer.mixed_precision import DynamicGradScaler, MixedPrecisionOptimizer
 from tinytron.parallel import ParallelGrid
 
@@ -109,6 +109,9 @@ def distopt_parity(dtype_name: str, steps: int, clip: float, use_scaler: bool,
     param_diff = max((p.float() - q.float()).abs().max().item()
                      for p, q in zip(model.parameters(), ref.parameters()))
     state_diff = _max_diff(opt.state_dict(), ref_opt.state_dict())
+    parts = [None] * world
+    dist.all_gather_object(parts, opt.sharded_state_dict())
+    state_diff = max(state_diff, _max_diff(merge_sharded_state_dicts(parts), ref_opt.state_dict()))
     out = dict(max_param_diff=param_diff, max_state_diff=state_diff, ok=ok, ref_ok=ref_ok,
                norms=norms, ref_norms=ref_norms,
                scale=None if opt.grad_scaler is None else opt.grad_scaler.scale,

@@ -20,7 +20,8 @@ from tinytron.buffers import ParamAndGradBuffer
 from tinytron.optimizer.mixed_precision import (MixedPrecisionOptimizer, _group_hparams,
                                                 _load_group_hparams, copy_param_attributes)
 
-__all__ = ["DistributedOptimizer", "ownership_table", "plot_ownership_map", "bytes_per_param"]
+__all__ = ["DistributedOptimizer", "merge_sharded_state_dicts", "ownership_table",
+           "plot_ownership_map", "bytes_per_param"]
 
 # %% [markdown]
 # ## Who owns what
@@ -130,8 +131,11 @@ def plot_ownership_map(buffer: ParamAndGradBuffer, ax=None, title: str = ""):
 # fills a bucket-shard-sized vector with its pieces and one all-gather per bucket and quantity
 # reassembles the bucket; loading simply takes each rank's slice of the full tensors. So a
 # checkpoint written at DP 4 loads at DP 2 or into the plain optimizer, and the reverse.
-# (Megatron offers several sharded formats instead, `distrib_optimizer.py:2797-2922`; chapter 03
-# discusses them.)
+# Gathering full tensors on every rank does not scale to large models, so there is also a
+# *sharded* form without any communication: `sharded_state_dict()` returns only my pieces, each
+# tagged with its flat `range` inside the parameter and the parameter's full `shape` (the idea of
+# Megatron's flattened-range checkpoint formats, `distrib_optimizer.py:2797-2922`);
+# `merge_sharded_state_dicts` turns the pieces of all ranks back into the full form.
 
 # %%
 class DistributedOptimizer(MixedPrecisionOptimizer):
@@ -281,6 +285,40 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         if self.grad_scaler is not None and sd.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(sd["grad_scaler"])
 
+    def sharded_state_dict(self) -> dict:
+        """No communication: my pieces, each with its flat range in the param and the full shape."""
+        params = {}
+        for (model, main), (piece, _), name in zip(self.pairs, self.pieces, self.names):
+            entry = {"fp32_param": main.detach().clone(),
+                     "range": (piece.param_start, piece.param_end), "shape": tuple(model.shape)}
+            for k, v in self._state_of[id(main)].get(main, {}).items():
+                entry[k] = v.detach().clone() if torch.is_tensor(v) else v
+            params[name] = entry
+        return {"params": params,
+                "param_groups": _group_hparams(self.param_groups, self.group_names),
+                "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict()}
+
+
+def merge_sharded_state_dicts(parts: list[dict]) -> dict:
+    """Reassemble the layout-independent form from every rank's `sharded_state_dict()`."""
+    full: dict = {}
+    for part in parts:
+        for name, entry in part["params"].items():
+            start, end = entry["range"]
+            out = full.setdefault(name, {"_numel": math.prod(entry["shape"]),
+                                         "_shape": entry["shape"]})
+            for k, v in entry.items():
+                if k in ("range", "shape"):
+                    continue
+                if torch.is_tensor(v) and v.numel() == end - start:
+                    out.setdefault(k, torch.zeros(out["_numel"], dtype=v.dtype))
+                    out[k][start:end] = v.reshape(-1)
+                else:
+                    out[k] = v
+    params = {n: {k: (v.view(e["_shape"]) if torch.is_tensor(v) else v)
+                  for k, v in e.items() if not k.startswith("_")} for n, e in full.items()}
+    return {"params": params, "param_groups": parts[0]["param_groups"],
+            "grad_scaler": parts[0]["grad_scaler"]}
 
 # %% [markdown]
 # ## Demo 1: the ownership map of a small model at DP 4
