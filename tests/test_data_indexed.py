@@ -191,3 +191,17 @@ def test_crash_between_renames_does_not_open(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "replace", real_replace)
     with pytest.raises(FileNotFoundError, match="r.idx"):
         IndexedDataset(p)
+
+
+def test_pointer_check_works_across_blocks(tmp_path, monkeypatch):
+    import tinytron.data.indexed as indexed
+
+    monkeypatch.setattr(indexed, "_CHECK_BLOCK", 3)
+    p = str(tmp_path / "b")
+    _build(p, [[[1] * (i + 1)] for i in range(10)])
+    assert len(IndexedDataset(p)) == 10
+    raw = bytearray(open(get_idx_path(p), "rb").read())
+    raw[34 + 40 + 8 * 7: 34 + 40 + 8 * 8] = struct.pack("<q", 999)
+    open(get_idx_path(p), "wb").write(bytes(raw))
+    with pytest.raises(IndexedDatasetError, match="pointer for sequence 7: 999 bytes, lengths say 56"):
+        IndexedDataset(p)
