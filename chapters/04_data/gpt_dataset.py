@@ -8,6 +8,7 @@
 # %%
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -314,12 +315,19 @@ def build_document_sample_shuffle_indices(sizes: np.ndarray, documents: np.ndarr
 def data_identity(path_prefix: str) -> dict:
     """File sizes and the .idx hash of a prefix: changes whenever the sequence lengths change."""
     idx, bin_ = get_idx_path(path_prefix), get_bin_path(path_prefix)
+    st = os.stat(idx)
+    return {"idx_blake2b": _idx_hash(idx, st.st_size, st.st_mtime_ns, st.st_ino),
+            "idx_size": st.st_size, "bin_size": os.path.getsize(bin_)}
+
+
+@functools.lru_cache(maxsize=256)
+def _idx_hash(idx: str, size: int, mtime_ns: int, inode: int) -> str:
+    """BLAKE2 of the .idx, memoised per file version (one read per process, not per split)."""
     h = hashlib.blake2b(digest_size=16)
     with open(idx, "rb") as f:
         while chunk := f.read(1 << 22):
             h.update(chunk)
-    return {"idx_blake2b": h.hexdigest(), "idx_size": os.path.getsize(idx),
-            "bin_size": os.path.getsize(bin_)}
+    return h.hexdigest()
 
 
 _TABLES = ("document_index", "sample_index", "shuffle_index")
