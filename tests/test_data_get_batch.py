@@ -73,3 +73,20 @@ def test_get_batch_on_cuda_with_nccl():
     world = min(2, torch.cuda.device_count())
     for r in run_on_ranks(get_batch_cuda_check, world, backend="nccl", timeout=180):
         assert r["devices"] == ["cuda"] and r["equal"]
+
+
+def test_get_batch_single_process_and_missing_keys():
+    from tinytron.data._workers import CountingIterator, make_pretrain_batch
+    from tinytron.data.distribute import get_batch
+    from tinytron.parallel.grid import ParallelGrid
+
+    grid = ParallelGrid.single()
+    full = make_pretrain_batch(2, 8)
+    out = get_batch(CountingIterator(full), grid, micro_batch_size=2, seq_length=8,
+                    create_attention_mask=False)
+    assert out["attention_mask"] is None and torch.equal(out["tokens"], full["tokens"])
+    no_labels = {k: v for k, v in full.items() if k != "labels"}
+    with pytest.raises(ValueError, match="no 'labels'"):
+        get_batch(CountingIterator(no_labels), grid, micro_batch_size=2, seq_length=8)
+    with pytest.raises(ValueError, match="needs a data iterator"):
+        get_batch(None, grid, micro_batch_size=2, seq_length=8)
