@@ -237,7 +237,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _gather_steps(self, bucket, main_of: dict) -> list[int] | None:
         """Each bucket param's integer step counter, taken from whichever rank owns a piece."""
-        steps = torch.full((len(bucket.params),), -1.0, dtype=torch.float64)
+        steps = torch.full((len(bucket.params),), -1.0, dtype=torch.float64,
+                           device=bucket.grad_data.device)
         index = {p: i for i, p in enumerate(bucket.params)}
         for piece in bucket.shard_param_ranges():
             main = main_of[piece.param]

@@ -177,9 +177,10 @@ def grads_for_norm(params: Iterable[torch.Tensor], tp_rank: int = 0) -> list[tor
 
 
 def get_grad_norm_fp32(grads: list[torch.Tensor], norm_type: float = 2.0, group=None,
-                       reduce: bool = True) -> float:
+                       reduce: bool = True, device=None) -> float:
     """Global p-norm of grads spread over the ranks of `group` (None: the default world)."""
-    device = grads[0].device if grads else torch.device("cpu")
+    # a rank may hold no counted grad; its zero must still live where the backend reduces (NCCL: GPU)
+    device = grads[0].device if grads else (device or torch.device("cpu"))
     if norm_type == math.inf:
         local = torch.stack([g.abs().max().float() for g in grads]).max() if grads else \
             torch.zeros((), device=device)
@@ -205,11 +206,11 @@ def clip_grad_by_total_norm_fp32(grads: list[torch.Tensor], max_norm: float, tot
 
 
 def count_zeros_fp32(params: Iterable[torch.Tensor], tp_rank: int = 0, group=None,
-                     reduce: bool = True) -> int:
+                     reduce: bool = True, device=None) -> int:
     """Number of exactly-zero grad entries over the counted params of all ranks."""
     grads = grads_for_norm(params, tp_rank)
     local = sum(g.numel() - int(torch.count_nonzero(g)) for g in grads)
-    t = torch.tensor(float(local))
+    t = torch.tensor(float(local), device=device)
     if reduce and dist.is_initialized():
         dist.all_reduce(t, group=group)
     return int(t)
@@ -336,7 +337,7 @@ class MixedPrecisionOptimizer:
         if self.grad_scaler is None:
             return False
         grads = [m.grad for m in self.main_params() if m.grad is not None]
-        found = torch.zeros(1, device=grads[0].device if grads else "cpu")
+        found = torch.zeros(1, device=self._device())
         if grads:
             inv = torch.full((1,), self.grad_scaler.inv_scale, device=found.device)
             # fused check-and-unscale (one pass; has a CPU kernel since torch 2.3)
@@ -347,6 +348,12 @@ class MixedPrecisionOptimizer:
         self.grad_scaler.update(found_inf)
         return found_inf
 
+    def _device(self) -> torch.device:
+        """Where this rank's reductions run: its params' device, else the grid's."""
+        if self.pairs:
+            return self.pairs[0][1].device
+        return self.grid.device if self.grid is not None else torch.device("cpu")
+
     def _tp_rank(self) -> int:
         """My TP rank (0 without a grid)."""
         return 0 if self.grid is None else self.grid.rank("tp")
@@ -354,7 +361,8 @@ class MixedPrecisionOptimizer:
     def get_grad_norm(self) -> float:
         """The global L2 norm of the master grads."""
         grads = grads_for_norm(self.main_params(), self._tp_rank())
-        return get_grad_norm_fp32(grads, 2.0, self.grad_stats_group(), reduce=self._reduce())
+        return get_grad_norm_fp32(grads, 2.0, self.grad_stats_group(), reduce=self._reduce(),
+                                  device=self._device())
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         """Compute the global norm and clip every master grad with it; return the norm."""
@@ -378,7 +386,8 @@ class MixedPrecisionOptimizer:
         num_zeros = None
         if self.log_num_zeros_in_grad:
             num_zeros = count_zeros_fp32(self.main_params(), self._tp_rank(),
-                                         self.grad_stats_group(), reduce=self._reduce())
+                                         self.grad_stats_group(), reduce=self._reduce(),
+                                         device=self._device())
         if grad_norm > self.grad_norm_skip_threshold:   # ChainedOptimizer.step's guard
             return False, grad_norm, num_zeros
         self.step_with_ready_grads()
