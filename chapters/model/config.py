@@ -6,7 +6,7 @@
 # for the whole model and for any one rank of a TP × PP layout.
 #
 # You will build: `ModelConfig` (with `check_layout`), `tiny_config`, `llama_7b_config`,
-# `padded_vocab_size`, `stage_layer_ranges`, `parameter_breakdown`, `count_parameters` and
+# `stage_layer_ranges`, `parameter_breakdown`, `count_parameters` and
 # `count_parameters_per_rank`.
 
 # %%
@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+# Megatron's vocabulary padding rule lives with the vocab-parallel layers of appendix A.
+from tinytron.parallel.vocab_parallel import padded_vocab_size
 
 __all__ = [
     "ModelConfig",
@@ -166,12 +169,6 @@ def llama_7b_config(**overrides) -> ModelConfig:
                 ffn_hidden_size=14336, vocab_size=128256, seq_length=4096, rotary_base=500000)
     base.update(overrides)
     return ModelConfig(**base)
-
-
-def padded_vocab_size(vocab_size: int, tp: int = 1, divisible_by: int = 128) -> int:
-    """Round the tokenizer's vocabulary up to a multiple of divisible_by * tp (Megatron's padding)."""
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
 
 
 # %% [markdown]
