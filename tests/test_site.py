@@ -42,7 +42,10 @@ PROBE = b"""<script>(function () {
 def site_dir():
     """Build the book once per session (this executes every chapter page)."""
     out = Path(tempfile.mkdtemp(prefix="tinytron-site-"))
-    env = dict(os.environ, MPLBACKEND="Agg", NO_MKDOCS_2_WARNING="1")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    # The kernels must use Jupyter's inline backend: with MPLBACKEND=Agg, plt.show() draws
+    # nothing and the book would lose every figure.
+    env.pop("MPLBACKEND", None)
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
@@ -56,6 +59,10 @@ def test_book_builds_strict_and_offline(site_dir):
     for page in chapter_pages():
         html = site_dir / page.parent.name / page.stem / "index.html"
         assert html.exists(), f"{page} is not in the built book (missing from the nav?)"
+        if "plt.show()" in page.read_text():
+            # A page that draws must show its figure (an Agg backend in the kernel draws nothing).
+            assert re.search(r'<img[^>]+src="data:image/png', html.read_text(encoding="utf-8")), (
+                f"{page} calls plt.show() but its rendered page has no figure")
     for html in site_dir.rglob("*.html"):
         text = html.read_text(encoding="utf-8")
         # No page may load a script or a font from the network: readers may be offline.
