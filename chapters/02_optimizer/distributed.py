@@ -329,26 +329,12 @@ def merge_sharded_state_dicts(parts: list[dict]) -> dict:
 # process group is needed to draw it.
 
 # %%
-def _toy_stack(hidden: int = 32, ffn: int = 64, vocab: int = 64, dtype=torch.bfloat16):
-    """Embedding, two (norm, qkv, proj, norm, fc1, fc2) layers, final norm."""
-    torch.manual_seed(0)
-    m = torch.nn.ModuleDict({"embedding": torch.nn.Embedding(vocab, hidden)})
-    for i in range(2):
-        m[f"l{i}_norm1"] = torch.nn.RMSNorm(hidden)
-        m[f"l{i}_qkv"] = torch.nn.Linear(hidden, 3 * hidden, bias=False)
-        m[f"l{i}_proj"] = torch.nn.Linear(hidden, hidden, bias=False)
-        m[f"l{i}_norm2"] = torch.nn.RMSNorm(hidden)
-        m[f"l{i}_fc1"] = torch.nn.Linear(hidden, ffn, bias=False)
-        m[f"l{i}_fc2"] = torch.nn.Linear(ffn, hidden, bias=False)
-    m["final_norm"] = torch.nn.RMSNorm(hidden)
-    return m.to(dtype)
-
-
-# %%
 if __name__ == "__main__":
     import matplotlib.pyplot as plt
 
-    stack = _toy_stack()
+    from tinytron.buffers.param_and_grad_buffer import toy_layer_stack
+
+    stack = toy_layer_stack(vocab=64)
     names = {p: n.replace(".weight", "") for n, p in stack.named_parameters()}
     params = list(stack.parameters())
     buf = ParamAndGradBuffer(params, param_dtype=torch.bfloat16, grad_dtype=torch.float32,

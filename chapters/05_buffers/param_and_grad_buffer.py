@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["pad_to_divisor", "pad_param_start", "bucket_end_divisor", "pad_bucket_end",
+__all__ = ["toy_layer_stack", "pad_to_divisor", "pad_param_start", "bucket_end_divisor",
+           "pad_bucket_end",
            "BufferKey", "ParamLayout", "compute_param_layout", "group_params_for_buffers",
            "ShardRange", "Bucket", "ParamAndGradBuffer", "plot_buffer_layout"]
 
@@ -365,6 +366,22 @@ class ParamAndGradBuffer:
 # showing which part of every bucket that rank owns.
 
 # %%
+def toy_layer_stack(hidden: int = 32, ffn: int = 64, vocab: int = 48, num_layers: int = 2,
+                    dtype=torch.bfloat16) -> torch.nn.ModuleDict:
+    """A model's parameters without its forward: embedding, per layer (norm, qkv, proj, norm, fc1, fc2), final norm."""
+    torch.manual_seed(0)
+    stack = torch.nn.ModuleDict({"embedding": torch.nn.Embedding(vocab, hidden)})
+    for i in range(num_layers):
+        stack[f"l{i}_norm1"] = torch.nn.RMSNorm(hidden)
+        stack[f"l{i}_qkv"] = torch.nn.Linear(hidden, 3 * hidden, bias=False)
+        stack[f"l{i}_proj"] = torch.nn.Linear(hidden, hidden, bias=False)
+        stack[f"l{i}_norm2"] = torch.nn.RMSNorm(hidden)
+        stack[f"l{i}_fc1"] = torch.nn.Linear(hidden, ffn, bias=False)
+        stack[f"l{i}_fc2"] = torch.nn.Linear(ffn, hidden, bias=False)
+    stack["final_norm"] = torch.nn.RMSNorm(hidden)
+    return stack.to(dtype)  # .to() makes new Parameters: take their names afterwards
+
+
 def plot_buffer_layout(buffer: ParamAndGradBuffer, ax=None, title: str = ""):
     """Draw params, padding, bucket boundaries and each DP rank's shard of ``buffer``."""
     import matplotlib.pyplot as plt
@@ -424,18 +441,7 @@ if __name__ == "__main__":
 if __name__ == "__main__":
     import matplotlib.pyplot as plt
 
-    h, ffn, vocab = 32, 64, 48
-    torch.manual_seed(0)
-    stack = torch.nn.ModuleDict({"embedding": torch.nn.Embedding(vocab, h)})
-    for i in range(2):
-        stack[f"l{i}_norm1"] = torch.nn.RMSNorm(h)
-        stack[f"l{i}_qkv"] = torch.nn.Linear(h, 3 * h, bias=False)
-        stack[f"l{i}_proj"] = torch.nn.Linear(h, h, bias=False)
-        stack[f"l{i}_norm2"] = torch.nn.RMSNorm(h)
-        stack[f"l{i}_fc1"] = torch.nn.Linear(h, ffn, bias=False)
-        stack[f"l{i}_fc2"] = torch.nn.Linear(ffn, h, bias=False)
-    stack["final_norm"] = torch.nn.RMSNorm(h)
-    stack = stack.to(torch.bfloat16)  # .to() makes new Parameters: take names afterwards
+    stack = toy_layer_stack(hidden=32, ffn=64, vocab=48)
     names = {p: n.replace(".weight", "") for n, p in stack.named_parameters()}
     (key, params), = group_params_for_buffers(stack.parameters(), grad_reduce_in_fp32=True).items()
     buf = ParamAndGradBuffer(params, param_dtype=key.param_dtype, grad_dtype=key.grad_dtype,
