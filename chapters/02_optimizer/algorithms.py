@@ -76,9 +76,12 @@ def group_tensors_by_device_and_dtype(*lists: list[torch.Tensor]) -> dict:
     return buckets
 
 
-def _params_with_grads(group: dict) -> list[torch.Tensor]:
-    """The params of a group that received a gradient this step."""
-    return [p for p in group["params"] if p.grad is not None]
+def _groups_with_grads(optimizer: torch.optim.Optimizer):
+    """Yield (group, its params that received a gradient this step), skipping groups with none."""
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if p.grad is not None]
+        if params:
+            yield group, params
 
 
 def _check_common(lr: float, weight_decay: float) -> None:
@@ -120,10 +123,7 @@ class SGD(torch.optim.Optimizer):
     def step(self, closure: Callable | None = None):
         """One SGD step over every group."""
         loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            params = _params_with_grads(group)
-            if not params:
-                continue
+        for group, params in _groups_with_grads(self):
             grads = [p.grad for p in params]
             if group["weight_decay"] != 0:
                 grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
@@ -185,10 +185,7 @@ class Adam(torch.optim.Optimizer):
     def step(self, closure: Callable | None = None):
         """One Adam(W) step over every group."""
         loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            params = _params_with_grads(group)
-            if not params:
-                continue
+        for group, params in _groups_with_grads(self):
             states = [self.init_state(p) for p in params]
             for s in states:
                 s["step"] += 1
@@ -252,10 +249,7 @@ class Lion(torch.optim.Optimizer):
     def step(self, closure: Callable | None = None):
         """One Lion step over every group."""
         loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            params = _params_with_grads(group)
-            if not params:
-                continue
+        for group, params in _groups_with_grads(self):
             beta1, beta2 = group["betas"]
             lr, wd = group["lr"], group["weight_decay"]
             grads = [p.grad for p in params]
