@@ -338,11 +338,16 @@ class GPTModel(nn.Module):
             input_tensor = input_tensor[0]
         self.input_tensor = input_tensor
 
-    def forward(self, tokens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [b, s, V/t], per-token fp32 loss [b, s] (labels given), or hidden [s, b, h]."""
-        hidden = self._stage_input(tokens)
+    def forward(self, input_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [b, s, V/t], per-token fp32 loss [b, s] (labels given), or hidden [s, b, h].
+
+        The argument order and names are Megatron's (`GPTModel.forward(input_ids, position_ids,
+        attention_mask, ..., labels=)`, `megatron/core/models/gpt/gpt_model.py`).
+        """
+        hidden = self._stage_input(input_ids)
         cos, sin = self._rope_tables(hidden, position_ids)
         dropout_on = self.config.dropout > 0 and self.training
         with _fork(self.rng_tracker, dropout_on and self.config.sequence_parallel):
