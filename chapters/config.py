@@ -1,0 +1,324 @@
+"""One run's configuration: each chapter's own config dataclass, composed, loaded from TOML.
+
+A run is described by a TOML file whose sections are the chapters' configs under Megatron's
+names (``[model]`` is ``tinytron.model.ModelConfig``, ``[optimizer]`` is
+``tinytron.optimizer.OptimizerConfig``, ...), plus two sections owned here: ``[parallel]`` (the
+layout) and ``[training]`` (batch sizes, iterations, intervals). Command-line overrides use
+dotted names: ``--model.hidden_size 128`` or ``--training.train_iters=20``.
+
+Everything is checked before any process group exists, and every error is one line that names
+the field: an unknown key (with the nearest valid name), a wrong type, or a layout that cannot
+be cut (world size != tp·pp·cp·dp, heads not divisible by tp, a global batch that micro-batches
+do not divide).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+__all__ = ["ParallelConfig", "TrainingConfig", "TrainConfig", "SECTIONS", "load_config",
+           "parse_overrides", "ConfigError"]
+
+
+class ConfigError(ValueError):
+    """A user error in a config file or override; the message is one line naming the field."""
+
+
+@dataclass
+class ParallelConfig:
+    """The layout (Megatron's names); dp = world_size / (tp · pp · cp)."""
+
+    tensor_model_parallel_size: int = 1
+    """TP: each layer's weights split over this many ranks."""
+    pipeline_model_parallel_size: int = 1
+    """PP: the layers cut into this many stages."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """VPP: model chunks per pipeline rank (interleaved 1F1B); None = 1."""
+    context_parallel_size: int = 1
+    """CP: the sequence split over this many ranks for attention."""
+
+    def sizes(self) -> tuple[int, int, int, int]:
+        """(tp, pp, vpp, cp) with vpp None read as 1."""
+        vpp = self.virtual_pipeline_model_parallel_size or 1
+        return (self.tensor_model_parallel_size, self.pipeline_model_parallel_size, vpp,
+                self.context_parallel_size)
+
+
+@dataclass
+class TrainingConfig:
+    """Batch sizes, length of the run and its intervals (Megatron's names and defaults)."""
+
+    micro_batch_size: int = 1
+    """Samples per forward/backward on one rank."""
+    global_batch_size: Optional[int] = None
+    """Samples per optimizer step over all DP ranks; None = micro_batch_size · dp."""
+    rampup_batch_size: Optional[str] = None
+    """Megatron's step schedule string, e.g. "0:16 1000:32" (thresholds in samples)."""
+    decrease_batch_size_if_needed: bool = False
+    """Round the global batch down to a multiple of micro_batch_size · dp instead of failing."""
+    train_iters: Optional[int] = None
+    """Iterations to train (exactly one of train_iters / train_samples)."""
+    train_samples: Optional[int] = None
+    """Samples to train."""
+    eval_interval: Optional[int] = 1000
+    """Evaluate every this many iterations (None = never)."""
+    eval_iters: int = 100
+    """Batches per evaluation."""
+    save_interval: Optional[int] = None
+    """Save a checkpoint every this many iterations (None = only at the end)."""
+    exit_interval: Optional[int] = None
+    """Stop (after saving) when the iteration is a multiple of this."""
+    exit_duration_in_mins: Optional[float] = None
+    """Stop (after saving) after this many minutes."""
+    exit_signal_handler: bool = False
+    """Save and stop cleanly on SIGTERM."""
+    log_interval: int = 100
+    """Print a log line every this many iterations."""
+    seed: int = 1234
+    """Seed of the data order, dropout and RNG tracker (the model init has its own seed)."""
+    bf16: bool = False
+    """Train with bf16 params and fp32 main grads/master weights."""
+    device: str = "auto"
+    """"cpu", "cuda" or "auto" (cuda when available)."""
+
+
+# section name -> "module:ClassName"; imported lazily so that reading a config is cheap.
+SECTIONS: dict[str, str] = {
+    "model": "tinytron.model.config:ModelConfig",
+    "parallel": "tinytron.config:ParallelConfig",
+    "training": "tinytron.config:TrainingConfig",
+    "optimizer": "tinytron.optimizer.factory:OptimizerConfig",
+    "scheduler": "tinytron.optimizer.factory:SchedulerConfig",
+    "ddp": "tinytron.buffers.distributed_data_parallel:DistributedDataParallelConfig",
+    "data": "tinytron.data.pipeline:DataConfig",
+}
+
+
+def _section_class(name: str) -> type:
+    module, cls = SECTIONS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+# -- values: TOML types checked against the dataclass annotations ------------------------------
+def _parse_cli_value(text: str) -> Any:
+    """A command-line value read as TOML (64, 3e-4, true, "x", [1, 2]), else as a plain string."""
+    if text.lower() in ("none", "null"):
+        return None
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _accepts(hint, value) -> tuple[bool, Any]:
+    """(ok, converted value) for `value` against a resolved type hint."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        for arm in typing.get_args(hint):
+            ok, out = _accepts(arm, value)
+            if ok:
+                return True, out
+        return False, value
+    if hint is type(None):
+        return value is None, value
+    if hint is Any:
+        return True, value
+    if hint is bool:
+        return isinstance(value, bool), value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if hint is str:
+        return isinstance(value, str), value
+    base = origin or hint
+    if base in (list, tuple, Sequence):
+        return isinstance(value, (list, tuple)), list(value) if isinstance(value, tuple) else value
+    if base is dict:
+        return isinstance(value, dict), value
+    return isinstance(value, base) if isinstance(base, type) else True, value
+
+
+def _type_name(hint) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def _build_section(name: str, values: dict) -> Any:
+    """The section's dataclass from a dict, with one-line errors for unknown keys and types."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"[{name}] must be a table of key = value, got {values!r}")
+    cls = _section_class(name)
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in names:
+            near = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean {name}.{near[0]}?" if near else ""
+            raise ConfigError(f"unknown config key {name}.{key}{hint}")
+        ok, converted = _accepts(hints[key], value)
+        if not ok:
+            raise ConfigError(f"{name}.{key} must be {_type_name(hints[key])}, "
+                              f"got {value!r} ({type(value).__name__})")
+        kwargs[key] = converted
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required field is missing
+        missing = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in kwargs
+                   and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        raise ConfigError(f"[{name}] is missing required keys: "
+                          f"{', '.join(f'{name}.{m}' for m in missing)}") from e
+    except ValueError as e:
+        raise ConfigError(f"[{name}] {e}") from e
+
+
+# -- the whole run ---------------------------------------------------------------------------
+@dataclass
+class TrainConfig:
+    """Every section of one run; `resolve(world_size)` checks the layout and derives dp."""
+
+    model: Any
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: Any = None
+    scheduler: Any = None
+    ddp: Any = None
+    data: Any = None
+    extra: dict = field(default_factory=dict)
+    """Sections registered by later chapters (checkpoint, logging, reliability), built as given."""
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "TrainConfig":
+        """Build and type-check every section; unknown sections are an error."""
+        unknown = [k for k in raw if k not in SECTIONS]
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], list(SECTIONS), n=1)
+            hint = f"; did you mean [{near[0]}]?" if near else ""
+            raise ConfigError(f"unknown config section [{unknown[0]}]{hint}")
+        if "model" not in raw:
+            raise ConfigError("the config has no [model] section")
+        built = {name: _build_section(name, raw.get(name, {})) for name in SECTIONS
+                 if name in raw or name != "model"}
+        core = {k: built.pop(k) for k in ("model", "parallel", "training", "optimizer",
+                                          "scheduler", "ddp", "data")}
+        return cls(**core, extra=built)
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """dp = world / (tp · pp · cp), or a ConfigError naming the numbers."""
+        tp, pp, _, cp = self.parallel.sizes()
+        for key, size in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+                          ("context_parallel_size", cp)):
+            if size < 1:
+                raise ConfigError(f"parallel.{key} must be >= 1, got {size}")
+        if world_size % (tp * pp * cp):
+            raise ConfigError(f"world size {world_size} is not divisible by tp·pp·cp = "
+                              f"{tp}·{pp}·{cp} = {tp * pp * cp}")
+        return world_size // (tp * pp * cp)
+
+    def resolve(self, world_size: int) -> "TrainConfig":
+        """Check the whole layout for this world size; fill global_batch_size. Returns self."""
+        dp = self.data_parallel_size(world_size)
+        tp, pp, vpp, cp = self.parallel.sizes()
+        try:
+            self.model.check_layout(tp=tp, cp=cp, pp=pp, num_virtual_stages=vpp)
+        except ValueError as e:
+            raise ConfigError(f"model: {e}") from e
+        t = self.training
+        per_step = t.micro_batch_size * dp
+        if t.global_batch_size is None:
+            t.global_batch_size = per_step
+        if t.global_batch_size % per_step and not t.decrease_batch_size_if_needed:
+            raise ConfigError(f"training.global_batch_size ({t.global_batch_size}) must be "
+                              f"divisible by micro_batch_size·dp = {t.micro_batch_size}·{dp} "
+                              f"= {per_step}")
+        if (t.train_iters is None) == (t.train_samples is None):
+            raise ConfigError("set exactly one of training.train_iters and training.train_samples")
+        num_microbatches = t.global_batch_size // per_step
+        if vpp > 1 and num_microbatches % pp:
+            raise ConfigError(f"interleaving needs the number of micro-batches "
+                              f"({num_microbatches}) divisible by "
+                              f"pipeline_model_parallel_size ({pp})")
+        return self
+
+    def to_dict(self) -> dict:
+        """Plain nested dict of every section (what is printed at start and saved)."""
+        out = {}
+        for name in SECTIONS:
+            value = getattr(self, name) if hasattr(self, name) else self.extra.get(name)
+            if value is not None and dataclasses.is_dataclass(value):
+                out[name] = {k: v for k, v in dataclasses.asdict(value).items()}
+        return out
+
+    def to_toml(self) -> str:
+        """The resolved config as TOML (None values are left out: TOML has no null)."""
+        lines = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            for key, value in values.items():
+                if value is not None and not (isinstance(value, dict) and not value):
+                    lines.append(f"{key} = {_toml_value(value)}")
+            lines.append("")
+        return "\n".join(lines)
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, (int,)):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def parse_overrides(argv: Sequence[str]) -> dict:
+    """["--model.hidden_size", "64", "--training.train_iters=5"] -> {"model": {"hidden_size": 64}, ...}."""
+    out: dict = {}
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(f"override {arg!r} must look like --section.key value")
+        if "=" in arg:
+            key, text = arg[2:].split("=", 1)
+        else:
+            if not args:
+                raise ConfigError(f"override {arg} has no value")
+            key, text = arg[2:], args.pop(0)
+        section, _, name = key.partition(".")
+        out.setdefault(section, {})[name] = _parse_cli_value(text)
+    return out
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Read the TOML file (if any), apply dotted overrides, build and type-check every section."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    for section, values in parse_overrides(overrides).items():
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"[{section}] must be a table")
+        raw[section].update(values)
+    return TrainConfig.from_dict(raw)

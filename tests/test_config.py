@@ -1,0 +1,74 @@
+"""tinytron.config: TOML + dotted overrides -> typed sections, one-line errors naming the field."""
+
+import pytest
+
+from tinytron.config import ConfigError, load_config, parse_overrides
+
+TOML = """
+[model]
+hidden_size = 64
+num_layers = 4
+num_attention_heads = 4
+num_query_groups = 2
+ffn_hidden_size = 128
+vocab_size = 512
+seq_length = 64
+[parallel]
+tensor_model_parallel_size = 2
+pipeline_model_parallel_size = 2
+[training]
+train_iters = 10
+micro_batch_size = 2
+global_batch_size = 8
+[optimizer]
+lr = 3e-4
+"""
+
+
+@pytest.fixture
+def path(tmp_path):
+    p = tmp_path / "run.toml"
+    p.write_text(TOML)
+    return p
+
+
+def test_sections_are_typed_and_overrides_apply(path):
+    cfg = load_config(path, ["--optimizer.lr", "1e-3", "--training.train_iters=3",
+                             "--model.sequence_parallel", "true"]).resolve(8)
+    assert cfg.optimizer.lr == 1e-3 and cfg.training.train_iters == 3
+    assert cfg.model.sequence_parallel is True and cfg.data_parallel_size(8) == 2
+    assert cfg.training.global_batch_size == 8
+
+
+def test_resolved_config_round_trips_through_toml(path, tmp_path):
+    cfg = load_config(path).resolve(4)
+    again = tmp_path / "again.toml"
+    again.write_text(cfg.to_toml())
+    assert load_config(again).resolve(4).to_dict() == cfg.to_dict()
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["--model.hiden_size", "3"], 4, "unknown config key model.hiden_size; did you mean model.hidden_size?"),
+    (["--optimzer.lr", "1"], 4, "unknown config section [optimzer]; did you mean [optimizer]?"),
+    (["--model.hidden_size", "abc"], 4, "model.hidden_size must be int, got 'abc'"),
+    (["--optimizer.lr", '"3e-4"'], 4, "optimizer.lr must be float | None, got '3e-4'"),
+    (["--model.num_attention_heads", "6"], 4, "[model] hidden_size (64) must be divisible by num_attention_heads (6)"),
+    (["--model.num_query_groups", "1", "--parallel.tensor_model_parallel_size", "4"], 8,
+     "model: num_query_groups (1) must be divisible by tp (4)"),
+    ([], 6, "world size 6 is not divisible by tp·pp·cp = 2·2·1 = 4"),
+    (["--training.global_batch_size", "6"], 8, "global_batch_size (6) must be divisible by micro_batch_size·dp = 2·2 = 4"),
+    (["--training.train_samples", "100"], 4, "exactly one of training.train_iters"),
+    (["model.hidden_size", "3"], 4, "must look like --section.key value"),
+])
+def test_bad_input_names_the_field(path, overrides, world, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(path, overrides).resolve(world)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_missing_file_and_missing_model(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="no \\[model\\] section"):
+        load_config(None, ["--training.train_iters", "3"])
+    assert parse_overrides(["--a.b", "none"]) == {"a": {"b": None}}
