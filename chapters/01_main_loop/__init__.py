@@ -1,3 +1,7 @@
 """01 · The main loop: pretrain / train / train_step / training_log and the pipeline schedules."""
 
 from tinytron.main_loop.memory_meter import LiveBytesMeter, saved_tensor_bytes, storage_bytes
+from tinytron.main_loop.schedules import (ScheduleConfig, ScheduleEvent, ScheduleRecorder,
+                                          forward_backward_no_pipelining,
+                                          forward_backward_pipelining_without_interleaving,
+                                          get_forward_backward_func)

@@ -1,0 +1,192 @@
+"""Helpers and rank functions for chapter 01's schedule pages and tests (not a page).
+
+A case builds the tiny GPT on a (tp, pp, dp) grid, runs a few training iterations through a
+schedule of `tinytron.main_loop.schedules`, and compares every loss report and every gradient
+with one process running the whole global batch micro-batch by micro-batch.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from tinytron.buffers import (DistributedDataParallel, DistributedDataParallelConfig,
+                              finalize_model_grads, main_grad_of)
+from tinytron.main_loop.schedules import (ScheduleConfig, ScheduleRecorder, _unwrap,
+                                          get_forward_backward_func)
+from tinytron.model.config import tiny_config
+from tinytron.model.gpt import GPTModel, build_stage_models, global_parameter_name
+from tinytron.model.layers import unshard
+from tinytron.overview.loss import lm_loss_func
+from tinytron.parallel import ParallelGrid
+
+_GRIDS: dict = {}
+
+
+def grid_for(tp: int = 1, pp: int = 1) -> ParallelGrid:
+    """One grid per layout per process (building one creates every group)."""
+    if (tp, pp) not in _GRIDS:
+        _GRIDS[(tp, pp)] = ParallelGrid(tp=tp, pp=pp)
+    return _GRIDS[(tp, pp)]
+
+
+def make_microbatches(config, num_microbatches: int, micro_batch_size: int = 1,
+                      seed: int = 0) -> list[dict]:
+    """Random tokens/labels; loss masks keep a different number of tokens in each micro-batch."""
+    g = torch.Generator().manual_seed(seed)
+    s, out = config.seq_length, []
+    for i in range(num_microbatches):
+        tokens = torch.randint(0, config.vocab_size, (micro_batch_size, s), generator=g)
+        labels = torch.randint(0, config.vocab_size, (micro_batch_size, s), generator=g)
+        keep = s - int(torch.randint(0, s // 2, (1,), generator=g))
+        mask = (torch.arange(s) < keep).float().expand(micro_batch_size, s).contiguous()
+        out.append({"tokens": tokens, "labels": labels, "loss_mask": mask, "id": i})
+    return out
+
+
+def forward_step_func(data_iterator, model):
+    """Megatron-style forward_step: the first chunk reads tokens, the last computes the loss."""
+    batch = next(data_iterator)
+    inner = _unwrap(model)
+    out = model(batch["tokens"] if inner.pre_process else None,
+                labels=batch["labels"] if inner.post_process else None)
+    return out, partial(lm_loss_func, batch["loss_mask"])
+
+
+def make_optimizer(params, kind: str = "adamw"):
+    """The optimizer both sides use: AdamW (default) or SGD with momentum."""
+    params = list(params)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+
+def reference_run(config, steps: list[list[dict]], optimizer: str = "adamw") -> list[dict]:
+    """One process, whole model: per step, sum-loss backward per micro-batch, / tokens, step."""
+    model = GPTModel(config)
+    opt = make_optimizer(model.parameters(), optimizer)
+    out = []
+    for batches in steps:
+        opt.zero_grad(set_to_none=True)
+        total, reports = torch.zeros((), dtype=torch.int), []
+        for b in batches:
+            loss_sum, n, report = lm_loss_func(b["loss_mask"], model(b["tokens"], labels=b["labels"]))
+            loss_sum.backward()
+            total += n
+            reports.append(report["lm loss"])
+        scale = 1.0 / torch.clamp(total.float(), min=1)  # the same op finalize_model_grads runs
+        for p in model.parameters():
+            p.grad.mul_(scale)
+        out.append({"grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+                    "reports": torch.stack(reports)})
+        opt.step()
+    return out
+
+
+def full_grads(models, grid) -> dict[str, torch.Tensor]:
+    """This rank's gradients by global parameter name, TP shards gathered."""
+    out = {}
+    for m in models:
+        inner = _unwrap(m)
+        for name, p in inner.named_parameters():
+            g = main_grad_of(p).detach().clone()
+            if grid.size("tp") > 1 and p.shard_spec.dim is not None:
+                pieces = [torch.empty_like(g) for _ in range(grid.size("tp"))]
+                dist.all_gather(pieces, g.contiguous(), group=grid.group("tp"))
+                g = unshard(pieces, p.shard_spec)
+            full = global_parameter_name(name, inner.layer_offset)
+            if full == "output_layer.weight" and inner.config.tie_embeddings:
+                full = "embedding.word_embeddings.weight"  # the tied copy on the last stage
+            out[full] = g
+    return out
+
+
+def compare(grads: dict, ref: dict) -> tuple[float, bool]:
+    """(max |grad - reference|, all bitwise equal) over this rank's parameters."""
+    gap = max(float((g - ref[n]).abs().max()) for n, g in grads.items())
+    return gap, all(torch.equal(g, ref[n]) for n, g in grads.items())
+
+
+def wrap_ddp(models, grid, overlap: bool = True, timeline=None):
+    """Chapter 05's DDP around each chunk: per-token scaling, collectives from the hooks."""
+    cfg = DistributedDataParallelConfig(calculate_per_token_loss=True, overlap_grad_reduce=overlap,
+                                        bucket_size=20_000)
+    return [DistributedDataParallel(m, grid, cfg, timeline=timeline) for m in models]
+
+
+def _step_with_grads(models, opt):
+    """A plain torch optimizer reads .grad: point it at DDP's main_grad buffers."""
+    for m in models:
+        for p in _unwrap(m).parameters():
+            if getattr(p, "main_grad", None) is not None:
+                p.grad = p.main_grad
+    opt.step()
+
+
+def run_case(tp: int = 1, pp: int = 2, vpp: int | None = None, num_microbatches: int = 4,
+             num_steps: int = 2, ddp: bool = False, tie: bool = False, num_layers: int = 4,
+             optimizer: str = "adamw", group_size: int | None = None, seed: int = 0,
+             record: bool = False, deallocate: bool = True) -> dict:
+    """Train num_steps iterations through the layout's schedule; gaps against one process."""
+    grid = grid_for(tp, pp)
+    dp, dp_rank = grid.size("dp"), grid.rank("dp")
+    config = tiny_config(num_layers=num_layers, tie_embeddings=tie)
+    m = num_microbatches
+    steps = [make_microbatches(config, dp * m, seed=seed + 100 * k) for k in range(num_steps)]
+    ref = reference_run(config, steps, optimizer)
+    models = build_stage_models(config, grid, num_virtual_stages=vpp or 1)
+    opt = make_optimizer([p for c in models for p in c.parameters()], optimizer)
+    models = wrap_ddp(models, grid) if ddp else models
+    fb = get_forward_backward_func(pp, vpp)
+    res = {"gaps": [], "bitwise": [], "loss_gaps": [], "orders": [], "events": []}
+    for k, batches in enumerate(steps):
+        for c in models:
+            c.zero_grad_buffer() if ddp else c.zero_grad(set_to_none=True)
+        rec = ScheduleRecorder() if record else None
+        cfg = ScheduleConfig(finalize_model_grads_func=finalize_model_grads, recorder=rec,
+                             no_sync_func=[c.no_sync for c in models] if ddp else None,
+                             microbatch_group_size_per_vp_stage=group_size,
+                             deallocate_pipeline_outputs=deallocate)
+        mine = batches[dp_rank * m:(dp_rank + 1) * m]
+        iters = [iter(mine) for _ in models]
+        reports = fb(forward_step_func=forward_step_func, data_iterator=iters if vpp else iters[0],
+                     model=models, num_microbatches=m, seq_length=config.seq_length,
+                     micro_batch_size=1, grid=grid, config=cfg)
+        gap, same = compare(full_grads(models, grid), ref[k]["grads"])
+        res["gaps"].append(gap)
+        res["bitwise"].append(same)
+        if reports:
+            mine_ref = ref[k]["reports"][dp_rank * m:(dp_rank + 1) * m]
+            res["loss_gaps"].append(float((torch.stack([r["lm loss"] for r in reports])
+                                                 - mine_ref).abs().max()))
+        if rec is not None:
+            res["orders"].append(rec.order())
+            res["events"].append(list(rec.events))
+        _step_with_grads(models, opt)
+    res.update(stage=grid.rank("pp"), tp_rank=grid.rank("tp"), dp_rank=dp_rank,
+               num_reports=len(reports))
+    return res
+
+
+def timed_case(pp: int, vpp: int | None, num_microbatches: int, group_size: int | None = None,
+               hidden: int = 128, num_layers: int = 4, repeats: int = 2) -> list:
+    """Events of the last of `repeats` training iterations on this rank (timeline pictures)."""
+    grid = grid_for(1, pp)
+    config = tiny_config(hidden_size=hidden, ffn_hidden_size=2 * hidden, num_layers=num_layers,
+                         tie_embeddings=False, seq_length=64)
+    models = build_stage_models(config, grid, num_virtual_stages=vpp or 1)
+    batches = make_microbatches(config, num_microbatches)
+    fb = get_forward_backward_func(pp, vpp)
+    for _ in range(repeats):  # the first run pays one-time costs (allocator, first messages)
+        rec = ScheduleRecorder()
+        cfg = ScheduleConfig(recorder=rec, microbatch_group_size_per_vp_stage=group_size)
+        dist.barrier()
+        t0 = time.perf_counter()
+        iters = [iter(batches) for _ in models]
+        fb(forward_step_func=forward_step_func, data_iterator=iters if vpp else iters[0],
+           model=models, num_microbatches=num_microbatches, seq_length=config.seq_length,
+           micro_batch_size=1, grid=grid, config=cfg)
+    return [(e.stage, e.chunk, e.microbatch, e.kind, e.start - t0, e.end - t0) for e in rec.events]
