@@ -75,7 +75,11 @@ def _ref_step(model, opt, x, y, dtype, poison: bool):
 def _max_diff(a: dict, b: dict) -> float:
     """Largest |difference| between two layout-free optimizer state dicts (same names/keys)."""
     worst = 0.0
+    if set(a["params"]) != set(b["params"]):
+        return float("inf")  # a param missing on either side is a mismatch, not a skip
     for name, entry in a["params"].items():
+        if set(entry) != set(b["params"][name]):
+            return float("inf")
         for k, v in entry.items():
             w = b["params"][name][k]
             if torch.is_tensor(v):
@@ -111,8 +115,16 @@ def distopt_parity(dtype_name: str, steps: int, clip: float, use_scaler: bool,
     state_diff = _max_diff(opt.state_dict(), ref_opt.state_dict())
     parts = [None] * world
     dist.all_gather_object(parts, opt.sharded_state_dict())
-    state_diff = max(state_diff, _max_diff(merge_sharded_state_dicts(parts), ref_opt.state_dict()))
+    merged = merge_sharded_state_dicts(parts)
+    state_diff = max(state_diff, _max_diff(merged, ref_opt.state_dict()))
+    # every rank's model params must be exactly its gathered fp32 master cast to the model dtype
+    # (a stale or missing all-gather leaves an old value, which a loose tolerance would hide)
+    names = dict(model.named_parameters())
+    params_equal_master = all(
+        torch.equal(names[n], merged["params"][n]["fp32_param"].view(names[n].shape).to(dtype))
+        for n in names)
     out = dict(max_param_diff=param_diff, max_state_diff=state_diff, ok=ok, ref_ok=ref_ok,
+               params_equal_master=params_equal_master,
                norms=norms, ref_norms=ref_norms,
                scale=None if opt.grad_scaler is None else opt.grad_scaler.scale,
                ref_scale=None if ref_opt.grad_scaler is None else ref_opt.grad_scaler.scale)
@@ -156,7 +168,7 @@ def layer_wise_parity(steps: int, lr: float = 2e-2) -> dict:
         x, y = batch(step, 4 * world)
         _ddp_step(ddp, opt, x.chunk(world)[rank], y.chunk(world)[rank], torch.float32, False)
         _ref_step(ref, ref_opt, x, y, torch.float32, False)
-    return dict(owned=opt.names,
+    return dict(owned=opt.names, all_names=[n for n, _ in model.named_parameters()],
                 max_param_diff=max((p - q).abs().max().item()
                                    for p, q in zip(model.parameters(), ref.parameters())),
                 max_state_diff=_max_diff(opt.state_dict(), ref_opt.state_dict()))

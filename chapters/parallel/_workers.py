@@ -133,7 +133,12 @@ def cp_attention_parity(grid: ParallelGrid | None = None, causal: bool = True, b
     q, k, v = (torch.randn(b, n, s, d, generator=gen) for n in (hq, hkv, hkv))
     w = torch.randn(b, hq, s, d, generator=gen)
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    out_ref = context_parallel_attention(*full, ParallelGrid.single(), causal=causal)
+    # the reference is torch's SDPA on the whole sequence (kv heads expanded for GQA), not the
+    # function under test, for the causal and the non-causal path alike
+    rep = hq // hkv
+    out_ref = torch.nn.functional.scaled_dot_product_attention(
+        full[0], full[1].repeat_interleave(rep, 1), full[2].repeat_interleave(rep, 1),
+        is_causal=causal)
     (out_ref * w).sum().backward()
     variants = [lambda *t: context_parallel_attention(*t, grid, causal=causal)]
     if causal:
