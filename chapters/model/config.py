@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from tinytron._fields import check_fields, document_fields
+
 # Megatron's vocabulary padding rule lives with the vocab-parallel layers of appendix A.
 from tinytron.parallel.vocab_parallel import padded_vocab_size
 
@@ -68,6 +70,7 @@ __all__ = [
 # 50,257 (GPT-2) become 50,432.
 
 # %%
+@document_fields
 @dataclass
 class ModelConfig:
     """Shape and hyper-parameters of the Llama-style decoder (Megatron's names)."""
@@ -100,8 +103,25 @@ class ModelConfig:
     """Seed of the parameter init; the same seed gives the same full weights on any layout."""
     sequence_parallel: bool = False
     """Split norms, dropout and residuals along the sequence over the TP ranks."""
+    recompute_granularity: str | None = None
+    """Activation recompute (chapter 06): None (store all), "full" (layer inputs only) or "selective"."""
+    recompute_method: str | None = None
+    """Full recompute: "uniform" (chunks of recompute_num_layers) or "block" (first N layers of a stage)."""
+    recompute_num_layers: int | None = None
+    """Full recompute: layers per checkpointed chunk (uniform) or layers recomputed per stage (block)."""
+    distribute_saved_activations: bool = False
+    """Full recompute: each TP rank keeps 1/tp of every checkpointed input (not with sequence_parallel)."""
+    recompute_modules: list[str] | None = None
+    """Selective recompute: any of core_attn, mlp, layernorm (None means Megatron's ["core_attn"])."""
+    fine_grained_activation_offloading: bool = False
+    """Move the saved activations of offload_modules to host memory in forward (chapter 06)."""
+    offload_modules: list[str] | None = None
+    """Any of attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm (Megatron's names)."""
+    min_offloaded_tensor_size: int = 1024 * 1024
+    """Saved tensors with fewer elements stay on the device (Megatron's default, 1024 * 1024)."""
 
     def __post_init__(self):
+        check_fields(self)  # a str, float or None where the annotation says otherwise
         for name in ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
                      "ffn_hidden_size", "vocab_size", "seq_length", "rotary_base"):
             value = getattr(self, name)
@@ -119,6 +139,7 @@ class ModelConfig:
             raise ValueError(f"norm_epsilon must be > 0, got {self.norm_epsilon}")
         if not self.init_std > 0:
             raise ValueError(f"init_std must be > 0, got {self.init_std}")
+        _check_activation_fields(self)
 
     @property
     def head_dim(self) -> int:
@@ -147,12 +168,75 @@ class ModelConfig:
             raise ValueError(f"num_virtual_stages ({num_virtual_stages}) > 1 needs pp > 1")
         _divides(pp * num_virtual_stages, self.num_layers, "num_layers",
                  "pp * num_virtual_stages")
+        stage_layers = self.num_layers // (pp * num_virtual_stages)
+        if self.recompute_num_layers is not None and self.recompute_num_layers > stage_layers:
+            raise ValueError(f"recompute_num_layers ({self.recompute_num_layers}) must be <= the "
+                             f"layers of one pipeline chunk ({stage_layers})")
 
 
 def _divides(divisor: int, value: int, field: str, by: str):
     """ValueError naming `field` unless `divisor` divides `value`."""
     if value % divisor:
         raise ValueError(f"{field} ({value}) must be divisible by {by} ({divisor})")
+
+
+# Megatron's allowed names (transformer_config.py:1546-1698 at e03878b5f); the MoE/MLA ones have no
+# module in this dense model, so they are rejected rather than silently ignored.
+_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+_OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
+_MOE_MLA_MODULES = ("moe_act", "mla_up_proj", "moe", "shared_experts", "expert_fc1", "gdn_norm_out")
+
+
+def _check_module_names(field: str, names, allowed: tuple[str, ...]) -> list[str]:
+    """The names as a list; ValueError naming `field` for an unknown or MoE/MLA-only name."""
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{field} must be a list of names, got {names!r}")
+    for name in names:
+        if name not in allowed:
+            why = "this dense model has no MoE/MLA module" if name in _MOE_MLA_MODULES else "unknown"
+            raise ValueError(f"{field}: {name!r} is not one of {list(allowed)} ({why})")
+    return list(names)
+
+
+def _check_activation_fields(c: ModelConfig) -> None:
+    """Megatron's rules for the recompute and offload switches, as ValueErrors naming the field."""
+    if c.recompute_granularity not in (None, "full", "selective"):
+        raise ValueError(f"recompute_granularity must be None, 'full' or 'selective', "
+                         f"got {c.recompute_granularity!r}")
+    if c.recompute_granularity == "full":
+        if c.recompute_method not in ("uniform", "block"):
+            raise ValueError(f"recompute_method must be 'uniform' or 'block' with full recompute, "
+                             f"got {c.recompute_method!r}")
+        n = c.recompute_num_layers
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= c.num_layers:
+            raise ValueError(f"recompute_num_layers must be an int in [1, num_layers = "
+                             f"{c.num_layers}] with full recompute, got {n!r}")
+    else:
+        for name in ("recompute_method", "recompute_num_layers"):
+            if getattr(c, name) is not None:
+                raise ValueError(f"{name} must be None unless recompute_granularity is 'full' "
+                                 f"(it is {c.recompute_granularity!r})")
+    c.recompute_modules = _check_module_names(
+        "recompute_modules", ["core_attn"] if c.recompute_modules is None else c.recompute_modules,
+        _RECOMPUTE_MODULES)
+    if c.distribute_saved_activations and c.sequence_parallel:
+        raise ValueError("distribute_saved_activations cannot be combined with sequence_parallel "
+                         "(the checkpointed input already differs across TP ranks)")
+    c.offload_modules = _check_module_names("offload_modules", c.offload_modules or [],
+                                            _OFFLOAD_MODULES)
+    if not isinstance(c.min_offloaded_tensor_size, int) or c.min_offloaded_tensor_size < 0:
+        raise ValueError(f"min_offloaded_tensor_size must be an int >= 0, "
+                         f"got {c.min_offloaded_tensor_size!r}")
+    if c.fine_grained_activation_offloading:
+        if not c.offload_modules:
+            raise ValueError("offload_modules must name at least one module when "
+                             "fine_grained_activation_offloading is on")
+        if "attn_proj" in c.offload_modules and "core_attn" not in c.offload_modules:
+            raise ValueError("offload_modules: attn_proj needs core_attn (its input is core "
+                             "attention's output, which core attention's backward also reads)")
+        if c.recompute_granularity == "full":
+            raise ValueError("fine_grained_activation_offloading cannot be combined with "
+                             "recompute_granularity='full' (full recompute saves only layer inputs)")
 
 
 def tiny_config(**overrides) -> ModelConfig:

@@ -124,6 +124,8 @@ class SelfAttention(nn.Module):
                                              init_method=_no_init)
         self.linear_proj.weight.shard_spec = ShardSpec(
             (h, a * d), dim=1, std=scaled_std(config.init_std, config.num_layers))
+        # Chapter 06 sets this to wrap core attention: selective recompute and/or offload.
+        self.attend_wrapper = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -134,7 +136,10 @@ class SelfAttention(nn.Module):
         q = qkv[:, :, :, :per].reshape(s, b, self.local_groups * per, d)
         k, v = qkv[:, :, :, per], qkv[:, :, :, per + 1]  # [s, b, g/t, d]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        context = self._attend(q, k, v, attention_mask)  # [s, b, a/t * d]
+        if self.attend_wrapper is None:
+            context = self._attend(q, k, v, attention_mask)  # [s, b, a/t * d]
+        else:
+            context = self.attend_wrapper(self._attend, q, k, v, attention_mask)
         return self.linear_proj(context)
 
     def _attend(self, q, k, v, attention_mask):
@@ -285,6 +290,8 @@ class GPTModel(nn.Module):
         self.config, self.grid, self.rng_tracker = config, grid, rng_tracker
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_offset, self.input_tensor = start, None
+        # Chapter 06's apply_recompute installs the full-recompute loop here and sets the flag.
+        self.layer_runner, self.activation_policy_applied = None, False
         self._build(config, grid, start, end, rng_tracker)
         device = device if device is not None else grid.device
         self.to(device=device, dtype=dtype)  # e.g. bf16 params; the init is drawn in fp32
@@ -347,15 +354,27 @@ class GPTModel(nn.Module):
         The argument order and names are Megatron's (`GPTModel.forward(input_ids, position_ids,
         attention_mask, ..., labels=)`, `megatron/core/models/gpt/gpt_model.py`).
         """
+        self._check_activation_policy()
         hidden = self._stage_input(input_ids)
         cos, sin = self._rope_tables(hidden, position_ids)
         dropout_on = self.config.dropout > 0 and self.training
         with _fork(self.rng_tracker, dropout_on and self.config.sequence_parallel):
-            for layer in self.decoder.layers:
-                hidden = layer(hidden, cos, sin, attention_mask)
+            if self.layer_runner is not None:
+                hidden = self.layer_runner(self.decoder.layers, hidden, cos, sin, attention_mask)
+            else:
+                for layer in self.decoder.layers:
+                    hidden = layer(hidden, cos, sin, attention_mask)
         if not self.post_process:
             return hidden
         return self._head(hidden, labels)
+
+    def _check_activation_policy(self):
+        """ValueError when the config asks for recompute/offload that nobody installed."""
+        c = self.config
+        wanted = c.recompute_granularity is not None or c.fine_grained_activation_offloading
+        if wanted and self.training and torch.is_grad_enabled() and not self.activation_policy_applied:
+            raise ValueError("recompute_granularity / fine_grained_activation_offloading are set: "
+                             "call tinytron.recompute.apply_recompute(model) after building it")
 
     def _stage_input(self, tokens):
         """Embedded tokens on the first stage, the received activation elsewhere; [s, b, h]."""
