@@ -162,6 +162,11 @@ def test_dropout_draws_agree_across_tp(layouts, name):
     for rank_out in layouts:
         r = rank_out[name]
         assert r["tp_ranks_agree"] and r["train_differs"] and r["eval_gap"] == 0.0, r
+        assert 0.1 < r["dropped_fraction"] < 0.3, r  # dropout 0.2 really ran
+        if name == "dropout_sp0":  # one replicated stream: every TP rank computed the same thing
+            assert r["decoder_outputs_agree"] and r["embedding_masks_agree"], r
+        else:  # SP: each rank draws its own chunk's mask from its own stream
+            assert not r["embedding_masks_agree"], r
 
 
 def test_hf_export_from_tp2_pp2_and_import_into_tp2_and_pp2(layouts):

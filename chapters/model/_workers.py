@@ -191,9 +191,30 @@ def dropout_consistency(tp: int, sequence_parallel: bool) -> dict:
     plain = GPTModel(config.replace(dropout=0.0), grid)(tokens, labels=labels).detach()
     peers = [torch.empty_like(train_loss) for _ in range(tp)]
     dist.all_gather(peers, train_loss, group=grid.group("tp"))
+    model.train()
+    # The loss is all-reduced over TP, so equal losses alone would hide differing masks. Compare
+    # what each rank really computed: the decoder output (replicated when SP is off) and the
+    # embedding-dropout mask (one stream for all TP ranks without SP; a per-rank stream with SP,
+    # where each rank drops its own sequence chunk).
+    captured = {}
+    hook = model.decoder.layers[-1].register_forward_hook(
+        lambda mod, args, out: captured.__setitem__("hidden", out.detach()))
+    model(tokens, labels=labels)
+    hook.remove()
+    mask = (model._stage_input(tokens) != 0).to(torch.uint8)
     return {"tp_ranks_agree": all(torch.equal(peers[0], p) for p in peers),
             "train_differs": not torch.allclose(train_loss, eval_loss),
-            "eval_gap": float((eval_loss - plain).abs().max())}
+            "eval_gap": float((eval_loss - plain).abs().max()),
+            "decoder_outputs_agree": _same_on_all_tp_ranks(captured["hidden"], grid),
+            "embedding_masks_agree": _same_on_all_tp_ranks(mask, grid),
+            "dropped_fraction": float(1 - mask.float().mean())}
+
+
+def _same_on_all_tp_ranks(t: torch.Tensor, grid) -> bool:
+    """True when every TP rank holds a bit-identical tensor."""
+    peers = [torch.empty_like(t) for _ in range(grid.size("tp"))]
+    dist.all_gather(peers, t.contiguous(), group=grid.group("tp"))
+    return all(torch.equal(peers[0], p) for p in peers)
 
 
 def hf_roundtrip(folder: str) -> dict:
