@@ -233,7 +233,9 @@ def _check_parity(per_rank):
         if name.startswith("negative control"):
             assert all(c["violations"] for c in case_ranks), name
             continue
-        tol = 3e-2 if name.startswith("bf16") else 1e-5
+        # bf16 params, fp32 main_grad: the reference accumulates the same bf16 micro-batch grads
+        # in fp32, and the measured gap is exactly 0; a reduction done in bf16 would be ~1e-3
+        tol = 1e-6 if name.startswith("bf16") else 1e-5
         for c in case_ranks:
             assert c["grad_err"] < tol, (name, c["grad_err"])
             assert c["param_err"] < tol, (name, c["param_err"])
