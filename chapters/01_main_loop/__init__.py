@@ -5,3 +5,6 @@ from tinytron.main_loop.schedules import (ScheduleConfig, ScheduleEvent, Schedul
                                           forward_backward_no_pipelining,
                                           forward_backward_pipelining_without_interleaving,
                                           get_forward_backward_func)
+from tinytron.main_loop.interleaved import (check_interleaving,
+                                            forward_backward_pipelining_with_interleaving,
+                                            get_pp_rank_microbatches, get_schedule_table)

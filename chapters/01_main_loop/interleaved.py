@@ -1,0 +1,360 @@
+# %% [markdown]
+# # 01 · Schedules: interleaved 1F1B with virtual stages
+#
+# 1F1B leaves every stage idle for $p - 1$ micro-batch slots at the start and at the end of the
+# iteration. Interleaving cuts those slots smaller: each pipeline rank holds $v$ non-adjacent
+# pieces of the model ("virtual stages", model chunks), so a micro-batch visits every rank $v$
+# times and each visit is $1/v$ of a stage's work. This page builds Megatron's schedule table,
+# its warmup count and its constraints, and the interleaved schedule on top of the previous
+# page's pieces.
+#
+# You will build: `get_schedule_table`, `get_pp_rank_microbatches`, `check_interleaving`,
+# `forward_backward_pipelining_with_interleaving`.
+
+# %%
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from tinytron.main_loop.schedules import (ScheduleConfig, _call_all, _check_num_microbatches,
+                                          _check_pipeline, _finalize, _GradSync, _span, _Stage,
+                                          backward_step, deallocate_output_tensor, forward_step,
+                                          tensor_shape)
+from tinytron.parallel import ParallelGrid
+from tinytron.parallel import pipeline_p2p as p2p
+
+__all__ = ["get_schedule_table", "get_pp_rank_microbatches", "check_interleaving",
+           "forward_backward_pipelining_with_interleaving"]
+
+# %% [markdown]
+# ## Virtual stages and what they buy
+#
+# With $p = 2$ ranks, $v = 2$ chunks and 8 layers, rank 0 holds layers 0-1 and 4-5, rank 1 holds
+# 2-3 and 6-7 (appendix B's `build_stage_models`). A micro-batch goes rank 0 → 1 → 0 → 1: the
+# pipeline is $p\,v = 4$ "virtual stages" deep, but each one takes $1/v$ of the time. The
+# ramp-up and ramp-down still cost $p - 1$ slots, now of the short kind, so the bubble shrinks
+# by $v$ (Narayanan et al. 2021, *Efficient Large-Scale Language Model Training on GPU Clusters
+# Using Megatron-LM*, arXiv:2104.04473, §2.2.2): relative to the ideal time it is
+# $\frac{1}{v}\cdot\frac{p-1}{m}$, as a fraction of the iteration
+#
+# $$\text{bubble} = \frac{p-1}{v\,m + p - 1}.$$
+#
+# The price: $v$ times more point-to-point messages, and more activations in flight — the
+# first rank runs more forwards before its first backward (below), a memory factor of
+# $1 + \frac{p-1}{p\,v}$ over 1F1B (chapter 07).
+#
+# ## The schedule table
+#
+# Every rank walks the same list of $m\,v$ **virtual micro-batches**, `(micro-batch, chunk)`
+# pairs. Megatron builds it in groups of $g$ = `microbatch_group_size_per_vp_stage`
+# (default $p$): take micro-batches $[0, g)$ through chunk 0, then the same ones through chunk
+# 1, …, then the next group; the last group takes whatever is left (`get_schedule_table`,
+# `schedules.py:916`). The backward walks the same list with the chunk reversed, $v - 1 - c$.
+# Megatron's own example, $p = 2$, $g = 3$, $m = 5$, $v = 2$ (`schedules.py:1084-1099` in the
+# interleaved function's comments):
+#
+# | virtual id | 0 | 1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 | 9 |
+# |---|---|---|---|---|---|---|---|---|---|---|
+# | micro-batch | 0 | 1 | 2 | 0 | 1 | 2 | 3 | 4 | 3 | 4 |
+# | chunk (forward) | 0 | 0 | 0 | 1 | 1 | 1 | 0 | 0 | 1 | 1 |
+# | chunk (backward) | 1 | 1 | 1 | 0 | 0 | 0 | 1 | 1 | 0 | 0 |
+#
+# Why groups of at least $p$: micro-batch 0 leaves chunk 0 of the last rank after $p$ slots
+# and comes back to chunk 1 of rank 0. If rank 0 had fewer than $p$ micro-batches to push
+# through chunk 0 in the meantime it would idle, waiting for it. Hence the constraints
+# (`schedules.py:1064-1080` of the interleaved function): $p \le g \le m$, and a last group
+# $m \bmod g$ that is either empty or at least $p$ long. With the default $g = p$ that is
+# simply "$m$ divisible by $p$".
+
+# %%
+def get_schedule_table(num_microbatches: int, num_model_chunks: int,
+                       microbatch_group_size_per_vp_stage: int) -> list[tuple[int, int]]:
+    """The (micro-batch, chunk) of each forward virtual micro-batch, in execution order."""
+    m, v, g = num_microbatches, num_model_chunks, microbatch_group_size_per_vp_stage
+    table = []
+    for first in range(0, m, g):
+        group = range(first, min(first + g, m))  # the last group takes what is left
+        table.extend((mb, chunk) for chunk in range(v) for mb in group)
+    return table
+
+
+def check_interleaving(pp_size: int, num_microbatches: int,
+                       microbatch_group_size_per_vp_stage: int) -> None:
+    """ValueError unless p <= g <= m and the last group (m mod g) is empty or >= p."""
+    p, m, g = pp_size, num_microbatches, microbatch_group_size_per_vp_stage
+    if not p <= g <= m:
+        raise ValueError(f"microbatch_group_size_per_vp_stage ({g}) must lie in [pp ({p}), "
+                         f"num_microbatches ({m})]")
+    if 0 < m % g < p:
+        raise ValueError(f"num_microbatches ({m}) mod microbatch_group_size_per_vp_stage ({g}) "
+                         f"= {m % g} must be 0 or >= pp ({p}): a shorter last group leaves "
+                         "the first stage waiting (with the default group size: m % pp != 0)")
+
+# %% [markdown]
+# ## How far ahead each rank runs
+#
+# Rank $r$ runs $w_r = 2\,(p - r - 1) + (v - 1)\,g$ forwards before its first backward
+# (`get_pp_rank_microbatches`, `schedules.py:856`): $(v-1)\,g$ on every rank — the first
+# micro-batch must pass through all chunks but the last before any backward can start — plus
+# two slots per rank below it (one for the forward to reach the end, one for the gradient to
+# come back). If that reaches $m\,v$ everything is warmup (then cooldown): no steady state.
+# Forward-only runs everything as "warmup".
+#
+# The running example with $v = 2$ ($m = 8$, $p = 2$, $g = p = 2$, 8 layers per chunk):
+#
+# | rank | warmup $w_r$ | steady rounds $m v - w_r$ | 1F1B ($v = 1$) warmup |
+# |---|---|---|---|
+# | 0 | $2 \cdot 1 + 1 \cdot 2 = 4$ | 12 | 1 |
+# | 1 | $0 + 2 = 2$ | 14 | 0 |
+#
+# Rank 0 holds up to $w_0 + 1 = 5$ chunk-activations of half a stage each, 2.5 stage-sized
+# micro-batches against 1F1B's 2: the factor $1 + \frac{p-1}{p\,v} = 1.25$. The bubble drops
+# from $1/9 \approx 11\%$ to $(p-1)/(v m + p - 1) = 1/17 \approx 5.9\%$.
+
+# %%
+def get_pp_rank_microbatches(num_microbatches: int, num_model_chunks: int,
+                             microbatch_group_size_per_vp_stage: int, pp_size: int, pp_rank: int,
+                             forward_only: bool = False) -> tuple[int, bool, int, int]:
+    """(total m*v, all in warmup?, warmup count, remaining) for this rank."""
+    total = num_microbatches * num_model_chunks
+    if forward_only:
+        warmup = total
+    else:
+        warmup = 2 * (pp_size - pp_rank - 1)
+        warmup += (num_model_chunks - 1) * microbatch_group_size_per_vp_stage
+    all_warmup = warmup >= total
+    warmup = min(warmup, total)
+    return total, all_warmup, warmup, total - warmup
+
+# %% [markdown]
+# ## The bookkeeping
+#
+# Each chunk keeps three FIFO lists: received inputs, outputs awaiting backward, received
+# output gradients. Two things differ from 1F1B:
+#
+# - **Where a received tensor goes.** A message from the previous rank feeds the chunk of the
+#   *next* virtual micro-batch — except on the "leading" rank (rank 0 in forward, rank $p-1$
+#   in backward): what arrives there was sent by the other end of the pipeline $p - 1$ slots
+#   ago, from chunk $c$, and feeds chunk $c + 1$ (forward) or $c - 1$ (backward); nothing
+#   arrives in the first $p - 1$ slots or from the last chunk (Megatron's
+#   `recv_tensor_from_previous_stage`, inside the interleaved function).
+# - **Which input a forward reads.** Rank 0 can receive chunk 1's inputs before it needs
+#   them, so a forward of micro-batch $i$ reads entry $i - (\text{entries already released by
+#   backward})$ of its chunk's list rather than the newest one.
+#
+# Grad sync: everything runs in `no_sync`; the hooks are let through for the backward of each
+# chunk's last micro-batch (so each chunk's buckets launch as soon as that chunk is done), or,
+# with a `grad_sync_func`, it is called for a chunk $p - 1 - r$ slots later, which lines the
+# launches up across the pipeline ranks.
+
+# %%
+class _Interleaved:
+    """Tables, per-chunk FIFOs and the forward/backward helpers of one rank's interleaved run."""
+
+    def __init__(self, step_func, iterators, model, m, st, config, forward_only, g):
+        self.step_func, self.iterators, self.model, self.m = step_func, iterators, model, m
+        self.st, self.config, self.forward_only, self.v = st, config, forward_only, len(model)
+        self.table = get_schedule_table(m, self.v, g)
+        self.total, self.all_warmup, self.warmup, self.remaining = get_pp_rank_microbatches(
+            m, self.v, g, st.size, st.rank, forward_only)
+        self.inputs = [[] for _ in model]
+        self.outputs = [[] for _ in model]
+        self.grads = [[] for _ in model]
+        self.store, self.synced = [], set()
+        self.total_num_tokens = torch.zeros((), dtype=torch.int, device=st.grid.device)
+        self.sync = _GradSync(config)
+
+    def microbatch(self, k: int) -> int:
+        return self.table[k % self.total][0]
+
+    def chunk(self, k: int, forward: bool) -> int:
+        c = self.table[k % self.total][1]
+        return c if forward else self.v - 1 - c
+
+    def is_last_microbatch_of_chunk(self, k: int) -> bool:
+        return k < self.total and self.table[k][0] == self.m - 1
+
+    def recv_source(self, k: int, forward: bool) -> tuple[bool, int, int]:
+        """(receive?, chunk it feeds, its micro-batch) for the message after virtual step k."""
+        st, p = self.st, self.st.size
+        leading = st.first if forward else st.last
+        if not leading:
+            return True, self.chunk(k + 1, forward), self.microbatch(k + 1)
+        src = k - (p - 1)  # the other end of the pipeline is p-1 slots behind
+        c = self.chunk(max(src, 0), forward)
+        recv = src >= 0 and c != (self.v - 1 if forward else 0)
+        return recv, c + (1 if forward else -1), self.microbatch(max(src, 0))
+
+    def released(self, k: int, c: int) -> int:
+        """How many entries of chunk c's input list backward (or forward-only) already popped."""
+        chunks = [row[1] for row in self.table]
+        if self.forward_only:
+            return chunks[:k].count(c)
+        if k < self.warmup:
+            return 0
+        return chunks[:k - self.warmup].count(self.v - 1 - c)
+
+    def is_last_chunk(self, c: int) -> bool:
+        return c == self.v - 1 and self.st.last
+
+    def is_first_chunk(self, c: int) -> bool:
+        return c == 0 and self.st.first
+
+    def forward(self, k: int):
+        """Forward of virtual micro-batch k (its chunk and micro-batch from the table)."""
+        c, mb = self.chunk(k, True), self.microbatch(k)
+        if self.is_first_chunk(c) and len(self.inputs[c]) == len(self.outputs[c]):
+            self.inputs[c].append(None)  # the first chunk of rank 0 reads tokens, not a message
+        x = self.inputs[c][mb - self.released(k, c)]
+        with _span(self.config, self.st.rank, c, mb, "forward"):
+            y, n = forward_step(self.step_func, self.iterators[c], self.model[c], self.m, x,
+                                self.store, self.config, self.is_last_chunk(c),
+                                self.st.grid.size("cp"))
+        self.total_num_tokens.add_(n.to(self.total_num_tokens.device))
+        self.outputs[c].append(y)
+        if self.forward_only:  # nothing to keep for a backward
+            self.inputs[c].pop(0)
+            self.outputs[c].pop()
+        return y
+
+    def backward(self, k: int):
+        """Backward of virtual micro-batch k: chunk reversed, oldest stored pair of that chunk."""
+        c, mb, cfg = self.chunk(k, False), self.microbatch(k), self.config
+        if cfg.grad_sync_func is None and self.is_last_microbatch_of_chunk(k):
+            self.sync.enable()  # this chunk is done after this backward: let its buckets go
+            self.synced.add(c)
+        if self.is_last_chunk(c) and not self.grads[c]:
+            self.grads[c].append(None)  # the loss needs no incoming gradient
+        x, y, dy = self.inputs[c].pop(0), self.outputs[c].pop(0), self.grads[c].pop(0)
+        with _span(cfg, self.st.rank, c, mb, "backward"):
+            dx = backward_step(x, y, dy, cfg)
+        j = k - self.st.rank  # custom grad sync: aligned across the pipeline ranks
+        if cfg.grad_sync_func is not None and j >= 0 and self.is_last_microbatch_of_chunk(j):
+            cj = self.chunk(j, False)
+            self.sync.enable()
+            _chunk_func(cfg.grad_sync_func, cj)()
+            self.synced.add(cj)
+        self.sync.disable()
+        return dx
+
+    def exchange(self, y, y_ids, dx, dx_ids, recv_prev, prev_ids, recv_next, next_ids):
+        """One batched exchange in up to four directions, recorded with the moved ids."""
+        events = ([("send",) + y_ids] if y is not None else []) + \
+                 ([("send",) + dx_ids] if dx is not None else []) + \
+                 ([("recv",) + prev_ids] if recv_prev else []) + \
+                 ([("recv",) + next_ids] if recv_next else [])
+        st = self.st
+        return st._timed(events, lambda: p2p.send_forward_backward_recv_forward_backward(
+            y, dx, recv_prev, recv_next, st.shape, st.grid, st.dtype))
+
+
+def _chunk_func(funcs, c: int):
+    return funcs[c] if isinstance(funcs, (list, tuple)) else funcs
+
+# %% [markdown]
+# ## The schedule
+#
+# The same three phases as 1F1B, over virtual micro-batches (`schedules.py:946`, without
+# Megatron's optional `overlap_p2p_comm`, which posts the same messages asynchronously):
+#
+# 1. **warmup**, $k < w_r$: forward $k$, then one exchange that sends its output and receives
+#    the next input; the last warmup exchange also receives the first output gradient;
+# 2. **steady**: forward $k + w_r$ and backward $k$, then one exchange in all four
+#    directions;
+# 3. **cooldown**: the remaining backwards, each followed by sending its input gradient and
+#    receiving the next output gradient; then the grad syncs not launched yet, and
+#    `finalize_model_grads` over all chunks.
+#
+# Outputs are pseudo-freed after their send exactly as in 1F1B. The loss exists only on the
+# last chunk of the last rank.
+
+# %%
+def _warmup(run: _Interleaved) -> None:
+    for k in range(run.warmup):
+        c = run.chunk(k, True)
+        recv_prev, next_c, next_mb = run.recv_source(k, True)
+        recv_prev = recv_prev and k != run.total - 1
+        y = run.forward(k)
+        y = None if run.is_last_chunk(c) else y
+        last = k == run.warmup - 1 and not run.forward_only and not run.all_warmup
+        recv_next = last and not run.st.last
+        x, dy = run.exchange(y, (c, run.microbatch(k)), None, None, recv_prev, (next_c, next_mb),
+                             recv_next, (run.v - 1, 0))
+        if last:
+            run.grads[run.v - 1].append(dy)
+        if recv_prev:
+            run.inputs[next_c].append(x)
+        deallocate_output_tensor(y, run.config.deallocate_pipeline_outputs)
+
+
+def _steady(run: _Interleaved) -> None:
+    for k in range(run.remaining):
+        fk = k + run.warmup
+        y, dx = run.forward(fk), run.backward(k)
+        fc, bc = run.chunk(fk, True), run.chunk(k, False)
+        y = None if run.is_last_chunk(fc) else y
+        dx = None if run.is_first_chunk(bc) else dx
+        recv_prev, next_fc, next_fmb = run.recv_source(fk, True)
+        recv_next, next_bc, next_bmb = run.recv_source(k, False)
+        recv_prev = recv_prev and k != run.remaining - 1
+        x, dy = run.exchange(y, (fc, run.microbatch(fk)), dx, (bc, run.microbatch(k)), recv_prev,
+                             (next_fc, next_fmb), recv_next, (next_bc, next_bmb))
+        deallocate_output_tensor(y, run.config.deallocate_pipeline_outputs)
+        if recv_prev:
+            run.inputs[next_fc].append(x)
+        if recv_next:
+            run.grads[next_bc].append(dy)
+
+
+def _cooldown(run: _Interleaved) -> None:
+    st = run.st
+    if run.all_warmup:
+        ids = [] if st.last else [("recv", run.v - 1, 0)]
+        run.grads[run.v - 1].append(st._timed(ids, lambda: p2p.recv_backward(
+            st.shape, st.grid, st.dtype)))
+    for k in range(run.remaining, run.total):
+        c = run.chunk(k, False)
+        recv_next, next_c, next_mb = run.recv_source(k, False)
+        recv_next = recv_next and k != run.total - 1
+        dx = run.backward(k)
+        dx = None if run.is_first_chunk(c) else dx
+        _, dy = run.exchange(None, None, dx, (c, run.microbatch(k)), False, None, recv_next,
+                             (next_c, next_mb))
+        if recv_next:
+            run.grads[next_c].append(dy)
+    run.sync.enable()
+    if run.config.grad_sync_func is not None:
+        for c in range(run.v):
+            if c not in run.synced:
+                _chunk_func(run.config.grad_sync_func, c)()
+
+
+def forward_backward_pipelining_with_interleaving(
+        *, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
+        micro_batch_size: int, grid: ParallelGrid, forward_only: bool = False,
+        config: ScheduleConfig | None = None) -> list[dict]:
+    """Interleaved 1F1B over this rank's v model chunks (one data iterator per chunk)."""
+    config = config or ScheduleConfig()
+    model = list(model) if isinstance(model, (list, tuple)) else [model]
+    if not isinstance(data_iterator, (list, tuple)) or len(data_iterator) != len(model):
+        n = len(data_iterator) if isinstance(data_iterator, (list, tuple)) else 1
+        raise ValueError(f"the interleaved schedule needs one data iterator per model chunk: "
+                         f"{len(model)} chunks, {n} iterator(s)")
+    _check_num_microbatches(num_microbatches)
+    _check_pipeline(grid)
+    g = config.microbatch_group_size_per_vp_stage or grid.size("pp")
+    check_interleaving(grid.size("pp"), num_microbatches, g)
+    st = _Stage(grid, config, tensor_shape(model[0], seq_length, micro_batch_size, grid, config))
+    run = _Interleaved(forward_step_func, list(data_iterator), model, num_microbatches, st,
+                       config, forward_only, g)
+    if not forward_only:
+        run.sync.disable()
+    run.inputs[0].append(st.recv_forward(0))  # None on rank 0
+    _warmup(run)
+    _steady(run)
+    if not forward_only:
+        _cooldown(run)
+        _finalize(config, model, grid, run.total_num_tokens)
+    return run.store
