@@ -502,7 +502,31 @@ def test_chained_optimizer_state_dict_roundtrip():
     sd = chain.state_dict()
     with pytest.raises(ValueError, match="state dicts"):
         chain.load_state_dict(sd[:1])
-    chain.load_state_dict(sd)
+    # fresh chains over copies of the params, one loaded from (a copy of) the state dict and one
+    # not; all three step on with the same grads. torch's state_dict() returns the live tensors,
+    # so the copy stands for the round trip through a file.
+    import copy
+
+    def twin():
+        qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+        return qs, ChainedOptimizer([AdamW([qs[0]], lr=0.1), Lion([qs[1]], lr=0.1)])
+
+    (qs, loaded), (us, blank) = twin(), twin()
+    loaded.load_state_dict(copy.deepcopy(sd))
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        grads = [torch.randn(3, generator=gen) for _ in ps]
+        for params in (ps, qs, us):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+        chain.step(), loaded.step(), blank.step()
+    assert all(torch.equal(p, q) for p, q in zip(ps, qs))
+    lion_m = [o.chained_optimizers[1].state[q[1]]["exp_avg"] for o, q in
+              ((chain, ps), (loaded, qs), (blank, us))]
+    assert torch.equal(lion_m[0], lion_m[1])
+    # the state really mattered: Adam's step and Lion's momentum differ without it (Lion's
+    # sign update alone can coincide, so its momentum is compared)
+    assert not torch.equal(ps[0], us[0]) and not torch.equal(lion_m[0], lion_m[2])
 
 
 # ---------------------------------------------------------------- GPU
