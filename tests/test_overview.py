@@ -384,6 +384,10 @@ def test_token_logprobs_and_rollout_masks():
             assert all(t == 30 for t in row[e + 1:]) and not any(live[e + 1:])
     mask = completion_loss_mask(generated, 3)
     assert mask.shape == (6, 6) and mask[:, :2].sum() == 0
+    # log-prob position t predicts token t+1: positions 2.. are the generated tokens, trained
+    # exactly where the sampler says a token was generated (an inverted mask fails here)
+    assert torch.equal(mask[:, 2:], generated.float())
+    assert 0 < generated.sum() < generated.numel()  # both kinds of position are present
 
 
 # ---------------------------------------------------------------- three modes, one train_step
