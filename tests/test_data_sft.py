@@ -50,7 +50,10 @@ def test_cp_padding_makes_segments_divisible_and_trains_the_same_tokens(path, cp
         assert all(n % (2 * cp) == 0 for n in lengths) and b["cu_seqlens"][-1] == 64
         assert torch.equal(a["labels"][a["loss_mask"] > 0], b["labels"][b["loss_mask"] > 0])
         assert b["tokens"].shape == (64,) and b["attention_mask"].shape == (1, 64, 64)
-    assert pad_segments_for_context_parallel(plain[0], 1, 64) is not None
+    row = plain[0]
+    assert pad_segments_for_context_parallel(row, 1, 64) is row  # cp = 1: nothing to pad
+    with pytest.raises(ValueError, match="seq_length 60 must be a multiple of 2\\*cp = 8"):
+        pad_segments_for_context_parallel(row, 8, 60)
 
 
 def test_too_long_record_and_bad_lines(path, tmp_path):
