@@ -1,0 +1,304 @@
+# %% [markdown]
+# # C.1 · Kernels: RMSNorm, one pass forward and one pass backward
+#
+# Every layer normalises the residual stream twice. In eager PyTorch that is nine small ops,
+# each streaming the whole activation through memory; a kernel reads the row once, keeps it in
+# registers, and writes the result once. This page writes that kernel in Triton, its backward
+# (with the weight gradient reduced across row blocks), and counts the bytes it saves.
+#
+# You will build: `rms_norm` (the Triton path, an autograd function over two kernels) beside
+# `rms_norm_reference` (the torch code it replaces), and `rms_norm_bytes` (its memory traffic).
+
+# %%
+from __future__ import annotations
+
+import torch
+
+from tinytron.kernels._triton import check_tensor, num_row_programs, tl, triton
+
+__all__ = ["rms_norm", "rms_norm_reference", "rms_norm_bytes"]
+
+# %% [markdown]
+# ## What the eager version costs
+#
+# $y = w \odot \mathrm{cast}\big(x \cdot r\big)$ with $r = 1/\sqrt{\overline{x^2} + \epsilon}$, the
+# statistics in fp32 even for bf16 input, and the cast back to the input dtype *before* the
+# weight (appendix B's `RMSNorm`, the Hugging Face convention). The reference below is exactly
+# appendix B's forward. Eagerly it runs `to(float32)`, `pow`, `mean`, `add`, `rsqrt`, `mul`,
+# `to(bfloat16)`, `mul`: every op reads its inputs from memory and writes its output back, and
+# the fp32 temporaries are twice the size of the bf16 activation. The demo counts these bytes op
+# by op (a dispatch mode that sums each op's input and output sizes): **36 bytes per element
+# forward for bf16 input, against 4 for the kernel** (read $x$ once, write $y$ once), and 96
+# against 6 in the backward, whose autograd graph is twice as long. Autograd also keeps 6 bytes
+# per element for the backward (an fp32 copy of $x$ and the bf16 normalised row) where the
+# kernel keeps the 2-byte input, which the previous layer's output already is, and one fp32
+# $r$ per row.
+#
+# Worked example, one row $x = [1, 2, 3, 4]$, $\epsilon = 0$: $\overline{x^2} = 30/4 = 7.5$,
+# $r = 0.3651$, normalised row $[0.365, 0.730, 1.095, 1.461]$.
+#
+# ## The forward kernel: one program per row
+#
+# A program loads its whole row (`BLOCK_H`, the next power of two $\ge h$, with a mask for the
+# ragged tail: $h = 100$ loads 128 lanes, 28 masked), squares and sums it in fp32, and writes
+# $y$ and the row's $r$, which the backward reuses instead of recomputing the sum. For
+# $h = 4096$ a row is 8 KiB of bf16: it fits in one program's registers, so $x$ is read exactly
+# once. Megatron gets this fusion from Transformer Engine's RMSNorm (`TENorm`,
+# `megatron/core/extensions/transformer_engine.py:675`) or Apex's persistent layer norm
+# (`megatron/core/fusions/fused_layer_norm.py:30`).
+
+# %%
+@triton.jit
+def _rmsnorm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, eps, BLOCK_H: tl.constexpr):
+    """y[row] = w * cast(x[row] * rstd), rstd = 1/sqrt(mean(x^2) + eps) in fp32."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    normed = (x * rstd).to(w.dtype)  # rounded to the input dtype before the weight, like torch
+    y = normed.to(tl.float32) * w.to(tl.float32)
+    tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row, rstd)
+
+
+# %% [markdown]
+# ## The backward: dx per row, dw reduced across row blocks
+#
+# With $n = x r$ (fp32), $\hat n = \mathrm{cast}(n)$ and upstream gradient $g$:
+#
+# $$\frac{\partial L}{\partial w} = \sum_{\text{rows}} g \odot \hat n, \qquad
+#   \frac{\partial L}{\partial x} = r \Big(u - n\,\overline{u \odot n}\Big), \quad u = g \odot w,$$
+#
+# the second because $\partial r / \partial x_j = -r^3 x_j / h$. The row terms are local to a
+# row; the weight gradient is a sum over **all** rows, which no single program sees. The
+# backward therefore launches $G$ programs (four per SM on a GPU); program $p$ walks rows
+# $p, p + G, p + 2G, \dots$, accumulates its partial $\sum g \odot \hat n$ in fp32 registers,
+# and writes one row of a $[G, h]$ buffer; a last reduction over $G$ gives $\partial L/\partial w$.
+# Two stages keep the sum deterministic, with no atomics. (Under sequence parallelism each TP
+# rank has summed only its own tokens; chapter 05's `finalize_model_grads` all-reduces the
+# weight gradient over TP, exactly as for the torch path.)
+#
+# ```mermaid
+# flowchart LR
+#   subgraph rows["rows of x, g (N = 12), G = 4 programs"]
+#     r0["rows 0, 4, 8 → program 0"]
+#     r1["rows 1, 5, 9 → program 1"]
+#     r2["rows 2, 6, 10 → program 2"]
+#     r3["rows 3, 7, 11 → program 3"]
+#   end
+#   r0 --> P["partial dw [G, h] (fp32)"]
+#   r1 --> P
+#   r2 --> P
+#   r3 --> P
+#   P -->|"sum over G"| W["dw [h]"]
+#   rows --> DX["dx, written row by row"]
+# ```
+
+# %%
+@triton.jit
+def _rmsnorm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, n_rows, n_cols,
+                        BLOCK_H: tl.constexpr):
+    """dx for rows pid, pid+G, ...; this program's partial sum of dy * cast(x * rstd)."""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < n_cols
+    w_raw = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    w = w_raw.to(tl.float32)
+    dw = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for row in range(pid, n_rows, num_programs):
+        offs = tl.cast(row, tl.int64) * n_cols + cols
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        normed = x * rstd
+        dw += dy * normed.to(w_raw.dtype).to(tl.float32)
+        u = dy * w
+        dx = rstd * (u - normed * (tl.sum(u * normed, axis=0) / n_cols))
+        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dw_partial_ptr + pid.to(tl.int64) * n_cols + cols, dw, mask=mask)
+
+
+# %% [markdown]
+# ## The autograd function and the reference beside it
+#
+# `rms_norm` flattens the leading dims into rows, checks what the kernels cannot take (a
+# dtype other than fp32/bf16/fp16, a weight of another dtype or size, a non-contiguous input:
+# each a `ValueError` naming it, never a wrong result) and saves $x$, $w$ and the $N$ fp32
+# values of $r$. A non-contiguous upstream gradient is made contiguous in the backward (autograd
+# may hand one over; copying it is correct, only slower). `rms_norm_bytes` is the kernel's
+# traffic: what its loads and stores touch.
+
+# %%
+def _check_rms_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """ValueError for inputs the kernels cannot take."""
+    check_tensor("rms_norm input x", x)
+    check_tensor("rms_norm weight", weight, dims=1, dtype=x.dtype)
+    if weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"rms_norm weight has {weight.shape[0]} entries, x has hidden size "
+                         f"{x.shape[-1]}")
+    if x.shape[-1] > 65536:
+        raise ValueError(f"rms_norm hidden size {x.shape[-1]} > 65536 does not fit one program")
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        h = x.shape[-1]
+        x2 = x.view(-1, h)
+        y = torch.empty_like(x2)
+        rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+        block = triton.next_power_of_2(h)
+        _rmsnorm_fwd_kernel[(x2.shape[0],)](x2, weight, y, rstd, h, eps, BLOCK_H=block)
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, rstd = ctx.saved_tensors
+        n_rows, h = x2.shape
+        dy2 = dy.contiguous().view(n_rows, h)
+        dx = torch.empty_like(x2)
+        grid = num_row_programs(n_rows, x2.device)
+        dw_partial = torch.empty(grid, h, dtype=torch.float32, device=x2.device)
+        _rmsnorm_bwd_kernel[(grid,)](dy2, x2, weight, rstd, dx, dw_partial, n_rows, h,
+                                     BLOCK_H=triton.next_power_of_2(h))
+        return dx.view(ctx.shape), dw_partial.sum(0).to(weight.dtype), None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """RMSNorm over the last dim of x with the Triton kernels (forward and backward)."""
+    _check_rms_inputs(x, weight)
+    return _RMSNorm.apply(x, weight, float(eps))
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """The eager torch code the kernel replaces (appendix B's RMSNorm.forward)."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rms_norm_bytes(num_rows: int, hidden: int, dtype: torch.dtype,
+                   num_programs: int = 528) -> dict[str, int]:
+    """Bytes the kernels read + write: forward x, w in, y, rstd out; backward dy, x, w, rstd in,
+    dx and the [G, h] fp32 partials out (G = 4 per SM, 528 on an H100 SXM)."""
+    e = torch.empty((), dtype=dtype).element_size()
+    act = num_rows * hidden * e
+    forward = 2 * act + hidden * e + 4 * num_rows
+    backward = 3 * act + hidden * e + 4 * num_rows + 2 * 4 * num_programs * hidden
+    return {"forward": forward, "backward": backward}
+
+
+# %% [markdown]
+# ## The roofline for the running example
+#
+# A TP rank of the running example (TP 2 with sequence parallelism, micro-batch 2, $s = 4096$)
+# normalises $s b / t = 4096$ tokens of $h = 4096$: 32 MiB of bf16. About 4 FLOPs per element
+# against 4 bytes moved is an arithmetic intensity of ~1 FLOP/byte, far below an H100's ridge
+# of $989\,\text{TFLOP/s} / 3.35\,\text{TB/s} = 295$ FLOP/byte: the kernel is memory-bound,
+# and its best possible time is its bytes over the bandwidth.
+#
+# | pass | kernel bytes | kernel roofline (H100 SXM) | eager bytes (36 / 96 B per element) | eager roofline |
+# |---|---|---|---|---|
+# | forward | 67.1 MB | 20.0 µs | 606 MB | 181 µs |
+# | backward | 118.0 MB (17.3 MB of it fp32 partials) | 35.2 µs | 1,614 MB | 482 µs |
+#
+# A pipeline stage of the running example holds 16 layers, so 32 norms run per micro-batch: the
+# eager forward and backward would spend ~21 ms of pure memory time on normalisation per
+# micro-batch, the kernels ~1.8 ms. The benchmark (`benchmarks/bench_kernels.py`) measures the achieved bandwidth on a GPU.
+
+# %% [markdown]
+# ## Demo: equal to the reference, in fp32 and bf16, at a ragged width
+#
+# Rows of width 100 (a ragged block: 128 lanes, 28 masked) in fp32 and bf16 through both
+# paths, forward and backward, with a non-contiguous upstream gradient; then the bytes each
+# path moves, counted op by op for eager and from the kernel's loads and stores; then what
+# autograd keeps for the backward. On a CPU the kernels run under Triton's interpreter.
+
+# %%
+if __name__ == "__main__":
+    from tinytron.kernels._measure import EagerTraffic, saved_tensor_bytes
+
+    def both_paths(dtype, n_rows=24, hidden=100):
+        """Forward + backward through the kernel and the reference on the same inputs."""
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(n_rows, hidden, generator=gen).to(dtype)
+        w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+        dy = torch.randn(hidden, n_rows, generator=gen).to(dtype).t()  # non-contiguous grad
+        out = []
+        for fn in (rms_norm, rms_norm_reference):
+            xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+            y = fn(xi, wi, 1e-5)
+            y.backward(dy)
+            out.append((y.float(), xi.grad.float(), wi.grad.float()))
+        # the largest difference relative to the largest reference value, per tensor
+        return [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*out)]
+
+    gaps32, gaps16 = both_paths(torch.float32), both_paths(torch.bfloat16)
+    print("fp32 max |triton - torch| / max |torch| (y, dx, dw):", [f"{g:.1e}" for g in gaps32])
+    print("bf16 max |triton - torch| / max |torch| (y, dx, dw):", [f"{g:.1e}" for g in gaps16])
+
+    n_rows, hidden = 64, 256
+    x = torch.randn(n_rows, hidden, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(hidden, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(n_rows, hidden, dtype=torch.bfloat16)
+    with EagerTraffic() as eager:
+        y = rms_norm_reference(x, w)
+        eager.phase = "backward"
+        y.backward(dy)
+    elements = n_rows * hidden
+    per_elem = {p: eager.total(p) / elements for p in ("forward", "backward")}
+    fused = rms_norm_bytes(n_rows, hidden, torch.bfloat16, num_programs=0)
+    print("eager forward ops:", " ".join(eager.op_names("forward")))
+    print(f"bytes per element, eager: forward {per_elem['forward']:.1f}, backward "
+          f"{per_elem['backward']:.1f}; kernel: forward {fused['forward'] / elements:.1f}, "
+          f"backward {fused['backward'] / elements:.1f}")
+    _, saved_eager = saved_tensor_bytes(rms_norm_reference, x, w)
+    _, saved_kernel = saved_tensor_bytes(rms_norm, x, w)
+    print(f"saved for backward: eager {saved_eager / elements:.2f} B/element, "
+          f"kernel {saved_kernel / elements:.2f} B/element")
+
+    try:
+        rms_norm(torch.randn(8, 6).t(), torch.ones(8))
+        raise AssertionError("a transposed input must be refused")
+    except ValueError as err:
+        print("refused:", err)
+
+    assert max(gaps32) < 1e-5
+    assert max(gaps16) < 2 ** -6  # a couple of bf16 roundings (bf16 keeps 8 significant bits)
+    assert round(per_elem["forward"]) == 36 and round(per_elem["backward"]) == 96
+    assert round(fused["forward"] / elements) == 4 and round(fused["backward"] / elements) == 6
+    assert saved_eager > 2.5 * saved_kernel
+
+# %% [markdown]
+# ## Summary
+#
+# - One program per row reads $x$ once and writes $y$ and the row's $r$: 4 bytes per bf16
+#   element against 36 for the nine eager ops.
+# - The backward reuses $r$, writes $\partial L/\partial x$ row by row, and reduces
+#   $\partial L/\partial w$ in two deterministic stages: per-program partials, then a sum.
+# - Statistics in fp32, the cast before the weight, and the tolerances stated: fp32 equal to
+#   $10^{-5}$, bf16 within bf16 rounding.
+#
+# ## How production does it
+#
+# - Megatron takes the fused norm from Transformer Engine (`TENorm`,
+#   `megatron/core/extensions/transformer_engine.py:675`, with a fused residual variant at
+#   `:505`) or Apex (`megatron/core/fusions/fused_layer_norm.py:30`, persistent kernels for a
+#   list of hidden sizes at `:73`); `megatron/core/transformer/torch_norm.py` is the eager
+#   fallback this page's reference mirrors.
+# - Fusing the norm into the next matmul (`TELayerNormColumnParallelLinear`,
+#   `transformer_engine.py:989`) removes even the write of $y$.
+#
+# ## Exercises
+#
+# 1. Fuse the residual add into the forward: read $x$ and the residual, write the new residual
+#    and $y$. How many bytes per element does that save over two kernels?
+# 2. Replace the two-stage weight reduction with `tl.atomic_add`. What changes in the result
+#    from run to run, and why does that matter for chapter 08's reproducibility checks?
+# 3. At which hidden size does one row no longer fit one program's registers, and what would
+#    a two-pass (sum, then normalise) kernel cost in extra reads?
