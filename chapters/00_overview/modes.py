@@ -154,6 +154,14 @@ def _accuracy(model, problems, tok, group_size=8, seed=0) -> float:
     return float(collect_rollouts(model, frozen, problems, tok, group_size, generator=g)["rewards"].mean())
 
 
+@torch.no_grad()
+def _completion_logprob(model, batch: dict) -> torch.Tensor:
+    """[b] mean log-prob of each sequence's generated tokens under the current model."""
+    logp = token_logprobs(model(batch["tokens"]), batch["tokens"])
+    mask = batch["loss_mask"]
+    return (logp * mask).sum(1) / mask.sum(1).clamp_min(1)
+
+
 if __name__ == "__main__":
     import matplotlib.pyplot as plt
 
@@ -179,13 +187,16 @@ if __name__ == "__main__":
     rl_config = GRPOConfig(group_size=8, clamp_eps_lower=0.2, clamp_eps_upper=0.28, kl_beta=0.01,
                            inference_logprobs_is_correction=True, is_truncation_coef=2.0)
     rl_step = partial(rl_forward_step, config=rl_config)
-    clipped = []
+    clipped, moved = [], []
     for it in range(8):
         batch = collect_rollouts(model, ref_model, problems, tok, rl_config.group_size, generator=g)
         history["rl"].append(float(batch["rewards"].mean()))
+        before = _completion_logprob(model, batch)
         for _ in range(rl_config.grpo_iterations):  # pass 1: ratio 1; pass 2: the clip can act
             stats = train_step(model, opt, [batch], rl_step)
             clipped.append(stats["rl/clipped_above"] + stats["rl/clipped_below"])
+        # what GRPO promises: completions with a positive advantage became more likely
+        moved.append(float((batch["advantages"] * (_completion_logprob(model, batch) - before)).sum()))
     acc_after_rl = _accuracy(model, problems, tok)
     print(f"model: {name}; pretrain loss {history['pretrain'][0]:.3f} -> {history['pretrain'][-1]:.3f}; "
           f"SFT loss {history['sft'][0]:.3f} -> {history['sft'][-1]:.3f}")
@@ -203,6 +214,9 @@ if __name__ == "__main__":
     assert history["pretrain"][-1] < 0.6 * history["pretrain"][0]
     assert history["sft"][-1] < history["sft"][0]
     assert acc_after_rl >= acc_after_sft - 0.05
+    print("advantage-weighted change of the completions' mean log-prob per RL iteration:",
+          [round(m, 3) for m in moved])
+    assert sum(m > 0 for m in moved) >= 6 and sum(moved) > 0  # RL moved the policy the right way
     assert max(clipped[0::2]) == 0 and max(clipped[1::2]) > 0   # ratio is 1 on a fresh rollout
 
 # %% [markdown]
