@@ -1,1 +1,18 @@
 """08 · Reliability, observability and the full-iteration CUDA graph."""
+
+from tinytron.reliability.rerun_state_machine import (
+    EXIT_CODE_FAILED_ON_RESULT_VALIDATION, EXIT_CODE_RESUME_TO_DISAMBIGUATE, RerunDataIterator,
+    RerunDiagnostic, RerunMode, RerunState, RerunStateMachine, RerunValidationStatus,
+    compare_floats)
+from tinytron.reliability.result_checks import (RerunConfig, RerunErrorInjector,
+                                                build_rerun_state_machine, check_grad_norms,
+                                                check_loss, checked_loss_func,
+                                                get_skipped_iterations_from_tracker_file)
+
+__pages__ = ["rerun_state_machine", "result_checks"]
+
+__all__ = ["EXIT_CODE_FAILED_ON_RESULT_VALIDATION", "EXIT_CODE_RESUME_TO_DISAMBIGUATE",
+           "RerunDataIterator", "RerunDiagnostic", "RerunMode", "RerunState", "RerunStateMachine",
+           "RerunValidationStatus", "compare_floats", "RerunConfig", "RerunErrorInjector",
+           "build_rerun_state_machine", "check_grad_norms", "check_loss", "checked_loss_func",
+           "get_skipped_iterations_from_tracker_file"]

@@ -1,0 +1,358 @@
+# %% [markdown]
+# # 08 · Result checks: what is validated, where, and what the next launch skips
+#
+# The rerun state machine of the previous page judges whatever it is handed. This page decides
+# *what* it is handed, with Megatron's settings: the loss of every micro-batch (NaN, Inf, a
+# spike), the norm of every gradient bucket before it is reduced (NaN, Inf, unexpectedly large),
+# the configuration that switches each check, Megatron's own random error injector, and the
+# bookkeeping that lets a relaunched job skip an iteration whose data is bad.
+
+# %%
+from __future__ import annotations
+
+import random
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from tinytron.reliability.rerun_state_machine import (COMPARISON_MATCH, COMPARISON_MISMATCH,
+                                                      RerunDiagnostic, RerunMode, RerunState,
+                                                      RerunStateMachine, default_identity)
+
+__all__ = ["SPIKY_LOSS_FACTOR", "LARGE_GRAD_FACTOR", "RerunConfig", "RerunErrorInjector",
+           "build_rerun_state_machine", "check_loss", "check_grad_norms", "bucket_grad_norms",
+           "checked_loss_func", "parse_tracker_file", "get_skipped_iterations_from_tracker_file",
+           "dummy_train_step"]
+
+# %% [markdown]
+# ## The checks and their settings
+#
+# | value | check | tolerance | fatal | switch (default) | Megatron |
+# |---|---|---|---|---|---|
+# | micro-batch loss | NaN, Inf | 0 | yes | `check_for_nan_in_loss_and_grad` (on) | `pretrain_gpt.py:150-166` |
+# | micro-batch loss | $\ge 10\times$ running max | 0 | no | `check_for_spiky_loss` (off) | `pretrain_gpt.py:167-178` |
+# | bucket grad norm | NaN, Inf | 0.001 | yes | `check_for_nan_in_loss_and_grad` (on) | `param_and_grad_buffer.py:313-348` |
+# | bucket grad norm | $\ge 10\times$ running max | 0.001 | no | `check_for_large_grads` (off) | same |
+#
+# The loss is checked **locally**, per micro-batch and before any data-parallel reduction, so
+# the rank whose GPU produced the NaN is the rank that reports it. The gradient norm is checked
+# per bucket, right before the bucket's reduce-scatter or all-reduce, for the same reason:
+# after the collective every rank holds the NaN and nobody knows where it came from.
+# The gradient tolerance is 0.001 because a rerun of a backward with non-deterministic kernels
+# (flash attention's dK/dV accumulation) legitimately differs in the last bits.
+#
+# `RerunConfig` carries Megatron's names and defaults
+# (`megatron/training/config/resilience_config.py:8-29`, `arguments.py:2535-2541`). Note the
+# default: **validation is on** (`rerun_mode = "validate_results"`).
+
+# %%
+SPIKY_LOSS_FACTOR = 10.0  # pretrain_gpt.py:118
+LARGE_GRAD_FACTOR = 10.0  # param_and_grad_buffer.py
+
+
+@dataclass
+class RerunConfig:
+    """Result validation settings (Megatron's names and defaults)."""
+
+    rerun_mode: str = "validate_results"
+    """disabled | validate_results | report_determinism_stats."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """Reject NaN/Inf losses and bucket grad norms (fatal)."""
+    check_for_spiky_loss: bool = False
+    """Reject a loss >= 10x the max of the first 100 (non-fatal)."""
+    check_for_large_grads: bool = False
+    """Reject a bucket grad norm >= 10x the max of the first 100 (non-fatal)."""
+    error_injection_rate: int = 0
+    """Megatron's random injector: about one rejection per N validations (0 = off)."""
+    error_injection_type: str = "transient_error"
+    """The verdict the random injector forces: transient_error | persistent_error | correct_result."""
+    result_rejected_tracker_filename: Optional[str] = None
+    """Append-only file of validation events; read back to skip bad iterations."""
+
+    def __post_init__(self):
+        if self.rerun_mode not in {m.value for m in RerunMode}:
+            raise ValueError(f"rerun_mode must be one of {[m.value for m in RerunMode]}, "
+                             f"got {self.rerun_mode!r}")
+        if self.error_injection_type not in {d.value for d in RerunDiagnostic}:
+            raise ValueError(f"error_injection_type must be one of "
+                             f"{[d.value for d in RerunDiagnostic]}, got {self.error_injection_type!r}")
+        if self.error_injection_rate < 0:
+            raise ValueError(f"error_injection_rate must be >= 0, got {self.error_injection_rate}")
+
+
+# %% [markdown]
+# ## Megatron's random error injector
+#
+# To test the machinery on a healthy run, `RerunErrorInjector` (`rerun_state_machine.py:1264`)
+# rejects a result about once per `error_injection_rate` validations — it draws
+# `randint(0, rate-1)` from Python's `random`, which the machine saves and restores, so a rerun
+# draws the same number — and then *forces* the rerun's comparison to the verdict it was told
+# to fake: `transient_error` mismatches in place, `persistent_error` matches in place and
+# mismatches from the checkpoint, `correct_result` always matches (`maybe_miscompare`, `:1306`).
+# It only exercises the control flow: the values are never corrupted. The next page's
+# `FaultInjector` corrupts real values at a chosen iteration and rank.
+
+# %%
+class RerunErrorInjector:
+    """Reject about one result in `rate` and force the rerun's verdict (values are untouched)."""
+
+    def __init__(self, error_injection_rate: int = 0,
+                 error_injection_type: RerunDiagnostic | str = RerunDiagnostic.TRANSIENT_ERROR):
+        if error_injection_rate < 0:
+            raise ValueError(f"error_injection_rate must be >= 0, got {error_injection_rate}")
+        self.rate = error_injection_rate
+        self.type = RerunDiagnostic(error_injection_type)
+        self.injected_error_type: Optional[RerunDiagnostic] = None
+
+    def maybe_inject(self, rank: int) -> bool:
+        """True about once per `rate` calls, at most once per job."""
+        if self.rate == 0 or self.injected_error_type is not None:
+            return False
+        if (random.randint(0, self.rate - 1) + rank) % self.rate != 0:
+            return False
+        self.injected_error_type = self.type
+        return True
+
+    def maybe_miscompare(self, comparison_func, initial, result, state: RerunState) -> float:
+        """The real comparison, unless an injected error dictates the outcome."""
+        kind = self.injected_error_type
+        if kind is None:
+            return comparison_func(initial, result)
+        in_place = state == RerunState.RERUNNING_IN_PLACE
+        if kind == RerunDiagnostic.TRANSIENT_ERROR:
+            return COMPARISON_MISMATCH if in_place else COMPARISON_MATCH
+        if kind == RerunDiagnostic.PERSISTENT_ERROR:
+            return COMPARISON_MATCH if in_place else COMPARISON_MISMATCH
+        return COMPARISON_MATCH
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (the forced verdict must survive the relaunch)."""
+        kind = self.injected_error_type
+        return {"rate": self.rate, "type": self.type.value,
+                "injected_error_type": None if kind is None else kind.value}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore from `state_dict()`."""
+        self.rate, self.type = sd["rate"], RerunDiagnostic(sd["type"])
+        kind = sd["injected_error_type"]
+        self.injected_error_type = None if kind is None else RerunDiagnostic(kind)
+
+
+def build_rerun_state_machine(config: RerunConfig, group=None, state_save_func=None,
+                              state_restore_func=None,
+                              identity_func=default_identity) -> RerunStateMachine:
+    """The machine `initialize_megatron` builds (`megatron/training/initialize.py:69-86`)."""
+    injector = None
+    if config.error_injection_rate > 0:
+        injector = RerunErrorInjector(config.error_injection_rate, config.error_injection_type)
+    return RerunStateMachine(config.rerun_mode, error_injector=injector,
+                             tracker_path=config.result_rejected_tracker_filename, group=group,
+                             state_save_func=state_save_func,
+                             state_restore_func=state_restore_func, identity_func=identity_func)
+
+
+# %% [markdown]
+# ## Wiring the checks
+#
+# `check_loss` is what `loss_func` calls on each micro-batch's loss; `checked_loss_func` wraps
+# any loss function with chapter 00's contract `(loss, num_tokens, report)` so that the schedule
+# does not change. `check_grad_norms` takes one norm per bucket, as chapter 05's buffer would
+# compute them before launching the collective; `bucket_grad_norms` computes them for a list of
+# flat gradient tensors. `corrupt` is the hook the fault injector uses to play the hardware:
+# it sees the value before it is checked and may return a different one.
+
+# %%
+def check_loss(rsm: RerunStateMachine, loss: torch.Tensor, config: RerunConfig) -> None:
+    """Megatron's loss checks on one micro-batch's local loss."""
+    if config.check_for_nan_in_loss_and_grad:
+        rsm.validate_result(loss, torch.isnan, "loss is NaN", tolerance=0.0, fatal=True)
+        rsm.validate_result(loss, torch.isinf, "loss is Inf", tolerance=0.0, fatal=True)
+    if config.check_for_spiky_loss:
+        spiky = partial(rsm.is_unexpectedly_large, threshold=SPIKY_LOSS_FACTOR, context="loss")
+        rsm.validate_result(loss, spiky, "Spiky loss", tolerance=0.0, fatal=False)
+
+
+def bucket_grad_norms(grads: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The L2 norm (fp32) of each bucket's gradient data."""
+    return [g.detach().float().norm(p=2) for g in grads]
+
+
+def check_grad_norms(rsm: RerunStateMachine, norms: Iterable[torch.Tensor],
+                     config: RerunConfig) -> None:
+    """Megatron's per-bucket gradient checks, before the bucket's collective."""
+    for norm in norms:
+        if config.check_for_nan_in_loss_and_grad:
+            rsm.validate_result(norm, torch.isnan, "found NaN in local grad norm",
+                                tolerance=0.001, fatal=True)
+            rsm.validate_result(norm, torch.isinf, "found Inf in local grad norm",
+                                tolerance=0.001, fatal=True)
+        if config.check_for_large_grads:
+            large = partial(rsm.is_unexpectedly_large, threshold=LARGE_GRAD_FACTOR, context="grads")
+            rsm.validate_result(norm, large, "found unexpected large grads", tolerance=0.001,
+                                fatal=False)
+
+
+def checked_loss_func(loss_func: Callable, rsm: RerunStateMachine, config: RerunConfig,
+                      corrupt: Callable[[torch.Tensor, str], torch.Tensor] | None = None):
+    """Wrap a `(output) -> (loss, num_tokens, report)` loss function with the loss checks."""
+    def wrapped(output_tensor):
+        loss, num_tokens, report = loss_func(output_tensor)
+        if corrupt is not None:
+            loss = corrupt(loss, "loss")
+            report = {k: torch.stack([loss.detach(), v[1]]) if k == "lm loss" else v
+                      for k, v in report.items()}
+        check_loss(rsm, loss, config)
+        return loss, num_tokens, report
+    return wrapped
+
+
+# %% [markdown]
+# ## Skipping an iteration on the next launch
+#
+# When two GPUs agree that iteration $k$ gives NaN, the data or the model is to blame and
+# rerunning it again will not help. The tracker file holds the evidence; the next launch reads
+# it (`arguments.py:1550-1555` appends the result to `iterations_to_skip`) and the train loop
+# replaces step $k$ by `dummy_train_step` (`training.py:2115`): it pulls the step's
+# micro-batches from the iterator without computing anything and adds
+# $dp \cdot mbs \cdot m$ to both `consumed_train_samples` and `skipped_train_samples`, so the
+# data order of every later step is unchanged.
+#
+# Rule (`get_skipped_iterations_from_tracker_file`, `:1042`): count the lines with status
+# `rerun_disabled`, `first_rerun_reproducible` or `second_rerun_reproducible` per
+# `(rank, iteration)`; two or more → skip, unless more than one rank reported that iteration
+# within one job (a bad batch shows up on one DP rank; a diverging model on all of them).
+
+# %%
+_TRACKER_LINE = re.compile(r"node=(?P<node>\S+) device=(?P<device>\S+) jobID=(?P<job>\S+) "
+                           r"rank=(?P<rank>\d+) iteration=(?P<iteration>-?\d+) "
+                           r"status=(?P<status>\S+) result=(?P<result>\S+) message='(?P<message>.*)'")
+_SKIP_STATUSES = {"RERUN_DISABLED", "FIRST_RERUN_REPRODUCIBLE", "SECOND_RERUN_REPRODUCIBLE"}
+
+
+def parse_tracker_file(path: str | None) -> list[dict[str, Any]]:
+    """Every event of a tracker file as a dict (status normalised to upper case)."""
+    events = []
+    if not path:
+        return events
+    try:
+        lines = open(path).read().splitlines()
+    except FileNotFoundError:
+        return events
+    for line in lines:
+        m = _TRACKER_LINE.search(line)
+        if m:
+            events.append(dict(m.groupdict(), rank=int(m["rank"]), iteration=int(m["iteration"]),
+                               result=float(m["result"]),
+                               status=m["status"].rsplit(".", 1)[-1].upper()))
+    return events
+
+
+def get_skipped_iterations_from_tracker_file(path: str | None) -> list[int]:
+    """Iterations rejected twice on one rank with a reproducible verdict, by no other rank."""
+    counts: dict[tuple[int, int], int] = defaultdict(int)
+    ranks: dict[tuple[str, int], set] = defaultdict(set)
+    for e in parse_tracker_file(path):
+        if e["status"] in _SKIP_STATUSES:
+            counts[(e["rank"], e["iteration"])] += 1
+            ranks[(e["job"], e["iteration"])].add(e["rank"])
+    several = {it for (_, it), rs in ranks.items() if len(rs) > 1}
+    return sorted({it for (_, it), n in counts.items() if n >= 2 and it not in several})
+
+
+def dummy_train_step(data_iterator, num_microbatches: int) -> None:
+    """Consume one step's micro-batches without computing (a skipped iteration)."""
+    for _ in range(num_microbatches):
+        next(data_iterator)
+
+
+# %% [markdown]
+# ## Demo: a spike against the running threshold, and the injector at rate 4
+#
+# A synthetic loss curve falls from 10 towards 2 with noise; at step 130 one value jumps to 150.
+# The first 100 values only set the running max (about 10); from then on anything at or above
+# 100 is rejected. The spike is caught although the loss around it is 2; a drop to 0.2 or a
+# rise to 50 would not be. Then the random injector at `error_injection_rate = 4`: how often it
+# fires and what verdict it forces.
+
+# %%
+if __name__ == "__main__":
+    import math
+    import tempfile
+
+    import matplotlib.pyplot as plt
+
+    rsm = RerunStateMachine("validate_results")
+    g = torch.Generator().manual_seed(0)
+    steps = torch.arange(200)
+    curve = 2 + 8 * torch.exp(-steps / 40.0) + 0.2 * torch.randn(200, generator=g)
+    curve[130] = 150.0
+    flags = [rsm.is_unexpectedly_large(v, SPIKY_LOSS_FACTOR, "loss") for v in curve]
+    threshold = rsm.max_values["loss"] * SPIKY_LOSS_FACTOR
+    print(f"running max after 100 values: {rsm.max_values['loss']:.2f} -> threshold "
+          f"{threshold:.1f}; flagged steps: {[i for i, f in enumerate(flags) if f]}")
+    assert [i for i, f in enumerate(flags) if f] == [130]
+    assert not any(flags[:100])                       # warm-up: never rejects
+    assert not rsm.is_unexpectedly_large(torch.tensor(math.nan), 10, "loss")  # NaN: not its job
+
+    fig, ax = plt.subplots(figsize=(6.4, 2.6))
+    ax.semilogy(steps, curve, lw=1, label="loss")
+    ax.axhline(threshold, color="tab:red", ls="--", lw=1, label="10 × max of first 100")
+    ax.axvspan(0, 99, color="grey", alpha=0.15, label="warm-up (max only)")
+    ax.plot([130], [150], "rx", ms=8, label="rejected: spiky loss")
+    ax.set_xlabel("iteration")
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    plt.show()
+
+    random.seed(1234)
+    inj = RerunErrorInjector(4, "persistent_error")
+    draws = [inj.maybe_inject(rank=0) for _ in range(20)]
+    first = draws.index(True)
+    print(f"rate 4: first injection at validation #{first + 1}, then never again in this job")
+    assert sum(draws) == 1 and inj.injected_error_type == RerunDiagnostic.PERSISTENT_ERROR
+    cmp = lambda a, b: 0.5  # noqa: E731 - whatever the real comparison says, the verdict is forced
+    assert inj.maybe_miscompare(cmp, 1.0, 1.0, RerunState.RERUNNING_IN_PLACE) == COMPARISON_MATCH
+    assert inj.maybe_miscompare(cmp, 1.0, 1.0,
+                                RerunState.RERUNNING_FROM_CHECKPOINT) == COMPARISON_MISMATCH
+
+    # The tracker rule: twice on rank 1 -> skip 7; iteration 9 seen by two ranks -> keep.
+    path = tempfile.mktemp(suffix=".txt")
+    with open(path, "w") as f:
+        for rank, it, status in [(1, 7, "first_rerun_reproducible"),
+                                 (1, 7, "second_rerun_reproducible"),
+                                 (0, 9, "rerun_disabled"), (0, 9, "rerun_disabled"),
+                                 (1, 9, "rerun_disabled"), (2, 11, "initial_run")]:
+            f.write(f"ts=t node=n device=0 jobID=42 rank={rank} iteration={it} "
+                    f"status={status} result=nan message='loss is NaN'\n")
+    print("iterations to skip:", get_skipped_iterations_from_tracker_file(path))
+    assert get_skipped_iterations_from_tracker_file(path) == [7]
+
+# %% [markdown]
+# ## Summary
+#
+# - Loss checks run per micro-batch on the local loss; gradient checks per bucket before the
+#   collective — so the rank that produced a bad value is the one that reports it.
+# - NaN/Inf are fatal (exit 16/17 after the reruns); spikes and large gradients are non-fatal
+#   (one rerun in place, diagnosis logged, training continues on the rerun's gradients).
+# - Two reproducible rejections of one iteration on one rank make the next launch skip it,
+#   consuming its data so that every later step sees the same samples.
+#
+# ## How production does it
+#
+# - `pretrain_gpt.py:118,150-178` (loss checks), `megatron/core/distributed/param_and_grad_buffer.py:313-348,599-603`
+#   (bucket checks in `start_grad_sync`), `megatron/training/training.py:1910-1911` (the switches).
+# - `megatron/core/rerun_state_machine.py:1264` (`RerunErrorInjector`), `:1042` (tracker parse),
+#   `megatron/training/arguments.py:1550-1555`, `megatron/training/training.py:2115,3473-3485`
+#   (skipping).
+#
+# ## Exercises
+#
+# 1. With DP 64 and a NaN in one rank's batch, why would a check *after* the gradient
+#    all-reduce make every rank report it — and what would the skip rule then do?
+# 2. A loss that legitimately rises 10× after a data-blend change trips the spike check. Which
+#    argument of `is_unexpectedly_large` lets you re-learn the threshold, and when would you
+#    call it?
