@@ -9,10 +9,12 @@ from tinytron.reliability.result_checks import (RerunConfig, RerunErrorInjector,
                                                 check_loss, checked_loss_func,
                                                 get_skipped_iterations_from_tracker_file)
 
-__pages__ = ["rerun_state_machine", "result_checks"]
+from tinytron.reliability.fault_injection import Fault, FaultInjector, parse_fault
+
+__pages__ = ["rerun_state_machine", "result_checks", "fault_injection"]
 
 __all__ = ["EXIT_CODE_FAILED_ON_RESULT_VALIDATION", "EXIT_CODE_RESUME_TO_DISAMBIGUATE",
            "RerunDataIterator", "RerunDiagnostic", "RerunMode", "RerunState", "RerunStateMachine",
            "RerunValidationStatus", "compare_floats", "RerunConfig", "RerunErrorInjector",
            "build_rerun_state_machine", "check_grad_norms", "check_loss", "checked_loss_func",
-           "get_skipped_iterations_from_tracker_file"]
+           "get_skipped_iterations_from_tracker_file", "Fault", "FaultInjector", "parse_fault"]

@@ -1,0 +1,329 @@
+# %% [markdown]
+# # 08 · Fault injection: breaking a run on purpose, at a chosen iteration and rank
+#
+# Every safety net of this chapter is only as trustworthy as the test that watched it catch a
+# real fault. This page builds the injector those tests drive: **value faults** (the loss or a
+# gradient becomes NaN, Inf or a spike) that behave like a transient glitch, a bad GPU, or bad
+# data, and **process faults** (a rank is killed, hangs, or freezes; a rank dies in the middle
+# of writing a checkpoint) — each at a chosen iteration, on a chosen rank, optionally only in a
+# chosen restart attempt.
+
+# %%
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from dataclasses import dataclass, fields
+from typing import Callable, Optional
+
+import torch
+
+from tinytron.reliability.rerun_state_machine import (RerunDiagnostic, RerunState,
+                                                      RerunStateMachine, default_identity)
+
+__all__ = ["VALUE_FAULTS", "PROCESS_FAULTS", "Fault", "parse_fault", "restart_attempt",
+           "FaultInjector", "CHECKPOINT_FAULT_ENV"]
+
+# %% [markdown]
+# ## What a fault looks like from the inside
+#
+# | fault | how it is made | what should catch it |
+# |---|---|---|
+# | `nan`, `inf` in the loss | multiply the micro-batch loss by NaN / $\infty$ (gradients follow) | loss check → rerun → exit 16/17 |
+# | `nan`, `inf` in a gradient | write NaN / $\infty$ into one bucket's gradient | bucket grad-norm check |
+# | `spike` | multiply the value by `factor` (default 1000) | spiky-loss / large-grad check (non-fatal) |
+# | `kill` | `SIGKILL` to itself at the start of the step | `torchrun --max-restarts`: restart, resume |
+# | `hang` | the main thread sleeps forever inside the step | section timeout names the rank and section |
+# | `freeze` | `SIGSTOP` to itself (the whole process stops, heartbeats too) | stale heartbeat names the rank |
+# | `kill_in_save` | `SIGKILL` at a named point inside chapter 03's save | the tracker still names a complete checkpoint |
+#
+# A value fault's `diagnostic` says which hardware (or data) story it plays, and therefore
+# which verdict the rerun machine must reach:
+#
+# - `transient_error`: only the first pass of the iteration is corrupted (a bit flip); the rerun
+#   in place computes the right value → *not reproducible* → exit 17.
+# - `persistent_error`: every pass is corrupted **while running on the faulty node** (by
+#   default, the node where the fault first fired); a relaunch on another node computes the
+#   right value → second rerun *not reproducible* → persistent error.
+# - `correct_result`: every pass is corrupted everywhere (the batch itself is poison) → both
+#   reruns reproduce it → correct result; the iteration is skipped on the next launch.
+#
+# A fault spec is one string, so that it passes through a command line and through
+# `torchrun`: `kind@iteration[:key=value...]`, e.g. `nan@5:rank=1:diagnostic=persistent_error`,
+# `kill@3:rank=1:attempt=0`, `kill_in_save@6:point=before_tracker`. `attempt` matches
+# torchrun's `TORCHELASTIC_RESTART_COUNT`, so a fault can fire in the first life of the job and
+# not in the restarted one — otherwise a restart would meet the same fault forever.
+
+# %%
+VALUE_FAULTS = ("nan", "inf", "spike")
+PROCESS_FAULTS = ("kill", "hang", "freeze", "kill_in_save")
+CHECKPOINT_FAULT_ENV = "TINYTRON_CHECKPOINT_FAULT"  # read by chapter 03's fault_point
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One planned fault."""
+
+    kind: str
+    """nan | inf | spike | kill | hang | freeze | kill_in_save."""
+    iteration: int
+    """1-based number of the iteration in which it strikes."""
+    rank: int = 0
+    """The global rank it strikes."""
+    diagnostic: str = "transient_error"
+    """Value faults: transient_error | persistent_error | correct_result."""
+    target: str = "loss"
+    """Value faults: loss | grad."""
+    attempt: Optional[int] = None
+    """Only in this restart attempt (TORCHELASTIC_RESTART_COUNT); None = every attempt."""
+    factor: float = 1000.0
+    """Spike: the value is multiplied by this."""
+    point: str = "before_tracker"
+    """kill_in_save: chapter 03's fault point (before_rename, before_tracker, ...)."""
+    node: Optional[str] = None
+    """persistent_error: the faulty node (None: where it first fires)."""
+
+    def __post_init__(self):
+        if self.kind not in VALUE_FAULTS + PROCESS_FAULTS:
+            raise ValueError(f"fault kind must be one of {VALUE_FAULTS + PROCESS_FAULTS}, "
+                             f"got {self.kind!r}")
+        if self.iteration < 1:
+            raise ValueError(f"fault iteration is 1-based, got {self.iteration}")
+        if self.diagnostic not in {d.value for d in RerunDiagnostic}:
+            raise ValueError(f"fault diagnostic must be one of "
+                             f"{[d.value for d in RerunDiagnostic]}, got {self.diagnostic!r}")
+        if self.target not in ("loss", "grad"):
+            raise ValueError(f"fault target must be 'loss' or 'grad', got {self.target!r}")
+
+
+def parse_fault(spec: str) -> Fault:
+    """`kind@iteration[:key=value...]` -> Fault (ValueError naming the bad part)."""
+    head, *options = spec.strip().split(":")
+    kind, sep, it = head.partition("@")
+    if not sep or not it.isdigit():
+        raise ValueError(f"fault spec {spec!r}: expected kind@iteration[:key=value...]")
+    types = {f.name: f.type for f in fields(Fault)}
+    kwargs: dict = {"kind": kind, "iteration": int(it)}
+    for opt in options:
+        key, eq, value = opt.partition("=")
+        if not eq or key not in types or key in ("kind", "iteration"):
+            raise ValueError(f"fault spec {spec!r}: unknown option {opt!r} "
+                             f"(known: {sorted(set(types) - {'kind', 'iteration'})})")
+        kwargs[key] = (int(value) if key in ("rank", "attempt") else
+                       float(value) if key == "factor" else value)
+    return Fault(**kwargs)
+
+
+def restart_attempt() -> int:
+    """Which life of the job this is: torchrun's restart count (0 on the first launch)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+# %% [markdown]
+# ## The injector
+#
+# `FaultInjector` holds the faults for *this* rank and attempt and is called at three places
+# of the step:
+#
+# - `corrupt(value, target, rsm)` — just before a value is validated: the loss function calls
+#   it on each micro-batch's loss, the gradient check on each bucket's gradient. It reads the
+#   iteration and the pass (initial run or rerun) from the rerun state machine, and the node
+#   from the machine's identity function, so the three diagnostics above come out of the same
+#   code path a real fault takes.
+# - `at_step_start(iteration)` — process faults that strike inside the step (`kill`, `hang`,
+#   `freeze`). The step's heartbeat section (next pages) is already open, so a hang is a hang
+#   *in the step*.
+# - `around_save(iteration)` — a context manager for the save of `iteration`: it arms chapter
+#   03's `fault_point` (`TINYTRON_CHECKPOINT_FAULT=point@rank`) for this save only.
+
+# %%
+class FaultInjector:
+    """Applies the planned faults of this rank and restart attempt."""
+
+    def __init__(self, faults: list[Fault] | list[str], rank: int = 0,
+                 attempt: int | None = None,
+                 sleep: Callable[[float], None] = time.sleep):
+        faults = [parse_fault(f) if isinstance(f, str) else f for f in faults]
+        attempt = restart_attempt() if attempt is None else attempt
+        self.rank, self.attempt, self._sleep = rank, attempt, sleep
+        self.faults = [f for f in faults
+                       if f.rank == rank and (f.attempt is None or f.attempt == attempt)]
+        self._faulty_node: dict[Fault, str] = {}
+        self.fired: list[tuple[str, int, str]] = []  # (kind, iteration, pass) for reports
+
+    def _value_faults(self, iteration: int, target: str):
+        return [f for f in self.faults
+                if f.kind in VALUE_FAULTS and f.iteration == iteration and f.target == target]
+
+    def _strikes(self, f: Fault, rsm: RerunStateMachine) -> bool:
+        """Does fault f corrupt this pass, given the story its diagnostic tells?"""
+        if f.diagnostic == RerunDiagnostic.TRANSIENT_ERROR.value:
+            return rsm.state == RerunState.INITIAL_RUN
+        if f.diagnostic == RerunDiagnostic.CORRECT_RESULT.value:
+            return True
+        node = rsm.identity_func()
+        faulty = self._faulty_node.setdefault(f, f.node or node[0])
+        return node[0] == faulty
+
+    def corrupt(self, value: torch.Tensor, target: str, rsm: RerunStateMachine) -> torch.Tensor:
+        """The value as this rank's (possibly faulty) hardware computes it."""
+        for f in self._value_faults(rsm.current_iteration, target):
+            if not self._strikes(f, rsm):
+                continue
+            self.fired.append((f.kind, rsm.current_iteration, rsm.state.name))
+            if f.kind == "spike":
+                value = value * f.factor
+            elif target == "grad":  # a bucket's gradient data: corrupt in place, like bad memory
+                with torch.no_grad():
+                    value.view(-1)[0] = float(f.kind)  # float("nan") / float("inf")
+            else:
+                value = value * float(f.kind)
+        return value
+
+    def at_step_start(self, iteration: int) -> None:
+        """Kill, hang or freeze this process if a fault is planned for this step."""
+        for f in self.faults:
+            if f.iteration != iteration or f.kind not in ("kill", "hang", "freeze"):
+                continue
+            self.fired.append((f.kind, iteration, "step"))
+            print(f"[fault] rank {self.rank}: {f.kind} at iteration {iteration} "
+                  f"(attempt {self.attempt})", flush=True)
+            if f.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif f.kind == "freeze":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                while True:  # a hung kernel or a dead-locked loader: the main thread never returns
+                    self._sleep(3600)
+
+    @contextlib.contextmanager
+    def around_save(self, iteration: int):
+        """Arm chapter 03's fault point for the save of `iteration` on this rank."""
+        planned = [f for f in self.faults if f.kind == "kill_in_save" and f.iteration == iteration]
+        if not planned:
+            yield
+            return
+        previous = os.environ.get(CHECKPOINT_FAULT_ENV)
+        os.environ[CHECKPOINT_FAULT_ENV] = f"{planned[0].point}@{self.rank}"
+        self.fired.append(("kill_in_save", iteration, planned[0].point))
+        try:
+            yield
+        finally:
+            if previous is None:
+                os.environ.pop(CHECKPOINT_FAULT_ENV, None)
+            else:
+                os.environ[CHECKPOINT_FAULT_ENV] = previous
+
+
+# %% [markdown]
+# ## Demo: one loss, three stories
+#
+# A tiny model trains with Megatron's loss checks; the same `nan@3` fault is injected with each
+# diagnostic, and each launch ends with the exit code the rerun machine decides. Then a child
+# process plans `kill@2` for attempt 0 only: its first life dies by SIGKILL at iteration 2; the
+# second life (attempt 1, run here in-process) has no fault planned and runs to the end.
+
+# %%
+def _demo_train(injector: FaultInjector, node: str, ckpt=None, iters: int = 4):
+    """Tiny train loop with loss checks and the injector; returns (exit code, checkpoint)."""
+    from tinytron.reliability.result_checks import RerunConfig, check_loss
+    from tinytron.reliability.rerun_state_machine import RerunDataIterator
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    rsm = RerunStateMachine(identity_func=lambda: (node, -1))
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        rsm.load_state_dict(ckpt["rsm"])
+        rsm.current_iteration = ckpt["iteration"]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    data = RerunDataIterator(iter([torch.randn(8, 4, generator=g) for _ in range(iters)]))
+    for _ in range(rsm.current_iteration, iters):
+        while rsm.should_run_forward_backward(data):
+            opt.zero_grad()
+            loss = injector.corrupt(model(next(data)).pow(2).mean(), "loss", rsm)
+            check_loss(rsm, loss, RerunConfig())
+            loss.backward()
+        save, leave, code = rsm.should_checkpoint_and_exit()
+        if save:
+            ckpt = {"model": model.state_dict(), "rsm": rsm.state_dict(),
+                    "iteration": rsm.current_iteration - 1}
+        if leave:
+            return code, ckpt
+        opt.step()
+    return 0, ckpt
+
+
+def _demo_child(attempt: int) -> None:
+    """A 'rank' that plans kill@2 for attempt 0 and prints each step it completes."""
+    inj = FaultInjector(["kill@2:rank=0:attempt=0"], rank=0, attempt=attempt)
+    for it in range(1, 4):
+        inj.at_step_start(it)
+        print(f"attempt {attempt}: iteration {it} done", flush=True)
+
+
+if __name__ == "__main__":
+    import subprocess
+    import sys
+
+    for diagnostic in ("transient_error", "persistent_error", "correct_result"):
+        fault = f"nan@3:diagnostic={diagnostic}"
+        code1, ckpt = _demo_train(FaultInjector([fault]), node="node-A")
+        codes = [code1]
+        if ckpt is not None:  # relaunch from the checkpoint on another node
+            codes.append(_demo_train(FaultInjector([fault]), node="node-B", ckpt=ckpt)[0])
+        print(f"{fault:38s} -> exit codes {codes}")
+        expected = {"transient_error": [17], "persistent_error": [16, 17],
+                    "correct_result": [16, 17]}[diagnostic]
+        assert codes == expected
+
+    inj = FaultInjector(["nan@3:diagnostic=persistent_error"])
+    _demo_train(inj, node="node-A")
+    print("persistent fault fired on passes:", inj.fired)
+    assert [p for _, _, p in inj.fired] == ["INITIAL_RUN", "RERUNNING_IN_PLACE"]
+
+    proc = subprocess.run([sys.executable, "-c", "from tinytron.reliability.fault_injection "
+                           "import _demo_child; _demo_child(0)"],
+                          capture_output=True, text=True, timeout=60)
+    print(f"attempt 0 (a child process): exit {proc.returncode}:",
+          proc.stdout.strip().replace("\n", " | "))
+    assert proc.returncode == -signal.SIGKILL and "iteration 2 done" not in proc.stdout
+    _demo_child(1)  # the restarted life: no fault planned for attempt 1, runs to the end
+
+    for bad in ("nan", "nan@x", "melt@3", "nan@3:color=red", "nan@3:diagnostic=cosmic"):
+        try:
+            parse_fault(bad)
+            raise AssertionError(f"{bad} was accepted")
+        except ValueError as e:
+            print(f"{bad!r:28s} -> ValueError: {e}")
+
+# %% [markdown]
+# ## Summary
+#
+# - A fault spec names kind, iteration, rank, story (`diagnostic`) and restart attempt, and
+#   travels as a string through any launcher.
+# - Value faults enter exactly where a real one would be seen — right before the check — so
+#   the rerun machine's verdict is tested end to end, with real NaNs in real gradients.
+# - Process faults are real signals (`SIGKILL`, `SIGSTOP`) or a real hang; checkpoint faults
+#   are chapter 03's own kill points, armed for one save.
+#
+# ## How production does it
+#
+# - `megatron/core/rerun_state_machine.py:1264` (`RerunErrorInjector`: random rejection with a
+#   forced verdict; previous page).
+# - `megatron/core/fault_injector.py` (`FaultInjectorConfig` `:48`, target ranks sampled from
+#   `1..world-1` `:104`, exponential delay `offset − ln(1−U)·MTTI` `:174`, one broadcast of the
+#   plan `:192`); faults are dispatched through NVIDIA's `nvidia-resiliency-ext`.
+# - `megatron/training/ft_integration.py:300` (`FT_SIM_FAULT_DESC =
+#   "<rank_hung|rank_killed|random>;<rank>;<base_delay>"`: `SIGSTOP` or `SIGKILL` after
+#   `base_delay·(1 + 0.2·U)` seconds, from a daemon thread).
+#
+# ## Exercises
+#
+# 1. Megatron's simulated faults strike after a random *delay*, this injector at an
+#    *iteration*. What does each make easy to test, and what does each miss?
+# 2. Why does a `persistent_error` fault need to remember the node where it first fired
+#    instead of striking on "rank 1" wherever rank 1 runs?
