@@ -11,10 +11,13 @@ from tinytron.reliability.result_checks import (RerunConfig, RerunErrorInjector,
 
 from tinytron.reliability.fault_injection import Fault, FaultInjector, parse_fault
 
-__pages__ = ["rerun_state_machine", "result_checks", "fault_injection"]
+from tinytron.reliability.timers import Timer, Timers
+
+__pages__ = ["rerun_state_machine", "result_checks", "fault_injection", "timers"]
 
 __all__ = ["EXIT_CODE_FAILED_ON_RESULT_VALIDATION", "EXIT_CODE_RESUME_TO_DISAMBIGUATE",
            "RerunDataIterator", "RerunDiagnostic", "RerunMode", "RerunState", "RerunStateMachine",
            "RerunValidationStatus", "compare_floats", "RerunConfig", "RerunErrorInjector",
            "build_rerun_state_machine", "check_grad_norms", "check_loss", "checked_loss_func",
-           "get_skipped_iterations_from_tracker_file", "Fault", "FaultInjector", "parse_fault"]
+           "get_skipped_iterations_from_tracker_file", "Fault", "FaultInjector", "parse_fault",
+           "Timer", "Timers"]
