@@ -19,6 +19,9 @@ from tests.conftest import ROOT, chapter_pages
 
 ARTIFACTS = ROOT / "test-artifacts"
 
+# the strict build executes every page, and the browser pass loads every page: minutes each
+pytestmark = pytest.mark.slow
+
 # Injected by the test server only: material renders each mermaid diagram into a *closed*
 # shadow root, invisible to --dump-dom. The probe opens those roots and copies what they hold
 # into attributes, so the test reads the browser's own rendering.
