@@ -74,3 +74,18 @@ def test_state_dict_loads_across_implementations():
     ours.step(5)
     assert their_groups.param_groups[0]["lr"] == pytest.approx(ours.optimizer.param_groups[0]["lr"],
                                                                rel=1e-12)
+
+
+def test_load_into_a_used_scheduler_adds_steps_as_megatron_core_does():
+    """Megatron does not reset num_steps on load: loading into a stepped scheduler adds up."""
+    src, _, _, _ = _both(dict(lr_decay_style="linear", wd_incr_style="linear"))
+    src.step(200)
+    ours, our_groups, theirs, their_groups = _both(dict(lr_decay_style="linear",
+                                                        wd_incr_style="linear"))
+    ours.step(50), theirs.step(50)
+    ours.load_state_dict(src.state_dict())
+    theirs.load_state_dict(src.state_dict())
+    assert ours.num_steps == theirs.num_steps == 250
+    for a, b in zip(our_groups.param_groups, their_groups.param_groups):
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-12)
+        assert a["weight_decay"] == pytest.approx(b["weight_decay"], rel=1e-12)

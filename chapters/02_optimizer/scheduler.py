@@ -211,11 +211,12 @@ class OptimizerParamScheduler:
             self.lr_decay_steps, pick("end_iter", "decay_steps", "lr_decay_steps"), "lr_decay_steps")
         self.lr_decay_style = self._check_and_set(
             self.lr_decay_style, pick("decay_style", "lr_decay_style"), "lr_decay_style")
+        # Megatron's order (optimizer_param_scheduler.py, load_state_dict): step by the saved
+        # count *without* resetting num_steps (a fresh scheduler is at 0), then the wd fields
+        self.step(pick("num_iters", "num_steps"))
         if "start_wd" in sd:
             for key in ("start_wd", "end_wd", "wd_incr_steps", "wd_incr_style"):
                 setattr(self, key, self._check_and_set(getattr(self, key), sd[key], key))
-        self.num_steps = 0
-        self.step(pick("num_iters", "num_steps"))
 
 
 # %% [markdown]
