@@ -125,7 +125,7 @@ if __name__ == "__main__":
 # | forward/backward schedules | `schedules.py:634` (no pipelining), `:2089` (1F1B) | chapter 01 |
 # | grad buffers, DP reduce | `megatron/core/distributed/param_and_grad_buffer.py:940`, `distributed_data_parallel.py:22` | chapter 05 |
 # | `finalize_model_grads` | `megatron/core/distributed/finalize_model_grads.py:445` | chapter 05 |
-# | clipping, Adam, fp32 master weights | `megatron/core/optimizer/optimizer.py:220` (clip), `:330` (step); `distrib_optimizer.py:102` | chapter 02 |
+# | clipping, Adam, fp32 master weights | `megatron/core/optimizer/optimizer.py:220` (clip), `:1451` → `:621` (the step that runs: `ChainedOptimizer.step` calls `MixedPrecisionOptimizer.step`); `distrib_optimizer.py:102` | chapter 02 |
 # | checkpoint of weights + optimizer + RNG | `megatron/training/checkpointing.py:495` (save), `:1613` (load) | chapter 03 |
 # | recompute | `megatron/core/tensor_parallel/random.py:555` (`CheckpointFunction`) | chapter 06 |
 # | the memory model | `megatron/training/theoretical_memory_usage.py:12`, `:428` | chapter 07 |

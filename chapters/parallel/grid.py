@@ -45,7 +45,7 @@ __all__ = ["AXES", "DEFAULT_ORDER", "RankLayout", "rank_layout", "ParallelGrid"]
 # | `cp` | `cp` | K/V exchange in attention | `:957` |
 # | `dp` | `dp` | which samples a rank reads; gradient reduction when cp is 1 | `:935` |
 # | `pp` | `pp` | activations between stages | `:1079` |
-# | `dp_cp` | `dp-cp` | gradient reduction (CP ranks see different tokens of the same sample) | `:924` |
+# | `dp_cp` | `dp-cp` | gradient reduction (CP ranks see different tokens of the same sample) | `:845` |
 # | `tp_cp` | `tp-cp` | sums over all shards of one sequence (MoE router statistics) | `:1159` |
 # | `mp` | `tp-pp` | model-parallel: grad-norm and inf checks across one model replica | `:986` |
 # | `embd` | first + last of each `pp` group | tied word-embedding gradient all-reduce | `:1108`, `:524` |
