@@ -8,3 +8,13 @@ from tinytron.main_loop.schedules import (ScheduleConfig, ScheduleEvent, Schedul
 from tinytron.main_loop.interleaved import (check_interleaving,
                                             forward_backward_pipelining_with_interleaving,
                                             get_pp_rank_microbatches, get_schedule_table)
+from tinytron.main_loop.microbatches import (ConstantNumMicroBatchesCalculator,
+                                             StepBatchsizeNumMicroBatchesCalculator,
+                                             build_num_microbatches_calculator, num_microbatches)
+from tinytron.main_loop.training_log import (LogState, format_log_line,
+                                             num_floating_point_operations,
+                                             peak_flops_per_device, training_log)
+from tinytron.main_loop.loop import (StepResult, TorchOptimizer, TrainState, TrainingRun,
+                                     evaluate, gpt_forward_step, pretrain, train, train_step)
+
+__pages__ = ["microbatches", "schedules", "interleaved", "loop", "training_log", "memory_meter"]

@@ -1,0 +1,370 @@
+# %% [markdown]
+# # 01 · The batch system: global batch, micro-batch, and how many of them
+#
+# One optimizer step consumes one **global batch**. No GPU holds it at once: each data-parallel
+# rank runs a few **micro-batches** one after the other and accumulates their gradients. This
+# page builds the arithmetic that decides how many, Megatron's two calculators (a constant
+# batch and a step schedule that grows it), and the unit every other piece counts in:
+# **consumed samples**.
+
+# %%
+from __future__ import annotations
+
+from fractions import Fraction
+
+__all__ = ["num_microbatches", "ConstantNumMicroBatchesCalculator",
+           "StepBatchsizeNumMicroBatchesCalculator", "parse_numeric_value",
+           "parse_step_batch_size_schedule",
+           "build_num_microbatches_calculator", "train_iters_from_samples"]
+
+# %% [markdown]
+# ## Three sizes and one division
+#
+# - **micro-batch size** $b$: the samples (sequences) one forward/backward processes on one
+#   rank (`--micro-batch-size`);
+# - **global batch size** $B$: the samples one optimizer step sees, summed over all
+#   data-parallel ranks (`--global-batch-size`);
+# - **data-parallel size** $d$: the number of model replicas that each see different data.
+#
+# Each step, every replica runs $m$ micro-batches, so $B = m \cdot b \cdot d$ and
+#
+# $$m = \frac{B}{b \cdot d}.$$
+#
+# The $d$ here is the data-parallel size **without** context parallelism
+# (`mpu.get_data_parallel_world_size()`, `megatron/core/num_microbatches_calculator.py:340`):
+# the CP ranks of one replica split the *sequence* of the same samples, they do not read more
+# samples. Tensor and pipeline ranks likewise share their replica's samples.
+#
+# **The running example.** TP 2 · PP 2 · DP 64 on 256 GPUs, $b = 2$, $B = 1024$:
+# $m = 1024 / (2 \cdot 64) = 8$. Each of the 64 replicas runs 8 micro-batches of 2 sequences of
+# 4096 tokens per step; one step consumes $1024 \cdot 4096 = 4\,194\,304$ tokens. If CP 2 were
+# added on 512 GPUs, $d$ would still be 64 and $m$ still 8.
+#
+# | $B$ | $b$ | $d$ | $m$ | |
+# |---|---|---|---|---|
+# | 1024 | 2 | 64 | 8 | the running example |
+# | 1024 | 1 | 64 | 16 | smaller micro-batches: more of them, less activation memory each |
+# | 1024 | 2 | 128 | 4 | twice the replicas: half the accumulation |
+# | 1000 | 2 | 64 | — | 1000 is not a multiple of 128: an error, or run 896 and skip 104 |
+#
+# A bad combination must fail before anything is built, with the numbers in the message.
+
+# %%
+def _positive_int(name: str, value) -> int:
+    """value if it is an int >= 1, else ValueError naming it."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def num_microbatches(global_batch_size: int, micro_batch_size: int,
+                     data_parallel_size: int) -> int:
+    """m = B / (b · d); ValueError naming the numbers when it does not divide."""
+    for name, v in (("global_batch_size", global_batch_size),
+                    ("micro_batch_size", micro_batch_size),
+                    ("data_parallel_size", data_parallel_size)):
+        _positive_int(name, v)
+    per_step = micro_batch_size * data_parallel_size
+    if global_batch_size % per_step:
+        raise ValueError(
+            f"global_batch_size ({global_batch_size}) is not divisible by micro_batch_size "
+            f"({micro_batch_size}) x data_parallel_size ({data_parallel_size}) = {per_step}")
+    return global_batch_size // per_step
+
+# %% [markdown]
+# ## The constant calculator, and `decrease_batch_size_if_needed`
+#
+# `ConstantNumMicroBatchesCalculator` (`num_microbatches_calculator.py:340`) computes $m$ once.
+# With `decrease_batch_size_if_needed` it does not fail on a remainder: it rounds the global
+# batch **down** to a multiple of $b \cdot d$ and runs that. The samples it did not run are
+# not silently forgotten: each iteration the loop adds
+# `current_global_batch_size - current_running_global_batch_size` to `skipped_train_samples`
+# (`megatron/training/training.py:3620-3628`). This is the knob for a job that loses a few
+# nodes and restarts with a smaller $d$: $B = 1024$ on $d = 60$, $b = 2$ runs
+# $\lfloor 1024/120 \rfloor \cdot 120 = 960$ samples per step and counts 64 as skipped.
+
+# %%
+class ConstantNumMicroBatchesCalculator:
+    """m = B / (b·d) for the whole run; optionally round B down and count the rest as skipped."""
+
+    def __init__(self, global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
+                 decrease_batch_size_if_needed: bool = False):
+        for name, v in (("global_batch_size", global_batch_size),
+                        ("micro_batch_size", micro_batch_size),
+                        ("data_parallel_size", data_parallel_size)):
+            _positive_int(name, v)
+        per_step = micro_batch_size * data_parallel_size
+        if decrease_batch_size_if_needed:
+            running = (global_batch_size // per_step) * per_step
+            if running == 0:
+                raise ValueError(
+                    f"global_batch_size ({global_batch_size}) is smaller than micro_batch_size "
+                    f"({micro_batch_size}) x data_parallel_size ({data_parallel_size}) = "
+                    f"{per_step}: not one micro-batch per rank fits")
+        else:
+            num_microbatches(global_batch_size, micro_batch_size, data_parallel_size)
+            running = global_batch_size
+        self.micro_batch_size, self.data_parallel_size = micro_batch_size, data_parallel_size
+        self.current_global_batch_size = global_batch_size
+        self.current_running_global_batch_size = running
+        self.num_micro_batches = running // per_step
+
+    def get(self) -> int:
+        """The number of micro-batches per step."""
+        return self.num_micro_batches
+
+    @property
+    def skipped_samples_per_iteration(self) -> int:
+        """Samples of the nominal global batch that each step does not run."""
+        return self.current_global_batch_size - self.current_running_global_batch_size
+
+    def update(self, consumed_samples: int, consistency_check: bool = True) -> None:
+        """Nothing changes with consumed samples."""
+
+# %% [markdown]
+# ## A batch size that grows: the step schedule
+#
+# Large runs often start with a small global batch (noisy early gradients are cheap to
+# follow) and grow it later. At this commit Megatron expresses that as a **step schedule**,
+# `--step-batch-size-schedule "THRESHOLD:BS THRESHOLD:BS ..."`
+# (`StepBatchsizeNumMicroBatchesCalculator`, `num_microbatches_calculator.py:402`):
+#
+# - entries separated by spaces (or commas); thresholds and sizes accept the suffixes
+#   `K` = $10^3$, `M` = $10^6$, `B` = $10^9$, `T` = $10^{12}$ (`250B` = $2.5 \cdot 10^{11}$);
+# - with `seq_length` given, thresholds are **tokens** and are converted to samples by integer
+#   division; without it they are samples;
+# - entries are sorted; the first threshold must be 0 and thresholds strictly increase; batch
+#   sizes are positive;
+# - the current batch size is the entry with the largest threshold $\le$ consumed samples;
+# - divisibility by $b \cdot d$ is checked for the *current* entry only (an early entry may be
+#   too small for a bigger cluster the run was later moved to).
+#
+# The older `--rampup-batch-size START INCR SAMPLES` is deprecated and ignored at this commit
+# (`num_microbatches_calculator.py:64`); tinytron's `[training] rampup_batch_size` takes the
+# step-schedule string instead (thresholds in samples).
+#
+# **A schedule must not shrink.** The training loop asserts that the number of micro-batches
+# never decreases (`megatron/training/training.py:3441`), because the sampler, the learning-rate
+# schedule and a checkpoint saved at the change all assume the batch only grows. We reject a
+# shrinking schedule when it is parsed, with both entries in the message, instead of
+# thousands of iterations into the run.
+#
+# Example with the running example's $s = 4096$: `"0:256 1M:512 2M:1024"` in tokens is
+# thresholds $0$, $\lfloor 10^6/4096 \rfloor = 244$ and $488$ samples. With $b = 2$, $d = 64$:
+# $m = 2$ for the first 244 samples (one step), $m = 4$ until 488, then $m = 8$.
+
+# %%
+_SUFFIXES = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
+
+
+def parse_numeric_value(text: str) -> int:
+    """'250B' -> 250_000_000_000; '1.5K' -> 1500; plain numbers as is."""
+    s = text.strip().upper()
+    mult = _SUFFIXES.get(s[-1:], 1)
+    digits = s[:-1] if mult != 1 else s
+    try:
+        return int(Fraction(digits) * mult)   # exact: '1.5K' is 1500, never 1499.9999
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(f"not a number with an optional K/M/B/T suffix: {text!r}") from None
+
+
+def _check_schedule(schedule: list[tuple[int, int]]) -> None:
+    """First threshold 0, strictly increasing thresholds, positive and non-shrinking sizes."""
+    if not schedule:
+        raise ValueError("step_batch_size_schedule has no entries")
+    if schedule[0][0] != 0:
+        raise ValueError(f"the first threshold must be 0, got {schedule[0][0]}")
+    for (t0, b0), (t1, b1) in zip(schedule, schedule[1:]):
+        if t1 <= t0:
+            raise ValueError(f"thresholds must strictly increase (in samples), got {t0} "
+                             f"then {t1}")
+        if b1 < b0:
+            raise ValueError(f"the batch size must not shrink: {b0} from {t0} samples, then "
+                             f"{b1} from {t1} samples")
+    for t, b in schedule:
+        if b < 1:
+            raise ValueError(f"batch sizes must be positive, got {b} at threshold {t}")
+
+
+def parse_step_batch_size_schedule(schedule: str, seq_length: int | None = None
+                                   ) -> list[tuple[int, int]]:
+    """'0:768 250B:1536' -> [(threshold in samples, global batch size)], sorted and checked."""
+    entries = []
+    for entry in schedule.replace(",", " ").split():
+        if ":" not in entry:
+            raise ValueError(f"schedule entry {entry!r} is not THRESHOLD:BATCH_SIZE")
+        t, b = entry.split(":", 1)
+        threshold = parse_numeric_value(t)
+        if seq_length is not None:
+            threshold //= _positive_int("seq_length", seq_length)  # tokens -> samples
+        entries.append((threshold, parse_numeric_value(b)))
+    entries.sort(key=lambda e: e[0])
+    _check_schedule(entries)
+    return entries
+
+# %% [markdown]
+# The calculator looks up the current entry; `update` is called by the loop before every
+# step with the samples consumed so far.
+
+# %%
+class StepBatchsizeNumMicroBatchesCalculator:
+    """The global batch follows a step schedule in consumed samples; m = B_now / (b·d)."""
+
+    def __init__(self, micro_batch_size: int, data_parallel_size: int, schedule: str,
+                 seq_length: int | None = None):
+        self.micro_batch_size = _positive_int("micro_batch_size", micro_batch_size)
+        self.data_parallel_size = _positive_int("data_parallel_size", data_parallel_size)
+        self.schedule = parse_step_batch_size_schedule(schedule, seq_length)
+        self.current_global_batch_size = self.current_running_global_batch_size = None
+        self.num_micro_batches = None
+        self.update(0, consistency_check=False)
+
+    def get(self) -> int:
+        """The number of micro-batches per step at the last update."""
+        return self.num_micro_batches
+
+    @property
+    def skipped_samples_per_iteration(self) -> int:
+        """Always 0: a step schedule cannot be combined with decrease_batch_size_if_needed."""
+        return 0
+
+    def batch_size_at(self, consumed_samples: int) -> int:
+        """The entry with the largest threshold <= consumed_samples."""
+        return [b for t, b in self.schedule if t <= consumed_samples][-1]
+
+    def update(self, consumed_samples: int, consistency_check: bool = True) -> None:
+        """Move to the schedule entry for consumed_samples; check divisibility if asked."""
+        gbs = self.batch_size_at(consumed_samples)
+        per_step = self.micro_batch_size * self.data_parallel_size
+        if consistency_check and gbs % per_step:
+            raise ValueError(
+                f"current global batch size ({gbs}, at {consumed_samples} consumed samples) is "
+                f"not divisible by micro_batch_size ({self.micro_batch_size}) x "
+                f"data_parallel_size ({self.data_parallel_size}) = {per_step}")
+        self.current_global_batch_size = self.current_running_global_batch_size = gbs
+        self.num_micro_batches = gbs // per_step
+
+# %% [markdown]
+# ## Building the calculator, and iterations from samples
+#
+# `build_num_microbatches_calculator` takes Megatron's arguments and picks one
+# (`_build_num_microbatches_calculator`, `num_microbatches_calculator.py:227`); a step schedule
+# with `decrease_batch_size_if_needed` is rejected. A run given in samples
+# (`train_samples`) is converted to iterations once (`update_train_iters`,
+# `megatron/training/training.py:1485`): $\lfloor \text{samples} / B \rfloor$ for a constant
+# batch, and by walking the schedule otherwise (an iteration that starts before the target
+# counts, so the last one may overshoot it).
+#
+# **Why samples, not iterations.** Everything that must survive a change of batch size
+# counts samples: the learning-rate scheduler advances by $m \cdot b \cdot d$ per successful
+# step (`training.py:2309`), the sampler resumes at `consumed_train_samples`, the checkpoint
+# stores it. When the batch doubles, the learning rate keeps its place on its curve and the
+# data loader reads the next unseen sample.
+
+# %%
+def build_num_microbatches_calculator(global_batch_size: int | None, micro_batch_size: int,
+                                      data_parallel_size: int,
+                                      decrease_batch_size_if_needed: bool = False,
+                                      step_batch_size_schedule: str | None = None,
+                                      seq_length: int | None = None):
+    """Constant calculator, or the step-schedule one when a schedule is given."""
+    if step_batch_size_schedule is not None:
+        if decrease_batch_size_if_needed:
+            raise ValueError("step_batch_size_schedule cannot be combined with "
+                             "decrease_batch_size_if_needed")
+        return StepBatchsizeNumMicroBatchesCalculator(micro_batch_size, data_parallel_size,
+                                                      step_batch_size_schedule, seq_length)
+    if global_batch_size is None:
+        raise ValueError("global_batch_size is required without a step_batch_size_schedule")
+    return ConstantNumMicroBatchesCalculator(global_batch_size, micro_batch_size,
+                                             data_parallel_size, decrease_batch_size_if_needed)
+
+
+def train_iters_from_samples(calculator, train_samples: int) -> int:
+    """Iterations that consume train_samples (training.py:1485, update_train_iters)."""
+    _positive_int("train_samples", train_samples)
+    if isinstance(calculator, ConstantNumMicroBatchesCalculator):
+        return train_samples // calculator.current_global_batch_size
+    iters, consumed = 0, 0
+    while consumed < train_samples:
+        consumed += calculator.batch_size_at(consumed)
+        iters += 1
+    return iters
+
+# %% [markdown]
+# ## Demo: the running example, a shrunk cluster, and a growing batch
+#
+# First the table above, computed; then a job that lost 4 of its 64 replicas; then the
+# token-threshold step schedule over the first 1200 samples, drawn, next to what happens to
+# the consumed-sample counter.
+
+# %%
+if __name__ == "__main__":
+    import matplotlib.pyplot as plt
+
+    for gbs, mbs, dp in ((1024, 2, 64), (1024, 1, 64), (1024, 2, 128)):
+        print(f"B={gbs:5d} b={mbs} d={dp:3d} -> m = {num_microbatches(gbs, mbs, dp)}")
+    try:
+        num_microbatches(1000, 2, 64)
+    except ValueError as e:
+        print("B=1000:", e)
+    assert num_microbatches(1024, 2, 64) == 8
+
+    shrunk = ConstantNumMicroBatchesCalculator(1024, 2, 60, decrease_batch_size_if_needed=True)
+    print(f"d=60: runs {shrunk.current_running_global_batch_size} samples in "
+          f"{shrunk.get()} micro-batches, skips {shrunk.skipped_samples_per_iteration} per step")
+    assert (shrunk.get(), shrunk.skipped_samples_per_iteration) == (8, 64)
+
+    calc = build_num_microbatches_calculator(None, 2, 64, step_batch_size_schedule=
+                                             "0:256 1M:512 2M:1024", seq_length=4096)
+    print("schedule in samples:", calc.schedule)
+    consumed, xs, ms = 0, [], []
+    while consumed < 1200:
+        calc.update(consumed)
+        xs.append(consumed)
+        ms.append(calc.get())
+        consumed += calc.current_running_global_batch_size
+    print("m per step:", ms)
+    assert calc.schedule == [(0, 256), (244, 512), (488, 1024)]
+    assert ms == [2, 4, 8]   # steps start at 0, 256 and 768; at 1792 > 1200 the walk stops
+    fig, ax = plt.subplots(figsize=(6.5, 2.6))
+    ax.step(xs + [consumed], [m * 128 for m in ms] + [ms[-1] * 128], where="post")
+    for t, _ in calc.schedule:
+        ax.axvline(t, color="gray", lw=0.6, ls="--")
+    ax.set_xlabel("consumed samples at the start of the step")
+    ax.set_ylabel("global batch (samples)")
+    ax.set_title("step schedule 0:256 1M:512 2M:1024 tokens at s = 4096")
+    plt.tight_layout()
+    plt.show()
+
+# %% [markdown]
+# The second step starts at 256 consumed samples, past the 244-sample threshold, so it already
+# runs 512; the threshold is reached *between* steps, and the change applies to the next one.
+#
+# ## Summary
+#
+# - $m = B / (b \cdot d)$ with $d$ the data-parallel size without CP; an error names all
+#   three numbers.
+# - `decrease_batch_size_if_needed` runs the largest multiple of $b \cdot d$ and counts the
+#   rest as skipped samples every step.
+# - A step schedule in samples or tokens grows the batch; it may never shrink.
+# - Consumed samples, not iterations, are the unit of the scheduler, the sampler and the
+#   checkpoint.
+#
+# ## How production does it
+#
+# - Megatron: `megatron/core/num_microbatches_calculator.py` (`ConstantNumMicroBatchesCalculator:340`,
+#   `StepBatchsizeNumMicroBatchesCalculator:402`, `_build_num_microbatches_calculator:227`),
+#   `megatron/training/training.py` (`update_train_iters:1485`, the per-iteration update and the
+#   non-decreasing assertion `:3433-3458`, consumed and skipped samples `:3616-3628`).
+# - torchtitan fixes `global_batch_size` and derives gradient-accumulation steps as
+#   `global_batch_size // (local_batch_size * dp_degree)` (`torchtitan/train.py`), with no
+#   batch-size schedule.
+#
+# ## Exercises
+#
+# 1. With the running example, what is $m$ on DP 48 with `decrease_batch_size_if_needed`, and
+#    how many samples are skipped over 10 000 steps?
+# 2. Write the step schedule that doubles the batch from 256 to 2048 every 100 B tokens, and
+#    compute `train_iters_from_samples` for 2 T tokens at $s = 4096$.
+# 3. Why would a schedule that shrinks break a resumed run's data order?
