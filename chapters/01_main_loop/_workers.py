@@ -12,7 +12,9 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 
+from tinytron.buffers._comm import CommTimeline
 from tinytron.buffers import (DistributedDataParallel, DistributedDataParallelConfig,
                               finalize_model_grads, main_grad_of)
 from tinytron.main_loop.schedules import (ScheduleConfig, ScheduleRecorder, _unwrap,
@@ -50,6 +52,7 @@ def make_microbatches(config, num_microbatches: int, micro_batch_size: int = 1,
 def forward_step_func(data_iterator, model):
     """Megatron-style forward_step: the first chunk reads tokens, the last computes the loss."""
     batch = next(data_iterator)
+    _CURRENT["microbatch"] = batch["id"]
     inner = _unwrap(model)
     out = model(batch["tokens"] if inner.pre_process else None,
                 labels=batch["labels"] if inner.post_process else None)
@@ -110,11 +113,12 @@ def compare(grads: dict, ref: dict) -> tuple[float, bool]:
     return gap, all(torch.equal(g, ref[n]) for n, g in grads.items())
 
 
-def wrap_ddp(models, grid, overlap: bool = True, timeline=None):
+def wrap_ddp(models, grid, overlap: bool = True, timelines=None):
     """Chapter 05's DDP around each chunk: per-token scaling, collectives from the hooks."""
     cfg = DistributedDataParallelConfig(calculate_per_token_loss=True, overlap_grad_reduce=overlap,
                                         bucket_size=20_000)
-    return [DistributedDataParallel(m, grid, cfg, timeline=timeline) for m in models]
+    timelines = timelines or [None] * len(models)
+    return [DistributedDataParallel(m, grid, cfg, timeline=t) for m, t in zip(models, timelines)]
 
 
 def _step_with_grads(models, opt):
@@ -129,19 +133,23 @@ def _step_with_grads(models, opt):
 def run_case(tp: int = 1, pp: int = 2, vpp: int | None = None, num_microbatches: int = 4,
              num_steps: int = 2, ddp: bool = False, tie: bool = False, num_layers: int = 4,
              optimizer: str = "adamw", group_size: int | None = None, seed: int = 0,
-             record: bool = False, deallocate: bool = True) -> dict:
+             record: bool = False, deallocate: bool = True, comm: bool = False) -> dict:
     """Train num_steps iterations through the layout's schedule; gaps against one process."""
     grid = grid_for(tp, pp)
     dp, dp_rank = grid.size("dp"), grid.rank("dp")
+    if dp > 1 and not ddp:
+        raise ValueError(f"dp = {dp}: grads need chapter 05's DDP to be averaged (ddp=True)")
     config = tiny_config(num_layers=num_layers, tie_embeddings=tie)
     m = num_microbatches
     steps = [make_microbatches(config, dp * m, seed=seed + 100 * k) for k in range(num_steps)]
     ref = reference_run(config, steps, optimizer)
     models = build_stage_models(config, grid, num_virtual_stages=vpp or 1)
     opt = make_optimizer([p for c in models for p in c.parameters()], optimizer)
-    models = wrap_ddp(models, grid) if ddp else models
+    timelines = [CommTimeline() for _ in models] if comm else None
+    models = wrap_ddp(models, grid, timelines=timelines) if ddp else models
     fb = get_forward_backward_func(pp, vpp)
-    res = {"gaps": [], "bitwise": [], "loss_gaps": [], "orders": [], "events": []}
+    # gaps: max |grad - reference|; loss_gaps: max relative error of the [sum, count] reports
+    res = {"gaps": [], "bitwise": [], "loss_gaps": [], "orders": [], "events": [], "comm": []}
     for k, batches in enumerate(steps):
         for c in models:
             c.zero_grad_buffer() if ddp else c.zero_grad(set_to_none=True)
@@ -160,11 +168,17 @@ def run_case(tp: int = 1, pp: int = 2, vpp: int | None = None, num_microbatches:
         res["bitwise"].append(same)
         if reports:
             mine_ref = ref[k]["reports"][dp_rank * m:(dp_rank + 1) * m]
-            res["loss_gaps"].append(float((torch.stack([r["lm loss"] for r in reports])
-                                                 - mine_ref).abs().max()))
+            got = torch.stack([r["lm loss"] for r in reports])  # [sum, count] pairs
+            res["loss_gaps"].append(float(((got - mine_ref).abs()
+                                           / mine_ref.abs().clamp(min=1)).max()))
         if rec is not None:
             res["orders"].append(rec.order())
             res["events"].append(list(rec.events))
+        if timelines:  # absolute perf_counter times, comparable with the recorder's
+            res["comm"].append([(c, ev, t.t0 + sec) for c, t in enumerate(timelines)
+                                for ev, _, sec in t.events])
+            for t in timelines:
+                t.reset()
         _step_with_grads(models, opt)
     res.update(stage=grid.rank("pp"), tp_rank=grid.rank("tp"), dp_rank=dp_rank,
                num_reports=len(reports))
@@ -190,3 +204,76 @@ def timed_case(pp: int, vpp: int | None, num_microbatches: int, group_size: int 
            model=models, num_microbatches=num_microbatches, seq_length=config.seq_length,
            micro_batch_size=1, grid=grid, config=cfg)
     return [(e.stage, e.chunk, e.microbatch, e.kind, e.start - t0, e.end - t0) for e in rec.events]
+
+
+_CURRENT = {"microbatch": None}
+
+
+class SavedByMicrobatch:
+    """Which micro-batches still have a tensor saved for backward alive (autograd's own view)."""
+
+    def __init__(self, params):
+        self.params = {p.untyped_storage()._cdata for p in params}
+        self.refs: list[tuple[int, StorageWeakRef]] = []
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t):
+        # Only tensors the forward computed (a grad_fn, not a view of a weight): parameters,
+        # tokens, labels and received inputs outlive the micro-batch for other reasons.
+        storage = t.untyped_storage()
+        if (t.grad_fn is not None and storage._cdata not in self.params
+                and _CURRENT["microbatch"] is not None):
+            self.refs.append((_CURRENT["microbatch"], StorageWeakRef(storage)))
+        return t
+
+    def alive(self) -> set:
+        """Micro-batch ids with at least one saved storage not yet freed."""
+        self.refs = [(mb, ref) for mb, ref in self.refs if not ref.expired()]
+        return {mb for mb, _ in self.refs}
+
+
+class MarkingRecorder(ScheduleRecorder):
+    """A recorder that stamps a LiveBytesMeter (and the saved-tensor count) after each F and B."""
+
+    def __init__(self, meter, saved: SavedByMicrobatch | None = None):
+        super().__init__()
+        self.meter, self.saved, self.marks = meter, saved, []
+
+    def record(self, stage, chunk, microbatch, kind, start, end):
+        super().record(stage, chunk, microbatch, kind, start, end)
+        if kind in ("forward", "backward"):
+            live = self.meter.mark(f"{kind[0].upper()}{microbatch}")
+            alive = len(self.saved.alive()) if self.saved is not None else None
+            self.marks.append((kind, chunk, microbatch, live, alive))
+
+
+def inflight_case(num_microbatches: int = 8, deallocate: bool = True, num_layers: int = 4,
+                  vpp: int | None = None) -> dict:
+    """Live activation bytes of this stage through one iteration, measured by LiveBytesMeter."""
+    from tinytron.main_loop.memory_meter import LiveBytesMeter
+
+    grid = grid_for(1, dist.get_world_size())
+    config = tiny_config(num_layers=num_layers, tie_embeddings=False)
+    models = build_stage_models(config, grid, num_virtual_stages=vpp or 1)
+    batches = make_microbatches(config, num_microbatches)
+    fb = get_forward_backward_func(grid.size("pp"), vpp)
+
+    def run(recorder=None):
+        cfg = ScheduleConfig(recorder=recorder, deallocate_pipeline_outputs=deallocate)
+        iters = [iter(batches) for _ in models]
+        fb(forward_step_func=forward_step_func, data_iterator=iters if vpp else iters[0],
+           model=models, num_microbatches=num_microbatches, seq_length=config.seq_length,
+           micro_batch_size=1, grid=grid, config=cfg)
+
+    run()  # allocates every .grad before the meter starts: they are resident, not flowing
+    saved = SavedByMicrobatch([p for c in models for p in c.parameters()])
+    with LiveBytesMeter(record_every_op=False) as meter, saved.hooks:
+        rec = MarkingRecorder(meter, saved)
+        run(rec)
+    lives = [live for _, _, _, live, _ in rec.marks]
+    per_microbatch = lives[0]  # after the first forward: its input, saved tensors and output
+    return {"stage": grid.rank("pp"), "pp": grid.size("pp"), "per_microbatch": per_microbatch,
+            "marks": rec.marks, "peak_at_marks": max(lives),
+            "max_in_flight_bytes": max(lives) / per_microbatch,
+            "max_in_flight_saved": max(alive for *_, alive in rec.marks),
+            "message_bytes": config.seq_length * config.hidden_size * 4}

@@ -1,0 +1,277 @@
+"""Chapter 01 schedules: no pipelining, 1F1B and interleaved 1F1B against one process (CPU/gloo)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from tinytron.buffers import finalize_model_grads
+from tinytron.launch import run_on_ranks
+from tinytron.main_loop import _workers as w
+from tinytron.main_loop.interleaved import (check_interleaving, get_pp_rank_microbatches,
+                                            get_schedule_table)
+from tinytron.main_loop.schedules import (ScheduleConfig, ScheduleRecorder, custom_backward,
+                                          deallocate_output_tensor,
+                                          forward_backward_no_pipelining,
+                                          forward_backward_pipelining_without_interleaving,
+                                          get_forward_backward_func,
+                                          num_warmup_microbatches_1f1b)
+from tinytron.model.gpt import GPTModel
+from tinytron.parallel import ParallelGrid
+
+from tests import main_loop_schedule_workers as workers
+
+# Hand-derived 1F1B order for p = 4, m = 8: warmup min(p-r-1, m) forwards, then F/B pairs.
+HAND_1F1B_P4_M8 = [
+    "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7",
+    "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 B6 B7",
+    "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 B7",
+    "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7",
+]
+# Megatron's documented table, p=2, g=3, M=5, v=2 (schedules.py, interleaved function comments).
+MEGATRON_MICROBATCH_IDS = [0, 1, 2, 0, 1, 2, 3, 4, 3, 4]
+MEGATRON_CHUNK_IDS = [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
+
+
+def _fb_string(order) -> str:
+    return " ".join(f"{k[0].upper()}{mb}" for k, _, mb in order)
+
+
+def _expected_interleaved(warmup: int, v: int = 2) -> list[tuple[str, int, int]]:
+    """Forward k = table[k]; backward k = table[k] with the chunk reversed; 1F1B after warmup."""
+    fwd = [("forward", c, mb) for mb, c in zip(MEGATRON_MICROBATCH_IDS, MEGATRON_CHUNK_IDS)]
+    bwd = [("backward", v - 1 - c, mb) for _, c, mb in fwd]
+    out = fwd[:warmup]
+    for k in range(len(fwd) - warmup):
+        out += [fwd[warmup + k], bwd[k]]
+    return out + bwd[len(fwd) - warmup:]
+
+
+# ------------------------------------------------------------------ pure functions (no world)
+
+def test_schedule_table_is_megatrons_documented_example():
+    table = get_schedule_table(5, 2, 3)
+    assert [mb for mb, _ in table] == MEGATRON_MICROBATCH_IDS
+    assert [c for _, c in table] == MEGATRON_CHUNK_IDS
+    assert get_schedule_table(4, 2, 2) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0),
+                                           (2, 1), (3, 1)]
+
+
+def test_schedule_table_and_warmup_match_megatron_core():
+    sched = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
+    for m in range(1, 13):
+        for v in (1, 2, 3):
+            for g in range(1, m + 1):
+                assert get_schedule_table(m, v, g) == sched.get_schedule_table(m, v, g), (m, v, g)
+
+
+def test_warmup_counts():
+    # 1F1B: min(p - r - 1, m); the running example (p=2, m=8) warms up 1 and 0.
+    assert [num_warmup_microbatches_1f1b(4, r, 8) for r in range(4)] == [3, 2, 1, 0]
+    assert [num_warmup_microbatches_1f1b(2, r, 8) for r in range(2)] == [1, 0]
+    assert num_warmup_microbatches_1f1b(8, 0, 3) == 3  # capped at m
+    # Interleaved: 2(p-r-1) + (v-1) g, capped at m v (then all warmup).
+    assert get_pp_rank_microbatches(5, 2, 3, 2, 0) == (10, False, 5, 5)
+    assert get_pp_rank_microbatches(5, 2, 3, 2, 1) == (10, False, 3, 7)
+    assert get_pp_rank_microbatches(8, 2, 2, 2, 0) == (16, False, 4, 12)  # running example
+    assert get_pp_rank_microbatches(2, 2, 2, 4, 0) == (4, True, 4, 0)
+    assert get_pp_rank_microbatches(8, 2, 2, 2, 1, forward_only=True) == (16, True, 16, 0)
+
+
+def test_interleaving_constraints_name_the_numbers():
+    check_interleaving(2, 5, 3)  # Megatron's example is valid (remainder 2 >= p)
+    check_interleaving(4, 8, 4)
+    with pytest.raises(ValueError, match=r"num_microbatches \(6\) mod .* \(4\) = 2 .* pp \(4\)"):
+        check_interleaving(4, 6, 4)  # m % p != 0 with the default g = p
+    with pytest.raises(ValueError, match=r"\(3\) must lie in \[pp \(4\), num_microbatches \(8\)\]"):
+        check_interleaving(4, 8, 3)
+    with pytest.raises(ValueError, match=r"\(9\) must lie in \[pp \(4\), num_microbatches \(8\)\]"):
+        check_interleaving(4, 8, 9)
+
+
+def test_get_forward_backward_func_selects_megatrons_schedules():
+    from tinytron.main_loop.interleaved import forward_backward_pipelining_with_interleaving
+    assert get_forward_backward_func(1) is forward_backward_no_pipelining
+    assert get_forward_backward_func(1, 2) is forward_backward_no_pipelining
+    assert get_forward_backward_func(4) is forward_backward_pipelining_without_interleaving
+    assert get_forward_backward_func(4, 1) is forward_backward_pipelining_without_interleaving
+    assert get_forward_backward_func(2, 2) is forward_backward_pipelining_with_interleaving
+    with pytest.raises(ValueError, match="pp_size must be a positive int, got 0"):
+        get_forward_backward_func(0)
+
+
+def test_pseudo_freed_output_still_backpropagates():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    y = lin(x) + 1.0
+    (y * 2).sum().backward()
+    ref = lin.weight.grad.clone()
+    lin.zero_grad()
+    y = lin(x) + 1.0
+    deallocate_output_tensor(y, True)
+    assert y.numel() == 1 and y.grad_fn is not None
+    custom_backward(y, torch.full((4, 8), 2.0))
+    assert torch.equal(lin.weight.grad, ref)
+    with pytest.raises(ValueError, match="cannot pseudo-free a view"):
+        deallocate_output_tensor(lin(x)[:2], True)
+    z = lin(x)
+    deallocate_output_tensor(z, False)
+    assert z.shape == (4, 8)
+
+
+def test_no_pipelining_equals_one_process_and_holds_back_the_sync():
+    config = w.tiny_config(num_layers=2, tie_embeddings=False)
+    batches = w.make_microbatches(config, 4)
+    ref = w.reference_run(config, [batches])[0]
+    model, rec, in_no_sync = GPTModel(config), ScheduleRecorder(), []
+
+    @contextlib.contextmanager
+    def no_sync():  # notes which micro-batches ran while the grad collectives were held back
+        in_no_sync.append(len(rec.events))
+        yield
+        in_no_sync.append(len(rec.events))
+
+    cfg = ScheduleConfig(finalize_model_grads_func=finalize_model_grads, recorder=rec,
+                         no_sync_func=no_sync)
+    reports = forward_backward_no_pipelining(
+        forward_step_func=w.forward_step_func, data_iterator=iter(batches), model=[model],
+        num_microbatches=4, seq_length=config.seq_length, micro_batch_size=1,
+        grid=ParallelGrid.single(), config=cfg)
+    gap, bitwise = w.compare(w.full_grads([model], ParallelGrid.single()), ref["grads"])
+    assert bitwise, gap
+    assert torch.equal(torch.stack([r["lm loss"] for r in reports]), ref["reports"])
+    assert _fb_string(rec.order()) == "F0 B0 F1 B1 F2 B2 F3 B3"
+    assert in_no_sync == [0, 6]  # micro-batches 0..2 inside no_sync, the last one outside
+
+
+def test_no_pipelining_forward_only_and_bad_input():
+    config = w.tiny_config(num_layers=2, tie_embeddings=False)
+    batches = w.make_microbatches(config, 2)
+    model = GPTModel(config)
+    before = [p.detach().clone() for p in model.parameters()]
+    kwargs = dict(forward_step_func=w.forward_step_func, model=[model], seq_length=64,
+                  micro_batch_size=1, grid=ParallelGrid.single())
+    reports = forward_backward_no_pipelining(data_iterator=iter(batches), num_microbatches=2,
+                                             forward_only=True, **kwargs)
+    assert len(reports) == 2
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError, match="num_microbatches must be a positive int, got 0"):
+        forward_backward_no_pipelining(data_iterator=iter(batches), num_microbatches=0, **kwargs)
+    with pytest.raises(ValueError, match="got 2 chunks and 1 iterators"):
+        forward_backward_no_pipelining(data_iterator=iter(batches), num_microbatches=2,
+                                       **{**kwargs, "model": [model, model]})
+    with pytest.raises(ValueError, match=r"pipelined schedule needs a grid with pp > 1, got 1"):
+        forward_backward_pipelining_without_interleaving(
+            data_iterator=iter(batches), num_microbatches=2, **kwargs)
+
+
+# ------------------------------------------------------------------ one 4-rank world
+
+@pytest.fixture(scope="module")
+def world():
+    """Every multi-rank case runs in a single gloo world of 4 ranks (~5 s to start)."""
+    return run_on_ranks(workers.world_checks, 4, timeout=300)
+
+
+def _losses_close(res, rel=1e-6):
+    return all(g <= rel for g in res["loss_gaps"])
+
+
+def test_pp4_1f1b_is_bitwise_and_in_megatrons_order(world):
+    for rank, r in enumerate(world):
+        res = r["pp4"]
+        assert res["stage"] == rank
+        assert all(res["bitwise"]), res["gaps"]  # same op order as one process: same bits
+        assert res["loss_gaps"] == ([0.0] * 3 if rank == 3 else [])
+        assert res["num_reports"] == (8 if rank == 3 else 0)
+        for order in res["orders"]:
+            assert _fb_string(order) == HAND_1F1B_P4_M8[rank]
+
+
+def test_each_stage_runs_m_forwards_and_backwards_in_forward_order(world):
+    for r in world:
+        for case in ("pp4", "dp2pp2", "dp2pp2_vpp", "megatron_example", "dp4"):
+            res = r[case]
+            m = 8 if case == "pp4" else 5 if case == "megatron_example" else 4
+            for order in res["orders"]:
+                for chunk in {c for _, c, _ in order}:
+                    fwd = [mb for k, c, mb in order if c == chunk and k == "forward"]
+                    bwd = [mb for k, c, mb in order if c == chunk and k == "backward"]
+                    assert fwd == bwd == list(range(m)), (case, chunk)
+
+
+def test_stage_holds_at_most_p_minus_r_microbatches(world):
+    """Measured: LiveBytesMeter bytes and autograd's live saved tensors, after every F and B."""
+    for rank, r in enumerate(world):
+        res = r["inflight"]
+        assert res["max_in_flight_saved"] == 4 - rank
+        # bytes: within half a micro-batch of p - r (pseudo-freed outputs and p2p buffers)
+        assert abs(res["max_in_flight_bytes"] - (4 - rank)) < 0.5, res["max_in_flight_bytes"]
+        assert res["peak_at_marks"] <= (4 - rank + 0.5) * res["per_microbatch"]
+
+
+def test_tp2_pp2_equals_one_process(world):
+    for r in world:
+        res = r["tp2pp2"]
+        assert max(res["gaps"]) <= 1e-6 and _losses_close(res)
+
+
+def test_dp2_pp2_1f1b_and_interleaved_equal_one_process(world):
+    for r in world:
+        for case in ("dp2pp2", "dp2pp2_vpp", "megatron_example"):
+            res = r[case]
+            assert max(res["gaps"]) <= 1e-6 and _losses_close(res), (case, res["gaps"])
+            assert res["num_reports"] == (0 if res["stage"] == 0 else 5 if "example" in case else 4)
+
+
+def test_dp4_no_pipelining_equals_one_process(world):
+    for r in world:
+        res = r["dp4"]
+        assert max(res["gaps"]) <= 1e-6 and _losses_close(res)
+        assert _fb_string(res["orders"][0]) == "F0 B0 F1 B1 F2 B2 F3 B3"
+
+
+def test_megatron_documented_interleaved_order(world):
+    for r in world:
+        res = r["megatron_example"]
+        warmup = {0: 5, 1: 3}[res["stage"]]  # 2(p-r-1) + (v-1) g with p=2, v=2, g=3
+        assert res["orders"][0] == _expected_interleaved(warmup)
+
+
+def test_no_grad_collective_before_the_last_backward(world):
+    """Chapter 05's bucket records: every launch ('start') comes in or after the chunk's last
+    backward; from the second step on (golden counts known) the hooks launch it *during* it."""
+    for r in world:
+        for case, m in (("dp2pp2", 4), ("dp2pp2_vpp", 4), ("dp4", 4)):
+            res = r[case]
+            for step, (events, comm) in enumerate(zip(res["events"], res["comm"])):
+                for chunk in {c for c, _, _ in comm}:
+                    last = [e for e in events if e.kind == "backward" and e.chunk == chunk
+                            and e.microbatch == m - 1]
+                    assert len(last) == 1
+                    starts = [t for c, ev, t in comm if c == chunk and ev == "start"]
+                    assert starts and min(starts) >= last[0].start, (case, step, chunk)
+                    if step > 0:
+                        assert min(starts) <= last[0].end, (case, step, chunk)
+
+
+def test_forward_only_changes_nothing(world):
+    for r in world:
+        for case in ("forward_only_pp4", "forward_only_vpp"):
+            res = r[case]
+            assert res["params_same"] and res["no_grads"] and res["same_losses"], (case, res)
+    assert world[3]["forward_only_pp4"]["num"] == 4 and world[0]["forward_only_pp4"]["num"] == 0
+
+
+def test_bad_layouts_raise_value_errors_naming_the_numbers(world):
+    msgs = world[0]["errors"]
+    assert "num_microbatches (3) mod microbatch_group_size_per_vp_stage (2) = 1" in msgs[0]
+    assert "(1) must lie in [pp (2), num_microbatches (4)]" in msgs[1]
+    assert "(5) must lie in [pp (2), num_microbatches (4)]" in msgs[2]
+    assert "num_microbatches (5) mod microbatch_group_size_per_vp_stage (4) = 1" in msgs[3]
+    assert "2 chunks, 1 iterator(s)" in msgs[4]
+    assert "got 2 chunks and 1 iterators" in msgs[5]
