@@ -146,6 +146,7 @@ def parity_cases(cases: list[dict], with_shard_check: bool = True) -> dict:
             comm.native_gloo_reduce_scatter = False
     out["per_token"] = per_token_dp(grid)
     out["broadcast_equal"] = broadcast_check(grid)
+    out["qk_norm"] = qk_norm_tp_sum()
     if with_shard_check:
         for native in (False, True):
             comm.native_gloo_reduce_scatter = native
@@ -297,3 +298,18 @@ def broadcast_check(grid) -> bool:
     gathered = [torch.empty_like(flat) for _ in range(grid.size("dp"))]
     dist.all_gather(gathered, flat, group=grid.group("dp"))
     return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def qk_norm_tp_sum() -> dict:
+    """finalize_model_grads on a TP grid: QK-norm grads are summed over TP, others untouched."""
+    from tinytron.buffers import finalize_model_grads
+
+    grid = ParallelGrid(tp=dist.get_world_size())
+    block = torch.nn.Module()
+    block.q_layernorm = torch.nn.Linear(2, 1, bias=False)
+    block.k_layernorm = torch.nn.Linear(2, 1, bias=False)
+    block.proj = torch.nn.Linear(2, 1, bias=False)
+    for i, p in enumerate(block.parameters()):
+        p.grad = torch.full_like(p, float(grid.rank("tp") + 1 + 10 * i))
+    finalize_model_grads([block], grid)
+    return {name: p.grad.tolist() for name, p in block.named_parameters()}

@@ -259,6 +259,11 @@ def test_ddp_grads_equal_single_process(world, cases):
         assert r["broadcast_equal"]
         assert r["per_token"]["err"] < 1e-5, r["per_token"]
         assert r["per_token"]["num_tokens"] == r["per_token"]["expected_tokens"]
+        # QK-norm weights: SUM over TP (ranks hold 1+10i and 2+10i); other replicated grads stay
+        if world == 2:
+            assert r["qk_norm"]["q_layernorm.weight"] == [[3.0, 3.0]]
+            assert r["qk_norm"]["k_layernorm.weight"] == [[23.0, 23.0]]
+            assert r["qk_norm"]["proj.weight"] in ([[21.0, 21.0]], [[22.0, 22.0]])
 
 
 def test_finalize_model_grads_tp2_sp_pp2_tied():

@@ -32,7 +32,11 @@ __all__ = ["finalize_model_grads", "main_grad_of"]
 #    `s/tp` slice of the sequence. The full gradient is the **sum** over TP ranks. The grads of
 #    all such params are flattened into one tensor, all-reduced over the TP group and copied
 #    back (one collective instead of one per norm). Params flagged
-#    `average_gradients_across_tp_domain` are averaged instead.
+#    `average_gradients_across_tp_domain` are averaged instead. The same SUM applies, with or
+#    without SP, to QK-norm weights (names containing `q_layernorm` / `k_layernorm`,
+#    `finalize_model_grads.py:403`): each TP rank normalises only its own heads, so each holds
+#    a partial gradient. tinytron's model has no QK-norm, but the rule is here, so adding one
+#    cannot silently let the TP ranks' copies drift apart.
 # 3. **Tied embedding** (`:164`). With `tie_embeddings` and pipeline parallelism the first
 #    stage owns the input embedding and the last stage a copy used as the output layer, both
 #    flagged `shared_embedding`. Each copy has the gradient of its own use only; the true
@@ -76,6 +80,11 @@ def main_grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:
     return grad if grad is not None else param.grad
 
 
+def _is_qk_norm(name: str) -> bool:
+    """A QK-norm weight by Megatron's naming rule (finalize_model_grads.py:403)."""
+    return "q_layernorm" in name or "k_layernorm" in name
+
+
 def _allreduce_tp_replicated_grads(model_chunks, grid) -> int:
     """SUM over TP the grads of sequence_parallel params (AVG for the averaged ones)."""
     group, tp, _ = axis_info(grid, "tp")
@@ -83,13 +92,13 @@ def _allreduce_tp_replicated_grads(model_chunks, grid) -> int:
         return 0
     buckets = {dist.ReduceOp.SUM: [], dist.ReduceOp.AVG: []}
     for chunk in model_chunks:
-        for p in chunk.parameters():
+        for name, p in chunk.named_parameters():
             grad = main_grad_of(p) if p.requires_grad else None
             if grad is None:
                 continue
             if getattr(p, "average_gradients_across_tp_domain", False):
                 buckets[dist.ReduceOp.AVG].append(grad)
-            elif getattr(p, "sequence_parallel", False):
+            elif getattr(p, "sequence_parallel", False) or _is_qk_norm(name):
                 buckets[dist.ReduceOp.SUM].append(grad)
     for op, grads in buckets.items():
         if grads:  # one collective for all of them
