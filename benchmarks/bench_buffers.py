@@ -159,6 +159,11 @@ def main():
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
     print(f"wrote {args.out}")
+    # A timing is only worth reporting if every variant trained exactly like torch DDP: same
+    # data, same fp32 reductions, so the losses are bit-identical, step by step.
+    unequal = {n: r["max_loss_diff_vs_torch_ddp"] for n, r in rows.items()
+               if r["max_loss_diff_vs_torch_ddp"] != 0.0}
+    assert not unequal, f"losses differ from torch DDP: {unequal}"
 
 
 if __name__ == "__main__":
