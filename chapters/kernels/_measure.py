@@ -37,8 +37,15 @@ class EagerTraffic(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if not func.is_view:
+            # In-place ops write their mutated arguments (`_foreach_mul_` returns nothing);
+            # an output that is one of them (`add_` returns self) is not counted twice.
+            mutated = [t for arg, value in zip(func._schema.arguments, args)
+                       if arg.alias_info is not None and arg.alias_info.is_write
+                       for t in _tensors(value)]
+            ptrs = {t.data_ptr() for t in mutated}
+            written = mutated + [t for t in _tensors(out) if t.data_ptr() not in ptrs]
             self.ops.append((self.phase, str(func.overloadpacket.__name__),
-                             _nbytes(_tensors((args, kwargs))), _nbytes(_tensors(out))))
+                             _nbytes(_tensors((args, kwargs))), _nbytes(written)))
         return out
 
     def total(self, phase: str | None = None) -> int:

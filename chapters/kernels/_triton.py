@@ -51,7 +51,7 @@ KERNEL_CHOICES = ("torch", "triton", "auto")
 
 __all__ = ["triton", "tl", "HAS_TRITON", "INTERPRET", "SUPPORTED_DTYPES", "KERNEL_CHOICES",
            "require_triton", "check_tensor", "resolve_kernels", "dot_flags", "num_row_programs",
-           "mma"]
+           "mma", "round_to"]
 
 
 def require_triton() -> None:
@@ -110,6 +110,9 @@ def num_row_programs(n_rows: int, device: torch.device, per_sm: int = 4) -> int:
 
 
 if HAS_TRITON:
+    # The interpreter casts fp32 to bf16 by truncation; compiled kernels round to nearest even.
+    # round_to rounds explicitly when interpreting, so CPU tests see the GPU's numbers.
+    _EMULATE_RTNE = tl.constexpr(INTERPRET)
 
     @triton.jit
     def mma(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
@@ -118,5 +121,14 @@ if HAS_TRITON:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         return tl.dot(a, b, acc, input_precision=PRECISION)
+
+    @triton.jit
+    def round_to(x, dtype: tl.constexpr):
+        """fp32 x rounded to nearest even in `dtype`."""
+        if _EMULATE_RTNE and dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + ((bits >> 16) & 1) + 0x7FFF) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+        return x.to(dtype)
 else:
-    mma = None
+    mma = round_to = None

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tinytron.kernels._triton import INTERPRET, check_tensor, tl, triton
+from tinytron.kernels._triton import INTERPRET, check_tensor, round_to, tl, triton
 from tinytron.parallel import ParallelGrid
 from tinytron.parallel import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy_reference
 from tinytron.parallel._comm import all_reduce
@@ -119,7 +119,7 @@ def _ce_bwd_kernel(logits_ptr, labels_ptr, lse_ptr, dloss_ptr, dlogits_ptr, n_co
         mask = cols < n_cols
         z = tl.load(logits_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         grad = (tl.exp(z - lse) - tl.where(cols == label, 1.0, 0.0)) * dloss
-        tl.store(dlogits_ptr + row * n_cols + cols, grad.to(dlogits_ptr.dtype.element_ty),
+        tl.store(dlogits_ptr + row * n_cols + cols, round_to(grad, dlogits_ptr.dtype.element_ty),
                  mask=mask)
 
 

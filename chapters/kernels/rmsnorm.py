@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tinytron.kernels._triton import check_tensor, num_row_programs, tl, triton
+from tinytron.kernels._triton import check_tensor, num_row_programs, round_to, tl, triton
 
 __all__ = ["rms_norm", "rms_norm_reference", "rms_norm_bytes"]
 
@@ -57,9 +57,9 @@ def _rmsnorm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, eps, BLOCK_H: tl.
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    normed = (x * rstd).to(w.dtype)  # rounded to the input dtype before the weight, like torch
+    normed = round_to(x * rstd, w.dtype)  # rounded to the input dtype before the weight, as torch
     y = normed.to(tl.float32) * w.to(tl.float32)
-    tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + row * n_cols + cols, round_to(y, y_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + row, rstd)
 
 
@@ -114,10 +114,10 @@ def _rmsnorm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, 
         dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + row)
         normed = x * rstd
-        dw += dy * normed.to(w_raw.dtype).to(tl.float32)
+        dw += dy * round_to(normed, w_raw.dtype).to(tl.float32)
         u = dy * w
         dx = rstd * (u - normed * (tl.sum(u * normed, axis=0) / n_cols))
-        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offs, round_to(dx, dx_ptr.dtype.element_ty), mask=mask)
     tl.store(dw_partial_ptr + pid.to(tl.int64) * n_cols + cols, dw, mask=mask)
 
 

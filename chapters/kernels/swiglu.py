@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tinytron.kernels._triton import INTERPRET, check_tensor, tl, triton
+from tinytron.kernels._triton import INTERPRET, check_tensor, round_to, tl, triton
 
 __all__ = ["swiglu", "swiglu_reference", "swiglu_bytes"]
 
@@ -60,7 +60,7 @@ def _swiglu_fwd_kernel(x_ptr, out_ptr, f, BLOCK: tl.constexpr):
     gate = tl.load(x_ptr + row * 2 * f + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * 2 * f + f + cols, mask=mask, other=0.0).to(tl.float32)
     out = gate * tl.sigmoid(gate) * up
-    tl.store(out_ptr + row * f + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * f + cols, round_to(out, out_ptr.dtype.element_ty), mask=mask)
 
 
 # %% [markdown]
@@ -93,8 +93,8 @@ def _swiglu_bwd_kernel(x_ptr, dy_ptr, dx_ptr, f, BLOCK: tl.constexpr):
     sig = tl.sigmoid(gate)
     d_gate = dy * up * sig * (1.0 + gate * (1.0 - sig))
     d_up = dy * gate * sig
-    tl.store(dx_ptr + row * 2 * f + cols, d_gate.to(dx_ptr.dtype.element_ty), mask=mask)
-    tl.store(dx_ptr + row * 2 * f + f + cols, d_up.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dx_ptr + row * 2 * f + cols, round_to(d_gate, dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dx_ptr + row * 2 * f + f + cols, round_to(d_up, dx_ptr.dtype.element_ty), mask=mask)
 
 
 # %%
