@@ -12,12 +12,15 @@ from tinytron.reliability.result_checks import (RerunConfig, RerunErrorInjector,
 from tinytron.reliability.fault_injection import Fault, FaultInjector, parse_fault
 
 from tinytron.reliability.timers import Timer, Timers
+from tinytron.reliability.fault_tolerance import (EXIT_CODE_HANG_DETECTED, FaultToleranceConfig,
+                                                  RankMonitor)
 
-__pages__ = ["rerun_state_machine", "result_checks", "fault_injection", "timers"]
+__pages__ = ["rerun_state_machine", "result_checks", "fault_injection", "fault_tolerance",
+             "timers"]
 
 __all__ = ["EXIT_CODE_FAILED_ON_RESULT_VALIDATION", "EXIT_CODE_RESUME_TO_DISAMBIGUATE",
            "RerunDataIterator", "RerunDiagnostic", "RerunMode", "RerunState", "RerunStateMachine",
            "RerunValidationStatus", "compare_floats", "RerunConfig", "RerunErrorInjector",
            "build_rerun_state_machine", "check_grad_norms", "check_loss", "checked_loss_func",
            "get_skipped_iterations_from_tracker_file", "Fault", "FaultInjector", "parse_fault",
-           "Timer", "Timers"]
+           "Timer", "Timers", "EXIT_CODE_HANG_DETECTED", "FaultToleranceConfig", "RankMonitor"]

@@ -39,3 +39,26 @@ def straggler_timers(num_iters: int, forward_sleep: dict) -> dict:
     log = timers.log_string(names, normalizer=num_iters, reset=True)
     return {"names": names, "table": table, "min_max": min_max, "stragglers": stragglers,
             "log": log}
+
+
+def hang_job(num_iters: int, faults: list, ft_kwargs: dict) -> list:
+    """A tiny data-parallel loop under a RankMonitor; `faults` may make a rank hang."""
+    import torch
+
+    from tinytron.reliability.fault_injection import FaultInjector
+    from tinytron.reliability.fault_tolerance import FaultToleranceConfig, RankMonitor
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    monitor = RankMonitor(FaultToleranceConfig(**ft_kwargs), rank, world).start()
+    injector = FaultInjector(faults, rank=rank)
+    done = []
+    for it in range(1, num_iters + 1):
+        monitor.on_training_step_start(it)
+        injector.at_step_start(it)
+        grad = torch.full((4,), float(rank))
+        dist.all_reduce(grad)            # the collective a healthy rank waits in
+        time.sleep(0.05)
+        monitor.on_training_step_end()
+        done.append(it)
+    monitor.shutdown()
+    return done

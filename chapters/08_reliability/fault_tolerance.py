@@ -1,0 +1,395 @@
+# %% [markdown]
+# # 08 · Fault tolerance: heartbeats, section timeouts and the rank that hung
+#
+# A crashed rank is easy: its process exits, `torchrun` notices and restarts the job. A *hung*
+# rank is the expensive failure: a stuck kernel, a dead-locked data loader or a frozen host
+# stops one rank, every other rank waits for it inside the next collective, and the job burns
+# the whole cluster doing nothing until NCCL's watchdog fires — 10 to 30 minutes later — or
+# forever. This page builds what Megatron gets from NVIDIA's fault-tolerance package: per-rank
+# **heartbeats**, named **sections** (setup, step, checkpoint) each with its timeout, and a
+# monitor that, when a timeout expires, says *which rank* hung *where*, and ends the job so
+# the launcher can restart it.
+
+# %%
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+__all__ = ["EXIT_CODE_HANG_DETECTED", "SECTIONS", "FaultToleranceConfig", "RankMonitor",
+           "connect_store", "find_hung_ranks", "main_thread_position"]
+
+# %% [markdown]
+# ## Sections and timeouts
+#
+# Megatron's `ft_integration.py` divides a rank's life into sections (`:76-193`): `setup`
+# (from process start to the first training step: imports, process groups, model build,
+# checkpoint load), `step` (one `train_step`), `checkpointing` (one save, or one asynchronous
+# finalisation) — and the time outside any section, with its own timeout. The first
+# `num_warmup_iters = 5` steps run out of section, because they include one-off work (memory
+# pool growth, compilation) that would force a loose step timeout. Each rank's section events
+# go to a **rank monitor**, a separate process that kills the rank when a section overruns;
+# `ft_launcher` then restarts the job.
+#
+# The timeouts follow the job: with `--calc-ft-timeouts` the observed maxima (after at least
+# 16 steps for `step`, `_MIN_ITERS_FOR_STEP_TIMEOUT_UPDATE`) replace the initial values and are
+# saved in `<save>/ft_state.json` for the next launch (`_maybe_update_timeouts`, `:244`).
+#
+# For the running example (7B, 256 GPUs) a step takes about 9 s; a step timeout of a few
+# minutes catches a hang ~100× sooner than a 30-minute NCCL timeout: at 256 GPUs, 28 minutes
+# saved is 120 GPU-hours per hang.
+
+# %%
+EXIT_CODE_HANG_DETECTED = 18  # tinytron's own; Megatron leaves hangs to the FT launcher
+SECTIONS = ("setup", "step", "checkpoint")
+
+
+@dataclass
+class FaultToleranceConfig:
+    """Heartbeat and section-timeout settings (seconds)."""
+
+    setup_timeout: float = 600.0
+    """From process start to the first training step."""
+    step_timeout: float = 180.0
+    """One train_step, after the warm-up steps."""
+    checkpoint_timeout: float = 600.0
+    """One save (or one async finalisation)."""
+    out_of_section_timeout: float = 600.0
+    """Time outside any section (warm-up steps, logging, evaluation)."""
+    num_warmup_iters: int = 5
+    """Steps that run out of section (Megatron's --ft-num-warmup-iters)."""
+    heartbeat_interval: float = 1.0
+    """How often each rank's monitor beats and checks the others."""
+    heartbeat_timeout: float = 30.0
+    """A rank whose beat stops this long is frozen or dead."""
+    report_path: Optional[str] = None
+    """Where the verdict is also written (a file a job scheduler can read)."""
+
+    def __post_init__(self):
+        for name in ("setup_timeout", "step_timeout", "checkpoint_timeout",
+                     "out_of_section_timeout", "heartbeat_interval", "heartbeat_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.heartbeat_interval >= self.heartbeat_timeout:
+            raise ValueError(f"heartbeat_interval ({self.heartbeat_interval}) must be below "
+                             f"heartbeat_timeout ({self.heartbeat_timeout})")
+
+    def timeout(self, section: Optional[str]) -> float:
+        """The timeout of a section (None = out of section)."""
+        return {None: self.out_of_section_timeout, "setup": self.setup_timeout,
+                "step": self.step_timeout, "checkpoint": self.checkpoint_timeout}[section]
+
+
+# %% [markdown]
+# ## Telling the hung rank from the ranks that wait for it
+#
+# When rank 1 hangs inside step 7, rank 0 soon blocks in step 7's gradient all-reduce: *both*
+# overrun the step timeout. A monitor that only sees "rank 0: step open for 200 s" blames
+# every rank. Two more facts, published with each heartbeat, separate them:
+#
+# - **is the process alive?** A small thread in every rank beats every `heartbeat_interval`.
+#   A frozen process (`SIGSTOP`, a host that stopped scheduling it) stops beating; a rank
+#   blocked in a collective or stuck in Python keeps beating.
+# - **where is its main thread?** The same thread reads the main thread's Python stack
+#   (`sys._current_frames`) and publishes the innermost frame and whether any frame is inside
+#   `torch.distributed`. A rank *waiting in a collective* is a victim; a rank over time
+#   *outside* any collective is the culprit.
+#
+# | rank | beat | section (age) | main thread | verdict |
+# |---|---|---|---|---|
+# | 0 | fresh | step 7 (200 s) | `distributed_c10d.py: all_reduce` | waiting |
+# | 1 | fresh | step 7 (201 s) | `loader.py:88 in next` | **hung in step** |
+# | 2 | 45 s old | step 7 | — | **frozen** |
+#
+# Ages are measured by the *observer's* clock from when it first saw a value change, so hosts
+# need not agree on the time. Heartbeats travel through the job's key-value store (the
+# `TCPStore` every `torch.distributed` job already has), each rank under its own key, so the
+# training loop itself never touches the network for them: it only updates a dict in memory.
+
+# %%
+def main_thread_position() -> tuple[str, bool]:
+    """('file:line in function' of the main thread's innermost frame, inside torch.distributed?)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return "?", False
+    where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+    in_collective = False
+    marker = os.sep.join(("torch", "distributed", ""))
+    while frame is not None:
+        if marker in frame.f_code.co_filename:
+            in_collective = True
+            break
+        frame = frame.f_back
+    return where, in_collective
+
+
+def find_hung_ranks(reports: dict[int, dict], ages: dict[int, tuple[float, float]],
+                    config: FaultToleranceConfig) -> Optional[str]:
+    """A verdict naming the hung rank(s) and section, or None if every rank is within time.
+
+    `reports[r]` is rank r's last published state; `ages[r] = (seconds since its beat last
+    changed, seconds since its section last changed)`, both by the observer's clock.
+    """
+    frozen = [r for r, (beat_age, _) in ages.items() if beat_age > config.heartbeat_timeout]
+    late = [r for r, (_, sec_age) in ages.items()
+            if r not in frozen and sec_age > config.timeout(reports[r]["section"])]
+    if not frozen and not late:
+        return None
+    # Someone is over time. Blame the silent ranks and the ranks that are not waiting in a
+    # collective (whatever their own age: they are what the waiting ranks wait for).
+    busy = [r for r in reports if r not in frozen and not reports[r]["in_collective"]]
+    waiting = [r for r in reports if r not in frozen and reports[r]["in_collective"]]
+    lines = []
+    for r in frozen:
+        rep = reports[r]
+        lines.append(f"rank {r} stopped beating {ages[r][0]:.1f} s ago "
+                     f"(> heartbeat_timeout {config.heartbeat_timeout:g} s), last seen in section "
+                     f"{rep['section']!r} at iteration {rep['iteration']} (frozen or dead)")
+    for r in busy if (busy or frozen) else late:
+        rep = reports[r]
+        lines.append(f"rank {r} hung in section {rep['section']!r} at iteration "
+                     f"{rep['iteration']} ({ages[r][1]:.1f} s in it, timeout "
+                     f"{config.timeout(rep['section']):g} s); main thread at {rep['where']}")
+    if waiting and (busy or frozen):
+        lines.append(f"waiting for it in a collective: ranks {waiting}")
+    return "hang detected: " + "; ".join(lines)
+
+
+# %% [markdown]
+# ## The rank monitor
+#
+# `RankMonitor` is the per-rank client with Megatron's hook names: `setup` opens when it
+# starts, `on_training_step_start/end` bracket each step (the first call closes `setup`; steps
+# after the warm-up open the `step` section), `on_checkpointing_start/end` bracket a save. Its
+# daemon thread beats, reads every rank's report, and when `find_hung_ranks` returns a verdict
+# it writes the verdict once to the store (`compare_set`: the first monitor to see the hang
+# wins), prints it, writes it to `report_path`, and exits the process with
+# `EXIT_CODE_HANG_DETECTED`. Every rank's monitor sees the same verdict, so the whole job ends
+# within one heartbeat interval of the timeout — and `torchrun` restarts it.
+#
+# The store is a separate client connection (keys prefixed by the restart attempt, so a
+# restarted job never reads the previous life's beats); losing it for `heartbeat_timeout`
+# (the rank hosting it died) also ends the rank.
+
+# %%
+def connect_store(prefix: str, timeout_s: float):
+    """A fresh client of the job's TCPStore (MASTER_ADDR/MASTER_PORT), under `prefix`."""
+    store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                          int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return dist.PrefixStore(prefix, store)
+
+
+class RankMonitor:
+    """Per-rank heartbeats and section timeouts; ends the job when a rank hangs."""
+
+    def __init__(self, config: FaultToleranceConfig, rank: int, world_size: int, store=None,
+                 attempt: Optional[int] = None, exit_fn: Callable[[int], None] = os._exit,
+                 clock: Callable[[], float] = time.monotonic):
+        self.config, self.rank, self.world_size = config, rank, world_size
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) if attempt is None \
+            else attempt
+        self.store = store or connect_store(f"tinytron_ft/{attempt}/", config.heartbeat_timeout)
+        self.exit_fn, self.clock = exit_fn, clock
+        self._lock = threading.Lock()
+        self._mine = {"section": None, "section_seq": 0, "iteration": 0, "beat": 0}
+        self._seen: dict[int, dict] = {}   # observer bookkeeping per rank
+        self._steps_seen = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.verdict: Optional[str] = None
+        self.section_times: dict[str, float] = {}  # longest observed duration per section
+
+    def start(self) -> "RankMonitor":
+        """Open the setup section and start beating."""
+        self._open("setup")
+        self._thread = threading.Thread(target=self._run, name="tinytron-rank-monitor",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def _open(self, section: Optional[str]) -> None:
+        with self._lock:
+            old, since = self._mine["section"], self._mine.get("opened", self.clock())
+            if old is not None:
+                self.section_times[old] = max(self.section_times.get(old, 0.0),
+                                              self.clock() - since)
+            self._mine.update(section=section, section_seq=self._mine["section_seq"] + 1,
+                              opened=self.clock())
+
+    def on_training_step_start(self, iteration: int) -> None:
+        """Close setup (first step); open the step section once past the warm-up."""
+        self._steps_seen += 1
+        with self._lock:
+            self._mine["iteration"] = iteration
+        self._open("step" if self._steps_seen > self.config.num_warmup_iters else None)
+
+    def on_training_step_end(self) -> None:
+        """Close the step section."""
+        self._open(None)
+
+    def on_checkpointing_start(self) -> None:
+        """Open the checkpoint section."""
+        self._open("checkpoint")
+
+    def on_checkpointing_end(self) -> None:
+        """Close the checkpoint section."""
+        self._open(None)
+
+    @contextlib.contextmanager
+    def section(self, name: str):
+        """`with monitor.section("checkpoint"): ...`"""
+        if name not in SECTIONS:
+            raise ValueError(f"section must be one of {SECTIONS}, got {name!r}")
+        self._open(name)
+        try:
+            yield
+        finally:
+            self._open(None)
+
+    def shutdown(self) -> None:
+        """Stop beating (end of training)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5 * self.config.heartbeat_interval)
+
+    # -- the monitor thread ---------------------------------------------------------------
+    def _publish(self) -> None:
+        where, in_collective = main_thread_position()
+        with self._lock:
+            self._mine["beat"] += 1
+            report = dict(self._mine, where=where, in_collective=in_collective)
+        report.pop("opened", None)
+        self.store.set(f"rank{self.rank}", json.dumps(report))
+
+    def _observe(self) -> Optional[str]:
+        """Read every rank's report, update the ages by my clock, judge."""
+        now, reports, ages = self.clock(), {}, {}
+        for r in range(self.world_size):
+            key = f"rank{r}"
+            if not self.store.check([key]):
+                continue  # not started yet: covered by the setup timeout of those that did
+            rep = json.loads(self.store.get(key))
+            seen = self._seen.setdefault(r, {"beat": -1, "sec": -1, "beat_t": now, "sec_t": now})
+            if rep["beat"] != seen["beat"]:
+                seen.update(beat=rep["beat"], beat_t=now)
+            if rep["section_seq"] != seen["sec"]:
+                seen.update(sec=rep["section_seq"], sec_t=now)
+            reports[r], ages[r] = rep, (now - seen["beat_t"], now - seen["sec_t"])
+        return find_hung_ranks(reports, ages, self.config)
+
+    def _run(self) -> None:
+        last_contact = self.clock()
+        while not self._stop.wait(self.config.heartbeat_interval):
+            try:
+                self._publish()
+                verdict = self._observe()
+                if verdict is None and self.store.check(["verdict"]):
+                    verdict = self.store.get("verdict").decode().partition("|")[2]
+                last_contact = self.clock()
+            except Exception as e:  # noqa: BLE001 - a lost store is itself a verdict
+                if self.clock() - last_contact <= self.config.heartbeat_timeout:
+                    continue
+                verdict = f"rank {self.rank} lost the job's store for > " \
+                          f"{self.config.heartbeat_timeout:g} s ({type(e).__name__}): " \
+                          f"the rank hosting it is dead or frozen"
+            if verdict is not None:
+                self._end(verdict)
+                return
+
+    def _end(self, verdict: str) -> None:
+        with contextlib.suppress(Exception):
+            stored = self.store.compare_set("verdict", "", f"{self.rank}|{verdict}").decode()
+            owner, _, verdict = stored.partition("|")
+            if owner == str(self.rank):  # the first monitor to see the hang reports it
+                print(f"[rank monitor {self.rank}] {verdict}", file=sys.stderr, flush=True)
+                if self.config.report_path:
+                    with open(self.config.report_path, "w") as f:
+                        f.write(verdict + "\n")
+        self.verdict = verdict
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.exit_fn(EXIT_CODE_HANG_DETECTED)
+
+
+# %% [markdown]
+# ## Demo: rank 1 hangs in step 3
+#
+# Two gloo ranks run a data-parallel loop under a `RankMonitor` with a 1.5 s step timeout (no
+# warm-up steps, beats every 0.2 s). At iteration 3 the fault injector makes rank 1's main
+# thread sleep forever; rank 0 reaches the all-reduce and waits. The monitors find the hang,
+# every rank exits with code 18, and the verdict file names the rank, the section, the
+# iteration and the line where rank 1's main thread is stuck.
+
+# %%
+if __name__ == "__main__":
+    import tempfile
+
+    from tinytron.launch import RankError, run_on_ranks
+    from tinytron.reliability._workers import hang_job
+
+    report = os.path.join(tempfile.mkdtemp(), "hang.txt")
+    ft = dict(step_timeout=1.5, num_warmup_iters=0, heartbeat_interval=0.2,
+              heartbeat_timeout=5.0, report_path=report)
+    t0 = time.monotonic()
+    try:
+        run_on_ranks(hang_job, 2, 5, ["hang@3:rank=1"], ft, timeout=60)
+        raise AssertionError("the job should not have finished")
+    except RankError as e:
+        codes = {r: msg for r, msg in e.failures.items()}
+    took = time.monotonic() - t0
+    verdict = open(report).read().strip()
+    print(verdict)
+    print(f"job ended {took:.1f} s after launch; rank exits: {codes}")
+    assert "rank 1 hung in section 'step' at iteration 3" in verdict
+    assert "at_step_start" in verdict and "waiting for it in a collective: ranks [0]" in verdict
+    assert all(f"code {EXIT_CODE_HANG_DETECTED}" in m for m in codes.values())
+
+    cfg = FaultToleranceConfig(step_timeout=10, heartbeat_timeout=30)
+    frozen = find_hung_ranks({0: {"section": "step", "iteration": 9, "in_collective": True,
+                                  "where": "distributed_c10d.py:2800 in all_reduce"},
+                              1: {"section": "step", "iteration": 9, "in_collective": False,
+                                  "where": "x.py:1 in f"}},
+                             {0: (0.1, 12.0), 1: (31.0, 12.0)}, cfg)
+    print(frozen)
+    assert frozen.startswith("hang detected: rank 1 stopped beating 31.0 s ago")
+    assert frozen.endswith("waiting for it in a collective: ranks [0]")
+
+# %% [markdown]
+# ## Summary
+#
+# - Sections (setup, step, checkpoint, and out-of-section time) each get a timeout; the first
+#   steps run out of section.
+# - A beat from a side thread says *alive*; the main thread's stack says *where*; a rank over
+#   time outside any collective, or silent, is the one that hung — the others wait for it.
+# - The verdict is agreed through the job's store, written where a scheduler can read it, and
+#   every rank exits so that the launcher restarts the job (next page).
+#
+# ## How production does it
+#
+# - `megatron/training/ft_integration.py`: `setup` `:76`, `on_training_step_start/end`
+#   `:121/:136`, `on_checkpointing_start/end` `:169/:176`, `on_checkpoint_loaded` `:193`,
+#   `shutdown` `:207`, `_maybe_update_timeouts` `:244`; CLI `arguments.py:2278-2292`.
+# - NVIDIA `nvidia-resiliency-ext`: `fault_tolerance.RankMonitorClient` (the client) and a rank
+#   monitor *process* per rank that enforces the timeouts and signals the rank; `ft_launcher`
+#   (a `torchrun` derivative) restarts the workers. A separate process sees a hang even when
+#   the rank holds the GIL forever — a thread, as here, does not.
+# - PyTorch's NCCL watchdog (`TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`) and flight recorder
+#   (`TORCH_NCCL_TRACE_BUFFER_SIZE`) dump which collectives each rank had entered: the same
+#   "who waits for whom" question, one layer down.
+#
+# ## Exercises
+#
+# 1. A rank spins in pure Python without releasing the GIL. Which of this page's signals still
+#    work, and which does Megatron's separate monitor process add?
+# 2. With `--calc-ft-timeouts`, why is the step timeout only updated after 16 steps, and why
+#    is the checkpoint timeout not updated when saves are asynchronous?
