@@ -173,6 +173,10 @@ def format_log_line(r: dict) -> str:
 #   forward (everything but the logits), `selective` only the core attention (scores and
 #   values; Megatron's `--recompute-granularity selective`, chapter 06). These are *hardware*
 #   FLOPs: MFU (model FLOPs utilisation) leaves them out by definition, HFU includes them.
+#   (Megatron's checkpoint re-runs a whole region. PyTorch's non-reentrant
+#   `torch.utils.checkpoint` stops as soon as every saved tensor is back, so it skips a
+#   region's last matmul — a layer's down projection — whose output nothing saved; the tests
+#   count both ways.)
 
 # %%
 def flops_terms(config, batch_size: int, *, seq_length: int | None = None,
