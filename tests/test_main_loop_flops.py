@@ -30,13 +30,13 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-def _counted(model, batch: int = 2) -> tuple[int, int]:
+def _counted(model, batch: int = 2, early_stop: bool = False) -> tuple[int, int]:
     """(forward, backward) FLOPs counted on one real step, math attention (dense s^2 matmuls)."""
     x = torch.randint(0, CFG.vocab_size, (batch, CFG.seq_length),
                       generator=torch.Generator().manual_seed(0))
     # a recomputed region re-runs whole, as Megatron's checkpoint does (PyTorch's non-reentrant
     # checkpoint would otherwise stop before the region's last matmul, whose output no one saved)
-    with sdpa_kernel(SDPBackend.MATH), set_checkpoint_early_stop(False):
+    with sdpa_kernel(SDPBackend.MATH), set_checkpoint_early_stop(early_stop):
         with FlopCounterMode(display=False) as fwd:
             loss = model(x, labels=x).mean()
         with FlopCounterMode(display=False) as bwd:
@@ -87,6 +87,9 @@ def test_recompute_term_equals_the_counted_recomputation(granularity):
                                                       recompute=granularity)
     assert flops_terms(CFG, 2, attention="dense", recompute=granularity)["recompute"] == \
         bwd - 2 * fwd                    # backward = its own 2x forward + the re-run forward
+    if granularity == "full":            # PyTorch's early stop skips each layer's down projection
+        _, bwd_early = _counted(_checkpointed(GPTModel(CFG), granularity), early_stop=True)
+        assert bwd - bwd_early == 2 * (2 * CFG.seq_length) * CFG.ffn_hidden_size * 64 * 2
 
 
 def test_running_example_and_megatron_formula():
