@@ -15,12 +15,17 @@ from tinytron.reliability.timers import Timer, Timers
 from tinytron.reliability.fault_tolerance import (EXIT_CODE_HANG_DETECTED, FaultToleranceConfig,
                                                   RankMonitor)
 
+from tinytron.reliability.observability import (LoggingConfig, MetricsLogger, ProgressBar,
+                                                memory_report, read_tensorboard_scalars)
+
 __pages__ = ["rerun_state_machine", "result_checks", "fault_injection", "fault_tolerance",
-             "timers"]
+             "timers", "observability"]
 
 __all__ = ["EXIT_CODE_FAILED_ON_RESULT_VALIDATION", "EXIT_CODE_RESUME_TO_DISAMBIGUATE",
            "RerunDataIterator", "RerunDiagnostic", "RerunMode", "RerunState", "RerunStateMachine",
            "RerunValidationStatus", "compare_floats", "RerunConfig", "RerunErrorInjector",
            "build_rerun_state_machine", "check_grad_norms", "check_loss", "checked_loss_func",
            "get_skipped_iterations_from_tracker_file", "Fault", "FaultInjector", "parse_fault",
-           "Timer", "Timers", "EXIT_CODE_HANG_DETECTED", "FaultToleranceConfig", "RankMonitor"]
+           "Timer", "Timers", "EXIT_CODE_HANG_DETECTED", "FaultToleranceConfig", "RankMonitor",
+           "LoggingConfig", "MetricsLogger", "ProgressBar", "memory_report",
+           "read_tensorboard_scalars"]

@@ -1,0 +1,358 @@
+# %% [markdown]
+# # 08 · Observability: the progress bar, JSONL and TensorBoard logs, the memory report
+#
+# A long run is watched three ways: a person glances at the **console** (is it moving, how
+# fast, when will it end), a dashboard plots **TensorBoard** scalars (is the loss curve healthy,
+# did the grad norm spike), and scripts read a **JSONL** file (one JSON object per logged
+# iteration: easy to grep, diff and load into pandas). All three are fed from the same record
+# chapter 01's `training_log` builds every `log_interval` iterations; this page writes them,
+# with Megatron's scalar names so that existing dashboards work, and adds the memory report.
+
+# %%
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, TextIO
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LoggingConfig", "memory_report", "format_memory_report", "megatron_scalars",
+           "ProgressBar", "MetricsLogger", "read_tensorboard_scalars"]
+
+# %% [markdown]
+# ## Megatron's scalar names
+#
+# `training_log` (`megatron/training/training.py:2361`) writes, at every
+# `tensorboard_log_interval` (default 1), each scalar twice — against the iteration and, with
+# the suffix ` vs samples`, against the consumed samples (so that runs with different batch
+# sizes line up):
+#
+# | scalar | value |
+# |---|---|
+# | `learning-rate`, `learning-rate vs samples` | LR of the first param group |
+# | `batch-size`, `batch-size vs samples` | global batch size |
+# | `lm loss`, `lm loss vs samples` (one pair per loss key) | mean over the interval's advanced iterations |
+# | `loss-scale`, `loss-scale vs samples` | fp16 loss scale (1 for bf16) |
+# | `world-size`, `world-size vs samples` | ranks |
+# | `grad-norm`, `grad-norm vs samples`; `num-zeros`; `params-norm` | when computed |
+# | `iteration-time`, `throughput` | seconds per iteration; TFLOP/s per GPU |
+# | `mem-reserved-bytes`, `mem-allocated-bytes`, `mem-max-allocated-bytes`, `mem-allocated-count` | CUDA caching allocator |
+# | `skipped-train-samples` | when any were skipped |
+# | `<timer>-time` | each timer's max over ranks, ms (previous page) |
+# | `lm loss validation`, `lm loss validation vs samples` | evaluation |
+#
+# Only the **last rank** writes (it holds the loss on the last pipeline stage). Here the
+# record arrives every `log_interval`, so that is the TensorBoard interval too; set
+# `log_interval = 1` for a point per iteration. `LoggingConfig` holds the switches, with
+# Megatron's names where they exist.
+
+# %%
+@dataclass
+class LoggingConfig:
+    """Where and how a run reports itself."""
+
+    tensorboard_dir: Optional[str] = None
+    """TensorBoard event directory (None: no TensorBoard)."""
+    jsonl_path: Optional[str] = None
+    """One JSON object per logged iteration (None: no JSONL)."""
+    progress_bar: bool = True
+    """Console progress bar (a bar on a terminal, a line per record otherwise)."""
+    timing_log_level: int = 0
+    """Timers kept: 0 coarse, 1 + fwd/bwd/optimizer parts, 2 + compute/batch/p2p."""
+    timing_log_option: str = "minmax"
+    """minmax | max | all."""
+    log_timers_to_tensorboard: bool = True
+    """Also send '<timer>-time' (max over ranks) to TensorBoard."""
+    log_memory_to_tensorboard: bool = True
+    """Also send the memory report's byte counts."""
+
+
+# %% [markdown]
+# ## The memory report
+#
+# Megatron's `report_memory` (`megatron/training/utils.py`) prints, per rank, the CUDA caching
+# allocator's `allocated`, `max allocated`, `reserved` and `max reserved` in MB, after the first
+# iterations (until an iteration after the loaded one + 1, so that optimizer state — allocated
+# at the first step — is included). *Allocated* is what live tensors hold; *reserved* is what
+# the allocator holds from the driver (allocated + cached free blocks). On a CPU there is no
+# caching allocator: the report gives the process's resident set size (current from
+# `/proc/self/statm`, peak from `getrusage`), which includes Python and torch itself — an
+# upper bound, not a tensor count (chapter 01's `LiveBytesMeter` counts tensors).
+
+# %%
+def memory_report(device: torch.device | str | None = None) -> dict[str, int]:
+    """Byte counts under Megatron's TensorBoard names (CUDA allocator, or process RSS on CPU)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        s = torch.cuda.memory_stats(device)
+        return {"mem-allocated-bytes": s.get("allocated_bytes.all.current", 0),
+                "mem-max-allocated-bytes": s.get("allocated_bytes.all.peak", 0),
+                "mem-reserved-bytes": s.get("reserved_bytes.all.current", 0),
+                "mem-max-reserved-bytes": s.get("reserved_bytes.all.peak", 0),
+                "mem-allocated-count": s.get("allocation.all.current", 0)}
+    page = os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * page
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return {"mem-rss-bytes": rss, "mem-max-rss-bytes": max(peak, rss)}
+
+
+def format_memory_report(report: dict[str, int], name: str, rank: int = 0) -> str:
+    """Megatron's one-line memory report, in MB."""
+    mb = {k: v / 2 ** 20 for k, v in report.items()}
+    if "mem-allocated-bytes" in mb:
+        body = (f"allocated: {mb['mem-allocated-bytes']:.1f} | max allocated: "
+                f"{mb['mem-max-allocated-bytes']:.1f} | reserved: {mb['mem-reserved-bytes']:.1f}"
+                f" | max reserved: {mb['mem-max-reserved-bytes']:.1f}")
+    else:
+        body = f"rss: {mb['mem-rss-bytes']:.1f} | max rss: {mb['mem-max-rss-bytes']:.1f}"
+    return f"[Rank {rank}] {name} memory (MB) | {body}"
+
+
+# %% [markdown]
+# ## From a record to scalars, a JSONL line and a console line
+#
+# `megatron_scalars` maps chapter 01's record to `(name, value, step)` triples. The progress bar
+# shows what a person wants at a glance — loss, LR, tokens/s, MFU, memory and the ETA, which is
+# the remaining iterations times the last interval's ms per iteration. On a terminal it
+# rewrites one line (`\r`); in a log file (not a TTY) it prints one line per record, since
+# carriage returns make log files unreadable.
+
+# %%
+def megatron_scalars(record: dict, world_size: int = 1,
+                     memory: Optional[dict] = None) -> list[tuple[str, float, int]]:
+    """(name, value, global step) triples under Megatron's TensorBoard names."""
+    it, samples = record["iteration"], record.get("consumed_train_samples", 0)
+    if "validation" in record:
+        out = []
+        for k, v in record["validation"].items():
+            out += [(f"{k} validation", float(v), it), (f"{k} validation vs samples", float(v),
+                                                        samples)]
+        return out
+    pairs = {"learning-rate": record["learning_rate"], "batch-size": record["global_batch_size"],
+             **record["losses"], "loss-scale": record["loss_scale"], "world-size": world_size}
+    for key, name in (("grad_norm", "grad-norm"), ("num_zeros_in_grad", "num-zeros"),
+                      ("params_norm", "params-norm")):
+        if record.get(key) is not None:
+            pairs[name] = record[key]
+    out = []
+    for name, value in pairs.items():
+        out += [(name, float(value), it), (f"{name} vs samples", float(value), samples)]
+    out += [("iteration-time", record["ms_per_iteration"] / 1000.0, it),
+            ("throughput", record["tflops_per_device"], it)]
+    if record.get("skipped_train_samples"):
+        out.append(("skipped-train-samples", float(record["skipped_train_samples"]), it))
+    out += [(k, float(v), it) for k, v in (memory or {}).items()]
+    return out
+
+
+def _fmt_seconds(s: float) -> str:
+    s = int(max(s, 0))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+class ProgressBar:
+    """A console progress line: iteration, loss, LR, tokens/s, MFU, memory, ETA."""
+
+    def __init__(self, total: int, stream: TextIO | None = None, width: int = 24):
+        self.total, self.stream, self.width = total, stream or sys.stderr, width
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+
+    def render(self, record: dict, memory: Optional[dict] = None) -> str:
+        """The line for one record (no I/O)."""
+        it = record["iteration"]
+        done = int(self.width * min(it / max(self.total, 1), 1.0))
+        parts = [f"[{'#' * done}{'-' * (self.width - done)}] {it}/{self.total}"]
+        parts += [f"{k} {v:.4f}" for k, v in record.get("losses", {}).items()]
+        parts.append(f"lr {record['learning_rate']:.2e}")
+        parts.append(f"{record['tokens_per_second'] / 1e3:.1f}k tok/s")
+        if record.get("mfu") is not None:
+            parts.append(f"MFU {100 * record['mfu']:.1f}%")
+        if memory:
+            key = "mem-allocated-bytes" if "mem-allocated-bytes" in memory else "mem-rss-bytes"
+            parts.append(f"mem {memory[key] / 2 ** 30:.2f} GiB")
+        eta = (self.total - it) * record["ms_per_iteration"] / 1000.0
+        parts.append(f"ETA {_fmt_seconds(eta)}")
+        return " | ".join(parts)
+
+    def update(self, record: dict, memory: Optional[dict] = None) -> None:
+        """Draw the line for a record."""
+        line = self.render(record, memory)
+        end = "" if self.tty and record["iteration"] < self.total else "\n"
+        self.stream.write(("\r" if self.tty else "") + line + end)
+        self.stream.flush()
+
+
+# %% [markdown]
+# ## The logger the loop calls
+#
+# `MetricsLogger` is a `log_fn` for chapter 01's `train(...)`: it receives every record (and
+# every validation record) on every rank, and on the last rank writes the JSONL line, the
+# TensorBoard scalars through the `tensorboard` package's own writer
+# (`torch.utils.tensorboard.SummaryWriter`, which writes the standard event files), and the
+# progress bar. `add_timers` lets the trainer pass the timers and their names so that
+# `<name>-time` is written too (a collective: every rank must call the logger).
+
+# %%
+class MetricsLogger:
+    """JSONL + TensorBoard + progress bar from training_log records (writes on the last rank)."""
+
+    def __init__(self, config: LoggingConfig, train_iters: int, device=None,
+                 stream: TextIO | None = None, timers=None, timer_names: tuple = ()):
+        self.config, self.device = config, device
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.world_size = world
+        self.is_writer = (dist.get_rank() if dist.is_initialized() else 0) == world - 1
+        self.timers, self.timer_names = timers, list(timer_names)
+        self.bar = ProgressBar(train_iters, stream) if config.progress_bar else None
+        self.writer, self.jsonl = None, None
+        if self.is_writer and config.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(log_dir=config.tensorboard_dir, max_queue=100)
+        if self.is_writer and config.jsonl_path:
+            os.makedirs(os.path.dirname(os.path.abspath(config.jsonl_path)), exist_ok=True)
+            self.jsonl = open(config.jsonl_path, "a", buffering=1)  # line-buffered: tail -f
+
+    def __call__(self, record: dict) -> None:
+        """Log one record (call on every rank: the timer report is a collective)."""
+        memory = memory_report(self.device) if self.config.log_memory_to_tensorboard else None
+        if self.timers is not None and self.timer_names and "validation" not in record:
+            self.timers.write(self.timer_names, self.writer if self.is_writer else None,
+                              record["iteration"], normalizer=1.0, reset=False)
+        if not self.is_writer:
+            return
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(dict(record, time=time.time(), memory=memory),
+                                        default=_jsonable) + "\n")
+        if self.writer is not None:
+            for name, value, step in megatron_scalars(record, self.world_size, memory):
+                self.writer.add_scalar(name, value, step)
+        if self.bar is not None and "validation" not in record:
+            self.bar.update(record, memory)
+
+    def close(self) -> None:
+        """Flush and close the files."""
+        if self.writer is not None:
+            self.writer.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+
+
+def _jsonable(x: Any):
+    if isinstance(x, torch.Tensor):
+        return x.item() if x.numel() == 1 else x.tolist()
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return str(x)
+
+
+def read_tensorboard_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of a TensorBoard directory as {tag: [(step, value), ...]} (the tensorboard reader)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(log_dir, size_guidance={"scalars": 0})  # 0 = keep every point
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+# %% [markdown]
+# ## Demo: a short real run, logged three ways and read back
+#
+# Appendix B's tiny GPT trains for 12 iterations on random tokens; chapter 01's `training_log`
+# builds a record every 2 iterations; the logger writes JSONL, TensorBoard and the console line.
+# Then the TensorBoard file is read back with the `tensorboard` package's event reader and the
+# loss curve is drawn **from the file**.
+
+# %%
+if __name__ == "__main__":
+    import io
+    import tempfile
+
+    import matplotlib.pyplot as plt
+
+    from tinytron.main_loop.training_log import LogState, training_log
+    from tinytron.model import GPTModel, tiny_config
+
+    tmp = tempfile.mkdtemp()
+    cfg = LoggingConfig(tensorboard_dir=f"{tmp}/tb", jsonl_path=f"{tmp}/log.jsonl")
+    console = io.StringIO()
+    iters = 12
+    logger = MetricsLogger(cfg, train_iters=iters, stream=console)
+    torch.manual_seed(0)
+    model_cfg = tiny_config()
+    model = GPTModel(model_cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    state = LogState()
+    g = torch.Generator().manual_seed(0)
+    for it in range(1, iters + 1):
+        x = torch.randint(0, 64, (4, 32), generator=g)   # a 64-token sub-vocabulary: learnable
+        opt.zero_grad()
+        loss = model(x, labels=torch.roll(x, -1, 1)).mean()
+        loss.backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        opt.step()
+        rec = training_log({"lm loss": loss}, state, iteration=it, train_iters=iters,
+                           skipped_iter=0, learning_rate=3e-3, loss_scale=1.0, grad_norm=norm,
+                           num_zeros_in_grad=None, consumed_train_samples=4 * it,
+                           skipped_train_samples=0, batch_size=4, seq_length=32, flops=0,
+                           world_size=1, peak_flops=None, log_interval=2)
+        if rec is not None:
+            logger(rec)
+    logger({"iteration": iters, "consumed_train_samples": 4 * iters, "validation": {"lm loss": 4.0}})
+    logger.close()
+    print(console.getvalue().strip().splitlines()[-1])
+    print(format_memory_report(memory_report("cpu"), "(after 12 iterations)"))
+
+    lines = [json.loads(x) for x in open(cfg.jsonl_path)]
+    scalars = read_tensorboard_scalars(cfg.tensorboard_dir)
+    print(f"JSONL: {len(lines)} lines; TensorBoard tags: {sorted(scalars)[:6]} ...")
+    steps = [s for s, _ in scalars["lm loss"]]
+    assert steps == [1, 2, 4, 6, 8, 10, 12] and len(lines) == 8   # first iteration, then every 2
+    assert [round(v, 5) for _, v in scalars["lm loss"]] == \
+        [round(x["losses"]["lm loss"], 5) for x in lines if "losses" in x]
+    assert [s for s, _ in scalars["lm loss vs samples"]] == [4 * s for s in steps]
+    assert {"learning-rate", "batch-size", "grad-norm", "iteration-time", "world-size",
+            "mem-rss-bytes", "lm loss validation"} <= set(scalars)
+    assert scalars["lm loss"][-1][1] < scalars["lm loss"][0][1]      # it learned something
+
+    fig, ax = plt.subplots(1, 2, figsize=(7.5, 2.4))
+    ax[0].plot(*zip(*scalars["lm loss"]), "o-")
+    ax[0].set(xlabel="iteration", title="lm loss (read back from TensorBoard)")
+    ax[1].plot(*zip(*scalars["grad-norm"]), "o-", color="tab:orange")
+    ax[1].set(xlabel="iteration", title="grad-norm")
+    fig.tight_layout()
+    plt.show()
+
+# %% [markdown]
+# ## Summary
+#
+# - One record per `log_interval` feeds the console, a JSONL file and TensorBoard, on the last
+#   rank, with Megatron's scalar names (`lm loss`, `learning-rate`, `grad-norm`,
+#   `iteration-time`, `mem-allocated-bytes`, … and their ` vs samples` twins).
+# - The memory report is the CUDA allocator's allocated/reserved bytes, or the process RSS on
+#   a CPU.
+# - The TensorBoard files are the standard event format, written by the `tensorboard`
+#   package's writer and read back by its reader.
+#
+# ## How production does it
+#
+# - `megatron/training/training.py:2361` (`training_log`: scalars, console line, timers at
+#   `timing_log_level`), `megatron/training/utils.py` (`report_memory`),
+#   `megatron/training/global_vars.py` (the TensorBoard and W&B writers on the last rank),
+#   `megatron/core/timers.py:452` (`write`).
+# - torchtitan: `torchtitan/components/metrics.py` (`MetricsProcessor`: TensorBoard or W&B
+#   loggers, memory via `torch.cuda.memory_stats`, tokens per second, MFU).
+#
+# ## Exercises
+#
+# 1. Why does Megatron log against consumed samples as well as iterations? Construct two runs
+#    whose loss-vs-iteration curves differ but whose loss-vs-samples curves match.
+# 2. On a GPU, `mem-reserved-bytes` stays far above `mem-allocated-bytes` after the first
+#    iteration. What is the difference made of, and when would `empty_cache` help?

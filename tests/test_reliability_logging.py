@@ -1,0 +1,73 @@
+"""Logs: Megatron scalar names in TensorBoard (read back by tensorboard's reader), JSONL, console."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from tinytron.reliability.observability import (LoggingConfig, MetricsLogger, ProgressBar,
+                                                format_memory_report, megatron_scalars,
+                                                memory_report, read_tensorboard_scalars)
+from tinytron.reliability.timers import Timers
+
+pytest.importorskip("tensorboard")
+
+
+def _record(it, loss, samples_per_it=8):
+    return dict(iteration=it, train_iters=10, consumed_train_samples=samples_per_it * it,
+                skipped_train_samples=0, ms_per_iteration=250.0, tflops_per_device=1.5, mfu=0.25,
+                tokens_per_second=4096.0, tokens_per_second_per_device=4096.0,
+                learning_rate=1e-3 * it, global_batch_size=8, losses={"lm loss": loss},
+                loss_scale=1.0, grad_norm=0.5 + it, num_zeros_in_grad=None,
+                skipped_iterations=0, nan_iterations=0)
+
+
+def test_scalars_carry_megatron_names_and_sample_axes():
+    s = {(n, st): v for n, v, st in megatron_scalars(_record(3, 2.5), world_size=4)}
+    assert s[("lm loss", 3)] == 2.5 and s[("lm loss vs samples", 24)] == 2.5
+    assert s[("learning-rate", 3)] == pytest.approx(3e-3) and s[("world-size", 3)] == 4
+    assert s[("grad-norm", 3)] == 3.5 and s[("iteration-time", 3)] == 0.25
+    assert s[("throughput", 3)] == 1.5 and not any(n == "num-zeros" for n, _ in s)
+    v = megatron_scalars({"iteration": 5, "consumed_train_samples": 40,
+                          "validation": {"lm loss": 3.0}})
+    assert v == [("lm loss validation", 3.0, 5), ("lm loss validation vs samples", 3.0, 40)]
+
+
+def test_tensorboard_and_jsonl_hold_every_logged_scalar(tmp_path):
+    cfg = LoggingConfig(tensorboard_dir=str(tmp_path / "tb"), jsonl_path=str(tmp_path / "m.jsonl"),
+                        progress_bar=False)
+    timers = Timers(log_level=1)
+    timers("forward-backward").start()
+    timers("forward-backward").stop()
+    logger = MetricsLogger(cfg, train_iters=10, timers=timers, timer_names=("forward-backward",))
+    for it, loss in [(1, 3.0), (2, 2.5), (4, 2.0)]:
+        logger(_record(it, loss))
+    logger.close()
+    tb = read_tensorboard_scalars(str(tmp_path / "tb"))
+    assert tb["lm loss"] == [(1, 3.0), (2, 2.5), (4, 2.0)]
+    assert [s for s, _ in tb["lm loss vs samples"]] == [8, 16, 32]
+    assert [v for _, v in tb["grad-norm"]] == [1.5, 2.5, 4.5]
+    assert len(tb["forward-backward-time"]) == 3 and "mem-rss-bytes" in tb
+    lines = [json.loads(x) for x in open(tmp_path / "m.jsonl")]
+    assert [x["losses"]["lm loss"] for x in lines] == [3.0, 2.5, 2.0]
+    assert all(x["memory"]["mem-rss-bytes"] > 0 for x in lines)
+
+
+def test_progress_bar_line_eta_and_non_tty_newlines():
+    out = io.StringIO()
+    bar = ProgressBar(total=10, stream=out, width=10)
+    line = bar.render(_record(4, 2.0), {"mem-rss-bytes": 3 * 2 ** 30})
+    assert line == ("[####------] 4/10 | lm loss 2.0000 | lr 4.00e-03 | 4.1k tok/s | "
+                    "MFU 25.0% | mem 3.00 GiB | ETA 0:00:01")
+    bar.update(_record(4, 2.0))
+    bar.update(_record(5, 2.0))
+    assert out.getvalue().count("\n") == 2 and "\r" not in out.getvalue()
+
+
+def test_memory_report_on_cpu():
+    rep = memory_report("cpu")
+    assert rep["mem-max-rss-bytes"] >= rep["mem-rss-bytes"] > 10 * 2 ** 20
+    assert format_memory_report(rep, "(after 1 iterations)").startswith(
+        "[Rank 0] (after 1 iterations) memory (MB) | rss: ")
