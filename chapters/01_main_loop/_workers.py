@@ -52,8 +52,8 @@ def make_microbatches(config, num_microbatches: int, micro_batch_size: int = 1,
 def forward_step_func(data_iterator, model):
     """Megatron-style forward_step: the first chunk reads tokens, the last computes the loss."""
     batch = next(data_iterator)
-    _CURRENT["microbatch"] = batch["id"]
     inner = _unwrap(model)
+    _CURRENT["microbatch"] = (inner.layer_offset, batch["id"])  # (which chunk, micro-batch)
     out = model(batch["tokens"] if inner.pre_process else None,
                 labels=batch["labels"] if inner.post_process else None)
     return out, partial(lm_loss_func, batch["loss_mask"])
@@ -187,7 +187,7 @@ def run_case(tp: int = 1, pp: int = 2, vpp: int | None = None, num_microbatches:
 
 def timed_case(pp: int, vpp: int | None, num_microbatches: int, group_size: int | None = None,
                hidden: int = 128, num_layers: int = 4, repeats: int = 2) -> list:
-    """Events of the last of `repeats` training iterations on this rank (timeline pictures)."""
+    """ScheduleEvents of the last of `repeats` training iterations on this rank."""
     grid = grid_for(1, pp)
     config = tiny_config(hidden_size=hidden, ffn_hidden_size=2 * hidden, num_layers=num_layers,
                          tie_embeddings=False, seq_length=64)
@@ -198,12 +198,11 @@ def timed_case(pp: int, vpp: int | None, num_microbatches: int, group_size: int 
         rec = ScheduleRecorder()
         cfg = ScheduleConfig(recorder=rec, microbatch_group_size_per_vp_stage=group_size)
         dist.barrier()
-        t0 = time.perf_counter()
         iters = [iter(batches) for _ in models]
         fb(forward_step_func=forward_step_func, data_iterator=iters if vpp else iters[0],
            model=models, num_microbatches=num_microbatches, seq_length=config.seq_length,
            micro_batch_size=1, grid=grid, config=cfg)
-    return [(e.stage, e.chunk, e.microbatch, e.kind, e.start - t0, e.end - t0) for e in rec.events]
+    return list(rec.events)  # perf_counter times: one clock for all processes of a machine
 
 
 _CURRENT = {"microbatch": None}
@@ -277,3 +276,11 @@ def inflight_case(num_microbatches: int = 8, deallocate: bool = True, num_layers
             "max_in_flight_bytes": max(lives) / per_microbatch,
             "max_in_flight_saved": max(alive for *_, alive in rec.marks),
             "message_bytes": config.seq_length * config.hidden_size * 4}
+
+
+def schedules_demo(num_microbatches: int = 8) -> dict:
+    """PP2: one training step (order, parity) and live bytes with and without pseudo-freeing."""
+    m = num_microbatches
+    return {"case": run_case(pp=2, num_microbatches=m, num_steps=1, record=True),
+            "on": inflight_case(m, deallocate=True, num_layers=2),
+            "off": inflight_case(m, deallocate=False, num_layers=2)}

@@ -577,3 +577,92 @@ def get_forward_backward_func(pp_size: int = 1, vpp_size: int | None = None) -> 
         from tinytron.main_loop.interleaved import forward_backward_pipelining_with_interleaving
         return forward_backward_pipelining_with_interleaving
     return forward_backward_pipelining_without_interleaving
+
+# %% [markdown]
+# ## Demo: the running example's pipeline, on two gloo ranks
+#
+# The tiny GPT (4 layers, untied embeddings) cut into two stages, $m = 8$ micro-batches of one
+# sequence each — the running example's PP 2 and $m$ at CPU size. One training step through
+# `get_forward_backward_func(2)` with chapter 05's `finalize_model_grads`: each stage prints
+# the order it executed (from the recorder), and every gradient is compared with one process
+# running the 8 micro-batches one after the other. Then the same step runs under chapter 01's
+# `LiveBytesMeter`, stamped after every forward and backward, with and without pseudo-freeing;
+# a saved-tensor hook also counts the micro-batches whose activations autograd still holds.
+
+# %%
+if __name__ == "__main__":
+    import matplotlib.pyplot as plt
+
+    from tinytron.launch import run_on_ranks
+    from tinytron.main_loop._workers import schedules_demo
+
+    stages = run_on_ranks(schedules_demo, 2, timeout=180)
+    orders = [" ".join(f"{k[0].upper()}{mb}" for k, _, mb in r["case"]["orders"][0])
+              for r in stages]
+    for r, order in enumerate(orders):
+        print(f"stage {r} (warmup {num_warmup_microbatches_1f1b(2, r, 8)}): {order}")
+    print("grads bitwise equal to one process:", [r["case"]["bitwise"][0] for r in stages])
+    for r, res in enumerate(stages):
+        on, off = res["on"], res["off"]
+        print(f"stage {r}: at most {on['max_in_flight_saved']} micro-batches alive "
+              f"(= p - r = {2 - r}); peak {on['peak_at_marks'] / 2**20:.2f} MiB pseudo-freed, "
+              f"{off['peak_at_marks'] / 2**20:.2f} MiB kept "
+              f"(one message = {on['message_bytes'] / 2**10:.0f} KiB)")
+
+    fig, axes = plt.subplots(2, 1, figsize=(8, 3.6), sharey=True)
+    for r, (res, ax) in enumerate(zip(stages, axes)):
+        for key, style in (("off", ":"), ("on", "-")):
+            marks = res[key]["marks"]
+            ax.step(range(len(marks)), [live / 2**10 for *_, live, _ in marks], style,
+                    where="post", color=f"C{r}",
+                    label="outputs kept" if key == "off" else "outputs pseudo-freed")
+        ax.set_xticks(range(len(marks)), [f"{k[0].upper()}{mb}" for k, _, mb, *_ in marks],
+                      fontsize=7)
+        ax.set_ylabel(f"stage {r}\nlive KiB")
+        ax.legend(fontsize=7, loc="lower right")
+    axes[0].set_title("1F1B, p = 2, m = 8: live bytes after each forward / backward (measured)")
+    fig.tight_layout()
+    plt.show()
+
+    assert orders[0] == "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 B7"
+    assert orders[1] == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7"
+    assert all(r["case"]["bitwise"][0] for r in stages)  # same op order: same bits
+    assert [r["on"]["max_in_flight_saved"] for r in stages] == [2, 1]
+    # pseudo-freeing saves (at least) the one stored output stage 0 has already sent
+    saved = stages[0]["off"]["peak_at_marks"] - stages[0]["on"]["peak_at_marks"]
+    assert saved >= stages[0]["on"]["message_bytes"] - 64, saved
+
+# %% [markdown]
+# ## Summary
+#
+# - No pipelining = gradient accumulation: micro-batches $0 \dots m-2$ inside `no_sync`, the
+#   last outside it, so the DDP buckets reduce once, overlapped with the last backward.
+# - 1F1B on stage $r$: $\min(p-r-1, m)$ warmup forwards, then one forward and one backward per
+#   round, then the cooldown backwards. Backwards run in forward order, and stage $r$ never
+#   holds more than $p - r$ micro-batches' activations (measured above).
+# - A sent output is pseudo-freed; its backward goes straight to the autograd engine.
+# - The loss exists only on the last stage, through chapter 00's contract; with per-token loss
+#   the sums are back-propagated and `finalize_model_grads` divides by the global token count.
+# - The schedules give the same gradients as one process running the micro-batches in turn —
+#   bit for bit when the operations are the same (tests: PP 2 and 4, TP 2 × PP 2, DP 2).
+#
+# ## How production does it
+#
+# - Megatron-LM: `megatron/core/pipeline_parallel/schedules.py` (`get_forward_backward_func`
+#   :48, `deallocate_output_tensor` :157, `custom_backward` :190, `forward_step_calc_loss` :251,
+#   `backward_step` :494, `forward_backward_no_pipelining` :634,
+#   `forward_backward_pipelining_without_interleaving` :2089) over
+#   `megatron/core/pipeline_parallel/p2p_communication.py`; the callbacks are wired in
+#   `megatron/training/training.py:3227-3245`. It also offers partial activation
+#   checkpointing per micro-batch in the warmup window and MoE-specific overlapped variants.
+# - PyTorch / torchtitan: `torch.distributed.pipelining` (`ScheduleGPipe`, `Schedule1F1B`,
+#   `ScheduleInterleaved1F1B`, and zero-bubble schedules that split the backward into input-
+#   and weight-gradient halves), chosen in `torchtitan/distributed/pipeline_parallel.py`.
+#
+# ## Exercises
+#
+# 1. Write the GPipe order (all forwards, then all backwards) with the same helpers and measure
+#    stage 0's peak live bytes at $m = 8$. By what factor does it exceed 1F1B's?
+# 2. Why does the last stage never need `deallocate_output_tensor` to save memory?
+# 3. With a `grad_sync_func`, stages other than 0 launch their grad collectives after the
+#    cooldown instead of during the last backward. When is that better?
