@@ -46,11 +46,15 @@ except ImportError:  # the `kernels` extra is not installed: the torch reference
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 """True when the kernels run under Triton's interpreter (numpy on the host) instead of compiled."""
 
+# triton.language's own helpers (tl.sum, tl.sigmoid) are interpreted only if the variable was
+# set before triton was first imported; an earlier `import triton` leaves them compiled-only.
+_STALE_TRITON = HAS_TRITON and INTERPRET and type(tl.sum).__name__ != "InterpretedFunction"
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 KERNEL_CHOICES = ("torch", "triton", "auto")
 
 __all__ = ["triton", "tl", "HAS_TRITON", "INTERPRET", "SUPPORTED_DTYPES", "KERNEL_CHOICES",
-           "require_triton", "check_tensor", "resolve_kernels", "dot_flags", "num_row_programs",
+           "require_triton", "check_tensor", "resolve_kernels", "use_triton", "dot_flags", "num_row_programs",
            "mma", "round_to"]
 
 
@@ -78,6 +82,9 @@ def check_tensor(name: str, t: torch.Tensor, dtypes=SUPPORTED_DTYPES, dims: int 
     if not t.is_cuda and not INTERPRET:
         raise ValueError(f"{name} is on {t.device}: compiled Triton kernels need CUDA tensors "
                          "(set TRITON_INTERPRET=1 before importing tinytron to run them on CPU)")
+    if _STALE_TRITON:
+        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set, so its "
+                           "interpreter cannot run; import tinytron (or export the variable) first")
 
 
 def resolve_kernels(choice: str, device: torch.device | str | None = None) -> str:
@@ -90,6 +97,11 @@ def resolve_kernels(choice: str, device: torch.device | str | None = None) -> st
     if choice == "triton":
         require_triton()
     return choice
+
+
+def use_triton(choice: str, device: torch.device | str | None) -> bool:
+    """Whether a layer configured with `choice` runs the Triton kernels for tensors on `device`."""
+    return resolve_kernels(choice, device) == "triton"
 
 
 def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:

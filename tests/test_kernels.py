@@ -1,0 +1,294 @@
+"""Appendix C on CPU: every Triton kernel (under the interpreter) equals its torch reference, forward
+and backward, at ragged sizes; bad inputs are refused by name; the fused AdamW equals chapter 02's.
+
+The kernels run under TRITON_INTERPRET=1 (set by tinytron.kernels when there is no CUDA), so the
+shapes are tiny. On a CUDA machine the same checks run compiled in test_kernels_gpu.py.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+
+from tinytron.kernels import (HAS_TRITON, INTERPRET, FlatAdamW, attention_reference, cross_entropy,
+                              flash_attention, resolve_kernels, rms_norm, rms_norm_reference,
+                              swiglu, swiglu_reference, vocab_parallel_cross_entropy,
+                              vocab_parallel_cross_entropy_reference)
+from tinytron.parallel import ParallelGrid
+
+pytestmark = [pytest.mark.skipif(not HAS_TRITON, reason="needs triton (the `kernels` extra)"),
+              pytest.mark.skipif(not INTERPRET, reason="CPU tensors need Triton's interpreter "
+                                 "(kernels were compiled for CUDA; see test_kernels_gpu.py)")]
+
+FP32_TOL = 1e-5      # relative to the largest reference value
+BF16_TOL = 2 ** -6   # a few bf16 roundings (8 significant bits)
+
+
+def rel_gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|."""
+    a, b = a.detach().float(), b.detach().float()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def run_both(fns, inputs, grad_out, make_leaf=lambda t: t.clone().requires_grad_()):
+    """[output, grads...] of each fn on fresh leaves of the same inputs."""
+    out = []
+    for fn in fns:
+        leaves = [make_leaf(t) for t in inputs]
+        y = fn(*leaves)
+        y.backward(grad_out)
+        out.append([y] + [t.grad for t in leaves])
+    return out
+
+
+# ---------------------------------------------------------------- RMSNorm
+
+@pytest.mark.parametrize("dtype,shape", [(torch.float32, (5, 3, 100)), (torch.float32, (7, 37)),
+                                         (torch.bfloat16, (9, 100)), (torch.float16, (4, 64))])
+def test_rmsnorm_matches_reference(dtype, shape):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(dtype)
+    dy = torch.randn(tuple(reversed(shape)), generator=gen).to(dtype).permute(
+        *reversed(range(len(shape))))  # a non-contiguous upstream gradient
+    kernel, ref = run_both([lambda a, b: rms_norm(a, b, 1e-5),
+                            lambda a, b: rms_norm_reference(a, b, 1e-5)], [x, w], dy)
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    for name, a, b in zip(("y", "dx", "dw"), kernel, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert rel_gap(a, b) < tol, (name, rel_gap(a, b))
+
+
+def test_rmsnorm_bf16_forward_is_bit_exact():
+    """Statistics in fp32, cast before the weight, round-to-nearest: the reference's exact bits."""
+    x = torch.randn(16, 96).bfloat16()
+    w = torch.rand(96).bfloat16()
+    assert torch.equal(rms_norm(x, w), rms_norm_reference(x, w))
+
+
+@pytest.mark.parametrize("x,w,match", [
+    (torch.randn(4, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), "dtype"),
+    (torch.randn(8, 4).t(), torch.ones(8), "contiguous"),
+    (torch.randn(4, 8), torch.ones(8, dtype=torch.bfloat16), "dtype"),
+    (torch.randn(4, 8), torch.ones(6), "hidden size"),
+])
+def test_rmsnorm_refuses_bad_input(x, w, match):
+    with pytest.raises(ValueError, match=match):
+        rms_norm(x, w)
+
+
+# ---------------------------------------------------------------- SwiGLU
+
+@pytest.mark.parametrize("dtype,shape", [(torch.float32, (3, 4, 200)), (torch.float32, (5, 74)),
+                                         (torch.bfloat16, (6, 200))])
+def test_swiglu_matches_reference(dtype, shape):
+    gen = torch.Generator().manual_seed(1)
+    x = (2 * torch.randn(shape, generator=gen)).to(dtype)
+    dy = torch.randn(*shape[:-1], shape[-1] // 2, generator=gen).to(dtype)
+    kernel, ref = run_both([swiglu, swiglu_reference], [x], dy)
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    for name, a, b in zip(("out", "dx"), kernel, ref):
+        assert a.shape == b.shape and rel_gap(a, b) < tol, (name, rel_gap(a, b))
+
+
+def test_swiglu_refuses_bad_input():
+    with pytest.raises(ValueError, match="even"):
+        swiglu(torch.randn(3, 7))
+    with pytest.raises(ValueError, match="contiguous"):
+        swiglu(torch.randn(8, 3).t())
+    with pytest.raises(ValueError, match="dtype"):
+        swiglu(torch.randn(3, 8, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------- cross-entropy
+
+@pytest.mark.parametrize("dtype,shape,vocab", [(torch.float32, (4, 3), 200), (torch.float32, (7,), 67),
+                                               (torch.bfloat16, (6,), 200)])
+def test_cross_entropy_matches_appendix_a(dtype, shape, vocab):
+    gen = torch.Generator().manual_seed(2)
+    logits = (4 * torch.randn(*shape, vocab, generator=gen)).to(dtype)
+    labels = torch.randint(0, vocab, shape, generator=gen)
+    labels.view(-1)[0], labels.view(-1)[-1] = 0, vocab - 1
+    dloss = torch.rand(shape, generator=gen)
+    grid = ParallelGrid.single()
+    out = []
+    for fused in (True, False):
+        z = logits.clone().requires_grad_()
+        loss = (cross_entropy(z, labels) if fused else
+                vocab_parallel_cross_entropy_reference(z.float(), labels, grid))
+        loss.backward(dloss)
+        out.append((loss, z.grad))
+    (loss_k, grad_k), (loss_r, grad_r) = out
+    assert loss_k.dtype == torch.float32 and loss_k.shape == labels.shape
+    assert grad_k.dtype == dtype
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    assert rel_gap(loss_k, loss_r) < FP32_TOL  # the loss is fp32 whatever the logits' dtype
+    assert rel_gap(grad_k, grad_r) < tol
+
+
+def test_cross_entropy_int32_labels_and_bad_input():
+    logits, labels = torch.randn(5, 40), torch.randint(0, 40, (5,))
+    torch.testing.assert_close(cross_entropy(logits, labels.int()), cross_entropy(logits, labels))
+    with pytest.raises(ValueError, match="labels"):
+        cross_entropy(logits, labels.float())
+    with pytest.raises(ValueError, match="agree"):
+        cross_entropy(logits, labels[:4])
+    with pytest.raises(ValueError, match="contiguous"):
+        cross_entropy(torch.randn(40, 5).t(), labels)
+    with pytest.raises(ValueError, match="dtype"):
+        vocab_parallel_cross_entropy(logits.double(), labels)
+
+
+# ---------------------------------------------------------------- flash attention
+
+ATTN_CASES = [  # (b, heads, kv_heads, s, d, causal): GQA 1, 2, 4; ragged s; causal and not
+    (1, 2, 2, 24, 16, True), (1, 4, 2, 33, 32, True), (2, 4, 1, 20, 16, True),
+    (1, 4, 1, 17, 16, False),
+]
+
+
+def _attention_inputs(b, heads, kv_heads, s, d, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, do = (torch.randn(b, heads, s, d, generator=gen) for _ in range(2))
+    k, v = (torch.randn(b, kv_heads, s, d, generator=gen) for _ in range(2))
+    return q, k, v, do
+
+
+@pytest.mark.parametrize("case", ATTN_CASES)
+def test_flash_attention_fp32_matches_sdpa(case):
+    *shape, causal = case
+    q, k, v, do = _attention_inputs(*shape)
+    kernel, ref = run_both([lambda *t: flash_attention(*t, causal=causal),
+                            lambda *t: attention_reference(*t, causal=causal)], [q, k, v], do)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), kernel, ref):
+        assert a.shape == b.shape and rel_gap(a, b) < FP32_TOL, (name, rel_gap(a, b))
+
+
+def test_flash_attention_bf16_within_bf16_rounding_of_fp32():
+    """bf16 in, P and dS rounded to bf16 for the tensor cores: within 2^-6 of the fp32 result."""
+    q, k, v, do = _attention_inputs(1, 4, 2, 33, 16, seed=3)
+    truth = run_both([attention_reference], [q, k, v], do)[0]
+    bf16 = run_both([flash_attention], [t.bfloat16() for t in (q, k, v)], do.bfloat16())[0]
+    for name, a, b in zip(("o", "dq", "dk", "dv"), bf16, truth):
+        assert a.dtype == torch.bfloat16 and rel_gap(a, b) < BF16_TOL, (name, rel_gap(a, b))
+
+
+def test_flash_attention_causal_ignores_the_future():
+    """Changing keys/values after position i leaves the outputs up to i unchanged."""
+    q, k, v, _ = _attention_inputs(1, 2, 1, 20, 16, seed=4)
+    out = flash_attention(q, k, v)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 12:] += 5.0
+    v2[:, :, 12:] -= 3.0
+    out2 = flash_attention(q, k2, v2)
+    assert torch.equal(out[:, :, :12], out2[:, :, :12])
+    assert not torch.allclose(out[:, :, 12:], out2[:, :, 12:])
+
+
+@pytest.mark.parametrize("q,k,match", [
+    (torch.randn(1, 2, 8, 24), torch.randn(1, 2, 8, 24), "head size 24"),
+    (torch.randn(1, 3, 8, 16), torch.randn(1, 2, 8, 16), "multiple of key/value heads"),
+    (torch.randn(1, 2, 16, 8).transpose(2, 3), torch.randn(1, 2, 8, 16), "contiguous"),
+    (torch.randn(1, 2, 8, 16, dtype=torch.float64), torch.randn(1, 2, 8, 16), "dtype"),
+    (torch.randn(2, 8, 16), torch.randn(2, 8, 16), "4 dims"),
+    (torch.randn(1, 2, 8, 16), torch.randn(1, 2, 9, 16), "matching query"),
+])
+def test_flash_attention_refuses_bad_input(q, k, match):
+    with pytest.raises(ValueError, match=match):
+        flash_attention(q, k, k.clone())
+
+
+# ---------------------------------------------------------------- fused AdamW
+
+def _flat_layout(shapes: dict, align: int = 64):
+    """Reverse-order, aligned starts in a flat buffer (chapter 05's layout, in miniature)."""
+    starts, end = {}, 0
+    for name in reversed(list(shapes)):
+        starts[name] = -(-end // align) * align
+        end = starts[name] + torch.Size(shapes[name]).numel()
+    return starts, -(-end // align) * align
+
+
+def test_flat_adamw_equals_chapter_02_adamw_and_survives_a_state_reload():
+    from tinytron.optimizer.algorithms import AdamW
+
+    gen = torch.Generator().manual_seed(5)
+    shapes = {"w": (30, 7), "b": (11,), "norm": (7,)}
+    starts, numel = _flat_layout(shapes)
+    grad_buffer = torch.zeros(numel)
+    param_buffer = torch.zeros(numel, dtype=torch.bfloat16)
+    fused = {n: torch.nn.Parameter(torch.randn(s, generator=gen)) for n, s in shapes.items()}
+    plain = {n: torch.nn.Parameter(p.detach().clone()) for n, p in fused.items()}
+
+    def groups(params):
+        return [dict(params=[params["w"]], weight_decay=0.1),
+                dict(params=[params["b"], params["norm"]], weight_decay=0.0)]
+
+    ref = AdamW(groups(plain), lr=1e-2, betas=(0.9, 0.95))
+    inner = AdamW(groups(fused), lr=1e-2, betas=(0.9, 0.95))
+    flat = FlatAdamW(inner.param_groups, inner.state,
+                     [(p, grad_buffer, param_buffer, starts[n]) for n, p in fused.items()], chunk=32)
+    for step in range(1, 7):
+        grad_buffer.normal_(generator=gen)
+        for n, p in fused.items():
+            p.grad = grad_buffer[starts[n]:starts[n] + p.numel()].view_as(p)
+            plain[n].grad = p.grad.clone()
+        for g in ref.param_groups + inner.param_groups:
+            g["lr"] = 1e-2 / step
+        ref.step()
+        flat.step()
+        if step == 3:  # a checkpoint load replaces the state tensors with fresh copies
+            for p in fused.values():
+                st = inner.state[p]
+                inner.state[p] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+    for n, p in fused.items():
+        assert rel_gap(p, plain[n]) < 1e-6, n
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert rel_gap(inner.state[p][key], ref.state[plain[n]][key]) < 1e-6, (n, key)
+        assert inner.state[p]["step"] == ref.state[plain[n]]["step"] == 6
+        written = param_buffer[starts[n]:starts[n] + p.numel()]
+        assert torch.equal(written, p.detach().reshape(-1).bfloat16()), n
+        assert p.data_ptr() == flat.master.data_ptr() + 4 * flat.slices[list(fused).index(n)][0]
+
+
+def test_flat_adamw_refuses_what_it_cannot_serve():
+    from tinytron.optimizer.algorithms import Adam
+
+    p = torch.nn.Parameter(torch.randn(10))
+    opt = Adam([p], lr=1e-3, weight_decay=0.1, decoupled_weight_decay=False)
+    with pytest.raises(ValueError, match="decoupled"):
+        FlatAdamW(opt.param_groups, opt.state, [(p, torch.zeros(64), torch.zeros(64), 0)])
+    opt = Adam([p], lr=1e-3, decoupled_weight_decay=True)
+    with pytest.raises(ValueError, match="grad_reduce_in_fp32"):
+        FlatAdamW(opt.param_groups, opt.state,
+                  [(p, torch.zeros(64, dtype=torch.bfloat16), torch.zeros(64), 0)])
+    with pytest.raises(ValueError, match="param buffer"):
+        FlatAdamW(opt.param_groups, opt.state, [(p, torch.zeros(64), None, 0)])
+    flat = FlatAdamW(opt.param_groups, opt.state, [(p, torch.zeros(64), torch.zeros(64), 0)])
+    p.grad = torch.zeros(10)  # a copy, not the grad buffer's view: the kernel would miss it
+    with pytest.raises(RuntimeError, match="grad buffer"):
+        flat.step()
+
+
+def test_kernel_choice_resolution():
+    assert resolve_kernels("auto", "cpu") == "torch"
+    assert resolve_kernels("triton", "cpu") == "triton"
+    with pytest.raises(ValueError, match="kernels"):
+        resolve_kernels("cuda", "cpu")
+
+
+def test_flat_adamw_state_dict_round_trip_keeps_layout():
+    """state holds views of the flat buffers; an explicit defaultdict state works too."""
+    from tinytron.optimizer.algorithms import AdamW
+
+    p = torch.nn.Parameter(torch.randn(40))
+    grad, params = torch.zeros(64), torch.zeros(64, dtype=torch.bfloat16)
+    opt = AdamW([p], lr=1e-3)
+    state = defaultdict(dict)
+    flat = FlatAdamW(opt.param_groups, state, [(p, grad, params, 0)])
+    p.grad = grad[:40]
+    flat.step()
+    assert state[p]["exp_avg"].data_ptr() == flat.exp_avg.data_ptr()
+    assert state[p]["step"] == 1
