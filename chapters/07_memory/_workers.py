@@ -1,0 +1,220 @@
+"""Rank functions that measure a layout's memory and put the ledger's prediction beside it.
+
+Not a page: the chapter's pages, its tests and its benchmark spawn these by name through
+`tinytron.launch.run_on_ranks`. One world runs many cases (each case builds its own grid, model,
+DDP buffers and optimizer), because starting a world costs seconds and a case a fraction of one.
+
+Every number measured here is live tensor-storage bytes from chapter 01's `LiveBytesMeter`
+(CPU: a dispatch mode over storages; CUDA: the allocator), or `storage_bytes` of the objects
+that hold a term (the parameters, the grad buffers, the optimizer's masters and state).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from tinytron.buffers import DistributedDataParallel, DistributedDataParallelConfig
+from tinytron.main_loop.memory_meter import LiveBytesMeter, storage_bytes
+from tinytron.main_loop.schedules import ScheduleConfig, _unwrap, get_forward_backward_func
+from tinytron.memory.activations import activation_peak, chunk_saved, saved_bytes
+from tinytron.memory.states import MemoryConfig, state_ledger
+from tinytron.model.config import tiny_config
+from tinytron.model.gpt import build_stage_models
+from tinytron.optimizer import OptimizerConfig, get_megatron_optimizer
+from tinytron.overview.loss import lm_loss_func
+from tinytron.parallel import ParallelGrid
+from tinytron.parallel.rng import model_parallel_seed
+
+_GRIDS: dict = {}
+_MODEL_KEYS = ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+               "ffn_hidden_size", "vocab_size", "seq_length", "tie_embeddings", "dropout")
+
+
+def _grid(tp: int, cp: int, pp: int) -> ParallelGrid:
+    """One grid per layout per process (building one creates every process group)."""
+    if (tp, cp, pp) not in _GRIDS:
+        _GRIDS[(tp, cp, pp)] = ParallelGrid(tp=tp, cp=cp, pp=pp)
+    return _GRIDS[(tp, cp, pp)]
+
+
+def case_config(case: dict, world_size: int) -> MemoryConfig:
+    """The MemoryConfig of a case dict (tp, cp, pp, vpp, sp, mbs, m, distopt, ... + model keys)."""
+    tp, cp, pp = case.get("tp", 1), case.get("cp", 1), case.get("pp", 1)
+    model = tiny_config(sequence_parallel=case.get("sp", False),
+                        **{k: case[k] for k in _MODEL_KEYS if k in case})
+    return MemoryConfig(
+        model, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=case.get("vpp"), context_parallel_size=cp,
+        data_parallel_size=world_size // (tp * cp * pp), micro_batch_size=case.get("mbs", 1),
+        num_microbatches=case.get("m", 1), bf16=case.get("bf16", True),
+        grad_reduce_in_fp32=case.get("grad_fp32", True),
+        use_distributed_optimizer=case.get("distopt", False),
+        overlap_grad_reduce=case.get("overlap", False), bucket_size=case.get("bucket_size"),
+        optimizer_cpu_offload=case.get("offload") is not None,
+        optimizer_offload_fraction=case.get("offload") or 1.0,
+        recompute_granularity=case.get("recompute"), recompute_method=case.get("method"),
+        recompute_num_layers=case.get("recompute_layers"), device="cpu")
+
+
+def _build(cfg: MemoryConfig, grid: ParallelGrid):
+    """Model chunks in the case's dtype, each wrapped in chapter 05's DDP."""
+    model_parallel_seed(1234, grid)  # the TP-forked dropout stream
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    chunks = build_stage_models(cfg.model, grid, num_virtual_stages=cfg.num_chunks, dtype=dtype)
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=cfg.grad_reduce_in_fp32 and cfg.bf16,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+        overlap_grad_reduce=cfg.overlap_grad_reduce, bucket_size=cfg.bucket_size)
+    return chunks, [DistributedDataParallel(c, grid, ddp_cfg) for c in chunks]
+
+
+def _state_tensors(optimizers) -> list[torch.Tensor]:
+    """Every tensor in the state dicts of these (torch) optimizers."""
+    return [v for o in optimizers for st in o.state.values() for v in st.values()
+            if torch.is_tensor(v)]
+
+
+def _optimizer_parts(opt) -> dict[str, list[torch.Tensor]]:
+    """The tensors behind each optimizer term: masters, device state, host copies and state."""
+    masters = [m for p, m in opt.pairs if m is not p]
+    inner = opt.optimizer
+    host_of = getattr(inner, "host_of", None)
+    if host_of is None:
+        device_opts, host = [inner], []
+    else:  # chapter 02's HybridDeviceOptimizer
+        device_opts = [inner.device_optimizer] if inner.device_optimizer else []
+        host = [*host_of.values(), *(h.grad for h in host_of.values()),
+                *_state_tensors(inner.cpu_optimizers)]
+    buffers = {p.main_grad.untyped_storage().data_ptr() for p, _ in opt.pairs
+               if getattr(p, "main_grad", None) is not None}
+    copies = [m.grad for m in masters if m.grad is not None
+              and m.grad.untyped_storage().data_ptr() not in buffers]
+    return {"master_params": masters, "optimizer_state": _state_tensors(device_opts),
+            "host_optimizer": host, "fp32_grad_copies": copies}
+
+
+def measure_states(cfg: MemoryConfig, grid: ParallelGrid) -> tuple[dict, list, list]:
+    """Measured resident bytes of this rank (and the built chunks and DDP wrappers)."""
+    chunks, ddps = _build(cfg, grid)
+    measured = {"weights": storage_bytes(p for c in chunks for p in c.parameters()),
+                "grad_buffer": storage_bytes(b.grad_data for d in ddps for b in d.buffers)}
+    opt_cfg = OptimizerConfig(lr=1e-3, bf16=cfg.bf16, optimizer=cfg.optimizer,
+                              use_distributed_optimizer=cfg.use_distributed_optimizer,
+                              optimizer_cpu_offload=cfg.optimizer_cpu_offload,
+                              optimizer_offload_fraction=cfg.optimizer_offload_fraction)
+    with LiveBytesMeter() as meter:
+        opts = [get_megatron_optimizer(opt_cfg, d.module, grid, d) for d in ddps]
+        for o in opts:
+            o.step()  # creates the lazy moments
+        new_bytes = meter.current
+    parts: dict[str, list] = {}
+    for o in opts:
+        for key, tensors in _optimizer_parts(o).items():
+            parts.setdefault(key, []).extend(tensors)
+    measured.update({k: storage_bytes(v) for k, v in parts.items()})
+    measured["optimizer_new_bytes"] = new_bytes  # everything the optimizer allocated, one number
+    return measured, chunks, ddps
+
+
+def _microbatch(cfg: MemoryConfig, grid: ParallelGrid, seed: int) -> dict:
+    """Token ids and labels of this rank's CP slice of one micro-batch."""
+    g = torch.Generator().manual_seed(seed)
+    s_c = cfg.model.seq_length // cfg.context_parallel_size
+    size = (cfg.micro_batch_size, s_c)
+    return {"tokens": torch.randint(0, cfg.model.vocab_size, size, generator=g),
+            "labels": torch.randint(0, cfg.model.vocab_size, size, generator=g)}
+
+
+def measure_chunk(cfg: MemoryConfig, grid: ParallelGrid, chunk, index: int) -> dict:
+    """Bytes one micro-batch leaves on a chunk after forward, and the peaks of forward/backward."""
+    first, last = chunk.pre_process, chunk.post_process
+    with LiveBytesMeter() as meter:
+        batch = _microbatch(cfg, grid, seed=index)
+        if not first:
+            s_r = (cfg.model.seq_length // cfg.context_parallel_size
+                   // (cfg.tensor_model_parallel_size if cfg.model.sequence_parallel else 1))
+            received = torch.randn(s_r, cfg.micro_batch_size, cfg.model.hidden_size,
+                                   dtype=chunk.decoder.layers[0].input_layernorm.weight.dtype,
+                                   requires_grad=True)
+            chunk.set_input_tensor(received)
+        out = chunk(batch["tokens"] if first else None, labels=batch["labels"] if last else None)
+        del batch
+        kept, forward_peak = meter.current, meter.peak
+        meter.reset_peak()
+        out.backward(torch.ones_like(out) if last else torch.randn_like(out))
+        backward_peak = meter.peak - kept
+        del out
+        chunk.set_input_tensor(None)
+    return {"kept": kept, "forward_peak": forward_peak - kept, "backward_peak": backward_peak}
+
+
+def predict_chunk(cfg: MemoryConfig, pp_rank: int, index: int, last: bool) -> dict:
+    """The ledger's bytes for what measure_chunk measures (kept = saved + the chunk's output)."""
+    parts = chunk_saved(cfg, pp_rank, index)
+    x = cfg.model
+    output = 0 if last else cfg.param_bytes * cfg.micro_batch_size * x.hidden_size * (
+        x.seq_length // cfg.context_parallel_size
+        // (cfg.tensor_model_parallel_size if x.sequence_parallel else 1))
+    return {"kept": sum(saved_bytes(v) for v in parts.values()) + output,
+            "parts": {k: saved_bytes(v) for k, v in parts.items()}}
+
+
+def _batches(cfg: MemoryConfig, grid: ParallelGrid, chunk: int):
+    """Micro-batches created on demand (inside the meter, as a data loader would)."""
+    for i in range(cfg.num_microbatches):
+        batch = _microbatch(cfg, grid, seed=1000 * chunk + i)
+        batch["loss_mask"] = torch.ones(batch["tokens"].shape)
+        yield batch
+
+
+def _forward_step(data_iterator, model):
+    """Chapter 01's contract: tokens on the first chunk, labels and the loss on the last."""
+    batch = next(data_iterator)
+    inner = _unwrap(model)
+    out = model(batch["tokens"] if inner.pre_process else None,
+                labels=batch["labels"] if inner.post_process else None)
+    return out, partial(lm_loss_func, batch["loss_mask"])
+
+
+def measure_schedule(cfg: MemoryConfig, grid: ParallelGrid, ddps: list) -> dict:
+    """Peak live bytes over one forward_backward of m micro-batches through chapter 01's schedule."""
+    for d in ddps:
+        d.zero_grad_buffer()
+    fb = get_forward_backward_func(cfg.pipeline_model_parallel_size,
+                                   cfg.virtual_pipeline_model_parallel_size)
+    sched = ScheduleConfig(pipeline_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
+                           no_sync_func=[d.no_sync for d in ddps])
+    with LiveBytesMeter() as meter:
+        iters = [_batches(cfg, grid, c) for c in range(len(ddps))]
+        fb(forward_step_func=_forward_step, data_iterator=iters if len(ddps) > 1 else iters[0],
+           model=ddps, num_microbatches=cfg.num_microbatches, seq_length=cfg.model.seq_length,
+           micro_batch_size=cfg.micro_batch_size, grid=grid, config=sched)
+        del iters
+        return {"peak": meter.peak, "after": meter.current}
+
+
+def measure_case(case: dict) -> dict:
+    """Measured and predicted bytes of one case on this rank."""
+    world = dist.get_world_size()
+    cfg = case_config(case, world)
+    grid = _grid(cfg.tensor_model_parallel_size, cfg.context_parallel_size,
+                 cfg.pipeline_model_parallel_size)
+    pp_rank, dp_cp_rank = grid.rank("pp"), grid.rank("dp_cp")
+    measured, chunks, ddps = measure_states(cfg, grid)
+    predicted = state_ledger(cfg, pp_rank, dp_cp_rank)
+    acts = []
+    for i, chunk in enumerate(chunks):
+        m = measure_chunk(cfg, grid, chunk, i)
+        acts.append({"measured": m, "predicted": predict_chunk(cfg, pp_rank, i, chunk.post_process)})
+    schedule = measure_schedule(cfg, grid, ddps)
+    return {"case": case, "rank": dist.get_rank(), "pp_rank": pp_rank, "dp_cp_rank": dp_cp_rank,
+            "states": {"measured": measured, "predicted": predicted}, "chunks": acts,
+            "schedule": {"measured": schedule, "predicted": activation_peak(cfg, pp_rank)}}
+
+
+def measure_cases(cases: list[dict]) -> list[dict]:
+    """measure_case for every case (all ranks run them in the same order)."""
+    return [measure_case(c) for c in cases]

@@ -1,0 +1,476 @@
+# %% [markdown]
+# # 07.3 · Memory: the flowing part — what one layer saves, and how many are in flight
+#
+# Activations are what autograd keeps from the forward pass for the backward pass. They are
+# created by every micro-batch and freed by its backward, so what counts is how much *one*
+# micro-batch leaves behind on a stage and how many micro-batches the schedule keeps in flight
+# at once. This page lists, tensor by tensor, what a layer of appendix B's model saves — for
+# GQA, SwiGLU, RMSNorm, RoPE, the attention kernel in use, dropout, SP, CP and recompute —
+# then the embedding, the head, and the pipeline's in-flight count.
+#
+# You will build: `Saved`, `attention_kernel`, `layer_saved`, `embedding_saved`, `head_saved`,
+# `chunk_saved`, `schedule_ops` and `activation_peak`.
+
+# %%
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tinytron.main_loop.interleaved import get_pp_rank_microbatches, get_schedule_table
+from tinytron.main_loop.schedules import num_warmup_microbatches_1f1b
+from tinytron.memory.states import MemoryConfig
+from tinytron.model.config import stage_layer_ranges
+
+__all__ = ["Saved", "Dims", "attention_kernel", "layer_saved", "embedding_saved", "head_saved",
+           "chunk_saved", "schedule_ops", "activation_peak", "p2p_buffers", "saved_bytes"]
+
+# %% [markdown]
+# ## What one layer saves, tensor by tensor
+#
+# Notation for one rank: $s_c = s/c$ tokens of the sequence (context parallel), $s_r = s_c/t$
+# with sequence parallelism (else $s_c$) for the residual stream, $b$ the micro-batch, $d$ the
+# head size, $a_t = a/t$ query heads and $g_t = g/t$ key/value groups on this rank,
+# $f_t = f/t$, $P$ bytes per parameter-dtype element (2 in bf16). Reading the model of page B.3
+# op by op (`torch.autograd.graph.saved_tensors_hooks` lists the same thing; the tests compare
+# the two):
+#
+# | module | saved tensor | bytes |
+# |---|---|---|
+# | RMSNorm (×2) | fp32 copy of the input, $1/\mathrm{rms}$, normalised input in $P$ | $4 s_r b h + 4 s_r b + P s_r b h$ |
+# | `linear_qkv`, `linear_fc1` | their input — **all-gathered** under SP | $P s_c b h$ each |
+# | RoPE | cos and sin cast to $P$, for q and for k | $4 \cdot P s_c b d$ |
+# | flash attention | q, k, the whole QKV output (v is a view of it), out, logsumexp | $P s_c b (a_t + g_t + (a_t + 2 g_t) + a_t) d + 4 b a_t s_c$ |
+# | SwiGLU | fc1 output ($2 f_t$), silu(gate), the product (fc2's input) | $P s_c b \cdot 4 f_t$ |
+# | dropout (×2, if $p > 0$) | the mask | $M s_r b h$ |
+#
+# Three things differ from the paper count (Korthikanti et al., Table 2) and from Megatron's
+# formula, and each is visible in the table:
+#
+# - **GQA** shrinks K and V: $g_t d$ instead of $h/t$.
+# - **SwiGLU** stores $4 f_t$ per token, not the $2 \cdot 4h/t$ of a GELU MLP; RMSNorm keeps an
+#   fp32 copy of its input (4 bytes, not 2).
+# - **SP saves less than it could here.** Appendix A's column-parallel layer all-gathers the
+#   sequence and hands the gathered tensor to the matmul, which saves it: the linear inputs stay
+#   $P s_c b h$ per rank. Megatron saves only the local $s_r$ slice and all-gathers it again in
+#   backward (`LinearWithGradAccumulationAndAsyncCommunication`,
+#   `megatron/core/tensor_parallel/layers.py`); SP here shrinks the norms, dropout masks and
+#   residuals only.
+#
+# **The kernel.** `scaled_dot_product_attention` picks a kernel. The flash kernels (CPU, and
+# CUDA's FlashAttention-2) save q, k, v, the output and one fp32 logsumexp per query and head —
+# nothing of size $s^2$. When the CPU flash kernel cannot run (dropout on the attention
+# probabilities), the math path runs: it casts to fp32 on CPU, repeats K and V to all $a_t$
+# heads (GQA is undone) and saves the scaled q, $K^T$, V, the probabilities, the dropout mask
+# and the dropped probabilities: $E\,b\,a_t (s_c d + 2 s d + 3 s_c s)$ with $E = 4$ on CPU —
+# the paper's $5 a s/h$ term, in fp32.
+#
+# **CP.** A CP rank holds $s_c$ queries but gathers the keys and values of the whole sequence:
+# the flash kernel then saves the gathered K and V ($P s b g_t d$ each) instead of the QKV
+# output, and an additive mask $P s_c s$ (the causal rule in global positions).
+#
+# **Dropout masks.** On CPU, `F.dropout` multiplies by a mask in the input's dtype ($M = P$);
+# CUDA's fused kernel saves a bool mask ($M = 1$).
+
+# %%
+@dataclass(frozen=True)
+class Saved:
+    """One tensor autograd keeps: which module, what, how many elements of how many bytes."""
+
+    module: str
+    what: str
+    elements: int
+    itemsize: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor."""
+        return self.elements * self.itemsize
+
+
+def saved_bytes(entries: list[Saved]) -> int:
+    """Total bytes of a list of saved tensors."""
+    return sum(e.nbytes for e in entries)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The per-rank sizes every activation formula uses."""
+
+    s_c: int
+    s_r: int
+    s: int
+    b: int
+    h: int
+    d: int
+    a_t: int
+    g_t: int
+    f_t: int
+    v_t: int
+    P: int
+
+    @classmethod
+    def of(cls, cfg: MemoryConfig) -> "Dims":
+        """Sizes for this layout: local sequence (CP, SP), local heads and widths (TP)."""
+        m, t, c = cfg.model, cfg.tensor_model_parallel_size, cfg.context_parallel_size
+        s_c = m.seq_length // c
+        return cls(s_c=s_c, s_r=s_c // t if m.sequence_parallel else s_c, s=m.seq_length,
+                   b=cfg.micro_batch_size, h=m.hidden_size, d=m.head_dim,
+                   a_t=m.num_attention_heads // t, g_t=m.num_query_groups // t,
+                   f_t=m.ffn_hidden_size // t, v_t=m.vocab_size // t, P=cfg.param_bytes)
+
+
+def attention_kernel(cfg: MemoryConfig) -> str:
+    """The SDPA kernel that runs: flash, or math (CPU with attention dropout, or forced)."""
+    if cfg.attention_kernel != "auto":
+        return cfg.attention_kernel
+    if cfg.device == "cpu" and cfg.model.dropout > 0:
+        return "math"
+    return "flash"
+
+
+def _norm(module: str, x: Dims) -> list[Saved]:
+    """RMSNorm: fp32 copy of the input, 1/rms, the normalised input in the param dtype."""
+    n = x.s_r * x.b
+    return [Saved(module, "fp32 input", n * x.h, 4), Saved(module, "1/rms", n, 4),
+            Saved(module, "normalised input", n * x.h, x.P)]
+
+
+def _core_attention(cfg: MemoryConfig, x: Dims) -> list[Saved]:
+    """What the attention kernel saves (and the proj input when it is a separate tensor)."""
+    n, c = x.s_c * x.b, cfg.context_parallel_size
+    if attention_kernel(cfg) == "flash":
+        kv = ([Saved("core_attn", "k (after RoPE)", n * x.g_t * x.d, x.P),
+               Saved("core_attn", "qkv output (v is a view)", n * (x.a_t + 2 * x.g_t) * x.d, x.P)]
+              if c == 1 else
+              [Saved("core_attn", "k gathered over CP", x.s * x.b * x.g_t * x.d, x.P),
+               Saved("core_attn", "v gathered over CP", x.s * x.b * x.g_t * x.d, x.P),
+               Saved("core_attn", "additive causal mask", x.s_c * x.s, x.P)])
+        return [Saved("core_attn", "q (after RoPE)", n * x.a_t * x.d, x.P), *kv,
+                Saved("core_attn", "logsumexp", x.b * x.a_t * x.s_c, 4),
+                Saved("core_attn", "output (= linear_proj input)", n * x.a_t * x.d, x.P)]
+    e = 4 if cfg.device == "cpu" else x.P  # the CPU math path computes in fp32
+    heads = x.b * x.a_t
+    probs = 3 if cfg.model.dropout > 0 else 1  # probabilities, mask, dropped probabilities
+    return [Saved("core_attn", "q scaled", heads * x.s_c * x.d, e),
+            Saved("core_attn", "K^T repeated to all heads", heads * x.s * x.d, e),
+            Saved("core_attn", "V repeated to all heads", heads * x.s * x.d, e),
+            Saved("core_attn", "scores: probs (+ dropout mask, dropped)", probs * heads * x.s_c * x.s, e),
+            Saved("attn_proj", "linear_proj input", n * x.a_t * x.d, x.P)]
+
+
+def _selective_core_attention(cfg: MemoryConfig, x: Dims) -> list[Saved]:
+    """Core attention recomputed: only its inputs (q, k, v's QKV storage) and output stay."""
+    n = x.s_c * x.b
+    return [Saved("core_attn", "q (checkpoint input)", n * x.a_t * x.d, x.P),
+            Saved("core_attn", "k (checkpoint input)", n * x.g_t * x.d, x.P),
+            Saved("core_attn", "qkv output (v is a view)", n * (x.a_t + 2 * x.g_t) * x.d, x.P),
+            Saved("attn_proj", "linear_proj input", n * x.a_t * x.d, x.P)]
+
+
+# %% [markdown]
+# The layer, assembled. Two details make the count exact rather than approximate:
+#
+# - In fp32 RMSNorm's `x.float()` is the input itself: the "fp32 copy" of the first norm of a
+#   chunk that received its input from the previous stage *is* the received tensor, counted
+#   once as the stage input. RoPE's `cos.to(x.dtype)` is then a view too, so fp32 keeps the two
+#   fp32 tables once per chunk instead of four cast copies per layer.
+# - Selective recompute (chapter 06, `recompute_modules=["core_attn"]`, Megatron's
+#   `attention.py:426-468`) drops what the kernel saves and keeps its inputs; with a flash
+#   kernel that saves only the logsumexp, with the math kernel the whole $s^2$ term.
+
+# %%
+def _mlp(x: Dims) -> list[Saved]:
+    """SwiGLU MLP: fc1 input, fc1 output (gate and up), silu(gate), the product."""
+    n = x.s_c * x.b
+    return [Saved("mlp", "linear_fc1 input", n * x.h, x.P),
+            Saved("mlp", "fc1 output (gate, up)", n * 2 * x.f_t, x.P),
+            Saved("mlp", "silu(gate)", n * x.f_t, x.P),
+            Saved("mlp", "silu(gate) * up (= linear_fc2 input)", n * x.f_t, x.P)]
+
+
+def layer_saved(cfg: MemoryConfig, input_is_received: bool = False) -> list[Saved]:
+    """Every tensor one transformer layer saves for backward on one rank (no full recompute)."""
+    x = Dims.of(cfg)
+    n = x.s_c * x.b
+    norm1 = _norm("attn_norm", x)
+    if input_is_received and x.P == 4:  # x.float() is the received tensor itself
+        norm1 = norm1[1:]
+    rope = [] if x.P == 4 else [Saved("core_attn", "RoPE cos/sin cast", 4 * n * x.d, x.P)]
+    selective = (cfg.recompute_granularity == "selective"
+                 and "core_attn" in cfg.recompute_modules)
+    core = _selective_core_attention(cfg, x) if selective else _core_attention(cfg, x)
+    out = [*norm1, Saved("qkv_linear", "linear_qkv input", n * x.h, x.P), *rope, *core,
+           *_norm("mlp_norm", x), *_mlp(x)]
+    if cfg.model.dropout > 0:
+        mask = 1 if cfg.device == "cuda" else x.P
+        out += [Saved("bda", "dropout mask (attention, mlp)", 2 * x.s_r * x.b * x.h, mask)]
+    return out
+
+
+# %% [markdown]
+# ## The ends of the model
+#
+# **Embedding** (first stage): the token ids, 8 bytes each; with TP the vocab-parallel lookup
+# also keeps its local ids (int64) and the out-of-range mask (bool) (appendix A). With dropout,
+# one more mask of the residual size.
+#
+# **Head** (last stage): the final norm, the output layer's input ($P s_c b h$, gathered under
+# SP), and the vocab-parallel cross-entropy's saved softmax in fp32 — $4 b s_c V/t$, the
+# largest single activation of a small model — plus its target ids and mask, and the per-token
+# loss it returns.
+#
+# **Between stages**: a non-first chunk keeps the received activation ($P s_r b h$) until its
+# backward; a non-last chunk returns its output, which the schedule pseudo-frees once sent
+# (chapter 01's `deallocate_output_tensor`). In fp32 each chunk also keeps the two RoPE tables
+# (fp32 $[b, s_c, d]$) that every layer's RoPE saved a view of.
+
+# %%
+def embedding_saved(cfg: MemoryConfig) -> list[Saved]:
+    """What the first chunk's embedding keeps: ids (and local ids + mask with TP), dropout."""
+    x = Dims.of(cfg)
+    n = x.b * x.s_c
+    out = [Saved("embedding", "token ids (int64)", n, 8)]
+    if cfg.tensor_model_parallel_size > 1:
+        out = [Saved("embedding", "local token ids (int64)", n, 8),
+               Saved("embedding", "out-of-range mask (bool)", n, 1)]
+    if cfg.model.dropout > 0:
+        out.append(Saved("embedding", "dropout mask", x.s_r * x.b * x.h,
+                         1 if cfg.device == "cuda" else x.P))
+    return out
+
+
+def head_saved(cfg: MemoryConfig) -> list[Saved]:
+    """What the last chunk's head keeps: final norm, output-layer input, CE softmax, loss."""
+    x = Dims.of(cfg)
+    n = x.b * x.s_c
+    return [*_norm("head", x), Saved("head", "output layer input", n * x.h, x.P),
+            Saved("head", "cross-entropy softmax (fp32)", n * x.v_t, 4),
+            Saved("head", "target ids (int64)", n, 8), Saved("head", "target mask (bool)", n, 1),
+            Saved("head", "per-token loss (the output)", n, 4)]
+
+
+def _full_recompute_groups(cfg: MemoryConfig, num_layers: int) -> tuple[int, int]:
+    """(checkpointed groups, layers kept normally) of one chunk under full recompute."""
+    if cfg.recompute_granularity != "full":
+        return 0, num_layers
+    n = cfg.recompute_num_layers or 1
+    if cfg.recompute_method == "block":
+        return min(n, num_layers), num_layers - min(n, num_layers)
+    return math.ceil(num_layers / n), 0
+
+
+def chunk_saved(cfg: MemoryConfig, pp_rank: int, chunk: int) -> dict[str, list[Saved]]:
+    """Saved tensors of one micro-batch on one model chunk, by part."""
+    x = Dims.of(cfg)
+    start, end = stage_layer_ranges(cfg.model.num_layers, cfg.pipeline_model_parallel_size,
+                                    cfg.num_chunks, pp_rank)[chunk]
+    first = pp_rank == 0 and chunk == 0
+    last = pp_rank == cfg.pipeline_model_parallel_size - 1 and chunk == cfg.num_chunks - 1
+    resid = x.s_r * x.b * x.h
+    groups, normal = _full_recompute_groups(cfg, end - start)
+    layers: list[Saved] = []
+    if groups:  # each checkpointed group keeps only its input; the chunk input is counted below
+        layers.append(Saved("recompute", "checkpointed group inputs",
+                            (groups - (0 if first else 1)) * resid, x.P))
+    for i in range(normal):
+        layers += layer_saved(cfg, input_is_received=(not first and i == 0 and not groups))
+    if groups or (x.P == 4 and normal):  # checkpoint inputs, or what fp32 RoPE saved views of
+        layers.append(Saved("core_attn", "RoPE cos/sin tables (fp32)", 2 * x.b * x.s_c * x.d, 4))
+    return {"layers": layers,
+            "embedding": embedding_saved(cfg) if first else [],
+            "head": head_saved(cfg) if last else [],
+            "stage_input": [] if first else [Saved("p2p", "received activation", resid, x.P)]}
+
+
+# %% [markdown]
+# ## How many micro-batches are in flight
+#
+# Without pipelining each micro-batch runs forward and backward back to back: one in flight.
+# With 1F1B stage $r$ runs $\min(p - r - 1, m)$ warmup forwards before its first backward, so
+# it holds up to $\min(p - r, m)$ micro-batches (chapter 01). Interleaved, rank $r$ runs
+# $2(p - r - 1) + (v - 1)\,g$ forwards first, each of a chunk of $L/(p v)$ layers, in the
+# order of chapter 01's schedule table. Rather than a factor, the ledger replays that order —
+# `F` adds a chunk's activations, `B` removes them — and takes the maximum, so the first
+# chunk's embedding and the last chunk's head are counted exactly as often as they are live.
+#
+# The peak is not reached *between* operations but inside one, so each step adds what is
+# alive only while it runs (found op by op with chapter 01's meter, then written down):
+#
+# | moment | what is alive on top of the kept tensors |
+# |---|---|
+# | end of a layer's forward | fc2's output and the new residual; in bf16 also the layer input, the mid-layer residual and the fp32 RoPE tables |
+# | cross-entropy forward | bf16 logits, their fp32 copy, the shifted logits, their exponential: 14 bytes per logit (8 in fp32), 4 of which stay as the softmax |
+# | SwiGLU backward | the incoming grad and the grads of gate, up and fc1's output, once the product and silu are freed |
+# | attention backward | the grads of the output, q, and the (gathered) k and v |
+# | fc1 / output-layer backward | the weight gradient (`.grad`, until DDP's hook adds it to `main_grad` and frees it) |
+# | end of the first chunk's backward | the embedding's weight gradient, $P\,V h / t$ |
+#
+# With one stage holding both ends of tied embeddings, the output layer's weight gradient waits
+# in `.grad` until the embedding adds its share at the very end of the backward. With
+# pipelining, one message in each direction is in transit (`p2p_buffers`).
+
+# %%
+def schedule_ops(cfg: MemoryConfig, pp_rank: int) -> list[tuple[str, int, int]]:
+    """("F" or "B", chunk, micro-batch) in the order this pipeline rank runs them."""
+    p, v, m = cfg.pipeline_model_parallel_size, cfg.num_chunks, cfg.num_microbatches
+    if p == 1:
+        return [op for mb in range(m) for op in (("F", 0, mb), ("B", 0, mb))]
+    if v == 1:
+        warmup = num_warmup_microbatches_1f1b(p, pp_rank, m)
+        table = [(mb, 0) for mb in range(m)]
+    else:
+        table = get_schedule_table(m, v, p)
+        _, _, warmup, _ = get_pp_rank_microbatches(m, v, p, p, pp_rank)
+    fwd = [("F", chunk, mb) for mb, chunk in table]
+    bwd = [("B", v - 1 - chunk, mb) for mb, chunk in table]
+    ops = fwd[:warmup]
+    for i in range(len(table) - warmup):
+        ops += [fwd[warmup + i], bwd[i]]
+    return ops + bwd[len(table) - warmup:]
+
+
+def _forward_transient(cfg: MemoryConfig, x: Dims, head: bool) -> int:
+    """Bytes alive in a chunk's forward on top of what it keeps, at its largest moment."""
+    unit = x.P * x.s_r * x.b * x.h  # one residual-stream tensor
+    rope = 0 if x.P == 4 else 2 * 4 * x.b * x.s_c * x.d  # the fp32 cos/sin tables
+    # end of a layer: fc2's output and the new residual, plus (bf16) the layer's input and the
+    # mid-layer residual, which fp32 norms save anyway
+    end_of_layer = (2 if x.P == 4 else 4) * unit + rope
+    if not head:
+        return end_of_layer
+    logits = x.b * x.s_c * x.v_t
+    chain = (2 + 4 + 4 if x.P == 2 else 4 + 4) * logits  # logits (, fp32 copy), z, exp(z)
+    return max(end_of_layer, chain + (0 if x.P == 4 else unit) + rope)
+
+
+def _backward_transient(cfg: MemoryConfig, x: Dims, head: bool, tied_here: bool) -> int:
+    """Bytes alive in a chunk's backward on top of what it kept, at its largest moment."""
+    unit = x.P * x.s_r * x.b * x.h
+    table_grad = x.P * x.v_t * x.h  # the .grad of an embedding or output matrix
+    # SwiGLU backward: grads of gate, up and fc1's output while the product and silu are freed
+    mlp = unit + 2 * x.P * x.s_c * x.b * x.f_t
+    # attention backward: grads of the output, q, and (gathered) k and v
+    attn = unit + x.P * x.b * (2 * x.a_t * x.s_c + 2 * x.g_t * x.s) * x.d
+    # fc1's backward: its input grad and its weight grad, once the MLP's saved tensors are gone
+    fc1 = unit + x.P * x.s_c * x.b * x.h + x.P * 2 * x.f_t * x.h - 2 * x.P * x.s_c * x.b * x.f_t
+    events = [mlp, attn, fc1]
+    if head:  # softmax.clone() as the gradient, then the output layer's weight gradient
+        logits = x.b * x.s_c * x.v_t
+        events += [4 * logits, (x.P - 4 + x.P) * logits + table_grad if x.P == 2 else table_grad]
+    # one stage holding embedding and head with tied weights: the output layer's weight grad
+    # waits in .grad until the embedding adds its own, at the very end of the backward
+    return max(events) + (table_grad if tied_here else 0)
+
+
+def _late_backward(cfg: MemoryConfig, x: Dims, parts: dict) -> int:
+    """First chunk, end of backward: the embedding's saved ids, the grad in, its weight grad."""
+    if not parts["embedding"]:
+        return 0
+    unit = x.P * x.s_r * x.b * x.h
+    # the grad arriving at the embedding, its [b, s, h] copy, and the table's weight grad
+    return saved_bytes(parts["embedding"]) + unit + x.P * x.s_c * x.b * x.h + x.P * x.v_t * x.h
+
+
+def _transients(cfg: MemoryConfig, parts: dict) -> tuple[int, int, int]:
+    """(forward, backward, end-of-backward) bytes of a chunk beyond what it keeps."""
+    x = Dims.of(cfg)
+    head = bool(parts["head"])
+    tied_here = head and bool(parts["embedding"]) and cfg.model.tie_embeddings
+    return (_forward_transient(cfg, x, head), _backward_transient(cfg, x, head, tied_here),
+            _late_backward(cfg, x, parts))
+
+
+def p2p_buffers(cfg: MemoryConfig, pp_rank: int) -> int:
+    """Pipeline messages in transit: the output being sent, the input being received."""
+    p = cfg.pipeline_model_parallel_size
+    if p == 1:
+        return 0
+    x = Dims.of(cfg)
+    return x.P * x.s_r * x.b * x.h * ((pp_rank < p - 1 or cfg.num_chunks > 1)
+                                      + (pp_rank > 0 or cfg.num_chunks > 1))
+
+
+def activation_peak(cfg: MemoryConfig, pp_rank: int) -> dict:
+    """Replay the schedule: the most activation bytes live at once on this rank, and when."""
+    kept, transient = {}, {}
+    for chunk in range(cfg.num_chunks):
+        parts = chunk_saved(cfg, pp_rank, chunk)
+        kept[chunk] = sum(saved_bytes(v) for v in parts.values())
+        transient[chunk] = _transients(cfg, parts)
+    live, peak, in_flight, most, when = 0, 0, 0, 0, None
+    for kind, chunk, mb in schedule_ops(cfg, pp_rank):
+        if kind == "F":
+            during = live + kept[chunk] + transient[chunk][0]
+            live, in_flight = live + kept[chunk], in_flight + 1
+        else:
+            during = max(live + transient[chunk][1], live - kept[chunk] + transient[chunk][2])
+            live, in_flight = live - kept[chunk], in_flight - 1
+        most = max(most, in_flight + (kind == "B"))
+        if during > peak:
+            peak, when = during, (kind, chunk, mb)
+    p2p = p2p_buffers(cfg, pp_rank)
+    return {"peak": peak + p2p, "activations": peak, "p2p_buffers": p2p, "at": when,
+            "max_in_flight": most, "per_chunk": kept, "transient": transient}
+
+
+# %% [markdown]
+# ## Demo: the tiny layer, the 7B layer, and the in-flight count of the running example
+#
+# The demo prints the per-layer table for the running example at TP 2 with SP and selective
+# recompute, compares it with Megatron's per-layer term, and replays the 1F1B and interleaved
+# schedules to show the in-flight counts per stage.
+
+# %%
+if __name__ == "__main__":
+    from tinytron.model.config import llama_7b_config
+
+    big = MemoryConfig(llama_7b_config(sequence_parallel=True), tensor_model_parallel_size=2,
+                       pipeline_model_parallel_size=2, data_parallel_size=64,
+                       micro_batch_size=2, num_microbatches=8, use_distributed_optimizer=True,
+                       recompute_granularity="selective")
+    rows = layer_saved(big)
+    for e in rows:
+        print(f"{e.module:>10}  {e.what:<40} {e.nbytes / 2**20:>9,.1f} MiB")
+    ours = saved_bytes(rows)
+    s, b, h, f = 4096, 2, 4096, 14336
+    megatron_layer = s * b * h * (18 + 4 * f / h) / 2
+    print(f"one layer, one rank: {ours / 2**20:,.1f} MiB here, Megatron's term "
+          f"{megatron_layer / 2**20:,.1f} MiB")
+    for v in (None, 2):
+        cfg = big.replace(virtual_pipeline_model_parallel_size=v)
+        for r in range(2):
+            pk = activation_peak(cfg, r)
+            print(f"vpp={v}, stage {r}: max in flight {pk['max_in_flight']} chunk-micro-batches, "
+                  f"peak {pk['peak'] / 2**30:,.2f} GiB at {pk['at']}")
+    assert [activation_peak(big, r)["max_in_flight"] for r in range(2)] == [2, 1]
+    assert activation_peak(big.replace(virtual_pipeline_model_parallel_size=2), 0)[
+        "max_in_flight"] == 5
+    assert ours > megatron_layer  # the all-gathered linear inputs and the fp32 norm copies
+
+# %% [markdown]
+# ## Summary
+#
+# - A layer's activations are a list of tensors, each with a shape that the layout cuts:
+#   TP divides the heads and the MLP width, SP the residual-stream tensors (norms, masks), CP
+#   the sequence of everything but the gathered K and V.
+# - The kernel matters more than any other choice: the flash path saves $O(s)$ per head, the
+#   math path $O(s^2)$ in fp32 on CPU.
+# - The schedule decides the multiplier: one micro-batch without pipelining, $\min(p - r, m)$
+#   with 1F1B, and the replayed interleaved order with virtual stages.
+#
+# ## How production does it
+#
+# - Megatron: `megatron/core/tensor_parallel/layers.py` (SP linears that save the local slice),
+#   `megatron/core/transformer/attention.py:426-468` (selective recompute),
+#   `megatron/core/pipeline_parallel/schedules.py` (warmup counts),
+#   `megatron/training/theoretical_memory_usage.py:280` (the paper's per-layer count).
+# - PyTorch: `torch.nn.functional.scaled_dot_product_attention` kernel selection
+#   (`torch.backends.cuda.sdp_kernel` / `torch.nn.attention.sdpa_kernel`).
+#
+# ## Exercises
+#
+# 1. Make `ColumnParallelLinear` save only its local slice under SP and all-gather it in
+#    backward. Which rows of the table change, and by how much at TP 8?
+# 2. With `recompute_granularity="full"` and `recompute_method="block"`, find the
+#    `recompute_num_layers` that fits a 16 GiB budget on the first stage of the running example.

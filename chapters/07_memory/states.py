@@ -1,0 +1,362 @@
+# %% [markdown]
+# # 07.2 · Memory: the resident part — weights, the grad buffer, optimizer state
+#
+# What a rank allocates once and keeps for the whole run: its shard of the weights, the fp32
+# `main_grad` buffer of chapter 05 with every element of its padding, and the optimizer's fp32
+# master weights and moments of chapter 02, split by the distributed optimizer and, with CPU
+# offload, between device and host. Counted to the byte, per pipeline rank and per DP rank.
+#
+# You will build: `MemoryConfig`, `chunk_params`, `buffer_layouts`, `owned_elements` and
+# `state_ledger`.
+
+# %%
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from tinytron.buffers.distributed_data_parallel import (DistributedDataParallelConfig,
+                                                        default_bucket_size)
+from tinytron.buffers.param_and_grad_buffer import compute_param_layout
+from tinytron.model.config import ModelConfig, stage_layer_ranges
+from tinytron.optimizer.offload import split_by_fraction
+
+__all__ = ["MemoryConfig", "ParamSpec", "chunk_params", "buffer_layouts", "owned_elements",
+           "state_ledger", "DTYPE_BYTES"]
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+# %% [markdown]
+# ## The inputs
+#
+# Everything the ledger needs is in the trainer's config (`[model]`, `[parallel]`,
+# `[training]`, `[optimizer]`, `[ddp]`), gathered in one dataclass under Megatron's names.
+# Two choices follow Megatron rather than the dataclass defaults:
+#
+# - with bf16 the gradient buffer is fp32 (`grad_reduce_in_fp32`), as Megatron forces for bf16
+#   (`--accumulate-allreduce-grads-in-fp32`, `megatron/training/arguments.py`);
+# - the DP size of the buffers and of the distributed optimizer is **DP × CP**: context-parallel
+#   ranks hold the same weights and reduce their grads together (`dp_cp` in appendix A's grid;
+#   Megatron's `get_data_parallel_group(with_context_parallel=True)`).
+
+# %%
+@dataclass
+class MemoryConfig:
+    """One training layout, everything the memory ledger needs (Megatron's names)."""
+
+    model: ModelConfig
+    """The model shape (appendix B); sequence_parallel and dropout live there."""
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    context_parallel_size: int = 1
+    data_parallel_size: int = 1
+    """DP without CP, as in Megatron: world = tp · pp · cp · dp."""
+    micro_batch_size: int = 1
+    num_microbatches: int = 1
+    """Micro-batches per step on each DP rank (global batch / (mbs · dp))."""
+    bf16: bool = True
+    """bf16 params (2 bytes) with fp32 masters; False = fp32 params, their own masters."""
+    grad_reduce_in_fp32: bool = True
+    """fp32 main_grad buffer (forced on with bf16, as Megatron does)."""
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    """Only changes the bucket size (one bucket without overlap)."""
+    bucket_size: int | None = None
+    pad_buckets_for_high_nccl_busbw: bool = False
+    optimizer: str = "adam"
+    """adam (2 moments), sgd (momentum) or lion (1 moment)."""
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
+    recompute_granularity: str | None = None
+    """None, "selective" or "full" (chapter 06)."""
+    recompute_method: str | None = None
+    """"uniform" or "block" with full recompute."""
+    recompute_num_layers: int | None = None
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    attention_kernel: str = "auto"
+    """"flash" (saves q, k, v, out, logsumexp), "math" (saves the s x s scores), "auto"."""
+    device: str = "cuda"
+    """Where it runs: decides the auto kernel and the dropout-mask width (CPU: the param dtype)."""
+
+    def __post_init__(self):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "context_parallel_size", "data_parallel_size", "micro_batch_size",
+                     "num_microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.optimizer not in ("adam", "sgd", "lion"):
+            raise ValueError(f"optimizer must be adam, sgd or lion, got {self.optimizer!r}")
+        _choice("recompute_granularity", self.recompute_granularity, (None, "selective", "full"))
+        _choice("recompute_method", self.recompute_method, (None, "uniform", "block"))
+        _choice("attention_kernel", self.attention_kernel, ("auto", "flash", "math"))
+        _choice("device", self.device, ("cpu", "cuda"))
+        if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
+            raise ValueError("optimizer_offload_fraction must lie in [0, 1], got "
+                             f"{self.optimizer_offload_fraction}")
+        self.model.check_layout(tp=self.tensor_model_parallel_size,
+                                cp=self.context_parallel_size,
+                                pp=self.pipeline_model_parallel_size,
+                                num_virtual_stages=self.num_chunks)
+
+    @property
+    def num_chunks(self) -> int:
+        """Model chunks per pipeline rank (virtual stages; 1 without interleaving)."""
+        return self.virtual_pipeline_model_parallel_size or 1
+
+    @property
+    def world_size(self) -> int:
+        """tp · pp · cp · dp."""
+        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                * self.context_parallel_size * self.data_parallel_size)
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of one model parameter (2 in bf16, 4 in fp32)."""
+        return 2 if self.bf16 else 4
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of one main_grad element."""
+        return 4 if (self.grad_reduce_in_fp32 or not self.bf16) else 2
+
+    def replace(self, **changes) -> "MemoryConfig":
+        """A copy with some fields changed (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _choice(name: str, value, allowed) -> None:
+    """ValueError naming the field unless value is one of allowed."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+# %% [markdown]
+# ## Which parameters a rank holds, in the order DDP sees them
+#
+# A pipeline rank holds one `GPTModel` chunk per virtual stage (page B.3). Each chunk is
+# wrapped in its own DDP with its own buffer, as Megatron wraps each model chunk
+# (`megatron/training/training.py`, `get_model`). Inside a chunk the parameters come in
+# registration order: the embedding (first chunk of the first stage), then per layer
+# `input_layernorm`, `linear_qkv`, `linear_proj`, `pre_mlp_layernorm`, `linear_fc1`,
+# `linear_fc2`, then the final norm and the output layer (last chunk of the last stage; a
+# duplicate of the embedding when tied and $p > 1$, marked `shared_embedding`). The tests
+# check this list against `named_parameters()` of the built model, name by name.
+#
+# Chapter 05's `compute_param_layout` only asks each parameter for `numel()` and the
+# `shared_embedding` flag, so the ledger lays out these light stand-ins with the very same
+# function: the padding it computes *is* the padding the trainer allocates.
+
+# %%
+@dataclass(eq=False)
+class ParamSpec:
+    """A parameter as the buffer layout sees it: name, element count, flags."""
+
+    name: str
+    count: int
+    matrix: bool
+    """Two-dimensional (gets weight decay, the first optimizer group)."""
+    shared_embedding: bool = False
+
+    def numel(self) -> int:
+        """Elements, as torch.Tensor.numel()."""
+        return self.count
+
+
+def _layer_params(config: ModelConfig, tp: int, index: int) -> list[ParamSpec]:
+    """The six parameters of decoder layer `index` (local index in its chunk)."""
+    h, d, f = config.hidden_size, config.head_dim, config.ffn_hidden_size
+    a, g = config.num_attention_heads, config.num_query_groups
+    pre = f"decoder.layers.{index}."
+    return [ParamSpec(pre + "input_layernorm.weight", h, False),
+            ParamSpec(pre + "self_attention.linear_qkv.weight", (a + 2 * g) * d * h // tp, True),
+            ParamSpec(pre + "self_attention.linear_proj.weight", h * a * d // tp, True),
+            ParamSpec(pre + "pre_mlp_layernorm.weight", h, False),
+            ParamSpec(pre + "mlp.linear_fc1.weight", 2 * f * h // tp, True),
+            ParamSpec(pre + "mlp.linear_fc2.weight", h * f // tp, True)]
+
+
+def chunk_params(cfg: MemoryConfig, pp_rank: int, chunk: int) -> list[ParamSpec]:
+    """The parameters of one model chunk of pipeline rank `pp_rank`, in registration order."""
+    model, tp, pp = cfg.model, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    start, end = stage_layer_ranges(model.num_layers, pp, cfg.num_chunks, pp_rank)[chunk]
+    pre = pp_rank == 0 and chunk == 0
+    post = pp_rank == pp - 1 and chunk == cfg.num_chunks - 1
+    table = model.vocab_size * model.hidden_size // tp
+    tied_split = model.tie_embeddings and not (pre and post)
+    params = []
+    if pre:
+        params.append(ParamSpec("embedding.word_embeddings.weight", table, True, tied_split))
+    for i in range(end - start):
+        params += _layer_params(model, tp, i)
+    if post:
+        params.append(ParamSpec("decoder.final_layernorm.weight", model.hidden_size, False))
+        if not (model.tie_embeddings and pre):
+            params.append(ParamSpec("output_layer.weight", table, True, tied_split))
+    return params
+
+
+# %% [markdown]
+# ## The grad buffer and its padding
+#
+# Without the distributed optimizer the buffer is exactly the parameters, back to back. With
+# it, chapter 05 aligns every parameter start to 64 elements and pads every bucket end to a
+# multiple of $\mathrm{lcm}(d_{cp}, 128)$ so each of the $d_{cp}$ ranks owns an equal slice
+# (`megatron/core/distributed/param_layout.py:24-42`); the param buffer (bf16) gets the same
+# layout and the model's weights are re-pointed into it. Worked example, the tiny model
+# ($h = 64$, 2 layers, 4/2 heads, $f = 128$, $V = 512$) at DP 4: every parameter size is a
+# multiple of 64, so only the bucket end moves — 106,816 parameters become a buffer of 106,880
+# elements ($835 \cdot 128$), and the four DP ranks own 26,720, 26,720, 26,720 and 26,656 of
+# them: the last rank's slice ends in the 64 padding elements.
+#
+# The buckets come from chapter 05's `default_bucket_size`: one bucket without
+# `overlap_grad_reduce`, $\max(40\mathrm{M}, 1\mathrm{M} \cdot d_{cp})$ elements with it, and one
+# bucket on every pipeline rank but the first (`distributed_data_parallel.py:66-72`).
+#
+# **Who owns what.** DP rank $r$ of a bucket $[b_0, b_1)$ owns $[b_0 + r\,q, b_0 + (r+1)\,q)$
+# with $q = (b_1 - b_0)/d_{cp}$; the distributed optimizer keeps fp32 masters and moments only
+# for the *parameter* elements inside that range (`DistributedOptimizer._build_main_params`,
+# chapter 02), so padding costs grad and param buffer bytes but no optimizer bytes, and the
+# ranks do not all own the same count.
+
+# %%
+def _dp_cp(cfg: MemoryConfig) -> int:
+    return cfg.data_parallel_size * cfg.context_parallel_size
+
+
+def buffer_layouts(cfg: MemoryConfig, pp_rank: int) -> list[tuple[list[ParamSpec], object]]:
+    """(params, chapter 05 ParamLayout) of each model chunk's DDP buffer on this pipeline rank."""
+    ddp = DistributedDataParallelConfig(overlap_grad_reduce=cfg.overlap_grad_reduce,
+                                        bucket_size=cfg.bucket_size,
+                                        use_distributed_optimizer=cfg.use_distributed_optimizer)
+    bucket = default_bucket_size(ddp, _dp_cp(cfg)) if pp_rank == 0 else None
+    out = []
+    for chunk in range(cfg.num_chunks):
+        params = chunk_params(cfg, pp_rank, chunk)
+        layout = compute_param_layout(params, bucket, _dp_cp(cfg),
+                                      use_distributed_optimizer=cfg.use_distributed_optimizer,
+                                      pad_for_high_nccl_busbw=cfg.pad_buckets_for_high_nccl_busbw)
+        out.append((params, layout))
+    return out
+
+
+def owned_elements(params: list[ParamSpec], layout, dp_size: int, dp_rank: int) -> list[int]:
+    """Per parameter, how many of its elements lie in DP rank `dp_rank`'s shards."""
+    owned = []
+    for p in params:
+        start, end, bucket_id = layout.param_index_map[p]
+        b0, b1 = layout.bucket_indices[bucket_id]
+        q = (b1 - b0) // dp_size
+        lo, hi = max(start, b0 + dp_rank * q), min(end, b0 + (dp_rank + 1) * q)
+        owned.append(max(0, hi - lo))
+    return owned
+
+
+# %% [markdown]
+# ## The optimizer: masters, moments, and the offloaded fraction
+#
+# Per element the optimizer stepping it holds an fp32 master (bf16 training; an fp32 model is
+# its own master without the distributed optimizer) and its moments: Adam 2, Lion 1, SGD 1
+# (the momentum buffer), 4 bytes each. Without the distributed optimizer that is every local
+# parameter; with it, the owned elements above.
+#
+# **CPU offload** (chapter 02's `HybridDeviceOptimizer`) takes the masters in optimizer-group
+# order — the weight-decay group first when the chunk starts with a matrix, the norms first
+# otherwise (`build_param_groups` keeps first-seen order) — and moves whole tensors to the host
+# until the offloaded elements reach the fraction (`split_by_fraction`). On the host each
+# offloaded element costs an fp32 copy, an fp32 grad and the moments; the device keeps its
+# fp32 master and only the moments of what stayed. (Megatron's hybrid optimizer keeps the
+# same structure: `megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py`.)
+
+# %%
+_MOMENTS = {"adam": 2, "lion": 1, "sgd": 1}
+
+
+def _optimizer_order(params: list[ParamSpec], owned: list[int]) -> list[int]:
+    """Owned counts in optimizer order: param groups by first appearance, params kept in order."""
+    first_matrix = params[0].matrix
+    groups = [[n for p, n in zip(params, owned) if p.matrix == kind and n > 0]
+              for kind in (first_matrix, not first_matrix)]
+    return groups[0] + groups[1]
+
+
+def _optimizer_terms(cfg: MemoryConfig, params, owned) -> dict[str, int]:
+    """Device and host bytes of masters, moments and offload copies for one chunk."""
+    elements = sum(owned)
+    has_master = cfg.bf16 or cfg.use_distributed_optimizer
+    moments = 4 * _MOMENTS[cfg.optimizer]
+    terms = {"master_params": 4 * elements if has_master else 0,
+             "optimizer_state": moments * elements, "host_optimizer": 0}
+    if cfg.optimizer_cpu_offload:
+        order = _optimizer_order(params, owned)
+        offloaded = sum(n for n, off in zip(order, split_by_fraction(
+            order, cfg.optimizer_offload_fraction)) if off)
+        terms["optimizer_state"] = moments * (elements - offloaded)
+        terms["host_optimizer"] = (4 + 4 + moments) * offloaded  # copy, grad, moments
+    if cfg.grad_bytes != 4:  # main.grad = main_grad.float(): a persistent fp32 copy
+        terms["fp32_grad_copies"] = 4 * elements
+    return terms
+
+
+def state_ledger(cfg: MemoryConfig, pp_rank: int = 0, dp_rank: int = 0) -> dict[str, int]:
+    """Resident bytes of one rank: weights, grad buffer, masters, moments (device and host)."""
+    if not 0 <= pp_rank < cfg.pipeline_model_parallel_size:
+        raise ValueError(f"pp_rank must be in [0, {cfg.pipeline_model_parallel_size}), got {pp_rank}")
+    if not 0 <= dp_rank < _dp_cp(cfg):
+        raise ValueError(f"dp_rank must be in [0, {_dp_cp(cfg)}) (DP x CP), got {dp_rank}")
+    out: dict[str, int] = {}
+    for params, layout in buffer_layouts(cfg, pp_rank):
+        count = sum(p.count for p in params)
+        dist_opt = cfg.use_distributed_optimizer
+        owned = (owned_elements(params, layout, _dp_cp(cfg), dp_rank) if dist_opt
+                 else [p.count for p in params])
+        terms = {"weights": cfg.param_bytes * (layout.numel if dist_opt else count),
+                 "grad_buffer": cfg.grad_bytes * layout.numel,
+                 **_optimizer_terms(cfg, params, owned)}
+        for key, value in terms.items():
+            out[key] = out.get(key, 0) + value
+    return out
+
+
+# %% [markdown]
+# ## Demo: the tiny model at DP 4, and the running example per GPU
+#
+# The tiny model shows the padding in small numbers; the running example gives the resident
+# bytes of the first and last pipeline stage of TP 2 · PP 2 · DP 64 with the distributed
+# optimizer, next to Megatron's single estimate.
+
+# %%
+if __name__ == "__main__":
+    from tinytron.memory.megatron_model import megatron_theoretical_memory
+    from tinytron.model.config import count_parameters_per_rank, llama_7b_config, tiny_config
+
+    tiny = MemoryConfig(tiny_config(), data_parallel_size=4, use_distributed_optimizer=True)
+    (params, layout), = buffer_layouts(tiny, 0)
+    per_rank = [sum(owned_elements(params, layout, 4, r)) for r in range(4)]
+    print(f"tiny: {sum(p.count for p in params):,} params -> buffer {layout.numel:,} elements; "
+          f"owned per DP rank {per_rank}")
+    print("tiny, DP rank 0:", state_ledger(tiny))
+
+    big = MemoryConfig(llama_7b_config(sequence_parallel=True), tensor_model_parallel_size=2,
+                       pipeline_model_parallel_size=2, data_parallel_size=64,
+                       micro_batch_size=2, num_microbatches=8, use_distributed_optimizer=True)
+    rows = {f"stage {r}": state_ledger(big, pp_rank=r) for r in range(2)}
+    for name, terms in rows.items():
+        total = sum(terms.values())
+        print(f"7B {name}: " + ", ".join(f"{k} {v / 2**20:,.1f} MiB" for k, v in terms.items())
+              + f"  = {total:,} B")
+    megatron = megatron_theoretical_memory(
+        num_layers=32, hidden_size=4096, num_attention_heads=32, group_query_attention=True,
+        num_query_groups=8, ffn_hidden_size=14336, swiglu=True, normalization="RMSNorm",
+        padded_vocab_size=128256, seq_length=4096, micro_batch_size=2,
+        tensor_model_parallel_size=2, pipeline_model_parallel_size=2, data_parallel_size=64,
+        use_distributed_optimizer=True)["weight_and_optimizer"]
+    print(f"Megatron's estimate: {megatron:,.0f} B")
+
+    assert sum(per_rank) == sum(p.count for p in params) == 106_816 and layout.numel == 106_880
+    assert per_rank == [26_720, 26_720, 26_720, 26_656]
+    for r in range(2):
+        assert rows[f"stage {r}"]["weights"] >= 2 * count_parameters_per_rank(
+            big.model, tp=2, pp=2, pp_rank=r)  # the padding only adds
+    assert abs(sum(rows["stage 0"].values()) - megatron) / megatron < 0.01
