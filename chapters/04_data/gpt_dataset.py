@@ -252,22 +252,26 @@ def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length
         num_samples = (total - add_extra_token) // seq_length
     else:  # the C++ rounds through a 32-bit float here
         num_samples = math.ceil(float(np.float32(total - add_extra_token)) / seq_length)
-    big = max(len(document_index), int(sizes.max()) if len(sizes) else 0) > np.iinfo(np.int32).max
+    num_docs, n, shift = len(document_index), num_samples + 1, 1 - add_extra_token
+    big = max(num_docs, int(sizes.max()) if len(sizes) else 0) > np.iinfo(np.int32).max
     out_dtype = np.int64 if big else np.int32
-    doc_lengths = np.asarray(sizes)[document_index].astype(np.int64)
-    cum = np.zeros(len(doc_lengths) + 1, dtype=np.int64)
-    np.cumsum(doc_lengths, out=cum[1:])
-    assert cum[-1] == total, (cum[-1], total)
-    starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
-    last_token = starts - (1 - add_extra_token)  # the token whose sequence holds the boundary
-    complete = last_token <= total - 1
-    pos = np.searchsorted(cum, np.minimum(last_token, total - 1), side="right") - 1
-    out = np.empty((num_samples + 1, 2), dtype=out_dtype)
-    out[:, 0] = pos
-    out[:, 1] = starts - cum[pos]
-    if not complete.all():  # the kept partial sample: only the last row
-        out[~complete, 0] = len(document_index) - 1
-        out[~complete, 1] = doc_lengths[-1] - add_extra_token
+    doc_lengths = np.asarray(sizes)[document_index]
+    ends = np.cumsum(doc_lengths, dtype=np.int64)  # ends[j]: first token after document j
+    assert ends[-1] == total, (ends[-1], total)
+    # Sample k's boundary token is k*seq - shift; it lies in the first document j whose end
+    # exceeds it. The first sample whose boundary reaches ends[j] is ceil((ends[j]+shift)/seq),
+    # so document j is the boundary document of first[j] - first[j-1] samples: one np.repeat
+    # instead of a binary search per sample (linear, like the C++ walk).
+    first = np.minimum((ends + (shift + seq_length - 1)) // seq_length, n)
+    counts = np.diff(first, prepend=0)
+    counts[-1] += n - first[-1]  # a kept partial sample ends in the last document
+    out = np.empty((n, 2), dtype=out_dtype)
+    out[:, 0] = pos = np.repeat(np.arange(num_docs, dtype=out_dtype), counts)
+    starts = ends - doc_lengths
+    np.subtract(np.arange(n, dtype=np.int64) * seq_length, starts[pos], out=out[:, 1],
+                casting="unsafe")
+    if num_samples * seq_length - shift > total - 1:  # the kept partial sample: the last row
+        out[-1] = (num_docs - 1, doc_lengths[-1] - add_extra_token)
     out[0] = (0, 0)
     return out
 
