@@ -284,3 +284,11 @@ def schedules_demo(num_microbatches: int = 8) -> dict:
     return {"case": run_case(pp=2, num_microbatches=m, num_steps=1, record=True),
             "on": inflight_case(m, deallocate=True, num_layers=2),
             "off": inflight_case(m, deallocate=False, num_layers=2)}
+
+
+def interleaved_demo() -> dict:
+    """PP2 x v2: Megatron's documented example (order, parity); live bytes vs plain 1F1B."""
+    return {"example": run_case(pp=2, vpp=2, num_microbatches=5, group_size=3, num_steps=1,
+                                record=True),
+            "interleaved": inflight_case(4, vpp=2, num_layers=4),
+            "1f1b": inflight_case(4, num_layers=4)}

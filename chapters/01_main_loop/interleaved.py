@@ -52,8 +52,8 @@ __all__ = ["get_schedule_table", "get_pp_rank_microbatches", "check_interleaving
 # (default $p$): take micro-batches $[0, g)$ through chunk 0, then the same ones through chunk
 # 1, …, then the next group; the last group takes whatever is left (`get_schedule_table`,
 # `schedules.py:916`). The backward walks the same list with the chunk reversed, $v - 1 - c$.
-# Megatron's own example, $p = 2$, $g = 3$, $m = 5$, $v = 2$ (`schedules.py:1084-1099` in the
-# interleaved function's comments):
+# Megatron's own example, $p = 2$, $g = 3$, $m = 5$, $v = 2$, from the comments of
+# `forward_backward_pipelining_with_interleaving` (`schedules.py:946`):
 #
 # | virtual id | 0 | 1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 | 9 |
 # |---|---|---|---|---|---|---|---|---|---|---|
@@ -63,10 +63,24 @@ __all__ = ["get_schedule_table", "get_pp_rank_microbatches", "check_interleaving
 #
 # Why groups of at least $p$: micro-batch 0 leaves chunk 0 of the last rank after $p$ slots
 # and comes back to chunk 1 of rank 0. If rank 0 had fewer than $p$ micro-batches to push
-# through chunk 0 in the meantime it would idle, waiting for it. Hence the constraints
-# (`schedules.py:1064-1080` of the interleaved function): $p \le g \le m$, and a last group
-# $m \bmod g$ that is either empty or at least $p$ long. With the default $g = p$ that is
-# simply "$m$ divisible by $p$".
+# through chunk 0 in the meantime it would idle, waiting for it. Hence the constraints the
+# interleaved function checks before it starts: $p \le g \le m$, and a last group
+# $m \bmod g$ that is either empty or at least $p$ long (Megatron raises a `ValueError` and a
+# `RuntimeError`; tinytron raises `ValueError` for both, naming the numbers). With the default
+# $g = p$ that is simply "$m$ divisible by $p$".
+#
+# ```mermaid
+# flowchart LR
+#   subgraph R0["rank 0"]
+#     c00["chunk 0: layers 0-1"]
+#     c01["chunk 1: layers 4-5"]
+#   end
+#   subgraph R1["rank 1"]
+#     c10["chunk 0: layers 2-3"]
+#     c11["chunk 1: layers 6-7"]
+#   end
+#   c00 -- "send_forward" --> c10 -- "send_forward (wraps to rank 0)" --> c01 --> c11
+# ```
 
 # %%
 def get_schedule_table(num_microbatches: int, num_model_chunks: int,
@@ -358,3 +372,79 @@ def forward_backward_pipelining_with_interleaving(
         _cooldown(run)
         _finalize(config, model, grid, run.total_num_tokens)
     return run.store
+
+# %% [markdown]
+# ## Demo: Megatron's example on two gloo ranks, and what interleaving costs in memory
+#
+# The tiny GPT with 4 layers cut into $p\,v = 4$ chunks of one layer (rank 0: layers 0 and 2,
+# rank 1: layers 1 and 3), run on Megatron's documented example $p = 2$, $g = 3$, $m = 5$,
+# $v = 2$. Each rank prints what it executed, as (chunk, micro-batch), and the gradients are
+# compared with one process. Then $m = 4$ micro-batches ($g = p = 2$) run under the
+# `LiveBytesMeter`, interleaved and plain 1F1B on the same layers, counting the chunk
+# activations autograd holds and the live bytes.
+
+# %%
+if __name__ == "__main__":
+    from tinytron.launch import run_on_ranks
+    from tinytron.main_loop._workers import interleaved_demo
+
+    ranks = run_on_ranks(interleaved_demo, 2, timeout=180)
+    table = get_schedule_table(5, 2, 3)
+    print("virtual id   ", " ".join(f"{k:2d}" for k in range(10)))
+    print("micro-batch  ", " ".join(f"{mb:2d}" for mb, _ in table))
+    print("chunk        ", " ".join(f"{c:2d}" for _, c in table))
+    for r, res in enumerate(ranks):
+        warmup = get_pp_rank_microbatches(5, 2, 3, 2, r)[2]
+        order = " ".join(f"{k[0].upper()}{c}.{mb}" for k, c, mb in res["example"]["orders"][0])
+        print(f"rank {r} (warmup {warmup}): {order}")
+    print("grads bitwise equal to one process:", [r["example"]["bitwise"][0] for r in ranks])
+    for r, res in enumerate(ranks):
+        inter, plain = res["interleaved"], res["1f1b"]
+        ratio = inter["peak_at_marks"] / plain["peak_at_marks"]
+        print(f"rank {r}: chunk activations alive at most {inter['max_in_flight_saved']} "
+              f"(1F1B: {plain['max_in_flight_saved']} stage activations); peak live bytes "
+              f"{ratio:.2f}x 1F1B's")
+
+    for r, res in enumerate(ranks):
+        fwd = [(c, mb) for k, c, mb in res["example"]["orders"][0] if k == "forward"]
+        bwd = [(c, mb) for k, c, mb in res["example"]["orders"][0] if k == "backward"]
+        assert fwd == [(c, mb) for mb, c in table]  # Megatron's table, in order
+        assert bwd == [(1 - c, mb) for mb, c in table]  # same walk, chunks reversed
+        warmup = get_pp_rank_microbatches(5, 2, 3, 2, r)[2]
+        assert [k for k, *_ in res["example"]["orders"][0][:warmup]] == ["forward"] * warmup
+        assert res["example"]["bitwise"][0]
+    # at most w_r + 1 chunk-micro-batches in flight: 2(p-r-1) + (v-1)g + 1 with g = p = 2
+    assert [r["interleaved"]["max_in_flight_saved"] for r in ranks] == [5, 3]
+    ratio0 = ranks[0]["interleaved"]["peak_at_marks"] / ranks[0]["1f1b"]["peak_at_marks"]
+    assert 1.1 < ratio0 < 1.45  # Megatron's memory factor 1 + (p-1)/(p v) = 1.25 on rank 0
+
+# %% [markdown]
+# ## Summary
+#
+# - Interleaving gives each rank $v$ model chunks; every rank walks the same table of $m\,v$
+#   (micro-batch, chunk) pairs, built in groups of $g$ micro-batches per chunk; the backward
+#   walks it with the chunks reversed.
+# - Rank $r$ runs $2(p-r-1) + (v-1)g$ warmup forwards (capped at $m v$); $p \le g \le m$ and a
+#   last group of 0 or at least $p$ micro-batches, else a `ValueError` naming the numbers.
+# - The bubble shrinks from $(p-1)/(m+p-1)$ to $(p-1)/(v m + p - 1)$; the first rank pays with
+#   more activations in flight ($1 + \frac{p-1}{p v}$, measured above) and every rank with $v$
+#   times more messages.
+#
+# ## How production does it
+#
+# - Megatron-LM: `forward_backward_pipelining_with_interleaving`
+#   (`megatron/core/pipeline_parallel/schedules.py:946`), `get_schedule_table` (`:916`),
+#   `get_pp_rank_microbatches` (`:856`). It can post the sends and receives asynchronously
+#   (`overlap_p2p_comm`) so that communication hides behind the next chunk's compute, and it
+#   launches each chunk's parameter all-gather (`param_sync_func`) one chunk ahead, offset by
+#   the pipeline rank so all ranks launch at once.
+# - PyTorch: `torch.distributed.pipelining.ScheduleInterleaved1F1B` (and
+#   `ScheduleInterleavedZeroBubble`), which build a per-rank action list from a similar
+#   table and can be inspected before running.
+#
+# ## Exercises
+#
+# 1. Run Megatron's example with $g = 5$ (one group). How do the warmup counts and the peak
+#    memory on rank 0 change?
+# 2. Why does the leading rank receive nothing during its first $p - 1$ virtual steps?
+# 3. Derive the memory factor $1 + \frac{p-1}{p v}$ from the warmup count with $g = p$.
