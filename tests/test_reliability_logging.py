@@ -71,3 +71,29 @@ def test_memory_report_on_cpu():
     assert rep["mem-max-rss-bytes"] >= rep["mem-rss-bytes"] > 10 * 2 ** 20
     assert format_memory_report(rep, "(after 1 iterations)").startswith(
         "[Rank 0] (after 1 iterations) memory (MB) | rss: ")
+
+
+def test_trace_of_one_iteration_and_nesting(tmp_path):
+    import torch
+    from torch.profiler import record_function
+
+    from tinytron.reliability.trace import load_trace, nest_depths, profile_iteration
+
+    w = torch.randn(32, 32, requires_grad=True)
+
+    def step(i):
+        with record_function("forward-compute"):
+            loss = (torch.randn(8, 32) @ w).pow(2).mean()
+        with record_function("backward-compute"):
+            loss.backward()
+
+    events = load_trace(profile_iteration(step, str(tmp_path / "t.json"), warmup=1))
+    names = {e["name"] for e in events}
+    assert {"iteration-1", "forward-compute", "backward-compute", "aten::mm"} <= names
+    assert "iteration-0" not in names                         # the warm-up is not recorded
+    fake = [dict(name=n, tid=1, start_ms=s, dur_ms=d) for n, s, d in
+            [("a", 0, 10), ("b", 1, 3), ("c", 2, 1), ("d", 5, 4), ("e", 12, 1)]]
+    assert nest_depths(fake) == [0, 1, 2, 1, 0]
+    (tmp_path / "empty.json").write_text('{"traceEvents": []}')
+    with pytest.raises(ValueError, match="no complete"):
+        load_trace(str(tmp_path / "empty.json"))

@@ -19,7 +19,7 @@ from tinytron.reliability.observability import (LoggingConfig, MetricsLogger, Pr
                                                 memory_report, read_tensorboard_scalars)
 
 __pages__ = ["rerun_state_machine", "result_checks", "fault_injection", "fault_tolerance",
-             "timers", "observability"]
+             "timers", "observability", "trace"]
 
 __all__ = ["EXIT_CODE_FAILED_ON_RESULT_VALIDATION", "EXIT_CODE_RESUME_TO_DISAMBIGUATE",
            "RerunDataIterator", "RerunDiagnostic", "RerunMode", "RerunState", "RerunStateMachine",
