@@ -520,6 +520,32 @@ if __name__ == "__main__":
     assert h16[-1][3] < 3 * h32[-1][3] + 1e-3
 
 # %% [markdown]
+# The negative control for the claim above: a bf16 weight of 1, a constant gradient, lr
+# $10^{-4}$. Plain AdamW on the bf16 weight itself rounds every update away (the nearest bf16
+# below 1 is $1 - 2^{-8} \approx 0.9961$); the same optimizer behind fp32 masters moves the
+# master by $10^{-4}$ per step, and after 100 steps the bf16 copy has moved too.
+
+# %%
+if __name__ == "__main__":
+    from tinytron.optimizer.algorithms import AdamW
+
+    lost = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    kept = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    no_master = AdamW([lost], lr=1e-4, weight_decay=0.0)
+    with_master = MixedPrecisionOptimizer(AdamW([kept], lr=1e-4, weight_decay=0.0), clip_grad=0.0)
+    for _ in range(100):
+        lost.grad = torch.ones(4, dtype=torch.bfloat16)
+        kept.grad = torch.ones(4, dtype=torch.bfloat16)
+        no_master.step()
+        with_master.step()
+        with_master.zero_grad()
+    print(f"after 100 steps: bf16 alone {lost[0].item():.5f} | fp32 master "
+          f"{kept.main_param[0].item():.5f} -> bf16 {kept[0].item():.5f}")
+    assert torch.equal(lost.data, torch.ones(4, dtype=torch.bfloat16))  # every update lost
+    assert abs(kept.main_param[0].item() - (1 - 100 * 1e-4)) < 1e-5      # every update kept
+    assert kept[0].item() < 1.0 and torch.equal(kept.data, kept.main_param.data.bfloat16())
+
+# %% [markdown]
 # ## Summary
 #
 # - Half-precision params get fp32 masters and fp32 state; grads arrive in fp32 `main_grad`.
