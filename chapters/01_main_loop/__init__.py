@@ -17,4 +17,5 @@ from tinytron.main_loop.training_log import (LogState, format_log_line,
 from tinytron.main_loop.loop import (StepResult, TorchOptimizer, TrainState, TrainingRun,
                                      evaluate, gpt_forward_step, pretrain, train, train_step)
 
-__pages__ = ["microbatches", "schedules", "interleaved", "loop", "training_log", "memory_meter"]
+__pages__ = ["microbatches", "schedules", "interleaved", "schedule_timeline", "loop",
+             "training_log", "memory_meter"]

@@ -7,7 +7,6 @@ with one process running the whole global batch micro-batch by micro-batch.
 
 from __future__ import annotations
 
-import time
 from functools import partial
 
 import torch
@@ -186,11 +185,12 @@ def run_case(tp: int = 1, pp: int = 2, vpp: int | None = None, num_microbatches:
 
 
 def timed_case(pp: int, vpp: int | None, num_microbatches: int, group_size: int | None = None,
-               hidden: int = 128, num_layers: int = 4, repeats: int = 2) -> list:
+               hidden: int = 256, num_layers: int = 4, repeats: int = 2,
+               seq_length: int = 128) -> list:
     """ScheduleEvents of the last of `repeats` training iterations on this rank."""
     grid = grid_for(1, pp)
     config = tiny_config(hidden_size=hidden, ffn_hidden_size=2 * hidden, num_layers=num_layers,
-                         tie_embeddings=False, seq_length=64)
+                         tie_embeddings=False, seq_length=seq_length)
     models = build_stage_models(config, grid, num_virtual_stages=vpp or 1)
     batches = make_microbatches(config, num_microbatches)
     fb = get_forward_backward_func(pp, vpp)
@@ -292,3 +292,9 @@ def interleaved_demo() -> dict:
                                 record=True),
             "interleaved": inflight_case(4, vpp=2, num_layers=4),
             "1f1b": inflight_case(4, num_layers=4)}
+
+
+def timeline_cases(cases: list[tuple]) -> list[list]:
+    """timed_case for each (pp, vpp, m, group_size, num_layers) of this world (pp = world size)."""
+    return [timed_case(pp, vpp, m, group_size=g, num_layers=layers)
+            for pp, vpp, m, g, layers in cases]

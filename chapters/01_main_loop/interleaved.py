@@ -14,12 +14,10 @@
 # %%
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from tinytron.main_loop.schedules import (ScheduleConfig, _call_all, _check_num_microbatches,
-                                          _check_pipeline, _finalize, _GradSync, _span, _Stage,
+from tinytron.main_loop.schedules import (ScheduleConfig, _check_num_microbatches, _check_pipeline,
+                                          _finalize, _GradSync, _span, _Stage,
                                           backward_step, deallocate_output_tensor, forward_step,
                                           tensor_shape)
 from tinytron.parallel import ParallelGrid
