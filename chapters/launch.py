@@ -7,8 +7,10 @@ raises is reported with its traceback; the other ranks are then stopped instead 
 to hang in a collective that will never complete; a world that runs past ``timeout`` is killed
 and the ranks that had not finished are named.
 
-``fn`` must be importable by name (a module-level function of an installed module): a function
-defined in a notebook or in ``python -c`` cannot be sent to a spawned process.
+``fn`` must be importable by name: a module-level function of an installed module, or a
+top-level function of the script being run (spawn re-imports the script, so its own work must
+sit under ``if __name__ == "__main__":``). A function defined in a notebook cell or in
+``python -c`` cannot be sent to a spawned process.
 """
 
 from __future__ import annotations
@@ -25,13 +27,29 @@ from typing import Any, Callable, Sequence
 __all__ = ["run_on_ranks", "RankError"]
 
 
+# What a rank reports when it failed only because a peer left the world (or the world stopped):
+# a consequence, never the root cause to name first.
+_SECONDARY = ("Connection closed by peer", "Connection reset", "Broken pipe", "connection closed",
+              "timed out", "Timed out", "still running", "without a report")
+
+
+def _last_line(report: str) -> str:
+    """The exception line of a traceback (its last non-empty line)."""
+    lines = [line.strip() for line in report.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "(no report)"
+
+
 class RankError(RuntimeError):
-    """One or more ranks raised (or died); the message holds each failing rank's traceback."""
+    """One or more ranks raised (or died); line one names the root cause, then every traceback."""
 
     def __init__(self, failures: dict[int, str]):
-        self.failures = failures
+        self.failures = failures  # in the order the reports arrived
+        primary = [r for r, tb in failures.items() if not any(s in tb for s in _SECONDARY)]
+        self.root_rank = primary[0] if primary else next(iter(failures))
         parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())]
-        super().__init__(f"{len(failures)} rank(s) failed: {sorted(failures)}\n" + "\n".join(parts))
+        super().__init__(f"rank {self.root_rank}: {_last_line(failures[self.root_rank])} "
+                         f"({len(failures)} rank(s) failed: {sorted(failures)}; tracebacks below)\n"
+                         + "\n".join(parts))
 
 
 def _rank_main(fn, args, kwargs, rank, world_size, port, backend, timeout_s, num_threads, results):
@@ -51,16 +69,40 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, backend, timeout_s, num
                                 timeout=timedelta(seconds=timeout_s))
         try:
             out = fn(*args, **kwargs)
-        finally:
-            dist.destroy_process_group()
+        except BaseException:  # noqa: BLE001
+            # Report before leaving the world: peers blocked in a collective with this rank fail
+            # as soon as it leaves, and their "connection closed" must not arrive first.
+            results.put((rank, False, traceback.format_exc()))
+            _leave(dist)
+            return
+        _leave(dist)
         results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - everything a rank raises must reach the parent
         results.put((rank, False, traceback.format_exc()))
 
 
+def _leave(dist) -> None:
+    """Destroy the process group; a failure here must not hide the rank's own report."""
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
                  timeout: float = 120.0, num_threads: int = 1, **kwargs: Any) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the per-rank results in rank order."""
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the per-rank results in rank order.
+
+    Example (in a script; ``fn`` is a top-level function of it or of an installed module)::
+
+        def all_ranks_sum():
+            t = torch.ones(1) * torch.distributed.get_rank()
+            torch.distributed.all_reduce(t)
+            return t.item()
+
+        if __name__ == "__main__":
+            print(run_on_ranks(all_ranks_sum, 2))     # [1.0, 1.0]; a failure raises RankError
+    """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if backend not in ("gloo", "nccl"):

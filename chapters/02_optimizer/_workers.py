@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from tinytron.buffers import DistributedDataParallel, DistributedDataParallelConfig
 from tinytron.optimizer.algorithms import AdamW, build_param_groups
-from tinytron.optimizer.distributed import DistributedOptimizer, merge_sharded_state_dicts
+from tinytron.optimizer.distributed import (DistributedOptimizer, data_parallel_step,
+                                            merge_sharded_state_dicts)
 from tinytron.optimizer.mixed_precision import DynamicGradScaler, MixedPrecisionOptimizer
 from tinytron.parallel import ParallelGrid
 
@@ -51,14 +52,13 @@ def _build_distopt(model, grid, clip: float, use_scaler: bool, bucket_size: int,
 
 
 def _ddp_step(ddp, opt, x, y, dtype, poison: bool):
-    """One DP step on this rank's half of the batch; `poison` makes this rank's grads inf/NaN."""
-    ddp.zero_grad_buffer()
-    loss = F.mse_loss(ddp(x.to(dtype)).float(), y)
-    if poison:
-        loss = loss * float("inf")
-    opt.scale_loss(loss).backward()
-    ddp.finish_grad_sync()
-    return opt.step()
+    """One DP step (the page's loop) on this rank's half of the batch; `poison`: inf/NaN grads."""
+    def loss_fn(model, batch):
+        loss = F.mse_loss(model(batch[0].to(dtype)).float(), batch[1])
+        return loss * float("inf") if poison else loss
+
+    _, ok, grad_norm = data_parallel_step(ddp, opt, [(x, y)], loss_fn)
+    return ok, grad_norm, None
 
 
 def _ref_step(model, opt, x, y, dtype, poison: bool):

@@ -10,6 +10,7 @@
 # %%
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -20,8 +21,8 @@ from tinytron.buffers import ParamAndGradBuffer
 from tinytron.optimizer.mixed_precision import (MixedPrecisionOptimizer, _group_hparams,
                                                 _load_group_hparams, copy_param_attributes)
 
-__all__ = ["DistributedOptimizer", "merge_sharded_state_dicts", "ownership_table",
-           "plot_ownership_map", "bytes_per_param"]
+__all__ = ["DistributedOptimizer", "merge_sharded_state_dicts", "data_parallel_step",
+           "ownership_table", "plot_ownership_map", "bytes_per_param"]
 
 # %% [markdown]
 # ## Who owns what
@@ -139,7 +140,15 @@ def plot_ownership_map(buffer: ParamAndGradBuffer, ax=None, title: str = ""):
 
 # %%
 class DistributedOptimizer(MixedPrecisionOptimizer):
-    """ZeRO-1 on chapter 05's buffers: fp32 master + state only for this DP rank's bucket ranges."""
+    """ZeRO-1 on chapter 05's buffers: fp32 master + state only for this DP rank's bucket ranges.
+
+    Example (on every rank of a DP group; the loop is `data_parallel_step` below)::
+
+        ddp = DistributedDataParallel(model, grid, DistributedDataParallelConfig(
+            use_distributed_optimizer=True, grad_reduce_in_fp32=True))
+        opt = DistributedOptimizer(AdamW(model.parameters(), lr=3e-4), ddp, clip_grad=1.0)
+        loss, ok, grad_norm = data_parallel_step(ddp, opt, micro_batches, loss_fn)
+    """
 
     def __init__(self, optimizer, ddp, *, clip_grad: float = 1.0, grad_scaler=None,
                  log_num_zeros_in_grad: bool = False, grad_norm_skip_threshold: float = math.inf):
@@ -322,6 +331,42 @@ def merge_sharded_state_dicts(parts: list[dict]) -> dict:
             "grad_scaler": parts[0]["grad_scaler"]}
 
 # %% [markdown]
+# ## The training loop around it
+#
+# The optimizer is one step of an iteration, and the order of the steps around it is part of
+# the contract (Megatron's `train_step`, `megatron/training/training.py`, with
+# `finalize_model_grads`, `megatron/core/distributed/finalize_model_grads.py:445`):
+#
+# 1. `ddp.zero_grad_buffer()` — zero the grad buffer, reset the bucket counters;
+# 2. forward and backward of each micro-batch — grads accumulate into the fp32 buffer; every
+#    micro-batch but the last runs under `no_sync()`, so that the last one's backward launches
+#    each bucket's reduce-scatter (with `overlap_grad_reduce`, as soon as the bucket is complete);
+# 3. `ddp.finish_grad_sync()` — wait for those collectives (`finalize_model_grads` does this,
+#    then the tied-embedding and sequence-parallel reductions of chapter 05); only now does
+#    this rank's shard hold the data-parallel mean;
+# 4. `optimizer.step()` — unscale, clip with the global norm, Adam on the shard, write back,
+#    all-gather.
+#
+# Skipping step 3 used to go unnoticed: each rank would step on its own local gradients. The
+# optimizer now refuses to step until this iteration's grad sync has finished. Demo 2 below
+# runs exactly this function on two ranks.
+
+# %%
+def data_parallel_step(ddp, optimizer, micro_batches, loss_fn) -> tuple[float, bool, float | None]:
+    """One iteration in Megatron's order; (summed loss, step succeeded, grad norm)."""
+    ddp.zero_grad_buffer()
+    total = 0.0
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with contextlib.nullcontext() if last else ddp.no_sync():
+            loss = loss_fn(ddp, batch) / len(micro_batches)  # the mean over micro-batches
+            optimizer.scale_loss(loss).backward()
+        total += float(loss.detach())
+    ddp.finish_grad_sync()  # the DP reduce-scatter must be complete before the step reads it
+    ok, grad_norm, _ = optimizer.step()
+    return total, ok, grad_norm
+
+# %% [markdown]
 # ## Demo 1: the ownership map of a small model at DP 4
 #
 # A two-layer toy stack in bf16, laid out by chapter 05's buffer for 4 DP ranks with a small
@@ -360,7 +405,7 @@ if __name__ == "__main__":
 # ## Demo 2: DP 2 gives the same model as the plain optimizer
 #
 # Two ranks in a real gloo world; each trains a small MLP through chapter 05's DDP with the
-# DistributedOptimizer on its half of every batch, with gradient clipping and a dynamic loss
+# DistributedOptimizer on its half of every batch, one `data_parallel_step` per step, with gradient clipping and a dynamic loss
 # scaler, and an inf injected into one step. Next to it, in the same process, the plain
 # mixed-precision optimizer trains the same MLP on the whole batch. After 6 steps the fp32
 # params agree to rounding, the same step was skipped on both, and the state dict gathered

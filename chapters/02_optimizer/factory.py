@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from tinytron._fields import check_choice, check_fields, check_range, document_fields
 from tinytron.optimizer.algorithms import SGD, Adam, Lion, build_param_groups
 from tinytron.optimizer.distributed import DistributedOptimizer
 from tinytron.optimizer.layer_wise import LayerWiseDistributedOptimizer
@@ -21,7 +22,9 @@ from tinytron.optimizer.mixed_precision import (ConstantGradScaler, DynamicGradS
                                                 MixedPrecisionOptimizer)
 from tinytron.optimizer.muon import build_muon_adamw
 from tinytron.optimizer.offload import HybridDeviceOptimizer
-from tinytron.optimizer.scheduler import OptimizerParamScheduler
+from tinytron.optimizer.muon import NS_COEFFICIENTS
+from tinytron.optimizer.scheduler import (LR_DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES,
+                                        OptimizerParamScheduler)
 
 __all__ = ["OptimizerConfig", "SchedulerConfig", "get_megatron_optimizer", "build_grad_scaler",
            "get_optimizer_param_scheduler"]
@@ -48,6 +51,7 @@ __all__ = ["OptimizerConfig", "SchedulerConfig", "get_megatron_optimizer", "buil
 # of 256 samples with a 1% warmup fraction: decay over 256 000 samples, warmup 2 560.
 
 # %%
+@document_fields
 @dataclass
 class OptimizerConfig:
     """Megatron's optimizer options that tinytron implements (same names, same defaults)."""
@@ -128,8 +132,9 @@ class OptimizerConfig:
     """Skip the update when the grad norm exceeds this."""
 
     def __post_init__(self):
-        if self.optimizer not in ("adam", "sgd", "lion", "muon"):
-            raise ValueError(f"optimizer must be adam, sgd, lion or muon, got {self.optimizer!r}")
+        check_fields(self)  # lr="3e-4" or clip_grad="1.0" must not get past the constructor
+        check_choice(self, "optimizer", ("adam", "sgd", "lion", "muon"))
+        _check_optimizer_ranges(self)
         if self.fp16 and self.bf16:
             raise ValueError("fp16 and bf16 are both set; choose one")
         if self.optimizer_cpu_offload and not (self.optimizer == "adam"
@@ -138,6 +143,7 @@ class OptimizerConfig:
                              f"decoupled_weight_decay=True, got {self.optimizer!r}")
 
 
+@document_fields
 @dataclass
 class SchedulerConfig:
     """Megatron's learning-rate / weight-decay schedule options, in iterations."""
@@ -166,6 +172,35 @@ class SchedulerConfig:
     """On reload keep this config's values."""
     use_checkpoint_opt_param_scheduler: bool = False
     """On reload take the checkpoint's values."""
+
+    def __post_init__(self):
+        check_fields(self)
+        check_choice(self, "lr_decay_style", LR_DECAY_STYLES)
+        check_choice(self, "lr_wsd_decay_style", WSD_DECAY_STYLES)
+        check_choice(self, "weight_decay_incr_style", WD_INCR_STYLES)
+        for name in ("lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters", "lr_warmup_init",
+                     "start_weight_decay", "end_weight_decay"):
+            check_range(self, name, 0)
+        check_range(self, "lr_warmup_fraction", 0, 1)
+
+
+def _check_optimizer_ranges(c: OptimizerConfig) -> None:
+    """ValueError naming the first option outside its meaningful range."""
+    for name in ("lr", "min_lr", "decoupled_lr", "decoupled_min_lr", "weight_decay", "clip_grad",
+                 "grad_norm_skip_threshold"):
+        check_range(c, name, 0)
+    for name in ("adam_beta1", "adam_beta2", "sgd_momentum", "lion_beta1", "lion_beta2",
+                 "muon_momentum"):
+        check_range(c, name, 0, 1, high_open=True)
+    for name in ("adam_eps", "loss_scale", "initial_loss_scale", "min_loss_scale"):
+        check_range(c, name, 0, low_open=True)
+    for name in ("loss_scale_window", "hysteresis", "muon_num_ns_steps"):
+        check_range(c, name, 1)
+    check_range(c, "optimizer_offload_fraction", 0, 1)
+    check_choice(c, "muon_scale_mode", ("spectral", "shape_scaling", "unit_rms_norm"))
+    check_choice(c, "muon_fp32_matmul_prec", ("highest", "high", "medium"))
+    check_choice(c, "muon_coefficient_type", sorted(NS_COEFFICIENTS))
+    check_choice(c, "muon_tp_mode", ("blockwise", "duplicated", "distributed"))
 
 
 # %%
@@ -216,7 +251,16 @@ def _inner_optimizer(config: OptimizerConfig, named: list, model_config=None, tp
 
 
 def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module, grid=None, ddp=None):
-    """Groups -> update rule -> scaler -> wrapper, as Megatron decides them."""
+    """Groups -> update rule -> scaler -> wrapper, as Megatron decides them.
+
+    Example::
+
+        opt = get_megatron_optimizer(OptimizerConfig(lr=3e-4, bf16=True), model)   # one process
+        ddp = DistributedDataParallel(model, grid, DistributedDataParallelConfig(
+            use_distributed_optimizer=True))
+        opt = get_megatron_optimizer(OptimizerConfig(lr=3e-4, use_distributed_optimizer=True),
+                                     model, grid, ddp=ddp)                          # ZeRO-1 over DP
+    """
     if config.lr is None:
         raise ValueError("OptimizerConfig.lr is required, got None")
     module = ddp.module if ddp is not None else model

@@ -227,7 +227,9 @@ def count_zeros_fp32(params: Iterable[torch.Tensor], tp_rank: int = 0, group=Non
 # (`exp_avg`, `exp_avg_sq`) is fp32 too. Memory per param: 2 (bf16) + 4 (master) + 8 (Adam)
 # bytes, plus the 4-byte fp32 `main_grad`.
 #
-# `step()` in Megatron's exact order (`MixedPrecisionOptimizer.step`, `:621`):
+# `step()` in Megatron's exact order (`MixedPrecisionOptimizer.step`, `:621`), after one check
+# of ours: when chapter 05's DDP wraps the params, their grads must have been reduced
+# (`finish_grad_sync`) — stepping on local grads would train every rank differently, silently:
 #
 # 1. `prepare_grads` — `main_param.grad = model_param.main_grad.float()` (or `.grad`); unscale
 #    in place by `1/scale` while detecting inf/NaN; all-reduce `found_inf` (MAX) over the
@@ -377,9 +379,22 @@ class MixedPrecisionOptimizer:
         self.optimizer.step()
         self.copy_main_params_to_model_params()
 
+    def check_grads_reduced(self) -> None:
+        """RuntimeError while a DDP wrapper of these params has grads it has not reduced yet."""
+        params = [model for model, _ in self.pairs]
+        params += [p for _, p in getattr(self, "all_named", [])]  # layer-wise: owned or not
+        states = [getattr(p, "grad_sync", None) for p in params]
+        # the distributed optimizer may own no piece at all: ask its wrapper too
+        states.append(getattr(getattr(self, "ddp", None), "grad_sync", None))
+        if any(s is not None and s.pending for s in states):
+            raise RuntimeError("optimizer.step() on grads whose data-parallel reduction has not "
+                               "finished: call ddp.finish_grad_sync() (or finalize_model_grads) "
+                               "after the backward and before the step, as Megatron's train_step does")
+
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None, int | None]:
         """(success, grad_norm, num_zeros); success is False exactly when the step overflowed."""
+        self.check_grads_reduced()
         if self.prepare_grads():
             return False, None, None
         grad_norm = self.clip_grad_norm(self.clip_grad) if self.clip_grad > 0 else self.get_grad_norm()

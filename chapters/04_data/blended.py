@@ -152,9 +152,16 @@ def get_size_per_split_per_dataset(weights: Sequence[float], sizes: Sequence[Opt
              for n in sizes] for w in weights]
 
 
-def parse_data_path(args: Sequence[str]) -> tuple[list[str], Optional[list[float]]]:
-    """Megatron's `--data-path`: `p1 p2 ...` or `w1 p1 w2 p2 ...` -> (prefixes, weights or None)."""
-    args = [str(a) for a in args]
+def parse_data_path(args) -> tuple[list[str], Optional[list[float]]]:
+    """Megatron's `--data-path`: `p1 p2 ...` or `w1 p1 w2 p2 ...` -> (prefixes, weights or None).
+
+    Example::
+
+        parse_data_path("0.3 data/wiki_text_document 0.7 data/code_text_document")
+        # -> (['data/wiki_text_document', 'data/code_text_document'], [0.3, 0.7])
+    """
+    # one string is split on whitespace, as the shell splits Megatron's command line
+    args = str(args).split() if isinstance(args, (str, os.PathLike)) else [str(a) for a in args]
     if not args:
         raise ValueError("--data-path is empty")
     if len(args) == 1:

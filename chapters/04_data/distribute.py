@@ -17,7 +17,7 @@ import torch.distributed as dist
 from tinytron.parallel.grid import ParallelGrid
 
 __all__ = ["BATCH_KEYS", "stage_keys", "broadcast_from_tp_rank0", "get_batch_on_this_tp_rank",
-           "thd_partitioned_indices", "get_batch_on_this_cp_rank", "get_batch"]
+           "thd_partitioned_indices", "get_batch_on_this_cp_rank", "get_batch", "check_token_ids"]
 
 # %% [markdown]
 # ## Who reads, who receives
@@ -181,19 +181,47 @@ def get_batch_on_this_cp_rank(batch: dict, grid: ParallelGrid) -> dict:
 # SFT, whose attention needs `cu_seqlens`), everyone else does the TP broadcast and then the CP
 # slice. Sequence parallelism does not appear here at all: it splits the activations inside the
 # model, after the embedding.
+#
+# Given the tokenizer's `vocab_size`, `get_batch` also checks every token and label id against
+# it, after the broadcast so that all ranks of the group raise together. An id the embedding
+# cannot hold is otherwise an opaque index error, and a label beyond the vocabulary a finite,
+# meaningless loss (the model checks against its padded vocabulary as well).
 
 # %%
 def get_batch(data_iterator: Optional[Iterator], grid: ParallelGrid, *, micro_batch_size: int,
               seq_length: int, create_attention_mask: bool = True, is_sft: bool = False,
-              device=None) -> dict:
-    """This rank's micro-batch: TP rank 0 reads, TP broadcast, CP slice, PP-stage keys only."""
+              device=None, vocab_size: Optional[int] = None) -> dict:
+    """This rank's micro-batch: TP rank 0 reads, TP broadcast, CP slice, PP-stage keys only.
+
+    Example::
+
+        batch = get_batch(train_iterator, grid, micro_batch_size=4, seq_length=128,
+                          vocab_size=tokenizer.vocab_size)
+        loss = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                     labels=batch["labels"])
+    """
     if not (grid.is_first_stage() or grid.is_last_stage() or is_sft):
         return {k: None for k in BATCH_KEYS}
     batch = get_batch_on_this_tp_rank(data_iterator, grid, micro_batch_size=micro_batch_size,
                                       seq_length=seq_length,
                                       create_attention_mask=create_attention_mask,
                                       is_sft=is_sft, device=device)
+    if vocab_size is not None:
+        check_token_ids(batch, vocab_size)
     return get_batch_on_this_cp_rank(batch, grid)
+
+
+def check_token_ids(batch: dict, vocab_size: int) -> None:
+    """ValueError naming the key and the id when a token or label id is outside [0, vocab_size)."""
+    for key in ("tokens", "labels"):
+        ids = batch.get(key)
+        if ids is None or ids.numel() == 0:
+            continue
+        low, high = (int(v) for v in torch.aminmax(ids))
+        if low < 0 or high >= vocab_size:
+            bad = high if high >= vocab_size else low
+            raise ValueError(f"{key} hold id {bad}, outside the tokenizer's vocabulary "
+                             f"[0, {vocab_size}) (vocab_size={vocab_size})")
 
 # %% [markdown]
 # ## Demo: four ranks, TP 2 × CP 2

@@ -140,10 +140,23 @@ def write_index_bytes(dtype, sequence_lengths, document_indices, sequence_modes=
 # then renames them into place. The old index (if any) is removed first, so at every instant
 # the prefix is either the old complete pair, a pair with no `.idx` (does not open), or the new
 # complete pair. `os.replace` is atomic on POSIX file systems.
+#
+# It also refuses a token id its dtype cannot hold. Megatron's builder casts with numpy, which
+# wraps around: in a `uint16` file 70 000 becomes 4 464 and -1 becomes 65 535, and the corpus is
+# wrong without a word. Here `add_item([70000])` raises a `ValueError` naming the id and dtype.
 
 # %%
 class IndexedDatasetBuilder:
-    """Append sequences to `P.bin`; `finalize` writes `P.idx` (indexed_dataset.py:937)."""
+    """Append sequences to `P.bin`; `finalize` writes `P.idx` (indexed_dataset.py:937).
+
+    Example::
+
+        builder = IndexedDatasetBuilder(get_bin_path("data/tiny"), dtype=np.uint16)
+        for doc in ([5, 6, 7, 0], [8, 9, 0]):
+            builder.add_item(doc)
+            builder.end_document()
+        builder.finalize(get_idx_path("data/tiny"))    # data/tiny.bin + data/tiny.idx
+    """
 
     def __init__(self, bin_path: str, dtype=np.int32, multimodal: bool = False):
         DType.code_from_dtype(dtype)  # reject a dtype with no code before writing anything
@@ -213,10 +226,20 @@ class IndexedDatasetBuilder:
 
 
 def _as_tokens(tokens, dtype) -> np.ndarray:
-    """A 1-D array in the builder's dtype (accepts lists, numpy arrays and torch tensors)."""
+    """A 1-D array in the builder's dtype (lists, numpy arrays, torch tensors); ids must fit it."""
     if hasattr(tokens, "numpy"):
         tokens = tokens.numpy()
-    return np.ascontiguousarray(np.asarray(tokens).reshape(-1), dtype=dtype)
+    arr = np.asarray(tokens).reshape(-1)
+    target = np.dtype(dtype)
+    if arr.size and arr.dtype != target and target.kind in "iu":
+        # numpy's cast wraps around: 70000 -> 4464 and -1 -> 65535 in uint16, without a word
+        info = np.iinfo(target)
+        bad = arr[(arr < info.min) | (arr > info.max) | (arr != np.round(arr))] \
+            if arr.dtype.kind == "f" else arr[(arr < info.min) | (arr > info.max)]
+        if bad.size:
+            raise ValueError(f"token id {bad[0].item()} does not fit the builder's dtype "
+                             f"{target.name} (ids {info.min}..{info.max})")
+    return np.ascontiguousarray(arr, dtype=dtype)
 
 # %% [markdown]
 # ## Reading: zero-copy views, and errors that say what is wrong
@@ -278,7 +301,14 @@ _CHECK_BLOCK = 1 << 22
 
 
 class IndexedDataset:
-    """A memory-mapped `.bin`/`.idx` pair: `ds[i]`, `ds.get(i, offset, length)`."""
+    """A memory-mapped `.bin`/`.idx` pair: `ds[i]`, `ds.get(i, offset, length)`.
+
+    Example::
+
+        ds = IndexedDataset("data/corpus_text_document")   # the prefix, without .bin/.idx
+        ds        # IndexedDataset('data/corpus_text_document', documents=..., tokens=..., ...)
+        ds[0]     # the first sequence's token ids (a read-only numpy view)
+    """
 
     def __init__(self, path_prefix: str, multimodal: bool = False, mmap: bool = True,
                  dtype_code: Optional[int] = None):
@@ -337,6 +367,11 @@ class IndexedDataset:
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
+
+    def __repr__(self) -> str:
+        return (f"IndexedDataset({self.path_prefix!r}, documents={self.document_count}, "
+                f"sequences={len(self)}, tokens={int(self.sequence_lengths.sum(dtype=np.int64))}, "
+                f"dtype={np.dtype(self.dtype).name})")
 
     def __getstate__(self):
         """Pickle the prefix, not the mapped files (a spawned DataLoader worker re-opens them)."""

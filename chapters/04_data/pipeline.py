@@ -9,11 +9,13 @@
 # %%
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+from tinytron._fields import check_choice, check_fields, check_range, document_fields
 from tinytron.data.blended import BlendedMegatronDatasetBuilder, parse_data_path
-from tinytron.data.gpt_dataset import GPTDataset, GPTDatasetConfig
+from tinytron.data.gpt_dataset import GPTDataset, GPTDatasetConfig, parse_and_normalize_split
 from tinytron.data.samplers import build_pretraining_data_loader, cyclic_iter
 from tinytron.overview.batch import PAD_SENTINEL
 
@@ -24,8 +26,11 @@ __all__ = ["DataConfig", "build_train_valid_test_datasets", "build_data_iterator
 # ## One config
 #
 # The fields are Megatron's data flags (`megatron/training/arguments.py`, data group) with their
-# defaults; `data_path` takes the `w1 p1 w2 p2` syntax, or the per-split paths replace it. The
-# sequence length and batch sizes belong to the model and the schedule and are passed in.
+# defaults; `data_path` takes the `w1 p1 w2 p2` syntax — as a list, or as one string split on
+# whitespace the way Megatron's command line splits it (`"0.3 wiki 0.7 code"`) — or the per-split
+# paths replace it. Every field is checked on construction, so `num_workers="2"` or a split of
+# `"a,b"` fails here, naming the field. The sequence length and batch sizes belong to the model
+# and the schedule and are passed in.
 #
 # ```mermaid
 # flowchart LR
@@ -37,12 +42,13 @@ __all__ = ["DataConfig", "build_train_valid_test_datasets", "build_data_iterator
 # ```
 
 # %%
+@document_fields
 @dataclass
 class DataConfig:
     """Megatron's data flags."""
 
     data_path: Optional[list] = None
-    """`--data-path`: prefixes, or `w1 p1 w2 p2 ...`."""
+    """`--data-path`: prefixes, or `w1 p1 w2 p2 ...` (a list, or one whitespace-separated string)."""
     train_data_path: Optional[list] = None
     """`--train-data-path` (with valid/test, replaces data_path + split)."""
     valid_data_path: Optional[list] = None
@@ -74,6 +80,15 @@ class DataConfig:
     extra: dict = field(default_factory=dict)
     """Room for site-specific flags (ignored here)."""
 
+    def __post_init__(self):
+        for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+            setattr(self, name, _path_list(name, getattr(self, name)))
+        check_fields(self)
+        check_choice(self, "dataloader_type", ("single", "cyclic"))
+        check_range(self, "num_workers", 0)
+        check_range(self, "mid_level_dataset_surplus", 0)
+        parse_and_normalize_split(self.split)  # "a,b" fails now, not when datasets are built
+
     def blend(self):
         """(blend, blend_per_split) for GPTDatasetConfig."""
         per_split = [self.train_data_path, self.valid_data_path, self.test_data_path]
@@ -84,6 +99,18 @@ class DataConfig:
         if not self.data_path:
             raise ValueError("DataConfig needs data_path (or train/valid/test_data_path)")
         return parse_data_path(self.data_path), None
+
+def _path_list(name: str, value) -> Optional[list]:
+    """None, or the list of words of a path argument (a string is split on whitespace)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, os.PathLike)):
+        return os.fspath(value).split()
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (str, os.PathLike, int, float))
+                                                and not isinstance(v, bool) for v in value):
+        return [v if isinstance(v, (int, float)) else os.fspath(v) for v in value]
+    raise ValueError(f"DataConfig.{name} must be a string or a list of prefixes (and weights), "
+                     f"got {value!r}")
 
 # %% [markdown]
 # ## Building where Megatron builds
@@ -102,7 +129,16 @@ def build_train_valid_test_datasets(cfg: DataConfig, seq_length: int,
                                     num_samples: Sequence[Optional[int]],
                                     is_built_on_rank: Callable[[], bool], eod_id: int,
                                     pad_id: int = PAD_SENTINEL) -> list:
-    """[train, valid, test] GPT datasets (None where empty or not built on this rank)."""
+    """[train, valid, test] GPT datasets (None where empty or not built on this rank).
+
+    Example (one process; under torch.distributed pass `is_dataset_built_on_rank(grid)`)::
+
+        cfg = DataConfig(data_path="0.3 data/wiki_text_document 0.7 data/code_text_document",
+                         split="90,5,5")
+        train, valid, test = build_train_valid_test_datasets(
+            cfg, seq_length=128, num_samples=[1000, 50, 50], is_built_on_rank=lambda: True,
+            eod_id=tokenizer.eod)
+    """
     blend, per_split = cfg.blend()
     gcfg = GPTDatasetConfig(
         sequence_length=seq_length, random_seed=cfg.seed, blend=blend, blend_per_split=per_split,
@@ -116,7 +152,14 @@ def build_train_valid_test_datasets(cfg: DataConfig, seq_length: int,
 
 def build_data_iterators(cfg: DataConfig, datasets: Sequence, consumed_samples: Sequence[int],
                          micro_batch_size: int, grid) -> list:
-    """Iterators over each dataset for this DP rank, resumed at its consumed_samples."""
+    """Iterators over each dataset for this DP rank, resumed at its consumed_samples.
+
+    Example::
+
+        train_it, valid_it, test_it = build_data_iterators(cfg, [train, valid, test], [0, 0, 0],
+                                                           micro_batch_size=4, grid=grid)
+        batch = get_batch(train_it, grid, micro_batch_size=4, seq_length=128)
+    """
     out = []
     for ds, consumed in zip(datasets, consumed_samples):
         loader = build_pretraining_data_loader(

@@ -27,7 +27,7 @@ from tinytron.data.indexed import (IndexedDataset, IndexedDatasetBuilder, get_bi
 
 __all__ = [
     "TokenizerSpec", "build_tokenizer", "train_bpe_tokenizer", "stdlib_corpus", "iter_documents",
-    "preprocess", "merge_datasets", "main", "run",
+    "preprocess", "merge_datasets", "main", "run", "UsageError",
 ]
 
 # %% [markdown]
@@ -61,7 +61,10 @@ class _HFTokenizer:
     def __init__(self, path: str, eod_token: str):
         from tokenizers import Tokenizer
 
-        self._tok = Tokenizer.from_file(str(path))
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as err:  # tokenizers raises a bare Exception with a serde message
+            raise ValueError(f"{path}: not a tokenizers JSON file ({err})") from None
         eod = self._tok.token_to_id(eod_token)
         if eod is None:
             raise ValueError(f"{path}: the tokenizer has no end-of-document token {eod_token!r}")
@@ -267,51 +270,96 @@ def _progress_bar(docs):
 # ## The command line
 #
 # Flag names follow `tools/preprocess_data.py` (`--input`, `--json-keys`, `--output-prefix`,
-# `--append-eod`, `--workers`, `--partitions`); the tokenizer flags are tinytron's own.
+# `--append-eod`, `--workers`, `--partitions`); the tokenizer flags are tinytron's own. As in
+# Megatron, `--json-keys` takes several fields and writes one dataset per field. The command is
+# also `python -m tinytron.data.preprocess ARGS` (Megatron's habit is `python tools/...py`); with
+# no arguments that runs this page's demo instead. `--help` shows every default, the last line
+# names the vocabulary size and the EOD and pad ids that training needs (`eod_id`, `pad_id`),
+# and every bad input — a flag out of range, flags that contradict each other, a file that is
+# not a tokenizer — is one `tinytron-preprocess: error: ...` line with exit status 2.
 #
 # ```
 # tinytron-preprocess --output-prefix data/stdlib                       # stdlib, byte tokenizer
 # tinytron-preprocess --input corpus.jsonl --output-prefix data/c --tokenizer-type bpe --vocab-size 4096
+# tinytron-preprocess --input qa.jsonl --json-keys question answer --output-prefix data/qa
 # tinytron-preprocess --merge data/a_text_document data/b_text_document --output-prefix data/ab
 # ```
 
 # %%
+class UsageError(ValueError):
+    """A bad command line: printed as one `error:` line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is raised (one line, exit 2 from main) instead of printed."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see --help)")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tinytron-preprocess",
-                                description="Tokenize text into Megatron .bin/.idx files.")
+    p = _Parser(prog="tinytron-preprocess", description="Tokenize text into Megatron .bin/.idx files.")
     p.add_argument("--input", nargs="*", default=None,
-                   help="JSONL (.jsonl/.json) or plain text files; default: the Python stdlib's .py files")
-    p.add_argument("--json-keys", default="text", help="the JSONL field holding the text")
+                   help="JSONL (.jsonl/.json) or plain text files (default: the Python stdlib's .py files)")
+    p.add_argument("--json-keys", nargs="+", default=["text"],
+                   help="the JSONL field(s) holding the text, one output per key (default: text)")
     p.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
-    p.add_argument("--tokenizer-type", choices=["byte", "hf", "bpe"], default="byte")
+    p.add_argument("--tokenizer-type", choices=["byte", "hf", "bpe"], default="byte",
+                   help="byte: UTF-8 bytes; hf: --tokenizer-file; bpe: trained on the input "
+                        "(default: %(default)s)")
     p.add_argument("--tokenizer-file", default=None, help="tokenizer.json for --tokenizer-type hf")
-    p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary for --tokenizer-type bpe")
-    p.add_argument("--eod-token", default="<|endoftext|>", help="end-of-document token of hf/bpe")
-    p.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
-    p.add_argument("--partitions", type=int, default=1)
+    p.add_argument("--vocab-size", type=int, default=4096,
+                   help="BPE vocabulary for --tokenizer-type bpe (default: %(default)s)")
+    p.add_argument("--eod-token", default="<|endoftext|>",
+                   help="end-of-document token of hf/bpe (default: %(default)s)")
+    p.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
+                   help="end every document with the EOD token (default: on)")
+    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                   help="tokenizing processes (default: CPUs - 1 = %(default)s)")
+    p.add_argument("--partitions", type=int, default=1,
+                   help="parts written separately, then merged (default: %(default)s)")
     p.add_argument("--max-files", type=int, default=None, help="limit the default stdlib corpus")
     p.add_argument("--merge", nargs="+", default=None, metavar="PREFIX",
                    help="only merge these finished datasets into --output-prefix")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of `tinytron-preprocess`: exit status 0, or 2 with a one-line error."""
+    """Entry point of `tinytron-preprocess`: exit status 0, or 2 with a one-line error.
+
+    Example (the shell command, or the same list from Python)::
+
+        tinytron-preprocess --input corpus.jsonl --output-prefix data/corpus --workers 4
+        main(["--input", "corpus.jsonl", "--output-prefix", "data/corpus"])   # -> 0
+    """
     try:
         run(argv)
-    except (ValueError, FileNotFoundError) as err:  # bad input: say what, without a traceback
-        print(f"tinytron-preprocess: error: {err}", file=sys.stderr)
+    except (ValueError, OSError) as err:  # bad input: say what, without a traceback
+        print(f"tinytron-preprocess: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     return 0
 
 
-def run(argv: Optional[Sequence[str]] = None) -> str:
-    """The command line's work, callable from Python; returns the written prefix."""
+def _check_args(args) -> None:
+    """UsageError naming the flag when the flags contradict each other or are out of range."""
+    for flag, value in (("--workers", args.workers), ("--partitions", args.partitions)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    if args.tokenizer_file is not None and args.tokenizer_type != "hf":
+        raise UsageError(f"--tokenizer-file is read only with --tokenizer-type hf, "
+                         f"not {args.tokenizer_type} (it would be ignored)")
+    if args.tokenizer_type == "hf" and args.tokenizer_file is None:
+        raise UsageError("--tokenizer-type hf needs --tokenizer-file")
+    if args.tokenizer_type == "bpe" and args.vocab_size < 258:
+        raise UsageError(f"--vocab-size must be >= 258 for a BPE (256 byte symbols + EOD + pad), "
+                         f"got {args.vocab_size}")
+
+
+def run(argv: Optional[Sequence[str]] = None):
+    """The command line's work, callable from Python; the written prefix (a list for several keys)."""
     args = _parser().parse_args(argv)
-    if args.workers < 1 or args.partitions < 1:
-        raise SystemExit(f"--workers and --partitions must be >= 1, got {args.workers}, {args.partitions}")
+    _check_args(args)
     if args.merge:
         out = merge_datasets(args.merge, args.output_prefix)
         print(f"merged {len(args.merge)} datasets -> {args.output_prefix} ({len(out)} sequences)")
@@ -319,18 +367,32 @@ def run(argv: Optional[Sequence[str]] = None) -> str:
     inputs = args.input or stdlib_corpus(args.max_files)
     spec = TokenizerSpec(args.tokenizer_type, args.tokenizer_file, args.eod_token)
     if args.tokenizer_type == "bpe":
-        path = f"{args.output_prefix}_tokenizer.json"
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        texts = (_encode_text(d) for d in iter_documents(inputs, args.json_keys))
-        spec = TokenizerSpec("hf", train_bpe_tokenizer(texts, args.vocab_size, path, args.eod_token),
-                             args.eod_token)
-    prefix = preprocess(inputs, args.output_prefix, spec, args.json_keys, args.append_eod,
-                        args.workers, args.partitions, not args.no_progress)
-    ds = IndexedDataset(prefix)
-    tokens = int(ds.sequence_lengths.sum())
-    print(f"wrote {prefix}.bin/.idx: {ds.document_count} documents, {tokens:,} tokens, "
-          f"dtype {np.dtype(ds.dtype).name}" + (f", tokenizer {spec.path}" if spec.path else ""))
-    return prefix
+        spec = _train_bpe(args, inputs)
+    tok = build_tokenizer(spec)
+    prefixes = [preprocess(inputs, args.output_prefix, spec, key, args.append_eod, args.workers,
+                           args.partitions, not args.no_progress) for key in args.json_keys]
+    for prefix in prefixes:
+        ds = IndexedDataset(prefix)
+        print(f"wrote {prefix}.bin/.idx: {ds.document_count} documents, "
+              f"{int(ds.sequence_lengths.sum()):,} tokens, dtype {np.dtype(ds.dtype).name}, "
+              f"vocab {tok.vocab_size}, eod {tok.eod}, pad {tok.pad}"
+              + (f", tokenizer {spec.path}" if spec.path else ""))
+    return prefixes[0] if len(prefixes) == 1 else prefixes
+
+
+def _train_bpe(args, inputs) -> TokenizerSpec:
+    """Train the BPE on every key's text; warn when it came out smaller than asked."""
+    path = f"{args.output_prefix}_tokenizer.json"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    texts = (_encode_text(d) for key in args.json_keys for d in iter_documents(inputs, key))
+    spec = TokenizerSpec("hf", train_bpe_tokenizer(texts, args.vocab_size, path, args.eod_token),
+                         args.eod_token)
+    size = build_tokenizer(spec).vocab_size
+    if size < args.vocab_size:
+        print(f"tinytron-preprocess: warning: the BPE vocabulary has {size} ids, fewer than the "
+              f"{args.vocab_size} asked (the input is too small to learn more merges)",
+              file=sys.stderr)
+    return spec
 
 
 def _encode_text(doc: tuple[str, str]) -> str:
@@ -347,7 +409,14 @@ def _read_file(path: str) -> str:
 # ## Demo: 40 stdlib files, two workers, two partitions, then a BPE
 
 # %%
+def _called_with_arguments() -> bool:
+    """True for `python -m tinytron.data.preprocess ARGS` (a kernel's argv names ipykernel)."""
+    return len(sys.argv) > 1 and Path(sys.argv[0]).name == "preprocess.py"
+
+
 if __name__ == "__main__":
+    if _called_with_arguments():  # the command line, not the demo
+        sys.exit(main())
     import tempfile
 
     tmp = tempfile.mkdtemp()

@@ -15,13 +15,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tinytron._fields import check_fields, document_fields
 from tinytron.buffers._comm import (CommStream, CommTimeline, Handles, all_gather, all_reduce,
                                     axis_info, reduce_scatter)
 from tinytron.buffers.param_and_grad_buffer import (ParamAndGradBuffer,
                                                     group_params_for_buffers)
 
 __all__ = ["DistributedDataParallelConfig", "BucketGroup", "DistributedDataParallel",
-           "default_bucket_size"]
+           "GradSyncState", "default_bucket_size"]
 
 # %% [markdown]
 # ## The configuration
@@ -34,6 +35,7 @@ __all__ = ["DistributedDataParallelConfig", "BucketGroup", "DistributedDataParal
 # changes how DDP scales gradients.
 
 # %%
+@document_fields
 @dataclass
 class DistributedDataParallelConfig:
     """Megatron's DDP options that tinytron implements (same names, same defaults)."""
@@ -62,6 +64,7 @@ class DistributedDataParallelConfig:
     """Grads are neither pre-scaled nor averaged; finalize_model_grads divides by the token count."""
 
     def __post_init__(self):
+        check_fields(self)  # bucket_size="1000" or grad_reduce_in_fp32="true" stop here
         if self.num_distributed_optimizer_instances != 1:
             raise ValueError("num_distributed_optimizer_instances must be 1, got "
                              f"{self.num_distributed_optimizer_instances}")
@@ -302,10 +305,38 @@ class BucketGroup:
 # group's gather, so gathering bucket `i+1` overlaps the forward compute that uses bucket `i`.
 # Buckets are stored in backward order, so "next in forward order" is the previous bucket group
 # (`distributed_data_parallel.py:300-306`).
+#
+# **Reduced before stepped.** Between the backward and the optimizer step each rank holds only
+# its *local* gradients; they are the data-parallel mean only once `finish_grad_sync` has run
+# (Megatron's `train_step` guarantees it: `finalize_model_grads` calls it before
+# `optimizer.step()`, `megatron/core/distributed/finalize_model_grads.py:445`). A loop written by
+# hand that forgets it still trains — every rank on its own, different update — and nothing
+# complains. So the wrapper keeps one flag, shared with all its params as `param.grad_sync`:
+# set by the backward hook when a grad lands in the buffer, cleared by `finish_grad_sync` and
+# `zero_grad_buffer`. Chapter 02's optimizers refuse to step while it is set.
 
 # %%
+class GradSyncState:
+    """Whether grads reached the buffer since the last finished grad sync (shared by the params)."""
+
+    def __init__(self):
+        self.pending = False
+
+    def __repr__(self) -> str:
+        return f"GradSyncState(pending={self.pending})"
+
+
 class DistributedDataParallel(torch.nn.Module):
-    """Megatron-style DDP: contiguous grad/param buffers, bucketed async collectives, hooks."""
+    """Megatron-style DDP: contiguous grad/param buffers, bucketed async collectives, hooks.
+
+    Example::
+
+        ddp = DistributedDataParallel(model, grid, DistributedDataParallelConfig(
+            use_distributed_optimizer=True))
+        ddp.zero_grad_buffer()
+        model(input_ids, labels=labels).mean().backward()
+        ddp.finish_grad_sync()        # grads are now the DP mean; the optimizer may step
+    """
 
     def __init__(self, module: torch.nn.Module, grid, config: DistributedDataParallelConfig | None
                  = None, *, disable_bucketing: bool = False, timeline: CommTimeline | None = None):
@@ -341,6 +372,10 @@ class DistributedDataParallel(torch.nn.Module):
         for i in range(1, len(self.bucket_groups)):  # forward order = reverse bucket order
             self.bucket_groups[i].next_param_gather_bucket_group = self.bucket_groups[i - 1]
         self.param_to_bucket_group = {p: g for g in self.bucket_groups for p in g.params}
+        # Shared with every param, so that any optimizer over them can refuse unreduced grads.
+        self.grad_sync = GradSyncState()
+        for p in params:
+            p.grad_sync = self.grad_sync
         self._grad_hooks = [p.register_post_accumulate_grad_hook(self._backward_hook)
                             for p in params]
         self._pre_hooks: dict = {}
@@ -362,6 +397,7 @@ class DistributedDataParallel(torch.nn.Module):
         """Accumulate param.grad into main_grad, free it, and report the param as ready."""
         if param.grad is not None:
             param.main_grad.add_(param.grad)
+            self.grad_sync.pending = True
         param.grad = None
         if self.timeline is not None:
             self.timeline.record("grad", self.param_to_bucket_group[param].buckets[0].bucket_id)
@@ -412,6 +448,7 @@ class DistributedDataParallel(torch.nn.Module):
         """Wait for (or run) every bucket group's grad collective."""
         for g in self.bucket_groups:
             g.finish_grad_sync()
+        self.grad_sync.pending = False
 
     def start_param_sync(self, force_sync: bool = False) -> None:
         """All-gather the updated params of every bucket (async with overlap_param_gather)."""
@@ -428,6 +465,7 @@ class DistributedDataParallel(torch.nn.Module):
             buf.reset()
         for g in self.bucket_groups:
             g.reset()
+        self.grad_sync.pending = False
 
     def scale_gradients(self, factor) -> None:
         """Multiply all grad buffers by ``factor`` (a float or a 1-element tensor)."""

@@ -6,6 +6,7 @@ from tinytron.model.config import (ModelConfig, count_parameters, count_paramete
 from tinytron.model.gpt import (GPTModel, SelfAttention, SwiGLUMLP, TransformerLayer,
                                 build_stage_models, global_parameter_name, init_parameters,
                                 stage_tensor_shape)
+from tinytron.model.hf import load_hf_llama, save_hf_llama
 from tinytron.model.layers import RMSNorm, ShardSpec, apply_rope, rope_cos_sin, shard_of, unshard
 
 __pages__ = ["config", "layers", "gpt", "hf"]
@@ -15,4 +16,4 @@ __all__ = ["ModelConfig", "tiny_config", "llama_7b_config", "padded_vocab_size",
            "count_parameters_per_rank", "RMSNorm", "ShardSpec", "apply_rope", "rope_cos_sin",
            "shard_of", "unshard", "GPTModel", "SelfAttention", "SwiGLUMLP", "TransformerLayer",
            "build_stage_models", "global_parameter_name", "init_parameters",
-           "stage_tensor_shape"]
+           "stage_tensor_shape", "load_hf_llama", "save_hf_llama"]

@@ -37,6 +37,8 @@ __all__ = [
     "stage_tensor_shape",
     "init_parameters",
     "global_parameter_name",
+    "check_ids",
+    "check_attention_mask",
 ]
 
 # %% [markdown]
@@ -82,7 +84,11 @@ __all__ = [
 # `repeat_interleave` at `dot_product_attention.py:169`). The mask is causal; an optional
 # `attention_mask` adds Megatron's boolean mask with **True = masked** (`[b, 1, s_q, s_k]`,
 # e.g. chapter 00's reset-at-end-of-document mask for packed sequences), combined with the
-# causal mask so that a token never attends forward.
+# causal mask so that a token never attends forward. Hugging Face masks use the opposite
+# convention (1 = keep): passed here, such a mask hides every key from every query, and
+# attention over nothing still returns finite numbers. `GPTModel.forward` therefore refuses a
+# mask under which some query sees no key at all, and ids outside `[0, vocab_size)` in
+# `input_ids` or `labels` (`check_attention_mask`, `check_ids`).
 #
 # **Context parallel.** A CP rank holds sequence chunks $r$ and $2c - 1 - r$ of every sample
 # (appendix A). Its queries need the keys and values of every earlier token, so K and V are
@@ -271,8 +277,33 @@ def global_parameter_name(name: str, layer_offset: int) -> str:
     return f"decoder.layers.{int(m.group(1)) + layer_offset}.{m.group(2)}" if m else name
 
 
+def check_ids(ids: torch.Tensor, name: str, vocab_size: int) -> None:
+    """ValueError naming the largest (or a negative) id outside [0, vocab_size)."""
+    # One host sync per call: the price of an error instead of an opaque index error (tokens)
+    # or a finite, meaningless loss (labels), and under TP the ids no rank owns embed to zeros.
+    low, high = (int(v) for v in torch.aminmax(ids))
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"{name} hold id {high if high >= vocab_size else low} outside "
+                         f"[0, vocab_size = {vocab_size}) (largest id {high})")
+
+
+def check_attention_mask(mask: torch.Tensor) -> None:
+    """ValueError when some query may attend to no key at all (a mask in the other convention)."""
+    if bool(mask.to(torch.bool).all(dim=-1).any()):
+        raise ValueError("attention_mask masks every key of some query: tinytron uses Megatron's "
+                         "convention, True = masked (a Hugging Face mask has 1 = keep: pass ~mask)")
+
+
 class GPTModel(nn.Module):
-    """One pipeline chunk of the Llama-style GPT (the whole model when pp = 1)."""
+    """One pipeline chunk of the Llama-style GPT (the whole model when pp = 1).
+
+    Example::
+
+        model = GPTModel(tiny_config())                     # one process, whole model
+        loss = model(input_ids, labels=labels)              # per-token fp32 loss [b, s]
+        logits = model(input_ids, position_ids, attention_mask)  # [b, s, V]; mask True = masked
+    """
+
 
     def __init__(self, config: ModelConfig, grid: ParallelGrid | None = None, *,
                  pre_process: bool = True, post_process: bool = True,
@@ -355,6 +386,8 @@ class GPTModel(nn.Module):
         attention_mask, ..., labels=)`, `megatron/core/models/gpt/gpt_model.py`).
         """
         self._check_activation_policy()
+        if attention_mask is not None:
+            check_attention_mask(attention_mask)
         hidden = self._stage_input(input_ids)
         cos, sin = self._rope_tables(hidden, position_ids)
         dropout_on = self.config.dropout > 0 and self.training
@@ -385,6 +418,7 @@ class GPTModel(nn.Module):
         if tokens is None or tokens.dim() != 2:
             raise ValueError(f"tokens must be [b, s] on the first stage, got "
                              f"{None if tokens is None else tuple(tokens.shape)}")
+        check_ids(tokens, "input_ids", self.config.vocab_size)
         sp = self.config.sequence_parallel
         emb = self.embedding.word_embeddings(tokens)  # SP: reduce-scattered [s/t, b, h]
         if not sp:
@@ -420,6 +454,7 @@ class GPTModel(nn.Module):
         if tuple(labels.shape) != tuple(logits.shape[:2]):
             raise ValueError(f"labels must be [b, s] = {tuple(logits.shape[:2])}, "
                              f"got {tuple(labels.shape)}")
+        check_ids(labels, "labels", self.config.vocab_size)
         return vocab_parallel_cross_entropy(logits.float(), labels, self.grid)
 
 

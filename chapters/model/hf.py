@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -90,8 +91,16 @@ def hf_config_dict(config: ModelConfig) -> dict:
     }
 
 
+_HF_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "vocab_size")
+
+
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     """A ModelConfig from a Hugging Face Llama config.json dict; unsupported features raise."""
+    missing = [k for k in _HF_REQUIRED if k not in hf]
+    if missing:
+        raise ValueError(f"config.json has no {missing[0]!r} (a Llama config needs "
+                         f"{', '.join(_HF_REQUIRED)})")
     if hf.get("model_type", "llama") != "llama":
         raise ValueError(f"model_type must be 'llama', got {hf.get('model_type')!r}")
     for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
@@ -249,8 +258,20 @@ def gather_full_state(models) -> dict[str, torch.Tensor]:
     return state
 
 
-def save_hf_llama(models, path: str | os.PathLike) -> None:
-    """Write config.json + model.safetensors in Hugging Face Llama layout (call on every rank)."""
+def save_hf_llama(models, path: str | os.PathLike, *, tokenizer_file: str | None = None,
+                  eos_token_id: int | None = None) -> None:
+    """Write config.json + model.safetensors in Hugging Face Llama layout (call on every rank).
+
+    With `tokenizer_file` (a `tokenizers` JSON, e.g. the `*_tokenizer.json` that
+    `tinytron-preprocess --tokenizer-type bpe` writes) the folder also holds `tokenizer.json`,
+    and `eos_token_id` (looked up as `<|endoftext|>` when not given) goes into config.json, so
+    `AutoTokenizer.from_pretrained(path)` works too.
+
+    Example::
+
+        save_hf_llama(model, "out/hf", tokenizer_file="data/corpus_tokenizer.json")
+        model, config = load_hf_llama("out/hf")   # or transformers' from_pretrained("out/hf")
+    """
     from safetensors.torch import save_file
 
     chunks = _as_list(models)
@@ -270,11 +291,39 @@ def save_hf_llama(models, path: str | os.PathLike) -> None:
         out.mkdir(parents=True, exist_ok=True)
         hf = hf_config_dict(config)
         hf["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+        if tokenizer_file is not None:
+            eos_token_id = _export_tokenizer(out, tokenizer_file, eos_token_id, config)
+        if eos_token_id is not None:
+            hf["eos_token_id"] = int(eos_token_id)
         (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
                   metadata={"format": "pt"})
     if dist.is_available() and dist.is_initialized() and grid.world_size > 1:
         dist.barrier()
+
+
+def _export_tokenizer(out: Path, tokenizer_file, eos_token_id: int | None,
+                      config: ModelConfig) -> int | None:
+    """Copy tokenizer.json and write tokenizer_config.json; return the EOS id (found or given)."""
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(str(tokenizer_file))
+    except Exception as err:  # tokenizers raises a bare Exception for a malformed file
+        raise ValueError(f"{tokenizer_file}: not a tokenizers JSON file ({err})") from None
+    if eos_token_id is None:
+        eos_token_id = tok.token_to_id("<|endoftext|>")
+    if tok.get_vocab_size() > config.vocab_size:
+        raise ValueError(f"{tokenizer_file}: {tok.get_vocab_size()} ids do not fit the model's "
+                         f"vocab_size {config.vocab_size}")
+    shutil.copyfile(tokenizer_file, out / "tokenizer.json")
+    extra = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.seq_length}
+    if eos_token_id is not None:
+        extra["eos_token"] = tok.id_to_token(int(eos_token_id))
+    if tok.token_to_id("<|pad|>") is not None:
+        extra["pad_token"] = "<|pad|>"
+    (out / "tokenizer_config.json").write_text(json.dumps(extra, indent=2) + "\n")
+    return eos_token_id
 
 
 def _expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -332,11 +381,21 @@ class _Reader:
 def load_hf_llama(path: str | os.PathLike, grid: ParallelGrid | None = None, *,
                   num_virtual_stages: int = 1, dtype: torch.dtype | None = None,
                   **config_overrides):
-    """(model, config) from a Hugging Face Llama folder; this rank's shard and stage(s) of it."""
+    """(model, config) from a Hugging Face Llama folder; this rank's shard and stage(s) of it.
+
+    Example::
+
+        model, config = load_hf_llama("out/hf")                   # one process, whole model
+        chunks, config = load_hf_llama("out/hf", grid, num_virtual_stages=2)  # TP/PP shards
+    """
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise ValueError(f"{folder / 'config.json'} not found")
-    config = config_from_hf(json.loads((folder / "config.json").read_text()), **config_overrides)
+    try:
+        hf = json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{folder / 'config.json'}: not valid JSON ({err})") from None
+    config = config_from_hf(hf, **config_overrides)
     read = _Reader(folder)
     _check_checkpoint(config, set(read.where), read)
     grid = grid if grid is not None else ParallelGrid.single()
