@@ -15,11 +15,12 @@ from tinytron.reliability.timers import Timer, Timers
 from tinytron.reliability.fault_tolerance import (EXIT_CODE_HANG_DETECTED, FaultToleranceConfig,
                                                   RankMonitor)
 
+from tinytron.reliability.full_cuda_graph import FullCudaGraphUnavailable, FullCudaGraphWrapper
 from tinytron.reliability.observability import (LoggingConfig, MetricsLogger, ProgressBar,
                                                 memory_report, read_tensorboard_scalars)
 
 __pages__ = ["rerun_state_machine", "result_checks", "fault_injection", "fault_tolerance",
-             "timers", "observability", "trace"]
+             "timers", "observability", "trace", "full_cuda_graph"]
 
 __all__ = ["EXIT_CODE_FAILED_ON_RESULT_VALIDATION", "EXIT_CODE_RESUME_TO_DISAMBIGUATE",
            "RerunDataIterator", "RerunDiagnostic", "RerunMode", "RerunState", "RerunStateMachine",
@@ -28,4 +29,4 @@ __all__ = ["EXIT_CODE_FAILED_ON_RESULT_VALIDATION", "EXIT_CODE_RESUME_TO_DISAMBI
            "get_skipped_iterations_from_tracker_file", "Fault", "FaultInjector", "parse_fault",
            "Timer", "Timers", "EXIT_CODE_HANG_DETECTED", "FaultToleranceConfig", "RankMonitor",
            "LoggingConfig", "MetricsLogger", "ProgressBar", "memory_report",
-           "read_tensorboard_scalars"]
+           "read_tensorboard_scalars", "FullCudaGraphUnavailable", "FullCudaGraphWrapper"]

@@ -1,0 +1,298 @@
+# %% [markdown]
+# # 08 · The full-iteration CUDA graph
+#
+# A small model on a fast GPU spends much of its step *launching* kernels: each of the
+# thousands of kernels of a forward and backward costs the CPU a few microseconds to launch,
+# and when the kernels themselves take a few microseconds the GPU waits for the CPU. A CUDA
+# graph records the kernels of a piece of work once and replays the whole sequence with one
+# launch. Megatron's `FullCudaGraphWrapper` records **the whole forward-backward of an
+# iteration** — every micro-batch, forward and backward, and the gradient collectives inside
+# the backward — leaving the data loading and the optimizer outside. This page builds that
+# wrapper, explains every constraint it imposes, and refuses to run on a CPU.
+
+# %%
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["FullCudaGraphUnavailable", "StaticBufferLoader", "FullCudaGraphWrapper",
+           "get_capture_stream", "get_graph_pool", "copy_into_static"]
+
+# %% [markdown]
+# ## What a graph can and cannot hold
+#
+# Capturing runs the function once in a special mode in which kernels are *recorded*, not
+# run; `replay()` later runs the recorded kernels with the **same arguments** — the same device
+# pointers, the same shapes, the same launch parameters. Everything follows from that:
+#
+# | constraint | why | how the wrapper meets it |
+# |---|---|---|
+# | static shapes | kernel launch parameters are frozen | fixed micro-batch size, sequence length and micro-batch count |
+# | static input addresses | a replay reads the pointers recorded at capture | `StaticBufferLoader` copies each batch **into** the same tensors (`copy_`) |
+# | no host synchronisation | `.item()`, `print(tensor)`, a NaN check that branches in Python would wait for a kernel that is only being recorded | the rerun machine's checks must be off (`--no-check-for-nan-in-loss-and-grad`, `arguments.py:1186-1188`) |
+# | no data-dependent control flow | Python runs once, at capture; its branches are baked in | the schedule's order depends only on static counts |
+# | memory from a private pool | addresses used inside the graph must stay valid for every replay | a graph memory pool (`pool=`), shared with the optimizer's graph if any (`use_single_mempool`) |
+# | warm-up first | the first calls allocate (cuBLAS workspaces, autograd's accumulation buffers, DDP buckets) and lazily initialise | `cuda_graph_warmup_steps` eager calls (default 3) before the capture |
+# | RNG | a replay must advance the Philox offset, not reuse the captured one | the default generator is handled by PyTorch; other generators (the TP RNG tracker's) are registered with `register_generator_state` |
+# | outputs are static too | the returned loss tensors are overwritten by the next replay | consume (`reduce_losses`) before the next call |
+# | gradients in place | `zero_grad(set_to_none=True)` would free the addresses the graph writes | DDP's contiguous grad buffer (chapter 05), zeroed in place between replays |
+# | collectives | NCCL kernels can be captured; gloo (CPU) cannot | CUDA + NCCL only |
+#
+# Per call (`megatron/core/full_cuda_graph.py:184`): read **all** the iteration's micro-batches
+# from the real iterator first and copy them into the static buffers on a side stream
+# (`data_read`, `:151`); hand the schedule an iterator over the static buffers; count the calls
+# separately for training and validation (`forward_only`); at call number `warmup` capture
+# (barrier, synchronise, capture on a shared stream into the pool, synchronise, barrier); from
+# then on — including the capture call itself, which only recorded — `replay()` and return the
+# stored result. The optimizer step stays eager (or gets its own graph,
+# `megatron/core/optimizer/optimizer_cuda_graph.py:14`).
+#
+# ```mermaid
+# sequenceDiagram
+#   participant L as train loop
+#   participant W as FullCudaGraphWrapper
+#   participant G as CUDA graph
+#   L->>W: call 0..2 (warm-up)
+#   W->>W: copy batches into static buffers, run eagerly
+#   L->>W: call 3
+#   W->>G: capture forward-backward (kernels recorded, not run)
+#   W->>G: replay
+#   L->>W: call 4, 5, ...
+#   W->>W: copy batches into the same buffers
+#   W->>G: replay (one launch)
+#   L->>L: optimizer.step() eagerly, zero grad buffers in place
+# ```
+
+# %%
+class FullCudaGraphUnavailable(RuntimeError):
+    """The full-iteration CUDA graph was asked for where it cannot run."""
+
+
+_CAPTURE_STREAM: Optional["torch.cuda.Stream"] = None
+_GRAPH_POOL = None
+
+
+def get_capture_stream() -> "torch.cuda.Stream":
+    """One process-wide side stream for every capture (`full_cuda_graph.py:21`)."""
+    global _CAPTURE_STREAM
+    if _CAPTURE_STREAM is None:
+        _CAPTURE_STREAM = torch.cuda.Stream()
+    return _CAPTURE_STREAM
+
+
+def get_graph_pool(use_single_mempool: bool = True):
+    """A shared graph memory pool (or a fresh one per graph)."""
+    global _GRAPH_POOL
+    if not use_single_mempool:
+        return torch.cuda.graph_pool_handle()
+    if _GRAPH_POOL is None:
+        _GRAPH_POOL = torch.cuda.graph_pool_handle()
+    return _GRAPH_POOL
+
+
+def copy_into_static(src: Any, dst: Any = None, device: str | torch.device = "cuda") -> Any:
+    """Copy a (nested) batch into `dst` in place; without `dst`, allocate it (same structure)."""
+    if isinstance(src, torch.Tensor):
+        if dst is None:
+            return src.detach().to(device, copy=True)
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            raise ValueError(f"a CUDA graph needs static inputs: got {tuple(src.shape)} "
+                             f"{src.dtype}, captured {tuple(dst.shape)} {dst.dtype}")
+        dst.copy_(src, non_blocking=True)
+        return dst
+    if isinstance(src, dict):
+        return {k: copy_into_static(v, None if dst is None else dst[k], device)
+                for k, v in src.items()}
+    if isinstance(src, (list, tuple)):
+        return type(src)(copy_into_static(v, None if dst is None else dst[i], device)
+                         for i, v in enumerate(src))
+    return src  # ints, strings: part of the static "shape" of the call
+
+
+class StaticBufferLoader:
+    """Per stage ('training'/'validation') and micro-batch: a batch that never moves."""
+
+    def __init__(self, device: str | torch.device = "cuda"):
+        self.device = torch.device(device)
+        self.buffers: dict[str, list] = {"training": [], "validation": []}
+        self.stream = torch.cuda.Stream() if self.device.type == "cuda" else None
+
+    def __call__(self, batch: Any, stage: str, index: int) -> Any:
+        """The static copy of micro-batch `index` of `stage`, refreshed with `batch`."""
+        bufs = self.buffers[stage]
+        if self.stream is None:
+            return self._copy(batch, bufs, index)
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            out = self._copy(batch, bufs, index)
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return out
+
+    def _copy(self, batch, bufs: list, index: int):
+        if index == len(bufs):
+            bufs.append(copy_into_static(batch, None, self.device))
+        else:
+            copy_into_static(batch, bufs[index], self.device)
+        return bufs[index]
+
+
+# %% [markdown]
+# ## The wrapper
+#
+# `FullCudaGraphWrapper(forward_backward_func, cuda_graph_warmup_steps=3,
+# use_single_mempool=True)` has the call signature of chapter 01's schedules
+# (`forward_backward_func(forward_step_func=, data_iterator=, model=, num_microbatches=, …,
+# forward_only=)`), so `train()` uses it unchanged (Megatron wraps it at
+# `megatron/training/training.py:3293-3298`, and the evaluation schedule at `:3858`). On a
+# machine without CUDA it refuses at construction, with the reason: there is nothing to
+# capture into, and silently running eagerly would make the speed-up claims of a
+# configuration meaningless.
+
+# %%
+class FullCudaGraphWrapper:
+    """Capture forward-backward of a whole iteration once; replay it every later iteration."""
+
+    def __init__(self, forward_backward_func: Callable, cuda_graph_warmup_steps: int = 3,
+                 use_single_mempool: bool = True, generators: tuple = (), barrier_group=None):
+        if not torch.cuda.is_available():
+            raise FullCudaGraphUnavailable(
+                "the full-iteration CUDA graph (cuda_graph_impl='full_iteration') needs a CUDA "
+                "device, and torch.cuda.is_available() is False here: CUDA graphs record GPU "
+                "kernels and there are none on a CPU. Use cuda_graph_impl='none' on CPU.")
+        if cuda_graph_warmup_steps < 1:
+            raise ValueError(f"cuda_graph_warmup_steps must be >= 1 (the capture needs warm "
+                             f"allocations), got {cuda_graph_warmup_steps}")
+        self.fn, self.warmup = forward_backward_func, cuda_graph_warmup_steps
+        self.use_single_mempool, self.generators = use_single_mempool, tuple(generators)
+        self.barrier_group = barrier_group
+        self.loader = StaticBufferLoader("cuda")
+        self.calls = {"training": 0, "validation": 0}
+        self.graphs: dict[str, Optional[torch.cuda.CUDAGraph]] = {"training": None,
+                                                                  "validation": None}
+        self.results: dict[str, Any] = {"training": None, "validation": None}
+
+    def data_read(self, data_iterator, num_microbatches: int, stage: str):
+        """Pull the iteration's micro-batches now and return an iterator over their static copies."""
+        if isinstance(data_iterator, list):  # one iterator per virtual-pipeline chunk
+            return [self.data_read(d, num_microbatches, f"{stage}/{i}")
+                    for i, d in enumerate(data_iterator)]
+        if data_iterator is None:
+            return None
+        self.loader.buffers.setdefault(stage, [])
+        return iter([self.loader(next(data_iterator), stage, i) for i in range(num_microbatches)])
+
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier(group=self.barrier_group)
+
+    def __call__(self, *args, **kwargs):
+        """Same signature as the schedule; eager for the warm-up calls, then a replayed graph."""
+        stage = "validation" if kwargs.get("forward_only") else "training"
+        kwargs["data_iterator"] = self.data_read(kwargs["data_iterator"],
+                                                 kwargs["num_microbatches"], stage)
+        if self.calls[stage] == self.warmup:
+            self._capture(stage, args, kwargs)
+        if self.graphs[stage] is not None:
+            self.graphs[stage].replay()
+            result = self.results[stage]
+        else:
+            result = self._eager(args, kwargs)
+        self.calls[stage] += 1
+        return result
+
+    def _eager(self, args, kwargs):
+        # Warm-up runs on the capture stream, as PyTorch asks for whole-network capture: the
+        # autograd state created here (gradient accumulators) then lives on the same stream.
+        side, here = get_capture_stream(), torch.cuda.current_stream()
+        side.wait_stream(here)
+        with torch.cuda.stream(side):
+            result = self.fn(*args, **kwargs)
+        here.wait_stream(side)
+        return result
+
+    def _capture(self, stage: str, args, kwargs) -> None:
+        self._barrier()
+        graph = torch.cuda.CUDAGraph()
+        for gen in self.generators:  # e.g. the tensor-parallel RNG tracker's CUDA generators
+            graph.register_generator_state(gen)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=get_capture_stream(),
+                              pool=get_graph_pool(self.use_single_mempool),
+                              capture_error_mode="thread_local"):
+            self.results[stage] = self.fn(*args, **kwargs)
+        torch.cuda.synchronize()
+        self._barrier()
+        self.graphs[stage] = graph
+
+    def reset_cuda_graph(self, stage: Optional[str] = None) -> None:
+        """Drop the graph(s) and count warm-up again (`reset_cuda_graph`, `:244`)."""
+        for s in ([stage] if stage else list(self.graphs)):
+            self.graphs[s], self.results[s], self.calls[s] = None, None, 0
+
+
+# %% [markdown]
+# ## Demo
+#
+# On this machine there is no GPU: the wrapper refuses with its reason, and the static-buffer
+# contract — a new batch lands in the *same* storage, a batch of another shape is rejected —
+# is shown on CPU tensors. On a GPU, `tests/test_reliability_gpu.py` trains the tiny GPT with
+# the wrapper around a gradient-accumulating forward-backward and checks that the graphed
+# losses equal the eager ones, iteration by iteration, and reports the speed-up.
+
+# %%
+if __name__ == "__main__":
+    if torch.cuda.is_available():
+        print("CUDA is available: run tests/test_reliability_gpu.py for the graphed run")
+    else:
+        try:
+            FullCudaGraphWrapper(lambda **kw: [])
+            raise AssertionError("the wrapper must refuse without CUDA")
+        except FullCudaGraphUnavailable as e:
+            print("refused:", e)
+
+    loader = StaticBufferLoader("cpu")
+    first = loader({"tokens": torch.arange(8).view(2, 4)}, "training", 0)
+    address = first["tokens"].data_ptr()
+    second = loader({"tokens": torch.arange(8, 16).view(2, 4)}, "training", 0)
+    print("static batch after the second copy:", second["tokens"].tolist(),
+          "| same storage:", second["tokens"].data_ptr() == address)
+    assert second["tokens"].data_ptr() == address and second["tokens"][0, 0].item() == 8
+    try:
+        loader({"tokens": torch.zeros(3, 4, dtype=torch.long)}, "training", 0)
+        raise AssertionError("a different shape must be rejected")
+    except ValueError as e:
+        print("rejected:", e)
+
+# %% [markdown]
+# ## Summary
+#
+# - The whole forward-backward of an iteration — all micro-batches and the in-backward
+#   gradient collectives — is captured once after a few eager warm-up iterations and replayed
+#   with one launch; data loading, the loss bookkeeping and the optimizer stay outside.
+# - Every input lives at a fixed address (the static buffers), every shape is fixed, nothing
+#   inside synchronises with the host — so the NaN checks of the rerun machine must be off.
+# - There is no CPU version of a CUDA graph: on a CPU the wrapper refuses.
+#
+# ## How production does it
+#
+# - `megatron/core/full_cuda_graph.py`: shared stream and pool `:21/:32/:44`,
+#   `StaticBufferLoader` `:99`, `FullCudaGraphWrapper` `:138` (`data_read` `:151`, `__call__`
+#   `:184`, `reset_cuda_graph` `:244`); enabled by `cuda_graph_impl="full_iteration"`
+#   (`megatron/core/transformer/transformer_config.py:934`), `cuda_graph_warmup_steps = 3`
+#   (`:927`), `cuda_graph_use_single_mempool = True` (`:916`); the optimizer's graph in
+#   `megatron/core/optimizer/optimizer_cuda_graph.py:14`.
+# - Per-layer graphs instead (`cuda_graph_impl="local"` or `"transformer_engine"`): each
+#   layer's forward and backward are captured separately, which tolerates more host logic
+#   between layers at the cost of one launch per layer.
+# - PyTorch: `torch.cuda.graph`, `torch.cuda.make_graphed_callables`, and `torch.compile`'s
+#   `mode="reduce-overhead"` (CUDA graph trees).
+#
+# ## Exercises
+#
+# 1. Why must the data be copied *before* the schedule runs rather than read inside it, as the
+#    eager schedule does?
+# 2. The number of micro-batches grows with a batch-size ramp-up (chapter 01). What must happen
+#    to the graph when it changes, and what does it cost?
