@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from tinytron._fields import check_fields, document_fields
+from tinytron.kernels import ATTENTION_HEAD_DIMS, HAS_TRITON, KERNEL_CHOICES
 
 # Megatron's vocabulary padding rule lives with the vocab-parallel layers of appendix A.
 from tinytron.parallel.vocab_parallel import padded_vocab_size
@@ -119,6 +120,8 @@ class ModelConfig:
     """Any of attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm (Megatron's names)."""
     min_offloaded_tensor_size: int = 1024 * 1024
     """Saved tensors with fewer elements stay on the device (Megatron's default, 1024 * 1024)."""
+    kernels: str = "torch"
+    """Norms, SwiGLU, attention and loss: "torch", "triton" (appendix C) or "auto" (triton on CUDA)."""
 
     def __post_init__(self):
         check_fields(self)  # a str, float or None where the annotation says otherwise
@@ -140,6 +143,7 @@ class ModelConfig:
         if not self.init_std > 0:
             raise ValueError(f"init_std must be > 0, got {self.init_std}")
         _check_activation_fields(self)
+        _check_kernels(self)
 
     @property
     def head_dim(self) -> int:
@@ -237,6 +241,17 @@ def _check_activation_fields(c: ModelConfig) -> None:
         if c.recompute_granularity == "full":
             raise ValueError("fine_grained_activation_offloading cannot be combined with "
                              "recompute_granularity='full' (full recompute saves only layer inputs)")
+
+
+def _check_kernels(c: ModelConfig) -> None:
+    """ValueError naming `kernels` (or the head size) when appendix C's kernels cannot serve c."""
+    if c.kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {c.kernels!r}")
+    if c.kernels == "triton" and not HAS_TRITON:
+        raise ValueError("kernels='triton' needs the triton package (pip install 'tinytron[kernels]')")
+    if c.kernels != "torch" and c.head_dim not in ATTENTION_HEAD_DIMS:
+        raise ValueError(f"kernels={c.kernels!r}: the flash-attention kernel takes head sizes "
+                         f"{ATTENTION_HEAD_DIMS}, got hidden_size // num_attention_heads = {c.head_dim}")
 
 
 def tiny_config(**overrides) -> ModelConfig:

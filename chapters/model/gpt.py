@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tinytron.kernels import flash_attention, rms_norm, swiglu, use_triton
+from tinytron.kernels import vocab_parallel_cross_entropy as fused_vocab_parallel_cross_entropy
 from tinytron.model.config import ModelConfig, stage_layer_ranges
 from tinytron.model.layers import (RMSNorm, ShardSpec, apply_rope, init_full_tensor, rope_cos_sin,
                                    scaled_std, shard_of)
@@ -151,6 +153,11 @@ class SelfAttention(nn.Module):
     def _attend(self, q, k, v, attention_mask):
         """softmax(q k^T / sqrt(d) + mask) v over the whole sequence, causal; [s, b, n, d] inputs."""
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, n, s, d]
+        if (use_triton(self.config.kernels, q.device) and self.grid.size("cp") == 1
+                and attention_mask is None and not (self.training and self.config.dropout > 0)):
+            # appendix C's flash kernel: causal, no extra mask, no dropout (else SDPA below)
+            out = flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True)
+            return out.permute(2, 0, 1, 3).flatten(2)
         # Under CP the gathered keys arrive in rank order (chunks 0, 2c-1, 1, 2c-2, ...): the
         # mask, not the tensors, is put in that order.
         k = gather_kv_for_context_parallel(k, self.grid, seq_dim=2)
@@ -200,8 +207,33 @@ class SelfAttention(nn.Module):
 # RNG tracker's TP fork (`dot_product_attention.py:216-220`). With sequence parallelism every
 # rank holds different tokens, so the whole block runs under the fork
 # (`transformer_block.py:592`) and so does embedding dropout (`language_model_embedding.py:139-152`).
+#
+# **Fused kernels.** With `kernels = "triton"` in the config (or `"auto"` on a GPU) the norms, the
+# SwiGLU product, causal attention and the loss run appendix C's Triton kernels instead of the
+# eager ops; parameters, names and results stay the same (the tests compare the two over
+# training steps). Attention with an explicit mask, under CP or with dropout keeps using SDPA.
 
 # %%
+class KernelRMSNorm(RMSNorm):
+    """RMSNorm whose forward runs appendix C's Triton kernels when `kernels` selects them."""
+
+    def __init__(self, hidden_size: int, eps: float, sequence_parallel: bool, kernels: str):
+        super().__init__(hidden_size, eps, sequence_parallel=sequence_parallel)
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(self.kernels, x.device):
+            return rms_norm(x.contiguous(), self.weight, self.eps)
+        return super().forward(x)
+
+
+def _rms_norm(config: ModelConfig, hidden_size: int, eps: float) -> RMSNorm:
+    """Appendix B's RMSNorm, or its kernel-backed twin when config.kernels is not 'torch'."""
+    if config.kernels == "torch":
+        return RMSNorm(hidden_size, eps, sequence_parallel=config.sequence_parallel)
+    return KernelRMSNorm(hidden_size, eps, config.sequence_parallel, config.kernels)
+
+
 class SwiGLUMLP(nn.Module):
     """silu(gate) * up with a column-parallel fc1 [gate; up] and a row-parallel fc2."""
 
@@ -216,9 +248,13 @@ class SwiGLUMLP(nn.Module):
                                             init_method=_no_init)
         self.linear_fc2.weight.shard_spec = ShardSpec(
             (h, f), dim=1, std=scaled_std(config.init_std, config.num_layers))
+        self.kernels = config.kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.linear_fc1(x).chunk(2, dim=-1)
+        fc1 = self.linear_fc1(x)
+        if use_triton(self.kernels, fc1.device):
+            return self.linear_fc2(swiglu(fc1))  # appendix C: gate and up read once
+        gate, up = fc1.chunk(2, dim=-1)
         return self.linear_fc2(F.silu(gate) * up)
 
 
@@ -229,10 +265,10 @@ class TransformerLayer(nn.Module):
                  rng_tracker=None):
         super().__init__()
         self.layer_number = layer_number  # global index, whatever the pipeline stage
-        sp, eps = config.sequence_parallel, config.norm_epsilon
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, sequence_parallel=sp)
+        eps = config.norm_epsilon
+        self.input_layernorm = _rms_norm(config, config.hidden_size, eps)
         self.self_attention = SelfAttention(config, grid, rng_tracker)
-        self.pre_mlp_layernorm = RMSNorm(config.hidden_size, eps, sequence_parallel=sp)
+        self.pre_mlp_layernorm = _rms_norm(config, config.hidden_size, eps)
         self.mlp = SwiGLUMLP(config, grid)
         self.dropout = config.dropout
 
@@ -304,7 +340,6 @@ class GPTModel(nn.Module):
         logits = model(input_ids, position_ids, attention_mask)  # [b, s, V]; mask True = masked
     """
 
-
     def __init__(self, config: ModelConfig, grid: ParallelGrid | None = None, *,
                  pre_process: bool = True, post_process: bool = True,
                  layer_range: tuple[int, int] | None = None, rng_tracker=None,
@@ -343,8 +378,7 @@ class GPTModel(nn.Module):
         self.decoder.layers = nn.ModuleList(
             TransformerLayer(config, grid, i, rng_tracker) for i in range(start, end))
         if self.post_process:
-            self.decoder.final_layernorm = RMSNorm(h, config.norm_epsilon,
-                                                   sequence_parallel=config.sequence_parallel)
+            self.decoder.final_layernorm = _rms_norm(config, h, config.norm_epsilon)
             if not (config.tie_embeddings and self.pre_process):
                 weight = nn.Parameter(torch.empty(v // tp, h))
                 weight.tensor_model_parallel, weight.partition_dim = True, 0
@@ -455,6 +489,11 @@ class GPTModel(nn.Module):
             raise ValueError(f"labels must be [b, s] = {tuple(logits.shape[:2])}, "
                              f"got {tuple(labels.shape)}")
         check_ids(labels, "labels", self.config.vocab_size)
+        if use_triton(self.config.kernels, logits.device):
+            # appendix C: reads the logits in their dtype; rows are contiguous as [s, b, V/t]
+            loss = fused_vocab_parallel_cross_entropy(logits.transpose(0, 1),
+                                                      labels.t().contiguous(), self.grid)
+            return loss.t().contiguous()
         return vocab_parallel_cross_entropy(logits.float(), labels, self.grid)
 
 
