@@ -40,7 +40,7 @@ def _grid(tp: int, cp: int, pp: int) -> ParallelGrid:
     return _GRIDS[(tp, cp, pp)]
 
 
-def case_config(case: dict, world_size: int) -> MemoryConfig:
+def case_config(case: dict, world_size: int, device: str = "cpu") -> MemoryConfig:
     """The MemoryConfig of a case dict (tp, cp, pp, vpp, sp, mbs, m, distopt, ... + model keys)."""
     tp, cp, pp = case.get("tp", 1), case.get("cp", 1), case.get("pp", 1)
     model = tiny_config(sequence_parallel=case.get("sp", False),
@@ -56,7 +56,7 @@ def case_config(case: dict, world_size: int) -> MemoryConfig:
         optimizer_cpu_offload=case.get("offload") is not None,
         optimizer_offload_fraction=case.get("offload") or 1.0,
         recompute_granularity=case.get("recompute"), recompute_method=case.get("method"),
-        recompute_num_layers=case.get("recompute_layers"), device="cpu")
+        recompute_num_layers=case.get("recompute_layers"), device=device)
 
 
 def _build(cfg: MemoryConfig, grid: ParallelGrid):
@@ -105,7 +105,7 @@ def measure_states(cfg: MemoryConfig, grid: ParallelGrid) -> tuple[dict, list, l
                               use_distributed_optimizer=cfg.use_distributed_optimizer,
                               optimizer_cpu_offload=cfg.optimizer_cpu_offload,
                               optimizer_offload_fraction=cfg.optimizer_offload_fraction)
-    with LiveBytesMeter() as meter:
+    with LiveBytesMeter(grid.device) as meter:
         opts = [get_megatron_optimizer(opt_cfg, d.module, grid, d) for d in ddps]
         for o in opts:
             o.step()  # creates the lazy moments
@@ -124,21 +124,21 @@ def _microbatch(cfg: MemoryConfig, grid: ParallelGrid, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     s_c = cfg.model.seq_length // cfg.context_parallel_size
     size = (cfg.micro_batch_size, s_c)
-    return {"tokens": torch.randint(0, cfg.model.vocab_size, size, generator=g),
-            "labels": torch.randint(0, cfg.model.vocab_size, size, generator=g)}
+    return {k: torch.randint(0, cfg.model.vocab_size, size, generator=g).to(grid.device)
+            for k in ("tokens", "labels")}
 
 
 def measure_chunk(cfg: MemoryConfig, grid: ParallelGrid, chunk, index: int) -> dict:
     """Bytes one micro-batch leaves on a chunk after forward, and the peaks of forward/backward."""
     first, last = chunk.pre_process, chunk.post_process
-    with LiveBytesMeter() as meter:
+    with LiveBytesMeter(grid.device) as meter:
         batch = _microbatch(cfg, grid, seed=index)
         if not first:
             s_r = (cfg.model.seq_length // cfg.context_parallel_size
                    // (cfg.tensor_model_parallel_size if cfg.model.sequence_parallel else 1))
             received = torch.randn(s_r, cfg.micro_batch_size, cfg.model.hidden_size,
                                    dtype=chunk.decoder.layers[0].input_layernorm.weight.dtype,
-                                   requires_grad=True)
+                                   device=grid.device, requires_grad=True)
             chunk.set_input_tensor(received)
         out = chunk(batch["tokens"] if first else None, labels=batch["labels"] if last else None)
         del batch
@@ -151,22 +151,11 @@ def measure_chunk(cfg: MemoryConfig, grid: ParallelGrid, chunk, index: int) -> d
     return {"kept": kept, "forward_peak": forward_peak - kept, "backward_peak": backward_peak}
 
 
-def predict_chunk(cfg: MemoryConfig, pp_rank: int, index: int, last: bool) -> dict:
-    """The ledger's bytes for what measure_chunk measures (kept = saved + the chunk's output)."""
-    parts = chunk_saved(cfg, pp_rank, index)
-    x = cfg.model
-    output = 0 if last else cfg.param_bytes * cfg.micro_batch_size * x.hidden_size * (
-        x.seq_length // cfg.context_parallel_size
-        // (cfg.tensor_model_parallel_size if x.sequence_parallel else 1))
-    return {"kept": sum(saved_bytes(v) for v in parts.values()) + output,
-            "parts": {k: saved_bytes(v) for k, v in parts.items()}}
-
-
 def _batches(cfg: MemoryConfig, grid: ParallelGrid, chunk: int):
     """Micro-batches created on demand (inside the meter, as a data loader would)."""
     for i in range(cfg.num_microbatches):
         batch = _microbatch(cfg, grid, seed=1000 * chunk + i)
-        batch["loss_mask"] = torch.ones(batch["tokens"].shape)
+        batch["loss_mask"] = torch.ones(batch["tokens"].shape, device=grid.device)
         yield batch
 
 
@@ -187,7 +176,7 @@ def measure_schedule(cfg: MemoryConfig, grid: ParallelGrid, ddps: list) -> dict:
                                    cfg.virtual_pipeline_model_parallel_size)
     sched = ScheduleConfig(pipeline_dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
                            no_sync_func=[d.no_sync for d in ddps])
-    with LiveBytesMeter() as meter:
+    with LiveBytesMeter(grid.device) as meter:
         iters = [_batches(cfg, grid, c) for c in range(len(ddps))]
         fb(forward_step_func=_forward_step, data_iterator=iters if len(ddps) > 1 else iters[0],
            model=ddps, num_microbatches=cfg.num_microbatches, seq_length=cfg.model.seq_length,
@@ -196,23 +185,39 @@ def measure_schedule(cfg: MemoryConfig, grid: ParallelGrid, ddps: list) -> dict:
         return {"peak": meter.peak, "after": meter.current}
 
 
+def predict_chunk(cfg: MemoryConfig, pp_rank: int, index: int) -> dict:
+    """The ledger's bytes for what measure_chunk measures (kept = saved + the chunk's output)."""
+    parts = chunk_saved(cfg, pp_rank, index)
+    x = cfg.model
+    last = pp_rank == cfg.pipeline_model_parallel_size - 1 and index == cfg.num_chunks - 1
+    output = 0 if last else cfg.param_bytes * cfg.micro_batch_size * x.hidden_size * (
+        x.seq_length // cfg.context_parallel_size
+        // (cfg.tensor_model_parallel_size if x.sequence_parallel else 1))
+    return {"kept": sum(saved_bytes(v) for v in parts.values()) + output,
+            "parts": {k: saved_bytes(v) for k, v in parts.items()}}
+
+
+def predict(result: dict) -> dict:
+    """The ledger's numbers for a measured result (computed where the ledger code is)."""
+    cfg = case_config(result["case"], result["world_size"], result["device"])
+    r, d = result["pp_rank"], result["dp_cp_rank"]
+    return {"states": state_ledger(cfg, r, d),
+            "chunks": [predict_chunk(cfg, r, i) for i in range(cfg.num_chunks)],
+            "schedule": activation_peak(cfg, r)}
+
+
 def measure_case(case: dict) -> dict:
-    """Measured and predicted bytes of one case on this rank."""
+    """Measured bytes of one case on this rank: states, each chunk, one schedule run."""
     world = dist.get_world_size()
-    cfg = case_config(case, world)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    cfg = case_config(case, world, device)
     grid = _grid(cfg.tensor_model_parallel_size, cfg.context_parallel_size,
                  cfg.pipeline_model_parallel_size)
-    pp_rank, dp_cp_rank = grid.rank("pp"), grid.rank("dp_cp")
-    measured, chunks, ddps = measure_states(cfg, grid)
-    predicted = state_ledger(cfg, pp_rank, dp_cp_rank)
-    acts = []
-    for i, chunk in enumerate(chunks):
-        m = measure_chunk(cfg, grid, chunk, i)
-        acts.append({"measured": m, "predicted": predict_chunk(cfg, pp_rank, i, chunk.post_process)})
-    schedule = measure_schedule(cfg, grid, ddps)
-    return {"case": case, "rank": dist.get_rank(), "pp_rank": pp_rank, "dp_cp_rank": dp_cp_rank,
-            "states": {"measured": measured, "predicted": predicted}, "chunks": acts,
-            "schedule": {"measured": schedule, "predicted": activation_peak(cfg, pp_rank)}}
+    states, chunks, ddps = measure_states(cfg, grid)
+    acts = [measure_chunk(cfg, grid, chunk, i) for i, chunk in enumerate(chunks)]
+    return {"case": case, "world_size": world, "device": device, "rank": dist.get_rank(),
+            "pp_rank": grid.rank("pp"), "dp_cp_rank": grid.rank("dp_cp"), "states": states,
+            "chunks": acts, "schedule": measure_schedule(cfg, grid, ddps)}
 
 
 def measure_cases(cases: list[dict]) -> list[dict]:

@@ -87,6 +87,10 @@ class Saved:
         """Bytes of the tensor."""
         return self.elements * self.itemsize
 
+    def times(self, n: int) -> "Saved":
+        """The same tensor kept by n layers (one entry, n times the elements)."""
+        return Saved(self.module, f"{self.what} (x{n} layers)", self.elements * n, self.itemsize)
+
 
 def saved_bytes(entries: list[Saved]) -> int:
     """Total bytes of a list of saved tensors."""
@@ -273,8 +277,10 @@ def chunk_saved(cfg: MemoryConfig, pp_rank: int, chunk: int) -> dict[str, list[S
     if groups:  # each checkpointed group keeps only its input; the chunk input is counted below
         layers.append(Saved("recompute", "checkpointed group inputs",
                             (groups - (0 if first else 1)) * resid, x.P))
-    for i in range(normal):
-        layers += layer_saved(cfg, input_is_received=(not first and i == 0 and not groups))
+    if normal:  # the first kept layer may differ (fp32 and a received input); the rest repeat
+        received = not first and not groups
+        layers += layer_saved(cfg, input_is_received=received)
+        layers += [e.times(normal - 1) for e in layer_saved(cfg)] if normal > 1 else []
     if groups or (x.P == 4 and normal):  # checkpoint inputs, or what fp32 RoPE saved views of
         layers.append(Saved("core_attn", "RoPE cos/sin tables (fp32)", 2 * x.b * x.s_c * x.d, 4))
     return {"layers": layers,
@@ -311,11 +317,17 @@ def chunk_saved(cfg: MemoryConfig, pp_rank: int, chunk: int) -> dict[str, list[S
 # pipelining, one message in each direction is in transit (`p2p_buffers`).
 
 # %%
-def schedule_ops(cfg: MemoryConfig, pp_rank: int) -> list[tuple[str, int, int]]:
-    """("F" or "B", chunk, micro-batch) in the order this pipeline rank runs them."""
+def schedule_ops(cfg: MemoryConfig, pp_rank: int,
+                 max_steady_rounds: int | None = None) -> list[tuple[str, int, int]]:
+    """("F" or "B", chunk, micro-batch) in the order this pipeline rank runs them.
+
+    `max_steady_rounds` keeps only that many 1F1B rounds of the steady state (its live set
+    repeats with period p·v rounds, so 2·p·v rounds already hold its maximum).
+    """
     p, v, m = cfg.pipeline_model_parallel_size, cfg.num_chunks, cfg.num_microbatches
     if p == 1:
-        return [op for mb in range(m) for op in (("F", 0, mb), ("B", 0, mb))]
+        rounds = m if max_steady_rounds is None else min(m, max_steady_rounds)
+        return [op for mb in range(rounds) for op in (("F", 0, mb), ("B", 0, mb))]
     if v == 1:
         warmup = num_warmup_microbatches_1f1b(p, pp_rank, m)
         table = [(mb, 0) for mb in range(m)]
@@ -325,9 +337,10 @@ def schedule_ops(cfg: MemoryConfig, pp_rank: int) -> list[tuple[str, int, int]]:
     fwd = [("F", chunk, mb) for mb, chunk in table]
     bwd = [("B", v - 1 - chunk, mb) for mb, chunk in table]
     ops = fwd[:warmup]
-    for i in range(len(table) - warmup):
+    steady = len(table) - warmup
+    for i in range(steady if max_steady_rounds is None else min(steady, max_steady_rounds)):
         ops += [fwd[warmup + i], bwd[i]]
-    return ops + bwd[len(table) - warmup:]
+    return ops + bwd[steady:]
 
 
 def _forward_transient(cfg: MemoryConfig, x: Dims, head: bool) -> int:
@@ -399,7 +412,8 @@ def activation_peak(cfg: MemoryConfig, pp_rank: int) -> dict:
         kept[chunk] = sum(saved_bytes(v) for v in parts.values())
         transient[chunk] = _transients(cfg, parts)
     live, peak, in_flight, most, when = 0, 0, 0, 0, None
-    for kind, chunk, mb in schedule_ops(cfg, pp_rank):
+    period = 2 * cfg.pipeline_model_parallel_size * cfg.num_chunks
+    for kind, chunk, mb in schedule_ops(cfg, pp_rank, max_steady_rounds=period):
         if kind == "F":
             during = live + kept[chunk] + transient[chunk][0]
             live, in_flight = live + kept[chunk], in_flight + 1

@@ -1,0 +1,446 @@
+# %% [markdown]
+# # 07.6 · Memory: `tinytron-memory`, the calculator and the layout search
+#
+# The ledger as a command. `tinytron-memory --config run.toml --world-size 256` reads the
+# trainer's config and prints the first and the last stage's ledger next to Megatron's
+# estimate; `tinytron-memory --example --search --gpu-memory 80GiB --gpus 256` lists the
+# layouts that fit a device, ranked by an estimated step time.
+#
+# You will build: `parse_bytes`, `memory_config_from`, `running_example`, `Hardware`,
+# `step_time`, `candidate_layouts`, `search_layouts`, `format_ledgers` and `main`.
+
+# %%
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from tinytron.memory.activations import activation_peak
+from tinytron.memory.ledger import (DEVICE_TERMS, RankLedger, megatron_args_from, plot_ledgers,
+                                    stage_ledgers)
+from tinytron.memory.megatron_model import megatron_theoretical_memory
+from tinytron.memory.states import MemoryConfig, state_ledger
+
+__all__ = ["parse_bytes", "memory_config_from", "running_example", "Hardware", "step_time",
+           "candidate_layouts", "search_layouts", "format_ledgers", "layout_name", "main"]
+
+# %% [markdown]
+# ## From the trainer's config to a `MemoryConfig`
+#
+# The command reads the same TOML file as the trainer (`tinytron.config.load_config`: sections
+# `[model]`, `[parallel]`, `[training]`, `[optimizer]`, `[ddp]`, dotted `--section.key value`
+# overrides) and the world size, which the file does not hold. It checks what the trainer
+# checks before any process group exists — the layout against the model, the global batch
+# against micro-batch × DP — and every error names the field:
+# `tinytron-memory: error: training.global_batch_size (1000) must be divisible by ...`, exit
+# status 2, no traceback. With bf16 the grad buffer is fp32 (Megatron forces it); the device
+# `auto` means CUDA, where the ledger is meant to be used.
+
+# %%
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB' -> 85899345920, '80GB' -> 80000000000, '1024' -> 1024."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"--gpu-memory: cannot read {text!r} as a size (e.g. 80GiB, 80GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _layout_sizes(train, world_size: int) -> tuple[int, int, int, int, int]:
+    """(tp, pp, vpp, cp, dp) from [parallel] and the world size, checked."""
+    from tinytron.config import ConfigError
+
+    if world_size < 1:
+        raise ConfigError(f"--world-size must be >= 1, got {world_size}")
+    tp, pp, vpp, cp = train.parallel.sizes()
+    dp = train.data_parallel_size(world_size)
+    try:
+        train.model.check_layout(tp=tp, cp=cp, pp=pp, num_virtual_stages=vpp)
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from e
+    return tp, pp, vpp, cp, dp
+
+
+def memory_config_from(train, world_size: int, device: str | None = None) -> MemoryConfig:
+    """A MemoryConfig from the trainer's TrainConfig (tinytron.config) and a world size."""
+    from tinytron.config import ConfigError
+
+    tp, pp, vpp, cp, dp = _layout_sizes(train, world_size)
+    t, opt, ddp, model = train.training, train.optimizer, train.ddp, train.model
+    gbs = t.global_batch_size or t.micro_batch_size * dp
+    if gbs % (t.micro_batch_size * dp):
+        raise ConfigError(f"training.global_batch_size ({gbs}) must be divisible by "
+                          f"micro_batch_size·dp = {t.micro_batch_size}·{dp}")
+    bf16 = t.bf16 or getattr(opt, "bf16", False)
+    device = device or ("cuda" if t.device == "auto" else t.device)
+    return MemoryConfig(
+        model, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, context_parallel_size=cp,
+        data_parallel_size=dp, micro_batch_size=t.micro_batch_size,
+        num_microbatches=gbs // (t.micro_batch_size * dp), bf16=bf16,
+        grad_reduce_in_fp32=bf16 or ddp.grad_reduce_in_fp32,
+        use_distributed_optimizer=opt.use_distributed_optimizer or ddp.use_distributed_optimizer,
+        overlap_grad_reduce=ddp.overlap_grad_reduce, bucket_size=ddp.bucket_size,
+        pad_buckets_for_high_nccl_busbw=ddp.pad_buckets_for_high_nccl_busbw,
+        optimizer=opt.optimizer, optimizer_cpu_offload=opt.optimizer_cpu_offload,
+        optimizer_offload_fraction=opt.optimizer_offload_fraction,
+        recompute_granularity=getattr(model, "recompute_granularity", None),
+        recompute_method=getattr(model, "recompute_method", None),
+        recompute_num_layers=getattr(model, "recompute_num_layers", None),
+        device=device)
+
+
+def running_example() -> MemoryConfig:
+    """The book's 7B example: TP2 (SP) · PP2 · DP64, mbs 2, m 8, bf16, DistOpt, selective."""
+    from tinytron.model.config import llama_7b_config
+
+    return MemoryConfig(llama_7b_config(sequence_parallel=True), tensor_model_parallel_size=2,
+                        pipeline_model_parallel_size=2, data_parallel_size=64,
+                        micro_batch_size=2, num_microbatches=8, use_distributed_optimizer=True,
+                        recompute_granularity="selective")
+
+
+# %% [markdown]
+# ## An estimated step time
+#
+# To rank the layouts that fit, the search needs a time per iteration. A stated model, not a
+# measurement (every constant is a field of `Hardware`):
+#
+# - **compute**: chapter 01's FLOP count of the global batch, recomputation included
+#   (`num_floating_point_operations`), over all GPUs at `efficiency` × the dense bf16 peak
+#   (H100 SXM: 989 TFLOP/s; 0.5 is a typical achieved fraction for a 7B model);
+# - **pipeline bubble**: compute × $(p-1)/(v\,m)$ (chapter 01);
+# - **TP**: per layer and micro-batch, forward and backward move four all-reduces' worth of
+#   $P s_c b h$ bytes ($2(t-1)/t$ each; SP's all-gathers and reduce-scatters move the same),
+#   six with full recompute, at `nvlink_bandwidth` when the TP group fits in a node;
+# - **CP**: the K/V all-gather and its reduce-scatter per layer;
+# - **DP**: the grad all-reduce (or reduce-scatter + param all-gather with the distributed
+#   optimizer) of the rank's buffer, at `network_bandwidth` once DP leaves the node;
+# - **PP**: one activation and one gradient per micro-batch and chunk boundary.
+#
+# Nothing is assumed to overlap, so the ranking is conservative for layouts that overlap their
+# DP communication with the backward (chapter 05).
+
+# %%
+@dataclass
+class Hardware:
+    """The constants of the step-time model (defaults: H100 SXM nodes of 8 with 400 Gb/s NICs)."""
+
+    peak_flops: float = 989e12
+    efficiency: float = 0.5
+    nvlink_bandwidth: float = 450e9
+    network_bandwidth: float = 50e9
+    gpus_per_node: int = 8
+
+
+def _bandwidth(group_span: int, hw: Hardware) -> float:
+    """NVLink when a group's ranks (spread over `group_span` consecutive ranks) share a node."""
+    return hw.nvlink_bandwidth if group_span <= hw.gpus_per_node else hw.network_bandwidth
+
+
+def step_time(cfg: MemoryConfig, hw: Hardware = Hardware(),
+              buffer_elements: int | None = None) -> dict[str, float]:
+    """Seconds per iteration by part, under the stated model (no overlap)."""
+    from tinytron.main_loop.training_log import num_floating_point_operations
+
+    m, t, c, p = cfg.model, cfg.tensor_model_parallel_size, cfg.context_parallel_size, \
+        cfg.pipeline_model_parallel_size
+    d, v, mb = cfg.data_parallel_size, cfg.num_chunks, cfg.num_microbatches
+    gbs = cfg.micro_batch_size * d * mb
+    flops = num_floating_point_operations(m, gbs, recompute=cfg.recompute_granularity)
+    compute = flops / (cfg.world_size * hw.peak_flops * hw.efficiency)
+    unit = cfg.param_bytes * (m.seq_length // c) * cfg.micro_batch_size * m.hidden_size
+    layers = m.num_layers // p
+    ops = 6 if cfg.recompute_granularity == "full" else 4
+    tp = mb * layers * ops * 2 * (t - 1) / t * unit / _bandwidth(t, hw)
+    kv = 2 * cfg.param_bytes * m.seq_length * cfg.micro_batch_size * m.num_query_groups // t \
+        * m.head_dim
+    cp = mb * layers * 2 * (c - 1) / c * kv / _bandwidth(t * c, hw)
+    params = buffer_elements or state_ledger(cfg, 0)["grad_buffer"] / cfg.grad_bytes
+    dp_cp = d * c
+    grads = params * cfg.grad_bytes * (dp_cp - 1) / dp_cp
+    dp_bytes = grads + (params * cfg.param_bytes * (dp_cp - 1) / dp_cp
+                        if cfg.use_distributed_optimizer else grads)
+    dp = dp_bytes / _bandwidth(t * dp_cp, hw)
+    pp = 0.0 if p == 1 else 2 * mb * v * unit / (hw.network_bandwidth if t * c * d >= hw.gpus_per_node
+                                                  else hw.nvlink_bandwidth)
+    bubble = compute * (p - 1) / (v * mb)
+    parts = dict(compute=compute, bubble=bubble, tp=tp, cp=cp, dp=dp, pp=pp)
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+# %% [markdown]
+# ## The search
+#
+# Candidates, for a model, a GPU count and a global batch: TP in $\{1, 2, 4, 8\}$ (within a
+# node, dividing the heads, groups, FFN and vocabulary; SP on whenever $t > 1$), PP over the
+# divisors of $L$ up to 16, interleaving with $v = 2$ where the layers and micro-batches allow
+# it, CP in $\{1, 2, 4\}$, DP what is left, micro-batch sizes in $\{1, 2, 4, 8\}$ that divide
+# the global batch, recompute none / selective / full (uniform, 1 layer), and the distributed
+# optimizer off and on. A layout fits when both its first and its last stage fit the budget;
+# the resident part is computed first and the layout dropped before its activations when it
+# alone does not fit. Ledgers of layouts that differ only in batch or recompute share their
+# resident part through a cache.
+
+# %%
+def layout_name(cfg: MemoryConfig) -> str:
+    """TP2(SP)·PP2·CP1·DP64 mbs2 m8 selective DistOpt."""
+    sp = "(SP)" if cfg.model.sequence_parallel else ""
+    vpp = f"x{cfg.num_chunks}" if cfg.num_chunks > 1 else ""
+    rc = {None: "no-recompute", "selective": "selective", "full": "full"}[cfg.recompute_granularity]
+    return (f"TP{cfg.tensor_model_parallel_size}{sp}·PP{cfg.pipeline_model_parallel_size}{vpp}"
+            f"·CP{cfg.context_parallel_size}·DP{cfg.data_parallel_size} "
+            f"mbs{cfg.micro_batch_size} m{cfg.num_microbatches} {rc}"
+            + (" DistOpt" if cfg.use_distributed_optimizer else ""))
+
+
+def _divides_model(model, tp: int) -> bool:
+    return all(x % tp == 0 for x in (model.num_attention_heads, model.num_query_groups,
+                                     model.ffn_hidden_size, model.vocab_size))
+
+
+def candidate_layouts(base: MemoryConfig, gpus: int, global_batch_size: int,
+                      hw: Hardware = Hardware()) -> Iterator[MemoryConfig]:
+    """Every layout of the search space that can be cut and fills `gpus` ranks exactly."""
+    model = base.model
+    for tp, pp, cp in ((t, p, c) for t in (1, 2, 4, 8) for p in range(1, 17)
+                       for c in (1, 2, 4)):
+        if (gpus % (tp * pp * cp) or tp > hw.gpus_per_node or not _divides_model(model, tp)
+                or model.num_layers % pp or (cp > 1 and model.seq_length % (2 * cp))):
+            continue
+        dp = gpus // (tp * pp * cp)
+        sized = model.replace(sequence_parallel=tp > 1)
+        for mbs in (1, 2, 4, 8):
+            if global_batch_size % (mbs * dp):
+                continue
+            m = global_batch_size // (mbs * dp)
+            vpps = [None] + ([2] if pp > 1 and m % pp == 0
+                             and model.num_layers % (2 * pp) == 0 else [])
+            for vpp, distopt, rc in ((v, o, r) for v in vpps for o in (False, True)
+                                     for r in (None, "selective", "full")):
+                yield base.replace(
+                    model=sized, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                    virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
+                    data_parallel_size=dp, micro_batch_size=mbs, num_microbatches=m,
+                    use_distributed_optimizer=distopt, recompute_granularity=rc,
+                    recompute_method="uniform" if rc == "full" else None,
+                    recompute_num_layers=1 if rc == "full" else None)
+
+
+def _resident(cfg: MemoryConfig, pp_rank: int, cache: dict) -> tuple[int, int]:
+    """(device bytes of weights, grads and optimizer state; grad-buffer elements), cached."""
+    key = ("states", cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
+           cfg.num_chunks, cfg.data_parallel_size * cfg.context_parallel_size,
+           cfg.use_distributed_optimizer, pp_rank)
+    if key not in cache:
+        states = state_ledger(cfg, pp_rank)
+        cache[key] = (sum(v for k, v in states.items() if k != "host_optimizer"),
+                      states["grad_buffer"] // cfg.grad_bytes)
+    return cache[key]
+
+
+def _flowing(cfg: MemoryConfig, pp_rank: int, cache: dict) -> int:
+    """Peak activation + p2p bytes, cached (they do not depend on DP or the optimizer)."""
+    key = ("acts", cfg.tensor_model_parallel_size, cfg.context_parallel_size,
+           cfg.pipeline_model_parallel_size, cfg.num_chunks, cfg.micro_batch_size,
+           cfg.num_microbatches, cfg.recompute_granularity, pp_rank)
+    if key not in cache:
+        cache[key] = activation_peak(cfg, pp_rank)["peak"]
+    return cache[key]
+
+
+def search_layouts(base: MemoryConfig, gpus: int, gpu_memory: int, global_batch_size: int,
+                   hw: Hardware = Hardware(), top: int = 10) -> list[dict]:
+    """Layouts whose first and last stage fit gpu_memory, fastest (estimated) first."""
+    fits, cache = [], {}
+    for cfg in candidate_layouts(base, gpus, global_batch_size, hw):
+        stages = sorted({0, cfg.pipeline_model_parallel_size - 1})
+        resident = {r: _resident(cfg, r, cache) for r in stages}
+        if max(res for res, _ in resident.values()) > gpu_memory:
+            continue
+        peak = max(resident[r][0] + _flowing(cfg, r, cache) for r in stages)
+        if peak <= gpu_memory:
+            fits.append({"config": cfg, "layout": layout_name(cfg), "peak_bytes": peak,
+                         "time": step_time(cfg, hw, buffer_elements=resident[0][1])})
+    fits.sort(key=lambda f: (f["time"]["total"], f["peak_bytes"]))
+    return fits[:top]
+
+
+# %% [markdown]
+# ## Printing a ledger
+#
+# Each stage gets a table of terms in MiB, a total, a stacked text bar (one letter per term:
+# **W**eights, **G**rads, **M**asters, **O**ptimizer moments, fp32 grad **C**opies,
+# **A**ctivations, **P**2p), and the moment of its peak; Megatron's two numbers follow.
+
+# %%
+_LETTERS = dict(zip(DEVICE_TERMS, "WGMOCAP"))
+
+
+def _bar(led: RankLedger, scale: float, width: int = 60) -> str:
+    """A stacked text bar of the device terms, `scale` bytes per character."""
+    return "".join(_LETTERS[k] * round(v / scale) for k, v in led.device.items())[:width + 5]
+
+
+def format_ledgers(cfg: MemoryConfig, dp_rank: int = 0) -> str:
+    """The first and last stage's ledgers, and Megatron's estimate, as text."""
+    ledgers = stage_ledgers(cfg, dp_rank)
+    mib = 2**20
+    scale = max(led.total for led in ledgers) / 60
+    lines = [f"layout {layout_name(cfg)}, {cfg.world_size} ranks, "
+             f"{'bf16' if cfg.bf16 else 'fp32'}, device {cfg.device}"]
+    for led in ledgers:
+        name = {0: "first"}.get(led.pp_rank, "last")
+        lines.append(f"stage {led.pp_rank} ({name}), DP rank {dp_rank}:")
+        lines += [f"  {k:<18}{v / mib:>14,.1f} MiB" for k, v in led.device.items() if v]
+        lines += [f"  {k:<18}{v / mib:>14,.1f} MiB (host)" for k, v in led.host.items() if v]
+        lines.append(f"  {'total (device)':<18}{led.total / mib:>14,.1f} MiB   peak at "
+                     f"{led.peak['at']}, {led.peak['max_in_flight']} in flight")
+        lines.append(f"  [{_bar(led, scale)}]")
+    meg = megatron_theoretical_memory(megatron_args_from(cfg), cfg.num_microbatches)
+    lines.append(f"Megatron's estimate: weight and optimizer {meg['weight_and_optimizer_mib']:,.2f}"
+                 f" MiB, activation {meg['activation_mib']:,.2f} MiB ({meg['branch']})")
+    lines.append("legend: " + " ".join(f"{c}={k}" for k, c in _LETTERS.items()))
+    return "\n".join(lines)
+
+
+def _ledger_json(cfg: MemoryConfig, dp_rank: int) -> dict:
+    """Machine-readable: every stage's terms in bytes and Megatron's estimate."""
+    meg = megatron_theoretical_memory(megatron_args_from(cfg), cfg.num_microbatches)
+    return {"layout": layout_name(cfg),
+            "stages": [{"pp_rank": led.pp_rank, "device": led.device, "host": led.host,
+                        "total": led.total} for led in stage_ledgers(cfg, dp_rank)],
+            "megatron": {k: meg[k] for k in ("weight_and_optimizer", "activation", "branch")}}
+
+
+# %% [markdown]
+# ## The command
+#
+# ```
+# tinytron-memory --config configs/x.toml --world-size 256 [--section.key value ...]
+#                 [--device cuda|cpu] [--dp-rank R] [--json] [--plot ledger.png]
+# tinytron-memory --example [--search --gpu-memory 80GiB --gpus 256 [--top 10]]
+# ```
+
+# %%
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tinytron-memory",
+                                description="Per-rank memory ledger of a tinytron layout.")
+    p.add_argument("--config", help="the trainer's TOML file")
+    p.add_argument("--example", action="store_true", help="the book's 7B running example")
+    p.add_argument("--world-size", type=int, help="ranks of the run (default tp·pp·cp)")
+    p.add_argument("--device", choices=("cuda", "cpu"), help="default: the config's, cuda for auto")
+    p.add_argument("--dp-rank", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--plot", help="write the stacked-bar picture to this PNG file")
+    p.add_argument("--search", action="store_true", help="list layouts that fit, fastest first")
+    p.add_argument("--gpu-memory", default="80GiB", help="device budget for --search")
+    p.add_argument("--gpus", type=int, help="GPUs for --search (default: the world size)")
+    p.add_argument("--global-batch-size", type=int, help="for --search (default: the config's)")
+    p.add_argument("--top", type=int, default=10)
+    return p
+
+
+def _config_from_args(args, overrides: list[str]) -> MemoryConfig:
+    """The MemoryConfig the command works on: the example, or the TOML file plus overrides."""
+    if args.example:
+        if args.config or overrides:
+            raise ValueError("--example takes no --config and no --section.key overrides")
+        if args.world_size not in (None, 256):
+            raise ValueError(f"--world-size: the example runs on 256 ranks, got {args.world_size}")
+        cfg = running_example()
+        return cfg.replace(device=args.device) if args.device else cfg
+    if args.config is None and not overrides:
+        raise ValueError("give --config FILE, --section.key overrides, or --example")
+    from tinytron.config import load_config
+
+    train = load_config(args.config, overrides)
+    tp, pp, _, cp = train.parallel.sizes()
+    return memory_config_from(train, args.world_size or tp * pp * cp, args.device)
+
+
+def _run(argv: Sequence[str] | None) -> None:
+    """Parse, build, print (or search); raises ValueError with a one-line message."""
+    args, overrides = _parser().parse_known_args(argv)
+    cfg = _config_from_args(args, overrides)
+    if args.search:
+        gpus = args.gpus or cfg.world_size
+        gbs = args.global_batch_size or cfg.micro_batch_size * cfg.data_parallel_size \
+            * cfg.num_microbatches
+        t0 = time.perf_counter()
+        found = search_layouts(cfg, gpus, parse_bytes(args.gpu_memory), gbs, top=args.top)
+        print(f"{len(found)} fastest layouts of {gpus} GPUs that fit {args.gpu_memory} "
+              f"(global batch {gbs}); searched in {time.perf_counter() - t0:.2f} s")
+        for i, f in enumerate(found, 1):
+            print(f"{i:>3}. {f['layout']:<55} peak {f['peak_bytes'] / 2**30:6.1f} GiB   "
+                  f"step ~{f['time']['total']:.2f} s")
+        return
+    if not 0 <= args.dp_rank < cfg.data_parallel_size * cfg.context_parallel_size:
+        raise ValueError(f"--dp-rank must be in [0, {cfg.data_parallel_size * cfg.context_parallel_size})")
+    print(json.dumps(_ledger_json(cfg, args.dp_rank)) if args.json
+          else format_ledgers(cfg, args.dp_rank))
+    if args.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        ledgers = {f"stage {led.pp_rank}": led for led in stage_ledgers(cfg, args.dp_rank)}
+        ax = plot_ledgers(ledgers)
+        ax.set_title(layout_name(cfg), fontsize=8)
+        ax.figure.tight_layout()
+        ax.figure.savefig(args.plot, dpi=120)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `tinytron-memory`: 0, or 2 with a one-line error naming the field."""
+    try:
+        _run(argv)
+    except (ValueError, OSError) as err:  # ConfigError is a ValueError
+        print(f"tinytron-memory: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    return 0
+
+
+# %% [markdown]
+# ## Demo: the running example, printed and searched
+#
+# The same function the console script calls, on the running example, then the search over
+# 256 GPUs with 80 GiB each for the same global batch of 1024 sequences.
+
+# %%
+if __name__ == "__main__":
+    assert main(["--example"]) == 0
+    t0 = time.perf_counter()
+    found = search_layouts(running_example(), 256, parse_bytes("80GiB"), 1024, top=8)
+    elapsed = time.perf_counter() - t0
+    for f in found:
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in f["time"].items() if v and k != "total")
+        print(f"{f['layout']:<55} {f['peak_bytes'] / 2**30:5.1f} GiB  ~{f['time']['total']:.2f} s"
+              f" ({parts})")
+    print(f"search: {elapsed:.2f} s")
+    assert found and all(f["peak_bytes"] <= parse_bytes("80GiB") for f in found)
+    assert main(["--example", "--search", "--gpu-memory", "eighty"]) == 2
+
+# %% [markdown]
+# ## How production does it
+#
+# - Megatron prints its estimate at the first iteration (`megatron/training/training.py:2698`)
+#   and the allocator's numbers with `--log-memory-to-tensorboard` / `report_memory`.
+# - NVIDIA NeMo's auto-configurator and Megatron-LM's `tools/` scripts search layouts with a
+#   memory model plus short profiling runs; torchtitan leaves the layout to the user and
+#   reports `torch.cuda.max_memory_allocated` per step.
+#
+# ## Exercises
+#
+# 1. Give the search 40 GiB instead of 80 GiB: which mechanism appears in every layout that
+#    still fits?
+# 2. Set `Hardware.network_bandwidth` to 25 GB/s. Does the best layout change, and why?
