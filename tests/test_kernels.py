@@ -292,3 +292,95 @@ def test_flat_adamw_state_dict_round_trip_keeps_layout():
     flat.step()
     assert state[p]["exp_avg"].data_ptr() == flat.exp_avg.data_ptr()
     assert state[p]["step"] == 1
+
+
+# ---------------------------------------------------------------- wiring: optimizer and model
+
+def _distopt_run(kernels: str, steps: int = 4):
+    """Chapter 05's DDP + chapter 02's DistributedOptimizer (one process, bf16 params)."""
+    from tinytron.buffers import DistributedDataParallel, DistributedDataParallelConfig
+    from tinytron.optimizer import OptimizerConfig, get_megatron_optimizer
+    from tinytron.optimizer._workers import batch, small_mlp
+
+    model = small_mlp(torch.bfloat16)
+    ddp = DistributedDataParallel(model, ParallelGrid.single(), DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True, bucket_size=300))
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, bf16=True, clip_grad=0.5,
+                                                 use_distributed_optimizer=True, kernels=kernels),
+                                 model, ParallelGrid.single(), ddp=ddp)
+    for step in range(steps):
+        x, y = batch(step, 8)
+        ddp.zero_grad_buffer()
+        torch.nn.functional.mse_loss(ddp(x.bfloat16()).float(), y).backward()
+        ddp.finish_grad_sync()
+        ok, norm, _ = opt.step()
+        assert ok
+    return model, opt
+
+
+def test_distributed_optimizer_fused_adamw_equals_foreach():
+    """kernels='triton' swaps the inner step for one launch; params and the state dict agree."""
+    model_f, opt_f = _distopt_run("triton")
+    model_t, opt_t = _distopt_run("torch")
+    assert opt_f.fused_adamw is not None and opt_t.fused_adamw is None
+    sd_f, sd_t = opt_f.state_dict(), opt_t.state_dict()
+    for name, entry in sd_t["params"].items():
+        for key, value in entry.items():
+            if torch.is_tensor(value):
+                assert rel_gap(sd_f["params"][name][key], value) < 1e-6, (name, key)
+            else:
+                assert sd_f["params"][name][key] == value, (name, key)
+    for (n, p), q in zip(model_f.named_parameters(), model_t.parameters()):
+        assert p.dtype == torch.bfloat16
+        assert (p.float() - q.float()).abs().max() <= 2 ** -7 * q.float().abs().max(), n
+
+
+def test_optimizer_config_refuses_fused_adamw_where_it_cannot_apply():
+    from tinytron.optimizer import OptimizerConfig
+
+    with pytest.raises(ValueError, match="kernels"):
+        OptimizerConfig(lr=1e-3, kernels="triton")  # no distributed optimizer
+    with pytest.raises(ValueError, match="kernels"):
+        OptimizerConfig(lr=1e-3, kernels="fast")
+    OptimizerConfig(lr=1e-3, kernels="auto")  # falls back to torch where it cannot apply
+
+
+def _train_tiny(kernels: str, steps: int = 2):
+    """Losses and first-step grads of the tiny GPT trained with plain AdamW."""
+    from tinytron.model import GPTModel, tiny_config
+
+    cfg = tiny_config(seq_length=16, kernels=kernels)
+    model = GPTModel(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    losses, grads = [], {}
+    for step in range(steps):
+        loss = model(tokens[:, :-1], labels=tokens[:, 1:]).mean()
+        opt.zero_grad()
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        losses.append(loss.item())
+    return model, losses, grads
+
+
+def test_model_with_triton_kernels_trains_like_torch():
+    from tinytron.model.gpt import KernelRMSNorm
+
+    model_k, losses_k, grads_k = _train_tiny("triton")
+    _, losses_t, grads_t = _train_tiny("torch")
+    assert isinstance(model_k.decoder.final_layernorm, KernelRMSNorm)
+    assert max(abs(a - b) for a, b in zip(losses_k, losses_t)) < 1e-5, (losses_k, losses_t)
+    for name, g in grads_t.items():
+        assert rel_gap(grads_k[name], g) < 1e-5, name
+
+
+def test_model_config_kernels_field():
+    from tinytron.model import tiny_config
+
+    assert tiny_config().kernels == "torch"
+    with pytest.raises(ValueError, match="kernels"):
+        tiny_config(kernels="cuda")
+    with pytest.raises(ValueError, match="head size"):  # h 96 / 4 heads = 24: no kernel for it
+        tiny_config(hidden_size=96, kernels="triton")

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from tinytron.buffers import ParamAndGradBuffer
+from tinytron.kernels import FlatAdamW
+from tinytron.optimizer.algorithms import Adam
 from tinytron.optimizer.mixed_precision import (MixedPrecisionOptimizer, _group_hparams,
                                                 _load_group_hparams, copy_param_attributes)
 
@@ -125,6 +127,11 @@ def plot_ownership_map(buffer: ParamAndGradBuffer, ax=None, title: str = ""):
 # rank's inner optimizer. Megatron accepts only Adam as the inner optimizer
 # (`distrib_optimizer.py:663-669`); any *elementwise* rule works the same way, but Muon needs
 # whole matrices and has its own layer-wise distribution (next page).
+#
+# **Fused AdamW.** With `fused_adamw=True` (config `kernels = "triton"`) the pieces' masters and
+# moments become views of flat fp32 buffers, and the AdamW step plus the bf16 write-back into
+# `param_data` run as one Triton launch that reads the gradients straight from the grad buffer
+# (appendix C, `FlatAdamW`); the state dict and the all-gather are unchanged.
 
 #
 # **State dict.** The saved form is the previous page's layout-independent one — per parameter
@@ -151,7 +158,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     """
 
     def __init__(self, optimizer, ddp, *, clip_grad: float = 1.0, grad_scaler=None,
-                 log_num_zeros_in_grad: bool = False, grad_norm_skip_threshold: float = math.inf):
+                 log_num_zeros_in_grad: bool = False, grad_norm_skip_threshold: float = math.inf,
+                 fused_adamw: bool = False):
+        if fused_adamw and not (isinstance(optimizer, Adam)
+                                and all(g["decoupled_weight_decay"] for g in optimizer.param_groups)):
+            raise ValueError(f"fused_adamw needs the AdamW inner optimizer, got {type(optimizer).__name__}")
         if not ddp.ddp_config.use_distributed_optimizer:
             raise ValueError("DistributedOptimizer needs DDP built with use_distributed_optimizer=True")
         leaves = getattr(optimizer, "chained_optimizers", [optimizer])
@@ -163,6 +174,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         super().__init__(optimizer, clip_grad=clip_grad, grad_scaler=grad_scaler, grid=ddp.grid,
                          log_num_zeros_in_grad=log_num_zeros_in_grad,
                          grad_norm_skip_threshold=grad_norm_skip_threshold)
+        # Appendix C: the AdamW step and the bf16 write-back as one Triton launch over the shard.
+        self.fused_adamw = None if not fused_adamw else FlatAdamW(
+            self.optimizer.param_groups, self.optimizer.state,
+            [(main, buf.grad_data, buf.param_data, piece.buffer_start)
+             for (_, main), (piece, buf) in zip(self.pairs, self.pieces)])
 
     def _build_main_params(self) -> None:
         """Replace each model param in the groups by fp32 copies of its pieces in my shards."""
@@ -214,7 +230,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     @torch.no_grad()
     def step_with_ready_grads(self) -> None:
         """Step my shards, write them back, all-gather (unless the forward pre-hooks will)."""
-        super().step_with_ready_grads()
+        if self.fused_adamw is not None:
+            self.fused_adamw.step()
+        else:
+            super().step_with_ready_grads()
         if not self.ddp.ddp_config.overlap_param_gather:
             self.ddp.start_param_sync(force_sync=True)
 

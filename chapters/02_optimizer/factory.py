@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from tinytron._fields import check_choice, check_fields, check_range, document_fields
+from tinytron.kernels import use_triton
 from tinytron.optimizer.algorithms import SGD, Adam, Lion, build_param_groups
 from tinytron.optimizer.distributed import DistributedOptimizer
 from tinytron.optimizer.layer_wise import LayerWiseDistributedOptimizer
@@ -130,10 +131,17 @@ class OptimizerConfig:
     """Count zero grad entries each step."""
     grad_norm_skip_threshold: float = math.inf
     """Skip the update when the grad norm exceeds this."""
+    kernels: str = "torch"
+    """torch, triton (AdamW as one Triton launch over the DistOpt shard, appendix C) or auto (CUDA)."""
 
     def __post_init__(self):
         check_fields(self)  # lr="3e-4" or clip_grad="1.0" must not get past the constructor
         check_choice(self, "optimizer", ("adam", "sgd", "lion", "muon"))
+        check_choice(self, "kernels", ("torch", "triton", "auto"))
+        if self.kernels == "triton" and not _fused_adamw_applies(self):
+            raise ValueError("kernels='triton' (fused AdamW) needs optimizer='adam' with "
+                             "decoupled_weight_decay=True and use_distributed_optimizer=True, "
+                             "without optimizer_cpu_offload")
         _check_optimizer_ranges(self)
         if self.fp16 and self.bf16:
             raise ValueError("fp16 and bf16 are both set; choose one")
@@ -279,8 +287,18 @@ def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module, grid
         if ddp is None:
             raise ValueError("use_distributed_optimizer needs the DistributedDataParallel wrapper "
                              "(ddp=...) built with use_distributed_optimizer=True")
-        return DistributedOptimizer(inner, ddp, **common, **extra)
+        fused = config.kernels == "triton" or (
+            config.kernels == "auto" and _fused_adamw_applies(config)
+            and all(b.grad_dtype == torch.float32 for b in ddp.buffers)
+            and use_triton("auto", ddp.buffers[0].grad_data.device))
+        return DistributedOptimizer(inner, ddp, **common, **extra, fused_adamw=fused)
     return MixedPrecisionOptimizer(inner, grid=grid, **common, **extra)
+
+
+def _fused_adamw_applies(config: OptimizerConfig) -> bool:
+    """Whether appendix C's fused AdamW can serve this config (AdamW on the DistributedOptimizer)."""
+    return (config.optimizer == "adam" and config.decoupled_weight_decay
+            and config.use_distributed_optimizer and not config.optimizer_cpu_offload)
 
 
 def get_optimizer_param_scheduler(config: SchedulerConfig, optimizer, opt_config: OptimizerConfig,
