@@ -166,12 +166,15 @@ def gpt_forward_step(data_iterator, model, *, micro_batch_size: int, seq_length:
 
 # %%
 class StepResult(NamedTuple):
-    """What train_step reports (Megatron's tuple without the rerun-machine fields)."""
+    """What train_step reports (Megatron's tuple; the last three come from the rerun machine)."""
 
     loss_dict: dict
     skipped_iter: int
     grad_norm: float | None
     num_zeros_in_grad: int | None
+    should_checkpoint: bool = False
+    should_exit: bool = False
+    exit_code: int = 0
 
 
 def zero_grad_buffers(model: list) -> None:
@@ -221,14 +224,24 @@ def reduce_losses(losses_reduced: list[dict], grid: ParallelGrid) -> dict:
 # %%
 def train_step(forward_step_func, data_iterator, model: list, optimizer, scheduler,
                forward_backward_func, *, num_microbatches: int, micro_batch_size: int,
-               seq_length: int, grid: ParallelGrid, config: ScheduleConfig) -> StepResult:
+               seq_length: int, grid: ParallelGrid, config: ScheduleConfig,
+               rerun_state_machine=None) -> StepResult:
     """One iteration: zero grads, forward-backward (+finalize), step, agree, advance the LR."""
-    zero_grad_buffers(model)
-    optimizer.zero_grad()
-    losses_reduced = forward_backward_func(
-        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-        num_microbatches=num_microbatches, seq_length=seq_length,
-        micro_batch_size=micro_batch_size, grid=grid, forward_only=False, config=config)
+    # With chapter 08's rerun state machine the pass may run again (same data, same RNG) to
+    # diagnose a rejected loss or gradient; the optimizer then steps on the last pass's grads.
+    rsm, first = rerun_state_machine, True
+    while rsm.should_run_forward_backward(data_iterator) if rsm is not None else first:
+        first = False
+        zero_grad_buffers(model)
+        optimizer.zero_grad()
+        losses_reduced = forward_backward_func(
+            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+            num_microbatches=num_microbatches, seq_length=seq_length,
+            micro_batch_size=micro_batch_size, grid=grid, forward_only=False, config=config)
+    if rsm is not None:
+        should_checkpoint, should_exit, exit_code = rsm.should_checkpoint_and_exit()
+        if should_exit:  # no optimizer step (training.py:2271)
+            return StepResult({}, 0, None, None, should_checkpoint, should_exit, exit_code)
     update_successful, grad_norm, num_zeros = optimizer.step()
     update_successful = logical_and_across_model_parallel_group(update_successful, grid)
     grad_norm = reduce_max_stat_across_model_parallel_group(grad_norm, grid)
@@ -442,8 +455,11 @@ def train(forward_step_func, model: list, optimizer, scheduler, train_data_itera
           calculator, seq_length: int, grid: ParallelGrid, forward_backward_func,
           config: ScheduleConfig, do_valid: bool | None = None, save_checkpoint_fn=None,
           finalize_async_save_fn=None, flops_fn=None, peak_flops=None, log_fn=None,
-          exit_signal=None, clock=time.time) -> str | None:
+          exit_signal=None, clock=time.time, rerun_state_machine=None,
+          step_hooks=None) -> str | None:
     """Run iterations until train_iters or an exit condition; return the exit reason or None."""
+    # Chapter 08 passes `rerun_state_machine` (see train_step) and `step_hooks`, an object whose
+    # `on_step_start(state)` / `on_step_end(state)` bracket every train_step (heartbeats, faults).
     save = partial(save_checkpoint_fn or _no_op, state, model, optimizer, scheduler)
     finalize = finalize_async_save_fn or _no_op
     log_fn = log_fn or _print_on_last_rank
@@ -454,10 +470,19 @@ def train(forward_step_func, model: list, optimizer, scheduler, train_data_itera
     while state.iteration < train_iters:
         finalize(blocking=False)
         m = _advance_microbatches(calculator, state, m, save)
+        if step_hooks is not None:
+            step_hooks.on_step_start(state)
         result = train_step(forward_step_func, train_data_iterator, model, optimizer, scheduler,
                             forward_backward_func, num_microbatches=m,
                             micro_batch_size=training.micro_batch_size, seq_length=seq_length,
-                            grid=grid, config=config)
+                            grid=grid, config=config, rerun_state_machine=rerun_state_machine)
+        if step_hooks is not None:
+            step_hooks.on_step_end(state)
+        if result.should_exit:  # the rerun machine: save if asked, stop (training.py:3545)
+            if result.should_checkpoint:
+                save()
+            reason = "rerun"
+            break
         batch = m * training.micro_batch_size * grid.size("dp")
         flops = flops_fn(batch) if flops_fn is not None else 0
         state.iteration += 1
@@ -581,7 +606,8 @@ def pretrain(training, *, model_provider, forward_step_func, data_iterators_prov
              ddp_config=None, seq_length: int, vpp_size: int | None = None,
              schedule_overrides: dict | None = None, load_checkpoint_fn=None,
              save_checkpoint_fn=None, finalize_async_save_fn=None, flops_fn=None,
-             peak_flops=None, log_fn=None, exit_signal=None, clock=time.time) -> TrainingRun:
+             peak_flops=None, log_fn=None, exit_signal=None, clock=time.time,
+             rerun_state_machine=None, step_hooks=None) -> TrainingRun:
     """Grid+seeds -> chunks -> DDP -> optimizer+scheduler -> load -> data -> train -> save."""
     grid, model, optimizer, scheduler, calc, iters, state = _setup(
         training, grid_provider, model_provider, ddp_config, optimizer_provider,
@@ -600,7 +626,8 @@ def pretrain(training, *, model_provider, forward_step_func, data_iterators_prov
                            seq_length=seq_length, grid=grid, forward_backward_func=fb,
                            config=config, save_checkpoint_fn=save_checkpoint_fn,
                            finalize_async_save_fn=finalize_async_save_fn, flops_fn=flops_fn,
-                           peak_flops=peak_flops, log_fn=log_fn, exit_signal=sig, clock=clock)
+                           peak_flops=peak_flops, log_fn=log_fn, exit_signal=sig, clock=clock,
+                           rerun_state_machine=rerun_state_machine, step_hooks=step_hooks)
     just_saved = bool(training.save_interval) and state.iteration % training.save_interval == 0
     if save_checkpoint_fn is not None and reason is None and state.iteration and not just_saved:
         save_checkpoint_fn(state, model, optimizer, scheduler)
