@@ -9,7 +9,7 @@ from pathlib import Path
 # The book's order: the seed's chapters 00 -> 08, then the appendices.
 CHAPTER_ORDER = [
     "00_overview", "01_main_loop", "02_optimizer", "03_checkpoint", "04_data", "05_buffers",
-    "06_recompute_offload", "07_memory", "08_reliability", "parallel", "model",
+    "06_recompute_offload", "07_memory", "08_reliability", "parallel", "model", "kernels",
 ]
 
 
