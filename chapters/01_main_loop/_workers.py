@@ -53,9 +53,10 @@ def forward_step_func(data_iterator, model):
     batch = next(data_iterator)
     inner = _unwrap(model)
     _CURRENT["microbatch"] = (inner.layer_offset, batch["id"])  # (which chunk, micro-batch)
-    out = model(batch["tokens"] if inner.pre_process else None,
-                labels=batch["labels"] if inner.post_process else None)
-    return out, partial(lm_loss_func, batch["loss_mask"])
+    device = next(inner.parameters()).device
+    out = model(batch["tokens"].to(device) if inner.pre_process else None,
+                labels=batch["labels"].to(device) if inner.post_process else None)
+    return out, partial(lm_loss_func, batch["loss_mask"].to(device))
 
 
 def make_optimizer(params, kind: str = "adamw"):
@@ -94,7 +95,7 @@ def full_grads(models, grid) -> dict[str, torch.Tensor]:
     for m in models:
         inner = _unwrap(m)
         for name, p in inner.named_parameters():
-            g = main_grad_of(p).detach().clone()
+            g = main_grad_of(p).detach().clone()  # on the grid's device (NCCL: CUDA)
             if grid.size("tp") > 1 and p.shard_spec.dim is not None:
                 pieces = [torch.empty_like(g) for _ in range(grid.size("tp"))]
                 dist.all_gather(pieces, g.contiguous(), group=grid.group("tp"))
@@ -102,7 +103,7 @@ def full_grads(models, grid) -> dict[str, torch.Tensor]:
             full = global_parameter_name(name, inner.layer_offset)
             if full == "output_layer.weight" and inner.config.tie_embeddings:
                 full = "embedding.word_embeddings.weight"  # the tied copy on the last stage
-            out[full] = g
+            out[full] = g.cpu()
     return out
 
 
@@ -132,7 +133,8 @@ def _step_with_grads(models, opt):
 def run_case(tp: int = 1, pp: int = 2, vpp: int | None = None, num_microbatches: int = 4,
              num_steps: int = 2, ddp: bool = False, tie: bool = False, num_layers: int = 4,
              optimizer: str = "adamw", group_size: int | None = None, seed: int = 0,
-             record: bool = False, deallocate: bool = True, comm: bool = False) -> dict:
+             record: bool = False, deallocate: bool = True, comm: bool = False,
+             grad_sync: bool = False) -> dict:
     """Train num_steps iterations through the layout's schedule; gaps against one process."""
     grid = grid_for(tp, pp)
     dp, dp_rank = grid.size("dp"), grid.rank("dp")
@@ -156,7 +158,9 @@ def run_case(tp: int = 1, pp: int = 2, vpp: int | None = None, num_microbatches:
         cfg = ScheduleConfig(finalize_model_grads_func=finalize_model_grads, recorder=rec,
                              no_sync_func=[c.no_sync for c in models] if ddp else None,
                              microbatch_group_size_per_vp_stage=group_size,
-                             deallocate_pipeline_outputs=deallocate)
+                             deallocate_pipeline_outputs=deallocate,
+                             grad_sync_func=[c.start_grad_sync for c in models] if grad_sync
+                             else None)
         mine = batches[dp_rank * m:(dp_rank + 1) * m]
         iters = [iter(mine) for _ in models]
         reports = fb(forward_step_func=forward_step_func, data_iterator=iters if vpp else iters[0],
@@ -167,7 +171,7 @@ def run_case(tp: int = 1, pp: int = 2, vpp: int | None = None, num_microbatches:
         res["bitwise"].append(same)
         if reports:
             mine_ref = ref[k]["reports"][dp_rank * m:(dp_rank + 1) * m]
-            got = torch.stack([r["lm loss"] for r in reports])  # [sum, count] pairs
+            got = torch.stack([r["lm loss"].cpu() for r in reports])  # [sum, count] pairs
             res["loss_gaps"].append(float(((got - mine_ref).abs()
                                            / mine_ref.abs().clamp(min=1)).max()))
         if rec is not None:
