@@ -58,5 +58,24 @@ _CDN_MERMAID_SCRIPT = re.compile(
 
 
 def on_page_content(html, page, config, files):
+    title = code_span_title(Path(page.file.abs_src_path))
+    if title is not None:
+        page.title = title  # the nav and the browser tab
     html = _CDN_MERMAID_SCRIPT.sub("", html)
     return _JP_MERMAID.sub('class="tt-mermaid"', html)
+
+
+# Titles are taken from the page's first heading with its markup stripped, and Python-Markdown
+# drops the text of inline code there: "the `.bin` / `.idx` indexed dataset" would read
+# "the / indexed dataset". A heading with code spans keeps their text instead.
+def code_span_title(source: Path) -> str | None:
+    """The first level-1 heading of a .md page or a jupytext .py page, if it has code spans."""
+    for line in source.read_text(encoding="utf-8").splitlines():
+        if source.suffix == ".py":
+            if not line.startswith("# "):
+                continue
+            line = line[2:]
+        if line.startswith("# "):
+            heading = line[2:].strip()
+            return re.sub(r"`+([^`]+)`+", r"\1", heading) if "`" in heading else None
+    return None

@@ -390,3 +390,14 @@ def test_public_entry_points_show_a_usage_example():
                     optimizer.get_megatron_optimizer]
     missing = [f.__qualname__ for f in entry_points if "Example" not in (f.__doc__ or "")]
     assert not missing, f"no usage example in the docstring of {missing}"
+
+
+def test_book_titles_keep_the_text_of_code_spans():
+    sys.path.insert(0, str(ROOT / "book"))
+    try:
+        import hooks
+    finally:
+        sys.path.pop(0)
+    assert (hooks.code_span_title(ROOT / "chapters" / "04_data" / "indexed.py")
+            == "04 · Data: the .bin / .idx indexed dataset")
+    assert hooks.code_span_title(ROOT / "chapters" / "index.md") is None  # no code: left alone

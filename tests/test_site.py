@@ -34,8 +34,14 @@ PROBE = b"""<script>(function () {
     document.querySelectorAll("div.mermaid").forEach(function (d) {
       var root = d.shadowRoot;
       if (!root) return;
-      d.setAttribute("data-tt-svg", root.querySelector("svg") ? "yes" : "no");
+      var svg = root.querySelector("svg");
+      d.setAttribute("data-tt-svg", svg ? "yes" : "no");
       d.setAttribute("data-tt-error", /Syntax error|Parse error/.test(root.textContent) ? "yes" : "no");
+      var label = svg && root.querySelector(".nodeLabel, .label, text");
+      if (label && svg.viewBox.baseVal.width) {  // the label's font size as drawn on screen
+        var scale = svg.getBoundingClientRect().width / svg.viewBox.baseVal.width;
+        d.setAttribute("data-tt-font-px", (parseFloat(getComputedStyle(label).fontSize) * scale).toFixed(1));
+      }
     });
   }, 100);
 })();</script>"""
@@ -147,6 +153,23 @@ def test_browser_renders_diagrams_and_math(site_dir, served_site):
             assert "<mjx-container" in dom, f"/{rel}: has $math$ but nothing was typeset by MathJax"
             checked_math += 1
     assert checked_mermaid >= 1 and checked_math >= 1
+
+
+def test_titles_keep_the_text_of_code_spans(site_dir):
+    """Nav entries and browser tabs read "the .bin / .idx indexed dataset", not "the / indexed"."""
+    html = (site_dir / "04_data" / "indexed" / "index.html").read_text(encoding="utf-8")
+    title = re.search(r"<title>(.*?)</title>", html, re.S).group(1)
+    assert ".bin / .idx" in title, title
+    assert re.search(r'md-nav__link[^>]*>\s*(?:<[^>]+>\s*)*04 · Data: the .bin / .idx', html), (
+        "the nav entry of the indexed-dataset page lost its code text")
+
+
+def test_front_page_flowchart_is_legible(served_site):
+    """At a common laptop width the iteration flowchart's labels render at 12 px or more."""
+    dom = _browser(f"{served_site}/", "--dump-dom", "--window-size=1280,2000")
+    sizes = [float(x) for x in re.findall(r'data-tt-font-px="([\d.]+)"', dom)]
+    assert sizes, "the front page's flowchart did not render"
+    assert min(sizes) >= 12.0, f"flowchart labels render at {min(sizes)} px: too small to read"
 
 
 def test_front_page_screenshot(served_site):
