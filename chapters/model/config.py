@@ -241,6 +241,10 @@ def _check_activation_fields(c: ModelConfig) -> None:
         if c.recompute_granularity == "full":
             raise ValueError("fine_grained_activation_offloading cannot be combined with "
                              "recompute_granularity='full' (full recompute saves only layer inputs)")
+        if (c.recompute_granularity == "selective" and "layernorm" in c.recompute_modules
+                and "qkv_linear" in c.offload_modules):
+            raise ValueError("offload_modules: qkv_linear cannot be offloaded while 'layernorm' is in "
+                             "recompute_modules (the norm's output, qkv's input, is freed instead)")
 
 
 def _check_kernels(c: ModelConfig) -> None:

@@ -1,0 +1,610 @@
+# %% [markdown]
+# # 06 · Recompute (3/4): fine-grained activation offload to host memory
+#
+# Recompute pays for memory with compute. Offload pays with PCIe bandwidth instead: the
+# activations a module saves for its backward are copied to host memory as soon as the module's
+# forward ends, and copied back shortly before the backward needs them. On a GPU both copies
+# run on side streams, so they hide behind the matmuls. This page builds Megatron's
+# fine-grained version, where the model config picks *which modules'* activations move.
+#
+# You will build: `HostBufferPool`, `OffloadGroup`, `ChunkOffloadHandler`, `OffloadManager`
+# and `install_offload(model, manager)`.
+
+# %%
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+__all__ = ["HostBufferPool", "OffloadGroup", "ChunkOffloadHandler", "OffloadManager",
+           "install_offload", "offload_group_modules"]
+
+# %% [markdown]
+# ## The mechanism in one picture
+#
+# Autograd lets a program intercept every tensor a forward saves for its backward:
+# inside `torch.autograd.graph.saved_tensors_hooks(pack, unpack)`, `pack(t)` is called with
+# each saved tensor and may return *anything* (a tag); in backward, `unpack(tag)` must give the
+# tensor back. Megatron (`megatron/core/pipeline_parallel/fine_grained_activation_offload.py`)
+# builds offload from that and two markers around each chosen module's region, a **group**:
+#
+# ```mermaid
+# sequenceDiagram
+#   participant C as compute stream
+#   participant D as D2H stream
+#   participant H as H2D stream
+#   Note over C: forward of layer i
+#   C->>C: start(qkv_linear): pack hooks on
+#   C->>C: linear_qkv forward (saves its input → tag)
+#   C->>D: commit: D2H waits for compute, copies the group's tensors to pinned buffers
+#   D-->>D: record offload event; device memory freed
+#   Note over C: ... forward goes on while D copies ...
+#   Note over C: backward of layer i+1
+#   C->>H: start marker of layer i+1 fires: prefetch layer i's groups
+#   H-->>H: wait offload event, copy back, record reload event
+#   C->>C: commit marker of layer i fires: wait reload event
+#   C->>C: linear_qkv backward: unpack(tag) → the reloaded tensor
+# ```
+#
+# The pieces, with Megatron's names: a **group** (`OffloadTensorGroup`, `:332`) holds the saved
+# tensors of one module call; a **chunk handler** (`ChunkOffloadHandler`, `:739`) holds the
+# groups of one micro-batch's forward through one model chunk; a **manager**
+# (`PipelineOffloadManager`, `:383`) owns the two side streams, the pool of pinned host
+# buffers and the queue of chunks waiting for their backward. The markers are how the
+# backward tells the handler where it is: the commit marker fires just *before* its group's
+# backward (time to wait for the reload), the start marker just *after* (time to prefetch).
+#
+# Megatron's markers are two identity autograd functions (`:1108`, `:1188`) applied to the
+# region's input and output. Here they are gradient hooks on those same two tensors
+# (`tensor.register_hook`), which leave the graph untouched. The difference is visible in the
+# last bit: the layer input feeds both the norm and the residual add, and an identity node in
+# front of the norm makes autograd sum the norm's two gradient contributions before adding
+# the residual's, instead of in the order the plain graph uses — a different rounding,
+# gradients one ulp apart. With hooks, offload leaves every gradient bitwise unchanged.
+#
+# **Which modules.** `offload_modules` names regions of a layer: `attn_norm` (input
+# layernorm), `qkv_linear`, `core_attn` (softmax attention), `attn_proj`, `mlp_norm`
+# (`transformer_config.py:1127-1146`, checks at `:1675-1698`). `attn_proj` requires `core_attn`:
+# the projection's input is core attention's output, which core attention's own backward does
+# not need but whose storage `attn_proj` saves. The MLP's internals are never offloaded in a
+# dense model: they are the bulk of the compute that hides the copies of the other groups.
+#
+# **What is not moved.** Tensors smaller than `min_offloaded_tensor_size` elements (Megatron:
+# $2^{20}$, `:1127`) stay: a copy's fixed cost dominates for them. Parameters (and views of
+# them, like the transposed weight a linear saves) stay: they live on the device anyway.
+# A tensor saved twice in one group (an RMSNorm saves its input for two operations) is copied
+# once.
+#
+# **The offload margin.** On the last pipeline stage a chunk's backward starts right after
+# its forward, and the first groups it needs are the last layer's: nothing could have
+# prefetched them. Megatron's warm-up iteration finds those groups and marks them not to be
+# offloaded (`post_warmup_callback`, `:523`; `should_bulk_offload`, `:962`). Here the handler
+# knows the chunk's layers in advance, so no warm-up is needed: a chunk with `post_process`
+# keeps its last layer's groups on the device.
+#
+# **Prefetch one layer ahead.** When the backward enters the last group of layer $i$, the
+# handler starts reloading every group of layer $i-1$; the copies then overlap with the rest
+# of layer $i$'s backward, its MLP included. Megatron prefetches one *group* ahead; a layer
+# gives the copies more compute to hide behind for at most one layer of extra memory.
+# When a chunk's backward is done, the handler starts the last layer of the next chunk in the
+# queue (`pre_reload_last_layer`, `:920`).
+#
+# **CPU, same structure.** Without CUDA the streams and events are absent and every copy
+# completes at once; host buffers are NumPy arrays, memory that torch's allocator — like the
+# CUDA allocator on a GPU — does not count, so chapter 01's meter sees exactly what stays on
+# the "device".
+
+# %% [markdown]
+# ## The host buffer pool and the two streams
+#
+# Pinned (page-locked) host memory is what lets a `non_blocking` copy run truly asynchronously,
+# and pinning is slow (a `cudaHostAlloc` per buffer), so buffers are reused across
+# micro-batches, keyed by (shape, dtype) (`GPUTensorPool`, `:98`). A buffer handed back after a
+# reload may still be the source of an H2D copy in flight; it carries the reload event, and the
+# next D2H copy into it waits for that event first.
+
+# %%
+class HostBufferPool:
+    """Reusable host buffers keyed by (shape, dtype): pinned tensors with CUDA, NumPy bytes without."""
+
+    def __init__(self, pinned: bool):
+        self.pinned = pinned
+        self._free: dict[tuple, list] = {}
+        self.num_allocated = 0
+        self.bytes_allocated = 0
+
+    def take(self, shape: torch.Size, dtype: torch.dtype):
+        """A free buffer for (shape, dtype), or a new one; waits for its last reload if needed."""
+        key = (tuple(shape), dtype)
+        if self._free.get(key):
+            buffer, ready = self._free[key].pop()
+            if ready is not None:
+                torch.cuda.current_stream().wait_event(ready)
+            return buffer
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        self.num_allocated, self.bytes_allocated = self.num_allocated + 1, self.bytes_allocated + nbytes
+        if self.pinned:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def give_back(self, buffer, shape, dtype, ready=None) -> None:
+        """Return a buffer; `ready` is the event after which it may be overwritten."""
+        self._free.setdefault((tuple(shape), dtype), []).append((buffer, ready))
+
+
+def _memory_order(t: torch.Tensor) -> list[int]:
+    """t's dims from outermost to innermost in memory (a transposed view is not contiguous)."""
+    return sorted(range(t.dim()), key=lambda d: -t.stride(d))
+
+
+def _to_host(buffer, t: torch.Tensor) -> None:
+    """Copy t, laid out in its own memory order, into a host buffer (asynchronous on CUDA)."""
+    dense = t.detach().permute(_memory_order(t)).contiguous()
+    if isinstance(buffer, torch.Tensor):
+        buffer.copy_(dense, non_blocking=True)
+    else:
+        np.copyto(buffer, dense.view(torch.uint8).reshape(-1).numpy())
+
+
+def _to_device(buffer, shape, dtype, device, order: list[int]) -> torch.Tensor:
+    """A device tensor with the host data, given back t's strides (so kernels, and rounding, match)."""
+    permuted_shape = [shape[d] for d in order]
+    if isinstance(buffer, torch.Tensor):
+        out = torch.empty(permuted_shape, dtype=dtype, device=device)
+        out.copy_(buffer, non_blocking=True)
+    else:
+        out = torch.from_numpy(buffer).clone().view(dtype).view(permuted_shape)
+    inverse = sorted(range(len(order)), key=lambda i: order[i])
+    return out.permute(inverse)
+
+
+class _Streams:
+    """The D2H and H2D side streams on CUDA; on CPU, nothing (every copy is synchronous)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.d2h = torch.cuda.Stream(device) if self.cuda else None
+        self.h2d = torch.cuda.Stream(device) if self.cuda else None
+
+    def on(self, stream):
+        """Context that makes `stream` current (CUDA) or does nothing (CPU)."""
+        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
+
+    def follow_compute(self, stream) -> None:
+        """Make a side stream wait for the work queued so far on the compute stream."""
+        if self.cuda:
+            stream.wait_stream(torch.cuda.current_stream())
+
+    def record(self, stream):
+        """An event marking the work queued so far on `stream` (None on CPU)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def wait(self, event, stream=None) -> None:
+        """Make `stream` (default: the current one) wait for `event`."""
+        if event is not None:
+            (stream or torch.cuda.current_stream()).wait_event(event)
+
+# %% [markdown]
+# ## Groups and the chunk handler
+#
+# A saved tensor gets a tag `(group, slot)`. Until its group commits, the slot holds the
+# device tensor; after an offload, a host record; after a reload, the new device tensor. The
+# slot counts how many tags point at it and lets go of the tensor after the last unpack, so
+# the reloaded memory is freed as soon as autograd is done with it.
+
+# %%
+@dataclass
+class OffloadGroup:
+    """The saved tensors of one module call (one layer, one offload_modules name)."""
+
+    name: str
+    layer: int
+    index: int
+    slots: list = field(default_factory=list)  # device tensor | host record
+    uses: list = field(default_factory=list)  # tags not yet unpacked, per slot
+    seen: dict = field(default_factory=dict)  # identity of a saved tensor -> slot
+    offloaded: bool = False
+    reloaded: bool = False
+    offload_event: object = None
+    reload_event: object = None
+    offloaded_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class _Tag:
+    group: OffloadGroup
+    slot: int
+
+
+@dataclass
+class _HostRecord:
+    buffer: object
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    order: list
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    """Two saved tensors with this key are the same data (one copy serves both)."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+            t.dtype)
+
+
+def _is_parameter_data(t: torch.Tensor) -> bool:
+    """A parameter or a view of one (e.g. the transposed weight a linear layer saves)."""
+    base = t._base if t._base is not None else t
+    return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
+
+# %% [markdown]
+# The handler's forward side: `start_group` opens a group and turns the pack hooks on;
+# `pack` files each saved tensor (or lets a small one, or a parameter, through untouched);
+# `commit_group` turns the hooks off and starts the D2H copies of everything the group holds.
+
+# %%
+class _ChunkForward:
+    """Forward-side methods of ChunkOffloadHandler (open, pack, commit)."""
+
+    def __init__(self, manager, last_layer: int, keep_last_layer: bool,
+                 min_size: int):
+        self.manager, self.last_layer, self.keep_last_layer = manager, last_layer, keep_last_layer
+        self.min_size, self.groups, self.open = min_size, [], None
+        self._hooks = None
+        self.backward_started = False
+
+    def start_group(self, name: str, layer: int) -> OffloadGroup:
+        """Open a group; saved tensors go into it until commit_group."""
+        assert self.open is None, f"group {self.open.name} is still open"
+        self.open = OffloadGroup(name, layer, len(self.groups))
+        self.groups.append(self.open)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._hooks.__enter__()
+        return self.open
+
+    def pack(self, t: torch.Tensor):
+        """A tag for a tensor worth moving; small tensors and parameters pass through."""
+        if t.numel() < self.min_size or _is_parameter_data(t):
+            return t
+        group, key = self.open, _identity(t)
+        if key not in group.seen:
+            group.seen[key] = len(group.slots)
+            group.slots.append(t.detach())
+            group.uses.append(0)
+        slot = group.seen[key]
+        group.uses[slot] += 1
+        return _Tag(group, slot)
+
+    def close_hooks(self) -> None:
+        """Turn the pack hooks off (the module's forward is over, or failed)."""
+        if self._hooks is not None:
+            self._hooks.__exit__(None, None, None)
+            self._hooks = None
+
+    def commit_group(self, group: OffloadGroup) -> None:
+        """Close the group and copy its tensors to host buffers on the D2H stream."""
+        self.close_hooks()
+        self.open, group.seen = None, {}
+        if self.keep_last_layer and group.layer == self.last_layer:
+            return  # the offload margin: its backward comes next, nothing could prefetch it
+        streams, pool = self.manager.streams, self.manager.pool
+        streams.follow_compute(streams.d2h)
+        with streams.on(streams.d2h):
+            for i, t in enumerate(group.slots):
+                order = _memory_order(t)
+                buffer = pool.take([t.shape[d] for d in order], t.dtype)
+                _to_host(buffer, t)
+                if streams.cuda:
+                    t.record_stream(streams.d2h)  # keep the memory until the copy is done
+                group.slots[i] = _HostRecord(buffer, t.shape, t.dtype, t.device, order)
+                group.offloaded_bytes += t.numel() * t.element_size()
+            group.offload_event = streams.record(streams.d2h)
+        group.offloaded = bool(group.slots)
+        self.manager.count(group)
+
+# %% [markdown]
+# The backward side. `reload_group` starts the H2D copies of one group (after its offload
+# event); `wait_group` makes the compute stream wait for them; `unpack` hands a slot's tensor to
+# autograd, reloading on the spot if nothing prefetched it (correct, only not overlapped).
+# `prefetch_before(group)` runs at the start marker: reload every group of the
+# previous layer, and when this chunk is done, the last layer of the next chunk.
+
+# %%
+class ChunkOffloadHandler(_ChunkForward):
+    """The offload groups of one micro-batch's forward through one model chunk."""
+
+    def reload_group(self, group: OffloadGroup) -> None:
+        """Start copying an offloaded group back to the device on the H2D stream."""
+        if not group.offloaded or group.reloaded:
+            return
+        streams, pool = self.manager.streams, self.manager.pool
+        streams.follow_compute(streams.h2d)
+        with streams.on(streams.h2d):
+            streams.wait(group.offload_event, streams.h2d)
+            records = group.slots
+            group.slots = [_to_device(r.buffer, r.shape, r.dtype, r.device, r.order)
+                           for r in records]
+            group.reload_event = streams.record(streams.h2d)
+        for r in records:
+            pool.give_back(r.buffer, [r.shape[d] for d in r.order], r.dtype, group.reload_event)
+        group.reloaded = True
+
+    def wait_group(self, group: OffloadGroup) -> None:
+        """Before the group's backward: make sure its tensors are back and the copies done."""
+        if not self.backward_started:
+            self.backward_started = True
+            self.manager.backward_began(self)
+        self.reload_group(group)
+        if group.reload_event is not None:
+            self.manager.streams.wait(group.reload_event)
+            for t in group.slots:
+                if isinstance(t, torch.Tensor):
+                    t.record_stream(torch.cuda.current_stream())
+            group.reload_event = None
+
+    def unpack(self, packed):
+        """The saved tensor for autograd; a tag's slot is released after its last use."""
+        if not isinstance(packed, _Tag):
+            return packed
+        group = packed.group
+        if group.offloaded and not group.reloaded:
+            self.reload_group(group)  # nobody prefetched it: reload now
+        if group.reload_event is not None:
+            self.wait_group(group)
+        t = group.slots[packed.slot]
+        group.uses[packed.slot] -= 1
+        if group.uses[packed.slot] == 0:
+            group.slots[packed.slot] = None
+        return t
+
+    def prefetch_before(self, group: OffloadGroup) -> None:
+        """After a group's backward: reload the previous layer, or the next chunk's last layer."""
+        for g in self.groups[:group.index]:
+            if g.layer >= group.layer - 1:
+                self.reload_group(g)
+        if group.index == 0:
+            self.manager.prefetch_next_chunk(self)
+
+    def reload_layer(self, layer: int) -> None:
+        """Start reloading every group of one layer (used to pre-load a chunk's last layer)."""
+        for g in self.groups:
+            if g.layer == layer:
+                self.reload_group(g)
+
+
+# %% [markdown]
+# The two markers. The start marker hooks the region's input: its gradient is complete once
+# the region's backward is done. The commit marker offloads now and hooks the region's output:
+# its gradient arrives just before the region's backward begins.
+
+# %%
+def _mark_start(x: torch.Tensor, handler: ChunkOffloadHandler, group: OffloadGroup) -> None:
+    """After the group's backward: prefetch what comes next."""
+    if x.requires_grad:
+        x.register_hook(lambda grad: handler.prefetch_before(group))
+
+
+def _mark_commit(out: torch.Tensor, handler: ChunkOffloadHandler, group: OffloadGroup) -> None:
+    """Offload the group now; before its backward, wait for its reload."""
+    handler.commit_group(group)
+    if out.requires_grad:
+        out.register_hook(lambda grad: handler.wait_group(group))
+
+# %% [markdown]
+# ## The manager
+#
+# One per rank and device. It owns the streams and the pool, creates a chunk handler at the
+# start of every training forward of a model chunk, and queues finished chunks in the order
+# their backwards will run — first in, first out, as in the 1F1B and no-pipelining schedules
+# (an interleaved schedule only loses the cross-chunk prefetch when the guess is wrong).
+
+# %%
+class OffloadManager:
+    """Side streams, the host pool, and the chunk handlers of one rank."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.streams = _Streams(self.device)
+        self.pool = HostBufferPool(pinned=self.streams.cuda)
+        self.current: ChunkOffloadHandler | None = None
+        self.last: ChunkOffloadHandler | None = None  # the latest chunk, for inspection
+        self.waiting: deque[ChunkOffloadHandler] = deque()
+        self.offloaded_bytes: dict[str, int] = {}
+
+    def begin_chunk(self, model) -> None:
+        """A training forward of `model` starts: open a handler (none in eval / no-grad)."""
+        if not (model.training and torch.is_grad_enabled()) or not len(model.decoder.layers):
+            self.current = None
+            return
+        c = model.config
+        self.current = ChunkOffloadHandler(self, model.decoder.layers[-1].layer_number,
+                                           keep_last_layer=model.post_process,
+                                           min_size=c.min_offloaded_tensor_size)
+
+    def end_chunk(self) -> None:
+        """The forward is over: queue the handler for its backward."""
+        if self.current is not None:
+            self.current.close_hooks()
+            self.waiting.append(self.current)
+            self.last = self.current
+        self.current = None
+
+    def backward_began(self, handler: ChunkOffloadHandler) -> None:
+        """A chunk's backward has started: it leaves the queue."""
+        if handler in self.waiting:
+            self.waiting.remove(handler)
+
+    def prefetch_next_chunk(self, handler: ChunkOffloadHandler) -> None:
+        """A chunk's backward is done: start reloading the next chunk's last layer."""
+        self.backward_began(handler)
+        if self.waiting:
+            nxt = self.waiting[0]
+            nxt.reload_layer(nxt.last_layer)
+
+    def count(self, group: OffloadGroup) -> None:
+        """Add a committed group's bytes to the per-module summary."""
+        self.offloaded_bytes[group.name] = self.offloaded_bytes.get(group.name, 0) + group.offloaded_bytes
+
+# %% [markdown]
+# ## Installing the groups on a model
+#
+# The model (appendix B) knows nothing of offload. The groups attach from outside: a forward
+# pre-hook on each chosen module opens the group and marks the module's input; a forward
+# hook (`always_call`, so a failing forward still closes the pack hooks) commits the group and
+# marks the output. Core attention is not a module of its own; it goes
+# through `SelfAttention.attend_wrapper`, the same hook selective recompute uses (page 2),
+# composed so that offload is the outer layer: under selective recompute the tensors it moves
+# are the checkpoint's saved inputs. A pre-/post-hook pair on the whole model opens and queues
+# the chunk handler.
+
+# %%
+def offload_group_modules(layer) -> dict:
+    """Megatron's offload names -> the module of this layer they cover (core_attn: none)."""
+    attn = layer.self_attention
+    return {"attn_norm": layer.input_layernorm, "qkv_linear": attn.linear_qkv,
+            "attn_proj": attn.linear_proj, "mlp_norm": layer.pre_mlp_layernorm}
+
+
+def _hook_module(module, name: str, layer_number: int, manager: OffloadManager) -> None:
+    """Bracket one module's forward by a group start and a group commit."""
+    state = {}
+
+    def before(_module, args):
+        handler = manager.current
+        if handler is None:
+            return None
+        group = handler.start_group(name, layer_number)
+        state["handler"], state["group"] = handler, group
+        _mark_start(args[0], handler, group)
+        return None
+
+    def after(_module, args, output):
+        handler, group = state.pop("handler", None), state.pop("group", None)
+        if handler is None:
+            return None
+        if output is None:  # the forward raised: just turn the hooks off
+            handler.close_hooks()
+            handler.open = None
+            return None
+        _mark_commit(output, handler, group)
+        return None
+
+    module.register_forward_pre_hook(before)
+    module.register_forward_hook(after, always_call=True)
+
+
+def _offload_attend(manager: OffloadManager, layer_number: int, inner=None):
+    """An attend_wrapper that makes core attention one offload group (around `inner`, if any)."""
+    def wrapper(attend, q, k, v, attention_mask):
+        run = attend if inner is None else (lambda *a: inner(attend, *a))
+        handler = manager.current
+        if handler is None:
+            return run(q, k, v, attention_mask)
+        group = handler.start_group("core_attn", layer_number)
+        _mark_start(q, handler, group)
+        try:
+            out = run(q, k, v, attention_mask)
+        except BaseException:
+            handler.close_hooks()
+            handler.open = None
+            raise
+        _mark_commit(out, handler, group)
+        return out
+    return wrapper
+
+
+def install_offload(model, manager: OffloadManager) -> None:
+    """Attach the offload groups named by model.config.offload_modules to every layer."""
+    names = model.config.offload_modules
+    for layer in model.decoder.layers:
+        modules = offload_group_modules(layer)
+        for name in names:
+            if name == "core_attn":
+                attn = layer.self_attention
+                attn.attend_wrapper = _offload_attend(manager, layer.layer_number,
+                                                      attn.attend_wrapper)
+            else:
+                _hook_module(modules[name], name, layer.layer_number, manager)
+    model.register_forward_pre_hook(lambda m, args, kwargs: manager.begin_chunk(m),
+                                    with_kwargs=True)
+    model.register_forward_hook(lambda m, args, out: manager.end_chunk(), always_call=True)
+
+# %% [markdown]
+# ## Demo: what moves, what stays, and the device's live bytes
+#
+# The 4-layer tiny model (dropout 0.1, fp32) runs one training micro-batch with all five
+# regions offloaded (`min_offloaded_tensor_size = 1024` elements, so the tiny tensors qualify)
+# and once without, under chapter 01's meter with its timeline on. The claims: the loss and
+# every gradient are bitwise the same; the bytes held after the forward drop by exactly what
+# went to host memory; the reciprocal RMS vectors (128 elements) and the last layer (the margin)
+# stayed; a second micro-batch reuses every host buffer of the first.
+
+# %%
+def _offload_run(config, steps: int = 1):
+    """Loss, grads, the meter's timeline and the manager after `steps` micro-batches."""
+    from tinytron.main_loop.memory_meter import LiveBytesMeter
+    from tinytron.model.gpt import GPTModel
+    from tinytron.parallel import ParallelGrid
+    from tinytron.parallel.rng import model_parallel_seed
+    from tinytron.recompute.recompute import apply_recompute
+
+    model_parallel_seed(1234, ParallelGrid.single())
+    model = GPTModel(config)
+    manager = apply_recompute(model)
+    tokens = torch.randint(0, config.vocab_size, (2, config.seq_length),
+                           generator=torch.Generator().manual_seed(0))
+    for _ in range(steps):
+        with LiveBytesMeter() as meter:
+            meter.track(model.parameters())
+            base = meter.mark("start")
+            loss = model(tokens, labels=tokens).mean()
+            held = meter.mark("forward done") - base
+            loss.backward()
+    timeline = [(live - base) for _, live, _ in meter.timeline]
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.detach(), grads, held, timeline, manager
+
+
+if __name__ == "__main__":
+    import matplotlib.pyplot as plt
+
+    from tinytron.model.config import tiny_config
+
+    torch.set_num_threads(1)
+    plain = tiny_config(num_layers=4, dropout=0.1)
+    moved = plain.replace(fine_grained_activation_offloading=True, min_offloaded_tensor_size=1024,
+                          offload_modules=["attn_norm", "qkv_linear", "core_attn", "attn_proj",
+                                           "mlp_norm"])
+    loss0, grads0, held0, line0, _ = _offload_run(plain, steps=2)
+    loss1, grads1, held1, line1, manager = _offload_run(moved, steps=2)
+    to_host = sum(manager.offloaded_bytes.values()) // 2  # two micro-batches were counted
+    print("bytes moved to host per micro-batch, by region:",
+          {k: v // 2 for k, v in manager.offloaded_bytes.items()})
+    print(f"held after forward: {held0:,} without offload, {held1:,} with "
+          f"(difference {held0 - held1:,}, moved {to_host:,})")
+    print(f"host buffers allocated: {manager.pool.num_allocated} "
+          f"({manager.pool.bytes_allocated:,} bytes) for two micro-batches")
+
+    fig, ax = plt.subplots(figsize=(7, 2.6))
+    ax.plot([v / 2**20 for v in line0], label="no offload", color="#4c72b0")
+    ax.plot([v / 2**20 for v in line1], label="offload, 5 regions", color="#55a868")
+    ax.set_xlabel("operator call (forward, then backward)"), ax.set_ylabel("live MiB")
+    ax.set_title("device live bytes of one micro-batch (measured, CPU)")
+    ax.legend(fontsize=8)
+    plt.tight_layout()
+    plt.show()
+
+    assert torch.equal(loss0, loss1)
+    assert all(torch.equal(grads0[n], grads1[n]) for n in grads0)
+    assert held0 - held1 == to_host > 0
+    assert manager.pool.bytes_allocated == to_host, "the second micro-batch reused every buffer"
+    groups = manager.last.groups
+    assert all(g.offloaded == (g.layer != 3) for g in groups), "only the margin layer stayed"
+    assert all(len(g.slots) == 2 for g in groups if g.name == "attn_norm"), "rsqrt stayed"

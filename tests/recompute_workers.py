@@ -1,0 +1,40 @@
+"""Rank functions for the recompute tests: one TP world runs every multi-rank check."""
+
+from __future__ import annotations
+
+import torch
+
+from tinytron.model.config import tiny_config
+from tinytron.model.gpt import GPTModel
+from tinytron.parallel.rng import model_parallel_seed
+from tinytron.recompute import _workers
+from tinytron.recompute.recompute import FullRecompute
+
+
+def _grads_without_rng_replay(grid) -> float:
+    """Max |grad - reference| when full recompute does not restore the RNG (TP + SP)."""
+    config = tiny_config(num_layers=2, dropout=0.1, sequence_parallel=True)
+    tokens = torch.randint(0, config.vocab_size, (2, config.seq_length),
+                           generator=torch.Generator().manual_seed(0))
+    grads = []
+    for replay in (None, False):
+        model_parallel_seed(1234, grid)
+        model = GPTModel(config, grid)
+        if replay is not None:
+            model.layer_runner = FullRecompute("uniform", 1, grid=grid, tracker=model.rng_tracker,
+                                               preserve_rng_state=replay)
+        model(tokens, labels=tokens).mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    return max(float((grads[0][n] - grads[1][n]).abs().max()) for n in grads[0])
+
+
+def tp_checks(tp: int) -> dict:
+    """Parity of every mode at TP+SP and TP, distributed inputs, memory per mode, the failing check."""
+    grid = _workers._grid(tp)
+    return {
+        "parity_sp": _workers.mode_parity(tp, True),
+        "parity_tp": _workers.mode_parity(tp, False, modes=["full uniform k=3", "offload"]),
+        "distributed": _workers.distributed_inputs(tp),
+        "memory_sp": _workers.memory_by_mode(tp, True, micro_batch_size=8),
+        "no_replay_gap": _grads_without_rng_replay(grid),
+    }
