@@ -215,9 +215,10 @@ def measure_case(case: dict) -> dict:
                  cfg.pipeline_model_parallel_size)
     states, chunks, ddps = measure_states(cfg, grid)
     acts = [measure_chunk(cfg, grid, chunk, i) for i, chunk in enumerate(chunks)]
+    params = [[(n, p.numel()) for n, p in c.named_parameters()] for c in chunks]
     return {"case": case, "world_size": world, "device": device, "rank": dist.get_rank(),
             "pp_rank": grid.rank("pp"), "dp_cp_rank": grid.rank("dp_cp"), "states": states,
-            "chunks": acts, "schedule": measure_schedule(cfg, grid, ddps)}
+            "chunks": acts, "schedule": measure_schedule(cfg, grid, ddps), "params": params}
 
 
 def measure_cases(cases: list[dict]) -> list[dict]:
