@@ -607,7 +607,8 @@ def pretrain(training, *, model_provider, forward_step_func, data_iterators_prov
              schedule_overrides: dict | None = None, load_checkpoint_fn=None,
              save_checkpoint_fn=None, finalize_async_save_fn=None, flops_fn=None,
              peak_flops=None, log_fn=None, exit_signal=None, clock=time.time,
-             rerun_state_machine=None, step_hooks=None) -> TrainingRun:
+             rerun_state_machine=None, step_hooks=None,
+             wrap_forward_backward_func=None) -> TrainingRun:
     """Grid+seeds -> chunks -> DDP -> optimizer+scheduler -> load -> data -> train -> save."""
     grid, model, optimizer, scheduler, calc, iters, state = _setup(
         training, grid_provider, model_provider, ddp_config, optimizer_provider,
@@ -617,6 +618,8 @@ def pretrain(training, *, model_provider, forward_step_func, data_iterators_prov
     config = build_schedule_config(model, optimizer, grid, calculate_per_token_loss=per_token,
                                    **(schedule_overrides or {}))
     fb = get_forward_backward_func(grid.size("pp"), vpp_size)
+    if wrap_forward_backward_func is not None:  # chapter 08: timers, checks, a CUDA graph
+        fb = wrap_forward_backward_func(fb)
     use_handler = exit_signal is None and getattr(training, "exit_signal_handler", False)
     reason = None
     with (ExitSignal() if use_handler else contextlib.nullcontext(exit_signal)) as sig:
