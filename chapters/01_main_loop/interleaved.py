@@ -214,52 +214,61 @@ class _Interleaved:
     def is_first_chunk(self, c: int) -> bool:
         return c == 0 and self.st.first
 
-    def forward(self, k: int):
-        """Forward of virtual micro-batch k (its chunk and micro-batch from the table)."""
-        c, mb = self.chunk(k, True), self.microbatch(k)
-        if self.is_first_chunk(c) and len(self.inputs[c]) == len(self.outputs[c]):
-            self.inputs[c].append(None)  # the first chunk of rank 0 reads tokens, not a message
-        x = self.inputs[c][mb - self.released(k, c)]
-        with _span(self.config, self.st.rank, c, mb, "forward"):
-            y, n = forward_step(self.step_func, self.iterators[c], self.model[c], self.m, x,
-                                self.store, self.config, self.is_last_chunk(c),
-                                self.st.grid.size("cp"))
-        self.total_num_tokens.add_(n.to(self.total_num_tokens.device))
-        self.outputs[c].append(y)
-        if self.forward_only:  # nothing to keep for a backward
-            self.inputs[c].pop(0)
-            self.outputs[c].pop()
-        return y
 
-    def backward(self, k: int):
-        """Backward of virtual micro-batch k: chunk reversed, oldest stored pair of that chunk."""
-        c, mb, cfg = self.chunk(k, False), self.microbatch(k), self.config
-        if cfg.grad_sync_func is None and self.is_last_microbatch_of_chunk(k):
-            self.sync.enable()  # this chunk is done after this backward: let its buckets go
-            self.synced.add(c)
-        if self.is_last_chunk(c) and not self.grads[c]:
-            self.grads[c].append(None)  # the loss needs no incoming gradient
-        x, y, dy = self.inputs[c].pop(0), self.outputs[c].pop(0), self.grads[c].pop(0)
-        with _span(cfg, self.st.rank, c, mb, "backward"):
-            dx = backward_step(x, y, dy, cfg)
-        j = k - self.st.rank  # custom grad sync: aligned across the pipeline ranks
-        if cfg.grad_sync_func is not None and j >= 0 and self.is_last_microbatch_of_chunk(j):
-            cj = self.chunk(j, False)
-            self.sync.enable()
-            _chunk_func(cfg.grad_sync_func, cj)()
-            self.synced.add(cj)
-        self.sync.disable()
-        return dx
+# %% [markdown]
+# A forward reads its chunk's input at the released-adjusted index and stores the output; a
+# backward pops the oldest (input, output, gradient) of its chunk, opening `no_sync` for the
+# chunk's last micro-batch as described above; one exchange moves up to four tensors.
 
-    def exchange(self, y, y_ids, dx, dx_ids, recv_prev, prev_ids, recv_next, next_ids):
-        """One batched exchange in up to four directions, recorded with the moved ids."""
-        events = ([("send",) + y_ids] if y is not None else []) + \
-                 ([("send",) + dx_ids] if dx is not None else []) + \
-                 ([("recv",) + prev_ids] if recv_prev else []) + \
-                 ([("recv",) + next_ids] if recv_next else [])
-        st = self.st
-        return st._timed(events, lambda: p2p.send_forward_backward_recv_forward_backward(
-            y, dx, recv_prev, recv_next, st.shape, st.grid, st.dtype))
+# %%
+def _forward(run: _Interleaved, k: int):
+    """Forward of virtual micro-batch k (its chunk and micro-batch from the table)."""
+    c, mb = run.chunk(k, True), run.microbatch(k)
+    if run.is_first_chunk(c) and len(run.inputs[c]) == len(run.outputs[c]):
+        run.inputs[c].append(None)  # the first chunk of rank 0 reads tokens, not a message
+    x = run.inputs[c][mb - run.released(k, c)]
+    with _span(run.config, run.st.rank, c, mb, "forward"):
+        y, n = forward_step(run.step_func, run.iterators[c], run.model[c], run.m, x, run.store,
+                            run.config, run.is_last_chunk(c), run.st.grid.size("cp"))
+    run.total_num_tokens.add_(n.to(run.total_num_tokens.device))
+    run.outputs[c].append(y)
+    if run.forward_only:  # nothing to keep for a backward
+        run.inputs[c].pop(0)
+        run.outputs[c].pop()
+    return y
+
+
+def _backward(run: _Interleaved, k: int):
+    """Backward of virtual micro-batch k: chunk reversed, oldest stored pair of that chunk."""
+    c, mb, cfg = run.chunk(k, False), run.microbatch(k), run.config
+    if cfg.grad_sync_func is None and run.is_last_microbatch_of_chunk(k):
+        run.sync.enable()  # this chunk is done after this backward: let its buckets go
+        run.synced.add(c)
+    if run.is_last_chunk(c) and not run.grads[c]:
+        run.grads[c].append(None)  # the loss needs no incoming gradient
+    x, y, dy = run.inputs[c].pop(0), run.outputs[c].pop(0), run.grads[c].pop(0)
+    with _span(cfg, run.st.rank, c, mb, "backward"):
+        dx = backward_step(x, y, dy, cfg)
+    j = k - run.st.rank  # custom grad sync: aligned across the pipeline ranks
+    if cfg.grad_sync_func is not None and j >= 0 and run.is_last_microbatch_of_chunk(j):
+        cj = run.chunk(j, False)
+        run.sync.enable()
+        _chunk_func(cfg.grad_sync_func, cj)()
+        run.synced.add(cj)
+    run.sync.disable()
+    return dx
+
+
+def _exchange(run: _Interleaved, y, y_ids, dx, dx_ids, recv_prev, prev_ids, recv_next,
+              next_ids):
+    """One batched exchange in up to four directions, recorded with the moved ids."""
+    events = ([("send",) + y_ids] if y is not None else []) + \
+             ([("send",) + dx_ids] if dx is not None else []) + \
+             ([("recv",) + prev_ids] if recv_prev else []) + \
+             ([("recv",) + next_ids] if recv_next else [])
+    st = run.st
+    return st._timed(events, lambda: p2p.send_forward_backward_recv_forward_backward(
+        y, dx, recv_prev, recv_next, st.shape, st.grid, st.dtype))
 
 
 def _chunk_func(funcs, c: int):
@@ -288,12 +297,12 @@ def _warmup(run: _Interleaved) -> None:
         c = run.chunk(k, True)
         recv_prev, next_c, next_mb = run.recv_source(k, True)
         recv_prev = recv_prev and k != run.total - 1
-        y = run.forward(k)
+        y = _forward(run, k)
         y = None if run.is_last_chunk(c) else y
         last = k == run.warmup - 1 and not run.forward_only and not run.all_warmup
         recv_next = last and not run.st.last
-        x, dy = run.exchange(y, (c, run.microbatch(k)), None, None, recv_prev, (next_c, next_mb),
-                             recv_next, (run.v - 1, 0))
+        x, dy = _exchange(run, y, (c, run.microbatch(k)), None, None, recv_prev,
+                          (next_c, next_mb), recv_next, (run.v - 1, 0))
         if last:
             run.grads[run.v - 1].append(dy)
         if recv_prev:
@@ -304,15 +313,15 @@ def _warmup(run: _Interleaved) -> None:
 def _steady(run: _Interleaved) -> None:
     for k in range(run.remaining):
         fk = k + run.warmup
-        y, dx = run.forward(fk), run.backward(k)
+        y, dx = _forward(run, fk), _backward(run, k)
         fc, bc = run.chunk(fk, True), run.chunk(k, False)
         y = None if run.is_last_chunk(fc) else y
         dx = None if run.is_first_chunk(bc) else dx
         recv_prev, next_fc, next_fmb = run.recv_source(fk, True)
         recv_next, next_bc, next_bmb = run.recv_source(k, False)
         recv_prev = recv_prev and k != run.remaining - 1
-        x, dy = run.exchange(y, (fc, run.microbatch(fk)), dx, (bc, run.microbatch(k)), recv_prev,
-                             (next_fc, next_fmb), recv_next, (next_bc, next_bmb))
+        x, dy = _exchange(run, y, (fc, run.microbatch(fk)), dx, (bc, run.microbatch(k)),
+                          recv_prev, (next_fc, next_fmb), recv_next, (next_bc, next_bmb))
         deallocate_output_tensor(y, run.config.deallocate_pipeline_outputs)
         if recv_prev:
             run.inputs[next_fc].append(x)
@@ -323,17 +332,15 @@ def _steady(run: _Interleaved) -> None:
 def _cooldown(run: _Interleaved) -> None:
     st = run.st
     if run.all_warmup:
-        ids = [] if st.last else [("recv", run.v - 1, 0)]
-        run.grads[run.v - 1].append(st._timed(ids, lambda: p2p.recv_backward(
-            st.shape, st.grid, st.dtype)))
+        run.grads[run.v - 1].append(st.p2p("recv_backward", [("recv", run.v - 1, 0)]))
     for k in range(run.remaining, run.total):
         c = run.chunk(k, False)
         recv_next, next_c, next_mb = run.recv_source(k, False)
         recv_next = recv_next and k != run.total - 1
-        dx = run.backward(k)
+        dx = _backward(run, k)
         dx = None if run.is_first_chunk(c) else dx
-        _, dy = run.exchange(None, None, dx, (c, run.microbatch(k)), False, None, recv_next,
-                             (next_c, next_mb))
+        _, dy = _exchange(run, None, None, dx, (c, run.microbatch(k)), False, None,
+                          recv_next, (next_c, next_mb))
         if recv_next:
             run.grads[next_c].append(dy)
     run.sync.enable()
@@ -363,7 +370,7 @@ def forward_backward_pipelining_with_interleaving(
                        config, forward_only, g)
     if not forward_only:
         run.sync.disable()
-    run.inputs[0].append(st.recv_forward(0))  # None on rank 0
+    run.inputs[0].append(st.p2p("recv_forward", [("recv", 0, 0)]))  # None on rank 0
     _warmup(run)
     _steady(run)
     if not forward_only:

@@ -7,14 +7,58 @@
 # drawn from those stamps — not by hand. From the same stamps we measure the pipeline bubble
 # and put it next to the formula.
 #
-# You will build: `measured_bubble`, `bubble_formula`, `plot_timeline`.
+# You will build: `ScheduleEvent`, `ScheduleRecorder`, `measured_bubble`, `bubble_formula`,
+# `plot_timeline`.
 
 # %%
 from __future__ import annotations
 
-from tinytron.main_loop.schedules import ScheduleEvent
+from typing import NamedTuple
 
-__all__ = ["bubble_formula", "measured_bubble", "plot_timeline"]
+__all__ = ["ScheduleEvent", "ScheduleRecorder", "bubble_formula", "measured_bubble",
+           "plot_timeline"]
+
+# %% [markdown]
+# ## What the schedules record
+#
+# A `ScheduleRecorder` handed to a schedule through `ScheduleConfig.recorder` receives one
+# `ScheduleEvent` per forward, backward, send and receive: the pipeline stage, the model chunk,
+# the micro-batch, the kind, and `time.perf_counter()` at start and end. On Linux that clock is
+# `CLOCK_MONOTONIC`, shared by all processes of a machine, so the events of different ranks
+# can be put on one time axis. A combined exchange (send an output, receive a gradient) is
+# recorded once per tensor it moved, with the same start and end.
+
+# %%
+class ScheduleEvent(NamedTuple):
+    """One thing a stage did: forward/backward of (chunk, micro-batch), or a send/recv of it."""
+
+    stage: int
+    chunk: int
+    microbatch: int
+    kind: str  # "forward", "backward", "send" or "recv"
+    start: float
+    end: float
+
+
+class ScheduleRecorder:
+    """Collects the ScheduleEvents of the schedules it is handed to (perf_counter seconds)."""
+
+    KINDS = ("forward", "backward", "send", "recv")
+
+    def __init__(self):
+        self.events: list[ScheduleEvent] = []
+
+    def record(self, stage: int, chunk: int, microbatch: int, kind: str, start: float,
+               end: float) -> None:
+        """Append one event."""
+        if kind not in self.KINDS:
+            raise ValueError(f"kind must be one of {self.KINDS}, got {kind!r}")
+        self.events.append(ScheduleEvent(stage, chunk, microbatch, kind, start, end))
+
+    def order(self, kinds=("forward", "backward")) -> list[tuple[str, int, int]]:
+        """(kind, chunk, micro-batch) of the recorded events of these kinds, in start order."""
+        evs = sorted((e for e in self.events if e.kind in kinds), key=lambda e: e.start)
+        return [(e.kind, e.chunk, e.microbatch) for e in evs]
 
 # %% [markdown]
 # ## The bubble, in formula

@@ -1,16 +1,13 @@
 # %% [markdown]
 # # 01 · Schedules: no pipelining and 1F1B
 #
-# A training iteration runs $m$ micro-batches through forward and backward before the optimizer
-# steps once. *In which order* — and, with pipeline parallelism, *on which stage when* — is
-# the schedule's job. This page builds Megatron's `forward_backward_func` family over appendix
-# A's point-to-point sends: the no-pipelining schedule (gradient accumulation with the grad
-# collective held back until the last micro-batch), the non-interleaved **1F1B** schedule, and
-# forward-only evaluation. The next page adds the interleaved schedule; the one after draws
-# what they executed.
+# An iteration runs $m$ micro-batches through forward and backward before the optimizer steps
+# once; *in which order*, and with pipeline parallelism *on which stage when*, is the
+# schedule's job. This page builds Megatron's no-pipelining and **1F1B** schedules (and their
+# forward-only evaluation) over appendix A's point-to-point sends; the next page interleaves.
 #
-# You will build: `ScheduleConfig`, `ScheduleRecorder`, `forward_step`, `backward_step`,
-# `deallocate_output_tensor`, `custom_backward`, `forward_backward_no_pipelining`,
+# You will build: `ScheduleConfig`, `forward_step`, `backward_step`, `deallocate_output_tensor`,
+# `custom_backward`, `forward_backward_no_pipelining`,
 # `forward_backward_pipelining_without_interleaving`, `get_forward_backward_func`.
 
 # %%
@@ -19,10 +16,11 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 
+from tinytron.main_loop.schedule_timeline import ScheduleEvent, ScheduleRecorder
 from tinytron.overview.loss import microbatch_objective
 from tinytron.parallel import ParallelGrid
 from tinytron.parallel import pipeline_p2p as p2p
@@ -35,12 +33,11 @@ __all__ = ["ScheduleConfig", "ScheduleEvent", "ScheduleRecorder", "tensor_shape"
 # %% [markdown]
 # ## Why a schedule
 #
-# The global batch does not fit through the model at once, so it is cut into $m$ micro-batches
-# whose gradients are **accumulated** (summed into the same buffer) before one optimizer step.
-# Without pipeline parallelism the order is obvious — forward and backward of micro-batch 0,
-# then of 1, … — and the only question is *when to average the gradients over data-parallel
-# ranks*. The answer is: once, during the last micro-batch's backward. Averaging after every
-# micro-batch would move $m$ times the bytes for the same result, so Megatron runs micro-batches
+# The global batch is cut into $m$ micro-batches whose gradients are **accumulated** into one
+# buffer before one optimizer step. Without pipeline parallelism the order is obvious, and the
+# only question is *when to average the gradients over data-parallel ranks*: once, during the
+# last micro-batch's backward. Averaging after every micro-batch would move $m$ times the bytes
+# for the same result, so Megatron runs micro-batches
 # $0 \dots m-2$ inside the DDP wrapper's `no_sync()` (the bucket hooks only accumulate) and the
 # last one outside it, where each bucket's collective fires as soon as its gradients are
 # complete (`forward_backward_no_pipelining`, `megatron/core/pipeline_parallel/schedules.py:634`;
@@ -76,8 +73,8 @@ __all__ = ["ScheduleConfig", "ScheduleEvent", "ScheduleRecorder", "tensor_shape"
 #
 # Stage 0 runs `F0 | F1 B0 F2 B1 … F7 B6 | B7`, stage 1 runs `F0 B0 F1 B1 … F7 B7`.
 # Each message between them is one activation $[s/t, b, h] = [2048, 2, 4096]$ in bf16
-# (sequence parallelism splits $s$ over TP), 32 MiB, and the same for its gradient: 16 sends
-# per direction per iteration. The bubble is $(p-1)/(m+p-1) = 1/9 \approx 11\%$ of the
+# (sequence parallelism splits $s$ over TP), 32 MiB, and the same for its gradient: 8 sends
+# in each direction per iteration. The bubble is $(p-1)/(m+p-1) = 1/9 \approx 11\%$ of the
 # iteration (Narayanan et al. 2021, arXiv:2104.04473 §2.2.1: bubble $= (p-1)/m$ of the ideal
 # time).
 #
@@ -101,43 +98,11 @@ __all__ = ["ScheduleConfig", "ScheduleEvent", "ScheduleRecorder", "tensor_shape"
 # (one per chunk), `grad_sync_func` its `start_grad_sync`, `finalize_model_grads_func`
 # chapter 05's `finalize_model_grads(model_chunks, grid, num_tokens)` (tinytron passes the grid
 # where Megatron passes its process-group collection), `grad_scale_func` the optimizer's
-# `scale_loss` (fp16 loss scaling). The `recorder` is tinytron's: every forward, backward, send
-# and receive is stamped with `time.perf_counter()` (a clock shared by the processes of one
-# machine), which is what the timeline page draws.
+# `scale_loss` (fp16 loss scaling). The `recorder` is tinytron's (`ScheduleRecorder`, defined
+# with the pictures it feeds on the timeline page): every forward, backward, send and receive
+# is stamped with `time.perf_counter()`, a clock shared by the processes of one machine.
 
 # %%
-class ScheduleEvent(NamedTuple):
-    """One thing a stage did: forward/backward of (chunk, micro-batch), or a send/recv of it."""
-
-    stage: int
-    chunk: int
-    microbatch: int
-    kind: str  # "forward", "backward", "send" or "recv"
-    start: float
-    end: float
-
-
-class ScheduleRecorder:
-    """Collects the ScheduleEvents of the schedules it is handed to (perf_counter seconds)."""
-
-    KINDS = ("forward", "backward", "send", "recv")
-
-    def __init__(self):
-        self.events: list[ScheduleEvent] = []
-
-    def record(self, stage: int, chunk: int, microbatch: int, kind: str, start: float,
-               end: float) -> None:
-        """Append one event."""
-        if kind not in self.KINDS:
-            raise ValueError(f"kind must be one of {self.KINDS}, got {kind!r}")
-        self.events.append(ScheduleEvent(stage, chunk, microbatch, kind, start, end))
-
-    def order(self, kinds=("forward", "backward")) -> list[tuple[str, int, int]]:
-        """(kind, chunk, micro-batch) of the recorded events of these kinds, in start order."""
-        evs = sorted((e for e in self.events if e.kind in kinds), key=lambda e: e.start)
-        return [(e.kind, e.chunk, e.microbatch) for e in evs]
-
-
 @dataclass
 class ScheduleConfig:
     """What the schedules read (Megatron's ModelParallelConfig names) plus a recorder."""
@@ -406,9 +371,19 @@ class _GradSync:
             self.context.__exit__(None, None, None)
             self.context = None
 
+# %% [markdown]
+# Every message goes through appendix A's named helpers. `_Stage.p2p` calls one and records
+# it — one event per tensor it moved, tagged with the (chunk, micro-batch) that tensor belongs
+# to — unless the helper is a no-op at this end of the pipeline (nothing comes from before
+# stage 0, nothing goes after the last stage).
+
+# %%
+_SIDE = {"recv_forward": "prev", "send_backward": "prev", "send_backward_recv_forward": "prev",
+         "recv_backward": "next", "send_forward": "next", "send_forward_recv_backward": "next"}
+
 
 class _Stage:
-    """One pipeline rank's view for the schedules: its ranks, its message shape, the p2p calls."""
+    """One pipeline rank as the schedules see it: position, message shape, recorded p2p."""
 
     def __init__(self, grid, config, shape):
         self.grid, self.config, self.shape = grid, config, shape
@@ -426,49 +401,32 @@ class _Stage:
             self.config.recorder.record(self.rank, chunk, mb, kind, start, time.perf_counter())
         return out
 
-    def recv_forward(self, mb, chunk=0):
-        ev = [] if self.first else [("recv", chunk, mb)]
-        return self._timed(ev, lambda: p2p.recv_forward(self.shape, self.grid, self.dtype))
+    def p2p(self, name: str, events, *tensors):
+        """Appendix A's helper `name` on `tensors` (a no-op at the pipeline's end), recorded."""
+        idle = self.first if _SIDE[name] == "prev" else self.last
+        args = tensors + ((self.shape, self.grid, self.dtype) if "recv" in name else (self.grid,))
+        return self._timed([] if idle else events, lambda: getattr(p2p, name)(*args))
 
-    def recv_backward(self, mb, chunk=0):
-        ev = [] if self.last else [("recv", chunk, mb)]
-        return self._timed(ev, lambda: p2p.recv_backward(self.shape, self.grid, self.dtype))
+# %% [markdown]
+# `_Runner` holds one chunk's FIFO of (input, output) pairs. `keep` stores a pair *after* its
+# output was sent, and pseudo-frees the output there; `backward` pops the oldest pair.
 
-    def send_forward(self, y, mb, chunk=0):
-        ev = [] if self.last else [("send", chunk, mb)]
-        self._timed(ev, lambda: p2p.send_forward(y, self.grid))
-
-    def send_backward(self, dx, mb, chunk=0):
-        ev = [] if self.first else [("send", chunk, mb)]
-        self._timed(ev, lambda: p2p.send_backward(dx, self.grid))
-
-    def send_forward_recv_backward(self, y, mb_sent, mb_recv, chunk=0):
-        ev = [] if self.last else [("send", chunk, mb_sent), ("recv", chunk, mb_recv)]
-        return self._timed(ev, lambda: p2p.send_forward_recv_backward(
-            y, self.shape, self.grid, self.dtype))
-
-    def send_backward_recv_forward(self, dx, mb_sent, mb_recv, chunk=0):
-        ev = [] if self.first else [("send", chunk, mb_sent), ("recv", chunk, mb_recv)]
-        return self._timed(ev, lambda: p2p.send_backward_recv_forward(
-            dx, self.shape, self.grid, self.dtype))
-
-
+# %%
 class _Runner:
     """Forward/backward of one chunk with the FIFO of (input, output) awaiting backward."""
 
     def __init__(self, forward_step_func, data_iterator, chunk, num_microbatches, stage,
-                 config, forward_only, chunk_id=0, is_last=None):
+                 config, forward_only):
         self.step_func, self.iterator, self.chunk = forward_step_func, data_iterator, chunk
         self.m, self.stage, self.config = num_microbatches, stage, config
-        self.forward_only, self.chunk_id = forward_only, chunk_id
-        self.is_last = stage.last if is_last is None else is_last
+        self.forward_only = forward_only
         self.inputs, self.outputs, self.store = [], [], []
         self.total_num_tokens = torch.zeros((), dtype=torch.int, device=stage.grid.device)
 
     def forward(self, mb: int, x):
-        with _span(self.config, self.stage.rank, self.chunk_id, mb, "forward"):
+        with _span(self.config, self.stage.rank, 0, mb, "forward"):
             y, n = forward_step(self.step_func, self.iterator, self.chunk, self.m, x, self.store,
-                                self.config, self.is_last, self.stage.grid.size("cp"))
+                                self.config, self.stage.last, self.stage.grid.size("cp"))
         self.total_num_tokens.add_(n.to(self.total_num_tokens.device))
         return y
 
@@ -482,10 +440,15 @@ class _Runner:
 
     def backward(self, mb: int, dy):
         x, y = self.inputs.pop(0), self.outputs.pop(0)
-        with _span(self.config, self.stage.rank, self.chunk_id, mb, "backward"):
+        with _span(self.config, self.stage.rank, 0, mb, "backward"):
             return backward_step(x, y, dy, self.config)
 
+# %% [markdown]
+# The three phases. In a steady-state round, the forward of micro-batch $i + w_r$ is followed
+# by the backward of micro-batch $i$ (the oldest in flight); forward-only evaluation sends and
+# receives activations only.
 
+# %%
 def _call_all(funcs) -> None:
     for f in funcs if isinstance(funcs, (list, tuple)) else [funcs]:
         f()
@@ -502,17 +465,17 @@ def _steady_round(i, x, run, st, warmup, remaining, sync, config):
     fwd, last = i + warmup, i == remaining - 1
     y = run.forward(fwd, x)
     if run.forward_only:
-        st.send_forward(y, fwd)
-        return None if last else st.recv_forward(fwd + 1)
-    dy = st.send_forward_recv_backward(y, fwd, i)
+        st.p2p("send_forward", [("send", 0, fwd)], y)
+        return None if last else st.p2p("recv_forward", [("recv", 0, fwd + 1)])
+    dy = st.p2p("send_forward_recv_backward", [("send", 0, fwd), ("recv", 0, i)], y)
     run.keep(x, y)
     if warmup == 0 and last and (config.grad_sync_func is None or st.rank == 0):
         sync.enable()  # the last stage's last backward runs in the steady state
     dx = run.backward(i, dy)
     if last:
-        st.send_backward(dx, i)
+        st.p2p("send_backward", [("send", 0, i)], dx)
         return None
-    return st.send_backward_recv_forward(dx, i, fwd + 1)
+    return st.p2p("send_backward_recv_forward", [("send", 0, i), ("recv", 0, fwd + 1)], dx)
 
 
 def _cooldown(run, st, warmup, remaining, sync, config) -> None:
@@ -521,8 +484,8 @@ def _cooldown(run, st, warmup, remaining, sync, config) -> None:
         mb = remaining + i
         if i == warmup - 1 and (config.grad_sync_func is None or st.rank == 0):
             sync.enable()
-        dy = st.recv_backward(mb)
-        st.send_backward(run.backward(mb, dy), mb)
+        dy = st.p2p("recv_backward", [("recv", 0, mb)])
+        st.p2p("send_backward", [("send", 0, mb)], run.backward(mb, dy))
     if sync.context is not None:  # stages > 0 with a grad_sync_func: launch now
         sync.enable()
         if config.grad_sync_func is not None:
@@ -547,11 +510,11 @@ def forward_backward_pipelining_without_interleaving(
     if not forward_only:
         sync.disable()
     for i in range(warmup):
-        x = st.recv_forward(i)
+        x = st.p2p("recv_forward", [("recv", 0, i)])
         y = run.forward(i, x)
-        st.send_forward(y, i)
+        st.p2p("send_forward", [("send", 0, i)], y)
         run.keep(x, y)
-    x = st.recv_forward(warmup) if remaining else None
+    x = st.p2p("recv_forward", [("recv", 0, warmup)]) if remaining else None
     for i in range(remaining):
         x = _steady_round(i, x, run, st, warmup, remaining, sync, config)
     if not forward_only:
@@ -635,16 +598,14 @@ if __name__ == "__main__":
 # %% [markdown]
 # ## Summary
 #
-# - No pipelining = gradient accumulation: micro-batches $0 \dots m-2$ inside `no_sync`, the
-#   last outside it, so the DDP buckets reduce once, overlapped with the last backward.
-# - 1F1B on stage $r$: $\min(p-r-1, m)$ warmup forwards, then one forward and one backward per
-#   round, then the cooldown backwards. Backwards run in forward order, and stage $r$ never
-#   holds more than $p - r$ micro-batches' activations (measured above).
-# - A sent output is pseudo-freed; its backward goes straight to the autograd engine.
-# - The loss exists only on the last stage, through chapter 00's contract; with per-token loss
-#   the sums are back-propagated and `finalize_model_grads` divides by the global token count.
-# - The schedules give the same gradients as one process running the micro-batches in turn —
-#   bit for bit when the operations are the same (tests: PP 2 and 4, TP 2 × PP 2, DP 2).
+# - No pipelining = gradient accumulation, with the DDP collectives held back (`no_sync`)
+#   until the last micro-batch's backward.
+# - 1F1B on stage $r$: $\min(p-r-1, m)$ warmup forwards, one-forward-one-backward rounds, then
+#   the cooldown; backwards in forward order; at most $p - r$ micro-batches alive (measured).
+# - Sent outputs are pseudo-freed; their backward goes straight to the autograd engine.
+# - The loss lives on the last stage only (chapter 00's contract). The gradients equal one
+#   process running the micro-batches in turn, bit for bit when the operations are the same
+#   (tests: PP 2 and 4, TP 2 × PP 2, DP 2).
 #
 # ## How production does it
 #
