@@ -1,0 +1,344 @@
+"""A small real training run (tiny GPT, DDP, DistributedOptimizer, scheduler, sampler, dropout)
+for the checkpoint demos and tests, and the rank functions that save, reload and compare it."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tinytron.buffers import DistributedDataParallel, DistributedDataParallelConfig
+from tinytron.buffers.finalize_model_grads import finalize_model_grads
+from tinytron.checkpoint._common import main_state
+from tinytron.checkpoint.resharding import optimizer_pieces
+from tinytron.checkpoint.resume import (CheckpointConfig, CheckpointManager, TrainStateFallback,
+                                        _train_state_class)
+from tinytron.data.samplers import MegatronPretrainingSampler
+from tinytron.model import build_stage_models, tiny_config
+from tinytron.model.gpt import global_parameter_name, stage_tensor_shape
+from tinytron.optimizer import (OptimizerConfig, SchedulerConfig, get_megatron_optimizer,
+                                get_optimizer_param_scheduler)
+from tinytron.parallel import ParallelGrid
+from tinytron.parallel.pipeline_p2p import communicate
+from tinytron.parallel.rng import get_rng_tracker, set_random_seed
+
+_GRIDS: dict = {}
+TOTAL_SAMPLES = 4096
+
+
+def grid_for(tp: int = 1, pp: int = 1) -> ParallelGrid:
+    """One grid per layout per process (building one creates every group)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        if (tp, pp) not in _GRIDS:
+            _GRIDS[(tp, pp)] = ParallelGrid(tp=tp, pp=pp)
+        return _GRIDS[(tp, pp)]
+    return ParallelGrid.single()
+
+
+def sample(index: int, seq: int, vocab: int) -> torch.Tensor:
+    """Sample `index` of a deterministic dataset: seq + 1 tokens."""
+    g = torch.Generator().manual_seed(10_000 + index)
+    return torch.randint(0, vocab, (seq + 1,), generator=g)
+
+
+class Run:
+    """The tiny GPT on one layout, trained step by step with the real chapter parts."""
+
+    def __init__(self, tp: int = 1, pp: int = 1, *, distopt: bool = True, seed: int = 1234,
+                 lr: float = 3e-3, mbs: int = 2, gbs: int = 8, train_iters: int = 20,
+                 dropout: float = 0.1, config=None):
+        self.grid = grid = grid_for(tp, pp)
+        set_random_seed(seed, grid)
+        self.config = config or tiny_config(num_layers=4, seq_length=32, dropout=dropout)
+        self.model = build_stage_models(self.config, grid)[0]
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, bucket_size=6000,
+                                                use_distributed_optimizer=distopt)
+        self.ddp = DistributedDataParallel(self.model, grid, ddp_cfg)
+        opt_cfg = OptimizerConfig(lr=lr, min_lr=lr / 10, weight_decay=0.1, clip_grad=1.0,
+                                  use_distributed_optimizer=distopt)
+        self.optimizer = get_megatron_optimizer(opt_cfg, self.model, grid, self.ddp)
+        self.scheduler = get_optimizer_param_scheduler(
+            SchedulerConfig(lr_decay_style="cosine", lr_warmup_iters=2), self.optimizer, opt_cfg,
+            train_iters, gbs)
+        self.state = _train_state_class()()
+        self.mbs, self.gbs, self.dp = mbs, gbs, grid.size("dp")
+
+    def _batch(self, indices):
+        rows = torch.stack([sample(i, self.config.seq_length, self.config.vocab_size)
+                            for i in indices])
+        return rows[:, :-1], rows[:, 1:]
+
+    def _microbatch(self, tokens, labels, scale: float):
+        """Forward + backward of one micro-batch through this rank's stage; its mean loss or None."""
+        model, grid = self.model, self.grid
+        recv, loss = None, None
+        if not model.pre_process:
+            recv, _ = communicate(grid, recv_prev_shape=stage_tensor_shape(self.config, grid,
+                                                                           self.mbs))
+            model.set_input_tensor(recv)
+        out = model(tokens if model.pre_process else None,
+                    labels=labels if model.post_process else None)
+        if model.post_process:
+            loss = out.mean()
+            self.optimizer.scale_loss(loss * scale).backward()
+        else:
+            communicate(grid, send_next=out)
+            _, grad = communicate(grid, recv_next_shape=tuple(out.shape))
+            out.backward(grad)
+        if recv is not None:
+            communicate(grid, send_prev=recv.grad)
+        return None if loss is None else loss.detach()
+
+    def step(self) -> float:
+        """One training iteration; the global mean loss (on every rank)."""
+        grid, num_micro = self.grid, self.gbs // (self.mbs * self.dp)
+        sampler = MegatronPretrainingSampler(TOTAL_SAMPLES, self.state.consumed_train_samples,
+                                             self.mbs, grid.rank("dp"), self.dp)
+        batches = iter(sampler)
+        self.ddp.zero_grad_buffer()
+        total = torch.zeros(1)
+        for _ in range(num_micro):
+            tokens, labels = self._batch(next(batches))
+            loss = self._microbatch(tokens, labels, 1.0 / num_micro)
+            if loss is not None:
+                total += loss / num_micro
+        finalize_model_grads([self.ddp], grid)
+        ok, _, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(self.gbs)
+        self.state.iteration += 1
+        self.state.consumed_train_samples += self.gbs
+        grid.all_reduce(total, "dp")
+        grid.all_reduce(total, "pp")
+        return float(total.item() / self.dp)
+
+    def snapshot(self) -> dict:
+        """Local params and optimizer pieces (by global name), cloned."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            out["w." + global_parameter_name(name, self.model.layer_offset)] = p.detach().clone()
+        pieces, _ = optimizer_pieces(self.optimizer)
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        for pc in pieces:
+            name = names[id(pc.model_param)]
+            out[f"o.{name}.param"] = pc.main.detach().clone()
+            for k, v in main_state(self.optimizer, pc.main).items():
+                out[f"o.{name}.{k}"] = v.clone() if torch.is_tensor(v) else v
+        out["lr"] = [g["lr"] for g in self.optimizer.param_groups]
+        return out
+
+
+def random_draws(grid) -> list:
+    """One draw from every generator a resume restores (Python, NumPy, torch, the tracker)."""
+    with get_rng_tracker(grid.device).fork():
+        tracked = torch.rand(2).tolist()
+    return [random.random(), float(np.random.rand()), torch.rand(2).tolist(), tracked]
+
+
+def same(a: dict, b: dict) -> bool:
+    """Bitwise equality of two snapshots."""
+    if a.keys() != b.keys():
+        return False
+    return all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
+
+
+def _manager(grid, **kw) -> CheckpointManager:
+    return CheckpointManager(CheckpointConfig(**kw), grid)
+
+
+def resume_same_layout(root: str, tp: int, pp: int, n: int = 3, m: int = 3, **ckpt) -> dict:
+    """N steps, save, M more steps (uninterrupted); rebuild, load, M steps: must be bitwise equal."""
+    run = Run(tp, pp)
+    manager = _manager(run.grid, save=root, load=root, **ckpt)
+    for _ in range(n):
+        manager.finalize(blocking=False)
+        run.step()
+    manager.save(run.state, [run.ddp], run.optimizer, run.scheduler)
+    losses = []
+    for _ in range(m):
+        manager.finalize(blocking=False)
+        losses.append(run.step())
+    manager.finalize(blocking=True)
+    final, draws = run.snapshot(), random_draws(run.grid)
+    resumed = Run(tp, pp, seed=999)   # different seed: everything must come from the checkpoint
+    state = manager.load([resumed.ddp], resumed.optimizer, resumed.scheduler)
+    resumed.state = state
+    consumed = state.consumed_train_samples
+    losses_r = [resumed.step() for _ in range(m)]
+    return {"losses": losses, "losses_resumed": losses_r, "params_and_state": same(final, resumed.snapshot()),
+            "draws": draws == random_draws(resumed.grid), "consumed": consumed,
+            "iteration": state.iteration, "stats": manager.stats}
+
+
+def _plain(directory: str) -> dict:
+    """Every tensor of a torch_dist checkpoint as one plain dict, with PyTorch's tools only."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = os.path.join(directory, "plain.pt")
+    dcp_to_torch_save(directory, target)
+    out = torch.load(target, weights_only=True)
+    os.remove(target)
+    return out
+
+
+def reshard_roundtrip(root: str, layout_a, layout_b, n: int = 3, m: int = 2) -> dict:
+    """Train at A, save; load at B and re-save at once (must equal A's checkpoint); train on."""
+    import warnings
+
+    a, b = f"{root}/a", f"{root}/b"
+    run = Run(*layout_a, dropout=0.0)   # dropout streams depend on the layout; the state does not
+    manager = _manager(run.grid, save=a)
+    for _ in range(n):
+        run.step()
+    manager.save(run.state, [run.ddp], run.optimizer, run.scheduler)
+    losses_a = [run.step() for _ in range(m)]
+    other = Run(*layout_b, seed=77, dropout=0.0)
+    manager_b = _manager(other.grid, save=b, load=a)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # "RNG states not restored": expected across layouts
+        other.state = manager_b.load([other.ddp], other.optimizer, other.scheduler)
+    manager_b.save(other.state, [other.ddp], other.optimizer, other.scheduler)
+    losses_b = [other.step() for _ in range(m)]
+    out = {"losses_a": losses_a, "losses_b": losses_b}
+    if dist.get_rank() == 0:
+        it = f"iter_{n:07d}"
+        pa, pb = _plain(f"{a}/{it}"), _plain(f"{b}/{it}")
+        keys = sorted(k for k in pa if torch.is_tensor(pa[k]))   # objects are per layout
+        out["differ"] = [k for k in keys if k not in pb or not torch.equal(pa[k], pb[k])]
+        out["equal"] = set(keys) == {k for k in pb if torch.is_tensor(pb[k])} and not out["differ"]
+        out["num_tensors"] = len(keys)
+        ca = torch.load(f"{a}/{it}/common.pt", weights_only=True)
+        cb = torch.load(f"{b}/{it}/common.pt", weights_only=True)
+        out["steps_equal"] = ca["optimizer"]["steps"] == cb["optimizer"]["steps"]
+        out["train_state_equal"] = ca["train_state"] == cb["train_state"]
+    return out
+
+
+def legacy_refuses_tp_change(root: str) -> str:
+    """Save legacy at TP 2, load at TP 1: the error text."""
+    run = Run(2, 1)
+    _manager(run.grid, save=root, ckpt_format="torch").save(run.state, [run.ddp], run.optimizer,
+                                                           run.scheduler)
+    other = Run(1, 1)
+    try:
+        _manager(other.grid, load=root, ckpt_format="torch").load([other.ddp], other.optimizer,
+                                                                  other.scheduler)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def checkpoint_suite(root: str) -> dict:
+    """Every multi-rank check of the tests, in one 4-rank world (seconds per check included)."""
+    checks = {
+        "dist_tp2_sync": (resume_same_layout, 2, 1),
+        "dist_pp2_async_process": (resume_same_layout, 1, 2, 3, 3),
+        "legacy_tp2_pp2": (resume_same_layout, 2, 2),
+        "reshard_tp2_to_tp1": (reshard_roundtrip, (2, 1), (1, 1)),
+        "reshard_tp1_to_tp2": (reshard_roundtrip, (1, 1), (2, 1)),
+        "reshard_pp2_to_pp1": (reshard_roundtrip, (1, 2), (1, 1)),
+        "reshard_pp1_to_pp2": (reshard_roundtrip, (1, 1), (1, 2)),
+        "legacy_refuses": (legacy_refuses_tp_change,),
+    }
+    options = {"dist_pp2_async_process": {"async_save": True},
+               "legacy_tp2_pp2": {"ckpt_format": "torch"}}
+    out, seconds = {}, {}
+    for name, (fn, *args) in checks.items():
+        t0 = time.perf_counter()
+        out[name] = fn(f"{root}/{name}", *args, **options.get(name, {}))
+        seconds[name] = round(time.perf_counter() - t0, 2)
+    out["seconds"] = seconds
+    return out
+
+
+# -- demos -------------------------------------------------------------------------------------
+def legacy_demo_save(root: str) -> dict:
+    """DP 2, DistributedOptimizer: 3 steps, legacy save, one more step."""
+    run = Run(1, 1, dropout=0.0)
+    for _ in range(3):
+        run.step()
+    _manager(run.grid, save=root, ckpt_format="torch").save(run.state, [run.ddp], run.optimizer,
+                                                           run.scheduler)
+    files = sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root)
+                   for f in fs)
+    return {"files": files, "next_loss": run.step(),
+            "num_params": sum(p.numel() for p in run.model.parameters())}
+
+
+def legacy_demo_load(root: str) -> dict:
+    """DP 1: load the DP 2 legacy checkpoint and take the next step."""
+    run = Run(1, 1, dropout=0.0, seed=5)
+    run.state = _manager(run.grid, load=root, ckpt_format="torch").load(
+        [run.ddp], run.optimizer, run.scheduler)
+    return {"next_loss": run.step()}
+
+
+def async_timeline_demo(root: str, steps: int = 8) -> dict:
+    """One process: a sync save, then an async one overlapping training; spans for a timeline."""
+    from tinytron.model import GPTModel
+    from tinytron.optimizer import AdamW
+    from tinytron.optimizer.mixed_precision import MixedPrecisionOptimizer
+
+    torch.manual_seed(0)
+    config = tiny_config(hidden_size=256, num_layers=6, num_attention_heads=8,
+                         num_query_groups=4, ffn_hidden_size=704, vocab_size=4096, seq_length=64)
+    model = GPTModel(config)
+    opt = MixedPrecisionOptimizer(AdamW(model.parameters(), lr=1e-3), clip_grad=1.0)
+    state, grid = TrainStateFallback(), ParallelGrid.single()
+    sync = CheckpointManager(CheckpointConfig(save=f"{root}/sync"), grid)
+    asyn = CheckpointManager(CheckpointConfig(save=f"{root}/async", async_save=True), grid)
+    events, t_start = [], time.perf_counter()
+    rel = lambda: time.perf_counter() - t_start  # noqa: E731
+
+    def train_step():
+        s = rel()
+        tokens = torch.randint(0, config.vocab_size, (4, config.seq_length + 1))
+        model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        state.iteration += 1
+        events.append(("train step", "training", s, rel()))
+
+    train_step()
+    s = rel()
+    sync.save(state, model, opt)
+    events.append(("sync save", "training", s, rel()))
+    sync_s = rel() - s
+    sync_iteration = state.iteration
+    reference = {n: p.detach().clone() for n, p in model.named_parameters()}
+    train_step()
+    s = rel()
+    stats = asyn.save(state, model, opt)
+    events.append(("async: blocking", "training", s, rel()))
+    async_iteration, async_ref = state.iteration, {n: p.detach().clone()
+                                                   for n, p in model.named_parameters()}
+    done = None
+    for _ in range(steps):
+        if done is None:
+            s = rel()
+            done = asyn.finalize(blocking=False)
+            if done is not None:
+                events.append(("finalize", "training", s, rel()))
+        train_step()
+    if done is None:
+        s = rel()
+        done = asyn.finalize(blocking=True)
+        events.append(("finalize", "training", s, rel()))
+    begin = stats["scheduled_at"] - t_start + stats["blocking_s"]
+    events.append(("async: background write", "writer process", begin, begin + done["background_s"]))
+    from tinytron.checkpoint.formats import read_tracker
+    from tinytron.checkpoint.torch_dist import load_model_weights
+
+    fresh = GPTModel(config.replace(seed=3))
+    load_model_weights(f"{root}/async", fresh)
+    ok = all(torch.equal(p, async_ref[n]) for n, p in fresh.named_parameters())
+    load_model_weights(f"{root}/sync", fresh)
+    ok = ok and all(torch.equal(p, reference[n]) for n, p in fresh.named_parameters())
+    return {"events": events, "sync_s": sync_s, "async_blocking_s": stats["blocking_s"],
+            "async_background_s": done["background_s"], "visible_after_s": done["visible_after_s"],
+            "same_tensors": ok, "tracker": read_tracker(f"{root}/async")[0],
+            "async_iteration": async_iteration, "sync_iteration": sync_iteration}

@@ -1,0 +1,579 @@
+# %% [markdown]
+# # 03 · Checkpoint: what a resume restores
+#
+# A resumed run must continue as if it had never stopped: the same weights, the same optimizer
+# moments and step counts, the same learning rate, the next sample of the data, and the same
+# random draws for dropout. This page assembles the full training state on top of the two
+# formats, checks a checkpoint against the run before touching anything, and hands the loop
+# its three hooks.
+#
+# You will build: `CheckpointConfig`, `get_rng_state`, `set_rng_state`, `check_model_config`,
+# `CheckpointManager` (`save`, `load`, `finalize`), `make_checkpoint_hooks`.
+
+# %%
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tinytron.checkpoint._common import CheckpointGroups, LoadedState, set_main_state
+from tinytron.checkpoint.async_save import ASYNC_MODES, AsyncSaver
+from tinytron.checkpoint.formats import (CheckpointSaveError, commit_checkpoint, detect_format,
+                                         prepare_staging, resolve_checkpoint_dir, staging_dir,
+                                         unwrap_chunks)
+from tinytron.checkpoint.legacy import CHECKPOINT_VERSION, read_legacy, save_legacy
+from tinytron.checkpoint.resharding import (OPTIMIZER_PREFIX, optimizer_pieces,
+                                            optimizer_sharded_state_dict, optimizer_state_keys,
+                                            optimizer_steps)
+from tinytron.checkpoint.sharded_keys import (ShardedObject, extra_state_objects,
+                                              model_sharded_state_dict, param_layouts)
+from tinytron.checkpoint.torch_dist import SaveRequest, _read_metadata, read_common, read_sharded
+
+__all__ = ["CheckpointConfig", "TrainStateFallback", "get_rng_state", "set_rng_state",
+           "check_model_config", "CheckpointManager", "CheckpointHooks", "make_checkpoint_hooks",
+           "save_checkpoint", "load_checkpoint", "ARCH_FIELDS"]
+
+logger = logging.getLogger("tinytron.checkpoint")
+
+# %% [markdown]
+# ## The options
+#
+# Megatron's names and defaults (`megatron/training/arguments.py`, checkpointing group), the
+# ones tinytron implements. `async_mode` and `verify_integrity` are tinytron's: how the
+# background writer takes its snapshot (page "saving in the background"), and whether a load
+# checks every file's CRC-32.
+
+# %%
+@dataclass
+class CheckpointConfig:
+    """Checkpoint options (Megatron's names where Megatron has them)."""
+
+    save: str | None = None
+    """Root directory to save to (None = never save)."""
+    load: str | None = None
+    """Root directory to resume from (None = start fresh)."""
+    ckpt_format: str = "torch_dist"
+    """'torch_dist' (sharded, reshardable) or 'torch' (legacy, one file per TP/PP rank)."""
+    async_save: bool = False
+    """Write in the background; only with torch_dist."""
+    async_mode: str = "process"
+    """'process' (fork: copy-on-write snapshot) or 'thread' (clone, then write from a thread)."""
+    no_save_optim: bool = False
+    """Do not save the optimizer state."""
+    no_save_rng: bool = False
+    """Do not save the RNG states."""
+    no_load_optim: bool = False
+    """Do not load the optimizer state (fp32 masters are re-derived from the weights)."""
+    no_load_rng: bool = False
+    """Do not restore the RNG states."""
+    finetune: bool = False
+    """Load weights only: iteration, progress, optimizer and RNG start fresh."""
+    ckpt_step: int | None = None
+    """Load this iteration instead of the tracker's."""
+    exit_on_missing_checkpoint: bool = False
+    """Raise when `load` is set but holds no checkpoint (default: start fresh)."""
+    verify_integrity: bool = True
+    """Check every file's CRC-32 against checksums.json before loading (torch_dist)."""
+    thread_count: int = 1
+    """Writer threads per rank (files __R_0 … __R_{n-1}.distcp)."""
+
+    def __post_init__(self):
+        if self.ckpt_format not in ("torch_dist", "torch"):
+            raise ValueError(f"ckpt_format must be 'torch_dist' or 'torch', got {self.ckpt_format!r}")
+        if self.async_save and self.ckpt_format != "torch_dist":
+            raise ValueError("async_save needs ckpt_format='torch_dist' (Megatron: "
+                             f"checkpointing.py:598), got ckpt_format={self.ckpt_format!r}")
+        if self.async_mode not in ASYNC_MODES:
+            raise ValueError(f"async_mode must be one of {ASYNC_MODES}, got {self.async_mode!r}")
+        if self.thread_count < 1:
+            raise ValueError(f"thread_count must be >= 1, got {self.thread_count}")
+
+
+@dataclass
+class TrainStateFallback:
+    """The loop's TrainState fields, used when tinytron.main_loop.loop is not importable."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    skipped_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    num_floating_point_operations_so_far: float = 0.0
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, sd: dict) -> None:
+        for f in dataclasses.fields(self):
+            if f.name in sd:
+                setattr(self, f.name, sd[f.name])
+
+
+def _train_state_class():
+    """chapter 01's TrainState when it is there."""
+    try:
+        from tinytron.main_loop.loop import TrainState
+        return TrainState
+    except ImportError:
+        return TrainStateFallback
+
+
+# %% [markdown]
+# ## Every random number generator
+#
+# Megatron saves five generators per rank (`get_rng_state`, `checkpointing.py:371`): Python's
+# `random`, NumPy's, torch's CPU generator, the current CUDA device's, and the named states of
+# the RNG tracker (appendix A: `model-parallel-rng`, `data-parallel-rng`, …). Dropout inside a
+# TP region draws from the tracker's TP-forked stream, dropout outside from the default one:
+# restoring all of them makes the masks after a resume identical to an uninterrupted run.
+#
+# The states of all DP ranks are gathered into one list and stored as one object per
+# (PP, TP) position — Megatron's `ShardedObject('rng_state', shape (pp, tp))`. On load a rank
+# takes its own DP entry (entry 0 if DP changed: with the default seeding all DP ranks of a
+# position share their streams). When TP or PP changed the streams mean something else —
+# a TP rank's model-parallel seed is `seed + 2718 + tp_rank` — so, as in Megatron
+# (`checkpointing.py:1693-1706`), they are **not** restored and a warning says so.
+#
+# NumPy's state holds an array; it is stored as a list so that the checkpoint stays loadable
+# with `torch.load(weights_only=True)`.
+
+# %%
+def get_rng_state(tracker=None) -> dict:
+    """Python, NumPy, torch CPU, CUDA and tracker states of this process."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"random_rng_state": random.getstate(),
+            "np_rng_state": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+            "torch_rng_state": torch.get_rng_state(),
+            "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "rng_tracker_states": None if tracker is None else tracker.get_states()}
+
+
+def set_rng_state(state: dict, tracker=None) -> None:
+    """Restore what get_rng_state returned."""
+    random.setstate(tuple(x if not isinstance(x, list) else tuple(x)
+                          for x in state["random_rng_state"]))
+    name, keys, pos, has_gauss, cached = state["np_rng_state"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch_rng_state"])
+    if state.get("cuda_rng_state") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    if tracker is not None and state.get("rng_tracker_states") is not None:
+        tracker.set_states(state["rng_tracker_states"])
+
+
+# %% [markdown]
+# ## Does this checkpoint belong to this run?
+#
+# The fields that decide the shape and the meaning of the weights must match; anything else
+# (sequence length, dropout, sequence parallelism, recomputation) may change between runs.
+# Megatron's `check_checkpoint_args` (`checkpointing.py:137`) compares `num_layers`,
+# `hidden_size`, `num_attention_heads` and the vocabulary; here the error names the field and
+# both values, and it is raised before anything is loaded.
+
+# %%
+ARCH_FIELDS = ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+               "ffn_hidden_size", "vocab_size", "norm_epsilon", "rotary_base", "tie_embeddings")
+
+
+def check_model_config(saved: dict | None, config, where) -> None:
+    """ValueError naming the first architecture field that differs."""
+    if saved is None:
+        return
+    for name in ARCH_FIELDS:
+        if name in saved and saved[name] != getattr(config, name):
+            raise ValueError(f"{where}: model config differs: {name} is {saved[name]!r} in the "
+                             f"checkpoint and {getattr(config, name)!r} in this run")
+
+
+# %% [markdown]
+# ## Saving the whole state
+#
+# `common.pt` (or each legacy file) holds what is not a sharded tensor, Megatron's content
+# (`generate_state_dict`, `checkpointing.py:993`): `args` (the model config, the layout, the
+# consumed-sample counters Megatron reads back from its saved args), `checkpoint_version`,
+# `iteration`, the loop's `train_state`, `opt_param_scheduler`,
+# `num_floating_point_operations_so_far`, the optimizer's hyperparameters, loss scale and step
+# counts, and `content_metadata` (`distrib_optim_sharding_type = "fully_reshardable"`: the
+# optimizer state is in model space, page "resharding").
+
+# %%
+def _hparams(optimizer) -> list[dict]:
+    """Each param group's hyperparameters (no params)."""
+    return [{k: v for k, v in g.items() if k not in ("params", "param_names")}
+            for g in optimizer.param_groups]
+
+
+def _args(config, grid, state) -> dict:
+    return {"model_config": dataclasses.asdict(config),
+            "tensor_model_parallel_size": grid.size("tp"),
+            "pipeline_model_parallel_size": grid.size("pp"),
+            "context_parallel_size": grid.size("cp"), "data_parallel_size": grid.size("dp"),
+            "consumed_train_samples": getattr(state, "consumed_train_samples", 0),
+            "skipped_train_samples": getattr(state, "skipped_train_samples", 0),
+            "consumed_valid_samples": getattr(state, "consumed_valid_samples", 0)}
+
+
+def _position_object(grid, key: str, data, ) -> ShardedObject:
+    """Megatron's per-(PP, TP) object, written by DP rank 0."""
+    return ShardedObject(key, data, (grid.size("pp"), grid.size("tp")),
+                         (grid.rank("pp"), grid.rank("tp")), is_main=grid.rank("dp_cp") == 0)
+
+
+def _common(config, grid, state, optimizer, scheduler, steps) -> dict:
+    """The non-tensor part of a checkpoint."""
+    common = {"args": _args(config, grid, state), "checkpoint_version": CHECKPOINT_VERSION,
+              "iteration": state.iteration, "train_state": state.state_dict(),
+              "num_floating_point_operations_so_far":
+                  getattr(state, "num_floating_point_operations_so_far", 0.0),
+              "opt_param_scheduler": None if scheduler is None else scheduler.state_dict(),
+              "content_metadata": {"distrib_optim_sharding_type": "fully_reshardable",
+                                   "singleton_local_shards": False,
+                                   "chained_optim_avoid_prefix": True}}
+    if optimizer is not None and steps is not None:
+        scaler = getattr(optimizer, "grad_scaler", None)
+        common["optimizer"] = {"steps": steps,
+                               "grad_scaler": None if scaler is None else scaler.state_dict()}
+    return common
+
+
+# %%
+class CheckpointManager:
+    """Save, load and finalize the full training state on every rank of one run."""
+
+    def __init__(self, config: CheckpointConfig, grid, rng_tracker=None):
+        self.config, self.grid, self.rng_tracker = config, grid, rng_tracker
+        self.comm = CheckpointGroups(grid)
+        self.saver = AsyncSaver(self.comm, config.async_mode) if config.async_save else None
+        self.stats: list[dict] = []
+
+    def _tracker(self, chunks):
+        if self.rng_tracker is not None:
+            return self.rng_tracker
+        from tinytron.parallel.rng import get_rng_tracker
+        return getattr(chunks[0], "rng_tracker", None) or get_rng_tracker(self.grid.device)
+
+    def _rng_states(self, chunks) -> list | None:
+        """Every DP rank's RNG states, gathered (one list per (PP, TP) position)."""
+        if self.config.no_save_rng:
+            return None
+        return self.comm.all_gather_object(get_rng_state(self._tracker(chunks)), group="dp")
+
+    def _position_objects(self, chunks, optimizer) -> list[ShardedObject]:
+        """Objects stored once per (PP, TP) position: RNG states, the param groups' hyperparameters."""
+        g, out = self.grid, []
+        rng = self._rng_states(chunks)
+        if rng is not None:
+            out.append(_position_object(g, "rng_state", rng))
+        if optimizer is not None:
+            out.append(_position_object(g, "optimizer.param_groups", _hparams(optimizer)))
+        return out
+
+    def save(self, state, model, optimizer=None, scheduler=None, root: str | None = None) -> dict:
+        """Save the full state at state.iteration (sync, or scheduled when async_save)."""
+        root, iteration = Path(root or self.config.save), state.iteration
+        chunks, t0 = unwrap_chunks(model), time.perf_counter()
+        optimizer = None if self.config.no_save_optim else optimizer
+        if self.comm.rank == 0:
+            prepare_staging(root, iteration)
+        self.comm.barrier()
+        staging = staging_dir(root, iteration)
+
+        def commit():   # runs later for an async save: bind the iteration now
+            commit_checkpoint(root, iteration)
+
+        if self.config.ckpt_format == "torch":
+            return self._save_legacy(staging, state, chunks, optimizer, scheduler, commit, t0)
+        request = self._request(staging, state, chunks, optimizer, scheduler)
+        if self.config.async_save:
+            return self.saver.schedule(request, commit, label=f"iteration {iteration}")
+        request.plan()
+        error = request.finalize(request.write(), commit)
+        if error:
+            raise CheckpointSaveError(error)
+        stats = {"label": f"iteration {iteration}", "blocking_s": time.perf_counter() - t0}
+        self.stats.append(stats)
+        return stats
+
+    def _request(self, staging, state, chunks, optimizer, scheduler) -> SaveRequest:
+        """Every sharded tensor and object of the full state, as one DCP save."""
+        layouts = param_layouts(chunks, self.grid)
+        tensors = model_sharded_state_dict(chunks, self.grid)
+        steps = None
+        if optimizer is not None:
+            pieces, _ = optimizer_pieces(optimizer)
+            keys = optimizer_state_keys(optimizer, pieces, self.comm) + ["param"]
+            tensors += optimizer_sharded_state_dict(optimizer, layouts, self.grid, keys)
+            steps = optimizer_steps(optimizer, pieces, layouts, self.comm)
+        objects = extra_state_objects(chunks, self.grid) + self._position_objects(chunks, optimizer)
+        common = _common(chunks[0].config, self.grid, state, optimizer, scheduler, steps)
+        return SaveRequest(staging, tensors, objects, self.comm, common, self.config.thread_count)
+
+    def _save_legacy(self, staging, state, chunks, optimizer, scheduler, commit, t0) -> dict:
+        common = _common(chunks[0].config, self.grid, state, None, scheduler, None)
+        error = save_legacy(staging, self.grid, chunks, optimizer, common,
+                            self._rng_states(chunks), self.comm)
+        error = self.comm.first_error(error)
+        if error is None and self.comm.rank == 0:
+            try:
+                commit()
+            except OSError as e:
+                error = f"committing {staging} failed: {type(e).__name__}: {e}"
+        error = self.comm.broadcast_object(error)
+        if error:
+            raise CheckpointSaveError(error)
+        stats = {"label": f"iteration {state.iteration}", "blocking_s": time.perf_counter() - t0}
+        self.stats.append(stats)
+        return stats
+
+    def load(self, model, optimizer=None, scheduler=None, root: str | None = None):
+        """Resume from `root` (default config.load): a TrainState, or None when there is nothing."""
+        return _load(self, model, optimizer, scheduler, root)
+
+    def finalize(self, blocking: bool = False) -> dict | None:
+        """Complete a pending async save when every rank's writer is done (or wait for it)."""
+        stats = None if self.saver is None else self.saver.finalize(blocking)
+        if stats is not None:
+            self.stats.append(stats)
+            if self.comm.rank == 0:
+                logger.info("saved %s: blocking %.3f s, background %.3f s", stats["label"],
+                            stats["blocking_s"], stats["background_s"])
+        return stats
+
+
+# %% [markdown]
+# ## Loading: check everything, then apply
+#
+# `load` resolves the directory (the tracker's iteration, or `ckpt_step`), detects the format,
+# reads `common.pt` and checks the model config, then reads every tensor this layout needs into
+# **staging buffers** — the model's weights, and for each optimizer piece its master weight and
+# moments, asking for the model-space rectangles of the new layout. Only when all of that
+# succeeded is anything applied: scheduler (whose own checks may still refuse), optimizer
+# hyperparameters, loss scale, pieces and steps, the weights, the RNG states, and a fresh
+# `TrainState` — whose `consumed_train_samples` tells chapter 04's sampler where to continue.
+# A missing, truncated or corrupted file, a missing key or a mismatched field leaves the model
+# exactly as it was.
+
+# %%
+def _checkpoint_quantities(directory) -> set[str]:
+    """Optimizer quantities present in a torch_dist checkpoint (param, exp_avg, …)."""
+    md = _read_metadata(directory).state_dict_metadata
+    prefix = OPTIMIZER_PREFIX + "."
+    return {k[len(prefix):].split(".")[0] for k in md if k.startswith(prefix)}
+
+
+def _read_dist(manager, directory, common, chunks, optimizer, load_optim, load_rng, same_layout):
+    """Read this layout's share of a torch_dist checkpoint into a LoadedState."""
+    grid = manager.grid
+    layouts = param_layouts(chunks, grid)
+    staged = {p: torch.empty_like(p, device="cpu") for p in layouts}
+    tensors = model_sharded_state_dict(chunks, grid, staged)
+    loaded = LoadedState(common=common)
+    pieces, quantities, staging = [], [], {}
+    if optimizer is not None and load_optim and "optimizer" in common:
+        pieces, _ = optimizer_pieces(optimizer)
+        quantities = sorted(_checkpoint_quantities(directory))
+        for pc in pieces:
+            for q in quantities:
+                staging[(id(pc.main), q)] = torch.empty(pc.main.numel(), dtype=pc.main.dtype)
+        tensors += optimizer_sharded_state_dict(optimizer, layouts, grid, quantities, staging)
+    objects = {}
+    if load_rng:
+        objects["rng"] = _position_object(grid, "rng_state", None)
+    if pieces and same_layout:   # another layout may group its params differently
+        objects["groups"] = _position_object(grid, "optimizer.param_groups", None)
+    got = read_sharded(directory, tensors, list(objects.values()), manager.comm,
+                       manager.config.verify_integrity)
+    loaded.model = [(p.data, t) for p, t in staged.items()]
+    steps = common.get("optimizer", {}).get("steps", {})
+    for pc in pieces:
+        state = {"step": steps.get(layouts[pc.model_param].key, 0)}
+        for q in quantities:
+            if q == "param" and pc.main is pc.model_param:
+                continue   # the model weight is its own master: loaded with the model
+            buf = staging[(id(pc.main), q)]
+            state[q] = buf if q == "param" else buf.view(pc.main.shape)
+        if "param" not in quantities and pc.main is not pc.model_param:
+            state["param"] = staged[pc.model_param].reshape(-1)[pc.start:pc.end].float()
+        loaded.optimizer_pieces.append((pc.main, state))
+    if "rng" in objects:
+        states = got[objects["rng"].unique_key]
+        r = grid.rank("dp_cp")
+        loaded.rng = states[r] if len(states) == grid.size("dp_cp") else states[0]
+    if "groups" in objects:
+        loaded.param_groups = got[objects["groups"].unique_key]
+    return loaded
+
+
+@torch.no_grad()
+def _apply(manager, loaded: LoadedState, chunks, optimizer, scheduler, where):
+    """Apply a fully read checkpoint: scheduler, optimizer, weights, RNG."""
+    common = loaded.common
+    if scheduler is not None and common.get("opt_param_scheduler") is not None:
+        try:
+            scheduler.load_state_dict(common["opt_param_scheduler"])
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"{where}: scheduler state does not fit: {e}") from e
+    if optimizer is not None and loaded.optimizer_state_dict is not None:
+        optimizer.load_state_dict(loaded.optimizer_state_dict)
+    elif optimizer is not None and "optimizer" in common and loaded.optimizer_pieces:
+        opt = common["optimizer"]
+        groups = loaded.param_groups
+        if groups is not None and len(groups) == len(optimizer.param_groups):
+            for g, saved in zip(optimizer.param_groups, groups):
+                g.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+        scaler = getattr(optimizer, "grad_scaler", None)
+        if scaler is not None and opt.get("grad_scaler") is not None:
+            scaler.load_state_dict(opt["grad_scaler"])
+        for main, state in loaded.optimizer_pieces:
+            param = state.pop("param", None)
+            if param is not None and main.data_ptr() != param.data_ptr():
+                main.copy_(param.view(main.shape))
+            set_main_state(optimizer, main, {k: (v.to(main.device) if torch.is_tensor(v) else v)
+                                             for k, v in state.items()})
+    loaded.apply_model()
+    if loaded.rng is not None:
+        set_rng_state(loaded.rng, manager._tracker(chunks))
+
+
+def _rederive_masters(optimizer) -> None:
+    """Without optimizer state, the fp32 masters start from the loaded weights (Megatron's reload)."""
+    for pc in optimizer_pieces(optimizer)[0]:
+        if pc.main is not pc.model_param:
+            pc.main.data.copy_(pc.model_param.detach().reshape(-1)[pc.start:pc.end]
+                               .view(pc.main.shape).float())
+
+
+def _read(manager, directory, chunks, optimizer, load_optim, finetune):
+    """Common part, config check, layout check and every tensor: a LoadedState, or ValueError."""
+    cfg, grid = manager.config, manager.grid
+    fmt = detect_format(directory)
+    if fmt == "torch_dcp":
+        raise ValueError(f"{directory}: a plain DCP directory (no metadata.json) is not a "
+                         "Megatron/tinytron checkpoint")
+    if fmt == "torch":
+        loaded = read_legacy(directory, grid, chunks, optimizer, manager.comm, load_optim)
+        common = loaded.common
+    else:
+        common = read_common(directory)
+    args = common.get("args", {})
+    check_model_config(args.get("model_config"), chunks[0].config, directory)
+    load_rng = not (cfg.no_load_rng or finetune)
+    saved = (args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size"))
+    if fmt == "torch" and load_optim:
+        loaded.param_groups = loaded.common.get("optimizer", {}).get("param_groups")
+    if load_rng and saved != (grid.size("tp"), grid.size("pp")):
+        if manager.comm.rank == 0:
+            warnings.warn(f"{directory}: written with (tp, pp) = {saved}, this run has "
+                          f"{(grid.size('tp'), grid.size('pp'))}: RNG states not restored")
+        load_rng = False
+    if fmt == "torch_dist":
+        return _read_dist(manager, directory, common, chunks, optimizer, load_optim, load_rng,
+                          saved == (grid.size("tp"), grid.size("pp")))
+    if not load_rng:
+        loaded.rng = None
+    return loaded
+
+
+def _load(manager, model, optimizer, scheduler, root):
+    """CheckpointManager.load."""
+    cfg = manager.config
+    root = Path(root or cfg.load)
+    chunks = unwrap_chunks(model)
+    found = resolve_checkpoint_dir(root, cfg.ckpt_step)
+    if found is None:
+        if cfg.exit_on_missing_checkpoint:
+            raise ValueError(f"{root}: no checkpoint to load (no latest_checkpointed_iteration.txt)")
+        return None
+    directory, iteration, release = found
+    finetune = cfg.finetune or release
+    load_optim = optimizer is not None and not (cfg.no_load_optim or finetune)
+    error, loaded = None, None
+    try:
+        loaded = _read(manager, directory, chunks, optimizer, load_optim, finetune)
+    except ValueError as e:
+        error = str(e)
+    error = manager.comm.first_error(error)   # nobody applies anything unless everyone read it all
+    if error:
+        raise ValueError(error)
+    _apply(manager, loaded, chunks, optimizer if load_optim else None,
+           None if finetune else scheduler, directory)
+    if optimizer is not None and not load_optim:
+        _rederive_masters(optimizer)
+    state = _train_state_class()()
+    if not finetune:
+        state.load_state_dict(loaded.common.get("train_state", {"iteration": iteration}))
+    if manager.comm.rank == 0:
+        logger.info("loaded %s (iteration %d)", directory, iteration)
+    return state
+
+
+# %% [markdown]
+# ## The plain API and the loop's hooks
+#
+# `save_checkpoint` / `load_checkpoint` do one save or one load with a throw-away manager
+# (call them on every rank). A training loop keeps one manager and uses its hooks, which have
+# the shapes chapter 01's loop calls:
+#
+# - `save_checkpoint_fn(state, model, optimizer, scheduler)` — at `save_interval` and at exit;
+# - `load_checkpoint_fn(model, optimizer, scheduler) -> TrainState | None` — once, before
+#   training (`None`: nothing to resume, start fresh);
+# - `finalize_async_save_fn(blocking)` — at the start of every iteration with
+#   `blocking=False`, and once at exit with `blocking=True`.
+
+# %%
+def save_checkpoint(root, state, model, optimizer=None, scheduler=None, grid=None,
+                    **options) -> dict:
+    """Save the full training state under `root` (sync); options are CheckpointConfig fields."""
+    chunks = unwrap_chunks(model)
+    manager = CheckpointManager(CheckpointConfig(save=str(root), **options),
+                                grid or chunks[0].grid)
+    stats = manager.save(state, model, optimizer, scheduler)
+    manager.finalize(blocking=True)
+    return stats
+
+
+def load_checkpoint(root, model, optimizer=None, scheduler=None, grid=None, **options):
+    """Load the newest (or `ckpt_step`) checkpoint under `root`: a TrainState, or None."""
+    chunks = unwrap_chunks(model)
+    manager = CheckpointManager(CheckpointConfig(load=str(root), **options),
+                                grid or chunks[0].grid)
+    return manager.load(model, optimizer, scheduler)
+
+
+@dataclass
+class CheckpointHooks:
+    """The loop's three hooks (unpack as save, load, finalize) and the manager behind them."""
+
+    save_checkpoint_fn: object
+    load_checkpoint_fn: object
+    finalize_async_save_fn: object
+    manager: CheckpointManager
+
+    def __iter__(self):
+        return iter((self.save_checkpoint_fn, self.load_checkpoint_fn, self.finalize_async_save_fn))
+
+
+def make_checkpoint_hooks(config: CheckpointConfig, grid, rng_tracker=None) -> CheckpointHooks:
+    """save_checkpoint_fn, load_checkpoint_fn, finalize_async_save_fn for one run (every rank)."""
+    manager = CheckpointManager(config, grid, rng_tracker)
+
+    def save_checkpoint_fn(state, model, optimizer, scheduler):
+        if config.save is not None:
+            manager.save(state, model, optimizer, scheduler)
+
+    def load_checkpoint_fn(model, optimizer, scheduler):
+        if config.load is None:
+            return None
+        return manager.load(model, optimizer, scheduler)
+
+    def finalize_async_save_fn(blocking: bool = False):
+        manager.finalize(blocking)
+
+    return CheckpointHooks(save_checkpoint_fn, load_checkpoint_fn, finalize_async_save_fn, manager)

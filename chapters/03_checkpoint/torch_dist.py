@@ -1,0 +1,556 @@
+# %% [markdown]
+# # 03 · Checkpoint: `torch_dist` with `torch.distributed.checkpoint`
+#
+# Writing and reading the sharded keys of the previous page with PyTorch's distributed
+# checkpoint (DCP): each rank writes its chunks into its own `__R_0.distcp`, rank 0 writes the
+# index `.metadata`, the checksums and — last — Megatron's `metadata.json`; a reader on any
+# layout asks DCP for exactly the boxes it needs. The result opens with PyTorch's own tools,
+# without tinytron.
+#
+# You will build: `SaveRequest` (plan, write, finalize), `read_sharded`, `read_common`,
+# `save_model_weights`, `load_model_weights`.
+
+# %%
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import time
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
+                                                   MetadataIndex, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, ReadItem, SavePlan,
+                                                  TensorWriteData, WriteItem, WriteItemType)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from tinytron.checkpoint._common import CheckpointGroups
+from tinytron.checkpoint.formats import (CHECKSUM_FILENAME, COMMON_FILENAME, DCP_METADATA_FILENAME,
+                                         MEGATRON_METADATA, METADATA_FILENAME, detect_format,
+                                         fault_point, unwrap_chunks)
+from tinytron.checkpoint.sharded_keys import (ShardedObject, ShardedTensor, extra_state_objects,
+                                              model_sharded_state_dict)
+
+__all__ = ["SaveRequest", "read_sharded", "read_common", "save_model_weights",
+           "load_model_weights"]
+
+# %% [markdown]
+# ## Writing: plan, write, finalize
+#
+# DCP's save (`torch/distributed/checkpoint/state_dict_saver.py`) has three phases, and
+# Megatron runs them separately so that the middle one can run in the background
+# (`strategies/state_dict_saver.py:41` and `:213`):
+#
+# 1. **plan** (collective): each rank lists its write items — one per chunk, with the global
+#    shape and offset — the coordinator (rank 0) checks that the main replicas tile every
+#    tensor exactly once (DCP's `_validate_global_plan`; Megatron's `validate_sharding_integrity`)
+#    and assigns each rank its file prefix `__R_`; rank 0 also writes `common.pt`.
+# 2. **write** (no communication): each rank streams its chunks into `__R_0.distcp` and fsyncs it.
+#    Here the stream also computes a CRC-32 of every byte written: DCP stores no checksums, and
+#    `torch.load` does not notice a flipped byte inside a tensor.
+# 3. **finalize** (collective): the write results (which file and offset holds each chunk) are
+#    gathered on rank 0, which writes DCP's `.metadata`, then `checksums.json`, then
+#    `metadata.json` — last — and hands over to the commit of the formats page.
+#
+# The planners below are DCP's default ones with the state dict replaced by our list of
+# `ShardedTensor`/`ShardedObject`: write items are built from global offsets directly, and a
+# read asks DCP for exactly the boxes a rank needs (`create_read_items_for_chunk_list` does the
+# overlap search against whatever chunks were saved).
+
+# %%
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's planner over explicit chunks: write items carry global shape and offset."""
+
+    def __init__(self, tensors: list[ShardedTensor], objects: list[ShardedObject]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.tensors, self.objects, self.data = tensors, objects, {}
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for t in self.tensors:
+            index = MetadataIndex(t.key, torch.Size(t.global_offset))
+            chunk = ChunkStorageMetadata(offsets=torch.Size(t.global_offset),
+                                         sizes=torch.Size(t.data.shape))
+            items.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
+                chunk=chunk, properties=TensorProperties.create_from_tensor(t.data),
+                size=torch.Size(t.global_shape))))
+            self.data[index] = t.data
+        for o in self.objects:
+            index = MetadataIndex(o.unique_key)
+            items.append(WriteItem(index=index, type=WriteItemType.BYTE_IO))
+            self.data[index] = [o.data]   # Megatron stores a one-element list
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return self.data[index]
+
+
+class _CRCStream(io.RawIOBase):
+    """A write-only file wrapper that keeps a running CRC-32 and byte count."""
+
+    def __init__(self, raw, rank: int, armed: bool):
+        self.raw, self.crc, self.size, self.rank, self.armed = raw, 0, 0, rank, armed
+
+    def writable(self):
+        return True
+
+    def write(self, b):
+        view = memoryview(b).cast("B")
+        n = self.raw.write(view)
+        self.crc, self.size = zlib.crc32(view[:n], self.crc), self.size + n
+        if self.armed:
+            fault_point("mid_write", self.rank)
+        return n
+
+    def tell(self):
+        return self.raw.tell()
+
+    def flush(self):
+        self.raw.flush()
+
+    def fileno(self):
+        return self.raw.fileno()
+
+
+class _ChecksumFS(FileSystem):
+    """DCP's file system with a CRC on every written file and the open path remembered."""
+
+    def __init__(self, rank: int = 0):
+        super().__init__()
+        self.sums, self.current, self.rank, self.armed = {}, None, rank, False
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        self.current = Path(path)
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            wrapped = _CRCStream(stream, self.rank, self.armed)
+            yield wrapped
+            self.sums[Path(path).name] = [wrapped.size, wrapped.crc]
+
+
+# %%
+def _file_crc(path: Path) -> list[int]:
+    """[size, crc32] of a file, read in 8 MiB blocks."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            crc, size = zlib.crc32(block, crc), size + len(block)
+    return [size, crc]
+
+
+def _write_json(path: Path, obj) -> None:
+    """Write and fsync a small JSON file."""
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class SaveRequest:
+    """One torch_dist save split in Megatron's three phases: plan, write, finalize."""
+
+    def __init__(self, directory: Path, tensors: list, objects: list, comm: CheckpointGroups,
+                 common: dict | None = None, thread_count: int = 1):
+        self.directory, self.comm, self.common = Path(directory), comm, common
+        self.tensors = [t for t in tensors if t.is_main]
+        self.objects = [o for o in objects if o.is_main]
+        self.thread_count, self.metadata, self.error = thread_count, None, None
+
+    def plan(self) -> None:
+        """Collective: write common.pt (rank 0), build and exchange the DCP plans."""
+        self.fs = _ChecksumFS(self.comm.rank)
+        self.writer = dcp.FileSystemWriter(self.directory, thread_count=self.thread_count,
+                                           overwrite=True)
+        self.writer.fs = self.fs
+        self.planner = _SavePlanner(self.tensors, self.objects)
+        self.common_crc = None
+        if self.comm.rank == 0 and self.common is not None:
+            torch.save(self.common, self.directory / COMMON_FILENAME)
+            self.common_crc = _file_crc(self.directory / COMMON_FILENAME)
+        fault_point("before_write", self.comm.rank)
+        coordinator = self.comm.rank == 0
+        self.planner.set_up_planner({}, self.writer.storage_meta(), coordinator)
+        self.writer.set_up_storage_writer(coordinator, rank=self.comm.rank)
+        local = self.writer.prepare_local_plan(self.planner.create_local_plan())
+        plans = self.comm.gather_object(local)
+        central = None
+        if coordinator:
+            try:
+                plans, self.metadata = self.planner.create_global_plan(plans)
+                central = self.writer.prepare_global_plan(plans)
+            except ValueError as e:
+                central = [f"invalid sharding: {e}"] * self.comm.world_size
+        mine = self.comm.scatter_object(central)
+        if isinstance(mine, str):
+            raise ValueError(f"{self.directory}: {mine}")
+        self.final_plan = self.planner.finish_plan(mine)
+
+    def write(self) -> dict:
+        """No communication: this rank's .distcp files; {'results', 'sums', 'seconds'} or {'error'}."""
+        t0 = time.perf_counter()
+        try:
+            self.fs.armed = True   # the mid_write fault point is live while shards are written
+            results = self.writer.write_data(self.final_plan, self.planner).wait()
+        except Exception as e:  # noqa: BLE001 - reported to every rank by finalize
+            self.fs.armed = False
+            where = self.fs.current or self.directory
+            return {"error": f"writing {where} failed: {type(e).__name__}: {e}"}
+        self.fs.armed = False
+        if len(results) != len(self.final_plan.items):
+            return {"error": f"writing {self.directory}: {len(self.final_plan.items) - len(results)}"
+                             " items were not written (a writer thread failed)"}
+        return {"results": results, "sums": dict(self.fs.sums),
+                "seconds": time.perf_counter() - t0}
+
+    def finalize(self, outcome: dict, on_complete=None) -> str | None:
+        """Collective: rank 0 writes .metadata, checksums.json, metadata.json; same verdict everywhere."""
+        fault_point("before_finalize", self.comm.rank)
+        outcomes = self.comm.gather_object(outcome)
+        error = None
+        if self.comm.rank == 0:
+            error = next((o["error"] for o in outcomes if o.get("error")), None)
+            if error is None:
+                error = self._finish(outcomes, on_complete)
+        return self.comm.broadcast_object(error)
+
+    def _finish(self, outcomes: list[dict], on_complete) -> str | None:
+        """Rank 0: the index, the checksums, then metadata.json; then the caller's commit."""
+        try:
+            self.writer.finish(self.metadata, [o["results"] for o in outcomes])
+            sums = {name: s for o in outcomes for name, s in o["sums"].items()}
+            sums[DCP_METADATA_FILENAME] = _file_crc(self.directory / DCP_METADATA_FILENAME)
+            if self.common_crc is not None:
+                sums[COMMON_FILENAME] = self.common_crc
+            _write_json(self.directory / CHECKSUM_FILENAME, {"algorithm": "crc32", "files": sums})
+            fault_point("before_metadata_json")
+            _write_json(self.directory / METADATA_FILENAME, MEGATRON_METADATA)
+            if on_complete is not None:
+                on_complete()
+        except OSError as e:
+            return f"finalizing {self.directory} failed: {type(e).__name__}: {e}"
+        return None
+
+
+# %% [markdown]
+# ## Reading
+#
+# `read_sharded` fills a list of `ShardedTensor`s (their `data` are the destination buffers)
+# and returns the requested objects. Before any byte is copied it checks what can be checked
+# cheaply: `metadata.json` says `torch_dist`, `.metadata` unpickles, every requested key exists
+# with the expected global shape (a `ValueError` names the key and both shapes), every file
+# the index refers to exists and is long enough, and — with `verify=True` — every file's CRC
+# matches `checksums.json` (the files are split over the ranks, each rank reads its share).
+# Then DCP's loader reads the chunks; an error inside it is reported with the file that was
+# being read.
+
+# %%
+class _LoadPlanner(DefaultLoadPlanner):
+    """DCP's planner over explicit boxes: each ShardedTensor asks for its global box."""
+
+    def __init__(self, tensors: list[ShardedTensor], objects: list[ShardedObject], where: Path):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.tensors, self.objects, self.where = tensors, objects, where
+        self.dest, self.loaded = {}, {}
+
+    def create_local_plan(self) -> LoadPlan:
+        md, items = self.metadata.state_dict_metadata, []
+        for t in self.tensors:
+            meta = md.get(t.key)
+            if not isinstance(meta, TensorStorageMetadata):
+                raise ValueError(f"{self.where}: the checkpoint has no tensor {t.key!r}")
+            if tuple(meta.size) != tuple(t.global_shape):
+                raise ValueError(f"{self.where}: {t.key!r} has global shape {tuple(meta.size)} in "
+                                 f"the checkpoint, the model needs {tuple(t.global_shape)}")
+            self.dest[(t.key, tuple(t.global_offset))] = t.data
+            box = ChunkStorageMetadata(torch.Size(t.global_offset), torch.Size(t.data.shape))
+            items += create_read_items_for_chunk_list(t.key, meta, [box])
+        for o in self.objects:
+            if not isinstance(md.get(o.unique_key), BytesStorageMetadata):
+                raise ValueError(f"{self.where}: the checkpoint has no object {o.unique_key!r}")
+            index = MetadataIndex(o.unique_key)
+            items.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=index,
+                                  dest_offsets=torch.Size((0,)), storage_index=index,
+                                  storage_offsets=torch.Size((0,)), lengths=torch.Size((0,))))
+        return LoadPlan(items)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        dst = self.dest[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            dst = dst.narrow(dim, start, length)
+        return dst
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.loaded[read_item.dest_index.fqn] = torch.load(value, weights_only=True)[0]
+
+
+def _check_files(directory: Path, metadata) -> None:
+    """Every file the index refers to exists and holds at least the bytes it should."""
+    need: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        path = directory / name
+        if not path.is_file():
+            raise ValueError(f"{path}: missing")
+        if path.stat().st_size < size:
+            raise ValueError(f"{path}: truncated ({path.stat().st_size} bytes, the index needs "
+                             f"at least {size})")
+
+
+def _verify_checksums(directory: Path, comm: CheckpointGroups) -> None:
+    """CRC of every file listed in checksums.json (files split over ranks); ValueError on a mismatch."""
+    path = directory / CHECKSUM_FILENAME
+    if not path.is_file():
+        return
+    files = sorted(json.loads(path.read_text())["files"].items())
+    error = None
+    for name, (size, crc) in files[comm.rank::comm.world_size]:
+        got = _file_crc(directory / name) if (directory / name).is_file() else None
+        if got != [size, crc]:
+            error = (f"{directory / name}: content does not match {CHECKSUM_FILENAME} "
+                     f"(corrupted or truncated)")
+            break
+    error = comm.first_error(error)
+    if error:
+        raise ValueError(error)
+
+
+def _read_metadata(directory: Path):
+    """DCP's index of a torch_dist directory, or ValueError naming the file."""
+    detect_format(directory)
+    path = directory / DCP_METADATA_FILENAME
+    if not path.is_file():
+        raise ValueError(f"{path}: missing")
+    try:
+        return dcp.FileSystemReader(directory).read_metadata()
+    except Exception as e:  # noqa: BLE001 - an unreadable index is a bad checkpoint
+        raise ValueError(f"{path}: cannot be read ({type(e).__name__}: {e})") from e
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    """The exception a rank raised inside DCP (DCP wraps it per rank)."""
+    for failure in getattr(e, "failures", {}).values():
+        return getattr(failure, "exception", failure)
+    return e.__cause__ if isinstance(e.__cause__, ValueError) else e
+
+
+def read_sharded(directory: Path, tensors: list[ShardedTensor], objects: list[ShardedObject],
+                 comm: CheckpointGroups, verify: bool = True) -> dict:
+    """Fill every ShardedTensor's data from the checkpoint; return {unique_key: object}."""
+    directory = Path(directory)
+    metadata = _read_metadata(directory)
+    _check_files(directory, metadata)
+    if verify:
+        _verify_checksums(directory, comm)
+    reader = dcp.FileSystemReader(directory)
+    reader.fs = _ChecksumFS(comm.rank)
+    planner = _LoadPlanner(tensors, objects, directory)
+    try:
+        with warnings.catch_warnings():   # DCP warns that one process reads alone: intended
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
+            dcp.load({}, storage_reader=reader, planner=planner, process_group=comm.world,
+                     no_dist=not comm.distributed)
+    except Exception as e:  # noqa: BLE001 - re-raised with the file that was being read
+        cause = _root_cause(e)
+        if isinstance(cause, ValueError) and str(directory) in str(cause):
+            raise ValueError(str(cause)) from e
+        where = reader.fs.current or directory
+        raise ValueError(f"{where}: reading failed ({type(cause).__name__}: "
+                         f"{str(cause).splitlines()[0] if str(cause) else ''})") from e
+    return planner.loaded
+
+
+def read_common(directory: Path) -> dict:
+    """common.pt of a torch_dist directory (weights_only), or ValueError naming it."""
+    path = Path(directory) / COMMON_FILENAME
+    if not path.is_file():
+        raise ValueError(f"{path}: missing")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
+        raise ValueError(f"{path}: cannot be read ({type(e).__name__}: {e})") from e
+
+
+# %% [markdown]
+# ## Weights alone: `save_model_weights`, `load_model_weights`
+#
+# The plain API for a model without optimizer or progress: `save_model_weights(model, path)`
+# writes a `torch_dist` directory exactly like Megatron-Core's
+# `dist_checkpointing.save(model.sharded_state_dict(), path)` — an empty `common.pt`, the
+# tensors, `.metadata`, `metadata.json` — or, with `format="torch"`, one legacy
+# `model_optim_rng.pt` per (TP, PP) position. `load_model_weights(path, model)` reads either
+# format (a root with a tracker or an iteration directory) into a model on **any** layout for
+# `torch_dist`. Call both on every rank of the model.
+
+# %%
+def _model_dir(path: Path) -> Path:
+    """An iteration directory: `path` itself, or the one its tracker names."""
+    from tinytron.checkpoint.formats import resolve_checkpoint_dir
+
+    path = Path(path)
+    if (path / METADATA_FILENAME).is_file() or any(path.glob("mp_rank_0*")):
+        return path
+    found = resolve_checkpoint_dir(path)
+    if found is None:
+        raise ValueError(f"{path}: neither a checkpoint directory nor a root with a tracker")
+    return found[0]
+
+
+def save_model_weights(model, path, grid=None, format: str = "torch_dist") -> None:
+    """Write the model's weights (any layout) as a torch_dist or legacy directory at `path`."""
+    from tinytron.checkpoint.legacy import save_legacy
+
+    chunks = unwrap_chunks(model)
+    grid = grid or chunks[0].grid
+    comm = CheckpointGroups(grid)
+    path = Path(path)
+    if comm.rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    comm.barrier()
+    if format == "torch":
+        error = save_legacy(path, grid, chunks, None, {"args": _layout_args(chunks, grid)}, None,
+                            comm)
+    elif format == "torch_dist":
+        request = SaveRequest(path, model_sharded_state_dict(chunks, grid),
+                              extra_state_objects(chunks, grid), comm, common={})
+        request.plan()
+        error = request.finalize(request.write())
+    else:
+        raise ValueError(f"format must be 'torch_dist' or 'torch', got {format!r}")
+    error = comm.first_error(error)
+    if error:
+        raise RuntimeError(error)
+
+
+def _layout_args(chunks, grid) -> dict:
+    """The `args` a legacy file carries: the model config and the layout."""
+    import dataclasses
+
+    return {"model_config": dataclasses.asdict(chunks[0].config),
+            "tensor_model_parallel_size": grid.size("tp"),
+            "pipeline_model_parallel_size": grid.size("pp")}
+
+
+@torch.no_grad()
+def load_model_weights(path, model, grid=None, verify: bool = True) -> None:
+    """Load weights from either format into the model's chunks; nothing changes on error."""
+    from tinytron.checkpoint.legacy import read_legacy
+
+    chunks = unwrap_chunks(model)
+    grid = grid or chunks[0].grid
+    comm = CheckpointGroups(grid)
+    directory = _model_dir(path)
+    if detect_format(directory) == "torch":
+        read_legacy(directory, grid, chunks, None, comm).apply_model()
+        return
+    staged = {p: torch.empty_like(p, device="cpu") for c in chunks for p in c.parameters()}
+    read_sharded(directory, model_sharded_state_dict(chunks, grid, staged), [], comm, verify)
+    for p, t in staged.items():
+        p.copy_(t)
+
+
+# %% [markdown]
+# ## Demo: what a save looks like from outside
+#
+# The tiny model (TP 1) is saved with `save_model_weights`. DCP's index lists each key with its
+# global shape and chunks — the layers stacked on the leading axis. Then the directory is
+# opened with PyTorch's own tools only (`dcp_to_torch_save` turns it into one plain
+# `torch.save` file): every tensor equals the model's, re-stacked. The picture shows where the
+# chunks of `linear_fc1.weight` of a 4-layer model land for TP 2 × PP 2: the four colours are
+# the four (PP, TP) ranks, and each TP rank's two pieces are its gate and its up rows.
+
+# %%
+
+# %% [markdown]
+# ## Demo: what a save looks like from outside
+#
+# The tiny model (TP 1) is saved with `save_model_weights`. DCP's index lists each key with its
+# global shape and number of chunks — the layers stacked on the leading axis. Then the directory
+# is opened with PyTorch's own tools only (`dcp_to_torch_save` turns it into one plain
+# `torch.save` file): every tensor equals the model's, re-stacked. Finally one byte inside a
+# tensor of the shard file is flipped: `torch.load` alone would not notice, the checksums do,
+# and the error names the file.
+
+# %%
+if __name__ == "__main__":
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from tinytron.model import GPTModel, tiny_config
+
+    config = tiny_config(tie_embeddings=False)
+    model = GPTModel(config)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_model_weights(model, tmp)
+        print("files:", sorted(os.listdir(tmp)))
+        md = dcp.FileSystemReader(tmp).read_metadata().state_dict_metadata
+        for key, meta in list(md.items())[:5]:
+            print(f"  {key:<58} {tuple(meta.size)} {len(meta.chunks)} chunk(s)")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # "assuming the intent is to load in a single process"
+            dcp_to_torch_save(tmp, f"{tmp}/plain.pt")
+        plain = torch.load(f"{tmp}/plain.pt", weights_only=True)
+        qkv = plain["decoder.layers.self_attention.linear_qkv.weight"]
+        print("stacked qkv:", tuple(qkv.shape))
+        fresh = GPTModel(config.replace(seed=5))
+        load_model_weights(tmp, fresh)
+        same = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+        print("reloaded into a fresh model, bit-identical:", same)
+        shard = Path(tmp) / "__0_0.distcp"
+        raw = bytearray(shard.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        shard.write_bytes(bytes(raw))
+        try:
+            load_model_weights(tmp, fresh)
+            message = "no error"
+        except ValueError as e:
+            message = str(e)
+        print("after flipping one byte:", message)
+    assert same and torch.equal(qkv[1], model.decoder.layers[1].self_attention.linear_qkv.weight)
+    assert torch.equal(plain["decoder.layers.mlp.linear_fc1.layer_norm_weight"][0],
+                       model.decoder.layers[0].pre_mlp_layernorm.weight)
+    assert "__0_0.distcp" in message and "corrupted" in message
+
+# %% [markdown]
+# ## Summary
+#
+# - A save is plan (collective) → write (local I/O only) → finalize (collective: rank 0 writes
+#   `.metadata`, `checksums.json`, then `metadata.json`), Megatron's split of DCP's save.
+# - A load checks the index, the files and their checksums first, then asks DCP for this
+#   layout's boxes and reads them into staging buffers; the model changes only when all of it
+#   was read.
+# - The directory is standard DCP: `dcp_to_torch_save` or `dcp.load` open it without tinytron.
+#
+# ## How production does it
+#
+# - Megatron-Core: `megatron/core/dist_checkpointing/serialization.py` (`save:300`, `load:54`),
+#   `strategies/torch.py` (`MCoreSavePlanner`, `MCoreLoadPlanner`, `TorchDistSaveShardedStrategy`),
+#   `strategies/state_dict_saver.py` (`save_state_dict_async_plan:41`,
+#   `save_state_dict_async_finalize:213`), `validation.py:369` (sharding integrity); an optional
+#   integrity manifest of SHA-256 hashes (`validation.py:521`).
+# - PyTorch: `torch/distributed/checkpoint/` (`state_dict_saver.py`, `default_planner.py`,
+#   `filesystem.py`, `format_utils.py`).
+#
+# ## Exercises
+#
+# 1. Make two ranks both write TP rank 0's norm and read the error DCP's global-plan validation
+#    gives. Which Megatron check corresponds to it?
+# 2. With `thread_count=2`, how are the chunks split between `__R_0.distcp` and `__R_1.distcp`?
