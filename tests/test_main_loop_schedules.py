@@ -328,3 +328,19 @@ def test_bad_layouts_raise_value_errors_naming_the_numbers(world):
     assert "num_microbatches (5) mod microbatch_group_size_per_vp_stage (4) = 1" in msgs[3]
     assert "2 chunks, 1 iterator(s)" in msgs[4]
     assert "got 2 chunks and 1 iterators" in msgs[5]
+
+
+def test_every_message_is_received_as_the_one_sent(world):
+    """Per pipeline pair, the micro-batch ids a stage sends (in posting order) are the ids its
+    neighbour records receiving: the schedules' bookkeeping of who sends what matches."""
+    for case in ("dp2pp2", "dp2pp2_vpp", "megatron_example"):
+        a, b = world[0][case], world[2][case]  # the pp group of dp rank 0: ranks 0 and 2
+        assert (a["stage"], b["stage"]) == (0, 1)
+        for step in range(len(a["events"])):
+            ids = {}
+            for name, res in (("a", a), ("b", b)):
+                events = sorted(res["events"][step], key=lambda e: e.start)  # stable
+                ids[name] = {k: [e.microbatch for e in events if e.kind == k]
+                             for k in ("send", "recv")}
+            assert ids["a"]["send"] == ids["b"]["recv"], case
+            assert ids["b"]["send"] == ids["a"]["recv"], case
