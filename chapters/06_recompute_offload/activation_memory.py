@@ -307,7 +307,7 @@ if __name__ == "__main__":
 # |---|---|---|
 # | none | 3.41 GiB (2.59 of it core attention) | 54.5 GiB |
 # | selective `core_attn` | 0.90 GiB | 14.4 GiB |
-# | full, uniform $k = 1$ | 16 MiB (the layer input) | 0.51 GiB |
+# | full, uniform $k = 1$ | 32 MiB (the layer input) | 0.51 GiB |
 # | offload, all five regions | 0.53 GiB left on the device | 8.5 GiB |
 #
 # Without recompute, materialised attention does not fit an 80 GB GPU even for one
