@@ -118,7 +118,6 @@ def bench_attention(s: dict, device: str, reps: int) -> dict:
     k, v = (torch.randn(b, g, n, d, device=device, dtype=dtype) for _ in range(2))
     flops = attention_flops(b, h, n, d, causal=True)
     model_flops = {"fwd": flops["forward"], "fwd_bwd": flops["forward"] * 3.5}  # fwd + 2.5x bwd
-    sdpa, k_ref, v_ref, backend = attention_reference, k, v, "default (GQA)"
     if device == "cuda":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -128,6 +127,8 @@ def bench_attention(s: dict, device: str, reps: int) -> dict:
         # the flash backend takes equal head counts: K/V expanded once, outside the timing
         k_ref, v_ref = k.repeat_interleave(h // g, 1), v.repeat_interleave(h // g, 1)
         backend = "flash (K/V heads expanded)"
+    else:
+        sdpa, k_ref, v_ref, backend = attention_reference, k, v, "default (GQA)"
     row = {"shape": [b, h, g, n, d], "dtype": str(dtype), "sdpa_backend": backend}
     for impl, fn, kk, vv in (("triton", flash_attention, k, v), ("sdpa", sdpa, k_ref, v_ref)):
         t_fwd = timed(lambda: fn(q, kk, vv), device, reps)

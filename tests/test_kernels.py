@@ -166,13 +166,14 @@ def test_flash_attention_fp32_matches_sdpa(case):
         assert a.shape == b.shape and rel_gap(a, b) < FP32_TOL, (name, rel_gap(a, b))
 
 
-def test_flash_attention_bf16_within_bf16_rounding_of_fp32():
-    """bf16 in, P and dS rounded to bf16 for the tensor cores: within 2^-6 of the fp32 result."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flash_attention_half_within_rounding_of_fp32(dtype):
+    """bf16/fp16 in, P and dS rounded for the tensor cores: within 2^-6 of the fp32 result."""
     q, k, v, do = _attention_inputs(1, 4, 2, 33, 16, seed=3)
     truth = run_both([attention_reference], [q, k, v], do)[0]
-    bf16 = run_both([flash_attention], [t.bfloat16() for t in (q, k, v)], do.bfloat16())[0]
-    for name, a, b in zip(("o", "dq", "dk", "dv"), bf16, truth):
-        assert a.dtype == torch.bfloat16 and rel_gap(a, b) < BF16_TOL, (name, rel_gap(a, b))
+    half = run_both([flash_attention], [t.to(dtype) for t in (q, k, v)], do.to(dtype))[0]
+    for name, a, b in zip(("o", "dq", "dk", "dv"), half, truth):
+        assert a.dtype == dtype and rel_gap(a, b) < BF16_TOL, (name, rel_gap(a, b))
 
 
 def test_flash_attention_causal_ignores_the_future():

@@ -247,8 +247,6 @@ def cross_entropy_saved_bytes(num_tokens: int, vocab_local: int, dtype: torch.dt
 
 # %%
 if __name__ == "__main__":
-    import torch.nn.functional as F
-
     from tinytron.kernels._measure import EagerTraffic, saved_tensor_bytes
 
     z = torch.tensor([[1.0, 2.0, 3.0, 0.0]], requires_grad=True)
