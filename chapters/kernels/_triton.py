@@ -55,6 +55,7 @@ KERNEL_CHOICES = ("torch", "triton", "auto")
 
 __all__ = ["triton", "tl", "HAS_TRITON", "INTERPRET", "SUPPORTED_DTYPES", "KERNEL_CHOICES",
            "require_triton", "check_tensor", "resolve_kernels", "use_triton", "dot_flags", "num_row_programs",
+           "rows_per_program",
            "mma", "round_to"]
 
 
@@ -111,6 +112,14 @@ def dot_flags(dtype: torch.dtype) -> tuple[bool, str]:
     # tensor cores as they are; fp32 asks for IEEE products rather than TF32.
     upcast = INTERPRET and dtype == torch.bfloat16
     return upcast, ("ieee" if dtype == torch.float32 or upcast else "tf32")
+
+
+def rows_per_program(block: int) -> int:
+    """Rows a row-wise kernel tiles together: enough for ~4K (compiled) or ~16K (interpreted) lanes."""
+    # Compiled, a 4096-wide bf16 row already fills a program; narrow rows share one. Interpreted,
+    # every program costs Python overhead, so the tiles are bigger.
+    lanes = 16384 if INTERPRET else 4096
+    return max(1, min(64 if INTERPRET else 16, lanes // block))
 
 
 def num_row_programs(n_rows: int, device: torch.device, per_sm: int = 4) -> int:

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # C.1 · Kernels: RMSNorm, one pass forward and one pass backward
 #
-# Every layer normalises the residual stream twice. In eager PyTorch that is nine small ops,
+# Every layer normalises the residual stream twice. In eager PyTorch that is eight small ops,
 # each streaming the whole activation through memory; a kernel reads the row once, keeps it in
 # registers, and writes the result once. This page writes that kernel in Triton, its backward
 # (with the weight gradient reduced across row blocks), and counts the bytes it saves.
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from tinytron.kernels._triton import check_tensor, num_row_programs, round_to, tl, triton
+from tinytron.kernels._triton import (check_tensor, num_row_programs, round_to, rows_per_program,
+                                      tl, triton)
 
 __all__ = ["rms_norm", "rms_norm_reference", "rms_norm_bytes"]
 
@@ -37,30 +38,33 @@ __all__ = ["rms_norm", "rms_norm_reference", "rms_norm_bytes"]
 # Worked example, one row $x = [1, 2, 3, 4]$, $\epsilon = 0$: $\overline{x^2} = 30/4 = 7.5$,
 # $r = 0.3651$, normalised row $[0.365, 0.730, 1.095, 1.461]$.
 #
-# ## The forward kernel: one program per row
+# ## The forward kernel: whole rows per program
 #
-# A program loads its whole row (`BLOCK_H`, the next power of two $\ge h$, with a mask for the
-# ragged tail: $h = 100$ loads 128 lanes, 28 masked), squares and sums it in fp32, and writes
-# $y$ and the row's $r$, which the backward reuses instead of recomputing the sum. For
-# $h = 4096$ a row is 8 KiB of bf16: it fits in one program's registers, so $x$ is read exactly
-# once. Megatron gets this fusion from Transformer Engine's RMSNorm (`TENorm`,
+# A program loads a tile of `ROWS` whole rows (each `BLOCK_H` wide, the next power of two
+# $\ge h$, with a mask for the ragged tail: $h = 100$ loads 128 lanes, 28 masked), squares and
+# sums each row in fp32, and writes $y$ and each row's $r$, which the backward reuses instead of
+# recomputing the sum. For $h = 4096$ a row is 8 KiB of bf16 and one row fills a program
+# (`ROWS = 1`); narrower rows share one (`rows_per_program`), and under the interpreter, where
+# every program costs Python time, tiles are larger. Either way $x$ is read exactly once. Megatron gets this fusion from Transformer Engine's RMSNorm (`TENorm`,
 # `megatron/core/extensions/transformer_engine.py:675`) or Apex's persistent layer norm
 # (`megatron/core/fusions/fused_layer_norm.py:30`).
 
 # %%
 @triton.jit
-def _rmsnorm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, eps, BLOCK_H: tl.constexpr):
-    """y[row] = w * cast(x[row] * rstd), rstd = 1/sqrt(mean(x^2) + eps) in fp32."""
-    row = tl.program_id(0).to(tl.int64)
+def _rmsnorm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n_cols, eps,
+                        ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """y = w * cast(x * rstd), rstd = 1/sqrt(mean(x^2) + eps) in fp32, for ROWS whole rows."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_H)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    normed = round_to(x * rstd, w.dtype)  # rounded to the input dtype before the weight, as torch
-    y = normed.to(tl.float32) * w.to(tl.float32)
-    tl.store(y_ptr + row * n_cols + cols, round_to(y, y_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + row, rstd)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0)
+    normed = round_to(x * rstd[:, None], w.dtype)  # rounded before the weight, as torch does
+    y = normed.to(tl.float32) * w.to(tl.float32)[None, :]
+    tl.store(y_ptr + offs, round_to(y, y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=rows < n_rows)
 
 
 # %% [markdown]
@@ -73,7 +77,7 @@ def _rmsnorm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, eps, BLOCK_H: tl.
 #
 # the second because $\partial r / \partial x_j = -r^3 x_j / h$. The row terms are local to a
 # row; the weight gradient is a sum over **all** rows, which no single program sees. The
-# backward therefore launches $G$ programs (four per SM on a GPU); program $p$ walks rows
+# backward therefore launches $G$ programs (four per SM on a GPU); program $p$ walks row tiles
 # $p, p + G, p + 2G, \dots$, accumulates its partial $\sum g \odot \hat n$ in fp32 registers,
 # and writes one row of a $[G, h]$ buffer; a last reduction over $G$ gives $\partial L/\partial w$.
 # Two stages keep the sum deterministic, with no atomics. (Under sequence parallelism each TP
@@ -99,26 +103,28 @@ def _rmsnorm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, eps, BLOCK_H: tl.
 # %%
 @triton.jit
 def _rmsnorm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, n_rows, n_cols,
-                        BLOCK_H: tl.constexpr):
-    """dx for rows pid, pid+G, ...; this program's partial sum of dy * cast(x * rstd)."""
+                        ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """dx for row tiles pid, pid + G, ...; this program's partial sum of dy * cast(x * rstd)."""
     pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
+    step = tl.num_programs(0) * ROWS
     cols = tl.arange(0, BLOCK_H)
-    mask = cols < n_cols
-    w_raw = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    w = w_raw.to(tl.float32)
+    w_raw = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0)
+    w = w_raw.to(tl.float32)[None, :]
     dw = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for row in range(pid, n_rows, num_programs):
-        offs = tl.cast(row, tl.int64) * n_cols + cols
+    for start in range(pid * ROWS, n_rows, step):
+        rows = start + tl.arange(0, ROWS)
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+        offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + row)
+        rstd = tl.load(rstd_ptr + rows, mask=rows < n_rows, other=0.0)[:, None]
         normed = x * rstd
-        dw += dy * round_to(normed, w_raw.dtype).to(tl.float32)
+        dw += tl.sum(dy * round_to(normed, w_raw.dtype).to(tl.float32), axis=0)
         u = dy * w
-        dx = rstd * (u - normed * (tl.sum(u * normed, axis=0) / n_cols))
-        tl.store(dx_ptr + offs, round_to(dx, dx_ptr.dtype.element_ty), mask=mask)
-    tl.store(dw_partial_ptr + pid.to(tl.int64) * n_cols + cols, dw, mask=mask)
+        dot = tl.sum(u * normed, axis=1)[:, None] / n_cols
+        tl.store(dx_ptr + offs, round_to(rstd * (u - normed * dot), dx_ptr.dtype.element_ty),
+                 mask=mask)
+    tl.store(dw_partial_ptr + pid.to(tl.int64) * n_cols + cols, dw, mask=cols < n_cols)
 
 
 # %% [markdown]
@@ -151,7 +157,9 @@ class _RMSNorm(torch.autograd.Function):
         y = torch.empty_like(x2)
         rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
         block = triton.next_power_of_2(h)
-        _rmsnorm_fwd_kernel[(x2.shape[0],)](x2, weight, y, rstd, h, eps, BLOCK_H=block)
+        rows = rows_per_program(block)
+        _rmsnorm_fwd_kernel[(triton.cdiv(x2.shape[0], rows),)](x2, weight, y, rstd, x2.shape[0], h,
+                                                               eps, ROWS=rows, BLOCK_H=block)
         ctx.save_for_backward(x2, weight, rstd)
         ctx.shape = x.shape
         return y.view(x.shape)
@@ -162,10 +170,12 @@ class _RMSNorm(torch.autograd.Function):
         n_rows, h = x2.shape
         dy2 = dy.contiguous().view(n_rows, h)
         dx = torch.empty_like(x2)
-        grid = num_row_programs(n_rows, x2.device)
+        block = triton.next_power_of_2(h)
+        rows = rows_per_program(block)
+        grid = num_row_programs(triton.cdiv(n_rows, rows), x2.device)
         dw_partial = torch.empty(grid, h, dtype=torch.float32, device=x2.device)
         _rmsnorm_bwd_kernel[(grid,)](dy2, x2, weight, rstd, dx, dw_partial, n_rows, h,
-                                     BLOCK_H=triton.next_power_of_2(h))
+                                     ROWS=rows, BLOCK_H=block)
         return dx.view(ctx.shape), dw_partial.sum(0).to(weight.dtype), None
 
 
@@ -277,8 +287,8 @@ if __name__ == "__main__":
 # %% [markdown]
 # ## Summary
 #
-# - One program per row reads $x$ once and writes $y$ and the row's $r$: 4 bytes per bf16
-#   element against 36 for the nine eager ops.
+# - A program reads its rows of $x$ once and writes $y$ and each row's $r$: 4 bytes per bf16
+#   element against 36 for the eight eager ops.
 # - The backward reuses $r$, writes $\partial L/\partial x$ row by row, and reduces
 #   $\partial L/\partial w$ in two deterministic stages: per-program partials, then a sum.
 # - Statistics in fp32, the cast before the weight, and the tolerances stated: fp32 equal to

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tinytron.kernels._triton import INTERPRET, check_tensor, round_to, tl, triton
+from tinytron.kernels._triton import INTERPRET, check_tensor, round_to, rows_per_program, tl, triton
 
 __all__ = ["swiglu", "swiglu_reference", "swiglu_bytes"]
 
@@ -25,9 +25,9 @@ __all__ = ["swiglu", "swiglu_reference", "swiglu_bytes"]
 # Appendix B's `linear_fc1` produces, per token, the $f/t$ gate values followed by the $f/t$ up
 # values of this TP rank: a row of $2f/t$ (`SwiGLUMLP.forward` splits it with `chunk(2, -1)`,
 # Megatron's `swiglu` at `megatron/core/fusions/fused_bias_swiglu.py:16`). A program of the
-# kernel owns one row and one block of `BLOCK` columns $[j B, (j + 1) B)$: it loads those columns
-# of the gate half and the *same* columns of the up half ($f$ elements further along the row),
-# and writes that block of the output.
+# kernel owns a tile of rows (one on a GPU) and one block of `BLOCK` columns $[j B, (j + 1) B)$:
+# it loads those columns of the gate half and the *same* columns of the up half ($f$ elements
+# further along each row), and writes that block of the output.
 #
 # ```mermaid
 # flowchart LR
@@ -35,13 +35,13 @@ __all__ = ["swiglu", "swiglu_reference", "swiglu_bytes"]
 #     G["gate[jB:(j+1)B]"]
 #     U["up[jB:(j+1)B]<br/>(offset f)"]
 #   end
-#   G --> K["program (row, j):<br/>silu(g) * u in fp32"]
+#   G --> K["program (row tile, j):<br/>silu(g) * u in fp32"]
 #   U --> K
 #   K --> O["out[row, jB:(j+1)B]"]
 # ```
 #
-# The grid puts rows on its first axis (CUDA allows $2^{31} - 1$ there, and a micro-batch can
-# hold more than the 65,535 tokens the second axis takes) and column blocks on the second.
+# The grid puts row tiles on its first axis (CUDA allows $2^{31} - 1$ there, and a micro-batch
+# can hold more than the 65,535 tokens the second axis takes) and column blocks on the second.
 #
 # **Bytes.** For $N$ tokens and width $f$ in bf16 the kernel reads $2Nf$ and writes $Nf$
 # elements: 6 bytes per output element. Eagerly, `silu` reads the gate and writes $s$, `mul`
@@ -52,15 +52,17 @@ __all__ = ["swiglu", "swiglu_reference", "swiglu_bytes"]
 
 # %%
 @triton.jit
-def _swiglu_fwd_kernel(x_ptr, out_ptr, f, BLOCK: tl.constexpr):
-    """out[row, cols] = silu(x[row, cols]) * x[row, f + cols], in fp32."""
-    row = tl.program_id(0).to(tl.int64)
+def _swiglu_fwd_kernel(x_ptr, out_ptr, n_rows, f, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[rows, cols] = silu(x[rows, cols]) * x[rows, f + cols], in fp32."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < f
-    gate = tl.load(x_ptr + row * 2 * f + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * 2 * f + f + cols, mask=mask, other=0.0).to(tl.float32)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < f)
+    in_offs = rows.to(tl.int64)[:, None] * 2 * f + cols[None, :]
+    gate = tl.load(x_ptr + in_offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + in_offs + f, mask=mask, other=0.0).to(tl.float32)
     out = gate * tl.sigmoid(gate) * up
-    tl.store(out_ptr + row * f + cols, round_to(out, out_ptr.dtype.element_ty), mask=mask)
+    out_offs = rows.to(tl.int64)[:, None] * f + cols[None, :]
+    tl.store(out_ptr + out_offs, round_to(out, out_ptr.dtype.element_ty), mask=mask)
 
 
 # %% [markdown]
@@ -82,25 +84,29 @@ def _swiglu_fwd_kernel(x_ptr, out_ptr, f, BLOCK: tl.constexpr):
 
 # %%
 @triton.jit
-def _swiglu_bwd_kernel(x_ptr, dy_ptr, dx_ptr, f, BLOCK: tl.constexpr):
+def _swiglu_bwd_kernel(x_ptr, dy_ptr, dx_ptr, n_rows, f, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """d gate and d up of out = silu(gate) * up, written into one [N, 2f] gradient."""
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < f
-    gate = tl.load(x_ptr + row * 2 * f + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * 2 * f + f + cols, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + row * f + cols, mask=mask, other=0.0).to(tl.float32)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < f)
+    in_offs = rows.to(tl.int64)[:, None] * 2 * f + cols[None, :]
+    gate = tl.load(x_ptr + in_offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + in_offs + f, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + rows.to(tl.int64)[:, None] * f + cols[None, :], mask=mask,
+                 other=0.0).to(tl.float32)
     sig = tl.sigmoid(gate)
     d_gate = dy * up * sig * (1.0 + gate * (1.0 - sig))
     d_up = dy * gate * sig
-    tl.store(dx_ptr + row * 2 * f + cols, round_to(d_gate, dx_ptr.dtype.element_ty), mask=mask)
-    tl.store(dx_ptr + row * 2 * f + f + cols, round_to(d_up, dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dx_ptr + in_offs, round_to(d_gate, dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dx_ptr + in_offs + f, round_to(d_up, dx_ptr.dtype.element_ty), mask=mask)
 
 
 # %%
-def _block(f: int) -> int:
-    """Columns per program: 1024 compiled, 64 under the interpreter (small tests stay ragged)."""
-    return min(64 if INTERPRET else 1024, triton.next_power_of_2(f))
+def _tiles(n_rows: int, f: int) -> tuple[int, int, tuple[int, int]]:
+    """(ROWS, BLOCK, grid): 1024 columns compiled, 64 interpreted (small tests stay ragged)."""
+    block = min(64 if INTERPRET else 1024, triton.next_power_of_2(f))
+    rows = rows_per_program(block)
+    return rows, block, (triton.cdiv(n_rows, rows), triton.cdiv(f, block))
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -110,8 +116,8 @@ class _SwiGLU(torch.autograd.Function):
         f = two_f // 2
         x2 = x.view(-1, two_f)
         out = torch.empty(x2.shape[0], f, dtype=x.dtype, device=x.device)
-        block = _block(f)
-        _swiglu_fwd_kernel[(x2.shape[0], triton.cdiv(f, block))](x2, out, f, BLOCK=block)
+        rows, block, grid = _tiles(x2.shape[0], f)
+        _swiglu_fwd_kernel[grid](x2, out, x2.shape[0], f, ROWS=rows, BLOCK=block)
         ctx.save_for_backward(x2)
         ctx.shape = x.shape
         return out.view(*x.shape[:-1], f)
@@ -122,8 +128,8 @@ class _SwiGLU(torch.autograd.Function):
         f = x2.shape[1] // 2
         dy2 = dy.contiguous().view(-1, f)
         dx = torch.empty_like(x2)
-        block = _block(f)
-        _swiglu_bwd_kernel[(x2.shape[0], triton.cdiv(f, block))](x2, dy2, dx, f, BLOCK=block)
+        rows, block, grid = _tiles(x2.shape[0], f)
+        _swiglu_bwd_kernel[grid](x2, dy2, dx, x2.shape[0], f, ROWS=rows, BLOCK=block)
         return dx.view(ctx.shape)
 
 
@@ -221,7 +227,7 @@ if __name__ == "__main__":
 # %% [markdown]
 # ## Summary
 #
-# - One program per (row, column block) reads the gate block and the up block $f$ apart and
+# - One program per (row tile, column block) reads the gate block and the up block $f$ apart and
 #   writes one output block: 6 bytes per bf16 element forward, 10 backward, against 10 and 26
 #   eagerly.
 # - The backward recomputes the sigmoid instead of keeping $\mathrm{silu}(\text{gate})$: an
