@@ -16,11 +16,13 @@ from tinytron.reliability.fault_tolerance import (EXIT_CODE_HANG_DETECTED, Fault
                                                   RankMonitor)
 
 from tinytron.reliability.full_cuda_graph import FullCudaGraphUnavailable, FullCudaGraphWrapper
+from tinytron.reliability.restarts import (DistributedSignalHandler, Reliability,
+                                           ReliabilityConfig)
 from tinytron.reliability.observability import (LoggingConfig, MetricsLogger, ProgressBar,
                                                 memory_report, read_tensorboard_scalars)
 
 __pages__ = ["rerun_state_machine", "result_checks", "fault_injection", "fault_tolerance",
-             "timers", "observability", "trace", "full_cuda_graph"]
+             "restarts", "timers", "observability", "trace", "full_cuda_graph"]
 
 __all__ = ["EXIT_CODE_FAILED_ON_RESULT_VALIDATION", "EXIT_CODE_RESUME_TO_DISAMBIGUATE",
            "RerunDataIterator", "RerunDiagnostic", "RerunMode", "RerunState", "RerunStateMachine",
@@ -29,4 +31,5 @@ __all__ = ["EXIT_CODE_FAILED_ON_RESULT_VALIDATION", "EXIT_CODE_RESUME_TO_DISAMBI
            "get_skipped_iterations_from_tracker_file", "Fault", "FaultInjector", "parse_fault",
            "Timer", "Timers", "EXIT_CODE_HANG_DETECTED", "FaultToleranceConfig", "RankMonitor",
            "LoggingConfig", "MetricsLogger", "ProgressBar", "memory_report",
-           "read_tensorboard_scalars", "FullCudaGraphUnavailable", "FullCudaGraphWrapper"]
+           "read_tensorboard_scalars", "FullCudaGraphUnavailable", "FullCudaGraphWrapper",
+           "DistributedSignalHandler", "Reliability", "ReliabilityConfig"]

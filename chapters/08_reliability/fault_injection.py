@@ -44,9 +44,10 @@ __all__ = ["VALUE_FAULTS", "PROCESS_FAULTS", "Fault", "parse_fault", "restart_at
 #
 # - `transient_error`: only the first pass of the iteration is corrupted (a bit flip); the rerun
 #   in place computes the right value → *not reproducible* → exit 17.
-# - `persistent_error`: every pass is corrupted **while running on the faulty node** (by
-#   default, the node where the fault first fired); a relaunch on another node computes the
-#   right value → second rerun *not reproducible* → persistent error.
+# - `persistent_error`: every pass is corrupted **while running on the faulty node** — the one
+#   named by `node=`, or else the node where the fault first fires *in this process* (a
+#   relaunch is a new process: name the node when the test spans launches); a relaunch on
+#   another node computes the right value → second rerun *not reproducible* → persistent error.
 # - `correct_result`: every pass is corrupted everywhere (the batch itself is poison) → both
 #   reruns reproduce it → correct result; the iteration is skipped on the next launch.
 #
@@ -83,7 +84,7 @@ class Fault:
     point: str = "before_tracker"
     """kill_in_save: chapter 03's fault point (before_rename, before_tracker, ...)."""
     node: Optional[str] = None
-    """persistent_error: the faulty node (None: where it first fires)."""
+    """persistent_error: the faulty node (None: where it first fires in this process)."""
 
     def __post_init__(self):
         if self.kind not in VALUE_FAULTS + PROCESS_FAULTS:
@@ -227,7 +228,7 @@ class FaultInjector:
 
 # %%
 def _demo_train(injector: FaultInjector, node: str, ckpt=None, iters: int = 4):
-    """Tiny train loop with loss checks and the injector; returns (exit code, checkpoint)."""
+    """Tiny train loop with loss checks and the injector; returns (exit code, checkpoint, rsm)."""
     from tinytron.reliability.result_checks import RerunConfig, check_loss
     from tinytron.reliability.rerun_state_machine import RerunDataIterator
 
@@ -252,9 +253,9 @@ def _demo_train(injector: FaultInjector, node: str, ckpt=None, iters: int = 4):
             ckpt = {"model": model.state_dict(), "rsm": rsm.state_dict(),
                     "iteration": rsm.current_iteration - 1}
         if leave:
-            return code, ckpt
+            return code, ckpt, rsm
         opt.step()
-    return 0, ckpt
+    return 0, ckpt, rsm
 
 
 def _demo_child(attempt: int) -> None:
@@ -270,15 +271,15 @@ if __name__ == "__main__":
     import sys
 
     for diagnostic in ("transient_error", "persistent_error", "correct_result"):
-        fault = f"nan@3:diagnostic={diagnostic}"
-        code1, ckpt = _demo_train(FaultInjector([fault]), node="node-A")
-        codes = [code1]
+        fault = f"nan@3:diagnostic={diagnostic}:node=node-A"
+        code, ckpt, rsm = _demo_train(FaultInjector([fault]), node="node-A")
+        codes = [code]
         if ckpt is not None:  # relaunch from the checkpoint on another node
-            codes.append(_demo_train(FaultInjector([fault]), node="node-B", ckpt=ckpt)[0])
-        print(f"{fault:38s} -> exit codes {codes}")
-        expected = {"transient_error": [17], "persistent_error": [16, 17],
-                    "correct_result": [16, 17]}[diagnostic]
-        assert codes == expected
+            code, _, rsm = _demo_train(FaultInjector([fault]), node="node-B", ckpt=ckpt)
+            codes.append(code)
+        print(f"{fault:48s} -> exit codes {codes}, diagnosis {rsm.diagnosis.value}")
+        assert rsm.diagnosis.value == diagnostic
+        assert codes == ([17] if diagnostic == "transient_error" else [16, 17])
 
     inj = FaultInjector(["nan@3:diagnostic=persistent_error"])
     _demo_train(inj, node="node-A")

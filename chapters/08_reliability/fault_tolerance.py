@@ -307,15 +307,19 @@ class RankMonitor:
                 return
 
     def _end(self, verdict: str) -> None:
+        owner = str(self.rank)
         with contextlib.suppress(Exception):
             stored = self.store.compare_set("verdict", "", f"{self.rank}|{verdict}").decode()
             owner, _, verdict = stored.partition("|")
-            if owner == str(self.rank):  # the first monitor to see the hang reports it
-                print(f"[rank monitor {self.rank}] {verdict}", file=sys.stderr, flush=True)
-                if self.config.report_path:
-                    with open(self.config.report_path, "w") as f:
-                        f.write(verdict + "\n")
         self.verdict = verdict
+        if self.config.report_path:  # every rank writes it: whichever outlives the others
+            with contextlib.suppress(OSError):
+                tmp = f"{self.config.report_path}.{self.rank}.tmp"
+                with open(tmp, "w") as f:
+                    f.write(verdict + "\n")
+                os.replace(tmp, self.config.report_path)
+        if owner == str(self.rank):  # the first monitor to see the hang prints it
+            print(f"[rank monitor {self.rank}] {verdict}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         sys.stderr.flush()
         self.exit_fn(EXIT_CODE_HANG_DETECTED)

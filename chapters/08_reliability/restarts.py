@@ -1,0 +1,454 @@
+# %% [markdown]
+# # 08 · Restarts: signals, `torchrun`, resuming, and the hooks the loop calls
+#
+# The previous pages built the parts; this one connects them to chapter 01's loop and chapter
+# 03's checkpoints, and to the two ways a job ends early on purpose: a **signal** from the
+# cluster scheduler (finish the iteration, save, exit 0) and an **automatic restart** by the
+# launcher after a crash or a detected hang (start again, find the last complete checkpoint,
+# continue — and produce exactly the losses an uninterrupted run would have produced).
+#
+# You will build: `DistributedSignalHandler`, `ReliabilityConfig` (the trainer's
+# `[reliability]` section) and `Reliability`, the object that wraps the loop's parts.
+
+# %%
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from tinytron.reliability.fault_injection import FaultInjector
+from tinytron.reliability.fault_tolerance import FaultToleranceConfig, RankMonitor
+from tinytron.reliability.result_checks import (RerunConfig, bucket_grad_norms,
+                                                build_rerun_state_machine, check_grad_norms,
+                                                checked_loss_func,
+                                                get_skipped_iterations_from_tracker_file)
+from tinytron.reliability.rerun_state_machine import RerunDataIterator, RerunState
+from tinytron.reliability.timers import Timers
+
+__all__ = ["DistributedSignalHandler", "ReliabilityConfig", "Reliability", "rerun_state_path"]
+
+# %% [markdown]
+# ## A signal is a request to stop *between* iterations
+#
+# Slurm sends `SIGTERM` some time before it kills a job at the end of its allocation (with
+# `--signal`, or at preemption); a person presses Ctrl-C. Dying on the spot loses everything
+# since the last save; dying *inside* a collective also leaves the other ranks hanging. So the
+# handler only **records** the signal; after each iteration every rank asks "did *any* rank get
+# one?" with one all-reduce — the signal may reach only some ranks, and all must take the same
+# branch — and if so they save together and exit with 0: an orderly stop, not a failure
+# (`DistributedSignalHandler`, `megatron/training/dist_signal_handler.py:50`;
+# `checkpoint_and_decide_exit`, `megatron/training/training.py:2953`). A *second* Ctrl-C is
+# not deferred: it raises `KeyboardInterrupt` at once, for the person who really means it.
+#
+# The handler has chapter 01's `ExitSignal` interface (`received(grid)`), so `pretrain(...,
+# exit_signal=handler)` uses it as is.
+
+# %%
+class DistributedSignalHandler:
+    """Record SIGTERM/SIGINT; `received()` says whether any rank got one (collective)."""
+
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
+        self.signals, self._previous = tuple(signals), {}
+        self.received_signals: list[int] = []
+
+    def __enter__(self) -> "DistributedSignalHandler":
+        if threading.current_thread() is threading.main_thread():  # Python's rule for handlers
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
+        return False
+
+    def _handler(self, signum, frame) -> None:
+        if signum == signal.SIGINT and signal.SIGINT in self.received_signals:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        self.received_signals.append(signum)
+
+    def signals_received(self, group=None) -> list[bool]:
+        """Every rank's flag, all-gathered (Megatron's return value)."""
+        flag = torch.tensor([int(bool(self.received_signals))], dtype=torch.int32)
+        if not (dist.is_available() and dist.is_initialized()):
+            return [bool(flag.item())]
+        if dist.get_backend(group) == "nccl":
+            flag = flag.cuda()
+        out = [torch.zeros_like(flag) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, flag, group=group)
+        return [bool(t.item()) for t in out]
+
+    def received(self, grid=None) -> bool:
+        """Whether any rank received a signal (chapter 01's exit_signal protocol)."""
+        return any(self.signals_received())
+
+
+# %% [markdown]
+# ## Restarting the job: `torchrun --max-restarts`
+#
+# `torchrun --nproc-per-node N --max-restarts R` runs an agent per node that watches its
+# workers. When one exits non-zero or dies — `SIGKILL`, a segfault, the rank monitor's exit
+# after a hang — the agent stops *all* workers of the job (on every node, through the
+# rendezvous), waits for the nodes to rendezvous again, and starts a fresh set of workers, up
+# to `R` times. Each new worker sees `TORCHELASTIC_RESTART_COUNT` (0, 1, …) and starts the
+# training script from the top: build everything, then `load_checkpoint_fn` reads chapter 03's
+# tracker (`latest_checkpointed_iteration.txt`), which names the last **complete** checkpoint
+# — a save killed half-way never moved it — and training continues from there.
+#
+# On this PyTorch the restarted workers hang in the rendezvous unless
+# `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` is set (the shared rendezvous store keeps the
+# previous workers' keys; pytorch/pytorch#135712). What a restart costs:
+#
+# $$t_{\text{lost}} = t_{\text{detect}} + t_{\text{restart}} + t_{\text{load}} +
+#   t_{\text{redo}},\qquad \mathbb{E}[t_{\text{redo}}] = \tfrac12\,\text{save\_interval}\cdot t_{\text{iter}}$$
+#
+# — detection (immediate for a crash, the section timeout for a hang), process start and
+# process-group set-up, the checkpoint load, and the iterations since the last save, which
+# must be computed again. The next page puts numbers on each term.
+#
+# "Equal to an uninterrupted run" is a strong claim and a useful test: it holds only if the
+# checkpoint carries *everything* the next iteration depends on — weights, fp32 masters,
+# optimizer moments and step counts, the scheduler, the RNG states, the consumed samples (so
+# the sampler serves the same next batch) — and nothing depends on the process's history.
+
+# %%
+@dataclass
+class ReliabilityConfig:
+    """The trainer's [reliability] section (Megatron's names where they exist)."""
+
+    rerun_mode: str = "validate_results"
+    """disabled | validate_results | report_determinism_stats."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """Fatal NaN/Inf checks on every micro-batch loss and the gradient norms."""
+    check_for_spiky_loss: bool = False
+    """Non-fatal check: loss >= 10x the max of the first 100."""
+    check_for_large_grads: bool = False
+    """Non-fatal check: grad norm >= 10x the max of the first 100."""
+    error_injection_rate: int = 0
+    """Megatron's random rejection for testing (0 = off)."""
+    error_injection_type: str = "transient_error"
+    """The verdict the random injector forces."""
+    result_rejected_tracker_filename: Optional[str] = None
+    """Tracker file of validation events (None: <save>/result_rejected_tracker.txt)."""
+    exit_signal_handler: bool = False
+    """On SIGTERM/SIGINT: finish the iteration, save, exit 0."""
+    enable_ft: bool = False
+    """Heartbeats and section timeouts (Megatron's --enable-ft-package)."""
+    ft_setup_timeout: float = 600.0
+    """Seconds from start to the first step."""
+    ft_step_timeout: float = 180.0
+    """Seconds per step after the warm-up steps."""
+    ft_checkpoint_timeout: float = 600.0
+    """Seconds per save."""
+    ft_num_warmup_iters: int = 5
+    """Steps run out of section."""
+    ft_heartbeat_interval: float = 1.0
+    """Seconds between beats."""
+    ft_heartbeat_timeout: float = 30.0
+    """A rank silent this long is frozen or dead."""
+    faults: list = field(default_factory=list)
+    """Fault specs for tests, e.g. ['nan@5:rank=1:diagnostic=persistent_error']."""
+    timing_log_level: int = 0
+    """Timers kept (0, 1, 2)."""
+
+    def rerun(self, save_dir: Optional[str] = None) -> RerunConfig:
+        """The rerun machine's settings."""
+        tracker = self.result_rejected_tracker_filename
+        if tracker is None and save_dir is not None:
+            tracker = os.path.join(save_dir, "result_rejected_tracker.txt")
+        return RerunConfig(self.rerun_mode, self.check_for_nan_in_loss_and_grad,
+                           self.check_for_spiky_loss, self.check_for_large_grads,
+                           self.error_injection_rate, self.error_injection_type, tracker)
+
+    def fault_tolerance(self, report_path: Optional[str] = None) -> FaultToleranceConfig:
+        """The rank monitor's settings."""
+        return FaultToleranceConfig(
+            setup_timeout=self.ft_setup_timeout, step_timeout=self.ft_step_timeout,
+            checkpoint_timeout=self.ft_checkpoint_timeout,
+            out_of_section_timeout=max(self.ft_setup_timeout, self.ft_step_timeout),
+            num_warmup_iters=self.ft_num_warmup_iters,
+            heartbeat_interval=self.ft_heartbeat_interval,
+            heartbeat_timeout=self.ft_heartbeat_timeout, report_path=report_path)
+
+
+# %% [markdown]
+# ## The hooks the loop calls
+#
+# `Reliability` owns the rerun machine, the fault injector, the rank monitor, the timers and
+# the signal handler of one rank, and hands the loop wrapped versions of its parts:
+#
+# | loop part | wrapped with |
+# |---|---|
+# | `train_data_iterator` | `RerunDataIterator` (replayable step) |
+# | `forward_step_func` | its `loss_func` checks each micro-batch loss (after the injector) |
+# | `forward_backward_func` | timer `forward-backward`; after it, the gradient-norm check |
+# | optimizer | timer `optimizer` around `step()` |
+# | `save_checkpoint_fn` | timer `save-checkpoint`, the monitor's `checkpoint` section, the injector's save faults, the machine's state |
+# | `load_checkpoint_fn` | timer `load-checkpoint`; restores the machine and its iteration |
+# | `step_hooks` | the monitor's step section and the injector's process faults |
+# | `exit_signal` | `DistributedSignalHandler` |
+#
+# The machine's state must ride with the checkpoint when it asks for exit 16: the relaunch
+# reruns that step. Chapter 03's checkpoint has no slot for it, so it is written per rank next
+# to it, *before* chapter 03 commits the save, keyed by iteration
+# (`<save>/rerun_state/iter_0000007/rank_0.pt`): whatever the tracker names, the matching state
+# is there. In steady state nothing is written (absent = steady).
+#
+# The gradient check here runs after the schedule, that is after the data-parallel all-reduce;
+# Megatron checks each bucket *before* its collective, inside `start_grad_sync`
+# (`param_and_grad_buffer.py:599`), which keeps the attribution to the faulty rank. Evaluation
+# is not validated (Megatron disables the machine during `evaluate`, `training.py:3847`).
+
+# %%
+def rerun_state_path(save_dir: str, iteration: int, rank: int) -> str:
+    """Where rank `rank` keeps the rerun machine's state for the checkpoint of `iteration`."""
+    return os.path.join(save_dir, "rerun_state", f"iter_{iteration:07d}", f"rank_{rank}.pt")
+
+
+def _timed(fn, timers: Timers, name: str, level: int):
+    """fn with timer `name` around every call."""
+    def wrapped(*args, **kwargs):
+        timers(name, log_level=level).start()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            timers(name, log_level=level).stop()
+    return wrapped
+
+
+class Reliability:
+    """One rank's safety nets, and the wrapped loop parts that install them."""
+
+    def __init__(self, config: ReliabilityConfig, *, save_dir: Optional[str] = None,
+                 rank: Optional[int] = None, world_size: Optional[int] = None,
+                 attempt: Optional[int] = None, store=None):
+        initialized = dist.is_available() and dist.is_initialized()
+        self.rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
+        self.world_size = world_size or (dist.get_world_size() if initialized else 1)
+        self.config, self.save_dir = config, save_dir
+        self.rerun_config = config.rerun(save_dir)
+        if save_dir is not None:
+            os.makedirs(save_dir, exist_ok=True)
+        self.rsm = build_rerun_state_machine(self.rerun_config)
+        self.injector = FaultInjector(list(config.faults), rank=self.rank, attempt=attempt)
+        self.timers = Timers(log_level=config.timing_log_level)
+        self.signal_handler = DistributedSignalHandler() if config.exit_signal_handler else None
+        self.monitor = None
+        if config.enable_ft:
+            report = None if save_dir is None else os.path.join(save_dir, "hang_report.txt")
+            self.monitor = RankMonitor(config.fault_tolerance(report), self.rank,
+                                       self.world_size, store=store, attempt=attempt).start()
+        self.iterations_to_skip = get_skipped_iterations_from_tracker_file(
+            self.rerun_config.result_rejected_tracker_filename)
+
+    # -- the data, the loss, the schedule, the optimizer ------------------------------------
+    def data_iterator(self, iterator):
+        """The training iterator, replayable for reruns (None stays None)."""
+        return None if iterator is None else RerunDataIterator(iterator)
+
+    def forward_step_func(self, forward_step_func):
+        """forward_step_func whose loss_func checks (and may corrupt) each micro-batch loss."""
+        def wrapped(data_iterator, model):
+            output, loss_func = forward_step_func(data_iterator, model)
+            if self.rsm.state == RerunState.NOT_RUNNING_YET:  # evaluation: not validated
+                return output, loss_func
+            return output, checked_loss_func(loss_func, self.rsm, self.rerun_config,
+                                             corrupt=self._corrupt)
+        return wrapped
+
+    def _corrupt(self, value, target: str):
+        return self.injector.corrupt(value, target, self.rsm)
+
+    def forward_backward_func(self, forward_backward_func):
+        """The schedule, timed, followed by the gradient-norm check of this pass."""
+        timed = _timed(forward_backward_func, self.timers, "forward-backward", 1)
+
+        def wrapped(**kwargs):
+            out = timed(**kwargs)
+            if not kwargs.get("forward_only") and self.rsm.state != RerunState.NOT_RUNNING_YET:
+                buckets = [b for chunk in kwargs["model"] for b in _bucket_grads(chunk)]
+                if buckets:
+                    self._corrupt(buckets[0][0], "grad")   # bad memory in the first bucket
+                    norms = [torch.stack(bucket_grad_norms(b)).norm() for b in buckets]
+                    check_grad_norms(self.rsm, norms, self.rerun_config)
+            return out
+        return wrapped
+
+    def wrap_optimizer(self, optimizer):
+        """Time optimizer.step() in place (the object itself is kept: checkpoints inspect it)."""
+        optimizer.step = _timed(optimizer.step, self.timers, "optimizer", 1)
+        return optimizer
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def checkpoint_hooks(self, save_checkpoint_fn, load_checkpoint_fn):
+        """(save, load) hooks that also carry the rerun machine, timers, sections and faults."""
+        def save(state, model, optimizer, scheduler):
+            section = self.monitor.section("checkpoint") if self.monitor else _null()
+            with section, self.injector.around_save(state.iteration):
+                self._save_rerun_state(state.iteration)
+                _timed(save_checkpoint_fn, self.timers, "save-checkpoint", 0)(
+                    state, model, optimizer, scheduler)
+
+        def load(model, optimizer, scheduler):
+            state = _timed(load_checkpoint_fn, self.timers, "load-checkpoint", 0)(
+                model, optimizer, scheduler)
+            self._load_rerun_state(0 if state is None else state.iteration)
+            return state
+        return save, load
+
+    def _save_rerun_state(self, iteration: int) -> None:
+        if self.save_dir is None or self.rsm.state == RerunState.NOT_RUNNING_YET:
+            return
+        path = rerun_state_path(self.save_dir, iteration, self.rank)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(self.rsm.state_dict(), path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    def _load_rerun_state(self, iteration: int) -> None:
+        path = None if self.save_dir is None else rerun_state_path(self.save_dir, iteration,
+                                                                     self.rank)
+        if path is not None and os.path.exists(path):
+            self.rsm.load_state_dict(torch.load(path, weights_only=True))
+        self.rsm.current_iteration = iteration   # the loop's count wins (training.py:3205)
+
+    # -- around each step, and at the end -----------------------------------------------------
+    def on_step_start(self, state) -> None:
+        """Open the step section; strike a planned kill/hang/freeze."""
+        if self.monitor is not None:
+            self.monitor.on_training_step_start(state.iteration + 1)
+        self.injector.at_step_start(state.iteration + 1)
+
+    def on_step_end(self, state) -> None:
+        """Close the step section."""
+        if self.monitor is not None:
+            self.monitor.on_training_step_end()
+
+    def exit_code(self, exit_reason: Optional[str]) -> int:
+        """The process exit code for the loop's exit reason (16/17 from the rerun machine)."""
+        return self.rsm.should_checkpoint_and_exit()[2] if exit_reason == "rerun" else 0
+
+    def shutdown(self) -> None:
+        """Stop the heartbeats."""
+        if self.monitor is not None:
+            self.monitor.shutdown()
+
+
+def _bucket_grads(chunk) -> list:
+    """A chunk's gradients as buckets: chapter 05's flat bucket buffers, else its .grad list."""
+    if hasattr(chunk, "buffers") and isinstance(chunk.buffers, list):
+        return [[b.grad_data] for buf in chunk.buffers for b in buf.buckets]
+    grads = [p.grad for p in chunk.parameters() if p.grad is not None]
+    return [grads] if grads else []
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# %% [markdown]
+# ## Demo: a signal, and a bad GPU through the real loop
+#
+# First the signal handler alone: `SIGTERM` sent to this very process is recorded, not fatal.
+# Then chapter 01's `pretrain` with chapter 03's checkpoints and every hook of this page
+# (`tinytron.reliability._run`, one rank, in this process): iteration 3's loss is NaN on
+# "node-A" only. The first launch reruns it in place, reproduces it, writes a checkpoint with
+# the machine's state and exits 16; the relaunch on "node-B" loads that checkpoint, reruns
+# iteration 3 from it, gets a finite loss and exits 17 — a persistent fault of node-A's GPU.
+# The tests do the same under `torchrun` with two ranks, plus kills, hangs and signals.
+
+# %%
+if __name__ == "__main__":
+    import tempfile
+
+    from tinytron.reliability._run import run
+    from tinytron.reliability.result_checks import parse_tracker_file
+
+    with DistributedSignalHandler() as handler:
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("after SIGTERM: still running; received =", handler.received())
+        assert handler.received() and handler.received_signals == [signal.SIGTERM]
+
+    save = tempfile.mkdtemp()
+    fault = "nan@3:diagnostic=persistent_error:node=node-A"
+    common = ["--save", save, "--train-iters", "4", "--save-interval", "2", "--fault", fault]
+    codes = [run(common + ["--node", "node-A"]), run(common + ["--node", "node-B"])]
+    for e in parse_tracker_file(os.path.join(save, "result_rejected_tracker.txt")):
+        print(f"  node={e['node']} iteration={e['iteration']} status={e['status']} "
+              f"result={e['result']:.4g}")
+    print("exit codes:", codes, "| rerun state kept with checkpoint 2:",
+          os.path.exists(rerun_state_path(save, 2, 0)))
+    assert codes == [16, 17]
+    statuses = [e["status"] for e in parse_tracker_file(
+        os.path.join(save, "result_rejected_tracker.txt"))]
+    assert statuses == ["INITIAL_RUN", "FIRST_RERUN_REPRODUCIBLE", "SECOND_RERUN_NOT_REPRODUCIBLE"]
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+# %% [markdown]
+# ## In-process restart, and why it is not the default
+#
+# A relaunch by `torchrun` costs process start, imports, process-group set-up and the CUDA
+# context — tens of seconds to minutes at scale — even when the failure was a recoverable
+# error in one rank. Megatron's `--inprocess-restart` (`megatron/training/inprocess_restart.py`)
+# keeps the processes: NVIDIA's `nvidia_resiliency_ext.inprocess.Wrapper` catches the error,
+# **aborts** the communicators (NCCL's `ncclCommAbort` unblocks ranks stuck in a collective;
+# Transformer Engine and the async checkpoint worker are reset too), runs a CUDA health check,
+# waits at a store barrier for the surviving ranks — optionally swapping in warm spares
+# (`--inprocess-active-world-size`) — and calls `pretrain` again, which reloads the last
+# checkpoint. Each attempt prefixes the `TCPStore` keys with its number so that stale keys of
+# the previous attempt are never read (`training.py:1088-1090`).
+#
+# Its limits are why the process restart stays the backstop:
+#
+# - a collective can only be interrupted where the backend can **abort** it: NCCL can; gloo
+#   (this CPU build) cannot, so a rank blocked in a gloo collective waits for its timeout;
+# - a CUDA error such as an illegal memory access poisons the CUDA context: only a new
+#   process recovers;
+# - every piece of global state (RNG trackers, the rerun machine, caches, data-loader
+#   workers, memory pools) must be torn down and rebuilt exactly, or the "same" training
+#   diverges after the restart; leaks accumulate over many restarts;
+# - a hung rank that never reaches Python again (stuck kernel, frozen host) cannot
+#   participate; it must be killed and replaced, which is a process restart on that node.
+#
+# This chapter therefore restarts processes (`torchrun --max-restarts`), and makes that cheap
+# where it can: detect fast (section timeouts), save often enough (next page), load fast
+# (chapter 03).
+#
+# ## Summary
+#
+# - Signals are recorded, agreed on by all ranks after the iteration, and answered with a
+#   save and exit 0.
+# - `torchrun --max-restarts` restarts every worker after a crash or a detected hang; each
+#   resumes from the tracker's last complete checkpoint, and because the checkpoint holds all
+#   of the training state the losses continue bit for bit.
+# - `Reliability` installs the rerun machine, the checks, the faults, the heartbeats and the
+#   timers through the loop's own hooks; the machine's state rides along with the checkpoint
+#   that exit 16 asks for.
+#
+# ## How production does it
+#
+# - `megatron/training/dist_signal_handler.py:50`, `megatron/training/training.py:2953`
+#   (`checkpoint_and_decide_exit`), `:2876` (`post_training_step_callbacks`).
+# - `megatron/training/inprocess_restart.py`: `inprocess_restart` `:32`,
+#   `maybe_wrap_for_inprocess_restart` `:131`, `maybe_force_nccl_backend_init` `:153`; CLI
+#   `arguments.py:2201-2248`.
+# - `torch.distributed.run` (`torchrun`): `--max-restarts`, `--rdzv-backend c10d`,
+#   `TORCHELASTIC_RESTART_COUNT`; NVIDIA's `ft_launcher` adds the rank monitors.
+#
+# ## Exercises
+#
+# 1. A SIGTERM reaches rank 5 only, while rank 5 is inside a checkpoint save. Walk through
+#    what each rank does until the job exits.
+# 2. Why must the machine's state be written *before* chapter 03 moves the tracker, and what
+#    would a relaunch do if it were written after and the process died in between?

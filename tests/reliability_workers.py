@@ -1,0 +1,76 @@
+"""Helpers for tests/test_reliability*.py: launch the tiny job under torchrun, read its losses."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun_cmd(save, args=(), nproc: int = 2, max_restarts: int = 0) -> list[str]:
+    """The command line of one job: torchrun on loopback, the tiny job of chapter 08."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.5", "-m", "tinytron.reliability._run", "--save", str(save),
+            *map(str, args)]
+
+
+def job_env() -> dict:
+    """Environment for torchrun: restarts need an unshared rendezvous store (toolchain notes)."""
+    return dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1",
+                PYTHONUNBUFFERED="1")
+
+
+def run_job(save, args=(), nproc: int = 2, max_restarts: int = 0, timeout: float = 240):
+    """Run a job to its end: (torchrun exit code, output, seconds)."""
+    t0 = time.monotonic()
+    proc = subprocess.run(torchrun_cmd(save, args, nproc, max_restarts), env=job_env(),
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0
+
+
+def logged(save) -> list[tuple[int, float]]:
+    """(iteration, lm loss) in the order the last rank logged them, across restarts."""
+    path = Path(save) / "losses.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if "losses" in rec:
+            out.append((rec["iteration"], rec["losses"]["lm loss"]))
+    return out
+
+
+def final_losses(save) -> dict[int, float]:
+    """iteration -> the loss of its last (surviving) computation."""
+    return dict(logged(save))
+
+
+def tracker_iteration(save) -> int:
+    """The iteration chapter 03's tracker names."""
+    return int((Path(save) / "latest_checkpointed_iteration.txt").read_text().strip())
+
+
+def signal_rank_when(save, proc: subprocess.Popen, rank: int, sig: int, after_iteration: int,
+                     timeout: float = 180) -> None:
+    """Send `sig` to one rank once the job has logged `after_iteration`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        done = [it for it, _ in logged(save)]
+        if done and max(done) >= after_iteration:
+            pid = int((Path(save) / "pids" / f"rank{rank}.pid").read_text())
+            os.kill(pid, sig)
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"the job did not reach iteration {after_iteration}")
+
+
+__all__ = ["torchrun_cmd", "job_env", "run_job", "logged", "final_losses", "tracker_iteration",
+           "signal_rank_when", "signal"]
