@@ -63,6 +63,7 @@ def world_checks() -> dict:
     """Every multi-rank case of the schedule tests, in one world of 4 ranks."""
     return {
         "pp4": w.run_case(pp=4, num_microbatches=8, num_steps=3, record=True),
+        "pp4_m2": w.run_case(pp=4, num_microbatches=2, num_steps=1, record=True),
         "inflight": w.inflight_case(8, deallocate=True),
         "forward_only_pp4": forward_only_check(4),
         "forward_only_vpp": forward_only_check(2, vpp=2),
@@ -77,6 +78,8 @@ def world_checks() -> dict:
                                  tie=True, record=True, comm=True),
         "megatron_example": w.run_case(pp=2, vpp=2, num_microbatches=5, num_steps=1, ddp=True,
                                        group_size=3, record=True),
+        "vpp_all_warmup": w.run_case(pp=2, vpp=2, num_microbatches=2, num_steps=1, ddp=True,
+                                     record=True),
         "dp4": w.run_case(pp=1, num_microbatches=4, num_steps=3, ddp=True, record=True,
                           comm=True),
         "errors": error_checks(),

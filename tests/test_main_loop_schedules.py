@@ -239,11 +239,22 @@ def test_pp4_1f1b_is_bitwise_and_in_megatrons_order(world):
             assert _fb_string(order) == HAND_1F1B_P4_M8[rank]
 
 
+def test_fewer_microbatches_than_warmup(world):
+    """m < p (1F1B: warmup = m, no steady state) and interleaving with all of it in warmup."""
+    for rank, r in enumerate(world):
+        assert all(r["pp4_m2"]["bitwise"]), r["pp4_m2"]["gaps"]
+        # warmup min(p-r-1, 2) = 2, 2, 1, 0: only the last stage alternates from the start
+        assert _fb_string(r["pp4_m2"]["orders"][0]) == ("F0 B0 F1 B1" if rank == 3
+                                                        else "F0 F1 B0 B1")
+        res = r["vpp_all_warmup"]
+        assert max(res["gaps"]) <= 1e-6 and _losses_close(res)
+
+
 def test_each_stage_runs_m_forwards_and_backwards_in_forward_order(world):
     for r in world:
-        for case in ("pp4", "dp2pp2", "dp2pp2_vpp", "megatron_example", "dp4"):
+        for case, m in (("pp4", 8), ("dp2pp2", 4), ("dp2pp2_vpp", 4), ("megatron_example", 5),
+                        ("dp4", 4), ("pp4_m2", 2), ("vpp_all_warmup", 2)):
             res = r[case]
-            m = 8 if case == "pp4" else 5 if case == "megatron_example" else 4
             for order in res["orders"]:
                 for chunk in {c for _, c, _ in order}:
                     fwd = [mb for k, c, mb in order if c == chunk and k == "forward"]
