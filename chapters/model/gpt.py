@@ -305,6 +305,13 @@ class TransformerLayer(nn.Module):
 # `pre_process` and only the very last `post_process`. `stage_tensor_shape` is the shape the
 # schedule sends between stages, $[s/c, b, h]$, or $[s/(c t), b, h]$ under sequence
 # parallelism (Megatron's `get_tensor_shapes`, `megatron/core/pipeline_parallel/schedules.py:2057`).
+#
+# **Activation recompute and offload** (chapter 06) plug in from outside, since a chapter may
+# import the model but not the reverse: `GPTModel.layer_runner` replaces the decoder loop
+# (full recompute) and `SelfAttention.attend_wrapper` wraps core attention (selective recompute,
+# offload). `tinytron.recompute.apply_recompute(model)` installs both from the config's
+# `recompute_*` and offload fields; a model whose config asks for them refuses to train
+# until it has been called.
 
 # %%
 def global_parameter_name(name: str, layer_offset: int) -> str:
