@@ -71,6 +71,11 @@ def eager_bytes_per_element() -> dict[str, dict[str, float]]:
             meter.phase = "backward"
             y.backward(torch.ones_like(y))
         out[name] = {p: meter.total(p) / elements for p in ("forward", "backward")}
+    tensors, param_bf16 = [torch.randn(4096) for _ in range(4)], torch.empty(4096, dtype=torch.bfloat16)
+    with EagerTraffic() as meter:  # one _foreach_ AdamW step and its bf16 copy (chapter 02)
+        adamw_reference_(*([t] for t in tensors), 1, 1e-3)
+        param_bf16.copy_(tensors[0])
+    out["adamw"] = {"forward": meter.total() / 4096, "backward": 0.0}
     return out
 
 
@@ -90,7 +95,7 @@ def step_operations(per_element: dict) -> list[dict]:
                     fused=sum(attention_bytes(2, 16, 4, 4096, 128, bf16).values()),
                     eager=sum(per_element["attention"].values()) * scores))
     ops.append(dict(name="adamw (per step)", count=1, flops=15 * shard, fused=adamw_bytes(shard),
-                    eager=92 * shard))
+                    eager=per_element["adamw"]["forward"] * shard))
     for op in ops:
         op["t_fused"] = roofline_seconds(op["flops"], op["fused"])
         op["t_eager"] = roofline_seconds(op["flops"], op["eager"])
