@@ -328,3 +328,42 @@ def test_dp2_distributed_optimizer_and_pp2_equal_one_process():
     assert set(ranks[0]["dp2"]["params"]) == set(ref) and len(ref_losses) == iters
     assert max(abs(a - b) for a, b in zip(ranks[1]["pp2"]["losses"], ref_losses)) < 1e-6
     assert ranks[0]["pp2"]["losses"] == []                    # the loss lives on the last stage
+
+
+def test_resumed_run_equals_the_uninterrupted_run_and_evaluates_on_schedule():
+    """Save at 2 through the hook, resume through load_checkpoint_fn, finish: same weights."""
+    import copy
+
+    full, _ = _run(_training(train_iters=4))
+    saved = {}
+
+    def save(state, model, optimizer, scheduler):
+        saved.update(state=copy.deepcopy(state), model=copy.deepcopy(model[0].state_dict()),
+                     optimizer=copy.deepcopy(optimizer.state_dict()),
+                     scheduler=copy.deepcopy(scheduler.state_dict()))
+
+    _run(_training(train_iters=4, exit_interval=2), save_checkpoint_fn=save)
+    assert saved["state"].iteration == 2 and saved["state"].consumed_train_samples == 16
+
+    def load(model, optimizer, scheduler):
+        model[0].load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        return copy.deepcopy(saved["state"])
+
+    records = []
+    resumed = pretrain(
+        _training(train_iters=4, eval_interval=2, eval_iters=1),
+        model_provider=lambda grid: build_stage_models(CFG, grid), forward_step_func=FORWARD_STEP,
+        data_iterators_provider=partial(synthetic_iterators, CFG, micro_batch_size=MBS),
+        optimizer_provider=megatron_optimizer_provider(OptimizerConfig(lr=1e-3, weight_decay=0.0)),
+        scheduler_provider=megatron_scheduler_provider(SchedulerConfig(lr_decay_style="cosine"),
+                                                       OptimizerConfig(lr=1e-3, weight_decay=0.0)),
+        ddp_config=DistributedDataParallelConfig(), seq_length=CFG.seq_length,
+        load_checkpoint_fn=load, log_fn=records.append)
+    assert (resumed.state.iteration, resumed.state.consumed_train_samples) == (4, 32)
+    assert resumed.state.consumed_train_samples == full.state.consumed_train_samples
+    want = dict(full.model[0].module.named_parameters())
+    assert all(torch.equal(p, want[n]) for n, p in resumed.model[0].module.named_parameters())
+    assert [r["iteration"] for r in records if "validation" in r] == [4]   # 2 was before resume
+    assert resumed.state.consumed_valid_samples == 8
