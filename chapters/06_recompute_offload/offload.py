@@ -69,9 +69,10 @@ __all__ = ["HostBufferPool", "OffloadGroup", "ChunkOffloadHandler", "OffloadMana
 # **Which modules.** `offload_modules` names regions of a layer: `attn_norm` (input
 # layernorm), `qkv_linear`, `core_attn` (softmax attention), `attn_proj`, `mlp_norm`
 # (`transformer_config.py:1127-1146`, checks at `:1675-1698`). `attn_proj` requires `core_attn`:
-# the projection's input is core attention's output, which core attention's own backward does
-# not need but whose storage `attn_proj` saves. The MLP's internals are never offloaded in a
-# dense model: they are the bulk of the compute that hides the copies of the other groups.
+# the projection's input *is* core attention's output, which a fused attention kernel also
+# saves for its own backward, so moving it for `attn_proj` alone would free nothing. Megatron's
+# list has no region for a dense MLP's internals (`expert_fc1` and `moe_act` are MoE's): they
+# are the bulk of the compute that hides the copies of the other groups.
 #
 # **What is not moved.** Tensors smaller than `min_offloaded_tensor_size` elements (Megatron:
 # $2^{20}$, `:1127`) stay: a copy's fixed cost dominates for them. Parameters (and views of
