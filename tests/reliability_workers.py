@@ -53,6 +53,17 @@ def final_losses(save) -> dict[int, float]:
     return dict(logged(save))
 
 
+def step_losses(save, ranks=(0, 1)) -> dict[tuple[int, int], list[float]]:
+    """(rank, iteration) -> the local per-micro-batch loss sums of its last computed pass."""
+    out = {}
+    for r in ranks:
+        path = Path(save) / f"step_losses_rank{r}.jsonl"
+        for line in path.read_text().splitlines() if path.exists() else []:
+            rec = json.loads(line)
+            out[(r, rec["iteration"])] = rec["sums"]
+    return out
+
+
 def tracker_iteration(save) -> int:
     """The iteration chapter 03's tracker names."""
     return int((Path(save) / "latest_checkpointed_iteration.txt").read_text().strip())
@@ -72,5 +83,6 @@ def signal_rank_when(save, proc: subprocess.Popen, rank: int, sig: int, after_it
     raise TimeoutError(f"the job did not reach iteration {after_iteration}")
 
 
-__all__ = ["torchrun_cmd", "job_env", "run_job", "logged", "final_losses", "tracker_iteration",
+__all__ = ["torchrun_cmd", "job_env", "run_job", "logged", "final_losses", "step_losses",
+           "tracker_iteration",
            "signal_rank_when", "signal"]

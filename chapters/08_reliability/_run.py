@@ -5,14 +5,16 @@
         --fault kill@5:rank=1:attempt=0
 
 Exit codes: 0 (done, or stopped by SIGTERM/SIGINT after a save), 16/17 (the rerun state
-machine), 18 (a hang detected by the rank monitor). Losses go to <save>/losses.jsonl (last rank,
-every iteration). Not a page: the tests and the benchmark drive it; tinytron.train is the real
+machine), 18 (a hang detected by the rank monitor). The log records go to <save>/losses.jsonl
+(last rank, every iteration) and each rank's exact per-micro-batch loss sums to
+<save>/step_losses_rank<r>.jsonl. Not a page: the tests and the benchmark drive it; tinytron.train is the real
 trainer.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -137,6 +139,19 @@ def run(argv=None) -> int:
             return out
         return slow
 
+    step_log = open(os.path.join(args.save, f"step_losses_rank{dist.get_rank()}.jsonl"), "a",
+                    buffering=1)
+
+    def record_losses(fb):
+        """Each pass's local per-micro-batch loss sums, exactly (the tests compare them bitwise)."""
+        def recorded(**kw):
+            out = fb(**kw)
+            sums = [float(torch.as_tensor(r["lm loss"]).reshape(-1)[0]) for r in out]
+            step_log.write(json.dumps({"iteration": rel.rsm.current_iteration,
+                                       "pass": rel.rsm.state.name, "sums": sums}) + "\n")
+            return out
+        return recorded
+
     training = SimpleNamespace(
         micro_batch_size=MBS, global_batch_size=args.global_batch_size, rampup_batch_size=None,
         decrease_batch_size_if_needed=False, train_iters=args.train_iters, train_samples=None,
@@ -158,11 +173,12 @@ def run(argv=None) -> int:
                 seq_length=SEQ, load_checkpoint_fn=load, save_checkpoint_fn=save,
                 finalize_async_save_fn=ckpt.finalize_async_save_fn, log_fn=logger,
                 exit_signal=handler, rerun_state_machine=rel.rsm, step_hooks=rel,
-                wrap_forward_backward_func=lambda fb: step_sleep(
-                    fb if args.no_safety_nets else rel.forward_backward_func(fb)))
+                wrap_forward_backward_func=lambda fb: record_losses(step_sleep(
+                    fb if args.no_safety_nets else rel.forward_backward_func(fb))))
     finally:
         rel.shutdown()
         logger.close()
+        step_log.close()
     code = rel.exit_code(result.exit_reason)
     if dist.get_rank() == 0:
         print(f"[run] stopped at iteration {result.state.iteration} "

@@ -1,0 +1,74 @@
+"""Real torchrun jobs (2 gloo ranks on loopback): kills and restarts, a hang, SIGTERM.
+
+Each launch costs several seconds (torchrun, two Python processes importing torch), so the
+checks are batched: one uninterrupted reference, one job killed twice (once mid-save), one hang,
+one SIGTERM + resume.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.reliability_workers import (job_env, logged, run_job, signal_rank_when, step_losses,
+                                       torchrun_cmd, tracker_iteration)
+
+ITERS = ["--train-iters", "8", "--save-interval", "2"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run's local loss sums per (rank, iteration), exact floats."""
+    save = tmp_path_factory.mktemp("reference")
+    code, out, _ = run_job(save, ITERS)
+    assert code == 0, out[-3000:]
+    losses = step_losses(save)
+    assert sorted(losses) == [(r, i) for r in (0, 1) for i in range(1, 9)]
+    return losses
+
+
+def test_sigkill_and_kill_during_save_restart_and_match_bitwise(tmp_path, reference):
+    faults = ["--fault", "kill@3:rank=1:attempt=0",                        # life 0 dies in step 3
+              "--fault", "kill_in_save@6:rank=0:attempt=1:point=mid_write"]  # life 1 dies saving 6
+    code, out, _ = run_job(tmp_path, ITERS + faults, max_restarts=2)
+    assert code == 0, out[-4000:]
+    order = [it for it, _ in logged(tmp_path)]
+    # life 0 logged 1, 2 (saved 2), died in 3; life 1 resumed at 2: 3..6, died writing
+    # checkpoint 6 (the tracker still named 4); life 2 resumed at 4: 5..8.
+    assert order == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8], order
+    assert step_losses(tmp_path) == reference       # bitwise: float equality of every loss
+    assert tracker_iteration(tmp_path) == 8
+
+
+def test_a_hung_rank_is_named_with_its_section_and_the_job_ends(tmp_path):
+    args = ITERS + ["--fault", "hang@3:rank=1", "--ft-step-timeout", "2",
+                    "--ft-heartbeat-interval", "0.2"]
+    code, out, seconds = run_job(tmp_path, args, max_restarts=0, timeout=180)
+    report = (tmp_path / "hang_report.txt").read_text()
+    assert code != 0
+    assert report.startswith("hang detected: rank 1 hung in section 'step' at iteration 3"), report
+    assert "waiting for it in a collective: ranks [0]" in report
+    assert [it for it, _ in logged(tmp_path)] == [1, 2]
+    assert seconds < 150
+
+
+def test_sigterm_saves_exits_zero_and_the_resumed_run_continues_the_curve(tmp_path, reference):
+    proc = subprocess.Popen(torchrun_cmd(tmp_path, ITERS + ["--step-sleep", "0.4"]),
+                            env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        signal_rank_when(tmp_path, proc, rank=0, sig=signal.SIGTERM, after_iteration=2)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    stopped = tracker_iteration(tmp_path)
+    assert 2 <= stopped < 8 and "reason: signal" in out
+    assert max(it for it, _ in logged(tmp_path)) == stopped     # saved where it stopped
+    code, out, _ = run_job(tmp_path, ITERS)
+    assert code == 0, out[-3000:]
+    assert step_losses(tmp_path) == reference
