@@ -14,8 +14,6 @@ from tinytron.parallel.rng import RNGStatesTracker, model_parallel_seed
 from tinytron.recompute import apply_recompute, checkpoint
 from tinytron.recompute.recompute import MODES
 
-ALL_FIVE = ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"]
-
 
 @pytest.mark.gpu
 def test_cuda_dropout_masks_replay_and_the_cuda_rng_is_left_alone():
