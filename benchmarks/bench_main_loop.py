@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from tinytron.buffers import DistributedDataParallelConfig
-from tinytron.main_loop.loop import (TrainState, build_schedule_config, gpt_forward_step,
+from tinytron.main_loop.loop import (build_schedule_config, gpt_forward_step,
                                      megatron_optimizer_provider, megatron_scheduler_provider,
                                      train_step, wrap_with_ddp)
 from tinytron.main_loop.schedules import get_forward_backward_func

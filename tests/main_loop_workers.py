@@ -31,17 +31,28 @@ def training(**overrides) -> SimpleNamespace:
     return SimpleNamespace(**base)
 
 
-def _pretrain(grid_provider, ddp_config, opt_config, iters):
+CFG4 = CFG.replace(num_layers=4)   # interleaving: layers divisible by pp * vpp = 4
+
+
+def _per_chunk_iterators(cfg, vpp, grid, state):
+    """One (train, valid) iterator pair per model chunk, as the interleaved schedule reads them."""
+    pairs = [synthetic_iterators(cfg, grid, state, micro_batch_size=MBS) for _ in range(vpp)]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def pretrain_tiny(grid_provider, ddp_config, opt_config, iters, cfg=CFG, vpp=None):
     """pretrain the tiny GPT for iters iterations on this grid; (run, train log records)."""
     logs = []
-    run = pretrain(training(train_iters=iters), model_provider=lambda g: build_stage_models(CFG, g),
-                   forward_step_func=FORWARD_STEP,
-                   data_iterators_provider=partial(synthetic_iterators, CFG, micro_batch_size=MBS),
+    data = (partial(synthetic_iterators, cfg, micro_batch_size=MBS) if vpp is None
+            else partial(_per_chunk_iterators, cfg, vpp))
+    run = pretrain(training(train_iters=iters),
+                   model_provider=lambda g: build_stage_models(cfg, g, vpp or 1),
+                   forward_step_func=FORWARD_STEP, data_iterators_provider=data,
                    optimizer_provider=megatron_optimizer_provider(opt_config),
                    scheduler_provider=megatron_scheduler_provider(
                        SchedulerConfig(lr_decay_style="cosine"), opt_config),
                    grid_provider=grid_provider, ddp_config=ddp_config,
-                   seq_length=CFG.seq_length, log_fn=logs.append)
+                   seq_length=cfg.seq_length, vpp_size=vpp, log_fn=logs.append)
     return run, [r["losses"]["lm loss"] for r in logs if r.get("losses")]
 
 
@@ -52,21 +63,24 @@ def _global_params(run) -> dict:
         module = chunk.module
         for name, p in module.named_parameters():
             full = global_parameter_name(name, module.layer_offset)
-            if full == "output_layer.weight" and CFG.tie_embeddings:
+            if full == "output_layer.weight" and module.config.tie_embeddings:
                 full = "embedding.word_embeddings.weight"  # the last stage's tied copy
             out[full] = p.detach().clone()
     return out
 
 
 def dp2_and_pp2(iters: int) -> dict:
-    """Two runs on the same 2 ranks: DP 2 with the distributed optimizer, then PP 2 (1F1B)."""
+    """Three runs on the same 2 ranks: DP 2 + distributed optimizer, PP 2 (1F1B), PP 2 x VPP 2."""
     dist_opt = OptimizerConfig(**{**OPT_CONFIG.__dict__, "use_distributed_optimizer": True})
-    run, losses = _pretrain(lambda: ParallelGrid(dp=2), DistributedDataParallelConfig(
+    run, losses = pretrain_tiny(lambda: ParallelGrid(dp=2), DistributedDataParallelConfig(
         use_distributed_optimizer=True), dist_opt, iters)
     out = {"dp2": {"params": _global_params(run), "losses": losses}}
-    run, losses = _pretrain(lambda: ParallelGrid(pp=2), DistributedDataParallelConfig(),
+    run, losses = pretrain_tiny(lambda: ParallelGrid(pp=2), DistributedDataParallelConfig(),
                             OPT_CONFIG, iters)
     out["pp2"] = {"params": _global_params(run), "losses": losses,
                   "state": run.state.state_dict()}
+    run, losses = pretrain_tiny(lambda: ParallelGrid(pp=2), DistributedDataParallelConfig(),
+                                OPT_CONFIG, iters, cfg=CFG4, vpp=2)
+    out["vpp2"] = {"params": _global_params(run), "losses": losses}
     torch.distributed.barrier()
     return out

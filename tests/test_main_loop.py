@@ -6,7 +6,6 @@ import math
 import os
 import signal
 from functools import partial
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -311,7 +310,7 @@ def test_evaluation_changes_no_parameter_and_no_optimizer_state():
 
 
 # -- data parallel with the distributed optimizer, and pipeline parallel, vs one process ---------
-def test_dp2_distributed_optimizer_and_pp2_equal_one_process():
+def test_dp2_distributed_optimizer_pp2_and_interleaved_equal_one_process():
     iters = 3
     ref_run, ref_logs = _run(_training(train_iters=iters), workers.OPT_CONFIG)
     ref = {n: p.detach() for n, p in ref_run.model[0].module.named_parameters()}
@@ -328,6 +327,15 @@ def test_dp2_distributed_optimizer_and_pp2_equal_one_process():
     assert set(ranks[0]["dp2"]["params"]) == set(ref) and len(ref_losses) == iters
     assert max(abs(a - b) for a, b in zip(ranks[1]["pp2"]["losses"], ref_losses)) < 1e-6
     assert ranks[0]["pp2"]["losses"] == []                    # the loss lives on the last stage
+    # interleaved (v = 2) on a 4-layer model: chunks of both ranks together equal one process
+    ref4_run, ref4_losses = workers.pretrain_tiny(ParallelGrid.single, DistributedDataParallelConfig(),
+                                                  workers.OPT_CONFIG, iters, cfg=workers.CFG4)
+    ref4 = {n: p.detach() for n, p in ref4_run.model[0].module.named_parameters()}
+    got = {**ranks[0]["vpp2"]["params"], **ranks[1]["vpp2"]["params"]}
+    assert set(got) == set(ref4)
+    for name, p in got.items():
+        torch.testing.assert_close(p, ref4[name], rtol=0, atol=1e-6)
+    assert max(abs(a - b) for a, b in zip(ranks[1]["vpp2"]["losses"], ref4_losses)) < 1e-6
 
 
 def test_resumed_run_equals_the_uninterrupted_run_and_evaluates_on_schedule():

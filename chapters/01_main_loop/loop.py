@@ -17,15 +17,18 @@ import signal
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from tinytron.main_loop._parts import (TorchOptimizer, build_schedule_config, hooked, log_step,
+                                       megatron_optimizer_provider, megatron_scheduler_provider,
+                                       no_op, print_on_last_rank, wrap_with_ddp)
 from tinytron.main_loop.microbatches import (build_num_microbatches_calculator,
                                              train_iters_from_samples)
 from tinytron.main_loop.schedules import ScheduleConfig, get_forward_backward_func
-from tinytron.main_loop.training_log import LogState, training_log
+from tinytron.main_loop.training_log import LogState
 from tinytron.overview.loss import lm_loss_func
 from tinytron.parallel import ParallelGrid, set_random_seed
 
@@ -91,7 +94,9 @@ class TrainState:
 #
 # Chapter 02's optimizers already return the triple. A plain `torch.optim` optimizer does not
 # clip and returns nothing, so `TorchOptimizer` adapts it: clip by the global norm with
-# `torch.nn.utils.clip_grad_norm_`, step, report `(True, norm, None)`.
+# `torch.nn.utils.clip_grad_norm_`, step, report `(True, norm, None)`. It and the builders of
+# the book's parts that `pretrain` is handed below live in `tinytron/main_loop/_parts.py`
+# (glue, not mechanism; the loop page imports them).
 #
 # `gpt_forward_step` is Megatron's `forward_step` of `pretrain_gpt.py:197` over the book's
 # model: `get_batch` (chapter 04: read on TP rank 0, broadcast, CP slice, only the keys this
@@ -99,35 +104,6 @@ class TrainState:
 # 00's `lm_loss_func` bound to the batch's loss mask.
 
 # %%
-class TorchOptimizer:
-    """A torch.optim optimizer with Megatron's step contract: clip, step, (True, norm, None)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, clip_grad: float = 1.0):
-        self.optimizer, self.clip_grad = optimizer, clip_grad
-        self.params = [p for g in optimizer.param_groups for p in g["params"]]
-
-    @property
-    def param_groups(self) -> list[dict]:
-        """The wrapped optimizer's groups."""
-        return self.optimizer.param_groups
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """No loss scaling."""
-        return loss
-
-    def zero_grad(self) -> None:
-        """Drop every .grad."""
-        self.optimizer.zero_grad(set_to_none=True)
-
-    @torch.no_grad()
-    def step(self) -> tuple[bool, float, None]:
-        """Clip by the global L2 norm (0 = no clip), step; never skips."""
-        max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
-        self.optimizer.step()
-        return True, float(norm), None
-
-
 def gpt_forward_step(data_iterator, model, *, micro_batch_size: int, seq_length: int):
     """Megatron's pretrain_gpt forward_step: get_batch, the model with labels, the loss func."""
     from tinytron.data.distribute import get_batch  # chapter 04; imported on use only
@@ -383,7 +359,7 @@ def checkpoint_and_decide_exit(state: TrainState, training, save, *, start_time:
 # 4. `iteration += 1`; `consumed_train_samples += m·b·d` (skipped or not);
 #    `skipped_train_samples +=` what `decrease_batch_size_if_needed` dropped; the FLOPs of the
 #    batch are added to the running sum.
-# 5. `training_log` (next page): accumulate, and print every `log_interval`.
+# 5. `training_log` (next page): accumulate, and hand a record to `log_fn` every `log_interval`.
 # 6. Evaluate every `eval_interval` iterations.
 # 7. `checkpoint_and_decide_exit`.
 #
@@ -403,37 +379,17 @@ def _advance_microbatches(calculator, state: TrainState, previous: int, save) ->
     return m
 
 
-def _no_op(*args, **kwargs) -> None:
-    """Default hook."""
+def _account(state: TrainState, calculator, batch: int, flops_fn) -> tuple[int, int]:
+    """One more iteration: its samples consumed (skipped or not), skipped samples, FLOPs."""
+    flops = flops_fn(batch) if flops_fn is not None else 0
+    state.iteration += 1
+    state.consumed_train_samples += batch
+    state.skipped_train_samples += calculator.skipped_samples_per_iteration
+    state.num_floating_point_operations_so_far += flops
+    return batch, flops
 
-
-def _print_on_last_rank(record: dict) -> None:
-    """Print the formatted line on the last global rank (Megatron's print_rank_last)."""
-    from tinytron.main_loop.training_log import format_log_line
-    if not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1:
-        print(format_log_line(record), flush=True)
 
 # %%
-def _log_step(result: StepResult, log_state: LogState, state: TrainState, optimizer, *,
-              training, train_iters: int, batch_size: int, seq_length: int, flops: int,
-              peak_flops, log_fn) -> None:
-    """Feed one iteration to training_log; hand a record to log_fn when it prints."""
-    scaler = getattr(optimizer, "grad_scaler", None)
-    groups = [g for g in optimizer.param_groups if not g.get("is_decoupled_lr")]
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    record = training_log(
-        result.loss_dict, log_state, iteration=state.iteration, train_iters=train_iters,
-        skipped_iter=result.skipped_iter, learning_rate=(groups or optimizer.param_groups)[0]["lr"],
-        loss_scale=1.0 if scaler is None else float(scaler.scale), grad_norm=result.grad_norm,
-        num_zeros_in_grad=result.num_zeros_in_grad,
-        consumed_train_samples=state.consumed_train_samples,
-        skipped_train_samples=state.skipped_train_samples, batch_size=batch_size,
-        seq_length=seq_length, flops=flops, world_size=world_size, peak_flops=peak_flops,
-        log_interval=training.log_interval)
-    if record is not None:
-        log_fn(record)
-
-
 def _maybe_evaluate(forward_step_func, valid_data_iterator, model, forward_backward_func,
                     state: TrainState, training, calculator, *, do_valid: bool, seq_length: int,
                     grid: ParallelGrid, config: ScheduleConfig, log_fn) -> None:
@@ -460,36 +416,29 @@ def train(forward_step_func, model: list, optimizer, scheduler, train_data_itera
     """Run iterations until train_iters or an exit condition; return the exit reason or None."""
     # Chapter 08 passes `rerun_state_machine` (see train_step) and `step_hooks`, an object whose
     # `on_step_start(state)` / `on_step_end(state)` bracket every train_step (heartbeats, faults).
-    save = partial(save_checkpoint_fn or _no_op, state, model, optimizer, scheduler)
-    finalize = finalize_async_save_fn or _no_op
-    log_fn = log_fn or _print_on_last_rank
+    save = partial(save_checkpoint_fn or no_op, state, model, optimizer, scheduler)
+    finalize = finalize_async_save_fn or no_op
+    log_fn = log_fn or print_on_last_rank
     do_valid = valid_data_iterator is not None if do_valid is None else do_valid
     log_state, start_time, m, reason = LogState(), clock(), 0, None
     for chunk in model:
         chunk.train()
+    step = partial(train_step, forward_step_func, train_data_iterator, model, optimizer,
+                   scheduler, forward_backward_func, micro_batch_size=training.micro_batch_size,
+                   seq_length=seq_length, grid=grid, config=config,
+                   rerun_state_machine=rerun_state_machine)
     while state.iteration < train_iters:
         finalize(blocking=False)
         m = _advance_microbatches(calculator, state, m, save)
-        if step_hooks is not None:
-            step_hooks.on_step_start(state)
-        result = train_step(forward_step_func, train_data_iterator, model, optimizer, scheduler,
-                            forward_backward_func, num_microbatches=m,
-                            micro_batch_size=training.micro_batch_size, seq_length=seq_length,
-                            grid=grid, config=config, rerun_state_machine=rerun_state_machine)
-        if step_hooks is not None:
-            step_hooks.on_step_end(state)
+        result = hooked(step_hooks, state, partial(step, num_microbatches=m))
         if result.should_exit:  # the rerun machine: save if asked, stop (training.py:3545)
             if result.should_checkpoint:
                 save()
             reason = "rerun"
             break
-        batch = m * training.micro_batch_size * grid.size("dp")
-        flops = flops_fn(batch) if flops_fn is not None else 0
-        state.iteration += 1
-        state.consumed_train_samples += batch
-        state.skipped_train_samples += calculator.skipped_samples_per_iteration
-        state.num_floating_point_operations_so_far += flops
-        _log_step(result, log_state, state, optimizer, training=training, train_iters=train_iters,
+        batch, flops = _account(state, calculator, m * training.micro_batch_size *
+                                grid.size("dp"), flops_fn)
+        log_step(result, log_state, state, optimizer, training=training, train_iters=train_iters,
                   batch_size=batch, seq_length=seq_length, flops=flops, peak_flops=peak_flops,
                   log_fn=log_fn)
         _maybe_evaluate(forward_step_func, valid_data_iterator, model, forward_backward_func,
@@ -520,52 +469,15 @@ def train(forward_step_func, model: list, optimizer, scheduler, train_data_itera
 # 7. **`train()`**, then a **final save** unless the last iteration was just saved, then a
 #    blocking drain of asynchronous saves.
 #
-# The schedule's callbacks are set as in `training.py:3227-3245`: `no_sync_func` is each DDP
-# chunk's `no_sync`, `finalize_model_grads_func` chapter 05's `finalize_model_grads`,
-# `grad_scale_func` the optimizer's `scale_loss`; `calculate_per_token_loss` follows the DDP
-# config, so the schedule and the buffers agree on who divides by what.
+# The schedule's callbacks are set as in `training.py:3227-3245` (`build_schedule_config`):
+# `no_sync_func` is each DDP chunk's `no_sync`, `finalize_model_grads_func` chapter 05's
+# `finalize_model_grads`, `grad_scale_func` the optimizer's `scale_loss`;
+# `calculate_per_token_loss` follows the DDP config, so the schedule and the buffers agree on
+# who divides by what. The builders — `wrap_with_ddp` (only the first chunk bucketed,
+# `training.py:1784`), `megatron_optimizer_provider`, `megatron_scheduler_provider` — are
+# passed in, so the loop imports none of chapters 02 and 05 itself.
 
 # %%
-def wrap_with_ddp(model: list, grid: ParallelGrid, ddp_config) -> list:
-    """Chapter 05's DDP around each chunk; only the first chunk is bucketed."""
-    from tinytron.buffers import DistributedDataParallel  # chapter 05
-    return [DistributedDataParallel(c, grid, ddp_config, disable_bucketing=i > 0)
-            for i, c in enumerate(model)]
-
-
-def build_schedule_config(model: list, optimizer, grid: ParallelGrid, *,
-                          calculate_per_token_loss: bool = False, **overrides) -> ScheduleConfig:
-    """ScheduleConfig with the loop's callbacks: no_sync, finalize_model_grads, scale_loss."""
-    from tinytron.buffers import finalize_model_grads  # chapter 05
-    ddp = [c for c in model if hasattr(c, "no_sync")]
-    scaler = getattr(optimizer, "grad_scaler", None)
-    kw = dict(calculate_per_token_loss=calculate_per_token_loss,
-              no_sync_func=[c.no_sync for c in ddp] if ddp else None,
-              finalize_model_grads_func=finalize_model_grads if ddp else None,
-              grad_scale_func=optimizer.scale_loss if scaler is not None else None)
-    kw.update(overrides)
-    return ScheduleConfig(**kw)
-
-
-def megatron_optimizer_provider(opt_config) -> Callable:
-    """(model, grid) -> chapter 02's optimizer over the (single) DDP chunk."""
-    from tinytron.optimizer import get_megatron_optimizer  # chapter 02
-
-    def build(model: list, grid: ParallelGrid):
-        if len(model) != 1:
-            raise ValueError(f"megatron_optimizer_provider handles one model chunk, got "
-                             f"{len(model)}; pass an optimizer_provider for virtual stages")
-        chunk = model[0]
-        ddp = chunk if hasattr(chunk, "module") else None
-        return get_megatron_optimizer(opt_config, ddp.module if ddp else chunk, grid, ddp=ddp)
-    return build
-
-
-def megatron_scheduler_provider(sched_config, opt_config) -> Callable:
-    """(optimizer, train_iters, global_batch_size) -> chapter 02's scheduler (in samples)."""
-    from tinytron.optimizer import get_optimizer_param_scheduler  # chapter 02
-    return partial(get_optimizer_param_scheduler, sched_config, opt_config=opt_config)
-
 # %%
 class TrainingRun(NamedTuple):
     """What pretrain built and ran (for the caller to inspect or keep using)."""
