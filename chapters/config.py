@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-__all__ = ["ParallelConfig", "TrainingConfig", "TrainConfig", "SECTIONS", "load_config",
+__all__ = ["ParallelConfig", "TrainingConfig", "TokenizerConfig", "TrainConfig", "SECTIONS",
+           "load_config",
            "parse_overrides", "ConfigError"]
 
 
@@ -91,6 +92,22 @@ class TrainingConfig:
     """"cpu", "cuda" or "auto" (cuda when available)."""
 
 
+@dataclass
+class TokenizerConfig:
+    """Which tokenizer produced the data (Megatron's --tokenizer-type / --tokenizer-model)."""
+
+    tokenizer_type: str = "byte"
+    """"byte" (chapter 00's byte tokenizer, the embedded corpus) or "hf" (a tokenizer.json)."""
+    tokenizer_model: Optional[str] = None
+    """Path of the Hugging Face tokenizer.json when tokenizer_type is "hf"."""
+
+    def __post_init__(self):
+        if self.tokenizer_type not in ("byte", "hf"):
+            raise ValueError(f"tokenizer_type must be 'byte' or 'hf', got {self.tokenizer_type!r}")
+        if self.tokenizer_type == "hf" and not self.tokenizer_model:
+            raise ValueError("tokenizer_type 'hf' needs tokenizer_model (a tokenizer.json path)")
+
+
 # section name -> "module:ClassName"; imported lazily so that reading a config is cheap.
 SECTIONS: dict[str, str] = {
     "model": "tinytron.model.config:ModelConfig",
@@ -100,6 +117,10 @@ SECTIONS: dict[str, str] = {
     "scheduler": "tinytron.optimizer.factory:SchedulerConfig",
     "ddp": "tinytron.buffers.distributed_data_parallel:DistributedDataParallelConfig",
     "data": "tinytron.data.pipeline:DataConfig",
+    "tokenizer": "tinytron.config:TokenizerConfig",
+    "checkpoint": "tinytron.checkpoint.resume:CheckpointConfig",
+    "logging": "tinytron.reliability.observability:LoggingConfig",
+    "reliability": "tinytron.reliability.restarts:ReliabilityConfig",
 }
 
 

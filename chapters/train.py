@@ -1,0 +1,415 @@
+"""The assembled trainer: every chapter, wired into one torchrun job.
+
+    torchrun --nproc-per-node 2 -m tinytron.train --config configs/tiny.toml [--section.key value ...]
+    tinytron-train --config configs/tiny.toml          # one process, no torchrun
+
+What it does, in the order of chapter 01's `pretrain` (`megatron/training/training.py:1029`):
+read and check the whole config before any process group exists (`tinytron.config`), join
+the world (gloo on CPU, NCCL on CUDA), build the process-group grid (appendix A), the model
+chunks (appendix B, with chapter 06's recompute/offload switches and appendix C's kernels as
+the config says), wrap them in chapter 05's DDP, build chapter 02's optimizer and scheduler,
+resume from chapter 03's latest checkpoint, build chapter 04's datasets (the standard library
+tokenised into a `.bin/.idx` by default) and run chapter 01's loop with chapter 08's safety
+nets, timers, progress bar, JSONL and TensorBoard logs. At the end it draws the loss curve and
+prints the commands that resume the run, export it to Hugging Face and open the logs.
+
+No chapter's logic lives here: this file only wires.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tinytron.config import ConfigError, TrainConfig, load_config
+
+__all__ = ["main", "console_main", "run", "prepare_embedded_corpus", "build_tokenizer_for", "plot_loss_curve"]
+
+USAGE = ("usage: torchrun --nproc-per-node N -m tinytron.train --config FILE.toml "
+         "[--section.key value ...]")
+EMBEDDED_CORPUS_FILES = 400  # the first 400 .py files of the standard library: ~5 MB of bytes
+
+
+# -- the command line ------------------------------------------------------------------------
+def _split_argv(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(--config path, the dotted overrides)."""
+    config, rest = None, []
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if arg in ("-h", "--help"):
+            raise SystemExit(print(USAGE + "\n\n" + __doc__.strip()) or 0)
+        if arg == "--config" or arg.startswith("--config="):
+            config = arg.split("=", 1)[1] if "=" in arg else (args.pop(0) if args else None)
+            if config is None:
+                raise ConfigError("--config needs a file")
+        else:
+            rest.append(arg)
+    return config, rest
+
+
+def resolve_config(argv: list[str], world_size: int) -> TrainConfig:
+    """The whole run's config, checked for this world size (every error a ConfigError)."""
+    path, overrides = _split_argv(argv)
+    cfg = load_config(path, overrides).resolve(world_size)
+    _check_trainer_rules(cfg)
+    return cfg
+
+
+def _check_trainer_rules(cfg: TrainConfig) -> None:
+    """What the trainer itself needs: data paths that exist, a vocabulary that fits, a layout it runs."""
+    for key in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        for word in getattr(cfg.data, key) or []:
+            if _is_number(word):
+                continue
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(str(word) + ext):
+                    raise ConfigError(f"data.{key}: {word}{ext} does not exist")
+    tok = build_tokenizer_for(cfg)
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the "
+                          f"tokenizer's vocabulary ({tok.vocab_size})")
+    vpp = cfg.parallel.virtual_pipeline_model_parallel_size or 1
+    if vpp > 1 and cfg.optimizer.use_distributed_optimizer:
+        raise ConfigError("optimizer.use_distributed_optimizer with "
+                          "parallel.virtual_pipeline_model_parallel_size > 1 is not supported "
+                          "by this trainer (one DistributedOptimizer serves one model chunk)")
+    if cfg.optimizer.lr is None:
+        raise ConfigError("optimizer.lr is required")
+    s, t = cfg.scheduler, cfg.training
+    decay = s.lr_decay_iters or t.train_iters
+    if t.train_iters is not None and decay is not None and s.lr_warmup_iters >= decay:
+        raise ConfigError(f"scheduler.lr_warmup_iters ({s.lr_warmup_iters}) must be smaller "
+                          f"than the decay length ({decay} iterations: scheduler.lr_decay_iters "
+                          f"or training.train_iters)")
+
+
+def _is_number(word) -> bool:
+    try:
+        float(word)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def build_tokenizer_for(cfg: TrainConfig):
+    """The tokenizer named by [tokenizer] (chapter 04's byte or Hugging Face tokenizer)."""
+    from tinytron.data.preprocess import TokenizerSpec, build_tokenizer
+
+    t = cfg.extra.get("tokenizer")
+    kind, path = (t.tokenizer_type, t.tokenizer_model) if t is not None else ("byte", None)
+    try:
+        return build_tokenizer(TokenizerSpec(kind, path))
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"tokenizer: {e}") from e
+
+
+# -- the world --------------------------------------------------------------------------------
+def _device(cfg: TrainConfig) -> torch.device:
+    want = cfg.training.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("training.device is 'cuda' but no CUDA device is available")
+    return torch.device(want)
+
+
+def init_distributed(device: torch.device) -> None:
+    """Join torchrun's world (gloo on CPU, NCCL on CUDA), or make a one-rank world here."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+# -- data ---------------------------------------------------------------------------------------
+def prepare_embedded_corpus(cache_dir: str, num_files: int = EMBEDDED_CORPUS_FILES) -> str:
+    """The standard library's first files as one byte-tokenised .bin/.idx (built once, rank 0)."""
+    from tinytron.data.preprocess import run as preprocess, stdlib_corpus
+
+    base = os.path.join(cache_dir, f"stdlib_{num_files}_byte")
+    prefix = base + "_text_document"  # Megatron's naming: <output-prefix>_<json key>_document
+    if dist.get_rank() == 0 and not os.path.isfile(prefix + ".idx"):
+        os.makedirs(cache_dir, exist_ok=True)
+        written = preprocess(["--input", *stdlib_corpus(num_files), "--output-prefix", base,
+                              "--workers", "1", "--no-progress", "--append-eod"])
+        assert written == prefix, (written, prefix)
+    dist.barrier()
+    return prefix
+
+
+def _data_config(cfg: TrainConfig, out_dir: str):
+    """cfg.data, pointed at the embedded corpus when it names no data."""
+    data = cfg.data
+    if not (data.data_path or data.train_data_path):
+        prefix = prepare_embedded_corpus(os.path.join(out_dir, "data"))
+        data = dataclasses.replace(data, data_path=[prefix])
+    if data.data_cache_path is None:
+        data = dataclasses.replace(data, data_cache_path=os.path.join(out_dir, "data", "cache"))
+    return data
+
+
+def data_iterators_provider(cfg: TrainConfig, data, tokenizer, reliability):
+    """(grid, state) -> (train, valid) iterators, built after the load so they resume."""
+    from tinytron.data.pipeline import (build_data_iterators, build_train_valid_test_datasets,
+                                        is_dataset_built_on_rank)
+
+    t = cfg.training
+
+    def provide(grid, state):
+        train_iters = t.train_iters or -(-t.train_samples // t.global_batch_size)
+        eval_runs = (train_iters // t.eval_interval + 1) if t.eval_interval else 0
+        samples = [t.train_samples or train_iters * t.global_batch_size,
+                   eval_runs * t.eval_iters * t.global_batch_size, 0]
+        datasets = build_train_valid_test_datasets(
+            data, cfg.model.seq_length, samples, lambda: is_dataset_built_on_rank(grid),
+            eod_id=tokenizer.eod, pad_id=tokenizer.pad if tokenizer.pad >= 0 else tokenizer.eod)
+        train_it, valid_it, _ = build_data_iterators(
+            data, datasets, [state.consumed_train_samples, state.consumed_valid_samples, 0],
+            t.micro_batch_size, grid)
+        if train_it is not None:
+            train_it = reliability.data_iterator(train_it)
+        return train_it, valid_it
+    return provide
+
+
+# -- model and optimizer ---------------------------------------------------------------------
+def model_provider(cfg: TrainConfig, device: torch.device):
+    """grid -> this rank's model chunks (appendix B), in the run's dtype."""
+    from tinytron.model import build_stage_models
+
+    dtype = torch.bfloat16 if cfg.training.bf16 else None
+    vpp = cfg.parallel.virtual_pipeline_model_parallel_size or 1
+    m = cfg.model
+
+    def provide(grid):
+        chunks = build_stage_models(m, grid, num_virtual_stages=vpp, device=device, dtype=dtype)
+        if m.recompute_granularity or m.fine_grained_activation_offloading:
+            from tinytron.recompute import apply_recompute  # chapter 06, before DDP wraps
+            apply_recompute(chunks)
+        return chunks
+    return provide
+
+
+def optimizer_provider(cfg: TrainConfig, reliability):
+    """(chunks, grid) -> chapter 02's optimizer over every chunk, wrapped by chapter 08's timers."""
+    from tinytron.optimizer import get_megatron_optimizer
+
+    opt_config = dataclasses.replace(cfg.optimizer, bf16=cfg.training.bf16)
+
+    def build(model: list, grid):
+        if len(model) == 1:
+            chunk = model[0]
+            ddp = chunk if hasattr(chunk, "module") else None
+            opt = get_megatron_optimizer(opt_config, ddp.module if ddp else chunk, grid, ddp=ddp)
+        else:  # virtual stages: one optimizer (one clip norm) over all chunks' parameters
+            holder = torch.nn.ModuleList([getattr(c, "module", c) for c in model])
+            holder.config = holder[0].config
+            opt = get_megatron_optimizer(opt_config, holder, grid)
+        return reliability.wrap_optimizer(opt)
+    return build
+
+
+def _ddp_config(cfg: TrainConfig):
+    return dataclasses.replace(cfg.ddp, use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+                               grad_reduce_in_fp32=cfg.ddp.grad_reduce_in_fp32 or cfg.training.bf16)
+
+
+# -- what the run reports --------------------------------------------------------------------
+def memory_report_at_start(cfg: TrainConfig, world_size: int, device: torch.device) -> str:
+    """Chapter 07's predicted ledger for the first and last stage of this layout."""
+    from tinytron.memory import memory_config_from, stage_ledgers
+
+    try:
+        ledgers = stage_ledgers(memory_config_from(cfg, world_size, device=device.type))
+    except (ValueError, NotImplementedError) as e:  # a layout the model does not cover
+        return f"memory (chapter 07): not predicted for this layout ({e})"
+    picks = {f"pp rank {ledgers[0].pp_rank} (first)": ledgers[0]}
+    if len(ledgers) > 1:
+        picks[f"pp rank {ledgers[-1].pp_rank} (last)"] = ledgers[-1]
+    lines = ["memory per rank, predicted by chapter 07 (MiB):"]
+    for name, led in picks.items():
+        terms = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in led.device.items() if v)
+        lines.append(f"  {name}: total {led.total / 2**20:.1f} = {terms}")
+    return "\n".join(lines)
+
+
+def plot_loss_curve(jsonl_path: str, png_path: str) -> bool:
+    """The training and validation loss from the JSONL log, drawn to a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train, valid = [], []
+    for line in Path(jsonl_path).read_text().splitlines():
+        r = json.loads(line)
+        if "validation" in r:
+            valid.append((r["iteration"], r["validation"].get("lm loss")))
+        elif r.get("losses", {}).get("lm loss") is not None:
+            train.append((r["iteration"], r["losses"]["lm loss"]))
+    if not train:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.plot(*zip(*train), label="train lm loss")
+    if valid:
+        ax.plot(*zip(*valid), "o-", label="validation lm loss")
+    ax.set_xlabel("iteration"), ax.set_ylabel("loss"), ax.legend()
+    ax.set_title(f"tinytron.train: {Path(jsonl_path).parent.name}")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _next_steps(argv: list[str], out_dir: str, cfg: TrainConfig) -> str:
+    """The commands that resume, export and inspect this run."""
+    launch = " ".join(["torchrun", f"--nproc-per-node {dist.get_world_size()}", "-m",
+                       "tinytron.train", *argv])
+    return "\n".join([
+        f"resume (the run continues from {out_dir}):",
+        f"  {launch}   (add --training.train_iters N to train on to iteration N)",
+        "export to Hugging Face:",
+        f"  tinytron-convert to-hf {out_dir} {out_dir}/hf",
+        "open the logs:",
+        f"  tensorboard --logdir {os.path.join(out_dir, 'tensorboard')}",
+    ])
+
+
+# -- the run ----------------------------------------------------------------------------------
+def _reliability(cfg: TrainConfig, out_dir: str):
+    from tinytron.reliability import Reliability, ReliabilityConfig
+
+    config = cfg.extra.get("reliability") or ReliabilityConfig()
+    if config.enable_ft and "MASTER_PORT" not in os.environ:
+        config = dataclasses.replace(config, enable_ft=False)  # heartbeats need torchrun's store
+    if cfg.training.exit_signal_handler:  # Megatron's --exit-signal-handler, either section
+        config = dataclasses.replace(config, exit_signal_handler=True)
+    return Reliability(config, save_dir=out_dir)
+
+
+def _logger(cfg: TrainConfig, out_dir: str, train_iters: int, device, reliability):
+    from tinytron.reliability import LoggingConfig, MetricsLogger
+
+    config = cfg.extra.get("logging") or LoggingConfig()
+    config = dataclasses.replace(
+        config, jsonl_path=config.jsonl_path or os.path.join(out_dir, "log.jsonl"),
+        tensorboard_dir=config.tensorboard_dir or os.path.join(out_dir, "tensorboard"))
+    names = ["forward-backward", "optimizer", "save-checkpoint"]
+    return MetricsLogger(config, train_iters, device=device, timers=reliability.timers,
+                         timer_names=names), config
+
+
+def _checkpoint_hooks(cfg: TrainConfig, out_dir: str, grid, reliability):
+    from tinytron.checkpoint import CheckpointConfig, make_checkpoint_hooks
+
+    config = cfg.extra.get("checkpoint") or CheckpointConfig()
+    config = dataclasses.replace(config, save=config.save or out_dir,
+                                 load=config.load or config.save or out_dir)
+    hooks = make_checkpoint_hooks(config, grid)
+    save, load = reliability.checkpoint_hooks(hooks.save_checkpoint_fn, hooks.load_checkpoint_fn)
+    return save, load, hooks.finalize_async_save_fn
+
+
+def output_dir(cfg: TrainConfig, name: str = "run") -> str:
+    """Where the run writes: [checkpoint] save, else runs/<name of the config file>."""
+    ckpt = cfg.extra.get("checkpoint")
+    return ckpt.save if ckpt is not None and ckpt.save else os.path.join("runs", name)
+
+
+def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
+    """Train (or resume) as cfg says; return the process exit code."""
+    from tinytron.main_loop.loop import (gpt_forward_step, megatron_scheduler_provider, pretrain)
+    from tinytron.main_loop.training_log import (num_floating_point_operations,
+                                                 peak_flops_per_device)
+    from tinytron.parallel import ParallelGrid
+
+    device = _device(cfg)
+    init_distributed(device)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tp, pp, _, cp = cfg.parallel.sizes()
+    grid = ParallelGrid(tp=tp, pp=pp, cp=cp)
+    out_dir = output_dir(cfg, name)
+    os.makedirs(out_dir, exist_ok=True)
+    if rank == 0:
+        (Path(out_dir) / "config.toml").write_text(cfg.to_toml())
+        print(f"tinytron.train: world {world} = tp {tp} · pp {pp} · cp {cp} · dp "
+              f"{cfg.data_parallel_size(world)} on {device.type}; writing to {out_dir}")
+        print(memory_report_at_start(cfg, world, device), flush=True)
+    tokenizer = build_tokenizer_for(cfg)
+    data = _data_config(cfg, out_dir)
+    rel = _reliability(cfg, out_dir)
+    train_iters = cfg.training.train_iters or -(-cfg.training.train_samples
+                                                 // cfg.training.global_batch_size)
+    logger, log_config = _logger(cfg, out_dir, train_iters, device, rel)
+    save, load, finalize = _checkpoint_hooks(cfg, out_dir, grid, rel)
+    seq, mbs = cfg.model.seq_length, cfg.training.micro_batch_size
+    dtype = torch.bfloat16 if cfg.training.bf16 else torch.float32
+    try:
+        with rel.signal_handler or contextlib.nullcontext() as handler:
+            result = pretrain(
+                cfg.training, model_provider=model_provider(cfg, device),
+                forward_step_func=rel.forward_step_func(
+                    partial(gpt_forward_step, micro_batch_size=mbs, seq_length=seq)),
+                data_iterators_provider=data_iterators_provider(cfg, data, tokenizer, rel),
+                optimizer_provider=optimizer_provider(cfg, rel),
+                scheduler_provider=megatron_scheduler_provider(cfg.scheduler, cfg.optimizer),
+                grid_provider=lambda: grid, ddp_config=_ddp_config(cfg), seq_length=seq,
+                vpp_size=cfg.parallel.virtual_pipeline_model_parallel_size,
+                schedule_overrides={"pipeline_dtype": dtype},
+                load_checkpoint_fn=load, save_checkpoint_fn=save, finalize_async_save_fn=finalize,
+                flops_fn=lambda batch: num_floating_point_operations(cfg.model, batch),
+                peak_flops=peak_flops_per_device(device, dtype), log_fn=logger,
+                exit_signal=handler, rerun_state_machine=rel.rsm, step_hooks=rel,
+                wrap_forward_backward_func=rel.forward_backward_func)
+    finally:
+        rel.shutdown()
+        logger.close()
+    code = rel.exit_code(result.exit_reason)
+    if logger.is_writer and log_config.jsonl_path and os.path.isfile(log_config.jsonl_path):
+        png = os.path.join(out_dir, "loss.png")
+        if plot_loss_curve(log_config.jsonl_path, png):
+            print(f"loss curve: {png}")
+        print(f"stopped at iteration {result.state.iteration} "
+              f"(reason: {result.exit_reason or 'train_iters reached'}), exit code {code}")
+        print(_next_steps(argv, out_dir, cfg), flush=True)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tinytron.train` / `tinytron-train`: exit 0, 2 on a config error, 16-18 from chapter 08."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        cfg = resolve_config(argv, world)
+        path = _split_argv(argv)[0]
+    except ConfigError as e:
+        print(f"tinytron.train: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    try:
+        return run(cfg, argv, Path(path).stem if path else "run")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def console_main() -> None:
+    """The `tinytron-train` console script."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    console_main()
