@@ -404,9 +404,11 @@ if __name__ == "__main__":
 # - Megatron: `megatron/training/training.py` — `num_floating_point_operations:411`
 #   (`transformer_flops`, MoE/MLA/MTP/hybrid branches, packed sequences via `sum(L_i^2)`),
 #   `training_log:2361`; `megatron/training/utils.py` `report_memory`.
-# - torchtitan: `torchtitan/models/utils.py` `get_dense_model_nparams_and_flops`
-#   ($6N + 12 L h s$-style, halved attention for causal) and `torchtitan/tools/utils.py`
-#   `get_peak_flops` (a device-name table of dense bf16 peaks).
+# - torchtitan: `torchtitan/models/utils.py` `get_dense_model_nparams_and_flops` counts
+#   $6(N - N_{\text{embedding}}) + 12 L h s$ per token — the input table left out, attention
+#   counted dense (no causal halving, by convention) — and `torchtitan/tools/utils.py`
+#   `get_peak_flops` looks the device name up in a table of dense bf16 peaks (and assumes an
+#   A100 for a name it does not know, where `gpu_peak_flops` here returns no peak).
 # - PaLM (Chowdhery et al. 2022, appendix B) defines MFU without recomputation; HFU includes it.
 #
 # ## Exercises
