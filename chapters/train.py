@@ -206,22 +206,11 @@ def model_provider(cfg: TrainConfig, device: torch.device):
 
 
 def optimizer_provider(cfg: TrainConfig, reliability):
-    """(chunks, grid) -> chapter 02's optimizer over every chunk, wrapped by chapter 08's timers."""
-    from tinytron.optimizer import get_megatron_optimizer
+    """(chunks, grid) -> chapter 02's optimizer over every chunk, timed by chapter 08."""
+    from tinytron.main_loop.loop import megatron_optimizer_provider
 
-    opt_config = dataclasses.replace(cfg.optimizer, bf16=cfg.training.bf16)
-
-    def build(model: list, grid):
-        if len(model) == 1:
-            chunk = model[0]
-            ddp = chunk if hasattr(chunk, "module") else None
-            opt = get_megatron_optimizer(opt_config, ddp.module if ddp else chunk, grid, ddp=ddp)
-        else:  # virtual stages: one optimizer (one clip norm) over all chunks' parameters
-            holder = torch.nn.ModuleList([getattr(c, "module", c) for c in model])
-            holder.config = holder[0].config
-            opt = get_megatron_optimizer(opt_config, holder, grid)
-        return reliability.wrap_optimizer(opt)
-    return build
+    build = megatron_optimizer_provider(dataclasses.replace(cfg.optimizer, bf16=cfg.training.bf16))
+    return lambda model, grid: reliability.wrap_optimizer(build(model, grid))
 
 
 def _ddp_config(cfg: TrainConfig):
