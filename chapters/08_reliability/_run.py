@@ -28,14 +28,19 @@ import torch.distributed as dist
 from tinytron.reliability.observability import LoggingConfig, MetricsLogger
 from tinytron.reliability.restarts import Reliability, ReliabilityConfig
 
-SEQ, MBS = 32, 2
+MBS = 2
+MODELS = {  # tiny: the tests; small: a step long enough to see what the safety nets cost
+    "tiny": dict(seq_length=32),
+    "small": dict(hidden_size=256, num_layers=4, num_attention_heads=4, num_query_groups=2,
+                  ffn_hidden_size=688, vocab_size=8192, seq_length=128),
+}
 
 
 class _Tokens(torch.utils.data.Dataset):
     """Deterministic learnable sequences: start + 7k (mod V), the start drawn from the index."""
 
-    def __init__(self, vocab: int, num_samples: int = 100_000, seed: int = 1234):
-        self.vocab, self.num_samples, self.seed = vocab, num_samples, seed
+    def __init__(self, vocab: int, seq: int, num_samples: int = 100_000, seed: int = 1234):
+        self.vocab, self.seq, self.num_samples, self.seed = vocab, seq, num_samples, seed
 
     def __len__(self) -> int:
         return self.num_samples
@@ -43,15 +48,16 @@ class _Tokens(torch.utils.data.Dataset):
     def __getitem__(self, idx: int) -> dict:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(idx))
         start = int(torch.randint(0, self.vocab, (1,), generator=g))
-        seq = (start + 7 * torch.arange(SEQ + 1)) % self.vocab
-        return {"tokens": seq[:-1], "labels": seq[1:], "position_ids": torch.arange(SEQ),
-                "loss_mask": torch.ones(SEQ, dtype=torch.float32)}
+        seq = (start + 7 * torch.arange(self.seq + 1)) % self.vocab
+        return {"tokens": seq[:-1], "labels": seq[1:], "position_ids": torch.arange(self.seq),
+                "loss_mask": torch.ones(self.seq, dtype=torch.float32)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The job's options."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--save", required=True, help="checkpoint root (also resumed from)")
+    p.add_argument("--model", choices=sorted(MODELS), default="tiny")
     p.add_argument("--train-iters", type=int, default=8)
     p.add_argument("--save-interval", type=int, default=2)
     p.add_argument("--global-batch-size", type=int, default=8)
@@ -113,7 +119,8 @@ def run(argv=None) -> int:
     with open(os.path.join(args.save, "pids", f"rank{dist.get_rank()}.pid"), "w") as f:
         f.write(str(os.getpid()))   # so that a test can signal one rank
     rel = _reliability(args)
-    cfg = tiny_config(seq_length=SEQ)
+    cfg = tiny_config(**MODELS[args.model])
+    seq = cfg.seq_length
     ckpt = make_checkpoint_hooks(CheckpointConfig(save=args.save, load=args.save), grid)
     save, load = rel.checkpoint_hooks(ckpt.save_checkpoint_fn, ckpt.load_checkpoint_fn)
     timer_names = ["forward-backward", "optimizer", "save-checkpoint"]
@@ -124,7 +131,7 @@ def run(argv=None) -> int:
     opt_cfg = OptimizerConfig(lr=3e-3, weight_decay=0.0, clip_grad=1.0)
 
     def data(grid_, state):
-        ds = _Tokens(cfg.vocab_size)
+        ds = _Tokens(cfg.vocab_size, seq)
         loader = build_pretraining_data_loader(ds, state.consumed_train_samples, MBS,
                                                max(grid_.rank("dp"), 0), grid_.size("dp"))
         return rel.data_iterator(iter(loader)), None
@@ -163,14 +170,14 @@ def run(argv=None) -> int:
             result = pretrain(
                 training, model_provider=lambda g: build_stage_models(cfg, g),
                 forward_step_func=rel.forward_step_func(
-                    partial(gpt_forward_step, micro_batch_size=MBS, seq_length=SEQ)),
+                    partial(gpt_forward_step, micro_batch_size=MBS, seq_length=seq)),
                 data_iterators_provider=data,
                 optimizer_provider=lambda m, g: rel.wrap_optimizer(
                     megatron_optimizer_provider(opt_cfg)(m, g)),
                 scheduler_provider=megatron_scheduler_provider(
                     SchedulerConfig(lr_decay_style="cosine"), opt_cfg),
                 grid_provider=lambda: grid, ddp_config=DistributedDataParallelConfig(),
-                seq_length=SEQ, load_checkpoint_fn=load, save_checkpoint_fn=save,
+                seq_length=seq, load_checkpoint_fn=load, save_checkpoint_fn=save,
                 finalize_async_save_fn=ckpt.finalize_async_save_fn, log_fn=logger,
                 exit_signal=handler, rerun_state_machine=rel.rsm, step_hooks=rel,
                 wrap_forward_backward_func=lambda fb: record_losses(step_sleep(

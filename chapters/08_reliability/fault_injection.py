@@ -190,7 +190,7 @@ class FaultInjector:
                 continue
             self.fired.append((f.kind, iteration, "step"))
             print(f"[fault] rank {self.rank}: {f.kind} at iteration {iteration} "
-                  f"(attempt {self.attempt})", flush=True)
+                  f"(attempt {self.attempt}) t={time.time():.3f}", flush=True)
             if f.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif f.kind == "freeze":
