@@ -1,6 +1,6 @@
 """Quickstart: JSONL -> .bin/.idx -> 90/5/5 split, 0.3/0.7 blend -> GPT -> 2 ranks (DDP + ZeRO-1) -> HF.
 
-python examples/quickstart.py [WORKDIR]        (about 15 s on a laptop CPU)
+python examples/quickstart.py [WORKDIR]        (about 20 s on two CPU cores)
 """
 import ast, json, sys, tempfile  # noqa: E401
 
