@@ -163,15 +163,18 @@ def _accepts(hint, value) -> tuple[bool, Any]:
     if hint is str:
         return isinstance(value, str), value
     base = origin or hint
-    if base in (list, tuple, Sequence):
-        return isinstance(value, (list, tuple)), list(value) if isinstance(value, tuple) else value
+    if base in (list, tuple, Sequence):  # a string too: the section splits it (data paths)
+        ok = isinstance(value, (list, tuple, str))
+        return ok, list(value) if isinstance(value, tuple) else value
     if base is dict:
         return isinstance(value, dict), value
     return isinstance(value, base) if isinstance(base, type) else True, value
 
 
 def _type_name(hint) -> str:
-    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+    if typing.get_origin(hint) is not None:
+        return str(hint).replace("typing.", "").replace("NoneType", "None")
+    return getattr(hint, "__name__", None) or str(hint)
 
 
 def _build_section(name: str, values: dict) -> Any:

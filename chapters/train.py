@@ -163,6 +163,19 @@ def _data_config(cfg: TrainConfig, out_dir: str):
     return data
 
 
+def train_iters_of(cfg: TrainConfig, dp: int) -> int:
+    """training.train_iters, or the iterations that consume train_samples (Megatron's rule)."""
+    from tinytron.main_loop.microbatches import (build_num_microbatches_calculator,
+                                                 train_iters_from_samples)
+
+    t = cfg.training
+    if t.train_iters is not None:
+        return t.train_iters
+    calc = build_num_microbatches_calculator(t.global_batch_size, t.micro_batch_size, dp,
+                                             t.decrease_batch_size_if_needed, t.rampup_batch_size)
+    return train_iters_from_samples(calc, t.train_samples)
+
+
 def data_iterators_provider(cfg: TrainConfig, data, tokenizer, reliability):
     """(grid, state) -> (train, valid) iterators, built after the load so they resume."""
     from tinytron.data.pipeline import (build_data_iterators, build_train_valid_test_datasets,
@@ -171,7 +184,7 @@ def data_iterators_provider(cfg: TrainConfig, data, tokenizer, reliability):
     t = cfg.training
 
     def provide(grid, state):
-        train_iters = t.train_iters or -(-t.train_samples // t.global_batch_size)
+        train_iters = train_iters_of(cfg, grid.size("dp"))
         eval_runs = (train_iters // t.eval_interval + 1) if t.eval_interval else 0
         samples = [t.train_samples or train_iters * t.global_batch_size,
                    eval_runs * t.eval_iters * t.global_batch_size, 0]
@@ -341,8 +354,7 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
     tokenizer = build_tokenizer_for(cfg)
     data = _data_config(cfg, out_dir)
     rel = _reliability(cfg, out_dir)
-    train_iters = cfg.training.train_iters or -(-cfg.training.train_samples
-                                                 // cfg.training.global_batch_size)
+    train_iters = train_iters_of(cfg, grid.size("dp"))
     logger, log_config = _logger(cfg, out_dir, train_iters, device, rel)
     save, load, finalize = _checkpoint_hooks(cfg, out_dir, grid, rel)
     seq, mbs = cfg.model.seq_length, cfg.training.micro_batch_size

@@ -1,0 +1,167 @@
+"""tinytron.train: parity of every layout with one process, multi-node, kill + resume, the README job, bad input."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.train_workers import TINY, read_losses
+from tinytron.launch import run_on_ranks
+
+
+@pytest.fixture(scope="module")
+def data_prefix(tmp_path_factory):
+    """40 standard-library files as one byte-tokenised .bin/.idx, shared by every run."""
+    from tinytron.data.preprocess import run as preprocess, stdlib_corpus
+
+    out = tmp_path_factory.mktemp("data")
+    return preprocess(["--input", *stdlib_corpus(40), "--output-prefix", str(out / "corpus"),
+                       "--workers", "1", "--no-progress", "--append-eod"])
+
+
+# -- parity: every layout gives the single-process losses -------------------------------------
+LAYOUTS = {
+    "tp2_pp2": ["--parallel.tensor_model_parallel_size", "2",
+                "--parallel.pipeline_model_parallel_size", "2"],
+    "tp2_dp2": ["--parallel.tensor_model_parallel_size", "2"],
+    "pp2_dp2_distopt": ["--parallel.pipeline_model_parallel_size", "2",
+                        "--optimizer.use_distributed_optimizer", "true"],
+    "pp2_vpp2_dp2": ["--parallel.pipeline_model_parallel_size", "2",
+                     "--parallel.virtual_pipeline_model_parallel_size", "2"],
+    "cp2_dp2": ["--parallel.context_parallel_size", "2"],
+    "tp2_sp_dp2": ["--parallel.tensor_model_parallel_size", "2", "--model.sequence_parallel", "true"],
+}
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory, data_prefix):
+    from tests import train_workers
+
+    root = str(tmp_path_factory.mktemp("parity"))
+    single = run_on_ranks(train_workers.run_layouts, 1, root, data_prefix, {"single": []},
+                          timeout=300)[0]["single"]
+    per_rank = run_on_ranks(train_workers.run_layouts, 4, root, data_prefix, LAYOUTS, timeout=600)
+    return single, per_rank[-1]  # the last rank writes the log
+
+
+def test_single_process_run_trains(parity):
+    single, _ = parity
+    assert single["code"] == 0 and sorted(single["losses"]) == list(range(1, 11))
+    assert single["losses"][10] < single["losses"][1] - 0.5
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_gives_the_single_process_losses(parity, layout):
+    single, runs = parity
+    got = runs[layout]
+    assert got["code"] == 0 and sorted(got["losses"]) == list(range(1, 11)), got
+    for it, ref in single["losses"].items():
+        assert abs(got["losses"][it] - ref) <= 1e-5 * abs(ref), (layout, it, got["losses"][it], ref)
+
+
+# -- torchrun: the README's job in a fresh clone, two launchers, a kill and a restart -----------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(cwd, nproc: int, args: list[str], *, extra_launch=(), timeout=300, env=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           *extra_launch, "-m", "tinytron.train", *args]
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1",
+               **(env or {}))
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _wait(proc, timeout=300) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+JOB = ["--config", "configs/tiny.toml", "--training.train_iters", "6",
+       "--training.save_interval", "2", "--training.eval_interval", "3",
+       "--training.eval_iters", "1", "--training.log_interval", "1",
+       "--scheduler.lr_warmup_iters", "2", "--logging.progress_bar", "false"]
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory, data_prefix):
+    """A fresh clone of the committed tree: the README's command runs from its root."""
+    dst = tmp_path_factory.mktemp("clone") / "tinytron"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(dst)], check=True)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def readme_run(clone, data_prefix):
+    """The README's main command, shortened by overrides, run from the clone's root."""
+    out = _wait(_torchrun(clone, 2, JOB + ["--data.data_path", data_prefix]))
+    return clone / "runs" / "tiny", out
+
+
+def test_readme_job_writes_checkpoint_log_and_plot(readme_run):
+    run_dir, out = readme_run
+    assert (run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+    assert (run_dir / "iter_0000006" / "metadata.json").is_file()
+    losses = read_losses(str(run_dir / "log.jsonl"))
+    assert sorted(losses) == list(range(1, 7)) and losses[6] < losses[1]
+    assert (run_dir / "loss.png").stat().st_size > 10_000
+    for hint in ("resume", "tinytron-convert to-hf", "tensorboard --logdir"):
+        assert hint in out, out[-2000:]
+
+
+def test_two_launchers_on_loopback_equal_one_launcher(readme_run, clone, data_prefix, tmp_path):
+    run_dir, _ = readme_run
+    port = _free_port()
+    args = JOB + ["--data.data_path", data_prefix, "--checkpoint.save", str(tmp_path / "two")]
+    procs = [_torchrun(clone, 1, args, extra_launch=(
+        "--nnodes=2", f"--node-rank={r}", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}")) for r in (0, 1)]
+    for p in procs:
+        _wait(p)
+    assert read_losses(str(tmp_path / "two" / "log.jsonl")) == read_losses(str(run_dir / "log.jsonl"))
+
+
+def test_sigkill_and_torchrun_restart_resume_to_the_same_losses(readme_run, clone, data_prefix,
+                                                                tmp_path):
+    """Rank 1 dies by SIGKILL at iteration 5; torchrun restarts; the job resumes from iteration 4."""
+    run_dir, _ = readme_run
+    save = tmp_path / "killed"
+    args = JOB + ["--data.data_path", data_prefix, "--checkpoint.save", str(save),
+                  "--reliability.faults", '["kill@5:rank=1:attempt=0"]']
+    out = _wait(_torchrun(clone, 2, args, extra_launch=("--max-restarts=1",)))
+    assert "SIGKILL" in out or "Signal 9" in out or "restart" in out.lower(), out[-3000:]
+    assert read_losses(str(save / "log.jsonl")) == read_losses(str(run_dir / "log.jsonl"))
+
+
+# -- bad input: one line naming the field or file, exit code 2, no traceback ------------------
+BAD = {
+    "unknown key": (["--model.hiden_size", "64"], "did you mean model.hidden_size?"),
+    "wrong type": (["--training.micro_batch_size", "two"], "training.micro_batch_size must be int"),
+    "impossible layout": (["--parallel.tensor_model_parallel_size", "2"],
+                          "world size 1 is not divisible by tp·pp·cp"),
+    "missing data": (["--data.data_path", "/nonexistent/corpus"],
+                     "data.data_path: /nonexistent/corpus.bin does not exist"),
+    "missing config": (["--config", "configs/nope.toml"], "configs/nope.toml does not exist"),
+    "warmup too long": (["--scheduler.lr_warmup_iters", "400"], "scheduler.lr_warmup_iters (400)"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_one_line_and_exit_code_2(case):
+    args, message = BAD[case]
+    argv = (["--config", "configs/tiny.toml"] if args[0] != "--config" else []) + args
+    proc = subprocess.run([sys.executable, "-m", "tinytron.train", *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr, lines

@@ -1,0 +1,45 @@
+"""Per-rank bodies for the trainer's tests: run tinytron.train inside a launched world."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch.distributed as dist
+
+TINY = ["--model.hidden_size", "64", "--model.num_layers", "4", "--model.num_attention_heads", "4",
+        "--model.num_query_groups", "2", "--model.ffn_hidden_size", "128",
+        "--model.vocab_size", "512", "--model.seq_length", "64",
+        "--training.micro_batch_size", "2", "--training.global_batch_size", "16",
+        "--training.train_iters", "10", "--training.log_interval", "1",
+        "--training.eval_interval", "none", "--training.save_interval", "none",
+        "--scheduler.lr_warmup_iters", "2", "--optimizer.lr", "3e-3",
+        "--data.split", '"98,2,0"', "--data.num_workers", "0",
+        "--logging.progress_bar", "false"]
+
+
+def read_losses(jsonl: str) -> dict[int, float]:
+    """iteration -> lm loss from a run's JSONL log (a restarted run's last record wins)."""
+    out = {}
+    for line in open(jsonl):
+        r = json.loads(line)
+        if "losses" in r and "lm loss" in r["losses"]:
+            out[r["iteration"]] = r["losses"]["lm loss"]
+    return out
+
+
+def run_layouts(root: str, data_prefix: str, layouts: dict[str, list[str]]) -> dict:
+    """Each layout through tinytron.train.run in this world; the last rank returns the losses."""
+    from tinytron.train import resolve_config, run
+
+    out = {}
+    for name, extra in layouts.items():
+        save = os.path.join(root, name)
+        argv = TINY + ["--data.data_path", data_prefix, "--checkpoint.save", save] + extra
+        cfg = resolve_config(argv, dist.get_world_size())
+        code = run(cfg, argv, name)
+        jsonl = os.path.join(save, "log.jsonl")
+        out[name] = {"code": code,
+                     "losses": read_losses(jsonl) if os.path.isfile(jsonl) else None}
+        dist.barrier()
+    return out
