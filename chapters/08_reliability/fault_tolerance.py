@@ -314,18 +314,23 @@ class RankMonitor:
             stored = self.store.compare_set("verdict", "", f"{self.rank}|{verdict}").decode()
             owner, _, verdict = stored.partition("|")
         self.verdict = verdict
-        if self.config.report_path:  # every rank writes it: whichever outlives the others
+        if self.config.report_path:  # every rank tries; the first file written stays
             with contextlib.suppress(OSError):
                 tmp = f"{self.config.report_path}.{self.rank}.tmp"
                 with open(tmp, "w") as f:
                     f.write(verdict + "\n")
-                os.replace(tmp, self.config.report_path)
+                try:
+                    os.link(tmp, self.config.report_path)   # fails if it exists: first wins
+                finally:
+                    os.unlink(tmp)
         if owner == str(self.rank):  # the first monitor to see the hang prints it
             print(f"[rank monitor {self.rank}] {verdict}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         sys.stderr.flush()
+        # Linger two beats so the other monitors read the verdict before this process (which
+        # may host the store) goes away.
+        self._stop.wait(2 * self.config.heartbeat_interval)
         self.exit_fn(EXIT_CODE_HANG_DETECTED)
-
 
 # %% [markdown]
 # ## Demo: rank 1 hangs in step 3
