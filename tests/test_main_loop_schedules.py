@@ -60,11 +60,24 @@ def test_schedule_table_is_megatrons_documented_example():
 
 
 def test_schedule_table_and_warmup_match_megatron_core():
+    """Against the installed megatron-core (pure functions; its communicator only answers
+    'how many pipeline ranks, which one am I, how many virtual stages')."""
+    from types import SimpleNamespace
+
     sched = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
     for m in range(1, 13):
         for v in (1, 2, 3):
             for g in range(1, m + 1):
                 assert get_schedule_table(m, v, g) == sched.get_schedule_table(m, v, g), (m, v, g)
+    for p in (2, 4):
+        for r in range(p):
+            for m, v, g in ((4, 2, 2), (5, 2, 3), (8, 2, 4), (8, 3, 4), (2, 2, 2)):
+                comm = SimpleNamespace(pp_group=SimpleNamespace(size=lambda: p, rank=lambda: r),
+                                       virtual_pipeline_model_parallel_size=v)
+                for fwd_only in (False, True):
+                    theirs = sched.get_pp_rank_microbatches(m, v, g, forward_only=fwd_only,
+                                                            p2p_communicator=comm)
+                    assert get_pp_rank_microbatches(m, v, g, p, r, fwd_only) == tuple(theirs)
 
 
 def test_warmup_counts():
