@@ -191,12 +191,15 @@ def data_iterators_provider(cfg: TrainConfig, data, tokenizer, reliability):
         datasets = build_train_valid_test_datasets(
             data, cfg.model.seq_length, samples, lambda: is_dataset_built_on_rank(grid),
             eod_id=tokenizer.eod, pad_id=tokenizer.pad if tokenizer.pad >= 0 else tokenizer.eod)
-        train_it, valid_it, _ = build_data_iterators(
-            data, datasets, [state.consumed_train_samples, state.consumed_valid_samples, 0],
-            t.micro_batch_size, grid)
-        if train_it is not None:
-            train_it = reliability.data_iterator(train_it)
-        return train_it, valid_it
+        consumed = [state.consumed_train_samples, state.consumed_valid_samples, 0]
+        # virtual stages: one iterator per model chunk over the same samples, as Megatron builds
+        # them (training.py:4256); the first chunk reads the tokens, the last the labels
+        vpp = cfg.parallel.virtual_pipeline_model_parallel_size or 1
+        per_chunk = [build_data_iterators(data, datasets, consumed, t.micro_batch_size, grid)[:2]
+                     for _ in range(vpp)]
+        train = [reliability.data_iterator(tr) for tr, _ in per_chunk]
+        valid = [va for _, va in per_chunk]
+        return (train[0], valid[0]) if vpp == 1 else (train, valid)
     return provide
 
 
@@ -238,8 +241,8 @@ def memory_report_at_start(cfg: TrainConfig, world_size: int, device: torch.devi
 
     try:
         ledgers = stage_ledgers(memory_config_from(cfg, world_size, device=device.type))
-    except (ValueError, NotImplementedError) as e:  # a layout the model does not cover
-        return f"memory (chapter 07): not predicted for this layout ({e})"
+    except Exception as e:  # noqa: BLE001 - a report: it must never stop a training run
+        return f"memory (chapter 07): not predicted for this layout ({type(e).__name__}: {e})"
     picks = {f"pp rank {ledgers[0].pp_rank} (first)": ledgers[0]}
     if len(ledgers) > 1:
         picks[f"pp rank {ledgers[-1].pp_rank} (last)"] = ledgers[-1]
