@@ -12,7 +12,7 @@ from tinytron.checkpoint.sharded_keys import (ShardedObject, ShardedTensor, Tens
 from tinytron.checkpoint.torch_dist import load_model_weights, save_model_weights
 
 __pages__ = ["formats", "legacy", "sharded_keys", "torch_dist", "resharding", "async_save",
-             "resume"]
+             "resume", "convert"]
 
 __all__ = ["AsyncSaver", "CheckpointSaveError", "checkpoint_dir_name", "checkpoint_sizes",
            "detect_format", "files_written", "read_tracker", "write_tracker", "flat_range_boxes",

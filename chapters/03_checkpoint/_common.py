@@ -3,12 +3,14 @@ container both formats fill before anything is applied, and access to an optimiz
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CheckpointGroups", "LoadedState", "main_state", "set_main_state", "is_sharded_optimizer"]
+__all__ = ["CheckpointGroups", "LoadedState", "main_state", "set_main_state", "is_sharded_optimizer",
+           "save_file"]
 
 
 class CheckpointGroups:
@@ -126,3 +128,34 @@ def set_main_state(optimizer, main, state: dict) -> None:
 def is_sharded_optimizer(optimizer) -> bool:
     """True when DP ranks hold disjoint parts of the optimizer state (ZeRO-1, layer-wise)."""
     return type(optimizer).__name__ in ("DistributedOptimizer", "LayerWiseDistributedOptimizer")
+
+
+class _RecordingFile:
+    """A write-only file that remembers the OSError behind a failed write (torch.save hides it)."""
+
+    def __init__(self, raw):
+        self.raw, self.error = raw, None
+
+    def write(self, b):
+        try:
+            return self.raw.write(b)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self):
+        self.raw.flush()
+
+
+def save_file(obj, path) -> str | None:
+    """torch.save + fsync to `path`, or a one-line error naming the file and the real cause."""
+    with open(path, "wb") as raw:
+        f = _RecordingFile(raw)
+        try:
+            torch.save(obj, f)
+            raw.flush()
+            os.fsync(raw.fileno())
+            return None
+        except (OSError, RuntimeError) as e:
+            cause = f.error or e
+            return f"writing {path} failed: {type(cause).__name__}: {cause}"

@@ -53,7 +53,9 @@ class Run:
                  dropout: float = 0.1, config=None):
         self.grid = grid = grid_for(tp, pp)
         set_random_seed(seed, grid)
-        self.config = config or tiny_config(num_layers=4, seq_length=32, dropout=dropout)
+        # h = 48: 48-element rows against 64-aligned DP ranges, so DP shards cut rows
+        self.config = config or tiny_config(num_layers=4, seq_length=32, hidden_size=48,
+                                            ffn_hidden_size=96, dropout=dropout)
         self.model = build_stage_models(self.config, grid)[0]
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, bucket_size=6000,
                                                 use_distributed_optimizer=distopt)
@@ -154,9 +156,10 @@ def resume_same_layout(root: str, tp: int, pp: int, n: int = 3, m: int = 3, **ck
     """N steps, save, M more steps (uninterrupted); rebuild, load, M steps: must be bitwise equal."""
     run = Run(tp, pp)
     manager = _manager(run.grid, save=root, load=root, **ckpt)
+    before = []
     for _ in range(n):
         manager.finalize(blocking=False)
-        run.step()
+        before.append(run.step())
     manager.save(run.state, [run.ddp], run.optimizer, run.scheduler)
     losses = []
     for _ in range(m):
@@ -169,7 +172,8 @@ def resume_same_layout(root: str, tp: int, pp: int, n: int = 3, m: int = 3, **ck
     resumed.state = state
     consumed = state.consumed_train_samples
     losses_r = [resumed.step() for _ in range(m)]
-    return {"losses": losses, "losses_resumed": losses_r, "params_and_state": same(final, resumed.snapshot()),
+    return {"losses_before": before, "losses": losses, "losses_resumed": losses_r,
+            "params_and_state": same(final, resumed.snapshot()),
             "draws": draws == random_draws(resumed.grid), "consumed": consumed,
             "iteration": state.iteration, "stats": manager.stats}
 
@@ -243,6 +247,7 @@ def checkpoint_suite(root: str) -> dict:
         "reshard_pp2_to_pp1": (reshard_roundtrip, (1, 2), (1, 1)),
         "reshard_pp1_to_pp2": (reshard_roundtrip, (1, 1), (1, 2)),
         "legacy_refuses": (legacy_refuses_tp_change,),
+        "both_formats": (save_both_formats, tiny_config(num_layers=4, seed=11)),
     }
     options = {"dist_pp2_async_process": {"async_save": True},
                "legacy_tp2_pp2": {"ckpt_format": "torch"}}
@@ -284,6 +289,7 @@ def async_timeline_demo(root: str, steps: int = 8) -> dict:
     from tinytron.optimizer.mixed_precision import MixedPrecisionOptimizer
 
     torch.manual_seed(0)
+    torch.set_num_threads(1)
     config = tiny_config(hidden_size=256, num_layers=6, num_attention_heads=8,
                          num_query_groups=4, ffn_hidden_size=704, vocab_size=4096, seq_length=64)
     model = GPTModel(config)
@@ -342,3 +348,12 @@ def async_timeline_demo(root: str, steps: int = 8) -> dict:
             "async_background_s": done["background_s"], "visible_after_s": done["visible_after_s"],
             "same_tensors": ok, "tracker": read_tracker(f"{root}/async")[0],
             "async_iteration": async_iteration, "sync_iteration": sync_iteration}
+
+
+def save_both_formats(root: str, config, tp: int = 2, pp: int = 2) -> None:
+    """The model saved as a full checkpoint in both formats (no optimizer) at TP x PP."""
+    grid = grid_for(tp, pp)
+    model = build_stage_models(config, grid)[0]
+    for fmt in ("torch_dist", "torch"):
+        CheckpointManager(CheckpointConfig(save=f"{root}/{fmt}", ckpt_format=fmt), grid).save(
+            TrainStateFallback(), [model])

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tinytron.checkpoint._common import CheckpointGroups, LoadedState, main_state
+from tinytron.checkpoint._common import CheckpointGroups, LoadedState, main_state, save_file
 from tinytron.checkpoint.formats import (LEGACY_MODEL_FILENAME, LEGACY_OPTIM_FILENAME, fault_point,
                                          legacy_rank_dir)
 
@@ -144,15 +144,6 @@ def _distopt_common(optimizer, comm: CheckpointGroups) -> dict:
 # in the next collective.
 
 # %%
-def _save(obj, path: Path) -> str | None:
-    """torch.save, or a one-line error naming the file and the cause."""
-    try:
-        torch.save(obj, path)
-        return None
-    except (OSError, RuntimeError) as e:
-        return f"writing {path} failed: {type(e).__name__}: {e}"
-
-
 def save_legacy(staging: Path, grid, chunks, optimizer, common: dict, rng_states,
                 comm: CheckpointGroups) -> str | None:
     """Write this position's model_optim_rng.pt (+ distrib_optim.pt) if DP rank 0; error or None."""
@@ -175,10 +166,10 @@ def save_legacy(staging: Path, grid, chunks, optimizer, common: dict, rng_states
     if opt_common is not None:
         sd["optimizer"] = opt_common
     sd["rng_state"] = rng_states
-    error = _save(sd, rank_dir / LEGACY_MODEL_FILENAME)
+    error = save_file(sd, rank_dir / LEGACY_MODEL_FILENAME)
     fault_point("mid_write", grid.global_rank)
     if error is None and world is not None:
-        error = _save(world, rank_dir / LEGACY_OPTIM_FILENAME)
+        error = save_file(world, rank_dir / LEGACY_OPTIM_FILENAME)
     return error
 
 
@@ -345,7 +336,8 @@ if __name__ == "__main__":
         world = torch.load(f"{root}/iter_0000003/mp_rank_00/distrib_optim.pt", weights_only=True)
         entry = next(iter(world[0].values()))
         print({k: (tuple(v.shape) if torch.is_tensor(v) else v) for k, v in entry.items()})
-        reload = run_on_ranks(_workers.legacy_demo_load, 1, root, timeout=120)[0]
+        torch.set_num_threads(1)
+        reload = _workers.legacy_demo_load(root)   # this process, no process group: DP 1
         print(f"loss at step 4: DP 2 run {out[0]['next_loss']:.6f}, "
               f"reloaded at DP 1 {reload['next_loss']:.6f}")
     assert out[0]["files"] == ["iter_0000003/mp_rank_00/distrib_optim.pt",

@@ -232,29 +232,39 @@ def optimizer_sharded_state_dict(optimizer, layouts: dict, grid, keys: list[str]
 # masters, both moments and the steps of every parameter (Megatron's
 # `test_optimizer_resharding` makes the same check).
 #
-# The picture is drawn from the two real checkpoints: the `exp_avg` of layer 0's `linear_qkv`
-# ($[128, 64]$) as written at TP 2 × DP 2 (each rectangle is one chunk in `.metadata`,
-# coloured by the rank whose `__R_0.distcp` holds it), and the rectangles the four TP 1 × DP 4
-# ranks wrote after the reload — the same tensor, cut along other lines.
+# The picture is drawn from the two real checkpoints: the `exp_avg` of `linear_qkv`,
+# $[4, 96, 48]$, its four layers drawn one under the other (thick lines). Each rectangle is one
+# chunk in `.metadata`, coloured by the rank whose `__R_0.distcp` holds it. At TP 2 × DP 2 each
+# layer is two TP halves of 48 rows; at TP 1 × DP 4 the DP ranges of the new buckets cut
+# through layers and through rows (a partial row where one rank's range ends and the next
+# begins). The bytes are the same; only the cuts moved.
 
 # %%
-def _chunks_by_rank(directory, key: str, layer: int = 0):
-    """[(rank, offset, size)] of the chunks of `key` at `layer` in a checkpoint's .metadata."""
+def chunks_by_rank(directory, key: str) -> tuple[list, tuple]:
+    """([(writer rank, (row, col), (rows, cols))], plane shape) of `key`'s chunks in .metadata.
+
+    A stacked key [L, r, c] is drawn as one [L·r, c] plane, layer after layer.
+    """
     import torch.distributed.checkpoint as dcp
 
     md = dcp.FileSystemReader(directory).read_metadata()
+    shape = tuple(md.state_dict_metadata[key].size)
+    sizes = {tuple(c.offsets): tuple(c.sizes) for c in md.state_dict_metadata[key].chunks}
     out = []
     for index, info in md.storage_data.items():
-        if index.fqn == key and index.offset[0] == layer:
-            rank = int(info.relative_path.split("_")[2])
-            chunk = next(c for c in md.state_dict_metadata[key].chunks
-                         if tuple(c.offsets) == tuple(index.offset))
-            out.append((rank, tuple(chunk.offsets)[1:], tuple(chunk.sizes)[1:]))
-    return out
+        if index.fqn != key:
+            continue
+        rank = int(info.relative_path.split("_")[2])   # __R_I.distcp
+        offset, size = tuple(index.offset), sizes[tuple(index.offset)]
+        if len(shape) == 3:
+            offset, size = (offset[0] * shape[1] + offset[1], offset[2]), size[1:]
+        out.append((rank, offset, size))
+    plane = (shape[0] * shape[1], shape[2]) if len(shape) == 3 else shape
+    return out, plane
 
 
-def plot_reshard(before, after, shape, titles=("before", "after")):
-    """Two panels of the same 2-D tensor, rectangles coloured by the writing rank."""
+def plot_reshard(before, after, shape, titles=("before", "after"), layers: int = 1):
+    """Two panels of the same 2-D plane, rectangles coloured by the writing rank."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -263,11 +273,18 @@ def plot_reshard(before, after, shape, titles=("before", "after")):
         for rank, (r, c), (h, w) in chunks:
             ax.add_patch(plt.Rectangle((c, r), w, h, color=colours(rank), ec="black", lw=0.6,
                                        alpha=0.8))
+        partial = [(rank, r, c, w) for rank, (r, c), (h, w) in chunks if h == 1 and w < shape[1]]
+        for i, (rank, r, c, w) in enumerate(partial):   # rows cut between two ranks
+            ax.annotate(f"row {r}: cols {c}-{c + w} on rank {rank}", xy=(c + w / 2, r),
+                        xytext=(shape[1] * 0.06, r + shape[0] * (0.14 + 0.08 * i)), fontsize=7,
+                        arrowprops=dict(arrowstyle="->", lw=0.8))
         for rank in sorted({c[0] for c in chunks}):
             ax.plot([], [], color=colours(rank), lw=6, label=f"rank {rank}")
         ax.set_xlim(0, shape[1])
         ax.set_ylim(shape[0], 0)
-        ax.set(title=title, xlabel="column", ylabel="row")
+        for layer in range(1, layers):
+            ax.axhline(layer * shape[0] // layers, color="black", lw=2)
+        ax.set(title=title, xlabel="column", ylabel="row (layers stacked)")
         ax.legend(fontsize=7, loc="lower right")
     return fig
 
@@ -286,14 +303,16 @@ if __name__ == "__main__":
         print(f"re-saved at TP1 x DP4 == saved at TP2 x DP2 (bitwise, {out['num_tensors']} "
               f"tensors incl. masters, moments, steps): {out['equal']}")
         key = "optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.weight"
-        before = _chunks_by_rank(f"{root}/a/iter_0000003", key)
-        after = _chunks_by_rank(f"{root}/b/iter_0000003", key)
-        print(f"{len(before)} chunks written at TP2 x DP2, {len(after)} at TP1 x DP4")
-        plot_reshard(before, after, (128, 64), ("written at TP 2 x DP 2", "written at TP 1 x DP 4"))
+        before, shape = chunks_by_rank(f"{root}/a/iter_0000003", key)
+        after, _ = chunks_by_rank(f"{root}/b/iter_0000003", key)
+        print(f"{key} as a {shape} plane: {len(before)} chunks written at TP2 x DP2, "
+              f"{len(after)} at TP1 x DP4")
+        plot_reshard(before, after, shape, ("written at TP 2 x DP 2", "written at TP 1 x DP 4"),
+                     layers=4)
         plt.tight_layout()
         plt.show()
     assert out["equal"] and out["num_tensors"] > 20
-    assert sum(h * w for _, _, (h, w) in before) == sum(h * w for _, _, (h, w) in after) == 128 * 64
+    assert sum(h * w for _, _, (h, w) in before) == sum(h * w for _, _, (h, w) in after) == math.prod(shape)
 
 # %% [markdown]
 # ## Summary

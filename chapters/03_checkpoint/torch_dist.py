@@ -34,10 +34,10 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, ReadIt
                                                   TensorWriteData, WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from tinytron.checkpoint._common import CheckpointGroups
+from tinytron.checkpoint._common import CheckpointGroups, save_file
 from tinytron.checkpoint.formats import (CHECKSUM_FILENAME, COMMON_FILENAME, DCP_METADATA_FILENAME,
-                                         MEGATRON_METADATA, METADATA_FILENAME, detect_format,
-                                         fault_point, unwrap_chunks)
+                                         MEGATRON_METADATA, METADATA_FILENAME, CheckpointSaveError,
+                                         detect_format, fault_point, unwrap_chunks)
 from tinytron.checkpoint.sharded_keys import (ShardedObject, ShardedTensor, extra_state_objects,
                                               model_sharded_state_dict)
 
@@ -99,15 +99,20 @@ class _SavePlanner(DefaultSavePlanner):
 class _CRCStream(io.RawIOBase):
     """A write-only file wrapper that keeps a running CRC-32 and byte count."""
 
-    def __init__(self, raw, rank: int, armed: bool):
+    def __init__(self, raw, rank: int, armed: bool, fs_error):
         self.raw, self.crc, self.size, self.rank, self.armed = raw, 0, 0, rank, armed
+        self.fs_error = fs_error
 
     def writable(self):
         return True
 
     def write(self, b):
         view = memoryview(b).cast("B")
-        n = self.raw.write(view)
+        try:
+            n = self.raw.write(view)
+        except OSError as e:   # torch.save turns it into an opaque RuntimeError: keep the cause
+            self.fs_error(e)
+            raise
         self.crc, self.size = zlib.crc32(view[:n], self.crc), self.size + n
         if self.armed:
             fault_point("mid_write", self.rank)
@@ -128,7 +133,7 @@ class _ChecksumFS(FileSystem):
 
     def __init__(self, rank: int = 0):
         super().__init__()
-        self.sums, self.current, self.rank, self.armed = {}, None, rank, False
+        self.sums, self.current, self.rank, self.armed, self.error = {}, None, rank, False, None
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
@@ -137,9 +142,12 @@ class _ChecksumFS(FileSystem):
             if "w" not in mode:
                 yield stream
                 return
-            wrapped = _CRCStream(stream, self.rank, self.armed)
+            wrapped = _CRCStream(stream, self.rank, self.armed, self._record)
             yield wrapped
             self.sums[Path(path).name] = [wrapped.size, wrapped.crc]
+
+    def _record(self, error: OSError) -> None:
+        self.error = error
 
 
 # %%
@@ -177,10 +185,11 @@ class SaveRequest:
                                            overwrite=True)
         self.writer.fs = self.fs
         self.planner = _SavePlanner(self.tensors, self.objects)
-        self.common_crc = None
+        self.common_crc, common_error = None, None
         if self.comm.rank == 0 and self.common is not None:
-            torch.save(self.common, self.directory / COMMON_FILENAME)
-            self.common_crc = _file_crc(self.directory / COMMON_FILENAME)
+            common_error = save_file(self.common, self.directory / COMMON_FILENAME)
+            if common_error is None:
+                self.common_crc = _file_crc(self.directory / COMMON_FILENAME)
         fault_point("before_write", self.comm.rank)
         coordinator = self.comm.rank == 0
         self.planner.set_up_planner({}, self.writer.storage_meta(), coordinator)
@@ -188,15 +197,17 @@ class SaveRequest:
         local = self.writer.prepare_local_plan(self.planner.create_local_plan())
         plans = self.comm.gather_object(local)
         central = None
-        if coordinator:
+        if coordinator:   # a failure here must reach every rank through the scatter
             try:
+                if common_error:
+                    raise OSError(common_error)
                 plans, self.metadata = self.planner.create_global_plan(plans)
                 central = self.writer.prepare_global_plan(plans)
-            except ValueError as e:
-                central = [f"invalid sharding: {e}"] * self.comm.world_size
+            except (ValueError, OSError) as e:
+                central = [f"{self.directory}: {e}"] * self.comm.world_size
         mine = self.comm.scatter_object(central)
         if isinstance(mine, str):
-            raise ValueError(f"{self.directory}: {mine}")
+            raise CheckpointSaveError(mine)
         self.final_plan = self.planner.finish_plan(mine)
 
     def write(self) -> dict:
@@ -207,8 +218,8 @@ class SaveRequest:
             results = self.writer.write_data(self.final_plan, self.planner).wait()
         except Exception as e:  # noqa: BLE001 - reported to every rank by finalize
             self.fs.armed = False
-            where = self.fs.current or self.directory
-            return {"error": f"writing {where} failed: {type(e).__name__}: {e}"}
+            where, cause = self.fs.current or self.directory, self.fs.error or e
+            return {"error": f"writing {where} failed: {type(cause).__name__}: {cause}"}
         self.fs.armed = False
         if len(results) != len(self.final_plan.items):
             return {"error": f"writing {self.directory}: {len(self.final_plan.items) - len(results)}"

@@ -1,0 +1,296 @@
+# %% [markdown]
+# # 03 · Checkpoint: `tinytron-convert`, to and from Hugging Face
+#
+# Checkpoints leave training in one of two layouts — a `torch_dist` directory on any TP/PP/DP
+# layout, or legacy `mp_rank_*` files — and are used elsewhere as a Hugging Face Llama folder.
+# The converter goes through appendix B's `tinytron.model.hf`: read the checkpoint into one
+# unsharded `GPTModel` in one process, then export; and back. Megatron-Core's own `torch_dist`
+# checkpoints take the same path, since their keys are the ones tinytron writes.
+#
+# You will build: `read_checkpoint_model`, `checkpoint_to_hf`, `hf_to_checkpoint`, `main`
+# (the `tinytron-convert` command).
+
+# %%
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from tinytron.checkpoint.formats import (LEGACY_MODEL_FILENAME, detect_format,
+                                         resolve_checkpoint_dir)
+from tinytron.model import GPTModel, ModelConfig
+from tinytron.model.config import stage_layer_ranges
+from tinytron.model.gpt import global_parameter_name
+from tinytron.model.layers import unshard
+
+__all__ = ["read_checkpoint_model", "checkpoint_to_hf", "hf_to_checkpoint", "infer_config",
+           "main"]
+
+# %% [markdown]
+# ## Which model is in the checkpoint?
+#
+# A tinytron checkpoint carries its `ModelConfig` in `common.pt` (or in each legacy file)
+# under `args.model_config`. A Megatron-Core checkpoint keeps an `argparse.Namespace` there,
+# which `torch.load(weights_only=True)` refuses to unpickle — and a model-only save has no
+# config at all. The shapes in DCP's index give most of it back:
+#
+# | from | gives |
+# |---|---|
+# | `embedding.word_embeddings.weight` $[V, h]$ | vocabulary, hidden size |
+# | `decoder.layers.self_attention.linear_qkv.weight` $[L, (a + 2g)d, h]$ | layers, $(a+2g)d$ |
+# | `decoder.layers.mlp.linear_fc1.weight` $[L, 2f, h]$ | FFN size |
+# | `output_layer.weight` present or not | tied or untied embeddings |
+#
+# The head count is not in any shape ($d$ is unknown), so `--num-attention-heads` (and
+# `--num-query-groups`, else derived from the QKV rows) must be given; RoPE base and norm
+# epsilon default to Megatron's (10000, 1e-5) unless given.
+
+# %%
+def _metadata_shapes(directory: Path) -> dict:
+    """{key: global shape} of a torch_dist directory's tensors."""
+    import torch.distributed.checkpoint as dcp
+
+    md = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    return {k: tuple(v.size) for k, v in md.items() if hasattr(v, "size")}
+
+
+def infer_config(directory: Path, num_attention_heads: int | None,
+                 num_query_groups: int | None = None, **fields) -> ModelConfig:
+    """A ModelConfig from the tensor shapes of a torch_dist checkpoint plus the head count."""
+    shapes = _metadata_shapes(directory)
+    need = ["embedding.word_embeddings.weight", "decoder.layers.self_attention.linear_qkv.weight",
+            "decoder.layers.mlp.linear_fc1.weight"]
+    missing = [k for k in need if k not in shapes]
+    if missing:
+        raise ValueError(f"{directory}: no tensor {missing[0]!r}: not a GPT checkpoint with "
+                         "stacked layers")
+    if num_attention_heads is None:
+        raise ValueError(f"{directory} holds no model config: pass --num-attention-heads "
+                         "(and --num-query-groups for GQA)")
+    v, h = shapes[need[0]]
+    layers, rows, _ = shapes[need[1]]
+    d = h // num_attention_heads
+    groups = num_query_groups or (rows // d - num_attention_heads) // 2
+    if (num_attention_heads + 2 * groups) * d != rows:
+        raise ValueError(f"{directory}: linear_qkv has {rows} rows, which does not fit "
+                         f"{num_attention_heads} heads and {groups} query groups of size {d}")
+    return ModelConfig(hidden_size=h, num_layers=layers, num_attention_heads=num_attention_heads,
+                       num_query_groups=groups, ffn_hidden_size=shapes[need[2]][1] // 2,
+                       vocab_size=v, seq_length=fields.pop("seq_length", 4096),
+                       tie_embeddings="output_layer.weight" not in shapes, **fields)
+
+
+# %% [markdown]
+# ## Reading any checkpoint into one process
+#
+# `torch_dist`: build the model at TP 1 × PP 1 and call `load_model_weights` — DCP assembles
+# every full tensor from whatever chunks the training layout wrote. Legacy files cannot be
+# resharded by the loader, so the converter merges them itself: for each `mp_rank_TT_PPP`
+# file it knows the TP rank and the stage, hence the global layer index of each local name
+# (`stage_layer_ranges`), and `unshard` with each parameter's `ShardSpec` glues the TP pieces
+# back together (the two halves of `linear_fc1` included).
+
+# %%
+def _legacy_full_state(directory: Path, config: ModelConfig) -> dict:
+    """{global name: full tensor} from every mp_rank_* file of a legacy directory."""
+    files = sorted(directory.glob(f"mp_rank_*/{LEGACY_MODEL_FILENAME}"))
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    pp = 1
+    for path in files:
+        m = re.fullmatch(r"mp_rank_(\d+)(?:_(\d+))?", path.parent.name)
+        tp_rank, pp_rank = int(m.group(1)), int(m.group(2) or 0)
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+        pp = sd["args"]["pipeline_model_parallel_size"]
+        models = [sd["model"]] if "model" in sd else [sd[f"model{i}"] for i in
+                                                      range(sum(k.startswith("model") for k in sd))]
+        ranges = stage_layer_ranges(config.num_layers, pp, len(models), pp_rank)
+        for state, (start, _) in zip(models, ranges):
+            for name, t in state.items():
+                pieces.setdefault(global_parameter_name(name, start), {})[tp_rank] = t
+    specs = {n: p.shard_spec for n, p in GPTModel(config, initialize=False).named_parameters()}
+    return {name: unshard([by_rank[r] for r in sorted(by_rank)], specs[name])
+            for name, by_rank in pieces.items() if name in specs}
+
+
+def _config_of(directory: Path, fmt: str, heads, groups, **fields) -> ModelConfig:
+    """The checkpoint's own ModelConfig when it carries one, else inferred from shapes."""
+    if fmt == "torch":
+        first = sorted(directory.glob(f"mp_rank_*/{LEGACY_MODEL_FILENAME}"))[0]
+        saved = torch.load(first, map_location="cpu", weights_only=True)["args"]["model_config"]
+        return ModelConfig(**saved)
+    try:
+        common = torch.load(directory / "common.pt", map_location="cpu", weights_only=True)
+        saved = common.get("args", {}).get("model_config") if isinstance(common, dict) else None
+    except Exception:  # noqa: BLE001 - Megatron's Namespace is not weights_only-loadable
+        saved = None
+    if saved is not None:
+        return ModelConfig(**saved)
+    return infer_config(directory, heads, groups, **fields)
+
+
+def read_checkpoint_model(path, num_attention_heads: int | None = None,
+                          num_query_groups: int | None = None, **fields) -> GPTModel:
+    """The whole model (TP 1, PP 1) from a checkpoint root or iteration directory, either format."""
+    from tinytron.checkpoint.torch_dist import _model_dir, load_model_weights
+
+    directory = _model_dir(Path(path))
+    fmt = detect_format(directory)
+    config = _config_of(directory, fmt, num_attention_heads, num_query_groups, **fields)
+    model = GPTModel(config, initialize=False)
+    if fmt == "torch_dist":
+        load_model_weights(directory, model)
+        return model
+    full = _legacy_full_state(directory, config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name not in full:
+                raise ValueError(f"{directory}: no legacy tensor for {name!r}")
+            p.copy_(full[name])
+    return model
+
+
+# %% [markdown]
+# ## Both directions, and the command
+#
+# `checkpoint_to_hf(src, dst)` = `read_checkpoint_model` + appendix B's `save_hf_llama`.
+# `hf_to_checkpoint(src, dst)` = `load_hf_llama` + a tinytron checkpoint at iteration 0
+# (model only, no optimizer: a fine-tuning run starts from it with fresh optimizer state, and
+# the fp32 masters are derived from the weights). Both run in one process: the full model
+# passes through memory once, which is what an offline converter does anyway.
+#
+# ```
+# tinytron-convert to-hf   CHECKPOINT HF_DIR [--num-attention-heads A --num-query-groups G]
+# tinytron-convert from-hf HF_DIR CHECKPOINT_ROOT [--format torch_dist|torch]
+# ```
+
+# %%
+def checkpoint_to_hf(src, dst, **kwargs) -> ModelConfig:
+    """Convert a checkpoint (either format, any layout) to a Hugging Face Llama folder."""
+    from tinytron.model.hf import save_hf_llama
+
+    model = read_checkpoint_model(src, **kwargs)
+    save_hf_llama(model, dst)
+    return model.config
+
+
+def hf_to_checkpoint(src, dst, ckpt_format: str = "torch_dist") -> ModelConfig:
+    """Convert a Hugging Face Llama folder to a tinytron checkpoint root at iteration 0."""
+    from tinytron.checkpoint.resume import CheckpointConfig, CheckpointManager, _train_state_class
+    from tinytron.model.hf import load_hf_llama
+
+    model, config = load_hf_llama(src)
+    manager = CheckpointManager(CheckpointConfig(save=str(dst), ckpt_format=ckpt_format,
+                                                 no_save_rng=True), model.grid)
+    manager.save(_train_state_class()(), model)
+    return config
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tinytron-convert",
+                                description="Convert checkpoints to and from Hugging Face Llama.")
+    p.add_argument("direction", choices=["to-hf", "from-hf"])
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--num-attention-heads", type=int, default=None,
+                   help="heads, for checkpoints without a model config (e.g. Megatron-Core's)")
+    p.add_argument("--num-query-groups", type=int, default=None)
+    p.add_argument("--rotary-base", type=int, default=None)
+    p.add_argument("--norm-epsilon", type=float, default=None)
+    p.add_argument("--format", dest="ckpt_format", choices=["torch_dist", "torch"],
+                   default="torch_dist", help="checkpoint format written by from-hf")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of `tinytron-convert`: exit status 0, or 2 with a one-line error."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.direction == "to-hf":
+            extra = {k: v for k, v in (("rotary_base", args.rotary_base),
+                                       ("norm_epsilon", args.norm_epsilon)) if v is not None}
+            config = checkpoint_to_hf(args.src, args.dst,
+                                      num_attention_heads=args.num_attention_heads,
+                                      num_query_groups=args.num_query_groups, **extra)
+        else:
+            config = hf_to_checkpoint(args.src, args.dst, args.ckpt_format)
+    except (ValueError, OSError, RuntimeError) as err:
+        print(f"tinytron-convert: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    print(f"tinytron-convert: {args.src} -> {args.dst} ({config.num_layers} layers, "
+          f"h {config.hidden_size}, V {config.vocab_size})")
+    return 0
+
+
+# %% [markdown]
+# ## Demo: a PP 2 training checkpoint → Hugging Face → checkpoint
+#
+# Two ranks save the tiny GPT (4 layers, tied embeddings) in both formats as two pipeline
+# stages (the tests do the same at TP 2 × PP 2). The
+# converter turns each into a Hugging Face folder in this one process; both folders hold
+# exactly the tensors of the one-process model with the same seed. Then the Hugging Face folder
+# goes back to a `torch_dist` checkpoint, which `load_model_weights` reads bit-identically. A
+# Megatron-Core checkpoint takes the same route (tested in `tests/test_checkpoint_megatron.py`).
+
+# %%
+if __name__ == "__main__":
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    from tinytron.checkpoint import _workers
+    from tinytron.checkpoint.torch_dist import load_model_weights
+    from tinytron.launch import run_on_ranks
+    from tinytron.model import tiny_config
+    from tinytron.model.hf import gather_full_state, to_hf_tensors
+
+    config = tiny_config(num_layers=4, seed=11)
+    expected = {}
+    for name, full in gather_full_state(GPTModel(config)).items():
+        expected.update(to_hf_tensors(config, name, full))
+    with tempfile.TemporaryDirectory() as tmp:
+        run_on_ranks(_workers.save_both_formats, 2, tmp, config, 1, 2, timeout=120)
+        same = {}
+        for fmt in ("torch_dist", "torch"):
+            assert main(["to-hf", f"{tmp}/{fmt}", f"{tmp}/hf_{fmt}"]) == 0
+            got = load_file(f"{tmp}/hf_{fmt}/model.safetensors")
+            same[fmt] = got.keys() == expected.keys() and all(torch.equal(got[k], expected[k])
+                                                                for k in expected)
+        print("HF export equals the one-process model:", same)
+        assert main(["from-hf", f"{tmp}/hf_torch_dist", f"{tmp}/back"]) == 0
+        back = GPTModel(config.replace(seed=1), initialize=False)
+        load_model_weights(f"{tmp}/back", back)
+        roundtrip = all(torch.equal(p, q) for p, q in zip(back.parameters(),
+                                                           GPTModel(config).parameters()))
+        print("HF -> torch_dist -> model bit-identical:", roundtrip)
+        status = main(["to-hf", f"{tmp}/nowhere", f"{tmp}/x"])
+    assert all(same.values()) and roundtrip and status == 2
+
+# %% [markdown]
+# ## Summary
+#
+# - `tinytron-convert to-hf` reads any tinytron checkpoint (either format, any layout) or a
+#   Megatron-Core `torch_dist` checkpoint into one unsharded model and writes a Hugging Face
+#   Llama folder with appendix B's exporter; `from-hf` goes back to a `torch_dist` (or legacy)
+#   checkpoint at iteration 0.
+# - `torch_dist` needs no merging code — DCP assembles full tensors from any layout; the legacy
+#   format needs the TP pieces unsharded and the stages' local layer numbers made global.
+#
+# ## How production does it
+#
+# - Megatron: `tools/checkpoint/convert.py` with loaders/savers per format
+#   (`loader_core.py`, `saver_core.py`, `loader_mixtral_hf.py`, `schema_hf.py`), which pass
+#   full tensors through a queue between a loader and a saver process; Megatron Bridge converts
+#   Hugging Face ↔ Megatron on the fly.
+# - torchtitan: `scripts/convert_llama_to_dcp.py` and the `StateDictAdapter` of each model.
+#
+# ## Exercises
+#
+# 1. Extend `read_checkpoint_model` to a Megatron legacy checkpoint, whose `args` is a
+#    Namespace: which of its fields give the `ModelConfig`?
+# 2. A 70B model does not fit in one process. Which part of the converter would you make
+#    layer-by-layer, and what does DCP's partial load (asking for one layer's boxes) give you?

@@ -1,0 +1,279 @@
+"""Chapter 03 in one process: names, tracker, sharded keys, flat-range rectangles, the torch_dist
+files (readable with PyTorch alone), async == sync, bad checkpoints refused with nothing loaded,
+the converter, the hooks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.checkpoint_workers import tiny_training
+from tinytron.checkpoint import (CheckpointConfig, CheckpointManager, checkpoint_dir_name,
+                                 flat_range_boxes, load_checkpoint, load_model_weights,
+                                 make_checkpoint_hooks, read_tracker, save_checkpoint,
+                                 save_model_weights, write_tracker)
+from tinytron.checkpoint.formats import MEGATRON_METADATA, legacy_rank_dir
+from tinytron.checkpoint.resume import TrainStateFallback
+from tinytron.checkpoint.sharded_keys import (TensorLayout, extra_state_objects,
+                                              model_sharded_state_dict)
+from tinytron.model import GPTModel, tiny_config
+from tinytron.parallel import ParallelGrid
+
+SINGLE = ParallelGrid.single()
+
+
+def _trained(steps: int = 2, seed: int = 0):
+    """A tiny model + optimizer after `steps` AdamW steps, and its TrainState."""
+    config, model, opt, step = tiny_training(seed)
+    for i in range(steps):
+        step(i)
+    return model, opt, TrainStateFallback(iteration=steps, consumed_train_samples=2 * steps)
+
+
+def _state_of(model, opt) -> dict:
+    """Weights and every optimizer state tensor, cloned, by position."""
+    out = {f"w{i}": p.detach().clone() for i, p in enumerate(model.parameters())}
+    for i, (_, main) in enumerate(opt.pairs):
+        for k, v in opt._state_of[id(main)].get(main, {}).items():
+            out[f"o{i}.{k}"] = v.clone() if torch.is_tensor(v) else v
+    return out
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
+
+
+# -- names ---------------------------------------------------------------------------------------
+def test_megatron_names_and_tracker(tmp_path):
+    assert checkpoint_dir_name(123) == "iter_0000123" and checkpoint_dir_name(0, True) == "release"
+    assert legacy_rank_dir(1, 3, 4) == "mp_rank_01_003" and legacy_rank_dir(0, 0, 1) == "mp_rank_00"
+    assert read_tracker(tmp_path) is None
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("456\n")
+    assert read_tracker(tmp_path) == (456, False)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
+    assert read_tracker(tmp_path) == (0, True)
+    write_tracker(tmp_path, 7)
+    assert read_tracker(tmp_path) == (7, False)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("iter7")
+    with pytest.raises(ValueError, match="latest_checkpointed_iteration.txt.*'iter7'"):
+        read_tracker(tmp_path)
+
+
+@pytest.mark.parametrize("shape", [(7,), (5, 4), (3, 4, 5), (2, 3, 2, 3)])
+def test_flat_range_boxes_tile_the_range_in_order(shape):
+    n = torch.Size(shape).numel()
+    index = torch.arange(n).view(shape)
+    for start in range(n):
+        for end in range(start, n + 1, max(1, n // 9)):
+            boxes = flat_range_boxes(shape, start, end)
+            flat = [index[tuple(slice(o, o + s) for o, s in zip(off, size))].reshape(-1)
+                    for off, size in boxes]
+            got = torch.cat(flat) if flat else torch.empty(0, dtype=torch.long)
+            assert torch.equal(got, torch.arange(start, end)), (shape, start, end, boxes)
+            assert len(boxes) <= 2 * (len(shape) - 1) + 1
+    with pytest.raises(ValueError, match="outside a tensor of shape"):
+        flat_range_boxes(shape, 0, n + 1)
+
+
+def test_tensor_layout_maps_fc1_halves_and_layer_axis():
+    lay = TensorLayout("k", (4, 256, 64), 3, (256, 64), 0, 2, 1, 2, False)
+    assert lay.boxes((0, 0), (128, 64)) == [((0, 0), (1, 64, 64), (3, 64, 0)),
+                                            ((64, 0), (1, 64, 64), (3, 192, 0))]
+    row_parallel = TensorLayout("p", (4, 64, 64), 0, (64, 64), 1, 1, 1, 2, False)
+    assert row_parallel.boxes((3, 5), (1, 7)) == [((3, 5), (1, 1, 7), (0, 3, 37))]
+
+
+MEGATRON_KEYS = {   # megatron-core 0.16.1, local spec, 2 layers, untied: sharded keys and shapes
+    "embedding.word_embeddings.weight": (512, 64),
+    "decoder.layers.self_attention.linear_qkv.layer_norm_weight": (2, 64),
+    "decoder.layers.self_attention.linear_qkv.weight": (2, 128, 64),
+    "decoder.layers.self_attention.linear_proj.weight": (2, 64, 64),
+    "decoder.layers.mlp.linear_fc1.layer_norm_weight": (2, 64),
+    "decoder.layers.mlp.linear_fc1.weight": (2, 256, 64),
+    "decoder.layers.mlp.linear_fc2.weight": (2, 64, 128),
+    "decoder.final_layernorm.weight": (64,),
+    "output_layer.weight": (512, 64),
+}
+
+
+def test_sharded_keys_are_megatron_cores():
+    model = GPTModel(tiny_config(tie_embeddings=False))
+    keys = {t.key: t.global_shape for t in model_sharded_state_dict(model, SINGLE)}
+    assert keys == MEGATRON_KEYS
+    objects = {o.unique_key for o in extra_state_objects(model, SINGLE)}
+    assert "decoder.layers.mlp.linear_fc1._extra_state/shard_1_2" in objects and len(objects) == 8
+    tied = GPTModel(tiny_config())
+    assert "output_layer.weight" not in {t.key for t in model_sharded_state_dict(tied, SINGLE)}
+
+
+# -- the files -------------------------------------------------------------------------------------
+def test_torch_dist_files_open_with_pytorch_alone(tmp_path):
+    model, opt, state = _trained()
+    save_checkpoint(tmp_path, state, model, opt)
+    d = tmp_path / "iter_0000002"
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(d)) == [".metadata", "__0_0.distcp", "checksums.json", "common.pt",
+                                     "metadata.json"]
+    assert json.loads((d / "metadata.json").read_text()) == MEGATRON_METADATA
+    mtimes = {p.name: p.stat().st_mtime_ns for p in d.iterdir()}
+    assert mtimes["metadata.json"] == max(mtimes.values())   # written last
+    common = torch.load(d / "common.pt", weights_only=True)
+    assert common["iteration"] == 2 and common["train_state"]["consumed_train_samples"] == 4
+    torch.save(model.decoder.layers[1].self_attention.linear_qkv.weight.detach(), tmp_path / "qkv.pt")
+    script = textwrap.dedent(f"""
+        import sys, warnings, torch
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+        warnings.simplefilter("ignore")
+        dcp_to_torch_save({str(d)!r}, {str(tmp_path / 'plain.pt')!r})
+        plain = torch.load({str(tmp_path / 'plain.pt')!r}, weights_only=True)
+        qkv = torch.load({str(tmp_path / 'qkv.pt')!r}, weights_only=True)
+        assert torch.equal(plain["decoder.layers.self_attention.linear_qkv.weight"][1], qkv)
+        assert not any(m.startswith("tinytron") for m in sys.modules)
+        print(sorted(k for k in plain if k.startswith("optimizer.state.exp_avg.")))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight" in out.stdout
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_async_save_writes_what_sync_save_writes(tmp_path, mode):
+    from tests.test_checkpoint_dist import plain_tensors
+
+    model, opt, state = _trained()
+    save_checkpoint(tmp_path / "sync", state, model, opt)
+    manager = CheckpointManager(CheckpointConfig(save=str(tmp_path / "async"), async_save=True,
+                                                 async_mode=mode), SINGLE)
+    manager.save(state, model, opt)
+    assert manager.saver.in_flight and read_tracker(tmp_path / "async") is None
+    stats = manager.finalize(blocking=True)
+    assert stats["background_s"] > 0 and read_tracker(tmp_path / "async") == (2, False)
+    a, b = (plain_tensors(tmp_path / p / "iter_0000002") for p in ("sync", "async"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+def _corrupt(d: Path, what: str) -> str:
+    """Damage one iteration directory; return the text the error must contain."""
+    shard = d / "__0_0.distcp"
+    if what == "truncated":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+        return "__0_0.distcp: truncated"
+    if what == "corrupted":
+        raw = bytearray(shard.read_bytes())
+        raw[len(raw) // 2] ^= 0x40
+        shard.write_bytes(bytes(raw))
+        return "__0_0.distcp: content does not match checksums.json"
+    if what == "no_common":
+        (d / "common.pt").unlink()
+        return "common.pt: missing"
+    if what == "tracker":
+        (d.parent / "latest_checkpointed_iteration.txt").write_text("9")
+        return "names iteration 9, but .*iter_0000009 does not exist"
+    raise AssertionError(what)
+
+
+@pytest.mark.parametrize("what", ["truncated", "corrupted", "no_common", "tracker"])
+def test_bad_checkpoint_is_refused_and_nothing_is_loaded(tmp_path, what):
+    model, opt, state = _trained()
+    save_checkpoint(tmp_path, state, model, opt)
+    message = _corrupt(tmp_path / "iter_0000002", what)
+    fresh, fresh_opt, _ = _trained(steps=1, seed=3)
+    before = _state_of(fresh, fresh_opt)
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint(tmp_path, fresh, fresh_opt)
+    assert _equal(before, _state_of(fresh, fresh_opt))
+
+
+def test_config_mismatch_names_the_field(tmp_path):
+    model, opt, state = _trained()
+    save_checkpoint(tmp_path, state, model, opt)
+    other = GPTModel(model.config.replace(rotary_base=500000))
+    before = [p.detach().clone() for p in other.parameters()]
+    with pytest.raises(ValueError, match="rotary_base is 10000 in the checkpoint and 500000"):
+        load_checkpoint(tmp_path, other)
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))
+
+
+def test_legacy_corrupted_file_names_it(tmp_path):
+    model, opt, state = _trained()
+    save_checkpoint(tmp_path, state, model, opt, ckpt_format="torch")
+    path = tmp_path / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ValueError, match="mp_rank_00/model_optim_rng.pt: cannot be read"):
+        load_checkpoint(tmp_path, GPTModel(model.config))
+
+
+def test_legacy_round_trip_one_process(tmp_path):
+    model, opt, state = _trained()
+    save_checkpoint(tmp_path, state, model, opt, ckpt_format="torch")
+    fresh, fresh_opt, _ = _trained(steps=1, seed=3)
+    loaded = load_checkpoint(tmp_path, fresh, fresh_opt)
+    assert loaded.iteration == 2 and _equal(_state_of(model, opt), _state_of(fresh, fresh_opt))
+
+
+def test_finetune_loads_weights_only(tmp_path):
+    model, opt, state = _trained()
+    save_checkpoint(tmp_path, state, model, opt)
+    fresh, fresh_opt, _ = _trained(steps=0, seed=3)
+    loaded = load_checkpoint(tmp_path, fresh, fresh_opt, finetune=True)
+    assert loaded.iteration == 0 and loaded.consumed_train_samples == 0
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
+    assert not fresh_opt._state_of[id(fresh_opt.pairs[0][1])]   # fresh optimizer state
+
+
+# -- configuration, hooks, converter ---------------------------------------------------------------
+def test_checkpoint_config_refuses_bad_values():
+    with pytest.raises(ValueError, match="ckpt_format must be"):
+        CheckpointConfig(ckpt_format="zarr")
+    with pytest.raises(ValueError, match="async_save needs ckpt_format='torch_dist'"):
+        CheckpointConfig(ckpt_format="torch", async_save=True)
+    with pytest.raises(ValueError, match="async_mode must be one of"):
+        CheckpointConfig(async_mode="gpu")
+
+
+def test_hooks_start_fresh_and_resume(tmp_path):
+    save, load, finalize = make_checkpoint_hooks(CheckpointConfig(), SINGLE)
+    model, opt, state = _trained()
+    assert load(model, opt, None) is None and save(state, model, opt, None) is None
+    finalize(True)
+    hooks = make_checkpoint_hooks(CheckpointConfig(save=str(tmp_path), load=str(tmp_path),
+                                                   async_save=True), SINGLE)
+    assert hooks.load_checkpoint_fn(model, opt, None) is None   # empty root: start fresh
+    hooks.save_checkpoint_fn(state, model, opt, None)
+    hooks.finalize_async_save_fn(True)
+    assert hooks.load_checkpoint_fn(model, opt, None).iteration == 2
+    strict = make_checkpoint_hooks(CheckpointConfig(load=str(tmp_path / "none"),
+                                                    exit_on_missing_checkpoint=True), SINGLE)
+    with pytest.raises(ValueError, match="no checkpoint to load"):
+        strict.load_checkpoint_fn(model, opt, None)
+
+
+def test_convert_round_trip_and_errors(tmp_path, capsys):
+    from tinytron.checkpoint.convert import main
+    from tinytron.model.hf import load_hf_llama
+
+    model, opt, state = _trained()
+    save_checkpoint(tmp_path / "ckpt", state, model, opt)
+    assert main(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+    hf, _ = load_hf_llama(tmp_path / "hf", seq_length=model.config.seq_length)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), hf.parameters()))
+    assert main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+    back = GPTModel(model.config.replace(seed=9))
+    load_model_weights(tmp_path / "back", back)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), back.parameters()))
+    save_model_weights(model, tmp_path / "weights")   # Megatron-style: no config inside
+    assert main(["to-hf", str(tmp_path / "weights"), str(tmp_path / "x")]) == 2
+    assert "--num-attention-heads" in capsys.readouterr().err
+    assert main(["to-hf", str(tmp_path / "weights"), str(tmp_path / "hf2"),
+                 "--num-attention-heads", "4"]) == 0
+    assert main(["to-hf", str(tmp_path / "missing"), str(tmp_path / "y")]) == 2
