@@ -548,9 +548,10 @@ def get_forward_backward_func(pp_size: int = 1, vpp_size: int | None = None) -> 
 # sequence each — the running example's PP 2 and $m$ at CPU size. One training step through
 # `get_forward_backward_func(2)` with chapter 05's `finalize_model_grads`: each stage prints
 # the order it executed (from the recorder), and every gradient is compared with one process
-# running the 8 micro-batches one after the other. Then the same step runs under chapter 01's
-# `LiveBytesMeter`, stamped after every forward and backward, with and without pseudo-freeing;
-# a saved-tensor hook also counts the micro-batches whose activations autograd still holds.
+# running the 8 micro-batches one after the other. Then a step of 4 micro-batches through a
+# 2-layer cut (the meter slows every operation down) runs under chapter 01's `LiveBytesMeter`,
+# stamped after every forward and backward, with and without pseudo-freeing; a saved-tensor
+# hook also counts the micro-batches whose activations autograd still holds.
 
 # %%
 if __name__ == "__main__":
@@ -583,7 +584,7 @@ if __name__ == "__main__":
                       fontsize=7)
         ax.set_ylabel(f"stage {r}\nlive KiB")
         ax.legend(fontsize=7, loc="lower right")
-    axes[0].set_title("1F1B, p = 2, m = 8: live bytes after each forward / backward (measured)")
+    axes[0].set_title("1F1B, p = 2, m = 4: live bytes after each forward / backward (measured)")
     fig.tight_layout()
     plt.show()
 
