@@ -157,7 +157,6 @@ def test_state_ledger_running_example():
 
 
 @pytest.mark.parametrize("field,value", [("tensor_model_parallel_size", 0),
-                                         ("recompute_granularity", "some"),
                                          ("optimizer", "adagrad"), ("attention_kernel", "xformers"),
                                          ("optimizer_offload_fraction", 1.5)])
 def test_memory_config_rejects_bad_fields(field, value):
@@ -185,15 +184,18 @@ def test_layer_saved_equals_what_autograd_saves(dtype, dropout):
 
 
 def test_kernel_and_recompute_formulas_order():
-    base = MemoryConfig(tiny_config(num_layers=4), micro_batch_size=2, device="cpu")
+    base = MemoryConfig(tiny_config(num_layers=4), micro_batch_size=2, device="cuda")
+
+    def with_model(**changes):
+        return base.replace(model=base.model.replace(**changes))
     kept = {name: saved_bytes(chunk_saved(cfg, 0, 0)["layers"]) for name, cfg in {
-        "none": base, "selective": base.replace(recompute_granularity="selective"),
-        "block2": base.replace(recompute_granularity="full", recompute_method="block",
-                               recompute_num_layers=2),
-        "uniform1": base.replace(recompute_granularity="full", recompute_method="uniform",
-                                 recompute_num_layers=1)}.items()}
+        "none": base, "selective": with_model(recompute_granularity="selective"),
+        "block2": with_model(recompute_granularity="full", recompute_method="block",
+                             recompute_num_layers=2),
+        "uniform1": with_model(recompute_granularity="full", recompute_method="uniform",
+                               recompute_num_layers=1)}.items()}
     assert kept["uniform1"] < kept["block2"] < kept["selective"] < kept["none"]
-    math = base.replace(model=tiny_config(num_layers=4, dropout=0.1))
+    math = base.replace(model=tiny_config(num_layers=4, dropout=0.1), device="cpu")
     flash = math.replace(attention_kernel="flash", device="cuda")
     assert saved_bytes(layer_saved(math)) > saved_bytes(layer_saved(flash))
 

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from tinytron.buffers import DistributedDataParallel, DistributedDataParallelConfig
 from tinytron.main_loop.memory_meter import LiveBytesMeter, storage_bytes
 from tinytron.main_loop.schedules import ScheduleConfig, _unwrap, get_forward_backward_func
-from tinytron.memory.activations import activation_peak, chunk_saved, saved_bytes
+from tinytron.memory.activations import (CPU_RNG_STATE, activation_peak, chunk_saved,
+                                         saved_bytes)
 from tinytron.memory.states import MemoryConfig, state_ledger
 from tinytron.model.config import tiny_config
 from tinytron.model.gpt import build_stage_models
@@ -27,6 +28,7 @@ from tinytron.optimizer import OptimizerConfig, get_megatron_optimizer
 from tinytron.overview.loss import lm_loss_func
 from tinytron.parallel import ParallelGrid
 from tinytron.parallel.rng import model_parallel_seed
+from tinytron.recompute.recompute import apply_recompute
 
 _GRIDS: dict = {}
 _MODEL_KEYS = ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
@@ -43,7 +45,16 @@ def _grid(tp: int, cp: int, pp: int) -> ParallelGrid:
 def case_config(case: dict, world_size: int, device: str = "cpu") -> MemoryConfig:
     """The MemoryConfig of a case dict (tp, cp, pp, vpp, sp, mbs, m, distopt, ... + model keys)."""
     tp, cp, pp = case.get("tp", 1), case.get("cp", 1), case.get("pp", 1)
+    offload = case.get("act_offload")
     model = tiny_config(sequence_parallel=case.get("sp", False),
+                        recompute_granularity=case.get("recompute"),
+                        recompute_method=case.get("method"),
+                        recompute_num_layers=case.get("recompute_layers"),
+                        recompute_modules=case.get("modules"),
+                        distribute_saved_activations=case.get("distribute", False),
+                        fine_grained_activation_offloading=offload is not None,
+                        offload_modules=offload, min_offloaded_tensor_size=case.get("min_offload",
+                                                                                   1024 * 1024),
                         **{k: case[k] for k in _MODEL_KEYS if k in case})
     return MemoryConfig(
         model, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -54,9 +65,7 @@ def case_config(case: dict, world_size: int, device: str = "cpu") -> MemoryConfi
         use_distributed_optimizer=case.get("distopt", False),
         overlap_grad_reduce=case.get("overlap", False), bucket_size=case.get("bucket_size"),
         optimizer_cpu_offload=case.get("offload") is not None,
-        optimizer_offload_fraction=case.get("offload") or 1.0,
-        recompute_granularity=case.get("recompute"), recompute_method=case.get("method"),
-        recompute_num_layers=case.get("recompute_layers"), device=device)
+        optimizer_offload_fraction=case.get("offload") or 1.0, device=device)
 
 
 def _build(cfg: MemoryConfig, grid: ParallelGrid):
@@ -64,6 +73,8 @@ def _build(cfg: MemoryConfig, grid: ParallelGrid):
     model_parallel_seed(1234, grid)  # the TP-forked dropout stream
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     chunks = build_stage_models(cfg.model, grid, num_virtual_stages=cfg.num_chunks, dtype=dtype)
+    if cfg.model.recompute_granularity or cfg.model.fine_grained_activation_offloading:
+        apply_recompute(chunks)  # chapter 06's checkpoints and offload groups
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=cfg.grad_reduce_in_fp32 and cfg.bf16,
         use_distributed_optimizer=cfg.use_distributed_optimizer,
@@ -187,13 +198,15 @@ def measure_schedule(cfg: MemoryConfig, grid: ParallelGrid, ddps: list) -> dict:
 
 def predict_chunk(cfg: MemoryConfig, pp_rank: int, index: int) -> dict:
     """The ledger's bytes for what measure_chunk measures (kept = saved + the chunk's output)."""
-    parts = chunk_saved(cfg, pp_rank, index)
+    # the CPU generator's snapshot is real memory the meter cannot see (made outside dispatch)
+    parts = {k: [e for e in v if not e.what.startswith(CPU_RNG_STATE)]
+             for k, v in chunk_saved(cfg, pp_rank, index).items()}
     x = cfg.model
     last = pp_rank == cfg.pipeline_model_parallel_size - 1 and index == cfg.num_chunks - 1
     output = 0 if last else cfg.param_bytes * cfg.micro_batch_size * x.hidden_size * (
         x.seq_length // cfg.context_parallel_size
         // (cfg.tensor_model_parallel_size if x.sequence_parallel else 1))
-    return {"kept": sum(saved_bytes(v) for v in parts.values()) + output,
+    return {"kept": sum(saved_bytes(v) for k, v in parts.items() if k != "host") + output,
             "parts": {k: saved_bytes(v) for k, v in parts.items()}}
 
 
@@ -203,7 +216,7 @@ def predict(result: dict) -> dict:
     r, d = result["pp_rank"], result["dp_cp_rank"]
     return {"states": state_ledger(cfg, r, d),
             "chunks": [predict_chunk(cfg, r, i) for i in range(cfg.num_chunks)],
-            "schedule": activation_peak(cfg, r)}
+            "schedule": activation_peak(cfg, r, leave_out=(CPU_RNG_STATE,))}
 
 
 def measure_case(case: dict) -> dict:

@@ -81,11 +81,18 @@ class Saved:
     what: str
     elements: int
     itemsize: int
+    view_elements: int | None = None
+    """Elements of the saved view when it is smaller than its storage (v inside the QKV output)."""
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the tensor."""
+        """Bytes of the tensor's storage."""
         return self.elements * self.itemsize
+
+    @property
+    def saved_numel(self) -> int:
+        """Elements of what autograd holds (what offload compares with its threshold and copies)."""
+        return self.view_elements if self.view_elements is not None else self.elements
 
     def times(self, n: int) -> "Saved":
         """The same tensor kept by n layers (one entry, n times the elements)."""
@@ -145,7 +152,8 @@ def _core_attention(cfg: MemoryConfig, x: Dims) -> list[Saved]:
     n, c = x.s_c * x.b, cfg.context_parallel_size
     if attention_kernel(cfg) == "flash":
         kv = ([Saved("core_attn", "k (after RoPE)", n * x.g_t * x.d, x.P),
-               Saved("core_attn", "qkv output (v is a view)", n * (x.a_t + 2 * x.g_t) * x.d, x.P)]
+               Saved("core_attn", "qkv output (v is a view)", n * (x.a_t + 2 * x.g_t) * x.d, x.P,
+                     n * x.g_t * x.d)]
               if c == 1 else
               [Saved("core_attn", "k gathered over CP", x.s * x.b * x.g_t * x.d, x.P),
                Saved("core_attn", "v gathered over CP", x.s * x.b * x.g_t * x.d, x.P),
@@ -168,20 +176,44 @@ def _selective_core_attention(cfg: MemoryConfig, x: Dims) -> list[Saved]:
     n = x.s_c * x.b
     return [Saved("core_attn", "q (checkpoint input)", n * x.a_t * x.d, x.P),
             Saved("core_attn", "k (checkpoint input)", n * x.g_t * x.d, x.P),
-            Saved("core_attn", "qkv output (v is a view)", n * (x.a_t + 2 * x.g_t) * x.d, x.P),
+            Saved("core_attn", "qkv output (v is a view)", n * (x.a_t + 2 * x.g_t) * x.d, x.P,
+                  n * x.g_t * x.d),
             Saved("attn_proj", "linear_proj input", n * x.a_t * x.d, x.P)]
 
 
 # %% [markdown]
-# The layer, assembled. Two details make the count exact rather than approximate:
+# The layer, assembled. In fp32 RMSNorm's `x.float()` is the input itself: the "fp32 copy" of
+# the first norm of a chunk that received its input from the previous stage *is* the received
+# tensor, counted once as the stage input. RoPE's `cos.to(x.dtype)` is then a view too, so
+# fp32 keeps the two fp32 tables once per chunk instead of four cast copies per layer.
 #
-# - In fp32 RMSNorm's `x.float()` is the input itself: the "fp32 copy" of the first norm of a
-#   chunk that received its input from the previous stage *is* the received tensor, counted
-#   once as the stage input. RoPE's `cos.to(x.dtype)` is then a view too, so fp32 keeps the two
-#   fp32 tables once per chunk instead of four cast copies per layer.
-# - Selective recompute (chapter 06, `recompute_modules=["core_attn"]`, Megatron's
-#   `attention.py:426-468`) drops what the kernel saves and keeps its inputs; with a flash
-#   kernel that saves only the logsumexp, with the math kernel the whole $s^2$ term.
+# **Recompute** (chapter 06, the model config's `recompute_*` switches, Megatron's names):
+#
+# | switch | what a layer keeps instead |
+# |---|---|
+# | selective `core_attn` (`attention.py:426-468`) | the checkpoint's inputs q, k and v (the QKV output): the flash kernel's logsumexp goes, the math kernel's whole $s^2$ term goes |
+# | selective `mlp` | the MLP's input only (fc1's output, silu and the product go) |
+# | selective `layernorm` | the norm's input; its internals and (without SP) its output are freed by `CheckpointWithoutOutput` |
+# | full, `uniform` $n$ | nothing per layer: each run of $n$ layers keeps its input (`recompute.py:139`) |
+# | full, `block` $n$ | the first $n$ layers of the stage keep their input, the rest everything (`:149`) |
+# | `distribute_saved_activations` | each run input split over TP: $1/t$ of it per rank |
+#
+# Every checkpoint also keeps an RNG snapshot so that its replay draws the same dropout masks:
+# on CPU a 5,056-byte state of the CPU generator, plus one per tracker stream (3) when the
+# model uses dropout; on CUDA small host tensors, nothing on the device. The CPU generator's
+# copy is made outside PyTorch's dispatcher, so chapter 01's meter cannot see it; the ledger
+# counts it, and page 07.5 leaves it out of the comparison by name. During backward a
+# recompute re-creates what it dropped — a run of layers, or the module's inside — on top of
+# what is kept (the transient of the next section).
+#
+# **Activation offload** (chapter 06, `fine_grained_activation_offloading`, `offload_modules`)
+# copies the tensors saved inside the chosen regions (`attn_norm`, `qkv_linear`, `core_attn`,
+# `attn_proj`, `mlp_norm`) to host memory when they have at least `min_offloaded_tensor_size`
+# elements. A storage leaves the device only when every holder is offloaded: attention's
+# output is saved by the kernel *and* by `linear_proj`, so it moves only with both regions
+# (hence Megatron's rule that `attn_proj` needs `core_attn`); v is a view of the QKV output, so
+# its group copies v's elements and frees the whole QKV storage. The head's chunk keeps its
+# last layer on the device (the offload margin).
 
 # %%
 def _mlp(x: Dims) -> list[Saved]:
@@ -193,19 +225,61 @@ def _mlp(x: Dims) -> list[Saved]:
             Saved("mlp", "silu(gate) * up (= linear_fc2 input)", n * x.f_t, x.P)]
 
 
+CPU_RNG_STATE = "RNG snapshots: CPU generator"
+
+
+def _snapshots(cfg: MemoryConfig, count: int) -> list[Saved]:
+    """RNG snapshots of `count` checkpoints: the CPU generator and the tracker's streams.
+
+    On CPU each state is a 5,056-byte Mersenne-twister tensor; on CUDA the snapshots are small
+    host tensors, none on the device. The CPU generator's copy is made outside PyTorch's
+    dispatcher, so chapter 01's meter does not see it (page 07.5 leaves it out of the
+    comparison); the tracker streams' copies it does see.
+    """
+    if cfg.device == "cuda" or not count:
+        return []
+    out = [Saved("recompute", CPU_RNG_STATE, count, 5056)]
+    if cfg.model.dropout > 0:  # the model forks its tracker (3 streams) only with dropout
+        out.append(Saved("recompute", "RNG snapshots: tracker streams", 3 * count, 5056))
+    return out
+
+
+def _selected(cfg: MemoryConfig, module: str) -> bool:
+    """Whether selective recompute checkpoints this module."""
+    return cfg.recompute_granularity == "selective" and module in cfg.recompute_modules
+
+
+def _selective_norms(x: Dims, norms: list[Saved], linear_input: Saved, module: str):
+    """Output-discarding norm: its input stays; internals and (without SP) the output go."""
+    n = x.s_r * x.b * x.h
+    keep = [Saved(module, "norm input (checkpoint input)", n, x.P)]
+    return keep, (linear_input if x.s_r != x.s_c else None)
+
+
 def layer_saved(cfg: MemoryConfig, input_is_received: bool = False) -> list[Saved]:
     """Every tensor one transformer layer saves for backward on one rank (no full recompute)."""
     x = Dims.of(cfg)
     n = x.s_c * x.b
-    norm1 = _norm("attn_norm", x)
+    norm1, norm2 = _norm("attn_norm", x), _norm("mlp_norm", x)
     if input_is_received and x.P == 4:  # x.float() is the received tensor itself
         norm1 = norm1[1:]
-    rope = [] if x.P == 4 else [Saved("core_attn", "RoPE cos/sin cast", 4 * n * x.d, x.P)]
-    selective = (cfg.recompute_granularity == "selective"
-                 and "core_attn" in cfg.recompute_modules)
-    core = _selective_core_attention(cfg, x) if selective else _core_attention(cfg, x)
-    out = [*norm1, Saved("qkv_linear", "linear_qkv input", n * x.h, x.P), *rope, *core,
-           *_norm("mlp_norm", x), *_mlp(x)]
+    qkv_in = Saved("qkv_linear", "linear_qkv input", n * x.h, x.P)
+    mlp = _mlp(x)
+    snapshots = 0
+    if _selected(cfg, "layernorm"):
+        norm1, qkv_in = _selective_norms(x, norm1, qkv_in, "attn_norm")
+        norm2, fc1_in = _selective_norms(x, norm2, mlp[0], "mlp_norm")
+        mlp = ([fc1_in] if fc1_in else []) + mlp[1:]
+        snapshots += 2
+    rope = [] if x.P == 4 else [Saved("rope", "RoPE cos/sin cast", 4 * n * x.d, x.P)]
+    core = _core_attention(cfg, x)
+    if _selected(cfg, "core_attn"):
+        core, snapshots = _selective_core_attention(cfg, x), snapshots + 1
+    if _selected(cfg, "mlp"):
+        mlp = [Saved("mlp", "MLP input (checkpoint input)", n * x.h, x.P)]
+        snapshots += 1
+    out = [*norm1, *([qkv_in] if qkv_in else []), *rope, *core, *norm2, *mlp]
+    out += _snapshots(cfg, snapshots)
     if cfg.model.dropout > 0:
         mask = 1 if cfg.device == "cuda" else x.P
         out += [Saved("bda", "dropout mask (attention, mlp)", 2 * x.s_r * x.b * x.h, mask)]
@@ -264,29 +338,74 @@ def _full_recompute_groups(cfg: MemoryConfig, num_layers: int) -> tuple[int, int
     return math.ceil(num_layers / n), 0
 
 
+def _full_recompute_saved(cfg: MemoryConfig, x: Dims, groups: int, first: bool) -> list[Saved]:
+    """Each checkpointed run keeps its input (1/t with distribute_saved_activations) + RNG."""
+    resid = x.s_r * x.b * x.h
+    if cfg.model.distribute_saved_activations and cfg.tensor_model_parallel_size > 1:
+        out = [Saved("recompute", "run inputs, this rank's 1/t", groups * resid
+                     // cfg.tensor_model_parallel_size, x.P)]
+    else:  # the chunk's own input is the received tensor, counted as the stage input
+        out = [Saved("recompute", "checkpointed run inputs", (groups - (0 if first else 1))
+                     * resid, x.P)]
+    return out + _snapshots(cfg, groups)
+
+
+def _offloaded(cfg: MemoryConfig, layer: list[Saved]) -> tuple[list[Saved], list[Saved]]:
+    """(stays on the device, copied to the host) for one layer's saved tensors (chapter 06)."""
+    m = cfg.model
+    if not m.fine_grained_activation_offloading:
+        return layer, []
+    chosen, stay, host = set(m.offload_modules), [], []
+    for e in layer:
+        big = e.saved_numel >= m.min_offloaded_tensor_size
+        copy = Saved(e.module, e.what, e.saved_numel, e.itemsize)
+        if e.what.startswith("output (= linear_proj input)"):  # saved by attention and proj
+            host += [copy] * (big * (("core_attn" in chosen) + ("attn_proj" in chosen)))
+            if not (big and {"core_attn", "attn_proj"} <= chosen):
+                stay.append(e)  # one holder left on the device keeps the storage alive
+        elif big and e.module in chosen:
+            host.append(copy)
+        else:
+            stay.append(e)
+    return stay, host
+
+
+def _kept_layers(cfg: MemoryConfig, normal: int, received: bool, last: bool):
+    """(device, host) saved tensors of `normal` plain layers; the head's chunk keeps its last."""
+    first, plain = layer_saved(cfg, input_is_received=received), layer_saved(cfg)
+    device, host = (first, []) if (last and normal == 1) else _offloaded(cfg, first)
+    device, host = list(device), list(host)
+    moved = max(0, normal - 1 - (1 if last else 0))  # the offload margin: the last layer stays
+    if moved:
+        d, h = _offloaded(cfg, plain)
+        device += [e.times(moved) for e in d]
+        host += [e.times(moved) for e in h]
+    if normal - 1 - moved:
+        device += [e.times(normal - 1 - moved) for e in plain]
+    return device, host
+
+
 def chunk_saved(cfg: MemoryConfig, pp_rank: int, chunk: int) -> dict[str, list[Saved]]:
-    """Saved tensors of one micro-batch on one model chunk, by part."""
+    """Saved tensors of one micro-batch on one model chunk, by part ("host": offloaded)."""
     x = Dims.of(cfg)
     start, end = stage_layer_ranges(cfg.model.num_layers, cfg.pipeline_model_parallel_size,
                                     cfg.num_chunks, pp_rank)[chunk]
     first = pp_rank == 0 and chunk == 0
     last = pp_rank == cfg.pipeline_model_parallel_size - 1 and chunk == cfg.num_chunks - 1
-    resid = x.s_r * x.b * x.h
     groups, normal = _full_recompute_groups(cfg, end - start)
-    layers: list[Saved] = []
-    if groups:  # each checkpointed group keeps only its input; the chunk input is counted below
-        layers.append(Saved("recompute", "checkpointed group inputs",
-                            (groups - (0 if first else 1)) * resid, x.P))
+    layers = _full_recompute_saved(cfg, x, groups, first) if groups else []
+    host: list[Saved] = []
     if normal:  # the first kept layer may differ (fp32 and a received input); the rest repeat
-        received = not first and not groups
-        layers += layer_saved(cfg, input_is_received=received)
-        layers += [e.times(normal - 1) for e in layer_saved(cfg)] if normal > 1 else []
+        device, host = _kept_layers(cfg, normal, not first and not groups, last)
+        layers += device
     if groups or (x.P == 4 and normal):  # checkpoint inputs, or what fp32 RoPE saved views of
-        layers.append(Saved("core_attn", "RoPE cos/sin tables (fp32)", 2 * x.b * x.s_c * x.d, 4))
+        layers.append(Saved("rope", "RoPE cos/sin tables (fp32)", 2 * x.b * x.s_c * x.d, 4))
     return {"layers": layers,
             "embedding": embedding_saved(cfg) if first else [],
             "head": head_saved(cfg) if last else [],
-            "stage_input": [] if first else [Saved("p2p", "received activation", resid, x.P)]}
+            "stage_input": [] if first else [Saved("p2p", "received activation",
+                                                   x.s_r * x.b * x.h, x.P)],
+            "host": host}
 
 
 # %% [markdown]
@@ -363,10 +482,11 @@ def _forward_transient(cfg: MemoryConfig, x: Dims, head: bool) -> int:
     collective = resid + (t if cfg.model.sequence_parallel else 1) * unit + unit + rope \
         if t > 1 else 0
     layer = max(end_of_layer, collective)
-    if attention_kernel(cfg) == "math":  # q k^T and its masked copy, q/k/v cast to fp32,
-        e = 4 if cfg.device == "cpu" else x.P  # while the layer's MLP half is not kept yet
-        scores = 2 * e * x.b * x.a_t * x.s_c * x.s + e * x.b * x.d * (x.a_t * x.s_c
-                                                                      + 2 * x.g_t * x.s)
+    if attention_kernel(cfg) == "math":  # q k^T (and its masked copy under CP), q/k/v cast
+        e = 4 if cfg.device == "cpu" else x.P  # to fp32, while the MLP half is not kept yet
+        copies = 2 if cfg.context_parallel_size > 1 else 1
+        scores = copies * e * x.b * x.a_t * x.s_c * x.s + e * x.b * x.d * (x.a_t * x.s_c
+                                                                           + 2 * x.g_t * x.s)
         later = saved_bytes([s for s in layer_saved(cfg) if s.module in ("mlp_norm", "mlp")])
         layer = max(layer, scores + unit + rope - later)
     if not head:
@@ -377,14 +497,17 @@ def _forward_transient(cfg: MemoryConfig, x: Dims, head: bool) -> int:
 
 
 def _backward_transient(cfg: MemoryConfig, x: Dims, head: bool, tied_here: bool,
-                        head_kept: int = 0) -> int:
+                        head_kept: int = 0, recomputed: int = 0) -> int:
     """Bytes alive in a chunk's backward on top of what it kept, at its largest moment."""
     unit = x.P * x.s_r * x.b * x.h
     table_grad = x.P * x.v_t * x.h  # the .grad of an embedding or output matrix
     # SwiGLU backward: grads of gate, up and fc1's output while the product and silu are freed
     mlp = unit + 2 * x.P * x.s_c * x.b * x.f_t
-    # attention backward: grads of the output, q, and (gathered) k and v
+    # attention backward: grads of the output, q, and (gathered) k and v; the math kernel
+    # holds one more s x s tensor (a probability grad arrives as a saved one is released)
     attn = unit + x.P * x.b * (2 * x.a_t * x.s_c + 2 * x.g_t * x.s) * x.d
+    if attention_kernel(cfg) == "math":
+        attn = unit + (4 if cfg.device == "cpu" else x.P) * x.b * x.a_t * x.s_c * x.s
     # fc1's backward: its input grad and its weight grad, once the MLP's saved tensors are gone
     fc1 = unit + x.P * x.s_c * x.b * x.h + x.P * 2 * x.f_t * x.h - 2 * x.P * x.s_c * x.b * x.f_t
     # one stage holding embedding and head with tied weights: the output layer's weight grad
@@ -392,7 +515,8 @@ def _backward_transient(cfg: MemoryConfig, x: Dims, head: bool, tied_here: bool,
     held = table_grad if tied_here else 0
     # on the last chunk the layers' backward starts after the head's saved tensors are freed
     freed = head_kept if head else 0
-    events = [mlp + held - freed, attn + held - freed, fc1 + held - freed]
+    # a recompute re-creates its run's (or module's) saved tensors before their backward
+    events = [e + held - freed + recomputed for e in (mlp, attn, fc1)]
     if head:  # softmax.clone() as the gradient; then the output layer's weight gradient, with
         logits = x.b * x.s_c * x.v_t  # the softmax freed and the logits' grad in P bytes
         events += [4 * logits, table_grad + (x.P - 4) * logits]
@@ -410,14 +534,26 @@ def _late_backward(cfg: MemoryConfig, x: Dims, parts: dict) -> int:
             + x.P * x.v_t * x.h + held)
 
 
+def _recomputed(cfg: MemoryConfig) -> int:
+    """Bytes a recompute re-creates inside one backward: a run of layers, or a module's inside."""
+    if cfg.recompute_granularity is None:
+        return 0
+    plain = cfg.replace(model=cfg.model.replace(recompute_granularity=None, recompute_method=None,
+                                                recompute_num_layers=None))
+    layer = saved_bytes(layer_saved(plain))
+    if cfg.recompute_granularity == "full":
+        return layer * (cfg.recompute_num_layers if cfg.recompute_method == "uniform" else 1)
+    return layer - saved_bytes(layer_saved(cfg))
+
+
 def _transients(cfg: MemoryConfig, parts: dict) -> tuple[int, int, int]:
     """(forward, backward, end-of-backward) bytes of a chunk beyond what it keeps."""
     x = Dims.of(cfg)
     head = bool(parts["head"])
     tied_here = head and bool(parts["embedding"]) and cfg.model.tie_embeddings
-    return (_forward_transient(cfg, x, head),
-            _backward_transient(cfg, x, head, tied_here, saved_bytes(parts["head"])),
-            _late_backward(cfg, x, parts))
+    backward = _backward_transient(cfg, x, head, tied_here, saved_bytes(parts["head"]),
+                                   _recomputed(cfg))
+    return _forward_transient(cfg, x, head), backward, _late_backward(cfg, x, parts)
 
 
 def p2p_buffers(cfg: MemoryConfig, pp_rank: int) -> int:
@@ -429,12 +565,17 @@ def p2p_buffers(cfg: MemoryConfig, pp_rank: int) -> int:
     return x.P * x.s_r * x.b * x.h
 
 
-def activation_peak(cfg: MemoryConfig, pp_rank: int) -> dict:
-    """Replay the schedule: the most activation bytes live at once on this rank, and when."""
+def activation_peak(cfg: MemoryConfig, pp_rank: int, leave_out: tuple[str, ...] = ()) -> dict:
+    """Replay the schedule: the most activation bytes live at once on this rank, and when.
+
+    `leave_out` drops saved entries whose name starts with one of these strings (page 07.5
+    leaves out what the meter cannot see).
+    """
     kept, transient = {}, {}
     for chunk in range(cfg.num_chunks):
-        parts = chunk_saved(cfg, pp_rank, chunk)
-        kept[chunk] = sum(saved_bytes(v) for v in parts.values())
+        parts = {k: [e for e in v if not e.what.startswith(leave_out or ("\0",))]
+                 for k, v in chunk_saved(cfg, pp_rank, chunk).items()}
+        kept[chunk] = sum(saved_bytes(v) for k, v in parts.items() if k != "host")
         transient[chunk] = _transients(cfg, parts)
     live, peak, in_flight, most, when = 0, 0, 0, 0, None
     p2p = p2p_buffers(cfg, pp_rank)
@@ -465,10 +606,10 @@ def activation_peak(cfg: MemoryConfig, pp_rank: int) -> dict:
 if __name__ == "__main__":
     from tinytron.model.config import llama_7b_config
 
-    big = MemoryConfig(llama_7b_config(sequence_parallel=True), tensor_model_parallel_size=2,
-                       pipeline_model_parallel_size=2, data_parallel_size=64,
-                       micro_batch_size=2, num_microbatches=8, use_distributed_optimizer=True,
-                       recompute_granularity="selective")
+    big = MemoryConfig(llama_7b_config(sequence_parallel=True, recompute_granularity="selective"),
+                       tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                       data_parallel_size=64, micro_batch_size=2, num_microbatches=8,
+                       use_distributed_optimizer=True)
     rows = layer_saved(big)
     for e in rows:
         print(f"{e.module:>10}  {e.what:<40} {e.nbytes / 2**20:>9,.1f} MiB")

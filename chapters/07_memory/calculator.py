@@ -93,21 +93,17 @@ def memory_config_from(train, world_size: int, device: str | None = None) -> Mem
         overlap_grad_reduce=ddp.overlap_grad_reduce, bucket_size=ddp.bucket_size,
         pad_buckets_for_high_nccl_busbw=ddp.pad_buckets_for_high_nccl_busbw,
         optimizer=opt.optimizer, optimizer_cpu_offload=opt.optimizer_cpu_offload,
-        optimizer_offload_fraction=opt.optimizer_offload_fraction,
-        recompute_granularity=getattr(model, "recompute_granularity", None),
-        recompute_method=getattr(model, "recompute_method", None),
-        recompute_num_layers=getattr(model, "recompute_num_layers", None),
-        device=device)
+        optimizer_offload_fraction=opt.optimizer_offload_fraction, device=device)
 
 
 def running_example() -> MemoryConfig:
     """The book's 7B example: TP2 (SP) · PP2 · DP64, mbs 2, m 8, bf16, DistOpt, selective."""
     from tinytron.model.config import llama_7b_config
 
-    return MemoryConfig(llama_7b_config(sequence_parallel=True), tensor_model_parallel_size=2,
-                        pipeline_model_parallel_size=2, data_parallel_size=64,
-                        micro_batch_size=2, num_microbatches=8, use_distributed_optimizer=True,
-                        recompute_granularity="selective")
+    return MemoryConfig(llama_7b_config(sequence_parallel=True, recompute_granularity="selective"),
+                        tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                        data_parallel_size=64, micro_batch_size=2, num_microbatches=8,
+                        use_distributed_optimizer=True)
 
 
 # %% [markdown]
@@ -220,7 +216,10 @@ def candidate_layouts(base: MemoryConfig, gpus: int, global_batch_size: int,
                 or model.num_layers % pp or (cp > 1 and model.seq_length % (2 * cp))):
             continue
         dp = gpus // (tp * pp * cp)
-        sized = model.replace(sequence_parallel=tp > 1)
+        sized = {rc: model.replace(sequence_parallel=tp > 1, recompute_granularity=rc,
+                                   recompute_method="uniform" if rc == "full" else None,
+                                   recompute_num_layers=1 if rc == "full" else None)
+                 for rc in (None, "selective", "full")}
         for mbs in (1, 2, 4, 8):
             if global_batch_size % (mbs * dp):
                 continue
@@ -230,12 +229,10 @@ def candidate_layouts(base: MemoryConfig, gpus: int, global_batch_size: int,
             for vpp, distopt, rc in ((v, o, r) for v in vpps for o in (False, True)
                                      for r in (None, "selective", "full")):
                 yield base.replace(
-                    model=sized, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                    virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
-                    data_parallel_size=dp, micro_batch_size=mbs, num_microbatches=m,
-                    use_distributed_optimizer=distopt, recompute_granularity=rc,
-                    recompute_method="uniform" if rc == "full" else None,
-                    recompute_num_layers=1 if rc == "full" else None)
+                    model=sized[rc], tensor_model_parallel_size=tp,
+                    pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+                    context_parallel_size=cp, data_parallel_size=dp, micro_batch_size=mbs,
+                    num_microbatches=m, use_distributed_optimizer=distopt)
 
 
 def _resident(cfg: MemoryConfig, pp_rank: int, cache: dict) -> tuple[int, int]:

@@ -178,10 +178,11 @@ if __name__ == "__main__":
 
     from tinytron.model.config import llama_7b_config
 
-    example = MemoryConfig(llama_7b_config(sequence_parallel=True), tensor_model_parallel_size=2,
-                           pipeline_model_parallel_size=2, data_parallel_size=64,
-                           micro_batch_size=2, num_microbatches=8,
-                           use_distributed_optimizer=True, recompute_granularity="selective")
+    example = MemoryConfig(llama_7b_config(sequence_parallel=True,
+                                           recompute_granularity="selective"),
+                           tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                           data_parallel_size=64, micro_batch_size=2, num_microbatches=8,
+                           use_distributed_optimizer=True)
     first, last = stage_ledgers(example)
     megatron = megatron_theoretical_memory(megatron_args_from(example), 8)
     for led in (first, last):
@@ -216,17 +217,18 @@ if __name__ == "__main__":
 if __name__ == "__main__":
     steps = {"DP 256": example.replace(model=llama_7b_config(), tensor_model_parallel_size=1,
                                        pipeline_model_parallel_size=1, data_parallel_size=256,
-                                       num_microbatches=2, use_distributed_optimizer=False,
-                                       recompute_granularity=None)}
+                                       num_microbatches=2, use_distributed_optimizer=False)}
     steps["+ TP 2"] = steps["DP 256"].replace(tensor_model_parallel_size=2, data_parallel_size=128,
                                               num_microbatches=4)
     steps["+ SP"] = steps["+ TP 2"].replace(model=llama_7b_config(sequence_parallel=True))
     steps["+ PP 2"] = steps["+ SP"].replace(pipeline_model_parallel_size=2, data_parallel_size=64,
                                             num_microbatches=8)
     steps["+ DistOpt"] = steps["+ PP 2"].replace(use_distributed_optimizer=True)
-    steps["+ selective"] = steps["+ DistOpt"].replace(recompute_granularity="selective")
-    steps["+ full (uniform 1)"] = steps["+ DistOpt"].replace(
-        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    sp = steps["+ SP"].model
+    steps["+ selective"] = steps["+ DistOpt"].replace(
+        model=sp.replace(recompute_granularity="selective"))
+    steps["+ full (uniform 1)"] = steps["+ DistOpt"].replace(model=sp.replace(
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1))
     worst = {name: max(stage_ledgers(c), key=lambda led: led.total) for name, c in steps.items()}
     for name, led in worst.items():
         print(f"{name:>20}: resident {led.resident / 2**30:6.1f} GiB, flowing "

@@ -30,7 +30,10 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # ## The inputs
 #
 # Everything the ledger needs is in the trainer's config (`[model]`, `[parallel]`,
-# `[training]`, `[optimizer]`, `[ddp]`), gathered in one dataclass under Megatron's names.
+# `[training]`, `[optimizer]`, `[ddp]`), gathered in one dataclass under Megatron's names. The
+# recompute and activation-offload switches stay where chapter 06 put them, in the model
+# config (`recompute_granularity`, `recompute_method`, `recompute_num_layers`,
+# `recompute_modules`, `fine_grained_activation_offloading`, `offload_modules`).
 # Two choices follow Megatron rather than the dataclass defaults:
 #
 # - with bf16 the gradient buffer is fp32 (`grad_reduce_in_fp32`), as Megatron forces for bf16
@@ -68,12 +71,6 @@ class MemoryConfig:
     """adam (2 moments), sgd (momentum) or lion (1 moment)."""
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0
-    recompute_granularity: str | None = None
-    """None, "selective" or "full" (chapter 06)."""
-    recompute_method: str | None = None
-    """"uniform" or "block" with full recompute."""
-    recompute_num_layers: int | None = None
-    recompute_modules: tuple[str, ...] = ("core_attn",)
     attention_kernel: str = "auto"
     """"flash" (saves q, k, v, out, logsumexp), "math" (saves the s x s scores), "auto"."""
     device: str = "cuda"
@@ -88,8 +85,6 @@ class MemoryConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.optimizer not in ("adam", "sgd", "lion"):
             raise ValueError(f"optimizer must be adam, sgd or lion, got {self.optimizer!r}")
-        _choice("recompute_granularity", self.recompute_granularity, (None, "selective", "full"))
-        _choice("recompute_method", self.recompute_method, (None, "uniform", "block"))
         _choice("attention_kernel", self.attention_kernel, ("auto", "flash", "math"))
         _choice("device", self.device, ("cpu", "cuda"))
         if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
@@ -99,6 +94,27 @@ class MemoryConfig:
                                 cp=self.context_parallel_size,
                                 pp=self.pipeline_model_parallel_size,
                                 num_virtual_stages=self.num_chunks)
+
+    # Recompute and activation offload are the model's switches (chapter 06, appendix B).
+    @property
+    def recompute_granularity(self) -> str | None:
+        """None, "selective" or "full" (the model config's)."""
+        return self.model.recompute_granularity
+
+    @property
+    def recompute_method(self) -> str | None:
+        """"uniform" or "block" with full recompute."""
+        return self.model.recompute_method
+
+    @property
+    def recompute_num_layers(self) -> int | None:
+        """Layers per checkpointed run (uniform) or checkpointed layers per stage (block)."""
+        return self.model.recompute_num_layers
+
+    @property
+    def recompute_modules(self) -> list[str]:
+        """What selective recompute checkpoints (default Megatron's ["core_attn"])."""
+        return self.model.recompute_modules or ["core_attn"]
 
     @property
     def num_chunks(self) -> int:
