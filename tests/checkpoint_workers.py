@@ -159,46 +159,51 @@ def _megatron_logits(model, tokens):
         return model(tokens, torch.arange(s).expand(b, s), mask)
 
 
-def megatron(root: str) -> dict:
-    """Megatron-Core -> tinytron, tinytron -> Megatron-Core, Megatron-Core -> HF: logit gaps."""
+def _interop(root: str, name: str, cfg, tokens) -> dict:
+    """One config: Megatron-Core -> tinytron (and -> HF), tinytron -> Megatron-Core."""
     from megatron.core import dist_checkpointing
 
     from tinytron.checkpoint import load_model_weights, save_model_weights
     from tinytron.checkpoint.convert import main as convert
-    from tinytron.model import GPTModel, tiny_config
+    from tinytron.model import GPTModel
     from tinytron.model.hf import load_hf_llama
+
+    out, mdir = {}, f"{root}/mcore_{name}"
+    mcore = _megatron_gpt(cfg, 1)
+    os.makedirs(mdir)
+    dist_checkpointing.save(mcore.sharded_state_dict(), mdir)
+    reference = _megatron_logits(mcore, tokens)
+    ours = GPTModel(cfg.replace(seed=3)).eval()
+    load_model_weights(mdir, ours)
+    out[f"convert_status_{name}"] = convert(
+        ["to-hf", mdir, f"{root}/hf_{name}", "--num-attention-heads",
+         str(cfg.num_attention_heads), "--num-query-groups", str(cfg.num_query_groups)])
+    hf, _ = load_hf_llama(f"{root}/hf_{name}")
+    ours2 = GPTModel(cfg.replace(seed=7)).eval()
+    save_model_weights(ours2, f"{root}/tinytron_{name}")
+    mcore2 = _megatron_gpt(cfg, 2)
+    mcore2.load_state_dict(dist_checkpointing.load(mcore2.sharded_state_dict(),
+                                                   f"{root}/tinytron_{name}"), strict=True)
+    with torch.no_grad():
+        out[f"mcore_to_tinytron_{name}"] = float((ours(tokens) - reference).abs().max())
+        out[f"mcore_to_hf_{name}"] = float((hf.eval()(tokens) - reference).abs().max())
+        out[f"tinytron_to_mcore_{name}"] = float((_megatron_logits(mcore2, tokens)
+                                                  - ours2(tokens)).abs().max())
+    out[f"logit_scale_{name}"] = float(reference.abs().max())
+    return out
+
+
+def megatron(root: str) -> dict:
+    """Tied and untied, GQA and MHA: the logit gaps of every direction."""
+    from tinytron.model import tiny_config
 
     _megatron_setup()
     tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
     out = {}
     for tie, groups in ((True, 2), (False, 2), (False, 4)):
-        name = f"tie{int(tie)}_g{groups}"
         # init_std 0.2: logits of size ~5, so that a 1e-5 gap is a real agreement
         cfg = tiny_config(tie_embeddings=tie, num_query_groups=groups, init_std=0.2)
-        mcore = _megatron_gpt(cfg, 1)
-        os.makedirs(f"{root}/mcore_{name}")
-        dist_checkpointing.save(mcore.sharded_state_dict(), f"{root}/mcore_{name}")
-        ours = GPTModel(cfg.replace(seed=3)).eval()
-        load_model_weights(f"{root}/mcore_{name}", ours)
-        reference = _megatron_logits(mcore, tokens)
-        with torch.no_grad():
-            out[f"mcore_to_tinytron_{name}"] = float((ours(tokens) - reference).abs().max())
-        status = convert(["to-hf", f"{root}/mcore_{name}", f"{root}/hf_{name}",
-                          "--num-attention-heads", str(cfg.num_attention_heads),
-                          "--num-query-groups", str(groups)])
-        hf, _ = load_hf_llama(f"{root}/hf_{name}")
-        with torch.no_grad():
-            out[f"mcore_to_hf_{name}"] = float((hf.eval()(tokens) - reference).abs().max())
-        out[f"convert_status_{name}"] = status
-        ours2 = GPTModel(cfg.replace(seed=7)).eval()
-        save_model_weights(ours2, f"{root}/tinytron_{name}")
-        mcore2 = _megatron_gpt(cfg, 2)
-        mcore2.load_state_dict(dist_checkpointing.load(mcore2.sharded_state_dict(),
-                                                       f"{root}/tinytron_{name}"), strict=True)
-        with torch.no_grad():
-            out[f"tinytron_to_mcore_{name}"] = float((_megatron_logits(mcore2, tokens)
-                                                      - ours2(tokens)).abs().max())
-        out[f"logit_scale_{name}"] = float(reference.abs().max())
+        out.update(_interop(root, f"tie{int(tie)}_g{groups}", cfg, tokens))
     return out
 
 

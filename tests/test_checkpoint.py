@@ -277,3 +277,29 @@ def test_convert_round_trip_and_errors(tmp_path, capsys):
     assert main(["to-hf", str(tmp_path / "weights"), str(tmp_path / "hf2"),
                  "--num-attention-heads", "4"]) == 0
     assert main(["to-hf", str(tmp_path / "missing"), str(tmp_path / "y")]) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_async_save_of_cuda_state_stages_to_pinned_memory(tmp_path, mode):
+    from tinytron.checkpoint.async_save import stage_tensors
+    from tinytron.checkpoint.sharded_keys import ShardedTensor
+
+    staged = stage_tensors([ShardedTensor("k", torch.ones(4, device="cuda"), (4,), (0,))], mode)
+    assert staged[0].data.device.type == "cpu" and staged[0].data.is_pinned()
+    _, model, opt, step = tiny_training()
+    model.cuda()
+    opt = type(opt)(torch.optim.AdamW(model.parameters(), lr=1e-2), clip_grad=1.0)
+    tokens = torch.randint(0, 512, (2, 17), device="cuda")
+    model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
+    opt.step()
+    manager = CheckpointManager(CheckpointConfig(save=str(tmp_path), async_save=True,
+                                                 async_mode=mode), SINGLE)
+    manager.save(TrainStateFallback(iteration=1), model, opt)
+    expected = [p.detach().clone() for p in model.parameters()]
+    model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()   # training goes on
+    opt.step()
+    manager.finalize(blocking=True)
+    fresh = GPTModel(model.config.replace(seed=9)).cuda()
+    load_model_weights(tmp_path, fresh)
+    assert all(torch.equal(p, q) for p, q in zip(fresh.parameters(), expected))

@@ -282,8 +282,24 @@ def legacy_demo_load(root: str) -> dict:
     return {"next_loss": run.step()}
 
 
-def async_timeline_demo(root: str, steps: int = 8) -> dict:
-    """One process: a sync save, then an async one overlapping training; spans for a timeline."""
+class _Timeline:
+    """Spans (label, row, start, end) in seconds since construction."""
+
+    def __init__(self):
+        self.t0, self.events = time.perf_counter(), []
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def span(self, label: str, fn, row: str = "training"):
+        start = self.now()
+        result = fn()
+        self.events.append((label, row, start, self.now()))
+        return result
+
+
+def _timeline_model():
+    """A 5.5M-parameter GPT (66 MB with AdamW state) and a closure taking one training step."""
     from tinytron.model import GPTModel
     from tinytron.optimizer import AdamW
     from tinytron.optimizer.mixed_precision import MixedPrecisionOptimizer
@@ -294,60 +310,64 @@ def async_timeline_demo(root: str, steps: int = 8) -> dict:
                          num_query_groups=4, ffn_hidden_size=704, vocab_size=4096, seq_length=64)
     model = GPTModel(config)
     opt = MixedPrecisionOptimizer(AdamW(model.parameters(), lr=1e-3), clip_grad=1.0)
-    state, grid = TrainStateFallback(), ParallelGrid.single()
-    sync = CheckpointManager(CheckpointConfig(save=f"{root}/sync"), grid)
-    asyn = CheckpointManager(CheckpointConfig(save=f"{root}/async", async_save=True), grid)
-    events, t_start = [], time.perf_counter()
-    rel = lambda: time.perf_counter() - t_start  # noqa: E731
+    state = TrainStateFallback()
 
-    def train_step():
-        s = rel()
+    def step():
         tokens = torch.randint(0, config.vocab_size, (4, config.seq_length + 1))
         model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
         opt.step()
         opt.zero_grad()
         state.iteration += 1
-        events.append(("train step", "training", s, rel()))
 
-    train_step()
-    s = rel()
-    sync.save(state, model, opt)
-    events.append(("sync save", "training", s, rel()))
-    sync_s = rel() - s
-    sync_iteration = state.iteration
-    reference = {n: p.detach().clone() for n, p in model.named_parameters()}
-    train_step()
-    s = rel()
-    stats = asyn.save(state, model, opt)
-    events.append(("async: blocking", "training", s, rel()))
-    async_iteration, async_ref = state.iteration, {n: p.detach().clone()
-                                                   for n, p in model.named_parameters()}
-    done = None
-    for _ in range(steps):
-        if done is None:
-            s = rel()
-            done = asyn.finalize(blocking=False)
-            if done is not None:
-                events.append(("finalize", "training", s, rel()))
-        train_step()
-    if done is None:
-        s = rel()
-        done = asyn.finalize(blocking=True)
-        events.append(("finalize", "training", s, rel()))
-    begin = stats["scheduled_at"] - t_start + stats["blocking_s"]
-    events.append(("async: background write", "writer process", begin, begin + done["background_s"]))
+    return config, model, opt, state, step
+
+
+def async_timeline_demo(root: str, steps: int = 8) -> dict:
+    """One process: a sync save, then an async one overlapping training; spans for a timeline."""
     from tinytron.checkpoint.formats import read_tracker
     from tinytron.checkpoint.torch_dist import load_model_weights
+    from tinytron.model import GPTModel
 
+    config, model, opt, state, step = _timeline_model()
+    grid, tl = ParallelGrid.single(), _Timeline()
+    sync = CheckpointManager(CheckpointConfig(save=f"{root}/sync"), grid)
+    asyn = CheckpointManager(CheckpointConfig(save=f"{root}/async", async_save=True), grid)
+    tl.span("train step", step)
+    tl.span("sync save", lambda: sync.save(state, model, opt))
+    sync_s, sync_ref = tl.events[-1][3] - tl.events[-1][2], _weights(model)
+    tl.span("train step", step)
+    stats = tl.span("async: blocking", lambda: asyn.save(state, model, opt))
+    async_iteration, async_ref = state.iteration, _weights(model)
+    done = None
+    for _ in range(steps):
+        if done is None:   # the per-iteration poll; drawn only when it completes the save
+            done = tl.span("finalize", lambda: asyn.finalize(blocking=False))
+            if done is None:
+                tl.events.pop()
+        tl.span("train step", step)
+    done = done or tl.span("finalize", lambda: asyn.finalize(blocking=True))
+    begin = stats["scheduled_at"] - tl.t0 + stats["blocking_s"]
+    tl.events.append(("async: background write", "writer process", begin,
+                      begin + done["background_s"]))
     fresh = GPTModel(config.replace(seed=3))
     load_model_weights(f"{root}/async", fresh)
-    ok = all(torch.equal(p, async_ref[n]) for n, p in fresh.named_parameters())
+    ok = _weights(fresh) == async_ref
     load_model_weights(f"{root}/sync", fresh)
-    ok = ok and all(torch.equal(p, reference[n]) for n, p in fresh.named_parameters())
-    return {"events": events, "sync_s": sync_s, "async_blocking_s": stats["blocking_s"],
+    return {"events": tl.events, "sync_s": sync_s, "async_blocking_s": stats["blocking_s"],
             "async_background_s": done["background_s"], "visible_after_s": done["visible_after_s"],
-            "same_tensors": ok, "tracker": read_tracker(f"{root}/async")[0],
-            "async_iteration": async_iteration, "sync_iteration": sync_iteration}
+            "same_tensors": ok and _weights(fresh) == sync_ref,
+            "tracker": read_tracker(f"{root}/async")[0], "async_iteration": async_iteration}
+
+
+def _weights(model) -> "_Snapshot":
+    return _Snapshot({n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+class _Snapshot(dict):
+    """A dict of tensors whose == is bitwise equality of every entry."""
+
+    def __eq__(self, other):
+        return self.keys() == other.keys() and all(torch.equal(self[k], other[k]) for k in self)
 
 
 def save_both_formats(root: str, config, tp: int = 2, pp: int = 2) -> None:

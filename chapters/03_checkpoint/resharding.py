@@ -21,9 +21,12 @@ import torch
 
 from tinytron.checkpoint._common import CheckpointGroups, is_sharded_optimizer, main_state
 from tinytron.checkpoint.sharded_keys import ShardedTensor, TensorLayout
+from tinytron.checkpoint.torch_dist import read_dcp_index
 
 __all__ = ["flat_range_boxes", "OptimizerPiece", "optimizer_pieces", "optimizer_state_keys",
-           "optimizer_sharded_state_dict", "optimizer_steps", "OPTIMIZER_PREFIX", "plot_reshard"]
+           "optimizer_sharded_state_dict", "optimizer_steps", "OPTIMIZER_PREFIX",
+           "checkpoint_quantities", "wanted_quantities", "piece_states", "rederive_masters",
+           "chunks_by_rank", "plot_reshard"]
 
 OPTIMIZER_PREFIX = "optimizer.state"
 """Megatron's prefix for model-space optimizer state (`fully_reshardable`): `optimizer.state.exp_avg.<key>`."""
@@ -221,6 +224,52 @@ def optimizer_sharded_state_dict(optimizer, layouts: dict, grid, keys: list[str]
                 data = torch.zeros_like(piece.main) if data is None else data.detach()
             items += _piece_tensors(piece, layout, k, data, writer and not layout.replica)
     return items
+
+
+# %% [markdown]
+# ## Reading it back
+#
+# On load every rank lists its pieces in *its* layout, allocates one staging buffer per piece
+# and quantity found in the checkpoint, and passes them to `optimizer_sharded_state_dict` in
+# place of the live state: the rectangles asked for are those of the new layout. `piece_states`
+# turns the filled buffers into the state each main parameter gets. A master weight missing
+# from the checkpoint (it was saved by an fp32 optimizer whose weights are their own masters)
+# is taken from the loaded weights, as is every master when no optimizer state is loaded at
+# all (Megatron's `reload_model_params`).
+
+# %%
+def checkpoint_quantities(directory) -> set[str]:
+    """Optimizer quantities present in a torch_dist checkpoint (param, exp_avg, …)."""
+    md = read_dcp_index(directory).state_dict_metadata
+    prefix = OPTIMIZER_PREFIX + "."
+    return {k[len(prefix):].split(".")[0] for k in md if k.startswith(prefix)}
+
+
+def wanted_quantities(pc, quantities) -> list[str]:
+    """The quantities to read for one piece (a model weight that is its own master: no 'param')."""
+    return [q for q in quantities if not (q == "param" and pc.main is pc.model_param)]
+
+
+def piece_states(pieces, quantities, staging, staged, layouts, steps) -> list:
+    """(main, state) for every optimizer piece from the staging buffers."""
+    out = []
+    for pc in pieces:
+        state = {"step": steps.get(layouts[pc.model_param].key, 0)}
+        for q in wanted_quantities(pc, quantities):
+            buf = staging[(id(pc.main), q)]
+            state[q] = buf if q == "param" else buf.view(pc.main.shape)
+        if "param" not in quantities and pc.main is not pc.model_param:
+            state["param"] = staged[pc.model_param].reshape(-1)[pc.start:pc.end].float()
+        out.append((pc.main, state))
+    return out
+
+
+def rederive_masters(optimizer) -> None:
+    """Without optimizer state, the fp32 masters start from the loaded weights (Megatron's reload)."""
+    for pc in optimizer_pieces(optimizer)[0]:
+        if pc.main is not pc.model_param:
+            pc.main.data.copy_(pc.model_param.detach().reshape(-1)[pc.start:pc.end]
+                               .view(pc.main.shape).float())
 
 
 # %% [markdown]

@@ -30,12 +30,13 @@ from tinytron.checkpoint.formats import (CheckpointSaveError, commit_checkpoint,
                                          prepare_staging, resolve_checkpoint_dir, staging_dir,
                                          unwrap_chunks)
 from tinytron.checkpoint.legacy import CHECKPOINT_VERSION, read_legacy, save_legacy
-from tinytron.checkpoint.resharding import (OPTIMIZER_PREFIX, optimizer_pieces,
+from tinytron.checkpoint.resharding import (checkpoint_quantities, optimizer_pieces,
                                             optimizer_sharded_state_dict, optimizer_state_keys,
-                                            optimizer_steps)
+                                            optimizer_steps, piece_states, rederive_masters,
+                                            wanted_quantities)
 from tinytron.checkpoint.sharded_keys import (ShardedObject, extra_state_objects,
                                               model_sharded_state_dict, param_layouts)
-from tinytron.checkpoint.torch_dist import SaveRequest, _read_metadata, read_common, read_sharded
+from tinytron.checkpoint.torch_dist import SaveRequest, read_common, read_sharded
 
 __all__ = ["CheckpointConfig", "TrainStateFallback", "get_rng_state", "set_rng_state",
            "check_model_config", "CheckpointManager", "CheckpointHooks", "make_checkpoint_hooks",
@@ -361,27 +362,18 @@ class CheckpointManager:
 # exactly as it was.
 
 # %%
-def _checkpoint_quantities(directory) -> set[str]:
-    """Optimizer quantities present in a torch_dist checkpoint (param, exp_avg, …)."""
-    md = _read_metadata(directory).state_dict_metadata
-    prefix = OPTIMIZER_PREFIX + "."
-    return {k[len(prefix):].split(".")[0] for k in md if k.startswith(prefix)}
-
-
 def _read_dist(manager, directory, common, chunks, optimizer, load_optim, load_rng, same_layout):
     """Read this layout's share of a torch_dist checkpoint into a LoadedState."""
     grid = manager.grid
     layouts = param_layouts(chunks, grid)
     staged = {p: torch.empty_like(p, device="cpu") for p in layouts}
     tensors = model_sharded_state_dict(chunks, grid, staged)
-    loaded = LoadedState(common=common)
     pieces, quantities, staging = [], [], {}
     if optimizer is not None and load_optim and "optimizer" in common:
         pieces, _ = optimizer_pieces(optimizer)
-        quantities = sorted(_checkpoint_quantities(directory))
-        for pc in pieces:
-            for q in quantities:
-                staging[(id(pc.main), q)] = torch.empty(pc.main.numel(), dtype=pc.main.dtype)
+        quantities = sorted(checkpoint_quantities(directory))
+        staging = {(id(pc.main), q): torch.empty(pc.main.numel(), dtype=pc.main.dtype)
+                   for pc in pieces for q in wanted_quantities(pc, quantities)}
         tensors += optimizer_sharded_state_dict(optimizer, layouts, grid, quantities, staging)
     objects = {}
     if load_rng:
@@ -390,21 +382,11 @@ def _read_dist(manager, directory, common, chunks, optimizer, load_optim, load_r
         objects["groups"] = _position_object(grid, "optimizer.param_groups", None)
     got = read_sharded(directory, tensors, list(objects.values()), manager.comm,
                        manager.config.verify_integrity)
-    loaded.model = [(p.data, t) for p, t in staged.items()]
+    loaded = LoadedState(common=common, model=[(p.data, t) for p, t in staged.items()])
     steps = common.get("optimizer", {}).get("steps", {})
-    for pc in pieces:
-        state = {"step": steps.get(layouts[pc.model_param].key, 0)}
-        for q in quantities:
-            if q == "param" and pc.main is pc.model_param:
-                continue   # the model weight is its own master: loaded with the model
-            buf = staging[(id(pc.main), q)]
-            state[q] = buf if q == "param" else buf.view(pc.main.shape)
-        if "param" not in quantities and pc.main is not pc.model_param:
-            state["param"] = staged[pc.model_param].reshape(-1)[pc.start:pc.end].float()
-        loaded.optimizer_pieces.append((pc.main, state))
+    loaded.optimizer_pieces = piece_states(pieces, quantities, staging, staged, layouts, steps)
     if "rng" in objects:
-        states = got[objects["rng"].unique_key]
-        r = grid.rank("dp_cp")
+        states, r = got[objects["rng"].unique_key], grid.rank("dp_cp")
         loaded.rng = states[r] if len(states) == grid.size("dp_cp") else states[0]
     if "groups" in objects:
         loaded.param_groups = got[objects["groups"].unique_key]
@@ -442,14 +424,6 @@ def _apply(manager, loaded: LoadedState, chunks, optimizer, scheduler, where):
         set_rng_state(loaded.rng, manager._tracker(chunks))
 
 
-def _rederive_masters(optimizer) -> None:
-    """Without optimizer state, the fp32 masters start from the loaded weights (Megatron's reload)."""
-    for pc in optimizer_pieces(optimizer)[0]:
-        if pc.main is not pc.model_param:
-            pc.main.data.copy_(pc.model_param.detach().reshape(-1)[pc.start:pc.end]
-                               .view(pc.main.shape).float())
-
-
 def _read(manager, directory, chunks, optimizer, load_optim, finetune):
     """Common part, config check, layout check and every tensor: a LoadedState, or ValueError."""
     cfg, grid = manager.config, manager.grid
@@ -481,6 +455,17 @@ def _read(manager, directory, chunks, optimizer, load_optim, finetune):
     return loaded
 
 
+def _train_state_dict(state, common: dict, iteration: int) -> dict:
+    """The loop's counters from a checkpoint; older or foreign ones via Megatron's saved args."""
+    out = state.state_dict()
+    args = common.get("args", {})
+    out.update({k: args[k] for k in out if k in args})
+    out.update(iteration=iteration, num_floating_point_operations_so_far=common.get(
+        "num_floating_point_operations_so_far", 0))
+    out.update({k: v for k, v in common.get("train_state", {}).items() if k in out})
+    return out
+
+
 def _load(manager, model, optimizer, scheduler, root):
     """CheckpointManager.load."""
     cfg = manager.config
@@ -505,10 +490,10 @@ def _load(manager, model, optimizer, scheduler, root):
     _apply(manager, loaded, chunks, optimizer if load_optim else None,
            None if finetune else scheduler, directory)
     if optimizer is not None and not (loaded.optimizer_pieces or loaded.optimizer_state_dict):
-        _rederive_masters(optimizer)   # no optimizer state read: masters from the weights
+        rederive_masters(optimizer)   # no optimizer state read: masters from the weights
     state = _train_state_class()()
     if not finetune:
-        state.load_state_dict(loaded.common.get("train_state", {"iteration": iteration}))
+        state.load_state_dict(_train_state_dict(state, loaded.common, iteration))
     if manager.comm.rank == 0:
         logger.info("loaded %s (iteration %d)", directory, iteration)
     return state

@@ -41,7 +41,7 @@ from tinytron.checkpoint.formats import (CHECKSUM_FILENAME, COMMON_FILENAME, DCP
 from tinytron.checkpoint.sharded_keys import (ShardedObject, ShardedTensor, extra_state_objects,
                                               model_sharded_state_dict)
 
-__all__ = ["SaveRequest", "read_sharded", "read_common", "save_model_weights",
+__all__ = ["SaveRequest", "read_sharded", "read_common", "read_dcp_index", "save_model_weights",
            "load_model_weights"]
 
 # %% [markdown]
@@ -181,8 +181,10 @@ class SaveRequest:
     def plan(self) -> None:
         """Collective: write common.pt (rank 0), build and exchange the DCP plans."""
         self.fs = _ChecksumFS(self.comm.rank)
+        # per_thread_copy_ahead=0: DCP's overlapping loader would open CUDA streams, which a
+        # forked writer must not touch; the chunks it writes are host copies already.
         self.writer = dcp.FileSystemWriter(self.directory, thread_count=self.thread_count,
-                                           overwrite=True)
+                                           overwrite=True, per_thread_copy_ahead=0)
         self.writer.fs = self.fs
         self.planner = _SavePlanner(self.tensors, self.objects)
         self.common_crc, common_error = None, None
@@ -343,7 +345,7 @@ def _verify_checksums(directory: Path, comm: CheckpointGroups) -> None:
         raise ValueError(error)
 
 
-def _read_metadata(directory: Path):
+def read_dcp_index(directory: Path):
     """DCP's index of a torch_dist directory, or ValueError naming the file."""
     detect_format(directory)
     path = directory / DCP_METADATA_FILENAME
@@ -366,7 +368,7 @@ def read_sharded(directory: Path, tensors: list[ShardedTensor], objects: list[Sh
                  comm: CheckpointGroups, verify: bool = True) -> dict:
     """Fill every ShardedTensor's data from the checkpoint; return {unique_key: object}."""
     directory = Path(directory)
-    metadata = _read_metadata(directory)
+    metadata = read_dcp_index(directory)
     _check_files(directory, metadata)
     if verify:
         _verify_checksums(directory, comm)

@@ -1,0 +1,143 @@
+"""Checkpoint benchmark, side by side in one run: a ~100M-parameter GPT with AdamW state on CPU.
+
+Per repeat (interleaved, so all share the machine's noise):
+1. `dd` writing the same number of bytes to the same disk, with fsync (the reference);
+2. a synchronous torch_dist save (write throughput = bytes / time, goal >= 0.7x dd);
+3. an async torch_dist save in `process` mode (fork) and in `thread` mode: the time training is
+   blocked (goal <= 5% of the sync save), and the background write time;
+4. a load of the torch_dist checkpoint (with and without the CRC check);
+5. a synchronous legacy save.
+
+Run: python benchmarks/bench_checkpoint.py [--repeats N] [--dir DIR]
+Writes benchmarks/results/checkpoint.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tinytron.checkpoint import CheckpointConfig, CheckpointManager, load_checkpoint
+from tinytron.checkpoint.resume import TrainStateFallback
+from tinytron.model import GPTModel, count_parameters, tiny_config
+from tinytron.optimizer import AdamW
+from tinytron.optimizer.mixed_precision import MixedPrecisionOptimizer
+from tinytron.parallel import ParallelGrid
+
+
+def build(seed: int = 0):
+    """~100M-parameter GPT (fp32) + AdamW with its state created by one real step."""
+    torch.manual_seed(seed)
+    config = tiny_config(hidden_size=768, num_layers=12, num_attention_heads=12,
+                         num_query_groups=4, ffn_hidden_size=2048, vocab_size=32000,
+                         seq_length=32)
+    model = GPTModel(config)
+    opt = MixedPrecisionOptimizer(AdamW(model.parameters(), lr=1e-4), clip_grad=1.0)
+    tokens = torch.randint(0, config.vocab_size, (1, config.seq_length + 1))
+    model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    return config, model, opt
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def run_dd(path: Path, num_bytes: int) -> float:
+    """Seconds for dd to write num_bytes (16 MiB blocks) and fsync."""
+    count = max(1, num_bytes // (16 << 20))
+    t0 = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=16M", f"count={count}",
+                    "conv=fsync"], check=True, capture_output=True)
+    seconds = time.perf_counter() - t0
+    os.remove(path)
+    return seconds * num_bytes / (count * (16 << 20))
+
+
+def one_repeat(work: Path, model, opt, rep: int) -> dict:
+    """Every measurement once, on fresh directories."""
+    grid, state = ParallelGrid.single(), TrainStateFallback(iteration=rep + 1)
+    out = {}
+    t0 = time.perf_counter()
+    CheckpointManager(CheckpointConfig(save=str(work / "sync")), grid).save(state, model, opt)
+    out["sync_s"] = time.perf_counter() - t0
+    out["bytes"] = dir_bytes(work / "sync")
+    out["dd_s"] = run_dd(work / "dd.bin", out["bytes"])
+    for mode in ("process", "thread"):
+        manager = CheckpointManager(CheckpointConfig(save=str(work / mode), async_save=True,
+                                                     async_mode=mode), grid)
+        t0 = time.perf_counter()
+        stats = manager.save(state, model, opt)
+        out[f"async_{mode}_blocking_s"] = time.perf_counter() - t0
+        done = manager.finalize(blocking=True)
+        out[f"async_{mode}_background_s"] = done["background_s"]
+        out[f"async_{mode}_visible_s"] = done["visible_after_s"]
+        del stats
+    for verify in (True, False):
+        t0 = time.perf_counter()
+        load_checkpoint(work / "sync", model, opt, verify_integrity=verify)
+        out[f"load_{'verified' if verify else 'unverified'}_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    CheckpointManager(CheckpointConfig(save=str(work / "legacy"), ckpt_format="torch"),
+                      grid).save(state, model, opt)
+    out["legacy_sync_s"] = time.perf_counter() - t0
+    for name in ("sync", "process", "thread", "legacy"):
+        shutil.rmtree(work / name)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    config, model, opt = build()
+    work = Path(args.dir or tempfile.mkdtemp(prefix="bench_ckpt_"))
+    work.mkdir(parents=True, exist_ok=True)
+    runs = [one_repeat(work, model, opt, r) for r in range(args.repeats)]
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    gb = med["bytes"] / 1e9
+    result = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "torch": torch.__version__, "machine": platform.machine(),
+        "load_average_at_start_1m": os.getloadavg()[0],
+        "parameters": count_parameters(config), "checkpoint_bytes": med["bytes"],
+        "median_seconds": med, "runs": runs,
+        "write_gbps": {"dd": gb / med["dd_s"], "torch_dist_sync": gb / med["sync_s"]},
+        "ratio_sync_throughput_over_dd": med["dd_s"] / med["sync_s"],
+        "ratio_async_process_blocking_over_sync": med["async_process_blocking_s"] / med["sync_s"],
+        "ratio_async_thread_blocking_over_sync": med["async_thread_blocking_s"] / med["sync_s"],
+        "ratio_legacy_over_torch_dist_sync": med["legacy_sync_s"] / med["sync_s"],
+    }
+    out = Path(__file__).parent / "results" / "checkpoint.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{result['parameters'] / 1e6:.0f}M params, {gb:.2f} GB per checkpoint; "
+          f"load average {result['load_average_at_start_1m']:.1f}")
+    print(f"dd {result['write_gbps']['dd']:.2f} GB/s, torch_dist sync save "
+          f"{result['write_gbps']['torch_dist_sync']:.2f} GB/s "
+          f"(ratio {result['ratio_sync_throughput_over_dd']:.2f}, goal >= 0.7)")
+    print(f"async blocking / sync: process {result['ratio_async_process_blocking_over_sync']:.3f}, "
+          f"thread {result['ratio_async_thread_blocking_over_sync']:.3f} (goal <= 0.05)")
+    print(f"load {med['load_verified_s']:.2f} s (CRC checked), {med['load_unverified_s']:.2f} s "
+          f"without; legacy save / torch_dist save {result['ratio_legacy_over_torch_dist_sync']:.2f}")
+    print(f"wrote {out}")
+    if not args.dir:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
