@@ -144,6 +144,14 @@ def test_training_log_averages_advanced_iterations_and_counts_skips():
     assert fourth["losses"]["lm loss"] == 6.0                   # the inf iteration is left out
     assert (fourth["skipped_iterations"], fourth["nan_iterations"]) == (1, 1)
     assert fourth["tflops_per_device"] == 0.5 and fourth["mfu"] == 0.5  # 2e12 / 2 s / 2 devices
+    # a first line on an interval boundary (log_interval 1, or a resume at a multiple of it)
+    # resets, so the next line does not count that iteration again
+    state = LogState(last_time=0.0)
+    one = dict(kw, log_interval=1)
+    lines = [training_log({"lm loss": torch.tensor(v)}, state, iteration=i, skipped_iter=0,
+                          consumed_train_samples=8 * i, now=float(i), **one)
+             for i, v in ((5, 2.0), (6, 4.0))]
+    assert [r["losses"]["lm loss"] for r in lines] == [2.0, 4.0]
     line = format_log_line(fourth)
     assert "number of skipped iterations:   1" in line and "MFU: 50.0%" in line
 

@@ -40,7 +40,10 @@ __all__ = ["LogState", "training_log", "format_log_line", "flops_terms",
 # $= \sum \text{FLOPs} / (t \cdot 10^{12} \cdot \text{world size})$ (Megatron divides one
 # batch's FLOPs by the time per iteration, the same number while the batch is constant), and
 # MFU = achieved FLOP/s per device / the device's peak. At the first iteration the line is
-# printed without resetting the accumulators (it shows start-up cost; `:2383`).
+# printed without resetting the accumulators (it shows start-up cost; `:2387`), unless that
+# first iteration is itself on an interval boundary: with `log_interval = 1`, or after a resume
+# at a multiple of it, Megatron's rule would count that iteration again in the next line (a
+# resumed run's second line would then differ from the uninterrupted run's), so there we reset.
 #
 # The accumulated losses stay tensors until the line is printed, so the loop never waits for
 # the device in between.
@@ -108,7 +111,11 @@ def training_log(loss_dict: dict, state: LogState, *, iteration: int, train_iter
         losses={k: float(v) / max(1, state.advanced_iterations) for k, v in state.losses.items()},
         loss_scale=loss_scale, grad_norm=grad_norm, num_zeros_in_grad=num_zeros_in_grad,
         skipped_iterations=state.skipped_iterations, nan_iterations=state.nan_iterations)
-    if not state.first:
+    # Megatron does not reset on the first line (training.py:2387), so that the next interval
+    # line still covers all its iterations. When the first line already falls on an interval
+    # boundary (log_interval 1, or a resume at a multiple of it) that would count its
+    # iteration twice, in this line and the next; we reset there, Megatron does not.
+    if not state.first or iteration % log_interval == 0:
         state.reset(now)
     state.first = False
     return record
