@@ -12,7 +12,9 @@ import functools
 import hashlib
 import json
 import math
+import numbers
 import os
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
@@ -20,13 +22,14 @@ from typing import Optional
 import numpy as np
 import torch
 
+from tinytron._fields import check_fields, check_range, document_fields
 from tinytron.data.indexed import IndexedDataset, get_bin_path, get_idx_path
 from tinytron.overview.batch import PAD_SENTINEL, get_ltor_masks_and_position_ids, mask_padding
 
 __all__ = [
     "Split", "parse_and_normalize_split", "convert_split_vector_to_split_matrix", "split_indices",
-    "GPTDatasetConfig", "get_num_epochs", "needs_separate_final_epoch", "build_document_index",
-    "build_sample_index", "build_shuffle_index", "shuffle_index_dtype",
+    "GPTDatasetConfig", "checked_blend", "get_num_epochs", "needs_separate_final_epoch",
+    "build_document_index", "build_sample_index", "build_shuffle_index", "shuffle_index_dtype",
     "build_document_sample_shuffle_indices",
     "data_identity", "GPTDataset", "plot_index_tables",
 ]
@@ -34,7 +37,8 @@ __all__ = [
 # %% [markdown]
 # ## Splits
 #
-# `--split 969,30,1` is normalised to weights and turned into book-ends
+# `--split 969,30,1` (any separator: Megatron reads the numbers with `re.findall(r"[.0-9]+")`,
+# so `90/5/5` and `90 5 5` mean the same) is normalised to weights and turned into book-ends
 # $[(0, .969), (.969, .999), (.999, 1)]$; a dataset of $n$ sequences gives split $i$ the
 # sequence ids `arange(round(lo·n), round(hi·n))` — the unit is the *sequence* (for GPT one
 # sequence per document). A zero weight gives `None`, no split at all
@@ -50,12 +54,15 @@ class Split(Enum):
 
 
 def parse_and_normalize_split(split: str) -> list[float]:
-    """'99,1,0' -> [0.99, 0.01, 0.0]."""
+    """'99,1,0' (or '99/1/0', '99 1 0') -> [0.99, 0.01, 0.0]."""
+    if not isinstance(split, str):
+        raise ValueError(f"split must be a string such as '969,30,1', got {split!r}")
     try:
-        parts = [float(x) for x in str(split).replace("/", ",").split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"split {split!r} must be up to three comma-separated numbers") from None
-    if len(parts) > 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        parts = [float(x) for x in re.findall(r"[.0-9]+", split) if x.strip(".")]
+    except ValueError:  # '1.2.3'
+        parts = []
+    # Megatron's pattern would silently read '-1' as 1: a minus sign is refused instead
+    if not parts or len(parts) > 3 or re.search(r"-\s*[.0-9]", split) or sum(parts) <= 0:
         raise ValueError(f"split {split!r} must be up to three non-negative numbers with a positive sum")
     parts += [0.0] * (3 - len(parts))
     total = float(np.sum(np.array(parts, dtype=np.float64)))
@@ -86,6 +93,7 @@ def split_indices(bookends: Optional[tuple], num_elements: int) -> Optional[np.n
 # dataset needs, `eod_id` and `pad_id` (Megatron's `-1` sentinel when the tokenizer has no pad).
 
 # %%
+@document_fields
 @dataclass
 class GPTDatasetConfig:
     """Everything that decides which samples a GPTDataset yields."""
@@ -126,13 +134,41 @@ class GPTDatasetConfig:
     """Book-ends derived from `split`."""
 
     def __post_init__(self):
-        if self.sequence_length < 2:
-            raise ValueError(f"sequence_length must be >= 2, got {self.sequence_length}")
+        check_fields(self)  # sequence_length="512" or eod_id="0" stop here, not 13 frames down
+        check_range(self, "sequence_length", 2)
+        check_range(self, "mid_level_dataset_surplus", 0)
         if self.blend is not None and self.blend_per_split is not None:
             raise ValueError("give either blend (with split) or blend_per_split, not both")
+        if self.blend is not None:
+            self.blend = checked_blend(self.blend, "blend")
+        if self.blend_per_split is not None:
+            if not isinstance(self.blend_per_split, (list, tuple)) or len(self.blend_per_split) != 3:
+                raise ValueError("blend_per_split must list 3 blends (train, valid, test; None for "
+                                 f"none), got {self.blend_per_split!r}")
+            self.blend_per_split = [None if b is None else checked_blend(b, f"blend_per_split[{i}]")
+                                    for i, b in enumerate(self.blend_per_split)]
         if self.blend_per_split is None:
             self.split_matrix = convert_split_vector_to_split_matrix(
                 parse_and_normalize_split(self.split))
+
+def checked_blend(blend, name: str = "blend") -> tuple:
+    """(prefixes as str, weights or None); ValueError naming `name` for any other shape."""
+    if not isinstance(blend, (tuple, list)) or len(blend) != 2:
+        raise ValueError(f"{name} must be a (prefixes, weights or None) pair, got {blend!r}")
+    prefixes, weights = blend
+    if (isinstance(prefixes, (str, os.PathLike)) or not isinstance(prefixes, (list, tuple))
+            or not prefixes or not all(isinstance(p, (str, os.PathLike)) for p in prefixes)):
+        raise ValueError(f"{name}[0] must be a non-empty list of path prefixes, got {prefixes!r}")
+    prefixes = [os.fspath(p) for p in prefixes]
+    if weights is None:
+        return prefixes, None
+    if not isinstance(weights, (list, tuple)) or len(weights) != len(prefixes):
+        raise ValueError(f"{name}[1] must be None or one weight per prefix ({len(prefixes)}), "
+                         f"got {weights!r}")
+    if (not all(isinstance(w, numbers.Real) and not isinstance(w, bool) and w >= 0 for w in weights)
+            or sum(weights) <= 0):
+        raise ValueError(f"{name}[1] must be non-negative numbers with a positive sum, got {weights!r}")
+    return prefixes, [float(w) for w in weights]
 
 # %% [markdown]
 # ## How many epochs, and the separate final epoch
@@ -366,7 +402,16 @@ def _is_rank_zero() -> bool:
 
 # %%
 class GPTDataset(torch.utils.data.Dataset):
-    """Megatron's GPTDataset: a split of an IndexedDataset as shuffled seq_length+1 windows."""
+    """Megatron's GPTDataset: a split of an IndexedDataset as shuffled seq_length+1 windows.
+
+    Example (most code builds it through `build_train_valid_test_datasets` instead)::
+
+        cfg = GPTDatasetConfig(sequence_length=128, split="90,5,5")
+        indexed = IndexedDataset("data/corpus_text_document")
+        ids = split_indices(cfg.split_matrix[0], len(indexed))      # the train split's sequences
+        train = GPTDataset(indexed, "data/corpus_text_document", ids, 1000, Split.train, cfg)
+        train[0]["tokens"].shape                                    # torch.Size([128])
+    """
 
     def __init__(self, indexed_dataset: IndexedDataset, dataset_path: Optional[str],
                  indexed_indices: np.ndarray, num_samples: Optional[int], index_split: Split,
@@ -446,6 +491,12 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1
+
+    def __repr__(self) -> str:
+        tokens = int(np.asarray(self.dataset.sequence_lengths)[self.indices].sum(dtype=np.int64))
+        return (f"GPTDataset(path={self.dataset_path!r}, split={self.index_split.name}, "
+                f"sequences={len(self.indices)}, tokens={tokens}, samples={len(self)}, "
+                f"sequence_length={self.config.sequence_length})")
 
     def query_tokens(self, idx: int) -> np.ndarray:
         """The seq_length + extra token ids of sample idx (int64; pad id where short)."""
