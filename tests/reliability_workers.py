@@ -83,6 +83,30 @@ def signal_rank_when(save, proc: subprocess.Popen, rank: int, sig: int, after_it
     raise TimeoutError(f"the job did not reach iteration {after_iteration}")
 
 
-__all__ = ["torchrun_cmd", "job_env", "run_job", "logged", "final_losses", "step_losses",
+def inprocess_job(save: str, args: list) -> tuple:
+    """Rank function: the tiny job under inprocess_restart (the launcher's group is replaced)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from tinytron.reliability._run import run
+    from tinytron.reliability.restarts import inprocess_restart
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.destroy_process_group()       # inprocess_restart builds one group per attempt
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timedelta(seconds=60), wait_for_workers=False)
+    attempts = []
+
+    def attempt_fn(attempt):
+        attempts.append(attempt)
+        return run(["--save", save, *map(str, args)])
+
+    code = inprocess_restart(attempt_fn, store=store, rank=rank, world_size=world,
+                             max_restarts=1, timeout_s=60)
+    return code, attempts
+
+
+__all__ = ["inprocess_job", "torchrun_cmd", "job_env", "run_job", "logged", "final_losses", "step_losses",
            "tracker_iteration",
            "signal_rank_when", "signal"]

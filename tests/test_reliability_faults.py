@@ -85,3 +85,9 @@ def test_hang_never_returns_and_around_save_arms_one_save(monkeypatch):
     with inj.around_save(4):
         assert os.environ[CHECKPOINT_FAULT_ENV] == "before_rename@0"
     assert CHECKPOINT_FAULT_ENV not in os.environ
+
+
+def test_raise_fault_is_a_recoverable_error_only_in_its_attempt():
+    with pytest.raises(RuntimeError, match="injected fault: rank 1, iteration 3"):
+        FaultInjector(["raise@3:rank=1:attempt=0"], rank=1, attempt=0).at_step_start(3)
+    FaultInjector(["raise@3:rank=1:attempt=0"], rank=1, attempt=1).at_step_start(3)

@@ -13,7 +13,9 @@ import time
 
 import pytest
 
-from tests.reliability_workers import (job_env, logged, run_job, signal_rank_when, step_losses,
+from tinytron.launch import run_on_ranks
+
+from tests.reliability_workers import (inprocess_job, job_env, logged, run_job, signal_rank_when, step_losses,
                                        torchrun_cmd, tracker_iteration)
 
 ITERS = ["--train-iters", "8", "--save-interval", "2"]
@@ -71,4 +73,12 @@ def test_sigterm_saves_exits_zero_and_the_resumed_run_continues_the_curve(tmp_pa
     assert max(it for it, _ in logged(tmp_path)) == stopped     # saved where it stopped
     code, out, _ = run_job(tmp_path, ITERS)
     assert code == 0, out[-3000:]
+    assert step_losses(tmp_path) == reference
+
+
+def test_inprocess_restart_after_a_raised_error_matches_bitwise(tmp_path, reference):
+    args = ITERS + ["--fault", "raise@5:rank=1:attempt=0"]
+    out = run_on_ranks(inprocess_job, 2, str(tmp_path), args, timeout=240)
+    assert out == [(0, [0, 1]), (0, [0, 1])]        # both ranks: two attempts, exit code 0
+    assert [it for it, _ in logged(tmp_path)] == [1, 2, 3, 4, 5, 6, 7, 8]  # resumed at 4
     assert step_losses(tmp_path) == reference

@@ -164,11 +164,16 @@ def run(argv=None) -> int:
         decrease_batch_size_if_needed=False, train_iters=args.train_iters, train_samples=None,
         eval_interval=None, eval_iters=0, save_interval=args.save_interval, exit_interval=None,
         exit_duration_in_mins=None, exit_signal_handler=True, log_interval=1, seed=1234)
-    handler = rel.signal_handler
+    handler, built = rel.signal_handler, []
+
+    def model_provider(g):
+        built.extend(build_stage_models(cfg, g))
+        return list(built)
+
     try:
         with handler:
             result = pretrain(
-                training, model_provider=lambda g: build_stage_models(cfg, g),
+                training, model_provider=model_provider,
                 forward_step_func=rel.forward_step_func(
                     partial(gpt_forward_step, micro_batch_size=MBS, seq_length=seq)),
                 data_iterators_provider=data,
@@ -182,6 +187,9 @@ def run(argv=None) -> int:
                 exit_signal=handler, rerun_state_machine=rel.rsm, step_hooks=rel,
                 wrap_forward_backward_func=lambda fb: record_losses(step_sleep(
                     fb if args.no_safety_nets else rel.forward_backward_func(fb))))
+    except BaseException:
+        _release(built)
+        raise
     finally:
         rel.shutdown()
         logger.close()
@@ -191,6 +199,17 @@ def run(argv=None) -> int:
         print(f"[run] stopped at iteration {result.state.iteration} "
               f"(reason: {result.exit_reason}), exit code {code}", flush=True)
     return code
+
+
+def _release(chunks) -> None:
+    """Break the param -> DDP hook cycles that autograd's C++ side hides from the garbage
+    collector, so that a failed attempt's process groups can really be freed (in-process
+    restart: their gloo connections must close for blocked peers to fail fast)."""
+    for chunk in chunks:
+        for p in chunk.parameters():
+            hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+            if hooks:
+                hooks.clear()
 
 
 def main() -> None:

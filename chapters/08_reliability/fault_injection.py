@@ -37,6 +37,7 @@ __all__ = ["VALUE_FAULTS", "PROCESS_FAULTS", "Fault", "parse_fault", "restart_at
 # | `kill` | `SIGKILL` to itself at the start of the step | `torchrun --max-restarts`: restart, resume |
 # | `hang` | the main thread sleeps forever inside the step | section timeout names the rank and section |
 # | `freeze` | `SIGSTOP` to itself (the whole process stops, heartbeats too) | stale heartbeat names the rank |
+# | `raise` | a `RuntimeError` at the start of the step | in-process restart (restarts page) |
 # | `kill_in_save` | `SIGKILL` at a named point inside chapter 03's save | the tracker still names a complete checkpoint |
 #
 # A value fault's `diagnostic` says which hardware (or data) story it plays, and therefore
@@ -59,7 +60,7 @@ __all__ = ["VALUE_FAULTS", "PROCESS_FAULTS", "Fault", "parse_fault", "restart_at
 
 # %%
 VALUE_FAULTS = ("nan", "inf", "spike")
-PROCESS_FAULTS = ("kill", "hang", "freeze", "kill_in_save")
+PROCESS_FAULTS = ("kill", "hang", "freeze", "raise", "kill_in_save")
 CHECKPOINT_FAULT_ENV = "TINYTRON_CHECKPOINT_FAULT"  # read by chapter 03's fault_point
 
 
@@ -68,7 +69,7 @@ class Fault:
     """One planned fault."""
 
     kind: str
-    """nan | inf | spike | kill | hang | freeze | kill_in_save."""
+    """nan | inf | spike | kill | hang | freeze | raise | kill_in_save."""
     iteration: int
     """1-based number of the iteration in which it strikes."""
     rank: int = 0
@@ -118,8 +119,9 @@ def parse_fault(spec: str) -> Fault:
 
 
 def restart_attempt() -> int:
-    """Which life of the job this is: torchrun's restart count (0 on the first launch)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    """Which life of the job this is: torchrun's restarts plus in-process restarts (0 at first)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + \
+        int(os.environ.get("TINYTRON_INPROCESS_ATTEMPT", "0"))
 
 
 # %% [markdown]
@@ -186,7 +188,7 @@ class FaultInjector:
     def at_step_start(self, iteration: int) -> None:
         """Kill, hang or freeze this process if a fault is planned for this step."""
         for f in self.faults:
-            if f.iteration != iteration or f.kind not in ("kill", "hang", "freeze"):
+            if f.iteration != iteration or f.kind not in ("kill", "hang", "freeze", "raise"):
                 continue
             self.fired.append((f.kind, iteration, "step"))
             print(f"[fault] rank {self.rank}: {f.kind} at iteration {iteration} "
@@ -195,6 +197,8 @@ class FaultInjector:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif f.kind == "freeze":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif f.kind == "raise":  # a recoverable error in Python: in-process restart territory
+                raise RuntimeError(f"injected fault: rank {self.rank}, iteration {iteration}")
             else:
                 while True:  # a hung kernel or a dead-locked loader: the main thread never returns
                     self._sleep(3600)

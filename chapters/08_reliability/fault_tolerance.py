@@ -198,8 +198,9 @@ class RankMonitor:
                  attempt: Optional[int] = None, exit_fn: Callable[[int], None] = os._exit,
                  clock: Callable[[], float] = time.monotonic):
         self.config, self.rank, self.world_size = config, rank, world_size
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) if attempt is None \
-            else attempt
+        if attempt is None:
+            from tinytron.reliability.fault_injection import restart_attempt
+            attempt = restart_attempt()
         self.store = store or connect_store(f"tinytron_ft/{attempt}/", config.heartbeat_timeout)
         self.exit_fn, self.clock = exit_fn, clock
         self._lock = threading.Lock()

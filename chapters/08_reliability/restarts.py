@@ -31,7 +31,8 @@ from tinytron.reliability.result_checks import (RerunConfig, bucket_grad_norms,
 from tinytron.reliability.rerun_state_machine import RerunDataIterator, RerunState
 from tinytron.reliability.timers import Timers
 
-__all__ = ["DistributedSignalHandler", "ReliabilityConfig", "Reliability", "rerun_state_path"]
+__all__ = ["DistributedSignalHandler", "ReliabilityConfig", "Reliability", "rerun_state_path",
+           "inprocess_restart"]
 
 # %% [markdown]
 # ## A signal is a request to stop *between* iterations
@@ -357,6 +358,82 @@ class _null:
 
 
 # %% [markdown]
+# ## In-process restart, and its limits
+#
+# A relaunch by `torchrun` costs process start, imports, process-group set-up and the CUDA
+# context — tens of seconds to minutes at scale — even when the failure was a recoverable
+# error in one rank. Megatron's `--inprocess-restart` (`megatron/training/inprocess_restart.py`)
+# keeps the processes: NVIDIA's `nvidia_resiliency_ext.inprocess.Wrapper` catches the error,
+# **aborts** the communicators (NCCL's `ncclCommAbort` unblocks ranks stuck in a collective;
+# Transformer Engine and the async checkpoint worker are reset too), runs a CUDA health check,
+# waits at a store barrier for the surviving ranks — optionally swapping in warm spares
+# (`--inprocess-active-world-size`) — and calls `pretrain` again, which reloads the last
+# checkpoint. Each attempt prefixes the `TCPStore` keys with its number so that stale keys of
+# the previous attempt are never read (`training.py:1088-1090`).
+#
+# `inprocess_restart` below is that loop for gloo: each attempt gets a fresh process group
+# over `PrefixStore("inprocess/<attempt>/", store)`; a rank whose attempt raises a recoverable
+# error destroys its group, which closes its gloo connections — a peer blocked in a collective
+# with it gets a connection error at once and fails too — every rank reports its status under
+# the attempt's prefix, meets the others at a store barrier, and if any failed all start the
+# next attempt, which resumes from the last checkpoint like a relaunch would.
+#
+# Its limits are why the process restart stays the backstop:
+#
+# - a collective can only be interrupted where the backend lets it: gloo fails fast when a
+#   peer closes its connections, NCCL needs an explicit abort; a rank stuck in a kernel or a
+#   frozen host never reaches Python again and must be killed — a process restart;
+# - a CUDA error such as an illegal memory access poisons the CUDA context: only a new
+#   process recovers;
+# - every piece of global state (RNG trackers, the rerun machine, caches, data-loader
+#   workers, memory pools, signal handlers) must be torn down and rebuilt exactly, or the
+#   "same" training diverges after the restart; leaks accumulate over many restarts. A real
+#   one bit this page's test: chapter 05's DDP registers a hook on every parameter, the hook
+#   points back to the DDP object, and the cycle runs through autograd's C++ side where the
+#   garbage collector cannot see it — so the failed attempt's process groups stayed open and
+#   the peer waited in its all-reduce for the gloo subgroup timeout (30 minutes). The launch
+#   script clears the parameters' hooks when an attempt fails (`_run._release`).
+
+# %%
+def inprocess_restart(fn, *, store, rank: int, world_size: int, max_restarts: int = 1,
+                      backend: str = "gloo", timeout_s: float = 60.0,
+                      recoverable: tuple = (RuntimeError,)):
+    """Run fn(attempt) in a fresh process group per attempt; a recoverable error restarts all ranks."""
+    import gc
+    from datetime import timedelta
+
+    for attempt in range(max_restarts + 1):
+        os.environ["TINYTRON_INPROCESS_ATTEMPT"] = str(attempt)   # the fault injector's "life"
+        prefixed = dist.PrefixStore(f"inprocess/{attempt}/", store)
+        dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        try:
+            result, status = fn(attempt), "ok"
+        except recoverable as e:  # noqa: PERF203 - one try per attempt
+            result, status = None, f"{type(e).__name__}: {e}"
+        if status != "ok":
+            # Drop the failed attempt's objects (the traceback's frames hold the grid, DDP, ...)
+            # so that destroying the groups really frees them and closes their connections:
+            # a peer blocked in a collective with this rank fails at once instead of waiting.
+            gc.collect()
+            dist.destroy_process_group()
+            gc.collect()
+        prefixed.set(f"status/{rank}", status)
+        prefixed.add("arrived", 1)
+        while int(prefixed.add("arrived", 0)) < world_size:
+            threading.Event().wait(0.05)
+        failed = {r: prefixed.get(f"status/{r}").decode() for r in range(world_size)}
+        failed = {r: v for r, v in failed.items() if v != "ok"}
+        if not failed:
+            return result                  # the last attempt's process group stays up
+        if status == "ok":
+            dist.destroy_process_group()
+        if attempt == max_restarts:
+            raise RuntimeError(f"in-process restart gave up after {attempt + 1} attempts: "
+                               f"{failed}")
+
+
+# %% [markdown]
 # ## Demo: a signal, and a bad GPU through the real loop
 #
 # First the signal handler alone: `SIGTERM` sent to this very process is recorded, not fatal.
@@ -396,35 +473,6 @@ if __name__ == "__main__":
         dist.destroy_process_group()
 
 # %% [markdown]
-# ## In-process restart, and why it is not the default
-#
-# A relaunch by `torchrun` costs process start, imports, process-group set-up and the CUDA
-# context — tens of seconds to minutes at scale — even when the failure was a recoverable
-# error in one rank. Megatron's `--inprocess-restart` (`megatron/training/inprocess_restart.py`)
-# keeps the processes: NVIDIA's `nvidia_resiliency_ext.inprocess.Wrapper` catches the error,
-# **aborts** the communicators (NCCL's `ncclCommAbort` unblocks ranks stuck in a collective;
-# Transformer Engine and the async checkpoint worker are reset too), runs a CUDA health check,
-# waits at a store barrier for the surviving ranks — optionally swapping in warm spares
-# (`--inprocess-active-world-size`) — and calls `pretrain` again, which reloads the last
-# checkpoint. Each attempt prefixes the `TCPStore` keys with its number so that stale keys of
-# the previous attempt are never read (`training.py:1088-1090`).
-#
-# Its limits are why the process restart stays the backstop:
-#
-# - a collective can only be interrupted where the backend can **abort** it: NCCL can; gloo
-#   (this CPU build) cannot, so a rank blocked in a gloo collective waits for its timeout;
-# - a CUDA error such as an illegal memory access poisons the CUDA context: only a new
-#   process recovers;
-# - every piece of global state (RNG trackers, the rerun machine, caches, data-loader
-#   workers, memory pools) must be torn down and rebuilt exactly, or the "same" training
-#   diverges after the restart; leaks accumulate over many restarts;
-# - a hung rank that never reaches Python again (stuck kernel, frozen host) cannot
-#   participate; it must be killed and replaced, which is a process restart on that node.
-#
-# This chapter therefore restarts processes (`torchrun --max-restarts`), and makes that cheap
-# where it can: detect fast (section timeouts), save often enough (next page), load fast
-# (chapter 03).
-#
 # ## Summary
 #
 # - Signals are recorded, agreed on by all ranks after the iteration, and answered with a
@@ -435,6 +483,8 @@ if __name__ == "__main__":
 # - `Reliability` installs the rerun machine, the checks, the faults, the heartbeats and the
 #   timers through the loop's own hooks; the machine's state rides along with the checkpoint
 #   that exit 16 asks for.
+# - An in-process restart skips the relaunch for errors that reach Python on a backend that
+#   can be torn down; hangs, frozen hosts and CUDA errors still need a new process.
 #
 # ## How production does it
 #
