@@ -200,6 +200,21 @@ def test_kernel_and_recompute_formulas_order():
     assert saved_bytes(layer_saved(math)) > saved_bytes(layer_saved(flash))
 
 
+def test_rng_snapshots_per_checkpoint():
+    from tinytron.memory.activations import CPU_RNG_STATE
+
+    def snapshots(device="cpu", **model):
+        cfg = MemoryConfig(tiny_config(num_layers=4, **model), device=device)
+        return {e.what: e.elements for e in chunk_saved(cfg, 0, 0)["layers"]
+                if e.what.startswith("RNG snapshots")}
+    assert snapshots(recompute_granularity="selective") == {CPU_RNG_STATE: 1,
+                                                            f"{CPU_RNG_STATE} (x3 layers)": 3}
+    assert snapshots(recompute_granularity="full", recompute_method="uniform",
+                     recompute_num_layers=3, dropout=0.1) == {
+        CPU_RNG_STATE: 2, "RNG snapshots: tracker streams": 6}  # 2 runs, 3 tracker streams
+    assert snapshots("cuda", recompute_granularity="selective") == {}
+
+
 @pytest.mark.parametrize("p,m", [(2, 1), (2, 5), (4, 3), (4, 8)])
 def test_schedule_ops_in_flight(p, m):
     cfg = MemoryConfig(tiny_config(num_layers=8), pipeline_model_parallel_size=p, num_microbatches=m)
@@ -275,6 +290,14 @@ def test_command_prints_the_functions_numbers(tmp_path, capsys):
                                "--plot", str(tmp_path / "l.png")])
     assert rc == 0 and "stage 0 (first)" in out and "stage 1 (last)" in out
     assert (tmp_path / "l.png").stat().st_size > 1000
+    rc, out, _ = _run(capsys, ["--config", str(path), "--world-size", "8", "--json",
+                               "--model.recompute_granularity", "full",
+                               "--model.recompute_method", "uniform",
+                               "--model.recompute_num_layers", "1"])
+    full = json.loads(out)
+    assert rc == 0 and full["stages"][0]["device"]["activations"] < got["stages"][0]["device"][
+        "activations"]
+    assert full["megatron"]["branch"] == "compute_activation_memory_without_sp"
     rc, out, _ = _run(capsys, ["--example", "--json"])
     ex = json.loads(out)
     assert [s["total"] for s in ex["stages"]] == [led.total for led in stage_ledgers(running_example())]
