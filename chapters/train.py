@@ -286,7 +286,9 @@ def _next_steps(argv: list[str], out_dir: str, cfg: TrainConfig) -> str:
                        "tinytron.train", *argv])
     return "\n".join([
         f"resume (the run continues from {out_dir}):",
-        f"  {launch}   (add --training.train_iters N to train on to iteration N)",
+        f"  {launch}",
+        "  (to train on to iteration N: add --training.train_iters N "
+        "--scheduler.override_opt_param_scheduler true)",
         "export to Hugging Face:",
         f"  tinytron-convert to-hf {out_dir} {out_dir}/hf",
         "open the logs:",
