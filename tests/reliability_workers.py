@@ -107,6 +107,6 @@ def inprocess_job(save: str, args: list) -> tuple:
     return code, attempts
 
 
-__all__ = ["inprocess_job", "torchrun_cmd", "job_env", "run_job", "logged", "final_losses", "step_losses",
-           "tracker_iteration",
+__all__ = ["inprocess_job", "torchrun_cmd", "job_env", "run_job", "logged", "final_losses",
+           "step_losses", "tracker_iteration",
            "signal_rank_when", "signal"]

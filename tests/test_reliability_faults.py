@@ -1,4 +1,4 @@
-"""Fault injector: spec parsing, which pass each story strikes, rank/attempt filters, save arming."""
+"""Fault injector: spec parsing, the passes each story strikes, rank/attempt filters, saves."""
 
 from __future__ import annotations
 
@@ -48,11 +48,13 @@ def test_each_story_strikes_the_passes_it_should(diagnostic, expected):
 def test_value_kinds_and_targets():
     rsm = _rsm_at(2, RerunState.INITIAL_RUN)
     assert math.isinf(FaultInjector(["inf@2"]).corrupt(torch.tensor(2.0), "loss", rsm).item())
-    assert FaultInjector(["spike@2:factor=10"]).corrupt(torch.tensor(2.0), "loss", rsm).item() == 20.0
+    spike = FaultInjector(["spike@2:factor=10"])
+    assert spike.corrupt(torch.tensor(2.0), "loss", rsm).item() == 20.0
     grad = torch.ones(5)
     out = FaultInjector(["nan@2:target=grad"]).corrupt(grad, "grad", rsm)
     assert out is grad and math.isnan(grad[0].item()) and grad[1:].eq(1).all()  # in place
-    assert FaultInjector(["nan@2:target=grad"]).corrupt(torch.tensor(2.0), "loss", rsm).item() == 2.0
+    grad_only = FaultInjector(["nan@2:target=grad"])
+    assert grad_only.corrupt(torch.tensor(2.0), "loss", rsm).item() == 2.0
     loss = torch.tensor(3.0, requires_grad=True)
     bad = FaultInjector(["nan@2"]).corrupt(loss * 2, "loss", rsm)
     bad.backward()

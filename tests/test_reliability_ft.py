@@ -24,7 +24,8 @@ def test_nobody_late_no_verdict_and_each_section_has_its_timeout():
     reps = {0: _rep("step", True), 1: _rep("checkpoint", False), 2: _rep(None, False)}
     assert find_hung_ranks(reps, {0: (0.1, 9.9), 1: (0.1, 19.9), 2: (0.1, 29.9)}, CFG) is None
     v = find_hung_ranks(reps, {0: (0.1, 1.0), 1: (0.1, 20.5), 2: (0.1, 1.0)}, CFG)
-    assert "rank 1 hung in section 'checkpoint'" in v and "rank 2" in v  # both busy outside a collective
+    # both are busy outside a collective
+    assert "rank 1 hung in section 'checkpoint'" in v and "rank 2" in v
 
 
 def test_the_rank_outside_the_collective_is_blamed_not_the_waiting_ones():

@@ -1,4 +1,4 @@
-"""Logs: Megatron scalar names in TensorBoard (read back by tensorboard's reader), JSONL, console."""
+"""Logs: Megatron's scalar names in TensorBoard (read back by its reader), JSONL, console, trace."""
 
 from __future__ import annotations
 

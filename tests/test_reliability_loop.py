@@ -51,7 +51,8 @@ def test_transient_nan_exits_17_without_a_new_checkpoint_and_resumes(tmp_path):
 def test_persistent_nan_checkpoints_16_then_same_node_16_other_node_17(tmp_path):
     fault = ["--fault", "nan@3:diagnostic=persistent_error:node=node-A"]
     assert _launch(tmp_path, *fault) == 16
-    assert tracker_iteration(tmp_path) == 2 and os.path.exists(rerun_state_path(str(tmp_path), 2, 0))
+    assert tracker_iteration(tmp_path) == 2
+    assert os.path.exists(rerun_state_path(str(tmp_path), 2, 0))
     assert _launch(tmp_path, *fault, node="node-A") == 16   # rescheduled on the bad GPU
     assert _launch(tmp_path, *fault, node="node-B") == 17
     assert _statuses(tmp_path) == ["INITIAL_RUN", "FIRST_RERUN_REPRODUCIBLE",

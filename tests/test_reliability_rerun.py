@@ -25,7 +25,7 @@ def _machine(tmp_path=None, node="n0", **kw):
 
 
 def _step(rsm, data, values, fatal=True, message="loss is NaN", check=torch.isnan):
-    """One train step: each pass validates `values(rsm)` (a list); returns passes and the decision."""
+    """One train step, each pass validating `values(rsm)`; returns the passes and the decision."""
     passes = []
     while rsm.should_run_forward_backward(data):
         seen, batches = [], []
@@ -165,7 +165,8 @@ def test_non_fatal_spike_continues_with_the_rerun_values(tmp_path):
 def test_rerun_replays_rng_so_dropout_losses_are_bitwise_equal():
     rsm, _ = _machine(mode="report_determinism_stats")
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.5), torch.nn.Linear(32, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(32, 1))
     g = torch.Generator().manual_seed(3)
     data = RerunDataIterator(iter([torch.randn(4, 8, generator=g) for _ in range(10)]))
     losses = []
@@ -197,7 +198,8 @@ def test_rewind_asks_for_no_more_than_was_read():
 
 def test_unexpectedly_large_warmup_threshold_and_resample():
     rsm = RerunStateMachine()
-    assert not any(rsm.is_unexpectedly_large(v, 10, "grads", num_samples=3) for v in [1.0, 3.0, 2.0])
+    assert not any(rsm.is_unexpectedly_large(v, 10, "grads", num_samples=3)
+                   for v in [1.0, 3.0, 2.0])
     assert not rsm.is_unexpectedly_large(29.9, 10, "grads", num_samples=3)
     assert rsm.is_unexpectedly_large(30.0, 10, "grads", num_samples=3)
     assert rsm.is_unexpectedly_large(-30.0, 10, "grads", num_samples=3)   # magnitude

@@ -15,8 +15,9 @@ import pytest
 
 from tinytron.launch import run_on_ranks
 
-from tests.reliability_workers import (inprocess_job, job_env, logged, run_job, signal_rank_when, step_losses,
-                                       torchrun_cmd, tracker_iteration)
+from tests.reliability_workers import (inprocess_job, job_env, logged, run_job,
+                                       signal_rank_when, step_losses, torchrun_cmd,
+                                       tracker_iteration)
 
 ITERS = ["--train-iters", "8", "--save-interval", "2"]
 

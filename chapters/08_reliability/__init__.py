@@ -21,8 +21,8 @@ from tinytron.reliability.restarts import (DistributedSignalHandler, Reliability
 from tinytron.reliability.observability import (LoggingConfig, MetricsLogger, ProgressBar,
                                                 memory_report, read_tensorboard_scalars)
 
-__pages__ = ["long_run", "rerun_state_machine", "result_checks", "fault_injection", "fault_tolerance",
-             "restarts", "timers", "observability", "trace", "full_cuda_graph"]
+__pages__ = ["long_run", "rerun_state_machine", "result_checks", "fault_injection",
+             "fault_tolerance", "restarts", "timers", "observability", "trace", "full_cuda_graph"]
 
 __all__ = ["EXIT_CODE_FAILED_ON_RESULT_VALIDATION", "EXIT_CODE_RESUME_TO_DISAMBIGUATE",
            "RerunDataIterator", "RerunDiagnostic", "RerunMode", "RerunState", "RerunStateMachine",

@@ -7,8 +7,8 @@
 Exit codes: 0 (done, or stopped by SIGTERM/SIGINT after a save), 16/17 (the rerun state
 machine), 18 (a hang detected by the rank monitor). The log records go to <save>/losses.jsonl
 (last rank, every iteration) and each rank's exact per-micro-batch loss sums to
-<save>/step_losses_rank<r>.jsonl. Not a page: the tests and the benchmark drive it; tinytron.train is the real
-trainer.
+<save>/step_losses_rank<r>.jsonl. Not a page: the tests and the benchmark drive it;
+tinytron.train is the real trainer.
 """
 
 from __future__ import annotations

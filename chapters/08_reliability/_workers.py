@@ -2,11 +2,71 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
+import torch
 import torch.distributed as dist
 
+from tinytron.reliability.rerun_state_machine import RerunDataIterator, RerunStateMachine
 
+
+# -- the rerun page's demo: a miniature train loop driven by the machine ------------------
+def _demo_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 1))
+
+
+def _demo_batches():
+    g = torch.Generator().manual_seed(1)
+    while True:
+        yield torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+
+
+def _demo_run(rsm, model, opt, data, num_iters, corrupt, ckpt=None, log=None):
+    """A miniature train loop: 2 micro-batches per step; returns (exit code, checkpoint)."""
+    for _ in range(num_iters):
+        while rsm.should_run_forward_backward(data):
+            opt.zero_grad()
+            for _mb in range(2):
+                x, y = next(data)
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss = corrupt(loss, rsm)
+                rsm.validate_result(loss, torch.isnan, "loss is NaN", fatal=True)
+                if log is not None:
+                    log.append((rsm.current_iteration, rsm.state.name, loss.item()))
+                loss.backward()
+        save, leave, code = rsm.should_checkpoint_and_exit()
+        if save:
+            ckpt = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                    "rsm": rsm.state_dict(), "iteration": rsm.current_iteration - 1}
+        if leave:
+            return code, ckpt
+        opt.step()
+    return 0, ckpt
+
+
+def demo_launch(node, tracker, corrupt, ckpt=None, num_iters=4, mode="validate_results"):
+    """One job launch on `node`: fresh, or relaunched from `ckpt`."""
+    model = _demo_model()
+    rsm = RerunStateMachine(mode, tracker_path=tracker, identity_func=lambda: (node, -1))
+    start = 0
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        rsm.load_state_dict(ckpt["rsm"])
+        torch.set_rng_state(ckpt["rng"])
+        start = rsm.current_iteration = ckpt["iteration"]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = RerunDataIterator(itertools.islice(_demo_batches(), 2 * start, None))
+    log: list = []
+    code, new_ckpt = _demo_run(rsm, model, opt, data, num_iters - start, corrupt, None, log)
+    if new_ckpt is not None:
+        new_ckpt["rng"] = torch.get_rng_state()
+    return code, new_ckpt, log, rsm
+
+
+# -- the timers page -----------------------------------------------------------------------
 def straggler_timers(num_iters: int, forward_sleep: dict) -> dict:
     """Run `num_iters` fake iterations with per-rank forward sleeps; report the timers."""
     from tinytron.reliability.timers import Timers

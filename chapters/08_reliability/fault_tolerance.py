@@ -123,7 +123,8 @@ def main_thread_position() -> tuple[str, bool]:
     frame = sys._current_frames().get(threading.main_thread().ident)
     if frame is None:
         return "?", False
-    where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+    code = frame.f_code
+    where = f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
     in_collective = False
     marker = os.sep.join(("torch", "distributed", ""))
     while frame is not None:

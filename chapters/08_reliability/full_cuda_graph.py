@@ -175,7 +175,7 @@ class FullCudaGraphWrapper:
         self.results: dict[str, Any] = {"training": None, "validation": None}
 
     def data_read(self, data_iterator, num_microbatches: int, stage: str):
-        """Pull the iteration's micro-batches now and return an iterator over their static copies."""
+        """Pull the iteration's micro-batches now; an iterator over their static copies."""
         if isinstance(data_iterator, list):  # one iterator per virtual-pipeline chunk
             return [self.data_read(d, num_microbatches, f"{stage}/{i}")
                     for i, d in enumerate(data_iterator)]

@@ -254,7 +254,7 @@ def _jsonable(x: Any):
 
 
 def read_tensorboard_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar of a TensorBoard directory as {tag: [(step, value), ...]} (the tensorboard reader)."""
+    """Every scalar of a TensorBoard log dir: {tag: [(step, value), ...]}, by its own reader."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(log_dir, size_guidance={"scalars": 0})  # 0 = keep every point
@@ -305,7 +305,8 @@ if __name__ == "__main__":
                            world_size=1, peak_flops=None, log_interval=2)
         if rec is not None:
             logger(rec)
-    logger({"iteration": iters, "consumed_train_samples": 4 * iters, "validation": {"lm loss": 4.0}})
+    logger({"iteration": iters, "consumed_train_samples": 4 * iters,
+            "validation": {"lm loss": 4.0}})
     logger.close()
     print(console.getvalue().strip().splitlines()[-1])
     print(format_memory_report(memory_report("cpu"), "(after 12 iterations)"))

@@ -78,7 +78,7 @@ class RerunDiagnostic(str, enum.Enum):
 
 
 class RerunMode(str, enum.Enum):
-    """disabled: checks raise at once; validate_results: rerun to diagnose; report_determinism_stats."""
+    """disabled (checks raise at once), validate_results (rerun), report_determinism_stats."""
     DISABLED = "disabled"
     VALIDATE_RESULTS = "validate_results"
     REPORT_DETERMINISM_STATS = "report_determinism_stats"
@@ -237,17 +237,11 @@ def default_identity() -> tuple[str, int]:
 #
 # ## The tracker file and the checkpoint payload
 #
-# Every event appends one line (`_log_validation_error_to_file`, `:1022`):
-# `ts=… node=… device=… jobID=… rank=… iteration=… status=… result=… message='…'`. On the
-# next launch `get_skipped_iterations_from_tracker_file` (`:1042`) reads it back: an
-# iteration that was rejected twice on the same rank *with a reproducible verdict* (or in
-# disabled mode) is skipped, unless several ranks reported it in one job (then the data is
-# not to blame). The train loop then consumes that step's micro-batches without computing
-# them and counts them as skipped samples.
-#
-# The machine's state goes into every checkpoint, per rank (Megatron: a `ShardedObject`
-# keyed `rerun_state_machine_state` with shape `(world,)` and offset `(rank,)`, written even
-# in steady state so that successive checkpoints have the same structure).
+# Every event appends one line `ts=… node=… device=… jobID=… rank=… iteration=… status=…
+# result=… message='…'` (`_log_validation_error_to_file`, `:1022`); the next page reads it back
+# to skip bad iterations. The machine's state goes into every checkpoint, per rank (Megatron:
+# a `ShardedObject` keyed `rerun_state_machine_state`, shape `(world,)`, offset `(rank,)`,
+# written even in steady state so that successive checkpoints have the same structure).
 
 # %%
 class RerunStateMachine:
@@ -466,7 +460,7 @@ class RerunStateMachine:
 
     def is_unexpectedly_large(self, result: Any, threshold: float, context: str,
                               num_samples: int = 100, resample: bool = False) -> bool:
-        """True once `|result|` reaches `threshold` times the max of the first `num_samples` values."""
+        """True once `|result|` reaches `threshold` x the max of the first `num_samples` values."""
         value = abs(_to_float(result))
         if math.isnan(value) or math.isinf(value):
             return False
@@ -507,16 +501,18 @@ class RerunStateMachine:
 
     def state_dict(self) -> dict:
         """This rank's machine state, for the checkpoint (same keys in every state)."""
+        fvc = self.failed_validation_call
         return {"mode": self.mode.value, "state": int(self.state),
                 "current_iteration": self.current_iteration,
                 "flags": [self.rerun_requested, self.checkpoint_requested,
                           self.restart_again_requested, self.continue_requested],
                 "error_injector": self.error_injector and self.error_injector.state_dict(),
-                "failed_validation_call": None if self.failed_validation_call is None else
-                [self.failed_validation_call.caller.message, self.failed_validation_call.caller.rank,
-                 self.failed_validation_call.sequence],
-                "initial_result": None if self.initial_result is None else float(self.initial_result),
-                "suspicious_node": self.suspicious_node, "suspicious_device": self.suspicious_device,
+                "failed_validation_call": None if fvc is None else
+                [fvc.caller.message, fvc.caller.rank, fvc.sequence],
+                "initial_result": None if self.initial_result is None else
+                _to_float(self.initial_result),
+                "suspicious_node": self.suspicious_node,
+                "suspicious_device": self.suspicious_device,
                 "large_value_counts": dict(self.large_value_counts),
                 "max_values": dict(self.max_values)}
 
@@ -533,7 +529,8 @@ class RerunStateMachine:
         fvc = sd["failed_validation_call"]
         self.failed_validation_call = None if fvc is None else Call(Caller(fvc[0], fvc[1]), fvc[2])
         self.initial_result = sd["initial_result"]
-        self.suspicious_node, self.suspicious_device = sd["suspicious_node"], sd["suspicious_device"]
+        self.suspicious_node = sd["suspicious_node"]
+        self.suspicious_device = sd["suspicious_device"]
         self.large_value_counts = dict(sd["large_value_counts"])
         self.max_values = dict(sd["max_values"])
 
@@ -548,69 +545,16 @@ def _detach(result):
 # A deterministic two-layer model with dropout trains on fixed micro-batches. A `corrupt`
 # function plays the hardware: it turns the loss of iteration 3 into NaN — on the first pass
 # only (a transient bit flip), on every pass of "node-A" (a bad GPU), or on every pass anywhere
-# (the data itself). A "relaunch" builds a new machine, loads the checkpoint dict and
-# continues on the node we choose.
+# (the data itself). Each "launch" (`demo_launch`, a 20-line train loop in the chapter's
+# `_workers.py` with the `while should_run_forward_backward` body shown above) builds a
+# fresh machine, optionally loads the checkpoint dict the previous launch wrote, and runs on
+# the node we choose.
 
 # %%
-def _demo_model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.Tanh(),
-                               torch.nn.Linear(16, 1))
-
-
-def _demo_batches():
-    g = torch.Generator().manual_seed(1)
-    while True:
-        yield torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
-
-
-def _demo_run(rsm, model, opt, data, num_iters, corrupt, ckpt=None, log=None):
-    """A miniature train loop: 2 micro-batches per step; returns (exit code, checkpoint)."""
-    for _ in range(num_iters):
-        while rsm.should_run_forward_backward(data):
-            opt.zero_grad()
-            for _mb in range(2):
-                x, y = next(data)
-                loss = torch.nn.functional.mse_loss(model(x), y)
-                loss = corrupt(loss, rsm)
-                rsm.validate_result(loss, torch.isnan, "loss is NaN", fatal=True)
-                if log is not None:
-                    log.append((rsm.current_iteration, rsm.state.name, loss.item()))
-                loss.backward()
-        save, leave, code = rsm.should_checkpoint_and_exit()
-        if save:
-            ckpt = {"model": {k: v.clone() for k, v in model.state_dict().items()},
-                    "rsm": rsm.state_dict(), "iteration": rsm.current_iteration - 1}
-        if leave:
-            return code, ckpt
-        opt.step()
-    return 0, ckpt
-
-
-def _demo_launch(node, tracker, corrupt, ckpt=None, num_iters=4, mode="validate_results"):
-    """One job launch on `node`: fresh, or relaunched from `ckpt`."""
-    import itertools
-
-    model = _demo_model()
-    rsm = RerunStateMachine(mode, tracker_path=tracker, identity_func=lambda: (node, -1))
-    start = 0
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        rsm.load_state_dict(ckpt["rsm"])
-        torch.set_rng_state(ckpt["rng"])
-        start = rsm.current_iteration = ckpt["iteration"]
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = RerunDataIterator(itertools.islice(_demo_batches(), 2 * start, None))
-    log: list = []
-    code, new_ckpt = _demo_run(rsm, model, opt, data, num_iters - start, corrupt, None, log)
-    if new_ckpt is not None:
-        new_ckpt["rng"] = torch.get_rng_state()
-    return code, new_ckpt, log, rsm
-
-
 if __name__ == "__main__":
     import tempfile
 
+    from tinytron.reliability._workers import demo_launch
     from tinytron.reliability.result_checks import get_skipped_iterations_from_tracker_file
 
     nan = float("nan")
@@ -625,7 +569,7 @@ if __name__ == "__main__":
         return loss * nan if hit else loss
 
     tracker = f"{tmp}/transient.txt"
-    code, ckpt, log, rsm = _demo_launch("node-A", tracker, transient)
+    code, ckpt, log, rsm = demo_launch("node-A", tracker, transient)
     print("transient:", [(it, st, round(v, 4)) for it, st, v in log if it == 3])
     assert (code, ckpt, rsm.diagnosis) == (17, None, RerunDiagnostic.TRANSIENT_ERROR)
     assert statuses(tracker) == ["initial_run", "first_rerun_not_reproducible"]
@@ -639,11 +583,11 @@ if __name__ == "__main__":
 
     tracker = f"{tmp}/persistent.txt"
     codes = []
-    code, ckpt, _, _ = _demo_launch("node-A", tracker, bad_gpu)
+    code, ckpt, _, _ = demo_launch("node-A", tracker, bad_gpu)
     codes.append(code)
-    code, _, _, _ = _demo_launch("node-A", tracker, bad_gpu, ckpt)  # rescheduled on the same GPU
+    code, _, _, _ = demo_launch("node-A", tracker, bad_gpu, ckpt)  # rescheduled on the same GPU
     codes.append(code)
-    code, _, log, rsm = _demo_launch("node-B", tracker, bad_gpu, ckpt)
+    code, _, log, rsm = demo_launch("node-B", tracker, bad_gpu, ckpt)
     codes.append(code)
     print("persistent: exit codes", codes, "->", rsm.diagnosis.value)
     assert codes == [16, 16, 17] and rsm.diagnosis == RerunDiagnostic.PERSISTENT_ERROR
@@ -654,15 +598,15 @@ if __name__ == "__main__":
         return loss * nan if rsm.current_iteration == 3 else loss
 
     tracker = f"{tmp}/correct.txt"
-    code1, ckpt, _, _ = _demo_launch("node-A", tracker, bad_data)
-    code2, _, _, rsm = _demo_launch("node-B", tracker, bad_data, ckpt)
+    code1, ckpt, _, _ = demo_launch("node-A", tracker, bad_data)
+    code2, _, _, rsm = demo_launch("node-B", tracker, bad_data, ckpt)
     print("correct result: exit codes", [code1, code2], "->", rsm.diagnosis.value,
           "| skip on relaunch:", get_skipped_iterations_from_tracker_file(tracker))
     assert [code1, code2] == [16, 17] and rsm.diagnosis == RerunDiagnostic.CORRECT_RESULT
     assert get_skipped_iterations_from_tracker_file(tracker) == [3]  # defined on the next page
 
     # 4. Reruns replay data and dropout exactly: determinism stats see only zeros.
-    code, _, log, rsm = _demo_launch("node-A", None, lambda loss, rsm: loss,
+    code, _, log, rsm = demo_launch("node-A", None, lambda loss, rsm: loss,
                                      mode="report_determinism_stats")
     diffs = rsm.determinism_diffs["loss is NaN"]
     print(f"determinism: {len(diffs)} rerun comparisons, max relative difference {max(diffs)}")

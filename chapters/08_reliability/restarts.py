@@ -398,7 +398,7 @@ class _null:
 def inprocess_restart(fn, *, store, rank: int, world_size: int, max_restarts: int = 1,
                       backend: str = "gloo", timeout_s: float = 60.0,
                       recoverable: tuple = (RuntimeError,)):
-    """Run fn(attempt) in a fresh process group per attempt; a recoverable error restarts all ranks."""
+    """fn(attempt) in a fresh process group per attempt; a recoverable error restarts all ranks."""
     import gc
     from datetime import timedelta
 

@@ -69,7 +69,7 @@ class RerunConfig:
     error_injection_rate: int = 0
     """Megatron's random injector: about one rejection per N validations (0 = off)."""
     error_injection_type: str = "transient_error"
-    """The verdict the random injector forces: transient_error | persistent_error | correct_result."""
+    """The verdict it forces: transient_error | persistent_error | correct_result."""
     result_rejected_tracker_filename: Optional[str] = None
     """Append-only file of validation events; read back to skip bad iterations."""
 
@@ -79,7 +79,8 @@ class RerunConfig:
                              f"got {self.rerun_mode!r}")
         if self.error_injection_type not in {d.value for d in RerunDiagnostic}:
             raise ValueError(f"error_injection_type must be one of "
-                             f"{[d.value for d in RerunDiagnostic]}, got {self.error_injection_type!r}")
+                             f"{[d.value for d in RerunDiagnostic]}, "
+                             f"got {self.error_injection_type!r}")
         if self.error_injection_rate < 0:
             raise ValueError(f"error_injection_rate must be >= 0, got {self.error_injection_rate}")
 
@@ -229,7 +230,8 @@ def checked_loss_func(loss_func: Callable, rsm: RerunStateMachine, config: Rerun
 # %%
 _TRACKER_LINE = re.compile(r"node=(?P<node>\S+) device=(?P<device>\S+) jobID=(?P<job>\S+) "
                            r"rank=(?P<rank>\d+) iteration=(?P<iteration>-?\d+) "
-                           r"status=(?P<status>\S+) result=(?P<result>\S+) message='(?P<message>.*)'")
+                           r"status=(?P<status>\S+) result=(?P<result>\S+) "
+                           r"message='(?P<message>.*)'")
 _SKIP_STATUSES = {"RERUN_DISABLED", "FIRST_RERUN_REPRODUCIBLE", "SECOND_RERUN_REPRODUCIBLE"}
 
 
