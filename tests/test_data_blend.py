@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from tinytron.data._reference import (reference_blending_indices,
                                       reference_exhaustive_blending_indices)
@@ -126,6 +127,14 @@ def test_blend_per_split(tmp_path):
     train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, [100, 20, None], lambda: True, cfg).build()
     assert isinstance(train, BlendedDataset) and len(train) == 100 and test is None
     assert valid.dataset_path == b and len(valid) >= 20
+    # a single *weighted* prefix per split is a plain dataset too, its weight ignored, as in
+    # Megatron (blended_megatron_dataset_builder.py:251-255): same samples as the unweighted one
+    weighted = GPTDatasetConfig(sequence_length=8, path_to_cache=str(tmp_path / "c"),
+                                blend_per_split=[([a, b], [1, 1]), ([b], [0.3]), None])
+    _, valid_w, _ = BlendedMegatronDatasetBuilder(GPTDataset, [100, 20, None], lambda: True,
+                                                  weighted).build()
+    assert isinstance(valid_w, GPTDataset) and len(valid_w) == len(valid)
+    assert all(torch.equal(valid_w[i]["tokens"], valid[i]["tokens"]) for i in range(len(valid)))
 
 
 def test_empty_split_with_requested_samples_names_dataset_and_split(tmp_path):

@@ -632,3 +632,18 @@ def test_factory_choices_and_scheduler_lengths():
                                                       lr_wsd_decay_iters=20, lr_decay_iters=80),
                                       sgd, OptimizerConfig(lr=0.1), train_iters=100, global_batch_size=8)
     assert (s.lr_warmup_steps, s.lr_decay_steps, s.wsd_decay_steps, s.wd_incr_steps) == (40, 640, 160, 800)
+
+
+def test_warmup_fraction_stays_a_float_sample_count():
+    """Megatron keeps lr_warmup_fraction * decay as a float (training.py:1840); no truncation."""
+    from tinytron.optimizer import OptimizerConfig, SchedulerConfig, get_optimizer_param_scheduler
+
+    class _Groups:
+        param_groups = [{}]
+
+    sched = get_optimizer_param_scheduler(SchedulerConfig(lr_warmup_fraction=0.013), _Groups(),
+                                          OptimizerConfig(lr=1e-3), train_iters=150,
+                                          global_batch_size=8)
+    assert sched.lr_warmup_steps == pytest.approx(0.013 * 1200)  # 15.6 samples, not 15
+    sched.step(15)
+    assert sched.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * 15 / 15.6)

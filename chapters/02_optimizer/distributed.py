@@ -142,7 +142,8 @@ def plot_ownership_map(buffer: ParamAndGradBuffer, ax=None, title: str = ""):
 # Gathering full tensors on every rank does not scale to large models, so there is also a
 # *sharded* form without any communication: `sharded_state_dict()` returns only my pieces, each
 # tagged with its flat `range` inside the parameter and the parameter's full `shape` (the idea of
-# Megatron's flattened-range checkpoint formats, `distrib_optimizer.py:2797-2922`);
+# Megatron's sharded checkpoint formats, `sharded_param_state_dp_zero` … `_fs_model_space`,
+# `distrib_optimizer.py:1601-1946`);
 # `merge_sharded_state_dicts` turns the pieces of all ranks back into the full form.
 
 # %%

@@ -55,7 +55,14 @@ __all__ = ["OptimizerConfig", "SchedulerConfig", "get_megatron_optimizer", "buil
 @document_fields
 @dataclass
 class OptimizerConfig:
-    """Megatron's optimizer options that tinytron implements (same names, same defaults)."""
+    """Megatron's optimizer options that tinytron implements (same names and defaults).
+
+    The defaults are those of Megatron's command line (`megatron/training/arguments.py`), which
+    is what a run gets. Two differ from the `OptimizerConfig` class of megatron/core, which the
+    command line always overrides: `min_lr` 0.0 (`arguments.py:2654`; the class has None,
+    `optimizer_config.py:151`) and `optimizer_offload_fraction` 1.0 (`arguments.py:2585`; the
+    class has 0.0, `optimizer_config.py:347`).
+    """
 
     optimizer: str = "adam"
     """adam, sgd, lion or muon."""
@@ -305,7 +312,8 @@ def get_optimizer_param_scheduler(config: SchedulerConfig, optimizer, opt_config
                                   train_iters: int, global_batch_size: int) -> OptimizerParamScheduler:
     """The scheduler with every length converted from iterations to samples."""
     decay = (config.lr_decay_iters or train_iters) * global_batch_size
-    warmup = (int(config.lr_warmup_fraction * decay) if config.lr_warmup_fraction is not None
+    # a fraction stays a float sample count, as Megatron keeps it (training.py:1840)
+    warmup = (config.lr_warmup_fraction * decay if config.lr_warmup_fraction is not None
               else config.lr_warmup_iters * global_batch_size)
     wsd = None if config.lr_wsd_decay_iters is None else config.lr_wsd_decay_iters * global_batch_size
     wd = opt_config.weight_decay

@@ -291,6 +291,11 @@ class BlendedMegatronDatasetBuilder:
                 split[i] = (0.0, 1.0)
                 sizes = [0] * 3
                 sizes[i] = self.sizes[i]
+                if blend is not None and len(blend[0]) == 1:
+                    # one prefix: a plain dataset, its weight ignored
+                    # (blended_megatron_dataset_builder.py:251-255)
+                    out.append(self._build_splits(blend[0][0], split, sizes)[i])
+                    continue
                 out.append(None if blend is None else self._build_blend(blend, split, sizes)[i])
             return out
         return self._build_blend(self.config.blend, self.config.split_matrix, self.sizes)

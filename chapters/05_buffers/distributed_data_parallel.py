@@ -83,7 +83,9 @@ def default_bucket_size(config: DistributedDataParallelConfig, dp_size: int) -> 
         return None  # one bucket: nothing to overlap with, so fewer, larger collectives win
     if config.bucket_size is not None:
         return config.bucket_size
-    # Large DP: keep each ring chunk (bucket / dp) big enough to stay bandwidth-bound.
+    # Large DP: keep each ring chunk (bucket / dp) big enough to stay bandwidth-bound. dp is
+    # the data-parallel size *without* CP, as in Megatron's DDP (distributed_data_parallel.py:69);
+    # Megatron's training script instead passes max(40M, 1M * dp_cp) in (training.py:1772-1775).
     return max(40_000_000, 1_000_000 * dp_size)
 
 
@@ -346,7 +348,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.grid = grid
         self.dp_group, self.dp_size, self.dp_rank = axis_info(grid, "dp_cp")
         _, _, pp_rank = axis_info(grid, "pp")
-        self.bucket_size = default_bucket_size(config, self.dp_size)
+        self.bucket_size = default_bucket_size(config, grid.size("dp"))  # dp without CP
         if disable_bucketing or pp_rank > 0:  # DP comm of later stages is off the critical path
             self.bucket_size = None
         self.timeline = timeline
