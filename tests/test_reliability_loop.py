@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -68,6 +69,10 @@ def test_bad_data_is_a_correct_result_and_marked_for_skipping(tmp_path):
     assert _statuses(tmp_path)[-1] == "SECOND_RERUN_REPRODUCIBLE"
     assert get_skipped_iterations_from_tracker_file(
         str(tmp_path / "result_rejected_tracker.txt")) == [3]
+    assert _launch(tmp_path, *fault, node="node-C") == 0   # the next launch skips iteration 3
+    assert [it for it, _ in logged(tmp_path)] == [1, 2, 4]
+    last = [json.loads(x) for x in open(tmp_path / "losses.jsonl")][-1]
+    assert (last["consumed_train_samples"], last["skipped_train_samples"]) == (32, 8)
 
 
 def test_nan_in_a_gradient_bucket_is_caught_by_the_grad_check(tmp_path):

@@ -379,6 +379,13 @@ def _advance_microbatches(calculator, state: TrainState, previous: int, save) ->
     return m
 
 
+def _dummy_train_step(data_iterator, num_microbatches: int) -> None:
+    """Consume a skipped iteration's micro-batches without computing them."""
+    for it in data_iterator if isinstance(data_iterator, list) else [data_iterator]:
+        for _ in range(num_microbatches if it is not None else 0):
+            next(it)
+
+
 def _account(state: TrainState, calculator, batch: int, flops_fn) -> tuple[int, int]:
     """One more iteration: its samples consumed (skipped or not), skipped samples, FLOPs."""
     flops = flops_fn(batch) if flops_fn is not None else 0
@@ -412,7 +419,7 @@ def train(forward_step_func, model: list, optimizer, scheduler, train_data_itera
           config: ScheduleConfig, do_valid: bool | None = None, save_checkpoint_fn=None,
           finalize_async_save_fn=None, flops_fn=None, peak_flops=None, log_fn=None,
           exit_signal=None, clock=time.time, rerun_state_machine=None,
-          step_hooks=None) -> str | None:
+          step_hooks=None, iterations_to_skip=()) -> str | None:
     """Run iterations until train_iters or an exit condition; return the exit reason or None."""
     # Chapter 08 passes `rerun_state_machine` (see train_step) and `step_hooks`, an object whose
     # `on_step_start(state)` / `on_step_end(state)` bracket every train_step (heartbeats, faults).
@@ -430,6 +437,12 @@ def train(forward_step_func, model: list, optimizer, scheduler, train_data_itera
     while state.iteration < train_iters:
         finalize(blocking=False)
         m = _advance_microbatches(calculator, state, m, save)
+        if state.iteration + 1 in iterations_to_skip:  # chapter 08: its data was found bad
+            _dummy_train_step(train_data_iterator, m)  # training.py:2115, 3473-3485
+            batch, _ = _account(state, calculator, m * training.micro_batch_size *
+                                grid.size("dp"), None)
+            state.skipped_train_samples += batch
+            continue
         result = hooked(step_hooks, state, partial(step, num_microbatches=m))
         if result.should_exit:  # the rerun machine: save if asked, stop (training.py:3545)
             if result.should_checkpoint:
@@ -520,7 +533,7 @@ def pretrain(training, *, model_provider, forward_step_func, data_iterators_prov
              save_checkpoint_fn=None, finalize_async_save_fn=None, flops_fn=None,
              peak_flops=None, log_fn=None, exit_signal=None, clock=time.time,
              rerun_state_machine=None, step_hooks=None,
-             wrap_forward_backward_func=None) -> TrainingRun:
+             wrap_forward_backward_func=None, iterations_to_skip=()) -> TrainingRun:
     """Grid+seeds -> chunks -> DDP -> optimizer+scheduler -> load -> data -> train -> save."""
     grid, model, optimizer, scheduler, calc, iters, state = _setup(
         training, grid_provider, model_provider, ddp_config, optimizer_provider,
@@ -542,7 +555,8 @@ def pretrain(training, *, model_provider, forward_step_func, data_iterators_prov
                            config=config, save_checkpoint_fn=save_checkpoint_fn,
                            finalize_async_save_fn=finalize_async_save_fn, flops_fn=flops_fn,
                            peak_flops=peak_flops, log_fn=log_fn, exit_signal=sig, clock=clock,
-                           rerun_state_machine=rerun_state_machine, step_hooks=step_hooks)
+                           rerun_state_machine=rerun_state_machine, step_hooks=step_hooks,
+                           iterations_to_skip=iterations_to_skip)
     just_saved = bool(training.save_interval) and state.iteration % training.save_interval == 0
     if save_checkpoint_fn is not None and reason is None and state.iteration and not just_saved:
         save_checkpoint_fn(state, model, optimizer, scheduler)

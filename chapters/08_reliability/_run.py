@@ -185,6 +185,7 @@ def run(argv=None) -> int:
                 seq_length=seq, load_checkpoint_fn=load, save_checkpoint_fn=save,
                 finalize_async_save_fn=ckpt.finalize_async_save_fn, log_fn=logger,
                 exit_signal=handler, rerun_state_machine=rel.rsm, step_hooks=rel,
+                iterations_to_skip=rel.iterations_to_skip,
                 wrap_forward_backward_func=lambda fb: record_losses(step_sleep(
                     fb if args.no_safety_nets else rel.forward_backward_func(fb))))
     except BaseException:

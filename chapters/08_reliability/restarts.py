@@ -194,6 +194,7 @@ class ReliabilityConfig:
 # | `save_checkpoint_fn` | timer `save-checkpoint`, the monitor's `checkpoint` section, the injector's save faults, the machine's state |
 # | `load_checkpoint_fn` | timer `load-checkpoint`; restores the machine and its iteration |
 # | `step_hooks` | the monitor's step section and the injector's process faults |
+# | `iterations_to_skip` | read from the tracker file at start (two GPUs agreed the data is bad) |
 # | `exit_signal` | `DistributedSignalHandler` |
 #
 # The machine's state must ride with the checkpoint when it asks for exit 16: the relaunch
@@ -315,7 +316,10 @@ class Reliability:
     def _load_rerun_state(self, iteration: int) -> None:
         path = None if self.save_dir is None else rerun_state_path(self.save_dir, iteration,
                                                                      self.rank)
-        if path is not None and os.path.exists(path):
+        # A pending rerun of an iteration the tracker now says to skip is settled: do not
+        # resume it (the loop skips that iteration instead).
+        pending = path is not None and os.path.exists(path)
+        if pending and iteration + 1 not in self.iterations_to_skip:
             self.rsm.load_state_dict(torch.load(path, weights_only=True))
         self.rsm.current_iteration = iteration   # the loop's count wins (training.py:3205)
 
