@@ -80,3 +80,29 @@ def test_nan_in_a_gradient_bucket_is_caught_by_the_grad_check(tmp_path):
     events = parse_tracker_file(str(tmp_path / "result_rejected_tracker.txt"))
     assert [e["iteration"] for e in events] == [4, 4]
     assert events[0]["message"] == "found NaN in local grad norm"
+
+
+def test_reliability_config_errors_name_the_field():
+    from tinytron.reliability.restarts import ReliabilityConfig
+
+    for kwargs, word in [(dict(rerun_mode="report_stats"), "rerun_mode"),
+                         (dict(ft_step_timeout=0), "ft_step_timeout"),
+                         (dict(ft_heartbeat_interval=40.0), "ft_heartbeat_interval"),
+                         (dict(faults=["boom@1"]), "boom")]:
+        with pytest.raises(ValueError, match=word):
+            ReliabilityConfig(**kwargs)
+
+
+def test_signal_handler_defers_the_first_signal_and_not_a_second_ctrl_c():
+    import signal
+
+    from tinytron.reliability.restarts import DistributedSignalHandler
+
+    before = signal.getsignal(signal.SIGTERM)
+    with DistributedSignalHandler() as handler:
+        assert not handler.received()
+        os.kill(os.getpid(), signal.SIGINT)
+        assert handler.received() and handler.received_signals == [signal.SIGINT]
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGTERM) is before     # restored on exit

@@ -93,9 +93,8 @@ def _reliability(args) -> Reliability:
         exit_signal_handler=True, enable_ft=not off and "MASTER_PORT" in os.environ,
         ft_step_timeout=args.ft_step_timeout, ft_num_warmup_iters=args.ft_num_warmup_iters,
         ft_heartbeat_interval=args.ft_heartbeat_interval,
-        ft_heartbeat_timeout=max(10.0, 20 * args.ft_heartbeat_interval), faults=args.fault,
-        timing_log_level=args.timing_log_level)
-    return Reliability(config, save_dir=args.save)
+        ft_heartbeat_timeout=max(10.0, 20 * args.ft_heartbeat_interval), faults=args.fault)
+    return Reliability(config, save_dir=args.save, timing_log_level=args.timing_log_level)
 
 
 def run(argv=None) -> int:

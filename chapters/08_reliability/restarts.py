@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tinytron.reliability.fault_injection import FaultInjector
+from tinytron.reliability.fault_injection import FaultInjector, parse_fault
 from tinytron.reliability.fault_tolerance import FaultToleranceConfig, RankMonitor
 from tinytron.reliability.result_checks import (RerunConfig, bucket_grad_norms,
                                                 build_rerun_state_machine, check_grad_norms,
@@ -156,8 +156,15 @@ class ReliabilityConfig:
     """A rank silent this long is frozen or dead."""
     faults: list = field(default_factory=list)
     """Fault specs for tests, e.g. ['nan@5:rank=1:diagnostic=persistent_error']."""
-    timing_log_level: int = 0
-    """Timers kept (0, 1, 2)."""
+
+    def __post_init__(self):
+        self.rerun()              # a ValueError that names a bad rerun setting
+        try:
+            self.fault_tolerance()
+        except ValueError as e:   # its fields carry an ft_ prefix here
+            raise ValueError(f"ft_{e}") from None
+        for spec in self.faults:  # ... or a bad fault spec
+            parse_fault(spec)
 
     def rerun(self, save_dir: Optional[str] = None) -> RerunConfig:
         """The rerun machine's settings."""
@@ -229,6 +236,7 @@ class Reliability:
     """One rank's safety nets, and the wrapped loop parts that install them."""
 
     def __init__(self, config: ReliabilityConfig, *, save_dir: Optional[str] = None,
+                 timing_log_level: int = 0, timing_log_option: str = "minmax",
                  rank: Optional[int] = None, world_size: Optional[int] = None,
                  attempt: Optional[int] = None, store=None):
         initialized = dist.is_available() and dist.is_initialized()
@@ -240,7 +248,7 @@ class Reliability:
             os.makedirs(save_dir, exist_ok=True)
         self.rsm = build_rerun_state_machine(self.rerun_config)
         self.injector = FaultInjector(list(config.faults), rank=self.rank, attempt=attempt)
-        self.timers = Timers(log_level=config.timing_log_level)
+        self.timers = Timers(log_level=timing_log_level, log_option=timing_log_option)
         self.signal_handler = DistributedSignalHandler() if config.exit_signal_handler else None
         self.monitor = None
         if config.enable_ft:
