@@ -22,16 +22,35 @@ def chapter_pages() -> list[Path]:
     return sorted(p for p in CHAPTERS.glob("*/*.py") if not p.name.startswith("_"))
 
 
-def pytest_collection_modifyitems(config, items):
-    try:
-        import torch
-
-        has_cuda = torch.cuda.is_available()
-    except Exception:  # pragma: no cover - torch missing is a set-up error reported elsewhere
-        has_cuda = False
-    if has_cuda:
+def _skip_gpu_tests_without_cuda(items) -> None:
+    """The gpu marker: skipped with a reason when no CUDA device is present."""
+    if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (none found)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _run_pages_once(items) -> None:
+    """Run each page's demos once per session: the strict book build executes every page too.
+
+    When the build test is selected, running each page again as a script would double the
+    longest part of the suite; the build fails on any failing demo (allow_errors: false) and
+    names the page. Selecting pages alone (`-k 04_data`, `-m "not slow"`) still runs them.
+    """
+    build = any(item.nodeid.endswith("test_site.py::test_book_builds_strict_and_offline")
+                for item in items)
+    if not build:
+        return
+    skip = pytest.mark.skip(reason="executed by the strict book build in this session "
+                                   "(tests/test_site.py)")
+    for item in items:
+        if getattr(item, "originalname", "") == "test_page_runs_as_a_script":
+            item.add_marker(skip)
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m have deselected what they deselect
+def pytest_collection_modifyitems(config, items):
+    _skip_gpu_tests_without_cuda(items)
+    _run_pages_once(items)

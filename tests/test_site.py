@@ -20,7 +20,8 @@ from tests.conftest import ROOT, chapter_pages
 ARTIFACTS = ROOT / "test-artifacts"
 
 # the strict build executes every page, and the browser pass loads every page: minutes each
-pytestmark = pytest.mark.slow
+# (the build executes every page: allow it more than pytest's default 600 s per test)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 # Injected by the test server only: material renders each mermaid diagram into a *closed*
 # shadow root, invisible to --dump-dom. The probe opens those roots and copies what they hold
