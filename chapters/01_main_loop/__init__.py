@@ -18,4 +18,4 @@ from tinytron.main_loop.loop import (StepResult, TorchOptimizer, TrainState, Tra
                                      evaluate, gpt_forward_step, pretrain, train, train_step)
 
 __pages__ = ["microbatches", "schedules", "interleaved", "schedule_timeline", "loop",
-             "training_log", "memory_meter", "resident_flowing"]
+             "training_log", "memory_meter", "resident_flowing", "assembled"]

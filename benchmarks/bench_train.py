@@ -1,0 +1,334 @@
+"""The assembled trainer's cost per iteration: tinytron.train vs a plain PyTorch loop and torch DDP.
+
+Two comparisons, each run side by side in this one script, alternating round by round so that
+machine noise hits both alike; ratios are medians of per-round ratios.
+
+- ``single`` (one process, one thread): ``tinytron.train.run`` in-process — the whole trainer:
+  config, grid, chapter 05's DDP buffer, chapter 02's optimizer (DistOpt off) and scheduler,
+  chapter 04's GPTDataset over the embedded corpus, chapter 01's loop with chapter 08's nets,
+  timers, progress bar, JSONL and TensorBoard logs, chapter 03's checkpoint at the end — versus
+  a plain loop over the same GPTDataset samples and the same model (``GPTModel`` forward with
+  labels, masked mean loss, backward, ``clip_grad_norm_(foreach=True)``,
+  ``torch.optim.AdamW(foreach=True)``). Goal: trainer / plain <= 1.03.
+- ``dp2`` (two gloo ranks through ``run_on_ranks``): the trainer at DP2 versus
+  ``torch.nn.parallel.DistributedDataParallel`` (``no_sync`` on all but the last micro-batch)
+  on the same model and each rank's same samples, in tokens/s. Goal: trainer / DDP >= 1.0.
+
+The trainer's time per iteration is taken as a difference, so that its start-up (building the
+model, the dataset indices, the final checkpoint save, the loss plot) cancels:
+``(t(2 + K iterations) - t(2 iterations)) / K``, in wall time and in this process's CPU time.
+The plain loop times K iterations after 2 warm-up ones. Both clocks are reported; with one
+thread per process the CPU-time ratio is the robust one on a loaded machine.
+``--variants`` also times the trainer with per-iteration logging and without chapter 08's
+result checks, to show what those cost; ``--profile`` splits one trainer iteration by source
+area (Python self time under cProfile, the same difference of two runs).
+
+Run: python benchmarks/bench_train.py [--rounds 5] [--iters 4] [--part single|dp2|both]
+                                      [--variants] [--profile]
+Writes benchmarks/results/train.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+MODEL = dict(hidden_size=256, num_layers=4, num_attention_heads=8, num_query_groups=2,
+             ffn_hidden_size=688, vocab_size=512, seq_length=256)
+MBS = 4
+GBS = {1: 8, 2: 16}   # world -> global batch: 2 micro-batches per rank in both parts
+LR, WD, CLIP, WARMUP_ITERS = 1e-3, 0.1, 1.0, 2
+VARIANTS = {  # name -> extra trainer sections; "trainer" is the default configuration
+    "trainer": {},
+    "trainer_log_every_iteration": {"training": {"log_interval": 1}},
+    "trainer_no_result_checks": {"reliability": {"rerun_mode": "disabled",
+                                                 "check_for_nan_in_loss_and_grad": False}},
+}
+
+
+# -- the two sides ----------------------------------------------------------------------------
+def trainer_config(world: int, iters: int, out_dir: str, prefix: str, cache: str, extra=None):
+    """The TrainConfig the trainer runs: MODEL, DistOpt off, no eval, one log record at the end."""
+    from tinytron.config import TrainConfig
+
+    raw = {"model": dict(MODEL),
+           "training": {"micro_batch_size": MBS, "global_batch_size": GBS[world],
+                        "train_iters": iters, "eval_interval": None, "log_interval": iters,
+                        "seed": 1234, "device": "cpu"},
+           "optimizer": {"lr": LR, "min_lr": LR, "weight_decay": WD, "clip_grad": CLIP,
+                         "use_distributed_optimizer": False},
+           "scheduler": {"lr_decay_style": "constant"},
+           "ddp": {"overlap_grad_reduce": world > 1},
+           "data": {"data_path": [prefix], "split": "98,2,0", "num_workers": 0,
+                    "data_cache_path": cache},
+           "checkpoint": {"save": out_dir}}
+    for section, values in (extra or {}).items():
+        raw.setdefault(section, {}).update(values)
+    return TrainConfig.from_dict(raw).resolve(world)
+
+
+def time_trainer(world: int, iters: int, prefix: str, cache: str, extra=None) -> dict:
+    """Wall and CPU seconds of one whole tinytron.train.run, and its JSONL records."""
+    from tinytron.train import run
+
+    out = tempfile.mkdtemp(prefix="bench_train_")
+    cfg = trainer_config(world, iters, out, prefix, cache, extra)
+    console = io.StringIO()
+    dist.barrier()
+    w0, c0 = time.perf_counter(), time.process_time()
+    with contextlib.redirect_stdout(console), contextlib.redirect_stderr(console):
+        code = run(cfg, [], "bench")
+    dist.barrier()
+    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    assert code == 0, console.getvalue()[-2000:]
+    log = Path(out, "log.jsonl")
+    records = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+    return {"wall": wall, "cpu": cpu, "records": records}
+
+
+def byte_tokenizer():
+    """Chapter 04's byte tokenizer: the one that wrote the embedded corpus."""
+    from tinytron.data.preprocess import TokenizerSpec, build_tokenizer
+
+    return build_tokenizer(TokenizerSpec("byte", None))
+
+
+class PlainLoop:
+    """The reference: GPTModel, masked mean loss, backward, clip, AdamW(foreach), same samples."""
+
+    def __init__(self, world: int, prefix: str, cache: str, ddp: bool, total_iters: int):
+        from tinytron.data.pipeline import DataConfig, build_train_valid_test_datasets
+        from tinytron.model import GPTModel, ModelConfig
+
+        self.rank, self.world, self.m = dist.get_rank(), world, GBS[world] // (MBS * world)
+        model = GPTModel(ModelConfig(**MODEL))
+        self.params = list(model.parameters())
+        self.model = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
+        self.opt = torch.optim.AdamW(self.params, lr=LR, weight_decay=WD, foreach=True)
+        data = DataConfig(data_path=[prefix], split="98,2,0", num_workers=0,
+                          data_cache_path=cache)
+        tok = byte_tokenizer()
+        self.dataset = build_train_valid_test_datasets(
+            data, MODEL["seq_length"], [total_iters * GBS[world], 0, 0], lambda: True,
+            eod_id=tok.eod, pad_id=tok.pad if tok.pad >= 0 else tok.eod)[0]
+        self.step_index = 0
+
+    def _micro_batch(self, j: int) -> dict:
+        """Micro-batch j of this step on this rank: Megatron's sampler order (dp-strided)."""
+        start = self.step_index * GBS[self.world] + (j * self.world + self.rank) * MBS
+        samples = [self.dataset[i] for i in range(start, start + MBS)]
+        return {k: torch.stack([torch.as_tensor(s[k]) for s in samples])
+                for k in ("tokens", "labels", "loss_mask", "position_ids")}
+
+    def step(self) -> float:
+        """One optimizer step over m micro-batches; the global-batch token-mean loss."""
+        self.opt.zero_grad(set_to_none=True)
+        loss_sum, tokens = torch.zeros(()), torch.zeros(())
+        for j in range(self.m):
+            b = self._micro_batch(j)
+            last = j == self.m - 1
+            sync = contextlib.nullcontext() if last or self.world == 1 else self.model.no_sync()
+            with sync:
+                per_token = self.model(b["tokens"], b["position_ids"], labels=b["labels"])
+                mask = b["loss_mask"].float()
+                loss = (per_token * mask).sum() / mask.sum()
+                (loss / self.m).backward()
+            loss_sum += (per_token.detach() * mask).sum()
+            tokens += mask.sum()
+        torch.nn.utils.clip_grad_norm_(self.params, CLIP, foreach=True)
+        self.opt.step()
+        self.step_index += 1
+        return float(loss_sum / tokens)
+
+    def time(self, warmup: int, iters: int) -> dict:
+        """Wall and CPU seconds per iteration over `iters` steps after `warmup` steps."""
+        first = [self.step() for _ in range(warmup)]
+        dist.barrier()
+        w0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(iters):
+            self.step()
+        dist.barrier()
+        return {"wall": (time.perf_counter() - w0) / iters,
+                "cpu": (time.process_time() - c0) / iters, "first_loss": first[0]}
+
+
+# -- one round of each side, on every rank ----------------------------------------------------
+def trainer_per_iteration(world: int, iters: int, prefix: str, cache: str, extra=None) -> dict:
+    """The trainer's seconds per iteration: (t(2 + iters) - t(2)) / iters, both clocks."""
+    short = time_trainer(world, WARMUP_ITERS, prefix, cache, extra)
+    long = time_trainer(world, WARMUP_ITERS + iters, prefix, cache, extra)
+    own = long["records"][-1]["ms_per_iteration"] / 1e3 if long["records"] else None
+    return {"wall": (long["wall"] - short["wall"]) / iters,
+            "cpu": (long["cpu"] - short["cpu"]) / iters,
+            "logged_wall": own,   # the trainer's own log: iterations 1..N, loop start-up included
+            "first_loss": long["records"][0]["losses"]["lm loss"] if long["records"] else None}
+
+
+def rounds_on_this_rank(world: int, rounds: int, iters: int, prefix: str, cache: str,
+                        variants: list[str]) -> dict:
+    """{side: [per-round dict]}: each round runs every trainer variant, then the plain loop."""
+    torch.manual_seed(0)
+    for name in variants:  # first runs pay one-time imports and index builds: not timed
+        time_trainer(world, WARMUP_ITERS, prefix, cache, VARIANTS[name])
+    PlainLoop(world, prefix, cache, ddp=world > 1, total_iters=WARMUP_ITERS + iters).time(1, 1)
+    out: dict = {name: [] for name in [*variants, "plain"]}
+    for _ in range(rounds):
+        for name in variants:
+            out[name].append(trainer_per_iteration(world, iters, prefix, cache, VARIANTS[name]))
+        plain = PlainLoop(world, prefix, cache, ddp=world > 1, total_iters=WARMUP_ITERS + iters)
+        out["plain"].append(plain.time(WARMUP_ITERS, iters))
+    return out
+
+
+def dp2_worker(rounds: int, iters: int, prefix: str, cache: str, variants: list[str],
+               threads: int) -> dict:
+    """Body of each of the two gloo ranks (run_on_ranks has built the world)."""
+    torch.set_num_threads(threads)
+    return rounds_on_this_rank(2, rounds, iters, prefix, cache, variants)
+
+
+# -- what costs what: Python self time by source area, per iteration ---------------------------
+AREAS = [("chapters/model", "model (appendix B)"),
+         ("chapters/parallel", "model (appendix A layers)"),
+         ("chapters/00_overview", "loss contract (00)"),
+         ("chapters/01_main_loop", "loop, schedule, training_log (01)"),
+         ("chapters/02_optimizer", "optimizer, scheduler (02)"),
+         ("chapters/03_checkpoint", "checkpoint hooks (03)"),
+         ("chapters/04_data", "data (04)"),
+         ("chapters/05_buffers", "DDP buffers, hooks (05)"),
+         ("chapters/08_reliability", "nets, timers, logging (08)"),
+         ("chapters/train.py", "tinytron.train"),
+         ("site-packages/torch", "torch Python"),
+         ("~", "torch kernels and other builtins")]
+
+
+def _self_time_by_area(stats) -> dict:
+    """{area: seconds of self time} from a pstats.Stats."""
+    out: dict = {}
+    for (filename, _, _), (_, _, tottime, _, _) in stats.stats.items():
+        path = filename.replace(os.sep, "/")
+        area = next((name for key, name in AREAS
+                     if (path == key if key == "~" else key in path)), "other")
+        out[area] = out.get(area, 0.0) + tottime
+    return out
+
+
+def profile_breakdown(prefix: str, cache: str, iters: int) -> dict:
+    """ms per iteration of each area: cProfile of t(2 + iters) minus t(2), over iters."""
+    import cProfile
+    import pstats
+
+    areas = []
+    for n in (WARMUP_ITERS, WARMUP_ITERS + iters):
+        prof = cProfile.Profile(time.process_time)  # CPU time: robust on a loaded machine
+        prof.enable()
+        time_trainer(1, n, prefix, cache)
+        prof.disable()
+        areas.append(_self_time_by_area(pstats.Stats(prof)))
+    keys = sorted(set(areas[0]) | set(areas[1]), key=lambda k: -areas[1].get(k, 0.0))
+    return {k: 1e3 * (areas[1].get(k, 0.0) - areas[0].get(k, 0.0)) / iters for k in keys}
+
+
+# -- summaries ----------------------------------------------------------------------------------
+def summarise(per_round: dict, tokens_per_step: int, variants: list[str]) -> dict:
+    """Medians per side and median per-round ratios trainer variant / plain, for each clock."""
+    out = {"seconds_per_iteration": {}, "ratio_over_plain": {}, "tokens_per_second": {}}
+    for clock in ("wall", "cpu"):
+        out["seconds_per_iteration"][clock] = {
+            k: statistics.median(r[clock] for r in v) for k, v in per_round.items()}
+        out["ratio_over_plain"][clock] = {
+            name: statistics.median(a[clock] / b[clock] for a, b in
+                                    zip(per_round[name], per_round["plain"])) for name in variants}
+        out["tokens_per_second"][clock] = {
+            k: tokens_per_step / s for k, s in out["seconds_per_iteration"][clock].items()}
+    logged = [r["logged_wall"] for r in per_round["trainer"] if r["logged_wall"]]
+    out["trainer_logged_seconds_per_iteration_median"] = (statistics.median(logged) if logged
+                                                          else None)
+    out["first_loss"] = {k: v[0]["first_loss"] for k, v in per_round.items()}
+    return out
+
+
+def prepare_data(workdir: str) -> tuple[str, str]:
+    """The embedded corpus as .bin/.idx (the trainer's own preparation) and a shared index cache."""
+    from tinytron.train import init_distributed, prepare_embedded_corpus
+
+    init_distributed(torch.device("cpu"))
+    prefix = prepare_embedded_corpus(os.path.join(workdir, "data"))
+    return prefix, os.path.join(workdir, "data", "cache")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=("single", "dp2", "both"), default="both")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=4, help="timed iterations per side and round")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time the trainer logging every iteration and without result checks")
+    ap.add_argument("--profile", action="store_true",
+                    help="also break the trainer's iteration down by source area (cProfile)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"
+                                          / "train.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    variants = list(VARIANTS) if args.variants else ["trainer"]
+    command = "python benchmarks/bench_train.py " + " ".join(sys.argv[1:])
+    result = {"command": command.strip(), "torch": torch.__version__,
+              "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, no GPU",
+              "shared_machine_note": "a shared 2-core machine loaded by other jobs: absolute "
+                                     "times are noisy; compare the side-by-side ratios",
+              "threads_per_process": args.threads, "model": MODEL, "micro_batch_size": MBS,
+              "load_average_before": os.getloadavg()}
+    workdir = tempfile.mkdtemp(prefix="bench_train_data_")
+    prefix, cache = prepare_data(workdir)
+    seq = MODEL["seq_length"]
+    if args.part in ("single", "both"):
+        per_round = rounds_on_this_rank(1, args.rounds, args.iters, prefix, cache, variants)
+        result["single"] = {"global_batch_size": GBS[1], "rounds": per_round,
+                            **summarise(per_round, GBS[1] * seq, variants)}
+        r = result["single"]["ratio_over_plain"]
+        print(f"single process: trainer / plain loop = {r['cpu']['trainer']:.3f} (CPU time), "
+              f"{r['wall']['trainer']:.3f} (wall); goal <= 1.03")
+    if args.profile:
+        result["single_profile_ms_per_iteration"] = prof = profile_breakdown(prefix, cache,
+                                                                              args.iters)
+        print("trainer, ms per iteration by area (cProfile self time; profiling inflates "
+              "Python):", {k: round(v, 1) for k, v in prof.items()})
+    if args.part in ("dp2", "both"):
+        from tinytron.launch import run_on_ranks
+
+        ranks = run_on_ranks(dp2_worker, 2, args.rounds, args.iters, prefix, cache, variants,
+                             args.threads, timeout=1800)
+        for name in variants:  # the trainer's log is written by the last rank
+            for r0, r1 in zip(ranks[0][name], ranks[1][name]):
+                r0["first_loss"], r0["logged_wall"] = r1["first_loss"], r1["logged_wall"]
+        s = summarise(ranks[0], GBS[2] * seq, variants)
+        s["tokens_per_second_ratio_trainer_over_ddp"] = {
+            clock: 1 / s["ratio_over_plain"][clock]["trainer"] for clock in ("wall", "cpu")}
+        result["dp2"] = {"global_batch_size": GBS[2], "reference": "torch DDP (gloo), no_sync",
+                         "rounds_rank0": ranks[0], "rounds_rank1": ranks[1], **s}
+        r = s["tokens_per_second_ratio_trainer_over_ddp"]
+        print(f"DP2 (gloo): trainer tokens/s / torch DDP tokens/s = {r['wall']:.3f} (wall), "
+              f"{r['cpu']:.3f} (CPU time per rank); goal >= 1.0")
+    result["load_average_after"] = os.getloadavg()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"load average {result['load_average_before']} -> {result['load_average_after']}")
+    print(f"command: {result['command']}  -> {out}")
+
+
+if __name__ == "__main__":
+    main()
