@@ -39,13 +39,23 @@ def _last_line(report: str) -> str:
     return lines[-1] if lines else "(no report)"
 
 
+def _root_cause_rank(failures: dict[int, str]) -> int:
+    """A rank that raised on its own; else one that died without a report; else the first."""
+    for r, tb in failures.items():
+        if not any(s in tb for s in _SECONDARY):
+            return r
+    for r, tb in failures.items():  # a segfault or os._exit: its peers only saw the socket close
+        if "without a report" in tb:
+            return r
+    return next(iter(failures))
+
+
 class RankError(RuntimeError):
     """One or more ranks raised (or died); line one names the root cause, then every traceback."""
 
     def __init__(self, failures: dict[int, str]):
         self.failures = failures  # in the order the reports arrived
-        primary = [r for r, tb in failures.items() if not any(s in tb for s in _SECONDARY)]
-        self.root_rank = primary[0] if primary else next(iter(failures))
+        self.root_rank = _root_cause_rank(failures)
         parts = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())]
         super().__init__(f"rank {self.root_rank}: {_last_line(failures[self.root_rank])} "
                          f"({len(failures)} rank(s) failed: {sorted(failures)}; tracebacks below)\n"

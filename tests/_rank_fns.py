@@ -35,3 +35,11 @@ def raise_on(bad_rank):
 
 def sleep_forever():
     time.sleep(3600)
+
+
+def die_on(bad_rank):
+    """Rank ``bad_rank`` leaves at once with exit code 3 and no report (as a segfault would)."""
+    if dist.get_rank() == bad_rank:
+        os._exit(3)
+    dist.barrier()
+    return "unreachable"

@@ -29,6 +29,15 @@ def test_failing_rank_is_reported_not_hung():
     assert "ValueError" in str(err.value)
 
 
+def test_rank_that_dies_without_a_report_is_named():
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as err:
+        run_on_ranks(_rank_fns.die_on, 2, 1, timeout=120)
+    assert time.monotonic() - t0 < 60
+    assert "process exited with code 3 without a report" in err.value.failures[1]
+    assert str(err.value).splitlines()[0].startswith("rank 1:"), str(err.value)[:300]
+
+
 def test_timeout_names_unfinished_ranks():
     with pytest.raises(RankError) as err:
         run_on_ranks(_rank_fns.sleep_forever, 2, timeout=8)
