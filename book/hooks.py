@@ -1,10 +1,15 @@
-"""MkDocs hooks for the book: the nav from the chapter folders, and offline mermaid on notebook pages."""
+"""MkDocs hooks for the book: the nav, offline mermaid, Megatron citations as links, checked page links."""
 
 from __future__ import annotations
 
 import ast
+import logging
+import os
+import posixpath
 import re
 from pathlib import Path
+
+log = logging.getLogger("mkdocs.hooks.tinytron")  # under "mkdocs": a warning fails --strict
 
 # The book's order: the seed's chapters 00 -> 08, then the appendices.
 CHAPTER_ORDER = [
@@ -44,7 +49,22 @@ def build_nav(docs_dir: Path) -> list:
 
 def on_config(config, **kwargs):
     config["nav"] = build_nav(Path(config["docs_dir"]))
+    _quiet_kernels()
+    _CITED.clear()
+    _CITED.update(cited_megatron_paths(Path(config["docs_dir"])))
     return config
+
+
+# Every executed page starts a Jupyter kernel, and over TCP each kernel logs that its traffic is
+# unencrypted: 70 identical lines that would hide a real warning. Local IPC sockets are what the
+# kernel asks for, and they remove the cause (not the message). nbconvert reads this setting
+# from the Jupyter config path; the variable reaches only this build and the kernels it starts.
+def _quiet_kernels() -> None:
+    """Point nbconvert at book/jupyter, whose config runs each kernel over IPC, not TCP."""
+    ours = str(Path(__file__).resolve().parent / "jupyter")
+    paths = [p for p in os.environ.get("JUPYTER_CONFIG_PATH", "").split(os.pathsep) if p]
+    if ours not in paths:
+        os.environ["JUPYTER_CONFIG_PATH"] = os.pathsep.join([ours, *paths])
 
 
 # nbconvert wraps a notebook's mermaid block as <div class="jp-Mermaid"><pre class="mermaid">
@@ -62,7 +82,11 @@ def on_page_content(html, page, config, files):
     if title is not None:
         page.title = title  # the nav and the browser tab
     html = _CDN_MERMAID_SCRIPT.sub("", html)
-    return _JP_MERMAID.sub('class="tt-mermaid"', html)
+    html = _JP_MERMAID.sub('class="tt-mermaid"', html)
+    html = link_citations(html, _CITED)
+    if page.file.src_uri.endswith(".py"):  # markdown pages: mkdocs checks their links itself
+        html = _link_pages(html, page, files)
+    return html
 
 
 # Titles are taken from the page's first heading with its markup stripped, and Python-Markdown
@@ -79,3 +103,141 @@ def code_span_title(source: Path) -> str | None:
             heading = line[2:].strip()
             return re.sub(r"`+([^`]+)`+", r"\1", heading) if "`" in heading else None
     return None
+
+
+# Megatron citations become links to the file at the commit the book reads. A citation is an
+# inline code span: a full path (`megatron/core/distributed/param_and_grad_buffer.py:940`), a
+# file name or partial path that the book cites in full elsewhere (`schedules.py:634`), or a
+# bare continuation (`:494`) that follows a resolved citation in the same paragraph, list item
+# or table cell. Anything that does not resolve to exactly one Megatron file stays plain text.
+MEGATRON_BLOB = "https://github.com/NVIDIA/Megatron-LM/blob/e03878b5f/"
+_FULL = re.compile(r"(?:megatron|tools)/[\w./-]*\w\.(?:py|cpp|h)|tests/(?:unit|functional)_tests/"
+                   r"[\w./-]*\w\.py|(?:pretrain_\w+|train_rl)\.py")
+_CITATION = re.compile(r"(?P<path>[\w./-]*\w\.(?:py|cpp|h))?(?::(?P<a>\d+)(?:-(?P<b>\d+))?(?:,\s*\d+(?:-\d+)?)*)?")
+_TOKEN = re.compile(r"(<[^>]+>)")
+_BLOCK = re.compile(r"</?(?:p|li|td|th|tr|h[1-6]|div|pre|blockquote|table|ul|ol|dd|dt)\b", re.I)
+_COMMENT_SPAN = re.compile(r'<span class="(?:c|c1|cm|ch|cs|sd)">')  # pygments: comments, docstrings
+_IN_COMMENT = re.compile(r"(?<![\w/.-])([\w./-]*\w\.(?:py|cpp|h))(?::(\d+)(?:-(\d+))?)?(?![\w/])")
+_CITED: dict[str, list[str]] = {}   # file name or partial path -> the full paths it can mean
+
+
+def cited_megatron_paths(docs_dir: Path) -> dict[str, list[str]]:
+    """Every full Megatron path the book cites, indexed by each of its path suffixes."""
+    full = set()
+    for source in [*docs_dir.glob("*/*.py"), *docs_dir.glob("*.md"), docs_dir.parent / "README.md"]:
+        if source.is_file():
+            full.update(m.group(0) for m in _FULL.finditer(source.read_text(encoding="utf-8")))
+    index: dict[str, list[str]] = {}
+    for path in sorted(full):
+        parts = path.split("/")
+        for i in range(len(parts)):
+            index.setdefault("/".join(parts[i:]), []).append(path)
+    return index
+
+
+def megatron_url(path: str, first: str | None = None, last: str | None = None) -> str:
+    """The GitHub address of a Megatron file at e03878b5f, at a line or a range of lines."""
+    return MEGATRON_BLOB + path + (f"#L{first}" + (f"-L{last}" if last else "") if first else "")
+
+
+def _resolve(path: str, with_line: bool, page_paths: set[str], cited: dict[str, list[str]]) -> str | None:
+    """The one full Megatron path a cited (possibly partial) path names, or None."""
+    if _FULL.fullmatch(path):
+        return path
+    candidates = cited.get(path, [])
+    on_page = [c for c in candidates if c in page_paths]
+    if len(on_page) == 1:
+        return on_page[0]
+    # a bare file name cited nowhere else on the page is still unambiguous with a line number
+    return candidates[0] if with_line and len(candidates) == 1 and not on_page else None
+
+
+def _link_in_comment(text: str, page_paths: set[str], cited: dict[str, list[str]]) -> str:
+    """Link the citations inside a code cell's comment or docstring (no bare continuations)."""
+    def link(m: re.Match) -> str:
+        path = _resolve(m.group(1), bool(m.group(2)), page_paths, cited)
+        return f'<a href="{megatron_url(path, m.group(2), m.group(3))}">{m.group(0)}</a>' if path else m.group(0)
+    return _IN_COMMENT.sub(link, text)
+
+
+def link_citations(html: str, cited: dict[str, list[str]]) -> str:
+    """Wrap every Megatron citation of a rendered page (prose and code comments) in a link."""
+    page_paths = {m.group(0) for m in _FULL.finditer(html)}
+    out, last_path, in_code, in_link, in_pre, in_comment = [], None, False, 0, 0, False
+    for token in _TOKEN.split(html):
+        if token.startswith("<"):
+            name = re.match(r"</?\s*(\w+)", token)
+            tag, closing = (name.group(1).lower() if name else ""), token.startswith("</")
+            step = -1 if closing else 1
+            in_code = (not closing) if tag == "code" else in_code
+            in_link += step if tag == "a" else 0
+            in_pre += step if tag == "pre" else 0
+            in_comment = bool(_COMMENT_SPAN.match(token)) if tag == "span" else in_comment
+            if _BLOCK.match(token):
+                last_path = None
+            out.append(token)
+            continue
+        if in_pre and in_comment and not in_link:
+            token = _link_in_comment(token, page_paths, cited)
+        elif in_code and not in_link and not in_pre and (m := _CITATION.fullmatch(token.strip())):
+            if m.group("path"):
+                last_path = _resolve(m.group("path"), bool(m.group("a")), page_paths, cited)
+            path = last_path if (m.group("path") or m.group("a")) else None
+            if path:
+                token = f'<a href="{megatron_url(path, m.group("a"), m.group("b"))}">{token}</a>'
+        out.append(token)
+    return "".join(out)
+
+
+# Pages link to each other by their source file (`../05_buffers/param_and_grad_buffer.py`, or
+# the notebook twin `.ipynb`), which works in Jupyter and on GitHub. On the site those links are
+# rewritten to the page's address. A link to a page that does not exist, or (checked in the
+# built site, for every page) to a heading that the target page does not have, is a warning,
+# and `--strict` fails the build on it.
+_HREF = re.compile(r'(<a\s[^>]*?href=")([^"#?]*)(#[^"]*)?(")')
+
+
+def _link_pages(html: str, page, files) -> str:
+    """Rewrite a notebook page's relative links to pages into site addresses; warn on dead ones."""
+    def rewrite(m: re.Match) -> str:
+        href, anchor = m.group(2), m.group(3) or ""
+        if not href or re.match(r"[a-z][a-z0-9+.-]*:|/", href):
+            return m.group(0)  # in-page anchor, another site, or an absolute path
+        target = posixpath.normpath(posixpath.join(posixpath.dirname(page.file.src_uri), href))
+        if target.endswith(".ipynb"):
+            target = target[: -len(".ipynb")] + ".py"
+        found = files.get_file_from_path(target)
+        if found is None or found.inclusion.is_excluded():
+            log.warning("%s links to '%s', which is not a page or file of the book",
+                        page.file.src_uri, href)
+            return m.group(0)
+        return m.group(1) + found.url_relative_to(page.file) + anchor + m.group(4)
+    return _HREF.sub(rewrite, html)
+
+
+def on_post_build(config, **kwargs):
+    """Every link between pages of the built site reaches a page, and the heading it names."""
+    site = Path(config["site_dir"])
+    for html in sorted(site.rglob("*.html")):
+        for problem in dead_links(site, html):
+            log.warning("%s: %s", html.relative_to(site), problem)
+
+
+_A_HREF = re.compile(r'<a\s[^>]*?href="(?!/)([^"#?:]+)(?:#([^"]*))?"')  # relative links only
+
+
+def dead_links(site: Path, html: Path) -> list[str]:
+    """The relative links of one built page whose target file or #anchor does not exist."""
+    problems, texts = [], {}
+    for href, anchor in _A_HREF.findall(html.read_text(encoding="utf-8")):
+        if href.endswith((".py", ".ipynb")):
+            continue  # a source link left as written: reported with its page when rendered
+        target = (html.parent / href).resolve()
+        target = target / "index.html" if href.endswith("/") or target.is_dir() else target
+        if not target.is_file():
+            problems.append(f"links to '{href}', which is not in the site")
+        elif anchor and target.suffix == ".html":
+            text = texts.setdefault(target, target.read_text(encoding="utf-8"))
+            if f'id="{anchor}"' not in text:
+                problems.append(f"links to '{href}#{anchor}', which has no such heading")
+    return problems
