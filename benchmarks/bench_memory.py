@@ -79,7 +79,8 @@ def _search_times(repeats: int) -> dict:
     torch_import_s = time.perf_counter() - t0
     return {"search_median_s": round(statistics.median(times), 3),
             "search_best_s": round(min(times), 3), "repeats": repeats,
-            "command_wall_s": round(command_s, 2), "python_import_torch_s": round(torch_import_s, 2),
+            "command_wall_s": round(command_s, 2),
+            "python_import_torch_s": round(torch_import_s, 2),
             "best_layouts": [f["layout"] for f in found[:3]]}
 
 

@@ -13,7 +13,8 @@ from tinytron.main_loop.memory_meter import saved_tensor_bytes
 from tinytron.memory import (MemoryConfig, activation_peak, chunk_params, layer_saved,
                              megatron_theoretical_memory, rank_ledger, search_layouts,
                              stage_ledgers, state_ledger)
-from tinytron.memory.activations import chunk_saved, saved_bytes, schedule_ops
+from tinytron.memory.activations import chunk_saved, saved_bytes
+from tinytron.memory.peak import schedule_ops
 from tinytron.memory.calculator import main, memory_config_from, parse_bytes, running_example
 from tinytron.memory.ledger import megatron_args_from
 from tinytron.memory.megatron_model import megatron_args
@@ -121,8 +122,8 @@ def test_chunk_params_are_the_model_parameters(pre, post, tie):
     rank = {(True, True): None, (True, False): 0, (False, True): 3, (False, False): 1}[(pre, post)]
     if rank is None:  # one stage holding everything
         cfg, rank = MemoryConfig(model_cfg), 0
-    start, end = {0: (0, 1), 1: (1, 2), 3: (3, 4)}.get(rank, (0, 4)) if cfg.pipeline_model_parallel_size > 1 \
-        else (0, 4)
+    ranges = {0: (0, 1), 1: (1, 2), 3: (3, 4)}
+    start, end = ranges[rank] if cfg.pipeline_model_parallel_size > 1 else (0, 4)
     model = GPTModel(model_cfg, pre_process=pre, post_process=post, layer_range=(start, end),
                      initialize=False)
     got = [(p.name, p.count, p.shared_embedding) for p in chunk_params(cfg, rank, 0)]
@@ -170,7 +171,7 @@ def test_memory_config_rejects_bad_fields(field, value):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_layer_saved_equals_what_autograd_saves(dtype, dropout):
-    """The per-layer table, tensor for tensor, against saved-tensor hooks (flash and math kernels)."""
+    """The per-layer table against saved-tensor hooks, tensor for tensor (flash and math)."""
     cfg = tiny_config(dropout=dropout)
     grid = ParallelGrid.single()
     tracker = model_parallel_seed(1, grid) if dropout else None
@@ -217,7 +218,8 @@ def test_rng_snapshots_per_checkpoint():
 
 @pytest.mark.parametrize("p,m", [(2, 1), (2, 5), (4, 3), (4, 8)])
 def test_schedule_ops_in_flight(p, m):
-    cfg = MemoryConfig(tiny_config(num_layers=8), pipeline_model_parallel_size=p, num_microbatches=m)
+    cfg = MemoryConfig(tiny_config(num_layers=8), pipeline_model_parallel_size=p,
+                       num_microbatches=m)
     for r in range(p):
         ops = schedule_ops(cfg, r)
         assert sorted(o for o in ops if o[0] == "F") == [("F", 0, i) for i in range(m)]
@@ -300,7 +302,8 @@ def test_command_prints_the_functions_numbers(tmp_path, capsys):
     assert full["megatron"]["branch"] == "compute_activation_memory_without_sp"
     rc, out, _ = _run(capsys, ["--example", "--json"])
     ex = json.loads(out)
-    assert [s["total"] for s in ex["stages"]] == [led.total for led in stage_ledgers(running_example())]
+    want = [led.total for led in stage_ledgers(running_example())]
+    assert [s["total"] for s in ex["stages"]] == want
 
 
 @pytest.mark.parametrize("argv,field", [

@@ -4,14 +4,15 @@ from tinytron.memory.megatron_model import (NUM_BYTES_IN_MEGABYTE, megatron_args
                                             megatron_param_counts,
                                             megatron_theoretical_memory)
 from tinytron.memory.states import MemoryConfig, chunk_params, state_ledger
-from tinytron.memory.activations import (Saved, activation_peak, chunk_saved, layer_saved,
-                                         schedule_ops)
+from tinytron.memory.activations import Saved, chunk_saved, layer_saved
+from tinytron.memory.peak import activation_peak, schedule_ops
 from tinytron.memory.ledger import (RankLedger, megatron_args_from, plot_ledgers, rank_ledger,
                                     stage_ledgers)
 from tinytron.memory.calculator import (Hardware, memory_config_from, running_example,
                                         search_layouts, step_time)
 
-__pages__ = ["megatron_model", "states", "activations", "ledger", "measured", "calculator"]
+__pages__ = ["megatron_model", "states", "activations", "peak", "ledger", "measured",
+             "calculator"]
 
 __all__ = ["NUM_BYTES_IN_MEGABYTE", "megatron_args", "megatron_param_counts",
            "megatron_theoretical_memory", "MemoryConfig", "chunk_params", "state_ledger", "Saved",

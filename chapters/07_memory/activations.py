@@ -1,15 +1,15 @@
 # %% [markdown]
-# # 07.3 · Memory: the flowing part — what one layer saves, and how many are in flight
+# # 07.3 · Memory: the flowing part — what one micro-batch keeps, tensor by tensor
 #
 # Activations are what autograd keeps from the forward pass for the backward pass. They are
-# created by every micro-batch and freed by its backward, so what counts is how much *one*
-# micro-batch leaves behind on a stage and how many micro-batches the schedule keeps in flight
-# at once. This page lists, tensor by tensor, what a layer of appendix B's model saves — for
-# GQA, SwiGLU, RMSNorm, RoPE, the attention kernel in use, dropout, SP, CP and recompute —
-# then the embedding, the head, and the pipeline's in-flight count.
+# created by every micro-batch and freed by its backward, so what counts first is how much
+# *one* micro-batch leaves behind on a stage. This page lists, tensor by tensor, what a layer
+# of appendix B's model saves — for GQA, SwiGLU, RMSNorm, RoPE, the attention kernel in use,
+# dropout, SP, CP, recompute and activation offload — then the embedding and the head. The
+# next page multiplies by the micro-batches in flight.
 #
-# You will build: `Saved`, `attention_kernel`, `layer_saved`, `embedding_saved`, `head_saved`,
-# `chunk_saved`, `schedule_ops` and `activation_peak`.
+# You will build: `Saved`, `Dims`, `attention_kernel`, `layer_saved`, `embedding_saved`,
+# `head_saved` and `chunk_saved`.
 
 # %%
 from __future__ import annotations
@@ -17,13 +17,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tinytron.main_loop.interleaved import get_pp_rank_microbatches, get_schedule_table
-from tinytron.main_loop.schedules import num_warmup_microbatches_1f1b
 from tinytron.memory.states import MemoryConfig
 from tinytron.model.config import stage_layer_ranges
 
 __all__ = ["Saved", "Dims", "attention_kernel", "layer_saved", "embedding_saved", "head_saved",
-           "chunk_saved", "schedule_ops", "activation_peak", "p2p_buffers", "saved_bytes"]
+           "chunk_saved", "saved_bytes", "CPU_RNG_STATE"]
 
 # %% [markdown]
 # ## What one layer saves, tensor by tensor
@@ -167,7 +165,8 @@ def _core_attention(cfg: MemoryConfig, x: Dims) -> list[Saved]:
     return [Saved("core_attn", "q scaled", heads * x.s_c * x.d, e),
             Saved("core_attn", "K^T repeated to all heads", heads * x.s * x.d, e),
             Saved("core_attn", "V repeated to all heads", heads * x.s * x.d, e),
-            Saved("core_attn", "scores: probs (+ dropout mask, dropped)", probs * heads * x.s_c * x.s, e),
+            Saved("core_attn", "scores: probs (+ dropout mask, dropped)",
+                  probs * heads * x.s_c * x.s, e),
             Saved("attn_proj", "linear_proj input", n * x.a_t * x.d, x.P)]
 
 
@@ -202,7 +201,7 @@ def _selective_core_attention(cfg: MemoryConfig, x: Dims) -> list[Saved]:
 # on CPU a 5,056-byte state of the CPU generator, plus one per tracker stream (3) when the
 # model uses dropout; on CUDA small host tensors, nothing on the device. The CPU generator's
 # copy is made outside PyTorch's dispatcher, so chapter 01's meter cannot see it; the ledger
-# counts it, and page 07.5 leaves it out of the comparison by name. During backward a
+# counts it, and page 07.6 leaves it out of the comparison by name. During backward a
 # recompute re-creates what it dropped — a run of layers, or the module's inside — on top of
 # what is kept (the transient of the next section).
 #
@@ -233,7 +232,7 @@ def _snapshots(cfg: MemoryConfig, count: int) -> list[Saved]:
 
     On CPU each state is a 5,056-byte Mersenne-twister tensor; on CUDA the snapshots are small
     host tensors, none on the device. The CPU generator's copy is made outside PyTorch's
-    dispatcher, so chapter 01's meter does not see it (page 07.5 leaves it out of the
+    dispatcher, so chapter 01's meter does not see it (page 07.6 leaves it out of the
     comparison); the tracker streams' copies it does see.
     """
     if cfg.device == "cuda" or not count:
@@ -411,202 +410,16 @@ def chunk_saved(cfg: MemoryConfig, pp_rank: int, chunk: int) -> dict[str, list[S
 
 
 # %% [markdown]
-# ## How many micro-batches are in flight
+# ## Demo: one layer of the running example, and one of the tiny model
 #
-# Without pipelining each micro-batch runs forward and backward back to back: one in flight.
-# With 1F1B stage $r$ runs $\min(p - r - 1, m)$ warmup forwards before its first backward, so
-# it holds up to $\min(p - r, m)$ micro-batches (chapter 01). Interleaved, rank $r$ runs
-# $2(p - r - 1) + (v - 1)\,g$ forwards first, each of a chunk of $L/(p v)$ layers, in the
-# order of chapter 01's schedule table. Rather than a factor, the ledger replays that order —
-# `F` adds a chunk's activations, `B` removes them — and takes the maximum, so the first
-# chunk's embedding and the last chunk's head are counted exactly as often as they are live.
-#
-# The peak is not reached *between* operations but inside one, so each step adds what is
-# alive only while it runs (found op by op with chapter 01's meter, then written down):
-#
-# | moment | what is alive on top of the kept tensors |
-# |---|---|
-# | end of a layer's forward | fc2's output and the new residual; in bf16 also the layer input, the mid-layer residual and the fp32 RoPE tables |
-# | TP collective after fc2 | fc2's partial sum over the whole local sequence and the collective's output |
-# | math attention | $q k^\top$ and its masked copy, q, k, v cast to fp32 — before the layer's MLP half is kept |
-# | cross-entropy forward | bf16 logits, their fp32 copy, the shifted logits, their exponential: 14 bytes per logit (8 in fp32), 4 of which stay as the softmax |
-# | SwiGLU backward | the incoming grad and the grads of gate, up and fc1's output, once the product and silu are freed |
-# | attention backward | the grads of the output, q, and the (gathered) k and v |
-# | fc1 / output-layer backward | the weight gradient (`.grad`, until DDP's hook adds it to `main_grad` and frees it) |
-# | end of the first chunk's backward | the embedding's weight gradient, $P\,V h / t$ |
-#
-# With one stage holding both ends of tied embeddings, the output layer's weight gradient waits
-# in `.grad` until the embedding adds its share at the very end of the backward. With
-# pipelining, a stage that sends activations forward still holds the previous micro-batch's
-# output in its send while the next forward runs (`p2p_buffers`); the received inputs and
-# gradients are already counted (as kept stage inputs, and as the incoming grad of each
-# backward event).
-#
-# Measured on the 42-case grid of page 07.5, this replay is within 2.7% of the measured peak
-# (median 0.29%; the CPU math-attention cases within 8%); what remains is the timing of small
-# buffers inside one operation.
-
-# %%
-def schedule_ops(cfg: MemoryConfig, pp_rank: int,
-                 max_steady_rounds: int | None = None) -> list[tuple[str, int, int]]:
-    """("F" or "B", chunk, micro-batch) in the order this pipeline rank runs them.
-
-    `max_steady_rounds` keeps only that many 1F1B rounds of the steady state (its live set
-    repeats with period p·v rounds, so 2·p·v rounds already hold its maximum).
-    """
-    p, v, m = cfg.pipeline_model_parallel_size, cfg.num_chunks, cfg.num_microbatches
-    if p == 1:
-        rounds = m if max_steady_rounds is None else min(m, max_steady_rounds)
-        return [op for mb in range(rounds) for op in (("F", 0, mb), ("B", 0, mb))]
-    if v == 1:
-        warmup = num_warmup_microbatches_1f1b(p, pp_rank, m)
-        table = [(mb, 0) for mb in range(m)]
-    else:
-        table = get_schedule_table(m, v, p)
-        _, _, warmup, _ = get_pp_rank_microbatches(m, v, p, p, pp_rank)
-    fwd = [("F", chunk, mb) for mb, chunk in table]
-    bwd = [("B", v - 1 - chunk, mb) for mb, chunk in table]
-    ops = fwd[:warmup]
-    steady = len(table) - warmup
-    for i in range(steady if max_steady_rounds is None else min(steady, max_steady_rounds)):
-        ops += [fwd[warmup + i], bwd[i]]
-    return ops + bwd[steady:]
-
-
-def _forward_transient(cfg: MemoryConfig, x: Dims, head: bool) -> int:
-    """Bytes alive in a chunk's forward on top of what it keeps, at its largest moment."""
-    unit = x.P * x.s_r * x.b * x.h  # one residual-stream tensor
-    rope = 0 if x.P == 4 else 2 * 4 * x.b * x.s_c * x.d  # the fp32 cos/sin tables
-    # bf16: the layer's input and the mid-layer residual are alive (fp32 norms save them)
-    resid = 0 if x.P == 4 else 2 * unit
-    end_of_layer = resid + 2 * unit + rope  # fc2's output and the new residual
-    t = cfg.tensor_model_parallel_size
-    # TP: fc2's partial sum (the whole local sequence) and the collective's output
-    collective = resid + (t if cfg.model.sequence_parallel else 1) * unit + unit + rope \
-        if t > 1 else 0
-    layer = max(end_of_layer, collective)
-    if attention_kernel(cfg) == "math":  # q k^T (and its masked copy under CP), q/k/v cast
-        e = 4 if cfg.device == "cpu" else x.P  # to fp32, while the MLP half is not kept yet
-        copies = 2 if cfg.context_parallel_size > 1 else 1
-        scores = copies * e * x.b * x.a_t * x.s_c * x.s + e * x.b * x.d * (x.a_t * x.s_c
-                                                                           + 2 * x.g_t * x.s)
-        later = saved_bytes([s for s in layer_saved(cfg) if s.module in ("mlp_norm", "mlp")])
-        layer = max(layer, scores + unit + rope - later)
-    if not head:
-        return layer
-    logits = x.b * x.s_c * x.v_t
-    chain = (2 + 4 + 4 if x.P == 2 else 4 + 4) * logits  # logits (, fp32 copy), z, exp(z)
-    return max(layer, chain + (0 if x.P == 4 else unit) + rope)
-
-
-def _backward_transient(cfg: MemoryConfig, x: Dims, head: bool, tied_here: bool,
-                        head_kept: int = 0, recomputed: int = 0) -> int:
-    """Bytes alive in a chunk's backward on top of what it kept, at its largest moment."""
-    unit = x.P * x.s_r * x.b * x.h
-    table_grad = x.P * x.v_t * x.h  # the .grad of an embedding or output matrix
-    # SwiGLU backward: grads of gate, up and fc1's output while the product and silu are freed
-    mlp = unit + 2 * x.P * x.s_c * x.b * x.f_t
-    # attention backward: grads of the output, q, and (gathered) k and v; the math kernel
-    # holds one more s x s tensor (a probability grad arrives as a saved one is released)
-    attn = unit + x.P * x.b * (2 * x.a_t * x.s_c + 2 * x.g_t * x.s) * x.d
-    if attention_kernel(cfg) == "math":
-        attn = unit + (4 if cfg.device == "cpu" else x.P) * x.b * x.a_t * x.s_c * x.s
-    # fc1's backward: its input grad and its weight grad, once the MLP's saved tensors are gone
-    fc1 = unit + x.P * x.s_c * x.b * x.h + x.P * 2 * x.f_t * x.h - 2 * x.P * x.s_c * x.b * x.f_t
-    # one stage holding embedding and head with tied weights: the output layer's weight grad
-    # waits in .grad through the layers' backward until the embedding adds its own
-    held = table_grad if tied_here else 0
-    # on the last chunk the layers' backward starts after the head's saved tensors are freed
-    freed = head_kept if head else 0
-    # a recompute re-creates its run's (or module's) saved tensors before their backward
-    events = [e + held - freed + recomputed for e in (mlp, attn, fc1)]
-    if head:  # softmax.clone() as the gradient; then the output layer's weight gradient, with
-        logits = x.b * x.s_c * x.v_t  # the softmax freed and the logits' grad in P bytes
-        events += [4 * logits, table_grad + (x.P - 4) * logits]
-    return max(events)
-
-
-def _late_backward(cfg: MemoryConfig, x: Dims, parts: dict) -> int:
-    """First chunk, end of backward: the embedding's saved ids, the grad in, its weight grad."""
-    if not parts["embedding"]:
-        return 0
-    unit = x.P * x.s_r * x.b * x.h
-    held = x.P * x.v_t * x.h if parts["head"] and cfg.model.tie_embeddings else 0
-    # the grad arriving at the embedding, its [b, s, h] copy, and the table's weight grad
-    return (saved_bytes(parts["embedding"]) + unit + x.P * x.s_c * x.b * x.h
-            + x.P * x.v_t * x.h + held)
-
-
-def _recomputed(cfg: MemoryConfig) -> int:
-    """Bytes a recompute re-creates inside one backward: a run of layers, or a module's inside."""
-    if cfg.recompute_granularity is None:
-        return 0
-    plain = cfg.replace(model=cfg.model.replace(recompute_granularity=None, recompute_method=None,
-                                                recompute_num_layers=None))
-    layer = saved_bytes(layer_saved(plain))
-    if cfg.recompute_granularity == "full":
-        return layer * (cfg.recompute_num_layers if cfg.recompute_method == "uniform" else 1)
-    return layer - saved_bytes(layer_saved(cfg))
-
-
-def _transients(cfg: MemoryConfig, parts: dict) -> tuple[int, int, int]:
-    """(forward, backward, end-of-backward) bytes of a chunk beyond what it keeps."""
-    x = Dims.of(cfg)
-    head = bool(parts["head"])
-    tied_here = head and bool(parts["embedding"]) and cfg.model.tie_embeddings
-    backward = _backward_transient(cfg, x, head, tied_here, saved_bytes(parts["head"]),
-                                   _recomputed(cfg))
-    return _forward_transient(cfg, x, head), backward, _late_backward(cfg, x, parts)
-
-
-def p2p_buffers(cfg: MemoryConfig, pp_rank: int) -> int:
-    """A sent activation still held by its send while the next forward runs (not the last stage)."""
-    p = cfg.pipeline_model_parallel_size
-    if p == 1 or (pp_rank == p - 1 and cfg.num_chunks == 1):
-        return 0
-    x = Dims.of(cfg)
-    return x.P * x.s_r * x.b * x.h
-
-
-def activation_peak(cfg: MemoryConfig, pp_rank: int, leave_out: tuple[str, ...] = ()) -> dict:
-    """Replay the schedule: the most activation bytes live at once on this rank, and when.
-
-    `leave_out` drops saved entries whose name starts with one of these strings (page 07.5
-    leaves out what the meter cannot see).
-    """
-    kept, transient = {}, {}
-    for chunk in range(cfg.num_chunks):
-        parts = {k: [e for e in v if not e.what.startswith(leave_out or ("\0",))]
-                 for k, v in chunk_saved(cfg, pp_rank, chunk).items()}
-        kept[chunk] = sum(saved_bytes(v) for k, v in parts.items() if k != "host")
-        transient[chunk] = _transients(cfg, parts)
-    live, peak, in_flight, most, when = 0, 0, 0, 0, None
-    p2p = p2p_buffers(cfg, pp_rank)
-    period = 2 * cfg.pipeline_model_parallel_size * cfg.num_chunks
-    for kind, chunk, mb in schedule_ops(cfg, pp_rank, max_steady_rounds=period):
-        if kind == "F":  # the previous micro-batch's output may still be in its send
-            during = live + kept[chunk] + transient[chunk][0] + p2p
-            live, in_flight = live + kept[chunk], in_flight + 1
-        else:
-            during = max(live + transient[chunk][1], live - kept[chunk] + transient[chunk][2])
-            live, in_flight = live - kept[chunk], in_flight - 1
-        most = max(most, in_flight + (kind == "B"))
-        if during > peak:
-            peak, when = during, (kind, chunk, mb)
-    return {"peak": peak, "activations": peak - p2p * (when[0] == "F"),
-            "p2p_buffers": p2p * (when[0] == "F"), "at": when,
-            "max_in_flight": most, "per_chunk": kept, "transient": transient}
-
-
-# %% [markdown]
-# ## Demo: the tiny layer, the 7B layer, and the in-flight count of the running example
-#
-# The demo prints the per-layer table for the running example at TP 2 with SP and selective
-# recompute, compares it with Megatron's per-layer term, and replays the 1F1B and interleaved
-# schedules to show the in-flight counts per stage.
+# The demo prints the per-layer table of the running example at TP 2 with SP and selective
+# recompute and compares it with Megatron's per-layer term, then shows how the same layer's
+# bytes move under each recompute mode and with everything offloaded.
 
 # %%
 if __name__ == "__main__":
+    import matplotlib.pyplot as plt
+
     from tinytron.model.config import llama_7b_config
 
     big = MemoryConfig(llama_7b_config(sequence_parallel=True, recompute_granularity="selective"),
@@ -621,16 +434,31 @@ if __name__ == "__main__":
     megatron_layer = s * b * h * (18 + 4 * f / h) / 2
     print(f"one layer, one rank: {ours / 2**20:,.1f} MiB here, Megatron's term "
           f"{megatron_layer / 2**20:,.1f} MiB")
-    for v in (None, 2):
-        cfg = big.replace(virtual_pipeline_model_parallel_size=v)
-        for r in range(2):
-            pk = activation_peak(cfg, r)
-            print(f"vpp={v}, stage {r}: max in flight {pk['max_in_flight']} chunk-micro-batches, "
-                  f"peak {pk['peak'] / 2**30:,.2f} GiB at {pk['at']}")
-    assert [activation_peak(big, r)["max_in_flight"] for r in range(2)] == [2, 1]
-    assert activation_peak(big.replace(virtual_pipeline_model_parallel_size=2), 0)[
-        "max_in_flight"] == 5
+
+    plain = big.model.replace(recompute_granularity=None)
+    modes = {"none": plain, "selective": big.model,
+             "full, uniform 1": plain.replace(recompute_granularity="full",
+                                              recompute_method="uniform", recompute_num_layers=1),
+             "offload all 5": plain.replace(fine_grained_activation_offloading=True,
+                                            offload_modules=["attn_norm", "qkv_linear",
+                                                             "core_attn", "attn_proj",
+                                                             "mlp_norm"])}
+    stage = {name: chunk_saved(big.replace(model=m), 0, 0) for name, m in modes.items()}
+    device = {n: saved_bytes(p["layers"]) / 2**30 for n, p in stage.items()}
+    host = {n: saved_bytes(p["host"]) / 2**30 for n, p in stage.items()}
+    fig, ax = plt.subplots(figsize=(7, 2.4))
+    ax.barh(list(device), list(device.values()), label="device")
+    ax.barh(list(host), list(host.values()), left=list(device.values()), label="host (offloaded)")
+    ax.set_xlabel("GiB: the 16 layers of stage 0, one micro-batch, one GPU")
+    ax.invert_yaxis()
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.show()
+    for name in modes:
+        print(f"{name:>16}: device {device[name]:6.2f} GiB, host {host[name]:5.2f} GiB")
     assert ours > megatron_layer  # the all-gathered linear inputs and the fp32 norm copies
+    order = ["full, uniform 1", "offload all 5", "selective", "none"]
+    assert [device[n] for n in order] == sorted(device.values())
 
 # %% [markdown]
 # ## Summary
@@ -640,21 +468,22 @@ if __name__ == "__main__":
 #   the sequence of everything but the gathered K and V.
 # - The kernel matters more than any other choice: the flash path saves $O(s)$ per head, the
 #   math path $O(s^2)$ in fp32 on CPU.
-# - The schedule decides the multiplier: one micro-batch without pipelining, $\min(p - r, m)$
-#   with 1F1B, and the replayed interleaved order with virtual stages.
+# - Recompute keeps checkpoint inputs (and RNG snapshots) instead of a region's insides;
+#   offload moves a region's saved tensors to the host when their last device holder lets go.
 #
 # ## How production does it
 #
 # - Megatron: `megatron/core/tensor_parallel/layers.py` (SP linears that save the local slice),
 #   `megatron/core/transformer/attention.py:426-468` (selective recompute),
-#   `megatron/core/pipeline_parallel/schedules.py` (warmup counts),
+#   `megatron/core/recompute.py` (full recompute),
+#   `megatron/core/pipeline_parallel/fine_grained_activation_offload.py` (offload),
 #   `megatron/training/theoretical_memory_usage.py:280` (the paper's per-layer count).
 # - PyTorch: `torch.nn.functional.scaled_dot_product_attention` kernel selection
-#   (`torch.backends.cuda.sdp_kernel` / `torch.nn.attention.sdpa_kernel`).
+#   (`torch.nn.attention.sdpa_kernel`), `torch.autograd.graph.saved_tensors_hooks`.
 #
 # ## Exercises
 #
 # 1. Make `ColumnParallelLinear` save only its local slice under SP and all-gather it in
 #    backward. Which rows of the table change, and by how much at TP 8?
-# 2. With `recompute_granularity="full"` and `recompute_method="block"`, find the
-#    `recompute_num_layers` that fits a 16 GiB budget on the first stage of the running example.
+# 2. Which offload region frees the most device memory per layer of the running example, and
+#    why does `attn_proj` alone free nothing?

@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 07.6 · Memory: `tinytron-memory`, the calculator and the layout search
+# # 07.7 · Memory: `tinytron-memory`, the calculator and the layout search
 #
 # The ledger as a command. `tinytron-memory --config run.toml --world-size 256` reads the
 # trainer's config and prints the first and the last stage's ledger next to Megatron's
@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from tinytron.memory.activations import activation_peak
+from tinytron.memory.peak import activation_peak
 from tinytron.memory.ledger import (DEVICE_TERMS, RankLedger, megatron_args_from, plot_ledgers,
                                     stage_ledgers)
 from tinytron.memory.megatron_model import megatron_theoretical_memory
@@ -168,8 +168,8 @@ def step_time(cfg: MemoryConfig, hw: Hardware = Hardware(),
     dp_bytes = grads + (params * cfg.param_bytes * (dp_cp - 1) / dp_cp
                         if cfg.use_distributed_optimizer else grads)
     dp = dp_bytes / _bandwidth(t * dp_cp, hw)
-    pp = 0.0 if p == 1 else 2 * mb * v * unit / (hw.network_bandwidth if t * c * d >= hw.gpus_per_node
-                                                  else hw.nvlink_bandwidth)
+    pp_bw = hw.network_bandwidth if t * c * d >= hw.gpus_per_node else hw.nvlink_bandwidth
+    pp = 0.0 if p == 1 else 2 * mb * v * unit / pp_bw
     bubble = compute * (p - 1) / (v * mb)
     parts = dict(compute=compute, bubble=bubble, tp=tp, cp=cp, dp=dp, pp=pp)
     parts["total"] = sum(parts.values())
@@ -384,7 +384,8 @@ def _run(argv: Sequence[str] | None) -> None:
                   f"step ~{f['time']['total']:.2f} s")
         return
     if not 0 <= args.dp_rank < cfg.data_parallel_size * cfg.context_parallel_size:
-        raise ValueError(f"--dp-rank must be in [0, {cfg.data_parallel_size * cfg.context_parallel_size})")
+        raise ValueError(f"--dp-rank must be in [0, "
+                         f"{cfg.data_parallel_size * cfg.context_parallel_size})")
     print(json.dumps(_ledger_json(cfg, args.dp_rank)) if args.json
           else format_ledgers(cfg, args.dp_rank))
     if args.plot:

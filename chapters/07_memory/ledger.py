@@ -1,8 +1,8 @@
 # %% [markdown]
-# # 07.4 · Memory: the whole ledger of one rank, and what each dimension cuts
+# # 07.5 · Memory: the whole ledger of one rank, and what each dimension cuts
 #
-# The resident part (page 07.2) and the flowing part (page 07.3) added up for one rank: the
-# first and the last pipeline stage of any layout, in bytes. Then the running example, worked
+# The resident part (page 07.2) and the flowing part (pages 07.3 and 07.4) added up for one
+# rank: the first and the last pipeline stage of any layout, in bytes. Then the running example, worked
 # end to end, and the picture the front page promised: the ledger shrinking as TP, SP, PP,
 # DP with the distributed optimizer, and recompute are switched on one at a time.
 #
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tinytron.memory.activations import activation_peak
+from tinytron.memory.peak import activation_peak
 from tinytron.memory.megatron_model import megatron_theoretical_memory
 from tinytron.memory.states import MemoryConfig, state_ledger
 

@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 07.5 · Memory: the ledger against measurement
+# # 07.6 · Memory: the ledger against measurement
 #
 # A memory model is only as good as its agreement with what the program allocates. This page
 # builds real layouts — TP, SP, CP, PP with and without interleaving, DP with and without the
@@ -35,6 +35,9 @@ __all__ = ["VALIDATION_GRID", "DEMO_GRID", "run_grid", "compare", "error_table",
 # | kept activations, per chunk | the meter's live bytes right after one micro-batch's forward (inputs created inside, as a data loader would) |
 # | peak activations | the meter's peak over one `forward_backward` of $m$ micro-batches through chapter 01's schedule (1F1B, interleaved or none) |
 #
+# Activations are the smaller of two runs: on a loaded machine a gloo work object or Python's
+# cycle collector can hold a freed buffer a moment longer, which only ever adds bytes.
+#
 # The meter counts every tensor storage allocated inside its block that is still alive —
 # autograd's saved tensors, outputs, p2p buffers, transient gradients — so nothing has to be
 # listed by hand for the measurement side; the ledger, on the other side, is pure arithmetic.
@@ -53,7 +56,8 @@ VALIDATION_GRID: list[dict] = [
     {"bf16": False}, {"bf16": False, "distopt": True}, {"grad_fp32": False, "distopt": True},
     {"mbs": 2, "m": 2}, {"tp": 2}, {"tp": 2, "sp": True},
     {"tp": 2, "sp": True, "distopt": True, "mbs": 2},
-    {"tp": 4, "sp": True, "num_query_groups": 4}, {"tp": 4, "bf16": False, "num_query_groups": 4}, {"cp": 2}, {"cp": 2, "distopt": True},
+    {"tp": 4, "sp": True, "num_query_groups": 4},
+    {"tp": 4, "bf16": False, "num_query_groups": 4}, {"cp": 2}, {"cp": 2, "distopt": True},
     {"cp": 2, "tp": 2, "sp": True}, {"cp": 4, "m": 2},
     {"tie_embeddings": False}, {"dropout": 0.1}, {"dropout": 0.1, "tp": 2, "sp": True},
     {"overlap": True, "bucket_size": 20_000, "distopt": True},
@@ -244,7 +248,7 @@ if __name__ == "__main__":
 # Megatron's estimate is close on resident memory for bf16 + Adam layouts (it has no notion of
 # fp32 training, offload or padding, hence its maximum) and off by large factors on
 # activations here: small hidden sizes make the terms it leaves out — fp32 norm copies, the
-# last stage's logits — dominate. On the running example (page 07.4) the resident part agrees
+# last stage's logits — dominate. On the running example (page 07.5) the resident part agrees
 # to 12,672 bytes and the activations differ by the same terms, at 7B scale.
 #
 # ## What is not measured here

@@ -83,7 +83,7 @@ _DEFAULTS = dict(
 
 def megatron_args(args=None, **overrides) -> SimpleNamespace:
     """A copy of `args` (object or dict) plus overrides, with Megatron's defaults filled in."""
-    given = dict(vars(args)) if args is not None and not isinstance(args, dict) else dict(args or {})
+    given = dict(args or {}) if args is None or isinstance(args, dict) else dict(vars(args))
     given.update(overrides)
     missing = [k for k in _REQUIRED if given.get(k) is None]
     if missing:
@@ -339,8 +339,8 @@ if __name__ == "__main__":
           f"{ours['weight_and_optimizer_mib']:.2f} MB, activation={ours['activation_mib']:.2f} MB,"
           f" total={ours['total_mib']:.2f} MB   ({ours['branch']})")
     counts = megatron_param_counts(megatron_args(llama7b))
-    print(f"parameters: {counts['total']:,.0f} tied, "
-          f"{megatron_param_counts(megatron_args(llama7b, untie_embeddings_and_output_weights=True))['total']:,.0f} untied")
+    untied = megatron_param_counts(megatron_args(llama7b, untie_embeddings_and_output_weights=True))
+    print(f"parameters: {counts['total']:,.0f} tied, {untied['total']:,.0f} untied")
 
     variants = {"SP + selective": {}, "no recompute": dict(recompute_granularity=None),
                 "full recompute": dict(recompute_granularity="full"),
@@ -354,7 +354,8 @@ if __name__ == "__main__":
               f"{r['activation_mib']:>9,.1f} MiB   via {r['branch']}")
     fig, ax = plt.subplots(figsize=(7, 2.8))
     names = list(rows)
-    ax.barh(names, [rows[n]["weight_and_optimizer"] / 2**30 for n in names], label="weights + optimizer")
+    ax.barh(names, [rows[n]["weight_and_optimizer"] / 2**30 for n in names],
+            label="weights + optimizer")
     ax.barh(names, [rows[n]["activation"] / 2**30 for n in names],
             left=[rows[n]["weight_and_optimizer"] / 2**30 for n in names], label="activations")
     ax.set_xlabel("GiB per GPU (Megatron's estimate)")

@@ -318,7 +318,8 @@ def _optimizer_terms(cfg: MemoryConfig, params, owned) -> dict[str, int]:
 def state_ledger(cfg: MemoryConfig, pp_rank: int = 0, dp_rank: int = 0) -> dict[str, int]:
     """Resident bytes of one rank: weights, grad buffer, masters, moments (device and host)."""
     if not 0 <= pp_rank < cfg.pipeline_model_parallel_size:
-        raise ValueError(f"pp_rank must be in [0, {cfg.pipeline_model_parallel_size}), got {pp_rank}")
+        raise ValueError(f"pp_rank must be in [0, {cfg.pipeline_model_parallel_size}), "
+                         f"got {pp_rank}")
     if not 0 <= dp_rank < _dp_cp(cfg):
         raise ValueError(f"dp_rank must be in [0, {_dp_cp(cfg)}) (DP x CP), got {dp_rank}")
     out: dict[str, int] = {}

@@ -1,0 +1,268 @@
+# %% [markdown]
+# # 07.4 · Memory: the peak — micro-batches in flight and what lives only for a moment
+#
+# Page 07.3 counted what one micro-batch keeps. A rank holds several at once when it
+# pipelines, and the peak is reached *inside* an operation, when temporaries sit on top of
+# everything kept. This page replays the schedule a rank runs and adds those temporaries.
+#
+# You will build: `schedule_ops`, `p2p_buffers` and `activation_peak`.
+
+# %%
+from __future__ import annotations
+
+from tinytron.main_loop.interleaved import get_pp_rank_microbatches, get_schedule_table
+from tinytron.main_loop.schedules import num_warmup_microbatches_1f1b
+from tinytron.memory.activations import (Dims, attention_kernel, chunk_saved, layer_saved,
+                                         saved_bytes)
+from tinytron.memory.states import MemoryConfig
+
+__all__ = ["schedule_ops", "p2p_buffers", "activation_peak"]
+
+# %% [markdown]
+# ## How many micro-batches are in flight
+#
+# Without pipelining each micro-batch runs forward and backward back to back: one in flight.
+# With 1F1B stage $r$ runs $\min(p - r - 1, m)$ warmup forwards before its first backward, so
+# it holds up to $\min(p - r, m)$ micro-batches (chapter 01). Interleaved, rank $r$ runs
+# $2(p - r - 1) + (v - 1)\,g$ forwards first, each of a chunk of $L/(p v)$ layers, in the
+# order of chapter 01's schedule table. Rather than a factor, the ledger replays that order —
+# `F` adds a chunk's activations, `B` removes them — and takes the maximum, so the first
+# chunk's embedding and the last chunk's head are counted exactly as often as they are live.
+#
+# The peak is not reached *between* operations but inside one, so each step adds what is
+# alive only while it runs (found op by op with chapter 01's meter, then written down):
+#
+# | moment | what is alive on top of the kept tensors |
+# |---|---|
+# | end of a layer's forward | fc2's output and the new residual; in bf16 also the layer input, the mid-layer residual and the fp32 RoPE tables |
+# | TP collective after fc2 | fc2's partial sum over the whole local sequence and the collective's output |
+# | math attention | $q k^\top$ and its masked copy, q, k, v cast to fp32 — before the layer's MLP half is kept |
+# | cross-entropy forward | bf16 logits, their fp32 copy, the shifted logits, their exponential: 14 bytes per logit (8 in fp32), 4 of which stay as the softmax |
+# | SwiGLU backward | the incoming grad and the grads of gate, up and fc1's output, once the product and silu are freed |
+# | attention backward | the grads of the output, q, and the (gathered) k and v |
+# | fc1 / output-layer backward | the weight gradient (`.grad`, until DDP's hook adds it to `main_grad` and frees it) |
+# | end of the first chunk's backward | the embedding's weight gradient, $P\,V h / t$ |
+#
+# With one stage holding both ends of tied embeddings, the output layer's weight gradient waits
+# in `.grad` until the embedding adds its share at the very end of the backward. With
+# pipelining, a stage that sends activations forward still holds the previous micro-batch's
+# output in its send while the next forward runs (`p2p_buffers`); the received inputs and
+# gradients are already counted (as kept stage inputs, and as the incoming grad of each
+# backward event).
+#
+# Measured on the 42-case grid of page 07.6, this replay is within 2.7% of the measured peak
+# (median 0.29%; the CPU math-attention cases within 8%); what remains is the timing of small
+# buffers inside one operation.
+
+# %%
+def schedule_ops(cfg: MemoryConfig, pp_rank: int,
+                 max_steady_rounds: int | None = None) -> list[tuple[str, int, int]]:
+    """("F" or "B", chunk, micro-batch) in the order this pipeline rank runs them.
+
+    `max_steady_rounds` keeps only that many 1F1B rounds of the steady state (its live set
+    repeats with period p·v rounds, so 2·p·v rounds already hold its maximum).
+    """
+    p, v, m = cfg.pipeline_model_parallel_size, cfg.num_chunks, cfg.num_microbatches
+    if p == 1:
+        rounds = m if max_steady_rounds is None else min(m, max_steady_rounds)
+        return [op for mb in range(rounds) for op in (("F", 0, mb), ("B", 0, mb))]
+    if v == 1:
+        warmup = num_warmup_microbatches_1f1b(p, pp_rank, m)
+        table = [(mb, 0) for mb in range(m)]
+    else:
+        table = get_schedule_table(m, v, p)
+        _, _, warmup, _ = get_pp_rank_microbatches(m, v, p, p, pp_rank)
+    fwd = [("F", chunk, mb) for mb, chunk in table]
+    bwd = [("B", v - 1 - chunk, mb) for mb, chunk in table]
+    ops = fwd[:warmup]
+    steady = len(table) - warmup
+    for i in range(steady if max_steady_rounds is None else min(steady, max_steady_rounds)):
+        ops += [fwd[warmup + i], bwd[i]]
+    return ops + bwd[steady:]
+
+
+def _forward_transient(cfg: MemoryConfig, x: Dims, head: bool) -> int:
+    """Bytes alive in a chunk's forward on top of what it keeps, at its largest moment."""
+    unit = x.P * x.s_r * x.b * x.h  # one residual-stream tensor
+    rope = 0 if x.P == 4 else 2 * 4 * x.b * x.s_c * x.d  # the fp32 cos/sin tables
+    # bf16: the layer's input and the mid-layer residual are alive (fp32 norms save them)
+    resid = 0 if x.P == 4 else 2 * unit
+    end_of_layer = resid + 2 * unit + rope  # fc2's output and the new residual
+    t = cfg.tensor_model_parallel_size
+    # TP: fc2's partial sum (the whole local sequence) and the collective's output
+    collective = resid + (t if cfg.model.sequence_parallel else 1) * unit + unit + rope \
+        if t > 1 else 0
+    layer = max(end_of_layer, collective)
+    if attention_kernel(cfg) == "math":  # q k^T (and its masked copy under CP), q/k/v cast
+        e = 4 if cfg.device == "cpu" else x.P  # to fp32, while the MLP half is not kept yet
+        copies = 2 if cfg.context_parallel_size > 1 else 1
+        scores = copies * e * x.b * x.a_t * x.s_c * x.s + e * x.b * x.d * (x.a_t * x.s_c
+                                                                           + 2 * x.g_t * x.s)
+        later = saved_bytes([s for s in layer_saved(cfg) if s.module in ("mlp_norm", "mlp")])
+        layer = max(layer, scores + unit + rope - later)
+    if not head:
+        return layer
+    logits = x.b * x.s_c * x.v_t
+    chain = (2 + 4 + 4 if x.P == 2 else 4 + 4) * logits  # logits (, fp32 copy), z, exp(z)
+    return max(layer, chain + (0 if x.P == 4 else unit) + rope)
+
+
+def _backward_transient(cfg: MemoryConfig, x: Dims, head: bool, tied_here: bool,
+                        head_kept: int = 0, recomputed: int = 0) -> int:
+    """Bytes alive in a chunk's backward on top of what it kept, at its largest moment."""
+    unit = x.P * x.s_r * x.b * x.h
+    table_grad = x.P * x.v_t * x.h  # the .grad of an embedding or output matrix
+    # SwiGLU backward: grads of gate, up and fc1's output while the product and silu are freed
+    mlp = unit + 2 * x.P * x.s_c * x.b * x.f_t
+    # attention backward: grads of the output, q, and (gathered) k and v; the math kernel
+    # holds one more s x s tensor (a probability grad arrives as a saved one is released)
+    attn = unit + x.P * x.b * (2 * x.a_t * x.s_c + 2 * x.g_t * x.s) * x.d
+    if attention_kernel(cfg) == "math":
+        attn = unit + (4 if cfg.device == "cpu" else x.P) * x.b * x.a_t * x.s_c * x.s
+    # fc1's backward: its input grad and its weight grad, once the MLP's saved tensors are gone
+    fc1 = unit + x.P * x.s_c * x.b * x.h + x.P * 2 * x.f_t * x.h - 2 * x.P * x.s_c * x.b * x.f_t
+    # one stage holding embedding and head with tied weights: the output layer's weight grad
+    # waits in .grad through the layers' backward until the embedding adds its own
+    held = table_grad if tied_here else 0
+    # on the last chunk the layers' backward starts after the head's saved tensors are freed
+    freed = head_kept if head else 0
+    # a recompute re-creates its run's (or module's) saved tensors before their backward
+    events = [e + held - freed + recomputed for e in (mlp, attn, fc1)]
+    if head:  # softmax.clone() as the gradient; then the output layer's weight gradient, with
+        logits = x.b * x.s_c * x.v_t  # the softmax freed and the logits' grad in P bytes
+        events += [4 * logits, table_grad + (x.P - 4) * logits]
+    return max(events)
+
+
+def _late_backward(cfg: MemoryConfig, x: Dims, parts: dict) -> int:
+    """First chunk, end of backward: the embedding's saved ids, the grad in, its weight grad."""
+    if not parts["embedding"]:
+        return 0
+    unit = x.P * x.s_r * x.b * x.h
+    held = x.P * x.v_t * x.h if parts["head"] and cfg.model.tie_embeddings else 0
+    # the grad arriving at the embedding, its [b, s, h] copy, and the table's weight grad
+    return (saved_bytes(parts["embedding"]) + unit + x.P * x.s_c * x.b * x.h
+            + x.P * x.v_t * x.h + held)
+
+
+def _recomputed(cfg: MemoryConfig) -> int:
+    """Bytes a recompute re-creates inside one backward: a run of layers, or a module's inside."""
+    if cfg.recompute_granularity is None:
+        return 0
+    plain = cfg.replace(model=cfg.model.replace(recompute_granularity=None, recompute_method=None,
+                                                recompute_num_layers=None))
+    layer = saved_bytes(layer_saved(plain))
+    if cfg.recompute_granularity == "full":
+        return layer * (cfg.recompute_num_layers if cfg.recompute_method == "uniform" else 1)
+    return layer - saved_bytes(layer_saved(cfg))
+
+
+def _transients(cfg: MemoryConfig, parts: dict) -> tuple[int, int, int]:
+    """(forward, backward, end-of-backward) bytes of a chunk beyond what it keeps."""
+    x = Dims.of(cfg)
+    head = bool(parts["head"])
+    tied_here = head and bool(parts["embedding"]) and cfg.model.tie_embeddings
+    backward = _backward_transient(cfg, x, head, tied_here, saved_bytes(parts["head"]),
+                                   _recomputed(cfg))
+    return _forward_transient(cfg, x, head), backward, _late_backward(cfg, x, parts)
+
+
+def p2p_buffers(cfg: MemoryConfig, pp_rank: int) -> int:
+    """A sent activation still held by its send while the next forward runs (not the last stage)."""
+    p = cfg.pipeline_model_parallel_size
+    if p == 1 or (pp_rank == p - 1 and cfg.num_chunks == 1):
+        return 0
+    x = Dims.of(cfg)
+    return x.P * x.s_r * x.b * x.h
+
+
+def activation_peak(cfg: MemoryConfig, pp_rank: int, leave_out: tuple[str, ...] = ()) -> dict:
+    """Replay the schedule: the most activation bytes live at once on this rank, and when.
+
+    `leave_out` drops saved entries whose name starts with one of these strings (page 07.6
+    leaves out what the meter cannot see).
+    """
+    kept, transient = {}, {}
+    for chunk in range(cfg.num_chunks):
+        parts = {k: [e for e in v if not e.what.startswith(leave_out or ("\0",))]
+                 for k, v in chunk_saved(cfg, pp_rank, chunk).items()}
+        kept[chunk] = sum(saved_bytes(v) for k, v in parts.items() if k != "host")
+        transient[chunk] = _transients(cfg, parts)
+    live, peak, in_flight, most, when = 0, 0, 0, 0, None
+    p2p = p2p_buffers(cfg, pp_rank)
+    period = 2 * cfg.pipeline_model_parallel_size * cfg.num_chunks
+    for kind, chunk, mb in schedule_ops(cfg, pp_rank, max_steady_rounds=period):
+        if kind == "F":  # the previous micro-batch's output may still be in its send
+            during = live + kept[chunk] + transient[chunk][0] + p2p
+            live, in_flight = live + kept[chunk], in_flight + 1
+        else:
+            during = max(live + transient[chunk][1], live - kept[chunk] + transient[chunk][2])
+            live, in_flight = live - kept[chunk], in_flight - 1
+        most = max(most, in_flight + (kind == "B"))
+        if during > peak:
+            peak, when = during, (kind, chunk, mb)
+    return {"peak": peak, "activations": peak - p2p * (when[0] == "F"),
+            "p2p_buffers": p2p * (when[0] == "F"), "at": when,
+            "max_in_flight": most, "per_chunk": kept, "transient": transient}
+
+
+# %% [markdown]
+# ## Demo: the in-flight counts of the running example
+#
+# The 1F1B and the interleaved schedule of the running example ($p = 2$, $m = 8$), replayed
+# per stage: how many chunk-micro-batches are in flight at most, where the peak is, and the
+# live activation bytes over the schedule of stage 0.
+
+# %%
+if __name__ == "__main__":
+    import matplotlib.pyplot as plt
+
+    from tinytron.model.config import llama_7b_config
+
+    big = MemoryConfig(llama_7b_config(sequence_parallel=True, recompute_granularity="selective"),
+                       tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                       data_parallel_size=64, micro_batch_size=2, num_microbatches=8,
+                       use_distributed_optimizer=True)
+    fig, ax = plt.subplots(figsize=(7, 2.6))
+    for v in (None, 2):
+        cfg = big.replace(virtual_pipeline_model_parallel_size=v)
+        for r in range(2):
+            pk = activation_peak(cfg, r)
+            print(f"vpp={v}, stage {r}: max in flight {pk['max_in_flight']} chunk-micro-batches, "
+                  f"peak {pk['peak'] / 2**30:,.2f} GiB at {pk['at']}")
+        live, trace = 0, []
+        for kind, chunk, _ in schedule_ops(cfg, 0):
+            live += activation_peak(cfg, 0)["per_chunk"][chunk] * (1 if kind == "F" else -1)
+            trace.append(live / 2**30)
+        ax.step(range(len(trace)), trace, where="post", label=f"stage 0, v = {v or 1}")
+    ax.set_xlabel("forward / backward steps of one iteration")
+    ax.set_ylabel("kept GiB")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    plt.show()
+    assert [activation_peak(big, r)["max_in_flight"] for r in range(2)] == [2, 1]
+    assert activation_peak(big.replace(virtual_pipeline_model_parallel_size=2), 0)[
+        "max_in_flight"] == 5
+
+# %% [markdown]
+# ## Summary
+#
+# - The schedule decides the multiplier: one micro-batch without pipelining, $\min(p - r, m)$
+#   with 1F1B, and the replayed interleaved order with virtual stages — not a factor, the
+#   actual sequence, so the embedding and the head are counted as often as they are live.
+# - The peak sits inside an operation: the logits chain of the cross-entropy on the last
+#   stage, a backward on the others; the transients are written down from measurements.
+#
+# ## How production does it
+#
+# - Megatron: `megatron/core/pipeline_parallel/schedules.py` (warmup counts; the interleaved
+#   schedule table), `megatron/training/theoretical_memory_usage.py:314-338` (the interleaving
+#   factor and the $\min(1, m/p)$ discount that replace this replay).
+# - Fused cross-entropy kernels (appendix C; Megatron's `--cross-entropy-loss-fusion`) exist
+#   mostly to remove the fp32 logits chain from the last stage's peak.
+#
+# ## Exercises
+#
+# 1. Replay the running example with $m = 1$: which stage holds the most, and why does
+#    Megatron's $\min(1, m/p)$ factor get this case right?
+# 2. Double the micro-batch size and halve $m$: what happens to each stage's peak?
