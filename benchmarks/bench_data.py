@@ -79,28 +79,48 @@ def bench_build(ix: IndexedDataset, num_samples: int, seq_length: int, loop_frac
     t_loop_part = time.perf_counter() - t0
     assert np.array_equal(ref[:part + 1], sample_idx[:part + 1]), "vectorized != loop"
     t_loop = t_loop_part * (num_samples / part) + t_doc + t_shuf  # the numpy shuffles are shared
-    cpp = _time_megatron_cpp(sizes, doc_idx, seq_length, epochs, tokens, sample_idx)
+    cpp = _time_megatron_cpp(sizes, doc_idx, seq_length, epochs, tokens, sample_idx, t_doc, t_shuf,
+                             t_fast)
     return {"samples": int(len(sample_idx) - 1), "epochs": epochs, **cpp,
             "vectorized_build_s": t_fast, "loop_sample_index_s_measured": t_loop_part,
             "loop_samples_measured": part, "loop_build_s_extrapolated": t_loop,
-            "build_speedup": t_loop / t_fast}, (doc_idx, sample_idx, shuffle_idx)
+            "build_speedup_vs_extrapolated_loop": t_loop / t_fast}, (doc_idx, sample_idx, shuffle_idx)
 
 
-def _time_megatron_cpp(sizes, doc_idx, seq_length, epochs, tokens, ours) -> dict:
-    """Megatron's compiled build_sample_idx, when TINYTRON_MEGATRON_HELPERS points at a build."""
-    folder = os.environ.get("TINYTRON_MEGATRON_HELPERS")
-    if not folder:
-        return {}
+def _megatron_helpers():
+    """Megatron's compiled helpers: a build named by TINYTRON_MEGATRON_HELPERS (e03878b5f), else
+    the extension the megatron-core wheel ships (a test dependency), else None."""
+    import importlib
     import sys
 
-    sys.path.insert(0, folder)
-    import helpers_cpp
+    folder = os.environ.get("TINYTRON_MEGATRON_HELPERS")
+    if folder:
+        sys.path.insert(0, folder)
+        return importlib.import_module("helpers_cpp"), "TINYTRON_MEGATRON_HELPERS build"
+    try:
+        return importlib.import_module("megatron.core.datasets.helpers_cpp"), "megatron-core wheel"
+    except ImportError:
+        return None, None
 
-    t, ref = time_it(lambda: helpers_cpp.build_sample_idx_int32(sizes, doc_idx, seq_length, epochs,
-                                                                tokens, True, 1))
+
+def _time_megatron_cpp(sizes, doc_idx, seq_length, epochs, tokens, ours, t_doc, t_shuf,
+                       t_ours_whole) -> dict:
+    """Megatron's compiled build_sample_idx side by side with ours; and the whole index build.
+
+    Megatron's whole build is numpy's document shuffle + the C++ sample index + numpy's sample
+    shuffle; ours replaces only the middle step, so the two shuffles are timed once and shared.
+    """
+    helpers, source = _megatron_helpers()
+    if helpers is None:
+        return {}
+    t, ref = time_it(lambda: helpers.build_sample_idx_int32(sizes, doc_idx, seq_length, epochs,
+                                                            tokens, True, 1))
     assert np.array_equal(ref, ours), "numpy sample index != Megatron's helpers.cpp"
     t_np, _ = time_it(lambda: build_sample_index(sizes, doc_idx, seq_length, epochs, tokens))
-    return {"megatron_cpp_sample_index_s": t, "numpy_sample_index_s": t_np}
+    return {"megatron_helpers": source, "megatron_cpp_sample_index_s": t,
+            "numpy_sample_index_s": t_np, "sample_index_vs_megatron_cpp": t_np / t,
+            "megatron_whole_build_s": t_doc + t + t_shuf,
+            "whole_build_vs_megatron": t_ours_whole / (t_doc + t + t_shuf)}
 
 
 def megatron_style_lookup(ix, doc_idx, sample_idx, shuffle_idx, idx: int, extra: int = 1):
@@ -152,7 +172,7 @@ def bench_blend(size: int, loop_size: int):
     t_loop = (time.perf_counter() - t0) * size / loop_size
     assert np.array_equal(ref_di, di[:loop_size]) and np.array_equal(ref_dsi, dsi[:loop_size])
     return {"blend_size": size, "blend_build_s": t_fast, "loop_blend_s_extrapolated": t_loop,
-            "blend_speedup": t_loop / t_fast}
+            "blend_speedup_vs_extrapolated_loop": t_loop / t_fast}
 
 
 def main() -> None:
@@ -186,18 +206,26 @@ def main() -> None:
         **build, **access, **blend}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"index build: vectorized {build['vectorized_build_s']:.3f} s vs per-sample loop "
-          f"{build['loop_build_s_extrapolated']:.1f} s (extrapolated) -> {build['build_speedup']:.0f}x")
+    print(f"index build: vectorized {build['vectorized_build_s']:.3f} s vs a per-sample loop "
+          f"extrapolated from {build['loop_samples_measured']:,} samples to "
+          f"{build['loop_build_s_extrapolated']:.1f} s -> {build['build_speedup_vs_extrapolated_loop']:.0f}x "
+          f"(against an extrapolated loop, not a measured one)")
     if "megatron_cpp_sample_index_s" in build:
-        print(f"sample index alone: numpy {build['numpy_sample_index_s']:.3f} s vs Megatron's "
-              f"compiled helpers.cpp {build['megatron_cpp_sample_index_s']:.3f} s (identical arrays)")
+        print(f"sample index alone: numpy {build['numpy_sample_index_s']:.4f} s vs Megatron's "
+              f"compiled helpers.cpp ({build['megatron_helpers']}) "
+              f"{build['megatron_cpp_sample_index_s']:.4f} s -> "
+              f"{build['sample_index_vs_megatron_cpp']:.2f}x its time (identical arrays)")
+        print(f"whole index build (document shuffle + sample index + sample shuffle): ours "
+              f"{build['vectorized_build_s']:.3f} s = {build['whole_build_vs_megatron']:.2f}x "
+              f"Megatron's {build['megatron_whole_build_s']:.3f} s")
     print(f"random access: query_tokens {access['query_tokens_samples_per_s']:,.0f}/s, "
           f"__getitem__ {access['getitem_samples_per_s']:,.0f}/s vs loop lookup "
           f"{access['loop_lookup_samples_per_s']:,.0f}/s -> {access['access_speedup']:.1f}x; "
           f"Megatron-style lookup (IndexedDataset.get + concatenate) "
           f"{access['megatron_style_lookup_samples_per_s']:,.0f}/s")
     print(f"blend index ({args.samples:,}): {blend['blend_build_s']:.3f} s vs loop "
-          f"{blend['loop_blend_s_extrapolated']:.2f} s -> {blend['blend_speedup']:.1f}x")
+          f"{blend['loop_blend_s_extrapolated']:.2f} s (extrapolated from a twentieth) -> "
+          f"{blend['blend_speedup_vs_extrapolated_loop']:.1f}x")
     print(f"load average at start/end: {load_start[0]:.1f} / {os.getloadavg()[0]:.1f} "
           f"on {os.cpu_count()} cpus; wrote {args.out}")
 
