@@ -113,6 +113,44 @@ def test_megatron_moe_gqa_and_inputs():
         megatron_theoretical_memory(SMALL, hybrid_override_pattern="M*")
 
 
+# MiB that megatron/training/theoretical_memory_usage.py at e03878b5f returns for these args
+# (run once on its unmodified functions; dense GQA/SwiGLU/VPP/SP, CP/untied, MoE + MTP, MLA).
+MEGATRON_GOLDEN = [
+    (dict(num_layers=4, hidden_size=256, num_attention_heads=8, vocab_size=50257,
+          seq_length=1024, micro_batch_size=2, data_parallel_size=8), 4,
+     275.1416015625, 279.31640625),
+    (dict(num_layers=8, hidden_size=512, num_attention_heads=8, group_query_attention=True,
+          num_query_groups=2, swiglu=True, normalization="RMSNorm", vocab_size=32000,
+          seq_length=2048, micro_batch_size=1, tensor_model_parallel_size=2,
+          sequence_parallel=True, recompute_granularity="selective",
+          pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+          data_parallel_size=4, use_distributed_optimizer=True), 8,
+     117.037353515625, 143.76953125),
+    (dict(num_layers=6, hidden_size=384, num_attention_heads=6, ffn_hidden_size=1000,
+          vocab_size=1000, seq_length=512, micro_batch_size=3, tensor_model_parallel_size=2,
+          pipeline_model_parallel_size=3, context_parallel_size=2, data_parallel_size=2,
+          untie_embeddings_and_output_weights=True), 2, 26.74072265625, 53.180859375000004),
+    (dict(num_layers=4, hidden_size=256, num_attention_heads=4, swiglu=True,
+          normalization="RMSNorm", padded_vocab_size=4096, seq_length=256, micro_batch_size=1,
+          num_experts=8, moe_ffn_hidden_size=128, moe_router_topk=2,
+          moe_shared_expert_intermediate_size=256, moe_shared_expert_gate=True, moe_layer_freq=2,
+          expert_model_parallel_size=2, data_parallel_size=4, use_distributed_optimizer=True,
+          mtp_num_layers=1), 1, 45.34510803222656, 11.223925781250001),
+    (dict(num_layers=4, hidden_size=512, num_attention_heads=8, multi_latent_attention=True,
+          q_lora_rank=128, kv_lora_rank=64, qk_head_dim=32, qk_pos_emb_head_dim=16,
+          v_head_dim=32, normalization="RMSNorm", padded_vocab_size=8192, seq_length=512,
+          micro_batch_size=2, data_parallel_size=2, untie_embeddings_and_output_weights=True),
+     None, 310.02978515625, 89.783203125),
+]
+
+
+@pytest.mark.parametrize("args,m,weights_mib,activation_mib", MEGATRON_GOLDEN)
+def test_megatron_golden_values(args, m, weights_mib, activation_mib):
+    r = megatron_theoretical_memory(args, m)
+    assert r["weight_and_optimizer_mib"] == pytest.approx(weights_mib, rel=1e-12)
+    assert r["activation_mib"] == pytest.approx(activation_mib, rel=1e-12)
+
+
 # -- the resident ledger ------------------------------------------------------------------------
 @pytest.mark.parametrize("tie", [True, False])
 @pytest.mark.parametrize("pre,post", [(True, True), (True, False), (False, True), (False, False)])
