@@ -66,33 +66,41 @@ def run_dd(path: Path, num_bytes: int) -> float:
     return seconds * num_bytes / (count * (16 << 20))
 
 
-def one_repeat(work: Path, model, opt, rep: int) -> dict:
-    """Every measurement once, on fresh directories."""
-    grid, state = ParallelGrid.single(), TrainStateFallback(iteration=rep + 1)
-    out = {}
+def _save(work: Path, name: str, state, model, opt, **options) -> float:
+    """Seconds of one synchronous save into work/name."""
     t0 = time.perf_counter()
-    CheckpointManager(CheckpointConfig(save=str(work / "sync")), grid).save(state, model, opt)
-    out["sync_s"] = time.perf_counter() - t0
-    out["bytes"] = dir_bytes(work / "sync")
-    out["dd_s"] = run_dd(work / "dd.bin", out["bytes"])
+    CheckpointManager(CheckpointConfig(save=str(work / name), **options),
+                      ParallelGrid.single()).save(state, model, opt)
+    return time.perf_counter() - t0
+
+
+def _async(work: Path, mode: str, state, model, opt) -> dict:
+    """Blocking, background and until-visible seconds of one async save."""
+    manager = CheckpointManager(CheckpointConfig(save=str(work / mode), async_save=True,
+                                                 async_mode=mode), ParallelGrid.single())
+    t0 = time.perf_counter()
+    manager.save(state, model, opt)
+    blocking = time.perf_counter() - t0
+    done = manager.finalize(blocking=True)
+    return {f"async_{mode}_blocking_s": blocking, f"async_{mode}_background_s": done["background_s"],
+            f"async_{mode}_visible_s": done["visible_after_s"]}
+
+
+def one_repeat(work: Path, model, opt, rep: int, num_bytes: int) -> dict:
+    """Every measurement once, on fresh directories; dd and load orders alternate per repeat."""
+    state, out = TrainStateFallback(iteration=rep + 1), {"bytes": num_bytes}
+    if rep % 2:
+        out["dd_s"] = run_dd(work / "dd.bin", num_bytes)
+    out["sync_s"] = _save(work, "sync", state, model, opt)
+    if not rep % 2:
+        out["dd_s"] = run_dd(work / "dd.bin", num_bytes)
     for mode in ("process", "thread"):
-        manager = CheckpointManager(CheckpointConfig(save=str(work / mode), async_save=True,
-                                                     async_mode=mode), grid)
-        t0 = time.perf_counter()
-        stats = manager.save(state, model, opt)
-        out[f"async_{mode}_blocking_s"] = time.perf_counter() - t0
-        done = manager.finalize(blocking=True)
-        out[f"async_{mode}_background_s"] = done["background_s"]
-        out[f"async_{mode}_visible_s"] = done["visible_after_s"]
-        del stats
-    for verify in (True, False):
+        out.update(_async(work, mode, state, model, opt))
+    for verify in ((True, False) if rep % 2 else (False, True)):
         t0 = time.perf_counter()
         load_checkpoint(work / "sync", model, opt, verify_integrity=verify)
         out[f"load_{'verified' if verify else 'unverified'}_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    CheckpointManager(CheckpointConfig(save=str(work / "legacy"), ckpt_format="torch"),
-                      grid).save(state, model, opt)
-    out["legacy_sync_s"] = time.perf_counter() - t0
+    out["legacy_sync_s"] = _save(work, "legacy", state, model, opt, ckpt_format="torch")
     for name in ("sync", "process", "thread", "legacy"):
         shutil.rmtree(work / name)
     return out
@@ -108,7 +116,10 @@ def main() -> None:
     config, model, opt = build()
     work = Path(args.dir or tempfile.mkdtemp(prefix="bench_ckpt_"))
     work.mkdir(parents=True, exist_ok=True)
-    runs = [one_repeat(work, model, opt, r) for r in range(args.repeats)]
+    _save(work, "warmup", TrainStateFallback(), model, opt)   # untimed: the byte count, warm imports
+    num_bytes = dir_bytes(work / "warmup")
+    shutil.rmtree(work / "warmup")
+    runs = [one_repeat(work, model, opt, r, num_bytes) for r in range(args.repeats)]
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     gb = med["bytes"] / 1e9
     result = {

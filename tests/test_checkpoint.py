@@ -303,3 +303,19 @@ def test_async_save_of_cuda_state_stages_to_pinned_memory(tmp_path, mode):
     fresh = GPTModel(model.config.replace(seed=9)).cuda()
     load_model_weights(tmp_path, fresh)
     assert all(torch.equal(p, q) for p, q in zip(fresh.parameters(), expected))
+
+
+@pytest.mark.parametrize("chunks, message", [
+    ([((0,), 3), ((2,), 3)], "overlapping chunks"),
+    ([((0,), 2), ((3,), 2)], "cover 4 of 5 elements"),
+])
+def test_sharding_validation_catches_overlaps_and_gaps(tmp_path, chunks, message):
+    from tinytron.checkpoint._common import CheckpointGroups
+    from tinytron.checkpoint.formats import CheckpointSaveError
+    from tinytron.checkpoint.sharded_keys import ShardedTensor
+    from tinytron.checkpoint.torch_dist import SaveRequest
+
+    tensors = [ShardedTensor("w", torch.ones(n), (5,), off) for off, n in chunks]
+    tensors.append(ShardedTensor("w", torch.ones(5), (5,), (0,), is_main=False))   # not written
+    with pytest.raises(CheckpointSaveError, match=message):
+        SaveRequest(tmp_path, tensors, [], CheckpointGroups(SINGLE), {}).plan()

@@ -271,7 +271,9 @@ def legacy_demo_save(root: str) -> dict:
     files = sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root)
                    for f in fs)
     return {"files": files, "next_loss": run.step(),
-            "num_params": sum(p.numel() for p in run.model.parameters())}
+            "num_params": sum(p.numel() for p in run.model.parameters()),
+            "num_tensors": len(list(run.model.parameters())),
+            "buffer_numel": sum(b.numel for b in run.ddp.buffers)}
 
 
 def legacy_demo_load(root: str) -> dict:

@@ -215,11 +215,13 @@ class AsyncSaver:
 # ## Demo: a timeline of one async save
 #
 # One process trains a 5.5M-parameter GPT with AdamW (fp32: 66 MB of weights and optimizer
-# state). It saves synchronously once, then asynchronously while the training steps
-# continue, polling `finalize(blocking=False)` at the start of every step. The timeline shows
-# the training steps, the short blocking part of the async save and the background write
-# overlapping the next steps; the assertions check that the async save blocks shorter than the
-# sync one (about 5× on this size; `benchmarks/bench_checkpoint.py` measures a 100M model) and
+# state). It saves synchronously once, then asynchronously while the training steps continue,
+# polling `finalize(blocking=False)` at the start of every step. The timeline shows the
+# training steps, the short blocking part of the async save and the background write
+# overlapping the next steps — the first of them slower than the others: it shares the CPU
+# with the writer and pays for the pages that copy-on-write duplicates as the optimizer
+# overwrites them. The assertions check that the async save blocks shorter than the sync one
+# (about 5× on this size; `benchmarks/bench_checkpoint.py` measures a 100M model) and
 # that both checkpoints hold bit-identical tensors of their iteration.
 
 # %%

@@ -360,6 +360,16 @@ class CheckpointManager:
 # `TrainState` — whose `consumed_train_samples` tells chapter 04's sampler where to continue.
 # A missing, truncated or corrupted file, a missing key or a mismatched field leaves the model
 # exactly as it was.
+#
+# | state | stored as (`torch_dist`) | restored |
+# |---|---|---|
+# | weights | the model's sharded keys | always, on any layout |
+# | fp32 masters, moments | `optimizer.state.{param,exp_avg,…}.<key>` | on any layout, unless `no_load_optim` / `finetune` |
+# | step counts, loss scale | `common.pt` → `optimizer` | with the optimizer state |
+# | param groups' hyperparameters | object `optimizer.param_groups` per (PP, TP) | same TP and PP only (the scheduler sets lr and wd anyway) |
+# | scheduler | `common.pt` → `opt_param_scheduler` | unless `finetune` |
+# | iteration, consumed samples, FLOPs | `common.pt` → `train_state` (and Megatron's `args`) | unless `finetune` |
+# | RNG states | object `rng_state` per (PP, TP), a list over DP | same TP and PP, unless `no_load_rng` / `finetune` |
 
 # %%
 def _read_dist(manager, directory, common, chunks, optimizer, load_optim, load_rng, same_layout):

@@ -53,9 +53,11 @@ __all__ = ["ShardedTensor", "ShardedObject", "sharded_key", "TensorLayout", "par
 #
 # With tied embeddings and PP > 1 the last stage's output layer is a replica of
 # `embedding.word_embeddings.weight` (`language_module.py`, `tie_embeddings_and_output_weights_state_dict`):
-# it is read from that key and never written. Megatron also stores an empty `_extra_state`
-# object per linear layer and layer (Transformer Engine's FP8 metadata); tinytron writes the
-# same empty objects so that Megatron's default loader finds every key it asks for.
+# it is read from that key and never written. Megatron also stores an `_extra_state` object
+# per linear layer and layer — the slot in which Transformer Engine layers keep their FP8
+# metadata, `None` for the local layers — as `decoder.layers.mlp.linear_fc1._extra_state/shard_3_4`
+# (layer 3 of 4); tinytron writes the same `None` objects so that Megatron's default loader
+# finds every key it asks for.
 #
 # | tinytron parameter (global name) | sharded key | global shape | TP axis |
 # |---|---|---|---|
@@ -248,7 +250,7 @@ def plot_key_layout(config, tp: int, pp: int, name: str = "mlp.linear_fc1.weight
     ax.set_xlim(0, spec.full_shape[0])
     ax.set_ylim(config.num_layers, 0)
     ax.set(xlabel=f"row of {name} (gate rows, then up rows)", ylabel="layer (stacked axis)",
-           title=f"decoder.layers.{name}: global [L, 2f, h], chunks of tp {tp} x pp {pp}")
+           title=f"{name}: chunks at TP {tp} x PP {pp}")
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1, 0.5))
     return ax
 

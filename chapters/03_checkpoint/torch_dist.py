@@ -53,14 +53,32 @@ __all__ = ["SaveRequest", "read_sharded", "read_common", "read_dcp_index", "save
 #
 # 1. **plan** (collective): each rank lists its write items — one per chunk, with the global
 #    shape and offset — the coordinator (rank 0) checks that the main replicas tile every
-#    tensor exactly once (DCP's `_validate_global_plan`; Megatron's `validate_sharding_integrity`)
-#    and assigns each rank its file prefix `__R_`; rank 0 also writes `common.pt`.
+#    tensor exactly once (no overlap: DCP's `_validate_global_plan`; no gap: `_check_tiling`;
+#    together Megatron's `validate_sharding_integrity`, `validation.py:369`) and assigns each
+#    rank its file prefix `__R_`; rank 0 also writes `common.pt`.
 # 2. **write** (no communication): each rank streams its chunks into `__R_0.distcp` and fsyncs it.
 #    Here the stream also computes a CRC-32 of every byte written: DCP stores no checksums, and
 #    `torch.load` does not notice a flipped byte inside a tensor.
 # 3. **finalize** (collective): the write results (which file and offset holds each chunk) are
 #    gathered on rank 0, which writes DCP's `.metadata`, then `checksums.json`, then
 #    `metadata.json` — last — and hands over to the commit of the formats page.
+#
+# ```mermaid
+# flowchart LR
+#   subgraph plan["1 · plan (collective)"]
+#     P0["rank 0: local plan<br/>+ common.pt"] --> C["rank 0: global plan<br/>tiling checked, prefixes __R_"]
+#     P1["rank 1: local plan"] --> C
+#   end
+#   C --> W0["2 · rank 0 writes __0_0.distcp"]
+#   C --> W1["2 · rank 1 writes __1_0.distcp"]
+#   W0 --> F["3 · rank 0: .metadata, checksums.json,<br/>metadata.json, then the commit"]
+#   W1 --> F
+# ```
+#
+# Worked example, the tiny model at TP 1: 15 chunks (the untied model's 9 keys, 6 of them
+# stacked with one chunk per layer) and 8 `_extra_state` objects become one `__0_0.distcp` of
+# 592 KB — 139,584 fp32 parameters (558 KB) plus a small `torch.save` header per chunk — and
+# `.metadata` maps each (key, offset) to (file, byte offset, length).
 #
 # The planners below are DCP's default ones with the state dict replaced by our list of
 # `ShardedTensor`/`ShardedObject`: write items are built from global offsets directly, and a
@@ -168,6 +186,21 @@ def _write_json(path: Path, obj) -> None:
         os.fsync(f.fileno())
 
 
+def _check_tiling(plans: list[SavePlan]) -> None:
+    """Every tensor fully covered by its written chunks (DCP itself checks only overlaps)."""
+    covered, size = {}, {}
+    for plan in plans:
+        for item in plan.items:
+            if item.type != WriteItemType.BYTE_IO:
+                covered[item.index.fqn] = covered.get(item.index.fqn, 0) + \
+                    item.tensor_data.chunk.sizes.numel()
+                size[item.index.fqn] = item.tensor_data.size.numel()
+    for key, n in covered.items():
+        if n < size[key]:
+            raise ValueError(f"key {key!r}: the written chunks cover {n} of {size[key]} elements "
+                             "(no rank wrote the rest)")
+
+
 class SaveRequest:
     """One torch_dist save split in Megatron's three phases: plan, write, finalize."""
 
@@ -203,6 +236,7 @@ class SaveRequest:
             try:
                 if common_error:
                     raise OSError(common_error)
+                _check_tiling(plans)
                 plans, self.metadata = self.planner.create_global_plan(plans)
                 central = self.writer.prepare_global_plan(plans)
             except (ValueError, OSError) as e:
