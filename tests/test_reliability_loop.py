@@ -106,3 +106,21 @@ def test_signal_handler_defers_the_first_signal_and_not_a_second_ctrl_c():
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGTERM) is before     # restored on exit
+
+
+def test_pending_rerun_state_is_ignored_on_another_world_size(tmp_path):
+    import torch
+
+    from tinytron.reliability.restarts import Reliability, ReliabilityConfig
+    from tinytron.reliability.rerun_state_machine import RerunState
+
+    donor = Reliability(ReliabilityConfig(), save_dir=str(tmp_path), rank=0, world_size=2)
+    donor.rsm.state = RerunState.WILL_RERUN_FROM_CHECKPOINT
+    donor._save_rerun_state(6)
+    saved = torch.load(rerun_state_path(str(tmp_path), 6, 0), weights_only=True)
+    assert saved["world_size"] == 2
+    for world, expected in [(2, RerunState.WILL_RERUN_FROM_CHECKPOINT),
+                            (4, RerunState.NOT_RUNNING_YET)]:
+        rel = Reliability(ReliabilityConfig(), save_dir=str(tmp_path), rank=0, world_size=world)
+        rel._load_rerun_state(6)
+        assert rel.rsm.state == expected and rel.rsm.current_iteration == 6

@@ -318,7 +318,8 @@ class Reliability:
             return
         path = rerun_state_path(self.save_dir, iteration, self.rank)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save(self.rsm.state_dict(), path + ".tmp")
+        torch.save({"world_size": self.world_size, "machine": self.rsm.state_dict()},
+                   path + ".tmp")
         os.replace(path + ".tmp", path)
 
     def _load_rerun_state(self, iteration: int) -> None:
@@ -328,7 +329,11 @@ class Reliability:
         # resume it (the loop skips that iteration instead).
         pending = path is not None and os.path.exists(path)
         if pending and iteration + 1 not in self.iterations_to_skip:
-            self.rsm.load_state_dict(torch.load(path, weights_only=True))
+            saved = torch.load(path, weights_only=True)
+            # Per-rank state means nothing on another layout (Megatron ignores it then too,
+            # checkpointing.py:1758-1779): the relaunch just trains on.
+            if saved["world_size"] == self.world_size:
+                self.rsm.load_state_dict(saved["machine"])
         self.rsm.current_iteration = iteration   # the loop's count wins (training.py:3205)
 
     # -- around each step, and at the end -----------------------------------------------------
