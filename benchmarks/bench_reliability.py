@@ -20,7 +20,8 @@
     python benchmarks/bench_reliability.py [--model tiny|small] [--rounds 3] [--iters 24]
     python benchmarks/bench_reliability.py --device cuda
 
-Writes benchmarks/results/reliability.json (reliability_cuda.json for --device cuda).
+Writes benchmarks/results/reliability.json (reliability_small.json for --model small,
+reliability_cuda.json for --device cuda).
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ def main() -> None:
     over = overhead(args.model, args.rounds, args.iters)
     rec = recovery(args.model, args.kill_at, args.save_interval)
     result = {**meta, "load_average_at_end": os.getloadavg(), "overhead": over, "recovery": rec}
-    (out_dir / "reliability.json").write_text(json.dumps(result, indent=2) + "\n")
+    name = "reliability.json" if args.model == "tiny" else f"reliability_{args.model}.json"
+    (out_dir / name).write_text(json.dumps(result, indent=2) + "\n")
     print(f"safety nets on/off: {over['median_ms_on']:.2f} / {over['median_ms_off']:.2f} ms per "
           f"iteration = {over['ratio_on_over_off']:.3f}x; least disturbed rounds "
           f"{over['best_round_ms_on']:.2f} / {over['best_round_ms_off']:.2f} ms = "
