@@ -198,6 +198,47 @@ if __name__ == "__main__":
     assert last.device["activations"] > 0 and first.peak["max_in_flight"] == 2
 
 # %% [markdown]
+# ## Where Megatron's estimate and the ledger part ways
+#
+# Page 07.1 listed what the estimate leaves out. On the running example, one switch at a time
+# (activations only; Megatron's number is for the first stage, the ledger's for the stage
+# that holds the most):
+#
+# - **CP 2** halves every per-token tensor on a rank; the estimate does not change.
+# - **Full recompute** keeps one input per layer; the estimate falls back to its second
+#   formula, which assumes all activations are kept.
+# - **Interleaving** ($v = 2$): the estimate multiplies by $1 + (p-1)/(p v) = 1.25$; the replay
+#   finds 5 half-stage chunks in flight on stage 0, the same 2.5 stage-equivalents.
+# - **The last stage**: with $p > 1$ the estimate has no output layer or cross-entropy term;
+#   the ledger's last stage peaks in the logits chain.
+
+# %%
+if __name__ == "__main__":
+    def most_loaded(cfg):
+        return max(stage_ledgers(cfg), key=lambda led: led.device["activations"])
+
+    sp_sel = example.model
+    variants = {"running example": example,
+                "CP 2 (DP 32)": example.replace(context_parallel_size=2, data_parallel_size=32,
+                                                num_microbatches=16),
+                "full recompute": example.replace(model=sp_sel.replace(
+                    recompute_granularity="full", recompute_method="uniform",
+                    recompute_num_layers=1)),
+                "VPP 2": example.replace(virtual_pipeline_model_parallel_size=2)}
+    print(f"{'':>18} {'Megatron':>10} {'ledger':>9}  (GiB of activations, most loaded stage)")
+    for name, cfg in variants.items():
+        meg = megatron_theoretical_memory(megatron_args_from(cfg), cfg.num_microbatches)
+        led = most_loaded(cfg)
+        print(f"{name:>18} {meg['activation'] / 2**30:>10.2f} "
+              f"{led.device['activations'] / 2**30:>9.2f}  (stage {led.pp_rank}, "
+              f"{led.peak['max_in_flight']} in flight)")
+    cp2 = variants["CP 2 (DP 32)"]
+    assert (megatron_theoretical_memory(megatron_args_from(cp2), 16)["activation"]
+            == megatron_theoretical_memory(megatron_args_from(example), 8)["activation"])
+    assert most_loaded(cp2).device["activations"] < 0.6 * first.device["activations"]
+    assert stage_ledgers(variants["VPP 2"])[0].peak["max_in_flight"] == 5
+
+# %% [markdown]
 # ## What each dimension cuts
 #
 # Start from the 7B model on one GPU's share of a 256-GPU job with plain data parallelism
