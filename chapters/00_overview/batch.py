@@ -35,7 +35,8 @@ __all__ = [
 # (ids 0..255) and a handful of special ids sit right after them. Its vocabulary (262 ids) is
 # small enough for a CPU model and every id can be printed. `EOD = 256` ends a document, `PAD = 257`
 # fills rows, and four chat markers (`<|system|>`, `<|user|>`, `<|assistant|>`, `<|end|>`) are
-# used by the SFT page. Chapter 04 has the real tokenizers (BPE through `tokenizers`).
+# used by [the SFT page](sft.py). [Chapter 04](../04_data/preprocess.py) has the real tokenizers
+# (BPE through `tokenizers`).
 
 # %%
 @dataclass(frozen=True)
@@ -251,7 +252,7 @@ def build_gpt_sample(text: torch.Tensor, eod_token: int, pad_id: int = PAD_SENTI
 # ## Drawing the masks
 #
 # A picture of the `[s, s]` attention mask (dark = may attend), the loss mask and the position
-# ids makes the EOD resets visible at a glance. The SFT page reuses this plot for packed rows.
+# ids makes the EOD resets visible at a glance. [The SFT page](sft.py) reuses this plot for packed rows.
 
 # %%
 def plot_masks(attention_mask: torch.Tensor, loss_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -340,8 +341,8 @@ if __name__ == "__main__":
 # - `megatron/training/utils/common_utils.py:334`: a batched variant (`[b, 1, s, s]` mask, plus
 #   pad handling) used by the RL code (`megatron/rl/rl_utils.py:1490`) and the post-training
 #   fine-tuning example.
-# - Chapter 04 builds the real dataset (`.bin/.idx`, sample index) and `get_batch` on top of
-#   these functions; fused attention kernels take `cu_seqlens` instead of a dense mask.
+# - [Chapter 04](../04_data/gpt_dataset.py) builds the real dataset (`.bin/.idx`, sample index) and
+#   [`get_batch`](../04_data/distribute.py) on top of these functions; fused attention kernels take `cu_seqlens` instead of a dense mask.
 #
 # ## Exercises
 #

@@ -3,7 +3,7 @@
 #
 # In RL the tokens are not read from a dataset: the model writes them. Megatron's GRPO samples a
 # *group* of completions per prompt, scores each with a verifiable reward, turns rewards into
-# advantages by normalising inside the group, and trains with a PPO-style clipped per-token loss
+# advantages by normalizing inside the group, and trains with a PPO-style clipped per-token loss
 # plus a KL penalty towards a frozen reference model. After that the micro-batch goes through
 # the same loss contract and `train_step` as pretraining.
 #
@@ -45,7 +45,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 # %% [markdown]
-# ## Group-normalised advantages
+# ## Group-normalized advantages
 #
 # With rewards $r_{g,1..G}$ for the $G$ completions of prompt $g$,
 # $A_{g,k} = \dfrac{r_{g,k} - \bar r_g}{10^{-4} + \sigma_g}$ with the population standard deviation
@@ -117,6 +117,11 @@ def grpo_loss(current_logprobs, old_logprobs, ref_logprobs, advantages, clamp_ep
             "clipped_below": ratios < 1 - clamp_eps_lower}
 
 
+# %% [markdown]
+# The knobs with Megatron's names and defaults, checked when the config is built (a clip range
+# that excludes 1 would clip every token of the first pass):
+
+# %%
 @dataclass
 class GRPOConfig:
     """GRPO knobs with Megatron's defaults (megatron/training/arguments.py:2380-2440)."""
@@ -149,6 +154,13 @@ class GRPOConfig:
             raise ValueError(f"clip range (1-{self.clamp_eps_lower}, 1+{self.clamp_eps_upper}) is invalid")
 
 
+# %% [markdown]
+# The per-token loss then enters the schedule through the same `loss_func` contract as
+# pretraining ([the loss page](loss.py)): a masked sum, the number of tokens it covers, and a
+# report of `[sum, count]` pairs that the loop averages over micro-batches and data-parallel
+# ranks. The RL report adds the KL, the ratios, the entropy and the two clip counts.
+
+# %%
 def grpo_loss_func(loss_mask: torch.Tensor, parts: dict, output_tensor: torch.Tensor):
     """RL loss_func with the 3-tuple contract: (loss_sum, num_tokens, report of [sum, count] pairs)."""
     mask = loss_mask.reshape(-1).float()
@@ -237,9 +249,43 @@ if __name__ == "__main__":
           group_advantages(torch.tensor([[1.0, 0, 0, 0], [1.0, 1, 0, 0]])).tolist())
 
 # %% [markdown]
+# ## The clipped objective, drawn
+#
+# The same `grpo_loss`, with $eta = 0$ and one token per sequence, evaluated over a sweep of
+# ratios for $A = +1$ and $A = -1$. The objective is $-L$ (what the optimizer increases). For a
+# good token ($A > 0$) it rises with the ratio until $1 + \epsilon_{hi}$ and then stays flat: the
+# gradient is zero, so one batch cannot push that token's probability far from the policy that
+# sampled it. For a bad token ($A < 0$) it is flat below $1 - \epsilon_{lo}$. On the other side
+# of 1 the unclipped term wins the min and the slope stays: a token that moved the wrong way is
+# always pulled back.
+
+# %%
+if __name__ == "__main__":
+    import matplotlib.pyplot as plt
+
+    r = torch.linspace(0.5, 1.6, 111)
+    old_lp = torch.zeros(len(r), 1)
+    fig, ax = plt.subplots(figsize=(7, 3))
+    for a, color in ((1.0, "tab:blue"), (-1.0, "tab:red")):
+        parts = grpo_loss(torch.log(r)[:, None], old_lp, torch.log(r)[:, None], torch.full((len(r),), a),
+                          clamp_eps_lower=0.2, clamp_eps_upper=0.28, kl_beta=0.0)
+        objective = -parts["loss"][:, 0]
+        ax.plot(r, objective, color=color, label=f"A = {a:+.0f}")
+        ax.plot(r, r * a, color=color, ls=":", lw=1)  # the unclipped ratio * A, for contrast
+        flat = objective[parts["clipped_above"][:, 0] if a > 0 else parts["clipped_below"][:, 0]]
+        assert torch.allclose(flat, flat[0].expand_as(flat)), "clipped side must be flat"
+    ax.axvspan(0.8, 1.28, color="0.92", zorder=0, label="clip range (0.8, 1.28)")
+    ax.set_xlabel("ratio r = π / π_old")
+    ax.set_ylabel("objective  −L (β = 0)")
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_title("min(r·A, clip(r)·A): flat where a step would move too far", fontsize=10)
+    plt.tight_layout()
+    plt.show()
+
+# %% [markdown]
 # ## Summary
 #
-# - GRPO's tokens come from the model; rewards are verified per completion and normalised within
+# - GRPO's tokens come from the model; rewards are verified per completion and normalized within
 #   the group of completions of one prompt.
 # - The per-token loss is a clipped policy-gradient term (asymmetric clip allowed), a k3 KL term
 #   towards a frozen reference, an optional entropy bonus, and an optional (truncated) importance

@@ -1,11 +1,11 @@
 # %% [markdown]
-# # 00 · One loss contract, two normalisations, one train step
+# # 00 · One loss contract, two normalizations, one train step
 #
 # Pretraining, SFT and RL differ in where their tokens come from and in the per-token loss, but
 # Megatron runs all three through the same schedule, backward and optimizer. The glue is a small
 # contract: the user's `loss_func` returns `(loss_sum, num_tokens, report)`, and the schedule
-# decides how to normalise. This page builds the contract, shows when Megatron's two
-# normalisations agree and when they do not, and builds the `train_step` the rest of the
+# decides how to normalize. This page builds the contract, shows when Megatron's two
+# normalizations agree and when they do not, and builds the `train_step` the rest of the
 # chapter reuses for every mode.
 
 # %%
@@ -39,7 +39,7 @@ __all__ = [
 # RL's `loss_func` (`train_rl.py:85`) has the same shape with a different $\ell$; the schedule
 # does not know which mode it is running.
 #
-# ## Two normalisations
+# ## Two normalizations
 #
 # `forward_step_calc_loss` (`megatron/core/pipeline_parallel/schedules.py:251`, lines 292-305)
 # turns the 3-tuple into the scalar that is back-propagated. With $M$ micro-batches, $S_j$ the loss
@@ -97,7 +97,7 @@ def microbatch_objective(loss_sum: torch.Tensor, num_tokens: torch.Tensor, num_m
 
 # %%
 def token_weights(num_tokens: list[int], calculate_per_token_loss: bool) -> list[list[float]]:
-    """Gradient weight of each loss token, grouped by micro-batch, under either normalisation."""
+    """Gradient weight of each loss token, grouped by micro-batch, under either normalization."""
     total, m = sum(num_tokens), len(num_tokens)
     if calculate_per_token_loss:
         return [[1.0 / max(total, 1)] * n for n in num_tokens]
@@ -160,7 +160,7 @@ def train_step(model, optimizer, microbatches: list[dict], forward_step=pretrain
 
 
 # %% [markdown]
-# ## Demo: when the normalisations differ, and when they agree
+# ## Demo: when the normalizations differ, and when they agree
 #
 # Two micro-batches of the same tiny model. First with loss masks that keep 2 and 6 tokens:
 # the default gradient (mean of micro-batch means) differs from the global token mean, and the
@@ -211,7 +211,7 @@ if __name__ == "__main__":
         w = [x for mb in token_weights([2, 6], per_token) for x in mb]
         ax.bar([i + offset for i in range(len(w))], w, width=0.4,
                label="per-token (global mean)" if per_token else "default (mean of means)")
-    ax.axvline(1.5, color="grey", linestyle=":")
+    ax.axvline(1.5, color="gray", linestyle=":")
     ax.set_xlabel("loss token (micro-batch 1 | micro-batch 2)")
     ax.set_ylabel("gradient weight")
     ax.legend(fontsize=8)
@@ -246,6 +246,6 @@ if __name__ == "__main__":
 #
 # ## Exercises
 #
-# 1. With data parallelism of 2, where would the default normalisation divide by 2, and where
+# 1. With data parallelism of 2, where would the default normalization divide by 2, and where
 #    would the per-token mode need an all-reduce of `num_tokens`?
-# 2. Construct masks for which the default normalisation *up-weights* a single padded-out sample.
+# 2. Construct masks for which the default normalization *up-weights* a single padded-out sample.

@@ -3,7 +3,7 @@
 #
 # The three ways of training a language model differ only in how a micro-batch is made and
 # which per-token loss is computed on it. Everything after that (the loss contract, the
-# normalisation, backward, clipping, the optimizer step) is shared. This page trains one tiny
+# normalization, backward, clipping, the optimizer step) is shared. This page trains one tiny
 # model through all three modes on a toy task with a verifiable answer, two-digit sums such as
 # `3+4` → `7`, calling the same `train_step` each time.
 #
@@ -43,7 +43,7 @@ __all__ = [
 #   RO --> F2["rl_forward_step<br/>per-token GRPO loss"]
 #   F1 --> C["loss_func → (loss_sum, num_tokens, report)"]
 #   F2 --> C
-#   C --> T["train_step: normalise, backward,<br/>clip, optimizer.step"]
+#   C --> T["train_step: normalize, backward,<br/>clip, optimizer.step"]
 # ```
 #
 # ## The task
@@ -162,6 +162,11 @@ def _completion_logprob(model, batch: dict) -> torch.Tensor:
     return (logp * mask).sum(1) / mask.sum(1).clamp_min(1)
 
 
+# %% [markdown]
+# First the two supervised phases: the same `pretrain_forward_step` (per-token cross entropy)
+# on EOD-separated facts, then on packed chats whose prompt tokens are masked out of the loss.
+
+# %%
 if __name__ == "__main__":
     import matplotlib.pyplot as plt
 
@@ -181,6 +186,14 @@ if __name__ == "__main__":
     for step in range(50):
         history["sft"].append(train_step(model, opt, sft, pretrain_forward_step)["lm loss"])
     acc_after_sft = _accuracy(model, problems, tok)
+
+# %% [markdown]
+# Then RL: each iteration samples a fresh group of completions per prompt, freezes their
+# log-probabilities, and makes `grpo_iterations` passes over them with `rl_forward_step`. The
+# SFT model, frozen, is the KL reference.
+
+# %%
+if __name__ == "__main__":
     ref_model = copy.deepcopy(model).requires_grad_(False)
     g = torch.Generator().manual_seed(1)
     # a few big steps on a toy: wider clip and KL than Megatron's defaults (0.01, 0.001)
@@ -198,6 +211,13 @@ if __name__ == "__main__":
         # what GRPO promises: completions with a positive advantage became more likely
         moved.append(float((batch["advantages"] * (_completion_logprob(model, batch) - before)).sum()))
     acc_after_rl = _accuracy(model, problems, tok)
+
+# %% [markdown]
+# The three curves, and the claims: both supervised losses fall, RL keeps or improves the
+# accuracy, and completions with a positive advantage became more likely.
+
+# %%
+if __name__ == "__main__":
     print(f"model: {name}; pretrain loss {history['pretrain'][0]:.3f} -> {history['pretrain'][-1]:.3f}; "
           f"SFT loss {history['sft'][0]:.3f} -> {history['sft'][-1]:.3f}")
     print(f"accuracy after SFT {acc_after_sft:.3f}, after RL {acc_after_rl:.3f}; "
@@ -226,14 +246,15 @@ if __name__ == "__main__":
 #   samples vs packed chats with prompt-masked labels).
 # - RL builds its micro-batch by sampling from the model and scoring it; its forward step returns a
 #   GRPO per-token loss through the same `(loss_sum, num_tokens, report)` contract.
-# - One `train_step` (normalise, backward, clip, step) serves all three.
+# - One `train_step` (normalize, backward, clip, step) serves all three.
 #
 # ## How production does it
 #
 # - `pretrain_gpt.py:183` (`forward_step`), `:332` (datasets, `--sft` switches to `SFTDataset`).
 # - `train_rl.py:419`: RL calls the same `pretrain(...)`; rollouts are collected inside `train()`
 #   and fed as the data iterator; `megatron/rl/rl_utils.py` holds rollout collection and the loss.
-# - Chapter 01 builds the real `train_step` and schedules; chapter 04 the datasets.
+# - [Chapter 01](../01_main_loop/loop.py) builds the real `train_step` and schedules;
+#   [chapter 04](../04_data/gpt_dataset.py) the datasets.
 #
 # ## Exercises
 #

@@ -33,7 +33,7 @@ __all__ = ["one_step"]
 # ```
 #
 # In numbers, for the demo below: 2 samples of 16 tokens, a vocabulary of 262 byte-level ids,
-# so the logits are $2 \times 16 \times 262$; at initialisation every token is about equally
+# so the logits are $2 \times 16 \times 262$; at initialization every token is about equally
 # likely, so the per-token loss starts near $\ln 262 \approx 5.57$. The loss is the masked mean
 # $\sum_i \ell_i m_i / \sum_i m_i$; its gradient is clipped to norm 1 and AdamW's first step moves
 # every weight by about the learning rate, whatever the gradient's scale.
@@ -106,7 +106,7 @@ if __name__ == "__main__":
     print(f"5 grad norm      : {out['grad_norm']:.4f} (clipped to 1.0)")
     print(f"6 update         : norm {out['update_norm']:.4f}, largest |dw| {out['max_update']:.2e} (lr 1e-3)")
 
-    assert abs(out["loss"] - math.log(262)) < 0.5                # near-uniform at initialisation
+    assert abs(out["loss"] - math.log(262)) < 0.5                # near-uniform at initialization
     assert out["num_tokens"] == int(batch["loss_mask"].sum())
     assert out["max_update"] <= 1e-3 * 1.01                      # Adam's first step: |dw| <= lr
     twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3, weight_decay=0.0)
@@ -118,24 +118,29 @@ if __name__ == "__main__":
 #
 # | box | Megatron at e03878b5f | where this book builds it for real |
 # |---|---|---|
-# | labels, masks, positions | `megatron/core/datasets/gpt_dataset.py:225`, `:706` | this chapter's *batch* page; chapter 04 |
-# | SFT packing, `cu_seqlens` | `megatron/training/datasets/sft_dataset.py:91` | *SFT* page; chapter 04 `get_batch` |
-# | the loss contract | `pretrain_gpt.py:121`, `megatron/core/pipeline_parallel/schedules.py:251` | *loss* page; chapter 01 |
-# | the iteration | `megatron/training/training.py:1029` (`pretrain`), `:3065` (`train`), `:2162` (`train_step`) | chapter 01 |
-# | forward/backward schedules | `schedules.py:634` (no pipelining), `:2089` (1F1B) | chapter 01 |
-# | grad buffers, DP reduce | `megatron/core/distributed/param_and_grad_buffer.py:940`, `distributed_data_parallel.py:22` | chapter 05 |
-# | `finalize_model_grads` | `megatron/core/distributed/finalize_model_grads.py:445` | chapter 05 |
-# | clipping, Adam, fp32 master weights | `megatron/core/optimizer/optimizer.py:220` (clip), `:1451` → `:621` (the step that runs: `ChainedOptimizer.step` calls `MixedPrecisionOptimizer.step`); `distrib_optimizer.py:102` | chapter 02 |
-# | checkpoint of weights + optimizer + RNG | `megatron/training/checkpointing.py:495` (save), `:1613` (load) | chapter 03 |
-# | recompute | `megatron/core/tensor_parallel/random.py:555` (`CheckpointFunction`) | chapter 06 |
-# | the memory model | `megatron/training/theoretical_memory_usage.py:12`, `:428` | chapter 07 |
-# | GRPO | `megatron/rl/rl_utils.py:1855`, `train_rl.py:85` | *GRPO* and *modes* pages |
+# | labels, masks, positions | `megatron/core/datasets/gpt_dataset.py:225`, `:706` | [the batch page](batch.py); [04 · GPTDataset](../04_data/gpt_dataset.py) |
+# | SFT packing, `cu_seqlens` | `megatron/training/datasets/sft_dataset.py:91` | [the SFT page](sft.py); [04 · `get_batch`](../04_data/distribute.py) |
+# | the loss contract | `pretrain_gpt.py:121`, `megatron/core/pipeline_parallel/schedules.py:251` | [the loss page](loss.py); [01 · the main loop](../01_main_loop/loop.py) |
+# | the iteration | `megatron/training/training.py:1029` (`pretrain`), `:3065` (`train`), `:2162` (`train_step`) | [01 · the main loop](../01_main_loop/loop.py) |
+# | forward/backward schedules | `schedules.py:634` (no pipelining), `:2089` (1F1B*) | [01 · schedules](../01_main_loop/schedules.py) |
+# | grad buffers, DP reduce | `megatron/core/distributed/param_and_grad_buffer.py:940`, `distributed_data_parallel.py:22` | [05 · the contiguous buffer](../05_buffers/param_and_grad_buffer.py) |
+# | `finalize_model_grads` | `megatron/core/distributed/finalize_model_grads.py:445` | [05 · `finalize_model_grads`](../05_buffers/finalize_model_grads.py) |
+# | clipping, Adam, fp32 master weights | `megatron/core/optimizer/optimizer.py:220` (clip), `:1451` → `:621` (the step that runs: `ChainedOptimizer.step` calls `MixedPrecisionOptimizer.step`); `distrib_optimizer.py:102` | [02 · mixed precision](../02_optimizer/mixed_precision.py), [02 · DistributedOptimizer](../02_optimizer/distributed.py) |
+# | checkpoint of weights + optimizer + RNG | `megatron/training/checkpointing.py:495` (save), `:1613` (load) | [03 · checkpoint formats](../03_checkpoint/formats.py) |
+# | recompute | `megatron/core/tensor_parallel/random.py:555` (`CheckpointFunction`) | [06 · recompute](../06_recompute_offload/checkpoint.py) |
+# | the memory model | `megatron/training/theoretical_memory_usage.py:12`, `:428` | [07 · the ledger](../07_memory/ledger.py) |
+# | GRPO | `megatron/rl/rl_utils.py:1855`, `train_rl.py:85` | [the GRPO page](grpo.py) and [the modes page](modes.py) |
+#
+# \*1F1B, "one forward, one backward": with the model cut into pipeline stages, each stage
+# first runs a few micro-batches' forwards (the warm-up), then alternates one forward with one
+# backward of an earlier micro-batch, so that at most as many micro-batches as there are stages
+# keep their activations alive. Chapter 01 builds it.
 #
 # ## Summary
 #
 # One step is: make a batch, run the model to logits, turn logits and labels into a masked
 # per-token loss, reduce it through the loss contract, back-propagate, clip, and step. The
-# numbers to watch are the ones printed above: a loss near $\ln V$ at initialisation, the token
+# numbers to watch are the ones printed above: a loss near $\ln V$ at initialization, the token
 # count behind it, the gradient norm before clipping, and how far the weights actually moved.
 #
 # ## Exercises

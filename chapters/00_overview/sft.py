@@ -107,8 +107,10 @@ def tokenize_conversation(conversation: list[dict], tok: ByteTokenizer):
 #
 # The attention mask allows query $q$ to see key $k$ only if $k \le q$ and both lie in the same
 # segment: a block-diagonal of causal triangles, `True` = masked like the pretraining mask.
-# Production kernels never build this `[s, s]` tensor: they take `cu_seqlens` directly
-# (THD format, `PackedSeqParams(qkv_format="thd")`, `pretrain_gpt.py:212-233`).
+# Production kernels never build this `[s, s]` tensor: they take `cu_seqlens` directly, in the
+# *THD* layout (all the sequences of a pack laid end to end along one token axis T, by H heads
+# of D channels, instead of a padded `[batch, seq]` grid; `PackedSeqParams(qkv_format="thd")`,
+# `pretrain_gpt.py:212-233`).
 #
 # Loss mask: zero where the label is pad or `IGNORE_INDEX` (`sft_dataset.py:170-171`). The label
 # of a conversation's last input is the next conversation's first target, a role marker, which is
@@ -133,6 +135,11 @@ def block_causal_mask(cu_seqlens: torch.Tensor, seq_length: int) -> torch.Tensor
     return masked.unsqueeze(0)
 
 
+# %% [markdown]
+# Packing itself is two steps. First the conversations are grouped, in order, into rows that
+# hold at most `seq_length` tokens (the overlong-conversation check lives here):
+
+# %%
 def _fit_conversations(encoded, seq_length: int, truncate: bool):
     """Group (tokens, targets) pairs into rows of at most seq_length tokens, in order."""
     rows, current, used = [], [], 0
@@ -152,6 +159,11 @@ def _fit_conversations(encoded, seq_length: int, truncate: bool):
     return rows
 
 
+# %% [markdown]
+# Then each group becomes one row: tokens and targets laid end to end, positions restarting per
+# conversation, padding to `seq_length + 1`, the shift, the loss mask and `cu_seqlens`.
+
+# %%
 def _build_row(convs, seq_length: int, tok: ByteTokenizer) -> dict:
     """One packed row dict from conversations that fit in seq_length tokens."""
     tokens = [t for c in convs for t in c[0]]
@@ -181,6 +193,10 @@ def _build_row(convs, seq_length: int, tok: ByteTokenizer) -> dict:
     }
 
 
+# %% [markdown]
+# The two entry points: conversations already split, or JSONL records straight from a file.
+
+# %%
 def pack_conversations(conversations: list[list[dict]], seq_length: int,
                        tok: ByteTokenizer | None = None, truncate: bool = False) -> list[dict]:
     """Tokenize conversations and pack them greedily into rows of seq_length inputs."""
@@ -267,7 +283,8 @@ if __name__ == "__main__":
 #   to a multiple of `2·cp` under context parallelism.
 # - `megatron/core/tokenizers/text/libraries/sft_tokenizer.py:130` (`tokenize_conversation`).
 # - `pretrain_gpt.py:212-233`: the packed THD format handed to the attention kernel.
-# - Chapter 04 builds `get_batch` for packed rows (the `cu_seqlens` broadcast over TP/CP).
+# - [Chapter 04](../04_data/distribute.py) builds `get_batch` for packed rows (the `cu_seqlens`
+#   broadcast over TP/CP), and [its SFT dataset](../04_data/sft.py) reads these rows from disk.
 #
 # ## Exercises
 #
