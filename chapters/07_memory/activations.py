@@ -243,9 +243,10 @@ def _snapshots(cfg: MemoryConfig, count: int) -> list[Saved]:
     return out
 
 
-def _selected(cfg: MemoryConfig, module: str) -> bool:
+def _selected(cfg: MemoryConfig, module: str, recompute: bool = True) -> bool:
     """Whether selective recompute checkpoints this module."""
-    return cfg.recompute_granularity == "selective" and module in cfg.recompute_modules
+    return (recompute and cfg.recompute_granularity == "selective"
+            and module in cfg.recompute_modules)
 
 
 def _selective_norms(x: Dims, norms: list[Saved], linear_input: Saved, module: str):
@@ -255,8 +256,9 @@ def _selective_norms(x: Dims, norms: list[Saved], linear_input: Saved, module: s
     return keep, (linear_input if x.s_r != x.s_c else None)
 
 
-def layer_saved(cfg: MemoryConfig, input_is_received: bool = False) -> list[Saved]:
-    """Every tensor one transformer layer saves for backward on one rank (no full recompute)."""
+def layer_saved(cfg: MemoryConfig, input_is_received: bool = False,
+                recompute: bool = True) -> list[Saved]:
+    """Every tensor one layer saves for backward on one rank (selective recompute unless off)."""
     x = Dims.of(cfg)
     n = x.s_c * x.b
     norm1, norm2 = _norm("attn_norm", x), _norm("mlp_norm", x)
@@ -265,16 +267,16 @@ def layer_saved(cfg: MemoryConfig, input_is_received: bool = False) -> list[Save
     qkv_in = Saved("qkv_linear", "linear_qkv input", n * x.h, x.P)
     mlp = _mlp(x)
     snapshots = 0
-    if _selected(cfg, "layernorm"):
+    if _selected(cfg, "layernorm", recompute):
         norm1, qkv_in = _selective_norms(x, norm1, qkv_in, "attn_norm")
         norm2, fc1_in = _selective_norms(x, norm2, mlp[0], "mlp_norm")
         mlp = ([fc1_in] if fc1_in else []) + mlp[1:]
         snapshots += 2
     rope = [] if x.P == 4 else [Saved("rope", "RoPE cos/sin cast", 4 * n * x.d, x.P)]
     core = _core_attention(cfg, x)
-    if _selected(cfg, "core_attn"):
+    if _selected(cfg, "core_attn", recompute):
         core, snapshots = _selective_core_attention(cfg, x), snapshots + 1
-    if _selected(cfg, "mlp"):
+    if _selected(cfg, "mlp", recompute):
         mlp = [Saved("mlp", "MLP input (checkpoint input)", n * x.h, x.P)]
         snapshots += 1
     out = [*norm1, *([qkv_in] if qkv_in else []), *rope, *core, *norm2, *mlp]

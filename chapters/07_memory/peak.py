@@ -149,9 +149,7 @@ def _recomputed(cfg: MemoryConfig) -> int:
     """Bytes a recompute re-creates inside one backward: a run of layers, or a module's inside."""
     if cfg.recompute_granularity is None:
         return 0
-    plain = cfg.replace(model=cfg.model.replace(recompute_granularity=None, recompute_method=None,
-                                                recompute_num_layers=None))
-    layer = saved_bytes(layer_saved(plain))
+    layer = saved_bytes(layer_saved(cfg, recompute=False))
     if cfg.recompute_granularity == "full":
         return layer * (cfg.recompute_num_layers if cfg.recompute_method == "uniform" else 1)
     return layer - saved_bytes(layer_saved(cfg))
