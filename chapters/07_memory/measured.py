@@ -233,14 +233,13 @@ if __name__ == "__main__":
 # |---|---|---|---|---|---|
 # | weights, grad buffer, masters, moments, host copies, fp32 grad copies | 168 each | 0 | 0 | | |
 # | resident total | 168 | 0 | 0 | 88.6% | 0.03% |
-# | kept activations (per chunk, one micro-batch) | 176 | 0.09% | 0 | | |
+# | kept activations (per chunk, one micro-batch) | 176 | 0 | 0 | | |
 # | peak activations (one `forward_backward`) | 168 | 2.6% | 0.29% | 72.0% | 50.7% |
 #
 # The state terms agree **to the byte** on every rank, including the DP ranks that own fewer
 # elements of a padded bucket and the host copies of CPU offload. The kept activations agree
-# to the byte in 173 of 176 comparisons, recompute and activation offload included; the other
-# three differ by a few hundred bytes that gloo's asynchronous sends keep alive a moment
-# longer. The schedule peaks are within 3% (8% is allowed for the five cases that run the CPU
+# to the byte in all 176 comparisons, recompute and activation offload included. The schedule
+# peaks are within 3% (8% is allowed for the five cases that run the CPU
 # math attention kernel, whose $s \times s$ temporaries are approximated): the replayed
 # in-flight count is exact, and what remains is the timing of transient buffers inside one
 # operation.
