@@ -9,13 +9,10 @@
 # %%
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields
-
 import torch
 
-from tinytron._fields import check_choice, check_fields, check_range, document_fields
 from tinytron.kernels import use_triton
+from tinytron.optimizer._config import OptimizerConfig, SchedulerConfig, _fused_adamw_applies
 from tinytron.optimizer.algorithms import SGD, Adam, Lion, build_param_groups
 from tinytron.optimizer.distributed import DistributedOptimizer
 from tinytron.optimizer.layer_wise import LayerWiseDistributedOptimizer
@@ -23,9 +20,7 @@ from tinytron.optimizer.mixed_precision import (ConstantGradScaler, DynamicGradS
                                                 MixedPrecisionOptimizer)
 from tinytron.optimizer.muon import build_muon_adamw
 from tinytron.optimizer.offload import HybridDeviceOptimizer
-from tinytron.optimizer.muon import NS_COEFFICIENTS
-from tinytron.optimizer.scheduler import (LR_DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES,
-                                        OptimizerParamScheduler)
+from tinytron.optimizer.scheduler import OptimizerParamScheduler
 
 __all__ = ["OptimizerConfig", "SchedulerConfig", "get_megatron_optimizer", "build_grad_scaler",
            "get_optimizer_param_scheduler"]
@@ -36,6 +31,33 @@ __all__ = ["OptimizerConfig", "SchedulerConfig", "get_megatron_optimizer", "buil
 # `get_megatron_optimizer` (`megatron/core/optimizer/__init__.py:975`) and the functions it
 # calls make these choices, in this order:
 #
+# ```mermaid
+# flowchart TD
+#   C["OptimizerConfig"] --> G["param groups: wd_mult 0 for biases and 1-D,<br/>decoupled_lr for embedding and output"]
+#   G --> R{"optimizer?"}
+#   R -->|adam| O{"optimizer_cpu_offload?"}
+#   O -->|yes| HY["HybridDeviceOptimizer<br/>AdamW, a fraction on the host"]
+#   O -->|no| AD["Adam, or AdamW when<br/>decoupled_weight_decay"]
+#   R -->|sgd| SG["SGD with momentum"]
+#   R -->|lion| LI["Lion"]
+#   R -->|muon| MU["Muon for matrices,<br/>AdamW for the rest"]
+#   HY --> S{"loss_scale set?"}
+#   AD --> S
+#   SG --> S
+#   LI --> S
+#   MU --> S
+#   S -->|yes| CS["ConstantGradScaler"]
+#   S -->|no| F{"fp16?"}
+#   F -->|yes| DS["DynamicGradScaler"]
+#   F -->|"no (bf16, fp32)"| NS["no scaler"]
+#   CS --> W{"use_distributed_optimizer?"}
+#   DS --> W
+#   NS --> W
+#   W -->|"yes, muon"| LW["LayerWiseDistributedOptimizer"]
+#   W -->|"yes, the rest"| DO["DistributedOptimizer (ZeRO-1)"]
+#   W -->|no| MP["MixedPrecisionOptimizer"]
+# ```
+#
 # | question | answer | Megatron |
 # |---|---|---|
 # | which params share a group? | identical overrides: `wd_mult=0` for biases / 1-D, `decoupled_lr` for embedding/output | `_get_param_groups:300` |
@@ -44,6 +66,46 @@ __all__ = ["OptimizerConfig", "SchedulerConfig", "get_megatron_optimizer", "buil
 # | loss scaler? | `loss_scale` set → constant; else `fp16` → dynamic; else none (bf16, fp32) | `:637-660` |
 # | wrapper? | `use_distributed_optimizer` → DistributedOptimizer (layer-wise for Muon), else the mixed-precision wrapper | `:662-690` |
 #
+# ## The config, field by field
+#
+# `OptimizerConfig` carries Megatron's option names and the defaults a Megatron run gets. The
+# defaults are those of Megatron's command line (`megatron/training/arguments.py`); two differ
+# from the `OptimizerConfig` class of megatron/core, which the command line always overrides:
+# `min_lr` is 0.0 (`arguments.py:2654`; the class has None) and `optimizer_offload_fraction` is
+# 1.0 (`arguments.py:2585`; the class has 0.0). Lines are in
+# `megatron/core/optimizer/optimizer_config.py`.
+#
+# | fields | defaults | what they decide | Megatron |
+# |---|---|---|---|
+# | `optimizer` | `"adam"` | the update rule: `adam`, `sgd`, `lion` or `muon` | `optimizer_config.py:209` |
+# | `lr`, `min_lr` | required, 0.0 | the peak learning rate and the floor of the decay | `optimizer_config.py:146`, `:151` |
+# | `decoupled_lr`, `decoupled_min_lr` | None, None | a separate peak and floor for the embedding and output params | `optimizer_config.py:154`, `:157` |
+# | `weight_decay`, `apply_wd_to_qk_layernorm` | 0.01, False | decay (0 for biases and 1-D params, unless q/k layernorm is opted in) | `optimizer_config.py:162`, `:165` |
+# | `fp16`, `bf16` | False, False | the params' precision; fp16 brings dynamic loss scaling | `optimizer_config.py:174`, `:177` |
+# | `loss_scale` | None | a constant loss scale, which overrides the dynamic one | `optimizer_config.py:216` |
+# | `initial_loss_scale`, `min_loss_scale`, `loss_scale_window`, `hysteresis` | $2^{32}$, 1.0, 1000, 2 | the dynamic scaler: start, floor, clean steps before it grows, overflows tolerated before it backs off | `optimizer_config.py:221-230` |
+# | `adam_beta1`, `adam_beta2`, `adam_eps`, `decoupled_weight_decay` | 0.9, 0.999, 1e-8, True | Adam, and AdamW when decoupled | `optimizer_config.py:237-250` |
+# | `sgd_momentum` | 0.9 | SGD | `optimizer_config.py:256` |
+# | `lion_beta1`, `lion_beta2` | 0.95, 0.98 | Lion's sign interpolation and momentum | `optimizer_config.py:293`, `:296` |
+# | `muon_momentum`, `muon_nesterov`, `muon_split_qkv` | 0.95, False, True | Muon's momentum, and whether Q, K, V are orthogonalized separately | `optimizer_config.py:260-266` |
+# | `muon_scale_mode`, `muon_fp32_matmul_prec`, `muon_coefficient_type`, `muon_num_ns_steps`, `muon_tp_mode`, `muon_extra_scale_factor` | `"spectral"`, `"medium"`, `"quintic"`, 5, `"blockwise"`, 1.0 | the Newton–Schulz orthogonalization ([the Muon page](muon.py)) | `optimizer_config.py:269-285` |
+# | `use_distributed_optimizer` | False | shard the master weights and state over DP ([the DistributedOptimizer](distributed.py); layer-wise for Muon) | `optimizer_config.py:321` |
+# | `optimizer_cpu_offload`, `optimizer_offload_fraction`, `overlap_cpu_optimizer_d2h_h2d` | False, 1.0, False | step part of the optimizer on the host ([the offload page](offload.py)) | `optimizer_config.py:344`, `:347`, `:353` |
+# | `clip_grad`, `grad_norm_skip_threshold`, `log_num_zeros_in_grad` | 1.0, inf, False | clip by the global L2 norm; skip a step whose norm is too large; count zero grads | `optimizer_config.py:371`, `:374`, `:380` |
+# | `kernels` | `"torch"` | tinytron's own: `triton` runs AdamW as one fused launch over the DistributedOptimizer's shard ([appendix C](../kernels/fused_adamw.py)) | — |
+#
+# The config is checked when it is built: a wrong type (`lr="3e-4"`), a value out of its range
+# (`adam_beta2=1.0`), an unknown choice, `fp16` with `bf16`, or CPU offload for anything but
+# AdamW is a `ValueError` that names the field. `help(OptimizerConfig)` prints every field with
+# its one-line description (the dataclass lives in `_config.py` next to this page).
+#
+# `SchedulerConfig` holds the schedule, in iterations: `lr_decay_style` (`"linear"`),
+# `lr_decay_iters` (None: `train_iters`), `lr_warmup_iters` (0) or `lr_warmup_fraction`,
+# `lr_warmup_init` (0.0), `lr_wsd_decay_style` (`"exponential"`) and `lr_wsd_decay_iters`,
+# `start_weight_decay` / `end_weight_decay` with `weight_decay_incr_style` (`"constant"`), and
+# on reload `override_opt_param_scheduler` or `use_checkpoint_opt_param_scheduler`
+# ([the scheduler page](scheduler.py) builds the schedule itself).
+#
 # The scheduler's lengths are given in iterations on the command line and converted to samples
 # by the global batch size (`megatron/training/training.py:1827-1880`):
 # `lr_decay_steps = (lr_decay_iters or train_iters) · gbs`, `wd_incr_steps = train_iters · gbs`,
@@ -51,172 +113,12 @@ __all__ = ["OptimizerConfig", "SchedulerConfig", "get_megatron_optimizer", "buil
 # `lr_warmup_iters · gbs`; `wsd_decay_steps = lr_wsd_decay_iters · gbs`. Example: 1000 iterations
 # of 256 samples with a 1% warmup fraction: decay over 256 000 samples, warmup 2 560.
 
-# %%
-@document_fields
-@dataclass
-class OptimizerConfig:
-    """Megatron's optimizer options that tinytron implements (same names and defaults).
-
-    The defaults are those of Megatron's command line (`megatron/training/arguments.py`), which
-    is what a run gets. Two differ from the `OptimizerConfig` class of megatron/core, which the
-    command line always overrides: `min_lr` 0.0 (`arguments.py:2654`; the class has None,
-    `optimizer_config.py:151`) and `optimizer_offload_fraction` 1.0 (`arguments.py:2585`; the
-    class has 0.0, `optimizer_config.py:347`).
-    """
-
-    optimizer: str = "adam"
-    """adam, sgd, lion or muon."""
-    lr: float | None = None
-    """Peak learning rate (required)."""
-    min_lr: float = 0.0
-    """Learning rate at the end of the decay."""
-    decoupled_lr: float | None = None
-    """Separate peak lr for params flagged is_embedding_or_output_parameter."""
-    decoupled_min_lr: float | None = None
-    """Separate min lr for those params."""
-    weight_decay: float = 0.01
-    """Weight decay (0 for biases and 1-D params)."""
-    apply_wd_to_qk_layernorm: bool = False
-    """Decay q/k layernorm weights although they are 1-D."""
-    fp16: bool = False
-    """fp16 params: dynamic loss scaling unless loss_scale is set."""
-    bf16: bool = False
-    """bf16 params (no loss scaler)."""
-    loss_scale: float | None = None
-    """A constant loss scale (overrides the dynamic one)."""
-    initial_loss_scale: float = 2.0 ** 32
-    """Start of the dynamic loss scale."""
-    min_loss_scale: float = 1.0
-    """Floor of the dynamic loss scale."""
-    loss_scale_window: int = 1000
-    """Clean steps before the dynamic scale grows."""
-    hysteresis: int = 2
-    """Overflows tolerated before the dynamic scale backs off."""
-    adam_beta1: float = 0.9
-    """Adam beta1."""
-    adam_beta2: float = 0.999
-    """Adam beta2."""
-    adam_eps: float = 1e-8
-    """Adam epsilon."""
-    decoupled_weight_decay: bool = True
-    """AdamW (True) or L2-coupled Adam (False)."""
-    sgd_momentum: float = 0.9
-    """SGD momentum."""
-    lion_beta1: float = 0.95
-    """Lion beta1 (interpolation for the sign)."""
-    lion_beta2: float = 0.98
-    """Lion beta2 (momentum EMA)."""
-    muon_momentum: float = 0.95
-    """Muon EMA momentum."""
-    muon_nesterov: bool = False
-    """Nesterov direction for Muon."""
-    muon_split_qkv: bool = True
-    """Orthogonalize Q, K, V slabs of linear_qkv separately."""
-    muon_scale_mode: str = "spectral"
-    """spectral, shape_scaling or unit_rms_norm."""
-    muon_fp32_matmul_prec: str = "medium"
-    """medium runs Newton-Schulz matmuls in bf16; highest keeps fp32."""
-    muon_coefficient_type: str = "quintic"
-    """Newton-Schulz coefficients: quintic, simple, polar_express, aol."""
-    muon_num_ns_steps: int = 5
-    """Newton-Schulz iterations."""
-    muon_tp_mode: str = "blockwise"
-    """blockwise, duplicated or distributed."""
-    muon_extra_scale_factor: float = 1.0
-    """Extra factor on the orthogonalized update."""
-    use_distributed_optimizer: bool = False
-    """Shard master weights and state over DP (layer-wise for Muon)."""
-    optimizer_cpu_offload: bool = False
-    """Step (part of) the optimizer on the host."""
-    optimizer_offload_fraction: float = 1.0
-    """Fraction of the elements whose state and step live on the host."""
-    overlap_cpu_optimizer_d2h_h2d: bool = False
-    """One host optimizer per param, transfers on side streams."""
-    clip_grad: float = 1.0
-    """Clip by the global L2 norm (0 disables)."""
-    log_num_zeros_in_grad: bool = False
-    """Count zero grad entries each step."""
-    grad_norm_skip_threshold: float = math.inf
-    """Skip the update when the grad norm exceeds this."""
-    kernels: str = "torch"
-    """torch, triton (AdamW as one Triton launch over the DistOpt shard, appendix C) or auto (CUDA)."""
-
-    def __post_init__(self):
-        check_fields(self)  # lr="3e-4" or clip_grad="1.0" must not get past the constructor
-        check_choice(self, "optimizer", ("adam", "sgd", "lion", "muon"))
-        check_choice(self, "kernels", ("torch", "triton", "auto"))
-        if self.kernels == "triton" and not _fused_adamw_applies(self):
-            raise ValueError("kernels='triton' (fused AdamW) needs optimizer='adam' with "
-                             "decoupled_weight_decay=True and use_distributed_optimizer=True, "
-                             "without optimizer_cpu_offload")
-        _check_optimizer_ranges(self)
-        if self.fp16 and self.bf16:
-            raise ValueError("fp16 and bf16 are both set; choose one")
-        if self.optimizer_cpu_offload and not (self.optimizer == "adam"
-                                               and self.decoupled_weight_decay):
-            raise ValueError("optimizer_cpu_offload needs optimizer='adam' with "
-                             f"decoupled_weight_decay=True, got {self.optimizer!r}")
-
-
-@document_fields
-@dataclass
-class SchedulerConfig:
-    """Megatron's learning-rate / weight-decay schedule options, in iterations."""
-
-    lr_decay_style: str = "linear"
-    """constant, linear, cosine, inverse-square-root or WSD."""
-    lr_decay_iters: int | None = None
-    """Iterations to decay over (default: train_iters)."""
-    lr_warmup_iters: int = 0
-    """Warmup iterations."""
-    lr_warmup_fraction: float | None = None
-    """Warmup as a fraction of the decay (overrides lr_warmup_iters)."""
-    lr_warmup_init: float = 0.0
-    """Learning rate at the start of the warmup."""
-    lr_wsd_decay_style: str = "exponential"
-    """WSD anneal: linear, cosine, exponential, minus_sqrt."""
-    lr_wsd_decay_iters: int | None = None
-    """Length of the WSD anneal in iterations."""
-    start_weight_decay: float | None = None
-    """Weight decay at the start (default: the optimizer's)."""
-    end_weight_decay: float | None = None
-    """Weight decay at the end (default: the optimizer's)."""
-    weight_decay_incr_style: str = "constant"
-    """constant, linear or cosine."""
-    override_opt_param_scheduler: bool = False
-    """On reload keep this config's values."""
-    use_checkpoint_opt_param_scheduler: bool = False
-    """On reload take the checkpoint's values."""
-
-    def __post_init__(self):
-        check_fields(self)
-        check_choice(self, "lr_decay_style", LR_DECAY_STYLES)
-        check_choice(self, "lr_wsd_decay_style", WSD_DECAY_STYLES)
-        check_choice(self, "weight_decay_incr_style", WD_INCR_STYLES)
-        for name in ("lr_decay_iters", "lr_warmup_iters", "lr_wsd_decay_iters", "lr_warmup_init",
-                     "start_weight_decay", "end_weight_decay"):
-            check_range(self, name, 0)
-        check_range(self, "lr_warmup_fraction", 0, 1)
-
-
-def _check_optimizer_ranges(c: OptimizerConfig) -> None:
-    """ValueError naming the first option outside its meaningful range."""
-    for name in ("lr", "min_lr", "decoupled_lr", "decoupled_min_lr", "weight_decay", "clip_grad",
-                 "grad_norm_skip_threshold"):
-        check_range(c, name, 0)
-    for name in ("adam_beta1", "adam_beta2", "sgd_momentum", "lion_beta1", "lion_beta2",
-                 "muon_momentum"):
-        check_range(c, name, 0, 1, high_open=True)
-    for name in ("adam_eps", "loss_scale", "initial_loss_scale", "min_loss_scale"):
-        check_range(c, name, 0, low_open=True)
-    for name in ("loss_scale_window", "hysteresis", "muon_num_ns_steps"):
-        check_range(c, name, 1)
-    check_range(c, "optimizer_offload_fraction", 0, 1)
-    check_choice(c, "muon_scale_mode", ("spectral", "shape_scaling", "unit_rms_norm"))
-    check_choice(c, "muon_fp32_matmul_prec", ("highest", "high", "medium"))
-    check_choice(c, "muon_coefficient_type", sorted(NS_COEFFICIENTS))
-    check_choice(c, "muon_tp_mode", ("blockwise", "duplicated", "distributed"))
-
+# %% [markdown]
+# ## The loss scaler
+#
+# A constant scale when one is given; the dynamic scaler for fp16, whose 5-bit exponent
+# underflows small gradients ([mixed precision](mixed_precision.py) builds both); none for bf16
+# and fp32, whose exponent range is fp32's.
 
 # %%
 def build_grad_scaler(config: OptimizerConfig):
@@ -229,6 +131,14 @@ def build_grad_scaler(config: OptimizerConfig):
     return None
 
 
+# %% [markdown]
+# ## The update rule
+#
+# Megatron's param groups feed one update rule; Muon builds its own pair (Muon for the 2-D
+# matrices, AdamW for embeddings, norms and biases) and needs the attention shape to split the
+# fused QKV matrix into its Q, K and V slabs.
+
+# %%
 def _muon_kwargs(config: OptimizerConfig, model_config, tp_group) -> dict:
     """Muon's options from the config (QKV split shapes from the model config)."""
     kw = dict(momentum=config.muon_momentum, nesterov=config.muon_nesterov,
@@ -265,6 +175,14 @@ def _inner_optimizer(config: OptimizerConfig, named: list, model_config=None, tp
     return Adam(groups, decoupled_weight_decay=config.decoupled_weight_decay, **kw)
 
 
+# %% [markdown]
+# ## The wrapper
+#
+# The update rule is wrapped once more: the DistributedOptimizer (which needs the DDP wrapper's
+# contiguous buffers to shard) or its layer-wise variant for Muon, or the mixed-precision
+# wrapper that keeps fp32 master weights on every rank.
+
+# %%
 def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module, grid=None, ddp=None):
     """Groups -> update rule -> scaler -> wrapper, as Megatron decides them.
 
@@ -302,12 +220,12 @@ def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module, grid
     return MixedPrecisionOptimizer(inner, grid=grid, **common, **extra)
 
 
-def _fused_adamw_applies(config: OptimizerConfig) -> bool:
-    """Whether appendix C's fused AdamW can serve this config (AdamW on the DistributedOptimizer)."""
-    return (config.optimizer == "adam" and config.decoupled_weight_decay
-            and config.use_distributed_optimizer and not config.optimizer_cpu_offload)
+# %% [markdown]
+# ## The scheduler
+#
+# Every length the command line gives in iterations becomes a number of samples, once, here.
 
-
+# %%
 def get_optimizer_param_scheduler(config: SchedulerConfig, optimizer, opt_config: OptimizerConfig,
                                   train_iters: int, global_batch_size: int) -> OptimizerParamScheduler:
     """The scheduler with every length converted from iterations to samples."""
