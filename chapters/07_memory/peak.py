@@ -46,9 +46,10 @@ __all__ = ["schedule_ops", "p2p_buffers", "activation_peak"]
 # With one stage holding both ends of tied embeddings, the output layer's weight gradient waits
 # in `.grad` until the embedding adds its share at the very end of the backward. With
 # pipelining, a stage that sends activations forward still holds the previous micro-batch's
-# output in its send while the next forward runs (`p2p_buffers`); the received inputs and
-# gradients are already counted (as kept stage inputs, and as the incoming grad of each
-# backward event).
+# output in its send while the next forward runs, and a middle stage also holds the previous
+# round's input-gradient and output while a steady-state backward runs (`p2p_buffers`); the
+# received inputs and gradients are already counted (as kept stage inputs, and as the
+# incoming grad of each backward event).
 #
 # Measured on the 42-case grid of page 07.6, this replay is within 2.7% of the measured peak
 # (median 0.29%; the CPU math-attention cases within 8%); what remains is the timing of small
@@ -165,13 +166,18 @@ def _transients(cfg: MemoryConfig, parts: dict) -> tuple[int, int, int]:
     return _forward_transient(cfg, x, head), backward, _late_backward(cfg, x, parts)
 
 
-def p2p_buffers(cfg: MemoryConfig, pp_rank: int) -> int:
-    """A sent activation still held by its send while the next forward runs (not the last stage)."""
+def p2p_buffers(cfg: MemoryConfig, pp_rank: int, backward: bool = False) -> int:
+    """Messages still held by their sends: the last output during the next forward (all but
+    the last stage); on a middle stage, the last round's two messages during a steady backward.
+    """
     p = cfg.pipeline_model_parallel_size
+    x = Dims.of(cfg)
+    unit = x.P * x.s_r * x.b * x.h
+    if backward:
+        return 2 * unit if 0 < pp_rank < p - 1 and cfg.num_chunks == 1 else 0
     if p == 1 or (pp_rank == p - 1 and cfg.num_chunks == 1):
         return 0
-    x = Dims.of(cfg)
-    return x.P * x.s_r * x.b * x.h
+    return unit
 
 
 def activation_peak(cfg: MemoryConfig, pp_rank: int, leave_out: tuple[str, ...] = ()) -> dict:
@@ -186,21 +192,24 @@ def activation_peak(cfg: MemoryConfig, pp_rank: int, leave_out: tuple[str, ...] 
                  for k, v in chunk_saved(cfg, pp_rank, chunk).items()}
         kept[chunk] = sum(saved_bytes(v) for k, v in parts.items() if k != "host")
         transient[chunk] = _transients(cfg, parts)
-    live, peak, in_flight, most, when = 0, 0, 0, 0, None
-    p2p = p2p_buffers(cfg, pp_rank)
+    live, peak, in_flight, most, when, at_peak = 0, 0, 0, 0, None, 0
+    before = previous = None
+    p2p, p2p_back = p2p_buffers(cfg, pp_rank), p2p_buffers(cfg, pp_rank, backward=True)
     period = 2 * cfg.pipeline_model_parallel_size * cfg.num_chunks
     for kind, chunk, mb in schedule_ops(cfg, pp_rank, max_steady_rounds=period):
         if kind == "F":  # the previous micro-batch's output may still be in its send
-            during = live + kept[chunk] + transient[chunk][0] + p2p
+            transit = p2p
+            during = live + kept[chunk] + transient[chunk][0] + transit
             live, in_flight = live + kept[chunk], in_flight + 1
-        else:
-            during = max(live + transient[chunk][1], live - kept[chunk] + transient[chunk][2])
+        else:  # a steady backward after the first one overlaps the previous round's messages
+            transit = p2p_back if (previous, before) == ("F", "B") else 0
+            during = max(live + transient[chunk][1] + transit,
+                         live - kept[chunk] + transient[chunk][2])
             live, in_flight = live - kept[chunk], in_flight - 1
-        most = max(most, in_flight + (kind == "B"))
+        most, before, previous = max(most, in_flight + (kind == "B")), previous, kind
         if during > peak:
-            peak, when = during, (kind, chunk, mb)
-    return {"peak": peak, "activations": peak - p2p * (when[0] == "F"),
-            "p2p_buffers": p2p * (when[0] == "F"), "at": when,
+            peak, when, at_peak = during, (kind, chunk, mb), transit
+    return {"peak": peak, "activations": peak - at_peak, "p2p_buffers": at_peak, "at": when,
             "max_in_flight": most, "per_chunk": kept, "transient": transient}
 
 
