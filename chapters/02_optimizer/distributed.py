@@ -3,7 +3,7 @@
 #
 # Every data-parallel rank holds the same bf16 model, but only needs the fp32 master weights and
 # Adam state for the part of the model it updates. The DistributedOptimizer splits every bucket
-# of chapter 05's contiguous buffer into `dp` equal ranges, keeps master + state only for its
+# of [chapter 05's contiguous buffer](../05_buffers/param_and_grad_buffer.py) into `dp` equal ranges, keeps master + state only for its
 # range, steps it, writes the new bf16 values into the param buffer, and one all-gather per bucket
 # gives every rank the full model again.
 
@@ -24,7 +24,7 @@ from tinytron.optimizer.mixed_precision import (MixedPrecisionOptimizer, _group_
                                                 _load_group_hparams, copy_param_attributes)
 
 __all__ = ["DistributedOptimizer", "merge_sharded_state_dicts", "data_parallel_step",
-           "ownership_table", "plot_ownership_map", "bytes_per_param"]
+           "ownership_table", "plot_ownership_map", "bytes_per_param", "optimizer_ledger"]
 
 # %% [markdown]
 # ## Who owns what
@@ -35,7 +35,8 @@ __all__ = ["DistributedOptimizer", "merge_sharded_state_dicts", "data_parallel_s
 # parameter piece inside its range the optimizer keeps four ranges (Megatron's
 # `_build_model_gbuf_param_range_map`, `megatron/core/optimizer/distrib_optimizer.py:123`):
 # where the piece is in the whole buffer, in the bucket, in my shard, and in the flattened
-# parameter. Chapter 05's `Bucket.shard_param_ranges(r)` returns exactly these (`ShardRange`).
+# parameter. [Chapter 05's](../05_buffers/param_and_grad_buffer.py) `Bucket.shard_param_ranges(r)`
+# returns exactly these (`ShardRange`).
 #
 # Worked example (chapter 05's): params `a[10], b[100], c[30]`, `dp=2`, bucket size 100. Reverse
 # order with 64-aligned starts gives bucket 0 = `c[0:30]`, pad, `b` at 64..164, padded to 256;
@@ -46,6 +47,14 @@ __all__ = ["DistributedOptimizer", "merge_sharded_state_dicts", "data_parallel_s
 # Memory per parameter (bf16 params, fp32 grads, Adam): 2 (param buffer) + 4 (grad buffer) +
 # $12/dp$ (fp32 master, `exp_avg`, `exp_avg_sq`) bytes, against 18 without sharding: at $dp=8$
 # that is 7.5 bytes, 2.4× less.
+#
+# All of these bytes are **resident memory**: allocated once before the first step and alive
+# for the whole run, only overwritten. Activations, by contrast, *flow*: each micro-batch's
+# forward makes them and its backward frees them
+# ([chapter 01 measures both](../01_main_loop/resident_flowing.py)). The fp32 master weights and
+# the Adam moments are the resident part this chapter owns, 12 of the 18 bytes, and the part
+# the DistributedOptimizer shards; the param and grad buffers are
+# [chapter 05's](../05_buffers/param_and_grad_buffer.py).
 #
 # The step (`DistributedOptimizer`, `distrib_optimizer.py:102`; copies `:2661`, `:2707`;
 # `step_with_ready_grads:3013`):
@@ -87,13 +96,13 @@ def ownership_table(buffer: ParamAndGradBuffer, names: dict | None = None) -> li
 
 
 def plot_ownership_map(buffer: ParamAndGradBuffer, ax=None, title: str = ""):
-    """One row per DP rank: the pieces of each param that rank steps, coloured by param."""
+    """One row per DP rank: the pieces of each param that rank steps, colored by param."""
     import matplotlib.pyplot as plt
 
     if ax is None:
         _, ax = plt.subplots(figsize=(11, 0.8 + 0.6 * buffer.dp_size))
     order = sorted(buffer.params, key=lambda q: buffer.param_index_map[q][0])
-    colour = {p: plt.get_cmap("tab20")(i % 20) for i, p in enumerate(order)}
+    color = {p: plt.get_cmap("tab20")(i % 20) for i, p in enumerate(order)}
     for r in range(buffer.dp_size):
         for b in buffer.buckets:
             s, e = b.shard_range(r)
@@ -101,7 +110,7 @@ def plot_ownership_map(buffer: ParamAndGradBuffer, ax=None, title: str = ""):
             for piece in b.shard_param_ranges(r):
                 width = piece.buffer_end - piece.buffer_start
                 ax.barh(r, width, left=piece.buffer_start, height=0.8,
-                        color=colour[piece.param], edgecolor="black", lw=0.4)
+                        color=color[piece.param], edgecolor="black", lw=0.4)
                 if width > buffer.numel / 25:
                     label = f"{buffer.name(piece.param)}[{piece.param_start}:{piece.param_end}]"
                     ax.text(piece.buffer_start + width / 2, r, label, ha="center",
@@ -110,15 +119,53 @@ def plot_ownership_map(buffer: ParamAndGradBuffer, ax=None, title: str = ""):
         ax.axvline(b.offset, color="red", lw=1.2)
     ax.set_yticks(range(buffer.dp_size), [f"dp rank {r}" for r in range(buffer.dp_size)])
     ax.invert_yaxis()
-    ax.set_xlabel("buffer offset (grey = padding; red = bucket start)")
+    ax.set_xlabel("buffer offset (gray = padding; red = bucket start)")
     ax.set_title(title or "who steps what", fontsize=9)
     return ax
 
 
 # %% [markdown]
+# ## The running example: the optimizer's ledger on one GPU
+#
+# The book's 7.5e9-parameter model at TP2·PP2·DP64 (see [the front page](../index.md)): a GPU of
+# the first pipeline stage holds 16 of the 32 layers and the embedding, halved by TP, which
+# [appendix B counts](../model/config.py) as 2,007,629,824 parameters, about 2.0e9. Without the
+# DistributedOptimizer each of them costs $2 + 4 + 12 = 18$ bytes; with it,
+# $2 + 4 + 12/64 = 6.19$. The code below prints the ledger by kind. The optimizer's share
+# drops from 24 GB to 0.38 GB, and what is left is dominated by the fp32 grad buffer, which
+# only sharding the gradients too would cut (ZeRO-2, or FSDP, which also shards the params).
+
+# %%
+def optimizer_ledger(num_params: int, dp: int, sharded: bool = True) -> dict[str, int]:
+    """Resident bytes on one rank, by kind: bf16 params, fp32 grads, fp32 master and Adam m, v."""
+    share = dp if sharded else 1
+    owned = math.ceil(num_params / share)  # this rank's range of every bucket
+    return {"params (bf16, param buffer)": 2 * num_params,
+            "grads (fp32, grad buffer)": 4 * num_params,
+            "master weights (fp32)": 4 * owned,
+            "Adam exp_avg (fp32)": 4 * owned,
+            "Adam exp_avg_sq (fp32)": 4 * owned}
+
+
+if __name__ == "__main__":
+    from tinytron.model import count_parameters_per_rank, llama_7b_config
+
+    n = count_parameters_per_rank(llama_7b_config(), tp=2, pp=2, pp_rank=0)
+    plain, zero1 = optimizer_ledger(n, 64, sharded=False), optimizer_ledger(n, 64)
+    print(f"{n:,} parameters on a GPU of the first stage (TP2·PP2·DP64)")
+    print(f"{'':30s} {'without':>10s} {'with DistOpt':>13s}")
+    for kind in plain:
+        print(f"{kind:30s} {plain[kind] / 1e9:8.2f} GB {zero1[kind] / 1e9:10.3f} GB")
+    total_plain, total_zero1 = sum(plain.values()), sum(zero1.values())
+    print(f"{'total':30s} {total_plain / 1e9:8.2f} GB {total_zero1 / 1e9:10.2f} GB")
+    assert round(n / 1e9, 1) == 2.0
+    assert total_plain == 18 * n and abs(total_zero1 / n - (2 + 4 + 12 / 64)) < 1e-6
+
+# %% [markdown]
 # ## The optimizer
 #
-# It is the mixed-precision optimizer of the previous page with three parts replaced:
+# It is the mixed-precision optimizer of [the previous page](mixed_precision.py) with three
+# parts replaced:
 # the master params are fp32 copies of the **owned pieces** (1-D slices) and replace the model
 # params in the inner optimizer's groups; the grad of a piece is the matching slice of
 # `main_grad`; the write-back goes into the bf16 `param_data` at the piece's buffer range,
@@ -126,15 +173,16 @@ def plot_ownership_map(buffer: ParamAndGradBuffer, ax=None, title: str = ""):
 # `overlap_param_gather`). A parameter without a piece on this rank is simply absent from this
 # rank's inner optimizer. Megatron accepts only Adam as the inner optimizer
 # (`distrib_optimizer.py:663-669`); any *elementwise* rule works the same way, but Muon needs
-# whole matrices and has its own layer-wise distribution (next page).
+# whole matrices and has its own layer-wise distribution ([the next page](layer_wise.py)).
 #
 # **Fused AdamW.** With `fused_adamw=True` (config `kernels = "triton"`) the pieces' masters and
 # moments become views of flat fp32 buffers, and the AdamW step plus the bf16 write-back into
 # `param_data` run as one Triton launch that reads the gradients straight from the grad buffer
-# (appendix C, `FlatAdamW`); the state dict and the all-gather are unchanged.
+# ([appendix C](../kernels/fused_adamw.py), `FlatAdamW`); the state dict and the all-gather are
+# unchanged.
 
 #
-# **State dict.** The saved form is the previous page's layout-independent one — per parameter
+# **State dict.** The saved form is [the previous page's](mixed_precision.py) layout-independent one — per parameter
 # name, *full* tensors (`fp32_param`, `exp_avg`, `exp_avg_sq`, `step`). To build it each DP rank
 # fills a bucket-shard-sized vector with its pieces and one all-gather per bucket and quantity
 # reassembles the bucket; loading simply takes each rank's slice of the full tensors. So a
@@ -147,6 +195,19 @@ def plot_ownership_map(buffer: ParamAndGradBuffer, ax=None, title: str = ""):
 # `merge_sharded_state_dicts` turns the pieces of all ranks back into the full form.
 
 # %%
+def _check_inner(optimizer, ddp, fused_adamw: bool) -> None:
+    """ValueError unless the inner rule is elementwise (not Muon) and DDP shards for us."""
+    if fused_adamw and not (isinstance(optimizer, Adam)
+                            and all(g["decoupled_weight_decay"] for g in optimizer.param_groups)):
+        raise ValueError(f"fused_adamw needs the AdamW inner optimizer, got {type(optimizer).__name__}")
+    if not ddp.ddp_config.use_distributed_optimizer:
+        raise ValueError("DistributedOptimizer needs DDP built with use_distributed_optimizer=True")
+    leaves = getattr(optimizer, "chained_optimizers", [optimizer])
+    if any(type(o).__name__ == "Muon" for o in leaves):
+        raise ValueError("Muon needs whole matrices: use LayerWiseDistributedOptimizer, "
+                         f"got {[type(o).__name__ for o in leaves]}")
+
+
 class DistributedOptimizer(MixedPrecisionOptimizer):
     """ZeRO-1 on chapter 05's buffers: fp32 master + state only for this DP rank's bucket ranges.
 
@@ -155,21 +216,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         ddp = DistributedDataParallel(model, grid, DistributedDataParallelConfig(
             use_distributed_optimizer=True, grad_reduce_in_fp32=True))
         opt = DistributedOptimizer(AdamW(model.parameters(), lr=3e-4), ddp, clip_grad=1.0)
-        loss, ok, grad_norm = data_parallel_step(ddp, opt, micro_batches, loss_fn)
     """
 
     def __init__(self, optimizer, ddp, *, clip_grad: float = 1.0, grad_scaler=None,
                  log_num_zeros_in_grad: bool = False, grad_norm_skip_threshold: float = math.inf,
                  fused_adamw: bool = False):
-        if fused_adamw and not (isinstance(optimizer, Adam)
-                                and all(g["decoupled_weight_decay"] for g in optimizer.param_groups)):
-            raise ValueError(f"fused_adamw needs the AdamW inner optimizer, got {type(optimizer).__name__}")
-        if not ddp.ddp_config.use_distributed_optimizer:
-            raise ValueError("DistributedOptimizer needs DDP built with use_distributed_optimizer=True")
-        leaves = getattr(optimizer, "chained_optimizers", [optimizer])
-        if any(type(o).__name__ == "Muon" for o in leaves):
-            raise ValueError("Muon needs whole matrices: use LayerWiseDistributedOptimizer, "
-                             f"got {[type(o).__name__ for o in leaves]}")
+        _check_inner(optimizer, ddp, fused_adamw)
         self.ddp, self.buffers = ddp, ddp.buffers
         self.dp_group, self.dp_size = ddp.dp_group, ddp.dp_size
         super().__init__(optimizer, clip_grad=clip_grad, grad_scaler=grad_scaler, grid=ddp.grid,
@@ -183,19 +235,15 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _build_main_params(self) -> None:
         """Replace each model param in the groups by fp32 copies of its pieces in my shards."""
-        self.piece_of = {}   # model param -> (ShardRange, buffer)
-        for buf in self.buffers:
-            for b in buf.buckets:
-                for piece in b.shard_param_ranges():
-                    self.piece_of[piece.param] = (piece, buf)
-        self.model_param_names = {}
-        self.pieces = []
+        self.piece_of = {piece.param: (piece, buf) for buf in self.buffers
+                         for b in buf.buckets for piece in b.shard_param_ranges()}
+        self.model_param_names, self.pieces = {}, []
         for group, names in zip(self.optimizer.param_groups, self.group_names):
             kept, kept_names = [], []
             for name, p in zip(names, group["params"]):
                 self.model_param_names[p] = name
                 if p not in self.piece_of:
-                    continue
+                    continue  # no piece of this param in my shards: absent from my inner optimizer
                 piece, buf = self.piece_of[p]
                 flat = p.detach().view(-1)[piece.param_start:piece.param_end]
                 main = torch.nn.Parameter(flat.clone().float())
@@ -207,6 +255,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 self.names.append(name)
             group["params"], group["param_names"] = kept, kept_names
 
+
+# %% [markdown]
+# The class continues in the next cell (a cell can extend a class by subclassing it under the
+# same name; the final class has every method). These are the three replaced parts: the grad of
+# a piece is a slice of the reduce-scattered buffer, the write-back goes into the param buffer,
+# and the step ends with the all-gather. The norm and `found_inf` are reduced over every rank,
+# because the shards are disjoint.
+
+# %%
+class DistributedOptimizer(DistributedOptimizer):  # the same class, continued
     def grad_stats_group(self):
         """Disjoint shards: norms and found_inf are reduced over every rank (the world)."""
         return None
@@ -238,95 +296,130 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         if not self.ddp.ddp_config.overlap_param_gather:
             self.ddp.start_param_sync(force_sync=True)
 
-    def _state_keys(self) -> list[str]:
-        """Tensor state keys, agreed by all DP ranks (a rank may own nothing)."""
-        local = sorted({k for _, m in self.pairs for k, v in self._state_of[id(m)].get(m, {}).items()
-                        if torch.is_tensor(v) and v.numel() == m.numel()})
-        if self.dp_size == 1:
-            return local
-        everyone = [None] * self.dp_size
-        dist.all_gather_object(everyone, local, group=self.dp_group)
-        return sorted(set().union(*everyone))
-
-    def _gather_bucket(self, bucket, key: str, main_of: dict) -> torch.Tensor:
-        """The full bucket of one quantity (fp32 param or a state key) from all DP shards."""
-        local = torch.zeros(bucket.shard_size, dtype=torch.float32, device=bucket.grad_data.device)
-        for piece in bucket.shard_param_ranges():
-            main = main_of[piece.param]
-            src = main if key == "fp32_param" else self._state_of[id(main)].get(main, {}).get(key)
-            if src is not None:
-                local[piece.shard_start:piece.shard_end] = src.detach().view(-1)
-        if self.dp_size == 1:
-            return local
-        full = torch.empty(bucket.numel, dtype=torch.float32, device=local.device)
-        with warnings.catch_warnings():   # torch 2.13 renamed it; 2.11 has only this name
-            warnings.filterwarnings("ignore", category=FutureWarning)
-            dist.all_gather_into_tensor(full, local, group=self.dp_group)
-        return full
-
-    def _gather_steps(self, bucket, main_of: dict) -> list[int] | None:
-        """Each bucket param's integer step counter, taken from whichever rank owns a piece."""
-        steps = torch.full((len(bucket.params),), -1.0, dtype=torch.float64,
-                           device=bucket.grad_data.device)
-        index = {p: i for i, p in enumerate(bucket.params)}
-        for piece in bucket.shard_param_ranges():
-            main = main_of[piece.param]
-            step = self._state_of[id(main)].get(main, {}).get("step")
-            if step is not None:
-                steps[index[piece.param]] = float(step)
-        if self.dp_size > 1:
-            dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=self.dp_group)
-        return None if bool((steps < 0).all()) else [int(v) for v in steps.tolist()]
-
     def state_dict(self) -> dict:
         """Layout-independent state: full tensors per param name, assembled from every DP shard."""
-        keys = ["fp32_param"] + self._state_keys()
-        main_of = {model: main for model, main in self.pairs}
-        params = {}
-        for buf in self.buffers:
-            for b in buf.buckets:
-                fulls = {k: self._gather_bucket(b, k, main_of) for k in keys}
-                steps = self._gather_steps(b, main_of)
-                for i, p in enumerate(b.params):
-                    s, e = b.param_to_index[p]
-                    entry = {k: full[s:e].view(p.shape).clone() for k, full in fulls.items()}
-                    if steps is not None and steps[i] >= 0:
-                        entry["step"] = steps[i]
-                    params[self.model_param_names[p]] = entry
-        return {"params": params,
-                "param_groups": _group_hparams(self.param_groups, self.group_names),
-                "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict()}
+        return _gathered_state_dict(self)
 
-    @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
         """Take my slice of every full tensor; refresh the whole model from the fp32 values."""
-        _load_group_hparams(self.param_groups, sd["param_groups"])
-        missing = [n for n in self.model_param_names.values() if n not in sd["params"]]
-        if missing:
-            raise ValueError(f"optimizer state has no entry for params {missing[:5]}")
-        for p, name in self.model_param_names.items():
-            p.data.copy_(sd["params"][name]["fp32_param"].view(p.shape))
-        for (model, main), (piece, _), name in zip(self.pairs, self.pieces, self.names):
-            entry, sl = sd["params"][name], slice(piece.param_start, piece.param_end)
-            main.copy_(entry["fp32_param"].reshape(-1)[sl])
-            self._state_of[id(main)][main] = {
-                k: (v.reshape(-1)[sl].clone().to(main.device) if torch.is_tensor(v) else v)
-                for k, v in entry.items() if k != "fp32_param"}
-        if self.grad_scaler is not None and sd.get("grad_scaler") is not None:
-            self.grad_scaler.load_state_dict(sd["grad_scaler"])
+        _load_gathered_state_dict(self, sd)
 
     def sharded_state_dict(self) -> dict:
         """No communication: my pieces, each with its flat range in the param and the full shape."""
-        params = {}
-        for (model, main), (piece, _), name in zip(self.pairs, self.pieces, self.names):
-            entry = {"fp32_param": main.detach().clone(),
-                     "range": (piece.param_start, piece.param_end), "shape": tuple(model.shape)}
-            for k, v in self._state_of[id(main)].get(main, {}).items():
-                entry[k] = v.detach().clone() if torch.is_tensor(v) else v
-            params[name] = entry
-        return {"params": params,
-                "param_groups": _group_hparams(self.param_groups, self.group_names),
-                "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict()}
+        return _pieces_state_dict(self)
+
+
+# %% [markdown]
+# ### The state dict, gathered
+#
+# Each bucket is rebuilt one quantity at a time (the fp32 param, then each state key): every
+# rank writes its pieces into a shard-sized vector and an all-gather assembles the bucket. The
+# integer step counters travel separately, as a max over ranks (a rank that owns no piece of
+# a parameter has no counter for it).
+
+# %%
+def _state_keys(opt) -> list[str]:
+    """Tensor state keys, agreed by all DP ranks (a rank may own nothing)."""
+    local = sorted({k for _, m in opt.pairs for k, v in opt._state_of[id(m)].get(m, {}).items()
+                    if torch.is_tensor(v) and v.numel() == m.numel()})
+    if opt.dp_size == 1:
+        return local
+    everyone = [None] * opt.dp_size
+    dist.all_gather_object(everyone, local, group=opt.dp_group)
+    return sorted(set().union(*everyone))
+
+
+def _gather_bucket(opt, bucket, key: str, main_of: dict) -> torch.Tensor:
+    """The full bucket of one quantity (fp32 param or a state key) from all DP shards."""
+    local = torch.zeros(bucket.shard_size, dtype=torch.float32, device=bucket.grad_data.device)
+    for piece in bucket.shard_param_ranges():
+        main = main_of[piece.param]
+        src = main if key == "fp32_param" else opt._state_of[id(main)].get(main, {}).get(key)
+        if src is not None:
+            local[piece.shard_start:piece.shard_end] = src.detach().view(-1)
+    if opt.dp_size == 1:
+        return local
+    full = torch.empty(bucket.numel, dtype=torch.float32, device=local.device)
+    with warnings.catch_warnings():   # torch 2.13 renamed it; 2.11 has only this name
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        dist.all_gather_into_tensor(full, local, group=opt.dp_group)
+    return full
+
+
+def _gather_steps(opt, bucket, main_of: dict) -> list[int] | None:
+    """Each bucket param's integer step counter, taken from whichever rank owns a piece."""
+    steps = torch.full((len(bucket.params),), -1.0, dtype=torch.float64,
+                       device=bucket.grad_data.device)
+    index = {p: i for i, p in enumerate(bucket.params)}
+    for piece in bucket.shard_param_ranges():
+        main = main_of[piece.param]
+        step = opt._state_of[id(main)].get(main, {}).get("step")
+        if step is not None:
+            steps[index[piece.param]] = float(step)
+    if opt.dp_size > 1:
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=opt.dp_group)
+    return None if bool((steps < 0).all()) else [int(v) for v in steps.tolist()]
+
+
+# %% [markdown]
+# The full state dict is those buckets cut back into parameters; loading takes this rank's
+# slice of each full tensor, and refreshes the whole model from the fp32 values.
+
+# %%
+def _gathered_state_dict(opt) -> dict:
+    """{params: {name: full fp32_param and state}, param_groups, grad_scaler}, on every rank."""
+    keys = ["fp32_param"] + _state_keys(opt)
+    main_of = {model: main for model, main in opt.pairs}
+    params = {}
+    for buf in opt.buffers:
+        for b in buf.buckets:
+            fulls = {k: _gather_bucket(opt, b, k, main_of) for k in keys}
+            steps = _gather_steps(opt, b, main_of)
+            for i, p in enumerate(b.params):
+                s, e = b.param_to_index[p]
+                entry = {k: full[s:e].view(p.shape).clone() for k, full in fulls.items()}
+                if steps is not None and steps[i] >= 0:
+                    entry["step"] = steps[i]
+                params[opt.model_param_names[p]] = entry
+    return {"params": params, "param_groups": _group_hparams(opt.param_groups, opt.group_names),
+            "grad_scaler": None if opt.grad_scaler is None else opt.grad_scaler.state_dict()}
+
+
+@torch.no_grad()
+def _load_gathered_state_dict(opt, sd: dict) -> None:
+    """This rank's slice of every full tensor into its pieces; every model param from fp32."""
+    _load_group_hparams(opt.param_groups, sd["param_groups"])
+    missing = [n for n in opt.model_param_names.values() if n not in sd["params"]]
+    if missing:
+        raise ValueError(f"optimizer state has no entry for params {missing[:5]}")
+    for p, name in opt.model_param_names.items():
+        p.data.copy_(sd["params"][name]["fp32_param"].view(p.shape))
+    for (model, main), (piece, _), name in zip(opt.pairs, opt.pieces, opt.names):
+        entry, sl = sd["params"][name], slice(piece.param_start, piece.param_end)
+        main.copy_(entry["fp32_param"].reshape(-1)[sl])
+        opt._state_of[id(main)][main] = {
+            k: (v.reshape(-1)[sl].clone().to(main.device) if torch.is_tensor(v) else v)
+            for k, v in entry.items() if k != "fp32_param"}
+    if opt.grad_scaler is not None and sd.get("grad_scaler") is not None:
+        opt.grad_scaler.load_state_dict(sd["grad_scaler"])
+
+
+# %% [markdown]
+# The sharded form needs no communication: each rank saves its own pieces, tagged with where
+# they sit in their parameter, and `merge_sharded_state_dicts` rebuilds the full form.
+
+# %%
+def _pieces_state_dict(opt) -> dict:
+    """My pieces only, each with its flat range inside the param and the param's full shape."""
+    params = {}
+    for (model, main), (piece, _), name in zip(opt.pairs, opt.pieces, opt.names):
+        entry = {"fp32_param": main.detach().clone(),
+                 "range": (piece.param_start, piece.param_end), "shape": tuple(model.shape)}
+        for k, v in opt._state_of[id(main)].get(main, {}).items():
+            entry[k] = v.detach().clone() if torch.is_tensor(v) else v
+        params[name] = entry
+    return {"params": params, "param_groups": _group_hparams(opt.param_groups, opt.group_names),
+            "grad_scaler": None if opt.grad_scaler is None else opt.grad_scaler.state_dict()}
 
 
 def merge_sharded_state_dicts(parts: list[dict]) -> dict:
@@ -350,6 +443,7 @@ def merge_sharded_state_dicts(parts: list[dict]) -> dict:
     return {"params": params, "param_groups": parts[0]["param_groups"],
             "grad_scaler": parts[0]["grad_scaler"]}
 
+
 # %% [markdown]
 # ## The training loop around it
 #
@@ -362,7 +456,8 @@ def merge_sharded_state_dicts(parts: list[dict]) -> dict:
 #    micro-batch but the last runs under `no_sync()`, so that the last one's backward launches
 #    each bucket's reduce-scatter (with `overlap_grad_reduce`, as soon as the bucket is complete);
 # 3. `ddp.finish_grad_sync()` — wait for those collectives (`finalize_model_grads` does this,
-#    then the tied-embedding and sequence-parallel reductions of chapter 05); only now does
+#    then the tied-embedding and sequence-parallel reductions of
+#    [chapter 05](../05_buffers/finalize_model_grads.py)); only now does
 #    this rank's shard hold the data-parallel mean;
 # 4. `optimizer.step()` — unscale, clip with the global norm, Adam on the shard, write back,
 #    all-gather.
@@ -389,7 +484,7 @@ def data_parallel_step(ddp, optimizer, micro_batches, loss_fn) -> tuple[float, b
 # %% [markdown]
 # ## Demo 1: the ownership map of a small model at DP 4
 #
-# A two-layer toy stack in bf16, laid out by chapter 05's buffer for 4 DP ranks with a small
+# A two-layer toy stack in bf16, laid out by [chapter 05's buffer](../05_buffers/param_and_grad_buffer.py) for 4 DP ranks with a small
 # bucket size. The map is computed from the same `shard_param_ranges` the optimizer uses; no
 # process group is needed to draw it.
 
@@ -424,9 +519,10 @@ if __name__ == "__main__":
 # %% [markdown]
 # ## Demo 2: DP 2 gives the same model as the plain optimizer
 #
-# Two ranks in a real gloo world; each trains a small MLP through chapter 05's DDP with the
-# DistributedOptimizer on its half of every batch, one `data_parallel_step` per step, with gradient clipping and a dynamic loss
-# scaler, and an inf injected into one step. Next to it, in the same process, the plain
+# Two ranks in a real gloo world; each trains a small MLP through
+# [chapter 05's DDP](../05_buffers/distributed_data_parallel.py) with the DistributedOptimizer on
+# its half of every batch, one `data_parallel_step` per step, with gradient clipping and a
+# dynamic loss scaler, and an inf injected into one step. Next to it, in the same process, the plain
 # mixed-precision optimizer trains the same MLP on the whole batch. After 6 steps the fp32
 # params agree to rounding, the same step was skipped on both, and the state dict gathered
 # from the shards equals the plain optimizer's.
@@ -466,6 +562,7 @@ if __name__ == "__main__":
 #
 # 1. In the ownership map, which parameter is split between two ranks? What would go wrong if
 #    the optimizer assumed whole parameters (think of Muon).
-# 2. With `dp=64` and a 7B model, how many GB of optimizer state does each rank hold?
+# 2. In the running example, at which DP size does the sharded optimizer state (0.38 GB at
+#    DP 64) become larger than the bf16 params? What does that say about small DP groups?
 # 3. Why is `found_inf` reduced over all ranks here, while the plain optimizer reduces it over
 #    the model-parallel group only?

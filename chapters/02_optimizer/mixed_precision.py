@@ -76,6 +76,11 @@ class ConstantGradScaler:
         self._scale = float(sd["scale"])
 
 
+# %% [markdown]
+# The dynamic scaler adds the two trackers of the rule above; its state (scale and both
+# trackers) is saved with the optimizer, so a resumed run continues the same schedule.
+
+# %%
 class DynamicGradScaler(ConstantGradScaler):
     """Megatron's dynamic loss scale: backoff after `hysteresis` overflows, growth after a clean window."""
 
@@ -176,6 +181,12 @@ def grads_for_norm(params: Iterable[torch.Tensor], tp_rank: int = 0) -> list[tor
     return [p.grad for p in params if p.grad is not None and param_counts_in_norm(p, tp_rank)]
 
 
+# %% [markdown]
+# With the right list of gradients, the norm is one local sum of squares and one all-reduce;
+# clipping scales every gradient by the same coefficient, and the count of zero gradients
+# (a health signal Megatron can log) follows the same rule.
+
+# %%
 def get_grad_norm_fp32(grads: list[torch.Tensor], norm_type: float = 2.0, group=None,
                        reduce: bool = True, device=None) -> float:
     """Global p-norm of grads spread over the ranks of `group` (None: the default world)."""
@@ -225,10 +236,12 @@ def count_zeros_fp32(params: Iterable[torch.Tensor], tp_rank: int = 0, group=Non
 # `megatron/core/optimizer/optimizer.py:668-736`); fp32 params are stepped directly (the
 # `FP32Optimizer` case, `:918`). The inner optimizer never sees a bf16 tensor: its state
 # (`exp_avg`, `exp_avg_sq`) is fp32 too. Memory per param: 2 (bf16) + 4 (master) + 8 (Adam)
-# bytes, plus the 4-byte fp32 `main_grad`.
+# bytes, plus the 4-byte fp32 `main_grad`. All of it is *resident*: allocated before the first
+# step and kept for the whole run. The master weights and the Adam moments, 12 of those 18
+# bytes, are the optimizer's own, and [the DistributedOptimizer](distributed.py) shards them.
 #
 # `step()` in Megatron's exact order (`MixedPrecisionOptimizer.step`, `:621`), after one check
-# of ours: when chapter 05's DDP wraps the params, their grads must have been reduced
+# of ours: when [chapter 05's DDP](../05_buffers/distributed_data_parallel.py) wraps the params, their grads must have been reduced
 # (`finish_grad_sync`) — stepping on local grads would train every rank differently, silently:
 #
 # 1. `prepare_grads` — `main_param.grad = model_param.main_grad.float()` (or `.grad`); unscale
@@ -239,15 +252,6 @@ def count_zeros_fp32(params: Iterable[torch.Tensor], tp_rank: int = 0, group=Non
 # 4. optionally count zero grads; if the norm exceeds `grad_norm_skip_threshold` (default
 #    $+\infty$; checked in `ChainedOptimizer.step`, `:1451`) report the step as unsuccessful;
 # 5. inner `optimizer.step()`, then copy fp32 masters back into the bf16 params.
-#
-# ## A state dict that does not depend on the layout
-#
-# Chapter 03 saves the optimizer and may reload it with another data-parallel size. The form
-# used throughout this chapter is therefore *per parameter, by name, full tensors*:
-# `{"params": {name: {"fp32_param": ..., "exp_avg": ..., "exp_avg_sq": ..., "step": ...}},
-# "param_groups": [hyperparameters + param_names], "grad_scaler": ...}` — the same keys
-# whether the optimizer is plain or sharded over DP. (Under TP the tensors are this TP rank's
-# shards; chapter 03 reshards them with the params' `partition_dim`.)
 
 # %%
 class MixedPrecisionOptimizer:
@@ -292,11 +296,18 @@ class MixedPrecisionOptimizer:
         leaves = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         return {id(p): opt.state for opt in leaves for g in opt.param_groups for p in g["params"]}
 
-    # -- the parts a sharded subclass replaces -----------------------------------------------
     def main_params(self) -> list[torch.Tensor]:
         """The fp32 tensors the inner optimizer steps."""
         return [m for _, m in self.pairs]
 
+
+# %% [markdown]
+# The class continues over the next cells (a cell extends a class by subclassing it under the
+# same name). First the parts that [the DistributedOptimizer](distributed.py) replaces: where
+# the grad statistics are reduced, how grads come in and how params go out.
+
+# %%
+class MixedPrecisionOptimizer(MixedPrecisionOptimizer):  # the same class, continued
     def grad_stats_group(self):
         """Where grad norms and found_inf are reduced: the model-parallel group."""
         if self.grid is None or self.grid.size("mp") == 1:
@@ -322,7 +333,6 @@ class MixedPrecisionOptimizer:
         if model:
             torch._foreach_copy_([p.data for p in model], [m.data for p, m in self.pairs if p is not m])
 
-    # -- the step ---------------------------------------------------------------------------
     @property
     def param_groups(self) -> list[dict]:
         """The inner optimizer's groups (the scheduler writes lr / weight_decay here)."""
@@ -332,6 +342,13 @@ class MixedPrecisionOptimizer:
         """loss * scale (1 without a scaler)."""
         return loss if self.grad_scaler is None else loss * self.grad_scaler.scale
 
+
+# %% [markdown]
+# Step 1 and step 3 of the list above: the grads arrive in the masters, are unscaled while
+# inf/NaN is detected, every rank agrees on `found_inf`; then the global norm and the clip.
+
+# %%
+class MixedPrecisionOptimizer(MixedPrecisionOptimizer):  # continued
     @torch.no_grad()
     def prepare_grads(self) -> bool:
         """Copy grads to the masters, unscale, agree on found_inf, update the scaler."""
@@ -373,6 +390,13 @@ class MixedPrecisionOptimizer:
         clip_grad_by_total_norm_fp32(grads, clip_grad, norm)
         return norm
 
+
+# %% [markdown]
+# The step itself, in that order, behind the check that the data-parallel reduction has
+# finished; a skipped step (overflow, or a norm above the threshold) changes nothing.
+
+# %%
+class MixedPrecisionOptimizer(MixedPrecisionOptimizer):  # continued
     @torch.no_grad()
     def step_with_ready_grads(self) -> None:
         """Inner step on the fp32 masters, then write them back."""
@@ -414,6 +438,21 @@ class MixedPrecisionOptimizer:
             model.grad = None
             main.grad = None
 
+
+# %% [markdown]
+# ## A state dict that does not depend on the layout
+#
+# [Chapter 03](../03_checkpoint/formats.py) saves the optimizer and may reload it with another
+# data-parallel size. The form used throughout this chapter is therefore *per parameter, by
+# name, full tensors*:
+# `{"params": {name: {"fp32_param": ..., "exp_avg": ..., "exp_avg_sq": ..., "step": ...}},
+# "param_groups": [hyperparameters + param_names], "grad_scaler": ...}` — the same keys
+# whether the optimizer is plain or sharded over DP. (Under TP the tensors are this TP rank's
+# shards; [chapter 03 reshards them](../03_checkpoint/resharding.py) with the params'
+# `partition_dim`.)
+
+# %%
+class MixedPrecisionOptimizer(MixedPrecisionOptimizer):  # continued
     def state_dict(self) -> dict:
         """Layout-independent state: full fp32 master + optimizer state per param name."""
         params = {}
