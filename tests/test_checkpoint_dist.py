@@ -1,7 +1,8 @@
 """Chapter 03 on a real 4-rank gloo world (one launch, every check): resume == uninterrupted
 (bitwise, both formats, sync and async), resharding TP 2<->1 and PP 2<->1 with DP 2<->4
-(re-saved checkpoint bitwise equal, continued losses within 1e-6), the legacy format refusing a
-TP change, who writes which file, and legacy/torch_dist TP2 x PP2 -> one model."""
+(re-saved checkpoint bitwise equal, continued losses within 1e-6 in fp32), bf16 weights with
+fp32 masters across TP 2 -> PP 2, the legacy format refusing a TP change, who writes which
+file, and legacy/torch_dist TP2 x PP2 -> one model."""
 
 from __future__ import annotations
 
@@ -46,14 +47,16 @@ def test_resume_equals_uninterrupted_bitwise(suite, case):
         assert r["consumed"] == 24 and r["iteration"] == 6   # sampler restarts at sample 24
 
 
-@pytest.mark.parametrize("case", ["reshard_tp2_to_tp1", "reshard_tp1_to_tp2",
-                                  "reshard_pp2_to_pp1", "reshard_pp1_to_pp2"])
-def test_resharded_resume(suite, case):
+@pytest.mark.parametrize("case, tol", [("reshard_tp2_to_tp1", 1e-6), ("reshard_tp1_to_tp2", 1e-6),
+                                       ("reshard_pp2_to_pp1", 1e-6), ("reshard_pp1_to_pp2", 1e-6),
+                                       ("reshard_bf16_tp2_to_pp2", 2e-2)])
+def test_resharded_resume(suite, case, tol):
     _, out = suite
     r = out[0][case]
     assert r["equal"] and not r["differ"] and r["num_tensors"] == 32   # re-save == original
     assert r["steps_equal"] and r["train_state_equal"]
-    assert max(abs(a - b) for a, b in zip(r["losses_a"], r["losses_b"])) < 1e-6
+    # fp32: the next steps agree to rounding; bf16 weights round differently under TP and PP
+    assert max(abs(a - b) for a, b in zip(r["losses_a"], r["losses_b"])) < tol
 
 
 def test_legacy_format_refuses_another_tp(suite):

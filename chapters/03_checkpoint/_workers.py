@@ -50,18 +50,19 @@ class Run:
 
     def __init__(self, tp: int = 1, pp: int = 1, *, distopt: bool = True, seed: int = 1234,
                  lr: float = 3e-3, mbs: int = 2, gbs: int = 8, train_iters: int = 20,
-                 dropout: float = 0.1, config=None):
+                 dropout: float = 0.1, config=None, bf16: bool = False):
         self.grid = grid = grid_for(tp, pp)
         set_random_seed(seed, grid)
         # h = 48: 48-element rows against 64-aligned DP ranges, so DP shards cut rows
         self.config = config or tiny_config(num_layers=4, seq_length=32, hidden_size=48,
                                             ffn_hidden_size=96, dropout=dropout)
-        self.model = build_stage_models(self.config, grid)[0]
+        self.dtype = torch.bfloat16 if bf16 else torch.float32
+        self.model = build_stage_models(self.config, grid, dtype=self.dtype)[0]
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, bucket_size=6000,
                                                 use_distributed_optimizer=distopt)
         self.ddp = DistributedDataParallel(self.model, grid, ddp_cfg)
         opt_cfg = OptimizerConfig(lr=lr, min_lr=lr / 10, weight_decay=0.1, clip_grad=1.0,
-                                  use_distributed_optimizer=distopt)
+                                  use_distributed_optimizer=distopt, bf16=bf16)
         self.optimizer = get_megatron_optimizer(opt_cfg, self.model, grid, self.ddp)
         self.scheduler = get_optimizer_param_scheduler(
             SchedulerConfig(lr_decay_style="cosine", lr_warmup_iters=2), self.optimizer, opt_cfg,
@@ -80,7 +81,8 @@ class Run:
         recv, loss = None, None
         if not model.pre_process:
             recv, _ = communicate(grid, recv_prev_shape=stage_tensor_shape(self.config, grid,
-                                                                           self.mbs))
+                                                                           self.mbs),
+                                  dtype=self.dtype)
             model.set_input_tensor(recv)
         out = model(tokens if model.pre_process else None,
                     labels=labels if model.post_process else None)
@@ -89,7 +91,7 @@ class Run:
             self.optimizer.scale_loss(loss * scale).backward()
         else:
             communicate(grid, send_next=out)
-            _, grad = communicate(grid, recv_next_shape=tuple(out.shape))
+            _, grad = communicate(grid, recv_next_shape=tuple(out.shape), dtype=self.dtype)
             out.backward(grad)
         if recv is not None:
             communicate(grid, send_prev=recv.grad)
@@ -189,18 +191,20 @@ def _plain(directory: str) -> dict:
     return out
 
 
-def reshard_roundtrip(root: str, layout_a, layout_b, n: int = 3, m: int = 2) -> dict:
+def reshard_roundtrip(root: str, layout_a, layout_b, n: int = 3, m: int = 2,
+                      bf16: bool = False) -> dict:
     """Train at A, save; load at B and re-save at once (must equal A's checkpoint); train on."""
     import warnings
 
     a, b = f"{root}/a", f"{root}/b"
-    run = Run(*layout_a, dropout=0.0)   # dropout streams depend on the layout; the state does not
+    # dropout off: its streams depend on the layout (and are not restored across layouts)
+    run = Run(*layout_a, dropout=0.0, bf16=bf16)
     manager = _manager(run.grid, save=a)
     for _ in range(n):
         run.step()
     manager.save(run.state, [run.ddp], run.optimizer, run.scheduler)
     losses_a = [run.step() for _ in range(m)]
-    other = Run(*layout_b, seed=77, dropout=0.0)
+    other = Run(*layout_b, seed=77, dropout=0.0, bf16=bf16)
     manager_b = _manager(other.grid, save=b, load=a)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # "RNG states not restored": expected across layouts
@@ -246,6 +250,7 @@ def checkpoint_suite(root: str) -> dict:
         "reshard_tp1_to_tp2": (reshard_roundtrip, (1, 1), (2, 1)),
         "reshard_pp2_to_pp1": (reshard_roundtrip, (1, 2), (1, 1)),
         "reshard_pp1_to_pp2": (reshard_roundtrip, (1, 1), (1, 2)),
+        "reshard_bf16_tp2_to_pp2": (reshard_roundtrip, (2, 1), (1, 2), 3, 2, True),
         "legacy_refuses": (legacy_refuses_tp_change,),
         "both_formats": (save_both_formats, tiny_config(num_layers=4, seed=11)),
     }

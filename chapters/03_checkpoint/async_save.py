@@ -42,17 +42,19 @@ ASYNC_MODES = ("process", "thread")
 #   participant T as training process (every rank)
 #   participant W as writer (background)
 #   participant R0 as rank 0
-#   T->>T: sharded state dict, validate, common.pt (rank 0), DCP plan (collective)
+#   T->>T: sharded state dict, DCP plan (collective, tiling validated)
 #   T->>W: snapshot: D2H copy (GPU) / fork (CPU), start the writer
 #   Note over T: back to training: iteration k+1, k+2, ...
-#   W->>W: write __R_0.distcp, fsync
+#   W->>W: write common.pt (rank 0), __R_0.distcp, fsync
 #   T->>T: start of every iteration: is my writer done? all-reduce(min) over ranks
 #   T->>R0: all done: gather write results (collective)
 #   R0->>R0: .metadata, checksums.json, metadata.json, rename iter_….tmp, tracker
 # ```
 #
-# 1. **Synchronous part** (in the training step): build the sharded state dict, write
-#    `common.pt`, run the DCP planning collective — the same as a synchronous save up to here.
+# 1. **Synchronous part** (in the training step): build the sharded state dict and run the
+#    DCP planning collective — the same as a synchronous save up to here. (Megatron also writes
+#    `common.pt` here; with its fsync that can take a noticeable fraction of a second on a busy
+#    disk, so tinytron leaves it to the writer.)
 # 2. **Snapshot**: the training step will overwrite parameters and optimizer state in place,
 #    so the writer needs a copy frozen at this moment. On a GPU that is a device-to-host copy
 #    into pinned host memory (`preload_tensors`, `filesystem_async.py:227`). On a CPU the
@@ -61,7 +63,8 @@ ASYNC_MODES = ("process", "thread")
 #    child has saved it — the technique Redis uses for its background saves. Megatron's
 #    `TemporalAsyncCaller` (`async_utils.py:237`) forks its writer for the same reason. The
 #    `thread` mode clones every tensor instead and writes from a thread.
-# 3. **Write** in the background: the child streams the chunks into `__R_0.distcp` and fsyncs.
+# 3. **Write** in the background: the child writes `common.pt` (rank 0), streams the chunks
+#    into `__R_0.distcp` and fsyncs.
 #    It runs no collective: all communication stays in the training process.
 # 4. **Finalize**: at the start of each iteration the loop calls `finalize(blocking=False)`:
 #    each rank checks its own writer, one integer all-reduce tells whether *all* are done

@@ -51,8 +51,9 @@ __all__ = ["TRACKER_FILENAME", "COMMON_FILENAME", "METADATA_FILENAME", "DCP_META
 # a valid `metadata.json` means `torch_dist`, an entry starting with `mp_rank_0` means the
 # legacy `torch` format, a bare `.metadata` means plain DCP.
 #
-# The tracker is read as an integer or `release`; anything else is an error (Megatron only
-# prints a message and exits, `:345`). Here a bad tracker raises `ValueError` naming the file.
+# The tracker is read as an integer or `release`; anything else is an error (Megatron's
+# `read_metadata` prints an error and exits). Here a bad tracker raises `ValueError` naming
+# the file.
 
 # %%
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"

@@ -55,8 +55,10 @@ __all__ = ["SaveRequest", "read_sharded", "read_common", "read_dcp_index", "save
 #    shape and offset — the coordinator (rank 0) checks that the main replicas tile every
 #    tensor exactly once (no overlap: DCP's `_validate_global_plan`; no gap: `_check_tiling`;
 #    together Megatron's `validate_sharding_integrity`, `validation.py:369`) and assigns each
-#    rank its file prefix `__R_`; rank 0 also writes `common.pt`.
-# 2. **write** (no communication): each rank streams its chunks into `__R_0.distcp` and fsyncs it.
+#    rank its file prefix `__R_`.
+# 2. **write** (no communication): rank 0 writes `common.pt` (Megatron writes it during the
+#    planning, in the training process; here it moves to the background writer with the rest),
+#    then each rank streams its chunks into `__R_0.distcp` and fsyncs it.
 #    Here the stream also computes a CRC-32 of every byte written: DCP stores no checksums, and
 #    `torch.load` does not notice a flipped byte inside a tensor.
 # 3. **finalize** (collective): the write results (which file and offset holds each chunk) are
@@ -66,10 +68,10 @@ __all__ = ["SaveRequest", "read_sharded", "read_common", "read_dcp_index", "save
 # ```mermaid
 # flowchart LR
 #   subgraph plan["1 · plan (collective)"]
-#     P0["rank 0: local plan<br/>+ common.pt"] --> C["rank 0: global plan<br/>tiling checked, prefixes __R_"]
+#     P0["rank 0: local plan"] --> C["rank 0: global plan<br/>tiling checked, prefixes __R_"]
 #     P1["rank 1: local plan"] --> C
 #   end
-#   C --> W0["2 · rank 0 writes __0_0.distcp"]
+#   C --> W0["2 · rank 0 writes common.pt, __0_0.distcp"]
 #   C --> W1["2 · rank 1 writes __1_0.distcp"]
 #   W0 --> F["3 · rank 0: .metadata, checksums.json,<br/>metadata.json, then the commit"]
 #   W1 --> F
@@ -212,7 +214,7 @@ class SaveRequest:
         self.thread_count, self.metadata, self.error = thread_count, None, None
 
     def plan(self) -> None:
-        """Collective: write common.pt (rank 0), build and exchange the DCP plans."""
+        """Collective: build and exchange the DCP plans (the coordinator checks the tiling)."""
         self.fs = _ChecksumFS(self.comm.rank)
         # per_thread_copy_ahead=0: DCP's overlapping loader would open CUDA streams, which a
         # forked writer must not touch; the chunks it writes are host copies already.
@@ -220,12 +222,6 @@ class SaveRequest:
                                            overwrite=True, per_thread_copy_ahead=0)
         self.writer.fs = self.fs
         self.planner = _SavePlanner(self.tensors, self.objects)
-        self.common_crc, common_error = None, None
-        if self.comm.rank == 0 and self.common is not None:
-            common_error = save_file(self.common, self.directory / COMMON_FILENAME)
-            if common_error is None:
-                self.common_crc = _file_crc(self.directory / COMMON_FILENAME)
-        fault_point("before_write", self.comm.rank)
         coordinator = self.comm.rank == 0
         self.planner.set_up_planner({}, self.writer.storage_meta(), coordinator)
         self.writer.set_up_storage_writer(coordinator, rank=self.comm.rank)
@@ -234,8 +230,6 @@ class SaveRequest:
         central = None
         if coordinator:   # a failure here must reach every rank through the scatter
             try:
-                if common_error:
-                    raise OSError(common_error)
                 _check_tiling(plans)
                 plans, self.metadata = self.planner.create_global_plan(plans)
                 central = self.writer.prepare_global_plan(plans)
@@ -247,8 +241,16 @@ class SaveRequest:
         self.final_plan = self.planner.finish_plan(mine)
 
     def write(self) -> dict:
-        """No communication: this rank's .distcp files; {'results', 'sums', 'seconds'} or {'error'}."""
+        """No communication: common.pt (rank 0), this rank's .distcp; {'results', ...} or {'error'}."""
         t0 = time.perf_counter()
+        sums = {}
+        if self.comm.rank == 0 and self.common is not None:
+            path = self.directory / COMMON_FILENAME
+            error = save_file(self.common, path)
+            if error:
+                return {"error": error}
+            sums[COMMON_FILENAME] = _file_crc(path)
+        fault_point("before_write", self.comm.rank)
         try:
             self.fs.armed = True   # the mid_write fault point is live while shards are written
             results = self.writer.write_data(self.final_plan, self.planner).wait()
@@ -260,7 +262,7 @@ class SaveRequest:
         if len(results) != len(self.final_plan.items):
             return {"error": f"writing {self.directory}: {len(self.final_plan.items) - len(results)}"
                              " items were not written (a writer thread failed)"}
-        return {"results": results, "sums": dict(self.fs.sums),
+        return {"results": results, "sums": {**sums, **self.fs.sums},
                 "seconds": time.perf_counter() - t0}
 
     def finalize(self, outcome: dict, on_complete=None) -> str | None:
@@ -280,8 +282,6 @@ class SaveRequest:
             self.writer.finish(self.metadata, [o["results"] for o in outcomes])
             sums = {name: s for o in outcomes for name, s in o["sums"].items()}
             sums[DCP_METADATA_FILENAME] = _file_crc(self.directory / DCP_METADATA_FILENAME)
-            if self.common_crc is not None:
-                sums[COMMON_FILENAME] = self.common_crc
             _write_json(self.directory / CHECKSUM_FILENAME, {"algorithm": "crc32", "files": sums})
             fault_point("before_metadata_json")
             _write_json(self.directory / METADATA_FILENAME, MEGATRON_METADATA)
