@@ -97,15 +97,95 @@ def _reliability(args) -> Reliability:
     return Reliability(config, save_dir=args.save, timing_log_level=args.timing_log_level)
 
 
+class _Job:
+    """The parts of one launch, each wrapped by chapter 08's Reliability."""
+
+    def __init__(self, args, rel: Reliability, grid):
+        from tinytron.checkpoint.resume import CheckpointConfig, make_checkpoint_hooks
+        from tinytron.model import tiny_config
+
+        self.args, self.rel, self.grid, self.built = args, rel, grid, []
+        self.cfg = tiny_config(**MODELS[args.model])
+        self.ckpt = make_checkpoint_hooks(CheckpointConfig(save=args.save, load=args.save), grid)
+        self.logger = MetricsLogger(
+            LoggingConfig(jsonl_path=os.path.join(args.save, "losses.jsonl"), progress_bar=False,
+                          log_memory_to_tensorboard=False),
+            args.train_iters, timers=None if args.no_safety_nets else rel.timers,
+            timer_names=["forward-backward", "optimizer", "save-checkpoint"])
+        self.step_log = open(os.path.join(args.save, f"step_losses_rank{dist.get_rank()}.jsonl"),
+                             "a", buffering=1)
+
+    def model(self, grid):
+        """Appendix B's chunks, remembered so that a failed attempt can release them."""
+        from tinytron.model import build_stage_models
+        self.built.extend(build_stage_models(self.cfg, grid))
+        return list(self.built)
+
+    def data(self, grid, state):
+        """(train, valid) iterators from the consumed samples; train replayable for reruns."""
+        from tinytron.data.samplers import build_pretraining_data_loader
+        ds = _Tokens(self.cfg.vocab_size, self.cfg.seq_length)
+        loader = build_pretraining_data_loader(ds, state.consumed_train_samples, MBS,
+                                               max(grid.rank("dp"), 0), grid.size("dp"))
+        return self.rel.data_iterator(iter(loader)), None
+
+    def schedule(self, fb):
+        """The schedule with the checks and timers (unless off), a sleep, and the loss record."""
+        inner = fb if self.args.no_safety_nets else self.rel.forward_backward_func(fb)
+
+        def wrapped(**kw):
+            out = inner(**kw)
+            if self.args.step_sleep:
+                time.sleep(self.args.step_sleep)  # a longer step: time for a signal to land
+            sums = [float(torch.as_tensor(r["lm loss"]).reshape(-1)[0]) for r in out]
+            self.step_log.write(json.dumps({"iteration": self.rel.rsm.current_iteration,
+                                            "pass": self.rel.rsm.state.name, "sums": sums}) + "\n")
+            return out
+        return wrapped
+
+    def pretrain_kwargs(self) -> dict:
+        """Everything pretrain() takes, with the reliability hooks installed."""
+        from tinytron.buffers import DistributedDataParallelConfig
+        from tinytron.main_loop.loop import (gpt_forward_step, megatron_optimizer_provider,
+                                             megatron_scheduler_provider)
+        from tinytron.optimizer import OptimizerConfig, SchedulerConfig
+
+        rel, seq = self.rel, self.cfg.seq_length
+        opt_cfg = OptimizerConfig(lr=3e-3, weight_decay=0.0, clip_grad=1.0)
+        save, load = rel.checkpoint_hooks(self.ckpt.save_checkpoint_fn,
+                                          self.ckpt.load_checkpoint_fn)
+        return dict(
+            model_provider=self.model, data_iterators_provider=self.data,
+            forward_step_func=rel.forward_step_func(
+                partial(gpt_forward_step, micro_batch_size=MBS, seq_length=seq)),
+            optimizer_provider=lambda m, g: rel.wrap_optimizer(
+                megatron_optimizer_provider(opt_cfg)(m, g)),
+            scheduler_provider=megatron_scheduler_provider(
+                SchedulerConfig(lr_decay_style="cosine"), opt_cfg),
+            grid_provider=lambda: self.grid, ddp_config=DistributedDataParallelConfig(),
+            seq_length=seq, load_checkpoint_fn=load, save_checkpoint_fn=save,
+            finalize_async_save_fn=self.ckpt.finalize_async_save_fn, log_fn=self.logger,
+            exit_signal=rel.signal_handler, rerun_state_machine=rel.rsm, step_hooks=rel,
+            iterations_to_skip=rel.iterations_to_skip, wrap_forward_backward_func=self.schedule)
+
+    def close(self) -> None:
+        """Flush the logs."""
+        self.logger.close()
+        self.step_log.close()
+
+
+def _training(args) -> SimpleNamespace:
+    """The [training] section of the job (tinytron.config.TrainingConfig's names)."""
+    return SimpleNamespace(
+        micro_batch_size=MBS, global_batch_size=args.global_batch_size, rampup_batch_size=None,
+        decrease_batch_size_if_needed=False, train_iters=args.train_iters, train_samples=None,
+        eval_interval=None, eval_iters=0, save_interval=args.save_interval, exit_interval=None,
+        exit_duration_in_mins=None, exit_signal_handler=True, log_interval=1, seed=1234)
+
+
 def run(argv=None) -> int:
     """Train (or resume) the tiny job; return the process exit code."""
-    from tinytron.buffers import DistributedDataParallelConfig
-    from tinytron.checkpoint.resume import CheckpointConfig, make_checkpoint_hooks
-    from tinytron.data.samplers import build_pretraining_data_loader
-    from tinytron.main_loop.loop import (gpt_forward_step, megatron_optimizer_provider,
-                                         megatron_scheduler_provider, pretrain)
-    from tinytron.model import build_stage_models, tiny_config
-    from tinytron.optimizer import OptimizerConfig, SchedulerConfig
+    from tinytron.main_loop.loop import pretrain
     from tinytron.parallel import ParallelGrid
 
     args = parse_args(argv)
@@ -118,82 +198,16 @@ def run(argv=None) -> int:
     with open(os.path.join(args.save, "pids", f"rank{dist.get_rank()}.pid"), "w") as f:
         f.write(str(os.getpid()))   # so that a test can signal one rank
     rel = _reliability(args)
-    cfg = tiny_config(**MODELS[args.model])
-    seq = cfg.seq_length
-    ckpt = make_checkpoint_hooks(CheckpointConfig(save=args.save, load=args.save), grid)
-    save, load = rel.checkpoint_hooks(ckpt.save_checkpoint_fn, ckpt.load_checkpoint_fn)
-    timer_names = ["forward-backward", "optimizer", "save-checkpoint"]
-    logger = MetricsLogger(LoggingConfig(jsonl_path=os.path.join(args.save, "losses.jsonl"),
-                                         progress_bar=False, log_memory_to_tensorboard=False),
-                           args.train_iters, timers=None if args.no_safety_nets else rel.timers,
-                           timer_names=timer_names)
-    opt_cfg = OptimizerConfig(lr=3e-3, weight_decay=0.0, clip_grad=1.0)
-
-    def data(grid_, state):
-        ds = _Tokens(cfg.vocab_size, seq)
-        loader = build_pretraining_data_loader(ds, state.consumed_train_samples, MBS,
-                                               max(grid_.rank("dp"), 0), grid_.size("dp"))
-        return rel.data_iterator(iter(loader)), None
-
-    def step_sleep(fb):
-        if not args.step_sleep:
-            return fb
-
-        def slow(**kw):
-            out = fb(**kw)
-            time.sleep(args.step_sleep)  # stands for a longer step: time for a signal to land
-            return out
-        return slow
-
-    step_log = open(os.path.join(args.save, f"step_losses_rank{dist.get_rank()}.jsonl"), "a",
-                    buffering=1)
-
-    def record_losses(fb):
-        """Each pass's local per-micro-batch loss sums, exactly (the tests compare them bitwise)."""
-        def recorded(**kw):
-            out = fb(**kw)
-            sums = [float(torch.as_tensor(r["lm loss"]).reshape(-1)[0]) for r in out]
-            step_log.write(json.dumps({"iteration": rel.rsm.current_iteration,
-                                       "pass": rel.rsm.state.name, "sums": sums}) + "\n")
-            return out
-        return recorded
-
-    training = SimpleNamespace(
-        micro_batch_size=MBS, global_batch_size=args.global_batch_size, rampup_batch_size=None,
-        decrease_batch_size_if_needed=False, train_iters=args.train_iters, train_samples=None,
-        eval_interval=None, eval_iters=0, save_interval=args.save_interval, exit_interval=None,
-        exit_duration_in_mins=None, exit_signal_handler=True, log_interval=1, seed=1234)
-    handler, built = rel.signal_handler, []
-
-    def model_provider(g):
-        built.extend(build_stage_models(cfg, g))
-        return list(built)
-
+    job = _Job(args, rel, grid)
     try:
-        with handler:
-            result = pretrain(
-                training, model_provider=model_provider,
-                forward_step_func=rel.forward_step_func(
-                    partial(gpt_forward_step, micro_batch_size=MBS, seq_length=seq)),
-                data_iterators_provider=data,
-                optimizer_provider=lambda m, g: rel.wrap_optimizer(
-                    megatron_optimizer_provider(opt_cfg)(m, g)),
-                scheduler_provider=megatron_scheduler_provider(
-                    SchedulerConfig(lr_decay_style="cosine"), opt_cfg),
-                grid_provider=lambda: grid, ddp_config=DistributedDataParallelConfig(),
-                seq_length=seq, load_checkpoint_fn=load, save_checkpoint_fn=save,
-                finalize_async_save_fn=ckpt.finalize_async_save_fn, log_fn=logger,
-                exit_signal=handler, rerun_state_machine=rel.rsm, step_hooks=rel,
-                iterations_to_skip=rel.iterations_to_skip,
-                wrap_forward_backward_func=lambda fb: record_losses(step_sleep(
-                    fb if args.no_safety_nets else rel.forward_backward_func(fb))))
+        with rel.signal_handler:
+            result = pretrain(_training(args), **job.pretrain_kwargs())
     except BaseException:
-        _release(built)
+        _release(job.built)
         raise
     finally:
         rel.shutdown()
-        logger.close()
-        step_log.close()
+        job.close()
     code = rel.exit_code(result.exit_reason)
     if dist.get_rank() == 0:
         print(f"[run] stopped at iteration {result.state.iteration} "
