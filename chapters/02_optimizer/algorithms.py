@@ -196,6 +196,14 @@ class Adam(torch.optim.Optimizer):
         return loss
 
 
+# %% [markdown]
+# The arithmetic, on lists of tensors at once (one kernel per operation for the whole list,
+# not one per parameter). With $t$ the step, $\beta_1, \beta_2$ the betas, $g$ the gradient:
+# $m \leftarrow \beta_1 m + (1-\beta_1) g$, $v \leftarrow \beta_2 v + (1-\beta_2) g^2$,
+# $\theta \leftarrow \theta - \eta\,\frac{m / (1-\beta_1^t)}{\sqrt{v / (1-\beta_2^t)} + \epsilon}$,
+# after the decay $\theta \leftarrow (1 - \eta\lambda)\theta$ (AdamW) or $g \leftarrow g + \lambda\theta$ (Adam).
+
+# %%
 def _adam_foreach(params, grads, exp_avgs, exp_avg_sqs, steps, group) -> None:
     """The Adam(W) arithmetic on lists of same-device, same-dtype tensors."""
     beta1, beta2 = group["betas"]

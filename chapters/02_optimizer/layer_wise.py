@@ -32,7 +32,7 @@ __all__ = ["ping_pong_owners", "LayerWiseDistributedOptimizer"]
 # come back the other way, which evens out memory. After the step each rank's updated params are
 # all-gathered (`allgather_params`, `:630`).
 #
-# We build the legacy path on chapter 05's non-distributed DDP (its all-reduced `main_grad`),
+# We build the legacy path on [chapter 05's](../05_buffers/distributed_data_parallel.py) non-distributed DDP (its all-reduced `main_grad`),
 # which needs no special buffer layout. Example with 4 ranks and 10 params sorted
 # $p_0 \ge \dots \ge p_9$: owners are `[0, 1, 2, 3, 3, 2, 1, 0, 0, 1]`, i.e. rank 0 gets
 # $p_0, p_7, p_8$ and rank 3 gets $p_3, p_4$.
@@ -61,6 +61,11 @@ def ping_pong_owners(numels: list[int], dp: int) -> list[int]:
     return owners
 
 
+# %% [markdown]
+# The optimizer is [the mixed-precision wrapper](mixed_precision.py) over only the params this
+# rank owns; the norm is reduced over every rank, and the step ends by sharing the results.
+
+# %%
 class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
     """Each DP rank steps the whole params it owns (ping-pong by size), then all-gathers them."""
 
@@ -90,6 +95,14 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
         super().step_with_ready_grads()
         self.allgather_params()
 
+
+# %% [markdown]
+# The all-gather sends each rank's owned params flattened into one vector per dtype, padded to
+# the longest rank's length (an all-gather needs equal sizes), and every rank copies the others'
+# slices back into its params.
+
+# %%
+class LayerWiseDistributedOptimizer(LayerWiseDistributedOptimizer):  # the same class, continued
     @torch.no_grad()
     def allgather_params(self) -> None:
         """One padded all-gather per dtype of the flattened params each rank owns."""

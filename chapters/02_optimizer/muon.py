@@ -35,7 +35,7 @@ __all__ = [
 # 4. $O = \mathrm{NS}(D) \cdot s(\text{rows}, \text{cols}) \cdot \text{extra\_scale}$;
 # 5. $\theta \leftarrow \theta - \eta O$.
 #
-# **Newton–Schulz.** Normalise $X = D/\max(\lVert D\rVert_F, 10^{-7})$ (so every singular value
+# **Newton–Schulz.** Normalize $X = D/\max(\lVert D\rVert_F, 10^{-7})$ (so every singular value
 # is $\le 1$), transpose if rows $>$ cols (so $XX^\top$ is the small Gram matrix), then for each
 # coefficient triple $(a, b, c)$: $A = XX^\top$, $B = bA + cA^2$, $X \leftarrow aX + BX$. On the
 # SVD $X = U\Sigma V^\top$ each step maps every singular value $\sigma \mapsto a\sigma + b\sigma^3 +
@@ -145,6 +145,12 @@ def newton_schulz(d: torch.Tensor, steps: int = 5, coefficient_type: str = "quin
     return x.mT if transpose else x
 
 
+# %% [markdown]
+# The three modes then differ only in what they hand to `newton_schulz`: the local shard
+# (blockwise), the gathered full matrix (duplicated), or the shard with the TP group so the Gram
+# matrix is all-reduced (distributed). The scale factor always uses the full matrix's shape.
+
+# %%
 def _gather_shards(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """All-gather equal TP shards of x and concatenate them along dim."""
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
@@ -219,6 +225,14 @@ class Muon(torch.optim.Optimizer):
                              matmul_dtype=torch.bfloat16 if fp32_matmul_prec == "medium"
                              else torch.float32, tp_mode=tp_mode, tp_group=tp_group)
 
+
+# %% [markdown]
+# The step is AdamW's outer shape with the orthogonalized momentum as the update: decoupled
+# decay, an EMA of the gradient (or its Nesterov look-ahead), then the scaled Newton–Schulz
+# direction, split into Q, K and V for the fused attention weight.
+
+# %%
+class Muon(Muon):  # the same class, continued (a cell extends a class by subclassing it)
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
         """One Muon step over every group."""
@@ -263,7 +277,7 @@ class Muon(torch.optim.Optimizer):
 # `is_embedding_or_output_parameter` (`_is_nonlinear_or_embedding`,
 # `megatron/core/optimizer/emerging_optimizers.py:128`); embeddings, the output layer, norms and
 # biases go to Adam through a default override (`:427-453`). The two optimizers are chained.
-# A model that does not set the flag is recognised by name (`embedding`, `output_layer`).
+# A model that does not set the flag is recognized by name (`embedding`, `output_layer`).
 
 # %%
 def is_muon_param(name: str, p: torch.Tensor) -> bool:
@@ -373,7 +387,7 @@ def qk_clip_(qkv_weights: list[torch.Tensor], max_logits: torch.Tensor, num_quer
 #
 # A random 64×96 matrix, an ill-conditioned one (singular values from 1 down to $10^{-2}$), and a
 # tall one (transposed internally). After five quintic steps every singular value lies in roughly
-# $(0.7, 1.2)$. The scalar map printed last shows the limit: after the Frobenius normalisation a
+# $(0.7, 1.2)$. The scalar map printed last shows the limit: after the Frobenius normalization a
 # singular value of $10^{-3}$ only reaches ~0.5 in five steps — directions that weak stay weaker.
 
 # %%

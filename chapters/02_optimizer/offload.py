@@ -31,10 +31,15 @@ __all__ = ["HybridDeviceOptimizer", "split_by_fraction"]
 #   CPU can start on parameter 1 as soon as *its* gradient has arrived (`build_cpu_optimizer_list`,
 #   `:227`);
 # - `step()` (`:150`): copy the groups' `lr`/`weight_decay` down to the sub-optimizers; on the
-#   D2H stream copy every offloaded grad into a pinned host buffer and record one event per CPU
-#   optimizer; step the device optimizer meanwhile; then for each CPU optimizer wait for its
-#   event, step it, and copy its params back on the H2D stream; finally publish the sub-optimizers'
-#   state as this optimizer's state.
+#   D2H (device-to-host) stream copy every offloaded grad into a pinned host buffer and record
+#   one event per CPU optimizer; step the device optimizer meanwhile; then for each CPU optimizer
+#   wait for its event, step it, and copy its params back on the H2D (host-to-device) stream;
+#   finally publish the sub-optimizers' state as this optimizer's state. (*Pinned* host memory
+#   is page-locked, so the GPU's copy engine can read and write it directly, asynchronously.)
+#
+# Offload moves resident memory, it does not remove it: the offloaded fraction of the fp32
+# master weights and Adam moments (12 bytes per parameter) becomes resident *host* memory, plus
+# a pinned fp32 grad copy per offloaded parameter.
 #
 # Worked example: params of 600, 300, 100 elements, $F=0.5$: the budget is 500 elements; 0 < 500
 # so the first param goes to the host (600 offloaded, more than the budget: the param that
@@ -135,6 +140,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.streams = _Streams(params[0].device if params else torch.device("cpu"))
         self._built = True
 
+
+# %% [markdown]
+# The step follows the sequence diagram: the offloaded grads go down to their pinned host
+# copies, the device optimizer steps meanwhile, each CPU optimizer steps as soon as *its*
+# grad has landed, and its param goes back up. The class continues in this cell (a cell extends
+# a class by subclassing it under the same name).
+
+# %%
+class HybridDeviceOptimizer(HybridDeviceOptimizer):  # the same class, continued
     def _sub_optimizers(self) -> list:
         """The device optimizer (if any) and the CPU optimizers."""
         return ([self.device_optimizer] if self.device_optimizer else []) + self.cpu_optimizers

@@ -80,17 +80,10 @@ def _wsd_coeff(n: float, decay_steps: float, wsd_steps: float, style: str) -> fl
 
 
 # %% [markdown]
-# ## state_dict and the reload rules
+# ## The scheduler
 #
-# The checkpoint holds ten values. On reload each hyperparameter goes through one rule
-# (`_check_and_set`, `:318`): with `override_opt_param_scheduler` the value given to the
-# constructor wins; otherwise, if not `use_checkpoint_opt_param_scheduler`, constructor and
-# checkpoint must agree (Megatron asserts; here a `ValueError` names the field); otherwise the
-# checkpoint's value is used. Then `step(num_steps)` puts the scheduler back at the saved
-# position. Older checkpoints used other key names (`start_lr`, `warmup_iter`/`warmup_steps`,
-# `end_iter`/`decay_steps`, `decay_style`, `num_iters`), still accepted. (Megatron steps before
-# the weight-decay fields are checked; here the step comes last so the restored weight decay
-# is the one written into the groups.)
+# It is constructed with every length already in samples (the factory converts iterations),
+# checks that the lengths and rates are consistent, and sets the groups' first values.
 
 # %%
 class OptimizerParamScheduler:
@@ -139,6 +132,14 @@ class OptimizerParamScheduler:
             raise ValueError("override_opt_param_scheduler and use_checkpoint_opt_param_scheduler "
                              "are both set; choose one")
 
+
+# %% [markdown]
+# The two schedules above as code, and `step`, which the training loop calls with the number of
+# samples consumed and which writes the new values into every param group (a group's
+# `wd_mult` of 0 keeps norms and biases undecayed).
+
+# %%
+class OptimizerParamScheduler(OptimizerParamScheduler):  # the same class, continued
     def get_wd(self, param_group: dict | None = None) -> float:
         """Weight decay at the current sample count (group start_wd/end_wd take precedence)."""
         group = param_group or {}
@@ -181,6 +182,22 @@ class OptimizerParamScheduler:
             group["lr"] = self.get_lr(group)
             group["weight_decay"] = self.get_wd(group) * group.get("wd_mult", 1.0)
 
+
+# %% [markdown]
+# ## state_dict and the reload rules
+#
+# The checkpoint holds ten values. On reload each hyperparameter goes through one rule
+# (`_check_and_set`, `:318`): with `override_opt_param_scheduler` the value given to the
+# constructor wins; otherwise, if not `use_checkpoint_opt_param_scheduler`, constructor and
+# checkpoint must agree (Megatron asserts; here a `ValueError` names the field); otherwise the
+# checkpoint's value is used. Then `step(num_steps)` puts the scheduler back at the saved
+# position. Older checkpoints used other key names (`start_lr`, `warmup_iter`/`warmup_steps`,
+# `end_iter`/`decay_steps`, `decay_style`, `num_iters`), still accepted. As in Megatron, the
+# step comes *before* the weight-decay fields are restored, so the weight decay it writes into
+# the groups is computed from the constructor's values; the next `step()` uses the restored ones.
+
+# %%
+class OptimizerParamScheduler(OptimizerParamScheduler):  # continued
     def state_dict(self) -> dict:
         """The ten values a checkpoint keeps."""
         return {k: getattr(self, k) for k in (

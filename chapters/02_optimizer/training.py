@@ -3,7 +3,7 @@
 #
 # The whole chapter in one loop: Megatron-style parameter groups, the mixed-precision wrapper
 # (fp32 masters, global-norm clipping), the scheduler (warmup then cosine, in samples), and
-# three update rules trained side by side on appendix B's tiny GPT.
+# three update rules trained side by side on [appendix B's](../model/gpt.py) tiny GPT.
 
 # %%
 from __future__ import annotations
@@ -85,6 +85,12 @@ def build_optimizer(name: str, model: torch.nn.Module, lr: float, weight_decay: 
     raise ValueError(f"unknown optimizer {name!r}; choose adamw, lion or muon")
 
 
+# %% [markdown]
+# One recipe's run: a fresh model from the same seed, the mixed-precision wrapper around the
+# chosen rule, warmup then cosine counted in samples, and the scheduler stepped only after a
+# step that succeeded.
+
+# %%
 def train_tiny(name: str, lr: float, steps: int = 150, batch: int = 8, seq: int = 32,
                adam_lr: float | None = None) -> list[float]:
     """Train a fresh tiny GPT with one recipe; return the loss of every step."""
@@ -191,7 +197,7 @@ if __name__ == "__main__":
     fig, ax = plt.subplots(figsize=(7, 3))
     for name, losses in curves.items():
         ax.plot(losses, label=f"{name} (lr {recipes[name]:.0e})")
-    ax.axhline(0.95, color="grey", ls=":", label="entropy of the data ≈ 0.95")
+    ax.axhline(0.95, color="gray", ls=":", label="entropy of the data ≈ 0.95")
     ax.set(xlabel="step", ylabel="loss (nats/token)", title="tiny GPT, 150 steps, batch 8 × 32")
     ax.legend()
     plt.tight_layout()
@@ -215,7 +221,7 @@ if __name__ == "__main__":
     fig, ax = plt.subplots(figsize=(7, 2.8))
     ax.semilogy(free, label="Muon, no clip")
     ax.semilogy(clipped, label="Muon + QK-clip, τ = 15")
-    ax.axhline(15.0, color="grey", ls=":")
+    ax.axhline(15.0, color="gray", ls=":")
     ax.set(xlabel="step", ylabel="max pre-softmax logit", title="largest attention logit per step")
     ax.legend()
     plt.tight_layout()
@@ -227,7 +233,7 @@ if __name__ == "__main__":
 #
 # - One loop drives all three rules through the same infrastructure: groups, fp32 masters,
 #   clipping, a sample-counted schedule that is only stepped after successful steps.
-# - Learning rates are not interchangeable between rules: Lion and Muon's normalised updates
+# - Learning rates are not interchangeable between rules: Lion and Muon's normalized updates
 #   set the step size by the lr alone.
 #
 # ## How production does it
