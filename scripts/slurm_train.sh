@@ -7,13 +7,15 @@
 #   GPUS_PER_NODE=4 sbatch --nodes 1 --gpus-per-node 4 scripts/slurm_train.sh configs/gpt_125m.toml
 #
 # Arguments: the config file, then any --section.key value overrides. The world size is
-# nodes x GPUS_PER_NODE and must equal tp · pp · cp · dp of the config (the trainer checks it
-# before any process group is built and exits with code 2 naming the numbers).
+# nodes x GPUS_PER_NODE and dp = world / (tp · pp · cp); the trainer checks the layout before
+# any process group is built and exits with code 2 naming the numbers.
 # torchrun's --max-restarts relaunches every worker of the job after a failure (chapter 08's
 # exit codes: 16 = relaunch to disambiguate a rerun, 17 = a result failed validation, 18 = a
 # hang); each relaunch resumes from the latest checkpoint. SIGTERM 5 minutes before the time
 # limit reaches the trainer through srun and torchrun: with exit_signal_handler it finishes
-# the iteration, saves and exits 0 (the next sbatch resumes).
+# the iteration, saves and exits 0 (the next sbatch resumes). torchrun kills workers that are
+# still running TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds after it passed the signal on (30 by
+# default): it is raised below so that the last save fits.
 #
 #SBATCH --job-name=tinytron
 #SBATCH --nodes=32
@@ -38,10 +40,11 @@ MAX_RESTARTS=${MAX_RESTARTS:-3}
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 echo "tinytron: $NNODES node(s) x $GPUS_PER_NODE GPU(s), rendezvous $MASTER_ADDR:$MASTER_PORT, config $CONFIG"
 
-# NCCL over the cluster's fabric; leave these to the site's defaults when they are set already.
-export NCCL_ASYNC_ERROR_HANDLING=${NCCL_ASYNC_ERROR_HANDLING:-1}
+# A failed NCCL collective raises instead of hanging; values the site already set win.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 export PYTHONUNBUFFERED=1
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-240}
 
 # --kill-on-bad-exit: a node whose torchrun fails (a config error exits 2, restarts used up)
 # ends the step instead of leaving the other nodes waiting in the rendezvous.
