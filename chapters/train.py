@@ -298,14 +298,16 @@ def _next_steps(argv: list[str], out_dir: str, cfg: TrainConfig) -> str:
 
 # -- the run ----------------------------------------------------------------------------------
 def _reliability(cfg: TrainConfig, out_dir: str):
-    from tinytron.reliability import Reliability, ReliabilityConfig
+    from tinytron.reliability import LoggingConfig, Reliability, ReliabilityConfig
 
     config = cfg.extra.get("reliability") or ReliabilityConfig()
     if config.enable_ft and "MASTER_PORT" not in os.environ:
         config = dataclasses.replace(config, enable_ft=False)  # heartbeats need torchrun's store
     if cfg.training.exit_signal_handler:  # Megatron's --exit-signal-handler, either section
         config = dataclasses.replace(config, exit_signal_handler=True)
-    return Reliability(config, save_dir=out_dir)
+    log = cfg.extra.get("logging") or LoggingConfig()  # the timers' level lives in [logging]
+    return Reliability(config, save_dir=out_dir, timing_log_level=log.timing_log_level,
+                       timing_log_option=log.timing_log_option)
 
 
 def _logger(cfg: TrainConfig, out_dir: str, train_iters: int, device, reliability):
@@ -380,6 +382,7 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
                 flops_fn=lambda batch: num_floating_point_operations(cfg.model, batch),
                 peak_flops=peak_flops_per_device(device, dtype), log_fn=logger,
                 exit_signal=handler, rerun_state_machine=rel.rsm, step_hooks=rel,
+                iterations_to_skip=rel.iterations_to_skip,
                 wrap_forward_backward_func=rel.forward_backward_func)
     finally:
         rel.shutdown()
