@@ -196,7 +196,9 @@ if __name__ == "__main__":
 # ## How production does it
 #
 # - Megatron: `megatron/core/optimizer/layer_wise_optimizer.py` (class `:87`, shard-aligned
-#   layout `:116` with LPT bin-packing and 64-aligned starts, ping-pong `:529`, all-gather `:630`,
+#   layout `:116` with LPT bin-packing (*longest processing time first*: take the params from
+#   largest to smallest and give each to the rank with the least so far, which keeps the ranks'
+#   totals within one param of each other) and 64-aligned starts, ping-pong `:529`, all-gather `:630`,
 #   `step_with_ready_grads:740`).
 # - Moonlight / Kimi's distributed Muon gathers the ZeRO-1 shards of each matrix for NS and
 #   scatters the result back: same goal, communication per step instead of per layout.

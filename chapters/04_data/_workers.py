@@ -133,3 +133,30 @@ def get_batch_cuda_check(seq: int = 16) -> dict:
     batch = get_batch(it, grid, micro_batch_size=2, seq_length=seq)
     return {"devices": sorted({str(v.device.type) for v in batch.values() if v is not None}),
             "equal": all(torch.equal(batch[k].cpu(), full[k]) for k in full)}
+
+
+def pipeline_demo(data_path: list, cache: str, seq: int = 64, mbs: int = 4) -> dict:
+    """The page's whole pipeline on this rank, once at TP 2 and once at CP 2 (one world, two grids)."""
+    from tinytron.data.distribute import get_batch
+    from tinytron.data.pipeline import (DataConfig, build_data_iterators,
+                                        build_train_valid_test_datasets, is_dataset_built_on_rank)
+    from tinytron.overview.batch import ByteTokenizer
+
+    tok, out = ByteTokenizer(), {}
+    cfg = DataConfig(data_path=data_path, split="90,10,0", num_workers=0, data_cache_path=cache)
+    for name, sizes in (("tp2", dict(tp=2)), ("cp2", dict(cp=2))):
+        grid = ParallelGrid(**sizes)  # every rank creates every group, in the same order
+        built = is_dataset_built_on_rank(grid)
+        splits = build_train_valid_test_datasets(cfg, seq, [8 * mbs, mbs, None], lambda: built,
+                                                 eod_id=tok.eod, pad_id=tok.pad)
+        train_it = build_data_iterators(cfg, splits, [0, 0, 0], mbs, grid)[0]
+        batch = get_batch(train_it, grid, micro_batch_size=mbs, seq_length=seq,
+                          vocab_size=tok.vocab_size)
+        first = splits[0][0]["tokens"] if built else None  # sample 0, read where it was built
+        out[name] = {"rank": grid.global_rank, "built": built, "has_iterator": train_it is not None,
+                     "tokens": tuple(batch["tokens"].shape),
+                     "positions": batch["position_ids"][0].tolist(),
+                     "row0": batch["tokens"][0].tolist(),
+                     "sample0": None if first is None else first.tolist(),
+                     "tp_agree": _tp_peers_equal(batch["tokens"], grid)}
+    return out

@@ -32,7 +32,7 @@ __all__ = [
 # %% [markdown]
 # ## The greedy "largest error" rule
 #
-# With normalised weights $w_i$, position $k$ of the blend goes to the dataset whose count lags
+# With normalized weights $w_i$, position $k$ of the blend goes to the dataset whose count lags
 # its target the most: $\arg\max_i\; w_i \cdot \max(k, 1) - c_i(k)$ (lowest index on ties), and
 # that dataset's count goes up by one (`build_blending_indices`, `helpers.cpp:77`). No random
 # numbers: the same weights always give the same interleaving. How close does a prefix stay?
@@ -106,6 +106,11 @@ def _blend_two(w0: float, w1: float, size: int):
     return np.array(picks, dtype=np.int16), np.array(ranks, dtype=np.int64)
 
 
+# %% [markdown]
+# The exhaustive variant walks the same rule with weights proportional to the sizes, and drops
+# a dataset from the candidates once all its samples have been placed.
+
+# %%
 def build_exhaustive_blending_indices(sizes: Sequence[int]):
     """Every sample of every dataset exactly once, interleaved by the same greedy rule."""
     sizes = [int(s) for s in sizes]
@@ -147,7 +152,7 @@ def get_size_per_split_per_dataset(weights: Sequence[float], sizes: Sequence[Opt
                                    surplus: float = 0.0) -> list[list[Optional[int]]]:
     """[dataset][split] sample counts: ceil(ceil(N * w) * (1 + surplus))."""
     if not math.isclose(sum(weights), 1.0, rel_tol=1e-9):
-        raise ValueError(f"weights must be normalised, sum is {sum(weights)}")
+        raise ValueError(f"weights must be normalized, sum is {sum(weights)}")
     return [[None if n is None else int(math.ceil(math.ceil(n * w) * (1 + surplus)))
              for n in sizes] for w in weights]
 
@@ -266,7 +271,7 @@ class BlendedDataset(torch.utils.data.Dataset):
 #   P["config.blend_per_split"] --> Q["per split: its own blend"]
 # ```
 #
-# Ranks: with `torch.distributed` initialised, global rank 0 builds (and caches) first, everyone
+# Ranks: with `torch.distributed` initialized, global rank 0 builds (and caches) first, everyone
 # meets at a barrier, then the other ranks that need data load the cached tables; ranks for
 # which `is_built_on_rank()` is False get `None` (`build_generic_dataset`, `:491`).
 
@@ -300,6 +305,15 @@ class BlendedMegatronDatasetBuilder:
             return out
         return self._build_blend(self.config.blend, self.config.split_matrix, self.sizes)
 
+
+# %% [markdown]
+# One distribution: a single unweighted prefix is its own dataset; several prefixes each build
+# their splits with the surplus, and a `BlendedDataset` per split mixes them. The class
+# continues in this cell and the next (a cell extends a class by subclassing it under the same
+# name).
+
+# %%
+class BlendedMegatronDatasetBuilder(BlendedMegatronDatasetBuilder):  # the same class, continued
     def _build_blend(self, blend, split, sizes) -> list:
         """One distribution: a single prefix directly, several as BlendedDatasets."""
         prefixes, weights = blend
@@ -332,6 +346,14 @@ class BlendedMegatronDatasetBuilder:
             out.append(self._generic(lambda: BlendedDataset(parts, w_i, size_i, self.config)))
         return out
 
+
+# %% [markdown]
+# Per prefix, the split's sequences become a `GPTDataset`; every construction goes through
+# `_generic`, where global rank 0 builds (and caches) first and the others follow after a
+# barrier that every rank meets, data or not.
+
+# %%
+class BlendedMegatronDatasetBuilder(BlendedMegatronDatasetBuilder):  # continued
     def _build_splits(self, prefix: str, split, sizes) -> list:
         """GPTDatasets of one prefix, one per non-empty split."""
         if not self._built_here():

@@ -128,7 +128,7 @@ def get_batch_on_this_tp_rank(data_iterator: Optional[Iterator], grid: ParallelG
 #
 # Pretraining rows are cut into $2\cdot cp$ equal chunks along the sequence and CP rank $r$
 # keeps chunks $r$ and $2cp-1-r$, so every rank does the same amount of causal-attention work
-# (Appendix A's `slice_batch_for_context_parallel`, Megatron's
+# ([Appendix A's](../parallel/context_parallel.py) `slice_batch_for_context_parallel`, Megatron's
 # `get_pretrain_batch_on_this_cp_rank`, `utils.py:2308`). The attention mask is cut on its query
 # dimension (dim 2) only: each rank's queries still see every key.
 #

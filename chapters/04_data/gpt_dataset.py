@@ -38,7 +38,7 @@ __all__ = [
 # ## Splits
 #
 # `--split 969,30,1` (any separator: Megatron reads the numbers with `re.findall(r"[.0-9]+")`,
-# so `90/5/5` and `90 5 5` mean the same) is normalised to weights and turned into book-ends
+# so `90/5/5` and `90 5 5` mean the same) is normalized to weights and turned into book-ends
 # $[(0, .969), (.969, .999), (.999, 1)]$; a dataset of $n$ sequences gives split $i$ the
 # sequence ids `arange(round(lo·n), round(hi·n))` — the unit is the *sequence* (for GPT one
 # sequence per document). A zero weight gives `None`, no split at all
@@ -151,6 +151,13 @@ class GPTDatasetConfig:
             self.split_matrix = convert_split_vector_to_split_matrix(
                 parse_and_normalize_split(self.split))
 
+
+# %% [markdown]
+# A blend is a pair: the dataset prefixes and their weights (or None for equal shares by size).
+# It is checked here, once, so that a wrong shape names the field instead of failing inside the
+# builder.
+
+# %%
 def checked_blend(blend, name: str = "blend") -> tuple:
     """(prefixes as str, weights or None); ValueError naming `name` for any other shape."""
     if not isinstance(blend, (tuple, list)) or len(blend) != 2:
@@ -348,7 +355,7 @@ def build_document_sample_shuffle_indices(sizes: np.ndarray, documents: np.ndarr
 # not trigger a rebuild.
 #
 # Files are written to temporary names and renamed, the description last, so a reader that sees
-# the description sees complete arrays. With `torch.distributed` initialised only global rank 0
+# the description sees complete arrays. With `torch.distributed` initialized only global rank 0
 # builds; the others wait at a barrier and memory-map the files (`gpt_dataset.py:441-551`).
 
 # %%
@@ -396,7 +403,8 @@ def _is_rank_zero() -> bool:
 # sequences whole, and the head of the last one plus the extra token (`gpt_dataset.py:298`).
 # The dataset keeps one flat memory-mapped view of the `.bin` and each sequence's token offset,
 # so a window is one slice when it lies in one sequence and a short concatenation otherwise.
-# `tokens`, `labels`, `loss_mask`, `position_ids` and the attention mask come from chapter 00's
+# `tokens`, `labels`, `loss_mask`, `position_ids` and the attention mask come from
+# [chapter 00's](../00_overview/batch.py)
 # `get_ltor_masks_and_position_ids` and `mask_padding`; like Megatron they are computed once and
 # reused when no EOD-dependent option is on (`gpt_dataset.py:131-137`).
 
@@ -451,6 +459,15 @@ class GPTDataset(torch.utils.data.Dataset):
         self.__dict__.update(state)
         self._attach_tokens()
 
+
+# %% [markdown]
+# The class continues over the next cells (a cell extends a class by subclassing it under the
+# same name). First the tables: loaded from the cache when its four files exist, else built on
+# global rank 0 and saved; another rank that finds no cache was not made to wait for rank 0,
+# and says so.
+
+# %%
+class GPTDataset(GPTDataset):  # the same class, continued
     def _cache_paths(self) -> Optional[dict]:
         """The four cache file paths, or None when caching is impossible."""
         root = self.config.path_to_cache
@@ -498,6 +515,14 @@ class GPTDataset(torch.utils.data.Dataset):
                 f"sequences={len(self.indices)}, tokens={tokens}, samples={len(self)}, "
                 f"sequence_length={self.config.sequence_length})")
 
+
+# %% [markdown]
+# Reading the tokens of sample `idx`: the shuffle index picks the row of the sample index, two
+# consecutive rows give where the window starts and ends, and the window is cut out of the
+# memory-mapped `.bin`.
+
+# %%
+class GPTDataset(GPTDataset):  # continued
     def query_tokens(self, idx: int) -> np.ndarray:
         """The seq_length + extra token ids of sample idx (int64; pad id where short)."""
         j = int(self.shuffle_index[idx])
@@ -525,6 +550,13 @@ class GPTDataset(torch.utils.data.Dataset):
             length = int(self.dataset.sequence_lengths[seq]) - offset
         return self._tokens[start:start + length]
 
+
+# %% [markdown]
+# And the sample itself: the shift into tokens and labels, the masks and positions, padding
+# masked out of the loss (`idx=None` is Megatron's padding sample: all loss zero).
+
+# %%
+class GPTDataset(GPTDataset):  # continued
     def __getitem__(self, idx: Optional[int]) -> dict:
         """tokens, labels, loss_mask, position_ids (+ attention_mask) of sample idx."""
         cfg = self.config
@@ -572,7 +604,7 @@ class GPTDataset(torch.utils.data.Dataset):
 # %%
 def plot_index_tables(sizes, document_index, sample_index, shuffle_index, seq_length: int,
                       tokens_per_epoch: Optional[int] = None):
-    """The token stream coloured by sequence, sample windows below it, and the shuffle order."""
+    """The token stream colored by sequence, sample windows below it, and the shuffle order."""
     import matplotlib.pyplot as plt
 
     lengths = np.asarray(sizes)[document_index]

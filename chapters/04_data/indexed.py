@@ -25,7 +25,7 @@ __all__ = [
 #
 # Training reads random windows of a corpus of billions of tokens. Parsing text at that point
 # would be far too slow, so the corpus is tokenized once, ahead of time
-# (`tinytron-preprocess`, next page) into two files that share a path prefix `P`:
+# (`tinytron-preprocess`, [next page](preprocess.py)) into two files that share a path prefix `P`:
 #
 # * `P.bin` — every sequence's token ids, concatenated, little-endian, in one dtype. No header,
 #   no separators: the file is exactly `Σ length · itemsize` bytes.
@@ -192,6 +192,14 @@ class IndexedDatasetBuilder:
         """Close the current document (after one or more add_item)."""
         self.document_indices.append(len(self.sequence_lengths))
 
+
+# %% [markdown]
+# Appending a finished dataset (how partitions are merged) offsets its document indices by the
+# sequences already written; `finalize` is the crash-safe write described above. The class
+# continues in this cell (a cell extends a class by subclassing it under the same name).
+
+# %%
+class IndexedDatasetBuilder(IndexedDatasetBuilder):  # the same class, continued
     def add_index(self, path_prefix: str) -> None:
         """Append a whole finished dataset (merging partial outputs)."""
         other = IndexedDataset(path_prefix, multimodal=self.multimodal)
@@ -300,6 +308,11 @@ def _check_tables(idx_path, lengths, pointers, docs, itemsize) -> None:
 _CHECK_BLOCK = 1 << 22
 
 
+# %% [markdown]
+# The dataset opens both files, checks the header and the three tables, maps the `.bin`, and
+# keeps each sequence's token offset so that a read is one slice of the mapped array.
+
+# %%
 class IndexedDataset:
     """A memory-mapped `.bin`/`.idx` pair: `ds[i]`, `ds.get(i, offset, length)`.
 
@@ -350,6 +363,15 @@ class IndexedDataset:
         _check_tables(idx_path, self.sequence_lengths, self.sequence_pointers,
                       self.document_indices, np.dtype(self.dtype).itemsize)
 
+
+# %% [markdown]
+# The `.bin` must be exactly as long as the index says, then it is mapped. A dataset pickles as
+# its prefix, so a DataLoader worker re-opens the files instead of receiving gigabytes. The
+# class continues in this cell and the next (a cell extends a class by subclassing it under
+# the same name).
+
+# %%
+class IndexedDataset(IndexedDataset):  # the same class, continued
     def _open_bin(self, bin_path) -> None:
         """Check the .bin size against the index, then map it (or keep a file handle)."""
         itemsize = np.dtype(self.dtype).itemsize
@@ -364,6 +386,7 @@ class IndexedDataset:
         self._tokens = (np.memmap(bin_path, mode="r", dtype=self.dtype) if self.mmap and actual
                         else np.zeros(0, self.dtype) if self.mmap else None)
         self._token_offsets = self.sequence_pointers // itemsize
+
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
@@ -380,6 +403,13 @@ class IndexedDataset:
     def __setstate__(self, state):
         self.__init__(*state)
 
+
+
+# %% [markdown]
+# Reading: `get` is one slice of the mapped tokens, or a seek and a read without the map.
+
+# %%
+class IndexedDataset(IndexedDataset):  # continued
     def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
         """`length` tokens of sequence `idx` starting `offset` tokens in (indexed_dataset.py:843)."""
         if length is None:
@@ -492,7 +522,8 @@ if __name__ == "__main__":
 # ## How production does it
 #
 # * Megatron: `megatron/core/datasets/indexed_dataset.py` — `_IndexWriter` (`:122`),
-#   `_IndexReader` (`:233`), the bin readers for mmap, plain files, S3 and MSC (`:389-586`),
+#   `_IndexReader` (`:233`), the bin readers for mmap, plain files, S3 and MSC (NVIDIA's
+#   Multi-Storage Client, one file-like API over object stores) (`:389-586`),
 #   `IndexedDataset` (`:611`), `IndexedDatasetBuilder` (`:937`).
 # * NeMo and many other trainers read the same files through Megatron's class.
 #

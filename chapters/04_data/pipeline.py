@@ -13,14 +13,18 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+import numpy as np
+
 from tinytron._fields import check_choice, check_fields, check_range, document_fields
 from tinytron.data.blended import BlendedMegatronDatasetBuilder, parse_data_path
-from tinytron.data.gpt_dataset import GPTDataset, GPTDatasetConfig, parse_and_normalize_split
+from tinytron.data.gpt_dataset import (GPTDataset, GPTDatasetConfig, get_num_epochs,
+                                       parse_and_normalize_split, shuffle_index_dtype)
 from tinytron.data.samplers import build_pretraining_data_loader, cyclic_iter
 from tinytron.overview.batch import PAD_SENTINEL
 
 __all__ = ["DataConfig", "build_train_valid_test_datasets", "build_data_iterators",
-           "is_dataset_built_on_rank"]
+           "is_dataset_built_on_rank", "builds_datasets", "get_train_valid_test_num_samples",
+           "index_bytes", "batch_bytes"]
 
 # %% [markdown]
 # ## One config
@@ -40,6 +44,26 @@ __all__ = ["DataConfig", "build_train_valid_test_datasets", "build_data_iterator
 #   L --> I["iterator on TP rank 0"]
 #   I --> G["get_batch: TP broadcast, CP slice"]
 # ```
+
+# %% [markdown]
+# A path argument arrives as a list, or as one string that the command line would split:
+
+# %%
+def _path_list(name: str, value) -> Optional[list]:
+    """None, or the list of words of a path argument (a string is split on whitespace)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, os.PathLike)):
+        return os.fspath(value).split()
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (str, os.PathLike, int, float))
+                                                and not isinstance(v, bool) for v in value):
+        return [v if isinstance(v, (int, float)) else os.fspath(v) for v in value]
+    raise ValueError(f"DataConfig.{name} must be a string or a list of prefixes (and weights), "
+                     f"got {value!r}")
+
+
+# %% [markdown]
+# Then the config itself:
 
 # %%
 @document_fields
@@ -100,31 +124,135 @@ class DataConfig:
             raise ValueError("DataConfig needs data_path (or train/valid/test_data_path)")
         return parse_data_path(self.data_path), None
 
-def _path_list(name: str, value) -> Optional[list]:
-    """None, or the list of words of a path argument (a string is split on whitespace)."""
-    if value is None:
-        return None
-    if isinstance(value, (str, os.PathLike)):
-        return os.fspath(value).split()
-    if isinstance(value, (list, tuple)) and all(isinstance(v, (str, os.PathLike, int, float))
-                                                and not isinstance(v, bool) for v in value):
-        return [v if isinstance(v, (int, float)) else os.fspath(v) for v in value]
-    raise ValueError(f"DataConfig.{name} must be a string or a list of prefixes (and weights), "
-                     f"got {value!r}")
 
 # %% [markdown]
 # ## Building where Megatron builds
 #
 # Datasets exist only on the ranks that read data: tensor-parallel rank 0 of the first and the
-# last pipeline stage (`is_dataset_built_on_rank`, `pretrain_gpt.py:254`). Global rank 0 builds
-# the index caches first; the others meet it at a barrier and memory-map them.
+# last pipeline stage (`is_dataset_built_on_rank`, `pretrain_gpt.py:254`). The first stage
+# embeds the tokens, the last computes the loss from the labels; the other TP ranks receive
+# the batch by broadcast ([`get_batch`](distribute.py)) and middle stages need none. Global
+# rank 0 builds the index caches first; the others meet it at a barrier and memory-map them.
 
 # %%
+def builds_datasets(tp_rank: int, pp_rank: int, pp_size: int) -> bool:
+    """Megatron's rule: TP rank 0 of the first or the last pipeline stage."""
+    return tp_rank == 0 and pp_rank in (0, pp_size - 1)
+
+
 def is_dataset_built_on_rank(grid) -> bool:
-    """TP rank 0 of the first or last pipeline stage."""
-    return grid.rank("tp") == 0 and (grid.is_first_stage() or grid.is_last_stage())
+    """The rule for this rank of a process-group grid."""
+    return builds_datasets(grid.rank("tp"), grid.rank("pp"), grid.size("pp"))
 
 
+# %% [markdown]
+# Drawn for 8 ranks at TP 2 × PP 2 × DP 2, from the same rank layout the process groups are
+# built from ([appendix A](../parallel/grid.py)), and next to it TP 2 × PP 4, where the middle
+# stages build nothing:
+
+# %%
+if __name__ == "__main__":
+    import matplotlib.pyplot as plt
+
+    from tinytron.parallel.grid import rank_layout
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 2.6))
+    for ax, (tp, pp) in zip(axes, ((2, 2), (2, 4))):
+        layout = rank_layout(8, tp=tp, pp=pp)
+        built = []
+        for r, c in enumerate(layout.coords):
+            x, y = c["pp"] * tp + c["tp"], c["dp"]  # columns: stage, then TP rank; rows: DP
+            yes = builds_datasets(c["tp"], c["pp"], pp)
+            built.append(r) if yes else None
+            ax.add_patch(plt.Rectangle((x, -y), 0.92, 0.85, color="tab:green" if yes else "0.88"))
+            ax.text(x + 0.46, -y + 0.42, f"rank {r}\ntp{c['tp']} pp{c['pp']} dp{c['dp']}", ha="center",
+                    va="center", fontsize=7)
+        ax.set_xlim(0, tp * pp)
+        ax.set_ylim(-layout.sizes["dp"] + 1, 1)
+        ax.axis("off")
+        ax.set_title(f"TP{tp} × PP{pp} × DP{layout.sizes['dp']}: datasets on ranks {built}",
+                     fontsize=9)
+    plt.tight_layout()
+    plt.show()
+    assert [r for r, c in enumerate(rank_layout(8, tp=2, pp=2).coords)
+            if builds_datasets(c["tp"], c["pp"], 2)] == [0, 2, 4, 6]
+
+# %% [markdown]
+# ## How many samples each split needs
+#
+# The builder is asked for a number of *samples* per split, derived from the run's length
+# (`get_train_valid_test_num_samples`, `megatron/training/training.py:4119`): training consumes
+# `train_iters · global_batch_size` samples (or `train_samples` when given); every
+# `eval_interval` iterations, and once at the end, an evaluation reads `eval_iters` global
+# batches, so validation needs $(\lfloor \text{train\_iters} / \text{eval\_interval} \rfloor + 1)
+# \cdot \text{eval\_iters} \cdot \text{GBS}$; the test split is read once, `eval_iters` batches.
+#
+# For the book's running example (GBS 1024, sequences of 4096 tokens, so 4.2M tokens per step;
+# see [the front page](../index.md)), take a run of 23,000 iterations, about one pass over the
+# train split of a 100B-token corpus, evaluating every 1000 iterations for Megatron's default
+# 100 batches.
+
+# %%
+def get_train_valid_test_num_samples(train_iters: int, global_batch_size: int,
+                                     eval_interval: int, eval_iters: int,
+                                     train_samples: Optional[int] = None) -> list[int]:
+    """[train, valid, test] samples the datasets must provide, by Megatron's rule."""
+    for name, value in (("train_iters", train_iters), ("global_batch_size", global_batch_size),
+                        ("eval_interval", eval_interval)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    train = train_samples if train_samples is not None else train_iters * global_batch_size
+    evaluations = train_iters // eval_interval + 1  # every eval_interval, and once at the end
+    return [train, evaluations * eval_iters * global_batch_size, eval_iters * global_batch_size]
+
+
+if __name__ == "__main__":
+    samples = get_train_valid_test_num_samples(23_000, 1024, eval_interval=1000, eval_iters=100)
+    print("samples per split (train, valid, test):", [f"{n:,}" for n in samples])
+    assert samples == [23_552_000, 24 * 100 * 1024, 100 * 1024]
+
+# %% [markdown]
+# ## The running example: the size of each index for 100B tokens
+#
+# What these samples cost on disk and in host memory. With the default split `969, 30, 1`,
+# the train split holds 96.9B tokens; take documents of 1,000 tokens on average (web text),
+# so 96.9M documents. The [`.bin`](indexed.py) stores every token in the smallest dtype that
+# holds the vocabulary (int32 for 128,256 ids); the `.idx` stores 12 bytes per sequence and 8
+# per document. The [three index tables](gpt_dataset.py) of the train split: the document index
+# (int32, one entry per document per epoch), the sample index (one `(document position, offset)`
+# pair per sample, int32) and the shuffle index (uint32 per sample). All four files are
+# memory-mapped: resident on disk and in the page cache, read a window at a time.
+
+# %%
+def index_bytes(num_tokens: int, num_documents: int, seq_length: int, num_samples: int,
+                vocab_size: int) -> dict[str, int]:
+    """Bytes of the .bin/.idx of one split and of its three GPTDataset index tables."""
+    epochs = get_num_epochs(num_tokens, num_samples, seq_length)
+    samples = (epochs * num_tokens - 1) // seq_length  # every sample of every epoch
+    big = num_documents > np.iinfo(np.int32).max  # then the sample index needs int64
+    return {"epochs": epochs,
+            ".bin": num_tokens * (2 if vocab_size < 65500 else 4),
+            ".idx": 34 + 12 * num_documents + 8 * (num_documents + 1),
+            "document index": 4 * num_documents * epochs,
+            "sample index": (samples + 1) * 2 * (8 if big else 4),
+            "shuffle index": samples * np.dtype(shuffle_index_dtype(samples)).itemsize}
+
+
+if __name__ == "__main__":
+    sizes = index_bytes(96_900_000_000, 96_900_000, 4096, samples[0], 128_256)
+    for name, size in sizes.items():
+        print(f"{name:15s} {size:>15,}" + ("" if name == "epochs" else f" bytes = {size / 1e9:7.2f} GB"))
+    assert sizes["epochs"] == 1 and sizes[".bin"] == 387_600_000_000
+    assert abs(sizes["sample index"] / sizes["shuffle index"] - 2) < 1e-6  # two int32 vs one uint32
+
+# %% [markdown]
+# ## The two calls a trainer makes
+#
+# `build_train_valid_test_datasets` turns the config and those sample counts into the three
+# datasets (on the ranks that build them); `build_data_iterators` wraps each in a loader for
+# this data-parallel rank that starts at its `consumed_samples`.
+
+# %%
 def build_train_valid_test_datasets(cfg: DataConfig, seq_length: int,
                                     num_samples: Sequence[Optional[int]],
                                     is_built_on_rank: Callable[[], bool], eod_id: int,
@@ -171,6 +299,40 @@ def build_data_iterators(cfg: DataConfig, datasets: Sequence, consumed_samples: 
             out.append(cyclic_iter(loader) if cfg.dataloader_type == "cyclic" else iter(loader))
     return out
 
+
+# %% [markdown]
+# ## Memory: the pinned batches in flight
+#
+# The data pipeline's share of the *resident vs flowing* ledger lives on the host. The index
+# files above are memory-mapped, so the operating system pages them in and out. What the
+# pipeline allocates itself are batches: each loader's `num_workers` processes keep
+# `prefetch_factor` (2) batches ready each, and with `pin_memory` (on whenever CUDA is present;
+# [the samplers page](samplers.py)) every batch is copied into *pinned* (page-locked) host
+# memory, from which the copy to the GPU runs asynchronously. That is
+# `num_workers · prefetch_factor + 1` batches per loader, allocated and freed batch after batch:
+# flowing memory, but host memory, which no GPU ledger counts.
+#
+# One micro-batch of the running example (mbs 2, 4096 tokens) is 0.2 MB of int64 tokens,
+# labels and positions and fp32 loss mask, and 32 MB more for the bool attention mask
+# `[2, 1, 4096, 4096]`. That mask is why Megatron lets a run skip it
+# (`--no-create-attention-mask-in-dataloader`): causal attention kernels build it themselves.
+
+# %%
+def batch_bytes(micro_batch_size: int, seq_length: int, attention_mask: bool = True) -> int:
+    """Bytes of one micro-batch as the loader yields it (int64 ids, fp32 loss mask, bool mask)."""
+    per_row = seq_length * (8 + 8 + 8 + 4)  # tokens, labels, position_ids, loss_mask
+    mask = micro_batch_size * seq_length * seq_length if attention_mask else 0
+    return micro_batch_size * per_row + mask
+
+
+if __name__ == "__main__":
+    in_flight = DataConfig().num_workers * 2 + 1  # Megatron's 2 workers, prefetch_factor 2
+    for mask in (True, False):
+        one = batch_bytes(2, 4096, mask)
+        print(f"attention mask {'on ' if mask else 'off'}: {one / 2**20:6.2f} MiB per micro-batch, "
+              f"{in_flight} in flight per loader: {in_flight * one / 2**20:6.1f} MiB pinned")
+    assert batch_bytes(2, 4096) - batch_bytes(2, 4096, False) == 32 * 2**20
+
 # %% [markdown]
 # ## Demo: the standard library, end to end on one process
 
@@ -207,9 +369,44 @@ if __name__ == "__main__":
     assert batch["attention_mask"].shape == (4, 1, 64, 64) and test is None
 
 # %% [markdown]
+# ## Demo: two ranks, TP 2 and then CP 2
+#
+# The same files and the same calls in a real two-rank gloo world, once as TP 2 and once as
+# CP 2 (`tinytron.data._workers.pipeline_demo`). Under TP 2 only rank 0 builds datasets and
+# holds an iterator; rank 1 receives the very same micro-batch by broadcast. Under CP 2 both
+# ranks are TP rank 0 of their group and read the same sample (there is one data-parallel
+# replica), then each keeps its two chunks of the sequence: rank 0 positions 0-15 and 48-63,
+# rank 1 positions 16-47, so the causal-attention work is balanced.
+
+# %%
+if __name__ == "__main__":
+    from tinytron.data import _workers
+    from tinytron.launch import run_on_ranks
+
+    out = run_on_ranks(_workers.pipeline_demo, 2, ["0.7", a, "0.3", b], os.path.join(tmp, "cache"),
+                       timeout=120)
+    for layout in ("tp2", "cp2"):
+        for r in out:
+            o = r[layout]
+            print(f"{layout} rank {o['rank']}: built datasets={o['built']}, iterator="
+                  f"{o['has_iterator']}, tokens {o['tokens']}, positions {o['positions'][0]}.."
+                  f"{o['positions'][-1]} ({len(o['positions'])})")
+    tp = [r["tp2"] for r in out]
+    assert [o["built"] for o in tp] == [True, False] and all(o["tp_agree"] for o in tp)
+    assert tp[0]["row0"] == tp[1]["row0"] == tp[0]["sample0"][:64]  # the broadcast, intact
+    cp = [r["cp2"] for r in out]
+    assert all(o["built"] and o["tokens"] == (4, 32) for o in cp)
+    assert cp[0]["positions"] == [*range(16), *range(48, 64)] and cp[1]["positions"] == [*range(16, 48)]
+    whole = cp[0]["row0"][:16] + cp[1]["row0"] + cp[0]["row0"][16:]  # chunks 0 | 1, 2 | 3
+    assert whole == cp[0]["sample0"][:64]  # the two halves put back together: the sample
+
+# %% [markdown]
 # ## Summary
 #
-# * `DataConfig` speaks Megatron's flags; one call builds all splits where Megatron would.
+# * `DataConfig` speaks Megatron's flags; one call builds all splits where Megatron would
+#   (TP rank 0 of the first and last stages), with the sample counts the run's length implies.
+# * The running example's train split: 23.6M samples, a 388 GB `.bin`, index tables of a few
+#   hundred MB; the loader's pinned batches are host memory that flows.
 # * Loaders start at `consumed_samples`, so a resumed run sees exactly the batches it would
 #   have seen.
 #

@@ -37,13 +37,29 @@ __all__ = [
 # and `eod` — plus `vocab_size`, which picks the token dtype (uint16 below 65500 ids, else int32,
 # `indexed_dataset.py:107`):
 #
-# * `byte`: chapter 00's byte tokenizer (ids 0..255 plus specials; EOD = 256), no training;
+# * `byte`: [chapter 00's](../00_overview/batch.py) byte tokenizer (ids 0..255 plus specials; EOD = 256), no training;
 # * `hf`: any Hugging Face `tokenizers` file (`tokenizer.json`), EOD looked up by name;
 # * `bpe`: a byte-level BPE of a chosen vocabulary size, trained on the input itself and saved
 #   as `tokenizer.json` next to the output.
 #
 # Worker processes receive a small picklable `TokenizerSpec` and build their own tokenizer once
 # (`Encoder.initializer` in `tools/preprocess_data.py` does the same).
+#
+# The whole command, from files to one `.bin/.idx` pair per JSON key:
+#
+# ```mermaid
+# flowchart LR
+#   I["inputs: JSONL lines<br/>or text files"] --> D["documents, in order"]
+#   D --> W1["worker 1: encode + EOD"]
+#   D --> W2["worker 2: encode + EOD"]
+#   W1 --> P["parent: write in input order<br/>(IndexedDatasetBuilder)"]
+#   W2 --> P
+#   P --> A["part 0 .bin/.idx"]
+#   P --> B["part 1 .bin/.idx"]
+#   A --> M["merge (add_index)"]
+#   B --> M
+#   M --> F["prefix_text_document.bin/.idx"]
+# ```
 
 # %%
 @dataclass(frozen=True)
@@ -79,6 +95,11 @@ class _HFTokenizer:
         return self._tok.decode([int(i) for i in ids])
 
 
+# %% [markdown]
+# A spec becomes a tokenizer; a BPE is trained once, in the parent, and then read back as an
+# `hf` tokenizer file by every worker.
+
+# %%
 def build_tokenizer(spec: TokenizerSpec):
     """The tokenizer a spec describes."""
     if spec.kind == "byte":
@@ -325,6 +346,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# %% [markdown]
+# `main` turns any bad input into one line and exit status 2; the checks that argparse cannot
+# express (flags that contradict each other) come first.
+
+# %%
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of `tinytron-preprocess`: exit status 0, or 2 with a one-line error.
 
@@ -356,6 +382,11 @@ def _check_args(args) -> None:
                          f"got {args.vocab_size}")
 
 
+# %% [markdown]
+# `run` is the command's work, callable from Python: merge only, or train the BPE if asked,
+# then one dataset per JSON key, and a last line with what training needs to know.
+
+# %%
 def run(argv: Optional[Sequence[str]] = None):
     """The command line's work, callable from Python; the written prefix (a list for several keys)."""
     args = _parser().parse_args(argv)

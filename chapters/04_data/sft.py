@@ -1,7 +1,8 @@
 # %% [markdown]
 # # 04 · Data: the SFT dataset
 #
-# Supervised fine-tuning reads chats, not a token stream. This page wraps chapter 00's packer
+# Supervised fine-tuning reads chats, not a token stream. This page wraps
+# [chapter 00's packer](../00_overview/sft.py)
 # into a dataset with Megatron's indexing — one JSONL record per sample, its conversations
 # packed into one row with `cu_seqlens` — and adds the padding that context parallelism needs.
 
@@ -53,7 +54,8 @@ def read_chat_jsonl(path: str) -> list[dict]:
 # %% [markdown]
 # ## Padding segments for context parallelism
 #
-# With CP each conversation is split into $2\cdot cp$ zig-zag chunks (previous page), so its
+# With CP each conversation is split into $2\cdot cp$ zig-zag chunks
+# ([the `get_batch` page](distribute.py)), so its
 # length must be a multiple of $2\cdot cp$. Megatron pads each conversation right after
 # tokenizing it (`sft_dataset.py:127-131`). We pad the packed row instead: after the last token
 # of every conversation segment, insert pad positions (token 0, label 0, loss 0, positions
@@ -173,15 +175,43 @@ if __name__ == "__main__":
     assert len(plain) == 2 and torch.equal(plain[2 % len(plain)]["tokens"], a["tokens"])
 
 # %% [markdown]
+# The same row drawn both ways: each conversation segment in its own color, the tokens that
+# carry a loss marked, pads in gray. Under CP 2 every segment grows to a multiple of 4 and the
+# trailing padding shrinks by as much; the trained tokens are the same.
+
+# %%
+if __name__ == "__main__":
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 1.9))
+    for y, (name, row) in enumerate((("cp=1", a), ("cp=2", b))):
+        cu = row["cu_seqlens"].tolist()
+        for k, (lo, hi) in enumerate(zip(cu[:-1], cu[1:])):
+            for t in range(lo, hi):
+                pad = bool(row["tokens"][t] == 0)
+                ax.add_patch(plt.Rectangle((t, -y), 0.95, 0.8, color="0.85" if pad else f"C{k}"))
+                if row["loss_mask"][t] > 0:
+                    ax.plot(t + 0.47, -y + 0.4, "k.", ms=4)
+        ax.text(-0.6, -y + 0.4, name, ha="right", va="center", fontsize=9)
+    ax.set_xlim(-4, 40)
+    ax.set_ylim(-1.2, 1)
+    ax.axis("off")
+    ax.set_title("one packed SFT row: conversations (colors), pads (gray), loss tokens (dots)",
+                 fontsize=9)
+    plt.show()
+
+# %% [markdown]
 # ## Summary
 #
-# * One JSONL record is one packed row; its conversations are chapter 00's segments.
+# * One JSONL record is one packed row; its conversations are [chapter 00's](../00_overview/sft.py)
+#   segments.
 # * For CP each conversation is padded to a multiple of $2\cdot cp$ so `get_batch` can split it.
 #
 # ## How production does it
 #
 # * Megatron: `megatron/training/datasets/sft_dataset.py` (`SFTLowLevelDataset` `:14`,
-#   `SFTDataset` `:51`, padding and packing `:91`); THD attention through Transformer Engine.
+#   `SFTDataset` `:51`, padding and packing `:91`); packed (THD, see
+#   [chapter 00](../00_overview/sft.py)) attention through Transformer Engine.
 # * torchtune and TRL pack across records into fixed rows (`PackedDataset`, `packing=True`).
 #
 # ## Exercises
