@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
                                 or importlib.util.find_spec("megatron.core") is None,
-                                reason="megatron-core is not installed (pip install tinytron[test])")
+                                reason="megatron-core is not installed (pip install tinytron[oracles])")
 
 
 def test_megatron_core_checkpoints_both_ways(tmp_path):

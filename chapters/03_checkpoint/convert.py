@@ -253,7 +253,7 @@ if __name__ == "__main__":
     for name, full in gather_full_state(GPTModel(config)).items():
         expected.update(to_hf_tensors(config, name, full))
     with tempfile.TemporaryDirectory() as tmp:
-        run_on_ranks(_workers.save_both_formats, 2, tmp, config, 1, 2, timeout=120)
+        run_on_ranks(_workers.save_both_formats, 2, tmp, config, 1, 2, timeout=300)
         same = {}
         for fmt in ("torch_dist", "torch"):
             assert main(["to-hf", f"{tmp}/{fmt}", f"{tmp}/hf_{fmt}"]) == 0

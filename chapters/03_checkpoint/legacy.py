@@ -331,7 +331,7 @@ if __name__ == "__main__":
     from tinytron.launch import run_on_ranks
 
     with tempfile.TemporaryDirectory() as root:
-        out = run_on_ranks(_workers.legacy_demo_save, 2, root, timeout=120)
+        out = run_on_ranks(_workers.legacy_demo_save, 2, root, timeout=300)
         print("files:", out[0]["files"])
         world = torch.load(f"{root}/iter_0000003/mp_rank_00/distrib_optim.pt", weights_only=True)
         entry = next(iter(world[0].values()))

@@ -348,7 +348,7 @@ if __name__ == "__main__":
 
     print("flat range [6, 17) of a [5, 4] tensor:", flat_range_boxes((5, 4), 6, 17))
     with tempfile.TemporaryDirectory() as root:
-        out = run_on_ranks(_workers.reshard_roundtrip, 4, root, (2, 1), (1, 1), timeout=180)[0]
+        out = run_on_ranks(_workers.reshard_roundtrip, 4, root, (2, 1), (1, 1), timeout=300)[0]
         print(f"re-saved at TP1 x DP4 == saved at TP2 x DP2 (bitwise, {out['num_tensors']} "
               f"tensors incl. masters, moments, steps): {out['equal']}")
         key = "optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.weight"

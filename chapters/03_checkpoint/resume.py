@@ -82,7 +82,7 @@ class CheckpointConfig:
     exit_on_missing_checkpoint: bool = False
     """Raise when `load` is set but holds no checkpoint (default: start fresh)."""
     verify_integrity: bool = True
-    """Check every file's CRC-32 against checksums.json before loading (torch_dist)."""
+    """Write a CRC-32 of every file (checksums.json) and check it before loading (torch_dist)."""
     thread_count: int = 1
     """Writer threads per rank (files __R_0 … __R_{n-1}.distcp)."""
 
@@ -314,7 +314,8 @@ class CheckpointManager:
             steps = optimizer_steps(optimizer, pieces, layouts, self.comm)
         objects = extra_state_objects(chunks, self.grid) + self._position_objects(chunks, optimizer)
         common = _common(chunks[0].config, self.grid, state, optimizer, scheduler, steps)
-        return SaveRequest(staging, tensors, objects, self.comm, common, self.config.thread_count)
+        return SaveRequest(staging, tensors, objects, self.comm, common, self.config.thread_count,
+                           checksums=self.config.verify_integrity)
 
     def _save_legacy(self, staging, state, chunks, optimizer, scheduler, commit, t0) -> dict:
         common = _common(chunks[0].config, self.grid, state, None, scheduler, None)
@@ -595,7 +596,7 @@ if __name__ == "__main__":
     from tinytron.launch import run_on_ranks
 
     with tempfile.TemporaryDirectory() as root:
-        out = run_on_ranks(_workers.resume_same_layout, 2, root, 1, 2, timeout=180)[0]
+        out = run_on_ranks(_workers.resume_same_layout, 2, root, 1, 2, timeout=300)[0]
     n, m = len(out["losses_before"]), len(out["losses"])
     print(f"uninterrupted steps {n + 1}..{n + m}: {[round(x, 6) for x in out['losses']]}")
     print(f"resumed       steps {n + 1}..{n + m}: {[round(x, 6) for x in out['losses_resumed']]}")

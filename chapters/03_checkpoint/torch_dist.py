@@ -119,9 +119,9 @@ class _SavePlanner(DefaultSavePlanner):
 class _CRCStream(io.RawIOBase):
     """A write-only file wrapper that keeps a running CRC-32 and byte count."""
 
-    def __init__(self, raw, rank: int, armed: bool, fs_error):
+    def __init__(self, raw, rank: int, armed: bool, fs_error, checksum: bool = True):
         self.raw, self.crc, self.size, self.rank, self.armed = raw, 0, 0, rank, armed
-        self.fs_error = fs_error
+        self.fs_error, self.checksum = fs_error, checksum
 
     def writable(self):
         return True
@@ -133,7 +133,9 @@ class _CRCStream(io.RawIOBase):
         except OSError as e:   # torch.save turns it into an opaque RuntimeError: keep the cause
             self.fs_error(e)
             raise
-        self.crc, self.size = zlib.crc32(view[:n], self.crc), self.size + n
+        if self.checksum:
+            self.crc = zlib.crc32(view[:n], self.crc)
+        self.size += n
         if self.armed:
             fault_point("mid_write", self.rank)
         return n
@@ -151,9 +153,10 @@ class _CRCStream(io.RawIOBase):
 class _ChecksumFS(FileSystem):
     """DCP's file system with a CRC on every written file and the open path remembered."""
 
-    def __init__(self, rank: int = 0):
+    def __init__(self, rank: int = 0, checksums: bool = True):
         super().__init__()
         self.sums, self.current, self.rank, self.armed, self.error = {}, None, rank, False, None
+        self.checksums = checksums
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
@@ -162,7 +165,7 @@ class _ChecksumFS(FileSystem):
             if "w" not in mode:
                 yield stream
                 return
-            wrapped = _CRCStream(stream, self.rank, self.armed, self._record)
+            wrapped = _CRCStream(stream, self.rank, self.armed, self._record, self.checksums)
             yield wrapped
             self.sums[Path(path).name] = [wrapped.size, wrapped.crc]
 
@@ -207,15 +210,15 @@ class SaveRequest:
     """One torch_dist save split in Megatron's three phases: plan, write, finalize."""
 
     def __init__(self, directory: Path, tensors: list, objects: list, comm: CheckpointGroups,
-                 common: dict | None = None, thread_count: int = 1):
+                 common: dict | None = None, thread_count: int = 1, checksums: bool = True):
         self.directory, self.comm, self.common = Path(directory), comm, common
         self.tensors = [t for t in tensors if t.is_main]
         self.objects = [o for o in objects if o.is_main]
-        self.thread_count, self.metadata, self.error = thread_count, None, None
+        self.thread_count, self.metadata, self.checksums = thread_count, None, checksums
 
     def plan(self) -> None:
         """Collective: build and exchange the DCP plans (the coordinator checks the tiling)."""
-        self.fs = _ChecksumFS(self.comm.rank)
+        self.fs = _ChecksumFS(self.comm.rank, self.checksums)
         # per_thread_copy_ahead=0: DCP's overlapping loader would open CUDA streams, which a
         # forked writer must not touch; the chunks it writes are host copies already.
         self.writer = dcp.FileSystemWriter(self.directory, thread_count=self.thread_count,
@@ -249,7 +252,7 @@ class SaveRequest:
             error = save_file(self.common, path)
             if error:
                 return {"error": error}
-            sums[COMMON_FILENAME] = _file_crc(path)
+            sums[COMMON_FILENAME] = _file_crc(path) if self.checksums else None
         fault_point("before_write", self.comm.rank)
         try:
             self.fs.armed = True   # the mid_write fault point is live while shards are written
@@ -281,8 +284,10 @@ class SaveRequest:
         try:
             self.writer.finish(self.metadata, [o["results"] for o in outcomes])
             sums = {name: s for o in outcomes for name, s in o["sums"].items()}
-            sums[DCP_METADATA_FILENAME] = _file_crc(self.directory / DCP_METADATA_FILENAME)
-            _write_json(self.directory / CHECKSUM_FILENAME, {"algorithm": "crc32", "files": sums})
+            if self.checksums:
+                sums[DCP_METADATA_FILENAME] = _file_crc(self.directory / DCP_METADATA_FILENAME)
+                _write_json(self.directory / CHECKSUM_FILENAME, {"algorithm": "crc32",
+                                                                 "files": sums})
             fault_point("before_metadata_json")
             _write_json(self.directory / METADATA_FILENAME, MEGATRON_METADATA)
             if on_complete is not None:
