@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -194,3 +196,42 @@ def timeline_and_gather_runs() -> dict:
     """Rank function for the DDP page: backward timelines (overlap off/on) and a gathered forward."""
     off, on = timeline_runs()
     return {"off": off, "on": on, "gather": param_gather_case()}
+
+
+def grad_shard_vs_mean(num_micro: int = 2, bucket_size: int = 4000, steps: int = 2) -> dict:
+    """DP world, reduce-scatter: my grad shard vs the single-process mean over all ranks' data."""
+    from tinytron.buffers.distributed_data_parallel import (DistributedDataParallel,
+                                                            DistributedDataParallelConfig)
+    from tinytron.parallel import ParallelGrid
+
+    grid = ParallelGrid()
+    world, rank = grid.size("dp"), grid.rank("dp")
+    torch.manual_seed(0)
+    net, ref = TinyNet(), TinyNet()
+    ref.load_state_dict(net.state_dict())
+    cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True,
+                                        overlap_grad_reduce=True, bucket_size=bucket_size)
+    ddp = DistributedDataParallel(net, grid, cfg)
+    batches = make_batches(5, steps, world, num_micro, micro_bs=2)
+    for step in range(steps):  # step 0 learns the golden counts, step 1 launches from the hooks
+        ddp.zero_grad_buffer()
+        ref.zero_grad()
+        for m in range(num_micro):
+            last = m == num_micro - 1
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                (lm_loss(ddp, batches[step, rank, m]) / num_micro).backward()
+            for r in range(world):  # one process, every rank's data: the mean to match
+                (lm_loss(ref, batches[step, r, m]) / (num_micro * world)).backward()
+        ddp.finish_grad_sync()
+    ref_of = dict(zip(net.parameters(), ref.parameters()))
+    worst, owned = 0.0, 0
+    for bucket in ddp.buffers[0].buckets:
+        shard = bucket.grad_shard()
+        for piece in bucket.shard_param_ranges():
+            mine = shard[piece.shard_start:piece.shard_end]
+            want = ref_of[piece.param].grad.reshape(-1)[piece.param_start:piece.param_end]
+            worst = max(worst, float((mine - want).abs().max()))
+            owned += piece.param_end - piece.param_start
+    return {"rank": rank, "num_buckets": len(ddp.buffers[0].buckets), "owned": owned,
+            "total": sum(p.numel() for p in net.parameters()), "max_abs_diff": worst,
+            "shard_size": ddp.buffers[0].buckets[0].shard_size}

@@ -3,8 +3,10 @@
 #
 # How the grads in the flat buffer get averaged across data-parallel ranks while backward is
 # still running, and how the distributed optimizer's new weights come back before the forward
-# needs them. We build Megatron's `DistributedDataParallel` wrapper on the buffer of the
-# previous page and record a timeline of one real backward.
+# needs them. We build Megatron's `DistributedDataParallel` wrapper on the buffer of
+# [the previous page](param_and_grad_buffer.py) and check on two real ranks that each rank's
+# shard of the grad buffer is the data-parallel mean; [the next page](overlap_timeline.py)
+# records the timelines of real backward passes.
 
 # %%
 from __future__ import annotations
@@ -133,8 +135,8 @@ def default_bucket_size(config: DistributedDataParallelConfig, dp_size: int) -> 
 # running. On CPU, gloo runs each async collective on its own worker thread: the same code, the
 # same `Work.wait()` semantics. One gloo detail: torch emulates `reduce_scatter_tensor` on gloo
 # with an all-reduce into a temporary copy, so on gloo we all-reduce the bucket in place and keep
-# our shard (the facts brief's portable fallback) — the shard is identical, and the test suite
-# also runs torch's emulation to prove it.
+# our shard: the shard is identical (the rest of the bucket then holds the mean too, but no
+# code may rely on it), and the test suite also runs torch's emulation to prove it.
 #
 # ```mermaid
 # sequenceDiagram
@@ -185,6 +187,13 @@ class BucketGroup:
         self.is_last_microbatch = True
         self.grad_reduce_finished = False
 
+
+# %% [markdown]
+# The readiness count, and the collective it launches. (The class continues in this cell and
+# the next: a cell extends a class by subclassing it under the same name.)
+
+# %%
+class BucketGroup(BucketGroup):  # the same class, continued
     def register_grad_ready(self, param) -> None:
         """Count ``param`` as ready (last micro-batch only); launch once all counts are golden."""
         assert self.config.overlap_grad_reduce
@@ -231,6 +240,14 @@ class BucketGroup:
             for b in self.buckets:
                 self.timeline.watch(b.bucket_id, self.grad_reduce_handle)
 
+
+
+# %% [markdown]
+# Waiting for the grad collective at the end of the backward (or launching it there, when no
+# hook did), and the other direction of the loop: the param all-gather of the next section.
+
+# %%
+class BucketGroup(BucketGroup):  # continued
     def finish_grad_sync(self) -> None:
         """Make this step's grad collectives complete (launch them first if nothing did)."""
         self.param_gather_dispatched = False
@@ -254,7 +271,6 @@ class BucketGroup:
         self.grad_reduce_handle = None
         self.grad_reduce_finished = True
 
-    # The param all-gather (distributed optimizer): see the next section.
     def start_param_sync(self, force_sync: bool = False) -> None:
         """All-gather each bucket's param shards into its param buffer (async with overlap)."""
         assert self.config.use_distributed_optimizer
@@ -315,7 +331,8 @@ class BucketGroup:
 # hand that forgets it still trains — every rank on its own, different update — and nothing
 # complains. So the wrapper keeps one flag, shared with all its params as `param.grad_sync`:
 # set by the backward hook when a grad lands in the buffer, cleared by `finish_grad_sync` and
-# `zero_grad_buffer`. Chapter 02's optimizers refuse to step while it is set.
+# `zero_grad_buffer`. [Chapter 02's optimizers](../02_optimizer/mixed_precision.py) refuse to step
+# while it is set.
 
 # %%
 class GradSyncState:
@@ -328,6 +345,11 @@ class GradSyncState:
         return f"GradSyncState(pending={self.pending})"
 
 
+# %% [markdown]
+# The wrapper builds one buffer per `(param dtype, grad dtype)`, one bucket group per bucket,
+# and registers a hook on every trainable parameter.
+
+# %%
 class DistributedDataParallel(torch.nn.Module):
     """Megatron-style DDP: contiguous grad/param buffers, bucketed async collectives, hooks.
 
@@ -384,8 +406,16 @@ class DistributedDataParallel(torch.nn.Module):
         if config.overlap_param_gather:
             self.enable_forward_pre_hook()
 
+
+# %% [markdown]
+# The hooks: after backward writes a grad, add it into `main_grad`, free it, report it ready;
+# before a module's forward, wait for its params' all-gather. (The class continues in this cell
+# and the next.)
+
+# %%
+class DistributedDataParallel(DistributedDataParallel):  # the same class, continued
     def _gradient_scaling_factor(self) -> float:
-        """1/dp_cp before a SUM (default); 1 with AVG or per-token normalisation."""
+        """1/dp_cp before a SUM (default); 1 with AVG or per-token normalization."""
         c = self.ddp_config
         if c.calculate_per_token_loss or c.average_in_collective:
             return 1.0
@@ -430,6 +460,15 @@ class DistributedDataParallel(torch.nn.Module):
             if group is not None:
                 group.finish_param_sync(skip_next_bucket_dispatch=skip_next)
 
+
+
+# %% [markdown]
+# What a training loop calls: `no_sync` around all micro-batches but the last, `finish_grad_sync`
+# after the backward, `start_param_sync` after the optimizer step, `zero_grad_buffer` before the
+# next one.
+
+# %%
+class DistributedDataParallel(DistributedDataParallel):  # continued
     @contextlib.contextmanager
     def no_sync(self):
         """Inside: accumulate grads only (not the last micro-batch), launch no collective."""
@@ -494,7 +533,7 @@ class DistributedDataParallel(torch.nn.Module):
 # %% [markdown]
 # ## What the distributed optimizer (chapter 02) uses
 #
-# Everything it needs is on the wrapper, read after `finalize_model_grads`:
+# Everything [the DistributedOptimizer](../02_optimizer/distributed.py) needs is on the wrapper, read after `finalize_model_grads`:
 #
 # | what | where |
 # |---|---|
@@ -544,6 +583,29 @@ if __name__ == "__main__":
                for p, q in zip(net.parameters(), plain.parameters()))
     start = ddp.buffers[0].param_index_map[w][0]
     assert w.main_grad.data_ptr() == ddp.buffers[0].grad_data[start:].data_ptr()
+
+# %% [markdown]
+# ## Demo 2: two ranks — each shard is the data-parallel mean
+#
+# A real two-rank gloo world, the distributed optimizer's layout (reduce-scatter), overlap on,
+# buckets of 4000 elements, two micro-batches per step and two steps, so that the second
+# step's collectives are launched from the hooks (`tinytron.buffers._workers.grad_shard_vs_mean`).
+# Each rank trains on its own data; next to it, in the same process, a plain copy of the model
+# back-propagates *both* ranks' micro-batches, scaled to their mean. After `finish_grad_sync`,
+# every element of each rank's shard of every bucket must equal that single-process mean.
+
+# %%
+if __name__ == "__main__":
+    from tinytron.buffers._workers import grad_shard_vs_mean
+    from tinytron.launch import run_on_ranks
+
+    out = run_on_ranks(grad_shard_vs_mean, 2, timeout=120)
+    for o in out:
+        print(f"rank {o['rank']}: {o['num_buckets']} buckets, owns {o['owned']} of {o['total']} "
+              f"grad elements, max |shard - single-process mean| = {o['max_abs_diff']:.1e}")
+    assert all(o["max_abs_diff"] < 1e-6 for o in out)
+    assert sum(o["owned"] for o in out) == out[0]["total"]  # the shards cover every element once
+    assert out[0]["num_buckets"] > 1
 
 # %% [markdown]
 # ## Summary

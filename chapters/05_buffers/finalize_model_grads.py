@@ -5,7 +5,7 @@
 # the DP collectives may still be in flight, parameters replicated across tensor-parallel
 # ranks under sequence parallelism saw only part of the sequence, and a tied embedding has two
 # copies on two pipeline stages that each saw half of its uses. We build Megatron's
-# `finalize_model_grads` that completes all three, and the optional per-token normalisation.
+# `finalize_model_grads` that completes all three, and the optional per-token normalization.
 
 # %%
 from __future__ import annotations
@@ -34,7 +34,7 @@ __all__ = ["finalize_model_grads", "main_grad_of"]
 #    back (one collective instead of one per norm). Params flagged
 #    `average_gradients_across_tp_domain` are averaged instead. The same SUM applies, with or
 #    without SP, to QK-norm weights (names containing `q_layernorm` / `k_layernorm`,
-#    `finalize_model_grads.py:403`): each TP rank normalises only its own heads, so each holds
+#    `finalize_model_grads.py:403`): each TP rank normalizes only its own heads, so each holds
 #    a partial gradient. tinytron's model has no QK-norm, but the rule is here, so adding one
 #    cannot silently let the TP ranks' copies drift apart.
 # 3. **Tied embedding** (`:164`). With `tie_embeddings` and pipeline parallelism the first
@@ -42,7 +42,7 @@ __all__ = ["finalize_model_grads", "main_grad_of"]
 #    flagged `shared_embedding`. Each copy has the gradient of its own use only; the true
 #    gradient is their **sum**, so both stages all-reduce it over the `embd` group (first +
 #    last stage) and then apply the same update, keeping the copies identical.
-# 4. **Per-token normalisation** (`:545-562`, only when `num_tokens` is given). With
+# 4. **Per-token normalization** (`:545-562`, only when `num_tokens` is given). With
 #    `calculate_per_token_loss` the loss is a *sum* over tokens and DDP did not average; the
 #    last stage counts the non-masked tokens, broadcasts the count over the pipeline group, the
 #    count is summed over DP×CP, and every gradient is multiplied by `1/max(num_tokens, 1)`.
@@ -109,6 +109,11 @@ def _allreduce_tp_replicated_grads(model_chunks, grid) -> int:
     return sum(len(g) for g in buckets.values())
 
 
+# %% [markdown]
+# The tied embedding: the first stage's input table and the last stage's output copy are one
+# parameter, so each holds half of its gradient until one all-reduce over the two of them.
+
+# %%
 def _shared_embedding_weight(chunk):
     """The parameter of ``chunk`` flagged ``shared_embedding`` (None if it has none)."""
     for p in chunk.parameters():
@@ -132,6 +137,11 @@ def _allreduce_word_embedding_grads(model_chunks, grid) -> bool:
     return True
 
 
+# %% [markdown]
+# With the per-token loss, only the last stage knows the token count: it is broadcast down the
+# pipeline, summed over the data-parallel ranks, and every grad is divided by it once.
+
+# %%
 def _normalize_by_tokens(model_chunks, grid, num_tokens: torch.Tensor) -> torch.Tensor:
     """Make ``num_tokens`` the global count, then scale every grad by 1/max(count, 1)."""
     pp_group, pp, _ = axis_info(grid, "pp")
@@ -153,7 +163,7 @@ def _normalize_by_tokens(model_chunks, grid, num_tokens: torch.Tensor) -> torch.
 
 # %%
 def finalize_model_grads(model_chunks, grid, num_tokens: torch.Tensor | None = None) -> dict:
-    """Finish DP sync, TP-reduce SP grads, PP-reduce tied embeddings, normalise by tokens."""
+    """Finish DP sync, TP-reduce SP grads, PP-reduce tied embeddings, normalize by tokens."""
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
     if not model_chunks:
@@ -215,7 +225,7 @@ if __name__ == "__main__":
 #
 # - Megatron-LM: `megatron/core/distributed/finalize_model_grads.py` (`finalize_model_grads`
 #   :445, `_allreduce_non_tensor_model_parallel_grads` :367, `_allreduce_word_embedding_grads`
-#   :164, `_allreduce_embedding_grad` :204, token normalisation :545-562), called by the
+#   :164, `_allreduce_embedding_grad` :204, token normalization :545-562), called by the
 #   schedules at the end of `forward_backward_func`
 #   (`megatron/core/pipeline_parallel/schedules.py`).
 # - torchtitan with FSDP2 + TP uses DTensor: a norm weight under SP is a `Replicate()` DTensor

@@ -51,7 +51,7 @@ def plot_timeline(runs, axes=None):
         rows = timeline_summary(events)
         for event, bucket, t in events:
             if event == "grad":
-                ax.plot(t * 1e3, bucket, "|", color="grey", ms=8)
+                ax.plot(t * 1e3, bucket, "|", color="gray", ms=8)
         for bucket, row in rows.items():
             if bucket < 0 or "start" not in row:
                 continue
@@ -133,7 +133,7 @@ if __name__ == "__main__":
 # ## Demo 2: the param all-gather, bucket by bucket, during the next forward
 #
 # Same world, now with `overlap_param_gather=True`. After one step each rank updates only its
-# shard of every bucket (a stand-in for chapter 02's optimizer) and does **not** gather. The
+# shard of every bucket (a stand-in for [chapter 02's optimizer](../02_optimizer/distributed.py)) and does **not** gather. The
 # next forward's pre-hooks do: the embedding's bucket (the last one) is gathered first, and
 # each wait dispatches the gather of the bucket the forward needs next. Every module must
 # start only after its bucket's gather completed.

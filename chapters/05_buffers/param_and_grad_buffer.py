@@ -6,6 +6,33 @@
 # order, cut into buckets, padded so that every bucket splits evenly over the data-parallel
 # ranks, with each parameter's `.main_grad` (and, with the distributed optimizer, its `.data`)
 # a view into one flat tensor.
+#
+# ## The read/write loop of one iteration
+#
+# The buffer is written and read in a fixed cycle every step; this chapter is about that loop.
+# With the distributed optimizer (ZeRO-1) it runs:
+#
+# ```mermaid
+# flowchart LR
+#   Z["zero_grad_buffer<br/>grad_data = 0"] --> H["backward hooks<br/>write main_grad<br/>(views of grad_data)"]
+#   H --> RS["reduce-scatter per bucket<br/>(overlapped with backward)"]
+#   RS --> O["optimizer reads its shard<br/>bucket.grad_shard()"]
+#   O --> W["optimizer writes new bf16 weights<br/>into param_data (its shard)"]
+#   W --> AG["all-gather per bucket<br/>in the next forward's pre-hooks"]
+#   AG --> F["forward reads param.data<br/>(views of param_data)"]
+#   F --> Z
+# ```
+#
+# This page builds the data structure: where each view lives. [The DDP page](distributed_data_parallel.py)
+# builds the hooks and the collectives, [`finalize_model_grads`](finalize_model_grads.py) the
+# last stop before the optimizer, [the timeline page](overlap_timeline.py) draws the overlap,
+# and [chapter 02's DistributedOptimizer](../02_optimizer/distributed.py) reads and writes the
+# shards.
+#
+# Both buffers are **resident memory**: allocated once, when the model is wrapped, and alive
+# for the whole run; each step only zeroes the grad buffer. Per parameter the fp32 grad buffer
+# costs 4 bytes and the bf16 param buffer 2, on every data-parallel rank: with the optimizer
+# state sharded, they are most of what a rank holds that is not activations.
 
 # %%
 from __future__ import annotations
@@ -16,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = ["toy_layer_stack", "pad_to_divisor", "pad_param_start", "bucket_end_divisor",
-           "pad_bucket_end",
+           "pad_bucket_end", "stage_param_shapes", "collective_bytes",
            "BufferKey", "ParamLayout", "compute_param_layout", "group_params_for_buffers",
            "ShardRange", "Bucket", "ParamAndGradBuffer", "plot_buffer_layout"]
 
@@ -209,6 +236,10 @@ class ShardRange:
         return self.param_end - self.param_start
 
 
+# %% [markdown]
+# The bucket holds views of both buffers and answers the shard questions for any DP rank.
+
+# %%
 class Bucket:
     """A contiguous slice of the buffer: its params, grad/param views, and per-DP-rank shards."""
 
@@ -243,6 +274,12 @@ class Bucket:
             raise ValueError(f"dp rank {rank} out of range for dp size {self.dp_size}")
         return rank * self.shard_size, (rank + 1) * self.shard_size
 
+
+# %% [markdown]
+# A rank's shard as views of the two buffers, and mapped back to parameter pieces:
+
+# %%
+class Bucket(Bucket):  # the same class, continued
     def grad_shard(self, rank: int | None = None) -> torch.Tensor:
         """View of the grad buffer that DP ``rank`` owns in this bucket."""
         s, e = self.shard_range(rank)
@@ -316,6 +353,14 @@ class ParamAndGradBuffer:
         self.buckets = self._make_buckets(gradient_scaling_factor)
         self.param_to_bucket = {p: b for b in self.buckets for p in b.params}
 
+
+# %% [markdown]
+# The views: every `main_grad` (and with the distributed optimizer every `param.data`) is
+# re-pointed into the flat buffers, and each bucket receives its slices. (The class continues
+# in this cell: a cell extends a class by subclassing it under the same name.)
+
+# %%
+class ParamAndGradBuffer(ParamAndGradBuffer):  # the same class, continued
     def _attach_views(self) -> None:
         """Point each param's main_grad (and .data with the distributed optimizer) into the buffer."""
         for p in self.params:
@@ -408,7 +453,7 @@ def plot_buffer_layout(buffer: ParamAndGradBuffer, ax=None, title: str = ""):
     ax.set_ylim(-buffer.dp_size - 0.5, 1.0)
     ax.set_yticks([0] + [-1 - r for r in range(buffer.dp_size)],
                   ["params"] + [f"dp rank {r}" for r in range(buffer.dp_size)])
-    ax.set_xlabel("element offset in the flat buffer (grey hatch = padding)")
+    ax.set_xlabel("element offset in the flat buffer (gray hatch = padding)")
     ax.set_title(title or repr(buffer), fontsize=9)
     return ax
 
@@ -467,6 +512,78 @@ if __name__ == "__main__":
     assert pieces == sum(p.numel() for p in params)  # the shards cover every element exactly once
 
 # %% [markdown]
+# ## The running example: one GPU's buffers and the bytes its collectives move
+#
+# The book's model at TP2·PP2·DP64 (see [the front page](../index.md)). A GPU of the first
+# pipeline stage holds the embedding and 16 layers, each matrix halved by TP: about 2.0e9
+# parameters ([appendix B counts them](../model/config.py)). The layout needs only their
+# shapes, so we lay out meta tensors (shapes without storage) in the order the model registers
+# them, with Megatron's default bucket size for an overlapped run, $\max(4\cdot10^7,
+# 10^6\cdot dp) = 6.4\cdot10^7$ elements, and the distributed optimizer's padding.
+#
+# A layer holds 109M elements, more than one bucket, so a bucket closes inside almost every
+# layer's MLP: about one bucket per layer, plus the tied embedding alone in the last one.
+#
+# The bytes each rank moves per step follow from the ring algorithms: a reduce-scatter or an
+# all-gather over $d$ ranks sends (and receives) $\frac{d-1}{d}$ of the buffer, an all-reduce
+# twice that. So the fp32 grads cost one reduce-scatter (instead of plain DDP's all-reduce)
+# and the bf16 params one all-gather, half the bytes again.
+
+# %%
+def stage_param_shapes(config, tp: int, pp: int, pp_rank: int) -> list[tuple[str, tuple]]:
+    """(name, shape) of every parameter of one (TP, PP) rank, in the model's registration order."""
+    from tinytron.model.config import stage_layer_ranges
+
+    h, d, f = config.hidden_size, config.head_dim, config.ffn_hidden_size
+    a, g, v = config.num_attention_heads, config.num_query_groups, config.vocab_size
+    per_layer = [("input_layernorm", (h,)), ("linear_qkv", ((a + 2 * g) * d // tp, h)),
+                 ("linear_proj", (h, a * d // tp)), ("pre_mlp_layernorm", (h,)),
+                 ("linear_fc1", (2 * f // tp, h)), ("linear_fc2", (h, f // tp))]
+    shapes = [("embedding", (v // tp, h))] if pp_rank == 0 else []
+    for start, end in stage_layer_ranges(config.num_layers, pp, 1, pp_rank):
+        shapes += [(f"layers.{i}.{n}", s) for i in range(start, end) for n, s in per_layer]
+    if pp_rank == pp - 1:  # the last stage: final norm, and the output layer (or tied duplicate)
+        shapes += [("final_layernorm", (h,)), ("output_layer", (v // tp, h))]
+    return shapes
+
+
+def collective_bytes(numel: int, itemsize: int, dp: int, op: str) -> float:
+    """Bytes one rank sends per ring collective over dp ranks on a buffer of numel elements."""
+    share = (dp - 1) / dp * numel * itemsize
+    return {"reduce_scatter": share, "all_gather": share, "all_reduce": 2 * share}[op]
+
+
+if __name__ == "__main__":
+    from tinytron.buffers.distributed_data_parallel import (DistributedDataParallelConfig,
+                                                            default_bucket_size)
+    from tinytron.model import count_parameters_per_rank, llama_7b_config
+
+    config, dp = llama_7b_config(), 64
+    metas = []
+    for name, shape in stage_param_shapes(config, tp=2, pp=2, pp_rank=0):
+        t = torch.empty(shape, device="meta")
+        t.shared_embedding = name == "embedding"  # tied, pp > 1: its own bucket
+        metas.append(t)
+    n = sum(t.numel() for t in metas)
+    size = default_bucket_size(DistributedDataParallelConfig(overlap_grad_reduce=True), dp)
+    layout = compute_param_layout(metas, size, dp, use_distributed_optimizer=True)
+    sizes = [e - s for s, e in layout.bucket_indices]
+    print(f"{n:,} params on a GPU of the first stage; bucket_size {size:,} elements")
+    print(f"{len(sizes)} buckets of {min(sizes) / 1e6:.1f}M..{max(sizes) / 1e6:.1f}M elements; "
+          f"buffer {layout.numel:,} elements ({layout.numel - n:,} of padding)")
+    print(f"fp32 grad buffer {4 * layout.numel / 1e9:.2f} GB, bf16 param buffer "
+          f"{2 * layout.numel / 1e9:.2f} GB; one rank's fp32 shard of a 64M-element bucket: "
+          f"{4 * size / dp / 2**20:.0f} MiB")
+    for what, nbytes in (("grads, reduce-scatter (fp32)", collective_bytes(layout.numel, 4, dp, "reduce_scatter")),
+                         ("params, all-gather (bf16)", collective_bytes(layout.numel, 2, dp, "all_gather")),
+                         ("plain DDP: grads, all-reduce", collective_bytes(layout.numel, 4, dp, "all_reduce"))):
+        print(f"  {what:30s} {nbytes / 1e9:6.2f} GB sent per rank per step")
+    assert n == count_parameters_per_rank(config, tp=2, pp=2, pp_rank=0)
+    assert size == 64_000_000 and layout.numel % math.lcm(dp, 128) == 0
+    assert len(sizes) == 18 and sizes[-1] == 128_256 // 2 * 4096  # the tied embedding: alone, last
+    assert layout.numel - n < 1e-3 * n  # padding is negligible at this scale
+
+# %% [markdown]
 # ## Summary
 #
 # - One flat buffer per `(param dtype, grad dtype)`; every `main_grad` (and, with the
@@ -476,7 +593,10 @@ if __name__ == "__main__":
 #   are 64-aligned and bucket ends padded to `lcm(dp, 128)` so each DP rank owns an equal
 #   shard; a tied embedding gets a bucket of its own.
 # - `Bucket.shard_param_ranges(r)` maps DP rank `r`'s shard back to parameter pieces: this is
-#   what chapter 02's distributed optimizer updates.
+#   what [chapter 02's distributed optimizer](../02_optimizer/distributed.py) updates.
+# - The running example's first-stage GPU: an 8.03 GB fp32 grad buffer and a 4.02 GB bf16
+#   param buffer (resident for the whole run), 18 buckets of 64M elements and more, and per
+#   step 7.9 GB sent by the grads' reduce-scatter plus 3.95 GB by the params' all-gather.
 #
 # ## How production does it
 #
