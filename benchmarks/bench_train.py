@@ -17,8 +17,10 @@ machine noise hits both alike; ratios are medians of per-round ratios.
 The trainer's time per iteration is taken as a difference, so that its start-up (building the
 model, the dataset indices, the final checkpoint save, the loss plot) cancels:
 ``(t(2 + K iterations) - t(2 iterations)) / K``, in wall time and in this process's CPU time.
-The plain loop times K iterations after 2 warm-up ones. Both clocks are reported; with one
-thread per process the CPU-time ratio is the robust one on a loaded machine.
+The plain loop times K iterations after 2 warm-up ones. Every measurement runs in a fresh
+world (``run_on_ranks``, also for one rank) after an untimed warm-up, so no side inherits
+another's state. Both clocks are reported; with one thread per process the CPU-time ratio is
+the robust one on a loaded machine.
 ``--variants`` also times the trainer with per-iteration logging and without chapter 08's
 result checks, to show what those cost; ``--profile`` splits one trainer iteration by source
 area (Python self time under cProfile, the same difference of two runs).
@@ -150,6 +152,10 @@ class PlainLoop:
         torch.nn.utils.clip_grad_norm_(self.params, CLIP, foreach=True)
         self.opt.step()
         self.step_index += 1
+        if self.world > 1:  # the logged loss is the global batch's token mean, as the trainer's
+            report = torch.stack([loss_sum, tokens])
+            dist.all_reduce(report)
+            loss_sum, tokens = report
         return float(loss_sum / tokens)
 
     def time(self, warmup: int, iters: int) -> dict:
@@ -176,27 +182,35 @@ def trainer_per_iteration(world: int, iters: int, prefix: str, cache: str, extra
             "first_loss": long["records"][0]["losses"]["lm loss"] if long["records"] else None}
 
 
-def rounds_on_this_rank(world: int, rounds: int, iters: int, prefix: str, cache: str,
-                        variants: list[str]) -> dict:
-    """{side: [per-round dict]}: each round runs every trainer variant, then the plain loop."""
+def measure_side(side: str, world: int, iters: int, prefix: str, cache: str) -> dict:
+    """One side's seconds per iteration, on each rank of a fresh world (run_on_ranks' worker).
+
+    Fresh because every in-process trainer run leaves its gloo subgroups (8 per run, 3 threads
+    each) behind, and a few dozen runs in one process cost measurable CPU.
+    """
     torch.manual_seed(0)
-    for name in variants:  # first runs pay one-time imports and index builds: not timed
-        time_trainer(world, WARMUP_ITERS, prefix, cache, VARIANTS[name])
-    PlainLoop(world, prefix, cache, ddp=world > 1, total_iters=WARMUP_ITERS + iters).time(1, 1)
-    out: dict = {name: [] for name in [*variants, "plain"]}
+    if side == "plain":
+        loop = PlainLoop(world, prefix, cache, ddp=world > 1, total_iters=2 + WARMUP_ITERS + iters)
+        first = loop.time(1, 1)["first_loss"]   # first steps pay lazy initialisation: not timed
+        return dict(loop.time(WARMUP_ITERS, iters), first_loss=first)
+    time_trainer(world, WARMUP_ITERS, prefix, cache, VARIANTS[side])   # imports: not timed
+    return trainer_per_iteration(world, iters, prefix, cache, VARIANTS[side])
+
+
+def run_rounds(world: int, rounds: int, iters: int, prefix: str, cache: str,
+               variants: list[str], threads: int) -> list[dict]:
+    """Per rank, {side: [per-round dict]}; the sides alternate within each round."""
+    from tinytron.launch import run_on_ranks
+
+    sides = [*variants, "plain"]
+    out = [{side: [] for side in sides} for _ in range(world)]
     for _ in range(rounds):
-        for name in variants:
-            out[name].append(trainer_per_iteration(world, iters, prefix, cache, VARIANTS[name]))
-        plain = PlainLoop(world, prefix, cache, ddp=world > 1, total_iters=WARMUP_ITERS + iters)
-        out["plain"].append(plain.time(WARMUP_ITERS, iters))
+        for side in sides:
+            got = run_on_ranks(measure_side, world, side, world, iters, prefix, cache,
+                               timeout=900, num_threads=threads)
+            for rank, r in enumerate(got):
+                out[rank][side].append(r)
     return out
-
-
-def dp2_worker(rounds: int, iters: int, prefix: str, cache: str, variants: list[str],
-               threads: int) -> dict:
-    """Body of each of the two gloo ranks (run_on_ranks has built the world)."""
-    torch.set_num_threads(threads)
-    return rounds_on_this_rank(2, rounds, iters, prefix, cache, variants)
 
 
 # -- what costs what: Python self time by source area, per iteration ---------------------------
@@ -230,6 +244,7 @@ def profile_breakdown(prefix: str, cache: str, iters: int) -> dict:
     import cProfile
     import pstats
 
+    time_trainer(1, WARMUP_ITERS, prefix, cache)   # imports, index caches: not profiled
     areas = []
     for n in (WARMUP_ITERS, WARMUP_ITERS + iters):
         prof = cProfile.Profile(time.process_time)  # CPU time: robust on a loaded machine
@@ -295,22 +310,23 @@ def main() -> None:
     prefix, cache = prepare_data(workdir)
     seq = MODEL["seq_length"]
     if args.part in ("single", "both"):
-        per_round = rounds_on_this_rank(1, args.rounds, args.iters, prefix, cache, variants)
+        per_round = run_rounds(1, args.rounds, args.iters, prefix, cache, variants,
+                               args.threads)[0]
         result["single"] = {"global_batch_size": GBS[1], "rounds": per_round,
                             **summarise(per_round, GBS[1] * seq, variants)}
         r = result["single"]["ratio_over_plain"]
         print(f"single process: trainer / plain loop = {r['cpu']['trainer']:.3f} (CPU time), "
               f"{r['wall']['trainer']:.3f} (wall); goal <= 1.03")
     if args.profile:
-        result["single_profile_ms_per_iteration"] = prof = profile_breakdown(prefix, cache,
-                                                                              args.iters)
+        from tinytron.launch import run_on_ranks
+
+        result["single_profile_ms_per_iteration"] = prof = run_on_ranks(
+            profile_breakdown, 1, prefix, cache, args.iters, timeout=900,
+            num_threads=args.threads)[0]
         print("trainer, ms per iteration by area (cProfile self time; profiling inflates "
               "Python):", {k: round(v, 1) for k, v in prof.items()})
     if args.part in ("dp2", "both"):
-        from tinytron.launch import run_on_ranks
-
-        ranks = run_on_ranks(dp2_worker, 2, args.rounds, args.iters, prefix, cache, variants,
-                             args.threads, timeout=1800)
+        ranks = run_rounds(2, args.rounds, args.iters, prefix, cache, variants, args.threads)
         for name in variants:  # the trainer's log is written by the last rank
             for r0, r1 in zip(ranks[0][name], ranks[1][name]):
                 r0["first_loss"], r0["logged_wall"] = r1["first_loss"], r1["logged_wall"]
