@@ -304,13 +304,16 @@ if __name__ == "__main__":
 #   the gather's backward is a reduce-scatter. The ring gets the same result holding one block
 #   at a time, merging blocks with their log-sum-exp.
 # - Gradients of weights now come from different tokens on each CP rank: they are reduced over
-#   `dp_cp`, not `dp` (chapter 05).
+#   `dp_cp`, not `dp` ([chapter 05](../05_buffers/distributed_data_parallel.py)).
 #
 # ## How production does it
 #
 # - Megatron-LM: `megatron/core/utils.py:2308` (zig-zag batch split), `cp_comm_type`
 #   (`transformer_config.py:891`), Transformer Engine's `attn_forward_func_with_cp`
-#   (ring "p2p", "all_gather", "a2a" i.e. Ulysses, and "a2a+p2p" hierarchies).
+#   (ring "p2p", "all_gather", "a2a" i.e. Ulysses, and "a2a+p2p" hierarchies). *Ulysses*
+#   (DeepSpeed-Ulysses) swaps which dimension is split: an all-to-all turns "my chunk of the
+#   sequence, all heads" into "the whole sequence, my share of the heads", attention runs
+#   unsplit per head, and a second all-to-all turns the result back.
 # - torchtitan: `context_parallel()` from `torch.distributed.tensor.experimental` with a ring
 #   attention over SDPA and round-robin load balancing.
 #

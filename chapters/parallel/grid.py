@@ -235,6 +235,14 @@ class ParallelGrid:
         """The one-rank grid: all sizes 1, all groups None, no process group needed."""
         return cls(_single=True)
 
+
+# %% [markdown]
+# What the rest of the book asks the grid: for an axis, my group's ranks, its size, my index in
+# it and its process-group handle; and which pipeline stage I am. (The class continues in this
+# cell and the next: a cell extends a class by subclassing it under the same name.)
+
+# %%
+class ParallelGrid(ParallelGrid):  # the same class, continued
     def _check_axis(self, axis: str) -> None:
         if axis not in AXES:
             raise ValueError(f"unknown axis {axis!r}; expected one of {AXES}")
@@ -271,6 +279,13 @@ class ParallelGrid:
         """True on the ranks that hold a copy of the word embedding (first/last stage)."""
         return bool(self._ranks["embd"])
 
+
+# %% [markdown]
+# And the device the grid's collectives run on, one convenience collective, and two ways to
+# print where a rank sits.
+
+# %%
+class ParallelGrid(ParallelGrid):  # continued
     @property
     def device(self) -> torch.device:
         """The device collectives on this grid use: the current CUDA device under NCCL, else CPU."""
@@ -314,7 +329,7 @@ if __name__ == "__main__":
 
 # %% [markdown]
 # Adding context parallelism changes who sits next to whom. With tp 2, cp 2, pp 2 on 16 ranks
-# (dp 2), the two CP halves of a sequence are neighbours right after the TP pair, and the
+# (dp 2), the two CP halves of a sequence are neighbors right after the TP pair, and the
 # gradient group `dp_cp` joins the 2 CP ranks and the 2 DP replicas into one group of 4.
 
 # %%
@@ -356,7 +371,7 @@ if __name__ == "__main__":
 #
 # - One explicit object answers "which rank am I on which axis"; nothing lives in module
 #   globals, so two grids (say, a training and an evaluation layout) can coexist.
-# - The rank order `tp-cp-ep-dp-pp` puts the chattiest axis (TP) on neighbouring ranks.
+# - The rank order `tp-cp-ep-dp-pp` puts the chattiest axis (TP) on neighboring ranks.
 # - Composite groups are just masks over the same coordinates: `dp_cp` for gradients, `mp`
 #   (`tp-pp`) for grad norms, `embd` for tied embeddings.
 #

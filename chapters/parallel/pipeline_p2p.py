@@ -4,7 +4,7 @@
 # A pipeline stage receives its input activation from the previous stage, sends its output to
 # the next, and in backward does the reverse with gradients. This page builds those sends and
 # receives (all of them on top of one batched `isend`/`irecv` exchange) in the shapes the
-# schedules of chapter 01 call them.
+# [schedules of chapter 01](../01_main_loop/schedules.py) call them.
 
 # %%
 from __future__ import annotations
@@ -26,18 +26,18 @@ __all__ = ["communicate", "recv_forward", "recv_backward", "send_forward", "send
 # Every pipeline message is one of four: an activation **to the next** stage, a gradient **to
 # the previous** one, and the two matching receives. The schedules often need a send and a
 # receive at the same instant (1F1B's steady state sends an output forward while receiving a
-# gradient from the same neighbour), and two blocking calls in the wrong order on two ranks
+# gradient from the same neighbor), and two blocking calls in the wrong order on two ranks
 # deadlock. So every call goes through one function that posts all its operations together
 # with `torch.distributed.batch_isend_irecv` and then waits (Megatron: `P2PCommunicator._communicate`
 # and `_batched_p2p_ops`, `megatron/core/pipeline_parallel/p2p_communication.py:275`, `:17`).
 #
-# Neighbours wrap around the `pp` group: the next of the last stage is the first
+# Neighbors wrap around the `pp` group: the next of the last stage is the first
 # (`p2p_communication.py:155-156`). The plain helpers never use the wrap (the first stage has
 # nothing to receive forward), the interleaved schedule does: virtual chunk $k$ on the last
 # rank feeds chunk $k+1$ on the first rank.
 #
 # **Matching.** Two messages between the same pair of ranks are matched in posting order. With
-# two stages the previous and the next neighbour are the same rank, so every rank posts in the
+# two stages the previous and the next neighbor are the same rank, so every rank posts in the
 # fixed order *send-next, recv-prev, send-prev, recv-next*: rank A's send-next then pairs with
 # B's recv-prev and A's send-prev with B's recv-next.
 #
@@ -58,7 +58,7 @@ __all__ = ["communicate", "recv_forward", "recv_backward", "send_forward", "send
 # ```
 
 # %%
-def _neighbours(grid: ParallelGrid) -> tuple[int, int]:
+def _neighbors(grid: ParallelGrid) -> tuple[int, int]:
     """Global ranks of the previous and next pipeline stage (wrapping around)."""
     ranks, me = grid.ranks("pp"), grid.rank("pp")
     return ranks[(me - 1) % len(ranks)], ranks[(me + 1) % len(ranks)]
@@ -72,11 +72,11 @@ def communicate(grid: ParallelGrid, *, send_next: torch.Tensor | None = None,
                 send_prev: torch.Tensor | None = None, recv_prev_shape: Sequence[int] | None = None,
                 recv_next_shape: Sequence[int] | None = None, dtype: torch.dtype = torch.float32,
                 device: torch.device | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Post every requested send/recv to the pp neighbours at once, wait, return (from_prev, from_next)."""
+    """Post every requested send/recv to the pp neighbors at once, wait, return (from_prev, from_next)."""
     if grid.size("pp") == 1:
         raise ValueError("pipeline p2p needs a pp group of more than 1 rank")
     device = device if device is not None else grid.device
-    prev_rank, next_rank = _neighbours(grid)
+    prev_rank, next_rank = _neighbors(grid)
     from_prev = None if recv_prev_shape is None else _empty(recv_prev_shape, dtype, device, True)
     from_next = None if recv_next_shape is None else _empty(recv_next_shape, dtype, device, False)
     group, ops = grid.group("pp"), []
@@ -101,7 +101,7 @@ def communicate(grid: ParallelGrid, *, send_next: torch.Tensor | None = None,
 # `send_forward` `:486`, `send_backward` `:507`, `send_forward_recv_backward` `:527`,
 # `send_backward_recv_forward` `:560`, `send_forward_recv_forward` `:593`,
 # `send_backward_recv_backward` `:619`, `send_forward_backward_recv_forward_backward` `:645`).
-# The first six are no-ops (or return `None`) on the stage with no neighbour in that direction;
+# The first six are no-ops (or return `None`) on the stage with no neighbor in that direction;
 # the last three are the interleaved schedule's, which decides itself whether to receive.
 
 # %%
@@ -147,6 +147,11 @@ def send_backward_recv_forward(input_grad: torch.Tensor, shape: Sequence[int], g
     return communicate(grid, send_prev=input_grad, recv_prev_shape=shape, dtype=dtype)[0]
 
 
+# %% [markdown]
+# The interleaved schedule's three: the ring wraps (the last rank's next is rank 0, for the
+# next model chunk), and the schedule says itself whether anything comes back.
+
+# %%
 def send_forward_recv_forward(output: torch.Tensor | None, recv_prev: bool, shape: Sequence[int],
                               grid: ParallelGrid, dtype=torch.float32) -> torch.Tensor | None:
     """Interleaved: send to the next rank (wrapping) and optionally receive from the previous."""

@@ -49,8 +49,9 @@ __all__ = ["MODEL_PARALLEL_RNG", "DATA_PARALLEL_RNG", "EXPERT_PARALLEL_RNG", "RN
 #
 # On CPU the "default generator" is `torch.default_generator`; on CUDA it is the current
 # device's generator. The tracker is told which one at construction, so the same code runs on
-# both. Saving `get_states()` and restoring with `set_states()` rewinds every stream: chapter 06
-# uses it to recompute identical dropout masks, chapter 03 to resume.
+# both. Saving `get_states()` and restoring with `set_states()` rewinds every stream:
+# [chapter 06](../06_recompute_offload/checkpoint.py) uses it to recompute identical dropout
+# masks, [chapter 03](../03_checkpoint/resume.py) to resume.
 
 # %%
 MODEL_PARALLEL_RNG = "model-parallel-rng"
@@ -92,6 +93,14 @@ class RNGStatesTracker:
         else:
             torch.default_generator.manual_seed(seed)
 
+
+# %% [markdown]
+# Adding a stream seeds the default generator, keeps the resulting state under the name and
+# puts the original back; `fork` swaps a named state in for the length of a block. (The class
+# continues in this cell: a cell extends a class by subclassing it under the same name.)
+
+# %%
+class RNGStatesTracker(RNGStatesTracker):  # the same class, continued
     def add(self, name: str, seed: int) -> None:
         """Create stream `name` seeded with `seed`; the default generator is left as it was."""
         if name in self._states:
@@ -211,6 +220,43 @@ if __name__ == "__main__":
     assert masks[0]["dp"] == masks[1]["dp"]
     assert masks[0]["tp"] != masks[1]["tp"]
     assert all(m["replayed"] == m["tp"] for m in masks)
+
+# %% [markdown]
+# The same draws, bigger and drawn: 128 keep/drop decisions per mask (dark = dropped), for the
+# two TP ranks. The replicated streams give both ranks the same pattern, so a replicated
+# activation stays identical on both; the model-parallel stream gives each rank its own, so the
+# two halves of a split activation are not dropped in lockstep.
+
+# %%
+if __name__ == "__main__":
+    import matplotlib.pyplot as plt
+
+    def _keep(n: int = 128) -> torch.Tensor:
+        """A dropout keep-mask drawn from whatever the default generator is right now."""
+        return torch.nn.functional.dropout(torch.ones(n), p=0.5) > 0
+
+    fig, axes = plt.subplots(2, 3, figsize=(10, 2.8))
+    drawn = {}
+    for tp_rank in range(2):
+        tracker = model_parallel_seed(1234, ParallelGrid.single(), RNGStatesTracker("cpu"), tp_rank=tp_rank)
+        drawn[tp_rank, "default (replicated)"] = _keep()
+        with tracker.fork():
+            drawn[tp_rank, "model-parallel-rng (split)"] = _keep()
+        with tracker.fork(DATA_PARALLEL_RNG):
+            drawn[tp_rank, "data-parallel-rng (replicated)"] = _keep()
+    for (tp_rank, stream), keep in drawn.items():
+        col = ["default (replicated)", "model-parallel-rng (split)",
+               "data-parallel-rng (replicated)"].index(stream)
+        ax = axes[tp_rank, col]
+        ax.imshow(keep.view(4, 32).float(), cmap="gray", vmin=0, vmax=1)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        ax.set_title(f"tp rank {tp_rank}: {stream}", fontsize=8)
+    plt.tight_layout()
+    plt.show()
+    for stream in ("default (replicated)", "data-parallel-rng (replicated)"):
+        assert torch.equal(drawn[0, stream], drawn[1, stream])
+    assert not torch.equal(drawn[0, "model-parallel-rng (split)"], drawn[1, "model-parallel-rng (split)"])
 
 # %%
 if __name__ == "__main__":

@@ -178,19 +178,20 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, grid: ParallelGr
 # its output features: reduce-scatter. When it feeds something every rank computes identically,
 # each rank already has the full gradient: just split (`tensor_parallel_output_grad=False`).
 #
-# ## Parameters and initialisation
+# ## Parameters and initialization
 #
 # Each sharded parameter carries the attributes Megatron's optimizer and checkpoint code read
 # (`set_tensor_model_parallel_attributes`, `megatron/core/tensor_parallel/layers.py:104`):
 # `tensor_model_parallel = True`, `partition_dim` (the dim that is split), `partition_stride = 1`.
 # A parameter that is replicated over TP but sees only $1/t$ of the tokens under sequence
 # parallelism (the row-parallel bias, the norms) gets `sequence_parallel = True`: its gradient
-# must be all-reduced over TP before the optimizer step (chapter 05).
+# must be all-reduced over TP before the optimizer step
+# ([chapter 05](../05_buffers/finalize_model_grads.py)).
 #
-# To make the **full** weight identical whatever `tp` is, each layer materialises the full
+# To make the **full** weight identical whatever `tp` is, each layer materializes the full
 # $[o, i]$ master weight in fp32 on the CPU from a seeded generator and keeps its slice —
 # Megatron's `_initialize_affine_weight_cpu` (`layers.py:152`, used with
-# `--use-cpu-initialization`). `normal_init(std, seed)` builds such an initialiser; give every
+# `--use-cpu-initialization`). `normal_init(std, seed)` builds such an initializer; give every
 # layer its own seed.
 
 # %%
@@ -296,6 +297,11 @@ class ColumnParallelLinear(torch.nn.Module):
                 f"(local {self.output_size_per_partition}), sp={self.sequence_parallel}")
 
 
+# %% [markdown]
+# The row-parallel twin: its input arrives already split along the features (the column
+# layer's output), its partial products are summed over TP, and the bias comes after the sum.
+
+# %%
 class RowParallelLinear(torch.nn.Module):
     """Y = X A^T + b with A split by input columns over TP; output [s, b, out] (or [s/tp, b, out] under SP)."""
 
@@ -359,7 +365,7 @@ if __name__ == "__main__":
 # - Sequence parallelism swaps each all-reduce for reduce-scatter + all-gather and keeps only
 #   $s/t$ tokens per rank between blocks; the replicated parameters there need a TP gradient
 #   all-reduce (`param.sequence_parallel`).
-# - Initialising the full weight and slicing it makes every TP layout start from the same model.
+# - Initializing the full weight and slicing it makes every TP layout start from the same model.
 #
 # ## How production does it
 #

@@ -111,6 +111,30 @@ class VocabParallelEmbedding(torch.nn.Module):
 # local max 2, rank 1 has 3, global $m = 3$; sums $e^{-2} + e^{-1} = 0.503$ and
 # $e^{0} + e^{-3} = 1.050$, total 1.553; rank 1 owns the target, $z_y - m = 0$; the loss is
 # $\log 1.553 = 0.440$ — the demo below checks this number.
+#
+# ```mermaid
+# flowchart LR
+#   subgraph r0["TP rank 0: logits [1, 2]"]
+#     M0["local max 2"]
+#     S0["local Σ e^(z−m) = 0.503"]
+#     T0["target logit: not mine, 0"]
+#   end
+#   subgraph r1["TP rank 1: logits [3, 0]"]
+#     M1["local max 3"]
+#     S1["local Σ e^(z−m) = 1.050"]
+#     T1["target logit: z_y − m = 0"]
+#   end
+#   M0 --> AM["all-reduce MAX: m = 3"]
+#   M1 --> AM
+#   AM --> S0
+#   AM --> S1
+#   S0 --> AS["all-reduce SUM: 1.553"]
+#   S1 --> AS
+#   T0 --> AT["all-reduce SUM: 0"]
+#   T1 --> AT
+#   AS --> L["loss = log 1.553 − 0 = 0.440<br/>(on every rank)"]
+#   AT --> L
+# ```
 
 # %%
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -186,7 +210,7 @@ if __name__ == "__main__":
 #
 # - The embedding masks tokens it does not own and sums over TP; the loss reduces a max, a
 #   target logit and a sum of exponentials over TP, and its gradient is local.
-# - Neither end of the model ever materialises the full $[b, s, V]$ tensor on one rank.
+# - Neither end of the model ever materializes the full $[b, s, V]$ tensor on one rank.
 #
 # ## How production does it
 #
