@@ -58,7 +58,8 @@ __all__ = [
 # of the MLP width and a slice of the vocabulary, so $t$ must divide $a$, $g$, $f$ and $V$.
 # Megatron checks the heads at `transformer_config.py:1202` and the groups at `:1214-1224`
 # (it also lets $g < t$ by replicating key/value heads; this book keeps $t \mid g$).
-# Context parallelism over $c$ ranks cuts the sequence into $2c$ chunks (appendix A), so
+# Context parallelism over $c$ ranks cuts the sequence into $2c$ chunks
+# ([appendix A](../parallel/context_parallel.py)), so
 # $2c \mid s$; sequence parallelism then splits each rank's $s / c$ tokens over $t$ ranks.
 # Pipeline parallelism over $p$ stages with $v$ virtual stages each hands out $L / (p v)$ layers
 # per model chunk.
@@ -125,26 +126,17 @@ class ModelConfig:
 
     def __post_init__(self):
         check_fields(self)  # a str, float or None where the annotation says otherwise
-        for name in ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
-                     "ffn_hidden_size", "vocab_size", "seq_length", "rotary_base"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        _divides(self.num_attention_heads, self.hidden_size, "hidden_size", "num_attention_heads")
-        _divides(self.num_query_groups, self.num_attention_heads, "num_attention_heads",
-                 "num_query_groups")
-        if self.head_dim % 2:
-            raise ValueError(f"hidden_size // num_attention_heads = {self.head_dim} must be even "
-                             "(RoPE rotates pairs)")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        if not self.norm_epsilon > 0:
-            raise ValueError(f"norm_epsilon must be > 0, got {self.norm_epsilon}")
-        if not self.init_std > 0:
-            raise ValueError(f"init_std must be > 0, got {self.init_std}")
+        _check_shape(self)
         _check_activation_fields(self)
         _check_kernels(self)
 
+
+# %% [markdown]
+# The class continues (a cell extends a class by subclassing it under the same name): the head
+# size, a checked copy, and the layout check of the previous section.
+
+# %%
+class ModelConfig(ModelConfig):  # the same class, continued
     @property
     def head_dim(self) -> int:
         """Size d of one attention head."""
@@ -178,11 +170,42 @@ class ModelConfig:
                              f"layers of one pipeline chunk ({stage_layers})")
 
 
+# %% [markdown]
+# The checks run on construction: every size a positive int, heads dividing the width and
+# groups dividing the heads, an even head size (RoPE rotates pairs), and ranges for the rest.
+
+# %%
 def _divides(divisor: int, value: int, field: str, by: str):
     """ValueError naming `field` unless `divisor` divides `value`."""
     if value % divisor:
         raise ValueError(f"{field} ({value}) must be divisible by {by} ({divisor})")
 
+
+def _check_shape(c: ModelConfig) -> None:
+    """ValueError naming the field when the shape itself is impossible (any layout)."""
+    for name in ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+                 "ffn_hidden_size", "vocab_size", "seq_length", "rotary_base"):
+        value = getattr(c, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    _divides(c.num_attention_heads, c.hidden_size, "hidden_size", "num_attention_heads")
+    _divides(c.num_query_groups, c.num_attention_heads, "num_attention_heads", "num_query_groups")
+    if c.head_dim % 2:
+        raise ValueError(f"hidden_size // num_attention_heads = {c.head_dim} must be even "
+                         "(RoPE rotates pairs)")
+    if not 0.0 <= c.dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {c.dropout}")
+    if not c.norm_epsilon > 0:
+        raise ValueError(f"norm_epsilon must be > 0, got {c.norm_epsilon}")
+    if not c.init_std > 0:
+        raise ValueError(f"init_std must be > 0, got {c.init_std}")
+
+
+# %% [markdown]
+# The recompute and offload switches ([chapter 06](../06_recompute_offload/recompute.py)) take
+# Megatron's module names, and Megatron's rules about which combinations make sense.
+
+# %%
 
 # Megatron's allowed names (transformer_config.py:1546-1698 at e03878b5f); the MoE/MLA ones have no
 # module in this dense model, so they are rejected rather than silently ignored.
@@ -202,6 +225,7 @@ def _check_module_names(field: str, names, allowed: tuple[str, ...]) -> list[str
     return list(names)
 
 
+# %%
 def _check_activation_fields(c: ModelConfig) -> None:
     """Megatron's rules for the recompute and offload switches, as ValueErrors naming the field."""
     if c.recompute_granularity not in (None, "full", "selective"):
@@ -247,6 +271,11 @@ def _check_activation_fields(c: ModelConfig) -> None:
                              "recompute_modules (the norm's output, qkv's input, is freed instead)")
 
 
+# %% [markdown]
+# And the kernels switch: [appendix C's](../kernels/roofline.py) Triton kernels need Triton,
+# and the flash-attention kernel a head size it was written for.
+
+# %%
 def _check_kernels(c: ModelConfig) -> None:
     """ValueError naming `kernels` (or the head size) when appendix C's kernels cannot serve c."""
     if c.kernels not in KERNEL_CHOICES:
@@ -280,7 +309,8 @@ def llama_7b_config(**overrides) -> ModelConfig:
 # With $p$ stages and $v$ virtual stages (model chunks) per stage, the $L$ layers are cut into
 # $p v$ equal runs. Chunk $k$ of stage $r$ holds run number $k p + r$: with $L = 8$, $p = 2$,
 # $v = 2$, stage 0 holds layers 0-1 and 4-5, stage 1 holds 2-3 and 6-7, so a micro-batch
-# visits stage 0, stage 1, stage 0, stage 1 (the interleaved schedule of chapter 01). This is
+# visits stage 0, stage 1, stage 0, stage 1 (the
+# [interleaved schedule of chapter 01](../01_main_loop/interleaved.py)). This is
 # Megatron's `get_transformer_layer_offset` (`megatron/core/transformer/transformer_layer.py:46`)
 # for an even split.
 
@@ -449,4 +479,4 @@ if __name__ == "__main__":
 # 2. Pad the vocabulary with `padded_vocab_size` for $V = 32000$, $t = 3$: how many rows are
 #    padding, and what does it cost in parameters at $h = 4096$?
 # 3. Derive the count of a LayerNorm model (a weight and a bias per norm) and compare with the
-#    bracketed numbers of chapter 07.
+#    bracketed numbers of [chapter 07](../07_memory/megatron_model.py).

@@ -1,7 +1,8 @@
 # %% [markdown]
 # # B.3 · Model: the Llama-style GPT, cut by TP, SP, CP and PP
 #
-# The decoder every chapter trains, assembled from appendix A's parallel layers: embedding,
+# The decoder every chapter trains, assembled from [appendix A's](../parallel/tensor_parallel.py)
+# parallel layers: embedding,
 # $L$ layers of GQA attention and SwiGLU MLP, final norm, output layer and the per-token loss.
 # One class covers every layout: a single process, tensor parallel with or without sequence
 # parallel, context parallel, and pipeline stages (with virtual stages for interleaving).
@@ -85,7 +86,8 @@ __all__ = [
 # `enable_gqa=True` (query head $j$ reads key/value group $j \,/\, (a/g)$, Megatron's
 # `repeat_interleave` at `dot_product_attention.py:169`). The mask is causal; an optional
 # `attention_mask` adds Megatron's boolean mask with **True = masked** (`[b, 1, s_q, s_k]`,
-# e.g. chapter 00's reset-at-end-of-document mask for packed sequences), combined with the
+# e.g. [chapter 00's](../00_overview/batch.py) reset-at-end-of-document mask for packed
+# sequences), combined with the
 # causal mask so that a token never attends forward. Hugging Face masks use the opposite
 # convention (1 = keep): passed here, such a mask hides every key from every query, and
 # attention over nothing still returns finite numbers. `GPTModel.forward` therefore refuses a
@@ -93,7 +95,8 @@ __all__ = [
 # `input_ids` or `labels` (`check_attention_mask`, `check_ids`).
 #
 # **Context parallel.** A CP rank holds sequence chunks $r$ and $2c - 1 - r$ of every sample
-# (appendix A). Its queries need the keys and values of every earlier token, so K and V are
+# ([appendix A](../parallel/context_parallel.py)). Its queries need the keys and values of every
+# earlier token, so K and V are
 # all-gathered over the CP group (`gather_kv_for_context_parallel`), and the causal mask
 # compares the *global* sequence index of each local query with that of each key. The keys
 # arrive in rank order — for $c = 2$ chunks 0, 3, 1, 2 — so the mask's columns are put in that
@@ -150,6 +153,14 @@ class SelfAttention(nn.Module):
             context = self.attend_wrapper(self._attend, q, k, v, attention_mask)
         return self.linear_proj(context)
 
+
+# %% [markdown]
+# Core attention: the flash kernel when it applies, else PyTorch's scaled dot-product attention
+# with the causal mask combined with any given mask. (The class continues in this cell: a cell
+# extends a class by subclassing it under the same name.)
+
+# %%
+class SelfAttention(SelfAttention):  # the same class, continued
     def _attend(self, q, k, v, attention_mask):
         """softmax(q k^T / sqrt(d) + mask) v over the whole sequence, causal; [s, b, n, d] inputs."""
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, n, s, d]
@@ -209,7 +220,8 @@ class SelfAttention(nn.Module):
 # (`transformer_block.py:592`) and so does embedding dropout (`language_model_embedding.py:139-152`).
 #
 # **Fused kernels.** With `kernels = "triton"` in the config (or `"auto"` on a GPU) the norms, the
-# SwiGLU product, causal attention and the loss run appendix C's Triton kernels instead of the
+# SwiGLU product, causal attention and the loss run [appendix C's](../kernels/roofline.py) Triton
+# kernels instead of the
 # eager ops; parameters, names and results stay the same (the tests compare the two over
 # training steps). Attention with an explicit mask, under CP or with dropout keeps using SDPA.
 
@@ -258,6 +270,10 @@ class SwiGLUMLP(nn.Module):
         return self.linear_fc2(F.silu(gate) * up)
 
 
+# %% [markdown]
+# A layer is the two residual blocks, each behind its norm.
+
+# %%
 class TransformerLayer(nn.Module):
     """Pre-norm decoder layer: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
 
@@ -293,20 +309,23 @@ class TransformerLayer(nn.Module):
 #   stage returns its hidden states `[s, b, h]` (`[s/t, b, h]` under SP) for the next send.
 #
 # **Tied embeddings across stages.** With $p = 1$ the output layer multiplies by the
-# embedding table itself. With $p > 1$ the last stage keeps its own copy, initialised from the
+# embedding table itself. With $p > 1$ the last stage keeps its own copy, initialized from the
 # same seed and name as the embedding (Megatron zero-fills it and all-reduces it over the
 # embedding group, `language_module.py:236-300`: the same result). The first-stage table is
 # marked `shared_embedding`; the last-stage copy `shared` and `shared_embedding`, so that
-# chapter 05 sums their gradients over the embedding group and the grad norm counts the
+# [chapter 05](../05_buffers/finalize_model_grads.py) sums their gradients over the embedding
+# group and the grad norm counts the
 # table once.
 #
 # `build_stage_models(config, grid, num_virtual_stages)` builds this pipeline rank's chunks:
-# chunk $k$ of stage $r$ holds layers run $k p + r$ (page B.1), only the very first chunk has
+# chunk $k$ of stage $r$ holds layers run $k p + r$ ([page B.1](config.py)), only the very first
+# chunk has
 # `pre_process` and only the very last `post_process`. `stage_tensor_shape` is the shape the
 # schedule sends between stages, $[s/c, b, h]$, or $[s/(c t), b, h]$ under sequence
 # parallelism (Megatron's `get_tensor_shapes`, `megatron/core/pipeline_parallel/schedules.py:2057`).
 #
-# **Activation recompute and offload** (chapter 06) plug in from outside, since a chapter may
+# **Activation recompute and offload** ([chapter 06](../06_recompute_offload/recompute.py)) plug in
+# from outside, since a chapter may
 # import the model but not the reverse: `GPTModel.layer_runner` replaces the decoder loop
 # (full recompute) and `SelfAttention.attend_wrapper` wraps core attention (selective recompute,
 # offload). `tinytron.recompute.apply_recompute(model)` installs both from the config's
@@ -337,6 +356,12 @@ def check_attention_mask(mask: torch.Tensor) -> None:
                          "convention, True = masked (a Hugging Face mask has 1 = keep: pass ~mask)")
 
 
+# %% [markdown]
+# The model builds what its chunk needs: the embedding on the first chunk, its range of layers,
+# the final norm and the output layer on the last. (The class continues over the next cells: a
+# cell extends a class by subclassing it under the same name.)
+
+# %%
 class GPTModel(nn.Module):
     """One pipeline chunk of the Llama-style GPT (the whole model when pp = 1).
 
@@ -395,6 +420,13 @@ class GPTModel(nn.Module):
                 self.output_layer.weight = weight
         self._mark_shared_embedding()
 
+
+# %% [markdown]
+# A table tied across two stages carries the flags that tell the grad sync and the grad norm
+# about it; a later stage receives its input instead of embedding tokens.
+
+# %%
+class GPTModel(GPTModel):  # the same class, continued
     def _mark_shared_embedding(self):
         """Megatron's shared_embedding / shared attributes for a table tied across stages."""
         if not self.config.tie_embeddings or (self.pre_process and self.post_process):
@@ -417,6 +449,13 @@ class GPTModel(nn.Module):
             input_tensor = input_tensor[0]
         self.input_tensor = input_tensor
 
+
+# %% [markdown]
+# The forward, in Megatron's argument order: check, the stage's input, the RoPE tables of this
+# rank's positions, the layers (or chapter 06's recompute loop), and the head on the last stage.
+
+# %%
+class GPTModel(GPTModel):  # continued
     def forward(self, input_ids: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None,
@@ -467,6 +506,14 @@ class GPTModel(nn.Module):
         with _fork(self.rng_tracker, sp and self.config.dropout > 0 and self.training):
             return F.dropout(emb, self.config.dropout, self.training)
 
+
+# %% [markdown]
+# The positions of this rank's tokens (its CP chunks when $c > 1$) become the RoPE tables; the
+# head gathers the sequence-parallel sequence, computes logits against its vocabulary slice,
+# and, given labels, the vocab-parallel per-token loss.
+
+# %%
+class GPTModel(GPTModel):  # continued
     def _rope_tables(self, hidden, position_ids):
         """cos/sin [s, b, d] for this rank's tokens (its CP chunks when cp > 1)."""
         grid, tp, cp = self.grid, self.grid.size("tp"), self.grid.size("cp")
@@ -504,6 +551,11 @@ class GPTModel(nn.Module):
         return vocab_parallel_cross_entropy(logits.float(), labels, self.grid)
 
 
+# %% [markdown]
+# Every parameter is drawn as its *full* tensor from (seed, global name) and then sharded, so
+# the same seed gives the same model on any layout; and a pipeline rank builds its chunks.
+
+# %%
 @torch.no_grad()
 def init_parameters(model: GPTModel) -> None:
     """Fill every parameter with its shard of the full tensor drawn from (seed, global name)."""

@@ -44,15 +44,47 @@ __all__ = ["hf_config_dict", "config_from_hf", "to_hf_tensors", "from_hf_tensor"
 # | `output_layer.weight` | `lm_head.weight` (absent when tied) |
 #
 # Two of them are not one-to-one. `linear_qkv` is fused and grouped by key/value group
-# (page B.3): with $a/g$ query heads per group its rows are
+# ([page B.3](gpt.py)): with $a/g$ query heads per group its rows are
 # $[q_{0} \dots q_{a/g-1}, k_0, v_0, \; q_{a/g} \dots, k_1, v_1, \dots]$ (each $d$ rows), while
 # Hugging Face keeps three matrices. Hugging Face's query head $j$ reads key/value head
 # $j \,/\, (a/g)$ (`repeat_kv` in `modeling_llama.py`), the same grouping, so the conversion is
 # a pure reshuffle of rows: view the fused matrix as $[g, a/g + 2, d, h]$ and slice.
-# `linear_fc1` is `gate_proj` stacked on `up_proj`.
+# `linear_fc1` is `gate_proj` stacked on `up_proj`. For $a = 4$ heads in $g = 2$ groups:
+#
+# ```mermaid
+# flowchart LR
+#   subgraph tt["this book: decoder.layers.i"]
+#     QKV["self_attention.linear_qkv<br/>rows: q0 q1 k0 v0 | q2 q3 k1 v1"]
+#     FC1["mlp.linear_fc1<br/>rows: gate | up"]
+#     P["self_attention.linear_proj"]
+#     FC2["mlp.linear_fc2"]
+#     N1["input_layernorm"]
+#     N2["pre_mlp_layernorm"]
+#   end
+#   subgraph hf["Hugging Face: model.layers.i"]
+#     Q["self_attn.q_proj<br/>q0 q1 q2 q3"]
+#     K["self_attn.k_proj<br/>k0 k1"]
+#     V["self_attn.v_proj<br/>v0 v1"]
+#     G["mlp.gate_proj"]
+#     U["mlp.up_proj"]
+#     O["self_attn.o_proj"]
+#     D["mlp.down_proj"]
+#     H1["input_layernorm"]
+#     H2["post_attention_layernorm"]
+#   end
+#   QKV --> Q
+#   QKV --> K
+#   QKV --> V
+#   FC1 --> G
+#   FC1 --> U
+#   P --> O
+#   FC2 --> D
+#   N1 --> H1
+#   N2 --> H2
+# ```
 #
 # **RoPE needs no permutation.** Hugging Face's Llama uses rotate-half (pairs $i$ and
-# $i + d/2$), and so does this model (page B.2); Meta's original checkpoints pair adjacent
+# $i + d/2$), and so does this model ([page B.2](layers.py)); Meta's original checkpoints pair adjacent
 # channels, and the Meta → HF conversion script permutes the q/k rows once. Megatron's own
 # Hugging Face loader does the same q/k/v regrouping as here
 # (`tools/checkpoint/loader_mixtral_hf.py:77-98`, `set_attn_state`), with the HF names listed in
@@ -160,6 +192,11 @@ def to_hf_tensors(config: ModelConfig, name: str, full: torch.Tensor) -> dict[st
     return {pre + _HF_SIMPLE[rest]: full}
 
 
+# %% [markdown]
+# The other direction checks more: every Hugging Face tensor it reads must have the shape this
+# config expects, and a wrong one is named.
+
+# %%
 def _split_layer(name: str) -> tuple[int, str]:
     import re
 
@@ -258,6 +295,11 @@ def gather_full_state(models) -> dict[str, torch.Tensor]:
     return state
 
 
+# %% [markdown]
+# Export: every rank hands its chunks' full tensors (gathered over TP) to the first rank, which
+# writes `config.json`, one `model.safetensors` and, when given, the tokenizer files.
+
+# %%
 def save_hf_llama(models, path: str | os.PathLike, *, tokenizer_file: str | None = None,
                   eos_token_id: int | None = None) -> None:
     """Write config.json + model.safetensors in Hugging Face Llama layout (call on every rank).
@@ -302,6 +344,11 @@ def save_hf_llama(models, path: str | os.PathLike, *, tokenizer_file: str | None
         dist.barrier()
 
 
+# %% [markdown]
+# The tokenizer travels with the weights so that `from_pretrained` gives a usable model: the
+# `tokenizer.json` is copied and a `tokenizer_config.json` names its end and pad tokens.
+
+# %%
 def _export_tokenizer(out: Path, tokenizer_file, eos_token_id: int | None,
                       config: ModelConfig) -> int | None:
     """Copy tokenizer.json and write tokenizer_config.json; return the EOS id (found or given)."""
@@ -326,6 +373,11 @@ def _export_tokenizer(out: Path, tokenizer_file, eos_token_id: int | None,
     return eos_token_id
 
 
+# %% [markdown]
+# Import checks the whole checkpoint before reading a single weight: every expected tensor is
+# present with its shape, nothing unexpected is left over, across however many files.
+
+# %%
 def _expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a Hugging Face checkpoint of this config holds, with its shape."""
     h, v = config.hidden_size, config.vocab_size
@@ -378,6 +430,11 @@ class _Reader:
 
 
 @torch.no_grad()
+# %% [markdown]
+# Then each rank builds its chunks without drawing an init and fills every parameter with its
+# shard of the full tensor read from the files.
+
+# %%
 def load_hf_llama(path: str | os.PathLike, grid: ParallelGrid | None = None, *,
                   num_virtual_stages: int = 1, dtype: torch.dtype | None = None,
                   **config_overrides):

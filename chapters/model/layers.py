@@ -2,7 +2,7 @@
 # # B.2 · Model: RMSNorm, RoPE and a layout-independent init
 #
 # The three small pieces under every layer: the norm, the rotary position embedding, and a
-# parameter initialisation that gives the same full weights whether the model is cut over one
+# parameter initialization that gives the same full weights whether the model is cut over one
 # rank or sixteen — so a TP 2 × PP 2 run can be compared with a single-process run number for
 # number.
 #
@@ -40,14 +40,14 @@ __all__ = [
 # fp32 formula is at `torch_norm.py:102`. Hugging Face's `LlamaRMSNorm` casts back to the input
 # dtype *before* multiplying by the weight; so does this one, so the two agree bit for bit.
 #
-# Under sequence parallelism each TP rank normalises only its own $s / t$ tokens, so the
+# Under sequence parallelism each TP rank normalizes only its own $s / t$ tokens, so the
 # gradient of $w$ on each rank covers a different slice of the sequence; it must be summed
 # over the TP group before the optimizer step. The weight is marked `sequence_parallel = True`
-# for chapter 05's `finalize_model_grads` to find it.
+# for [chapter 05's `finalize_model_grads`](../05_buffers/finalize_model_grads.py) to find it.
 
 # %%
 class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned per-channel weight (initialised to ones)."""
+    """Root-mean-square norm with a learned per-channel weight (initialized to ones)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False,
                  device=None, dtype=None):
@@ -85,7 +85,8 @@ class RMSNorm(nn.Module):
 # $[\cos 1, 0, \sin 1, 0] = [0.540, 0, 0.841, 0]$.
 #
 # The angles come from explicit `position_ids` ([b, s]) rather than `arange(s)`: with packed
-# documents whose positions restart at each end-of-document token (chapter 00), and under
+# documents whose positions restart at each end-of-document token
+# ([chapter 00](../00_overview/batch.py)), and under
 # context parallelism, where a rank holds chunks $r$ and $2c - 1 - r$ of the sequence, the
 # positions are not $0 \dots s - 1$.
 
@@ -244,7 +245,7 @@ if __name__ == "__main__":
 # %% [markdown]
 # ## Summary
 #
-# - RMSNorm normalises in fp32 and casts back before the weight, like Hugging Face's Llama.
+# - RMSNorm normalizes in fp32 and casts back before the weight, like Hugging Face's Llama.
 # - RoPE here is rotate-half, the convention of Megatron and Hugging Face Llama: no q/k
 #   permutation is needed to load a Hugging Face checkpoint.
 # - Every parameter is drawn in full from a `(seed, global name)` generator and sliced, so the
