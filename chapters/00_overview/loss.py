@@ -107,7 +107,7 @@ def token_weights(num_tokens: list[int], calculate_per_token_loss: bool) -> list
 # %% [markdown]
 # ## Forward-backward over micro-batches, then one optimizer step
 #
-# `forward_backward` is the no-pipelining schedule in miniature (chapter 01 builds the real ones):
+# `forward_backward` is the no-pipelining schedule in miniature ([chapter 01](../01_main_loop/schedules.py) builds the real ones):
 # run each micro-batch, back-propagate its objective so gradients accumulate, keep the reports.
 # With `calculate_per_token_loss` it finishes as `finalize_model_grads` does, dividing every
 # gradient by the total token count. `train_step` then clips, steps, and measures the update.
@@ -241,8 +241,9 @@ if __name__ == "__main__":
 # - `megatron/core/pipeline_parallel/schedules.py:251` (`forward_step_calc_loss`), `:494`
 #   (`backward_step`, loss scaling).
 # - `megatron/core/distributed/finalize_model_grads.py:445` (division by the global token count).
-# - `megatron/training/training.py:2327-2345` (logged loss). Chapter 01 builds the real schedules,
-#   chapter 05 the gradient buffers and `finalize_model_grads`, chapter 02 clipping and the optimizer.
+# - `megatron/training/training.py:2327-2345` (logged loss). [Chapter 01](../01_main_loop/schedules.py) builds the real
+#   schedules, [chapter 05](../05_buffers/finalize_model_grads.py) the gradient buffers and
+#   `finalize_model_grads`, [chapter 02](../02_optimizer/mixed_precision.py) clipping and the optimizer.
 #
 # ## Exercises
 #

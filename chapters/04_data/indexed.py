@@ -404,7 +404,6 @@ class IndexedDataset(IndexedDataset):  # the same class, continued
         self.__init__(*state)
 
 
-
 # %% [markdown]
 # Reading: `get` is one slice of the mapped tokens, or a seek and a read without the map.
 

@@ -28,8 +28,8 @@ __all__ = ["read_chat_jsonl", "pad_segments_for_context_parallel", "SFTDataset"]
 # record `indices[i % len(indices)]` of the JSONL file: a record holds one or more
 # conversations (a new one starts at each `system` message), and they are packed into a single
 # row of `seq_length + 1` tokens. Everything about a row — prompt-masked targets, the label
-# shift, `cu_seqlens`, per-conversation positions, the block-causal mask — is chapter 00's
-# `pack_conversations`; this page only does the indexing and the CP padding.
+# shift, `cu_seqlens`, per-conversation positions, the block-causal mask — is
+# [chapter 00's](../00_overview/sft.py) `pack_conversations`; this page only does the indexing and the CP padding.
 #
 # When a record does not fit in one row Megatron cuts it on the right, mid-conversation. Here
 # that is a `ValueError` naming the record, or, with `truncate=True`, the conversations that do

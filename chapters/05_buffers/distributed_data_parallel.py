@@ -241,7 +241,6 @@ class BucketGroup(BucketGroup):  # the same class, continued
                 self.timeline.watch(b.bucket_id, self.grad_reduce_handle)
 
 
-
 # %% [markdown]
 # Waiting for the grad collective at the end of the backward (or launching it there, when no
 # hook did), and the other direction of the loop: the param all-gather of the next section.
@@ -459,7 +458,6 @@ class DistributedDataParallel(DistributedDataParallel):  # the same class, conti
             group = self.param_to_bucket_group.get(p)
             if group is not None:
                 group.finish_param_sync(skip_next_bucket_dispatch=skip_next)
-
 
 
 # %% [markdown]

@@ -452,7 +452,8 @@ class GPTModel(GPTModel):  # the same class, continued
 
 # %% [markdown]
 # The forward, in Megatron's argument order: check, the stage's input, the RoPE tables of this
-# rank's positions, the layers (or chapter 06's recompute loop), and the head on the last stage.
+# rank's positions, the layers (or [chapter 06's](../06_recompute_offload/recompute.py) recompute
+# loop), and the head on the last stage.
 
 # %%
 class GPTModel(GPTModel):  # continued
