@@ -364,6 +364,16 @@ def checkpoint_and_decide_exit(state: TrainState, training, save, *, start_time:
 # 7. `checkpoint_and_decide_exit`.
 #
 # At the end: `finalize_async_save_fn(blocking=True)` drains any save still in flight.
+#
+# ```mermaid
+# flowchart LR
+#   P["pretrain: seeds, model, optimizer,<br/>scheduler, load_checkpoint, data"] --> A["finalize_async_save_fn<br/>(non-blocking)"]
+#   A --> M["update m from<br/>consumed samples"] --> S["train_step"]
+#   S --> C["iteration += 1<br/>consumed += m·b·d"] --> G["training_log"]
+#   G --> E["evaluate every<br/>eval_interval"] --> K["checkpoint_and_decide_exit"]
+#   K -->|continue| A
+#   K -->|exit| F["finalize_async_save_fn<br/>(blocking)"]
+# ```
 
 # %%
 def _advance_microbatches(calculator, state: TrainState, previous: int, save) -> int:

@@ -47,6 +47,17 @@ __all__ = ["LogState", "training_log", "format_log_line", "flops_terms",
 #
 # The accumulated losses stay tensors until the line is printed, so the loop never waits for
 # the device in between.
+#
+# ```mermaid
+# flowchart LR
+#   I["after every iteration:<br/>training_log(...)"] --> A{"advanced?"}
+#   A -->|yes| L["add each loss key,<br/>advanced += 1"]
+#   A -->|no| K["skipped += 1<br/>(nan += 1 if inf/NaN)"]
+#   L --> T{"on a log_interval<br/>boundary?"}
+#   K --> T
+#   T -->|no| I
+#   T -->|yes| P["print the line: mean losses, lr,<br/>grad norm, ms/iter, TFLOP/s, MFU;<br/>reset the accumulators"]
+# ```
 
 # %%
 @dataclass

@@ -67,6 +67,18 @@ __all__ = ["FullRecompute", "recompute_core_attention", "recompute_module",
 # With 5 layers and $k = 2$: uniform checkpoints $[0, 2), [2, 4), [4, 5)$; block checkpoints
 # layers 0 and 1 and runs 2, 3, 4 normally.
 #
+# ```mermaid
+# flowchart LR
+#   subgraph U["uniform, k = 2: only each run's input is stored"]
+#     direction LR
+#     u0["run: L0 L1"] --> u1["run: L2 L3"] --> u2["run: L4"]
+#   end
+#   subgraph B["block, k = 2: L0 and L1 checkpointed, the rest stored"]
+#     direction LR
+#     b0["run: L0"] --> b1["run: L1"] --> b2["L2"] --> b3["L3"] --> b4["L4"]
+#   end
+# ```
+#
 # The model's decoder loop calls `GPTModel.layer_runner` when one is installed; that is all
 # appendix B had to offer for this page. The floors forbid the model to import a chapter, so
 # the chapter installs itself into the model, not the other way around.
