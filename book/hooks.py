@@ -7,6 +7,8 @@ import logging
 import os
 import posixpath
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 log = logging.getLogger("mkdocs.hooks.tinytron")  # under "mkdocs": a warning fails --strict
@@ -58,13 +60,23 @@ def on_config(config, **kwargs):
 # Every executed page starts a Jupyter kernel, and over TCP each kernel logs that its traffic is
 # unencrypted: 70 identical lines that would hide a real warning. Local IPC sockets are what the
 # kernel asks for, and they remove the cause (not the message). nbconvert reads this setting
-# from the Jupyter config path; the variable reaches only this build and the kernels it starts.
+# from the Jupyter config path (book/jupyter/jupyter_nbconvert_config.py gives every kernel its
+# own socket path); the variable reaches only this build and the kernels it starts.
 def _quiet_kernels() -> None:
     """Point nbconvert at book/jupyter, whose config runs each kernel over IPC, not TCP."""
-    ours = str(Path(__file__).resolve().parent / "jupyter")
+    ours = str(_JUPYTER_DIR)
     paths = [p for p in os.environ.get("JUPYTER_CONFIG_PATH", "").split(os.pathsep) if p]
     if ours not in paths:
         os.environ["JUPYTER_CONFIG_PATH"] = os.pathsep.join([ours, *paths])
+
+
+_JUPYTER_DIR = Path(__file__).resolve().parent / "jupyter"
+
+
+def on_shutdown(**kwargs):
+    """Remove this build's directory of kernel sockets (each kernel removed its own sockets)."""
+    sockets = Path(tempfile.gettempdir()) / f"tinytron-kernels-{os.getuid()}-{os.getpid()}"
+    shutil.rmtree(sockets, ignore_errors=True)
 
 
 # nbconvert wraps a notebook's mermaid block as <div class="jp-Mermaid"><pre class="mermaid">
