@@ -15,10 +15,12 @@ sit under ``if __name__ == "__main__":``). A function defined in a notebook cell
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -48,6 +50,25 @@ def _root_cause_rank(failures: dict[int, str]) -> int:
         if "without a report" in tb:
             return r
     return next(iter(failures))
+
+
+@contextlib.contextmanager
+def _no_main_module_rerun():
+    """In a Jupyter kernel, stop spawn from re-running the kernel's `__main__.__file__`.
+
+    A spawned child runs the parent's main file again unless `__main__` has none. A notebook has
+    no main file of its own, and a library may have left one there (Triton's interpreter does),
+    which the child would then execute. The workers are imported by name, so nothing is lost.
+    """
+    main = sys.modules.get("__main__")
+    saved = None
+    if main is not None and "ipykernel" in sys.modules and getattr(main, "__spec__", None) is None:
+        saved = main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            main.__file__ = saved
 
 
 class RankError(RuntimeError):
@@ -129,8 +150,9 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: s
                          args=(fn, args, kwargs, r, world_size, store.port, backend, timeout,
                                num_threads, results))
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    with _no_main_module_rerun():
+        for p in procs:
+            p.start()
     try:
         outputs, failures = _collect(procs, results, timeout)
     finally:
