@@ -120,12 +120,18 @@ def test_every_chapter_folder_is_a_package():
         assert (ROOT / folder / "__init__.py").exists(), f"{folder} (for {package}) has no __init__.py"
 
 
-def test_nav_follows_the_chapter_order(tmp_path):
+def _hooks():
+    """book/hooks.py, imported by path (it is an mkdocs hook, not a package module)."""
     sys.path.insert(0, str(ROOT / "book"))
     try:
         import hooks
     finally:
         sys.path.pop(0)
+    return hooks
+
+
+def test_nav_follows_the_chapter_order(tmp_path):
+    hooks = _hooks()
     for name in ["model", "04_data", "00_overview", "parallel", "empty"]:
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text(f'"""{name} title: more."""\n')
@@ -176,6 +182,17 @@ def test_no_code_cell_is_too_long(page):
     problems = [f"a code cell of {n} lines starting '{c.source.strip().splitlines()[0][:60]}'"
                 for c in cells if (n := len(c.source.strip().splitlines())) > MAX_CODE_CELL_LINES]
     _check(page, "cell_length", [f"{p} (limit {MAX_CODE_CELL_LINES})" for p in problems])
+
+
+@pytest.mark.parametrize("page", PAGES, ids=PAGE_IDS)
+def test_every_code_cell_parses_on_its_own(page):
+    """A notebook runs one cell at a time: a cell may not end inside a def, a class, a decorator."""
+    for i, cell in enumerate(c for c in jupytext.read(page).cells if c.cell_type == "code"):
+        try:
+            compile(cell.source, f"{page.name}, code cell {i}", "exec")
+        except SyntaxError as err:
+            pytest.fail(f"{page}: code cell {i} does not parse alone ({err.msg}): "
+                        f"...{cell.source.strip()[-80:]!r}")
 
 
 _MD_LINK = re.compile(r"\]\(([^)\s]+)\)")
@@ -236,15 +253,6 @@ def test_one_spelling(page):
     comments = "\n".join(line for line in page.read_text(encoding="utf-8").splitlines()
                          if line.lstrip().startswith("#"))  # prose cells and code comments
     _check(page, "spelling", sorted({m.lower() for m in _BRITISH.findall(comments)}))
-
-
-def _hooks():
-    sys.path.insert(0, str(ROOT / "book"))
-    try:
-        import hooks
-    finally:
-        sys.path.pop(0)
-    return hooks
 
 
 def test_megatron_citations_become_links():

@@ -48,6 +48,9 @@ PROBE = b"""<script>(function () {
 })();</script>"""
 
 
+BUILD_LOG: dict[str, str] = {}  # the strict build's console output, for the tests that read it
+
+
 @pytest.fixture(scope="session")
 def site_dir():
     """Build the book once per session (this executes every chapter page)."""
@@ -60,6 +63,7 @@ def site_dir():
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         pytest.fail(f"mkdocs build --strict failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}")
+    BUILD_LOG["text"] = proc.stdout + proc.stderr
     yield out
     shutil.rmtree(out, ignore_errors=True)
 
@@ -79,6 +83,26 @@ def test_book_builds_strict_and_offline(site_dir):
         remote = re.findall(r'<(?:script|link)[^>]+(?:src|href)="(https?://[^"]+)"', text)
         remote += re.findall(r'import\("(https?://[^"]+)"\)', text)
         assert not remote, f"{html.relative_to(site_dir)} loads from the network: {remote[:3]}"
+
+
+def test_build_log_is_quiet(site_dir):
+    """No per-page kernel noise (every executed page used to log an unencrypted-TCP warning)."""
+    log = BUILD_LOG["text"]
+    assert "running over TCP without encryption" not in log, "the kernels run over TCP again"
+    assert not re.findall(r"^WARNING", log, re.M)  # --strict fails on these; kept as a guard
+
+
+def test_megatron_citations_link_to_the_pinned_commit(site_dir):
+    """Every `megatron/...py:LINE` citation of the built book is a link to that line at e03878b5f."""
+    unlinked, linked = [], 0
+    for html in site_dir.rglob("*.html"):
+        text = html.read_text(encoding="utf-8")
+        unlinked += [(str(html.relative_to(site_dir)), m) for m in
+                     re.findall(r"<code>(megatron/[\w./-]+\.py:\d[\d,-]*)</code>", text)]
+        linked += len(re.findall(r'<a href="https://github\.com/NVIDIA/Megatron-LM/blob/e03878b5f/'
+                                 r'megatron/[\w./-]+\.py#L\d+', text))
+    assert not unlinked, f"citations left as plain text: {unlinked[:5]}"
+    assert linked > 200, f"only {linked} citation links in the whole book"
 
 
 class _ProbeHandler(http.server.SimpleHTTPRequestHandler):

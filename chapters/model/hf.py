@@ -429,12 +429,12 @@ class _Reader:
         return handle.get_tensor(name)
 
 
-@torch.no_grad()
 # %% [markdown]
 # Then each rank builds its chunks without drawing an init and fills every parameter with its
 # shard of the full tensor read from the files.
 
 # %%
+@torch.no_grad()
 def load_hf_llama(path: str | os.PathLike, grid: ParallelGrid | None = None, *,
                   num_virtual_stages: int = 1, dtype: torch.dtype | None = None,
                   **config_overrides):
