@@ -191,7 +191,7 @@ def measure_side(side: str, world: int, iters: int, prefix: str, cache: str) -> 
     torch.manual_seed(0)
     if side == "plain":
         loop = PlainLoop(world, prefix, cache, ddp=world > 1, total_iters=2 + WARMUP_ITERS + iters)
-        first = loop.time(1, 1)["first_loss"]   # first steps pay lazy initialisation: not timed
+        first = loop.time(1, 1)["first_loss"]   # first steps pay lazy initialization: not timed
         return dict(loop.time(WARMUP_ITERS, iters), first_loss=first)
     time_trainer(world, WARMUP_ITERS, prefix, cache, VARIANTS[side])   # imports: not timed
     return trainer_per_iteration(world, iters, prefix, cache, VARIANTS[side])
@@ -257,7 +257,7 @@ def profile_breakdown(prefix: str, cache: str, iters: int) -> dict:
 
 
 # -- summaries ----------------------------------------------------------------------------------
-def summarise(per_round: dict, tokens_per_step: int, variants: list[str]) -> dict:
+def summarize(per_round: dict, tokens_per_step: int, variants: list[str]) -> dict:
     """Medians per side and median per-round ratios trainer variant / plain, for each clock."""
     out = {"seconds_per_iteration": {}, "ratio_over_plain": {}, "tokens_per_second": {}}
     for clock in ("wall", "cpu"):
@@ -313,7 +313,7 @@ def main() -> None:
         per_round = run_rounds(1, args.rounds, args.iters, prefix, cache, variants,
                                args.threads)[0]
         result["single"] = {"global_batch_size": GBS[1], "rounds": per_round,
-                            **summarise(per_round, GBS[1] * seq, variants)}
+                            **summarize(per_round, GBS[1] * seq, variants)}
         r = result["single"]["ratio_over_plain"]
         print(f"single process: trainer / plain loop = {r['cpu']['trainer']:.3f} (CPU time), "
               f"{r['wall']['trainer']:.3f} (wall); goal <= 1.03")
@@ -330,7 +330,7 @@ def main() -> None:
         for name in variants:  # the trainer's log is written by the last rank
             for r0, r1 in zip(ranks[0][name], ranks[1][name]):
                 r0["first_loss"], r0["logged_wall"] = r1["first_loss"], r1["logged_wall"]
-        s = summarise(ranks[0], GBS[2] * seq, variants)
+        s = summarize(ranks[0], GBS[2] * seq, variants)
         s["tokens_per_second_ratio_trainer_over_ddp"] = {
             clock: 1 / s["ratio_over_plain"][clock]["trainer"] for clock in ("wall", "cpu")}
         result["dp2"] = {"global_batch_size": GBS[2], "reference": "torch DDP (gloo), no_sync",

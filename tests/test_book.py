@@ -27,7 +27,6 @@ MAX_CODE_CELL_LINES = 60
 # and no page is added to it once its chapter is done.
 OWNED_ELSEWHERE_PENDING: dict[str, set[str]] = {
     # 01 (written; owned by its author)
-    "01_main_loop/assembled.py": {"spelling"},
     "01_main_loop/interleaved.py": {"cell_length"},
     "01_main_loop/memory_meter.py": {"cell_length"},
     "01_main_loop/resident_flowing.py": {"spelling"},

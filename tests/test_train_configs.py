@@ -110,7 +110,7 @@ def test_slurm_script_is_valid_bash():
 # -- two 4-rank recipes, trained for 2 iterations -----------------------------------------------
 @pytest.fixture(scope="module")
 def data_prefix(tmp_path_factory):
-    """40 standard-library files as one byte-tokenised .bin/.idx, shared by both launches."""
+    """40 standard-library files as one byte-tokenized .bin/.idx, shared by both launches."""
     from tinytron.data.preprocess import run as preprocess, stdlib_corpus
 
     out = tmp_path_factory.mktemp("data")

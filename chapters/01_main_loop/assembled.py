@@ -28,7 +28,7 @@ __all__ = ["repo_file", "trainer_command", "run_trainer", "read_log", "checkpoin
 # ## The wiring
 #
 # `tinytron.train.run` follows the order of Megatron's `pretrain`
-# (`megatron/training/training.py:1029`): initialise, `setup_model_and_optimizer` (`:1938`:
+# (`megatron/training/training.py:1029`): initialize, `setup_model_and_optimizer` (`:1938`:
 # model, optimizer, scheduler, then `load_checkpoint`), build the data iterators *after* the
 # load so that they start at the restored `consumed_train_samples`, train, save. Each box is a
 # call into one chapter:
@@ -110,7 +110,7 @@ if __name__ == "__main__":
 # configs/tiny.toml`. Dotted overrides shorten it without editing the file: eight iterations,
 # a log record every two, an evaluation and a save every four, the checkpoint in a temporary
 # directory. `--standalone` lets torchrun pick a free port. Everything else — the embedded
-# corpus tokenised into a `.bin/.idx` on first use, the DistributedOptimizer, the overlapped
+# corpus tokenized into a `.bin/.idx` on first use, the DistributedOptimizer, the overlapped
 # gradient reduce, the cosine schedule — is what the full job does.
 
 # %%
@@ -144,7 +144,7 @@ if __name__ == "__main__":
     t0 = time.perf_counter()
     console = run_trainer(repo_file("configs/tiny.toml"), 2, overrides)
     print(console)
-    print(f"({time.perf_counter() - t0:.1f} s, torchrun start-up and corpus tokenising included)")
+    print(f"({time.perf_counter() - t0:.1f} s, torchrun start-up and corpus tokenizing included)")
     assert console.startswith("tinytron.train: world 2 = tp 1 · pp 1 · cp 1 · dp 2 on cpu")
 
 # %% [markdown]
@@ -236,7 +236,7 @@ if __name__ == "__main__":
     ax.set_xlabel("iteration"), ax.set_ylabel("loss")
     lr_ax = ax.twinx()
     lr_ax.plot([r["iteration"] for r in train], [r["learning_rate"] for r in train], ":",
-               color="grey", label="learning rate")
+               color="gray", label="learning rate")
     lr_ax.set_ylabel("learning rate")
     fig.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
