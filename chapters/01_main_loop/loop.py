@@ -549,6 +549,14 @@ def pretrain(training, *, model_provider, forward_step_func, data_iterators_prov
         training, grid_provider, model_provider, ddp_config, optimizer_provider,
         scheduler_provider, load_checkpoint_fn)
     train_it, valid_it = data_iterators_provider(grid, state)
+    # Only ranks that read data hold a validation iterator (TP rank 0 of the first and last
+    # stage), but every rank must run the evaluation's collectives: agree on it, as Megatron
+    # broadcasts its do_valid flag (training.py:4256).
+    do_valid = valid_it is not None
+    if dist.is_initialized():
+        flag = torch.tensor([int(do_valid)], device=grid.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        do_valid = bool(flag.item())
     per_token = bool(getattr(ddp_config, "calculate_per_token_loss", False))
     config = build_schedule_config(model, optimizer, grid, calculate_per_token_loss=per_token,
                                    **(schedule_overrides or {}))
@@ -560,7 +568,7 @@ def pretrain(training, *, model_provider, forward_step_func, data_iterators_prov
     with (ExitSignal() if use_handler else contextlib.nullcontext(exit_signal)) as sig:
         if state.iteration < iters:
             reason = train(forward_step_func, model, optimizer, scheduler, train_it, valid_it,
-                           training=training, train_iters=iters, state=state, calculator=calc,
+                           do_valid=do_valid, training=training, train_iters=iters, state=state, calculator=calc,
                            seq_length=seq_length, grid=grid, forward_backward_func=fb,
                            config=config, save_checkpoint_fn=save_checkpoint_fn,
                            finalize_async_save_fn=finalize_async_save_fn, flops_fn=flops_fn,
