@@ -203,12 +203,12 @@ def get_ltor_masks_and_position_ids(tokens: torch.Tensor, eod_token: int,
 # %% [markdown]
 # ## Padding, and the padding sample
 #
-# Rows that run out of data are filled with the pad id. After the masks are built Megatron
-# zeroes the loss wherever the **label** is pad, then rewrites every pad id in tokens and labels
-# to 0 so the embedding lookup stays in range (`gpt_dataset.py:271-276`). When the tokenizer has
-# no usable pad id, Megatron uses the sentinel `-1` (`megatron_dataset.py:20`), which is why
-# the rewrite is needed at all. A whole sample requested with `idx=None` (used to pad a global
-# batch to full size) gets an **all-zero loss mask** (`gpt_dataset.py:279-280`): it flows
+# Rows that run out of data are filled with the pad id. After the masks are built Megatron zeroes
+# the loss wherever the **label** is pad, then rewrites every pad id in tokens and labels to 0 so
+# the embedding lookup stays in range (`gpt_dataset.py:271-276`). When the tokenizer has no usable
+# pad id, Megatron uses the sentinel `-1` (`megatron/core/datasets/megatron_dataset.py:20`), which
+# is why the rewrite is needed at all. A whole sample requested with `idx=None` (used to pad a
+# global batch to full size) gets an **all-zero loss mask** (`gpt_dataset.py:279-280`): it flows
 # through the model but contributes nothing to the loss or its token count.
 
 # %%

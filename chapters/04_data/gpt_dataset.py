@@ -42,7 +42,8 @@ __all__ = [
 # $[(0, .969), (.969, .999), (.999, 1)]$; a dataset of $n$ sequences gives split $i$ the
 # sequence ids `arange(round(lo·n), round(hi·n))` — the unit is the *sequence* (for GPT one
 # sequence per document). A zero weight gives `None`, no split at all
-# (`blended_megatron_dataset_config.py:155-215`, `blended_megatron_dataset_builder.py:470`).
+# (`megatron/core/datasets/blended_megatron_dataset_config.py:155-215`,
+# `megatron/core/datasets/blended_megatron_dataset_builder.py:470`).
 
 # %%
 class Split(Enum):
@@ -344,15 +345,15 @@ def build_document_sample_shuffle_indices(sizes: np.ndarray, documents: np.ndarr
 # ## A cache key that notices new data
 #
 # The tables are saved as `.npy` files named by the md5 of a JSON description
-# (`megatron_dataset.py:57-71`). Megatron's description holds the dataset *path*, the sample
-# count and the config, but nothing about the file contents: re-run preprocessing into the same
-# prefix and training silently uses stale indices (wrong windows, or reads past the end).
-# Ours adds the data's identity: the `.bin` and `.idx` sizes and a BLAKE2 hash of the `.idx`
-# (small: 12 bytes per sequence). The three tables depend on the data only through the
-# sequence lengths, which the `.idx` holds, so this key changes exactly when the cached tables
-# would be wrong. Modification times are deliberately left out: two byte-identical copies of a
-# dataset (one per node, or restored from a backup) must share one cache, and a `touch` must
-# not trigger a rebuild.
+# (`megatron/core/datasets/megatron_dataset.py:57-71`). Megatron's description holds the dataset
+# *path*, the sample count and the config, but nothing about the file contents: re-run
+# preprocessing into the same prefix and training silently uses stale indices (wrong windows, or
+# reads past the end). Ours adds the data's identity: the `.bin` and `.idx` sizes and a BLAKE2
+# hash of the `.idx` (small: 12 bytes per sequence). The three tables depend on the data only
+# through the sequence lengths, which the `.idx` holds, so this key changes exactly when the
+# cached tables would be wrong. Modification times are deliberately left out: two byte-identical
+# copies of a dataset (one per node, or restored from a backup) must share one cache, and a
+# `touch` must not trigger a rebuild.
 #
 # Files are written to temporary names and renamed, the description last, so a reader that sees
 # the description sees complete arrays. With `torch.distributed` initialized only global rank 0

@@ -217,7 +217,7 @@ class SelfAttention(SelfAttention):  # the same class, continued
 # RNG), while attention-probability dropout acts on each rank's own heads and runs under the
 # RNG tracker's TP fork (`dot_product_attention.py:216-220`). With sequence parallelism every
 # rank holds different tokens, so the whole block runs under the fork
-# (`transformer_block.py:592`) and so does embedding dropout (`language_model_embedding.py:139-152`).
+# (`transformer_block.py:592`) and so does embedding dropout (`megatron/core/models/common/embeddings/language_model_embedding.py:139-152`).
 #
 # **Fused kernels.** With `kernels = "triton"` in the config (or `"auto"` on a GPU) the norms, the
 # SwiGLU product, causal attention and the loss run [appendix C's](../kernels/roofline.py) Triton
