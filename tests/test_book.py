@@ -175,6 +175,20 @@ def test_every_page_has_a_figure(page):
     _check(page, "figure", [] if diagram or plot else ["no mermaid diagram and no plt.show()/savefig"])
 
 
+def _unquoted_semicolons(block: str) -> list[str]:
+    """Lines of a mermaid block with a ';' outside "quotes" (mermaid ends a statement there)."""
+    return [line.strip() for line in block.splitlines()
+            if ";" in re.sub(r'"[^"]*"', "", line)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=PAGE_IDS)
+def test_mermaid_lines_do_not_break_at_a_semicolon(page):
+    """A ';' in a message or label splits the statement, and the whole diagram fails to render."""
+    blocks = re.findall(r"```mermaid\n(.*?)```", _prose(page), re.S)
+    bad = [line for block in blocks for line in _unquoted_semicolons(block)]
+    assert not bad, f"{page}: mermaid lines with an unquoted ';' (use a comma): {bad}"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=PAGE_IDS)
 def test_no_code_cell_is_too_long(page):
     cells = [c for c in jupytext.read(page).cells if c.cell_type == "code"]

@@ -236,6 +236,22 @@ def test_config_fields_are_documented_for_help():
         assert phrase in pydoc.render_doc(cls, renderer=pydoc.plaintext)
 
 
+
+def test_every_public_class_has_a_docstring_for_help():
+    """A class continued in a later cell (`class X(X):`) keeps the first cell's docstring."""
+    import importlib
+    import pkgutil
+
+    import tinytron
+    missing = []
+    for info in pkgutil.walk_packages(tinytron.__path__, "tinytron."):
+        module = importlib.import_module(info.name)
+        for name, obj in vars(module).items():
+            if (inspect.isclass(obj) and obj.__module__ == module.__name__
+                    and not name.startswith("_") and not (obj.__doc__ or "").strip()):
+                missing.append(f"{info.name}.{name}")
+    assert not missing, f"classes whose help() shows no docstring: {missing}"
+
 # -- 3. the command line -----------------------------------------------------------------------
 
 

@@ -180,7 +180,7 @@ if __name__ == "__main__":
 # `param_data` run as one Triton launch that reads the gradients straight from the grad buffer
 # ([appendix C](../kernels/fused_adamw.py), `FlatAdamW`); the state dict and the all-gather are
 # unchanged.
-
+#
 #
 # **State dict.** The saved form is [the previous page's](mixed_precision.py) layout-independent one — per parameter
 # name, *full* tensors (`fp32_param`, `exp_avg`, `exp_avg_sq`, `step`). To build it each DP rank
@@ -265,6 +265,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
 # %%
 class DistributedOptimizer(DistributedOptimizer):  # the same class, continued
+    __doc__ = DistributedOptimizer.__doc__  # help() keeps the first cell's docstring
     def grad_stats_group(self):
         """Disjoint shards: norms and found_inf are reduced over every rank (the world)."""
         return None

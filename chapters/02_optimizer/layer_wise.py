@@ -103,6 +103,7 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
 
 # %%
 class LayerWiseDistributedOptimizer(LayerWiseDistributedOptimizer):  # the same class, continued
+    __doc__ = LayerWiseDistributedOptimizer.__doc__  # help() keeps the first cell's docstring
     @torch.no_grad()
     def allgather_params(self) -> None:
         """One padded all-gather per dtype of the flattened params each rank owns."""

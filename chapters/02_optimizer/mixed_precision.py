@@ -308,6 +308,7 @@ class MixedPrecisionOptimizer:
 
 # %%
 class MixedPrecisionOptimizer(MixedPrecisionOptimizer):  # the same class, continued
+    __doc__ = MixedPrecisionOptimizer.__doc__  # help() keeps the first cell's docstring
     def grad_stats_group(self):
         """Where grad norms and found_inf are reduced: the model-parallel group."""
         if self.grid is None or self.grid.size("mp") == 1:
@@ -349,6 +350,7 @@ class MixedPrecisionOptimizer(MixedPrecisionOptimizer):  # the same class, conti
 
 # %%
 class MixedPrecisionOptimizer(MixedPrecisionOptimizer):  # continued
+    __doc__ = MixedPrecisionOptimizer.__doc__  # help() keeps the first cell's docstring
     @torch.no_grad()
     def prepare_grads(self) -> bool:
         """Copy grads to the masters, unscale, agree on found_inf, update the scaler."""
@@ -397,6 +399,7 @@ class MixedPrecisionOptimizer(MixedPrecisionOptimizer):  # continued
 
 # %%
 class MixedPrecisionOptimizer(MixedPrecisionOptimizer):  # continued
+    __doc__ = MixedPrecisionOptimizer.__doc__  # help() keeps the first cell's docstring
     @torch.no_grad()
     def step_with_ready_grads(self) -> None:
         """Inner step on the fp32 masters, then write them back."""
@@ -453,6 +456,7 @@ class MixedPrecisionOptimizer(MixedPrecisionOptimizer):  # continued
 
 # %%
 class MixedPrecisionOptimizer(MixedPrecisionOptimizer):  # continued
+    __doc__ = MixedPrecisionOptimizer.__doc__  # help() keeps the first cell's docstring
     def state_dict(self) -> dict:
         """Layout-independent state: full fp32 master + optimizer state per param name."""
         params = {}

@@ -233,6 +233,7 @@ class Muon(torch.optim.Optimizer):
 
 # %%
 class Muon(Muon):  # the same class, continued (a cell extends a class by subclassing it)
+    __doc__ = Muon.__doc__  # help() keeps the first cell's docstring
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
         """One Muon step over every group."""

@@ -149,6 +149,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
 # %%
 class HybridDeviceOptimizer(HybridDeviceOptimizer):  # the same class, continued
+    __doc__ = HybridDeviceOptimizer.__doc__  # help() keeps the first cell's docstring
     def _sub_optimizers(self) -> list:
         """The device optimizer (if any) and the CPU optimizers."""
         return ([self.device_optimizer] if self.device_optimizer else []) + self.cpu_optimizers

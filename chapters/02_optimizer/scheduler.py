@@ -140,6 +140,7 @@ class OptimizerParamScheduler:
 
 # %%
 class OptimizerParamScheduler(OptimizerParamScheduler):  # the same class, continued
+    __doc__ = OptimizerParamScheduler.__doc__  # help() keeps the first cell's docstring
     def get_wd(self, param_group: dict | None = None) -> float:
         """Weight decay at the current sample count (group start_wd/end_wd take precedence)."""
         group = param_group or {}
@@ -198,6 +199,7 @@ class OptimizerParamScheduler(OptimizerParamScheduler):  # the same class, conti
 
 # %%
 class OptimizerParamScheduler(OptimizerParamScheduler):  # continued
+    __doc__ = OptimizerParamScheduler.__doc__  # help() keeps the first cell's docstring
     def state_dict(self) -> dict:
         """The ten values a checkpoint keeps."""
         return {k: getattr(self, k) for k in (

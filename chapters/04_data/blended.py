@@ -314,6 +314,7 @@ class BlendedMegatronDatasetBuilder:
 
 # %%
 class BlendedMegatronDatasetBuilder(BlendedMegatronDatasetBuilder):  # the same class, continued
+    __doc__ = BlendedMegatronDatasetBuilder.__doc__  # help() keeps the first cell's docstring
     def _build_blend(self, blend, split, sizes) -> list:
         """One distribution: a single prefix directly, several as BlendedDatasets."""
         prefixes, weights = blend
@@ -354,6 +355,7 @@ class BlendedMegatronDatasetBuilder(BlendedMegatronDatasetBuilder):  # the same 
 
 # %%
 class BlendedMegatronDatasetBuilder(BlendedMegatronDatasetBuilder):  # continued
+    __doc__ = BlendedMegatronDatasetBuilder.__doc__  # help() keeps the first cell's docstring
     def _build_splits(self, prefix: str, split, sizes) -> list:
         """GPTDatasets of one prefix, one per non-empty split."""
         if not self._built_here():

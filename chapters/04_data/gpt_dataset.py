@@ -469,6 +469,7 @@ class GPTDataset(torch.utils.data.Dataset):
 
 # %%
 class GPTDataset(GPTDataset):  # the same class, continued
+    __doc__ = GPTDataset.__doc__  # help() keeps the first cell's docstring
     def _cache_paths(self) -> Optional[dict]:
         """The four cache file paths, or None when caching is impossible."""
         root = self.config.path_to_cache
@@ -524,6 +525,7 @@ class GPTDataset(GPTDataset):  # the same class, continued
 
 # %%
 class GPTDataset(GPTDataset):  # continued
+    __doc__ = GPTDataset.__doc__  # help() keeps the first cell's docstring
     def query_tokens(self, idx: int) -> np.ndarray:
         """The seq_length + extra token ids of sample idx (int64; pad id where short)."""
         j = int(self.shuffle_index[idx])
@@ -558,6 +560,7 @@ class GPTDataset(GPTDataset):  # continued
 
 # %%
 class GPTDataset(GPTDataset):  # continued
+    __doc__ = GPTDataset.__doc__  # help() keeps the first cell's docstring
     def __getitem__(self, idx: Optional[int]) -> dict:
         """tokens, labels, loss_mask, position_ids (+ attention_mask) of sample idx."""
         cfg = self.config

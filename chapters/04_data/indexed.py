@@ -200,6 +200,7 @@ class IndexedDatasetBuilder:
 
 # %%
 class IndexedDatasetBuilder(IndexedDatasetBuilder):  # the same class, continued
+    __doc__ = IndexedDatasetBuilder.__doc__  # help() keeps the first cell's docstring
     def add_index(self, path_prefix: str) -> None:
         """Append a whole finished dataset (merging partial outputs)."""
         other = IndexedDataset(path_prefix, multimodal=self.multimodal)
@@ -372,6 +373,7 @@ class IndexedDataset:
 
 # %%
 class IndexedDataset(IndexedDataset):  # the same class, continued
+    __doc__ = IndexedDataset.__doc__  # help() keeps the first cell's docstring
     def _open_bin(self, bin_path) -> None:
         """Check the .bin size against the index, then map it (or keep a file handle)."""
         itemsize = np.dtype(self.dtype).itemsize
@@ -409,6 +411,7 @@ class IndexedDataset(IndexedDataset):  # the same class, continued
 
 # %%
 class IndexedDataset(IndexedDataset):  # continued
+    __doc__ = IndexedDataset.__doc__  # help() keeps the first cell's docstring
     def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
         """`length` tokens of sequence `idx` starting `offset` tokens in (indexed_dataset.py:843)."""
         if length is None:

@@ -194,6 +194,7 @@ class BucketGroup:
 
 # %%
 class BucketGroup(BucketGroup):  # the same class, continued
+    __doc__ = BucketGroup.__doc__  # help() keeps the first cell's docstring
     def register_grad_ready(self, param) -> None:
         """Count ``param`` as ready (last micro-batch only); launch once all counts are golden."""
         assert self.config.overlap_grad_reduce
@@ -247,6 +248,7 @@ class BucketGroup(BucketGroup):  # the same class, continued
 
 # %%
 class BucketGroup(BucketGroup):  # continued
+    __doc__ = BucketGroup.__doc__  # help() keeps the first cell's docstring
     def finish_grad_sync(self) -> None:
         """Make this step's grad collectives complete (launch them first if nothing did)."""
         self.param_gather_dispatched = False
@@ -413,6 +415,7 @@ class DistributedDataParallel(torch.nn.Module):
 
 # %%
 class DistributedDataParallel(DistributedDataParallel):  # the same class, continued
+    __doc__ = DistributedDataParallel.__doc__  # help() keeps the first cell's docstring
     def _gradient_scaling_factor(self) -> float:
         """1/dp_cp before a SUM (default); 1 with AVG or per-token normalization."""
         c = self.ddp_config
@@ -467,6 +470,7 @@ class DistributedDataParallel(DistributedDataParallel):  # the same class, conti
 
 # %%
 class DistributedDataParallel(DistributedDataParallel):  # continued
+    __doc__ = DistributedDataParallel.__doc__  # help() keeps the first cell's docstring
     @contextlib.contextmanager
     def no_sync(self):
         """Inside: accumulate grads only (not the last micro-batch), launch no collective."""

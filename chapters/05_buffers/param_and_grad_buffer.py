@@ -280,6 +280,7 @@ class Bucket:
 
 # %%
 class Bucket(Bucket):  # the same class, continued
+    __doc__ = Bucket.__doc__  # help() keeps the first cell's docstring
     def grad_shard(self, rank: int | None = None) -> torch.Tensor:
         """View of the grad buffer that DP ``rank`` owns in this bucket."""
         s, e = self.shard_range(rank)
@@ -361,6 +362,7 @@ class ParamAndGradBuffer:
 
 # %%
 class ParamAndGradBuffer(ParamAndGradBuffer):  # the same class, continued
+    __doc__ = ParamAndGradBuffer.__doc__  # help() keeps the first cell's docstring
     def _attach_views(self) -> None:
         """Point each param's main_grad (and .data with the distributed optimizer) into the buffer."""
         for p in self.params:

@@ -41,7 +41,7 @@ __all__ = ["HostBufferPool", "OffloadGroup", "ChunkOffloadHandler", "OffloadMana
 #   C->>C: start(qkv_linear): pack hooks on
 #   C->>C: linear_qkv forward (saves its input → tag)
 #   C->>D: commit: D2H waits for compute, copies the group's tensors to pinned buffers
-#   D-->>D: record offload event; device memory freed
+#   D-->>D: record offload event, device memory freed
 #   Note over C: ... forward goes on while D copies ...
 #   Note over C: backward of layer i+1
 #   C->>H: start marker of layer i+1 fires: prefetch layer i's groups

@@ -137,6 +137,7 @@ class ModelConfig:
 
 # %%
 class ModelConfig(ModelConfig):  # the same class, continued
+    __doc__ = ModelConfig.__doc__  # help() keeps the first cell's docstring
     @property
     def head_dim(self) -> int:
         """Size d of one attention head."""

@@ -161,6 +161,7 @@ class SelfAttention(nn.Module):
 
 # %%
 class SelfAttention(SelfAttention):  # the same class, continued
+    __doc__ = SelfAttention.__doc__  # help() keeps the first cell's docstring
     def _attend(self, q, k, v, attention_mask):
         """softmax(q k^T / sqrt(d) + mask) v over the whole sequence, causal; [s, b, n, d] inputs."""
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, n, s, d]
@@ -427,6 +428,7 @@ class GPTModel(nn.Module):
 
 # %%
 class GPTModel(GPTModel):  # the same class, continued
+    __doc__ = GPTModel.__doc__  # help() keeps the first cell's docstring
     def _mark_shared_embedding(self):
         """Megatron's shared_embedding / shared attributes for a table tied across stages."""
         if not self.config.tie_embeddings or (self.pre_process and self.post_process):
@@ -457,6 +459,7 @@ class GPTModel(GPTModel):  # the same class, continued
 
 # %%
 class GPTModel(GPTModel):  # continued
+    __doc__ = GPTModel.__doc__  # help() keeps the first cell's docstring
     def forward(self, input_ids: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None,
@@ -515,6 +518,7 @@ class GPTModel(GPTModel):  # continued
 
 # %%
 class GPTModel(GPTModel):  # continued
+    __doc__ = GPTModel.__doc__  # help() keeps the first cell's docstring
     def _rope_tables(self, hidden, position_ids):
         """cos/sin [s, b, d] for this rank's tokens (its CP chunks when cp > 1)."""
         grid, tp, cp = self.grid, self.grid.size("tp"), self.grid.size("cp")

@@ -243,6 +243,7 @@ class ParallelGrid:
 
 # %%
 class ParallelGrid(ParallelGrid):  # the same class, continued
+    __doc__ = ParallelGrid.__doc__  # help() keeps the first cell's docstring
     def _check_axis(self, axis: str) -> None:
         if axis not in AXES:
             raise ValueError(f"unknown axis {axis!r}; expected one of {AXES}")
@@ -286,6 +287,7 @@ class ParallelGrid(ParallelGrid):  # the same class, continued
 
 # %%
 class ParallelGrid(ParallelGrid):  # continued
+    __doc__ = ParallelGrid.__doc__  # help() keeps the first cell's docstring
     @property
     def device(self) -> torch.device:
         """The device collectives on this grid use: the current CUDA device under NCCL, else CPU."""

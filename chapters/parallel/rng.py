@@ -101,6 +101,7 @@ class RNGStatesTracker:
 
 # %%
 class RNGStatesTracker(RNGStatesTracker):  # the same class, continued
+    __doc__ = RNGStatesTracker.__doc__  # help() keeps the first cell's docstring
     def add(self, name: str, seed: int) -> None:
         """Create stream `name` seeded with `seed`; the default generator is left as it was."""
         if name in self._states:
