@@ -232,6 +232,7 @@ class TrainConfig:
             raise ConfigError(f"unknown config section [{unknown[0]}]{hint}")
         if "model" not in raw:
             raise ConfigError("the config has no [model] section")
+        raw = _ddp_follows_optimizer(raw)
         built = {name: _build_section(name, raw.get(name, {})) for name in SECTIONS
                  if name in raw or name != "model"}
         core = {k: built.pop(k) for k in ("model", "parallel", "training", "optimizer",
@@ -294,6 +295,19 @@ class TrainConfig:
                     lines.append(f"{key} = {_toml_value(value)}")
             lines.append("")
         return "\n".join(lines)
+
+
+def _ddp_follows_optimizer(raw: dict) -> dict:
+    """[ddp] use_distributed_optimizer defaults to [optimizer]'s (one switch in Megatron's CLI)."""
+    opt = raw.get("optimizer", {}).get("use_distributed_optimizer")
+    ddp = raw.get("ddp", {})
+    if opt is None or not isinstance(ddp, dict):
+        return raw
+    if ddp.get("use_distributed_optimizer", opt) != opt:
+        raise ConfigError(f"ddp.use_distributed_optimizer ({ddp['use_distributed_optimizer']}) "
+                          f"disagrees with optimizer.use_distributed_optimizer ({opt}); "
+                          "set it in [optimizer] only")
+    return {**raw, "ddp": {**ddp, "use_distributed_optimizer": opt}}
 
 
 def _toml_value(value) -> str:

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shlex
 import sys
 from datetime import timedelta
 from functools import partial
@@ -282,8 +283,8 @@ def plot_loss_curve(jsonl_path: str, png_path: str) -> bool:
 
 def _next_steps(argv: list[str], out_dir: str, cfg: TrainConfig) -> str:
     """The commands that resume, export and inspect this run."""
-    launch = " ".join(["torchrun", f"--nproc-per-node {dist.get_world_size()}", "-m",
-                       "tinytron.train", *argv])
+    launch = shlex.join(["torchrun", f"--nproc-per-node={dist.get_world_size()}", "-m",
+                         "tinytron.train", *argv])  # quoted: a path with a space still pastes
     return "\n".join([
         f"resume (the run continues from {out_dir}):",
         f"  {launch}",

@@ -59,6 +59,9 @@ def test_resolved_config_round_trips_through_toml(path, tmp_path):
     (["--training.global_batch_size", "6"], 8, "global_batch_size (6) must be divisible by micro_batch_size·dp = 2·2 = 4"),
     (["--training.train_samples", "100"], 4, "exactly one of training.train_iters"),
     (["model.hidden_size", "3"], 4, "must look like --section.key value"),
+    (["--ddp.overlap_param_gather", "true"], 4, "overlap_param_gather=True needs use_distributed_optimizer"),
+    (["--optimizer.use_distributed_optimizer", "true", "--ddp.use_distributed_optimizer", "false"], 4,
+     "ddp.use_distributed_optimizer (False) disagrees with optimizer.use_distributed_optimizer (True)"),
 ])
 def test_bad_input_names_the_field(path, overrides, world, message):
     with pytest.raises(ConfigError) as e:
@@ -72,3 +75,11 @@ def test_missing_file_and_missing_model(tmp_path):
     with pytest.raises(ConfigError, match="no \\[model\\] section"):
         load_config(None, ["--training.train_iters", "3"])
     assert parse_overrides(["--a.b", "none"]) == {"a": {"b": None}}
+
+
+def test_ddp_takes_the_distributed_optimizer_switch_from_optimizer(path):
+    """Megatron has one --use-distributed-optimizer; [ddp] follows [optimizer] unless told otherwise."""
+    cfg = load_config(path, ["--optimizer.use_distributed_optimizer", "true",
+                             "--ddp.overlap_param_gather", "true"])
+    assert cfg.ddp.use_distributed_optimizer is True and cfg.ddp.overlap_param_gather is True
+    assert load_config(path).ddp.use_distributed_optimizer is False

@@ -362,7 +362,8 @@ def test_command_bad_config_names_the_field(tmp_path, capsys, argv, field):
 def test_command_bad_flags(capsys):
     for argv, field in ((["--example", "--search", "--gpu-memory", "lots"], "--gpu-memory"),
                         (["--example", "--world-size", "4"], "--world-size"),
-                        ([], "--config"), (["--config", "/nonexistent.toml"], "does not exist")):
+                        ([], "--config"), (["--config", "/nonexistent.toml"], "does not exist"),
+                        (["--example", "--gpus", "64"], "--gpus only apply with --search")):
         rc, _, err = _run(capsys, argv)
         assert rc == 2 and field in err and err.count("\n") == 1
 

@@ -29,7 +29,8 @@ def data_prefix(tmp_path_factory):
 LAYOUTS = {
     "tp2_pp2": ["--parallel.tensor_model_parallel_size", "2",
                 "--parallel.pipeline_model_parallel_size", "2"],
-    "tp2_dp2": ["--parallel.tensor_model_parallel_size", "2"],
+    "tp2_dp2": ["--parallel.tensor_model_parallel_size", "2",  # with evaluation: TP rank 1
+                "--training.eval_interval", "5", "--training.eval_iters", "1"],  # has no iterator
     "pp2_dp2_distopt": ["--parallel.pipeline_model_parallel_size", "2",
                         "--optimizer.use_distributed_optimizer", "true"],
     "pp2_vpp2_dp2": ["--parallel.pipeline_model_parallel_size", "2",
@@ -63,6 +64,8 @@ def test_layout_gives_the_single_process_losses(parity, layout):
     assert got["code"] == 0 and sorted(got["losses"]) == list(range(1, 11)), got
     for it, ref in single["losses"].items():
         assert abs(got["losses"][it] - ref) <= 1e-5 * abs(ref), (layout, it, got["losses"][it], ref)
+    if "--training.eval_interval" in LAYOUTS[layout]:  # every rank joined the evaluation
+        assert got["validations"][:2] == [5, 10], got["validations"]
 
 
 # -- torchrun: the README's job in a fresh clone, two launchers, a kill and a restart -----------

@@ -28,6 +28,13 @@ def read_losses(jsonl: str) -> dict[int, float]:
     return out
 
 
+def _validation_iterations(jsonl: str) -> list[int]:
+    """Iterations at which the run logged a validation record."""
+    if not os.path.isfile(jsonl):
+        return []
+    return [r["iteration"] for r in map(json.loads, open(jsonl)) if "validation" in r]
+
+
 def run_layouts(root: str, data_prefix: str, layouts: dict[str, list[str]]) -> dict:
     """Each layout through tinytron.train.run in this world; the last rank returns the losses."""
     from tinytron.train import resolve_config, run
@@ -40,6 +47,7 @@ def run_layouts(root: str, data_prefix: str, layouts: dict[str, list[str]]) -> d
         code = run(cfg, argv, name)
         jsonl = os.path.join(save, "log.jsonl")
         out[name] = {"code": code,
-                     "losses": read_losses(jsonl) if os.path.isfile(jsonl) else None}
+                     "losses": read_losses(jsonl) if os.path.isfile(jsonl) else None,
+                     "validations": _validation_iterations(jsonl)}
         dist.barrier()
     return out

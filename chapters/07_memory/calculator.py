@@ -342,10 +342,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", help="write the stacked-bar picture to this PNG file")
     p.add_argument("--search", action="store_true", help="list layouts that fit, fastest first")
-    p.add_argument("--gpu-memory", default="80GiB", help="device budget for --search")
+    p.add_argument("--gpu-memory", help="device budget for --search (default 80GiB)")
     p.add_argument("--gpus", type=int, help="GPUs for --search (default: the world size)")
     p.add_argument("--global-batch-size", type=int, help="for --search (default: the config's)")
-    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--top", type=int, help="layouts --search lists (default 10)")
     return p
 
 
@@ -371,13 +371,19 @@ def _run(argv: Sequence[str] | None) -> None:
     """Parse, build, print (or search); raises ValueError with a one-line message."""
     args, overrides = _parser().parse_known_args(argv)
     cfg = _config_from_args(args, overrides)
+    search_only = [flag for flag, value in (("--gpus", args.gpus), ("--gpu-memory", args.gpu_memory),
+                   ("--global-batch-size", args.global_batch_size), ("--top", args.top))
+                   if value is not None]
+    if search_only and not args.search:
+        raise ValueError(f"{', '.join(search_only)} only apply with --search")
     if args.search:
+        budget = args.gpu_memory or "80GiB"
         gpus = args.gpus or cfg.world_size
         gbs = args.global_batch_size or cfg.micro_batch_size * cfg.data_parallel_size \
             * cfg.num_microbatches
         t0 = time.perf_counter()
-        found = search_layouts(cfg, gpus, parse_bytes(args.gpu_memory), gbs, top=args.top)
-        print(f"{len(found)} fastest layouts of {gpus} GPUs that fit {args.gpu_memory} "
+        found = search_layouts(cfg, gpus, parse_bytes(budget), gbs, top=args.top or 10)
+        print(f"{len(found)} fastest layouts of {gpus} GPUs that fit {budget} "
               f"(global batch {gbs}); searched in {time.perf_counter() - t0:.2f} s")
         for i, f in enumerate(found, 1):
             print(f"{i:>3}. {f['layout']:<55} peak {f['peak_bytes'] / 2**30:6.1f} GiB   "
