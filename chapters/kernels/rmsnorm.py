@@ -1,7 +1,7 @@
 # %% [markdown]
 # # C.1 · Kernels: RMSNorm, one pass forward and one pass backward
 #
-# Every layer normalises the residual stream twice. In eager PyTorch that is eight small ops,
+# Every layer normalizes the residual stream twice. In eager PyTorch that is eight small ops,
 # each streaming the whole activation through memory; a kernel reads the row once, keeps it in
 # registers, and writes the result once. This page writes that kernel in Triton, its backward
 # (with the weight gradient reduced across row blocks), and counts the bytes it saves.
@@ -31,12 +31,12 @@ __all__ = ["rms_norm", "rms_norm_reference", "rms_norm_bytes"]
 # by op (a dispatch mode that sums each op's input and output sizes): **36 bytes per element
 # forward for bf16 input, against 4 for the kernel** (read $x$ once, write $y$ once), and 96
 # against 6 in the backward, whose autograd graph is twice as long. Autograd also keeps 6 bytes
-# per element for the backward (an fp32 copy of $x$ and the bf16 normalised row) where the
+# per element for the backward (an fp32 copy of $x$ and the bf16 normalized row) where the
 # kernel keeps the 2-byte input, which the previous layer's output already is, and one fp32
 # $r$ per row.
 #
 # Worked example, one row $x = [1, 2, 3, 4]$, $\epsilon = 0$: $\overline{x^2} = 30/4 = 7.5$,
-# $r = 0.3651$, normalised row $[0.365, 0.730, 1.095, 1.461]$.
+# $r = 0.3651$, normalized row $[0.365, 0.730, 1.095, 1.461]$.
 #
 # ## The forward kernel: whole rows per program
 #
@@ -45,7 +45,8 @@ __all__ = ["rms_norm", "rms_norm_reference", "rms_norm_bytes"]
 # sums each row in fp32, and writes $y$ and each row's $r$, which the backward reuses instead of
 # recomputing the sum. For $h = 4096$ a row is 8 KiB of bf16 and one row fills a program
 # (`ROWS = 1`); narrower rows share one (`rows_per_program`), and under the interpreter, where
-# every program costs Python time, tiles are larger. Either way $x$ is read exactly once. Megatron gets this fusion from Transformer Engine's RMSNorm (`TENorm`,
+# every program costs Python time, tiles are larger. Either way $x$ is read exactly once.
+# Megatron gets this fusion from Transformer Engine's RMSNorm (`TENorm`,
 # `megatron/core/extensions/transformer_engine.py:675`) or Apex's persistent layer norm
 # (`megatron/core/fusions/fused_layer_norm.py:30`).
 
@@ -179,6 +180,12 @@ class _RMSNorm(torch.autograd.Function):
         return dx.view(ctx.shape), dw_partial.sum(0).to(weight.dtype), None
 
 
+# %% [markdown]
+# The public function is the check followed by `apply`. Beside it sit the two things the rest of
+# the page measures it against: the eager code it replaces (the parity reference of the demo)
+# and its byte count (the roofline below).
+
+# %%
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     """RMSNorm over the last dim of x with the Triton kernels (forward and backward)."""
     _check_rms_inputs(x, weight)
@@ -207,7 +214,7 @@ def rms_norm_bytes(num_rows: int, hidden: int, dtype: torch.dtype,
 # ## The roofline for the running example
 #
 # A TP rank of the running example (TP 2 with sequence parallelism, micro-batch 2, $s = 4096$)
-# normalises $s b / t = 4096$ tokens of $h = 4096$: 32 MiB of bf16. About 4 FLOPs per element
+# normalizes $s b / t = 4096$ tokens of $h = 4096$: 32 MiB of bf16. About 4 FLOPs per element
 # against 4 bytes moved is an arithmetic intensity of ~1 FLOP/byte, far below an H100's ridge
 # of $989\,\text{TFLOP/s} / 3.35\,\text{TB/s} = 295$ FLOP/byte: the kernel is memory-bound,
 # and its best possible time is its bytes over the bandwidth.
@@ -218,7 +225,7 @@ def rms_norm_bytes(num_rows: int, hidden: int, dtype: torch.dtype,
 # | backward | 118.0 MB (17.3 MB of it fp32 partials) | 35.2 µs | 1,614 MB | 482 µs |
 #
 # A pipeline stage of the running example holds 16 layers, so 32 norms run per micro-batch: the
-# eager forward and backward would spend ~21 ms of pure memory time on normalisation per
+# eager forward and backward would spend ~21 ms of pure memory time on normalization per
 # micro-batch, the kernels ~1.8 ms. The benchmark (`benchmarks/bench_kernels.py`) measures the achieved bandwidth on a GPU.
 
 # %% [markdown]
@@ -311,4 +318,4 @@ if __name__ == "__main__":
 # 2. Replace the two-stage weight reduction with `tl.atomic_add`. What changes in the result
 #    from run to run, and why does that matter for chapter 08's reproducibility checks?
 # 3. At which hidden size does one row no longer fit one program's registers, and what would
-#    a two-pass (sum, then normalise) kernel cost in extra reads?
+#    a two-pass (sum, then normalize) kernel cost in extra reads?

@@ -39,7 +39,8 @@ __all__ = ["eager_bytes_per_element", "step_operations", "plot_roofline"]
 # ($8192 \times 4096$ by $4096 \times 7168$ in bf16) does 481 GFLOP on 243 MB: 2,000 FLOP/byte,
 # far right of the ridge. An RMSNorm does about 4 FLOPs per element on 4 bytes: 1 FLOP/byte,
 # three hundred times left of it. For such an operation only the bytes matter, and eager
-# PyTorch moves many more bytes than the operation needs (pages C.1–C.3 count them op by op).
+# PyTorch moves many more bytes than the operation needs (pages
+# [C.1](rmsnorm.py)–[C.3](cross_entropy.py) count them op by op).
 #
 # ## What one micro-batch of the running example runs
 #
@@ -48,8 +49,8 @@ __all__ = ["eager_bytes_per_element", "step_operations", "plot_roofline"]
 # causal attention with 16 query and 4 key/value heads of 128. The last stage adds the loss
 # over 8,192 tokens of $V/t = 64{,}128$ logits, and every step ends with one AdamW update of the
 # rank's 31.4 M-element shard. `step_operations` lists each with its FLOPs, the bytes the eager
-# code moves (measured per element on small tensors by the dispatch-mode counter of C.1, then
-# scaled) and the bytes the kernel moves (its loads and stores).
+# code moves (measured per element on small tensors by the dispatch-mode counter of
+# [C.1](rmsnorm.py), then scaled) and the bytes the kernel moves (its loads and stores).
 
 # %%
 def eager_bytes_per_element() -> dict[str, dict[str, float]]:
@@ -119,13 +120,13 @@ def plot_roofline(ops: list[dict], gpu: GPU = H100_SXM, ax=None):
     ax.plot(xs, torch.minimum(xs * gpu.hbm_bytes_per_s, torch.tensor(gpu.bf16_flops)) / 1e12,
             color="black", lw=1)
     for i, op in enumerate(ops):
-        colour = plt.get_cmap("tab10")(i)
-        for kind, face in (("eager", "none"), ("fused", colour)):
+        color = plt.get_cmap("tab10")(i)
+        for kind, face in (("eager", "none"), ("fused", color)):
             intensity = op["flops"] / op[kind]
             achievable = min(intensity * gpu.hbm_bytes_per_s, gpu.bf16_flops) / 1e12
-            ax.scatter(intensity, achievable, s=60, edgecolors=colour, facecolors=face,
+            ax.scatter(intensity, achievable, s=60, edgecolors=color, facecolors=face,
                        label=op["name"] if kind == "fused" else None)
-    ax.axvline(gpu.ridge, color="grey", ls=":", lw=1)
+    ax.axvline(gpu.ridge, color="gray", ls=":", lw=1)
     ax.set(xscale="log", yscale="log", xlabel="FLOP per byte moved", ylabel="TFLOP/s at best",
            title=f"{gpu.name}: eager (hollow) vs fused (filled), running example")
     ax.legend(fontsize=7, loc="lower right")
@@ -137,9 +138,9 @@ def plot_roofline(ops: list[dict], gpu: GPU = H100_SXM, ax=None):
 #
 # The table adds, for one micro-batch of one pipeline stage (16 layers; the loss on the last
 # stage) and one optimizer step, the best-case time of each operation eager and fused. The
-# eager attention row is the materialised form (`attention_eager`); appendix B's call to
+# eager attention row is the materialized form (`attention_eager`); appendix B's call to
 # `scaled_dot_product_attention` already dispatches to a fused flash kernel on a GPU, which is
-# what page C.4's kernel is measured against.
+# what the kernel of page [C.4](flash_attention.py) is measured against.
 
 # %%
 if __name__ == "__main__":
@@ -174,8 +175,9 @@ if __name__ == "__main__":
 #   operation needs.
 # - Attention's matmuls are compute-bound, but its eager form writes an $s \times s$ score
 #   matrix per head and becomes memory-bound; tiling brings it back right of the ridge.
-# - The next pages write these five kernels: RMSNorm (C.1), SwiGLU (C.2), the cross-entropy
-#   (C.3), flash attention (C.4) and AdamW (C.5). The model (appendix B) and the optimizer
+# - The next pages write these five kernels: RMSNorm ([C.1](rmsnorm.py)), SwiGLU ([C.2](swiglu.py)),
+#   the cross-entropy ([C.3](cross_entropy.py)), flash attention ([C.4](flash_attention.py)) and
+#   AdamW ([C.5](fused_adamw.py)). The model (appendix B) and the optimizer
 #   (chapter 02) pick them with `kernels = "triton"`.
 #
 # ## How production does it
