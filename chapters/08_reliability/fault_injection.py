@@ -100,6 +100,12 @@ class Fault:
             raise ValueError(f"fault target must be 'loss' or 'grad', got {self.target!r}")
 
 
+# %% [markdown]
+# A spec string becomes a `Fault` by splitting at `@` and `:`; every option must be a field of
+# `Fault`, so a typo fails at launch, naming the bad part, instead of silently planning nothing.
+# `restart_attempt` counts the lives of the job, torchrun's and in-process restarts together.
+
+# %%
 def parse_fault(spec: str) -> Fault:
     """`kind@iteration[:key=value...]` -> Fault (ValueError naming the bad part)."""
     head, *options = spec.strip().split(":")
@@ -140,6 +146,32 @@ def restart_attempt() -> int:
 #   *in the step*.
 # - `around_save(iteration)` — a context manager for the save of `iteration`: it arms chapter
 #   03's `fault_point` (`TINYTRON_CHECKPOINT_FAULT=point@rank`) for this save only.
+#
+# Rank and attempt are settled once, when the injector is built: a fault planned for another
+# rank or another life of the job is dropped there. Iteration, pass and node are asked at every
+# call, and for a value fault the diagnostic decides which passes it corrupts:
+#
+# ```mermaid
+# flowchart TD
+#   S["fault specs, e.g. nan@3:rank=1:diagnostic=persistent_error"] --> K{"rank == this rank and<br/>attempt None or == restart_attempt()?"}
+#   K -- no --> D[dropped at construction]
+#   K -- yes --> P[planned for this process]
+#   P --> I{"iteration == current iteration?"}
+#   I -- no --> N[value passes untouched]
+#   I -- yes --> T{kind}
+#   T -- "nan, inf, spike" --> G{diagnostic}
+#   G -- transient_error --> G1{"pass == INITIAL_RUN?"}
+#   G -- persistent_error --> G2{"node == faulty node?<br/>(node= or first node it fired on)"}
+#   G -- "correct_result (every pass, every node)" --> C1["corrupt the value"]
+#   G1 -- yes --> C1
+#   G1 -- no --> N
+#   G2 -- yes --> C1
+#   G2 -- no --> N
+#   T -- "kill, freeze" --> SIG["SIGKILL or SIGSTOP to itself"]
+#   T -- hang --> H[main thread sleeps forever]
+#   T -- raise --> R[RuntimeError in the step]
+#   T -- kill_in_save --> A["arm TINYTRON_CHECKPOINT_FAULT for this save only"]
+# ```
 
 # %%
 class FaultInjector:
@@ -184,6 +216,16 @@ class FaultInjector:
             else:
                 value = value * float(f.kind)
         return value
+
+
+# %% [markdown]
+# The two process-fault hooks: `at_step_start` turns a planned `kill`, `freeze`, `hang` or
+# `raise` into the real thing, and `around_save` arms chapter 03's kill point for one save
+# and restores whatever was armed before.
+
+# %%
+class FaultInjector(FaultInjector):  # the same class, continued
+    __doc__ = FaultInjector.__doc__  # help() keeps the first cell's docstring
 
     def at_step_start(self, iteration: int) -> None:
         """Kill, hang or freeze this process if a fault is planned for this step."""
@@ -270,10 +312,12 @@ def _demo_child(attempt: int) -> None:
         print(f"attempt {attempt}: iteration {it} done", flush=True)
 
 
-if __name__ == "__main__":
-    import subprocess
-    import sys
+# %% [markdown]
+# The three stories, one launch each (two when the first one saved a checkpoint to relaunch
+# from, on another node); then which passes a persistent fault fired on.
 
+# %%
+if __name__ == "__main__":
     for diagnostic in ("transient_error", "persistent_error", "correct_result"):
         fault = f"nan@3:diagnostic={diagnostic}:node=node-A"
         code, ckpt, rsm = _demo_train(FaultInjector([fault]), node="node-A")
@@ -289,6 +333,15 @@ if __name__ == "__main__":
     _demo_train(inj, node="node-A")
     print("persistent fault fired on passes:", inj.fired)
     assert [p for _, _, p in inj.fired] == ["INITIAL_RUN", "RERUNNING_IN_PLACE"]
+
+# %% [markdown]
+# A process fault, for real: a child process dies by SIGKILL in its first life; the second
+# life runs to the end. Last, specs that must be refused, and the error each one gets.
+
+# %%
+if __name__ == "__main__":
+    import subprocess
+    import sys
 
     proc = subprocess.run([sys.executable, "-c", "from tinytron.reliability.fault_injection "
                            "import _demo_child; _demo_child(0)"],
