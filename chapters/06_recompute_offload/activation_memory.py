@@ -27,14 +27,14 @@ __all__ = ["layer_activation_terms", "layer_activation_bytes", "decoder_activati
 # size $d = h/a$, MLP width $f$, TP size $t$; $s' = s/t$ under sequence parallelism ($s$
 # otherwise); $e$ bytes per activation element (2 for bf16), $m$ bytes per dropout-mask element
 # (1 on CUDA, whose fused dropout keeps a bool mask; $e$ on CPU, whose dropout multiplies by a
-# mask of the activation's dtype). Attention is the materialised kind (softmax probabilities
+# mask of the activation's dtype). Attention is the materialized kind (softmax probabilities
 # stored, as in Megatron's unfused path and the memory formula below); dropout is on.
 #
 # | region (offload name) | saved tensor | elements | bytes each |
 # |---|---|---|---|
 # | `attn_norm` | input, upcast to fp32 (RMSNorm computes in fp32) | $s' b h$ | 4 |
 # | | reciprocal RMS | $s' b$ | 4 |
-# | | normalised input (for the weight's gradient) | $s' b h$ | $e$ |
+# | | normalized input (for the weight's gradient) | $s' b h$ | $e$ |
 # | `qkv_linear` | its input (the gathered sequence under SP) | $s b h$ | $e$ |
 # | `core_attn` | $q$, $k$, $v$ (scaled, GQA-expanded to $a$ heads) | $3 s b h / t$ | $e$ |
 # | | softmax probabilities, dropped probabilities | $2 a s^2 b / t$ | $e$ |
@@ -263,7 +263,7 @@ if __name__ == "__main__":
 # ## The running example at TP 2 with sequence parallelism
 #
 # Llama-7B-like ($h = 4096$, $a = 32$, $g = 8$, $f = 14336$, $s = 4096$), micro-batch $b = 2$,
-# bf16 with 1-byte masks, dropout on, materialised attention, TP 2 with SP, PP 2: a stage holds
+# bf16 with 1-byte masks, dropout on, materialized attention, TP 2 with SP, PP 2: a stage holds
 # 16 layers. Per rank and per micro-batch:
 
 # %%
@@ -310,7 +310,7 @@ if __name__ == "__main__":
 # | full, uniform $k = 1$ | 32 MiB (the layer input) | 0.51 GiB |
 # | offload, all five regions | 0.53 GiB left on the device | 8.5 GiB |
 #
-# Without recompute, materialised attention does not fit an 80 GB GPU even for one
+# Without recompute, materialized attention does not fit an 80 GB GPU even for one
 # micro-batch, and the first stage of a 1F1B schedule keeps two in flight (chapter 01).
 # Selective recompute is what makes it fit, for one extra attention forward; full recompute
 # buys another factor of 28 for one extra forward of everything. Offload gets below selective
@@ -324,7 +324,7 @@ if __name__ == "__main__":
 #
 # - The count above is exact for this model: measured and counted agree to the byte without
 #   recompute and with offload, and within the RNG snapshots' CPU states elsewhere.
-# - Per layer, materialised attention's $a s^2 b / t$ tensors dwarf everything else at long
+# - Per layer, materialized attention's $a s^2 b / t$ tensors dwarf everything else at long
 #   sequences; selective recompute removes them, full recompute keeps only $s' b h$ per run,
 #   offload removes what the chosen regions save.
 #

@@ -164,7 +164,12 @@ def _gather_flat_chunks(chunk: torch.Tensor, shape, grid: ParallelGrid) -> torch
     dist.all_gather(parts, chunk.contiguous(), group=grid.group("tp"))
     return torch.cat(parts).view(shape)
 
+# %% [markdown]
+# The function itself follows. `forward` keeps the RNG snapshot and the inputs (the first one
+# as this rank's slice when it distributes); `backward` is the three steps listed above, with
+# the all-gather in front when the first input was split.
 
+# %%
 class CheckpointFunction(torch.autograd.Function):
     """Forward without saving internals; backward re-runs the block with the forward's RNG states."""
 
@@ -233,7 +238,7 @@ def checkpoint(function: Callable, distribute_saved_activations: bool, *args,
 # the output sees the data again without knowing it was ever gone (`_recompute`, `:742`).
 #
 # For the norm before `linear_qkv` this saves the norm's internals *and* its output: per
-# layer $s b h$ elements of output, $s b h$ of normalised input and $s b$ of reciprocal RMS
+# layer $s b h$ elements of output, $s b h$ of normalized input and $s b$ of reciprocal RMS
 # (page 4 counts them). The price is one more norm forward in backward — a few percent of a
 # layer's time.
 

@@ -137,6 +137,13 @@ class HostBufferPool:
         self._free.setdefault((tuple(shape), dtype), []).append((buffer, ready))
 
 
+# %% [markdown]
+# The copies keep a tensor's layout. A saved tensor may be a non-contiguous view (the
+# transposed input a linear saves), so it goes to the host in its own memory order, and the
+# reload gives the device tensor back the same strides: the backward's kernels then see the
+# same layout, and round the same way, as without offload.
+
+# %%
 def _memory_order(t: torch.Tensor) -> list[int]:
     """t's dims from outermost to innermost in memory (a transposed view is not contiguous)."""
     return sorted(range(t.dim()), key=lambda d: -t.stride(d))
@@ -163,6 +170,12 @@ def _to_device(buffer, shape, dtype, device, order: list[int]) -> torch.Tensor:
     return out.permute(inverse)
 
 
+# %% [markdown]
+# The two side streams hide behind one small class, so that the handler below reads the same
+# on both devices: on CUDA it queues copies and records events, on CPU every call is a no-op
+# and every copy has finished when it returns.
+
+# %%
 class _Streams:
     """The D2H and H2D side streams on CUDA; on CPU, nothing (every copy is synchronous)."""
 
@@ -501,6 +514,12 @@ def _hook_module(module, name: str, layer_number: int, manager: OffloadManager) 
     module.register_forward_hook(after, always_call=True)
 
 
+# %% [markdown]
+# Core attention has no module to hook, so its group wraps `attend_wrapper` instead, with the
+# same start and commit marks and the same care to close the pack hooks if the forward raises.
+# `install_offload` then puts the pieces on every layer, and the chunk brackets on the model.
+
+# %%
 def _offload_attend(manager: OffloadManager, layer_number: int, inner=None):
     """An attend_wrapper that makes core attention one offload group (around `inner`, if any)."""
     def wrapper(attend, q, k, v, attention_mask):
@@ -573,6 +592,11 @@ def _offload_run(config, steps: int = 1):
     return loss.detach(), grads, held, timeline, manager
 
 
+# %% [markdown]
+# The demo runs both configurations for two micro-batches each, prints what moved, plots the
+# two timelines of live bytes, and asserts the claims above.
+
+# %%
 if __name__ == "__main__":
     import matplotlib.pyplot as plt
 

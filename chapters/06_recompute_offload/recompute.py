@@ -32,7 +32,7 @@ __all__ = ["FullRecompute", "recompute_core_attention", "recompute_module",
 # q/k/v projections, the attention probabilities, the MLP's $2f$-wide input to SwiGLU. Page 4
 # counts them exactly; for the running example (Llama-7B-like, $h = 4096$, $a = 32$,
 # $f = 14336$, $s = 4096$, micro-batch $b = 2$, bf16) at TP 2 with sequence parallelism, with
-# attention probabilities materialised (no flash attention) and dropout, a layer stores
+# attention probabilities materialized (no flash attention) and dropout, a layer stores
 # 3.4 GiB per rank, of which the three $a b s^2/t$-sized attention tensors are 2.5 GiB. Three
 # choices:
 #
@@ -280,6 +280,11 @@ def train_steps(config, steps: int = 3, grid=None, batch_seed: int = 0, lr: floa
     return torch.stack(losses), grads, manager
 
 
+# %% [markdown]
+# The seven settings, as `ModelConfig` fields on top of the tiny model; the demo trains each
+# one and compares it with the run without recompute.
+
+# %%
 MODES = {
     "none": {},
     "selective core_attn": dict(recompute_granularity="selective"),
@@ -344,6 +349,6 @@ if __name__ == "__main__":
 #
 # ## Exercises
 #
-# 1. With 6 layers per stage and `uniform`, which $k$ minimises the *peak* (stored inputs plus
+# 1. With 6 layers per stage and `uniform`, which $k$ minimizes the *peak* (stored inputs plus
 #    one recomputed run)? Check with page 4's meter.
 # 2. Why does `block` suit the first pipeline stage of a 1F1B schedule better than the last?
