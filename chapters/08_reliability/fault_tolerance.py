@@ -35,7 +35,7 @@ __all__ = ["EXIT_CODE_HANG_DETECTED", "SECTIONS", "FaultToleranceConfig", "RankM
 # Megatron's `ft_integration.py` divides a rank's life into sections (`:76-193`): `setup`
 # (from process start to the first training step: imports, process groups, model build,
 # checkpoint load), `step` (one `train_step`), `checkpointing` (one save, or one asynchronous
-# finalisation) — and the time outside any section, with its own timeout. The first
+# finalization) — and the time outside any section, with its own timeout. The first
 # `num_warmup_iters = 5` steps run out of section, because they include one-off work (memory
 # pool growth, compilation) that would force a loose step timeout. Each rank's section events
 # go to a **rank monitor**, a separate process that kills the rank when a section overruns;
@@ -64,7 +64,7 @@ class FaultToleranceConfig:
     step_timeout: float = 180.0
     """One train_step, after the warm-up steps."""
     checkpoint_timeout: float = 600.0
-    """One save (or one async finalisation)."""
+    """One save (or one async finalization)."""
     out_of_section_timeout: float = 600.0
     """Time outside any section (warm-up steps, logging, evaluation)."""
     num_warmup_iters: int = 5
@@ -182,6 +182,42 @@ def find_hung_ranks(reports: dict[int, dict], ages: dict[int, tuple[float, float
 # The store is a separate client connection (keys prefixed by the restart attempt, so a
 # restarted job never reads the previous life's beats); losing it for `heartbeat_timeout`
 # (the rank hosting it died) also ends the rank.
+#
+# The demo below, as a sequence: rank 1's main thread hangs inside step 3, rank 0's waits for
+# it in the all-reduce, and only the monitor threads keep talking to the store.
+#
+# ```mermaid
+# sequenceDiagram
+#   participant M0 as rank 0 main thread
+#   participant T0 as rank 0 monitor thread
+#   participant S as job's TCPStore
+#   participant T1 as rank 1 monitor thread
+#   participant M1 as rank 1 main thread
+#   M0->>T0: on_training_step_start(3), section "step" opens (a dict in memory)
+#   M1->>T1: on_training_step_start(3), section "step" opens
+#   Note over M1: injected hang, the main thread never returns
+#   Note over M0: all_reduce of step 3 waits for rank 1
+#   loop every heartbeat_interval
+#     T0->>S: set rank0 = beat+1, step, in_collective=true
+#     T1->>S: set rank1 = beat+1, step, where=at_step_start, in_collective=false
+#     S-->>T0: every rank's report, ages by T0's own clock
+#     S-->>T1: every rank's report, ages by T1's own clock
+#   end
+#   Note over T0,T1: beats stay fresh, but step 3 is open longer than step_timeout
+#   Note over T0: find_hung_ranks: rank 1 is late outside any collective (culprit), rank 0 is in all_reduce (waiting)
+#   T0->>S: compare_set("verdict", "", "rank 1 hung in section 'step'...")
+#   Note over S: the first monitor to write the verdict wins
+#   S-->>T1: the same verdict
+#   T0->>M0: os._exit(18)
+#   T1->>M1: os._exit(18)
+#   Note over M0,M1: every rank exits with EXIT_CODE_HANG_DETECTED, the launcher restarts the job
+# ```
+#
+# A frozen rank (`SIGSTOP`) is the other branch of the same loop: its monitor thread stops too,
+# so its beat ages past `heartbeat_timeout` and the verdict says "stopped beating".
+#
+# The client first: a store connection of its own, and the state that the main thread writes
+# and the monitor thread reads, guarded by one lock.
 
 # %%
 def connect_store(prefix: str, timeout_s: float):
@@ -212,6 +248,16 @@ class RankMonitor:
         self._thread: Optional[threading.Thread] = None
         self.verdict: Optional[str] = None
         self.section_times: dict[str, float] = {}  # longest observed duration per section
+
+
+# %% [markdown]
+# The hooks the training loop calls. Each one only rewrites `_mine` under the lock (a new
+# section, a new `section_seq`) and records how long the closed section lasted: the loop
+# never waits on the network for fault tolerance.
+
+# %%
+class RankMonitor(RankMonitor):  # the same class, continued
+    __doc__ = RankMonitor.__doc__  # help() keeps the first cell's docstring
 
     def start(self) -> "RankMonitor":
         """Open the setup section and start beating."""
@@ -266,7 +312,17 @@ class RankMonitor:
         if self._thread is not None:
             self._thread.join(timeout=5 * self.config.heartbeat_interval)
 
-    # -- the monitor thread ---------------------------------------------------------------
+
+# %% [markdown]
+# The monitor thread: every `heartbeat_interval` it publishes this rank's report (beat,
+# section, main-thread position), reads every rank's report, and ages each value by its own
+# clock from the moment it last saw it change. A verdict, its own or one already in the
+# store, ends the loop; so does losing the store for longer than `heartbeat_timeout`.
+
+# %%
+class RankMonitor(RankMonitor):  # the same class, continued
+    __doc__ = RankMonitor.__doc__  # help() keeps the first cell's docstring
+
     def _publish(self) -> None:
         where, in_collective = main_thread_position()
         with self._lock:
@@ -309,6 +365,16 @@ class RankMonitor:
             if verdict is not None:
                 self._end(verdict)
                 return
+
+
+# %% [markdown]
+# Ending the job: the verdict is agreed once through the store (`compare_set` keeps the first
+# one written), written to `report_path` by a hard link that only the first rank can create,
+# printed by its owner, and then every rank exits with `EXIT_CODE_HANG_DETECTED`.
+
+# %%
+class RankMonitor(RankMonitor):  # the same class, continued
+    __doc__ = RankMonitor.__doc__  # help() keeps the first cell's docstring
 
     def _end(self, verdict: str) -> None:
         owner = str(self.rank)
