@@ -9,6 +9,19 @@
 #
 # You will build: `read_checkpoint_model`, `checkpoint_to_hf`, `hf_to_checkpoint`, `main`
 # (the `tinytron-convert` command).
+#
+# Every route passes through the same middle: one whole model in one process. What differs is
+# how each format gets there — and that is where the code of this page goes.
+#
+# ```mermaid
+# flowchart LR
+#   TD["torch_dist directory<br/>any TP x PP x DP"] -->|"load_model_weights<br/>DCP assembles full tensors"| M
+#   MC["Megatron-Core torch_dist<br/>no model config"] -->|"infer_config from shapes<br/>+ --num-attention-heads"| M
+#   LG["legacy mp_rank_TT_PPP/<br/>model_optim_rng.pt"] -->|"_legacy_full_state<br/>global layer names + unshard"| M
+#   M["one GPTModel<br/>TP 1 x PP 1, full tensors"] -->|"save_hf_llama"| HF["Hugging Face folder<br/>config.json + model.safetensors"]
+#   HF -->|"load_hf_llama"| M2["one GPTModel"]
+#   M2 -->|"CheckpointManager.save<br/>iteration 0, model only"| CK["tinytron checkpoint<br/>torch_dist or torch"]
+# ```
 
 # %%
 from __future__ import annotations

@@ -47,10 +47,6 @@ __all__ = ["TRACKER_FILENAME", "COMMON_FILENAME", "METADATA_FILENAME", "DCP_META
 # | `torch_dist`: `iter_…/.metadata` | PyTorch DCP's index: every tensor's global shape and which file holds which chunk | rank 0 |
 # | `torch_dist`: `iter_…/metadata.json` | `{"sharded_backend": "torch_dist", …}` (`dist_checkpointing/core.py:22`): **written last**, its presence means "complete" (`:38`) | rank 0 |
 #
-# A loader recognises the format the way Megatron's `_get_checkpoint_format` does (`:1264`):
-# a valid `metadata.json` means `torch_dist`, an entry starting with `mp_rank_0` means the
-# legacy `torch` format, a bare `.metadata` means plain DCP.
-#
 # The tracker is read as an integer or `release`; anything else is an error (Megatron's
 # `read_metadata` prints an error and exits). Here a bad tracker raises `ValueError` naming
 # the file.
@@ -98,6 +94,15 @@ def legacy_rank_dir(tp_rank: int, pp_rank: int, pp_size: int) -> str:
     return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
 
 
+# %% [markdown]
+# A loader is handed a root, not a directory. `resolve_checkpoint_dir` follows the tracker to
+# one iteration directory, and `detect_format` recognizes its format the way Megatron's
+# `_get_checkpoint_format` does (`:1264`): a valid `metadata.json` means `torch_dist`, an
+# entry starting with `mp_rank_0` means the legacy `torch` format, a bare `.metadata` means
+# plain DCP. Both fail with the path in the message: a tracker naming a directory that is gone
+# is an error, not an empty start.
+
+# %%
 def detect_format(directory: str | os.PathLike) -> str:
     """'torch_dist', 'torch' (legacy) or 'torch_dcp', from the files in one iteration directory."""
     d = Path(directory)
@@ -146,7 +151,7 @@ def resolve_checkpoint_dir(root: str | os.PathLike, iteration: int | None = None
 # A job can die at any moment of a save: SIGKILL from the scheduler, a node failure, a full
 # disk. Megatron's answer has two parts: the tracker is rewritten only after every rank has
 # finished, and `metadata.json` is the last file of a `torch_dist` directory. A directory
-# without `metadata.json` is then recognisably partial — but it still sits at the final
+# without `metadata.json` is then recognizably partial — but it still sits at the final
 # name, and the previous save of the same iteration (if any) has been overwritten in place.
 #
 # Here every save writes into a **staging directory** `iter_0001000.tmp` next to the final one,
@@ -161,27 +166,32 @@ def resolve_checkpoint_dir(root: str | os.PathLike, iteration: int | None = None
 # removes it); a crash between 1 and 2 leaves a complete new directory and a tracker that still
 # names the previous one. Either way the tracker names a complete checkpoint. If the iteration
 # directory already exists (a second save of the same iteration), it is moved aside to
-# `iter_….old` just before the rename and removed after it.
+# `iter_….old` just before the rename and removed after it. In order, with the two points where
+# a kill is survivable by construction:
 #
-# `fault_point(name)` is how the tests kill a real process at a chosen point of a save:
-# with `TINYTRON_CHECKPOINT_FAULT=name` (or `name@rank`) in the environment, the process sends
-# itself SIGKILL there. Nothing is mocked: the writer is the real one, the kill is the real
-# signal, and the next process loads from what is really on disk.
+# ```mermaid
+# sequenceDiagram
+#   participant R as every rank
+#   participant Z as global rank 0
+#   participant FS as file system under --save
+#   Z->>FS: prepare_staging: empty iter_0001000.tmp/
+#   Note over R,Z: barrier
+#   R->>FS: each rank writes its own files into iter_0001000.tmp/
+#   R->>Z: every rank reports success
+#   Z->>FS: fsync iter_0001000.tmp/
+#   Note over FS: killed here (before_rename): a .tmp nobody reads, tracker names the previous save
+#   Z->>FS: rename an existing iter_0001000/ to iter_0001000.old/
+#   Z->>FS: rename iter_0001000.tmp/ to iter_0001000/, fsync the root
+#   Note over FS: killed here (before_tracker): new directory complete, tracker still names the previous save
+#   Z->>FS: tracker.tmp, fsync, rename over the tracker, fsync the root
+#   Z->>FS: remove iter_0001000.old/
+# ```
+#
+# The code comes in the other order: first the primitive under step 2 (write a file aside,
+# `fsync` it, rename it over the old one, `fsync` the directory), which `write_tracker` applies
+# to the tracker and which serves any small file a reader must see whole.
 
 # %%
-FAULT_ENV = "TINYTRON_CHECKPOINT_FAULT"
-
-
-def fault_point(name: str, rank: int | None = None) -> None:
-    """SIGKILL this process here when TINYTRON_CHECKPOINT_FAULT names this point (and rank)."""
-    want = os.environ.get(FAULT_ENV)
-    if not want:
-        return
-    point, _, who = want.partition("@")
-    if point == name and (not who or rank is None or int(who) == rank):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a rename or a new file inside `path` durable."""
     fd = os.open(str(path), os.O_RDONLY)
@@ -207,6 +217,27 @@ def write_tracker(root: str | os.PathLike, iteration: int, release: bool = False
     """Point the tracker at `iteration` (atomic)."""
     atomic_write_bytes(Path(root) / TRACKER_FILENAME,
                        ("release" if release else str(iteration)).encode() + b"\n")
+
+
+# %% [markdown]
+# Step 1 is the staging directory and its commit. `fault_point(name)` marks the moments in
+# it where the tests kill a real process: with `TINYTRON_CHECKPOINT_FAULT=name` (or
+# `name@rank`) in the environment, the process sends itself SIGKILL there. Nothing is mocked:
+# the writer is the real one, the kill is the real signal, and the next process loads from
+# what is really on disk.
+
+# %%
+FAULT_ENV = "TINYTRON_CHECKPOINT_FAULT"
+
+
+def fault_point(name: str, rank: int | None = None) -> None:
+    """SIGKILL this process here when TINYTRON_CHECKPOINT_FAULT names this point (and rank)."""
+    want = os.environ.get(FAULT_ENV)
+    if not want:
+        return
+    point, _, who = want.partition("@")
+    if point == name and (not who or rank is None or int(who) == rank):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def staging_dir(root: str | os.PathLike, iteration: int, release: bool = False) -> Path:
@@ -245,6 +276,12 @@ def commit_checkpoint(root: str | os.PathLike, iteration: int, release: bool = F
     return final
 
 
+# %% [markdown]
+# Every saver of this chapter is handed "the model" the way the training loop holds it: one
+# chunk, a list of virtual-pipeline chunks, or DDP wrappers around them. `unwrap_chunks` gives
+# back the `GPTModel` chunks, and refuses anything else by name.
+
+# %%
 def unwrap_chunks(model) -> list:
     """The GPTModel chunks inside a model, a list of chunks, or DDP wrappers of them."""
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
@@ -257,6 +294,7 @@ def unwrap_chunks(model) -> list:
                              f"got {type(chunk).__name__}")
         out.append(chunk)
     return out
+
 
 
 # %% [markdown]
@@ -280,6 +318,26 @@ def unwrap_chunks(model) -> list:
 #   0.38 GB) and DP rank 0 of each position also writes the bf16 weights; 256 writers, one
 #   `__R_0.distcp` each, plus `common.pt`, `.metadata` and `metadata.json` from rank 0. No
 #   gather, and the write bandwidth of the whole cluster is used.
+#
+# The same iteration of the running example in each format (the `.tmp` suffix dropped, as after
+# the commit):
+#
+# ```mermaid
+# flowchart LR
+#   subgraph D["--ckpt-format torch_dist: 256 writers, 259 files"]
+#     DI["iter_0001000/"] --> D0["common.pt<br/>rank 0"]
+#     DI --> D1["__0_0.distcp ... __255_0.distcp<br/>one per rank, 0.38 GB of optimizer state<br/>+ 4.0 GB of weights on DP rank 0"]
+#     DI --> D2[".metadata<br/>rank 0, the index"]
+#     DI --> D3["metadata.json<br/>rank 0, written last"]
+#   end
+#   subgraph L["--ckpt-format torch: 4 writers, 8 files"]
+#     LI["iter_0001000/"] --> L0["mp_rank_00_000/<br/>model_optim_rng.pt 4.0 GB<br/>distrib_optim.pt 24.1 GB"]
+#     LI --> L1["mp_rank_01_000/<br/>same two files"]
+#     LI --> L2["mp_rank_00_001/<br/>same two files"]
+#     LI --> L3["mp_rank_01_001/<br/>same two files"]
+#     G["DP ranks 1..63 of each position"] -.->|"gather master + moments"| L0
+#   end
+# ```
 #
 # `checkpoint_sizes` computes these numbers from the config, `files_written` lists the files.
 
