@@ -103,6 +103,32 @@ class DistributedSignalHandler:
 # tracker (`latest_checkpointed_iteration.txt`), which names the last **complete** checkpoint
 # — a save killed half-way never moved it — and training continues from there.
 #
+# ```mermaid
+# sequenceDiagram
+#   participant A as torchrun agent
+#   participant W0 as worker rank 0
+#   participant W1 as worker rank 1
+#   participant D as save dir
+#   Note over A,W1: life 0, TORCHELASTIC_RESTART_COUNT=0
+#   W0->>D: the ranks save iteration 4: all shards, then the tracker says 4
+#   W0->>D: the save of iteration 6 begins, shards being written
+#   Note over W1: SIGKILL (or exit 18 after a hang) during the save
+#   W1--xA: worker exits non-zero
+#   A->>W0: stop every worker of the job, on every node
+#   Note over A: nodes rendezvous again, restart 1 of max_restarts
+#   A->>W0: start a fresh worker, TORCHELASTIC_RESTART_COUNT=1
+#   A->>W1: start a fresh worker, TORCHELASTIC_RESTART_COUNT=1
+#   Note over W0,W1: the script runs from the top: groups, model, optimizer
+#   W0->>D: load_checkpoint_fn reads latest_checkpointed_iteration.txt (every rank does)
+#   D-->>W0: 4 (the half-written iteration 6 is never named)
+#   D-->>W0: iteration 4: weights, fp32 masters, moments, scheduler, RNG, consumed samples
+#   D-->>W1: the same, from rank 1's shards
+#   Note over W0,W1: train from iteration 5, where 5 and 6 are computed again with the same losses
+# ```
+#
+# An exit 0 (a signal: saved and stopped on purpose) ends the job; any non-zero exit or death
+# restarts it, up to `--max-restarts` times.
+#
 # On this PyTorch the restarted workers hang in the rendezvous unless
 # `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` is set (the shared rendezvous store keeps the
 # previous workers' keys; pytorch/pytorch#135712). What a restart costs:
@@ -165,6 +191,15 @@ class ReliabilityConfig:
             raise ValueError(f"ft_{e}") from None
         for spec in self.faults:  # ... or a bad fault spec
             parse_fault(spec)
+
+
+# %% [markdown]
+# The section is one flat table for the trainer's TOML; the parts it configures take their
+# own config objects, built from it here (the tracker file defaults to the save directory).
+
+# %%
+class ReliabilityConfig(ReliabilityConfig):  # the same class, continued
+    __doc__ = ReliabilityConfig.__doc__  # help() keeps the first cell's docstring
 
     def rerun(self, save_dir: Optional[str] = None) -> RerunConfig:
         """The rerun machine's settings."""
@@ -258,7 +293,16 @@ class Reliability:
         self.iterations_to_skip = get_skipped_iterations_from_tracker_file(
             self.rerun_config.result_rejected_tracker_filename)
 
-    # -- the data, the loss, the schedule, the optimizer ------------------------------------
+
+# %% [markdown]
+# The data, the loss, the schedule and the optimizer, wrapped: the iterator becomes replayable,
+# each micro-batch loss passes the injector and then the check, the schedule is timed and
+# followed by the gradient-norm check, and `optimizer.step` is timed in place.
+
+# %%
+class Reliability(Reliability):  # the same class, continued
+    __doc__ = Reliability.__doc__  # help() keeps the first cell's docstring
+
     def data_iterator(self, iterator):
         """The training iterator, replayable for reruns (None stays None)."""
         return None if iterator is None else RerunDataIterator(iterator)
@@ -296,7 +340,25 @@ class Reliability:
         optimizer.step = _timed(optimizer.step, self.timers, "optimizer", 1)
         return optimizer
 
-    # -- checkpoints -------------------------------------------------------------------------
+
+def _bucket_grads(chunk) -> list:
+    """A chunk's gradients as buckets: chapter 05's flat bucket buffers, else its .grad list."""
+    if hasattr(chunk, "buffers") and isinstance(chunk.buffers, list):
+        return [[b.grad_data] for buf in chunk.buffers for b in buf.buckets]
+    grads = [p.grad for p in chunk.parameters() if p.grad is not None]
+    return [grads] if grads else []
+
+
+# %% [markdown]
+# The checkpoint hooks: the save opens the monitor's `checkpoint` section, arms the injector's
+# save faults and writes the rerun machine's state *before* chapter 03's save commits; the
+# load restores that state, unless the layout changed or the tracker says to skip the
+# iteration it would rerun.
+
+# %%
+class Reliability(Reliability):  # the same class, continued
+    __doc__ = Reliability.__doc__  # help() keeps the first cell's docstring
+
     def checkpoint_hooks(self, save_checkpoint_fn, load_checkpoint_fn):
         """(save, load) hooks that also carry the rerun machine, timers, sections and faults."""
         def save(state, model, optimizer, scheduler):
@@ -336,7 +398,24 @@ class Reliability:
                 self.rsm.load_state_dict(saved["machine"])
         self.rsm.current_iteration = iteration   # the loop's count wins (training.py:3205)
 
-    # -- around each step, and at the end -----------------------------------------------------
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# %% [markdown]
+# Around each step the monitor's `step` section opens and closes and the injector may strike;
+# at the end, the loop's exit reason becomes the process exit code (16/17 come from the rerun
+# machine) and the heartbeats stop.
+
+# %%
+class Reliability(Reliability):  # the same class, continued
+    __doc__ = Reliability.__doc__  # help() keeps the first cell's docstring
+
     def on_step_start(self, state) -> None:
         """Open the step section; strike a planned kill/hang/freeze."""
         if self.monitor is not None:
@@ -356,22 +435,6 @@ class Reliability:
         """Stop the heartbeats."""
         if self.monitor is not None:
             self.monitor.shutdown()
-
-
-def _bucket_grads(chunk) -> list:
-    """A chunk's gradients as buckets: chapter 05's flat bucket buffers, else its .grad list."""
-    if hasattr(chunk, "buffers") and isinstance(chunk.buffers, list):
-        return [[b.grad_data] for buf in chunk.buffers for b in buf.buckets]
-    grads = [p.grad for p in chunk.parameters() if p.grad is not None]
-    return [grads] if grads else []
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # %% [markdown]
