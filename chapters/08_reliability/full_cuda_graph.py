@@ -32,10 +32,10 @@ __all__ = ["FullCudaGraphUnavailable", "StaticBufferLoader", "FullCudaGraphWrapp
 # |---|---|---|
 # | static shapes | kernel launch parameters are frozen | fixed micro-batch size, sequence length and micro-batch count |
 # | static input addresses | a replay reads the pointers recorded at capture | `StaticBufferLoader` copies each batch **into** the same tensors (`copy_`) |
-# | no host synchronisation | `.item()`, `print(tensor)`, a NaN check that branches in Python would wait for a kernel that is only being recorded | the rerun machine's checks must be off (`--no-check-for-nan-in-loss-and-grad`, `arguments.py:1186-1188`) |
+# | no host synchronization | `.item()`, `print(tensor)`, a NaN check that branches in Python would wait for a kernel that is only being recorded | the rerun machine's checks must be off (`--no-check-for-nan-in-loss-and-grad`, `arguments.py:1186-1188`) |
 # | no data-dependent control flow | Python runs once, at capture; its branches are baked in | the schedule's order depends only on static counts |
 # | memory from a private pool | addresses used inside the graph must stay valid for every replay | a graph memory pool (`pool=`), shared with the optimizer's graph if any (`use_single_mempool`) |
-# | warm-up first | the first calls allocate (cuBLAS workspaces, autograd's accumulation buffers, DDP buckets) and lazily initialise | `cuda_graph_warmup_steps` eager calls (default 3) before the capture |
+# | warm-up first | the first calls allocate (cuBLAS workspaces, autograd's accumulation buffers, DDP buckets) and lazily initialize | `cuda_graph_warmup_steps` eager calls (default 3) before the capture |
 # | RNG | a replay must advance the Philox offset, not reuse the captured one | the default generator is handled by PyTorch; other generators (the TP RNG tracker's) are registered with `register_generator_state` |
 # | outputs are static too | the returned loss tensors are overwritten by the next replay | consume (`reduce_losses`) before the next call |
 # | gradients in place | `zero_grad(set_to_none=True)` would free the addresses the graph writes | DDP's contiguous grad buffer (chapter 05), zeroed in place between replays |
@@ -45,7 +45,7 @@ __all__ = ["FullCudaGraphUnavailable", "StaticBufferLoader", "FullCudaGraphWrapp
 # from the real iterator first and copy them into the static buffers on a side stream
 # (`data_read`, `:151`); hand the schedule an iterator over the static buffers; count the calls
 # separately for training and validation (`forward_only`); at call number `warmup` capture
-# (barrier, synchronise, capture on a shared stream into the pool, synchronise, barrier); from
+# (barrier, synchronize, capture on a shared stream into the pool, synchronize, barrier); from
 # then on — including the capture call itself, which only recorded — `replay()` and return the
 # stored result. The optimizer step stays eager (or gets its own graph,
 # `megatron/core/optimizer/optimizer_cuda_graph.py:14`).
@@ -112,6 +112,12 @@ def copy_into_static(src: Any, dst: Any = None, device: str | torch.device = "cu
     return src  # ints, strings: part of the static "shape" of the call
 
 
+# %% [markdown]
+# `StaticBufferLoader` keeps one static copy per stage and micro-batch index: the first batch
+# allocates it, every later one is copied into it, on a side stream that the compute stream
+# then waits for.
+
+# %%
 class StaticBufferLoader:
     """Per stage ('training'/'validation') and micro-batch: a batch that never moves."""
 
@@ -183,6 +189,16 @@ class FullCudaGraphWrapper:
             return None
         self.loader.buffers.setdefault(stage, [])
         return iter([self.loader(next(data_iterator), stage, i) for i in range(num_microbatches)])
+
+
+# %% [markdown]
+# Each call counts per stage: before call number `warmup` it runs eagerly (on the capture
+# stream), at that call it captures, and from then on it replays and returns the result tensors
+# the capture produced, which the replay has just overwritten.
+
+# %%
+class FullCudaGraphWrapper(FullCudaGraphWrapper):  # the same class, continued
+    __doc__ = FullCudaGraphWrapper.__doc__  # help() keeps the first cell's docstring
 
     def _barrier(self) -> None:
         if dist.is_initialized():
@@ -273,7 +289,7 @@ if __name__ == "__main__":
 #   gradient collectives — is captured once after a few eager warm-up iterations and replayed
 #   with one launch; data loading, the loss bookkeeping and the optimizer stay outside.
 # - Every input lives at a fixed address (the static buffers), every shape is fixed, nothing
-#   inside synchronises with the host — so the NaN checks of the rerun machine must be off.
+#   inside synchronizes with the host — so the NaN checks of the rerun machine must be off.
 # - There is no CPU version of a CUDA graph: on a CPU the wrapper refuses.
 #
 # ## How production does it

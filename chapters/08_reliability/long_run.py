@@ -84,7 +84,7 @@ def per_gpu_mtbf_hours(interruptions: int = 419, days: float = 54, gpus: int = 1
 # $54 \cdot 24 \cdot 16384 / 419 \approx 50\,700$ GPU-hours (5.8 years): the running example's
 # 256 GPUs fail every $\approx 198$ hours (8 days), a 16 384-GPU job every 3.1 hours.
 #
-# The assumptions below are labelled as such; the measured counterparts on this machine's
+# The assumptions below are labeled as such; the measured counterparts on this machine's
 # tiny job come from `benchmarks/bench_reliability.py` (seconds from a `SIGKILL` to the first
 # iteration after the automatic restart, and the iterations lost).
 
