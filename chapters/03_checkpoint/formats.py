@@ -179,10 +179,10 @@ def resolve_checkpoint_dir(root: str | os.PathLike, iteration: int | None = None
 #   R->>FS: each rank writes its own files into iter_0001000.tmp/
 #   R->>Z: every rank reports success
 #   Z->>FS: fsync iter_0001000.tmp/
-#   Note over FS: killed here (before_rename): a .tmp nobody reads, tracker names the previous save
+#   Note over FS: killed here (before_rename)<br/>a .tmp nobody reads<br/>tracker names the previous save
 #   Z->>FS: rename an existing iter_0001000/ to iter_0001000.old/
 #   Z->>FS: rename iter_0001000.tmp/ to iter_0001000/, fsync the root
-#   Note over FS: killed here (before_tracker): new directory complete, tracker still names the previous save
+#   Note over FS: killed here (before_tracker)<br/>new directory complete<br/>tracker still names the previous save
 #   Z->>FS: tracker.tmp, fsync, rename over the tracker, fsync the root
 #   Z->>FS: remove iter_0001000.old/
 # ```

@@ -66,6 +66,26 @@ CHECKPOINT_VERSION = 3.0
 # boundaries do not either as long as the bucket size is fixed — which is why DP may change
 # but TP and PP may not: they change the params themselves. A legacy checkpoint refuses
 # another TP or PP size, as Megatron's `check_checkpoint_args` does (`checkpointing.py:137`).
+#
+# The worked example, for one quantity (the same happens to `param`, `exp_avg` and `exp_avg_sq`):
+#
+# ```mermaid
+# flowchart LR
+#   subgraph SAVE["save at dp = 2"]
+#     R0["DP rank 0 shard<br/>elements 0..128"] --> G["gather on DP rank 0<br/>256 elements"]
+#     R1["DP rank 1 shard<br/>elements 128..256"] --> G
+#     G -->|"strip the end padding"| W["world tensor, 164 elements<br/>c 0..30, gap 30..64, b 64..164"]
+#   end
+#   W -->|"distrib_optim.pt"| L["DP rank 0 reads<br/>164 elements"]
+#   subgraph LOAD["load at dp = 4"]
+#     L -->|"pad to 256 again"| P["256 elements"]
+#     P -->|"scatter"| Q["4 shards of 64<br/>0..64, 64..128, 128..192, 192..256"]
+#   end
+# ```
+#
+# Three pieces make one gather: the list of quantities (agreed over DP, since a rank that owns
+# no element of any parameter's state still has to join every gather), one rank's shard vector
+# of a bucket for one quantity, and the gather itself.
 
 # %%
 def _opt_keys(optimizer, comm: CheckpointGroups) -> list[str]:
@@ -98,6 +118,15 @@ def _gather_to_dp0(vector: torch.Tensor, comm: CheckpointGroups, dp: int):
     return parts
 
 
+# %% [markdown]
+# `distributed_optimizer_world_tensors` runs that gather once per bucket and quantity, in
+# buffer order, so DP rank 0 holds one bucket's $dp$ vectors at a time on top of the world
+# tensors it builds. What is not a per-element tensor goes to `model_optim_rng.pt` instead
+# (`_distopt_common`): the param groups' hyperparameters, the loss scaler, and each
+# parameter's step count, gathered because each DP rank only knows the steps of the pieces
+# it owns.
+
+# %%
 def distributed_optimizer_world_tensors(optimizer, comm: CheckpointGroups) -> dict | None:
     """Megatron's distrib_optim.pt dict on DP rank 0 (None elsewhere); every DP rank calls."""
     dp, keys = comm.grid.size("dp_cp"), _opt_keys(optimizer, comm)
@@ -141,7 +170,23 @@ def _distopt_common(optimizer, comm: CheckpointGroups) -> dict:
 # staging directory of the previous page; the caller commits once every rank has reported.
 # A failing write (full disk, a file-size limit) is caught and returned as a message naming
 # the file, so that all ranks can agree that the save failed instead of leaving a rank blocked
-# in the next collective.
+# in the next collective. For one (TP, PP) position of the running example, in order:
+#
+# ```mermaid
+# sequenceDiagram
+#   participant D as DP ranks 1..63
+#   participant Z as DP rank 0
+#   participant FS as iter_0001000.tmp/
+#   Note over D,Z: all_gather_object over DP<br/>RNG states, step counts, state keys
+#   loop every bucket, every quantity
+#     D->>Z: gather the fp32 shard vectors
+#   end
+#   Note over D: done, nothing to write
+#   Z->>FS: mkdir mp_rank_TT_PPP/
+#   Z->>FS: model_optim_rng.pt: args, model, optimizer hyperparameters, rng_state
+#   Z->>FS: distrib_optim.pt: the world tensors
+#   Note over D,Z: every rank of the world: first_error<br/>then global rank 0 commits
+# ```
 
 # %%
 def save_legacy(staging: Path, grid, chunks, optimizer, common: dict, rng_states,
@@ -225,6 +270,14 @@ def _model_pairs(sd: dict, chunks, path: Path) -> list:
     return pairs
 
 
+# %% [markdown]
+# The optimizer file goes the way of the save backwards. DP rank 0 reads `distrib_optim.pt`
+# and checks its bucket sizes against this run's; the verdict goes to every DP rank, so that
+# all of them raise the same error rather than ranks 1.. waiting in a scatter that never
+# comes. `_scatter_bucket` re-pads one bucket's unpadded slice to this run's padded size and
+# hands each DP rank its shard.
+
+# %%
 def _scatter_bucket(world: torch.Tensor | None, bucket, comm, dp: int) -> torch.Tensor:
     """This rank's shard of one bucket from DP rank 0's unpadded world slice."""
     out = torch.empty(bucket.shard_size, dtype=torch.float32)
@@ -262,6 +315,12 @@ def _read_world(directory: Path, optimizer, comm) -> tuple:
     return world, verdict[1]
 
 
+# %% [markdown]
+# `_distopt_pieces` walks buffers and buckets in the save's order, with a running offset into
+# each world tensor, and cuts every piece this rank owns out of the scattered shard. The step
+# counts come from `model_optim_rng.pt`'s `optimizer` entry, by parameter name.
+
+# %%
 def _distopt_pieces(directory: Path, optimizer, common_opt: dict, comm) -> list:
     """(main, {"param": ..., state..., "step": n}) for every piece this DP rank owns."""
     world, keys = _read_world(directory, optimizer, comm)
@@ -287,6 +346,12 @@ def _distopt_pieces(directory: Path, optimizer, common_opt: dict, comm) -> list:
     return out
 
 
+# %% [markdown]
+# `read_legacy` is one rank's whole read: find this position's file (or say which layouts the
+# directory holds), check the layout and the model's keys and shapes, pick this DP rank's RNG
+# state, and read the optimizer state in whichever form the optimizer needs.
+
+# %%
 def read_legacy(directory: Path, grid, chunks, optimizer, comm: CheckpointGroups,
                 load_optim: bool = True) -> LoadedState:
     """Read and check this rank's part of a legacy checkpoint; nothing is applied yet."""
