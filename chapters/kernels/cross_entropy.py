@@ -179,6 +179,13 @@ class _VocabParallelCE(torch.autograd.Function):
         return dlogits.view(ctx.shape), None, None
 
 
+# %% [markdown]
+# The public function first checks what the kernels cannot take (logits of another dtype or
+# layout, labels that are not integers, do not match the logits' shape minus the vocabulary dim
+# or sit on another device: each a `ValueError` naming it) and only then applies the function;
+# `cross_entropy` is its one-rank case.
+
+# %%
 def vocab_parallel_cross_entropy(logits_local: torch.Tensor, labels: torch.Tensor,
                                  grid: ParallelGrid | None = None) -> torch.Tensor:
     """Per-token fp32 CE from this TP rank's vocab slice [..., V/t] with the Triton kernels."""
@@ -199,6 +206,12 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return vocab_parallel_cross_entropy(logits, labels, None)
 
 
+# %% [markdown]
+# Two counts close the mechanism: the bytes the kernels move (for the roofline below) and the
+# bytes autograd keeps between the forward and the backward, fused or eager (for chapter 07's
+# memory model). The second is where the fusion saves memory, not only time.
+
+# %%
 def cross_entropy_bytes(num_tokens: int, vocab_local: int, dtype: torch.dtype) -> dict[str, int]:
     """Bytes the kernels read + write: forward the logits once; backward logits in, grad out."""
     e = torch.empty((), dtype=dtype).element_size()

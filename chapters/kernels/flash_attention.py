@@ -10,7 +10,7 @@
 #
 # You will build: `flash_attention` (Triton: forward, and a backward in two kernels with
 # no atomics) beside `attention_reference` (the `scaled_dot_product_attention` call of
-# appendix B) and `attention_eager` (the materialised form, to measure what tiling saves).
+# appendix B) and `attention_eager` (the materialized form, to measure what tiling saves).
 
 # %%
 from __future__ import annotations
@@ -34,15 +34,15 @@ ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
 # For one query row $q$ and keys $k_1 \dots k_s$: scores $x_j = q \cdot k_j / \sqrt d$, output
 # $o = \sum_j p_j v_j$ with $p = \mathrm{softmax}(x)$. Split the keys into blocks of $B_N$. Keep,
 # per query row, the running maximum $m$, the running denominator $\ell = \sum_j e^{x_j - m}$
-# and the running *unnormalised* output $a = \sum_j e^{x_j - m} v_j$. A new block with scores
+# and the running *unnormalized* output $a = \sum_j e^{x_j - m} v_j$. A new block with scores
 # $x_c$ gives
 #
 # $$m' = \max(m, \max x_c), \quad \alpha = e^{m - m'}, \quad
 #   \ell' = \alpha\,\ell + \textstyle\sum_c e^{x_c - m'}, \quad
 #   a' = \alpha\,a + \textstyle\sum_c e^{x_c - m'} v_c,$$
 #
-# and at the end $o = a / \ell$ and $\mathrm{lse} = m + \log \ell$ (page C.3's merge rule, now
-# carrying a vector). A program owns $B_M$ query rows, so the products are matrix products on
+# and at the end $o = a / \ell$ and $\mathrm{lse} = m + \log \ell$ (the merge rule of page
+# [C.3](cross_entropy.py), now carrying a vector). A program owns $B_M$ query rows, so the products are matrix products on
 # tiles: $X = Q_{B_M} K_{B_N}^\top$ ($B_M \times B_N$) and $P V_{B_N}$ ($B_M \times d$).
 #
 # Worked example, one query, $d = 1$, $q = 1$, keys $[0, 1, 2, 3]$, values $[1, 2, 3, 4]$ in two
@@ -147,6 +147,12 @@ def _attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, n_rows, HEAD_DIM: tl.conste
     tl.store(delta_ptr + rows, tl.sum(o * do, axis=1), mask=rows < n_rows)
 
 
+# %% [markdown]
+# Both gradient kernels need the same tile of probabilities, recomputed from $Q$, $K$ and the
+# saved lse with the forward's mask. A `@triton.jit` helper called from a kernel is inlined
+# into it, so writing it once costs nothing at run time.
+
+# %%
 @triton.jit
 def _probs(q, k, lse, rows, cols, seq_len, scale, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
            BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
@@ -158,6 +164,13 @@ def _probs(q, k, lse, rows, cols, seq_len, scale, CAUSAL: tl.constexpr, BLOCK_M:
     return tl.where(valid, tl.exp(x * scale - lse[:, None]), 0.0)
 
 
+# %% [markdown]
+# The dK/dV kernel holds its $B_N$ keys and values in registers for the whole run and loops
+# twice: over the query heads of its group, then over the query blocks that can see these keys
+# (under causality, from the query block holding the row of its first key onward). Both sums
+# stay in fp32 accumulators until the single store at the end.
+
+# %%
 @triton.jit
 def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
                           seq_len, num_heads, num_kv_heads, scale, CAUSAL: tl.constexpr,
@@ -197,6 +210,12 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_pt
     tl.store(dv_ptr + kv_off + kv_offs, round_to(dv, dv_ptr.dtype.element_ty), mask=out_mask)
 
 
+# %% [markdown]
+# The dQ kernel is the forward's loop again: one query block of one head, walking the key
+# blocks up to the diagonal. It recomputes $P$ and $dP$ like the dK/dV kernel, but sums
+# $dS\,K$ over keys instead of over queries.
+
+# %%
 @triton.jit
 def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, seq_len,
                         num_heads, num_kv_heads, scale, CAUSAL: tl.constexpr,
@@ -266,6 +285,13 @@ def _check_attention_inputs(q, k, v) -> None:
                          f"heads ({k.shape[1]})")
 
 
+# %% [markdown]
+# The autograd function runs one forward launch and saves what the backward needs: the inputs
+# (which exist anyway), the output and the lse (4 bytes per query row), never the $s \times s$
+# probabilities. The backward launches the three kernels in order, $\delta$ first, since both
+# others read it.
+
+# %%
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale):
@@ -301,6 +327,12 @@ class _FlashAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+# %% [markdown]
+# The public function checks, picks the default scale $1/\sqrt d$ and applies. Beside it sit the
+# two forms it is measured against: the `scaled_dot_product_attention` call it replaces, and the
+# materialized form that writes every score.
+
+# %%
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                     scale: float | None = None) -> torch.Tensor:
     """softmax(q k^T * scale, causal) v for q [b, a, s, d] and k, v [b, g, s, d] (GQA)."""
@@ -315,7 +347,7 @@ def attention_reference(q, k, v, causal: bool = True, scale: float | None = None
 
 
 def attention_eager(q, k, v, causal: bool = True, scale: float | None = None) -> torch.Tensor:
-    """Attention with the [s, s] scores materialised (softmax in fp32), to measure what tiling saves."""
+    """Attention with the [s, s] scores materialized (softmax in fp32), to measure what tiling saves."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -326,6 +358,11 @@ def attention_eager(q, k, v, causal: bool = True, scale: float | None = None) ->
     return torch.softmax(x.float(), dim=-1).to(q.dtype) @ v
 
 
+# %% [markdown]
+# Last, the counts: the FLOPs and the least bytes of each pass (for the roofline below), and
+# `tile_schedule`, the forward's loop bounds replayed in Python, which the demo draws.
+
+# %%
 def attention_flops(b: int, heads: int, s: int, d: int, causal: bool = True) -> dict[str, float]:
     """Matmul FLOPs: forward 2 products, backward 7 here (2 recomputed), halved when causal."""
     pair = 2.0 * b * heads * s * s * d * (0.5 if causal else 1.0)  # one s x s x d product
@@ -373,7 +410,7 @@ def tile_schedule(seq_len: int, block_m: int, block_n: int, causal: bool = True)
 # | forward | 137 GFLOP | 84 MB | 139 µs |
 # | backward (7 products) | 481 GFLOP | 169 MB | 486 µs (347 µs with 5) |
 #
-# The materialised form instead writes and reads the scores: $b \cdot 16 \cdot s^2$ = 537 M of
+# The materialized form instead writes and reads the scores: $b \cdot 16 \cdot s^2$ = 537 M of
 # them per layer, 1.07 GB in bf16 just to keep the probabilities for the backward (the demo
 # counts what `attention_eager` keeps and moves), which for a stage's 16 layers is 17 GB per
 # micro-batch in flight. The benchmark compares the kernel's TFLOP/s with
@@ -469,7 +506,7 @@ if __name__ == "__main__":
 #   chooses. The unfused path with a fused softmax is `megatron/core/transformer/dot_product_attention.py`
 #   and `megatron/core/fusions/fused_softmax.py:11` (`ScaledUpperTriangMaskedSoftmax`).
 # - FlashAttention-2 accumulates dQ with atomics in one backward kernel; FlashAttention-3 adds
-#   warp specialisation and asynchronous TMA copies on Hopper; context parallelism (appendix A)
+#   warp specialization and asynchronous TMA copies on Hopper; context parallelism (appendix A)
 #   merges per-chunk results with the same lse rule.
 #
 # ## Exercises

@@ -179,6 +179,16 @@ class FlatAdamW:
         self.launches = [(g, p, build_chunk_table(segs, self.chunk, device))
                          for g, p, segs in rows.values()]
 
+
+# %% [markdown]
+# The state stays the optimizer's, so it can change under the flat buffers: a loaded state dict
+# puts fresh tensors in `state[main]`, and code elsewhere may re-point a master. Before each
+# step `_adopt_state` notices either (the data pointers differ), copies the values into the flat
+# buffers and makes the entries views again; a piece seen for the first time gets zero moments.
+
+# %%
+class FlatAdamW(FlatAdamW):  # the same class, continued
+    __doc__ = FlatAdamW.__doc__  # help() keeps the first cell's docstring
     def _adopt_state(self, i: int) -> dict:
         """state[main] with step and the moments as views of the flat buffers (copied in if new)."""
         main, (a, b) = self.mains[i], self.slices[i]
@@ -196,6 +206,15 @@ class FlatAdamW:
             st[key] = view
         return st
 
+
+# %% [markdown]
+# The step itself is one row of seven host-computed scalars per piece (the learning rate and
+# weight decay come from the piece's param group, read at each step, so a scheduler's change
+# applies at once) and then one `fused_adamw_` launch per pair of grad and param buffers.
+
+# %%
+class FlatAdamW(FlatAdamW):  # the same class, continued
+    __doc__ = FlatAdamW.__doc__  # help() keeps the first cell's docstring
     def _hparams(self, i: int, step: int) -> list[float]:
         """This piece's row of HPARAM_COLUMNS (host doubles, as chapter 02's scalars)."""
         g = self.groups[i]
@@ -221,6 +240,13 @@ class FlatAdamW:
                          param_buffer, self.chunk)
 
 
+# %% [markdown]
+# The checks refuse, with a message that says why, what the single fused step cannot serve: a
+# master that is not fp32, a bf16 grad buffer, no param buffer, a piece outside its buffer or in
+# no param group, an L2-coupled Adam group, and (at each step) a `.grad` that is not the grad
+# buffer's slice the chunk table points at.
+
+# %%
 def _check_segment(main, grad_buffer, param_buffer, buffer_start, group_of) -> dict:
     """The piece's param group, after ValueErrors for what the fused step cannot serve."""
     if main.dtype != torch.float32:
@@ -259,7 +285,7 @@ def _check_grad_view(main, want_ptr: int) -> None:
 # $m$, $v$ and the bf16 param (14 bytes): 30 bytes per element, 941 MB, **281 µs** at an
 # H100's 3.35 TB/s, and a handful of FLOPs per element: memory-bound. The demo counts the
 # `_foreach_` step plus its bf16 copy at 92 bytes per element (each of the eight passes reads
-# and writes whole fp32 tensors, and `sqrt` materialises a temporary): 2.9 GB, 861 µs.
+# and writes whole fp32 tensors, and `sqrt` materializes a temporary): 2.9 GB, 861 µs.
 # That is per step, not per micro-batch — a smaller prize than the activations' kernels, but
 # paid on every rank every step, and it grows with $1/\mathrm{dp}$ as the shards get bigger.
 
@@ -311,6 +337,13 @@ if __name__ == "__main__":
                              g["lr"], g["betas"], g["eps"], g["weight_decay"])
         opt.step()
 
+# %% [markdown]
+# After five steps the masters and moments match the `_foreach_` reference, every bf16 param in
+# the buffer is the rounded master, the padding between pieces is untouched, and the chunk
+# table splits the three pieces into six chunks of at most 32.
+
+# %%
+if __name__ == "__main__":
     def rel(a, b):
         """max |a - b| / max |b|."""
         return ((a - b).abs().max() / b.abs().max()).item()
@@ -332,10 +365,19 @@ if __name__ == "__main__":
         ax.barh(0, numel, left=start, color=plt.get_cmap("tab10")(seg), edgecolor="black")
         ax.text(start + numel / 2, 0, f"p{pid}", ha="center", va="center", fontsize=7)
     ax.set(yticks=[], xlim=(0, grad_buffer.numel()),
-           xlabel="buffer offset (white = padding); one program per chunk of <= 32, colour = piece")
+           xlabel="buffer offset (white = padding); one program per chunk of <= 32, color = piece")
     fig.tight_layout()
     plt.show()
+    assert gap < 1e-6 and gap_v < 1e-6 and written
+    assert bool((param_buffer[~used] == 0).all())
+    assert len(chunks) == 6 and chunks[:, 2].max() <= 32
 
+# %% [markdown]
+# Last, the bytes: the dispatch-mode counter tallies what the `_foreach_` step and its bf16 copy
+# move per element, against the kernel's 30.
+
+# %%
+if __name__ == "__main__":
     numel = 4096
     tensors = [torch.randn(numel) for _ in range(4)]
     bf16_out = torch.empty(numel, dtype=torch.bfloat16)
@@ -345,10 +387,6 @@ if __name__ == "__main__":
     per_elem = eager.total() / numel
     print(f"bytes per element: foreach {per_elem:.0f} ({' '.join(eager.op_names())}), "
           f"kernel {adamw_bytes(numel) / numel:.0f}")
-
-    assert gap < 1e-6 and gap_v < 1e-6 and written
-    assert bool((param_buffer[~used] == 0).all())
-    assert len(chunks) == 6 and chunks[:, 2].max() <= 32
     assert round(per_elem) == 92 and adamw_bytes(numel) / numel == 30
 
 # %% [markdown]
