@@ -290,6 +290,10 @@ def _chunk_func(funcs, c: int):
 #
 # Outputs are pseudo-freed after their send exactly as in 1F1B. The loss exists only on the
 # last chunk of the last rank.
+#
+# The warmup first. Nothing is sent after the last chunk of the last rank (its output is the
+# loss), and nothing is received after the very last virtual micro-batch; a received input
+# goes to the list of the chunk the table says it belongs to.
 
 # %%
 def _warmup(run: _Interleaved) -> None:
@@ -309,7 +313,12 @@ def _warmup(run: _Interleaved) -> None:
             run.inputs[next_c].append(x)
         deallocate_output_tensor(y, run.config.deallocate_pipeline_outputs)
 
+# %% [markdown]
+# The steady state pairs forward $k + w_r$ with backward $k$. The two may belong to different
+# chunks, so each direction of the exchange carries its own (chunk, micro-batch); the first
+# chunk of rank 0 has no input gradient to send.
 
+# %%
 def _steady(run: _Interleaved) -> None:
     for k in range(run.remaining):
         fk = k + run.warmup
@@ -328,7 +337,12 @@ def _steady(run: _Interleaved) -> None:
         if recv_next:
             run.grads[next_bc].append(dy)
 
+# %% [markdown]
+# The cooldown runs the backwards left. When every forward fit in the warmup, the first output
+# gradient has not arrived yet, so it starts with a plain receive. At the end the grad sync is
+# opened for good and a custom `grad_sync_func` runs for every chunk that has not had it.
 
+# %%
 def _cooldown(run: _Interleaved) -> None:
     st = run.st
     if run.all_warmup:
@@ -349,7 +363,12 @@ def _cooldown(run: _Interleaved) -> None:
             if c not in run.synced:
                 _chunk_func(run.config.grad_sync_func, c)()
 
+# %% [markdown]
+# The entry point checks what the table needs (one data iterator per chunk, a valid $m$, a
+# pipeline, and $m$ compatible with the group size $g$), receives rank 0's first input before
+# the warmup, and runs the three phases.
 
+# %%
 def forward_backward_pipelining_with_interleaving(
         *, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
         micro_batch_size: int, grid: ParallelGrid, forward_only: bool = False,

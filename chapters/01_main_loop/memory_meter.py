@@ -94,6 +94,9 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 # parameters and optimizer state of a model built earlier), so one meter can report resident
 # and flowing bytes together; `mark(label)` stamps the timeline so a plot can show where the
 # forward of micro-batch 3 began.
+#
+# It comes in three cells: entering and leaving the block (on CUDA, that is all it needs),
+# the per-operator bookkeeping of the CPU path, and the numbers a caller reads.
 
 # %%
 class LiveBytesMeter(TorchDispatchMode):
@@ -128,6 +131,17 @@ class LiveBytesMeter(TorchDispatchMode):
             return False
         return super().__exit__(*exc)
 
+
+# %% [markdown]
+# On a CPU the work happens in `__torch_dispatch__`, once per operator: run it, forget the
+# storages that died since the last call, then add each output storage that is new. An
+# output that shares an input's storage (a view, an in-place op) allocated nothing and is
+# skipped; a storage on another device type is not ours to count.
+
+# %%
+class LiveBytesMeter(LiveBytesMeter):  # the same class, continued
+    __doc__ = LiveBytesMeter.__doc__  # help() keeps the first cell's docstring
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self._sweep()
@@ -157,7 +171,15 @@ class LiveBytesMeter(TorchDispatchMode):
     def _cpu_current(self) -> int:
         return sum(n for _, n in self._live.values())
 
-    # -- public API --------------------------------------------------------------------------
+
+# %% [markdown]
+# What a caller reads. Each answer has its two branches side by side: the allocator's
+# counters minus the baseline taken at `__enter__` on CUDA, the storage table on a CPU.
+
+# %%
+class LiveBytesMeter(LiveBytesMeter):  # the same class, continued
+    __doc__ = LiveBytesMeter.__doc__  # help() keeps the first cell's docstring
+
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count tensors that existed before the block (params, grads, optimizer state)."""
         if self._uses_allocator:

@@ -70,8 +70,8 @@ def flowing_series(run: dict, t_ref: float) -> tuple[list[float], list[float]]:
     return xs, ys
 
 # %% [markdown]
-# The picture: one panel per (schedule, stage). The grey band is the resident floor, the
-# coloured area the flowing bytes on top of it, and the strip underneath the forward (blue)
+# The picture: one panel per (schedule, stage). The gray band is the resident floor, the
+# colored area the flowing bytes on top of it, and the strip underneath the forward (blue)
 # and backward (orange) of each micro-batch as the schedule ran them (chunk 1 of the
 # interleaved schedule hatched). All stages of one schedule share one clock.
 

@@ -112,24 +112,24 @@ def measured_bubble(events: list[ScheduleEvent]) -> float:
 # %% [markdown]
 # ## Drawing a recorded iteration
 #
-# One row per stage, time to the right. Forwards are light, backwards dark, one colour per
-# model chunk, each box labelled with its micro-batch; the thin grey bars under a row are that
-# stage's sends and receives (a receive includes the time spent waiting for the neighbour,
+# One row per stage, time to the right. Forwards are light, backwards dark, one color per
+# model chunk, each box labeled with its micro-batch; the thin gray bars under a row are that
+# stage's sends and receives (a receive includes the time spent waiting for the neighbor,
 # which is where the bubble shows up).
 
 # %%
 def plot_timeline(ax, events: list[ScheduleEvent], title: str = "") -> None:
     """Draw one recorded iteration: a row per stage, boxes for forward/backward, bars for p2p."""
     t0 = min(e.start for e in events)
-    chunk_colours = [("#9ecae1", "#2171b5"), ("#fdae6b", "#d94801"), ("#a1d99b", "#238b45")]
+    chunk_colors = [("#9ecae1", "#2171b5"), ("#fdae6b", "#d94801"), ("#a1d99b", "#238b45")]
     for e in events:
         x, w = (e.start - t0) * 1e3, (e.end - e.start) * 1e3
         if e.kind in ("send", "recv"):
-            ax.broken_barh([(x, max(w, 0.02))], (e.stage + 0.36, 0.08), color="grey")
+            ax.broken_barh([(x, max(w, 0.02))], (e.stage + 0.36, 0.08), color="gray")
             continue
-        light, dark = chunk_colours[e.chunk % len(chunk_colours)]
-        colour = light if e.kind == "forward" else dark
-        ax.broken_barh([(x, w)], (e.stage - 0.3, 0.6), facecolor=colour, edgecolor="white",
+        light, dark = chunk_colors[e.chunk % len(chunk_colors)]
+        color = light if e.kind == "forward" else dark
+        ax.broken_barh([(x, w)], (e.stage - 0.3, 0.6), facecolor=color, edgecolor="white",
                        linewidth=0.5)
         ax.text(x + w / 2, e.stage, str(e.microbatch), ha="center", va="center", fontsize=6,
                 color="black" if e.kind == "forward" else "white")
@@ -191,9 +191,9 @@ if __name__ == "__main__":
 # - **1F1B**: stage 0 starts with $p - 1$ forwards in a row (its warmup), the last stage
 #   alternates forward and backward from the start; the idle gaps sit in a triangle at the
 #   start of the lower stages and at the end of the upper ones. Their total is the bubble.
-# - **Interleaved**: the boxes are half as long (one chunk = half a stage), the two colours
+# - **Interleaved**: the boxes are half as long (one chunk = half a stage), the two colors
 #   alternate in groups of $g = p$ micro-batches, and the triangles are about half as tall —
-#   at the price of twice as many grey p2p bars.
+#   at the price of twice as many gray p2p bars.
 # - The measured bubble is larger than the formula's, for reasons the formula leaves out on
 #   purpose: unequal stages (the output layer and the loss make the last chunk slower, so the
 #   others wait for it), the time of each message and of the Python around it (paid $v$ times

@@ -263,6 +263,10 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, config: Sched
 # reduces what TP and the tied embedding need, and (per-token loss) divides by the total number
 # of tokens the last stage counted. The return value is the list of loss reports, one per
 # micro-batch. With `forward_only` there is no backward and no finalize: evaluation.
+#
+# First four small helpers that all three schedules share: unwrap the single chunk and its
+# iterator, check $m$, build one `no_sync` context from one factory or a list of them (one
+# per chunk), and call `finalize_model_grads` with the token count when the loss is per token.
 
 # %%
 def _single_chunk(model, data_iterator, name: str):
@@ -300,7 +304,11 @@ def _finalize(config: ScheduleConfig, model: list, grid, total_num_tokens) -> No
         num_tokens = total_num_tokens if config.calculate_per_token_loss else None
         config.finalize_model_grads_func(model, grid, num_tokens)
 
+# %% [markdown]
+# The schedule itself: `one(i)` is a forward and, when training, its backward right after;
+# the loop runs all but the last inside `no_sync`, the last outside it.
 
+# %%
 def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model,
                                    num_microbatches: int, seq_length: int = 0,
                                    micro_batch_size: int = 0, grid: ParallelGrid | None = None,
@@ -339,7 +347,7 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model,
 # The sends and receives are appendix A's helpers; in the steady state a stage posts its
 # output *and* the receive of a gradient in one exchange (`send_forward_recv_backward`), then
 # after the backward its input gradient and the receive of the next input
-# (`send_backward_recv_forward`), which is what keeps two neighbours from waiting on each other.
+# (`send_backward_recv_forward`), which is what keeps two neighbors from waiting on each other.
 #
 # **When the grad collective may start.** All of it runs inside `no_sync`. The grad sync is
 # enabled right before the stage's *last* backward — in the steady state when $w_r = 0$
@@ -477,7 +485,13 @@ def _steady_round(i, x, run, st, warmup, remaining, sync, config):
         return None
     return st.p2p("send_backward_recv_forward", [("send", 0, i), ("recv", 0, fwd + 1)], dx)
 
+# %% [markdown]
+# The cooldown drains the last $w_r$ backwards, receiving each output gradient and sending the
+# input gradient back; stages that kept their own `grad_sync_func` for the drain call it once
+# the last backward is done. The schedule function strings the phases together: $w_r$ warmup
+# forwards (receive, forward, send, keep), the steady rounds, the cooldown, then the finalize.
 
+# %%
 def _cooldown(run, st, warmup, remaining, sync, config) -> None:
     """The last `warmup` backwards; grad sync enabled before the very last one."""
     for i in range(warmup):

@@ -190,7 +190,7 @@ def format_log_line(r: dict) -> str:
 # - **Recomputation** re-runs forward work inside backward: `full` recomputes every layer's
 #   forward (everything but the logits), `selective` only the core attention (scores and
 #   values; Megatron's `--recompute-granularity selective`, chapter 06). These are *hardware*
-#   FLOPs: MFU (model FLOPs utilisation) leaves them out by definition, HFU includes them.
+#   FLOPs: MFU (model FLOPs utilization) leaves them out by definition, HFU includes them.
 #   (Megatron's checkpoint re-runs a whole region. PyTorch's non-reentrant
 #   `torch.utils.checkpoint` stops as soon as every saved tensor is back, so it skips a
 #   region's last matmul — a layer's down projection — whose output nothing saved; the tests
