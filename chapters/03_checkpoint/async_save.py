@@ -109,6 +109,15 @@ def _forked_write(request: SaveRequest, outcome_path: str) -> None:
         os._exit(code)   # no atexit handlers, no process-group teardown in the child
 
 
+# %% [markdown]
+# `_Writer` owns one background write. In `process` mode it forks, and the child runs
+# `_forked_write` above and never comes back. The parent polls it without blocking
+# (`waitpid(WNOHANG)`), which is what lets `finalize(blocking=False)` cost nothing while the
+# write goes on; the outcome travels back through a small file, since nothing the child
+# changes in its memory is seen by the parent. A child that died before leaving one (SIGKILL,
+# the out-of-memory killer) is reported with its exit code.
+
+# %%
 class _Writer:
     """One background write, in a forked process or a thread."""
 
@@ -234,14 +243,14 @@ def save_timeline(events: list[tuple], ax=None):
 
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 2.4))
-    colours = {"train step": "#9ecae1", "sync save": "#de2d26", "async: blocking": "#fc9272",
-               "async: background write": "#a1d99b", "finalize": "#31a354"}
+    colors = {"train step": "#9ecae1", "sync save": "#de2d26", "async: blocking": "#fc9272",
+              "async: background write": "#a1d99b", "finalize": "#31a354"}
     rows = sorted({row for _, row, _, _ in events})
     for label, row, s, e in events:
-        ax.barh(rows.index(row), e - s, left=s, color=colours.get(label, "grey"),
+        ax.barh(rows.index(row), e - s, left=s, color=colors.get(label, "gray"),
                 edgecolor="black", lw=0.4)
-    for label, colour in colours.items():
-        ax.barh(0, 0, color=colour, label=label)
+    for label, color in colors.items():
+        ax.barh(0, 0, color=color, label=label)
     ax.set_yticks(range(len(rows)), rows)
     ax.set_xlabel("seconds")
     ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.35))

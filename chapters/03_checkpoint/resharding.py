@@ -283,10 +283,13 @@ def rederive_masters(optimizer) -> None:
 #
 # The picture is drawn from the two real checkpoints: the `exp_avg` of `linear_qkv`,
 # $[4, 96, 48]$, its four layers drawn one under the other (thick lines). Each rectangle is one
-# chunk in `.metadata`, coloured by the rank whose `__R_0.distcp` holds it. At TP 2 × DP 2 each
+# chunk in `.metadata`, colored by the rank whose `__R_0.distcp` holds it. At TP 2 × DP 2 each
 # layer is two TP halves of 48 rows; at TP 1 × DP 4 the DP ranges of the new buckets cut
 # through layers and through rows (a partial row where one rank's range ends and the next
 # begins). The bytes are the same; only the cuts moved.
+#
+# Everything the picture needs is in `.metadata`: `chunks_by_rank` lists a key's chunks with
+# the file (hence the rank) holding each, and `plot_reshard` draws two such lists side by side.
 
 # %%
 def chunks_by_rank(directory, key: str) -> tuple[list, tuple]:
@@ -313,14 +316,14 @@ def chunks_by_rank(directory, key: str) -> tuple[list, tuple]:
 
 
 def plot_reshard(before, after, shape, titles=("before", "after"), layers: int = 1):
-    """Two panels of the same 2-D plane, rectangles coloured by the writing rank."""
+    """Two panels of the same 2-D plane, rectangles colored by the writing rank."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    colours = plt.get_cmap("tab10")
+    colors = plt.get_cmap("tab10")
     for ax, chunks, title in zip(axes, (before, after), titles):
         for rank, (r, c), (h, w) in chunks:
-            ax.add_patch(plt.Rectangle((c, r), w, h, color=colours(rank), ec="black", lw=0.6,
+            ax.add_patch(plt.Rectangle((c, r), w, h, color=colors(rank), ec="black", lw=0.6,
                                        alpha=0.8))
         partial = [(rank, r, c, w) for rank, (r, c), (h, w) in chunks if h == 1 and w < shape[1]]
         for i, (rank, r, c, w) in enumerate(partial):   # rows cut between two ranks
@@ -328,7 +331,7 @@ def plot_reshard(before, after, shape, titles=("before", "after"), layers: int =
                         xytext=(shape[1] * 0.06, r + shape[0] * (0.14 + 0.08 * i)), fontsize=7,
                         arrowprops=dict(arrowstyle="->", lw=0.8))
         for rank in sorted({c[0] for c in chunks}):
-            ax.plot([], [], color=colours(rank), lw=6, label=f"rank {rank}")
+            ax.plot([], [], color=colors(rank), lw=6, label=f"rank {rank}")
         ax.set_xlim(0, shape[1])
         ax.set_ylim(shape[0], 0)
         for layer in range(1, layers):
@@ -338,6 +341,12 @@ def plot_reshard(before, after, shape, titles=("before", "after"), layers: int =
     return fig
 
 
+# %% [markdown]
+# The run: save at TP 2 × DP 2 (directory `a`), rebuild at TP 1 × DP 4, load and save again
+# (directory `b`), compare the two as full tensors, then draw `linear_qkv`'s `exp_avg` from
+# both.
+
+# %%
 if __name__ == "__main__":
     import tempfile
 
