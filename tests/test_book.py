@@ -64,12 +64,6 @@ OWNED_ELSEWHERE_PENDING: dict[str, set[str]] = {
     "08_reliability/restarts.py": {"cell_length", "figure"},
     "08_reliability/timers.py": {"cell_length", "spelling"},
     "08_reliability/trace.py": {"cell_length"},
-    # appendix C (written; owned by its author)
-    "kernels/cross_entropy.py": {"cell_length"},
-    "kernels/flash_attention.py": {"cell_length", "page_refs", "spelling"},
-    "kernels/fused_adamw.py": {"cell_length", "spelling"},
-    "kernels/rmsnorm.py": {"cell_length", "spelling"},
-    "kernels/roofline.py": {"page_refs", "spelling"},
 }
 
 

@@ -201,3 +201,26 @@ def test_bf16_params_and_stage_shape():
     from tinytron.parallel import ParallelGrid
 
     assert stage_tensor_shape(config, ParallelGrid.single(), 2) == (64, 2, 64)
+
+
+@pytest.mark.parametrize("pre, post, tie", [(True, True, True), (True, True, False),
+                                            (True, False, True), (False, True, True),
+                                            (False, True, False)])
+def test_every_weight_is_used_inside_a_call_of_its_module(pre, post, tie):
+    """Forward pre-hooks (chapter 05's overlapped param all-gather) see every parameter used.
+
+    A weight read outside its module's call would be used before the hook that waits for its
+    all-gather: the output matrix of a last pipeline stage once was, and the losses drifted.
+    """
+    config = tiny_config(tie_embeddings=tie)
+    model = GPTModel(config, pre_process=pre, post_process=post, layer_range=(0, 2))
+    seen = set()
+    for m in model.modules():
+        m.register_forward_pre_hook(lambda mod, args: seen.update(map(id, mod.parameters(False))))
+    b, s = 2, config.seq_length
+    if not pre:
+        model.set_input_tensor(torch.randn(s, b, config.hidden_size))
+    tokens = torch.randint(0, config.vocab_size, (b, s))
+    model(tokens if pre else None, labels=tokens if post else None)
+    unseen = [n for n, p in model.named_parameters() if id(p) not in seen]
+    assert not unseen, f"used outside a module call (no pre-hook ran): {unseen}"

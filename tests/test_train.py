@@ -32,7 +32,8 @@ LAYOUTS = {
     "tp2_dp2": ["--parallel.tensor_model_parallel_size", "2",  # with evaluation: TP rank 1
                 "--training.eval_interval", "5", "--training.eval_iters", "1"],  # has no iterator
     "pp2_dp2_distopt": ["--parallel.pipeline_model_parallel_size", "2",
-                        "--optimizer.use_distributed_optimizer", "true"],
+                        "--optimizer.use_distributed_optimizer", "true",
+                        "--ddp.overlap_grad_reduce", "true", "--ddp.overlap_param_gather", "true"],
     "pp2_vpp2_dp2": ["--parallel.pipeline_model_parallel_size", "2",
                      "--parallel.virtual_pipeline_model_parallel_size", "2"],
     "cp2_dp2": ["--parallel.context_parallel_size", "2"],

@@ -358,6 +358,27 @@ def check_attention_mask(mask: torch.Tensor) -> None:
 
 
 # %% [markdown]
+# The output layer is a module of its own, called like every other layer, not a bare matrix the
+# head reads: anything that must happen *before a layer's weights are used* is a forward
+# pre-hook, and a weight read outside a call slips past it. [Chapter 05's](../05_buffers/distributed_data_parallel.py)
+# overlapped param all-gather is such a hook; an output matrix read directly was used while its
+# all-gather was still writing it, and the losses changed from run to run. (When the table is
+# tied on one stage there is no output layer: the embedding's call, earlier in the same
+# forward, has already waited for it.)
+
+# %%
+class OutputLayer(nn.Module):
+    """Megatron's output_layer: [.., h] -> logits [.., V/t] against its own [V/t, h] weight."""
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+# %% [markdown]
 # The model builds what its chunk needs: the embedding on the first chunk, its range of layers,
 # the final norm and the output layer on the last. (The class continues over the next cells: a
 # cell extends a class by subclassing it under the same name.)
@@ -417,8 +438,7 @@ class GPTModel(nn.Module):
                 weight.tensor_model_parallel, weight.partition_dim = True, 0
                 weight.partition_stride = 1
                 weight.shard_spec = ShardSpec((v, h), dim=0, std=config.init_std)
-                self.output_layer = nn.Module()
-                self.output_layer.weight = weight
+                self.output_layer = OutputLayer(weight)
         self._mark_shared_embedding()
 
 
@@ -541,7 +561,8 @@ class GPTModel(GPTModel):  # continued
             x = gather_from_sequence_parallel_region(x, self.grid)
         else:
             x = copy_to_tp_region(x, self.grid)
-        logits = F.linear(x, self.output_weight()).transpose(0, 1)  # [b, s, V/t]
+        head = getattr(self, "output_layer", None)  # a call: its pre-hooks run (see OutputLayer)
+        logits = (head(x) if head is not None else F.linear(x, self.output_weight())).transpose(0, 1)
         if labels is None:
             return logits.contiguous()
         if tuple(labels.shape) != tuple(logits.shape[:2]):
