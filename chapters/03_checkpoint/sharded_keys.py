@@ -48,7 +48,7 @@ __all__ = ["ShardedTensor", "ShardedObject", "sharded_key", "TensorLayout", "par
 # these names, `gpt_layer_specs.py`, `sharded_state_dict_keys_map`). `linear_fc1` holds gate and
 # up stacked, and each TP rank holds its slice of *both*: its chunk is two pieces, at offsets
 # $r f/t$ and $f + r f/t$ (Megatron's `apply_swiglu_sharded_factory`, `mlp.py`). The QKV rows
-# are grouped per KV group (page B.3), which is Megatron's order, so a TP rank's rows are one
+# are grouped per KV group ([B.3](../model/gpt.py)), which is Megatron's order, so a TP rank's rows are one
 # contiguous chunk.
 #
 # With tied embeddings and PP > 1 the last stage's output layer is a replica of
@@ -171,6 +171,17 @@ class TensorLayout:
         return parts
 
 
+# %% [markdown]
+# `param_layouts` builds one `TensorLayout` per parameter of this rank's chunks from what the
+# model already knows: the global name gives the key and the layer, the `ShardSpec` the TP
+# axis and the pieces, the grid the TP rank. A copy that is never written (a TP rank > 0
+# holding a replicated norm weight, or the tied output layer) is marked `replica`.
+# `model_sharded_state_dict` then turns each parameter into `ShardedTensor`s, one view of the
+# local tensor per box, with the layer axis added; only DP rank 0's non-replicas are main, so
+# every global element is written exactly once. `extra_state_objects` adds Megatron's empty
+# `_extra_state` of each linear layer.
+
+# %%
 def param_layouts(model, grid) -> dict:
     """{param: TensorLayout} for every parameter of this rank's model chunks."""
     out = {}
@@ -219,9 +230,13 @@ def extra_state_objects(model, grid) -> list[ShardedObject]:
     return items
 
 
+# %% [markdown]
+# The demo's picture calls the same `TensorLayout.boxes` for every (PP, TP) rank of a layout,
+# without any process group: a layout can be drawn for a cluster one does not have.
 
+# %%
 def plot_key_layout(config, tp: int, pp: int, name: str = "mlp.linear_fc1.weight", ax=None):
-    """Draw the global [L, rows] plane of one stacked key, coloured by the (pp, tp) rank writing it."""
+    """Draw the global [L, rows] plane of one stacked key, colored by the (pp, tp) rank writing it."""
     import matplotlib.pyplot as plt
 
     from tinytron.model.config import stage_layer_ranges
@@ -232,7 +247,7 @@ def plot_key_layout(config, tp: int, pp: int, name: str = "mlp.linear_fc1.weight
     spec = dict(layer.named_parameters())[name].shard_spec
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 2.6))
-    colours = plt.get_cmap("tab10")
+    colors = plt.get_cmap("tab10")
     for pp_rank in range(pp):
         (start, end), = stage_layer_ranges(config.num_layers, pp, 1, pp_rank)
         for tp_rank in range(tp):
@@ -244,8 +259,8 @@ def plot_key_layout(config, tp: int, pp: int, name: str = "mlp.linear_fc1.weight
                                    tuple(spec.full_shape), spec.dim, spec.chunks, tp_rank, tp, False)
                 for _, sz, go in lay.boxes((0,) * len(local), tuple(local)):
                     ax.add_patch(plt.Rectangle((go[1], go[0]), sz[1], 1, lw=0.8, ec="black",
-                                               color=colours(pp_rank * tp + tp_rank), alpha=0.85))
-            ax.plot([], [], color=colours(pp_rank * tp + tp_rank), lw=6,
+                                               color=colors(pp_rank * tp + tp_rank), alpha=0.85))
+            ax.plot([], [], color=colors(pp_rank * tp + tp_rank), lw=6,
                     label=f"pp {pp_rank}, tp {tp_rank}")
     ax.set_xlim(0, spec.full_shape[0])
     ax.set_ylim(config.num_layers, 0)
@@ -262,7 +277,7 @@ def plot_key_layout(config, tp: int, pp: int, name: str = "mlp.linear_fc1.weight
 # The table printed below comes from `param_layouts` of the tiny model built at TP 1. The
 # picture shows where the chunks of `decoder.layers.mlp.linear_fc1.weight` of a 4-layer model
 # land for TP 2 × PP 2, computed with the same `TensorLayout.boxes` a save uses: rows are the
-# stacked layer axis, the four colours the four (PP, TP) ranks, and each TP rank's two pieces
+# stacked layer axis, the four colors the four (PP, TP) ranks, and each TP rank's two pieces
 # are its gate rows and its up rows.
 
 # %%
