@@ -153,6 +153,11 @@ def megatron_scalars(record: dict, world_size: int = 1,
     return out
 
 
+# %% [markdown]
+# The progress bar renders a line from the same record without any I/O (`render`, easy to
+# test), and `update` decides how to draw it: rewrite in place on a terminal, a new line in a log.
+
+# %%
 def _fmt_seconds(s: float) -> str:
     s = int(max(s, 0))
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"

@@ -227,21 +227,8 @@ def default_identity() -> tuple[str, int]:
 # written before the optimizer has stepped once); in `disabled` mode a rejected result raises
 # at once, as it always did (`validate_result`, `:463`).
 #
-# ## Spikes against a running threshold
-#
-# `is_unexpectedly_large` (`:697`) is a rejection function with memory: for the first
-# `num_samples = 100` values of a context ("loss", "grads") it only records the largest
-# magnitude; afterwards it rejects $|v| \ge 10 \cdot \max$. NaN and Inf return False (their
-# own checks catch them). The max is frozen after the warm-up: a loss that falls from 10 to
-# 2 still has its spike threshold at 100. The state is checkpointed with the machine.
-#
-# ## The tracker file and the checkpoint payload
-#
-# Every event appends one line `ts=… node=… device=… jobID=… rank=… iteration=… status=…
-# result=… message='…'` (`_log_validation_error_to_file`, `:1022`); the next page reads it back
-# to skip bad iterations. The machine's state goes into every checkpoint, per rank (Megatron:
-# a `ShardedObject` keyed `rerun_state_machine_state`, shape `(world,)`, offset `(rank,)`,
-# written even in steady state so that successive checkpoints have the same structure).
+# The class comes in parts: its state, the tools it uses to replay a step, the transitions,
+# the judging of a value, and what it writes down.
 
 # %%
 class RerunStateMachine:
@@ -289,6 +276,17 @@ class RerunStateMachine:
         """This process's rank in the world (0 without a process group)."""
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
+
+# %% [markdown]
+# The tools of a replay: one all-reduce that ORs the flags of every rank, the RNG states saved
+# before the first pass and restored before each rerun (Python's, NumPy's, torch's, CUDA's, and
+# any other state the caller registers), and the iterators that can rewind to the step's first
+# micro-batch.
+
+# %%
+class RerunStateMachine(RerunStateMachine):  # the same class, continued
+    __doc__ = RerunStateMachine.__doc__  # help() keeps the first cell's docstring
+
     def _reduce_any(self, *flags: bool) -> list[bool]:
         """Logical OR of each flag over every rank of the group (one all-reduce)."""
         t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
@@ -325,7 +323,16 @@ class RerunStateMachine:
                                 f"got {type(d).__name__}")
         return its
 
-    # -- the transitions (`:271-397`) and the exit decision (`:399-461`) --
+
+# %% [markdown]
+# The transitions (`:271-397`): one branch per state of the diagram above. Each call says
+# whether to run the forward-backward pass (again); a rerun first restores the RNG states and
+# rewinds the data, so the pass sees exactly what the first one saw.
+
+# %%
+class RerunStateMachine(RerunStateMachine):  # the same class, continued
+    __doc__ = RerunStateMachine.__doc__  # help() keeps the first cell's docstring
+
     def should_run_forward_backward(self, data_iterator) -> bool:
         """Whether to run (or rerun) the forward-backward pass of this step."""
         self.validation_counts = defaultdict(int)
@@ -377,6 +384,16 @@ class RerunStateMachine:
         self.state = next_state
         return result
 
+
+# %% [markdown]
+# The exit decision (`:399-461`): after the last pass of the step, the state the machine ended
+# in says whether to save, whether to leave, and with which code (16: resume elsewhere to
+# disambiguate, 17: failed on result validation).
+
+# %%
+class RerunStateMachine(RerunStateMachine):  # the same class, continued
+    __doc__ = RerunStateMachine.__doc__  # help() keeps the first cell's docstring
+
     def should_checkpoint_and_exit(self) -> tuple[bool, bool, int]:
         """(save a checkpoint?, exit?, exit code) after the last pass of the step."""
         self.first_iteration_complete = True
@@ -391,7 +408,17 @@ class RerunStateMachine:
                                                          EXIT_CODE_RESUME_TO_DISAMBIGUATE),
         }.get(self.state, (False, False, 0))
 
-    # -- judging a value: record the first rejection, compare it in the rerun (`:463`) --
+
+# %% [markdown]
+# Judging a value (`:463`): in the initial run, the first rejection is recorded (which call,
+# counted per message, and its value); in a rerun, only that same call is compared with the
+# recorded value. Nothing is judged before the process has completed one step
+# (`first_iteration_complete`).
+
+# %%
+class RerunStateMachine(RerunStateMachine):  # the same class, continued
+    __doc__ = RerunStateMachine.__doc__  # help() keeps the first cell's docstring
+
     def validate_result(self, result: Any, rejection_func: Callable[[Any], Any],
                         message: str = "unexpected result",
                         comparison_func: Callable[[Any, Any], float] | None = None,
@@ -433,6 +460,17 @@ class RerunStateMachine:
             self.rerun_requested = True
             self._track(RerunValidationStatus.INITIAL_RUN, result, message)
 
+
+# %% [markdown]
+# The two verdicts. In place, a different value means a transient fault; the same value makes
+# this GPU a suspect, and a fatal check asks for a checkpoint to rerun elsewhere. From the
+# checkpoint, a rerun on the suspect GPU proves nothing (exit 16 again); on another GPU a
+# different value convicts the first GPU, the same value acquits it (the data is at fault).
+
+# %%
+class RerunStateMachine(RerunStateMachine):  # the same class, continued
+    __doc__ = RerunStateMachine.__doc__  # help() keeps the first cell's docstring
+
     def _first_rerun_verdict(self, differs: bool, result, message: str, fatal: bool) -> None:
         if differs:  # not reproducible on the same GPU: a transient fault
             self.diagnosis = RerunDiagnostic.TRANSIENT_ERROR
@@ -457,6 +495,24 @@ class RerunStateMachine:
             self.diagnosis = RerunDiagnostic.CORRECT_RESULT
             self._track(RerunValidationStatus.SECOND_RERUN_REPRODUCIBLE, result, message)
         self.continue_requested = not fatal
+
+
+# %% [markdown]
+# ## Spikes against a running threshold
+#
+# `is_unexpectedly_large` (`:697`) is a rejection function with memory: for the first
+# `num_samples = 100` values of a context ("loss", "grads") it only records the largest
+# magnitude; afterwards it rejects $|v| \ge 10 \cdot \max$. NaN and Inf return False (their
+# own checks catch them). The max is frozen after the warm-up: a loss that falls from 10 to
+# 2 still has its spike threshold at 100. The state is checkpointed with the machine.
+#
+# In `report_determinism_stats` mode every step is rerun in place and every validated value is
+# compared with its first-pass twin: the differences are collected per message and printed every
+# `REPORTING_INTERVAL_ITERATIONS`.
+
+# %%
+class RerunStateMachine(RerunStateMachine):  # the same class, continued
+    __doc__ = RerunStateMachine.__doc__  # help() keeps the first cell's docstring
 
     def is_unexpectedly_large(self, result: Any, threshold: float, context: str,
                               num_samples: int = 100, resample: bool = False) -> bool:
@@ -486,6 +542,20 @@ class RerunStateMachine:
                 nonzero = sorted(d for d in diffs if d > 0)
                 print(f"determinism [{message}]: {len(diffs)} samples, "
                       f"{len(diffs) - len(nonzero)} identical, max {max(diffs, default=0):.3e}")
+
+
+# %% [markdown]
+# ## The tracker file and the checkpoint payload
+#
+# Every event appends one line `ts=… node=… device=… jobID=… rank=… iteration=… status=…
+# result=… message='…'` (`_log_validation_error_to_file`, `:1022`); the next page reads it back
+# to skip bad iterations. The machine's state goes into every checkpoint, per rank (Megatron:
+# a `ShardedObject` keyed `rerun_state_machine_state`, shape `(world,)`, offset `(rank,)`,
+# written even in steady state so that successive checkpoints have the same structure).
+
+# %%
+class RerunStateMachine(RerunStateMachine):  # the same class, continued
+    __doc__ = RerunStateMachine.__doc__  # help() keeps the first cell's docstring
 
     def _track(self, status: RerunValidationStatus, result, message: str) -> None:
         if self.tracker_path is None:

@@ -105,6 +105,12 @@ class DummyTimer:
         raise RuntimeError("a timer above --timing-log-level was read; raise the level to time it")
 
 
+# %% [markdown]
+# The real stopwatch keeps two sums: `elapsed` since the last reset (what a report reads and
+# clears) and `active_time` since creation (never cleared). Reading a running timer stops it,
+# reads it and starts it again, so a report may come in the middle of a phase.
+
+# %%
 class Timer:
     """A named stopwatch: accumulates elapsed seconds between start and stop."""
 
@@ -198,6 +204,16 @@ class Timers:
         self._levels[name] = level
         return self._timers[name]
 
+
+# %% [markdown]
+# The cross-rank numbers: one all-gather builds the `[world, names]` table of seconds, and the
+# min and max (or the fastest and slowest rank) are taken per column over the ranks that ran
+# that timer. Every rank calls these with the same names, in the same order.
+
+# %%
+class Timers(Timers):  # the same class, continued
+    __doc__ = Timers.__doc__  # help() keeps the first cell's docstring
+
     def all_ranks_seconds(self, names: list[str], reset: bool = True,
                           barrier: bool = False) -> torch.Tensor:
         """[world, len(names)] elapsed seconds (0 where a rank has no such timer); collective."""
@@ -239,6 +255,15 @@ class Timers:
                 hi = int(torch.where(torch.isnan(col), float("-inf"), col).argmax())
                 out[name] = (lo, col[lo].item(), hi, col[hi].item())
         return out
+
+
+# %% [markdown]
+# The outputs: Megatron's report text (`minmax`, `max` or `all`), printed on the last rank by
+# default, and the max of each timer sent to TensorBoard as `<name>-time`.
+
+# %%
+class Timers(Timers):  # the same class, continued
+    __doc__ = Timers.__doc__  # help() keeps the first cell's docstring
 
     def log_string(self, names: list[str], normalizer: float = 1.0, reset: bool = True,
                    barrier: bool = False) -> Optional[str]:
@@ -327,7 +352,7 @@ if __name__ == "__main__":
 # - The report is a collective over all ranks: per name the min and max over the ranks that
 #   ran it, in ms per iteration; a wide (min, max) gap points at a straggler, `stragglers`
 #   names it.
-# - On CUDA a reading synchronises the device first; `barrier=True` keeps a late rank's wait
+# - On CUDA a reading synchronizes the device first; `barrier=True` keeps a late rank's wait
 #   out of the next phase's time.
 #
 # ## How production does it

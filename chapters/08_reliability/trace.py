@@ -71,6 +71,12 @@ def load_trace(path: str) -> list[dict]:
             for e in events]
 
 
+# %% [markdown]
+# To draw the trace, each event needs a row: `nest_depths` sweeps one thread's events in start
+# order with a stack of the ranges still open, so an event's row is the number of open ranges
+# that contain it. `draw_trace` then draws the busiest thread, the four phases in color.
+
+# %%
 def nest_depths(events: list[dict]) -> list[int]:
     """Per event, how many events of the same thread contain it (its row in the drawing)."""
     order = sorted(range(len(events)),
@@ -91,17 +97,17 @@ def nest_depths(events: list[dict]) -> list[int]:
 
 
 def draw_trace(events: list[dict], ax, max_depth: int = 4, min_ms: float = 0.0) -> None:
-    """Draw the main thread's events as nested bars; phases coloured, operators grey."""
+    """Draw the main thread's events as nested bars; phases colored, operators gray."""
     busiest = max({e["tid"] for e in events},
                   key=lambda t: sum(e["dur_ms"] for e in events if e["tid"] == t))
     mine = [e for e in events if e["tid"] == busiest and not e["name"].startswith("ProfilerStep")]
-    colours = dict(zip(PHASES, ("tab:purple", "tab:blue", "tab:orange", "tab:green")))
+    colors = dict(zip(PHASES, ("tab:purple", "tab:blue", "tab:orange", "tab:green")))
     for e, d in zip(mine, nest_depths(mine)):
         if d > max_depth or e["dur_ms"] < min_ms:
             continue
-        c = colours.get(e["name"], "0.75" if e.get("cat") == "cpu_op" else "0.55")
+        c = colors.get(e["name"], "0.75" if e.get("cat") == "cpu_op" else "0.55")
         ax.broken_barh([(e["start_ms"], e["dur_ms"])], (-d - 0.9, 0.8), color=c, lw=0)
-        if e["name"] in colours or e["dur_ms"] > 0.12 * max(x["dur_ms"] for x in mine):
+        if e["name"] in colors or e["dur_ms"] > 0.12 * max(x["dur_ms"] for x in mine):
             ax.text(e["start_ms"] + e["dur_ms"] / 2, -d - 0.5, e["name"], ha="center",
                     va="center", fontsize=6, clip_on=True)
     ax.set_yticks([-d - 0.5 for d in range(max_depth + 1)],
