@@ -29,13 +29,13 @@ __all__ = ["Saved", "Dims", "attention_kernel", "layer_saved", "embedding_saved"
 # Notation for one rank: $s_c = s/c$ tokens of the sequence (context parallel), $s_r = s_c/t$
 # with sequence parallelism (else $s_c$) for the residual stream, $b$ the micro-batch, $d$ the
 # head size, $a_t = a/t$ query heads and $g_t = g/t$ key/value groups on this rank,
-# $f_t = f/t$, $P$ bytes per parameter-dtype element (2 in bf16). Reading the model of page B.3
-# op by op (`torch.autograd.graph.saved_tensors_hooks` lists the same thing; the tests compare
-# the two):
+# $f_t = f/t$, $P$ bytes per parameter-dtype element (2 in bf16). Reading the model of
+# [B.3](../model/gpt.py) op by op (`torch.autograd.graph.saved_tensors_hooks` lists the same
+# thing; the tests compare the two):
 #
 # | module | saved tensor | bytes |
 # |---|---|---|
-# | RMSNorm (×2) | fp32 copy of the input, $1/\mathrm{rms}$, normalised input in $P$ | $4 s_r b h + 4 s_r b + P s_r b h$ |
+# | RMSNorm (×2) | fp32 copy of the input, $1/\mathrm{rms}$, normalized input in $P$ | $4 s_r b h + 4 s_r b + P s_r b h$ |
 # | `linear_qkv`, `linear_fc1` | their input — **all-gathered** under SP | $P s_c b h$ each |
 # | RoPE | cos and sin cast to $P$, for q and for k | $4 \cdot P s_c b d$ |
 # | flash attention | q, k, the whole QKV output (v is a view of it), out, logsumexp | $P s_c b (a_t + g_t + (a_t + 2 g_t) + a_t) d + 4 b a_t s_c$ |
@@ -101,7 +101,12 @@ def saved_bytes(entries: list[Saved]) -> int:
     """Total bytes of a list of saved tensors."""
     return sum(e.nbytes for e in entries)
 
+# %% [markdown]
+# Every formula above is written in the same handful of per-rank sizes; `Dims` computes them once
+# from the layout, so each saved tensor below reads like its row of the table. Which attention
+# kernel runs is decided next, since it changes the table most.
 
+# %%
 @dataclass(frozen=True)
 class Dims:
     """The per-rank sizes every activation formula uses."""
@@ -139,12 +144,17 @@ def attention_kernel(cfg: MemoryConfig) -> str:
 
 
 def _norm(module: str, x: Dims) -> list[Saved]:
-    """RMSNorm: fp32 copy of the input, 1/rms, the normalised input in the param dtype."""
+    """RMSNorm: fp32 copy of the input, 1/rms, the normalized input in the param dtype."""
     n = x.s_r * x.b
     return [Saved(module, "fp32 input", n * x.h, 4), Saved(module, "1/rms", n, 4),
-            Saved(module, "normalised input", n * x.h, x.P)]
+            Saved(module, "normalized input", n * x.h, x.P)]
 
+# %% [markdown]
+# Core attention is where the kernel matters: the flash path saves $O(s)$ per head (and under CP
+# the gathered K and V), the math path the $O(s^2)$ probabilities. Selective recompute of core
+# attention keeps only the checkpoint's inputs and the output.
 
+# %%
 def _core_attention(cfg: MemoryConfig, x: Dims) -> list[Saved]:
     """What the attention kernel saves (and the proj input when it is a separate tensor)."""
     n, c = x.s_c * x.b, cfg.context_parallel_size
@@ -255,7 +265,11 @@ def _selective_norms(x: Dims, norms: list[Saved], linear_input: Saved, module: s
     keep = [Saved(module, "norm input (checkpoint input)", n, x.P)]
     return keep, (linear_input if x.s_r != x.s_c else None)
 
+# %% [markdown]
+# `layer_saved` assembles one layer from these parts, then applies the recompute switches in
+# the order of the table above and appends the RNG snapshots and the dropout masks.
 
+# %%
 def layer_saved(cfg: MemoryConfig, input_is_received: bool = False,
                 recompute: bool = True) -> list[Saved]:
     """Every tensor one layer saves for backward on one rank (selective recompute unless off)."""
@@ -328,7 +342,11 @@ def head_saved(cfg: MemoryConfig) -> list[Saved]:
             Saved("head", "target ids (int64)", n, 8), Saved("head", "target mask (bool)", n, 1),
             Saved("head", "per-token loss (the output)", n, 4)]
 
+# %% [markdown]
+# Under full recompute a chunk keeps, for each checkpointed run of layers, only the run's input
+# and its RNG snapshots; the layers outside any run (`block`) keep everything.
 
+# %%
 def _full_recompute_groups(cfg: MemoryConfig, num_layers: int) -> tuple[int, int]:
     """(checkpointed groups, layers kept normally) of one chunk under full recompute."""
     if cfg.recompute_granularity != "full":
@@ -350,7 +368,12 @@ def _full_recompute_saved(cfg: MemoryConfig, x: Dims, groups: int, first: bool) 
                      * resid, x.P)]
     return out + _snapshots(cfg, groups)
 
+# %% [markdown]
+# Offload splits each kept layer's tensors into what stays on the device and what goes to the
+# host, with the two rules above: the size threshold, and a storage leaves only with its last
+# device holder. The head's chunk keeps its last layer (the margin).
 
+# %%
 def _offloaded(cfg: MemoryConfig, layer: list[Saved]) -> tuple[list[Saved], list[Saved]]:
     """(stays on the device, copied to the host) for one layer's saved tensors (chapter 06)."""
     m = cfg.model
@@ -387,7 +410,12 @@ def _kept_layers(cfg: MemoryConfig, normal: int, received: bool, last: bool):
         device += [e.times(normal - 1 - moved) for e in plain]
     return device, host
 
+# %% [markdown]
+# `chunk_saved` puts one micro-batch on one model chunk together: the recompute runs, the kept
+# layers (device and host), the embedding on the first chunk, the head on the last, and the
+# received activation on every other.
 
+# %%
 def chunk_saved(cfg: MemoryConfig, pp_rank: int, chunk: int) -> dict[str, list[Saved]]:
     """Saved tensors of one micro-batch on one model chunk, by part ("host": offloaded)."""
     x = Dims.of(cfg)

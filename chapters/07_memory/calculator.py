@@ -234,7 +234,12 @@ def candidate_layouts(base: MemoryConfig, gpus: int, global_batch_size: int,
                     context_parallel_size=cp, data_parallel_size=dp, micro_batch_size=mbs,
                     num_microbatches=m, use_distributed_optimizer=distopt)
 
+# %% [markdown]
+# The search itself checks the first and the last pipeline stage of every candidate, the two
+# that bound the peak. Many candidates share their resident or their flowing bytes (these do not
+# depend on every field of the layout), so both are cached under the fields they depend on.
 
+# %%
 def _resident(cfg: MemoryConfig, pp_rank: int, cache: dict) -> tuple[int, int]:
     """(device bytes of weights, grads and optimizer state; grad-buffer elements), cached."""
     key = ("states", cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
@@ -366,7 +371,12 @@ def _config_from_args(args, overrides: list[str]) -> MemoryConfig:
     tp, pp, _, cp = train.parallel.sizes()
     return memory_config_from(train, args.world_size or tp * pp * cp, args.device)
 
+# %% [markdown]
+# `_run` does what the flags ask: the search, or the ledger of every stage as a table or JSON,
+# and the picture when `--plot` names a file. `main` turns any bad input into one line on
+# stderr and exit status 2.
 
+# %%
 def _run(argv: Sequence[str] | None) -> None:
     """Parse, build, print (or search); raises ValueError with a one-line message."""
     args, overrides = _parser().parse_known_args(argv)

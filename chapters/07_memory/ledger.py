@@ -120,13 +120,13 @@ def megatron_args_from(cfg: MemoryConfig) -> dict:
 # %% [markdown]
 # ## A picture of the ledger
 #
-# One horizontal bar per ledger, each term a segment, resident terms in cool colours and the
-# flowing ones in warm colours; a dashed line marks a device budget.
+# One horizontal bar per ledger, each term a segment, resident terms in cool colors and the
+# flowing ones in warm colors; a dashed line marks a device budget.
 
 # %%
-_COLOURS = {"weights": "#4c72b0", "grad_buffer": "#64b5cd", "master_params": "#8172b3",
-            "optimizer_state": "#b39ddb", "fp32_grad_copies": "#999999",
-            "activations": "#dd8452", "p2p_buffers": "#c44e52"}
+_COLORS = {"weights": "#4c72b0", "grad_buffer": "#64b5cd", "master_params": "#8172b3",
+           "optimizer_state": "#b39ddb", "fp32_grad_copies": "#999999",
+           "activations": "#dd8452", "p2p_buffers": "#c44e52"}
 
 
 def plot_ledgers(ledgers: dict, ax=None, budget_bytes: float | None = None, unit: float = 2**30,
@@ -141,7 +141,7 @@ def plot_ledgers(ledgers: dict, ax=None, budget_bytes: float | None = None, unit
     for term in DEVICE_TERMS:
         widths = [ledgers[n].device.get(term, 0) / unit for n in names]
         if any(widths):
-            ax.barh(names, widths, left=left, color=_COLOURS[term], label=term.replace("_", " "))
+            ax.barh(names, widths, left=left, color=_COLORS[term], label=term.replace("_", " "))
             left = [a + w for a, w in zip(left, widths)]
     if budget_bytes:
         ax.axvline(budget_bytes / unit, color="black", ls="--", lw=1)
@@ -307,6 +307,6 @@ if __name__ == "__main__":
 # ## Exercises
 #
 # 1. Where does the last stage's peak happen in the running example, and which single change
-#    (a fused cross-entropy that never materialises fp32 logits) would lower it most?
+#    (a fused cross-entropy that never materializes fp32 logits) would lower it most?
 # 2. Switch the running example to interleaving with $v = 2$. Which stage becomes the most
 #    loaded, and by how much?

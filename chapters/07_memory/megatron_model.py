@@ -172,7 +172,13 @@ def _attention_params(a, norm: int) -> float:
     return (q + a.kv_lora_rank * (h + heads * (a.qk_head_dim + a.v_head_dim) + norm)
             + h * rope + heads * a.v_head_dim * h)
 
+# %% [markdown]
+# With the two helpers in place, the counts by kind follow Megatron's function line by line:
+# first the parameters of one block of each kind, then how many of each the model has, and
+# how they split into TP-sharded, replicated and expert parameters (the three scale differently
+# below).
 
+# %%
 def megatron_param_counts(a) -> dict[str, float]:
     """Megatron's parameter counts by kind (:12-163), for args filled by megatron_args."""
     h, norm = a.hidden_size, (1 if a.normalization == "RMSNorm" else 2)
@@ -209,7 +215,13 @@ def megatron_param_counts(a) -> dict[str, float]:
                   + c["final_layernorm"] + embeddings)
     return c
 
+# %% [markdown]
+# The bytes of the most loaded shard: each of the three kinds is divided by the parallelism
+# that cuts it, then multiplied by Megatron's bytes per parameter: 18 without the distributed
+# optimizer, $6 + 12/d$ with it ($d$ the data-parallel size, or the expert data-parallel size
+# for expert parameters).
 
+# %%
 def compute_weight_and_optimizer_memory(a) -> float:
     """Bytes of weights, grads and optimizer state on the most loaded shard (:12-277)."""
     c = megatron_param_counts(a)

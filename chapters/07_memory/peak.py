@@ -81,7 +81,13 @@ def schedule_ops(cfg: MemoryConfig, pp_rank: int,
         ops += [fwd[warmup + i], bwd[i]]
     return ops + bwd[steady:]
 
+# %% [markdown]
+# Each `F` and `B` of that order adds, for as long as it runs, the temporaries of the table
+# above. A chunk's forward reaches its largest moment at the end of a layer, in the TP
+# collective after fc2, inside math attention, or (on the last chunk) in the cross-entropy chain;
+# the function takes the largest of those that apply.
 
+# %%
 def _forward_transient(cfg: MemoryConfig, x: Dims, head: bool) -> int:
     """Bytes alive in a chunk's forward on top of what it keeps, at its largest moment."""
     unit = x.P * x.s_r * x.b * x.h  # one residual-stream tensor
@@ -107,7 +113,12 @@ def _forward_transient(cfg: MemoryConfig, x: Dims, head: bool) -> int:
     chain = (2 + 4 + 4 if x.P == 2 else 4 + 4) * logits  # logits (, fp32 copy), z, exp(z)
     return max(layer, chain + (0 if x.P == 4 else unit) + rope)
 
+# %% [markdown]
+# The backward's moments are the SwiGLU, attention and fc1 backwards of a layer, each on top of
+# whatever the stage still holds at that point: a tied output-layer gradient waiting in
+# `.grad`, the head's saved tensors already freed, and the tensors a recompute re-created.
 
+# %%
 def _backward_transient(cfg: MemoryConfig, x: Dims, head: bool, tied_here: bool,
                         head_kept: int = 0, recomputed: int = 0) -> int:
     """Bytes alive in a chunk's backward on top of what it kept, at its largest moment."""
@@ -134,7 +145,12 @@ def _backward_transient(cfg: MemoryConfig, x: Dims, head: bool, tied_here: bool,
         events += [4 * logits, table_grad + (x.P - 4) * logits]
     return max(events)
 
+# %% [markdown]
+# Three smaller pieces complete a chunk's transients: the very end of the first chunk's
+# backward (the embedding's weight gradient), the bytes a recompute re-creates inside one
+# backward, and the function that gathers the three moments of one chunk.
 
+# %%
 def _late_backward(cfg: MemoryConfig, x: Dims, parts: dict) -> int:
     """First chunk, end of backward: the embedding's saved ids, the grad in, its weight grad."""
     if not parts["embedding"]:
@@ -165,7 +181,12 @@ def _transients(cfg: MemoryConfig, parts: dict) -> tuple[int, int, int]:
                                    _recomputed(cfg))
     return _forward_transient(cfg, x, head), backward, _late_backward(cfg, x, parts)
 
+# %% [markdown]
+# Last, the messages a send still holds, and the replay itself: `activation_peak` walks the
+# schedule, adds a chunk's kept bytes at each `F` and removes them at each `B`, and records the
+# largest sum of kept bytes, the running step's transient and the messages in transit.
 
+# %%
 def p2p_buffers(cfg: MemoryConfig, pp_rank: int, backward: bool = False) -> int:
     """Messages still held by their sends: the last output during the next forward (all but
     the last stage); on a middle stage, the last round's two messages during a steady backward.

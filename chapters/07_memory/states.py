@@ -95,6 +95,16 @@ class MemoryConfig:
                                 pp=self.pipeline_model_parallel_size,
                                 num_virtual_stages=self.num_chunks)
 
+# %% [markdown]
+# The class continues (a cell extends a class by subclassing it under the same name) with the
+# quantities derived from the fields: the recompute switches read through from the model
+# config, the number of model chunks, the world size and the bytes of one parameter and of
+# one gradient element.
+
+# %%
+class MemoryConfig(MemoryConfig):  # the same class, continued
+    __doc__ = MemoryConfig.__doc__  # help() keeps the first cell's docstring
+
     # Recompute and activation offload are the model's switches (chapter 06, appendix B).
     @property
     def recompute_granularity(self) -> str | None:
@@ -151,7 +161,7 @@ def _choice(name: str, value, allowed) -> None:
 # %% [markdown]
 # ## Which parameters a rank holds, in the order DDP sees them
 #
-# A pipeline rank holds one `GPTModel` chunk per virtual stage (page B.3). Each chunk is
+# A pipeline rank holds one `GPTModel` chunk per virtual stage ([B.3](../model/gpt.py)). Each chunk is
 # wrapped in its own DDP with its own buffer, as Megatron wraps each model chunk
 # (`megatron/training/training.py`, `get_model`). Inside a chunk the parameters come in
 # registration order: the embedding (first chunk of the first stage), then per layer
@@ -377,3 +387,44 @@ if __name__ == "__main__":
         assert rows[f"stage {r}"]["weights"] >= 2 * count_parameters_per_rank(
             big.model, tp=2, pp=2, pp_rank=r)  # the padding only adds
     assert abs(sum(rows["stage 0"].values()) - megatron) / megatron < 0.01
+
+# %% [markdown]
+# ## Bytes per parameter, with and without the distributed optimizer
+#
+# Stage 0's ledger divided by its 2,007,629,824 parameters gives Megatron's bytes per parameter
+# state by state. Without the distributed optimizer every DP rank holds all of them:
+# 2 (bf16 weight) + 4 (fp32 grad) + 4 (fp32 master) + 8 (two Adam moments) = 18. With it the
+# weights and the grad buffer stay whole on every rank, and only the master and the moments
+# are split over the 64 DP ranks: $6 + 12/64 = 6.1875$. The optimizer state, the largest part
+# of the first bar, almost vanishes from the second.
+
+# %%
+if __name__ == "__main__":
+    import matplotlib.pyplot as plt
+
+    n = count_parameters_per_rank(big.model, tp=2, pp=2, pp_rank=0)
+    ledgers = {"replicated optimizer": state_ledger(big.replace(use_distributed_optimizer=False)),
+               "distributed optimizer, DP 64": rows["stage 0"]}
+    per_param = {name: {k: v / n for k, v in terms.items() if v} for name, terms in ledgers.items()}
+    colors = {"weights": "#4c72b0", "grad_buffer": "#64b5cd", "master_params": "#8172b3",
+              "optimizer_state": "#b39ddb"}
+    fig, ax = plt.subplots(figsize=(7, 2.4))
+    for i, (name, terms) in enumerate(per_param.items()):
+        left = 0.0
+        for term, value in terms.items():
+            ax.barh(name, value, left=left, color=colors[term],
+                    label=term.replace("_", " ") if i == 0 else None)
+            left += value
+        ax.text(left + 0.2, name, f"{left:g} B", va="center", fontsize=8)
+        print(f"{name}: " + ", ".join(f"{k} {v:g}" for k, v in terms.items())
+              + f" = {left:g} bytes per parameter")
+    ax.set_xlabel("bytes per parameter, 7B stage 0 (TP 2, PP 2), one GPU")
+    ax.set_xlim(0, 20)
+    ax.invert_yaxis()
+    ax.legend(fontsize=8, ncol=2, loc="lower right")
+    fig.tight_layout()
+    plt.show()
+
+    assert per_param["replicated optimizer"] == {"weights": 2, "grad_buffer": 4,
+                                                 "master_params": 4, "optimizer_state": 8}
+    assert abs(sum(per_param["distributed optimizer, DP 64"].values()) - (6 + 12 / 64)) < 1e-3
