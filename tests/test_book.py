@@ -26,13 +26,6 @@ MAX_CODE_CELL_LINES = 60
 # that passes a check fails the test, so the list can only shrink; the goal is an empty list,
 # and no page is added to it once its chapter is done.
 OWNED_ELSEWHERE_PENDING: dict[str, set[str]] = {
-    # 01 (written; owned by its author)
-    "01_main_loop/interleaved.py": {"cell_length"},
-    "01_main_loop/memory_meter.py": {"cell_length"},
-    "01_main_loop/resident_flowing.py": {"spelling"},
-    "01_main_loop/schedule_timeline.py": {"spelling"},
-    "01_main_loop/schedules.py": {"cell_length", "spelling"},
-    "01_main_loop/training_log.py": {"spelling"},
     # 03 (being finished)
     "03_checkpoint/async_save.py": {"cell_length"},
     "03_checkpoint/convert.py": {"figure"},
