@@ -49,8 +49,8 @@ logger = logging.getLogger("tinytron.checkpoint")
 #
 # Megatron's names and defaults (`megatron/training/arguments.py`, checkpointing group), the
 # ones tinytron implements. `async_mode` and `verify_integrity` are tinytron's: how the
-# background writer takes its snapshot (page "saving in the background"), and whether a load
-# checks every file's CRC-32.
+# background writer takes its snapshot ([saving in the background](async_save.py)), and
+# whether a load checks every file's CRC-32.
 
 # %%
 @dataclass
@@ -98,6 +98,12 @@ class CheckpointConfig:
             raise ValueError(f"thread_count must be >= 1, got {self.thread_count}")
 
 
+# %% [markdown]
+# A load hands the loop back its `TrainState` (chapter 01): iteration, consumed and skipped
+# samples, FLOPs so far. This package is importable without the loop, so a stand-in with the
+# same fields and the same `state_dict()` takes its place when the loop is not there.
+
+# %%
 @dataclass
 class TrainStateFallback:
     """The loop's TrainState fields, used when tinytron.main_loop.loop is not importable."""
@@ -202,7 +208,7 @@ def check_model_config(saved: dict | None, config, where) -> None:
 # `iteration`, the loop's `train_state`, `opt_param_scheduler`,
 # `num_floating_point_operations_so_far`, the optimizer's hyperparameters, loss scale and step
 # counts, and `content_metadata` (`distrib_optim_sharding_type = "fully_reshardable"`: the
-# optimizer state is in model space, page "resharding").
+# optimizer state is in model space, see [resharding](resharding.py)).
 
 # %%
 def _hparams(optimizer) -> list[dict]:
@@ -243,6 +249,14 @@ def _common(config, grid, state, optimizer, scheduler, steps) -> dict:
                                "grad_scaler": None if scaler is None else scaler.state_dict()}
     return common
 
+
+# %% [markdown]
+# The manager holds what lives as long as the run: the options, the grid and its
+# checkpoint process groups, and the background saver when saves are asynchronous. `save`
+# follows the order of [the formats page](formats.py): rank 0 prepares the staging
+# directory, all ranks wait for it, then the state is written in the chosen format and
+# committed (at once, or at a later `finalize` for an async save). The RNG states and the param groups' hyperparameters are
+# per-(PP, TP) objects: every DP rank's RNG state gathered into one list, written by DP rank 0.
 
 # %%
 class CheckpointManager:
@@ -301,6 +315,18 @@ class CheckpointManager:
         stats = {"label": f"iteration {iteration}", "blocking_s": time.perf_counter() - t0}
         self.stats.append(stats)
         return stats
+
+
+# %% [markdown]
+# A `torch_dist` save is one DCP request (`_request`): the model's sharded tensors, the
+# optimizer's in model space (masters and moments under `optimizer.state.<quantity>.<key>`),
+# the objects, and `common.pt`. A legacy save writes its files, agrees on the first error over
+# all ranks, and lets rank 0 commit. `load` and `finalize` hand over to the loading code below
+# and to the background saver.
+
+# %%
+class CheckpointManager(CheckpointManager):  # the same class, continued
+    __doc__ = CheckpointManager.__doc__  # help() keeps the first cell's docstring
 
     def _request(self, staging, state, chunks, optimizer, scheduler) -> SaveRequest:
         """Every sharded tensor and object of the full state, as one DCP save."""
@@ -371,6 +397,12 @@ class CheckpointManager:
 # | scheduler | `common.pt` → `opt_param_scheduler` | unless `finetune` |
 # | iteration, consumed samples, FLOPs | `common.pt` → `train_state` (and Megatron's `args`) | unless `finetune` |
 # | RNG states | object `rng_state` per (PP, TP), a list over DP | same TP and PP, unless `no_load_rng` / `finetune` |
+#
+# The code goes from the bottom up. `_read_dist` reads this layout's share of a `torch_dist`
+# directory: it builds the same sharded state dict a save of this layout would, but pointing
+# into empty staging buffers, and lets DCP fill them. The param groups' hyperparameters are
+# asked for only on an unchanged layout, since another layout may group its params
+# differently.
 
 # %%
 def _read_dist(manager, directory, common, chunks, optimizer, load_optim, load_rng, same_layout):
@@ -404,6 +436,13 @@ def _read_dist(manager, directory, common, chunks, optimizer, load_optim, load_r
     return loaded
 
 
+# %% [markdown]
+# `_apply` is the only function that writes into the run, and it runs only after every rank
+# has read everything. The scheduler goes first because its own checks may still refuse; then
+# the optimizer (a plain state dict, or pieces: hyperparameters, loss scale, masters, moments,
+# steps), the weights, and the RNG states.
+
+# %%
 @torch.no_grad()
 def _apply(manager, loaded: LoadedState, chunks, optimizer, scheduler, where):
     """Apply a fully read checkpoint: scheduler, optimizer, weights, RNG."""
@@ -435,6 +474,13 @@ def _apply(manager, loaded: LoadedState, chunks, optimizer, scheduler, where):
         set_rng_state(loaded.rng, manager._tracker(chunks))
 
 
+# %% [markdown]
+# `_read` is where a load may fail: detect the format, read the common part and check the
+# model config, decide whether the RNG states can be restored (only on the same TP and PP),
+# then hand over to the format's reader. `_train_state_dict` fills the loop's counters, from
+# Megatron's saved `args` when a checkpoint carries no `train_state`.
+
+# %%
 def _read(manager, directory, chunks, optimizer, load_optim, finetune):
     """Common part, config check, layout check and every tensor: a LoadedState, or ValueError."""
     cfg, grid = manager.config, manager.grid
@@ -477,6 +523,12 @@ def _train_state_dict(state, common: dict, iteration: int) -> dict:
     return out
 
 
+# %% [markdown]
+# `_load` puts the steps in order. Its one decisive collective is `first_error`: every rank
+# learns whether any rank failed to read, so either all ranks apply the checkpoint or none
+# does, and a failed load leaves the run as it was.
+
+# %%
 def _load(manager, model, optimizer, scheduler, root):
     """CheckpointManager.load."""
     cfg = manager.config

@@ -313,7 +313,7 @@ if __name__ == "__main__":
 # - A key names what a tensor is; its global shape stacks the layers on a leading axis; a rank's
 #   chunk sits at its TP offset and layer offset, so the same key and shape serve every layout.
 # - `TensorLayout.boxes` maps any rectangle of a local tensor to global rectangles; the model's
-#   chunks are whole local tensors, the optimizer's (page "resharding") are pieces of them.
+#   chunks are whole local tensors, the optimizer's ([resharding](resharding.py)) are pieces of them.
 # - Replicas (TP-replicated norms, the tied output layer, DP copies) are marked, read, never written.
 #
 # ## How production does it
