@@ -116,6 +116,14 @@ class _SavePlanner(DefaultSavePlanner):
         return self.data[index]
 
 
+# %% [markdown]
+# The checksums ride on DCP's file-system object: DCP opens every file it writes through
+# `FileSystem.create_stream`, so a wrapper around that stream sees every byte on its way to
+# disk. `_CRCStream` keeps a running CRC-32 and byte count, holds on to an `OSError` that
+# `torch.save` would turn into an opaque `RuntimeError`, and is where the `mid_write` fault
+# point fires.
+
+# %%
 class _CRCStream(io.RawIOBase):
     """A write-only file wrapper that keeps a running CRC-32 and byte count."""
 
@@ -150,6 +158,12 @@ class _CRCStream(io.RawIOBase):
         return self.raw.fileno()
 
 
+# %% [markdown]
+# `_ChecksumFS` wraps each stream opened for writing and records `[size, crc]` under the file's
+# name when it closes. It also remembers the path it opened last, which is how a failed write
+# or read names its file.
+
+# %%
 class _ChecksumFS(FileSystem):
     """DCP's file system with a CRC on every written file and the open path remembered."""
 
@@ -172,6 +186,11 @@ class _ChecksumFS(FileSystem):
     def _record(self, error: OSError) -> None:
         self.error = error
 
+
+# %% [markdown]
+# Three helpers of the save: the CRC of a file written outside DCP (`common.pt`, `.metadata`),
+# a small JSON file written durably, and the gap check that DCP lacks. DCP already refuses
+# overlapping chunks, so chunks that add up to the tensor's size cover it exactly once.
 
 # %%
 def _file_crc(path: Path) -> list[int]:
@@ -206,6 +225,14 @@ def _check_tiling(plans: list[SavePlan]) -> None:
                              "(no rank wrote the rest)")
 
 
+# %% [markdown]
+# `SaveRequest` carries one save through its three phases, so that the asynchronous saver can
+# run the middle one somewhere else. Only main replicas are kept: every global element is
+# written once. `plan` is the first collective: every rank's local plan goes to rank 0, which
+# checks the tiling, builds the global plan and scatters each rank its part, or, when a check
+# fails, the same error message to every rank, so that no rank is left waiting.
+
+# %%
 class SaveRequest:
     """One torch_dist save split in Megatron's three phases: plan, write, finalize."""
 
@@ -242,6 +269,18 @@ class SaveRequest:
         if isinstance(mine, str):
             raise CheckpointSaveError(mine)
         self.final_plan = self.planner.finish_plan(mine)
+
+
+# %% [markdown]
+# `write` talks to no other rank, which is what lets it run in a forked process: it returns
+# its outcome (the write results and checksums, or an error message naming the file) instead
+# of raising. `finalize` is the second collective: the outcomes meet on rank 0, which writes
+# the index, the checksums and `metadata.json`, in that order, and then calls the commit; every
+# rank gets the same verdict back.
+
+# %%
+class SaveRequest(SaveRequest):  # the same class, continued
+    __doc__ = SaveRequest.__doc__  # help() keeps the first cell's docstring
 
     def write(self) -> dict:
         """No communication: common.pt (rank 0), this rank's .distcp; {'results', ...} or {'error'}."""
@@ -352,6 +391,13 @@ class _LoadPlanner(DefaultLoadPlanner):
         self.loaded[read_item.dest_index.fqn] = torch.load(value, weights_only=True)[0]
 
 
+# %% [markdown]
+# The cheap checks come before DCP reads a byte: every file the index points into exists and
+# is long enough (a truncated file would otherwise fail deep inside DCP's reader), the files'
+# CRCs match (each rank verifies its share, and `first_error` tells all of them), and the
+# index itself unpickles.
+
+# %%
 def _check_files(directory: Path, metadata) -> None:
     """Every file the index refers to exists and holds at least the bytes it should."""
     need: dict[str, int] = {}
@@ -396,6 +442,13 @@ def read_dcp_index(directory: Path):
         raise ValueError(f"{path}: cannot be read ({type(e).__name__}: {e})") from e
 
 
+# %% [markdown]
+# `read_sharded` runs those checks, then DCP's load with the planner above. DCP wraps what a
+# rank raised in a per-rank failure; `_root_cause` unwraps it, so that the error a user sees
+# names the file and not DCP's machinery. `read_common` reads the non-tensor part, with
+# `weights_only=True` like every load of this book.
+
+# %%
 def _root_cause(e: BaseException) -> BaseException:
     """The exception a rank raised inside DCP (DCP wraps it per rank)."""
     for failure in getattr(e, "failures", {}).values():
@@ -500,6 +553,12 @@ def _layout_args(chunks, grid) -> dict:
             "pipeline_model_parallel_size": grid.size("pp")}
 
 
+# %% [markdown]
+# `load_model_weights` reads a `torch_dist` directory into CPU staging copies of the
+# parameters and copies them in only after the whole read succeeded; the legacy path does the
+# same through `read_legacy(...).apply_model()`.
+
+# %%
 @torch.no_grad()
 def load_model_weights(path, model, grid=None, verify: bool = True) -> None:
     """Load weights from either format into the model's chunks; nothing changes on error."""
@@ -517,18 +576,6 @@ def load_model_weights(path, model, grid=None, verify: bool = True) -> None:
     for p, t in staged.items():
         p.copy_(t)
 
-
-# %% [markdown]
-# ## Demo: what a save looks like from outside
-#
-# The tiny model (TP 1) is saved with `save_model_weights`. DCP's index lists each key with its
-# global shape and chunks — the layers stacked on the leading axis. Then the directory is
-# opened with PyTorch's own tools only (`dcp_to_torch_save` turns it into one plain
-# `torch.save` file): every tensor equals the model's, re-stacked. The picture shows where the
-# chunks of `linear_fc1.weight` of a 4-layer model land for TP 2 × PP 2: the four colours are
-# the four (PP, TP) ranks, and each TP rank's two pieces are its gate and its up rows.
-
-# %%
 
 # %% [markdown]
 # ## Demo: what a save looks like from outside
