@@ -35,18 +35,6 @@ OWNED_ELSEWHERE_PENDING: dict[str, set[str]] = {
     "03_checkpoint/resume.py": {"cell_length"},
     "03_checkpoint/sharded_keys.py": {"cell_length", "page_refs", "spelling"},
     "03_checkpoint/torch_dist.py": {"cell_length", "spelling"},
-    # 06 (written; owned by its author)
-    "06_recompute_offload/activation_memory.py": {"spelling"},
-    "06_recompute_offload/checkpoint.py": {"cell_length", "spelling"},
-    "06_recompute_offload/offload.py": {"cell_length"},
-    "06_recompute_offload/recompute.py": {"cell_length", "spelling"},
-    # 07 (being finished)
-    "07_memory/activations.py": {"cell_length", "page_refs", "spelling"},
-    "07_memory/calculator.py": {"cell_length"},
-    "07_memory/ledger.py": {"spelling"},
-    "07_memory/megatron_model.py": {"cell_length"},
-    "07_memory/peak.py": {"cell_length"},
-    "07_memory/states.py": {"cell_length", "figure", "page_refs"},
     # 08 (being finished)
     "08_reliability/fault_injection.py": {"cell_length", "figure"},
     "08_reliability/fault_tolerance.py": {"cell_length", "figure"},
