@@ -35,16 +35,6 @@ OWNED_ELSEWHERE_PENDING: dict[str, set[str]] = {
     "03_checkpoint/resume.py": {"cell_length"},
     "03_checkpoint/sharded_keys.py": {"cell_length", "page_refs", "spelling"},
     "03_checkpoint/torch_dist.py": {"cell_length", "spelling"},
-    # 08 (being finished)
-    "08_reliability/fault_injection.py": {"cell_length", "figure"},
-    "08_reliability/fault_tolerance.py": {"cell_length", "figure"},
-    "08_reliability/full_cuda_graph.py": {"cell_length", "spelling"},
-    "08_reliability/long_run.py": {"spelling"},
-    "08_reliability/observability.py": {"cell_length"},
-    "08_reliability/rerun_state_machine.py": {"cell_length"},
-    "08_reliability/restarts.py": {"cell_length", "figure"},
-    "08_reliability/timers.py": {"cell_length", "spelling"},
-    "08_reliability/trace.py": {"cell_length"},
 }
 
 
