@@ -331,7 +331,7 @@ def _checkpoint_hooks(cfg: TrainConfig, out_dir: str, grid, reliability):
                                  load=config.load or config.save or out_dir)
     hooks = make_checkpoint_hooks(config, grid)
     save, load = reliability.checkpoint_hooks(hooks.save_checkpoint_fn, hooks.load_checkpoint_fn)
-    return save, load, hooks.finalize_async_save_fn
+    return save, load, hooks.finalize_async_save_fn, hooks.manager.comm.destroy
 
 
 def output_dir(cfg: TrainConfig, name: str = "run") -> str:
@@ -364,7 +364,7 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
     rel = _reliability(cfg, out_dir)
     train_iters = train_iters_of(cfg, grid.size("dp"))
     logger, log_config = _logger(cfg, out_dir, train_iters, device, rel)
-    save, load, finalize = _checkpoint_hooks(cfg, out_dir, grid, rel)
+    save, load, finalize, close_checkpoint_groups = _checkpoint_hooks(cfg, out_dir, grid, rel)
     seq, mbs = cfg.model.seq_length, cfg.training.micro_batch_size
     dtype = torch.bfloat16 if cfg.training.bf16 else torch.float32
     try:
@@ -388,6 +388,8 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
     finally:
         rel.shutdown()
         logger.close()
+        close_checkpoint_groups()  # their threads and sockets: a second run() starts clean
+        grid.destroy()
     code = rel.exit_code(result.exit_reason)
     if logger.is_writer and log_config.jsonl_path and os.path.isfile(log_config.jsonl_path):
         png = os.path.join(out_dir, "loss.png")

@@ -52,6 +52,13 @@ def parity(tmp_path_factory, data_prefix):
     return single, per_rank[-1]  # the last rank writes the log
 
 
+def test_runs_in_one_process_release_their_groups(parity):
+    """Six run() calls in one world: each destroys its gloo groups (27 threads a run leaked before)."""
+    _, runs = parity
+    threads = [r["threads"] for r in runs.values()]
+    assert threads[-1] - threads[0] <= 4 * (len(threads) - 1), threads
+
+
 def test_single_process_run_trains(parity):
     single, _ = parity
     assert single["code"] == 0 and sorted(single["losses"]) == list(range(1, 11))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import torch.distributed as dist
 
@@ -28,6 +29,11 @@ def read_losses(jsonl: str) -> dict[int, float]:
     return out
 
 
+def _native_threads() -> int:
+    """OS threads of this process (gloo's live there), 0 where /proc is absent."""
+    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
+
+
 def _validation_iterations(jsonl: str) -> list[int]:
     """Iterations at which the run logged a validation record."""
     if not os.path.isfile(jsonl):
@@ -48,6 +54,7 @@ def run_layouts(root: str, data_prefix: str, layouts: dict[str, list[str]]) -> d
         jsonl = os.path.join(save, "log.jsonl")
         out[name] = {"code": code,
                      "losses": read_losses(jsonl) if os.path.isfile(jsonl) else None,
-                     "validations": _validation_iterations(jsonl)}
+                     "validations": _validation_iterations(jsonl),
+                     "threads": threading.active_count() + _native_threads()}
         dist.barrier()
     return out

@@ -34,6 +34,15 @@ class CheckpointGroups:
             if self.rank in ranks:
                 self.dp = handle
 
+    def destroy(self) -> None:
+        """Destroy the groups made here (the training grid's own dp group stays the grid's)."""
+        made = [self.world] + ([self.dp] if self.dp is not self.grid.group("dp_cp") else [])
+        for handle in made:
+            if handle is not None:
+                dist.destroy_process_group(handle)
+        self.world = self.dp = None
+        self.distributed = False
+
     @property
     def world_size(self) -> int:
         return self.grid.world_size if self.distributed else 1

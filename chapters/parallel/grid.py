@@ -282,8 +282,8 @@ class ParallelGrid(ParallelGrid):  # the same class, continued
 
 
 # %% [markdown]
-# And the device the grid's collectives run on, one convenience collective, and two ways to
-# print where a rank sits.
+# And the device the grid's collectives run on, one convenience collective, the groups' end,
+# and two ways to print where a rank sits.
 
 # %%
 class ParallelGrid(ParallelGrid):  # continued
@@ -300,6 +300,13 @@ class ParallelGrid(ParallelGrid):  # continued
         if self.size(axis) > 1:
             dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=self.group(axis))
         return tensor
+
+    def destroy(self) -> None:
+        """Destroy my process groups (a gloo group keeps threads and sockets until then)."""
+        for handle in self._groups.values():
+            if handle is not None:
+                dist.destroy_process_group(handle)
+        self._groups = {axis: None for axis in AXES}
 
     def describe(self) -> str:
         """One line: my global rank and my coordinate on each base axis."""
