@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import torch
@@ -147,23 +147,9 @@ class DistributedSignalHandler:
 
 # %%
 @dataclass
-class ReliabilityConfig:
-    """The trainer's [reliability] section (Megatron's names where they exist)."""
+class ReliabilityConfig(RerunConfig):
+    """The trainer's [reliability] section: RerunConfig's fields, then the ones below."""
 
-    rerun_mode: str = "validate_results"
-    """disabled | validate_results | report_determinism_stats."""
-    check_for_nan_in_loss_and_grad: bool = True
-    """Fatal NaN/Inf checks on every micro-batch loss and the gradient norms."""
-    check_for_spiky_loss: bool = False
-    """Non-fatal check: loss >= 10x the max of the first 100."""
-    check_for_large_grads: bool = False
-    """Non-fatal check: grad norm >= 10x the max of the first 100."""
-    error_injection_rate: int = 0
-    """Megatron's random rejection for testing (0 = off)."""
-    error_injection_type: str = "transient_error"
-    """The verdict the random injector forces."""
-    result_rejected_tracker_filename: Optional[str] = None
-    """Tracker file of validation events (None: <save>/result_rejected_tracker.txt)."""
     exit_signal_handler: bool = False
     """On SIGTERM/SIGINT: finish the iteration, save, exit 0."""
     enable_ft: bool = False
@@ -184,7 +170,7 @@ class ReliabilityConfig:
     """Fault specs for tests, e.g. ['nan@5:rank=1:diagnostic=persistent_error']."""
 
     def __post_init__(self):
-        self.rerun()              # a ValueError that names a bad rerun setting
+        super().__post_init__()   # a ValueError that names a bad rerun setting
         try:
             self.fault_tolerance()
         except ValueError as e:   # its fields carry an ft_ prefix here
@@ -206,9 +192,8 @@ class ReliabilityConfig(ReliabilityConfig):  # the same class, continued
         tracker = self.result_rejected_tracker_filename
         if tracker is None and save_dir is not None:
             tracker = os.path.join(save_dir, "result_rejected_tracker.txt")
-        return RerunConfig(self.rerun_mode, self.check_for_nan_in_loss_and_grad,
-                           self.check_for_spiky_loss, self.check_for_large_grads,
-                           self.error_injection_rate, self.error_injection_type, tracker)
+        shared = {f.name: getattr(self, f.name) for f in fields(RerunConfig)}
+        return RerunConfig(**{**shared, "result_rejected_tracker_filename": tracker})
 
     def fault_tolerance(self, report_path: Optional[str] = None) -> FaultToleranceConfig:
         """The rank monitor's settings."""
