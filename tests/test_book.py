@@ -21,22 +21,6 @@ PAGE_IDS = [str(p.relative_to(CHAPTERS)) for p in PAGES]
 # instead of reading it, so a long definition is split by method with prose between the parts.
 MAX_CODE_CELL_LINES = 60
 
-# Pages that still fail one of the readability checks below (figure, cell length, numbered page
-# references, spelling): page -> the checks it is excused from until it is fixed. A listed page
-# that passes a check fails the test, so the list can only shrink; the goal is an empty list,
-# and no page is added to it once its chapter is done.
-OWNED_ELSEWHERE_PENDING: dict[str, set[str]] = {
-    # 03 (being finished)
-    "03_checkpoint/async_save.py": {"cell_length"},
-    "03_checkpoint/convert.py": {"figure"},
-    "03_checkpoint/formats.py": {"cell_length", "figure", "spelling"},
-    "03_checkpoint/legacy.py": {"cell_length", "figure"},
-    "03_checkpoint/resharding.py": {"cell_length", "spelling"},
-    "03_checkpoint/resume.py": {"cell_length"},
-    "03_checkpoint/sharded_keys.py": {"cell_length", "page_refs", "spelling"},
-    "03_checkpoint/torch_dist.py": {"cell_length", "spelling"},
-}
-
 
 def _module_name(page) -> str:
     """Import name of a page, from pyproject's package-dir map (chapters/04_data -> tinytron.data)."""
@@ -112,16 +96,9 @@ def test_nav_follows_the_chapter_order(tmp_path):
         hooks.build_nav(tmp_path)
 
 
-def _pending(page, check: str) -> bool:
-    return check in OWNED_ELSEWHERE_PENDING.get(str(page.relative_to(CHAPTERS)), set())
-
-
 def _check(page, check: str, problems: list[str]) -> None:
-    """Fail on problems, unless the page is excused from this check (then it must still fail it)."""
-    if _pending(page, check):
-        assert problems, f"{page} passes '{check}' now: remove it from OWNED_ELSEWHERE_PENDING"
-    else:
-        assert not problems, f"{page}: " + "; ".join(problems)
+    """Fail on a page's problems with one readability check (every page passes every check)."""
+    assert not problems, f"{page} ({check}): " + "; ".join(problems)
 
 
 def _prose(page) -> str:
