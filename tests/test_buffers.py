@@ -190,8 +190,42 @@ def test_nan_check():
     ddp, _, batches = _single_ddp(check_for_nan_in_grad=True)
     lm_loss(ddp, batches[0, 0]).backward()
     ddp.module.embedding.weight.main_grad[0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="non-finite local grad norm nan in bucket 0"):
+        ddp.finish_grad_sync()
+    seen = []   # an installed check replaces the RuntimeError; None brings it back
+    ddp.set_grad_check(lambda buckets: seen.extend(b.grad_data.norm().item() for b in buckets))
+    ddp.finish_grad_sync()
+    assert len(seen) == 1 and math.isnan(seen[0])
+    ddp.set_grad_check(None)
     with pytest.raises(RuntimeError, match="non-finite"):
         ddp.finish_grad_sync()
+
+
+def test_installed_grad_check_sees_local_unscaled_grads_before_each_launch():
+    """From the hooks (overlap, one bucket per param group): once per bucket, before its launch."""
+    ddp, timeline, batches = _single_ddp(overlap_grad_reduce=True, bucket_size=1)
+    seen = {}
+
+    def check(buckets):
+        started = {b for e, b, _ in timeline.events if e == "start"}
+        for b in buckets:
+            assert b.bucket_id not in seen and b.bucket_id not in started
+            seen[b.bucket_id] = b.grad_data.clone()
+
+    for step in range(2):   # step 0 learns the golden counts; step 1 launches from the hooks
+        ddp.zero_grad_buffer()
+        timeline.reset()
+        ddp.set_grad_check(check if step == 1 else None)
+        for g in ddp.bucket_groups:
+            g.buckets[0].gradient_scaling_factor = 0.5   # as if dp = 2: scaled after the check
+        lm_loss(ddp, batches[step, 0]).backward()
+        if step == 1:
+            assert all(g.grad_reduce_handle is not None for g in ddp.bucket_groups)
+        ddp.finish_grad_sync()
+    assert sorted(seen) == sorted(g.buckets[0].bucket_id for g in ddp.bucket_groups)
+    for g in ddp.bucket_groups:
+        b = g.buckets[0]
+        assert torch.equal(b.grad_data, seen[b.bucket_id] * 0.5)
 
 
 # ---------------------------------------------------------------- multi-rank parity

@@ -55,7 +55,7 @@ class DistributedDataParallelConfig:
     num_distributed_optimizer_instances: int = 1
     """Number of distributed-optimizer replicas; tinytron supports 1."""
     check_for_nan_in_grad: bool = False
-    """Raise before the collective if a bucket holds a NaN or Inf grad."""
+    """Raise before the collective if a bucket's local grad norm is NaN or Inf."""
     bucket_size: int | None = None
     """Elements per bucket; None -> max(40M, 1M*dp) with overlap, one bucket without."""
     pad_buckets_for_high_nccl_busbw: bool = False
@@ -171,6 +171,7 @@ class BucketGroup:
         self.param_gather_handle: Handles | None = None
         self.param_gather_dispatched = False
         self.next_param_gather_bucket_group: BucketGroup | None = None
+        self.grad_check = None  # fn(buckets) run before the collective (set_grad_check)
 
     def _record(self, event: str) -> None:
         if self.timeline is not None:
@@ -189,7 +190,8 @@ class BucketGroup:
 
 
 # %% [markdown]
-# The readiness count, and the collective it launches. (The class continues in this cell and
+# The readiness count, and the collective it launches; `check_grads`, which looks at the local
+# gradients first, has [its own section](#checking-each-bucket-before-its-collective). (The class continues in this cell and
 # the next: a cell extends a class by subclassing it under the same name.)
 
 # %%
@@ -204,19 +206,11 @@ class BucketGroup(BucketGroup):  # the same class, continued
         if not self.is_first_batch and self.grad_ready_counts == self.golden_grad_ready_counts:
             self.start_grad_sync()
 
-    def _check_finite(self) -> None:
-        for b in self.buckets:
-            norm = b.grad_data.float().norm()
-            if not torch.isfinite(norm):
-                raise RuntimeError(f"non-finite grad norm {norm.item()} in bucket {b.bucket_id} "
-                                   f"(dp rank {b.dp_rank}) before the grad collective")
-
     def start_grad_sync(self) -> None:
         """Scale each bucket and launch its all-reduce / reduce-scatter (async with overlap)."""
         if self.is_first_batch and self.grad_reduce_handle is not None:
             return  # already launched by finish_grad_sync in the first step
-        if self.config.check_for_nan_in_grad:
-            self._check_finite()
+        self.check_grads()  # local grads, before the scaling and the collective (below)
         average = self.config.average_in_collective
         op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
         async_op = self.config.overlap_grad_reduce
@@ -261,10 +255,9 @@ class BucketGroup(BucketGroup):  # continued
         if self.is_first_batch:
             self.start_grad_sync()
         if self.grad_reduce_handle is None:
-            raise RuntimeError(f"grad collective was never launched for buckets "
-                               f"{[b.bucket_id for b in self.buckets]}: "
-                               f"{len(self.grad_ready_counts)}/{len(self.params)} params reported "
-                               "a grad (a parameter without a grad this step?)")
+            ready, ids = len(self.grad_ready_counts), [b.bucket_id for b in self.buckets]
+            raise RuntimeError(f"grad collective was never launched for buckets {ids}: {ready}/"
+                               f"{len(self.params)} params reported a grad (one got no grad?)")
         if self.timeline is not None:
             self.timeline.poll()
         self.grad_reduce_handle.wait()
@@ -510,6 +503,14 @@ class DistributedDataParallel(DistributedDataParallel):  # continued
             g.reset()
         self.grad_sync.pending = False
 
+
+# %% [markdown]
+# The rest of the wrapper's surface: chapter 02 scales the grads by a tensor (the loss scale's
+# inverse), training starts from rank 0's weights, and chapter 03 saves the wrapped module.
+
+# %%
+class DistributedDataParallel(DistributedDataParallel):  # continued
+    __doc__ = DistributedDataParallel.__doc__  # help() keeps the first cell's docstring
     def scale_gradients(self, factor) -> None:
         """Multiply all grad buffers by ``factor`` (a float or a 1-element tensor)."""
         for buf in self.buffers:
@@ -530,6 +531,57 @@ class DistributedDataParallel(DistributedDataParallel):  # continued
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load into the wrapped module (in-place copies, so the values land in the buffers)."""
         return self.module.load_state_dict(state_dict, strict=strict)
+
+
+# %% [markdown]
+# ## Checking each bucket before its collective
+#
+# A NaN or Inf in a gradient usually comes from one place: one rank's batch, or one GPU's bad
+# memory or arithmetic. The grad collective then mixes it into everyone's buffer: after the
+# all-reduce (or the reduce-scatter) *every* rank holds the NaN, and a check there can no
+# longer say which rank produced it. So Megatron checks each bucket's **local** gradient norm
+# in `start_grad_sync`, after the grads are accumulated and *before* the scaling and the
+# collective (`_ParamAndGradBucketGroup.check_grads`, `param_and_grad_buffer.py:313-348`,
+# called at `:599-603`). Two DP ranks, one bucket each, rank 1's grads corrupted:
+#
+# | | rank 0's bucket norm | rank 1's bucket norm | who reports |
+# |---|---|---|---|
+# | before the collective (the check here) | 3.1 | NaN | rank 1 only: its GPU, its batch |
+# | after the all-reduce | NaN | NaN | both: the fault is no longer attributable |
+#
+# `check_grads` does what `check_for_nan_in_grad` asks for: a `RuntimeError` that names the
+# bucket and the DP rank. Megatron routes the same norms through its rerun state machine
+# instead (NaN/Inf fatal, unexpectedly large grads not), which lives in a later chapter: so
+# the check is pluggable. `ddp.set_grad_check(fn)` makes every bucket group call
+# `fn(buckets)` at this point, with the group's buckets holding this rank's local, unscaled
+# grads (`bucket.grad_data`, `bucket.bucket_id`, `bucket.dp_rank`); `set_grad_check(None)`
+# restores the default. [Chapter 08's `Reliability`](../08_reliability/restarts.py) installs
+# the rerun machine's checks this way.
+
+# %%
+class BucketGroup(BucketGroup):  # continued
+    __doc__ = BucketGroup.__doc__  # help() keeps the first cell's docstring
+    def check_grads(self) -> None:
+        """Check each bucket's local grads: the installed check, else check_for_nan_in_grad."""
+        if self.grad_check is not None:
+            self.grad_check(self.buckets)
+            return
+        if not self.config.check_for_nan_in_grad:
+            return
+        for b in self.buckets:
+            norm = b.grad_data.float().norm()
+            if not torch.isfinite(norm):
+                raise RuntimeError(f"non-finite local grad norm {norm.item()} in bucket "
+                                   f"{b.bucket_id} (dp rank {b.dp_rank}) before the grad "
+                                   "collective")
+
+
+class DistributedDataParallel(DistributedDataParallel):  # continued
+    __doc__ = DistributedDataParallel.__doc__  # help() keeps the first cell's docstring
+    def set_grad_check(self, fn) -> None:
+        """Run ``fn(buckets)`` on each group's local grads before its collective (None: default)."""
+        for g in self.bucket_groups:
+            g.grad_check = fn
 
 
 # %% [markdown]
@@ -587,7 +639,45 @@ if __name__ == "__main__":
     assert w.main_grad.data_ptr() == ddp.buffers[0].grad_data[start:].data_ptr()
 
 # %% [markdown]
-# ## Demo 2: two ranks — each shard is the data-parallel mean
+# ## Demo 2: a NaN stopped before the collective
+#
+# The same model with `check_for_nan_in_grad=True`, and one NaN written into this rank's
+# `main_grad` after the backward, as a bad GPU would. The default check raises before any
+# collective and names the bucket; with a check installed by `set_grad_check`, that function
+# receives the bucket instead, with the NaN still local; `set_grad_check(None)` brings the
+# default back. (On two ranks, [chapter 08's tests](../08_reliability/restarts.py) show that
+# only the faulty rank reports it.)
+
+# %%
+if __name__ == "__main__":
+    import math
+
+    ddp = DistributedDataParallel(TinyNet(), ParallelGrid.single(),
+                                  DistributedDataParallelConfig(check_for_nan_in_grad=True))
+
+    def backward_with_a_bad_element():
+        ddp.zero_grad_buffer()
+        lm_loss(ddp, micro[0]).backward()
+        ddp.module.output.weight.main_grad[0, 0] = float("nan")  # corrupted after accumulation
+
+    seen = []
+    backward_with_a_bad_element()
+    ddp.set_grad_check(lambda buckets: seen.extend(
+        (b.bucket_id, b.dp_rank, b.grad_data.norm().item()) for b in buckets))
+    ddp.finish_grad_sync()
+    print("installed check saw (bucket, dp rank, local norm):", seen)
+    assert len(seen) == 1 and seen[0][:2] == (0, 0) and math.isnan(seen[0][2])
+    ddp.set_grad_check(None)
+    backward_with_a_bad_element()
+    try:
+        ddp.finish_grad_sync()
+        raise AssertionError("the default check let a NaN through")
+    except RuntimeError as err:
+        print("default check:", err)
+        assert "bucket 0 (dp rank 0) before the grad collective" in str(err)
+
+# %% [markdown]
+# ## Demo 3: two ranks — each shard is the data-parallel mean
 #
 # A real two-rank gloo world, the distributed optimizer's layout (reduce-scatter), overlap on,
 # buckets of 4000 elements, two micro-batches per step and two steps, so that the second
@@ -619,6 +709,9 @@ if __name__ == "__main__":
 # - The first step learns how many times each parameter reports (golden counts); launches
 #   from the hooks start in the second step.
 # - Grads are pre-scaled by `1/dp_cp` and summed (default), or averaged in the collective.
+# - Before the scaling and the collective, each bucket's *local* grads are checked (NaN/Inf, or
+#   whatever `set_grad_check` installs), so the rank that produced a bad value is the one that
+#   reports it; after the collective every rank would.
 # - With the distributed optimizer, `start_param_sync` all-gathers the new weights per bucket;
 #   with `overlap_param_gather` the forward pre-hooks wait for each bucket just before use and
 #   start the next bucket's gather.
@@ -628,7 +721,8 @@ if __name__ == "__main__":
 # - Megatron-LM: `megatron/core/distributed/distributed_data_parallel.py` (hooks :345-373,
 #   `_make_forward_pre_hook` :413, `_make_backward_post_hook` :449, `no_sync` :480,
 #   `start_param_sync` :510, `finish_grad_sync` :544, `zero_grad_buffer` :566) and
-#   `param_and_grad_buffer.py` (`_ParamAndGradBucketGroup` :159: `start_grad_sync` :556,
+#   `param_and_grad_buffer.py` (`_ParamAndGradBucketGroup` :159: `check_grads` :313-348,
+#   called in `start_grad_sync` :556 at :599-603 before the scaling and the collective,
 #   `finish_grad_sync` :724, `register_grad_ready` :800, `start_param_sync` :351,
 #   `finish_param_sync` :494). On GPU the collectives are NCCL calls grouped by
 #   `_coalescing_manager`; here each bucket is one gloo (or NCCL) call on a side stream.
