@@ -107,6 +107,80 @@ def inprocess_job(save: str, args: list) -> tuple:
     return code, attempts
 
 
-__all__ = ["inprocess_job", "torchrun_cmd", "job_env", "run_job", "logged", "final_losses",
+def _bucket_check_pass(rel, bad_backward, passes, norms, *, model, data_iterator,
+                       forward_only=False, **_):
+    """A one-micro-batch schedule; it records what the installed bucket check saw."""
+    import torch
+
+    ddp, batch = model[0], next(data_iterator)
+    installed = ddp.bucket_groups[0].grad_check
+    if forward_only:
+        passes.append(("eval", installed is not None, None))
+        return []
+    ddp.set_grad_check(lambda buckets: (installed(buckets), norms.append(
+        (rel.rsm.current_iteration, rel.rsm.state.name,
+         float(buckets[0].grad_data.norm())))))   # observe the real check, after it ran
+    from tinytron.buffers._workers import lm_loss
+    lm_loss(ddp, batch).backward()
+    if bad_backward and (rel.rank, rel.rsm.current_iteration, rel.rsm.state.name) == (
+            1, 2, "INITIAL_RUN"):   # a bad backward on rank 1, whatever the checks do
+        ddp.module.output.weight.main_grad[0, 0] = float("nan")
+    ddp.finish_grad_sync()                        # check, then the all-reduce
+    after = bool(torch.isnan(ddp.buffers[0].grad_data).any())
+    passes.append((rel.rsm.state.name, installed is not None, after))
+    return []
+
+
+def _attribution_direct(save: str, bad_backward: bool) -> dict:
+    """Chapter 05's DDP on 2 DP ranks under chapter 08's schedule wrapper; rank 1's local grads
+    at iteration 2 get a NaN from its backward, or from the injector's grad fault."""
+    from functools import partial
+
+    import torch
+    import torch.distributed as dist
+
+    from tinytron.buffers import DistributedDataParallel, DistributedDataParallelConfig
+    from tinytron.buffers._workers import TinyNet, make_batches
+    from tinytron.parallel import ParallelGrid
+    from tinytron.reliability.rerun_state_machine import RerunDataIterator
+    from tinytron.reliability.restarts import Reliability, ReliabilityConfig
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(TinyNet(), ParallelGrid(), DistributedDataParallelConfig())
+    kind = "backward" if bad_backward else "injector"
+    rel = Reliability(ReliabilityConfig(
+        faults=[] if bad_backward else ["nan@2:rank=1:target=grad"],
+        result_rejected_tracker_filename=os.path.join(save, f"{kind}_tracker.txt")),
+        rank=rank, world_size=2)
+    passes, norms = [], []
+    fb = rel.forward_backward_func(partial(_bucket_check_pass, rel, bad_backward, passes, norms))
+    batches = make_batches(rank, 3, 1, 1, micro_bs=2)[:, 0, 0]
+    data = RerunDataIterator(iter(batches[:2]))
+    for _ in range(2):
+        while rel.rsm.should_run_forward_backward(data):
+            ddp.zero_grad_buffer()
+            fb(model=[ddp], data_iterator=data, forward_only=False)
+        code = rel.rsm.should_checkpoint_and_exit()[2]
+    fb(model=[ddp], data_iterator=iter(batches[2:]), forward_only=True)   # evaluation
+    failed = rel.rsm.failed_validation_call
+    return {"code": code, "passes": passes, "norms": norms,
+            "removed": all(g.grad_check is None for g in ddp.bucket_groups),
+            "rejected": None if failed is None else failed.caller.message}
+
+
+def local_grad_attribution(save: str) -> dict:
+    """Rank function: the direct 2-rank checks, then the tiny job with a NaN in rank 1's grads."""
+    from tinytron.reliability._run import run
+
+    direct = {kind: _attribution_direct(save, kind == "backward")
+              for kind in ("backward", "injector")}
+    job = os.path.join(save, "job")
+    code = run(["--save", job, "--train-iters", "3", "--save-interval", "2",
+                "--fault", "nan@3:rank=1:target=grad"])
+    return {**direct, "job_code": code}
+
+
+__all__ = ["inprocess_job", "local_grad_attribution", "torchrun_cmd", "job_env", "run_job", "logged", "final_losses",
            "step_losses", "tracker_iteration",
            "signal_rank_when", "signal"]

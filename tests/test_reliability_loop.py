@@ -79,7 +79,8 @@ def test_nan_in_a_gradient_bucket_is_caught_by_the_grad_check(tmp_path):
     assert _launch(tmp_path, "--fault", "nan@4:target=grad") == 17
     events = parse_tracker_file(str(tmp_path / "result_rejected_tracker.txt"))
     assert [e["iteration"] for e in events] == [4, 4]
-    assert events[0]["message"] == "found NaN in local grad norm"
+    assert events[0]["message"] == ("found NaN in local grad norm for bucket #0 in backward pass "
+                                    "before data-parallel communication collective")
 
 
 def test_reliability_config_errors_name_the_field():

@@ -17,6 +17,7 @@ import os
 import signal
 import threading
 from dataclasses import dataclass, field, fields
+from functools import partial
 from typing import Optional
 
 import torch
@@ -216,7 +217,7 @@ class ReliabilityConfig(ReliabilityConfig):  # the same class, continued
 # |---|---|
 # | `train_data_iterator` | `RerunDataIterator` (replayable step) |
 # | `forward_step_func` | its `loss_func` checks each micro-batch loss (after the injector) |
-# | `forward_backward_func` | timer `forward-backward`; after it, the gradient-norm check |
+# | `forward_backward_func` | timer `forward-backward`; each DDP chunk's bucket check (chapter 05's `set_grad_check`) for the pass |
 # | optimizer | timer `optimizer` around `step()` |
 # | `save_checkpoint_fn` | timer `save-checkpoint`, the monitor's `checkpoint` section, the injector's save faults, the machine's state |
 # | `load_checkpoint_fn` | timer `load-checkpoint`; restores the machine and its iteration |
@@ -230,10 +231,32 @@ class ReliabilityConfig(ReliabilityConfig):  # the same class, continued
 # (`<save>/rerun_state/iter_0000007/rank_0.pt`): whatever the tracker names, the matching state
 # is there. In steady state nothing is written (absent = steady).
 #
-# The gradient check here runs after the schedule, that is after the data-parallel all-reduce;
-# Megatron checks each bucket *before* its collective, inside `start_grad_sync`
-# (`param_and_grad_buffer.py:599`), which keeps the attribution to the faulty rank. Evaluation
-# is not validated (Megatron disables the machine during `evaluate`, `training.py:3847`).
+# The gradient check runs where Megatron runs it: on each bucket's *local* gradients, inside
+# chapter 05's `start_grad_sync`, before the bucket is scaled and reduced
+# (`param_and_grad_buffer.py:313-348`, called at `:599-603`). A NaN that one rank's GPU
+# writes into its gradients is reported by that rank alone; a check after the data-parallel
+# all-reduce would find it on every rank and could not say where it came from. The wrapped
+# schedule installs the check on every DDP chunk (`set_grad_check`) for the length of each
+# training pass, the in-place reruns included, and removes it afterwards, so evaluation
+# (`forward_only`) runs none — Megatron disables the machine during `evaluate`
+# (`training.py:3847`). The injector's gradient faults strike inside that check, in the
+# faulty rank's first local bucket, just before its norm is taken. A chunk without grad
+# buckets (no chapter 05 DDP) is checked after the schedule, on its `.grad` tensors.
+#
+# ```mermaid
+# sequenceDiagram
+#   participant R0 as rank 0
+#   participant R1 as rank 1 (bad GPU)
+#   participant C as all-reduce of bucket 0
+#   Note over R0,R1: backward accumulates each rank's local grads into bucket 0
+#   R0->>R0: check local norm (3.1): passes
+#   R1->>R1: injector writes NaN, check local norm (NaN): rank 1 rejects it
+#   R0->>C: bucket 0 (scaled)
+#   R1->>C: bucket 0 (scaled, NaN)
+#   C-->>R0: NaN, but rank 0 has already checked
+#   C-->>R1: NaN
+#   Note over R0,R1: the step ends, every rank reruns it in place, rank 1 judges its own value
+# ```
 
 # %%
 def rerun_state_path(save_dir: str, iteration: int, rank: int) -> str:
@@ -280,9 +303,8 @@ class Reliability:
 
 
 # %% [markdown]
-# The data, the loss, the schedule and the optimizer, wrapped: the iterator becomes replayable,
-# each micro-batch loss passes the injector and then the check, the schedule is timed and
-# followed by the gradient-norm check, and `optimizer.step` is timed in place.
+# The data and the loss, wrapped: the iterator becomes replayable, and each micro-batch loss
+# passes the injector and then the check.
 
 # %%
 class Reliability(Reliability):  # the same class, continued
@@ -305,20 +327,61 @@ class Reliability(Reliability):  # the same class, continued
     def _corrupt(self, value, target: str):
         return self.injector.corrupt(value, target, self.rsm)
 
+
+# %% [markdown]
+# The schedule: for each training pass, every DDP chunk gets the bucket check (the
+# injector's gradient faults first, then the rerun machine's NaN/Inf and large-gradient
+# checks), which chapter 05 calls in each bucket group's `start_grad_sync`; the check is
+# removed when the pass ends. `optimizer.step` is timed in place.
+
+# %%
+class Reliability(Reliability):  # the same class, continued
+    __doc__ = Reliability.__doc__  # help() keeps the first cell's docstring
+
     def forward_backward_func(self, forward_backward_func):
-        """The schedule, timed, followed by the gradient-norm check of this pass."""
+        """The schedule, timed, with the gradient-norm checks of each training pass."""
         timed = _timed(forward_backward_func, self.timers, "forward-backward", 1)
 
         def wrapped(**kwargs):
-            out = timed(**kwargs)
-            if not kwargs.get("forward_only") and self.rsm.state != RerunState.NOT_RUNNING_YET:
-                buckets = [b for chunk in kwargs["model"] for b in _bucket_grads(chunk)]
-                if buckets:
-                    self._corrupt(buckets[0][0], "grad")   # bad memory in the first bucket
-                    norms = [torch.stack(bucket_grad_norms(b)).norm() for b in buckets]
-                    check_grad_norms(self.rsm, norms, self.rerun_config)
+            if kwargs.get("forward_only") or self.rsm.state == RerunState.NOT_RUNNING_YET:
+                return timed(**kwargs)                  # evaluation: not validated
+            chunks = kwargs["model"]
+            ddp = [c for c in chunks if hasattr(c, "set_grad_check")]   # chapter 05's DDP
+            for i, chunk in enumerate(ddp):   # each bucket, inside its start_grad_sync
+                first = chunk.buffers[0].buckets[0] if i == 0 else None
+                chunk.set_grad_check(partial(self._check_buckets, faulty=first))
+            try:
+                out = timed(**kwargs)
+            finally:
+                for chunk in ddp:
+                    chunk.set_grad_check(None)
+            rest = [_grads(c) for c in chunks if c not in ddp and _grads(c)]
+            if rest:   # no buckets: the grads as the schedule left them, checked after it
+                self._corrupt_grad(rest[0][0])
+                check_grad_norms(self.rsm, [torch.stack(bucket_grad_norms(g)).norm()
+                                            for g in rest], self.rerun_config)
             return out
         return wrapped
+
+    def _check_buckets(self, buckets, faulty=None) -> None:
+        """Chapter 05's grad check: one group's local buckets, before their collective."""
+        for b in buckets:
+            if b is faulty:   # bad memory in one bucket of this rank
+                self._corrupt_grad(b.grad_data)
+        config = self.rerun_config
+        if not (config.check_for_nan_in_loss_and_grad or config.check_for_large_grads):
+            return            # both off: no norms to compute (Megatron skips check_grads)
+        where = [f" for bucket #{b.bucket_id} in backward pass before data-parallel "
+                 "communication collective" for b in buckets]   # Megatron's words
+        check_grad_norms(self.rsm, bucket_grad_norms(b.grad_data for b in buckets), config,
+                         where=where)
+
+    def _corrupt_grad(self, grad: torch.Tensor) -> None:
+        """The injector's grad faults, written into the gradient in place."""
+        bad = self._corrupt(grad, "grad")
+        if bad is not grad:   # a spike returns a scaled copy
+            with torch.no_grad():
+                grad.copy_(bad)
 
     def wrap_optimizer(self, optimizer):
         """Time optimizer.step() in place (the object itself is kept: checkpoints inspect it)."""
@@ -326,12 +389,9 @@ class Reliability(Reliability):  # the same class, continued
         return optimizer
 
 
-def _bucket_grads(chunk) -> list:
-    """A chunk's gradients as buckets: chapter 05's flat bucket buffers, else its .grad list."""
-    if hasattr(chunk, "buffers") and isinstance(chunk.buffers, list):
-        return [[b.grad_data] for buf in chunk.buffers for b in buf.buckets]
-    grads = [p.grad for p in chunk.parameters() if p.grad is not None]
-    return [grads] if grads else []
+def _grads(chunk) -> list:
+    """The .grad tensors of a chunk that has no grad buckets."""
+    return [p.grad for p in chunk.parameters() if p.grad is not None]
 
 
 # %% [markdown]

@@ -10,6 +10,7 @@
 # %%
 from __future__ import annotations
 
+import itertools
 import random
 import re
 from collections import defaultdict
@@ -161,9 +162,12 @@ def build_rerun_state_machine(config: RerunConfig, group=None, state_save_func=N
 #
 # `check_loss` is what `loss_func` calls on each micro-batch's loss; `checked_loss_func` wraps
 # any loss function with chapter 00's contract `(loss, num_tokens, report)` so that the schedule
-# does not change. `check_grad_norms` takes one norm per bucket, as chapter 05's buffer would
-# compute them before launching the collective; `bucket_grad_norms` computes them for a list of
-# flat gradient tensors. `corrupt` is the hook the fault injector uses to play the hardware:
+# does not change. `check_grad_norms` takes one norm per bucket, with Megatron's messages
+# ("found NaN in local grad norm for bucket #0 in backward pass before data-parallel
+# communication collective"); `bucket_grad_norms` computes them for a list of flat gradient
+# tensors. Chapter 05's DDP calls a check installed with `set_grad_check` on each bucket
+# group's local grads right before its collective; [the restarts page](restarts.py) installs
+# these two there. `corrupt` is the hook the fault injector uses to play the hardware:
 # it sees the value before it is checked and may return a different one.
 
 # %%
@@ -183,17 +187,17 @@ def bucket_grad_norms(grads: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def check_grad_norms(rsm: RerunStateMachine, norms: Iterable[torch.Tensor],
-                     config: RerunConfig) -> None:
-    """Megatron's per-bucket gradient checks, before the bucket's collective."""
-    for norm in norms:
+                     config: RerunConfig, where: Iterable[str] | None = None) -> None:
+    """Megatron's per-bucket gradient checks; `where` names each bucket in the messages."""
+    for norm, at in zip(norms, where if where is not None else itertools.repeat("")):
         if config.check_for_nan_in_loss_and_grad:
-            rsm.validate_result(norm, torch.isnan, "found NaN in local grad norm",
+            rsm.validate_result(norm, torch.isnan, f"found NaN in local grad norm{at}",
                                 tolerance=0.001, fatal=True)
-            rsm.validate_result(norm, torch.isinf, "found Inf in local grad norm",
+            rsm.validate_result(norm, torch.isinf, f"found Inf in local grad norm{at}",
                                 tolerance=0.001, fatal=True)
         if config.check_for_large_grads:
             large = partial(rsm.is_unexpectedly_large, threshold=LARGE_GRAD_FACTOR, context="grads")
-            rsm.validate_result(norm, large, "found unexpected large grads", tolerance=0.001,
+            rsm.validate_result(norm, large, f"found unexpected large grads{at}", tolerance=0.001,
                                 fatal=False)
 
 
