@@ -115,7 +115,7 @@ def bench_rank(rounds: int, m: int, mbs: int) -> dict:
     return {"times": times, "bubble_events": bubbles, "losses": everyone}
 
 
-def _summarise(res, m, mbs, seq) -> dict:
+def _summarize(res, m, mbs, seq) -> dict:
     from tinytron.main_loop.schedule_timeline import bubble_formula, measured_bubble
 
     tokens = m * mbs * seq
@@ -155,7 +155,7 @@ def main():
     t0 = time.perf_counter()
     m, mbs, seq = args.microbatches, args.micro_batch, _config().seq_length
     res = run_on_ranks(bench_rank, 2, args.rounds, m, mbs, timeout=1800)[0]
-    rows = _summarise(res, m, mbs, seq)
+    rows = _summarize(res, m, mbs, seq)
     load = os.getloadavg()[0]
     print(f"PP2 gloo vs PP1, m = {m} micro-batches of {mbs} x {seq} tokens, {args.rounds} rounds, "
           f"load average {load:.1f} (on {os.cpu_count()} cores)")

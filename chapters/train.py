@@ -9,7 +9,7 @@ the world (gloo on CPU, NCCL on CUDA), build the process-group grid (appendix A)
 chunks (appendix B, with chapter 06's recompute/offload switches and appendix C's kernels as
 the config says), wrap them in chapter 05's DDP, build chapter 02's optimizer and scheduler,
 resume from chapter 03's latest checkpoint, build chapter 04's datasets (the standard library
-tokenised into a `.bin/.idx` by default) and run chapter 01's loop with chapter 08's safety
+tokenized into a `.bin/.idx` by default) and run chapter 01's loop with chapter 08's safety
 nets, timers, progress bar, JSONL and TensorBoard logs. At the end it draws the loss curve and
 prints the commands that resume the run, export it to Hugging Face and open the logs.
 
@@ -139,7 +139,7 @@ def init_distributed(device: torch.device) -> None:
 
 # -- data ---------------------------------------------------------------------------------------
 def prepare_embedded_corpus(cache_dir: str, num_files: int = EMBEDDED_CORPUS_FILES) -> str:
-    """The standard library's first files as one byte-tokenised .bin/.idx (built once, rank 0)."""
+    """The standard library's first files as one byte-tokenized .bin/.idx (built once, rank 0)."""
     from tinytron.data.preprocess import run as preprocess, stdlib_corpus
 
     base = os.path.join(cache_dir, f"stdlib_{num_files}_byte")

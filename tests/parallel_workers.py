@@ -52,7 +52,7 @@ def _sp_regions(grid: ParallelGrid) -> float:
 
 
 def _p2p_both_ways(grid: ParallelGrid) -> list:
-    """All four directions in one exchange between wrap-around neighbours; return what arrived."""
+    """All four directions in one exchange between wrap-around neighbors; return what arrived."""
     me = float(grid.global_rank)
     out, grad = torch.full((2,), me), torch.full((2,), -me)
     from_prev, from_next = send_forward_backward_recv_forward_backward(out, grad, True, True, (2,), grid)

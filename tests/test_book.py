@@ -199,7 +199,7 @@ def test_numbered_page_references_are_links(page):
 
 # The book spells in American English, like the APIs it reads (optimizer, initialize, normalize).
 _BRITISH = re.compile(r"\b(?:normalis|initialis|optimis|serialis|materialis|synchronis|recognis|summaris|"
-                      r"utilis|minimis|maximis|amortis|parallelis(?!m)|colour|behaviour|favour|neighbour|"
+                      r"utilis|minimis|maximis|amortis|tokenis|parallelis(?!m)|colour|behaviour|favour|neighbour|"
                       r"centre|modelling|labelled|travelled|cancelled|artefact|analyse)\w*|\bgrey\b", re.I)
 
 

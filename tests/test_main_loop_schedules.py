@@ -182,7 +182,7 @@ def test_no_pipelining_forward_only_and_bad_input():
             data_iterator=iter(batches), num_microbatches=2, **kwargs)
 
 
-def test_default_normalisation_and_loss_scaling_match_chapter_00():
+def test_default_normalization_and_loss_scaling_match_chapter_00():
     """Mean of micro-batch means (per-token off) equals chapter 00's forward_backward; a
     grad_scale_func of 4 scales every gradient by exactly 4."""
     from tinytron.overview.loss import forward_backward
@@ -356,7 +356,7 @@ def test_bad_layouts_raise_value_errors_naming_the_numbers(world):
 
 def test_every_message_is_received_as_the_one_sent(world):
     """Per pipeline pair, the micro-batch ids a stage sends (in posting order) are the ids its
-    neighbour records receiving: the schedules' bookkeeping of who sends what matches."""
+    neighbor records receiving: the schedules' bookkeeping of who sends what matches."""
     for case in ("dp2pp2", "dp2pp2_vpp", "megatron_example"):
         a, b = world[0][case], world[2][case]  # the pp group of dp rank 0: ranks 0 and 2
         assert (a["stage"], b["stage"]) == (0, 1)

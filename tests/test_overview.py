@@ -219,7 +219,7 @@ def test_sft_overlong_conversation_raises_or_truncates():
         block_causal_mask(torch.tensor([0, 5, 5, 8]), 8)
 
 
-# ---------------------------------------------------------------- loss contract, normalisation
+# ---------------------------------------------------------------- loss contract, normalization
 
 def _tiny_lm(kind="TinyLM", seed=0):
     if kind == "GPTModel":
@@ -271,7 +271,7 @@ def test_loss_contract_shapes_and_report():
 
 
 @pytest.mark.parametrize("kind", ["TinyLM", "GPTModel"])
-def test_normalisation_equal_counts_split_invariant(kind):
+def test_normalization_equal_counts_split_invariant(kind):
     model = _tiny_lm(kind)
     mbs = _mbs([5, 5, 5, 5])
     whole = _grad_of(model, _merge(mbs), False)
@@ -281,7 +281,7 @@ def test_normalisation_equal_counts_split_invariant(kind):
 
 
 @pytest.mark.parametrize("kind", ["TinyLM", "GPTModel"])
-def test_normalisation_unequal_counts_differs_but_per_token_is_global_mean(kind):
+def test_normalization_unequal_counts_differs_but_per_token_is_global_mean(kind):
     model = _tiny_lm(kind)
     mbs = _mbs([1, 7])
     whole = _grad_of(model, _merge(mbs), False)                # global token mean

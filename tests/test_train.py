@@ -17,7 +17,7 @@ from tinytron.launch import run_on_ranks
 
 @pytest.fixture(scope="module")
 def data_prefix(tmp_path_factory):
-    """40 standard-library files as one byte-tokenised .bin/.idx, shared by every run."""
+    """40 standard-library files as one byte-tokenized .bin/.idx, shared by every run."""
     from tinytron.data.preprocess import run as preprocess, stdlib_corpus
 
     out = tmp_path_factory.mktemp("data")

@@ -659,7 +659,7 @@ if __name__ == "__main__":
     steps = range(1, n + m + 1)
     ax.plot(steps, out["losses_before"] + out["losses"], "o-", label="uninterrupted")
     ax.plot(range(n + 1, n + m + 1), out["losses_resumed"], "x", ms=10, label="resumed")
-    ax.axvline(n + 0.5, color="grey", ls=":", label="save / restart")
+    ax.axvline(n + 0.5, color="gray", ls=":", label="save / restart")
     ax.set(xlabel="iteration", ylabel="loss", title="PP 2, DistributedOptimizer, dropout 0.1")
     ax.legend(fontsize=8)
     plt.tight_layout()

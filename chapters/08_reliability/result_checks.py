@@ -240,7 +240,7 @@ _SKIP_STATUSES = {"RERUN_DISABLED", "FIRST_RERUN_REPRODUCIBLE", "SECOND_RERUN_RE
 
 
 def parse_tracker_file(path: str | None) -> list[dict[str, Any]]:
-    """Every event of a tracker file as a dict (status normalised to upper case)."""
+    """Every event of a tracker file as a dict (status normalized to upper case)."""
     events = []
     if not path:
         return events
@@ -307,7 +307,7 @@ if __name__ == "__main__":
     fig, ax = plt.subplots(figsize=(6.4, 2.6))
     ax.semilogy(steps, curve, lw=1, label="loss")
     ax.axhline(threshold, color="tab:red", ls="--", lw=1, label="10 × max of first 100")
-    ax.axvspan(0, 99, color="grey", alpha=0.15, label="warm-up (max only)")
+    ax.axvspan(0, 99, color="gray", alpha=0.15, label="warm-up (max only)")
     ax.plot([130], [150], "rx", ms=8, label="rejected: spiky loss")
     ax.set_xlabel("iteration")
     ax.legend(fontsize=7, loc="upper right")
