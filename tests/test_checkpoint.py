@@ -319,3 +319,63 @@ def test_sharding_validation_catches_overlaps_and_gaps(tmp_path, chunks, message
     tensors.append(ShardedTensor("w", torch.ones(5), (5,), (0,), is_main=False))   # not written
     with pytest.raises(CheckpointSaveError, match=message):
         SaveRequest(tmp_path, tensors, [], CheckpointGroups(SINGLE), {}).plan()
+
+
+def _fake_megatron_class(qualified: str):
+    """An Enum importable under one of Megatron's names, so a pickle names it as Megatron's does."""
+    import enum
+    import types
+
+    module_name, _, name = qualified.rpartition(".")
+    cls = enum.Enum(name, {"auto": 5, "flash": 1})
+    cls.__module__ = module_name
+    module = sys.modules.setdefault(module_name, types.ModuleType(module_name))
+    setattr(module, name, cls)
+    return cls, module_name
+
+
+class _RunsCode:
+    """A pickle that, when unpickled in full, creates a marker file (what a hostile file could do)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.makedirs, (self.marker,))
+
+
+def test_convert_reads_megatron_args_safely(tmp_path, capsys):
+    """Megatron's common.pt holds an args Namespace with its own enums: read without pickle."""
+    import argparse
+
+    from tinytron.checkpoint.convert import main, read_checkpoint_model
+
+    model = GPTModel(tiny_config())
+    backend, module = _fake_megatron_class("megatron.core.transformer.enums.AttnBackend")
+    try:
+        args = argparse.Namespace(num_attention_heads=4, group_query_attention=True,
+                                  num_query_groups=2, norm_epsilon=1e-5, rotary_base=10000,
+                                  seq_length=64, attention_backend=backend.auto,
+                                  params_dtype=torch.bfloat16)
+        for name, extra in (("megatron", {}), ("unknown", {"new": _fake_megatron_class(
+                "megatron.core.future.NewThing")[0].flash}), ("hostile", {
+                "x": _RunsCode(tmp_path / "ran")})):
+            save_model_weights(model, tmp_path / name)
+            (tmp_path / name / "checksums.json").unlink()   # Megatron writes none
+            torch.save({"args": argparse.Namespace(**vars(args), **extra), "iteration": 5,
+                        "checkpoint_version": 3.0}, tmp_path / name / "common.pt")
+        got = read_checkpoint_model(tmp_path / "megatron")   # no flags: the heads come from args
+        assert (got.config.num_attention_heads, got.config.num_query_groups) == (4, 2)
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), got.parameters()))
+        assert main(["to-hf", str(tmp_path / "unknown"), str(tmp_path / "hf")]) == 2
+        err = capsys.readouterr().err
+        assert "megatron.core.future.NewThing" in err and "--trust-pickle" in err
+        assert read_checkpoint_model(tmp_path / "unknown", trust_pickle=True).config.num_query_groups == 2
+        assert read_checkpoint_model(tmp_path / "unknown", num_attention_heads=4).config.num_query_groups == 2
+    finally:
+        for name in [m for m in sys.modules if m.startswith("megatron.core.")
+                     and not hasattr(sys.modules[m], "__file__")]:
+            del sys.modules[name]
+    with pytest.raises(ValueError, match="makedirs"):   # refused, and nothing was run
+        read_checkpoint_model(tmp_path / "hostile")
+    assert not (tmp_path / "ran").exists()

@@ -16,7 +16,7 @@
 # ```mermaid
 # flowchart LR
 #   TD["torch_dist directory<br/>any TP x PP x DP"] -->|"load_model_weights<br/>DCP assembles full tensors"| M
-#   MC["Megatron-Core torch_dist<br/>no model config"] -->|"infer_config from shapes<br/>+ --num-attention-heads"| M
+#   MC["Megatron torch_dist<br/>args Namespace, no model config"] -->|"infer_config from shapes<br/>+ heads from args (safe load)"| M
 #   LG["legacy mp_rank_TT_PPP/<br/>model_optim_rng.pt"] -->|"_legacy_full_state<br/>global layer names + unshard"| M
 #   M["one GPTModel<br/>TP 1 x PP 1, full tensors"] -->|"save_hf_llama"| HF["Hugging Face folder<br/>config.json + model.safetensors"]
 #   HF -->|"load_hf_llama"| M2["one GPTModel"]
@@ -27,7 +27,11 @@
 from __future__ import annotations
 
 import argparse
+import pathlib
+import pickle
 import re
+import signal
+import types
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -42,15 +46,16 @@ from tinytron.model.gpt import global_parameter_name
 from tinytron.model.layers import unshard
 
 __all__ = ["read_checkpoint_model", "checkpoint_to_hf", "hf_to_checkpoint", "infer_config",
-           "main"]
+           "read_common", "megatron_args_fields", "MegatronObject", "main"]
 
 # %% [markdown]
 # ## Which model is in the checkpoint?
 #
 # A tinytron checkpoint carries its `ModelConfig` in `common.pt` (or in each legacy file)
-# under `args.model_config`. A Megatron-Core checkpoint keeps an `argparse.Namespace` there,
-# which `torch.load(weights_only=True)` refuses to unpickle — and a model-only save has no
-# config at all. The shapes in DCP's index give most of it back:
+# under `args.model_config`. A Megatron training checkpoint keeps its run's `argparse.Namespace`
+# there instead (`state_dict['args'] = args`, `megatron/training/checkpointing.py:1008`), which
+# the next section reads safely; a model-only save (`dist_checkpointing.save` of a model's
+# sharded state dict) has no config at all. The shapes in DCP's index give most of it back:
 #
 # | from | gives |
 # |---|---|
@@ -99,6 +104,81 @@ def infer_config(directory: Path, num_attention_heads: int | None,
 
 
 # %% [markdown]
+# ## Megatron's `args`, read without running its pickle
+#
+# A checkpoint is a file from elsewhere, so it is read as data: `torch.load(weights_only=True)`
+# rebuilds tensors and plain containers and calls nothing else. Megatron's `args` is an
+# `argparse.Namespace` whose values include objects of Megatron's own classes (the attention
+# backend is an `AttnBackend` enum member, the CUDA-graph scope another), and Megatron itself
+# loads `common.pt` with those classes on PyTorch's allow-list (`megatron/core/safe_globals.py:26-52`).
+# Here Megatron is not installed, so each of its classes is allowed *by name* and rebuilt as an
+# inert `MegatronObject` that only keeps its arguments: the restricted unpickler still calls
+# nothing but what this list names. A class outside the list stops the safe load with an error
+# naming it; then either give the heads yourself (`--num-attention-heads`), or opt in to a full
+# unpickle with `trust_pickle=True` (`--trust-pickle`), which can run any code the file asks
+# for: only for a checkpoint you trust.
+
+# %%
+class MegatronObject:
+    """An inert stand-in for an object of one of Megatron's classes (its arguments, its state)."""
+
+    def __init__(self, *args):
+        self.args = args
+
+    def __setstate__(self, state):
+        self.__dict__.update(state if isinstance(state, dict) else {"state": state})
+
+    def __repr__(self) -> str:
+        return f"MegatronObject{self.args}"
+
+
+_MEGATRON_CLASSES = [  # megatron/core/safe_globals.py:26-46 at e03878b5f, Megatron's own
+    "megatron.core.transformer.enums.AttnBackend", "megatron.core.transformer.enums.CudaGraphModule",
+    "megatron.core.transformer.enums.CudaGraphScope",
+    "megatron.core.transformer.enums.InferenceCudaGraphScope", "megatron.core.enums.ModelType",
+    "megatron.core.optimizer.optimizer_config.OptimizerConfig",
+    "megatron.core.rerun_state_machine.RerunDiagnostic",
+    "megatron.core.rerun_state_machine.RerunMode", "megatron.core.rerun_state_machine.RerunState"]
+_SAFE_GLOBALS = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, signal.Signals,
+                 *[(MegatronObject, name) for name in _MEGATRON_CLASSES]]
+
+
+def read_common(directory: Path, trust_pickle: bool = False):
+    """common.pt of a torch_dist directory (None if absent); a ValueError if it needs pickle."""
+    path = Path(directory) / "common.pt"
+    if not path.is_file():
+        return None
+    try:
+        with torch.serialization.safe_globals(_SAFE_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        if trust_pickle:
+            return torch.load(path, map_location="cpu", weights_only=False)
+        found = re.search(r"GLOBAL (\S+)", str(err))
+        raise ValueError(f"{path} holds {found.group(1) if found else 'an object'}, which the safe "
+                         "loader does not rebuild: pass --num-attention-heads (and "
+                         "--num-query-groups), or --trust-pickle for a checkpoint you trust "
+                         "(a full unpickle can run code)") from None
+
+
+# %% [markdown]
+# From a Megatron `args` the converter takes what the shapes cannot say — the head count, the
+# query groups (`num_query_groups` counts only with `group_query_attention`), the norm epsilon,
+# the RoPE base and the sequence length — and a value given on the command line wins.
+
+# %%
+def megatron_args_fields(args) -> dict:
+    """ModelConfig fields read from a Megatron args Namespace (what the shapes do not carry)."""
+    get = lambda name: getattr(args, name, None)  # noqa: E731 - one lookup, many names
+    heads = get("num_attention_heads")
+    fields = {"num_attention_heads": heads,
+              "num_query_groups": get("num_query_groups") if get("group_query_attention") else heads,
+              "norm_epsilon": get("norm_epsilon"), "rotary_base": get("rotary_base"),
+              "seq_length": get("seq_length")}
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+# %% [markdown]
 # ## Reading any checkpoint into one process
 #
 # `torch_dist`: build the model at TP 1 × PP 1 and call `load_model_weights` — DCP assembles
@@ -130,30 +210,45 @@ def _legacy_full_state(directory: Path, config: ModelConfig) -> dict:
             for name, by_rank in pieces.items() if name in specs}
 
 
-def _config_of(directory: Path, fmt: str, heads, groups, **fields) -> ModelConfig:
-    """The checkpoint's own ModelConfig when it carries one, else inferred from shapes."""
+# %% [markdown]
+# Which config the model is built with: the checkpoint's own, else the shapes plus Megatron's
+# `args`, where a value given on the command line wins.
+
+# %%
+def _config_of(directory: Path, fmt: str, heads, groups, trust_pickle=False,
+               **fields) -> ModelConfig:
+    """The checkpoint's own ModelConfig, else shapes plus Megatron's args (or the flags)."""
     if fmt == "torch":
         first = sorted(directory.glob(f"mp_rank_*/{LEGACY_MODEL_FILENAME}"))[0]
         saved = torch.load(first, map_location="cpu", weights_only=True)["args"]["model_config"]
         return ModelConfig(**saved)
     try:
-        common = torch.load(directory / "common.pt", map_location="cpu", weights_only=True)
-        saved = common.get("args", {}).get("model_config") if isinstance(common, dict) else None
-    except Exception:  # noqa: BLE001 - Megatron's Namespace is not weights_only-loadable
-        saved = None
-    if saved is not None:
-        return ModelConfig(**saved)
-    return infer_config(directory, heads, groups, **fields)
+        common = read_common(directory, trust_pickle)
+    except ValueError:
+        if heads is None:
+            raise
+        common = None  # the heads are given: Megatron's args are not needed
+    args = common.get("args") if isinstance(common, dict) else None
+    if isinstance(args, dict) and args.get("model_config") is not None:
+        return ModelConfig(**args["model_config"])  # tinytron's own
+    given = {"num_attention_heads": heads, "num_query_groups": groups, **fields}
+    merged = {**(megatron_args_fields(args) if args is not None else {}),
+              **{k: v for k, v in given.items() if v is not None}}
+    return infer_config(directory, merged.pop("num_attention_heads", None),
+                        merged.pop("num_query_groups", None), **merged)
 
 
+# %%
 def read_checkpoint_model(path, num_attention_heads: int | None = None,
-                          num_query_groups: int | None = None, **fields) -> GPTModel:
+                          num_query_groups: int | None = None, trust_pickle: bool = False,
+                          **fields) -> GPTModel:
     """The whole model (TP 1, PP 1) from a checkpoint root or iteration directory, either format."""
     from tinytron.checkpoint.torch_dist import _model_dir, load_model_weights
 
     directory = _model_dir(Path(path))
     fmt = detect_format(directory)
-    config = _config_of(directory, fmt, num_attention_heads, num_query_groups, **fields)
+    config = _config_of(directory, fmt, num_attention_heads, num_query_groups, trust_pickle,
+                        **fields)
     model = GPTModel(config, initialize=False)
     if fmt == "torch_dist":
         load_model_weights(directory, model)
@@ -177,7 +272,7 @@ def read_checkpoint_model(path, num_attention_heads: int | None = None,
 # passes through memory once, which is what an offline converter does anyway.
 #
 # ```
-# tinytron-convert to-hf   CHECKPOINT HF_DIR [--num-attention-heads A --num-query-groups G]
+# tinytron-convert to-hf   CHECKPOINT HF_DIR [--num-attention-heads A --num-query-groups G] [--trust-pickle]
 # tinytron-convert from-hf HF_DIR CHECKPOINT_ROOT [--format torch_dist|torch]
 # ```
 
@@ -214,6 +309,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-query-groups", type=int, default=None)
     p.add_argument("--rotary-base", type=int, default=None)
     p.add_argument("--norm-epsilon", type=float, default=None)
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="unpickle common.pt in full (can run code: a checkpoint you trust only)")
     p.add_argument("--format", dest="ckpt_format", choices=["torch_dist", "torch"],
                    default="torch_dist", help="checkpoint format written by from-hf")
     return p
@@ -228,7 +325,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                        ("norm_epsilon", args.norm_epsilon)) if v is not None}
             config = checkpoint_to_hf(args.src, args.dst,
                                       num_attention_heads=args.num_attention_heads,
-                                      num_query_groups=args.num_query_groups, **extra)
+                                      num_query_groups=args.num_query_groups,
+                                      trust_pickle=args.trust_pickle, **extra)
         else:
             config = hf_to_checkpoint(args.src, args.dst, args.ckpt_format)
     except (ValueError, OSError, RuntimeError) as err:
