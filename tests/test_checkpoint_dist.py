@@ -1,8 +1,15 @@
-"""Chapter 03 on a real 4-rank gloo world (one launch, every check): resume == uninterrupted
-(bitwise, both formats, sync and async), resharding TP 2<->1 and PP 2<->1 with DP 2<->4
-(re-saved checkpoint bitwise equal, continued losses within 1e-6 in fp32), bf16 weights with
-fp32 masters across TP 2 -> PP 2, the legacy format refusing a TP change, who writes which
-file, and legacy/torch_dist TP2 x PP2 -> one model."""
+"""Chapter 03 on a real 4-rank gloo world (one launch, every check).
+
+- Resume == uninterrupted: bitwise, both formats, sync and async.
+- torch_dist resharding: TP 2<->1; PP 2<->1 with DP 2<->4; virtual stages (PP 2 x VPP 2, one
+  layer per chunk, -> PP 2 and -> PP 1, PP 1 -> PP 2 x VPP 2, and interleaving off with the
+  DistributedOptimizer on); context parallelism (CP 2<->1; PP 2 x CP 2 -> DP 4, which takes the
+  DistributedOptimizer, sharded over dp x cp, from 2 to 4 shards); DP shards alone (DP 1 -> 4
+  -> 1: the DP 1 ends run in the test process, as 4 ranks cannot change DP alone). Each case:
+  the re-saved checkpoint equals the saved one tensor by tensor, optimizer steps and train
+  state equal, the next losses within 1e-6 of continuing on the old layout (fp32).
+- bf16 weights with fp32 masters across TP 2 -> PP 2; the legacy format refusing a TP change;
+  who writes which file; legacy/torch_dist TP2 x PP2 -> one model."""
 
 from __future__ import annotations
 
@@ -33,7 +40,10 @@ def plain_tensors(directory) -> dict:
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt_suite")
+    # DP 1 in this process (no world): the checkpoint the suite's "dp_only" case loads at DP 4
+    dp1_losses = _workers.dp_only_save(str(root / "dp_only"))
     out = run_on_ranks(_workers.checkpoint_suite, 4, str(root), timeout=600)
+    out[0]["dp_only"]["losses_dp1"] = dp1_losses
     return root, out
 
 
@@ -47,16 +57,44 @@ def test_resume_equals_uninterrupted_bitwise(suite, case):
         assert r["consumed"] == 24 and r["iteration"] == 6   # sampler restarts at sample 24
 
 
-@pytest.mark.parametrize("case, tol", [("reshard_tp2_to_tp1", 1e-6), ("reshard_tp1_to_tp2", 1e-6),
-                                       ("reshard_pp2_to_pp1", 1e-6), ("reshard_pp1_to_pp2", 1e-6),
-                                       ("reshard_bf16_tp2_to_pp2", 2e-2)])
-def test_resharded_resume(suite, case, tol):
+# 8 model keys (layers stacked) x weight, exp_avg, exp_avg_sq (+ fp32 masters "param" when the
+# optimizer keeps them apart: the DistributedOptimizer; not the fp32 mixed-precision one)
+@pytest.mark.parametrize("case, tol, num_tensors", [
+    ("reshard_tp2_to_tp1", 1e-6, 32), ("reshard_tp1_to_tp2", 1e-6, 32),
+    ("reshard_pp2_to_pp1", 1e-6, 32), ("reshard_pp1_to_pp2", 1e-6, 32),
+    ("reshard_bf16_tp2_to_pp2", 2e-2, 32),
+    ("reshard_vpp2_to_pp2", 1e-6, 24), ("reshard_vpp2_to_pp1", 1e-6, 24),
+    ("reshard_pp1_to_vpp2", 1e-6, 24),
+    ("reshard_cp2_to_cp1", 1e-6, 32), ("reshard_cp1_to_cp2", 1e-6, 32),
+    ("reshard_pp2_cp2_to_dp4", 1e-6, 32)])
+def test_resharded_resume(suite, case, tol, num_tensors):
     _, out = suite
     r = out[0][case]
-    assert r["equal"] and not r["differ"] and r["num_tensors"] == 32   # re-save == original
+    assert r["equal"] and not r["differ"] and r["num_tensors"] == num_tensors   # re-save == saved
     assert r["steps_equal"] and r["train_state_equal"]
     # fp32: the next steps agree to rounding; bf16 weights round differently under TP and PP
     assert max(abs(a - b) for a, b in zip(r["losses_a"], r["losses_b"])) < tol
+
+
+def test_interleaving_off_and_distributed_optimizer_on(suite):
+    """PP 2 x VPP 2, fp32 mixed-precision optimizer -> PP 2 with the DistributedOptimizer."""
+    _, out = suite
+    r = out[0]["reshard_vpp2_to_pp2_distopt"]
+    assert not r["differ"] and r["num_tensors"] == 24 and r["steps_equal"]
+    # the re-save adds the DistributedOptimizer's fp32 masters, taken from the fp32 weights
+    assert len(r["extra"]) == 8 and r["extra_are_masters"]
+    assert max(abs(a - b) for a, b in zip(r["losses_a"], r["losses_b"])) < 1e-6
+
+
+def test_distributed_optimizer_dp_shards_alone_change(suite):
+    """DP 1 -> DP 4 (in the suite) -> DP 1 (here): the same 4 ranks cannot change DP alone."""
+    root, out = suite
+    r = out[0]["dp_only"]
+    assert r["equal"] and r["num_tensors"] == 32 and r["steps_equal"] and r["train_state_equal"]
+    back = _workers.dp_only_load(str(root / "dp_only"), "b", "c")   # DP 4 save -> DP 1 here
+    assert back["equal"] and back["steps_equal"] and back["train_state_equal"]
+    for resumed in (r["losses"], back["losses"]):   # continuing at DP 1 == resuming at 4, at 1
+        assert max(abs(a - b) for a, b in zip(r["losses_dp1"], resumed)) < 1e-6
 
 
 def test_legacy_format_refuses_another_tp(suite):

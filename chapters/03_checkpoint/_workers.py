@@ -3,6 +3,7 @@ for the checkpoint demos and tests, and the rank functions that save, reload and
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -30,12 +31,12 @@ _GRIDS: dict = {}
 TOTAL_SAMPLES = 4096
 
 
-def grid_for(tp: int = 1, pp: int = 1) -> ParallelGrid:
+def grid_for(tp: int = 1, pp: int = 1, cp: int = 1) -> ParallelGrid:
     """One grid per layout per process (building one creates every group)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        if (tp, pp) not in _GRIDS:
-            _GRIDS[(tp, pp)] = ParallelGrid(tp=tp, pp=pp)
-        return _GRIDS[(tp, pp)]
+        if (tp, pp, cp) not in _GRIDS:
+            _GRIDS[(tp, pp, cp)] = ParallelGrid(tp=tp, pp=pp, cp=cp)
+        return _GRIDS[(tp, pp, cp)]
     return ParallelGrid.single()
 
 
@@ -48,22 +49,33 @@ def sample(index: int, seq: int, vocab: int) -> torch.Tensor:
 class Run:
     """The tiny GPT on one layout, trained step by step with the real chapter parts."""
 
-    def __init__(self, tp: int = 1, pp: int = 1, *, distopt: bool = True, seed: int = 1234,
+    # With virtual stages (vpp > 1), context parallelism (cp > 1) or scheduled=True a step is
+    # chapter 01's train_step over chapter 04's get_batch (the trainer's path); otherwise the
+    # hand-written pipeline below. `models`: the DDP-wrapped chunks, what a checkpoint saves.
+    def __init__(self, tp: int = 1, pp: int = 1, cp: int = 1, vpp: int = 1, *,
+                 distopt: bool = True, scheduled: bool = False, seed: int = 1234,
                  lr: float = 3e-3, mbs: int = 2, gbs: int = 8, train_iters: int = 20,
                  dropout: float = 0.1, config=None, bf16: bool = False):
-        self.grid = grid = grid_for(tp, pp)
+        self.grid = grid = grid_for(tp, pp, cp)
         set_random_seed(seed, grid)
         # h = 48: 48-element rows against 64-aligned DP ranges, so DP shards cut rows
         self.config = config or tiny_config(num_layers=4, seq_length=32, hidden_size=48,
                                             ffn_hidden_size=96, dropout=dropout)
         self.dtype = torch.bfloat16 if bf16 else torch.float32
-        self.model = build_stage_models(self.config, grid, dtype=self.dtype)[0]
+        chunks = build_stage_models(self.config, grid, num_virtual_stages=vpp, dtype=self.dtype)
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, bucket_size=6000,
                                                 use_distributed_optimizer=distopt)
-        self.ddp = DistributedDataParallel(self.model, grid, ddp_cfg)
+        # as chapter 01's wrap_with_ddp: one DDP per chunk, only the first one bucketed
+        self.models = [DistributedDataParallel(c, grid, ddp_cfg, disable_bucketing=i > 0)
+                       for i, c in enumerate(chunks)]
+        self.model, self.ddp, self.vpp = chunks[0], self.models[0], vpp
+        self.scheduled = scheduled or vpp > 1 or cp > 1
         opt_cfg = OptimizerConfig(lr=lr, min_lr=lr / 10, weight_decay=0.1, clip_grad=1.0,
                                   use_distributed_optimizer=distopt, bf16=bf16)
-        self.optimizer = get_megatron_optimizer(opt_cfg, self.model, grid, self.ddp)
+        if vpp > 1:   # one optimizer over all chunks, as the trainer (no DistributedOptimizer)
+            self.optimizer = get_megatron_optimizer(opt_cfg, torch.nn.ModuleList(chunks), grid)
+        else:
+            self.optimizer = get_megatron_optimizer(opt_cfg, self.model, grid, self.ddp)
         self.scheduler = get_optimizer_param_scheduler(
             SchedulerConfig(lr_decay_style="cosine", lr_warmup_iters=2), self.optimizer, opt_cfg,
             train_iters, gbs)
@@ -97,8 +109,45 @@ class Run:
             communicate(grid, send_prev=recv.grad)
         return None if loss is None else loss.detach()
 
+    def _iterator(self):
+        """This DP rank's micro-batches of the step as get_batch reads them (chapter 04's keys)."""
+        seq = self.config.seq_length
+        sampler = MegatronPretrainingSampler(TOTAL_SAMPLES, self.state.consumed_train_samples,
+                                             self.mbs, self.grid.rank("dp"), self.dp)
+        for indices in sampler:
+            tokens, labels = self._batch(indices)
+            yield {"tokens": tokens, "labels": labels, "loss_mask": torch.ones(tokens.shape),
+                   "position_ids": torch.arange(seq).expand(len(indices), seq)}
+
+    def _scheduled_step(self) -> float:
+        """One iteration through chapter 01's train_step and schedule; the global mean loss."""
+        from functools import partial
+
+        from tinytron.main_loop.loop import build_schedule_config, gpt_forward_step, train_step
+        from tinytron.main_loop.schedules import get_forward_backward_func
+
+        grid, seq = self.grid, self.config.seq_length
+        iters = [self._iterator() for _ in self.models]   # one per chunk, as the trainer's
+        result = train_step(
+            partial(gpt_forward_step, micro_batch_size=self.mbs, seq_length=seq),
+            iters if self.vpp > 1 else iters[0], self.models, self.optimizer, self.scheduler,
+            get_forward_backward_func(grid.size("pp"), self.vpp if self.vpp > 1 else None),
+            num_microbatches=self.gbs // (self.mbs * self.dp), micro_batch_size=self.mbs,
+            seq_length=seq, grid=grid,
+            config=build_schedule_config(self.models, self.optimizer, grid,
+                                         pipeline_dtype=self.dtype))
+        self.state.iteration += 1
+        self.state.consumed_train_samples += self.gbs
+        total = torch.zeros(1)
+        if grid.is_last_stage():
+            total += result.loss_dict["lm loss"].float().cpu()
+        grid.all_reduce(total, "pp")
+        return float(total.item())
+
     def step(self) -> float:
         """One training iteration; the global mean loss (on every rank)."""
+        if self.scheduled:
+            return self._scheduled_step()
         grid, num_micro = self.grid, self.gbs // (self.mbs * self.dp)
         sampler = MegatronPretrainingSampler(TOTAL_SAMPLES, self.state.consumed_train_samples,
                                              self.mbs, grid.rank("dp"), self.dp)
@@ -191,38 +240,77 @@ def _plain(directory: str) -> dict:
     return out
 
 
-def reshard_roundtrip(root: str, layout_a, layout_b, n: int = 3, m: int = 2,
-                      bf16: bool = False) -> dict:
-    """Train at A, save; load at B and re-save at once (must equal A's checkpoint); train on."""
-    import warnings
-
-    a, b = f"{root}/a", f"{root}/b"
-    # dropout off: its streams depend on the layout (and are not restored across layouts)
-    run = Run(*layout_a, dropout=0.0, bf16=bf16)
-    manager = _manager(run.grid, save=a)
+def _train_and_save(run: Run, directory: str, n: int, m: int) -> list:
+    """N steps, save, M more steps: the M losses of continuing on the saved layout."""
+    manager = _manager(run.grid, save=directory)
     for _ in range(n):
         run.step()
-    manager.save(run.state, [run.ddp], run.optimizer, run.scheduler)
-    losses_a = [run.step() for _ in range(m)]
-    other = Run(*layout_b, seed=77, dropout=0.0, bf16=bf16)
-    manager_b = _manager(other.grid, save=b, load=a)
+    manager.save(run.state, run.models, run.optimizer, run.scheduler)
+    return [run.step() for _ in range(m)]
+
+
+def _load_resave_train(run: Run, load: str, save: str, m: int) -> list:
+    """Load on the run's layout, re-save at once, M steps: the M losses of resuming there."""
+    import warnings
+
+    manager = _manager(run.grid, save=save, load=load)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # "RNG states not restored": expected across layouts
-        other.state = manager_b.load([other.ddp], other.optimizer, other.scheduler)
-    manager_b.save(other.state, [other.ddp], other.optimizer, other.scheduler)
-    losses_b = [other.step() for _ in range(m)]
+        run.state = manager.load(run.models, run.optimizer, run.scheduler)
+    manager.save(run.state, run.models, run.optimizer, run.scheduler)
+    return [run.step() for _ in range(m)]
+
+
+def _compare_saves(a: str, b: str, iteration: int) -> dict:
+    """Two torch_dist checkpoints of one iteration: tensor by tensor, steps, train state."""
+    it = f"iter_{iteration:07d}"
+    pa, pb = _plain(f"{a}/{it}"), _plain(f"{b}/{it}")
+    keys = sorted(k for k in pa if torch.is_tensor(pa[k]))   # objects are per layout
+    out = {"differ": [k for k in keys if k not in pb or not torch.equal(pa[k], pb[k])],
+           "num_tensors": len(keys),
+           "extra": sorted(k for k in pb if torch.is_tensor(pb[k]) and k not in pa)}
+    out["equal"] = not out["extra"] and not out["differ"]
+    # masters b added (an fp32 optimizer saved none): each must equal its fp32 weight
+    prefix = "optimizer.state.param."
+    out["extra_are_masters"] = all(k.startswith(prefix) and torch.equal(pb[k], pa[k[len(prefix):]])
+                                   for k in out["extra"])
+    ca = torch.load(f"{a}/{it}/common.pt", weights_only=True)
+    cb = torch.load(f"{b}/{it}/common.pt", weights_only=True)
+    out["steps_equal"] = ca["optimizer"]["steps"] == cb["optimizer"]["steps"]
+    out["train_state_equal"] = ca["train_state"] == cb["train_state"]
+    return out
+
+
+def reshard_roundtrip(root: str, layout_a, layout_b, n: int = 3, m: int = 2,
+                      bf16: bool = False, distopt: bool = True, distopt_b: bool | None = None
+                      ) -> dict:
+    """Train at A, save; load at B and re-save at once (must equal A's checkpoint); train on."""
+    # a layout is (tp, pp) or (tp, pp, cp, vpp); with cp or vpp > 1 on either side both runs
+    # step through chapter 01's schedules, so that A and B compute their losses the same way
+    scheduled = any(math.prod(lay[2:]) > 1 for lay in (layout_a, layout_b))
+    # dropout off: its streams depend on the layout (and are not restored across layouts)
+    kw = dict(dropout=0.0, bf16=bf16, scheduled=scheduled)
+    losses_a = _train_and_save(Run(*layout_a, distopt=distopt, **kw), f"{root}/a", n, m)
+    other = Run(*layout_b, seed=77, distopt=distopt if distopt_b is None else distopt_b, **kw)
+    losses_b = _load_resave_train(other, f"{root}/a", f"{root}/b", m)
     out = {"losses_a": losses_a, "losses_b": losses_b}
     if dist.get_rank() == 0:
-        it = f"iter_{n:07d}"
-        pa, pb = _plain(f"{a}/{it}"), _plain(f"{b}/{it}")
-        keys = sorted(k for k in pa if torch.is_tensor(pa[k]))   # objects are per layout
-        out["differ"] = [k for k in keys if k not in pb or not torch.equal(pa[k], pb[k])]
-        out["equal"] = set(keys) == {k for k in pb if torch.is_tensor(pb[k])} and not out["differ"]
-        out["num_tensors"] = len(keys)
-        ca = torch.load(f"{a}/{it}/common.pt", weights_only=True)
-        cb = torch.load(f"{b}/{it}/common.pt", weights_only=True)
-        out["steps_equal"] = ca["optimizer"]["steps"] == cb["optimizer"]["steps"]
-        out["train_state_equal"] = ca["train_state"] == cb["train_state"]
+        out.update(_compare_saves(f"{root}/a", f"{root}/b", n))
+    return out
+
+
+def dp_only_save(root: str, n: int = 3, m: int = 2) -> list:
+    """One process (DP 1, DistributedOptimizer): N steps, save to root/a, M more: their losses."""
+    return _train_and_save(Run(1, 1, dropout=0.0), f"{root}/a", n, m)
+
+
+def dp_only_load(root: str, source: str, target: str, n: int = 3, m: int = 2) -> dict:
+    """TP 1 PP 1 on however many ranks run this: load root/source, re-save to root/target, train."""
+    losses = _load_resave_train(Run(1, 1, seed=77, dropout=0.0), f"{root}/{source}",
+                                f"{root}/{target}", m)
+    out = {"losses": losses}
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        out.update(_compare_saves(f"{root}/{source}", f"{root}/{target}", n))
     return out
 
 
@@ -251,11 +339,24 @@ def checkpoint_suite(root: str) -> dict:
         "reshard_pp2_to_pp1": (reshard_roundtrip, (1, 2), (1, 1)),
         "reshard_pp1_to_pp2": (reshard_roundtrip, (1, 1), (1, 2)),
         "reshard_bf16_tp2_to_pp2": (reshard_roundtrip, (2, 1), (1, 2), 3, 2, True),
+        # (tp, pp, cp, vpp); virtual stages: one optimizer over the chunks, as the trainer's
+        "reshard_vpp2_to_pp2": (reshard_roundtrip, (1, 2, 1, 2), (1, 2)),
+        "reshard_vpp2_to_pp1": (reshard_roundtrip, (1, 2, 1, 2), (1, 1)),
+        "reshard_pp1_to_vpp2": (reshard_roundtrip, (1, 1), (1, 2, 1, 2)),
+        "reshard_vpp2_to_pp2_distopt": (reshard_roundtrip, (1, 2, 1, 2), (1, 2)),
+        "reshard_cp2_to_cp1": (reshard_roundtrip, (1, 1, 2, 1), (1, 1)),
+        "reshard_cp1_to_cp2": (reshard_roundtrip, (1, 1), (1, 1, 2, 1)),
+        "reshard_pp2_cp2_to_dp4": (reshard_roundtrip, (1, 2, 2, 1), (1, 1)),   # 2 -> 4 shards
+        "dp_only": (dp_only_load, "a", "b"),   # root/dp_only/a: dp_only_save in one process
         "legacy_refuses": (legacy_refuses_tp_change,),
         "both_formats": (save_both_formats, tiny_config(num_layers=4, seed=11)),
     }
+    fp32_optimizer = {"distopt": False}   # the mixed-precision optimizer: fp32 weights, no masters
     options = {"dist_pp2_async_process": {"async_save": True},
-               "legacy_tp2_pp2": {"ckpt_format": "torch"}}
+               "legacy_tp2_pp2": {"ckpt_format": "torch"},
+               "reshard_vpp2_to_pp2": fp32_optimizer, "reshard_vpp2_to_pp1": fp32_optimizer,
+               "reshard_pp1_to_vpp2": fp32_optimizer,
+               "reshard_vpp2_to_pp2_distopt": {**fp32_optimizer, "distopt_b": True}}
     out, seconds = {}, {}
     for name, (fn, *args) in checks.items():
         t0 = time.perf_counter()
