@@ -1,8 +1,10 @@
-"""MkDocs hooks for the book: the nav, offline mermaid, Megatron citations as links, checked page links."""
+"""MkDocs hooks for the book: the nav, pages executed in parallel, offline mermaid, Megatron
+citations as links, checked page links."""
 
 from __future__ import annotations
 
 import ast
+import concurrent.futures
 import logging
 import os
 import posixpath
@@ -51,6 +53,7 @@ def build_nav(docs_dir: Path) -> list:
 
 def on_config(config, **kwargs):
     config["nav"] = build_nav(Path(config["docs_dir"]))
+    os.environ["TINYTRON_KERNEL_DIR"] = _kernel_dir()  # the page workers' kernels use it too
     _quiet_kernels()
     _CITED.clear()
     _CITED.update(cited_megatron_paths(Path(config["docs_dir"])))
@@ -73,10 +76,68 @@ def _quiet_kernels() -> None:
 _JUPYTER_DIR = Path(__file__).resolve().parent / "jupyter"
 
 
+def _kernel_dir() -> str:
+    return os.path.join(tempfile.gettempdir(), f"tinytron-kernels-{os.getuid()}-{os.getpid()}")
+
+
+def on_build_error(**kwargs):
+    """A page failed: start no other page (those already running finish)."""
+    if _POOL is not None:
+        _POOL.shutdown(wait=False, cancel_futures=True)
+
+
 def on_shutdown(**kwargs):
     """Remove this build's directory of kernel sockets (each kernel removed its own sockets)."""
-    sockets = Path(tempfile.gettempdir()) / f"tinytron-kernels-{os.getuid()}-{os.getpid()}"
-    shutil.rmtree(sockets, ignore_errors=True)
+    if _POOL is not None:
+        _POOL.shutdown(cancel_futures=True)
+    shutil.rmtree(os.environ.get("TINYTRON_KERNEL_DIR", _kernel_dir()), ignore_errors=True)
+
+
+# mkdocs-jupyter executes a page when it renders it, one page after the other: a kernel start,
+# the demo, the conversion, some 6 s a page over 80 pages. The pages are independent (each demo
+# writes its own temporary files and hosts its gloo world on a port the OS picks), so the build
+# starts every page's conversion up front, a few at a time (each in its own kernel process;
+# the threads here only wait for them), and hands mkdocs-jupyter the finished HTML when it
+# renders the page. A demo that fails still fails the build, with the cell's error.
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_PAGES: dict[str, tuple[dict, concurrent.futures.Future]] = {}
+
+
+def _converted(path, **kwargs) -> str:
+    """mkdocs-jupyter's nb2html, answered from the pool when the page was started there."""
+    started = _PAGES.pop(str(path), None)
+    if started is None or started[0] != kwargs:
+        return _NB2HTML[0](path, **kwargs)
+    return started[1].result()  # the page's own error, if its demo failed
+
+
+_NB2HTML: list = []  # mkdocs-jupyter's own nb2html, kept before it is replaced
+
+
+def on_files(files, config, **kwargs):
+    """Start executing every notebook page in a pool (TINYTRON_SERIAL_BOOK=1: one at a time)."""
+    global _POOL
+    plugin = config["plugins"].get("mkdocs-jupyter")
+    if plugin is None or not plugin.config["execute"] or os.environ.get("TINYTRON_SERIAL_BOOK"):
+        return files
+    from mkdocs_jupyter import convert
+
+    if not _NB2HTML:
+        _NB2HTML.append(convert.nb2html)
+        convert.nb2html = _converted
+    keys = ("kernel_name", "theme", "allow_errors", "show_input", "no_input", "no_prompt",
+            "remove_tag_config", "highlight_extra_classes", "include_requirejs",
+            "custom_mathjax_url")
+    kwargs = {"execute": True, **{k: plugin.config[k] for k in keys}}
+    workers = max(1, min(4, os.cpu_count() or 1))
+    if _POOL is not None:  # `mkdocs serve` builds again: start from a fresh pool
+        _POOL.shutdown(cancel_futures=True)
+        _PAGES.clear()
+    _POOL = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="book-page")
+    for f in files:
+        if f.inclusion.is_included() and plugin.should_include(f):
+            _PAGES[f.abs_src_path] = (kwargs, _POOL.submit(_NB2HTML[0], f.abs_src_path, **kwargs))
+    return files
 
 
 # nbconvert wraps a notebook's mermaid block as <div class="jp-Mermaid"><pre class="mermaid">

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import http.server
 import os
@@ -165,8 +166,12 @@ def _pages_to_check(site_dir):
 def test_browser_renders_diagrams_and_math(site_dir, served_site):
     """In headless Chromium every mermaid block becomes an SVG and the math is typeset."""
     checked_mermaid = checked_math = 0
-    for rel, _, source in _pages_to_check(site_dir):
-        dom = _browser(f"{served_site}/{rel}", "--dump-dom")
+    pages = list(_pages_to_check(site_dir))
+    # one headless Chromium per page, two at a time: the pass is bound by browser start-ups
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        doms = pool.map(lambda page: _browser(f"{served_site}/{page[0]}", "--dump-dom"), pages)
+        doms = list(doms)
+    for (rel, _, source), dom in zip(pages, doms):
         assert "</html>" in dom, f"Chromium returned no page for /{rel}"
         expected = source.count("```mermaid")
         rendered = re.findall(r'<div class="mermaid"[^>]*data-tt-svg="yes"[^>]*data-tt-error="no"', dom)

@@ -13,7 +13,8 @@ import os
 import tempfile
 import uuid
 
-KERNEL_DIR = os.path.join(tempfile.gettempdir(), f"tinytron-kernels-{os.getuid()}-{os.getpid()}")
+KERNEL_DIR = os.environ.get("TINYTRON_KERNEL_DIR") or os.path.join(
+    tempfile.gettempdir(), f"tinytron-kernels-{os.getuid()}-{os.getpid()}")
 
 if "get_config" in globals():  # read by nbconvert's config loader
     os.makedirs(KERNEL_DIR, mode=0o700, exist_ok=True)
