@@ -25,12 +25,20 @@ def test_every_mode_bitwise_at_tp2_with_and_without_sp(tp2):
                     assert gap == 0.0, (key, name, gap)
 
 
+# Gloo's worker thread lets go of a collective's tensors a moment after the caller resumes; when
+# the machine is busy that moment can outlast LiveBytesMeter.settled(), and one all-reduced row
+# of the loss ([b, s] fp32, 2 KiB at b = 4) is still counted. Exact up to that one row.
+def _row(micro_batch_size: int, seq_length: int = 128) -> int:
+    return micro_batch_size * seq_length * 4
+
+
 def test_distributed_saved_activations_halve_the_stored_inputs(tp2):
     for rank in tp2:
         d = rank["distributed"]
         assert d["losses_equal"] and d["grad_gap"] == 0.0
         # 4 checkpointed layers, each input [128, 4, 128] fp32 = 256 KiB, now half on each rank
-        assert d["held"] - d["held_distributed"] == 4 * 128 * 4 * 128 * 4 // 2
+        saved = d["held"] - d["held_distributed"]
+        assert abs(saved - 4 * 128 * 4 * 128 * 4 // 2) <= _row(4), saved
 
 
 def test_measured_bytes_per_rank_match_the_count_at_tp2_sp(tp2):
@@ -40,7 +48,8 @@ def test_measured_bytes_per_rank_match_the_count_at_tp2_sp(tp2):
             assert abs(r["decoder"] / r["predicted"] - 1) < 0.03, (name, r)
         assert m["full uniform k=1"]["decoder"] < m["selective core_attn"]["decoder"] \
             < m["none"]["decoder"]
-        assert m["none"]["decoder"] - m["offload"]["decoder"] == m["offload"]["offloaded"]
+        left = m["none"]["decoder"] - m["offload"]["decoder"]
+        assert abs(left - m["offload"]["offloaded"]) <= _row(8), (left, m["offload"]["offloaded"])
 
 
 def test_without_the_replay_tp2_sp_grads_differ(tp2):

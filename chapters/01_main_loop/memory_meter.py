@@ -219,6 +219,32 @@ class LiveBytesMeter(LiveBytesMeter):  # the same class, continued
 
 
 # %% [markdown]
+# One more reading, for a measurement right after a collective. Gloo runs a collective on its
+# own worker thread, and that thread lets go of the collective's tensors a moment *after* the
+# caller has woken up: read at once, a temporary the caller already dropped (2 KiB: one
+# all-reduced row of the vocab-parallel loss) is sometimes still alive and sometimes not.
+# `settled()` reads until the count stops changing, so a measurement does not depend on
+# which thread the scheduler ran first.
+
+# %%
+class LiveBytesMeter(LiveBytesMeter):  # the same class, continued
+    __doc__ = LiveBytesMeter.__doc__  # help() keeps the first cell's docstring
+
+    def settled(self, quiet_s: float = 0.05, timeout_s: float = 2.0) -> int:
+        """Live bytes once they have not changed for quiet_s (CUDA: current, at once)."""
+        if self._uses_allocator:
+            return self.current
+        deadline, last = time.perf_counter() + timeout_s, self.current
+        while time.perf_counter() < deadline:
+            time.sleep(quiet_s)
+            now = self.current
+            if now == last:
+                return now
+            last = now
+        return last
+
+
+# %% [markdown]
 # A second, independent ruler for activations alone: autograd's saved-tensor hooks see every
 # tensor a forward keeps for its backward. Their distinct storages are, by definition, the
 # activation memory of that forward. The demo below checks that the two rulers agree.

@@ -196,7 +196,7 @@ def measure_activation_bytes(config, grid=None, micro_batch_size: int = 2,
         meter.track(model.parameters())
         base = meter.current
         loss = model(tokens, labels=tokens)
-        held = meter.current - base
+        held = meter.settled() - base  # after the loss's all-reduces (see LiveBytesMeter.settled)
         loss.mean().backward()
         peak = meter.peak - base
     moved = sum(manager.offloaded_bytes.values()) if manager is not None else 0

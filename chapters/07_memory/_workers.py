@@ -120,7 +120,7 @@ def measure_states(cfg: MemoryConfig, grid: ParallelGrid) -> tuple[dict, list, l
         opts = [get_megatron_optimizer(opt_cfg, d.module, grid, d) for d in ddps]
         for o in opts:
             o.step()  # creates the lazy moments
-        new_bytes = meter.current
+        new_bytes = meter.settled()  # after the optimizer's collectives (see settled)
     parts: dict[str, list] = {}
     for o in opts:
         for key, tensors in _optimizer_parts(o).items():
@@ -153,7 +153,7 @@ def measure_chunk(cfg: MemoryConfig, grid: ParallelGrid, chunk, index: int) -> d
             chunk.set_input_tensor(received)
         out = chunk(batch["tokens"] if first else None, labels=batch["labels"] if last else None)
         del batch
-        kept, forward_peak = meter.current, meter.peak
+        kept, forward_peak = meter.settled(), meter.peak  # after the loss's all-reduces
         meter.reset_peak()
         out.backward(torch.ones_like(out) if last else torch.randn_like(out))
         backward_peak = meter.peak - kept
@@ -193,7 +193,7 @@ def measure_schedule(cfg: MemoryConfig, grid: ParallelGrid, ddps: list) -> dict:
            model=ddps, num_microbatches=cfg.num_microbatches, seq_length=cfg.model.seq_length,
            micro_batch_size=cfg.micro_batch_size, grid=grid, config=sched)
         del iters
-        return {"peak": meter.peak, "after": meter.current}
+        return {"peak": meter.peak, "after": meter.settled()}
 
 
 def predict_chunk(cfg: MemoryConfig, pp_rank: int, index: int) -> dict:
