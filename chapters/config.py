@@ -298,11 +298,12 @@ class TrainConfig:
 
 
 def _ddp_follows_optimizer(raw: dict) -> dict:
-    """[ddp] use_distributed_optimizer defaults to [optimizer]'s (one switch in Megatron's CLI)."""
-    opt = raw.get("optimizer", {}).get("use_distributed_optimizer")
-    ddp = raw.get("ddp", {})
-    if opt is None or not isinstance(ddp, dict):
-        return raw
+    """[ddp] use_distributed_optimizer is [optimizer]'s (one switch in Megatron's CLI)."""
+    optimizer, ddp = raw.get("optimizer", {}), raw.get("ddp", {})
+    if not isinstance(optimizer, dict) or not isinstance(ddp, dict):
+        return raw  # not tables: _build_section names the problem
+    default = _section_class("optimizer").__dataclass_fields__["use_distributed_optimizer"].default
+    opt = optimizer.get("use_distributed_optimizer", default)
     if ddp.get("use_distributed_optimizer", opt) != opt:
         raise ConfigError(f"ddp.use_distributed_optimizer ({ddp['use_distributed_optimizer']}) "
                           f"disagrees with optimizer.use_distributed_optimizer ({opt}); "

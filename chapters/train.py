@@ -231,7 +231,8 @@ def optimizer_provider(cfg: TrainConfig, reliability):
 
 
 def _ddp_config(cfg: TrainConfig):
-    return dataclasses.replace(cfg.ddp, use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+    # use_distributed_optimizer already follows [optimizer] (tinytron.config checks they agree)
+    return dataclasses.replace(cfg.ddp,
                                grad_reduce_in_fp32=cfg.ddp.grad_reduce_in_fp32 or cfg.training.bf16)
 
 

@@ -83,3 +83,5 @@ def test_ddp_takes_the_distributed_optimizer_switch_from_optimizer(path):
                              "--ddp.overlap_param_gather", "true"])
     assert cfg.ddp.use_distributed_optimizer is True and cfg.ddp.overlap_param_gather is True
     assert load_config(path).ddp.use_distributed_optimizer is False
+    with pytest.raises(ConfigError, match="disagrees"):  # [optimizer]'s default counts too
+        load_config(path, ["--ddp.use_distributed_optimizer", "true"])

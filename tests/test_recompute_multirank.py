@@ -26,8 +26,8 @@ def test_every_mode_bitwise_at_tp2_with_and_without_sp(tp2):
 
 
 # Gloo's worker thread lets go of a collective's tensors a moment after the caller resumes; when
-# the machine is busy that moment can outlast LiveBytesMeter.settled(), and one all-reduced row
-# of the loss ([b, s] fp32, 2 KiB at b = 4) is still counted. Exact up to that one row.
+# the machine is busy that moment can outlast LiveBytesMeter.settled(), and one [b, s] fp32
+# temporary (2 KiB at b = 4, measured) is still counted. Exact up to that one row.
 def _row(micro_batch_size: int, seq_length: int = 128) -> int:
     return micro_batch_size * seq_length * 4
 

@@ -208,3 +208,23 @@ def test_front_page_screenshot(served_site):
     shot.unlink(missing_ok=True)
     _browser(f"{served_site}/", f"--screenshot={shot}", "--window-size=1280,2000")
     assert shot.exists() and shot.stat().st_size > 20_000, "no screenshot of the front page"
+
+
+def test_a_failing_demo_fails_the_parallel_build(tmp_path):
+    """Pages execute in a pool (book/hooks.py); a page whose demo raises still fails the build."""
+    docs = tmp_path / "docs" / "00_overview"
+    docs.mkdir(parents=True)
+    (tmp_path / "docs" / "index.md").write_text("# mini\n")
+    (docs / "__init__.py").write_text('__pages__ = ["good", "bad"]\n')
+    (docs / "good.py").write_text("# %% [markdown]\n# # Good\n\n# %%\nprint(1 + 1)\n")
+    (docs / "bad.py").write_text('# %% [markdown]\n# # Bad\n\n# %%\nraise ValueError("the demo broke")\n')
+    (tmp_path / "mkdocs.yml").write_text(
+        "site_name: mini\ndocs_dir: docs\nstrict: true\nexclude_docs: |\n  __init__.py\n"
+        f"hooks:\n  - {ROOT / 'book' / 'hooks.py'}\nplugins:\n  - mkdocs-jupyter:\n"
+        '      include: ["*/*.py"]\n      execute: true\n      allow_errors: false\n'
+        "      kernel_name: python3\n")
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d",
+                           str(tmp_path / "site")], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))
+    assert proc.returncode != 0 and "the demo broke" in proc.stdout + proc.stderr
+    assert "00_overview/bad.py" in proc.stdout + proc.stderr

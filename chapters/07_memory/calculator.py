@@ -89,7 +89,7 @@ def memory_config_from(train, world_size: int, device: str | None = None) -> Mem
         data_parallel_size=dp, micro_batch_size=t.micro_batch_size,
         num_microbatches=gbs // (t.micro_batch_size * dp), bf16=bf16,
         grad_reduce_in_fp32=bf16 or ddp.grad_reduce_in_fp32,
-        use_distributed_optimizer=opt.use_distributed_optimizer or ddp.use_distributed_optimizer,
+        use_distributed_optimizer=opt.use_distributed_optimizer,  # [ddp] follows it (tinytron.config)
         overlap_grad_reduce=ddp.overlap_grad_reduce, bucket_size=ddp.bucket_size,
         pad_buckets_for_high_nccl_busbw=ddp.pad_buckets_for_high_nccl_busbw,
         optimizer=opt.optimizer, optimizer_cpu_offload=opt.optimizer_cpu_offload,
