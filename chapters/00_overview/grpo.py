@@ -251,7 +251,7 @@ if __name__ == "__main__":
 # %% [markdown]
 # ## The clipped objective, drawn
 #
-# The same `grpo_loss`, with $eta = 0$ and one token per sequence, evaluated over a sweep of
+# The same `grpo_loss`, with $\beta = 0$ and one token per sequence, evaluated over a sweep of
 # ratios for $A = +1$ and $A = -1$. The objective is $-L$ (what the optimizer increases). For a
 # good token ($A > 0$) it rises with the ratio until $1 + \epsilon_{hi}$ and then stays flat: the
 # gradient is zero, so one batch cannot push that token's probability far from the policy that

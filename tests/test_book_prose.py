@@ -1,0 +1,91 @@
+"""Prose against code, per page: a page that is mostly code reads like the code it verifies.
+
+For every book page (a chapter `.py` in percent format) count the non-blank lines of its
+markdown cells and of its code cells. The ratio prose/code is the page's figure. Pages listed in
+`PAGES_AT_GOAL` must stay at or above their threshold: 0.5 for every page, 0.6 for chapter 04
+(the data pipeline is mostly formats and invariants, which are told better in words). The whole
+book's figure is printed beside the table.
+
+`pytest -s tests/test_book_prose.py` shows the table; `python tests/test_book_prose.py` prints it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+jupytext = pytest.importorskip("jupytext")  # the book extra; absent on a bare GPU box
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAPTERS = ROOT / "chapters"
+
+# The lowest prose/code a page may have, and the higher floor of the chapters listed.
+DEFAULT_THRESHOLD = 0.5
+CHAPTER_THRESHOLDS = {"04_data": 0.6}
+
+# Pages brought to their threshold; each is held there from then on (paths under chapters/).
+PAGES_AT_GOAL = {
+    "00_overview/grpo.py",
+}
+
+
+def _pages() -> list[Path]:
+    return sorted(p for p in CHAPTERS.glob("*/*.py") if not p.name.startswith("_"))
+
+
+def count(page: Path) -> tuple[int, int]:
+    """(prose, code): non-blank lines of the page's markdown cells and of its code cells."""
+    prose = code = 0
+    for cell in jupytext.read(page).cells:
+        lines = sum(1 for line in cell.source.splitlines() if line.strip())
+        if cell.cell_type == "markdown":
+            prose += lines
+        elif cell.cell_type == "code":
+            code += lines
+    return prose, code
+
+
+def threshold(name: str) -> float:
+    return CHAPTER_THRESHOLDS.get(name.split("/")[0], DEFAULT_THRESHOLD)
+
+
+def table() -> tuple[list[tuple[str, int, int]], str]:
+    """Every page's counts, and the table as text (lowest ratio first, the whole book last)."""
+    rows = [(str(p.relative_to(CHAPTERS)), *count(p)) for p in _pages()]
+    ratio = lambda prose, code: prose / code if code else float("inf")  # noqa: E731
+    lines = [f"{'page':48s} {'prose':>6s} {'code':>6s} {'ratio':>6s} {'floor':>6s}"]
+    for name, prose, code in sorted(rows, key=lambda r: ratio(r[1], r[2])):
+        goal = f"{threshold(name):.2f}" if name in PAGES_AT_GOAL else ""
+        lines.append(f"{name:48s} {prose:6d} {code:6d} {ratio(prose, code):6.2f} {goal:>6s}")
+    prose, code = sum(r[1] for r in rows), sum(r[2] for r in rows)
+    lines.append(f"{'whole book (' + str(len(rows)) + ' pages)':48s} {prose:6d} {code:6d} "
+                 f"{ratio(prose, code):6.2f}")
+    return rows, "\n".join(lines)
+
+
+def test_pages_at_goal_exist():
+    missing = sorted(name for name in PAGES_AT_GOAL if not (CHAPTERS / name).exists())
+    assert not missing, f"PAGES_AT_GOAL names pages that do not exist: {missing}"
+
+
+def test_prose_per_page_meets_its_threshold():
+    rows, text = table()
+    print("\n" + text)
+    low = [f"{name}: {prose}/{code} = {prose / code:.2f} < {threshold(name):.2f}"
+           for name, prose, code in rows
+           if name in PAGES_AT_GOAL and code and prose / code < threshold(name)]
+    assert not low, "pages below their prose/code threshold:\n" + "\n".join(low)
+
+
+def test_the_counter_counts_markdown_against_code(tmp_path):
+    page = tmp_path / "page.py"
+    page.write_text("# %% [markdown]\n# # Title\n#\n# Two lines.\n\n"
+                    "# %%\nx = 1\n\ny = 2\nz = 3\n\n"
+                    "# %% [markdown]\n# One more.\n")
+    assert count(page) == (3, 3)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(table()[1] + "\n")
