@@ -13,6 +13,7 @@
 # %%
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import random
@@ -382,9 +383,10 @@ class CheckpointManager(CheckpointManager):  # the same class, continued
 # reads `common.pt` and checks the model config, then reads every tensor this layout needs into
 # **staging buffers** — the model's weights, and for each optimizer piece its master weight and
 # moments, asking for the model-space rectangles of the new layout. Only when all of that
-# succeeded is anything applied: scheduler (whose own checks may still refuse), optimizer
-# hyperparameters, loss scale, pieces and steps, the weights, the RNG states, and a fresh
-# `TrainState` — whose `consumed_train_samples` tells chapter 04's sampler where to continue.
+# succeeded is anything applied, in Megatron's order: the weights, the optimizer
+# (hyperparameters, loss scale, pieces and steps), the scheduler (which writes its lr and
+# weight decay into every param group), the RNG states, and a fresh `TrainState` — whose
+# `consumed_train_samples` tells chapter 04's sampler where to continue.
 # A missing, truncated or corrupted file, a missing key or a mismatched field leaves the model
 # exactly as it was.
 #
@@ -393,8 +395,8 @@ class CheckpointManager(CheckpointManager):  # the same class, continued
 # | weights | the model's sharded keys | always, on any layout |
 # | fp32 masters, moments | `optimizer.state.{param,exp_avg,…}.<key>` | on any layout, unless `no_load_optim` / `finetune` |
 # | step counts, loss scale | `common.pt` → `optimizer` | with the optimizer state |
-# | param groups' hyperparameters | object `optimizer.param_groups` per (PP, TP) | same TP and PP only (the scheduler sets lr and wd anyway) |
-# | scheduler | `common.pt` → `opt_param_scheduler` | unless `finetune` |
+# | param groups' hyperparameters | object `optimizer.param_groups` per (PP, TP) | same TP and PP only; lr and wd are then overwritten by the scheduler |
+# | scheduler | `common.pt` → `opt_param_scheduler` | with the optimizer: not under `no_load_optim` / `finetune` (it restarts at step 0, as in Megatron, `checkpointing.py:1919-1952`) |
 # | iteration, consumed samples, FLOPs | `common.pt` → `train_state` (and Megatron's `args`) | unless `finetune` |
 # | RNG states | object `rng_state` per (PP, TP), a list over DP | same TP and PP, unless `no_load_rng` / `finetune` |
 #
@@ -438,20 +440,22 @@ def _read_dist(manager, directory, common, chunks, optimizer, load_optim, load_r
 
 # %% [markdown]
 # `_apply` is the only function that writes into the run, and it runs only after every rank
-# has read everything. The scheduler goes first because its own checks may still refuse; then
-# the optimizer (a plain state dict, or pieces: hyperparameters, loss scale, masters, moments,
-# steps), the weights, and the RNG states.
+# has read everything. The order is Megatron's (`checkpointing.py:1919-1952`): the weights,
+# then the optimizer (a plain state dict, or pieces: hyperparameters, loss scale, masters,
+# moments, steps), then the scheduler, then the RNG states. The order matters for the
+# learning rate: the scheduler's `load_state_dict` ends in `step(num_steps)`
+# (`optimizer_param_scheduler.py:390`), which writes its lr and weight decay into every param
+# group, over the values the optimizer just restored. With `override_opt_param_scheduler` and
+# a new `max_lr`, the first resumed step runs at the new schedule's lr, not the saved one.
+# The scheduler's own checks (a changed `max_lr` without override, say) ran already during
+# the read, on a copy (`_check_scheduler`), so nothing here can refuse halfway.
 
 # %%
 @torch.no_grad()
 def _apply(manager, loaded: LoadedState, chunks, optimizer, scheduler, where):
-    """Apply a fully read checkpoint: scheduler, optimizer, weights, RNG."""
+    """Apply a fully read checkpoint: weights, optimizer, scheduler, RNG (Megatron's order)."""
     common = loaded.common
-    if scheduler is not None and common.get("opt_param_scheduler") is not None:
-        try:
-            scheduler.load_state_dict(common["opt_param_scheduler"])
-        except (ValueError, KeyError) as e:
-            raise ValueError(f"{where}: scheduler state does not fit: {e}") from e
+    loaded.apply_model()
     if optimizer is not None and loaded.optimizer_state_dict is not None:
         optimizer.load_state_dict(loaded.optimizer_state_dict)
     elif optimizer is not None and "optimizer" in common and loaded.optimizer_pieces:
@@ -469,9 +473,27 @@ def _apply(manager, loaded: LoadedState, chunks, optimizer, scheduler, where):
                 main.copy_(param.view(main.shape))
             set_main_state(optimizer, main, {k: (v.to(main.device) if torch.is_tensor(v) else v)
                                              for k, v in state.items()})
-    loaded.apply_model()
+    if scheduler is not None and common.get("opt_param_scheduler") is not None:
+        scheduler.load_state_dict(common["opt_param_scheduler"])   # lr, wd -> every group
     if loaded.rng is not None:
         set_rng_state(loaded.rng, manager._tracker(chunks))
+
+
+class _GroupsOnly:
+    """What a scheduler drives, without the params: copies of the optimizer's param groups."""
+
+    def __init__(self, groups):
+        self.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+
+
+def _check_scheduler(scheduler, sd: dict, where) -> None:
+    """Load `sd` into a copy of the scheduler (and of its groups): ValueError if it refuses."""
+    trial = copy.copy(scheduler)
+    trial.optimizer = _GroupsOnly(getattr(scheduler.optimizer, "param_groups", []))
+    try:
+        trial.load_state_dict(sd)
+    except (ValueError, KeyError, AssertionError) as e:
+        raise ValueError(f"{where}: scheduler state does not fit: {e}") from e
 
 
 # %% [markdown]
@@ -481,8 +503,8 @@ def _apply(manager, loaded: LoadedState, chunks, optimizer, scheduler, where):
 # Megatron's saved `args` when a checkpoint carries no `train_state`.
 
 # %%
-def _read(manager, directory, chunks, optimizer, load_optim, finetune):
-    """Common part, config check, layout check and every tensor: a LoadedState, or ValueError."""
+def _read(manager, directory, chunks, optimizer, scheduler, load_optim, finetune):
+    """Common part, config and scheduler checks, every tensor: a LoadedState, or ValueError."""
     cfg, grid = manager.config, manager.grid
     fmt = detect_format(directory)
     if fmt == "torch_dcp":
@@ -495,6 +517,8 @@ def _read(manager, directory, chunks, optimizer, load_optim, finetune):
         common = read_common(directory)
     args = common.get("args", {})
     check_model_config(args.get("model_config"), chunks[0].config, directory)
+    if scheduler is not None and common.get("opt_param_scheduler") is not None:
+        _check_scheduler(scheduler, common["opt_param_scheduler"], directory)
     load_rng = not (cfg.no_load_rng or finetune)
     saved = (args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size"))
     if fmt == "torch" and load_optim:
@@ -542,16 +566,17 @@ def _load(manager, model, optimizer, scheduler, root):
     directory, iteration, release = found
     finetune = cfg.finetune or release
     load_optim = optimizer is not None and not (cfg.no_load_optim or finetune)
+    # Megatron loads the scheduler inside the optimizer's branch: no_load_optim restarts it
+    scheduler = None if (cfg.no_load_optim or finetune) else scheduler
     error, loaded = None, None
     try:
-        loaded = _read(manager, directory, chunks, optimizer, load_optim, finetune)
+        loaded = _read(manager, directory, chunks, optimizer, scheduler, load_optim, finetune)
     except ValueError as e:
         error = str(e)
     error = manager.comm.first_error(error)   # nobody applies anything unless everyone read it all
     if error:
         raise ValueError(error)
-    _apply(manager, loaded, chunks, optimizer if load_optim else None,
-           None if finetune else scheduler, directory)
+    _apply(manager, loaded, chunks, optimizer if load_optim else None, scheduler, directory)
     if optimizer is not None and not (loaded.optimizer_pieces or loaded.optimizer_state_dict):
         rederive_masters(optimizer)   # no optimizer state read: masters from the weights
     state = _train_state_class()()
