@@ -10,7 +10,7 @@ from tinytron.buffers.distributed_data_parallel import (BucketGroup, Distributed
 
 from tinytron.buffers.finalize_model_grads import finalize_model_grads, main_grad_of
 
-__pages__ = ["param_and_grad_buffer", "distributed_data_parallel", "overlap_timeline",
+__pages__ = ["naive_ddp", "param_and_grad_buffer", "distributed_data_parallel", "overlap_timeline",
              "finalize_model_grads"]
 
 __all__ = ["Bucket", "BufferKey", "ParamAndGradBuffer", "ParamLayout", "ShardRange",

@@ -52,7 +52,8 @@ __all__ = ["toy_layer_stack", "pad_to_divisor", "pad_param_start", "bucket_end_d
 #
 # Plain PyTorch gives every parameter its own `.grad` tensor. Data parallelism then has to
 # average every one of them across the DP ranks: a 7B Llama has 291 weight tensors, so 291
-# collectives of very different sizes, most of them too small to keep the network busy.
+# collectives of very different sizes, most of them too small to keep the network busy
+# ([the previous page](naive_ddp.py) builds exactly that and counts the calls).
 # Megatron instead allocates **one flat tensor per dtype** and makes each parameter's
 # gradient a *view* into it (`param.main_grad`). Now "all-reduce the gradients" is a handful of
 # large collectives over contiguous slices — the **buckets**.
