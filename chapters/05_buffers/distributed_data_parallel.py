@@ -17,9 +17,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tinytron._fields import check_fields, document_fields
+from tinytron._fields import document_fields
+from tinytron.buffers._checks import check_ddp_config
 from tinytron.buffers._comm import (CommStream, CommTimeline, Handles, all_gather, all_reduce,
                                     axis_info, reduce_scatter)
+from tinytron.buffers._ddp_surface import ModuleSurface
 from tinytron.buffers.param_and_grad_buffer import (ParamAndGradBuffer,
                                                     group_params_for_buffers)
 
@@ -27,6 +29,23 @@ __all__ = ["DistributedDataParallelConfig", "BucketGroup", "DistributedDataParal
            "GradSyncState", "default_bucket_size"]
 
 # %% [markdown]
+# ## What changes from the naive version
+#
+# [The naive DDP](naive_ddp.py) all-reduced each parameter's `.grad` from its hook and waited
+# for it there. Keep the hook, the pre-scale by $1/d$ and `no_sync`; change three things:
+#
+# 1. the grads accumulate into `main_grad`, views of [the flat buffer](param_and_grad_buffer.py),
+#    so a *bucket* of parameters is one contiguous slice;
+# 2. the hook only *counts*: the collective is launched once the last parameter of a bucket
+#    has reported, one call per bucket;
+# 3. the call is asynchronous, so the backward of the next layers runs while the bucket's
+#    bytes move; `finish_grad_sync` waits for all of them at the end.
+#
+# Worked example, the demo model of the naive page at DP 2 with buckets of 4,000 elements: 19
+# parameter tensors and 3 buckets, so 3 calls per step instead of 19, and the first bucket
+# (the output head and final norm, whose grads come first in the backward) is already on the
+# wire while the blocks' backward computes.
+#
 # ## The configuration
 #
 # The field names and defaults are Megatron's `DistributedDataParallelConfig`
@@ -34,7 +53,10 @@ __all__ = ["DistributedDataParallelConfig", "BucketGroup", "DistributedDataParal
 # `grad_reduce_in_fp32` defaults to `False` there; Megatron's training script turns it on for
 # bf16 models unless `--grad-reduce-in-bf16` is given (`megatron/training/arguments.py:1181`).
 # `calculate_per_token_loss` lives on Megatron's `TransformerConfig`; it is here because it only
-# changes how DDP scales gradients.
+# changes how DDP scales gradients. The checks that refuse combinations tinytron cannot run
+# (a second optimizer instance, `overlap_param_gather` without the distributed optimizer, …)
+# live in the chapter's private module `tinytron.buffers._checks` (`chapters/05_buffers/_checks.py`);
+# each names the field it refuses.
 
 # %%
 @document_fields
@@ -66,29 +88,34 @@ class DistributedDataParallelConfig:
     """Grads are neither pre-scaled nor averaged; finalize_model_grads divides by the token count."""
 
     def __post_init__(self):
-        check_fields(self)  # bucket_size="1000" or grad_reduce_in_fp32="true" stop here
-        if self.num_distributed_optimizer_instances != 1:
-            raise ValueError("num_distributed_optimizer_instances must be 1, got "
-                             f"{self.num_distributed_optimizer_instances}")
-        if self.bucket_size is not None and self.bucket_size <= 0:
-            raise ValueError(f"bucket_size must be positive or None, got {self.bucket_size}")
-        if self.overlap_param_gather and not self.use_distributed_optimizer:
-            raise ValueError("overlap_param_gather=True needs use_distributed_optimizer=True")
-        if self.average_in_collective and self.calculate_per_token_loss:
-            raise ValueError("average_in_collective cannot be combined with "
-                             "calculate_per_token_loss (grads are summed, then divided by tokens)")
+        check_ddp_config(self)  # a clear one-line ValueError naming the field (_checks.py)
 
 
+# %% [markdown]
+# **The bucket size.** Without overlap there is nothing to hide a collective behind, so one
+# bucket (the fewest, largest calls) wins. With overlap Megatron's default is
+# $\max(40\text{M}, 1\text{M} \cdot dp)$ elements: at large DP each rank's chunk of a ring
+# collective is the bucket divided by $dp$, and the floor keeps that chunk big enough to stay
+# bandwidth-bound. At DP 64 the default is 64M elements, 256 MB of fp32 grads, a chunk of 1M
+# elements per rank.
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# The $dp$ in that formula is the data-parallel size *without* context parallelism, as in
+# Megatron's DDP (`distributed_data_parallel.py:69`). Megatron's training script instead passes
+# $\max(40\text{M}, 1\text{M} \cdot dp_{cp})$ in (`megatron/training/training.py:1772-1775`);
+# tinytron follows the DDP class.
+#
+# </div>
+
+# %%
 def default_bucket_size(config: DistributedDataParallelConfig, dp_size: int) -> int | None:
     """Megatron's bucket size: the configured one, else max(40M, 1M*dp); None without overlap."""
     if not config.overlap_grad_reduce:
         return None  # one bucket: nothing to overlap with, so fewer, larger collectives win
     if config.bucket_size is not None:
         return config.bucket_size
-    # Large DP: keep each ring chunk (bucket / dp) big enough to stay bandwidth-bound. dp is
-    # the data-parallel size *without* CP, as in Megatron's DDP (distributed_data_parallel.py:69);
-    # Megatron's training script instead passes max(40M, 1M * dp_cp) in (training.py:1772-1775).
-    return max(40_000_000, 1_000_000 * dp_size)
+    return max(40_000_000, 1_000_000 * dp_size)  # dp without CP (see the note above)
 
 
 # %% [markdown]
@@ -97,9 +124,16 @@ def default_bucket_size(config: DistributedDataParallelConfig, dp_size: int) -> 
 # Each trainable parameter gets a **backward post-hook** that fires after autograd has written
 # `param.grad` (`distributed_data_parallel.py:449`). The hook adds `param.grad` into
 # `param.main_grad` (fp32 accumulation across micro-batches) and sets `param.grad = None`, so
-# only one copy of each gradient stays in memory. Megatron registers it on the parameter's
-# `AccumulateGrad` node (`:368-373`); we use `Tensor.register_post_accumulate_grad_hook`, which
-# fires at the same moment.
+# only one copy of each gradient stays in memory.
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# Megatron registers the hook on the parameter's `AccumulateGrad` node
+# (`distributed_data_parallel.py:368-373`); tinytron uses
+# `Tensor.register_post_accumulate_grad_hook`, which fires at the same moment and needs no
+# reference to an autograd node.
+#
+# </div>
 #
 # With `overlap_grad_reduce` the hook also calls `register_grad_ready(param)` on the param's
 # **bucket group** (`param_and_grad_buffer.py:800`). It counts only on the *last* micro-batch
@@ -119,10 +153,12 @@ def default_bucket_size(config: DistributedDataParallelConfig, dp_size: int) -> 
 #
 # **Scaling.** The goal is the mean over the $d$ DP×CP ranks,
 # $\bar g = \frac{1}{d}\sum_{r=0}^{d-1} g_r$ (`distributed_data_parallel.py:169-204`).
-# Default: factor `1/dp_cp` before a SUM — the pre-scale keeps bf16 sums from overflowing and
-# works on every backend. `average_in_collective=True`: factor 1 and `ReduceOp.AVG`. With
-# `calculate_per_token_loss`: factor 1 and SUM; `finalize_model_grads` later divides by the
-# global number of tokens.
+# Default: factor `1/dp_cp` before a SUM. Pre-scaling works on every backend, and for fp16 grads it keeps the sum inside fp16's range: fp16's largest
+# value is 65,504, so 64 ranks' grads of 2,000 each would overflow as a sum (128,000) but not as
+# a sum of $2000/64$. (bf16 has fp32's exponent range, about $3.4 \cdot 10^{38}$: for bf16 the
+# reason is the backend, not overflow.) `average_in_collective=True`: factor 1 and
+# `ReduceOp.AVG`. With `calculate_per_token_loss`: factor 1 and SUM; `finalize_model_grads`
+# later divides by the global number of tokens.
 #
 # **Bucket groups.** Megatron issues collectives per *bucket group*, coalescing the buckets of
 # a group into one NCCL call (`partition_buckets`, `param_and_grad_buffer.py:1512`). By default
@@ -133,10 +169,16 @@ def default_bucket_size(config: DistributedDataParallelConfig, dp_size: int) -> 
 # waits for the compute stream (so it sees the grads backward just wrote), and `wait()` makes the
 # compute stream wait for it in turn; NCCL then moves the bytes while backward kernels keep
 # running. On CPU, gloo runs each async collective on its own worker thread: the same code, the
-# same `Work.wait()` semantics. One gloo detail: torch emulates `reduce_scatter_tensor` on gloo
-# with an all-reduce into a temporary copy, so on gloo we all-reduce the bucket in place and keep
-# our shard: the shard is identical (the rest of the bucket then holds the mean too, but no
-# code may rely on it), and the test suite also runs torch's emulation to prove it.
+# same `Work.wait()` semantics.
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# Torch emulates `reduce_scatter_tensor` on gloo with an all-reduce into a temporary copy, so
+# on gloo tinytron all-reduces the bucket in place and keeps its shard: the shard is identical
+# (the rest of the bucket then holds the mean too, but no code may rely on it), and the test
+# suite also runs torch's emulation to prove it. On NCCL it is Megatron's reduce-scatter.
+#
+# </div>
 #
 # ```mermaid
 # sequenceDiagram
@@ -151,60 +193,21 @@ def default_bucket_size(config: DistributedDataParallelConfig, dp_size: int) -> 
 #   BW->>C: finish_grad_sync: wait(bucket 0), wait(bucket 1)
 # ```
 
-# %%
-class BucketGroup:
-    """Buckets whose collectives are launched together, with grad-ready counting."""
-
-    def __init__(self, buckets, config: DistributedDataParallelConfig, group, group_size: int,
-                 stream: CommStream, timeline: CommTimeline | None = None):
-        self.buckets = list(buckets)
-        self.config, self.group, self.group_size = config, group, group_size
-        self.stream, self.timeline = stream, timeline
-        self.params = [p for b in self.buckets for p in b.params]
-        self.param_to_bucket = {p: b for b in self.buckets for p in b.params}
-        self.golden_grad_ready_counts: dict = {}
-        self.grad_ready_counts: dict = {}
-        self.is_last_microbatch = True
-        self.is_first_batch = True
-        self.grad_reduce_handle: Handles | None = None
-        self.grad_reduce_finished = False
-        self.param_gather_handle: Handles | None = None
-        self.param_gather_dispatched = False
-        self.next_param_gather_bucket_group: BucketGroup | None = None
-        self.grad_check = None  # fn(buckets) run before the collective (set_grad_check)
-
-    def _record(self, event: str) -> None:
-        if self.timeline is not None:
-            for b in self.buckets:
-                self.timeline.record(event, b.bucket_id)
-
-    def reset(self) -> None:
-        """Prepare for the next step; after the first step, keep its counts as the golden ones."""
-        if self.is_first_batch and self.grad_ready_counts:
-            assert len(self.grad_ready_counts) == len(self.params)
-            self.golden_grad_ready_counts = self.grad_ready_counts
-            self.is_first_batch = False
-        self.grad_ready_counts = {}
-        self.is_last_microbatch = True
-        self.grad_reduce_finished = False
-
-
 # %% [markdown]
-# The readiness count, and the collective it launches; `check_grads`, which looks at the local
-# gradients first, has [its own section](#checking-each-bucket-before-its-collective). (The class continues in this cell and
-# the next: a cell extends a class by subclassing it under the same name.)
+# ## A bucket group, in three jobs
+#
+# A bucket group reduces its buckets' grads after the backward, checks them first, and
+# gathers their params before the next forward. Each job is a small class below; `BucketGroup`
+# then combines the three with the state they share (its `__init__` lists every attribute they
+# read: `buckets`, `config`, `group`, `stream`, the counts and the handles).
+#
+# **Reducing the grads.** `start_grad_sync` scales each bucket and launches its collective;
+# `finish_grad_sync` waits for it at the end of the backward, or launches it there when no hook
+# did: in the first step (the counts are still being learned) and whenever overlap is off.
 
 # %%
-class BucketGroup(BucketGroup):  # the same class, continued
-    __doc__ = BucketGroup.__doc__  # help() keeps the first cell's docstring
-    def register_grad_ready(self, param) -> None:
-        """Count ``param`` as ready (last micro-batch only); launch once all counts are golden."""
-        assert self.config.overlap_grad_reduce
-        if not self.is_last_microbatch:
-            return
-        self.grad_ready_counts[param] = self.grad_ready_counts.get(param, 0) + 1
-        if not self.is_first_batch and self.grad_ready_counts == self.golden_grad_ready_counts:
-            self.start_grad_sync()
+class GradReduction:
+    """A bucket group's grad collectives: launch (scaled, async with overlap) and wait."""
 
     def start_grad_sync(self) -> None:
         """Scale each bucket and launch its all-reduce / reduce-scatter (async with overlap)."""
@@ -235,14 +238,6 @@ class BucketGroup(BucketGroup):  # the same class, continued
             for b in self.buckets:
                 self.timeline.watch(b.bucket_id, self.grad_reduce_handle)
 
-
-# %% [markdown]
-# Waiting for the grad collective at the end of the backward (or launching it there, when no
-# hook did), and the other direction of the loop: the param all-gather of the next section.
-
-# %%
-class BucketGroup(BucketGroup):  # continued
-    __doc__ = BucketGroup.__doc__  # help() keeps the first cell's docstring
     def finish_grad_sync(self) -> None:
         """Make this step's grad collectives complete (launch them first if nothing did)."""
         self.param_gather_dispatched = False
@@ -264,6 +259,74 @@ class BucketGroup(BucketGroup):  # continued
         self._record("waited")
         self.grad_reduce_handle = None
         self.grad_reduce_finished = True
+
+
+# %% [markdown]
+# ### Checking each bucket before its collective
+#
+# A NaN or Inf in a gradient usually comes from one place: one rank's batch, or one GPU's bad
+# memory or arithmetic. The grad collective then mixes it into everyone's buffer: after the
+# all-reduce (or the reduce-scatter) *every* rank holds the NaN, and a check there can no
+# longer say which rank produced it. So Megatron checks each bucket's **local** gradient norm
+# in `start_grad_sync`, after the grads are accumulated and *before* the scaling and the
+# collective (`_ParamAndGradBucketGroup.check_grads`, `param_and_grad_buffer.py:313-348`,
+# called at `:599-603`). Two DP ranks, one bucket each, rank 1's grads corrupted:
+#
+# | | rank 0's bucket norm | rank 1's bucket norm | who reports |
+# |---|---|---|---|
+# | before the collective (the check here) | 3.1 | NaN | rank 1 only: its GPU, its batch |
+# | after the all-reduce | NaN | NaN | both: the fault is no longer attributable |
+#
+# `check_grads` does what `check_for_nan_in_grad` asks for: a `RuntimeError` that names the
+# bucket and the DP rank. Megatron routes the same norms through its rerun state machine
+# instead (NaN/Inf fatal, unexpectedly large grads not), which lives in a later chapter: so
+# the check is pluggable. `ddp.set_grad_check(fn)` makes every bucket group call
+# `fn(buckets)` at this point, with the group's buckets holding this rank's local, unscaled
+# grads (`bucket.grad_data`, `bucket.bucket_id`, `bucket.dp_rank`); `set_grad_check(None)`
+# restores the default. [Chapter 08's `Reliability`](../08_reliability/restarts.py) installs
+# the rerun machine's checks this way.
+
+# %%
+class GradCheck:
+    """A bucket group's check of its local grads, run before the scaling and the collective."""
+
+    def check_grads(self) -> None:
+        """Check each bucket's local grads: the installed check, else check_for_nan_in_grad."""
+        if self.grad_check is not None:
+            self.grad_check(self.buckets)
+            return
+        if not self.config.check_for_nan_in_grad:
+            return
+        for b in self.buckets:
+            norm = b.grad_data.float().norm()
+            if not torch.isfinite(norm):
+                raise RuntimeError(f"non-finite local grad norm {norm.item()} in bucket "
+                                   f"{b.bucket_id} (dp rank {b.dp_rank}) before the grad "
+                                   "collective")
+
+
+# %% [markdown]
+# ### The param all-gather and the forward pre-hook
+#
+# With the distributed optimizer each rank updates only its shard of each bucket, writing the
+# new (bf16) weights into `param_data` — the storage that `param.data` already points to.
+# One `all_gather_into_tensor(out=bucket.param_data, in=my shard)` per bucket then gives every
+# rank the full new weights (`param_and_grad_buffer.py:351`). Without overlap this runs
+# synchronously at the end of the optimizer step. With `overlap_param_gather` it is deferred:
+# a **forward pre-hook** on every module (`distributed_data_parallel.py:413`) calls
+# `finish_param_sync` on the bucket groups of that module's own parameters. That call
+# dispatches the group's gather if nobody did yet, waits for it, and dispatches the *next*
+# group's gather, so gathering bucket `i+1` overlaps the forward compute that uses bucket `i`.
+# Buckets are stored in backward order, so "next in forward order" is the previous bucket group
+# (`distributed_data_parallel.py:300-306`).
+#
+# Example: three buckets, stored as 0 = head, 1 = middle layers, 2 = embedding and first
+# layers. The forward needs bucket 2 first: its pre-hook gathers 2 (nobody has), waits, and
+# starts gathering 1; the middle layers' pre-hooks then find 1 under way or done and start 0.
+
+# %%
+class ParamGather:
+    """A bucket group's param all-gather: dispatch it, and wait for it before the forward."""
 
     def start_param_sync(self, force_sync: bool = False) -> None:
         """All-gather each bucket's param shards into its param buffer (async with overlap)."""
@@ -304,21 +367,64 @@ class BucketGroup(BucketGroup):  # continued
 
 
 # %% [markdown]
-# ## The param all-gather and the forward pre-hook
+# ### The bucket group: shared state and the readiness count
 #
-# With the distributed optimizer each rank updates only its shard of each bucket, writing the
-# new (bf16) weights into `param_data` — the storage that `param.data` already points to.
-# One `all_gather_into_tensor(out=bucket.param_data, in=my shard)` per bucket then gives every
-# rank the full new weights (`param_and_grad_buffer.py:351`). Without overlap this runs
-# synchronously at the end of the optimizer step. With `overlap_param_gather` it is deferred:
-# a **forward pre-hook** on every module (`distributed_data_parallel.py:413`) calls
-# `finish_param_sync` on the bucket groups of that module's own parameters. That call
-# dispatches the group's gather if nobody did yet, waits for it, and dispatches the *next*
-# group's gather, so gathering bucket `i+1` overlaps the forward compute that uses bucket `i`.
-# Buckets are stored in backward order, so "next in forward order" is the previous bucket group
-# (`distributed_data_parallel.py:300-306`).
+# What is left is the state the three jobs share, the reset at the start of a step (which
+# turns the first step's counts into the golden ones), and the count itself: on the last
+# micro-batch each hook call adds one for its parameter, and the call that makes the counts
+# equal the golden ones launches the collective.
+
+# %%
+class BucketGroup(GradReduction, GradCheck, ParamGather):
+    """Buckets whose collectives are launched together, with grad-ready counting."""
+
+    def __init__(self, buckets, config: DistributedDataParallelConfig, group, group_size: int,
+                 stream: CommStream, timeline: CommTimeline | None = None):
+        self.buckets = list(buckets)
+        self.config, self.group, self.group_size = config, group, group_size
+        self.stream, self.timeline = stream, timeline
+        self.params = [p for b in self.buckets for p in b.params]
+        self.param_to_bucket = {p: b for b in self.buckets for p in b.params}
+        self.golden_grad_ready_counts: dict = {}
+        self.grad_ready_counts: dict = {}
+        self.is_last_microbatch = True
+        self.is_first_batch = True
+        self.grad_reduce_handle: Handles | None = None
+        self.grad_reduce_finished = False
+        self.param_gather_handle: Handles | None = None
+        self.param_gather_dispatched = False
+        self.next_param_gather_bucket_group: BucketGroup | None = None
+        self.grad_check = None  # fn(buckets) run before the collective (set_grad_check)
+
+    def _record(self, event: str) -> None:
+        if self.timeline is not None:
+            for b in self.buckets:
+                self.timeline.record(event, b.bucket_id)
+
+    def reset(self) -> None:
+        """Prepare for the next step; after the first step, keep its counts as the golden ones."""
+        if self.is_first_batch and self.grad_ready_counts:
+            assert len(self.grad_ready_counts) == len(self.params)
+            self.golden_grad_ready_counts = self.grad_ready_counts
+            self.is_first_batch = False
+        self.grad_ready_counts = {}
+        self.is_last_microbatch = True
+        self.grad_reduce_finished = False
+
+    def register_grad_ready(self, param) -> None:
+        """Count ``param`` as ready (last micro-batch only); launch once all counts are golden."""
+        assert self.config.overlap_grad_reduce
+        if not self.is_last_microbatch:
+            return
+        self.grad_ready_counts[param] = self.grad_ready_counts.get(param, 0) + 1
+        if not self.is_first_batch and self.grad_ready_counts == self.golden_grad_ready_counts:
+            self.start_grad_sync()
+
+
+# %% [markdown]
+# ## Reduced before stepped
 #
-# **Reduced before stepped.** Between the backward and the optimizer step each rank holds only
+# Between the backward and the optimizer step each rank holds only
 # its *local* gradients; they are the data-parallel mean only once `finish_grad_sync` has run
 # (Megatron's `train_step` guarantees it: `finalize_model_grads` calls it before
 # `optimizer.step()`, `megatron/core/distributed/finalize_model_grads.py:445`). A loop written by
@@ -327,6 +433,14 @@ class BucketGroup(BucketGroup):  # continued
 # set by the backward hook when a grad lands in the buffer, cleared by `finish_grad_sync` and
 # `zero_grad_buffer`. [Chapter 02's optimizers](../02_optimizer/mixed_precision.py) refuse to step
 # while it is set.
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# Megatron has no such flag: its `train_step` always calls `finalize_model_grads` before the
+# step, so the mistake cannot happen there. tinytron's pages and tests write loops by hand, so
+# the optimizer checks.
+#
+# </div>
 
 # %%
 class GradSyncState:
@@ -340,85 +454,17 @@ class GradSyncState:
 
 
 # %% [markdown]
-# The wrapper builds one buffer per `(param dtype, grad dtype)`, one bucket group per bucket,
-# and registers a hook on every trainable parameter.
+# ## The wrapper
+#
+# Like the bucket group, the wrapper is its jobs plus the state they share. **The hooks**:
+# after backward writes a grad, add it into `main_grad`, free it, report it ready; before a
+# module's forward, wait for its params' all-gather. The pre-hooks can be removed (evaluation
+# runs without them) and put back; removing them gathers every param at once by default, so
+# the evaluation sees the newest weights.
 
 # %%
-class DistributedDataParallel(torch.nn.Module):
-    """Megatron-style DDP: contiguous grad/param buffers, bucketed async collectives, hooks.
-
-    Example::
-
-        ddp = DistributedDataParallel(model, grid, DistributedDataParallelConfig(
-            use_distributed_optimizer=True))
-        ddp.zero_grad_buffer()
-        model(input_ids, labels=labels).mean().backward()
-        ddp.finish_grad_sync()        # grads are now the DP mean; the optimizer may step
-    """
-
-    def __init__(self, module: torch.nn.Module, grid, config: DistributedDataParallelConfig | None
-                 = None, *, disable_bucketing: bool = False, timeline: CommTimeline | None = None):
-        super().__init__()
-        self.module = module
-        self.ddp_config = config = config or DistributedDataParallelConfig()
-        self.grid = grid
-        self.dp_group, self.dp_size, self.dp_rank = axis_info(grid, "dp_cp")
-        _, _, pp_rank = axis_info(grid, "pp")
-        self.bucket_size = default_bucket_size(config, grid.size("dp"))  # dp without CP
-        if disable_bucketing or pp_rank > 0:  # DP comm of later stages is off the critical path
-            self.bucket_size = None
-        self.timeline = timeline
-        params = [p for p in module.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("DistributedDataParallel: the module has no trainable parameters")
-        names = {p: n for n, p in module.named_parameters()}
-        self.params_with_grad = params
-        scaling = self._gradient_scaling_factor()
-        # Megatron keeps the list under the name `buffers` (shadowing nn.Module.buffers()).
-        self.buffers: list[ParamAndGradBuffer] = []
-        for key, group_params in group_params_for_buffers(params, config.grad_reduce_in_fp32).items():
-            self.buffers.append(ParamAndGradBuffer(
-                group_params, param_dtype=key.param_dtype, grad_dtype=key.grad_dtype,
-                dp_size=self.dp_size, dp_rank=self.dp_rank, bucket_size=self.bucket_size,
-                use_distributed_optimizer=config.use_distributed_optimizer,
-                pad_for_high_nccl_busbw=config.pad_buckets_for_high_nccl_busbw,
-                gradient_scaling_factor=scaling, param_names=names))
-        self.comm_stream = CommStream(params[0].device)
-        self.bucket_groups = [BucketGroup([b], config, self.dp_group, self.dp_size,
-                                          self.comm_stream, timeline)
-                              for buf in self.buffers for b in buf.buckets]
-        for i in range(1, len(self.bucket_groups)):  # forward order = reverse bucket order
-            self.bucket_groups[i].next_param_gather_bucket_group = self.bucket_groups[i - 1]
-        self.param_to_bucket_group = {p: g for g in self.bucket_groups for p in g.params}
-        # Shared with every param, so that any optimizer over them can refuse unreduced grads.
-        self.grad_sync = GradSyncState()
-        for p in params:
-            p.grad_sync = self.grad_sync
-        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._backward_hook)
-                            for p in params]
-        self._pre_hooks: dict = {}
-        if config.overlap_param_gather:
-            self.enable_forward_pre_hook()
-
-
-# %% [markdown]
-# The hooks: after backward writes a grad, add it into `main_grad`, free it, report it ready;
-# before a module's forward, wait for its params' all-gather. (The class continues in this cell
-# and the next.)
-
-# %%
-class DistributedDataParallel(DistributedDataParallel):  # the same class, continued
-    __doc__ = DistributedDataParallel.__doc__  # help() keeps the first cell's docstring
-    def _gradient_scaling_factor(self) -> float:
-        """1/dp_cp before a SUM (default); 1 with AVG or per-token normalization."""
-        c = self.ddp_config
-        if c.calculate_per_token_loss or c.average_in_collective:
-            return 1.0
-        return 1.0 / self.dp_size
-
-    def forward(self, *args, **kwargs):
-        """Run the wrapped module."""
-        return self.module(*args, **kwargs)
+class SyncHooks:
+    """DistributedDataParallel's autograd and forward hooks."""
 
     def _backward_hook(self, param) -> None:
         """Accumulate param.grad into main_grad, free it, and report the param as ready."""
@@ -457,13 +503,15 @@ class DistributedDataParallel(DistributedDataParallel):  # the same class, conti
 
 
 # %% [markdown]
-# What a training loop calls: `no_sync` around all micro-batches but the last, `finish_grad_sync`
-# after the backward, `start_param_sync` after the optimizer step, `zero_grad_buffer` before the
-# next one.
+# **What a training loop calls**: `no_sync` around all micro-batches but the last,
+# `finish_grad_sync` after the backward, `start_param_sync` after the optimizer step,
+# `zero_grad_buffer` before the next one. Each is a loop over the bucket groups; `set_grad_check`
+# installs [the bucket check](#checking-each-bucket-before-its-collective) on all of them.
 
 # %%
-class DistributedDataParallel(DistributedDataParallel):  # continued
-    __doc__ = DistributedDataParallel.__doc__  # help() keeps the first cell's docstring
+class LoopCalls:
+    """What a training loop calls on DistributedDataParallel, each over every bucket group."""
+
     @contextlib.contextmanager
     def no_sync(self):
         """Inside: accumulate grads only (not the last micro-batch), launch no collective."""
@@ -503,85 +551,81 @@ class DistributedDataParallel(DistributedDataParallel):  # continued
             g.reset()
         self.grad_sync.pending = False
 
-
-# %% [markdown]
-# The rest of the wrapper's surface: chapter 02 scales the grads by a tensor (the loss scale's
-# inverse), training starts from rank 0's weights, and chapter 03 saves the wrapped module.
-
-# %%
-class DistributedDataParallel(DistributedDataParallel):  # continued
-    __doc__ = DistributedDataParallel.__doc__  # help() keeps the first cell's docstring
-    def scale_gradients(self, factor) -> None:
-        """Multiply all grad buffers by ``factor`` (a float or a 1-element tensor)."""
-        for buf in self.buffers:
-            buf.scale_gradients(factor)
-
-    def broadcast_params(self) -> None:
-        """Copy DP rank 0's parameters to every DP rank (call once after init)."""
-        if self.dp_size == 1:
-            return
-        src = dist.get_global_rank(self.dp_group, 0)
-        for p in self.module.parameters():
-            dist.broadcast(p.data, src=src, group=self.dp_group)
-
-    def state_dict(self, *args, **kwargs):
-        """The wrapped module's state dict (no ``module.`` prefix), as Megatron does."""
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict: bool = True):
-        """Load into the wrapped module (in-place copies, so the values land in the buffers)."""
-        return self.module.load_state_dict(state_dict, strict=strict)
-
-
-# %% [markdown]
-# ## Checking each bucket before its collective
-#
-# A NaN or Inf in a gradient usually comes from one place: one rank's batch, or one GPU's bad
-# memory or arithmetic. The grad collective then mixes it into everyone's buffer: after the
-# all-reduce (or the reduce-scatter) *every* rank holds the NaN, and a check there can no
-# longer say which rank produced it. So Megatron checks each bucket's **local** gradient norm
-# in `start_grad_sync`, after the grads are accumulated and *before* the scaling and the
-# collective (`_ParamAndGradBucketGroup.check_grads`, `param_and_grad_buffer.py:313-348`,
-# called at `:599-603`). Two DP ranks, one bucket each, rank 1's grads corrupted:
-#
-# | | rank 0's bucket norm | rank 1's bucket norm | who reports |
-# |---|---|---|---|
-# | before the collective (the check here) | 3.1 | NaN | rank 1 only: its GPU, its batch |
-# | after the all-reduce | NaN | NaN | both: the fault is no longer attributable |
-#
-# `check_grads` does what `check_for_nan_in_grad` asks for: a `RuntimeError` that names the
-# bucket and the DP rank. Megatron routes the same norms through its rerun state machine
-# instead (NaN/Inf fatal, unexpectedly large grads not), which lives in a later chapter: so
-# the check is pluggable. `ddp.set_grad_check(fn)` makes every bucket group call
-# `fn(buckets)` at this point, with the group's buckets holding this rank's local, unscaled
-# grads (`bucket.grad_data`, `bucket.bucket_id`, `bucket.dp_rank`); `set_grad_check(None)`
-# restores the default. [Chapter 08's `Reliability`](../08_reliability/restarts.py) installs
-# the rerun machine's checks this way.
-
-# %%
-class BucketGroup(BucketGroup):  # continued
-    __doc__ = BucketGroup.__doc__  # help() keeps the first cell's docstring
-    def check_grads(self) -> None:
-        """Check each bucket's local grads: the installed check, else check_for_nan_in_grad."""
-        if self.grad_check is not None:
-            self.grad_check(self.buckets)
-            return
-        if not self.config.check_for_nan_in_grad:
-            return
-        for b in self.buckets:
-            norm = b.grad_data.float().norm()
-            if not torch.isfinite(norm):
-                raise RuntimeError(f"non-finite local grad norm {norm.item()} in bucket "
-                                   f"{b.bucket_id} (dp rank {b.dp_rank}) before the grad "
-                                   "collective")
-
-
-class DistributedDataParallel(DistributedDataParallel):  # continued
-    __doc__ = DistributedDataParallel.__doc__  # help() keeps the first cell's docstring
     def set_grad_check(self, fn) -> None:
         """Run ``fn(buckets)`` on each group's local grads before its collective (None: default)."""
         for g in self.bucket_groups:
             g.grad_check = fn
+
+
+# %% [markdown]
+# **The state.** The constructor builds one buffer per `(param dtype, grad dtype)`, one bucket
+# group per bucket, chains the groups in forward order for the param gather, and registers a
+# hook on every trainable parameter. Later pipeline stages get one bucket: their data-parallel
+# traffic is off the critical path. The methods other chapters need besides the sync (the
+# loss-scale multiply, the rank-0 broadcast, the state dicts) are a mixin in the private
+# module `tinytron.buffers._ddp_surface` (`chapters/05_buffers/_ddp_surface.py`).
+
+# %%
+class DistributedDataParallel(SyncHooks, LoopCalls, ModuleSurface, torch.nn.Module):
+    """Megatron-style DDP: contiguous grad/param buffers, bucketed async collectives, hooks.
+
+    Example::
+
+        ddp = DistributedDataParallel(model, grid, DistributedDataParallelConfig(
+            use_distributed_optimizer=True))
+        ddp.zero_grad_buffer()
+        model(input_ids, labels=labels).mean().backward()
+        ddp.finish_grad_sync()        # grads are now the DP mean; the optimizer may step
+    """
+
+    def __init__(self, module: torch.nn.Module, grid, config: DistributedDataParallelConfig | None
+                 = None, *, disable_bucketing: bool = False, timeline: CommTimeline | None = None):
+        super().__init__()
+        self.module, self.grid = module, grid
+        self.ddp_config = config = config or DistributedDataParallelConfig()
+        self.dp_group, self.dp_size, self.dp_rank = axis_info(grid, "dp_cp")
+        _, _, pp_rank = axis_info(grid, "pp")
+        self.bucket_size = default_bucket_size(config, grid.size("dp"))  # dp without CP
+        if disable_bucketing or pp_rank > 0:  # DP comm of later stages is off the critical path
+            self.bucket_size = None
+        self.timeline = timeline
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("DistributedDataParallel: the module has no trainable parameters")
+        names = {p: n for n, p in module.named_parameters()}
+        self.params_with_grad = params
+        # 1/dp_cp before a SUM (default); 1 with AVG or per-token normalization
+        scaling = 1.0 if config.calculate_per_token_loss or config.average_in_collective \
+            else 1.0 / self.dp_size
+        # Megatron keeps the list under the name `buffers` (shadowing nn.Module.buffers()).
+        self.buffers: list[ParamAndGradBuffer] = []
+        for key, group_params in group_params_for_buffers(params, config.grad_reduce_in_fp32).items():
+            self.buffers.append(ParamAndGradBuffer(
+                group_params, param_dtype=key.param_dtype, grad_dtype=key.grad_dtype,
+                dp_size=self.dp_size, dp_rank=self.dp_rank, bucket_size=self.bucket_size,
+                use_distributed_optimizer=config.use_distributed_optimizer,
+                pad_for_high_nccl_busbw=config.pad_buckets_for_high_nccl_busbw,
+                gradient_scaling_factor=scaling, param_names=names))
+        self.comm_stream = CommStream(params[0].device)
+        self.bucket_groups = [BucketGroup([b], config, self.dp_group, self.dp_size,
+                                          self.comm_stream, timeline)
+                              for buf in self.buffers for b in buf.buckets]
+        for i in range(1, len(self.bucket_groups)):  # forward order = reverse bucket order
+            self.bucket_groups[i].next_param_gather_bucket_group = self.bucket_groups[i - 1]
+        self.param_to_bucket_group = {p: g for g in self.bucket_groups for p in g.params}
+        # Shared with every param, so that any optimizer over them can refuse unreduced grads.
+        self.grad_sync = GradSyncState()
+        for p in params:
+            p.grad_sync = self.grad_sync
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._backward_hook)
+                            for p in params]
+        self._pre_hooks: dict = {}
+        if config.overlap_param_gather:
+            self.enable_forward_pre_hook()
+
+    def forward(self, *args, **kwargs):
+        """Run the wrapped module."""
+        return self.module(*args, **kwargs)
 
 
 # %% [markdown]
