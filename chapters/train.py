@@ -63,7 +63,34 @@ def resolve_config(argv: list[str], world_size: int) -> TrainConfig:
     path, overrides = _split_argv(argv)
     cfg = load_config(path, overrides).resolve(world_size)
     _check_trainer_rules(cfg)
+    load_plan(cfg, Path(path).stem if path else "run")  # the checkpoint to resume, checked
     return cfg
+
+
+def load_plan(cfg: TrainConfig, name: str = "run"):
+    """Which checkpoint the run resumes (chapter 03), checked on the files; ConfigError if none fits.
+
+    A `[checkpoint] load` that is given must hold a checkpoint (a root with a tracker, or one
+    of its `iter_NNNNNNN` directories); only the save directory may be empty (a first run).
+    The checkpoint's model config must equal `[model]`: checked here, before anything is written.
+    """
+    from tinytron.checkpoint import CheckpointConfig
+    from tinytron.checkpoint._load_dir import model_config_differences, plan_load, saved_model_config
+
+    ckpt = cfg.extra.get("checkpoint") or CheckpointConfig()
+    save = output_dir(cfg, name)
+    try:
+        plan = plan_load(ckpt.load, save, ckpt.ckpt_step, ckpt.exit_on_missing_checkpoint)
+        differ = (model_config_differences(saved_model_config(plan.directory), cfg.model)
+                  if plan.directory is not None else [])
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if differ:
+        raise ConfigError(f"checkpoint.load: {plan.directory} holds another model ("
+                          f"{', '.join(differ)}; checkpoint vs this run's [model]): resume with "
+                          "the checkpoint's [model], or train a new model into another "
+                          "checkpoint.save")
+    return plan
 
 
 def _check_trainer_rules(cfg: TrainConfig) -> None:
@@ -76,6 +103,7 @@ def _check_trainer_rules(cfg: TrainConfig) -> None:
                 if not os.path.isfile(str(word) + ext):
                     raise ConfigError(f"data.{key}: {word}{ext} does not exist")
     tok = build_tokenizer_for(cfg)
+    _check_data_tokenizer(cfg, tok)
     if tok.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the "
                           f"tokenizer's vocabulary ({tok.vocab_size})")
@@ -92,6 +120,31 @@ def _check_trainer_rules(cfg: TrainConfig) -> None:
         raise ConfigError(f"scheduler.lr_warmup_iters ({s.lr_warmup_iters}) must be smaller "
                           f"than the decay length ({decay} iterations: scheduler.lr_decay_iters "
                           f"or training.train_iters)")
+
+
+def _check_data_tokenizer(cfg: TrainConfig, tok) -> None:
+    """Every data prefix's tokenizer sidecar (chapter 04) against [tokenizer]; none = not checked."""
+    from tinytron.data._sidecar import describe_tokenizer, read_sidecar, sidecar_mismatch
+
+    t = cfg.extra.get("tokenizer")
+    kind, path = (t.tokenizer_type, t.tokenizer_model) if t is not None else ("byte", None)
+    expected = describe_tokenizer(kind, path, tok)
+    for key in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        for word in getattr(cfg.data, key) or []:
+            if _is_number(word):
+                continue
+            try:
+                info = read_sidecar(str(word))
+            except ValueError as e:
+                raise ConfigError(f"data.{key}: {e}") from e
+            differ = sidecar_mismatch(info, expected) if info is not None else []
+            if differ:
+                made = info["tokenizer_type"] + (f" {info['tokenizer_file']}"
+                                                 if info.get("tokenizer_file") else "")
+                raise ConfigError(
+                    f"data.{key}: {word} was tokenized with {made}, not this run's [tokenizer] "
+                    f"({'; '.join(differ)}): set tokenizer.tokenizer_type and "
+                    "tokenizer.tokenizer_model to the data's tokenizer")
 
 
 def _is_number(word) -> bool:
@@ -132,7 +185,9 @@ def init_distributed(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, timeout=timedelta(minutes=10))
+        # torchrun's store outlives a restart: each attempt's keys under its own prefix
+        from tinytron.reliability.restarts import init_torchrun_process_group
+        init_torchrun_process_group(backend, timedelta(minutes=10))
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
@@ -282,12 +337,42 @@ def plot_loss_curve(jsonl_path: str, png_path: str) -> bool:
     return True
 
 
+# overrides a continuation must not repeat: where to load from (replaced by the directory just
+# written), and one-shot fault injections (a resumed run would strike the same fault again)
+_NOT_REPEATED = ("checkpoint.load", "checkpoint.ckpt_step", "checkpoint.finetune",
+                 "reliability.faults")
+
+
+def resume_argv(argv: list[str], out_dir: str, cfg: TrainConfig) -> list[str]:
+    """The command line that continues this run: load = the directory it saved to, no faults."""
+    out, args = [], list(argv)
+    while args:
+        arg = args.pop(0)
+        key = arg[2:].split("=", 1)[0] if arg.startswith("--") else None
+        if key in _NOT_REPEATED:
+            if "=" not in arg and args:
+                args.pop(0)  # its value
+            continue
+        out.append(arg)
+    out += ["--checkpoint.load", out_dir]
+    path, overrides = _split_argv(out)
+    left = load_config(path, overrides)  # what the config file still sets
+    ckpt, rel = left.extra.get("checkpoint"), left.extra.get("reliability")
+    if ckpt is not None and ckpt.finetune:   # the continuation is not a finetune
+        out += ["--checkpoint.finetune", "false"]
+    if ckpt is not None and ckpt.ckpt_step is not None:
+        out += ["--checkpoint.ckpt_step", "none"]
+    if rel is not None and rel.faults:
+        out += ["--reliability.faults", "[]"]
+    return out
+
+
 def _next_steps(argv: list[str], out_dir: str, cfg: TrainConfig) -> str:
     """The commands that resume, export and inspect this run."""
     launch = shlex.join(["torchrun", f"--nproc-per-node={dist.get_world_size()}", "-m",
-                         "tinytron.train", *argv])  # quoted: a path with a space still pastes
+                         "tinytron.train", *resume_argv(argv, out_dir, cfg)])  # quoted: pastes
     return "\n".join([
-        f"resume (the run continues from {out_dir}):",
+        f"resume (the run continues from its last checkpoint in {out_dir}):",
         f"  {launch}",
         "  (to train on to iteration N: add --training.train_iters N "
         "--scheduler.override_opt_param_scheduler true)",
@@ -296,6 +381,54 @@ def _next_steps(argv: list[str], out_dir: str, cfg: TrainConfig) -> str:
         "open the logs:",
         f"  tensorboard --logdir {os.path.join(out_dir, 'tensorboard')}",
     ])
+
+
+def console_log_fn(logger):
+    """The logger, plus one console line per validation (on the rank that writes the logs)."""
+    import math
+
+    def log(record: dict) -> None:
+        logger(record)
+        if "validation" in record and logger.is_writer and record["validation"]:
+            losses = record["validation"]
+            text = " | ".join(f"{k} {v:.4f}" for k, v in losses.items())
+            lm = losses.get("lm loss")
+            ppl = f" | ppl {math.exp(min(lm, 50.0)):.2f}" if lm is not None else ""
+            label = "final validation" if record.get("final") else "validation"
+            print(f"{label} at iteration {record['iteration']}: {text}{ppl}", flush=True)
+    return log
+
+
+def final_validation(cfg: TrainConfig, result, valid_iterator, forward_step_func, log_fn,
+                     dtype) -> bool:
+    """Evaluate once more at the end of a run, as Megatron does (`training.py:1421-1422`).
+
+    Skipped when the last iteration was just evaluated (the same loss twice) or when no
+    validation is configured; every rank takes part (the schedule's collectives).
+    """
+    from tinytron.main_loop.loop import build_schedule_config, evaluate, get_forward_backward_func
+
+    t, grid = cfg.training, result.grid
+    if not (t.eval_interval and t.eval_iters > 0) or result.state.iteration == 0:
+        return False
+    if result.state.iteration % t.eval_interval == 0 and result.state.iteration > 0:
+        return False
+    flag = torch.tensor([int(valid_iterator is not None)], device=grid.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not flag.item():
+        return False
+    config = build_schedule_config(
+        result.model, result.optimizer, grid,
+        calculate_per_token_loss=bool(getattr(cfg.ddp, "calculate_per_token_loss", False)),
+        pipeline_dtype=dtype)
+    fb = get_forward_backward_func(grid.size("pp"), cfg.parallel.virtual_pipeline_model_parallel_size)
+    dp = grid.size("dp")
+    losses = evaluate(forward_step_func, valid_iterator, result.model, fb,
+                      num_microbatches=t.global_batch_size // (t.micro_batch_size * dp),
+                      micro_batch_size=t.micro_batch_size, seq_length=cfg.model.seq_length,
+                      eval_iters=t.eval_iters, grid=grid, config=config)
+    log_fn({"iteration": result.state.iteration, "validation": losses, "final": True})
+    return True
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -324,15 +457,73 @@ def _logger(cfg: TrainConfig, out_dir: str, train_iters: int, device, reliabilit
                          timer_names=names), config
 
 
-def _checkpoint_hooks(cfg: TrainConfig, out_dir: str, grid, reliability):
+def _checkpoint_hooks(cfg: TrainConfig, out_dir: str, grid, reliability, plan):
+    """Chapter 03's hooks, loading what `load_plan` decided, wrapped by chapter 08's."""
     from tinytron.checkpoint import CheckpointConfig, make_checkpoint_hooks
 
     config = cfg.extra.get("checkpoint") or CheckpointConfig()
-    config = dataclasses.replace(config, save=config.save or out_dir,
-                                 load=config.load or config.save or out_dir)
+    config = dataclasses.replace(config, save=config.save or out_dir, load=plan.load,
+                                 ckpt_step=plan.ckpt_step)
     hooks = make_checkpoint_hooks(config, grid)
     save, load = reliability.checkpoint_hooks(hooks.save_checkpoint_fn, hooks.load_checkpoint_fn)
-    return save, load, hooks.finalize_async_save_fn, hooks.manager.comm.destroy
+    return save, load, hooks.finalize_async_save_fn, hooks.manager.comm.destroy, config
+
+
+class LoadRefused(ConfigError):
+    """Chapter 03 refused the checkpoint (every rank agrees): one line, exit status 2."""
+
+
+def _restored(config, plan) -> str:
+    """What a load restores, in words (chapter 03's options)."""
+    from tinytron.checkpoint._load_dir import saved_parts
+
+    has = saved_parts(plan.directory)
+    if config.finetune:
+        return "model weights only (checkpoint.finetune: iteration, optimizer, scheduler, RNG " \
+               "and data position start fresh)"
+    parts = ["model weights"]
+    parts.append("optimizer state" if has["optimizer"] and not config.no_load_optim else
+                 "no optimizer state (" + ("checkpoint.no_load_optim" if has["optimizer"] else
+                                           "none saved") + ": fp32 masters from the weights)")
+    parts.append("scheduler" if has["scheduler"] else "no scheduler state (none saved)")
+    parts.append("RNG states" if has["rng"] and not config.no_load_rng else
+                 "no RNG states (" + ("checkpoint.no_load_rng" if has["rng"] else "none saved")
+                 + ")")
+    parts.append(f"data position ({has['consumed_train_samples']} samples consumed)")
+    return ", ".join(parts)
+
+
+def _reporting_hooks(save, load, *, rank: int, out_dir: str, cfg: TrainConfig, config, plan):
+    """The checkpoint hooks, saying on the console what they did (rank 0).
+
+    The run's config.toml is written once the load has succeeded, so a run refused at the load
+    leaves the directory as it was.
+    """
+    import time
+
+    def reporting_load(model, optimizer, scheduler):
+        try:
+            state = load(model, optimizer, scheduler)
+        except ValueError as e:  # every rank agreed on it (chapter 03's first_error): a user error
+            raise LoadRefused(str(e)) from e
+        if rank == 0:
+            (Path(out_dir) / "config.toml").write_text(cfg.to_toml())
+            if state is None:
+                print(f"checkpoint: starting fresh at iteration 0: {plan.fresh_reason}")
+            else:
+                print(f"checkpoint: resumed from {plan.directory} at iteration {state.iteration}"
+                      f"; restored {_restored(config, plan)}", flush=True)
+        return state
+
+    def reporting_save(state, model, optimizer, scheduler):
+        t0 = time.perf_counter()
+        save(state, model, optimizer, scheduler)
+        if rank == 0 and config.save is not None:
+            where = os.path.join(config.save, f"iter_{state.iteration:07d}")
+            how = ("queued, written in the background" if config.async_save else "written")
+            print(f"checkpoint: iteration {state.iteration} {how} to {where} "
+                  f"(training blocked {time.perf_counter() - t0:.2f} s)", flush=True)
+    return reporting_save, reporting_load
 
 
 def output_dir(cfg: TrainConfig, name: str = "run") -> str:
@@ -354,9 +545,9 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
     tp, pp, _, cp = cfg.parallel.sizes()
     grid = ParallelGrid(tp=tp, pp=pp, cp=cp)
     out_dir = output_dir(cfg, name)
+    plan = load_plan(cfg, name)
     os.makedirs(out_dir, exist_ok=True)
     if rank == 0:
-        (Path(out_dir) / "config.toml").write_text(cfg.to_toml())
         print(f"tinytron.train: world {world} = tp {tp} · pp {pp} · cp {cp} · dp "
               f"{cfg.data_parallel_size(world)} on {device.type}; writing to {out_dir}")
         print(memory_report_at_start(cfg, world, device), flush=True)
@@ -365,16 +556,25 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
     rel = _reliability(cfg, out_dir)
     train_iters = train_iters_of(cfg, grid.size("dp"))
     logger, log_config = _logger(cfg, out_dir, train_iters, device, rel)
-    save, load, finalize, close_checkpoint_groups = _checkpoint_hooks(cfg, out_dir, grid, rel)
+    save, load, finalize, close_checkpoint_groups, ckpt_config = _checkpoint_hooks(
+        cfg, out_dir, grid, rel, plan)
+    save, load = _reporting_hooks(save, load, rank=rank, out_dir=out_dir, cfg=cfg,
+                                  config=ckpt_config, plan=plan)
     seq, mbs = cfg.model.seq_length, cfg.training.micro_batch_size
     dtype = torch.bfloat16 if cfg.training.bf16 else torch.float32
+    log_fn, iterators = console_log_fn(logger), {}
+    provide_data = data_iterators_provider(cfg, data, tokenizer, rel)
+
+    def provide_and_keep(grid_, state):
+        iterators["train"], iterators["valid"] = provide_data(grid_, state)
+        return iterators["train"], iterators["valid"]
+    forward_step = partial(gpt_forward_step, micro_batch_size=mbs, seq_length=seq)
     try:
         with rel.signal_handler or contextlib.nullcontext() as handler:
             result = pretrain(
                 cfg.training, model_provider=model_provider(cfg, device),
-                forward_step_func=rel.forward_step_func(
-                    partial(gpt_forward_step, micro_batch_size=mbs, seq_length=seq)),
-                data_iterators_provider=data_iterators_provider(cfg, data, tokenizer, rel),
+                forward_step_func=rel.forward_step_func(forward_step),
+                data_iterators_provider=provide_and_keep,
                 optimizer_provider=optimizer_provider(cfg, rel),
                 scheduler_provider=megatron_scheduler_provider(cfg.scheduler, cfg.optimizer),
                 grid_provider=lambda: grid, ddp_config=_ddp_config(cfg), seq_length=seq,
@@ -382,10 +582,12 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
                 schedule_overrides={"pipeline_dtype": dtype},
                 load_checkpoint_fn=load, save_checkpoint_fn=save, finalize_async_save_fn=finalize,
                 flops_fn=lambda batch: num_floating_point_operations(cfg.model, batch),
-                peak_flops=peak_flops_per_device(device, dtype), log_fn=logger,
+                peak_flops=peak_flops_per_device(device, dtype), log_fn=log_fn,
                 exit_signal=handler, rerun_state_machine=rel.rsm, step_hooks=rel,
                 iterations_to_skip=rel.iterations_to_skip,
                 wrap_forward_backward_func=rel.forward_backward_func)
+        if result.exit_reason is None:
+            final_validation(cfg, result, iterators.get("valid"), forward_step, log_fn, dtype)
     finally:
         rel.shutdown()
         logger.close()
@@ -402,18 +604,30 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
     return code
 
 
+def _report_error(e: Exception) -> int:
+    """One line on stderr, from global rank 0 only (every rank finds the same error): status 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"tinytron.train: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m tinytron.train` / `tinytron-train`: exit 0, 2 on a config error, 16-18 from chapter 08."""
+    """`python -m tinytron.train` / `tinytron-train`: exit 0, 2 on a config error, 16-18 from chapter 08.
+
+    Under torchrun each rank returns that status; torchrun itself exits 1 when any rank
+    fails (its summary names each rank's `exitcode`), 0 when all succeed.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = resolve_config(argv, world)
         path = _split_argv(argv)[0]
     except ConfigError as e:
-        print(f"tinytron.train: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+        return _report_error(e)
     try:
         return run(cfg, argv, Path(path).stem if path else "run")
+    except ConfigError as e:  # a checkpoint chapter 03 refused, found by every rank alike
+        return _report_error(e)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -46,7 +46,7 @@ from tinytron.model.gpt import global_parameter_name
 from tinytron.model.layers import unshard
 
 __all__ = ["read_checkpoint_model", "checkpoint_to_hf", "hf_to_checkpoint", "infer_config",
-           "read_common", "megatron_args_fields", "MegatronObject", "main"]
+           "read_common", "megatron_args_fields", "MegatronObject", "check_target", "main"]
 
 # %% [markdown]
 # ## Which model is in the checkpoint?
@@ -273,8 +273,15 @@ def read_checkpoint_model(path, num_attention_heads: int | None = None,
 #
 # ```
 # tinytron-convert to-hf   CHECKPOINT HF_DIR [--num-attention-heads A --num-query-groups G] [--trust-pickle]
-# tinytron-convert from-hf HF_DIR CHECKPOINT_ROOT [--format torch_dist|torch]
+# tinytron-convert from-hf HF_DIR CHECKPOINT_ROOT [--format torch_dist|torch] [--force]
 # ```
+#
+# `from-hf` writes a tracker at iteration 0, so pointed at a training run's directory it would
+# turn that run's next resume into a restart from the converted weights. It refuses any
+# directory that is not empty (one line naming the tracker's iteration when there is one)
+# unless `--force` says that is intended. Megatron's converter has no such check: its saver
+# opens the target with `os.makedirs(save_dir, exist_ok=True)` and writes into it
+# (`tools/checkpoint/dist_checkpoint_io.py:238`).
 
 # %%
 def checkpoint_to_hf(src, dst, **kwargs) -> ModelConfig:
@@ -313,7 +320,29 @@ def _parser() -> argparse.ArgumentParser:
                    help="unpickle common.pt in full (can run code: a checkpoint you trust only)")
     p.add_argument("--format", dest="ckpt_format", choices=["torch_dist", "torch"],
                    default="torch_dist", help="checkpoint format written by from-hf")
+    p.add_argument("--force", action="store_true",
+                   help="from-hf: write into a CHECKPOINT_ROOT that is not empty (its tracker "
+                        "is rewritten to iteration 0: a run there would restart from it)")
     return p
+
+
+def check_target(dst, force: bool = False) -> None:
+    """ValueError when from-hf would write into a non-empty directory (a run's, maybe)."""
+    from tinytron.checkpoint.formats import read_tracker
+
+    path = Path(dst)
+    if force or not path.exists():
+        return
+    if not path.is_dir():
+        raise ValueError(f"{path} exists and is not a directory")
+    found = read_tracker(path)
+    if found is not None:
+        raise ValueError(f"{path} holds a checkpoint (tracker at iteration "
+                         f"{'release' if found[1] else found[0]}): writing iteration 0 there "
+                         "would make the next resume start over; pick a new directory, or "
+                         "pass --force")
+    if any(path.iterdir()):
+        raise ValueError(f"{path} is not empty: pick a new directory, or pass --force")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -328,6 +357,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                       num_query_groups=args.num_query_groups,
                                       trust_pickle=args.trust_pickle, **extra)
         else:
+            check_target(args.dst, args.force)
             config = hf_to_checkpoint(args.src, args.dst, args.ckpt_format)
     except (ValueError, OSError, RuntimeError) as err:
         print(f"tinytron-convert: error: {' '.join(str(err).split())}", file=sys.stderr)

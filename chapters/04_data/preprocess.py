@@ -22,6 +22,8 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
+from tinytron.data._sidecar import (describe_tokenizer, read_sidecar, sidecar_mismatch,
+                                    sidecar_path, write_sidecar)
 from tinytron.data.indexed import (IndexedDataset, IndexedDatasetBuilder, get_bin_path,
                                    get_idx_path, optimal_dtype)
 
@@ -141,6 +143,13 @@ def train_bpe_tokenizer(texts: Iterator[str], vocab_size: int, out_path: str,
 # With no `--input`, the corpus is every `.py` file of the running Python's
 # standard library (`sysconfig.get_paths()["stdlib"]`, skipping `site-packages`): about 1,800
 # files and 30 MB of real, varied text on any machine with Python.
+#
+# Text must be UTF-8. A byte that is not stops the command with the file and the byte offset
+# (for JSONL: the file, the line and the offset), because replacing it silently changes the
+# data; `--encoding-errors replace` turns such bytes into U+FFFD when that is what you want.
+# Megatron's tool reads JSONL with Python's default decoding and fails with a bare
+# `UnicodeDecodeError`. The built-in stdlib corpus replaces by default: four of its test files
+# are deliberately Latin-1 or KOI8-R.
 
 # %%
 def stdlib_corpus(max_files: Optional[int] = None) -> list[str]:
@@ -159,12 +168,24 @@ def iter_documents(inputs: Sequence[str], json_key: str = "text") -> Iterator[tu
         if not os.path.isfile(path):
             raise ValueError(f"input {path!r} is not a file")
         if path.endswith((".jsonl", ".json")):
-            with open(path, encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
+            with open(path, "rb") as f:
+                offset = 0
+                for n, raw in enumerate(f, 1):
+                    line = _decode_line(raw, path, n, offset)
+                    offset += len(raw)
                     if line.strip():
                         yield "text", _json_text(line, json_key, path, n)
         else:
             yield "file", path
+
+
+def _decode_line(raw: bytes, path: str, lineno: int, offset: int) -> str:
+    """One JSONL line as text, or a ValueError naming the file, line and byte offset."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}:{lineno}: not valid UTF-8 (byte {offset + err.start} of the "
+                         f"file is {raw[err.start]:#04x})") from None
 
 
 def _json_text(line: str, key: str, path: str, lineno: int) -> str:
@@ -188,15 +209,15 @@ def _json_text(line: str, key: str, path: str, lineno: int) -> str:
 _WORKER: dict = {}
 
 
-def _init_worker(spec: TokenizerSpec, append_eod: bool, dtype) -> None:
+def _init_worker(spec: TokenizerSpec, append_eod: bool, dtype, errors: str = "strict") -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker
-    _WORKER.update(tok=build_tokenizer(spec), append_eod=append_eod, dtype=dtype)
+    _WORKER.update(tok=build_tokenizer(spec), append_eod=append_eod, dtype=dtype, errors=errors)
 
 
 def _encode(doc: tuple[str, str]) -> tuple[np.ndarray, int]:
     """(token ids, input bytes) of one document."""
     kind, payload = doc
-    text = _read_file(payload) if kind == "file" else payload
+    text = _read_file(payload, _WORKER["errors"]) if kind == "file" else payload
     ids = _WORKER["tok"].encode(text)
     if _WORKER["append_eod"] and len(ids):  # as tools/preprocess_data.py: no EOD for empty text
         ids = list(ids) + [_WORKER["tok"].eod]
@@ -204,17 +225,18 @@ def _encode(doc: tuple[str, str]) -> tuple[np.ndarray, int]:
 
 
 def _write_partition(docs: Sequence, prefix: str, spec, append_eod, dtype, workers: int,
-                     progress) -> int:
+                     progress, errors: str = "strict") -> int:
     """Tokenize docs into prefix.bin/.idx; return the number of documents written."""
     builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=dtype)
     written = 0
     if workers > 1:
         ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(spec, append_eod, dtype))
+        pool = ctx.Pool(workers, initializer=_init_worker,
+                        initargs=(spec, append_eod, dtype, errors))
         results = pool.imap(_encode, docs, chunksize=8)
     else:
         pool = None
-        _init_worker(spec, append_eod, dtype)
+        _init_worker(spec, append_eod, dtype, errors)
         results = map(_encode, docs)
     try:
         for ids, nbytes in results:
@@ -232,29 +254,59 @@ def _write_partition(docs: Sequence, prefix: str, spec, append_eod, dtype, worke
     return written
 
 # %% [markdown]
+# ## The tokenizer sidecar
+#
+# A `.bin/.idx` pair holds token ids and nothing about the tokenizer that made them: the
+# `.idx` starts with a magic string, a version and the dtype code, then the sizes
+# (`megatron/core/datasets/indexed_dataset.py:147-151`). Data made with a BPE whose EOD is 0
+# and pad is 1 then trains without complaint under the byte tokenizer, whose EOD is 256:
+# documents are never split, and a real token is masked as padding. So beside the pair, whose
+# bytes stay exactly Megatron's, the command writes `<prefix>.tokenizer_info.json` (the
+# tokenizer's type, the SHA-256 of its file, the vocabulary size, EOD and pad), and the trainer
+# compares it with its `[tokenizer]` before any process group exists. Data without a sidecar
+# (made by Megatron's tool) still loads. This is tinytron's addition: Megatron relies on the
+# training run's tokenizer flags matching the ones given to `tools/preprocess_data.py`.
+
+# %% [markdown]
 # ## Partitions and merging
 #
 # Large corpora are processed in `--partitions` parts (each its own `.bin/.idx`, so a crash
 # loses one part, not the whole run) and concatenated at the end with the builder's
 # `add_index`, which offsets the document indices (`tools/merge_datasets.py` in Megatron).
+# Datasets made with different tokenizers (their sidecars disagree) are not merged; a merge of
+# datasets that share one sidecar gets that sidecar.
 
 # %%
 def merge_datasets(prefixes: Sequence[str], output_prefix: str) -> IndexedDataset:
-    """Concatenate finished datasets (same dtype) into output_prefix."""
+    """Concatenate finished datasets (same dtype, same tokenizer) into output_prefix."""
     if not prefixes:
         raise ValueError("nothing to merge")
+    sidecars = [read_sidecar(p) for p in prefixes]
+    known = [(p, s) for p, s in zip(prefixes, sidecars) if s is not None]
+    for p, s in known[1:]:
+        if s != known[0][1]:
+            raise ValueError(f"{p} and {known[0][0]} were tokenized differently "
+                             f"({'; '.join(sidecar_mismatch(s, known[0][1]))}): not merged")
     dtype = IndexedDataset(prefixes[0]).dtype
     builder = IndexedDatasetBuilder(get_bin_path(output_prefix), dtype=dtype)
     for p in prefixes:
         builder.add_index(p)
     builder.finalize(get_idx_path(output_prefix))
+    if known and len(known) == len(prefixes):  # one tokenizer for all: the merge inherits it
+        write_sidecar(output_prefix, known[0][1])
     return IndexedDataset(output_prefix)
 
 
 def preprocess(inputs: Optional[Sequence[str]], output_prefix: str, spec: TokenizerSpec,
                json_key: str = "text", append_eod: bool = True, workers: int = 1,
-               partitions: int = 1, progress: bool = True) -> str:
-    """Tokenize inputs into `{output_prefix}_{json_key}_document`; return that prefix."""
+               partitions: int = 1, progress: bool = True, encoding_errors: str = "strict") -> str:
+    """Tokenize inputs into `{output_prefix}_{json_key}_document` (+ its tokenizer sidecar).
+
+    `encoding_errors` is for text files: "strict" (a ValueError naming the file and the byte
+    offset of the first byte that is not UTF-8) or "replace" (such bytes become U+FFFD).
+    """
+    if encoding_errors not in ("strict", "replace"):
+        raise ValueError(f"encoding_errors must be 'strict' or 'replace', got {encoding_errors!r}")
     docs = list(iter_documents(inputs or stdlib_corpus(), json_key))
     if not docs:
         raise ValueError(f"no documents found in {inputs}")
@@ -265,18 +317,20 @@ def preprocess(inputs: Optional[Sequence[str]], output_prefix: str, spec: Tokeni
     bar = _progress_bar(docs) if progress else None
     parts = max(1, min(partitions, len(docs)))
     if parts == 1:
-        _write_partition(docs, final, spec, append_eod, dtype, workers, bar)
+        _write_partition(docs, final, spec, append_eod, dtype, workers, bar, encoding_errors)
     else:
         bounds = np.linspace(0, len(docs), parts + 1).astype(int)
         names = [f"{final}.part{i}" for i in range(parts)]
         for i, name in enumerate(names):
-            _write_partition(docs[bounds[i]:bounds[i + 1]], name, spec, append_eod, dtype, workers, bar)
+            _write_partition(docs[bounds[i]:bounds[i + 1]], name, spec, append_eod, dtype, workers,
+                             bar, encoding_errors)
         merge_datasets(names, final)
         for name in names:
             os.remove(get_bin_path(name))
             os.remove(get_idx_path(name))
     if bar is not None:
         bar.close()
+    write_sidecar(final, describe_tokenizer(spec.kind, spec.path, tok))
     return final
 
 
@@ -342,6 +396,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-files", type=int, default=None, help="limit the default stdlib corpus")
     p.add_argument("--merge", nargs="+", default=None, metavar="PREFIX",
                    help="only merge these finished datasets into --output-prefix")
+    p.add_argument("--encoding-errors", choices=["strict", "replace"], default=None,
+                   help="text files that are not UTF-8: strict = stop, naming the file and byte "
+                        "offset; replace = U+FFFD (default: strict for --input, replace for the "
+                        "built-in stdlib corpus, a few of whose test files are Latin-1 or KOI8-R)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -396,26 +454,30 @@ def run(argv: Optional[Sequence[str]] = None):
         print(f"merged {len(args.merge)} datasets -> {args.output_prefix} ({len(out)} sequences)")
         return args.output_prefix
     inputs = args.input or stdlib_corpus(args.max_files)
+    errors = args.encoding_errors or ("strict" if args.input else "replace")
     spec = TokenizerSpec(args.tokenizer_type, args.tokenizer_file, args.eod_token)
     if args.tokenizer_type == "bpe":
-        spec = _train_bpe(args, inputs)
+        spec = _train_bpe(args, inputs, errors)
     tok = build_tokenizer(spec)
     prefixes = [preprocess(inputs, args.output_prefix, spec, key, args.append_eod, args.workers,
-                           args.partitions, not args.no_progress) for key in args.json_keys]
+                           args.partitions, not args.no_progress, errors)
+                for key in args.json_keys]
     for prefix in prefixes:
         ds = IndexedDataset(prefix)
         print(f"wrote {prefix}.bin/.idx: {ds.document_count} documents, "
               f"{int(ds.sequence_lengths.sum()):,} tokens, dtype {np.dtype(ds.dtype).name}, "
               f"vocab {tok.vocab_size}, eod {tok.eod}, pad {tok.pad}"
-              + (f", tokenizer {spec.path}" if spec.path else ""))
+              + (f", tokenizer {spec.path}" if spec.path else "")
+              + f"; tokenizer recorded in {sidecar_path(prefix)}")
     return prefixes[0] if len(prefixes) == 1 else prefixes
 
 
-def _train_bpe(args, inputs) -> TokenizerSpec:
+def _train_bpe(args, inputs, errors: str = "strict") -> TokenizerSpec:
     """Train the BPE on every key's text; warn when it came out smaller than asked."""
     path = f"{args.output_prefix}_tokenizer.json"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    texts = (_encode_text(d) for key in args.json_keys for d in iter_documents(inputs, key))
+    texts = (_encode_text(d, errors) for key in args.json_keys
+             for d in iter_documents(inputs, key))
     spec = TokenizerSpec("hf", train_bpe_tokenizer(texts, args.vocab_size, path, args.eod_token),
                          args.eod_token)
     size = build_tokenizer(spec).vocab_size
@@ -426,15 +488,22 @@ def _train_bpe(args, inputs) -> TokenizerSpec:
     return spec
 
 
-def _encode_text(doc: tuple[str, str]) -> str:
+def _encode_text(doc: tuple[str, str], errors: str = "strict") -> str:
     kind, payload = doc
-    return _read_file(payload) if kind == "file" else payload
+    return _read_file(payload, errors) if kind == "file" else payload
 
 
-def _read_file(path: str) -> str:
-    """A text file exactly as stored (newline="" keeps \r\n; bad UTF-8 becomes U+FFFD)."""
-    with open(path, encoding="utf-8", errors="replace", newline="") as f:
-        return f.read()
+def _read_file(path: str, errors: str = "strict") -> str:
+    """A text file exactly as stored (newline="" keeps \r\n); bytes that are not UTF-8 are an
+    error naming the file and byte offset, or U+FFFD with errors="replace"."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8", errors=errors)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not valid UTF-8 at byte {err.start} ({raw[err.start]:#04x}); "
+                         "pass --encoding-errors replace to turn such bytes into U+FFFD") from None
+    return text
 
 # %% [markdown]
 # ## Demo: 40 stdlib files, two workers, two partitions, then a BPE

@@ -1,0 +1,231 @@
+"""A user's second day with the trainer: what the command line loads, keeps, prints and refuses.
+
+Every run here is the trainer as a user starts it (`python -m tinytron.train`, one process
+unless the behavior needs torchrun), and every check reads the run's own records: its console,
+its tracker, its JSONL, the files it wrote or left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+SMALL = ["--config", "configs/tiny.toml",
+         "--model.hidden_size", "64", "--model.ffn_hidden_size", "128",
+         "--model.seq_length", "64", "--training.micro_batch_size", "2",
+         "--training.global_batch_size", "4", "--training.log_interval", "1",
+         "--scheduler.lr_warmup_iters", "1", "--training.eval_iters", "1",
+         "--logging.progress_bar", "false", "--data.split", "\"90,10,0\""]
+
+
+@pytest.fixture(scope="module")
+def data_prefix(tmp_path_factory):
+    """40 standard-library files, byte-tokenized (with their tokenizer sidecar)."""
+    from tinytron.data.preprocess import run as preprocess, stdlib_corpus
+
+    out = tmp_path_factory.mktemp("data")
+    return preprocess(["--input", *stdlib_corpus(40), "--output-prefix", str(out / "corpus"),
+                       "--workers", "1", "--no-progress"])
+
+
+def _train(*args, cwd=ROOT) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "tinytron.train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "log.jsonl").read_text().splitlines()]
+
+
+def _train_iterations(run_dir: Path) -> list[int]:
+    return [r["iteration"] for r in _records(run_dir) if "losses" in r]
+
+
+def _tracker(run_dir: Path) -> str:
+    return (run_dir / "latest_checkpointed_iteration.txt").read_text().strip()
+
+
+def _one_error_line(proc, *needles):
+    assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-3000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[0].startswith("tinytron.train: error: "), lines
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, data_prefix):
+    """4 iterations into a/, saving at 2 and 4, validating at 3 (and at the end)."""
+    a = tmp_path_factory.mktemp("runs") / "a"
+    proc = _train(*SMALL, "--data.data_path", data_prefix, "--checkpoint.save", str(a),
+                  "--training.train_iters", "4", "--training.save_interval", "2",
+                  "--training.eval_interval", "3", "--reliability.faults", '["nan@99"]')
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return a, proc.stdout
+
+
+# -- §1: a load path that was given loads, or fails in one line ------------------------------
+def test_first_run_says_it_starts_fresh_and_reports_saves_and_validations(first_run):
+    a, out = first_run
+    assert f"checkpoint: starting fresh at iteration 0: {a} does not exist yet" in out, out
+    for it in (2, 4):
+        assert f"checkpoint: iteration {it} written to {a / f'iter_{it:07d}'} (training " \
+               "blocked " in out, out
+    jsonl = {r["iteration"]: r["validation"]["lm loss"] for r in _records(a) if "validation" in r}
+    assert sorted(jsonl) == [3, 4], jsonl   # every eval_interval, and once more at the end
+    assert f"validation at iteration 3: lm loss {jsonl[3]:.4f}" in out, out
+    assert f"final validation at iteration 4: lm loss {jsonl[4]:.4f}" in out, out
+    assert _tracker(a) == "4" and (a / "config.toml").is_file()
+
+
+def _main_error(capsys, *args) -> str:
+    """tinytron.train's entry point in this process, for errors found before any group exists."""
+    from tinytron.train import main
+
+    code = main(list(args))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("tinytron.train: error: "), err
+    return err[0]
+
+
+@pytest.mark.parametrize("where", ["not a checkpoint", "missing", "incomplete iter dir"])
+def test_a_load_path_without_a_checkpoint_is_refused_in_one_line(where, tmp_path, capsys):
+    target = tmp_path / "target"
+    if where == "not a checkpoint":
+        target.mkdir()
+        (target / "notes.txt").write_text("not a checkpoint")
+        needle = f"{target / 'latest_checkpointed_iteration.txt'}"
+    elif where == "missing":
+        needle = f"{target} does not exist"
+    else:
+        target = tmp_path / "iter_0000002"
+        target.mkdir()
+        (target / "common.pt").write_bytes(b"")
+        needle = "not a complete checkpoint directory"
+    save = tmp_path / "b"
+    line = _main_error(capsys, *SMALL, "--checkpoint.load", str(target), "--checkpoint.save",
+                       str(save), "--training.train_iters", "2")
+    assert "checkpoint.load" in line and needle in line, line
+    assert not save.exists()   # nothing written, nothing trained
+
+
+def test_resume_with_another_model_size_fails_before_writing_anything(first_run, data_prefix,
+                                                                       capsys):
+    a, _ = first_run
+    before = {p: p.read_bytes() for p in (a / "config.toml", a / "log.jsonl")}
+    line = _main_error(capsys, *SMALL, "--data.data_path", data_prefix, "--checkpoint.save",
+                       str(a), "--training.train_iters", "6", "--model.hidden_size", "128",
+                       "--model.num_layers", "2")
+    for needle in (str(a / "iter_0000004"), "hidden_size 64 vs 128", "num_layers 4 vs 2"):
+        assert needle in line, line
+    assert {p: p.read_bytes() for p in before} == before and _tracker(a) == "4"
+    assert sorted(x.name for x in a.iterdir() if x.name.startswith("tensorboard")) == ["tensorboard"]
+
+
+def test_a_checkpoint_the_loader_refuses_is_one_line(first_run, data_prefix):
+    """A longer run without override_opt_param_scheduler: chapter 03 refuses the scheduler."""
+    a, _ = first_run
+    proc = _train(*SMALL, "--data.data_path", data_prefix, "--checkpoint.save", str(a),
+                  "--training.train_iters", "9", "--training.eval_interval", "none")
+    _one_error_line(proc, "iter_0000004")
+    assert _tracker(a) == "4"
+
+
+def test_an_iteration_directory_loads_and_the_resume_command_continues(first_run, data_prefix,
+                                                                       tmp_path):
+    """Load a/iter_0000002, save b/: that iteration is loaded, and the printed resume command
+    loads b/ (not a/ again) and repeats no fault injection."""
+    a, _ = first_run
+    b = tmp_path / "b"
+    proc = _train(*SMALL, "--data.data_path", data_prefix, "--training.train_iters", "4",
+                  "--checkpoint.load", str(a / "iter_0000002"), "--checkpoint.save", str(b),
+                  "--training.eval_interval", "none", "--reliability.faults", '["nan@99"]')
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"checkpoint: resumed from {a / 'iter_0000002'} at iteration 2;" in proc.stdout
+    assert _train_iterations(b) == [3, 4] and _tracker(a) == "4"
+    lines = proc.stdout.splitlines()
+    command = shlex.split(lines[lines.index(next(x for x in lines if x.startswith("resume ("))) + 1])
+    assert command[:4] == ["torchrun", "--nproc-per-node=1", "-m", "tinytron.train"], command
+    assert "--reliability.faults" not in command and command[-2:] == ["--checkpoint.load", str(b)]
+    assert not any(str(a) in word for word in command), command
+    again = _train(*command[4:], "--training.train_iters", "5",
+                   "--scheduler.override_opt_param_scheduler", "true")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"checkpoint: resumed from {b / 'iter_0000004'} at iteration 4;" in again.stdout
+    assert _train_iterations(b) == [3, 4, 5] and _tracker(b) == "5" and _tracker(a) == "4"
+
+
+# -- §1: tinytron-convert from-hf never overwrites a run --------------------------------------
+def test_from_hf_refuses_a_run_directory_unless_forced(first_run, tmp_path, capsys):
+    import shutil
+
+    from tinytron.checkpoint.convert import main as convert
+
+    a, _ = first_run
+    run = tmp_path / "run"
+    shutil.copytree(a, run)
+    assert convert(["to-hf", str(run), str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+    assert convert(["from-hf", str(tmp_path / "hf"), str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tracker at iteration 4" in err[0] and "--force" in err[0], err
+    assert _tracker(run) == "4"
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "x").write_text("x")
+    assert convert(["from-hf", str(tmp_path / "hf"), str(tmp_path / "other")]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert convert(["from-hf", str(tmp_path / "hf"), str(tmp_path / "new")]) == 0
+    assert convert(["from-hf", str(tmp_path / "hf"), str(run), "--force"]) == 0
+    assert _tracker(run) == "0"
+
+
+# -- §1: the data knows its tokenizer ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def bpe_prefix(tmp_path_factory):
+    from tinytron.data.preprocess import run as preprocess, stdlib_corpus
+
+    out = tmp_path_factory.mktemp("bpe")
+    return preprocess(["--input", *stdlib_corpus(6), "--output-prefix", str(out / "c"),
+                       "--tokenizer-type", "bpe", "--vocab-size", "300", "--workers", "1",
+                       "--no-progress"])
+
+
+def test_bpe_data_under_the_byte_tokenizer_is_refused_before_any_group(bpe_prefix, capsys):
+    from tinytron.data._sidecar import read_sidecar, sidecar_path
+    from tinytron.train import main, resolve_config
+
+    info = read_sidecar(bpe_prefix)
+    assert (info["eod"], info["pad"]) == (0, 1)
+    args = [*SMALL, "--data.data_path", bpe_prefix, "--model.vocab_size", "512"]
+    assert main(args) == 2   # [tokenizer] left at byte: EOD 256, pad 257
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "eod 0 (data) vs 256" in err[0] and "pad 1 (data) vs 257" in err[0]
+    assert "tokenizer.tokenizer_model" in err[0], err
+    tok = info["tokenizer_file"]
+    resolve_config([*args, "--tokenizer.tokenizer_type", "hf", "--tokenizer.tokenizer_model", tok],
+                   1)   # the data's own tokenizer passes
+    os.remove(sidecar_path(bpe_prefix))   # data without a sidecar (Megatron-made) still loads
+    resolve_config(args, 1)
+
+
+# -- §2: under torchrun a config error is printed once -----------------------------------------
+def test_a_config_error_under_torchrun_prints_once(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                           "-m", "tinytron.train", *SMALL, "--model.hiden_size", "64"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert out.count("tinytron.train: error: unknown config key model.hiden_size") == 1, out
+    assert "tinytron/" not in out and "chapters/" not in out, out   # no traceback of ours
