@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from tinytron.buffers import ParamAndGradBuffer
 from tinytron.kernels import FlatAdamW
-from tinytron.optimizer.algorithms import Adam
+from tinytron.optimizer._checks import check_distopt_inner
 from tinytron.optimizer.mixed_precision import (MixedPrecisionOptimizer, _group_hparams,
                                                 _load_group_hparams, copy_param_attributes)
 
@@ -278,21 +278,64 @@ if __name__ == "__main__":
 # `distrib_optimizer.py:1601-1946`);
 # `merge_sharded_state_dicts` turns the pieces of all ranks back into the full form.
 
+# %% [markdown]
+# The checks that refuse an inner optimizer this layout cannot serve (Muon, or a fused AdamW
+# over anything but AdamW) and a DDP that does not shard are in the chapter's private module
+# `tinytron.optimizer._checks` (`chapters/02_optimizer/_checks.py`).
+#
+# **The three replaced parts**, as one small class: the grad of a piece is a slice of the
+# reduce-scattered buffer; the write-back goes into the param buffer; the step ends with the
+# all-gather. The norm and `found_inf` are reduced over every rank, because the shards are
+# disjoint. Example: a `[4, 8]` weight whose buffer range is split at element 20 between two
+# ranks. Rank 0's piece is `param_start, param_end = 0, 20`: its grad is
+# `main_grad.view(-1)[0:20]`, its master a 20-element fp32 vector; rank 1's is `[20, 32)`. The
+# norm of the whole weight's gradient is $\sqrt{n_0^2 + n_1^2}$ from the two ranks' partial
+# sums of squares, which is why the sum runs over the world.
+
 # %%
-def _check_inner(optimizer, ddp, fused_adamw: bool) -> None:
-    """ValueError unless the inner rule is elementwise (not Muon) and DDP shards for us."""
-    if fused_adamw and not (isinstance(optimizer, Adam)
-                            and all(g["decoupled_weight_decay"] for g in optimizer.param_groups)):
-        raise ValueError(f"fused_adamw needs the AdamW inner optimizer, got {type(optimizer).__name__}")
-    if not ddp.ddp_config.use_distributed_optimizer:
-        raise ValueError("DistributedOptimizer needs DDP built with use_distributed_optimizer=True")
-    leaves = getattr(optimizer, "chained_optimizers", [optimizer])
-    if any(type(o).__name__ == "Muon" for o in leaves):
-        raise ValueError("Muon needs whole matrices: use LayerWiseDistributedOptimizer, "
-                         f"got {[type(o).__name__ for o in leaves]}")
+class ShardedCopies:
+    """What the DistributedOptimizer replaces in the mixed-precision step: shard in, shard out."""
+
+    def grad_stats_group(self):
+        """Disjoint shards: norms and found_inf are reduced over every rank (the world)."""
+        return None
+
+    def _reduce(self) -> bool:
+        """Reduce whenever there is more than one rank."""
+        return dist.is_initialized() and dist.get_world_size() > 1
+
+    def copy_model_grads_to_main_grads(self) -> None:
+        """Grad of each owned piece = its slice of main_grad (valid after the reduce-scatter)."""
+        for (model, main), (piece, _) in zip(self.pairs, self.pieces):
+            main.grad = model.main_grad.view(-1)[piece.param_start:piece.param_end].float()
+            model.grad = None
+
+    def copy_main_params_to_model_params(self) -> None:
+        """Write every fp32 piece into the param buffer (bf16 rounding happens here)."""
+        if not self.pairs:
+            return
+        dst = [buf.param_data[p.buffer_start:p.buffer_end] for p, buf in self.pieces]
+        torch._foreach_copy_(dst, [m.detach() for _, m in self.pairs])
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> None:
+        """Step my shards, write them back, all-gather (unless the forward pre-hooks will)."""
+        if self.fused_adamw is not None:
+            self.fused_adamw.step()
+        else:
+            super().step_with_ready_grads()
+        if not self.ddp.ddp_config.overlap_param_gather:
+            self.ddp.start_param_sync(force_sync=True)
 
 
-class DistributedOptimizer(MixedPrecisionOptimizer):
+# %% [markdown]
+# **The optimizer itself** builds its fp32 masters from the pieces, and only from them: a
+# parameter without a piece in this rank's ranges is absent from this rank's inner optimizer,
+# which therefore holds Adam state for $1/dp$ of the model. Its state dicts are the functions of
+# the next section.
+
+# %%
+class DistributedOptimizer(ShardedCopies, MixedPrecisionOptimizer):
     """ZeRO-1 on chapter 05's buffers: fp32 master + state only for this DP rank's bucket ranges.
 
     Example (on every rank of a DP group; the loop is `data_parallel_step` below)::
@@ -305,7 +348,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def __init__(self, optimizer, ddp, *, clip_grad: float = 1.0, grad_scaler=None,
                  log_num_zeros_in_grad: bool = False, grad_norm_skip_threshold: float = math.inf,
                  fused_adamw: bool = False):
-        _check_inner(optimizer, ddp, fused_adamw)
+        check_distopt_inner(optimizer, ddp, fused_adamw)
         self.ddp, self.buffers = ddp, ddp.buffers
         self.dp_group, self.dp_size = ddp.dp_group, ddp.dp_size
         super().__init__(optimizer, clip_grad=clip_grad, grad_scaler=grad_scaler, grid=ddp.grid,
@@ -338,48 +381,6 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 self.pieces.append((piece, buf))
                 self.names.append(name)
             group["params"], group["param_names"] = kept, kept_names
-
-
-# %% [markdown]
-# The class continues in the next cell (a cell can extend a class by subclassing it under the
-# same name; the final class has every method). These are the three replaced parts: the grad of
-# a piece is a slice of the reduce-scattered buffer, the write-back goes into the param buffer,
-# and the step ends with the all-gather. The norm and `found_inf` are reduced over every rank,
-# because the shards are disjoint.
-
-# %%
-class DistributedOptimizer(DistributedOptimizer):  # the same class, continued
-    __doc__ = DistributedOptimizer.__doc__  # help() keeps the first cell's docstring
-    def grad_stats_group(self):
-        """Disjoint shards: norms and found_inf are reduced over every rank (the world)."""
-        return None
-
-    def _reduce(self) -> bool:
-        """Reduce whenever there is more than one rank."""
-        return dist.is_initialized() and dist.get_world_size() > 1
-
-    def copy_model_grads_to_main_grads(self) -> None:
-        """Grad of each owned piece = its slice of main_grad (valid after the reduce-scatter)."""
-        for (model, main), (piece, _) in zip(self.pairs, self.pieces):
-            main.grad = model.main_grad.view(-1)[piece.param_start:piece.param_end].float()
-            model.grad = None
-
-    def copy_main_params_to_model_params(self) -> None:
-        """Write every fp32 piece into the param buffer (bf16 rounding happens here)."""
-        if not self.pairs:
-            return
-        dst = [buf.param_data[p.buffer_start:p.buffer_end] for p, buf in self.pieces]
-        torch._foreach_copy_(dst, [m.detach() for _, m in self.pairs])
-
-    @torch.no_grad()
-    def step_with_ready_grads(self) -> None:
-        """Step my shards, write them back, all-gather (unless the forward pre-hooks will)."""
-        if self.fused_adamw is not None:
-            self.fused_adamw.step()
-        else:
-            super().step_with_ready_grads()
-        if not self.ddp.ddp_config.overlap_param_gather:
-            self.ddp.start_param_sync(force_sync=True)
 
     def state_dict(self) -> dict:
         """Layout-independent state: full tensors per param name, assembled from every DP shard."""
