@@ -13,24 +13,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def torchrun_cmd(save, args=(), nproc: int = 2, max_restarts: int = 0) -> list[str]:
+def torchrun_cmd(save, args=(), nproc: int = 2, max_restarts: int = 0,
+                 launch=("--standalone",)) -> list[str]:
     """The command line of one job: torchrun on loopback, the tiny job of chapter 08."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    return [sys.executable, "-m", "torch.distributed.run", *launch,
             f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
             "--monitor-interval=0.5", "-m", "tinytron.reliability._run", "--save", str(save),
             *map(str, args)]
 
 
 def job_env() -> dict:
-    """Environment for torchrun: restarts need an unshared rendezvous store (toolchain notes)."""
-    return dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1",
-                PYTHONUNBUFFERED="1")
+    """Environment for torchrun: the README's, plus one thread per rank and unbuffered output."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
-def run_job(save, args=(), nproc: int = 2, max_restarts: int = 0, timeout: float = 240):
+def run_job(save, args=(), nproc: int = 2, max_restarts: int = 0, timeout: float = 240,
+            launch=("--standalone",)):
     """Run a job to its end: (torchrun exit code, output, seconds)."""
     t0 = time.monotonic()
-    proc = subprocess.run(torchrun_cmd(save, args, nproc, max_restarts), env=job_env(),
+    proc = subprocess.run(torchrun_cmd(save, args, nproc, max_restarts, launch), env=job_env(),
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0
 

@@ -8,6 +8,7 @@ one SIGTERM + resume.
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import time
 
@@ -43,6 +44,33 @@ def test_sigkill_and_kill_during_save_restart_and_match_bitwise(tmp_path, refere
     # checkpoint 6 (the tracker still named 4); life 2 resumed at 4: 5..8.
     assert order == [1, 2, 3, 4, 5, 6, 5, 6, 7, 8], order
     assert step_losses(tmp_path) == reference       # bitwise: float equality of every loss
+    assert tracker_iteration(tmp_path) == 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("launch", ["master_port", "c10d_endpoint"])
+def test_restart_under_each_launch_form_resumes_bitwise(tmp_path, reference, launch):
+    """The launcher's shared store outlives the killed workers; the restart must not read it.
+
+    `--standalone` is the other tests' form and the README's `--nproc-per-node` alone is
+    tests/test_train.py's; these are the static rendezvous (`--master-port`, whose store is
+    always the agent's) and `scripts/slurm_train.sh`'s c10d endpoint.
+    """
+    port = _free_port()
+    form = {"master_port": (f"--master-port={port}",),
+            "c10d_endpoint": ("--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                              f"--rdzv-id=job{port}")}[launch]
+    code, out, _ = run_job(tmp_path, ITERS + ["--fault", "kill@6:rank=1:attempt=0"],
+                           max_restarts=1, launch=form)
+    assert code == 0, out[-4000:]
+    # life 0 logged 1..5 (saved 4) and died in 6; life 1 resumed at 4: 5..8
+    assert [it for it, _ in logged(tmp_path)] == [1, 2, 3, 4, 5, 5, 6, 7, 8]
+    assert step_losses(tmp_path) == reference
     assert tracker_iteration(tmp_path) == 8
 
 

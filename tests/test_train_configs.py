@@ -126,7 +126,7 @@ def _train(name: str, save, data_prefix: str, evaluate: bool) -> str:
            "--training.eval_interval", "2" if evaluate else "none", "--training.eval_iters", "1",
            "--scheduler.lr_warmup_iters", "1", "--logging.progress_bar", "false",
            "--checkpoint.save", str(save), "--data.data_path", json.dumps([data_prefix])]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

@@ -1,6 +1,6 @@
 """A tiny resilient training job: chapter 01's loop + chapter 03's checkpoints + chapter 08's nets.
 
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 2 \\
+    torchrun --nproc-per-node 2 --max-restarts 2 \\
         -m tinytron.reliability._run --save /tmp/run --train-iters 8 --save-interval 2 \\
         --fault kill@5:rank=1:attempt=0
 
@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from tinytron.reliability.observability import LoggingConfig, MetricsLogger
-from tinytron.reliability.restarts import Reliability, ReliabilityConfig
+from tinytron.reliability.restarts import (Reliability, ReliabilityConfig,
+                                          init_torchrun_process_group)
 
 MBS = 2
 MODELS = {  # tiny: the tests; small: a step long enough to see what the safety nets cost
@@ -80,7 +81,7 @@ def _init_distributed() -> None:
     if dist.is_initialized():
         return
     if "WORLD_SIZE" in os.environ:   # torchrun
-        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+        init_torchrun_process_group("gloo", timedelta(seconds=120))
     else:                            # a one-rank world in this process
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 

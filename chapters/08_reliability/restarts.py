@@ -33,7 +33,7 @@ from tinytron.reliability.rerun_state_machine import RerunDataIterator, RerunSta
 from tinytron.reliability.timers import Timers
 
 __all__ = ["DistributedSignalHandler", "ReliabilityConfig", "Reliability", "rerun_state_path",
-           "inprocess_restart"]
+           "inprocess_restart", "init_torchrun_process_group"]
 
 # %% [markdown]
 # ## A signal is a request to stop *between* iterations
@@ -130,9 +130,49 @@ class DistributedSignalHandler:
 # An exit 0 (a signal: saved and stopped on purpose) ends the job; any non-zero exit or death
 # restarts it, up to `--max-restarts` times.
 #
-# On this PyTorch the restarted workers hang in the rendezvous unless
-# `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` is set (the shared rendezvous store keeps the
-# previous workers' keys; pytorch/pytorch#135712). What a restart costs:
+# ### One store, many lives: the keys of each attempt under its own prefix
+#
+# The workers find each other through a `TCPStore`. The torchrun agent shares its own
+# rendezvous store with them (`TORCHELASTIC_USE_AGENT_STORE=True`; `MASTER_PORT` then names
+# the agent's store, not one that rank 0 hosts) — the c10d rendezvous does unless
+# `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` is set, the static one (`--master-port`) always — and
+# that store outlives the workers: it is the same object in every attempt, whichever way
+# torchrun is launched (`--nproc-per-node` alone, which picks c10d on one node,
+# `--master-port`, `--standalone`, `--rdzv-backend c10d`).
+# `init_process_group("env://")` puts the world's keys under `default_pg/`, with no attempt in
+# the name, so a restarted rank asks for its peers' addresses and gets the *previous*
+# attempt's at once — gloo's `connectFullMesh` dials ports that died with the old workers
+# ("Connection refused") or waits on a peer that is dialing somewhere else; NCCL's bootstrap
+# would read the old rank 0's unique id the same way. Every subgroup made afterwards
+# (`new_group` names them "1", "2", … again in each process) collides the same way.
+#
+# The cure is the one Megatron applies to its in-process restarts (`training.py:1088-1090`):
+# the attempt's number in front of every key. `init_torchrun_process_group` reads the store
+# torchrun gives (the same `env://` rendezvous `init_process_group` would do), wraps it in
+# `PrefixStore("tinytron/attempt/<TORCHELASTIC_RESTART_COUNT>/", …)` and builds the world on
+# it. `new_group` prefixes each subgroup's keys onto the world's store, so every group of the
+# `ParallelGrid` lands under the same attempt. Megatron itself passes `store=None` at
+# launch (`megatron/training/initialize.py:315-317`), that is, the launcher's keys as they are;
+# tinytron differs here, and restarts under the shared store because of it. One case stays
+# open: an elastic job whose membership changes restarts its workers without counting a
+# restart, so the count repeats; tinytron's launches fix the number of nodes.
+
+# %%
+def init_torchrun_process_group(backend: str, timeout) -> None:
+    """Join torchrun's world through its store, every key under this attempt's prefix."""
+    from datetime import timedelta
+
+    timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    store = dist.PrefixStore(f"tinytron/attempt/{attempt}/", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout)
+
+
+# %% [markdown]
+# What a restart costs:
 #
 # $$t_{\text{lost}} = t_{\text{detect}} + t_{\text{restart}} + t_{\text{load}} +
 #   t_{\text{redo}},\qquad \mathbb{E}[t_{\text{redo}}] = \tfrac12\,\text{save\_interval}\cdot t_{\text{iter}}$$
