@@ -125,7 +125,11 @@ def gpt_forward_step(data_iterator, model, *, micro_batch_size: int, seq_length:
 #    `finalize_model_grads` after the last backward (chapter 05: finish the DP collectives,
 #    TP- and embedding-group reductions, per-token scaling), so the grads are final here.
 # 3. `optimizer.step()`: unscale, check for inf/NaN, clip, update, write back
-#    (chapter 02) → `(update_successful, grad_norm, num_zeros)`.
+#    (chapter 02) → `(update_successful, grad_norm, num_zeros)`. Just before it the loop calls
+#    the checkpoint's `before_optimizer_step` hook: it is the first write to the parameters
+#    since the last save, so a save whose copy to host is still running in the background
+#    must finish it here (chapter 03, [saving in the background](../03_checkpoint/async_save.py)).
+#    Megatron has no such hook: its async save copies to host before the save returns.
 # 4. `update_successful` is **ANDed** and `grad_norm`, `num_zeros` are **MAXed** over the
 #    model-parallel group (`training.py:2297-2303`): a pipeline stage without trainable
 #    parameters reports `None`, and every rank must take the same branch next.
@@ -201,7 +205,7 @@ def reduce_losses(losses_reduced: list[dict], grid: ParallelGrid) -> dict:
 def train_step(forward_step_func, data_iterator, model: list, optimizer, scheduler,
                forward_backward_func, *, num_microbatches: int, micro_batch_size: int,
                seq_length: int, grid: ParallelGrid, config: ScheduleConfig,
-               rerun_state_machine=None) -> StepResult:
+               rerun_state_machine=None, before_optimizer_step=None) -> StepResult:
     """One iteration: zero grads, forward-backward (+finalize), step, agree, advance the LR."""
     # With chapter 08's rerun state machine the pass may run again (same data, same RNG) to
     # diagnose a rejected loss or gradient; the optimizer then steps on the last pass's grads.
@@ -218,6 +222,8 @@ def train_step(forward_step_func, data_iterator, model: list, optimizer, schedul
         should_checkpoint, should_exit, exit_code = rsm.should_checkpoint_and_exit()
         if should_exit:  # no optimizer step (training.py:2271)
             return StepResult({}, 0, None, None, should_checkpoint, should_exit, exit_code)
+    if before_optimizer_step is not None:  # chapter 03: a staged save's copies end here
+        before_optimizer_step()
     update_successful, grad_norm, num_zeros = optimizer.step()
     update_successful = logical_and_across_model_parallel_group(update_successful, grid)
     grad_norm = reduce_max_stat_across_model_parallel_group(grad_norm, grid)
@@ -427,9 +433,9 @@ def train(forward_step_func, model: list, optimizer, scheduler, train_data_itera
           valid_data_iterator=None, *, training, train_iters: int, state: TrainState,
           calculator, seq_length: int, grid: ParallelGrid, forward_backward_func,
           config: ScheduleConfig, do_valid: bool | None = None, save_checkpoint_fn=None,
-          finalize_async_save_fn=None, flops_fn=None, peak_flops=None, log_fn=None,
-          exit_signal=None, clock=time.time, rerun_state_machine=None,
-          step_hooks=None, iterations_to_skip=()) -> str | None:
+          finalize_async_save_fn=None, before_optimizer_step_fn=None, flops_fn=None,
+          peak_flops=None, log_fn=None, exit_signal=None, clock=time.time,
+          rerun_state_machine=None, step_hooks=None, iterations_to_skip=()) -> str | None:
     """Run iterations until train_iters or an exit condition; return the exit reason or None."""
     # Chapter 08 passes `rerun_state_machine` (see train_step) and `step_hooks`, an object whose
     # `on_step_start(state)` / `on_step_end(state)` bracket every train_step (heartbeats, faults).
@@ -443,7 +449,8 @@ def train(forward_step_func, model: list, optimizer, scheduler, train_data_itera
     step = partial(train_step, forward_step_func, train_data_iterator, model, optimizer,
                    scheduler, forward_backward_func, micro_batch_size=training.micro_batch_size,
                    seq_length=seq_length, grid=grid, config=config,
-                   rerun_state_machine=rerun_state_machine)
+                   rerun_state_machine=rerun_state_machine,
+                   before_optimizer_step=before_optimizer_step_fn)
     while state.iteration < train_iters:
         finalize(blocking=False)
         m = _advance_microbatches(calculator, state, m, save)
@@ -540,8 +547,9 @@ def pretrain(training, *, model_provider, forward_step_func, data_iterators_prov
              optimizer_provider, scheduler_provider=None, grid_provider=ParallelGrid.single,
              ddp_config=None, seq_length: int, vpp_size: int | None = None,
              schedule_overrides: dict | None = None, load_checkpoint_fn=None,
-             save_checkpoint_fn=None, finalize_async_save_fn=None, flops_fn=None,
-             peak_flops=None, log_fn=None, exit_signal=None, clock=time.time,
+             save_checkpoint_fn=None, finalize_async_save_fn=None,
+             before_optimizer_step_fn=None, flops_fn=None, peak_flops=None, log_fn=None,
+             exit_signal=None, clock=time.time,
              rerun_state_machine=None, step_hooks=None,
              wrap_forward_backward_func=None, iterations_to_skip=()) -> TrainingRun:
     """Grid+seeds -> chunks -> DDP -> optimizer+scheduler -> load -> data -> train -> save."""
@@ -571,7 +579,8 @@ def pretrain(training, *, model_provider, forward_step_func, data_iterators_prov
                            do_valid=do_valid, training=training, train_iters=iters, state=state, calculator=calc,
                            seq_length=seq_length, grid=grid, forward_backward_func=fb,
                            config=config, save_checkpoint_fn=save_checkpoint_fn,
-                           finalize_async_save_fn=finalize_async_save_fn, flops_fn=flops_fn,
+                           finalize_async_save_fn=finalize_async_save_fn,
+                           before_optimizer_step_fn=before_optimizer_step_fn, flops_fn=flops_fn,
                            peak_flops=peak_flops, log_fn=log_fn, exit_signal=sig, clock=clock,
                            rerun_state_machine=rerun_state_machine, step_hooks=step_hooks,
                            iterations_to_skip=iterations_to_skip)

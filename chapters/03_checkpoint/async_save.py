@@ -2,11 +2,17 @@
 # # 03 · Checkpoint: saving in the background
 #
 # A synchronous save stops training for as long as the slowest rank takes to write its bytes.
-# An asynchronous save stops it only to take a **snapshot** of the state; the bytes are written
-# by a background process while training goes on, and the checkpoint becomes visible only once
-# every rank has finished. This page builds that pipeline and measures both times.
+# An asynchronous save writes them in the background while training goes on, and the
+# checkpoint becomes visible only once every rank has finished. What is left for training to
+# wait for is the **snapshot**, a copy of the state as it was at the save's iteration.
+# Megatron takes it before the save returns (a device-to-host copy, then a fork). tinytron
+# *stages* it: the copy to host runs while the next forward and backward do, and training
+# waits only before the next `optimizer.step`, the first thing that writes the parameters
+# again. This page builds that pipeline and measures the times.
 #
-# You will build: `stage_tensors`, `AsyncSaver` (schedule, poll, finalize), `save_timeline`.
+# You will build: `stage_tensors`, `AsyncSaver` (schedule, poll, finalize), the staged copy
+# and its wait (`before_optimizer_step`; the copies themselves in `_staging.py`),
+# `save_timeline`.
 
 # %%
 from __future__ import annotations
@@ -17,10 +23,12 @@ import pickle
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 
 import torch
 
 from tinytron.checkpoint._common import CheckpointGroups
+from tinytron.checkpoint._staging import HostStaging, PinnedPool
 from tinytron.checkpoint.formats import CheckpointSaveError, fault_point
 from tinytron.checkpoint.sharded_keys import ShardedTensor
 from tinytron.checkpoint.torch_dist import SaveRequest
@@ -56,13 +64,16 @@ ASYNC_MODES = ("process", "thread")
 #    `common.pt` here; with its fsync that can take a noticeable fraction of a second on a busy
 #    disk, so tinytron leaves it to the writer.)
 # 2. **Snapshot**: the training step will overwrite parameters and optimizer state in place,
-#    so the writer needs a copy frozen at this moment. On a GPU that is a device-to-host copy
-#    into pinned host memory (`preload_tensors`, `filesystem_async.py:227`). On a CPU the
+#    so the writer needs a copy frozen at this moment. On a GPU Megatron copies device to host
+#    into pinned memory (`preload_tensors`, `filesystem_async.py:227`) and blocks until the
+#    copy is done (`torch.cuda.synchronize()` before the fork, `async_utils.py:273`; the
+#    persistent caller waits on a queue instead, `:424`). tinytron differs here: the copy is
+#    staged behind the next forward and backward (next section). On a CPU the
 #    cheapest snapshot is `fork()`: the child process sees the parent's memory as it was at the
 #    fork, copy-on-write, so nothing is copied unless training writes to a page before the
 #    child has saved it — the technique Redis uses for its background saves. Megatron's
 #    `TemporalAsyncCaller` (`async_utils.py:237`) forks its writer for the same reason. The
-#    `thread` mode clones every tensor instead and writes from a thread.
+#    `thread` mode copies every tensor instead and writes from a thread.
 # 3. **Write** in the background: the child writes `common.pt` (rank 0), streams the chunks
 #    into `__R_0.distcp` and fsyncs.
 #    It runs no collective: all communication stays in the training process.
@@ -75,6 +86,41 @@ ASYNC_MODES = ("process", "thread")
 # At most one save is in flight: scheduling a second one first finalizes the first, blocking.
 # A writer that fails or dies (SIGKILL, a full disk) is a failed save on every rank: the
 # staging directory is never renamed and the tracker keeps naming the previous checkpoint.
+# The legacy format has no async path, in Megatron either (`checkpointing.py:598-600`).
+#
+# ## The staged copy: tinytron differs here
+#
+# A copy that training waits for costs its full time. In the running example a rank's share of
+# a fully parallel save is ≈ 2.0e9 × 14 B / 64 ≈ 0.44 GB (its 1/64 of the bf16 weights, the
+# fp32 masters and both Adam moments), ≈ 9 ms at PCIe Gen5's ≈ 50 GB/s: small next to a 2 s
+# step, but paid by every rank at every save. On a CPU the copy is a full pass over the state
+# in memory (`benchmarks/bench_checkpoint_staging.py` measures it for 100M parameters). And
+# nothing needs the copy finished before the next `optimizer.step`: the forward and backward in between write
+# activations and gradients, never a parameter or an optimizer state. So tinytron starts the
+# copies when the save is scheduled and lets them run behind the next iteration's compute:
+#
+# ```mermaid
+# sequenceDiagram
+#   participant T as training (iteration k+1)
+#   participant S as staging (side stream / worker thread)
+#   participant W as writer
+#   T->>S: save at k: allocate host buffers, start the copies, plan (collective)
+#   T->>T: forward, backward (reads the parameters, writes gradients)
+#   S->>S: copy chunk by chunk into host (pinned) buffers
+#   T->>S: before_optimizer_step: wait for what is left
+#   T->>T: optimizer.step overwrites the parameters
+#   S->>W: copies complete: write (thread), or fork the writer (process, GPU)
+# ```
+#
+# On a GPU the copies run on a side CUDA stream into pinned buffers that the saver keeps from
+# one save to the next (pinning a gigabyte costs far more than copying into it); on a CPU a
+# worker thread copies (PyTorch releases the GIL inside the copy, so the thread runs beside
+# the forward). A CPU `fork` needs no copy at all and is left as it is. The buffers are
+# allocated before the planning collective, so the plan describes exactly the tensors the
+# writer will write, and the copies overlap the plan too. One precondition: with
+# `overlap_param_gather` the next forward's pre-hooks write gathered parameters (chapter 05);
+# Megatron finishes that all-gather before every save (`force_param_sync`,
+# `training/training.py:2788-2789`), after which the forward has nothing left to write.
 
 # %%
 def stage_tensors(tensors: list[ShardedTensor], mode: str) -> list[ShardedTensor]:
@@ -119,11 +165,11 @@ def _forked_write(request: SaveRequest, outcome_path: str) -> None:
 
 # %%
 class _Writer:
-    """One background write, in a forked process or a thread."""
+    """One background write, in a forked process or a thread (after its staging, if any)."""
 
-    def __init__(self, request: SaveRequest, mode: str):
-        self.request, self.mode, self.outcome = request, mode, None
-        if mode == "process":
+    def __init__(self, request: SaveRequest, mode: str, staging: HostStaging | None = None):
+        self.request, self.mode, self.outcome, self.staging = request, mode, None, staging
+        if mode == "process":   # the host copies are complete: the child sees them as they are
             fd, self.outcome_path = tempfile.mkstemp(prefix="tinytron-ckpt-", suffix=".pkl")
             os.close(fd)
             self.pid, self.status = os.fork(), None
@@ -134,6 +180,11 @@ class _Writer:
             self.thread.start()
 
     def _run_thread(self) -> None:
+        if self.staging is not None:
+            self.staging.wait()
+            if self.staging.error:
+                self.outcome = {"error": self.staging.error}
+                return
         self.outcome = self.request.write()
 
     def done(self) -> bool:
@@ -172,10 +223,21 @@ class _Writer:
 # `AsyncSaver.schedule(request, on_complete)` runs the synchronous part and starts the writer;
 # `finalize(blocking)` is the per-iteration poll. Every call is made on every rank (the
 # decisions are collective), and `finalize` returns the statistics of a save it completed —
-# the time training was blocked in `schedule`, and how long the background write took — which
-# the caller logs.
+# the time training was blocked (in `schedule`, and in the wait before the next optimizer
+# step, below), how long the background write took — which the caller logs.
 
 # %%
+@dataclass
+class _Pending:
+    """The save in flight: its request, its host copies (if staged), its writer once started."""
+
+    request: SaveRequest
+    on_complete: object
+    staging: HostStaging | None
+    stats: dict = field(default_factory=dict)
+    writer: _Writer | None = None
+
+
 class AsyncSaver:
     """At most one torch_dist save in flight: snapshot, background write, collective finalize."""
 
@@ -183,40 +245,109 @@ class AsyncSaver:
         if mode not in ASYNC_MODES:
             raise ValueError(f"async mode must be one of {ASYNC_MODES}, got {mode!r}")
         self.comm, self.mode = comm, mode
-        self.pending: tuple | None = None   # (writer, on_complete, stats)
+        self.pending: _Pending | None = None
+        self.wait_point = False    # set by the loop's first before_optimizer_step()
+        self.pool = PinnedPool()
+        self.completed: list[dict] = []   # the stats of every save completed, in order
+
+    def _staged(self, tensors: list[ShardedTensor]) -> bool:
+        """Copy in the background? Only with a wait point, and only where a copy is needed."""
+        cuda = any(t.data.is_cuda for t in tensors)
+        return self.wait_point and (cuda or self.mode == "thread")
 
     def schedule(self, request: SaveRequest, on_complete=None, label: str = "") -> dict:
-        """Plan (collective), snapshot, start the writer; return {'blocking_s': ...} so far."""
+        """Start the snapshot, plan (collective), start the writer; the stats, updated later."""
         if self.pending is not None:
             self.finalize(blocking=True)
         t0 = time.perf_counter()
-        request.tensors = stage_tensors(request.tensors, self.mode)
+        staging = None
+        if self._staged(request.tensors):
+            staging = HostStaging(request.tensors, self.comm.rank, self.pool)
+            request.tensors = staging.staged   # empty yet: planning reads only shapes
+            staging.start()
+        else:
+            request.tensors = stage_tensors(request.tensors, self.mode)
         request.plan()
-        writer = _Writer(request, self.mode)
+        pending = _Pending(request, on_complete, staging)
+        if staging is None or self.mode == "thread":
+            pending.writer = _Writer(request, self.mode, staging)
         fault_point("after_schedule", self.comm.rank)
-        stats = {"label": label, "blocking_s": time.perf_counter() - t0, "scheduled_at": t0}
-        self.pending = (writer, on_complete, stats)
-        return stats
+        blocked = time.perf_counter() - t0
+        pending.stats = {"label": label, "blocking_s": blocked, "schedule_s": blocked,
+                         "staging_wait_s": 0.0, "staged": staging is not None,
+                         "scheduled_at": t0}
+        self.pending = pending
+        return pending.stats
+
+
+# %% [markdown]
+# ## The wait before the next optimizer step
+#
+# A staged save leaves `schedule` with its copies still running. Nothing the next forward and
+# backward do writes a parameter or an optimizer state (they write activations and
+# gradients, which a checkpoint does not hold); the first writer is the next
+# `optimizer.step`. So the loop calls `before_optimizer_step()` just before it, and only there
+# does training wait for what is left of the copies — torchtitan's `maybe_wait_for_staging`
+# has this place in its loop. On a CPU the wait joins the staging thread. On a GPU the host
+# does not block at all: the current stream waits for the side stream's event, so the
+# optimizer's kernels queue behind the copies. In `process` mode the writer can only fork once
+# the host copies are complete, so the wait synchronizes and forks (a forked child copies no
+# CUDA state; it writes from the pinned buffers).
+#
+# The loop's first call also tells the saver that a wait point exists: until then (a script
+# that calls `save` and steps without the hook), `schedule` takes the snapshot before it
+# returns, as above, and nothing can overwrite a tensor while it is being copied.
+
+# %%
+class AsyncSaver(AsyncSaver):  # the same class, continued
+    __doc__ = AsyncSaver.__doc__  # help() keeps the first cell's docstring
+
+    def before_optimizer_step(self) -> float:
+        """The loop's hook: wait for a staged save's copies; the seconds training was blocked."""
+        self.wait_point = True
+        p = self.pending
+        if p is None or p.staging is None or p.staging.fenced:
+            return 0.0
+        t0 = time.perf_counter()
+        self._fence(p)
+        waited = time.perf_counter() - t0
+        p.stats["staging_wait_s"] = waited
+        p.stats["blocking_s"] += waited
+        return waited
+
+    def _fence(self, p: _Pending) -> None:
+        if p.writer is None:   # process mode, CUDA tensors: fork once the host copies are complete
+            p.staging.wait()
+            p.staging.fenced = True
+            p.writer = _Writer(p.request, "thread" if p.staging.error else self.mode, p.staging)
+        else:
+            p.staging.fence()
 
     def finalize(self, blocking: bool) -> dict | None:
         """Complete the pending save if every rank's writer is done (or wait, if blocking)."""
-        if self.pending is None:
+        p = self.pending
+        if p is None:
             return None
-        writer, on_complete, stats = self.pending
-        if not blocking and not self.comm.all_agree(writer.done()):
+        if not blocking and not self.comm.all_agree(p.writer is not None and p.writer.done()):
             return None
         t0 = time.perf_counter()
-        outcome = writer.result()
+        if p.staging is not None and not p.staging.fenced:
+            self._fence(p)
+        outcome = p.writer.result()
         self.pending = None
-        error = writer.request.finalize(outcome, on_complete)
+        if p.staging is not None:
+            p.stats["staging_s"] = p.staging.seconds()
+            p.staging.release()
+        error = p.request.finalize(outcome, p.on_complete)
         if error:
             raise CheckpointSaveError(error)
-        stats.update(background_s=outcome.get("seconds", 0.0),
-                     finalize_s=time.perf_counter() - t0,
-                     visible_after_s=time.perf_counter() - stats["scheduled_at"])
+        p.stats.update(background_s=outcome.get("seconds", 0.0),
+                       finalize_s=time.perf_counter() - t0,
+                       visible_after_s=time.perf_counter() - p.stats["scheduled_at"])
         logger.info("checkpoint %s complete: blocked %.3f s, written in the background in %.3f s",
-                    stats["label"], stats["blocking_s"], stats["background_s"])
-        return stats
+                    p.stats["label"], p.stats["blocking_s"], p.stats["background_s"])
+        self.completed.append(p.stats)
+        return p.stats
 
     @property
     def in_flight(self) -> bool:
@@ -280,8 +411,10 @@ if __name__ == "__main__":
 #
 # - Async save = synchronous planning + a snapshot + a background writer + a collective
 #   finalize at a later iteration; the tracker moves only when every rank's writer succeeded.
-# - The snapshot is a pinned D2H copy on a GPU; on a CPU, `fork()` is a snapshot for free
-#   (copy-on-write), which is why the blocking part is a small fraction of a sync save.
+# - The snapshot: Megatron blocks for it (a pinned D2H copy, then the fork). tinytron stages
+#   it behind the next forward and backward — a side stream into pinned buffers on a GPU, a
+#   worker thread on a CPU (`fork()` needs no copy: copy-on-write) — and waits for it only in
+#   `before_optimizer_step`, which chapter 01's loop calls just before `optimizer.step`.
 # - One save in flight at a time; `finalize(blocking=False)` costs one integer all-reduce per
 #   iteration while a save is pending, and `finalize(blocking=True)` at exit.
 #

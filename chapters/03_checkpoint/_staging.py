@@ -1,0 +1,128 @@
+"""Staging a save's chunks into host memory while training goes on (chapter 03, async save).
+
+`HostStaging` owns one save's host copies: it allocates them, starts the copies in the
+background (a worker thread for CPU tensors, a side CUDA stream into pinned buffers for device
+tensors) and answers the two questions the saver asks: are the copies complete (`wait`, for the
+writer), and may the optimizer overwrite the sources now (`fence`, for the training loop).
+`PinnedPool` keeps pinned buffers from one save to the next: pinning a gigabyte costs far more
+than copying into it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from tinytron.checkpoint.formats import fault_point
+from tinytron.checkpoint.sharded_keys import ShardedTensor
+
+__all__ = ["HostStaging", "PinnedPool"]
+
+
+def _host_strides(src: torch.Tensor) -> tuple[int, ...]:
+    """The strides a host copy of `src` gets (src's own when dense, else contiguous), as clone()."""
+    return torch.empty_like(src, device="meta").stride()
+
+
+class PinnedPool:
+    """Pinned host buffers by (shape, strides, dtype), reused across saves of one run."""
+
+    def __init__(self):
+        self.free: dict[tuple, list[torch.Tensor]] = {}
+
+    def take(self, src: torch.Tensor) -> torch.Tensor:
+        key = (tuple(src.shape), _host_strides(src), src.dtype)
+        bucket = self.free.get(key)
+        if bucket:
+            return bucket.pop()
+        return torch.empty_strided(key[0], key[1], dtype=key[2], device="cpu", pin_memory=True)
+
+    def give_back(self, buffers: list[torch.Tensor]) -> None:
+        for b in buffers:
+            if b.is_pinned():
+                self.free.setdefault((tuple(b.shape), b.stride(), b.dtype), []).append(b)
+
+
+class HostStaging:
+    """Host copies of a save's chunks, filled in the background; `staged` is what the writer writes."""
+
+    def __init__(self, tensors: list[ShardedTensor], rank: int, pool: PinnedPool | None = None):
+        self.rank, self.pool, self.error = rank, pool, None
+        self.sources = [t.data for t in tensors]
+        self.buffers = []
+        for src in self.sources:
+            if src.is_cuda:
+                self.buffers.append((pool or PinnedPool()).take(src))
+            else:   # not touched yet: the worker thread pays for the page faults
+                self.buffers.append(torch.empty_strided(src.shape, _host_strides(src),
+                                                        dtype=src.dtype, device="cpu"))
+        self.staged = [ShardedTensor(t.key, b, t.global_shape, t.global_offset, t.is_main)
+                       for t, b in zip(tensors, self.buffers)]
+        cuda = [s for s in self.sources if s.is_cuda]
+        self.device = cuda[0].device if cuda else None
+        self.thread = self.event = None
+        self.started_at = self.complete_at = None
+        self.fenced = False
+
+    def start(self) -> None:
+        """Start every copy; return at once."""
+        self.started_at = time.perf_counter()
+        cuda = [(b, s) for b, s in zip(self.buffers, self.sources) if s.is_cuda]
+        if cuda:
+            stream = torch.cuda.Stream(device=self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))   # after the step's kernels
+            with torch.cuda.stream(stream):
+                for dst, src in cuda:
+                    dst.copy_(src, non_blocking=True)
+                    src.record_stream(stream)   # a temporary source is not reused too early
+            self.event = torch.cuda.Event()
+            self.event.record(stream)
+        self.thread = threading.Thread(target=self._copy_cpu, daemon=True,
+                                       name="tinytron-ckpt-staging")
+        self.thread.start()
+
+    def _copy_cpu(self) -> None:
+        pairs = [(b, s) for b, s in zip(self.buffers, self.sources) if not s.is_cuda]
+        try:
+            with torch.no_grad():
+                for i, (dst, src) in enumerate(pairs):
+                    if i == len(pairs) // 2:
+                        fault_point("during_staging", self.rank)
+                    dst.copy_(src)
+        except Exception as e:  # noqa: BLE001 - becomes the writer's outcome, on every rank
+            self.error = f"staging the checkpoint in host memory failed: {type(e).__name__}: {e}"
+
+    def done(self) -> bool:
+        """True when every copy is complete (never blocks)."""
+        return (not self.thread.is_alive()) and (self.event is None or self.event.query())
+
+    def wait(self) -> None:
+        """Block this thread until every copy is complete (the writer's wait)."""
+        self.thread.join()
+        if self.event is not None:
+            self.event.synchronize()
+        if self.complete_at is None:
+            self.complete_at = time.perf_counter()
+
+    def fence(self) -> None:
+        """Make it safe for the training step to overwrite the sources.
+
+        CPU copies: wait for the worker thread. CUDA copies: the current stream waits for the
+        side stream's event (the host does not block; the optimizer's kernels queue behind the
+        copies)."""
+        self.thread.join()
+        if self.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.event)
+        self.fenced = True
+
+    def seconds(self) -> float:
+        """From the start of the copies until a `wait` saw them complete."""
+        return (self.complete_at or self.started_at) - self.started_at
+
+    def release(self) -> None:
+        """After the write: pinned buffers go back to the pool; nothing else is kept."""
+        if self.pool is not None:
+            self.pool.give_back(self.buffers)
+        self.sources = self.buffers = self.staged = []

@@ -1,0 +1,208 @@
+"""The staged async save (chapter 03): the copy to host runs while the next forward and backward
+do, and the loop waits for it only before the next optimizer step. Checked through chapter 01's
+loop as a trainer runs it: every checkpoint is the one a synchronous save writes (the shard file
+and common.pt byte for byte), and a SIGKILL during staging leaves the previous checkpoint the
+latest. The legacy format has no async path (`async_save` needs `torch_dist`, as in Megatron).
+
+    python -m tests.test_checkpoint_staged kill ROOT     (the subprocess of the kill test)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+ITERS, SAVE_INTERVAL = 6, 2
+
+
+def _run(root: str, async_mode: str | None, wire_hook: bool = True, iters: int = ITERS,
+         save_wrapper=None):
+    """pretrain the tiny GPT with chapter 03's hooks saving every SAVE_INTERVAL iterations."""
+    from tests.main_loop_workers import CFG, FORWARD_STEP, MBS, OPT_CONFIG, training
+    from tinytron.buffers import DistributedDataParallelConfig
+    from tinytron.checkpoint import CheckpointConfig, make_checkpoint_hooks
+    from tinytron.main_loop._loop_workers import synthetic_iterators
+    from tinytron.main_loop.loop import (megatron_optimizer_provider,
+                                         megatron_scheduler_provider, pretrain)
+    from tinytron.model import build_stage_models
+    from tinytron.optimizer import SchedulerConfig
+    from tinytron.parallel import ParallelGrid
+
+    torch.set_num_threads(1)
+    grid = ParallelGrid.single()
+    config = CheckpointConfig(save=root, async_save=async_mode is not None,
+                              async_mode=async_mode or "process")
+    hooks = make_checkpoint_hooks(config, grid)
+    saver = hooks.manager.saver
+    save = hooks.save_checkpoint_fn if save_wrapper is None else save_wrapper(hooks.save_checkpoint_fn)
+    logs = []
+    pretrain(training(train_iters=iters, save_interval=SAVE_INTERVAL),
+             model_provider=lambda g: build_stage_models(CFG, g),
+             forward_step_func=FORWARD_STEP,
+             data_iterators_provider=partial(synthetic_iterators, CFG, micro_batch_size=MBS),
+             optimizer_provider=megatron_optimizer_provider(OPT_CONFIG),
+             scheduler_provider=megatron_scheduler_provider(
+                 SchedulerConfig(lr_decay_style="cosine"), OPT_CONFIG),
+             grid_provider=lambda: grid, ddp_config=DistributedDataParallelConfig(),
+             seq_length=CFG.seq_length, save_checkpoint_fn=save,
+             finalize_async_save_fn=hooks.finalize_async_save_fn,
+             before_optimizer_step_fn=(saver.before_optimizer_step
+                                       if saver is not None and wire_hook else None),
+             log_fn=logs.append)
+    hooks.manager.comm.destroy()
+    return (hooks.manager.stats if saver is None else saver.completed), [r["losses"]["lm loss"] for r in logs if r.get("losses")]
+
+
+def _files(d: Path) -> dict:
+    """A checkpoint directory's bytes; .metadata as its tensor index (it carries a random save id)."""
+    out = {f.name: f.read_bytes() for f in d.iterdir() if f.name not in (".metadata",
+                                                                          "checksums.json")}
+    with open(d / ".metadata", "rb") as f:
+        meta = pickle.load(f)
+    out[".metadata"] = (meta.state_dict_metadata, meta.storage_data)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("staged")
+    out = {}
+    for name, mode, wire in (("sync", None, True), ("thread", "thread", True),
+                             ("process", "process", True), ("unwired", "thread", False)):
+        out[name] = (root / name, *_run(str(root / name), mode, wire))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_staged_checkpoints_are_the_sync_ones_while_training_goes_on(runs, mode):
+    sync_root, _, sync_losses = runs["sync"]
+    root, stats, losses = runs[mode]
+    assert losses == sync_losses   # training is not disturbed
+    assert [s["label"] for s in stats] == [f"iteration {i}" for i in (2, 4, 6)]
+    # CPU: thread mode copies in the background (the loop wired the wait); fork needs no copy.
+    assert all(s["staged"] == (mode == "thread") for s in stats)
+    for i in (2, 4, 6):
+        name = f"iter_{i:07d}"
+        a, b = _files(sync_root / name), _files(root / name)
+        assert a.keys() == b.keys() == {".metadata", "__0_0.distcp", "common.pt", "metadata.json"}
+        assert all(a[k] == b[k] for k in a), [k for k in a if a[k] != b[k]]
+
+
+def test_without_the_loops_hook_the_snapshot_is_taken_before_save_returns(runs):
+    _, stats, _ = runs["unwired"]
+    assert not any(s["staged"] for s in stats) and all(s["staging_wait_s"] == 0 for s in stats)
+    sync_root, root = runs["sync"][0], runs["unwired"][0]
+    assert _files(sync_root / "iter_0000004") == _files(root / "iter_0000004")
+
+
+def test_the_wait_leaves_the_copies_complete_and_is_not_repeated(tmp_path):
+    from tests.checkpoint_workers import tiny_training
+    from tinytron.checkpoint import CheckpointConfig, CheckpointManager
+    from tinytron.checkpoint.resume import TrainStateFallback
+    from tinytron.parallel import ParallelGrid
+
+    _, model, opt, step = tiny_training()
+    step(1)
+    manager = CheckpointManager(CheckpointConfig(save=str(tmp_path), async_save=True,
+                                                 async_mode="thread"), ParallelGrid.single())
+    saver = manager.saver
+    assert saver.before_optimizer_step() == 0.0   # nothing pending; arms the wait point
+    stats = manager.save(TrainStateFallback(iteration=1), model, opt)
+    staging = saver.pending.staging
+    assert stats["staged"] and not staging.fenced
+    saver.before_optimizer_step()
+    assert staging.fenced and staging.done() and not staging.thread.is_alive()
+    assert all(torch.equal(b, s) for b, s in zip(staging.buffers, staging.sources))
+    waited = stats["staging_wait_s"]
+    assert saver.before_optimizer_step() == 0.0 and stats["staging_wait_s"] == waited
+    done = manager.finalize(blocking=True)
+    assert done is stats and done["staging_s"] > 0 and done["blocking_s"] >= done["schedule_s"]
+
+
+def test_sigkill_during_staging_keeps_the_previous_checkpoint(tmp_path):
+    from tests.main_loop_workers import CFG
+    from tinytron.checkpoint import load_checkpoint, read_tracker
+    from tinytron.model import build_stage_models
+    from tinytron.parallel import ParallelGrid
+
+    root = tmp_path / "ckpt"
+    out = subprocess.run([sys.executable, "-m", "tests.test_checkpoint_staged", "kill", str(root)],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == -9, out.stderr[-2000:]
+    assert read_tracker(root) == (2, False)
+    assert (root / "iter_0000004.tmp").is_dir() and not (root / "iter_0000004").exists()
+    model = build_stage_models(CFG.replace(seed=99), ParallelGrid.single())[0]
+    assert load_checkpoint(root, model).iteration == 2
+    expected = torch.load(str(root) + ".expected.pt", weights_only=True)
+    assert all(torch.equal(p, expected[n]) for n, p in model.named_parameters())
+
+
+def _kill(root: str) -> None:
+    """Save iteration 2 (and keep its weights), then die in the staging of iteration 4's save."""
+    from tinytron.checkpoint.formats import FAULT_ENV
+    from tinytron.checkpoint.formats import unwrap_chunks
+
+    def wrapper(save):
+        def wrapped(state, model, optimizer, scheduler):
+            if state.iteration == 2:
+                weights = {n: p.detach().clone()
+                           for n, p in unwrap_chunks(model)[0].named_parameters()}
+                torch.save(weights, root + ".expected.pt")
+            else:
+                os.environ[FAULT_ENV] = "during_staging"
+            save(state, model, optimizer, scheduler)
+        return wrapped
+
+    _run(root, "thread", iters=6, save_wrapper=wrapper)
+    print(json.dumps({"survived": True}))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_cuda_state_stages_on_a_side_stream_into_pinned_buffers(tmp_path, mode):
+    from tests.checkpoint_workers import tiny_training
+    from tinytron.checkpoint import CheckpointConfig, CheckpointManager
+    from tinytron.checkpoint.resume import TrainStateFallback
+    from tinytron.optimizer import AdamW
+    from tinytron.optimizer.mixed_precision import MixedPrecisionOptimizer
+    from tinytron.parallel import ParallelGrid
+
+    _, model, _, _ = tiny_training()
+    model.cuda()
+    opt = MixedPrecisionOptimizer(AdamW(model.parameters(), lr=1e-2), clip_grad=1.0)
+    tokens = torch.randint(0, 512, (2, 17), device="cuda")
+
+    def forward_backward():
+        model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
+
+    forward_backward()
+    opt.step()
+    opt.zero_grad()
+    state, grid = TrainStateFallback(iteration=1), ParallelGrid.single()
+    CheckpointManager(CheckpointConfig(save=str(tmp_path / "sync")), grid).save(state, model, opt)
+    manager = CheckpointManager(CheckpointConfig(save=str(tmp_path / mode), async_save=True,
+                                                 async_mode=mode), grid)
+    manager.saver.before_optimizer_step()
+    stats = manager.save(state, model, opt)
+    staging = manager.saver.pending.staging
+    assert stats["staged"] and all(b.is_pinned() for b in staging.buffers)
+    forward_backward()                     # training goes on while the copies run
+    manager.saver.before_optimizer_step()  # the optimizer's kernels queue behind them
+    opt.step()
+    manager.finalize(blocking=True)
+    a, b = _files(tmp_path / "sync" / "iter_0000001"), _files(tmp_path / mode / "iter_0000001")
+    assert a["__0_0.distcp"] == b["__0_0.distcp"] and a["common.pt"] == b["common.pt"]
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "kill":
+        _kill(sys.argv[2])
