@@ -9,11 +9,11 @@
 # %%
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import torch
 
+from tinytron.optimizer._offload import SubOptimizerState, _Streams
 from tinytron.optimizer.algorithms import AdamW
 
 __all__ = ["HybridDeviceOptimizer", "split_by_fraction"]
@@ -72,44 +72,24 @@ def split_by_fraction(numels: list[int], fraction: float) -> list[bool]:
     return out
 
 
-class _Streams:
-    """D2H/H2D side streams on CUDA; no-ops on CPU (same call structure)."""
-
-    def __init__(self, device: torch.device):
-        cuda = device.type == "cuda"
-        self.d2h = torch.cuda.Stream(device) if cuda else None
-        self.h2d = torch.cuda.Stream(device) if cuda else None
-
-    def on(self, stream):
-        """Context: run the enclosed copies on `stream` (nothing on CPU)."""
-        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-    def event(self, stream):
-        """An event recorded on `stream` (None on CPU)."""
-        return stream.record_event() if stream is not None else None
-
-    def join(self, stream) -> None:
-        """Make the default stream wait for `stream`."""
-        if stream is not None:
-            torch.cuda.current_stream(stream.device).wait_stream(stream)
-
-    def after_compute(self, stream) -> None:
-        """Make `stream` wait for the default stream (the grads come from its backward)."""
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(stream.device))
-
+# %% [markdown]
+# ## The host copies
+#
+# `_build` walks the groups once: a param that `split_by_fraction` offloads gets an fp32 copy on
+# the host (pinned when the model is on a GPU) with a zeroed host grad of the same size, and
+# its own one-param group for a CPU optimizer; every other param stays in a device group. Each
+# sub-group remembers its outer group (`_outer`), so that a scheduler changing the outer `lr`
+# reaches every sub-optimizer at the next step. It runs at the first `step()`, not in
+# `__init__`, because a wrapper built by [the factory](factory.py) may replace the params in
+# the groups after construction (by its fp32 masters), and the copies must be of those.
+#
+# Worked example, the demo's MLP at $F = 0.5$: the first layer's weight is offloaded, so the
+# host holds its fp32 master, its grad and (after the first step) its two Adam moments: 4 fp32
+# tensors of that shape, 16 bytes per element, and none of them on the device.
 
 # %%
-class HybridDeviceOptimizer(torch.optim.Optimizer):
-    """Step a prefix of the params (fraction of elements) on the host, the rest on their device."""
-
-    def __init__(self, params, offload_fraction: float = 0.5, optimizer_cls: Callable = AdamW,
-                 overlap_d2h_h2d: bool = True, **defaults):
-        split_by_fraction([1], offload_fraction)   # validates the fraction
-        self.offload_fraction, self.optimizer_cls = offload_fraction, optimizer_cls
-        self.overlap_d2h_h2d = overlap_d2h_h2d
-        super().__init__(params, defaults)
-        self._built = False   # built lazily: a wrapper may swap the params first
+class HostCopies:
+    """Mixin for HybridDeviceOptimizer: the host fp32 copies and the sub-optimizers."""
 
     def _build(self) -> None:
         """Create the host copies and the sub-optimizers from the current groups."""
@@ -142,35 +122,28 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
 
 # %% [markdown]
+# ## The step
+#
 # The step follows the sequence diagram: the offloaded grads go down to their pinned host
 # copies, the device optimizer steps meanwhile, each CPU optimizer steps as soon as *its*
-# grad has landed, and its param goes back up. The class continues in this cell (a cell extends
-# a class by subclassing it under the same name).
+# grad has landed, and its param goes back up. On a CPU every stream call is a no-op and the
+# events are `None`, so the same code runs in order. The side streams, and the bookkeeping that
+# pushes each outer group's hyperparameters down to its sub-groups and publishes the
+# sub-optimizers' state as this optimizer's `state` (so that a checkpoint sees one optimizer),
+# are in the chapter's private module `tinytron.optimizer._offload`
+# (`chapters/02_optimizer/_offload.py`).
 
 # %%
-class HybridDeviceOptimizer(HybridDeviceOptimizer):  # the same class, continued
-    __doc__ = HybridDeviceOptimizer.__doc__  # help() keeps the first cell's docstring
-    def _sub_optimizers(self) -> list:
-        """The device optimizer (if any) and the CPU optimizers."""
-        return ([self.device_optimizer] if self.device_optimizer else []) + self.cpu_optimizers
+class HybridDeviceOptimizer(HostCopies, SubOptimizerState, torch.optim.Optimizer):
+    """Step a prefix of the params (fraction of elements) on the host, the rest on their device."""
 
-    def _sync_hyperparams_and_state(self) -> None:
-        """Push group hyperparameters down; share state dicts (a loaded state moves to the host)."""
-        for opt in self._sub_optimizers():
-            for g in opt.param_groups:
-                outer = self.param_groups[g["_outer"]]
-                g.update({k: v for k, v in outer.items() if k not in ("params", "param_names")})
-        for g in self.param_groups:
-            for p in g["params"]:
-                q = self.host_of.get(p, p)
-                opt_state = (self._owner(q) if q is not p else self.device_optimizer).state
-                if self.state.get(p) and self.state[p] is not opt_state.get(q):
-                    opt_state[q] = {k: v.to(q.device) if torch.is_tensor(v) else v
-                                    for k, v in self.state[p].items()}
-
-    def _owner(self, host) -> torch.optim.Optimizer:
-        """The CPU optimizer that steps `host`."""
-        return self._owner_of[id(host)]
+    def __init__(self, params, offload_fraction: float = 0.5, optimizer_cls: Callable = AdamW,
+                 overlap_d2h_h2d: bool = True, **defaults):
+        split_by_fraction([1], offload_fraction)   # validates the fraction
+        self.offload_fraction, self.optimizer_cls = offload_fraction, optimizer_cls
+        self.overlap_d2h_h2d = overlap_d2h_h2d
+        super().__init__(params, defaults)
+        self._built = False   # built lazily: a wrapper may swap the params first
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -197,14 +170,6 @@ class HybridDeviceOptimizer(HybridDeviceOptimizer):  # the same class, continued
                 p.copy_(host, non_blocking=True)
         self.streams.join(self.streams.h2d)
         self._publish_state()
-
-    def _publish_state(self) -> None:
-        """This optimizer's state[p] is the sub-optimizer's state of p (or of its host copy)."""
-        for opt in self._sub_optimizers():
-            for g in opt.param_groups:
-                for q in g["params"]:
-                    if q in opt.state:
-                        self.state[self._outer_of.get(id(q), q)] = opt.state[q]
 
 
 # %% [markdown]
@@ -262,6 +227,9 @@ if __name__ == "__main__":
 #
 # ## Exercises
 #
-# 1. A 7B model with $F=1$: how many GB move over PCIe per step (bf16 grads down, bf16 params
-#    up)? At 25 GB/s, how long is that compared with a 1 s step?
+# 1. The 7B example at DP 64 with $F=1$, inside the distributed optimizer: each GPU offloads
+#    only its own 1/64 shard, and what crosses PCIe is that shard's fp32 grads down and its
+#    fp32 master params up (the hybrid optimizer is the *inner* optimizer, over fp32 pieces).
+#    How many GB move per GPU per step? At 25 GB/s, how long is that compared with a 1 s step,
+#    and how does the answer change at DP 8?
 # 2. Why does a *prefix* split make sense when grads arrive in reverse layer order?
