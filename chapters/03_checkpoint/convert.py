@@ -326,6 +326,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+
+# %% [markdown]
+# `check_target` is that refusal: a tracker in the target names the iteration a resume there
+# would lose; any other file means the directory belongs to something else.
+
+# %%
 def check_target(dst, force: bool = False) -> None:
     """ValueError when from-hf would write into a non-empty directory (a run's, maybe)."""
     from tinytron.checkpoint.formats import read_tracker

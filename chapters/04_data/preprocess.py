@@ -297,6 +297,13 @@ def merge_datasets(prefixes: Sequence[str], output_prefix: str) -> IndexedDatase
     return IndexedDataset(output_prefix)
 
 
+
+# %% [markdown]
+# `preprocess` is one dataset from start to end: documents, the tokenizer and its dtype,
+# one or several partitions, and the sidecar last, after the `.idx`, so a sidecar never
+# describes a dataset that was not finished.
+
+# %%
 def preprocess(inputs: Optional[Sequence[str]], output_prefix: str, spec: TokenizerSpec,
                json_key: str = "text", append_eod: bool = True, workers: int = 1,
                partitions: int = 1, progress: bool = True, encoding_errors: str = "strict") -> str:
