@@ -110,3 +110,53 @@ def test_console_entry_point_exits_zero(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     assert main(["--input", str(tmp_path / "missing.txt"), "--output-prefix", str(tmp_path / "o")]) == 2
     assert "error: input" in capsys.readouterr().err
+
+
+# -- the tokenizer sidecar and bytes that are not UTF-8 ---------------------------------------
+def test_every_dataset_gets_a_sidecar_naming_its_tokenizer(jsonl, tmp_path):
+    import hashlib
+
+    from tinytron.data._sidecar import read_sidecar
+
+    byte = _run("--input", jsonl, "--output-prefix", str(tmp_path / "b"), "--workers", "1")
+    assert sorted(p.name for p in tmp_path.glob("b_*")) == [
+        "b_text_document.bin", "b_text_document.idx", "b_text_document.tokenizer_info.json"]
+    info = read_sidecar(byte)
+    assert {k: info[k] for k in ("tokenizer_type", "tokenizer_file", "vocab_size", "eod", "pad")} \
+        == {"tokenizer_type": "byte", "tokenizer_file": None, "vocab_size": 262, "eod": 256,
+            "pad": 257}
+    bpe = _run("--input", jsonl, "--output-prefix", str(tmp_path / "t"), "--tokenizer-type", "bpe",
+               "--vocab-size", "280", "--workers", "2", "--partitions", "2")
+    info = read_sidecar(bpe)
+    tok_file = Path(str(tmp_path / "t") + "_tokenizer.json")
+    assert info["tokenizer_type"] == "hf" and info["tokenizer_file"] == str(tok_file.resolve())
+    assert info["tokenizer_sha256"] == hashlib.sha256(tok_file.read_bytes()).hexdigest()
+    assert (info["eod"], info["pad"]) == (0, 1) and not list(tmp_path.glob("t_*part*"))
+    # a merge keeps one shared sidecar, and refuses datasets tokenized differently
+    again = _run("--input", jsonl, "--output-prefix", str(tmp_path / "b2"), "--workers", "1")
+    merged = _run("--merge", byte, again, "--output-prefix", str(tmp_path / "m"))
+    assert read_sidecar(merged) == read_sidecar(byte)
+    with pytest.raises(ValueError, match=r"tokenized differently.*eod 0 \(data\) vs 256"):
+        _run("--merge", byte, bpe, "--output-prefix", str(tmp_path / "mixed"))
+    assert not Path(get_bin_path(str(tmp_path / "mixed"))).exists()
+
+
+def test_text_that_is_not_utf8_stops_naming_file_and_offset(tmp_path, capsys):
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("café au lait".encode("utf-8") + b" na\xefve")  # 0xef: Latin-1 'ï'
+    out = str(tmp_path / "o")
+    for workers in ("1", "2"):
+        assert main(["--input", str(latin), "--output-prefix", out, "--workers", workers,
+                     "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{latin}: not valid UTF-8 at byte 16 (0xef)" in err[0], err
+        assert "--encoding-errors replace" in err[0]
+    assert not Path(get_bin_path(out + "_text_document")).exists()
+    ds = IndexedDataset(_run("--input", str(latin), "--output-prefix", out, "--workers", "1",
+                             "--encoding-errors", "replace"))
+    assert bytes(ds[0][:-1].astype(np.uint8)).decode() == "café au lait na\ufffdve"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    assert main(["--input", str(bad), "--output-prefix", out, "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:2: not valid UTF-8 (byte 28 of the file is 0xe9)" in err, err
