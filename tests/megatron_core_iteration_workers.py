@@ -40,19 +40,32 @@ RECIPE = dict(hidden_size=64, num_layers=4, num_attention_heads=4, num_query_gro
               lr_warmup_init=1e-4, lr_warmup_iters=3, lr_decay_iters=10,
               lr_decay_style="cosine", weight_decay=0.1, clip_grad=0.5, adam_beta1=0.85,
               adam_beta2=0.95, adam_eps=1e-6, init_std=0.02)
-INIT_SEED = 7            # megatron-core's initialization of the shared starting weights
-INIT_DIR = "initial"     # ROOT/initial: a Megatron-LM checkpoint root at iteration 0
+INIT_SEED = 7  # megatron-core's initialization of the shared starting weights
 
-# layout name -> (tp, pp, sequence_parallel, distributed optimizer, tinytron's overrides).
-# No sequence-parallel layout: megatron-core's local spec without Apex normalizes with
-# WrappedTorchNorm, which refuses sequence_parallel (torch_norm.py:32 in 0.16.1).
+
+def init_root(root: str, tie: bool) -> str:
+    """ROOT/initial_tied, ROOT/initial_untied: Megatron-LM checkpoint roots at iteration 0."""
+    return os.path.join(root, "initial_tied" if tie else "initial_untied")
+
+
+def _layout(tp=1, pp=1, vpp=None, distopt=False, tie=True, argv=()) -> dict:
+    return dict(tp=tp, pp=pp, vpp=vpp, distopt=distopt, tie=tie, argv=list(argv))
+
+
+# Each layout on both sides; `argv` is what tinytron's command line adds to the recipe (its data
+# parallel size follows from the world size). No sequence parallelism: megatron-core's local
+# spec without Apex normalizes with WrappedTorchNorm, which refuses it (torch_norm.py:32, 0.16.1).
+PP2 = ["--parallel.pipeline_model_parallel_size", "2"]
 LAYOUTS = {
-    "one_rank": (1, 1, False, False, []),
-    "dp2": (1, 1, False, False, []),
-    "dp2_distopt": (1, 1, False, True, ["--optimizer.use_distributed_optimizer", "true",
-                                        "--ddp.overlap_grad_reduce", "true"]),
-    "tp2": (2, 1, False, False, ["--parallel.tensor_model_parallel_size", "2"]),
-    "pp2": (1, 2, False, False, ["--parallel.pipeline_model_parallel_size", "2"]),
+    "one_rank": _layout(),
+    "one_rank_untied": _layout(tie=False, argv=["--model.tie_embeddings", "false"]),
+    "dp2": _layout(),
+    "dp2_distopt": _layout(distopt=True, argv=["--optimizer.use_distributed_optimizer", "true",
+                                               "--ddp.overlap_grad_reduce", "true"]),
+    "tp2": _layout(tp=2, argv=["--parallel.tensor_model_parallel_size", "2"]),
+    "pp2": _layout(pp=2, argv=PP2),
+    "pp2_vpp2": _layout(pp=2, vpp=2, argv=PP2 + [
+        "--parallel.virtual_pipeline_model_parallel_size", "2"]),
 }
 # negative controls: tinytron run with one knob changed, compared with the unchanged reference
 CONTROLS = {"adam_eps": ["--optimizer.adam_eps", "1e-8"],
@@ -116,7 +129,7 @@ def _import_megatron_core():
         from megatron.core.optimizer import get_megatron_optimizer  # noqa: F401
 
 
-def _transformer_config(tp: int, pp: int, sp: bool):
+def _transformer_config(tp: int = 1, pp: int = 1, vpp: int | None = None):
     from megatron.core.transformer import TransformerConfig
 
     r = RECIPE
@@ -124,7 +137,12 @@ def _transformer_config(tp: int, pp: int, sp: bool):
         num_layers=r["num_layers"], hidden_size=r["hidden_size"],
         num_attention_heads=r["num_attention_heads"], num_query_groups=r["num_query_groups"],
         ffn_hidden_size=r["ffn_hidden_size"], tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, sequence_parallel=sp, pipeline_dtype=torch.float32,
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+        pipeline_dtype=torch.float32,
+        # Megatron-LM's arguments: an interleaved run overlaps its p2p by default, which
+        # unbatches it (argument_utils.py:302); with PP 2 a batched exchange would hold two
+        # sends between the same two ranks, which arguments.py:984 refuses
+        overlap_p2p_comm=vpp is not None, batch_p2p_comm=vpp is None,
         use_cpu_initialization=True, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, normalization="RMSNorm", hidden_dropout=0.0,
         attention_dropout=0.0, bias_dropout_fusion=False, masked_softmax_fusion=False,
@@ -132,16 +150,21 @@ def _transformer_config(tp: int, pp: int, sp: bool):
         init_method_std=r["init_std"])
 
 
-def _megatron_model(config):
-    """This rank's pipeline stage of megatron-core's GPTModel (Llama-style: RMSNorm, SwiGLU, RoPE, GQA)."""
+def _megatron_chunks(config, tie: bool) -> list:
+    """This rank's model chunks of megatron-core's GPTModel (Llama-style: RMSNorm, SwiGLU, RoPE,
+    GQA), one per virtual stage, as Megatron-LM's get_model builds them."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"),
-                    vocab_size=RECIPE["vocab_size"], max_sequence_length=RECIPE["seq_length"],
-                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                    position_embedding_type="rope", share_embeddings_and_output_weights=True)
+    vpp = config.virtual_pipeline_model_parallel_size
+    stages = range(vpp) if vpp else [None]
+    return [GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"),
+                     vocab_size=RECIPE["vocab_size"], max_sequence_length=RECIPE["seq_length"],
+                     pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
+                     post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v),
+                     position_embedding_type="rope", share_embeddings_and_output_weights=tie,
+                     vp_stage=v) for v in stages]
 
 
 def _tensor_request(model) -> dict:
@@ -149,20 +172,25 @@ def _tensor_request(model) -> dict:
     return {k: v for k, v in model.sharded_state_dict().items() if not k.endswith("_extra_state")}
 
 
-def _read_weights(model, directory: str) -> dict:
-    """megatron-core's own loader: this layout's share of the model tensors in `directory`."""
+def _read_weights(chunks: list, directory: str) -> list[dict]:
+    """megatron-core's own loader: this layout's share of the model tensors in `directory`, all
+    chunks in one request ("model0", "model1", … as Megatron-LM asks for virtual stages)."""
     from megatron.core import dist_checkpointing
 
-    got = dist_checkpointing.load(_tensor_request(model), directory)
-    return {k: v for k, v in got.items() if torch.is_tensor(v)}
+    got = dist_checkpointing.load({f"model{i}": _tensor_request(c) for i, c in enumerate(chunks)},
+                                  directory)
+    return [{k: v for k, v in got[f"model{i}"].items() if torch.is_tensor(v)}
+            for i in range(len(chunks))]
 
 
-def _load_weights(model, directory: str) -> None:
-    missing, unexpected = model.load_state_dict(_read_weights(model, directory), strict=False)
-    assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
+def _load_weights(chunks: list, directory: str) -> None:
+    for chunk, weights in zip(chunks, _read_weights(chunks, directory)):
+        missing, unexpected = chunk.load_state_dict(weights, strict=False)
+        assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing,
+                                                                                    unexpected)
 
 
-def write_initial_weights(root: str) -> str:
+def write_initial_weights(root: str, tie: bool) -> str:
     """megatron-core's freshly initialized GPTModel, saved as Megatron-LM saves a run.
 
     The layout is that of `megatron/training/checkpointing.py` at iteration 0: the tracker file
@@ -173,14 +201,14 @@ def write_initial_weights(root: str) -> str:
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    top = os.path.join(root, INIT_DIR)
+    top = init_root(root, tie)
     shutil.rmtree(top, ignore_errors=True)
     os.makedirs(os.path.join(top, "iter_0000000"))
     with megatron_core_on_cpu():
         ps.initialize_model_parallel(1, 1)
         try:
             torch.manual_seed(INIT_SEED)
-            model = _megatron_model(_transformer_config(1, 1, False))
+            model, = _megatron_chunks(_transformer_config(), tie)
             dist_checkpointing.save({"model": model.sharded_state_dict(), "iteration": 0,
                                      "checkpoint_version": 3.0}, os.path.join(top, "iter_0000000"))
         finally:
@@ -246,25 +274,27 @@ def _forward_step(data_iterator, model):
     return output, partial(_loss_func, batch["loss_mask"])
 
 
-def _megatron_parts(layout: str, init_root: str):
-    """Model (initial weights loaded), DDP, optimizer, scheduler: Megatron-LM's setup_model_and_optimizer."""
+def _megatron_parts(layout: dict, initial: str):
+    """Model chunks (initial weights loaded), DDP, optimizer, scheduler: Megatron-LM's
+    setup_model_and_optimizer (training.py:1938) with this recipe's arguments."""
     from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                            finalize_model_grads)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    tp, pp, sp, distopt, _ = LAYOUTS[layout]
     r, gbs = RECIPE, RECIPE["global_batch_size"]
-    config = _transformer_config(tp, pp, sp)
+    config = _transformer_config(layout["tp"], layout["pp"], layout["vpp"])
     torch.manual_seed(INIT_SEED + 1)  # any initialization: the checkpoint overwrites it
-    model = _megatron_model(config)
-    _load_weights(model, os.path.join(init_root, "iter_0000000"))
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
-        use_distributed_optimizer=distopt), model)
+    chunks = _megatron_chunks(config, layout["tie"])
+    _load_weights(chunks, os.path.join(initial, "iter_0000000"))
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=layout["distopt"])
+    # get_model: only the first chunk is split into buckets (the others are one bucket each)
+    ddp = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+           for i, chunk in enumerate(chunks)]
     optimizer = get_megatron_optimizer(OptimizerConfig(
         lr=r["lr"], min_lr=r["min_lr"], weight_decay=r["weight_decay"], clip_grad=r["clip_grad"],
         adam_beta1=r["adam_beta1"], adam_beta2=r["adam_beta2"], adam_eps=r["adam_eps"],
-        use_distributed_optimizer=distopt), [ddp])
+        use_distributed_optimizer=layout["distopt"]), ddp)
     # Megatron-LM's get_optimizer_param_scheduler: every length in samples (iterations · gbs)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=r["lr_warmup_init"], max_lr=r["lr"], min_lr=r["min_lr"],
@@ -274,19 +304,20 @@ def _megatron_parts(layout: str, init_root: str):
         wd_incr_style="constant")
     config.grad_scale_func = optimizer.scale_loss          # training.py:3227
     config.finalize_model_grads_func = finalize_model_grads  # training.py:3245
-    return model, ddp, optimizer, scheduler
+    return chunks, ddp, optimizer, scheduler
 
 
-def _train_step(ddp, optimizer, scheduler, data_iterator, num_microbatches: int, dp: int):
+def _train_step(ddp: list, optimizer, scheduler, data_iterator, num_microbatches: int, dp: int):
     """One iteration in `train_step`'s order (training.py:2162-2345)."""
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    ddp.zero_grad_buffer()
+    for chunk in ddp:
+        chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = get_forward_backward_func()(
-        forward_step_func=_forward_step, data_iterator=data_iterator, model=[ddp],
+        forward_step_func=_forward_step, data_iterator=data_iterator, model=ddp,
         num_microbatches=num_microbatches, seq_length=RECIPE["seq_length"],
         micro_batch_size=RECIPE["micro_batch_size"], forward_only=False)
     update_successful, grad_norm, _ = optimizer.step()
@@ -297,34 +328,44 @@ def _train_step(ddp, optimizer, scheduler, data_iterator, num_microbatches: int,
     scheduler.step(increment=num_microbatches * RECIPE["micro_batch_size"] * dp)  # :2317
     record = {"grad_norm": float(stats[1]),
               "learning_rate": get_canonical_lr_for_logging(optimizer.param_groups)}
-    if ps.is_pipeline_last_stage():  # :2327-2341: the token mean over the whole global batch
+    if ps.is_pipeline_last_stage(ignore_virtual=True):  # :2327-2341: the token mean over the batch
         total = torch.vstack([x["lm loss"].view(-1) for x in losses]).sum(dim=0).double()
         dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
         record["lm loss"] = float(total[0] / total[1])
     return record
 
 
-def megatron_run(layout: str, data_prefix: str, init_root: str, cache: str,
+def _weights(chunks) -> dict:
+    """Every tensor of this rank's chunks, keyed 'chunk.name'."""
+    return {f"{i}.{k}": v.detach().clone() for i, c in enumerate(chunks)
+            for k, v in c.state_dict().items() if torch.is_tensor(v) and not k.endswith("_extra_state")}
+
+
+def megatron_run(layout_name: str, data_prefix: str, initial: str, cache: str,
                  compare_with: dict[str, str]) -> dict:
     """The reference run of one layout; then each of tinytron's final checkpoints read into this
     layout by megatron-core's own loader and compared tensor by tensor with the weights trained here."""
     from megatron.core import parallel_state as ps
 
-    tp, pp, *_ = LAYOUTS[layout]
+    layout = LAYOUTS[layout_name]
     with megatron_core_on_cpu():
-        ps.initialize_model_parallel(tp, pp)
+        ps.initialize_model_parallel(layout["tp"], layout["pp"],
+                                     virtual_pipeline_model_parallel_size=layout["vpp"])
         try:
             dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-            model, ddp, optimizer, scheduler = _megatron_parts(layout, init_root)
-            data = _microbatches(_megatron_train_dataset(data_prefix, cache), dp_rank, dp)
+            chunks, ddp, optimizer, scheduler = _megatron_parts(layout, initial)
+            dataset = _megatron_train_dataset(data_prefix, cache)
+            # virtual stages: one iterator per chunk over the same samples (training.py builds
+            # the iterators once per chunk)
+            data = [_microbatches(dataset, dp_rank, dp) for _ in chunks]
             m = RECIPE["global_batch_size"] // (RECIPE["micro_batch_size"] * dp)
-            records = [_train_step(ddp, optimizer, scheduler, data, m, dp)
-                       for _ in range(RECIPE["train_iters"])]
-            trained = {k: v.detach().clone() for k, v in model.state_dict().items()
-                       if torch.is_tensor(v) and not k.endswith("_extra_state")}
+            records = [_train_step(ddp, optimizer, scheduler, data if layout["vpp"] else data[0],
+                                   m, dp) for _ in range(RECIPE["train_iters"])]
+            trained = _weights(chunks)
             gaps = {}
             for name, directory in compare_with.items():  # reading overwrites the model's tensors
-                theirs = _read_weights(model, directory)
+                theirs = {f"{i}.{k}": v for i, w in enumerate(_read_weights(chunks, directory))
+                          for k, v in w.items()}
                 gaps[name] = {k: float((theirs[k] - trained[k]).abs().max()) for k in theirs}
         finally:
             ps.destroy_model_parallel()
@@ -333,7 +374,7 @@ def megatron_run(layout: str, data_prefix: str, init_root: str, cache: str,
 
 
 # -- tinytron.train, as a user runs it ----------------------------------------------------------
-def tinytron_argv(data_prefix: str, init_root: str, save: str, extra: list[str]) -> list[str]:
+def tinytron_argv(data_prefix: str, initial: str, save: str, extra: list[str]) -> list[str]:
     """The same recipe as tinytron.train's command line, resuming the initial weights only."""
     r = RECIPE
     keys = {"model": ["hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
@@ -348,7 +389,7 @@ def tinytron_argv(data_prefix: str, init_root: str, save: str, extra: list[str])
         "--training.log_interval", "1", "--training.eval_interval", "none",
         "--training.save_interval", str(r["train_iters"]), "--data.data_path", data_prefix,
         "--data.split", '"98,2,0"', "--data.num_workers", "0",
-        "--checkpoint.load", init_root, "--checkpoint.finetune", "true",
+        "--checkpoint.load", initial, "--checkpoint.finetune", "true",
         "--checkpoint.save", save, "--logging.progress_bar", "false", *extra]
 
 
@@ -363,11 +404,12 @@ def read_records(jsonl: str) -> list[dict]:
     return out
 
 
-def tinytron_run(name: str, data_prefix: str, init_root: str, root: str, extra: list[str]) -> dict:
+def tinytron_run(name: str, data_prefix: str, initial: str, root: str, extra: list[str]) -> dict:
+    """One tinytron.train run, as tests/test_train.py runs it: resolve_config + run in this world."""
     from tinytron.train import resolve_config, run
 
     save = os.path.join(root, name)
-    argv = tinytron_argv(data_prefix, init_root, save, extra)
+    argv = tinytron_argv(data_prefix, initial, save, extra)
     code = run(resolve_config(argv, dist.get_world_size()), argv, name)
     jsonl = os.path.join(save, "log.jsonl")
     return {"code": code, "save": save,
@@ -380,14 +422,14 @@ def _final_checkpoint(save: str) -> str:
 
 def run_case(layout: str, root: str, data_prefix: str, controls: dict | None = None) -> dict:
     """tinytron's run(s) first, then megatron-core's on the same layout, reading tinytron's weights."""
-    init_root = os.path.join(root, INIT_DIR)
-    runs = {layout: list(LAYOUTS[layout][4])}
-    runs.update({f"{layout}_{c}": list(LAYOUTS[layout][4]) + extra
+    initial = init_root(root, LAYOUTS[layout]["tie"])
+    runs = {layout: LAYOUTS[layout]["argv"]}
+    runs.update({f"{layout}_{c}": LAYOUTS[layout]["argv"] + extra
                  for c, extra in (controls or {}).items()})
-    ours = {name: tinytron_run(name, data_prefix, init_root, root, extra)
+    ours = {name: tinytron_run(name, data_prefix, initial, root, extra)
             for name, extra in runs.items()}
     dist.barrier()
-    theirs = megatron_run(layout, data_prefix, init_root, os.path.join(root, "mcore_cache"),
+    theirs = megatron_run(layout, data_prefix, initial, os.path.join(root, "mcore_cache"),
                           {name: _final_checkpoint(r["save"]) for name, r in ours.items()})
     dist.barrier()
     return {"tinytron": ours, "megatron_core": theirs}
@@ -400,10 +442,12 @@ def world_cases(root: str, data_prefix: str, layouts: list[str]) -> dict:
 
 
 def one_rank_cases(root: str, data_prefix: str) -> dict:
-    """The initial weights, then the one-rank run and its negative controls, in this process."""
+    """The initial weights (tied and untied), then the one-rank runs and the negative controls."""
     _import_megatron_core()
-    write_initial_weights(root)
-    return {"one_rank": run_case("one_rank", root, data_prefix, CONTROLS)}
+    for tie in (True, False):
+        write_initial_weights(root, tie)
+    return {"one_rank": run_case("one_rank", root, data_prefix, CONTROLS),
+            "one_rank_untied": run_case("one_rank_untied", root, data_prefix)}
 
 
 if __name__ == "__main__":
