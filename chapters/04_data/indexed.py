@@ -15,6 +15,10 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from tinytron.data._index_checks import (IndexedDatasetError, as_tokens, check_bin_size,
+                                         check_dtype, check_files, check_index_size,
+                                         check_tables)
+
 __all__ = [
     "INDEX_HEADER", "DType", "IndexedDatasetError", "IndexedDataset", "IndexedDatasetBuilder",
     "get_idx_path", "get_bin_path", "write_index_bytes", "optimal_dtype", "hexdump_index",
@@ -45,6 +49,17 @@ __all__ = [
 # Worked example: the sequences `[5, 6, 7]`, `[8, 9]` (document 0) and `[3]` (document 1) in
 # uint16 give lengths `3, 2, 1`, pointers `0, 6, 10` (bytes: 3 tokens × 2 bytes = 6) and document
 # indices `0, 2, 3`. The index is $34 + 12 + 24 + 24 = 94$ bytes, the `.bin` is 12 bytes.
+#
+# **Sequences and documents.** The index knows two levels. A *sequence* is one contiguous run
+# of tokens, the unit of `ds[i]`; a *document* is one or more consecutive sequences, the unit
+# that the sampler of [the GPT dataset](gpt_dataset.py) shuffles. For GPT pretraining each
+# document is one sequence (the whole text, ending in the end-of-document token); a corpus
+# split into sentences (Megatron's `--split-sentences`) has many sequences per document.
+#
+# **The dtype.** Token ids are stored in the smallest type that holds the vocabulary: uint16
+# when every id is below 65,500, else int32 (`optimal_dtype`, Megatron's `:107`). For a 32,000
+# token vocabulary that is 2 bytes per token: a corpus of 1T tokens is a 2 TB `.bin` instead of
+# 4 TB, and every read moves half the bytes. A 128K vocabulary (Llama 3) needs int32.
 #
 # The dtype code table is Megatron's (`megatron/core/datasets/indexed_dataset.py:50`); the
 # writer is `_IndexWriter` (`:122`, `write` at `:175`, pointers at `:213`), the reader
@@ -105,15 +120,19 @@ def get_bin_path(path_prefix: str) -> str:
     return str(path_prefix) + ".bin"
 
 
-class IndexedDatasetError(ValueError):
-    """A `.bin`/`.idx` pair that cannot be read: the message names the file and the problem."""
-
 # %% [markdown]
 # ## Writing the index
 #
 # The whole `.idx` is a pure function of (dtype, lengths, document indices), so it is built as
 # one byte string. The pointers are a running sum of `length · itemsize`: a cumulative sum in
-# numpy rather than Megatron's per-sequence Python loop.
+# numpy rather than Megatron's per-sequence Python loop. In the worked example the byte
+# lengths are `3·2, 2·2, 1·2 = 6, 4, 2`; each pointer is the sum of the lengths before it,
+# `0, 6, 6 + 4 = 10`, which is `cumsum([6, 4])` shifted right by one with a leading 0.
+#
+# A multimodal index (Megatron's `multimodal=True`, for corpora that mix modalities)
+# appends one more table, an int8 *mode* per sequence, after the document indices: $N$ more
+# bytes. Nothing in the header says it is there; the reader must be told, which is why the
+# size check below allows exactly $N$ extra bytes only when it is.
 
 # %%
 def write_index_bytes(dtype, sequence_lengths, document_indices, sequence_modes=None) -> bytes:
@@ -132,21 +151,122 @@ def write_index_bytes(dtype, sequence_lengths, document_indices, sequence_modes=
     return b"".join(parts)
 
 # %% [markdown]
-# ## A builder a crash cannot corrupt
-#
-# Megatron's builder writes straight into `P.bin` and writes `P.idx` in `finalize`. A job
-# killed in between leaves a `.bin` with no index, or worse, a half-written `.idx` next to a
-# full `.bin`. Ours writes `P.bin.partial` and `P.idx.partial`, flushes them to disk, and only
-# then renames them into place. The old index (if any) is removed first, so at every instant
-# the prefix is either the old complete pair, a pair with no `.idx` (does not open), or the new
-# complete pair. `os.replace` is atomic on POSIX file systems.
-#
-# It also refuses a token id its dtype cannot hold. Megatron's builder casts with numpy, which
-# wraps around: in a `uint16` file 70 000 becomes 4 464 and -1 becomes 65 535, and the corpus is
-# wrong without a word. Here `add_item([70000])` raises a `ValueError` naming the id and dtype.
+# Reading the fixed header back is the inverse, with a check per field: the 9 magic bytes, the
+# version, the dtype code (through the code table), then the two counts that size the rest of
+# the file. In the worked example the header decodes to uint16, $N = 3$, $D + 1 = 3$, and the
+# file must then be $34 + 12 \cdot 3 + 8 \cdot 3 = 94$ bytes long.
 
 # %%
-class IndexedDatasetBuilder:
+def _parse_header(idx_path: str, raw: memoryview) -> tuple:
+    """Check the fixed 34-byte header; return (dtype, N, D+1)."""
+    if len(raw) < _FIXED_HEADER_BYTES:
+        raise IndexedDatasetError(f"{idx_path}: truncated index, {len(raw)} bytes is shorter "
+                                  f"than the {_FIXED_HEADER_BYTES}-byte header")
+    if bytes(raw[:9]) != INDEX_HEADER:
+        raise IndexedDatasetError(f"{idx_path}: bad magic {bytes(raw[:9])!r}, "
+                                  f"expected {INDEX_HEADER!r} (not an MMIDIDX index)")
+    version, code = struct.unpack_from("<QB", raw, 9)
+    if version != 1:
+        raise IndexedDatasetError(f"{idx_path}: unsupported version {version}, expected 1")
+    try:
+        dtype = DType.dtype_from_code(code)
+    except ValueError as err:
+        raise IndexedDatasetError(f"{idx_path}: {err}") from None
+    n, d = struct.unpack_from("<QQ", raw, 18)
+    return dtype, n, d
+
+
+# %% [markdown]
+# ## A builder a crash cannot corrupt
+#
+# Preprocessing a large corpus takes hours, and jobs get killed. What matters is what a killed
+# job leaves behind: a later training run opens whatever pair it finds under the prefix.
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# Megatron's builder writes straight into `P.bin` and writes `P.idx` in `finalize`
+# (`indexed_dataset.py:937`). A job killed in between leaves a `.bin` with no index, or a
+# half-written `.idx` next to a full `.bin`, or, when a run overwrites an old prefix, the old
+# `.idx` next to a new `.bin`. tinytron writes `P.bin.partial` and `P.idx.partial`, flushes both
+# to disk, and only then renames them into place.
+#
+# </div>
+#
+# The old index (if any) is removed before the first rename, so at every instant the prefix is
+# one of three states, and only complete pairs open:
+#
+# | moment of the kill | on disk under `P` | opens? |
+# |---|---|---|
+# | while tokens are appended | old pair (or nothing), plus `P.bin.partial` | the old pair, unchanged |
+# | after the old `.idx` was removed | old or new `.bin`, no `.idx` | no: `FileNotFoundError` names `P.idx` |
+# | after both renames | new `.bin` + new `.idx` | the new pair |
+#
+# `os.replace` is atomic on POSIX file systems, and the `fsync` before it makes sure the bytes
+# the new name points to are on disk, not only in the page cache.
+
+# %%
+def move_pair_into_place(tmp_bin: str, bin_path: str, idx_path: str, index: bytes) -> None:
+    """Write the index beside the finished .bin.partial, then rename both (the .idx last)."""
+    tmp_idx = idx_path + ".partial"
+    with open(tmp_idx, "wb") as f:
+        f.write(index)
+        f.flush()
+        os.fsync(f.fileno())
+    if os.path.exists(idx_path):
+        os.remove(idx_path)  # from here until the last rename the prefix does not open
+    os.replace(tmp_bin, bin_path)
+    os.replace(tmp_idx, idx_path)
+
+
+# %% [markdown]
+# **Merging.** The preprocessing workers each write a partial pair, and one builder then
+# appends them all (`add_index`): their tokens are copied in 16 MB chunks, their lengths
+# appended, and their document indices offset by the sequences already written. Worked
+# example: the builder holds 3 sequences in 2 documents (document indices `0, 2, 3`); appending
+# a dataset with indices `0, 1, 4` adds `1 + 3, 4 + 3`, giving `0, 2, 3, 4, 7`: 7 sequences in
+# 4 documents. Pairs of different dtypes cannot be merged, and the error names both.
+
+# %%
+class IndexMerge:
+    """Mixin for IndexedDatasetBuilder: append a whole finished pair."""
+
+    def add_index(self, path_prefix: str) -> None:
+        """Append a whole finished dataset (merging partial outputs)."""
+        other = IndexedDataset(path_prefix, multimodal=self.multimodal)
+        if np.dtype(other.dtype) != np.dtype(self.dtype):
+            raise IndexedDatasetError(f"{get_idx_path(path_prefix)}: dtype {np.dtype(other.dtype)} "
+                                      f"differs from the builder's {np.dtype(self.dtype)}")
+        offset = len(self.sequence_lengths)
+        self.sequence_lengths.extend(other.sequence_lengths.tolist())
+        self.document_indices.extend((other.document_indices[1:] + offset).tolist())
+        if self.multimodal:
+            self.sequence_modes.extend(other.sequence_modes.tolist())
+        with open(get_bin_path(path_prefix), "rb") as src:
+            while chunk := src.read(1 << 24):
+                self.data_file.write(chunk)
+
+
+# %% [markdown]
+# The builder itself appends: each `add_item` writes one sequence's tokens and remembers its
+# length, `end_document` records where the document ends, and `finalize` writes the index and
+# calls `move_pair_into_place`.
+#
+# It also refuses a token id its dtype cannot hold.
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# Megatron's builder casts with numpy, which wraps around: in a `uint16` file 70 000 becomes
+# 4 464 and -1 becomes 65 535, and the corpus is wrong without a word. Here `add_item([70000])`
+# raises a `ValueError` naming the id and the dtype.
+#
+# </div>
+#
+# That check, and every check of the reader below, is in the chapter's private module
+# `tinytron.data._index_checks` (`chapters/04_data/_index_checks.py`), so that the classes
+# read as what they do.
+
+# %%
+class IndexedDatasetBuilder(IndexMerge):
     """Append sequences to `P.bin`; `finalize` writes `P.idx` (indexed_dataset.py:937).
 
     Example::
@@ -171,7 +291,7 @@ class IndexedDatasetBuilder:
 
     def add_item(self, tokens, mode: int = 0) -> None:
         """Append one sequence."""
-        arr = _as_tokens(tokens, self.dtype)
+        arr = as_tokens(tokens, self.dtype)
         self.data_file.write(arr.tobytes(order="C"))
         self.sequence_lengths.append(int(arr.size))
         if self.multimodal:
@@ -179,7 +299,7 @@ class IndexedDatasetBuilder:
 
     def add_document(self, tokens, lengths: list[int], modes=None) -> None:
         """Append several sequences that form one document."""
-        arr = _as_tokens(tokens, self.dtype)
+        arr = as_tokens(tokens, self.dtype)
         if sum(lengths) != arr.size:
             raise ValueError(f"lengths {lengths} sum to {sum(lengths)}, not {arr.size} tokens")
         self.data_file.write(arr.tobytes(order="C"))
@@ -192,226 +312,39 @@ class IndexedDatasetBuilder:
         """Close the current document (after one or more add_item)."""
         self.document_indices.append(len(self.sequence_lengths))
 
-
-# %% [markdown]
-# Appending a finished dataset (how partitions are merged) offsets its document indices by the
-# sequences already written; `finalize` is the crash-safe write described above. The class
-# continues in this cell (a cell extends a class by subclassing it under the same name).
-
-# %%
-class IndexedDatasetBuilder(IndexedDatasetBuilder):  # the same class, continued
-    __doc__ = IndexedDatasetBuilder.__doc__  # help() keeps the first cell's docstring
-    def add_index(self, path_prefix: str) -> None:
-        """Append a whole finished dataset (merging partial outputs)."""
-        other = IndexedDataset(path_prefix, multimodal=self.multimodal)
-        if np.dtype(other.dtype) != np.dtype(self.dtype):
-            raise IndexedDatasetError(f"{get_idx_path(path_prefix)}: dtype {np.dtype(other.dtype)} "
-                                      f"differs from the builder's {np.dtype(self.dtype)}")
-        offset = len(self.sequence_lengths)
-        self.sequence_lengths.extend(other.sequence_lengths.tolist())
-        self.document_indices.extend((other.document_indices[1:] + offset).tolist())
-        if self.multimodal:
-            self.sequence_modes.extend(other.sequence_modes.tolist())
-        with open(get_bin_path(path_prefix), "rb") as src:
-            while chunk := src.read(1 << 24):
-                self.data_file.write(chunk)
-
     def finalize(self, idx_path: str) -> None:
         """Write the index, then move both files into place (the .idx last)."""
-        idx_path = str(idx_path)
         self.data_file.flush()
         os.fsync(self.data_file.fileno())
         self.data_file.close()
-        tmp_idx = idx_path + ".partial"
-        with open(tmp_idx, "wb") as f:
-            f.write(write_index_bytes(self.dtype, self.sequence_lengths, self.document_indices,
-                                      self.sequence_modes))
-            f.flush()
-            os.fsync(f.fileno())
-        if os.path.exists(idx_path):
-            os.remove(idx_path)  # from here until the last rename the prefix does not open
-        os.replace(self._tmp_bin, self.bin_path)
-        os.replace(tmp_idx, idx_path)
+        move_pair_into_place(self._tmp_bin, self.bin_path, str(idx_path), write_index_bytes(
+            self.dtype, self.sequence_lengths, self.document_indices, self.sequence_modes))
 
-
-def _as_tokens(tokens, dtype) -> np.ndarray:
-    """A 1-D array in the builder's dtype (lists, numpy arrays, torch tensors); ids must fit it."""
-    if hasattr(tokens, "numpy"):
-        tokens = tokens.numpy()
-    arr = np.asarray(tokens).reshape(-1)
-    target = np.dtype(dtype)
-    if arr.size and arr.dtype != target and target.kind in "iu":
-        # numpy's cast wraps around: 70000 -> 4464 and -1 -> 65535 in uint16, without a word
-        info = np.iinfo(target)
-        bad = arr[(arr < info.min) | (arr > info.max) | (arr != np.round(arr))] \
-            if arr.dtype.kind == "f" else arr[(arr < info.min) | (arr > info.max)]
-        if bad.size:
-            raise ValueError(f"token id {bad[0].item()} does not fit the builder's dtype "
-                             f"{target.name} (ids {info.min}..{info.max})")
-    return np.ascontiguousarray(arr, dtype=dtype)
 
 # %% [markdown]
-# ## Reading: zero-copy views, and errors that say what is wrong
+# ## Reading: zero-copy views
 #
-# The reader maps the `.idx` and creates numpy views on it (no copy: opening a 1 GB index costs
-# milliseconds). Megatron only asserts the magic and version (`indexed_dataset.py:266-269`) and
-# that `len(lengths) == document_indices[-1]` (`:673`); a truncated index or a short `.bin` shows
-# up later as a wrong sample or a crash deep inside training. Here every inconsistency we can
-# check cheaply is checked on open and raised as `IndexedDatasetError` naming the file:
-# magic, version, dtype code, a file too short for the counts it declares, document indices that
-# do not start at 0, end at $N$ or go backwards, negative lengths, pointers that disagree with
-# the lengths, a `.bin` whose size differs from what the pointers say, or a dtype other than
-# the one the caller expects.
+# A training run reads a few thousand tokens at a time from anywhere in the corpus. The reader
+# therefore never loads a file: it maps both with `np.memmap` and makes numpy views on the
+# mapped bytes. The operating system pages in only what a read touches, and keeps hot pages
+# cached across the DataLoader's workers. Opening a 1 GB index costs milliseconds, and one
+# sample is one slice. The files are mapped read-only, so every sample is a read-only view:
+# code that writes into a sample raises instead of changing the corpus (or, with a private
+# mapping, silently changing what the next read of that sample returns). A caller that needs
+# to modify tokens copies them first; [the GPT dataset](gpt_dataset.py) does so anyway when it
+# builds a sample (its concatenation and int64 cast are copies).
+#
+# The read of sequence `i` from `offset` for `length` tokens: the `.bin` starts sequence `i`
+# at byte `pointer[i]`, which is token `pointer[i] / itemsize`, so the tokens are
+# `tokens[pointer[i] / itemsize + offset :][:length]`. In the worked example sequence 0 starts
+# at byte 0 and `get(0, offset=1, length=2)` is `tokens[1:3] = [6, 7]`; sequence 2 starts at
+# byte 10, token 5, so `get(2)` is `tokens[5:6] = [3]`. Megatron's `get` is the same arithmetic
+# (`indexed_dataset.py:843`); without the map (`mmap=False`) it is one seek and one read.
 
 # %%
-def _parse_header(idx_path: str, raw: memoryview) -> tuple:
-    """Check the fixed 34-byte header; return (dtype, N, D+1)."""
-    if len(raw) < _FIXED_HEADER_BYTES:
-        raise IndexedDatasetError(f"{idx_path}: truncated index, {len(raw)} bytes is shorter "
-                                  f"than the {_FIXED_HEADER_BYTES}-byte header")
-    if bytes(raw[:9]) != INDEX_HEADER:
-        raise IndexedDatasetError(f"{idx_path}: bad magic {bytes(raw[:9])!r}, "
-                                  f"expected {INDEX_HEADER!r} (not an MMIDIDX index)")
-    version, code = struct.unpack_from("<QB", raw, 9)
-    if version != 1:
-        raise IndexedDatasetError(f"{idx_path}: unsupported version {version}, expected 1")
-    try:
-        dtype = DType.dtype_from_code(code)
-    except ValueError as err:
-        raise IndexedDatasetError(f"{idx_path}: {err}") from None
-    n, d = struct.unpack_from("<QQ", raw, 18)
-    return dtype, n, d
+class SequenceReads:
+    """Mixin for IndexedDataset: sequences as slices of the mapped tokens (or file reads)."""
 
-
-def _check_tables(idx_path, lengths, pointers, docs, itemsize) -> None:
-    """Consistency of lengths, pointers and document indices."""
-    n = len(lengths)
-    if len(docs) == 0 or docs[0] != 0 or docs[-1] != n:
-        first, last = (docs[0], docs[-1]) if len(docs) else (None, None)
-        raise IndexedDatasetError(f"{idx_path}: inconsistent document indices (first {first}, "
-                                  f"last {last}); expected first 0 and last {n} = sequence count")
-    if np.any(np.diff(docs) < 0):
-        raise IndexedDatasetError(f"{idx_path}: document indices decrease")
-    if n and lengths.min() < 0:
-        raise IndexedDatasetError(f"{idx_path}: negative sequence length {lengths.min()}")
-    start = 0  # pointers must be the running byte sum of the lengths; checked in blocks so a
-    for lo in range(0, n, _CHECK_BLOCK):  # 100M-sequence index needs no 800 MB temporary
-        block = lengths[lo:lo + _CHECK_BLOCK].astype(np.int64) * itemsize
-        expected = start + np.cumsum(block) - block
-        bad = np.flatnonzero(expected != pointers[lo:lo + _CHECK_BLOCK])
-        if bad.size:
-            i = lo + int(bad[0])
-            raise IndexedDatasetError(f"{idx_path}: inconsistent pointer for sequence {i}: "
-                                      f"{pointers[i]} bytes, lengths say {expected[bad[0]]}")
-        start = int(expected[-1] + block[-1])
-
-
-_CHECK_BLOCK = 1 << 22
-
-
-# %% [markdown]
-# The dataset opens both files, checks the header and the three tables, maps the `.bin`, and
-# keeps each sequence's token offset so that a read is one slice of the mapped array.
-
-# %%
-class IndexedDataset:
-    """A memory-mapped `.bin`/`.idx` pair: `ds[i]`, `ds.get(i, offset, length)`.
-
-    Example::
-
-        ds = IndexedDataset("data/corpus_text_document")   # the prefix, without .bin/.idx
-        ds        # IndexedDataset('data/corpus_text_document', documents=..., tokens=..., ...)
-        ds[0]     # the first sequence's token ids (a read-only numpy view)
-    """
-
-    def __init__(self, path_prefix: str, multimodal: bool = False, mmap: bool = True,
-                 dtype_code: Optional[int] = None):
-        self.path_prefix = str(path_prefix)
-        self.multimodal, self.mmap = multimodal, mmap
-        idx_path, bin_path = get_idx_path(path_prefix), get_bin_path(path_prefix)
-        for p in (idx_path, bin_path):
-            if not os.path.isfile(p):
-                raise FileNotFoundError(f"{p}: missing (an IndexedDataset needs both "
-                                        f"{Path(bin_path).name} and {Path(idx_path).name})")
-        if os.path.getsize(idx_path) < _FIXED_HEADER_BYTES:
-            raise IndexedDatasetError(f"{idx_path}: truncated index, {os.path.getsize(idx_path)} "
-                                      f"bytes is shorter than the {_FIXED_HEADER_BYTES}-byte header")
-        self._idx_map = np.memmap(idx_path, mode="r", dtype=np.uint8)
-        raw = memoryview(self._idx_map)
-        self.dtype, n, d = _parse_header(idx_path, raw)
-        if dtype_code is not None and DType.dtype_from_code(dtype_code) != self.dtype:
-            raise IndexedDatasetError(
-                f"{idx_path}: dtype mismatch, the index holds {np.dtype(self.dtype).name} "
-                f"(code {DType.code_from_dtype(self.dtype)}) but code {dtype_code} "
-                f"({np.dtype(DType.dtype_from_code(dtype_code)).name}) was expected")
-        self._load_tables(idx_path, raw, n, d)
-        self._open_bin(bin_path)
-
-    def _load_tables(self, idx_path, raw, n, d) -> None:
-        """Zero-copy views of the three tables, after checking the file is long enough."""
-        need = _FIXED_HEADER_BYTES + 12 * n + 8 * d
-        allowed = (need + n,) if self.multimodal else (need,)
-        if len(raw) not in allowed:
-            what = "truncated" if len(raw) < allowed[0] else "oversized"
-            raise IndexedDatasetError(f"{idx_path}: {what} index, {len(raw)} bytes but the header "
-                                      f"declares N={n}, D+1={d} -> {allowed[0]} bytes")
-        off = _FIXED_HEADER_BYTES
-        self.sequence_lengths = np.frombuffer(raw, np.int32, n, off)
-        self.sequence_pointers = np.frombuffer(raw, np.int64, n, off + 4 * n)
-        self.document_indices = np.frombuffer(raw, np.int64, d, off + 12 * n)
-        self.sequence_modes = (np.frombuffer(raw, np.int8, n, off + 12 * n + 8 * d)
-                               if self.multimodal else None)
-        _check_tables(idx_path, self.sequence_lengths, self.sequence_pointers,
-                      self.document_indices, np.dtype(self.dtype).itemsize)
-
-
-# %% [markdown]
-# The `.bin` must be exactly as long as the index says, then it is mapped. A dataset pickles as
-# its prefix, so a DataLoader worker re-opens the files instead of receiving gigabytes. The
-# class continues in this cell and the next (a cell extends a class by subclassing it under
-# the same name).
-
-# %%
-class IndexedDataset(IndexedDataset):  # the same class, continued
-    __doc__ = IndexedDataset.__doc__  # help() keeps the first cell's docstring
-    def _open_bin(self, bin_path) -> None:
-        """Check the .bin size against the index, then map it (or keep a file handle)."""
-        itemsize = np.dtype(self.dtype).itemsize
-        n = len(self.sequence_lengths)
-        expected = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * itemsize if n else 0
-        actual = os.path.getsize(bin_path)
-        if actual != expected:
-            what = "shorter" if actual < expected else "longer"
-            raise IndexedDatasetError(f"{bin_path}: data file is {actual} bytes, {what} than the "
-                                      f"{expected} bytes its index says (truncated or mismatched pair)")
-        self._bin_path = bin_path
-        self._tokens = (np.memmap(bin_path, mode="r", dtype=self.dtype) if self.mmap and actual
-                        else np.zeros(0, self.dtype) if self.mmap else None)
-        self._token_offsets = self.sequence_pointers // itemsize
-
-
-    def __len__(self) -> int:
-        return len(self.sequence_lengths)
-
-    def __repr__(self) -> str:
-        return (f"IndexedDataset({self.path_prefix!r}, documents={self.document_count}, "
-                f"sequences={len(self)}, tokens={int(self.sequence_lengths.sum(dtype=np.int64))}, "
-                f"dtype={np.dtype(self.dtype).name})")
-
-    def __getstate__(self):
-        """Pickle the prefix, not the mapped files (a spawned DataLoader worker re-opens them)."""
-        return (self.path_prefix, self.multimodal, self.mmap)
-
-    def __setstate__(self, state):
-        self.__init__(*state)
-
-
-# %% [markdown]
-# Reading: `get` is one slice of the mapped tokens, or a seek and a read without the map.
-
-# %%
-class IndexedDataset(IndexedDataset):  # continued
-    __doc__ = IndexedDataset.__doc__  # help() keeps the first cell's docstring
     def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
         """`length` tokens of sequence `idx` starting `offset` tokens in (indexed_dataset.py:843)."""
         if length is None:
@@ -435,6 +368,9 @@ class IndexedDataset(IndexedDataset):  # continued
             return [self.get(i) for i in range(*idx.indices(len(self)))]
         return self.get(int(idx))
 
+    def __len__(self) -> int:
+        return len(self.sequence_lengths)
+
     @property
     def document_count(self) -> int:
         """The number of documents D."""
@@ -447,11 +383,104 @@ class IndexedDataset(IndexedDataset):  # continued
             return np.fromfile(self._bin_path, dtype=self.dtype)
         return self._tokens
 
+
+# %% [markdown]
+# ## Opening: errors that say what is wrong
+#
+# A corrupt pair must fail when it is opened, with the file and the problem in the message,
+# not later as a wrong sample or a crash deep inside training.
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# Megatron only asserts the magic and version (`indexed_dataset.py:266-269`) and that
+# `len(lengths) == document_indices[-1]` (`:673`). tinytron checks, on open, everything that
+# is cheap to check, and raises `IndexedDatasetError` naming the file.
+#
+# </div>
+#
+# | check | what it catches | message starts (after the file name) |
+# |---|---|---|
+# | magic, version, dtype code | not an MMIDIDX index, a newer format | `bad magic`, `unsupported version`, `unknown dtype code` |
+# | file size against the header's $N$, $D+1$ | a truncated or appended-to `.idx` | `truncated index`, `oversized index` |
+# | document indices from 0 to $N$, never decreasing | a corrupt document table | `inconsistent document indices` |
+# | pointers = running sum of `length · itemsize` | a pointer table out of step with the lengths | `inconsistent pointer for sequence i` |
+# | `.bin` size = last pointer + last length | a short `.bin`, or an `.idx` of another `.bin` | `data file is … bytes, shorter than …` |
+# | the caller's expected dtype | a uint16 corpus read as int32 | `dtype mismatch` |
+#
+# The pointer check is a cumulative sum over all $N$ sequences, done in blocks of $2^{22}$ so
+# that a 100M-sequence index needs no 800 MB temporary. The dataset pickles as its prefix, so
+# a DataLoader worker re-opens the files instead of receiving gigabytes.
+
+# %%
+_CHECK_BLOCK = 1 << 22  # sequences per block of the pointer check
+
+
+class IndexedDataset(SequenceReads):
+    """A memory-mapped `.bin`/`.idx` pair: `ds[i]`, `ds.get(i, offset, length)`.
+
+    Example::
+
+        ds = IndexedDataset("data/corpus_text_document")   # the prefix, without .bin/.idx
+        ds        # IndexedDataset('data/corpus_text_document', documents=..., tokens=..., ...)
+        ds[0]     # the first sequence's token ids (a read-only numpy view)
+    """
+
+    def __init__(self, path_prefix: str, multimodal: bool = False, mmap: bool = True,
+                 dtype_code: Optional[int] = None):
+        self.path_prefix = str(path_prefix)
+        self.multimodal, self.mmap = multimodal, mmap
+        idx_path, bin_path = get_idx_path(path_prefix), get_bin_path(path_prefix)
+        check_files(idx_path, bin_path, _FIXED_HEADER_BYTES)
+        self._idx_map = np.memmap(idx_path, mode="r", dtype=np.uint8)
+        raw = memoryview(self._idx_map)
+        self.dtype, n, d = _parse_header(idx_path, raw)
+        check_dtype(idx_path, self.dtype, dtype_code, DType)
+        self._load_tables(idx_path, raw, n, d)
+        self._open_bin(bin_path)
+
+    def _load_tables(self, idx_path, raw, n, d) -> None:
+        """Zero-copy views of the three tables, after checking the file is long enough."""
+        check_index_size(idx_path, len(raw), _FIXED_HEADER_BYTES + 12 * n + 8 * d, n, d,
+                         self.multimodal)
+        off = _FIXED_HEADER_BYTES
+        self.sequence_lengths = np.frombuffer(raw, np.int32, n, off)
+        self.sequence_pointers = np.frombuffer(raw, np.int64, n, off + 4 * n)
+        self.document_indices = np.frombuffer(raw, np.int64, d, off + 12 * n)
+        self.sequence_modes = (np.frombuffer(raw, np.int8, n, off + 12 * n + 8 * d)
+                               if self.multimodal else None)
+        check_tables(idx_path, self.sequence_lengths, self.sequence_pointers,
+                     self.document_indices, np.dtype(self.dtype).itemsize, _CHECK_BLOCK)
+
+    def _open_bin(self, bin_path) -> None:
+        """Check the .bin size against the index, then map it (or keep a file handle)."""
+        itemsize = np.dtype(self.dtype).itemsize
+        actual = check_bin_size(bin_path, self.sequence_lengths, self.sequence_pointers, itemsize)
+        self._bin_path = bin_path
+        self._tokens = (np.memmap(bin_path, mode="r", dtype=self.dtype) if self.mmap and actual
+                        else np.zeros(0, self.dtype) if self.mmap else None)
+        self._token_offsets = self.sequence_pointers // itemsize
+
+    def __repr__(self) -> str:
+        return (f"IndexedDataset({self.path_prefix!r}, documents={self.document_count}, "
+                f"sequences={len(self)}, tokens={int(self.sequence_lengths.sum(dtype=np.int64))}, "
+                f"dtype={np.dtype(self.dtype).name})")
+
+    def __getstate__(self):
+        """Pickle the prefix, not the mapped files (a spawned DataLoader worker re-opens them)."""
+        return (self.path_prefix, self.multimodal, self.mmap)
+
+    def __setstate__(self, state):
+        self.__init__(*state)
+
+
 # %% [markdown]
 # ## Reading an index by eye
 #
 # The annotator walks the same layout table the reader uses and prints each field with its
-# offset, hex bytes and decoded value: the page's first demo shows a real file.
+# offset, hex bytes and decoded value: the page's first demo shows a real file. It is the
+# tool to reach for when a corpus fails to open: the offsets tell which table a bad value is
+# in, and the little-endian bytes can be compared with what the lengths imply (a pointer of
+# `06 00 00 00 00 00 00 00` is byte 6, three uint16 tokens after the start).
 
 # %%
 def hexdump_index(idx_path: str, max_rows_per_table: int = 4) -> str:
@@ -477,6 +506,10 @@ def hexdump_index(idx_path: str, max_rows_per_table: int = 4) -> str:
 
 # %% [markdown]
 # ## Demo: the worked example, on disk
+#
+# The three sequences of the worked example, written by the builder and read back: the dump
+# must show the 94 bytes computed above (lengths `3, 2, 1`, pointers `0, 6, 10`, document
+# indices `0, 2, 3`), and a partial read must be the slice the arithmetic predicts.
 
 # %%
 if __name__ == "__main__":
@@ -500,6 +533,10 @@ if __name__ == "__main__":
 
 # %% [markdown]
 # ## Demo: a corrupt pair is named, not silently misread
+#
+# The same pair with the `.bin` cut from 12 to 10 bytes, as a copy interrupted mid-file would
+# leave it. The index still says the last sequence ends at byte 12; the open must refuse and
+# name the `.bin`.
 
 # %%
 if __name__ == "__main__":
@@ -520,6 +557,7 @@ if __name__ == "__main__":
 # * The reader is zero-copy; the checks on open turn silent corruption into a named error.
 # * Writes go to `.partial` files renamed into place, so a killed job never leaves a prefix that
 #   opens as complete.
+# * Token ids that do not fit the dtype are refused at write time instead of wrapping around.
 #
 # ## How production does it
 #
@@ -528,9 +566,14 @@ if __name__ == "__main__":
 #   Multi-Storage Client, one file-like API over object stores) (`:389-586`),
 #   `IndexedDataset` (`:611`), `IndexedDatasetBuilder` (`:937`).
 # * NeMo and many other trainers read the same files through Megatron's class.
+# * nanoGPT's `train.bin` is the same idea with no index: one flat uint16 array read with
+#   `np.memmap`, documents separated only by the end-of-text token, and windows taken at
+#   random offsets; without document boundaries there is no per-document shuffle or mask.
 #
 # ## Exercises
 #
 # 1. Add the multimodal `sequence_modes` table to the demo and check the file grows by $N$ bytes.
 # 2. Time opening a 100k-sequence index with and without the pointer check; is it worth it?
 # 3. Why must the old `.idx` be removed *before* the new `.bin` is renamed into place?
+# 4. A corpus of 2 billion sequences: how large is its `.idx`, and would the pointer check's
+#    temporary fit in memory without the blocks?
