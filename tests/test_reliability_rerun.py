@@ -259,3 +259,35 @@ def test_checked_loss_func_validates_the_corrupted_loss():
         decision = rsm.should_checkpoint_and_exit()
     assert decision == (False, True, 17)
     assert math.isnan(rsm.initial_result)
+
+
+@pytest.mark.parametrize("mode", [m.value for m in RerunMode])
+def test_the_trainers_data_iterator_keeps_at_most_one_step_of_micro_batches(mode):
+    """300 steps x 4 micro-batches through the trainer's wrapped iterator: one step stays alive."""
+    import weakref
+
+    from tinytron.reliability import Reliability, ReliabilityConfig
+
+    rel = Reliability(ReliabilityConfig(rerun_mode=mode), rank=0, world_size=1)
+    alive: list = []
+
+    def batches():
+        for i in itertools.count():
+            t = torch.full((64,), float(i))
+            alive.append(weakref.ref(t))
+            yield t
+
+    data, held = rel.data_iterator(batches()), []
+    for _ in range(300):
+        while rel.rsm.should_run_forward_backward(data):
+            for _ in range(4):
+                b = next(data)
+                rel.rsm.validate_result(b.sum(), torch.isnan, "loss is NaN")
+            b = None
+        assert rel.rsm.should_checkpoint_and_exit() == (False, False, 0)
+        held.append(sum(r() is not None for r in alive))
+    assert len(alive) == 1200
+    # disabled: only the generator's own last item; else the current step's four micro-batches
+    assert max(held) <= (1 if mode == "disabled" else 4), (mode, max(held), held[-1])
+    if mode == "disabled":
+        assert data.saved_microbatches == []

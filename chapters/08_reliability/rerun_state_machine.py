@@ -127,7 +127,10 @@ def compare_floats(a: Any, b: Any) -> float:
 # - `RerunDataIterator` (`rerun_state_machine.py:1110`) wraps the training iterator and keeps
 #   every micro-batch it hands out during the step; `rewind()` replays them from the first,
 #   `advance()` drops them when the next step starts. One global batch per data-parallel rank is
-#   held for the whole step — a few MB of token ids.
+#   held for the whole step — a few MB of token ids. In `disabled` mode nothing is ever
+#   replayed and the machine never calls `advance()`, so the iterator keeps nothing at all
+#   (Megatron asks its global machine's mode before each append, `:1146-1147`; here the
+#   iterator is handed its machine) — buffering there would hold every micro-batch of the run.
 # - at the start of every step the machine saves Python's, NumPy's and torch's CPU and CUDA RNG
 #   states plus whatever `state_save_func` returns (Megatron: the tensor-parallel RNG tracker's
 #   named streams) and restores them before each rerun (`_save_state`/`_restore_state`, `:963`).
@@ -153,10 +156,14 @@ class Call:
 
 
 class RerunDataIterator:
-    """Wraps a data iterator so that the current step's micro-batches can be replayed."""
+    """Wraps a data iterator so that the current step's micro-batches can be replayed.
 
-    def __init__(self, iterable):
+    With `machine` given, micro-batches are kept only while its mode is not `disabled`.
+    """
+
+    def __init__(self, iterable, machine=None):
         self.iterable: Iterator = iter(iterable)
+        self.machine = machine
         self.saved_microbatches: list = []
         self.replaying = False
         self.replay_pos = 0
@@ -173,7 +180,8 @@ class RerunDataIterator:
             self.replay_pos += 1
             return batch
         batch = next(self.iterable)
-        self.saved_microbatches.append(batch)
+        if self.machine is None or self.machine.mode != RerunMode.DISABLED:
+            self.saved_microbatches.append(batch)
         return batch
 
     def rewind(self) -> None:

@@ -352,7 +352,7 @@ class Reliability(Reliability):  # the same class, continued
 
     def data_iterator(self, iterator):
         """The training iterator, replayable for reruns (None stays None)."""
-        return None if iterator is None else RerunDataIterator(iterator)
+        return None if iterator is None else RerunDataIterator(iterator, self.rsm)
 
     def forward_step_func(self, forward_step_func):
         """forward_step_func whose loss_func checks (and may corrupt) each micro-batch loss."""
