@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import importlib
 import math
+import re
 import tomllib
 import types
 import typing
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 __all__ = ["ParallelConfig", "TrainingConfig", "TokenizerConfig", "TrainConfig", "SECTIONS",
-           "load_config",
+           "load_config", "config_help",
            "parse_overrides", "ConfigError"]
 
 
@@ -81,7 +82,7 @@ class TrainingConfig:
     exit_duration_in_mins: Optional[float] = None
     """Stop (after saving) after this many minutes."""
     exit_signal_handler: bool = False
-    """Save and stop cleanly on SIGTERM."""
+    """Save and stop cleanly on SIGTERM (the one switch: [reliability] follows it)."""
     log_interval: int = 100
     """Print a log line every this many iterations."""
     seed: int = 1234
@@ -163,12 +164,31 @@ def _accepts(hint, value) -> tuple[bool, Any]:
     if hint is str:
         return isinstance(value, str), value
     base = origin or hint
-    if base in (list, tuple, Sequence):  # a string too: the section splits it (data paths)
+    if base in (list, tuple, Sequence):  # a string too: see _bare_list
         ok = isinstance(value, (list, tuple, str))
         return ok, list(value) if isinstance(value, tuple) else value
     if base is dict:
         return isinstance(value, dict), value
     return isinstance(value, base) if isinstance(base, type) else True, value
+
+
+# sections whose dataclass splits a string itself ([data]: "0.3 a 0.7 b", Megatron's blend)
+_SPLITS_STRINGS = ("data",)
+LIST_SYNTAX = ("a TOML list ('[\"nan@25\", \"kill@30\"]') or bare words separated by commas "
+               "or spaces ('nan@25,kill@30')")
+
+
+def _is_list_hint(hint) -> bool:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_is_list_hint(a) for a in typing.get_args(hint))
+    return (typing.get_origin(hint) or hint) in (list, tuple, Sequence)
+
+
+def _bare_list(section: str, hint, value):
+    """A string given for a list field -> its words (`--reliability.faults nan@25`)."""
+    if isinstance(value, str) and section not in _SPLITS_STRINGS and _is_list_hint(hint):
+        return [w for w in re.split(r"[,\s]+", value.strip()) if w]
+    return value
 
 
 def _type_name(hint) -> str:
@@ -190,9 +210,11 @@ def _build_section(name: str, values: dict) -> Any:
             near = difflib.get_close_matches(key, names, n=1)
             hint = f"; did you mean {name}.{near[0]}?" if near else ""
             raise ConfigError(f"unknown config key {name}.{key}{hint}")
+        value = _bare_list(name, hints[key], value)
         ok, converted = _accepts(hints[key], value)
         if not ok:
-            raise ConfigError(f"{name}.{key} must be {_type_name(hints[key])}, "
+            syntax = f", as {LIST_SYNTAX}" if _is_list_hint(hints[key]) else ""
+            raise ConfigError(f"{name}.{key} must be {_type_name(hints[key])}{syntax}, "
                               f"got {value!r} ({type(value).__name__})")
         kwargs[key] = converted
     try:
@@ -232,7 +254,7 @@ class TrainConfig:
             raise ConfigError(f"unknown config section [{unknown[0]}]{hint}")
         if "model" not in raw:
             raise ConfigError("the config has no [model] section")
-        raw = _ddp_follows_optimizer(raw)
+        raw = _reliability_follows_training(_ddp_follows_optimizer(raw))
         built = {name: _build_section(name, raw.get(name, {})) for name in SECTIONS
                  if name in raw or name != "model"}
         core = {k: built.pop(k) for k in ("model", "parallel", "training", "optimizer",
@@ -311,6 +333,21 @@ def _ddp_follows_optimizer(raw: dict) -> dict:
     return {**raw, "ddp": {**ddp, "use_distributed_optimizer": opt}}
 
 
+def _reliability_follows_training(raw: dict) -> dict:
+    """[reliability] exit_signal_handler is [training]'s (Megatron's one --exit-signal-handler)."""
+    training, rel = raw.get("training", {}), raw.get("reliability", {})
+    if not isinstance(training, dict) or not isinstance(rel, dict):
+        return raw
+    on = training.get("exit_signal_handler", False)
+    if "exit_signal_handler" in rel and rel["exit_signal_handler"] != on:
+        raise ConfigError(f"reliability.exit_signal_handler ({rel['exit_signal_handler']}) "
+                          f"disagrees with training.exit_signal_handler ({on}); "
+                          "set it in [training] only")
+    if "reliability" not in raw and not on:
+        return raw
+    return {**raw, "reliability": {**rel, "exit_signal_handler": on}}
+
+
 def _toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -323,6 +360,36 @@ def _toml_value(value) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def config_help(sections: Sequence[str] | None = None) -> str:
+    """Every section's keys with their default and one-line meaning (the fields' docstrings)."""
+    from tinytron._fields import _field_docs
+
+    lines = []
+    for name in sections or SECTIONS:
+        cls = _section_class(name)
+        docs: dict = {}
+        for klass in reversed(cls.__mro__):
+            if dataclasses.is_dataclass(klass):
+                docs.update(_field_docs(klass))
+        summary = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+        lines.append(f"[{name}]  {summary}")
+        for f in dataclasses.fields(cls):
+            if not f.init or f.name.startswith("_"):
+                continue
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                default = "(required)"
+            shown = "none" if default is None else (default if default == "(required)"
+                                                    else _toml_value(default))
+            lines.append(f"  {name}.{f.name} = {shown}" + (f"    {docs[f.name]}"
+                                                           if f.name in docs else ""))
+        lines.append("")
+    return "\n".join(lines)
 
 
 def parse_overrides(argv: Sequence[str]) -> dict:

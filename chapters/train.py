@@ -48,7 +48,7 @@ def _split_argv(argv: list[str]) -> tuple[str | None, list[str]]:
     while args:
         arg = args.pop(0)
         if arg in ("-h", "--help"):
-            raise SystemExit(print(USAGE + "\n\n" + __doc__.strip()) or 0)
+            raise SystemExit(print(_help(args[:1])) or 0)
         if arg == "--config" or arg.startswith("--config="):
             config = arg.split("=", 1)[1] if "=" in arg else (args.pop(0) if args else None)
             if config is None:
@@ -56,6 +56,19 @@ def _split_argv(argv: list[str]) -> tuple[str | None, list[str]]:
         else:
             rest.append(arg)
     return config, rest
+
+
+def _help(words: list[str]) -> str:
+    """Usage, this module's summary and every config key (`--help SECTION`: that section's)."""
+    from tinytron.config import SECTIONS, config_help
+
+    picked = [w for w in words if w in SECTIONS]
+    keys = config_help(picked or None)
+    if picked:
+        return keys
+    return "\n".join([USAGE, "", __doc__.strip(), "",
+                      "Every key, as --section.key VALUE (a list: a TOML list or words separated "
+                      "by commas; --help SECTION shows one section):", "", keys])
 
 
 def resolve_config(argv: list[str], world_size: int) -> TrainConfig:
@@ -438,8 +451,8 @@ def _reliability(cfg: TrainConfig, out_dir: str):
     config = cfg.extra.get("reliability") or ReliabilityConfig()
     if config.enable_ft and "MASTER_PORT" not in os.environ:
         config = dataclasses.replace(config, enable_ft=False)  # heartbeats need torchrun's store
-    if cfg.training.exit_signal_handler:  # Megatron's --exit-signal-handler, either section
-        config = dataclasses.replace(config, exit_signal_handler=True)
+    # one switch: tinytron.config makes [reliability] follow [training] (--exit-signal-handler)
+    config = dataclasses.replace(config, exit_signal_handler=cfg.training.exit_signal_handler)
     log = cfg.extra.get("logging") or LoggingConfig()  # the timers' level lives in [logging]
     return Reliability(config, save_dir=out_dir, timing_log_level=log.timing_log_level,
                        timing_log_option=log.timing_log_option)

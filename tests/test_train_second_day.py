@@ -229,3 +229,47 @@ def test_a_config_error_under_torchrun_prints_once(tmp_path):
     assert proc.returncode != 0
     assert out.count("tinytron.train: error: unknown config key model.hiden_size") == 1, out
     assert "tinytron/" not in out and "chapters/" not in out, out   # no traceback of ours
+
+
+# -- §3: list-valued overrides, --help, one signal switch ---------------------------------------
+def test_list_overrides_take_bare_words_and_name_the_syntax():
+    from tinytron.config import ConfigError, load_config
+
+    cfg = load_config("configs/tiny.toml", ["--reliability.faults", "nan@25",
+                                            "--model.recompute_modules", "core_attn,mlp"])
+    assert cfg.extra["reliability"].faults == ["nan@25"]
+    assert cfg.model.recompute_modules == ["core_attn", "mlp"]
+    cfg = load_config("configs/tiny.toml", ["--reliability.faults", '["nan@25", "kill@3:rank=1"]',
+                                            "--data.data_path", "0.3 a 0.7 b"])
+    assert cfg.extra["reliability"].faults == ["nan@25", "kill@3:rank=1"]
+    assert cfg.data.data_path == ["0.3", "a", "0.7", "b"]   # [data] splits Megatron's blend itself
+    with pytest.raises(ConfigError, match=r"reliability.faults must be list, as a TOML list"):
+        load_config("configs/tiny.toml", ["--reliability.faults", "3"])
+
+
+def test_help_lists_every_key_with_its_default_and_meaning():
+    import dataclasses
+
+    from tinytron.config import SECTIONS, _section_class
+
+    proc = subprocess.run([sys.executable, "-m", "tinytron.train", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    for name in SECTIONS:
+        assert any(x.startswith(f"[{name}]  ") for x in lines), name
+        for f in dataclasses.fields(_section_class(name)):
+            if f.init and not f.name.startswith("_"):
+                assert any(x.startswith(f"  {name}.{f.name} = ") for x in lines), (name, f.name)
+    assert "  training.save_interval = none    Save a checkpoint every" in proc.stdout
+    assert '  checkpoint.ckpt_format = "torch_dist"    ' in proc.stdout
+
+
+def test_exit_signal_handler_is_one_switch():
+    from tinytron.config import ConfigError, load_config
+
+    assert load_config("configs/tiny.toml").extra["reliability"].exit_signal_handler is True
+    off = load_config("configs/tiny.toml", ["--training.exit_signal_handler", "false"])
+    assert off.extra["reliability"].exit_signal_handler is False
+    with pytest.raises(ConfigError, match=r"set it in \[training\] only"):
+        load_config("configs/tiny.toml", ["--reliability.exit_signal_handler", "false"])
