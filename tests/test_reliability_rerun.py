@@ -236,6 +236,22 @@ def test_random_injector_forces_verdicts_and_survives_checkpoint(tmp_path):
     _, decision = _step(r2, _data(), lambda r: [1.0])
     assert decision == (False, True, 17) and r2.diagnosis == RerunDiagnostic.PERSISTENT_ERROR
     assert isinstance(r2.error_injector, RerunErrorInjector)
+    assert r2.error_injector.injected_error_type is None          # the verdict re-armed it
+
+
+@pytest.mark.parametrize("kind", ["transient_error", "persistent_error", "correct_result"])
+def test_random_injector_rearms_after_each_verdict(kind):
+    """A non-fatal check over 60 steps at rate 3: about one injection in three, not one per job."""
+    cfg = RerunConfig(error_injection_rate=3, error_injection_type=kind)
+    rsm = build_rerun_state_machine(cfg, identity_func=lambda: ("a", 0))
+    data, injected = _data(), 0
+    for _ in range(60):
+        passes, decision = _step(rsm, data, lambda r: [1.0], fatal=False)
+        assert decision == (False, False, 0), decision   # non-fatal: every verdict continues
+        injected += [p[0] for p in passes] == [RerunState.INITIAL_RUN, RerunState.RERUNNING_IN_PLACE]
+        assert rsm.error_injector.injected_error_type is None   # re-armed after each verdict
+    # 59 validated steps at 1 in 3: the seed-0 draws give a count well inside these bounds
+    assert 10 <= injected <= 35, injected
 
 
 def test_checked_loss_func_validates_the_corrupted_loss():

@@ -491,6 +491,8 @@ class RerunStateMachine(RerunStateMachine):  # the same class, continued
             self.checkpoint_requested = True
         else:
             self.continue_requested = True
+            if self.error_injector is not None:  # a non-fatal verdict is final: re-arm
+                self.error_injector.injected_error_type = None
 
     def _second_rerun_verdict(self, differs: bool, result, message: str, fatal: bool) -> None:
         if self.identity_func() == (self.suspicious_node, self.suspicious_device):

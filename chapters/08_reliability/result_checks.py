@@ -91,10 +91,26 @@ class RerunConfig:
 #
 # To test the machinery on a healthy run, `RerunErrorInjector` (`rerun_state_machine.py:1264`)
 # rejects a result about once per `error_injection_rate` validations — it draws
-# `randint(0, rate-1)` from Python's `random`, which the machine saves and restores, so a rerun
-# draws the same number — and then *forces* the rerun's comparison to the verdict it was told
+# `randint(0, rate-1)` and adds the rank, so that ranks are hit at different times — and then
+# *forces* the rerun's comparison to the verdict it was told
 # to fake: `transient_error` mismatches in place, `persistent_error` matches in place and
 # mismatches from the checkpoint, `correct_result` always matches (`maybe_miscompare`, `:1306`).
+# While one injection waits for its verdict no other is drawn; the verdict re-arms the
+# injector (`:1323-1337`): a transient error once the in-place rerun has mismatched, a
+# persistent error or a correct result once the rerun from the checkpoint has compared. So a
+# long run with a non-fatal check, or one relaunched after each exit 16, sees about one
+# injection per `rate` validations, not one per job — and a real rejection later in the run
+# is compared for real, not forced to the old verdict.
+#
+# Megatron draws from Python's global `random`, whose state the machine saves at the start of
+# every step and restores before each rerun (`:963-988`): after an in-place rerun the state is
+# back to *before* the draw that injected, so the next step draws the same number and injects
+# again — with a non-fatal check every step after the first injection is rejected. tinytron
+# differs here: the injector draws from a generator of its own (seeded by `seed`, kept in the
+# checkpoint), which no rerun rewinds, so the rate is the rate. And a non-fatal check's
+# in-place verdict is final (the step continues, no checkpoint rerun follows), so tinytron
+# re-arms there too; Megatron keeps a persistent or correct-result injection armed — and every
+# later comparison forced — waiting for a rerun from a checkpoint that never comes.
 # It only exercises the control flow: the values are never corrupted. The next page's
 # `FaultInjector` corrupts real values at a chosen iteration and rank.
 
@@ -103,18 +119,20 @@ class RerunErrorInjector:
     """Reject about one result in `rate` and force the rerun's verdict (values are untouched)."""
 
     def __init__(self, error_injection_rate: int = 0,
-                 error_injection_type: RerunDiagnostic | str = RerunDiagnostic.TRANSIENT_ERROR):
+                 error_injection_type: RerunDiagnostic | str = RerunDiagnostic.TRANSIENT_ERROR,
+                 seed: int = 0):
         if error_injection_rate < 0:
             raise ValueError(f"error_injection_rate must be >= 0, got {error_injection_rate}")
         self.rate = error_injection_rate
         self.type = RerunDiagnostic(error_injection_type)
         self.injected_error_type: Optional[RerunDiagnostic] = None
+        self.draws = random.Random(seed)   # not the global `random`: reruns rewind that one
 
     def maybe_inject(self, rank: int) -> bool:
-        """True about once per `rate` calls, at most once per job."""
+        """True about once per `rate` calls, never while an injection awaits its verdict."""
         if self.rate == 0 or self.injected_error_type is not None:
             return False
-        if (random.randint(0, self.rate - 1) + rank) % self.rate != 0:
+        if (self.draws.randint(0, self.rate - 1) + rank) % self.rate != 0:
             return False
         self.injected_error_type = self.type
         return True
@@ -124,24 +142,33 @@ class RerunErrorInjector:
         kind = self.injected_error_type
         if kind is None:
             return comparison_func(initial, result)
-        in_place = state == RerunState.RERUNNING_IN_PLACE
-        if kind == RerunDiagnostic.TRANSIENT_ERROR:
-            return COMPARISON_MISMATCH if in_place else COMPARISON_MATCH
-        if kind == RerunDiagnostic.PERSISTENT_ERROR:
-            return COMPARISON_MATCH if in_place else COMPARISON_MISMATCH
-        return COMPARISON_MATCH
+        if state == RerunState.RERUNNING_IN_PLACE:
+            if kind == RerunDiagnostic.TRANSIENT_ERROR:
+                self.injected_error_type = None       # verdict reached: re-armed
+                return COMPARISON_MISMATCH
+            return COMPARISON_MATCH
+        if state == RerunState.RERUNNING_FROM_CHECKPOINT and kind != RerunDiagnostic.TRANSIENT_ERROR:
+            self.injected_error_type = None           # verdict reached: re-armed
+            return (COMPARISON_MISMATCH if kind == RerunDiagnostic.PERSISTENT_ERROR
+                    else COMPARISON_MATCH)
+        raise RuntimeError(f"an injected {kind.value} compared in state {state.name}")
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps (the forced verdict must survive the relaunch)."""
         kind = self.injected_error_type
+        version, internal, gauss = self.draws.getstate()
         return {"rate": self.rate, "type": self.type.value,
-                "injected_error_type": None if kind is None else kind.value}
+                "injected_error_type": None if kind is None else kind.value,
+                "draws": [version, list(internal), gauss]}
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore from `state_dict()`."""
         self.rate, self.type = sd["rate"], RerunDiagnostic(sd["type"])
         kind = sd["injected_error_type"]
         self.injected_error_type = None if kind is None else RerunDiagnostic(kind)
+        if "draws" in sd:
+            version, internal, gauss = sd["draws"]
+            self.draws.setstate((version, tuple(internal), gauss))
 
 
 def build_rerun_state_machine(config: RerunConfig, group=None, state_save_func=None,
@@ -314,16 +341,18 @@ if __name__ == "__main__":
     fig.tight_layout()
     plt.show()
 
-    random.seed(1234)
-    inj = RerunErrorInjector(4, "persistent_error")
+    inj = RerunErrorInjector(4, "persistent_error", seed=1234)
     draws = [inj.maybe_inject(rank=0) for _ in range(20)]
     first = draws.index(True)
-    print(f"rate 4: first injection at validation #{first + 1}, then never again in this job")
+    print(f"rate 4: first injection at validation #{first + 1}, none while it awaits its verdict")
     assert sum(draws) == 1 and inj.injected_error_type == RerunDiagnostic.PERSISTENT_ERROR
     cmp = lambda a, b: 0.5  # noqa: E731 - whatever the real comparison says, the verdict is forced
     assert inj.maybe_miscompare(cmp, 1.0, 1.0, RerunState.RERUNNING_IN_PLACE) == COMPARISON_MATCH
     assert inj.maybe_miscompare(cmp, 1.0, 1.0,
                                 RerunState.RERUNNING_FROM_CHECKPOINT) == COMPARISON_MISMATCH
+    again = [inj.maybe_inject(rank=0) for _ in range(20)]   # the verdict re-armed it
+    print(f"after the verdict: next injection at validation #{again.index(True) + 1}")
+    assert sum(again) == 1
 
     # The tracker rule: twice on rank 1 -> skip 7; iteration 9 seen by two ranks -> keep.
     path = tempfile.mktemp(suffix=".txt")
