@@ -86,7 +86,8 @@ def async_save(work: Path, trainer: Trainer, state, name: str, mode: str, staged
     waited = time.perf_counter() - t1
     trainer.optimizer_step()
     done = manager.finalize(blocking=True)
-    assert stats["staged"] == (staged and mode == "thread") and read_tracker(work / name)[0] == state.iteration
+    assert stats["staged"] == (staged and mode == "thread")
+    assert read_tracker(work / name)[0] == state.iteration
     return {f"{name}_blocking_s": scheduled + waited, f"{name}_schedule_s": scheduled,
             f"{name}_wait_s": waited, f"{name}_forward_backward_s": fb,
             f"{name}_background_s": done["background_s"],
@@ -134,6 +135,8 @@ def main() -> None:
     ratios.update({f"{n}_forward_backward_over_reference":
                    med[f"{n}_forward_backward_s"] / med["reference_forward_backward_s"]
                    for n in ("thread_staged", "thread_unstaged", "process")})
+    per_run = {f"{n}_blocking_over_sync": [r[f"{n}_blocking_s"] / r["sync_s"] for r in runs]
+               for n in ("thread_staged", "thread_unstaged", "process")}
     result = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
@@ -141,6 +144,8 @@ def main() -> None:
         "load_average_at_end": os.getloadavg(), "parameters": count_parameters(config),
         "checkpoint_bytes": num_bytes, "tokens_per_step": args.batch * config.seq_length,
         "goal": "blocking / sync <= 0.05", "ratios_of_medians": ratios,
+        "ratios_per_run": per_run,
+        "median_of_ratios_per_run": {k: statistics.median(v) for k, v in per_run.items()},
         "median_seconds": med, "runs": runs,
     }
     out = Path(__file__).parent / "results" / "checkpoint_staging.json"
@@ -157,6 +162,8 @@ def main() -> None:
         print(f"{n:16s} blocked {med[f'{n}_blocking_s']:.3f} s = "
               f"{ratios[f'{n}_blocking_over_sync']:.3f} of sync{extra}; forward+backward "
               f"x{ratios[f'{n}_forward_backward_over_reference']:.2f}")
+    worst = max(per_run["thread_staged_blocking_over_sync"])
+    print(f"thread_staged blocked / sync, worst repeat: {worst:.3f} (goal <= 0.05)")
     print(f"wrote {out}")
     if not args.dir:
         shutil.rmtree(work, ignore_errors=True)

@@ -25,8 +25,10 @@ ITERS, SAVE_INTERVAL = 6, 2
 
 
 def _run(root: str, async_mode: str | None, wire_hook: bool = True, iters: int = ITERS,
-         save_wrapper=None):
-    """pretrain the tiny GPT with chapter 03's hooks saving every SAVE_INTERVAL iterations."""
+         save_wrapper=None, dp: int = 1):
+    """pretrain the tiny GPT with chapter 03's hooks saving every SAVE_INTERVAL iterations.
+
+    With dp > 1 (inside a world of dp ranks): DP with the distributed optimizer."""
     from tests.main_loop_workers import CFG, FORWARD_STEP, MBS, OPT_CONFIG, training
     from tinytron.buffers import DistributedDataParallelConfig
     from tinytron.checkpoint import CheckpointConfig, make_checkpoint_hooks
@@ -38,32 +40,38 @@ def _run(root: str, async_mode: str | None, wire_hook: bool = True, iters: int =
     from tinytron.parallel import ParallelGrid
 
     torch.set_num_threads(1)
-    grid = ParallelGrid.single()
+    grid = ParallelGrid.single() if dp == 1 else ParallelGrid(dp=dp)
+    opt_config = OPT_CONFIG if dp == 1 else OPT_CONFIG.__class__(
+        **{**OPT_CONFIG.__dict__, "use_distributed_optimizer": True})
     config = CheckpointConfig(save=root, async_save=async_mode is not None,
                               async_mode=async_mode or "process")
     hooks = make_checkpoint_hooks(config, grid)
     saver = hooks.manager.saver
-    save = hooks.save_checkpoint_fn if save_wrapper is None else save_wrapper(hooks.save_checkpoint_fn)
+    save = hooks.save_checkpoint_fn
+    if save_wrapper is not None:
+        save = save_wrapper(save)
     logs = []
     pretrain(training(train_iters=iters, save_interval=SAVE_INTERVAL),
              model_provider=lambda g: build_stage_models(CFG, g),
              forward_step_func=FORWARD_STEP,
              data_iterators_provider=partial(synthetic_iterators, CFG, micro_batch_size=MBS),
-             optimizer_provider=megatron_optimizer_provider(OPT_CONFIG),
+             optimizer_provider=megatron_optimizer_provider(opt_config),
              scheduler_provider=megatron_scheduler_provider(
-                 SchedulerConfig(lr_decay_style="cosine"), OPT_CONFIG),
-             grid_provider=lambda: grid, ddp_config=DistributedDataParallelConfig(),
+                 SchedulerConfig(lr_decay_style="cosine"), opt_config),
+             grid_provider=lambda: grid, ddp_config=DistributedDataParallelConfig(
+                 use_distributed_optimizer=dp > 1),
              seq_length=CFG.seq_length, save_checkpoint_fn=save,
              finalize_async_save_fn=hooks.finalize_async_save_fn,
              before_optimizer_step_fn=(saver.before_optimizer_step
                                        if saver is not None and wire_hook else None),
              log_fn=logs.append)
     hooks.manager.comm.destroy()
-    return (hooks.manager.stats if saver is None else saver.completed), [r["losses"]["lm loss"] for r in logs if r.get("losses")]
+    losses = [r["losses"]["lm loss"] for r in logs if r.get("losses")]
+    return (hooks.manager.stats if saver is None else saver.completed), losses
 
 
 def _files(d: Path) -> dict:
-    """A checkpoint directory's bytes; .metadata as its tensor index (it carries a random save id)."""
+    """A checkpoint directory's bytes; .metadata as its tensor index (it holds a random save id)."""
     out = {f.name: f.read_bytes() for f in d.iterdir() if f.name not in (".metadata",
                                                                           "checksums.json")}
     with open(d / ".metadata", "rb") as f:
@@ -94,6 +102,28 @@ def test_staged_checkpoints_are_the_sync_ones_while_training_goes_on(runs, mode)
         name = f"iter_{i:07d}"
         a, b = _files(sync_root / name), _files(root / name)
         assert a.keys() == b.keys() == {".metadata", "__0_0.distcp", "common.pt", "metadata.json"}
+        assert all(a[k] == b[k] for k in a), [k for k in a if a[k] != b[k]]
+
+
+def _dp2(root: str) -> dict:
+    """Rank function: the sync and the staged run on DP 2 (distributed optimizer)."""
+    out = {}
+    for name, mode in (("sync", None), ("thread", "thread")):
+        stats, out[f"{name}_losses"] = _run(f"{root}/{name}", mode, dp=2)
+        out[f"{name}_staged"] = [s.get("staged") for s in stats]
+    torch.distributed.barrier()
+    return out
+
+
+def test_staged_checkpoints_are_the_sync_ones_on_dp2_with_the_distributed_optimizer(tmp_path):
+    from tinytron.launch import run_on_ranks
+
+    results = run_on_ranks(_dp2, 2, str(tmp_path), timeout=600)
+    for r in results:
+        assert r["thread_losses"] == r["sync_losses"] and r["thread_staged"] == [True] * 3
+    for i in (2, 4, 6):
+        a, b = (_files(tmp_path / name / f"iter_{i:07d}") for name in ("sync", "thread"))
+        assert {"__0_0.distcp", "__1_0.distcp"} <= a.keys() and a.keys() == b.keys()
         assert all(a[k] == b[k] for k in a), [k for k in a if a[k] != b[k]]
 
 

@@ -361,7 +361,8 @@ def checkpoint_and_decide_exit(state: TrainState, training, save, *, start_time:
 #    has finished (chapter 03); collective, so every rank calls it.
 # 2. Update the micro-batch calculator with the consumed samples. If $m$ changed (a step
 #    schedule), it must have grown — and a checkpoint is saved at the change.
-# 3. `train_step`.
+# 3. `train_step`, which calls `before_optimizer_step_fn()` (chapter 03's wait for a staged
+#    save's copy to host) just before `optimizer.step()`.
 # 4. `iteration += 1`; `consumed_train_samples += m·b·d` (skipped or not);
 #    `skipped_train_samples +=` what `decrease_batch_size_if_needed` dropped; the FLOPs of the
 #    batch are added to the running sum.

@@ -46,7 +46,7 @@ class PinnedPool:
 
 
 class HostStaging:
-    """Host copies of a save's chunks, filled in the background; `staged` is what the writer writes."""
+    """Host copies of a save's chunks, filled in the background; the writer writes `staged`."""
 
     def __init__(self, tensors: list[ShardedTensor], rank: int, pool: PinnedPool | None = None):
         self.rank, self.pool, self.error = rank, pool, None
@@ -126,3 +126,50 @@ class HostStaging:
         if self.pool is not None:
             self.pool.give_back(self.buffers)
         self.sources = self.buffers = self.staged = []
+
+
+def staged_timeline_demo(root: str) -> dict:
+    """One process: a sync save, then a staged thread-mode save behind a forward and backward.
+
+    Returns the spans of a timeline, the seconds, and whether the staged checkpoint's shard file
+    and common.pt are byte for byte the synchronous save's."""
+    from pathlib import Path
+
+    from tinytron.checkpoint._workers import _timeline_model
+    from tinytron.checkpoint.resume import CheckpointConfig, CheckpointManager
+    from tinytron.parallel import ParallelGrid
+
+    config, model, opt, state, step = _timeline_model()
+    tokens = torch.randint(0, config.vocab_size, (4, config.seq_length + 1),
+                           generator=torch.Generator().manual_seed(1))
+    step()
+    grid, t0, events = ParallelGrid.single(), time.perf_counter(), []
+
+    def span(label, row, fn):
+        start = time.perf_counter() - t0
+        out = fn()
+        events.append((label, row, start, time.perf_counter() - t0))
+        return out
+
+    span("sync save", "training", lambda: CheckpointManager(
+        CheckpointConfig(save=f"{root}/sync"), grid).save(state, model, opt))
+    manager = CheckpointManager(CheckpointConfig(save=f"{root}/staged", async_save=True,
+                                                 async_mode="thread"), grid)
+    manager.saver.before_optimizer_step()   # as the loop has done before every step
+    stats = span("async: schedule", "training", lambda: manager.save(state, model, opt))
+    staging = manager.saver.pending.staging
+    span("forward + backward", "training",
+         lambda: model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward())
+    span("wait before optimizer.step", "training", manager.saver.before_optimizer_step)
+    span("optimizer.step", "training", opt.step)
+    start = staging.started_at - t0
+    events.append(("copy to host", "staging thread", start, start + staging.seconds()))
+    done = manager.finalize(blocking=True)
+    begin = staging.complete_at - t0
+    events.append(("async: background write", "staging thread", begin,
+                   begin + done["background_s"]))
+    same = all((Path(root, "sync", "iter_0000001", f).read_bytes() ==
+                Path(root, "staged", "iter_0000001", f).read_bytes())
+               for f in ("__0_0.distcp", "common.pt"))
+    sync_s = events[0][3] - events[0][2]
+    return {"events": events, "sync_s": sync_s, "stats": stats, "same_files": same}

@@ -68,10 +68,10 @@ ASYNC_MODES = ("process", "thread")
 #    into pinned memory (`preload_tensors`, `filesystem_async.py:227`) and blocks until the
 #    copy is done (`torch.cuda.synchronize()` before the fork, `async_utils.py:273`; the
 #    persistent caller waits on a queue instead, `:424`). tinytron differs here: the copy is
-#    staged behind the next forward and backward (next section). On a CPU the
-#    cheapest snapshot is `fork()`: the child process sees the parent's memory as it was at the
-#    fork, copy-on-write, so nothing is copied unless training writes to a page before the
-#    child has saved it — the technique Redis uses for its background saves. Megatron's
+#    staged behind the next forward and backward (next section). On a CPU the cheapest
+#    snapshot is `fork()`: the child process sees the parent's memory as it was at the fork,
+#    copy-on-write, so nothing is copied unless training writes to a page before the child
+#    has saved it — the technique Redis uses for its background saves. Megatron's
 #    `TemporalAsyncCaller` (`async_utils.py:237`) forks its writer for the same reason. The
 #    `thread` mode copies every tensor instead and writes from a thread.
 # 3. **Write** in the background: the child writes `common.pt` (rank 0), streams the chunks
@@ -95,9 +95,10 @@ ASYNC_MODES = ("process", "thread")
 # fp32 masters and both Adam moments), ≈ 9 ms at PCIe Gen5's ≈ 50 GB/s: small next to a 2 s
 # step, but paid by every rank at every save. On a CPU the copy is a full pass over the state
 # in memory (`benchmarks/bench_checkpoint_staging.py` measures it for 100M parameters). And
-# nothing needs the copy finished before the next `optimizer.step`: the forward and backward in between write
-# activations and gradients, never a parameter or an optimizer state. So tinytron starts the
-# copies when the save is scheduled and lets them run behind the next iteration's compute:
+# nothing needs the copy finished before the next `optimizer.step`: the forward and backward
+# in between write activations and gradients, never a parameter or an optimizer state. So
+# tinytron starts the copies when the save is scheduled and lets them run behind the next
+# iteration's compute:
 #
 # ```mermaid
 # sequenceDiagram
@@ -374,14 +375,17 @@ def save_timeline(events: list[tuple], ax=None):
 
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 2.4))
-    colors = {"train step": "#9ecae1", "sync save": "#de2d26", "async: blocking": "#fc9272",
-              "async: background write": "#a1d99b", "finalize": "#31a354"}
+    colors = {"train step": "#9ecae1", "forward + backward": "#9ecae1",
+              "optimizer.step": "#3182bd", "sync save": "#de2d26", "async: blocking": "#fc9272",
+              "async: schedule": "#fc9272", "wait before optimizer.step": "#a50f15",
+              "copy to host": "#fdae6b", "async: background write": "#a1d99b",
+              "finalize": "#31a354"}
     rows = sorted({row for _, row, _, _ in events})
     for label, row, s, e in events:
         ax.barh(rows.index(row), e - s, left=s, color=colors.get(label, "gray"),
                 edgecolor="black", lw=0.4)
-    for label, color in colors.items():
-        ax.barh(0, 0, color=color, label=label)
+    for label in dict.fromkeys(label for label, *_ in events):
+        ax.barh(0, 0, color=colors.get(label, "gray"), label=label)
     ax.set_yticks(range(len(rows)), rows)
     ax.set_xlabel("seconds")
     ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.35))
@@ -407,6 +411,32 @@ if __name__ == "__main__":
     assert out["same_tensors"] and out["tracker"] == out["async_iteration"]
 
 # %% [markdown]
+# ## Demo: the staged copy, behind the next forward and backward
+#
+# The same model, saved once synchronously and once in `thread` mode with the wait point armed
+# (as chapter 01's loop arms it). The timeline splits the next training step where the loop
+# calls the hook: the save's schedule, the forward and backward, the wait before
+# `optimizer.step`, the step. The staging thread's copy runs beside the forward and backward,
+# then the same thread writes. The assertions check that the copy was staged, and that the
+# staged checkpoint's shard file and `common.pt` are byte for byte the synchronous save's
+# although the optimizer stepped while the write went on.
+
+# %%
+if __name__ == "__main__":
+    from tinytron.checkpoint._staging import staged_timeline_demo
+
+    with tempfile.TemporaryDirectory() as root:
+        out = staged_timeline_demo(root)
+    st = out["stats"]
+    print(f"sync save blocked {out['sync_s']:.3f} s; staged save blocked {st['blocking_s']:.3f} s "
+          f"(schedule {st['schedule_s']:.3f} s + wait {st['staging_wait_s']:.3f} s); the copy "
+          f"took {st['staging_s']:.3f} s beside the forward and backward")
+    save_timeline(out["events"])
+    plt.tight_layout()
+    plt.show()
+    assert st["staged"] and out["same_files"]
+
+# %% [markdown]
 # ## Summary
 #
 # - Async save = synchronous planning + a snapshot + a background writer + a collective
@@ -428,7 +458,12 @@ if __name__ == "__main__":
 #   default strategy at e03878b5f is NVIDIA Resiliency Extension's implementation of the same
 #   protocol.
 # - PyTorch: `torch.distributed.checkpoint.async_save` (staging to CPU, then a thread or a
-#   process with its own process group); torchtitan uses it with pinned-memory staging.
+#   process with its own process group). torchtitan's `CheckpointManager`
+#   (`torchtitan/components/checkpoint.py`, async mode `async_with_pinned_mem`) copies into
+#   pinned memory on a staging stream, and `Trainer.train_step` (`torchtitan/train.py`) calls
+#   `maybe_wait_for_staging()` just before `optimizers.step()`: the place of tinytron's
+#   `before_optimizer_step` (torchtitan's wait synchronizes the host; tinytron's CUDA path
+#   only makes the current stream wait).
 #
 # ## Exercises
 #
