@@ -48,8 +48,10 @@ def init_root(root: str, tie: bool) -> str:
     return os.path.join(root, "initial_tied" if tie else "initial_untied")
 
 
-def _layout(tp=1, pp=1, vpp=None, distopt=False, tie=True, argv=()) -> dict:
-    return dict(tp=tp, pp=pp, vpp=vpp, distopt=distopt, tie=tie, argv=list(argv))
+def _layout(tp=1, pp=1, vpp=None, distopt=False, tie=True, eod_mask_loss=False,
+            per_token_loss=False, decoupled_lr=None, argv=()) -> dict:
+    return dict(tp=tp, pp=pp, vpp=vpp, distopt=distopt, tie=tie, eod_mask_loss=eod_mask_loss,
+                per_token_loss=per_token_loss, decoupled_lr=decoupled_lr, argv=list(argv))
 
 
 # Each layout on both sides; `argv` is what tinytron's command line adds to the recipe (its data
@@ -59,11 +61,19 @@ PP2 = ["--parallel.pipeline_model_parallel_size", "2"]
 LAYOUTS = {
     "one_rank": _layout(),
     "one_rank_untied": _layout(tie=False, argv=["--model.tie_embeddings", "false"]),
+    # Megatron's --decoupled-lr/--decoupled-min-lr: the embedding and output layer's own schedule
+    "one_rank_decoupled_lr": _layout(decoupled_lr=(1e-3, 1e-4), argv=[
+        "--optimizer.decoupled_lr", "1e-3", "--optimizer.decoupled_min_lr", "1e-4"]),
     "dp2": _layout(),
     "dp2_distopt": _layout(distopt=True, argv=["--optimizer.use_distributed_optimizer", "true",
                                                "--ddp.overlap_grad_reduce", "true"]),
     "tp2": _layout(tp=2, argv=["--parallel.tensor_model_parallel_size", "2"]),
     "pp2": _layout(pp=2, argv=PP2),
+    # EOD positions out of the loss: micro-batches (and DP ranks) count different tokens, so the
+    # per-micro-batch mean (the default) and the per-token loss weight them differently
+    "dp2_eod_mask": _layout(eod_mask_loss=True, argv=["--data.eod_mask_loss", "true"]),
+    "dp2_eod_mask_per_token": _layout(eod_mask_loss=True, per_token_loss=True, argv=[
+        "--data.eod_mask_loss", "true", "--ddp.calculate_per_token_loss", "true"]),
     "pp2_vpp2": _layout(pp=2, vpp=2, argv=PP2 + [
         "--parallel.virtual_pipeline_model_parallel_size", "2"]),
 }
@@ -129,7 +139,8 @@ def _import_megatron_core():
         from megatron.core.optimizer import get_megatron_optimizer  # noqa: F401
 
 
-def _transformer_config(tp: int = 1, pp: int = 1, vpp: int | None = None):
+def _transformer_config(tp: int = 1, pp: int = 1, vpp: int | None = None,
+                        per_token_loss: bool = False):
     from megatron.core.transformer import TransformerConfig
 
     r = RECIPE
@@ -143,6 +154,7 @@ def _transformer_config(tp: int = 1, pp: int = 1, vpp: int | None = None):
         # unbatches it (argument_utils.py:302); with PP 2 a batched exchange would hold two
         # sends between the same two ranks, which arguments.py:984 refuses
         overlap_p2p_comm=vpp is not None, batch_p2p_comm=vpp is None,
+        calculate_per_token_loss=per_token_loss,
         use_cpu_initialization=True, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, normalization="RMSNorm", hidden_dropout=0.0,
         attention_dropout=0.0, bias_dropout_fusion=False, masked_softmax_fusion=False,
@@ -230,7 +242,7 @@ class _ByteTokenizer:
         self.unique_identifiers = {"class": "ByteTokenizer"}
 
 
-def _megatron_train_dataset(data_prefix: str, cache: str):
+def _megatron_train_dataset(data_prefix: str, cache: str, eod_mask_loss: bool):
     """megatron-core's GPTDataset over the .bin/.idx: the train split of "98,2,0"."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
@@ -240,7 +252,7 @@ def _megatron_train_dataset(data_prefix: str, cache: str):
                               blend=([data_prefix], None), split="98,2,0",
                               tokenizer=_ByteTokenizer(), path_to_cache=cache,
                               reset_position_ids=False, reset_attention_mask=False,
-                              eod_mask_loss=False)
+                              eod_mask_loss=eod_mask_loss)
     samples = [r["train_iters"] * r["global_batch_size"], 0, 0]
     return BlendedMegatronDatasetBuilder(GPTDataset, samples, lambda: True, config).build()[0]
 
@@ -279,11 +291,13 @@ def _megatron_parts(layout: dict, initial: str):
     setup_model_and_optimizer (training.py:1938) with this recipe's arguments."""
     from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                            finalize_model_grads)
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import (OptimizerConfig, get_megatron_optimizer,
+                                         get_standard_config_overrides)
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     r, gbs = RECIPE, RECIPE["global_batch_size"]
-    config = _transformer_config(layout["tp"], layout["pp"], layout["vpp"])
+    config = _transformer_config(layout["tp"], layout["pp"], layout["vpp"],
+                                 layout["per_token_loss"])
     torch.manual_seed(INIT_SEED + 1)  # any initialization: the checkpoint overwrites it
     chunks = _megatron_chunks(config, layout["tie"])
     _load_weights(chunks, os.path.join(initial, "iter_0000000"))
@@ -291,10 +305,15 @@ def _megatron_parts(layout: dict, initial: str):
     # get_model: only the first chunk is split into buckets (the others are one bucket each)
     ddp = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
            for i, chunk in enumerate(chunks)]
-    optimizer = get_megatron_optimizer(OptimizerConfig(
+    decoupled_lr, decoupled_min_lr = layout["decoupled_lr"] or (None, None)
+    opt_config = OptimizerConfig(
         lr=r["lr"], min_lr=r["min_lr"], weight_decay=r["weight_decay"], clip_grad=r["clip_grad"],
         adam_beta1=r["adam_beta1"], adam_beta2=r["adam_beta2"], adam_eps=r["adam_eps"],
-        use_distributed_optimizer=layout["distopt"]), ddp)
+        use_distributed_optimizer=layout["distopt"], decoupled_lr=decoupled_lr,
+        decoupled_min_lr=decoupled_min_lr)
+    # training.py:1894: no weight decay on biases and 1-D tensors, the decoupled lr groups
+    optimizer = get_megatron_optimizer(opt_config, ddp,
+                                       config_overrides=get_standard_config_overrides(opt_config))
     # Megatron-LM's get_optimizer_param_scheduler: every length in samples (iterations · gbs)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=r["lr_warmup_init"], max_lr=r["lr"], min_lr=r["min_lr"],
@@ -354,13 +373,14 @@ def megatron_run(layout_name: str, data_prefix: str, initial: str, cache: str,
         try:
             dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
             chunks, ddp, optimizer, scheduler = _megatron_parts(layout, initial)
-            dataset = _megatron_train_dataset(data_prefix, cache)
+            dataset = _megatron_train_dataset(data_prefix, cache, layout["eod_mask_loss"])
             # virtual stages: one iterator per chunk over the same samples (training.py builds
             # the iterators once per chunk)
             data = [_microbatches(dataset, dp_rank, dp) for _ in chunks]
             m = RECIPE["global_batch_size"] // (RECIPE["micro_batch_size"] * dp)
-            records = [_train_step(ddp, optimizer, scheduler, data if layout["vpp"] else data[0],
-                                   m, dp) for _ in range(RECIPE["train_iters"])]
+            records = [{"iteration": it, **_train_step(ddp, optimizer, scheduler,
+                                                       data if layout["vpp"] else data[0], m, dp)}
+                       for it in range(1, RECIPE["train_iters"] + 1)]
             trained = _weights(chunks)
             gaps = {}
             for name, directory in compare_with.items():  # reading overwrites the model's tensors
@@ -446,8 +466,10 @@ def one_rank_cases(root: str, data_prefix: str) -> dict:
     _import_megatron_core()
     for tie in (True, False):
         write_initial_weights(root, tie)
-    return {"one_rank": run_case("one_rank", root, data_prefix, CONTROLS),
-            "one_rank_untied": run_case("one_rank_untied", root, data_prefix)}
+    out = {"one_rank": run_case("one_rank", root, data_prefix, CONTROLS)}
+    out.update({layout: run_case(layout, root, data_prefix)
+                for layout in ("one_rank_untied", "one_rank_decoupled_lr")})
+    return out
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The whole training iteration against megatron-core 0.16.1: same weights, same .bin/.idx, same run.
 
 A tiny Llama-style GPT (4 layers, h 64, 4 heads in 2 query groups, SwiGLU, RoPE, tied
-embeddings, and untied on one rank) trains for 12 iterations twice, from one megatron-core initialization saved as a
+embeddings) trains for 12 iterations twice, from one megatron-core initialization saved as a
 Megatron-LM checkpoint at iteration 0, on one `tinytron-preprocess` corpus:
 
 - with megatron-core's own parts in Megatron-LM's `train_step` order
@@ -13,7 +13,10 @@ Compared: every iteration's lm loss, grad norm and learning rate (tinytron's own
 against what Megatron-LM's training_log reports), and the final weights (tinytron's last
 checkpoint read by megatron-core's `dist_checkpointing.load` into the same layout). Layouts:
 one rank, DP 2, DP 2 with the DistributedOptimizer (tinytron overlapping its grad reduce),
-TP 2, PP 2 (1F1B) and PP 2 × VPP 2 (interleaved). Not covered: sequence parallelism
+TP 2, PP 2 (1F1B) and PP 2 × VPP 2 (interleaved); on DP 2 also EOD tokens masked out of the
+loss, with the default per-micro-batch mean and with the per-token loss; on one rank also
+untied embeddings and a decoupled lr for the embedding (tinytron ignores it: the one known
+difference, marked xfail with the reason). Not covered: sequence parallelism
 (megatron-core's local spec refuses it without Apex), context parallelism (megatron-core's needs
 Transformer Engine's attention), bf16 (megatron-core's unfused CPU attention and tinytron's SDPA
 round differently in bf16, so no tight tolerance exists), layouts above two ranks (the 2-core
@@ -24,8 +27,10 @@ Tolerances (fp32 throughout):
   different schedule, not rounding.
 - lm loss: relative 1e-6. Measured: equal, or off by one fp32 ulp (2.4e-7 at a loss of ~5:
   the token sums are reduced in another order across ranks and micro-batches).
-- grad norm: relative 1e-6. Measured up to 1.4e-7 (megatron-core sums squares in fp32,
-  rounding differently).
+- grad norm: relative 3e-5. Measured up to 2e-7 on iterations 1-11; on iteration 12, where
+  one batch's outlier gradient lifts the norm from ~2.5 to 3.6, up to 7.9e-6: rounding amplified,
+  since megatron-core against itself on another layout (DP 2, TP 2, PP 2, VPP) differs there by
+  up to 5.7e-6 too.
 - weights: absolute 1e-6 on weights of magnitude up to ~1.02 (the norms' gains). Measured up to
   1.2e-7 (one fp32 ulp at 1.0) after 12 Adam steps. A real difference in an update moves weights
   by a fraction of lr (3e-3) per step: the negative controls below move them by 1e-4 and more.
@@ -54,18 +59,26 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
                                 reason="megatron-core is not installed (pip install tinytron[oracles])")
 
 ITERATIONS = list(range(1, 13))
-LR_RTOL, LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_ATOL = 1e-12, 1e-6, 1e-6, 1e-6
-ONE_RANK_LAYOUTS = ["one_rank", "one_rank_untied"]
-TWO_RANK_LAYOUTS = ["dp2", "dp2_distopt", "tp2", "pp2", "pp2_vpp2"]
+LR_RTOL, LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_ATOL = 1e-12, 1e-6, 3e-5, 1e-6
+ONE_RANK_LAYOUTS = ["one_rank", "one_rank_untied", "one_rank_decoupled_lr"]
+TWO_RANK_LAYOUTS = ["dp2", "dp2_distopt", "tp2", "pp2", "pp2_vpp2", "dp2_eod_mask",
+                    "dp2_eod_mask_per_token"]
 
 
 @pytest.fixture(scope="module")
 def data_prefix(tmp_path_factory):
-    """40 standard-library files as one byte-tokenized .bin/.idx, read by both sides."""
+    """The paragraphs of 40 standard-library files, one document each (3,622 documents of ~240
+    bytes: about one 64-token sample in four holds an EOD), as one byte-tokenized .bin/.idx."""
     from tinytron.data.preprocess import run as preprocess, stdlib_corpus
 
     out = tmp_path_factory.mktemp("data")
-    return preprocess(["--input", *stdlib_corpus(40), "--output-prefix", str(out / "corpus"),
+    docs = out / "paragraphs.jsonl"
+    with open(docs, "w") as f:
+        for path in stdlib_corpus(40):
+            for paragraph in Path(path).read_text(encoding="utf-8").split("\n\n"):
+                if paragraph.strip():
+                    f.write(json.dumps({"text": paragraph}) + "\n")
+    return preprocess(["--input", str(docs), "--output-prefix", str(out / "corpus"),
                        "--workers", "1", "--no-progress", "--append-eod"])
 
 
@@ -119,7 +132,25 @@ def weight_mismatches(per_rank: list[dict], name: str) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("layout", ONE_RANK_LAYOUTS + TWO_RANK_LAYOUTS)
+# tinytron differs here; the run is compared all the same, and the mark goes when it agrees
+KNOWN_DIFFERENCES = {
+    "one_rank_decoupled_lr": (
+        "optimizer.decoupled_lr has no effect in tinytron.train: chapter 02 gives the decoupled "
+        "lr to params flagged is_embedding_or_output_parameter, but appendix B's GPTModel never "
+        "sets the flag (Megatron-Core sets it on the word embeddings and the output layer in "
+        "LanguageModule.setup_embeddings_and_output_layer, "
+        "megatron/core/models/common/language_module/language_module.py:213,219 at e03878b5f); "
+        "tinytron's run equals the run without decoupled_lr, megatron-core's trains the "
+        "embedding on its own schedule (losses apart from iteration 3 on)"),
+}
+
+
+def _cases(layouts):
+    return [pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=KNOWN_DIFFERENCES[name]))
+            if name in KNOWN_DIFFERENCES else name for name in layouts]
+
+
+@pytest.mark.parametrize("layout", _cases(ONE_RANK_LAYOUTS + TWO_RANK_LAYOUTS))
 def test_iteration_equals_megatron_core(layout, request):
     if layout in ONE_RANK_LAYOUTS:
         per_rank = [request.getfixturevalue("one_rank")[layout]]
@@ -132,6 +163,16 @@ def test_iteration_equals_megatron_core(layout, request):
     assert last["megatron_core"]["weight_scale"] > 0.5                 # the weights are not tiny
     assert mismatches(reference, last["tinytron"][layout]["records"]) == []
     assert weight_mismatches(per_rank, layout) == []
+
+
+def test_the_loss_variants_change_the_reference_run(two_ranks):
+    """EOD masking and the per-token loss are not no-ops on this corpus: megatron-core's own
+    losses (or, for the per-token loss, its grad norms) move when they are switched on."""
+    ref = {name: two_ranks[-1][name]["megatron_core"]["records"]
+           for name in ("dp2", "dp2_eod_mask", "dp2_eod_mask_per_token")}
+    assert mismatches(ref["dp2"], ref["dp2_eod_mask"]), "EOD masking changed nothing"
+    assert mismatches(ref["dp2_eod_mask"], ref["dp2_eod_mask_per_token"]), \
+        "the per-token loss changed nothing"
 
 
 @pytest.mark.parametrize("control,expected", [
