@@ -323,6 +323,37 @@ def memory_report_at_start(cfg: TrainConfig, world_size: int, device: torch.devi
     return "\n".join(lines)
 
 
+_VERDICTS = {  # chapter 08's rerun statuses, in words
+    "INITIAL_RUN": "no rerun was made",
+    "FIRST_RERUN_NOT_REPRODUCIBLE": "the rerun in place gave {result:.6g}: not reproducible, a "
+                                    "transient fault",
+    "FIRST_RERUN_REPRODUCIBLE": "the rerun in place gave the same result: this device is "
+                                "suspect",
+    "SECOND_RERUN_NOT_REPRODUCIBLE": "on another device the result differs: the first device "
+                                     "is faulty",
+    "SECOND_RERUN_REPRODUCIBLE": "on another device the same result: the data or the model is "
+                                 "at fault, not a device",
+}
+_EXIT_MEANING = {16: "relaunch from the checkpoint just written, preferably on other devices",
+                 17: "stop, and read the tracker file before relaunching"}
+
+
+def rerun_verdict(tracker_path: str | None, code: int) -> str | None:
+    """What chapter 08's rerun machine found and decided, from its tracker file, in one line."""
+    from tinytron.reliability.result_checks import parse_tracker_file
+
+    events = parse_tracker_file(tracker_path)
+    if not events:
+        return None
+    last = events[-1]
+    first = next((e for e in reversed(events) if e["iteration"] == last["iteration"]
+                  and e["rank"] == last["rank"] and e["status"] == "INITIAL_RUN"), last)
+    verdict = _VERDICTS.get(last["status"], last["status"].lower()).format(result=last["result"])
+    return (f"reliability: iteration {last['iteration']}, rank {last['rank']}: "
+            f"{first['message']} (value {first['result']:.6g}); {verdict}; exit code {code}: "
+            f"{_EXIT_MEANING.get(code, 'see chapter 08')} (every event: {tracker_path})")
+
+
 def plot_loss_curve(jsonl_path: str, png_path: str) -> bool:
     """The training and validation loss from the JSONL log, drawn to a PNG."""
     import matplotlib
@@ -384,8 +415,13 @@ def _next_steps(argv: list[str], out_dir: str, cfg: TrainConfig) -> str:
     """The commands that resume, export and inspect this run."""
     launch = shlex.join(["torchrun", f"--nproc-per-node={dist.get_world_size()}", "-m",
                          "tinytron.train", *resume_argv(argv, out_dir, cfg)])  # quoted: pastes
+    from tinytron.checkpoint.formats import read_tracker
+
+    found = read_tracker(out_dir)
+    where = (f"the run continues from its last checkpoint, iteration {found[0]}, in {out_dir}"
+             if found else f"no checkpoint was written to {out_dir}: this starts the run over")
     return "\n".join([
-        f"resume (the run continues from its last checkpoint in {out_dir}):",
+        f"resume ({where}):",
         f"  {launch}",
         "  (to train on to iteration N: add --training.train_iters N "
         "--scheduler.override_opt_param_scheduler true)",
@@ -611,6 +647,10 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
         png = os.path.join(out_dir, "loss.png")
         if plot_loss_curve(log_config.jsonl_path, png):
             print(f"loss curve: {png}")
+        if result.exit_reason == "rerun":
+            line = rerun_verdict(rel.rerun_config.result_rejected_tracker_filename, code)
+            if line:
+                print(line)
         print(f"stopped at iteration {result.state.iteration} "
               f"(reason: {result.exit_reason or 'train_iters reached'}), exit code {code}")
         print(_next_steps(argv, out_dir, cfg), flush=True)

@@ -154,8 +154,7 @@ def test_an_iteration_directory_loads_and_the_resume_command_continues(first_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"checkpoint: resumed from {a / 'iter_0000002'} at iteration 2;" in proc.stdout
     assert _train_iterations(b) == [3, 4] and _tracker(a) == "4"
-    lines = proc.stdout.splitlines()
-    command = shlex.split(lines[lines.index(next(x for x in lines if x.startswith("resume ("))) + 1])
+    command = _resume_command(proc.stdout)
     assert command[:4] == ["torchrun", "--nproc-per-node=1", "-m", "tinytron.train"], command
     assert "--reliability.faults" not in command and command[-2:] == ["--checkpoint.load", str(b)]
     assert not any(str(a) in word for word in command), command
@@ -164,6 +163,32 @@ def test_an_iteration_directory_loads_and_the_resume_command_continues(first_run
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"checkpoint: resumed from {b / 'iter_0000004'} at iteration 4;" in again.stdout
     assert _train_iterations(b) == [3, 4, 5] and _tracker(b) == "5" and _tracker(a) == "4"
+
+
+def _resume_command(stdout: str) -> list[str]:
+    lines = stdout.splitlines()
+    return shlex.split(lines[lines.index(next(x for x in lines if x.startswith("resume ("))) + 1])
+
+
+def test_a_nan_stop_says_what_was_decided_and_its_resume_command_trains_on(data_prefix,
+                                                                           tmp_path):
+    """A NaN at iteration 3 stops the run (exit 17); the resume command does not inject it again."""
+    n = tmp_path / "n"
+    proc = _train(*SMALL, "--data.data_path", data_prefix, "--checkpoint.save", str(n),
+                  "--training.train_iters", "4", "--training.save_interval", "2",
+                  "--training.eval_interval", "none", "--reliability.faults", "nan@3")
+    assert proc.returncode == 17, proc.stderr[-3000:]
+    tracker_file = n / "result_rejected_tracker.txt"
+    verdict = [x for x in proc.stdout.splitlines() if x.startswith("reliability: ")]
+    assert len(verdict) == 1 and verdict[0].startswith("reliability: iteration 3, rank 0: ")
+    assert "exit code 17" in verdict[0] and str(tracker_file) in verdict[0], verdict
+    assert "iteration=3 " in tracker_file.read_text() and _tracker(n) == "2"
+    command = _resume_command(proc.stdout)
+    assert "--reliability.faults" not in command, command
+    again = _train(*command[4:])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"checkpoint: resumed from {n / 'iter_0000002'} at iteration 2;" in again.stdout
+    assert _tracker(n) == "4" and _train_iterations(n)[-2:] == [3, 4]
 
 
 # -- §1: tinytron-convert from-hf never overwrites a run --------------------------------------
