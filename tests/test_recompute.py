@@ -145,6 +145,30 @@ def test_checkpoint_without_output_frees_and_refills_the_output():
     assert torch.equal(x.grad, ref_gx) and torch.equal(w.grad, ref_gw)
 
 
+def test_checkpoint_without_output_keeps_one_copy_of_the_recomputed_output():
+    """After the recompute hook: the freed output and the recomputed one share one storage."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 1024, requires_grad=True)        # 1 MiB of fp32 output
+    w = torch.randn(16, 1024, requires_grad=True)
+    ckpt = CheckpointWithoutOutput()
+    y = ckpt.checkpoint(lambda t: torch.nn.functional.silu(t) * 2.0, x)
+    out = torch.nn.functional.linear(y, w)
+    ctx = ckpt.ctx
+    ckpt.discard_output_and_register_recompute(out)
+    seen = {}
+
+    def after_the_recompute(_grad):  # registered second: runs right after the recompute hook
+        recomputed = ctx.outputs[0]
+        seen["storages"] = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                            for t in (y, recomputed)}
+        seen["values_equal"] = torch.equal(y, recomputed)
+
+    out.register_hook(after_the_recompute)
+    out.sum().backward()
+    assert seen["values_equal"]
+    assert list(seen["storages"].values()) == [256 * 1024 * 4], seen["storages"]
+
+
 def test_checkpoint_passes_non_tensor_arguments_and_refuses_autograd_grad():
     x = torch.randn(5, requires_grad=True)
     y = checkpoint(lambda t, scale, none: t * scale, False, x, 3.0, None)

@@ -41,6 +41,18 @@ def test_distributed_saved_activations_halve_the_stored_inputs(tp2):
         assert abs(saved - 4 * 128 * 4 * 128 * 4 // 2) <= _row(4), saved
 
 
+def test_distributed_input_is_replaced_in_place_not_copied(tp2):
+    """Megatron's random.py:585-589: the caller's tensor holds the slice, then the full input."""
+    full = 8 * 4 * 64 * 4
+    for rank in tp2:
+        c = rank["caller_input"]
+        assert c["grads_equal"]
+        (plain_fwd, _), (plain_bwd, plain_same), (fwd, fwd_shape), (bwd, same) = c["sizes"]
+        assert plain_fwd == plain_bwd == full and plain_same
+        assert fwd == full // 2 and fwd_shape == (8 * 4 * 64 // 2,), (fwd, fwd_shape)
+        assert bwd == full and same
+
+
 def test_measured_bytes_per_rank_match_the_count_at_tp2_sp(tp2):
     for rank in tp2:
         m = rank["memory_sp"]

@@ -128,7 +128,11 @@ def fork_rng(tracker: RNGStatesTracker | None = None) -> Iterator[None]:
 # $1/t$ slice of the flattened tensor (Megatron's `split_tensor_into_1d_equal_chunks`), and the
 # backward all-gathers the slices before the recompute. With $s = 4096$, $b = 1$,
 # $h = 4096$ in bf16 at $t = 2$, the stored input of a checkpointed chunk drops from 32 MiB to
-# 16 MiB per rank, for one all-gather of 32 MiB per chunk in backward. Under sequence
+# 16 MiB per rank, for one all-gather of 32 MiB per chunk in backward. As in Megatron
+# (`random.py:585-589`), the slice *replaces the input's data* (`x.data = slice`): every
+# holder of that tensor — the previous layer, a pipeline stage keeping its received input for
+# backward — now holds the slice, not the full tensor beside a copy; backward puts the gathered
+# full tensor back into the same tensor object before the recompute. Under sequence
 # parallelism the input is already split ($[s/t, b, h]$, different on every rank), so the flag
 # is refused (`ModelConfig` raises).
 
@@ -149,7 +153,7 @@ class CheckpointOptions:
 
 
 def _my_flat_chunk(x: torch.Tensor, grid: ParallelGrid) -> torch.Tensor:
-    """This TP rank's 1/tp of x flattened, as a new tensor (x itself can then be freed)."""
+    """This TP rank's 1/tp of x flattened, as a new tensor (x's storage can then be freed)."""
     tp, rank = grid.size("tp"), grid.rank("tp")
     flat = x.detach().reshape(-1)
     if flat.numel() % tp:
@@ -181,12 +185,11 @@ class CheckpointFunction(torch.autograd.Function):
             outputs = run_function(*args)
         ctx.is_tensor = [torch.is_tensor(a) for a in args]
         ctx.others = [None if t else a for a, t in zip(args, ctx.is_tensor)]
-        tensors = [a for a in args if torch.is_tensor(a)]
         ctx.first_shape = None
         if options.distributes() and ctx.is_tensor[0]:
-            ctx.first_shape, ctx.first_requires_grad = args[0].shape, args[0].requires_grad
-            tensors[0] = _my_flat_chunk(args[0], options.grid)
-        ctx.save_for_backward(*tensors)
+            ctx.first_shape = args[0].shape   # the input itself now holds only this rank's slice
+            args[0].data = _my_flat_chunk(args[0], options.grid)
+        ctx.save_for_backward(*[a for a in args if torch.is_tensor(a)])
         return outputs
 
     @staticmethod
@@ -194,9 +197,9 @@ class CheckpointFunction(torch.autograd.Function):
         if not torch.autograd._is_checkpoint_valid():
             raise RuntimeError("checkpointed blocks need .backward(), not torch.autograd.grad()")
         tensors = list(ctx.saved_tensors)
-        if ctx.first_shape is not None:
-            full = _gather_flat_chunks(tensors[0], ctx.first_shape, ctx.options.grid)
-            tensors[0] = full.requires_grad_(ctx.first_requires_grad)
+        if ctx.first_shape is not None:   # the full input back into the same tensor
+            tensors[0].data = _gather_flat_chunks(tensors[0].data, ctx.first_shape,
+                                                  ctx.options.grid)
         inputs = [_detached(tensors.pop(0)) if t else other
                   for t, other in zip(ctx.is_tensor, ctx.others)]
         tracker = ctx.options.tracker
@@ -234,8 +237,15 @@ def checkpoint(function: Callable, distribute_saved_activations: bool, *args,
 # tensor object, which the consumer holds, stays valid but owns zero bytes), and register a
 # gradient hook on the consumer's *output*. The backward reaches that hook just before the
 # consumer's own backward needs its saved input; the hook recomputes the block (same RNG
-# replay) and copies the result back into the original storage, so every saved reference to
-# the output sees the data again without knowing it was ever gone (`_recompute`, `:742`).
+# replay) and hands the result to the original storage, so every saved reference to the
+# output sees the data again without knowing it was ever gone (`_recompute`, `:742`).
+#
+# One copy of the output must remain, not two. Megatron re-points the old storage at the
+# recomputed data with a small C++ extension (`random.py:28-75, 790-797`): zero bytes copied.
+# tinytron differs here, staying in Python: it copies the recomputed values into the old
+# storage and then points the recomputed tensor at that storage (`new.data = old`, which
+# bumps no version counter), so the recomputed storage is freed as the hook returns — one
+# copy from then on, two only during the copy itself.
 #
 # For the norm before `linear_qkv` this saves the norm's internals *and* its output: per
 # layer $s b h$ elements of output, $s b h$ of normalized input and $s b$ of reciprocal RMS
@@ -297,6 +307,7 @@ class CheckpointWithoutOutput:
             for old, new in zip(self.outputs, outputs):
                 old.untyped_storage().resize_(new.untyped_storage().nbytes())
                 old.untyped_storage().copy_(new.untyped_storage())
+                new.data = old   # one storage: the recomputed one is freed
         self.ctx.outputs, self.ctx.inputs = outputs, inputs
         self.ctx, self.run_function, self.outputs, self.rng = None, None, None, None
 
