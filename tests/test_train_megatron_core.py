@@ -1,4 +1,4 @@
-"""The whole training iteration against megatron-core 0.16.1: same weights, same .bin/.idx, same run.
+"""The whole training iteration against megatron-core 0.16.1: same weights, data and recipe.
 
 A tiny Llama-style GPT (4 layers, h 64, 4 heads in 2 query groups, SwiGLU, RoPE, tied
 embeddings) trains for 12 iterations twice, from one megatron-core initialization saved as a
@@ -54,9 +54,10 @@ import pytest
 from tinytron.launch import run_on_ranks
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
-                                or importlib.util.find_spec("megatron.core") is None,
-                                reason="megatron-core is not installed (pip install tinytron[oracles])")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None
+    or importlib.util.find_spec("megatron.core") is None,
+    reason="megatron-core is not installed (pip install tinytron[oracles])")
 
 ITERATIONS = list(range(1, 13))
 LR_RTOL, LOSS_RTOL, GRAD_NORM_RTOL, WEIGHT_ATOL = 1e-12, 1e-6, 3e-5, 1e-6
@@ -118,7 +119,8 @@ def mismatches(reference: list[dict], ours: list[dict] | None) -> list[str]:
         for key, rtol in (("learning_rate", LR_RTOL), ("lm loss", LOSS_RTOL),
                           ("grad_norm", GRAD_NORM_RTOL)):
             if not _close(got[key], ref[key], rtol):
-                out.append(f"iteration {it} {key}: tinytron {got[key]!r}, megatron-core {ref[key]!r}")
+                out.append(f"iteration {it} {key}: tinytron {got[key]!r}, "
+                           f"megatron-core {ref[key]!r}")
     return out
 
 
