@@ -16,3 +16,29 @@ def check_distopt_inner(optimizer, ddp, fused_adamw: bool) -> None:
     if any(type(o).__name__ == "Muon" for o in leaves):
         raise ValueError("Muon needs whole matrices: use LayerWiseDistributedOptimizer, "
                          f"got {[type(o).__name__ for o in leaves]}")
+
+
+def check_scaler_args(min_scale, initial_scale, growth_factor, backoff_factor,
+                      growth_interval, hysteresis) -> None:
+    """ValueError naming the DynamicGradScaler arguments that cannot make a valid schedule."""
+    if not 0 < min_scale <= initial_scale:
+        raise ValueError(f"need 0 < min_scale <= initial_scale, got {min_scale}, {initial_scale}")
+    if growth_factor <= 1.0 or not 0.0 < backoff_factor < 1.0:
+        raise ValueError(f"need growth_factor > 1 and 0 < backoff_factor < 1, got "
+                         f"{growth_factor}, {backoff_factor}")
+    if growth_interval <= 0 or hysteresis <= 0:
+        raise ValueError(f"growth_interval and hysteresis must be > 0, got "
+                         f"{growth_interval}, {hysteresis}")
+
+
+def check_grads_reduced(opt) -> None:
+    """RuntimeError while a DDP wrapper of the optimizer's params has grads it has not reduced."""
+    params = [model for model, _ in opt.pairs]
+    params += [p for _, p in getattr(opt, "all_named", [])]  # layer-wise: owned or not
+    states = [getattr(p, "grad_sync", None) for p in params]
+    # the distributed optimizer may own no piece at all: ask its wrapper too
+    states.append(getattr(getattr(opt, "ddp", None), "grad_sync", None))
+    if any(s is not None and s.pending for s in states):
+        raise RuntimeError("optimizer.step() on grads whose data-parallel reduction has not "
+                           "finished: call ddp.finish_grad_sync() (or finalize_model_grads) "
+                           "after the backward and before the step, as Megatron's train_step does")

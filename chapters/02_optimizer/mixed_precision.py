@@ -16,6 +16,10 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from tinytron.optimizer._checks import check_grads_reduced, check_scaler_args
+from tinytron.optimizer._state_dict import (LayoutFreeStateDict, _group_hparams,  # noqa: F401
+                                            _load_group_hparams)
+
 __all__ = [
     "ConstantGradScaler", "DynamicGradScaler", "copy_param_attributes", "param_counts_in_norm",
     "grads_for_norm", "get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_zeros_fp32",
@@ -39,6 +43,13 @@ __all__ = [
 #   so after the first backoff every further consecutive overflow backs off again;
 # - clean step: `growth_tracker += 1`; at `growth_interval`: reset it, restore
 #   `hysteresis_tracker = hysteresis`, `scale *= growth_factor`.
+#
+# Why hysteresis: a single overflow is often a one-off, one unusual batch. Backing off on the
+# first inf would halve the scale for a transient event, and win it back only after
+# `growth_interval` (1,000 by default) clean steps. With `hysteresis=2` the first overflow only
+# skips its step; the second one before the next growth backs off. The invalid arguments
+# (a growth factor of at most 1, a window of 0, …) are refused with one-line errors from the
+# chapter's private module `tinytron.optimizer._checks`.
 #
 # Defaults: `initial_loss_scale=2**32`, `min_loss_scale=1.0`, growth 2, backoff 0.5,
 # `loss_scale_window=1000`, `hysteresis=2`. Worked example with `hysteresis=2`, `interval=3`,
@@ -88,14 +99,8 @@ class DynamicGradScaler(ConstantGradScaler):
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 1000, hysteresis: int = 2):
         super().__init__(initial_scale)
-        if not 0 < min_scale <= initial_scale:
-            raise ValueError(f"need 0 < min_scale <= initial_scale, got {min_scale}, {initial_scale}")
-        if growth_factor <= 1.0 or not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"need growth_factor > 1 and 0 < backoff_factor < 1, got "
-                             f"{growth_factor}, {backoff_factor}")
-        if growth_interval <= 0 or hysteresis <= 0:
-            raise ValueError(f"growth_interval and hysteresis must be > 0, got "
-                             f"{growth_interval}, {hysteresis}")
+        check_scaler_args(min_scale, initial_scale, growth_factor, backoff_factor,
+                          growth_interval, hysteresis)  # one-line ValueErrors (_checks.py)
         self.min_scale, self.growth_factor, self.backoff_factor = min_scale, growth_factor, backoff_factor
         self.growth_interval, self.hysteresis = growth_interval, hysteresis
         self._growth_tracker, self._hysteresis_tracker = 0, hysteresis
@@ -230,6 +235,13 @@ def count_zeros_fp32(params: Iterable[torch.Tensor], tp_rank: int = 0, group=Non
 # %% [markdown]
 # ## The mixed-precision optimizer
 #
+# Why fp32 masters at all: an update smaller than half the spacing of bf16 numbers near the
+# weight is rounded away. bf16 keeps 8 significant bits, so near 1.0 its spacing is $2^{-8}
+# \approx 0.0039$ below 1 and $2^{-7}$ above; an Adam step with lr $10^{-4}$ moves a weight by
+# about $10^{-4}$, 39 times less than that spacing. Applied to the bf16 weight directly, every
+# such step is lost (the last demo shows it); applied to an fp32 copy, the steps add up, and the
+# bf16 weight changes once they have moved the copy past a rounding boundary.
+#
 # For every bf16/fp16 param the wrapper creates `main_param = param.detach().clone().float()`,
 # copies its TP/sharing flags, and puts the master copy in the inner optimizer's group in the
 # param's place (`Float16OptimizerWithFloat16Params.__init__`,
@@ -239,23 +251,18 @@ def count_zeros_fp32(params: Iterable[torch.Tensor], tp_rank: int = 0, group=Non
 # bytes, plus the 4-byte fp32 `main_grad`. All of it is *resident*: allocated before the first
 # step and kept for the whole run. The master weights and the Adam moments, 12 of those 18
 # bytes, are the optimizer's own, and [the DistributedOptimizer](distributed.py) shards them.
+# For the book's 7B model on one GPU without sharding that is $18 \times 7.5 \cdot 10^9 = 135$ GB,
+# which is why the running example shards.
 #
-# `step()` in Megatron's exact order (`MixedPrecisionOptimizer.step`, `:621`), after one check
-# of ours: when [chapter 05's DDP](../05_buffers/distributed_data_parallel.py) wraps the params, their grads must have been reduced
-# (`finish_grad_sync`) — stepping on local grads would train every rank differently, silently:
-#
-# 1. `prepare_grads` — `main_param.grad = model_param.main_grad.float()` (or `.grad`); unscale
-#    in place by `1/scale` while detecting inf/NaN; all-reduce `found_inf` (MAX) over the
-#    grad-stats group so **all** ranks agree; `scaler.update(found_inf)`;
-# 2. on overflow return `(False, None, None)` — nothing is updated, the scheduler is not stepped;
-# 3. clip with the global norm (`clip_grad`, default 1.0);
-# 4. optionally count zero grads; if the norm exceeds `grad_norm_skip_threshold` (default
-#    $+\infty$; checked in `ChainedOptimizer.step`, `:1451`) report the step as unsuccessful;
-# 5. inner `optimizer.step()`, then copy fp32 masters back into the bf16 params.
+# The optimizer is four small classes, each whole: `MasterWeights` (the copies and the groups),
+# `MasterCopies` (grads in, params out: the part the distributed optimizer replaces),
+# `GradPreparation` (unscale, agree on overflow, the global norm and the clip) and `StepOrder`
+# (the step itself). `MixedPrecisionOptimizer` combines them with the state dict of the next
+# section.
 
 # %%
-class MixedPrecisionOptimizer:
-    """fp32 master params + state around any optimizer; scaler, global-norm clip, skip on overflow."""
+class MasterWeights:
+    """The fp32 master copy of every half-precision param, in the inner optimizer's groups."""
 
     def __init__(self, optimizer, *, clip_grad: float = 1.0, grad_scaler=None, grid=None,
                  log_num_zeros_in_grad: bool = False, grad_norm_skip_threshold: float = math.inf):
@@ -300,15 +307,27 @@ class MixedPrecisionOptimizer:
         """The fp32 tensors the inner optimizer steps."""
         return [m for _, m in self.pairs]
 
+    @property
+    def param_groups(self) -> list[dict]:
+        """The inner optimizer's groups (the scheduler writes lr / weight_decay here)."""
+        return self.optimizer.param_groups
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """loss * scale (1 without a scaler)."""
+        return loss if self.grad_scaler is None else loss * self.grad_scaler.scale
+
 
 # %% [markdown]
-# The class continues over the next cells (a cell extends a class by subclassing it under the
-# same name). First the parts that [the DistributedOptimizer](distributed.py) replaces: where
-# the grad statistics are reduced, how grads come in and how params go out.
+# Next the parts that [the DistributedOptimizer](distributed.py) replaces: where the grad
+# statistics are reduced (the model-parallel group here, because every data-parallel rank holds
+# the same full grads after DDP's all-reduce), how grads come in (an fp32 copy of `main_grad`,
+# or a view when it already is fp32) and how params go out (one `_foreach_copy_` that rounds
+# every master into its bf16 param).
 
 # %%
-class MixedPrecisionOptimizer(MixedPrecisionOptimizer):  # the same class, continued
-    __doc__ = MixedPrecisionOptimizer.__doc__  # help() keeps the first cell's docstring
+class MasterCopies:
+    """Grads into the masters, masters back into the model params, and where stats reduce."""
+
     def grad_stats_group(self):
         """Where grad norms and found_inf are reduced: the model-parallel group."""
         if self.grid is None or self.grid.size("mp") == 1:
@@ -334,23 +353,31 @@ class MixedPrecisionOptimizer(MixedPrecisionOptimizer):  # the same class, conti
         if model:
             torch._foreach_copy_([p.data for p in model], [m.data for p, m in self.pairs if p is not m])
 
-    @property
-    def param_groups(self) -> list[dict]:
-        """The inner optimizer's groups (the scheduler writes lr / weight_decay here)."""
-        return self.optimizer.param_groups
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """loss * scale (1 without a scaler)."""
-        return loss if self.grad_scaler is None else loss * self.grad_scaler.scale
-
 
 # %% [markdown]
-# Step 1 and step 3 of the list above: the grads arrive in the masters, are unscaled while
-# inf/NaN is detected, every rank agrees on `found_inf`; then the global norm and the clip.
+# `step()` in Megatron's exact order (`MixedPrecisionOptimizer.step`, `:621`), after one check
+# of ours: when [chapter 05's DDP](../05_buffers/distributed_data_parallel.py) wraps the params, their grads must have been reduced
+# (`finish_grad_sync`) — stepping on local grads would train every rank differently, silently:
+#
+# 1. `prepare_grads` — `main_param.grad = model_param.main_grad.float()` (or `.grad`); unscale
+#    in place by `1/scale` while detecting inf/NaN; all-reduce `found_inf` (MAX) over the
+#    grad-stats group so **all** ranks agree; `scaler.update(found_inf)`;
+# 2. on overflow return `(False, None, None)` — nothing is updated, the scheduler is not stepped;
+# 3. clip with the global norm (`clip_grad`, default 1.0);
+# 4. optionally count zero grads; if the norm exceeds `grad_norm_skip_threshold` (default
+#    $+\infty$; checked in `ChainedOptimizer.step`, `:1451`) report the step as unsuccessful;
+# 5. inner `optimizer.step()`, then copy fp32 masters back into the bf16 params.
+#
+# Steps 1 and 3 first: the grads arrive in the masters, are unscaled while inf/NaN is detected
+# (one fused pass over all grads), every rank agrees on `found_inf`; then the global norm and
+# the clip. Worked example: scale $2^{16}$, a true gradient of $3 \cdot 10^{-6}$ arrives as
+# $0.197$ (a normal fp16 number with all 11 significant bits, where $3 \cdot 10^{-6}$ itself would
+# be a subnormal with about 6) and is unscaled in fp32 back to $3 \cdot 10^{-6}$.
 
 # %%
-class MixedPrecisionOptimizer(MixedPrecisionOptimizer):  # continued
-    __doc__ = MixedPrecisionOptimizer.__doc__  # help() keeps the first cell's docstring
+class GradPreparation:
+    """Unscale and agree on overflow; the global grad norm and the clip."""
+
     @torch.no_grad()
     def prepare_grads(self) -> bool:
         """Copy grads to the masters, unscale, agree on found_inf, update the scaler."""
@@ -395,11 +422,15 @@ class MixedPrecisionOptimizer(MixedPrecisionOptimizer):  # continued
 
 # %% [markdown]
 # The step itself, in that order, behind the check that the data-parallel reduction has
-# finished; a skipped step (overflow, or a norm above the threshold) changes nothing.
+# finished; a skipped step (overflow, or a norm above the threshold) changes nothing. The check
+# looks for the flag that [chapter 05's DDP](../05_buffers/distributed_data_parallel.py) shares
+# with its params, and lives with the chapter's other checks in the private module
+# `tinytron.optimizer._checks` (`chapters/02_optimizer/_checks.py`).
 
 # %%
-class MixedPrecisionOptimizer(MixedPrecisionOptimizer):  # continued
-    __doc__ = MixedPrecisionOptimizer.__doc__  # help() keeps the first cell's docstring
+class StepOrder:
+    """The step in Megatron's order: prepare, skip on overflow, clip, inner step, write back."""
+
     @torch.no_grad()
     def step_with_ready_grads(self) -> None:
         """Inner step on the fp32 masters, then write them back."""
@@ -408,15 +439,7 @@ class MixedPrecisionOptimizer(MixedPrecisionOptimizer):  # continued
 
     def check_grads_reduced(self) -> None:
         """RuntimeError while a DDP wrapper of these params has grads it has not reduced yet."""
-        params = [model for model, _ in self.pairs]
-        params += [p for _, p in getattr(self, "all_named", [])]  # layer-wise: owned or not
-        states = [getattr(p, "grad_sync", None) for p in params]
-        # the distributed optimizer may own no piece at all: ask its wrapper too
-        states.append(getattr(getattr(self, "ddp", None), "grad_sync", None))
-        if any(s is not None and s.pending for s in states):
-            raise RuntimeError("optimizer.step() on grads whose data-parallel reduction has not "
-                               "finished: call ddp.finish_grad_sync() (or finalize_model_grads) "
-                               "after the backward and before the step, as Megatron's train_step does")
+        check_grads_reduced(self)
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None, int | None]:
@@ -452,53 +475,26 @@ class MixedPrecisionOptimizer(MixedPrecisionOptimizer):  # continued
 # "param_groups": [hyperparameters + param_names], "grad_scaler": ...}` — the same keys
 # whether the optimizer is plain or sharded over DP. (Under TP the tensors are this TP rank's
 # shards; [chapter 03 reshards them](../03_checkpoint/resharding.py) with the params'
-# `partition_dim`.)
+# `partition_dim`.) Loading copies each `fp32_param` into its master and rounds it into the
+# model param, so that a resumed run's bf16 weights are exactly the rounded masters, as they
+# were when the checkpoint was written.
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# Megatron's mixed-precision state dict is the inner PyTorch optimizer's, keyed by parameter
+# *index*, with the fp32 masters saved beside it as `fp32_from_fp16_params`
+# (`Float16OptimizerWithFloat16Params.state_dict`, `optimizer.py:817-826`), and its
+# distributed optimizer has formats of its own. tinytron keeps one form keyed by parameter *name* for every optimizer of this
+# chapter, so that any of them loads any other's checkpoint at any DP size. The code is plumbing
+# (`LayoutFreeStateDict` in the private module `tinytron.optimizer._state_dict`,
+# `chapters/02_optimizer/_state_dict.py`).
+#
+# </div>
 
 # %%
-class MixedPrecisionOptimizer(MixedPrecisionOptimizer):  # continued
-    __doc__ = MixedPrecisionOptimizer.__doc__  # help() keeps the first cell's docstring
-    def state_dict(self) -> dict:
-        """Layout-independent state: full fp32 master + optimizer state per param name."""
-        params = {}
-        for name, (_, main) in zip(self.names, self.pairs):
-            entry = {"fp32_param": main.detach().clone()}
-            for k, v in self._state_of[id(main)].get(main, {}).items():
-                entry[k] = v.detach().clone() if torch.is_tensor(v) else v
-            params[name] = entry
-        return {"params": params, "param_groups": _group_hparams(self.param_groups, self.group_names),
-                "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict()}
-
-    @torch.no_grad()
-    def load_state_dict(self, sd: dict) -> None:
-        """Load the layout-independent form (any DP size saved it)."""
-        _load_group_hparams(self.param_groups, sd["param_groups"])
-        missing = [n for n in self.names if n not in sd["params"]]
-        if missing:
-            raise ValueError(f"optimizer state has no entry for params {missing[:5]}")
-        for name, (model, main) in zip(self.names, self.pairs):
-            entry = sd["params"][name]
-            main.copy_(entry["fp32_param"])
-            if model is not main:
-                model.copy_(main)
-            self._state_of[id(main)][main] = {
-                k: (v.clone().to(main.device) if torch.is_tensor(v) else v)
-                for k, v in entry.items() if k != "fp32_param"}
-        if self.grad_scaler is not None and sd.get("grad_scaler") is not None:
-            self.grad_scaler.load_state_dict(sd["grad_scaler"])
-
-
-def _group_hparams(groups: list[dict], names: list[list[str]]) -> list[dict]:
-    """Every group's hyperparameters, with the names of all its model params."""
-    return [dict({k: v for k, v in g.items() if k != "params"}, param_names=list(n))
-            for g, n in zip(groups, names)]
-
-
-def _load_group_hparams(groups: list[dict], saved: list[dict]) -> None:
-    """Copy saved hyperparameters into matching groups."""
-    if len(groups) != len(saved):
-        raise ValueError(f"checkpoint has {len(saved)} param groups, optimizer has {len(groups)}")
-    for g, s in zip(groups, saved):
-        g.update({k: v for k, v in s.items() if k not in ("params", "param_names")})
+class MixedPrecisionOptimizer(MasterCopies, GradPreparation, StepOrder, LayoutFreeStateDict,
+                              MasterWeights):
+    """fp32 master params + state around any optimizer; scaler, global-norm clip, skip on overflow."""
 
 
 # %% [markdown]
