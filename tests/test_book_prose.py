@@ -29,6 +29,7 @@ CHAPTER_THRESHOLDS = {"04_data": 0.6}
 PAGES_AT_GOAL = {
     "00_overview/grpo.py",
     "02_optimizer/distributed.py",
+    "02_optimizer/mixed_precision.py",
     "02_optimizer/offload.py",
     "04_data/blended.py",
     "04_data/indexed.py",
