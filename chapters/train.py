@@ -132,7 +132,8 @@ def _check_trainer_rules(cfg: TrainConfig) -> None:
     if t.train_iters is not None and decay is not None and s.lr_warmup_iters >= decay:
         raise ConfigError(f"scheduler.lr_warmup_iters ({s.lr_warmup_iters}) must be smaller "
                           f"than the decay length ({decay} iterations: scheduler.lr_decay_iters "
-                          f"or training.train_iters)")
+                          f"or training.train_iters); for a short run shorten the warm-up, e.g. "
+                          f"--scheduler.lr_warmup_iters {max(0, min(decay - 1, decay // 10))}")
 
 
 def _check_data_tokenizer(cfg: TrainConfig, tok) -> None:
@@ -618,6 +619,15 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
         iterators["train"], iterators["valid"] = provide_data(grid_, state)
         return iterators["train"], iterators["valid"]
     forward_step = partial(gpt_forward_step, micro_batch_size=mbs, seq_length=seq)
+    # MFU needs a peak: a GPU's datasheet peak. A CPU's measured matmul rate moves with the
+    # shape, the threads and whatever else runs, and a run can beat it (101% was seen), so on
+    # a CPU the logs give tokens/s and TFLOP/s (tflops_per_device in the JSONL), not MFU.
+    peak_flops = peak_flops_per_device(device, dtype) if device.type == "cuda" else None
+    if rank == 0 and peak_flops is None:
+        where = ("this GPU (no datasheet peak is known for it)" if device.type == "cuda"
+                 else "CPU (it has no reliable peak)")
+        print(f"MFU: not reported on {where}; the JSONL has tokens_per_second and "
+              "tflops_per_device", flush=True)
     try:
         with rel.signal_handler or contextlib.nullcontext() as handler:
             result = pretrain(
@@ -631,7 +641,7 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
                 schedule_overrides={"pipeline_dtype": dtype},
                 load_checkpoint_fn=load, save_checkpoint_fn=save, finalize_async_save_fn=finalize,
                 flops_fn=lambda batch: num_floating_point_operations(cfg.model, batch),
-                peak_flops=peak_flops_per_device(device, dtype), log_fn=log_fn,
+                peak_flops=peak_flops, log_fn=log_fn,
                 exit_signal=handler, rerun_state_machine=rel.rsm, step_hooks=rel,
                 iterations_to_skip=rel.iterations_to_skip,
                 wrap_forward_backward_func=rel.forward_backward_func)

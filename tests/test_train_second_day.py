@@ -87,6 +87,10 @@ def test_first_run_says_it_starts_fresh_and_reports_saves_and_validations(first_
     assert f"validation at iteration 3: lm loss {jsonl[3]:.4f}" in out, out
     assert f"final validation at iteration 4: lm loss {jsonl[4]:.4f}" in out, out
     assert _tracker(a) == "4" and (a / "config.toml").is_file()
+    # a CPU has no reliable peak: no MFU (it read 101% against a one-shape matmul rate)
+    train = [r for r in _records(a) if "losses" in r]
+    assert all(r["mfu"] is None and r["tflops_per_device"] > 0 for r in train), train
+    assert "MFU: not reported on CPU" in out and " MFU " not in out, out
 
 
 def _main_error(capsys, *args) -> str:
@@ -118,6 +122,13 @@ def test_a_load_path_without_a_checkpoint_is_refused_in_one_line(where, tmp_path
                        str(save), "--training.train_iters", "2")
     assert "checkpoint.load" in line and needle in line, line
     assert not save.exists()   # nothing written, nothing trained
+
+
+def test_a_warmup_longer_than_the_run_says_how_to_shorten_it(capsys):
+    line = _main_error(capsys, *SMALL, "--scheduler.lr_warmup_iters", "20",
+                       "--training.train_iters", "10")
+    assert "scheduler.lr_warmup_iters (20) must be smaller" in line, line
+    assert line.endswith("shorten the warm-up, e.g. --scheduler.lr_warmup_iters 1"), line
 
 
 def test_resume_with_another_model_size_fails_before_writing_anything(first_run, data_prefix,
