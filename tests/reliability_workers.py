@@ -185,3 +185,29 @@ def local_grad_attribution(save: str) -> dict:
 __all__ = ["inprocess_job", "local_grad_attribution", "torchrun_cmd", "job_env", "run_job", "logged", "final_losses",
            "step_losses", "tracker_iteration",
            "signal_rank_when", "signal"]
+
+
+def determinism_stats_job():
+    """report_determinism_stats on every rank of the world; rank 1's rerun values differ."""
+    import contextlib
+    import io
+    import itertools
+
+    import torch
+    import torch.distributed as dist
+
+    from tinytron.reliability import RerunDataIterator, RerunStateMachine
+
+    rank = dist.get_rank()
+    rsm = RerunStateMachine("report_determinism_stats", identity_func=lambda: ("n", rank))
+    data, out = RerunDataIterator(itertools.count()), io.StringIO()
+    with contextlib.redirect_stdout(out):
+        for _ in range(4):
+            passes = 0
+            while rsm.should_run_forward_backward(data):
+                for _ in range(2):
+                    v = 1.0 + next(data) + (0.5 * passes if rank == 1 else 0.0)
+                    rsm.validate_result(torch.tensor(v), torch.isnan, "loss")
+                passes += 1
+            rsm.should_checkpoint_and_exit()
+    return out.getvalue().splitlines(), sum(len(v) for v in rsm.determinism_diffs.values())

@@ -48,6 +48,7 @@ def test_compare_floats_edge_cases():
     assert compare_floats(2.0, 2.0) == 0.0
     assert compare_floats(1.0, 3.0) == pytest.approx(1.0)       # |2(1-3)/(1+3)|
     assert compare_floats(math.inf, -math.inf) == math.inf      # not a silent match
+    assert compare_floats(1.5, -1.5) == math.inf                # a + b = 0: no ZeroDivisionError
 
 
 def test_healthy_steps_run_once_and_count_iterations():
@@ -307,3 +308,15 @@ def test_the_trainers_data_iterator_keeps_at_most_one_step_of_micro_batches(mode
     assert max(held) <= (1 if mode == "disabled" else 4), (mode, max(held), held[-1])
     if mode == "disabled":
         assert data.saved_microbatches == []
+
+
+def test_determinism_stats_are_gathered_from_every_rank():
+    """Two gloo ranks: only rank 1's values change on the rerun; rank 0's report shows them."""
+    from tests.reliability_workers import determinism_stats_job
+    from tinytron.launch import run_on_ranks
+
+    out = run_on_ranks(determinism_stats_job, 2, timeout=120)
+    report, held = out[0]
+    # 4 steps x 2 values per rank per step; reports at iterations 2 and 4 (every 2 iterations)
+    assert report[-1].startswith("determinism [loss]: 16 samples, 8 identical, max "), report
+    assert held == 16 and out[1] == ([], 0)   # rank 1 sent its samples and kept none

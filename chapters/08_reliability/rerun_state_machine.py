@@ -51,7 +51,12 @@ __all__ = [
 # tolerance: 0 for the loss (a deterministic recomputation must match bit for bit), 0.001 for
 # gradient norms (flash-attention's backward is not bit-deterministic). Two NaNs compare equal
 # (0), a NaN against a number is a mismatch ($\infty$)
-# (`megatron/core/rerun_state_machine.py:1398`).
+# (`megatron/core/rerun_state_machine.py:1398`). Two cases where tinytron differs here:
+# $+\infty$ against $-\infty$, and $a = -b \ne 0$. Megatron's formula gives NaN for the first
+# ($\infty/\text{NaN}$), and `NaN > tolerance` is false, so opposite infinities read as
+# *reproducible*; the second divides by zero and raises `ZeroDivisionError` in the middle of a
+# rerun (`:1406-1417`). tinytron calls both a mismatch ($\infty$): a value that changed sign
+# was not reproduced.
 #
 # The exit codes are Megatron's: `EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16` ("relaunch me from the
 # checkpoint I just wrote, preferably elsewhere") and `EXIT_CODE_FAILED_ON_RESULT_VALIDATION =
@@ -517,8 +522,11 @@ class RerunStateMachine(RerunStateMachine):  # the same class, continued
 # 2 still has its spike threshold at 100. The state is checkpointed with the machine.
 #
 # In `report_determinism_stats` mode every step is rerun in place and every validated value is
-# compared with its first-pass twin: the differences are collected per message and printed every
-# `REPORTING_INTERVAL_ITERATIONS`.
+# compared with its first-pass twin: the differences are collected per message and, every
+# `REPORTING_INTERVAL_ITERATIONS`, gathered from all ranks of the machine's group to rank 0,
+# which prints them; the other ranks then start their collection afresh (Megatron's
+# `gather_object` of its `QuickStats`, `:995-1020`). A nondeterministic kernel on rank 3 shows
+# in the report even though rank 0's own values were bitwise stable.
 
 # %%
 class RerunStateMachine(RerunStateMachine):  # the same class, continued
@@ -547,11 +555,25 @@ class RerunStateMachine(RerunStateMachine):  # the same class, continued
             self.determinism_diffs[call.caller.message].append(diff)
 
     def _maybe_report_stats(self) -> None:
-        if self.current_iteration % REPORTING_INTERVAL_ITERATIONS == 0 and self.rank == 0:
-            for message, diffs in self.determinism_diffs.items():
-                nonzero = sorted(d for d in diffs if d > 0)
-                print(f"determinism [{message}]: {len(diffs)} samples, "
-                      f"{len(diffs) - len(nonzero)} identical, max {max(diffs, default=0):.3e}")
+        if self.current_iteration % REPORTING_INTERVAL_ITERATIONS != 0:
+            return
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            first = dist.get_rank(self.group) == 0
+            gathered = [None] * dist.get_world_size(self.group) if first else None
+            dist.gather_object(dict(self.determinism_diffs), gathered, group=self.group,
+                               group_dst=0)
+            if not first:   # rank 0 keeps what it was sent: never count a sample twice
+                self.determinism_diffs.clear()
+                return
+            for other in gathered[1:]:
+                for message, diffs in other.items():
+                    self.determinism_diffs[message].extend(diffs)
+        elif self.rank != 0:
+            return
+        for message, diffs in self.determinism_diffs.items():
+            nonzero = sorted(d for d in diffs if d > 0)
+            print(f"determinism [{message}]: {len(diffs)} samples, "
+                  f"{len(diffs) - len(nonzero)} identical, max {max(diffs, default=0):.3e}")
 
 
 # %% [markdown]
@@ -559,9 +581,26 @@ class RerunStateMachine(RerunStateMachine):  # the same class, continued
 #
 # Every event appends one line `ts=… node=… device=… jobID=… rank=… iteration=… status=…
 # result=… message='…'` (`_log_validation_error_to_file`, `:1022`); the next page reads it back
-# to skip bad iterations. The machine's state goes into every checkpoint, per rank (Megatron:
+# to skip bad iterations. Its `iteration=` is the 1-based number of the iteration being run,
+# the one whose step was rejected: Megatron writes `current_iteration + 1` (`:1035`) because
+# its counter starts at −1 and counts from 0 (`:196`); tinytron's counts from 1 and writes it
+# as it is — the same number, the one the training log shows and `training.py:3474` skips as
+# `iteration + 1`. The machine's state goes into every checkpoint, per rank (Megatron:
 # a `ShardedObject` keyed `rerun_state_machine_state`, shape `(world,)`, offset `(rank,)`,
 # written even in steady state so that successive checkpoints have the same structure).
+#
+# What it does not carry is the step's buffered micro-batches. Megatron writes them into the
+# exit-16 checkpoint (`data_iterator_checkpoints`, `:818-829, 853`), but it loads them back
+# only in the `NOT_RUNNING_YET` branch of the *next* step (`:304-310`), right before
+# `advance()` empties the buffer (`:311-314`); the rerun from the checkpoint itself
+# (`WILL_RERUN_FROM_CHECKPOINT`, `:372-374`) reads its micro-batches from the data loader,
+# repositioned by the checkpoint's consumed-sample count. tinytron does exactly that and
+# leaves the copy out. The rerun therefore sees the rejected step's data only because the
+# loader is deterministic given that count — chapter 04's dataset shuffles with the seed and
+# its samplers order by the consumed count (the cyclic one seeds by the epoch), never by the
+# process — and a loader whose order depended on anything
+# else (worker timing, an unseeded shuffle) would make the second opinion compare different
+# data, in Megatron as here.
 
 # %%
 class RerunStateMachine(RerunStateMachine):  # the same class, continued
