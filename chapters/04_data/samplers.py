@@ -12,6 +12,8 @@ from typing import Iterator
 
 import torch
 
+from tinytron.data._sampler_checks import check_common, check_consumed, check_one_step
+
 __all__ = ["MegatronPretrainingSampler", "MegatronPretrainingRandomSampler",
            "build_pretraining_data_loader", "cyclic_iter"]
 
@@ -30,6 +32,13 @@ __all__ = ["MegatronPretrainingSampler", "MegatronPretrainingRandomSampler",
 # starts the same walk at the same place. Worked example, mbs 2, dp 2, consumed 8: rank 0 gets
 # `[8, 9]`, `[12, 13]`, …; rank 1 gets `[10, 11]`, `[14, 15]`, ….
 #
+# Why a count and not the loader's state: the count is one integer that every rank agrees on
+# (each step consumes exactly `global batch` samples), it survives a change of the number of
+# DataLoader workers, and it needs no per-rank file. A run that stopped after 1,000 steps of
+# global batch 512 resumes at `consumed_samples = 512,000`, whatever it ran on before.
+# The arguments that cannot describe a walk (a rank outside `[0, dp)`, no samples left) are
+# refused by one-line errors in the chapter's private module `tinytron.data._sampler_checks`.
+#
 # ```mermaid
 # flowchart LR
 #   S["consumed_samples"] --> CH
@@ -40,26 +49,13 @@ __all__ = ["MegatronPretrainingSampler", "MegatronPretrainingRandomSampler",
 # ```
 
 # %%
-def _check_common(total_samples: int, micro_batch_size: int, data_parallel_rank: int,
-                  data_parallel_size: int) -> None:
-    if total_samples <= 0:
-        raise ValueError(f"no sample to consume: total_samples={total_samples}")
-    if micro_batch_size <= 0 or data_parallel_size <= 0:
-        raise ValueError(f"micro_batch_size={micro_batch_size} and data_parallel_size="
-                         f"{data_parallel_size} must be positive")
-    if not 0 <= data_parallel_rank < data_parallel_size:
-        raise ValueError(f"data_parallel_rank={data_parallel_rank} must be in [0, {data_parallel_size})")
-
-
 class MegatronPretrainingSampler:
     """Sequential micro-batches of sample indices for one DP rank, from consumed_samples."""
 
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
                  data_parallel_rank: int, data_parallel_size: int, drop_last: bool = True):
-        _check_common(total_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
-        if not 0 <= consumed_samples < total_samples:
-            raise ValueError(f"no samples left to consume: consumed_samples={consumed_samples}, "
-                             f"total_samples={total_samples}")
+        check_common(total_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
+        check_consumed(consumed_samples, total_samples)
         self.total_samples, self.consumed_samples = total_samples, consumed_samples
         self.micro_batch_size, self.data_parallel_rank = micro_batch_size, data_parallel_rank
         self.micro_batch_times_data_parallel_size = micro_batch_size * data_parallel_size
@@ -89,11 +85,21 @@ class MegatronPretrainingSampler:
 # on) each rank permutes its own contiguous bucket of `(total // (mbs·dp))·mbs` samples and skips
 # `offset / dp` of them; without it one global permutation is strided over the ranks.
 #
-# One deliberate difference: without sharding, Megatron strides the *whole* permutation of
-# `(total // mbs)·mbs` indices, so when that is not a multiple of `mbs·dp` some ranks get one
-# more micro-batch than others in the last step of an epoch (their `consumed_samples` then
-# disagree). We stride only the first `active` entries: every rank yields the same number of
-# micro-batches, and all earlier batches are identical to Megatron's.
+# Worked example, 10 samples, mbs 2, dp 2: a step is 4 samples, `active` is 8 (the last 2 are
+# never used), and with sharding each rank owns a bucket of $(10 // 4) \cdot 2 = 4$ samples,
+# rank 0 `[0, 4)` and rank 1 `[4, 8)`. Resuming at `consumed_samples = 4` is epoch 0, offset 4:
+# each rank re-creates its epoch-0 permutation and skips its first $4 / 2 = 2$ entries. At
+# `consumed_samples = 8` it is epoch 1, offset 0: a new permutation, seeded by 1.
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# Without sharding, Megatron strides the *whole* permutation of `(total // mbs)·mbs` indices,
+# so when that is not a multiple of `mbs·dp` some ranks get one more micro-batch than others in
+# the last step of an epoch (their `consumed_samples` then disagree). tinytron strides only the
+# first `active` entries: every rank yields the same number of micro-batches, and all earlier
+# batches are identical to Megatron's.
+#
+# </div>
 
 # %%
 class MegatronPretrainingRandomSampler:
@@ -101,16 +107,14 @@ class MegatronPretrainingRandomSampler:
 
     def __init__(self, dataset, total_samples: int, consumed_samples: int, micro_batch_size: int,
                  data_parallel_rank: int, data_parallel_size: int, data_sharding: bool = True):
-        _check_common(total_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
+        check_common(total_samples, micro_batch_size, data_parallel_rank, data_parallel_size)
         self.dataset, self.total_samples = dataset, total_samples
         self.consumed_samples, self.micro_batch_size = consumed_samples, micro_batch_size
         self.data_parallel_rank, self.data_parallel_size = data_parallel_rank, data_parallel_size
         self.data_sharding = data_sharding
         self.micro_batch_times_data_parallel_size = micro_batch_size * data_parallel_size
         self.last_batch_size = total_samples % self.micro_batch_times_data_parallel_size
-        if total_samples < self.micro_batch_times_data_parallel_size:
-            raise ValueError(f"total_samples={total_samples} is smaller than one step of "
-                             f"mbs*dp={self.micro_batch_times_data_parallel_size}")
+        check_one_step(total_samples, self.micro_batch_times_data_parallel_size)
         self.epoch = 0
 
     def __len__(self) -> int:
@@ -182,6 +186,12 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_si
 
 # %% [markdown]
 # ## Demo: stop at step 3, resume, and compare with the uninterrupted run
+#
+# For DP sizes 1, 2 and 4 and both samplers: run the uninterrupted stream, then stop after
+# every step in turn and resume from the `consumed_samples` at that point; every resumed rank
+# must see exactly the micro-batches the uninterrupted run gave it from there on (for the
+# cyclic sampler, across epoch boundaries too), and the ranks' slices of a step must be
+# disjoint.
 
 # %%
 if __name__ == "__main__":
