@@ -211,3 +211,30 @@ def determinism_stats_job():
                 passes += 1
             rsm.should_checkpoint_and_exit()
     return out.getvalue().splitlines(), sum(len(v) for v in rsm.determinism_diffs.values())
+
+
+def host_sync_hang_job(report_path: str) -> None:
+    """Two ranks under a RankMonitor; rank 1 hangs in step 3 before its first micro-batch,
+    rank 0 waits for the all-reduce in a host sync, NCCL-style (async op, then wait)."""
+    import torch
+    import torch.distributed as dist
+
+    from tinytron.reliability.fault_injection import FaultInjector
+    from tinytron.reliability.fault_tolerance import FaultToleranceConfig, RankMonitor
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = FaultToleranceConfig(step_timeout=1.5, num_warmup_iters=0, heartbeat_interval=0.2,
+                               heartbeat_timeout=30.0, report_path=report_path)
+    monitor = RankMonitor(cfg, rank, world).start()
+    injector = FaultInjector(["hang@3:rank=1"], rank=rank)
+    for it in range(1, 6):
+        monitor.on_training_step_start(it)
+        injector.at_step_start(it)
+        for _ in range(2):                    # two micro-batches, marked as the trainer does
+            monitor.mark()
+            grad = torch.full((4,), float(rank))
+            monitor.mark()
+        work = dist.all_reduce(grad, async_op=True)   # returns at once, as NCCL's does
+        work.wait()                                   # the host sync where rank 0 blocks
+        monitor.on_training_step_end()
+    monitor.shutdown()

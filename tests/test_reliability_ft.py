@@ -89,3 +89,31 @@ def test_a_frozen_rank_is_reported_through_a_real_store(tmp_path):
     assert "rank 1 stopped beating" in text and "(frozen or dead)" in text
     assert alive.verdict == text.strip()
     assert alive.section_times["setup"] >= 0.0
+
+
+def test_the_rank_behind_is_blamed_when_the_waiting_rank_sits_in_a_host_sync():
+    """NCCL returns from a collective at once: the waiting rank blocks later, outside
+    torch.distributed. The progress marks still tell who is behind."""
+    reps = {0: dict(_rep("step", False, where="loss.py:40 in item"), section_seq=7, marks=12),
+            1: dict(_rep("step", False, where="loader.py:88 in next"), section_seq=7, marks=9)}
+    v = find_hung_ranks(reps, {0: (0.1, 11.0), 1: (0.2, 11.0)}, CFG)
+    assert v.startswith("hang detected: rank 1 hung in section 'step' at iteration 4"), v
+    assert "rank 0 hung" not in v
+    assert v.endswith("waiting for it, further along the step: ranks [0]"), v
+
+
+def test_a_rank_blocked_in_a_host_sync_is_not_blamed_on_two_gloo_ranks(tmp_path):
+    """Rank 1 hangs at the start of step 3; rank 0 issues its all-reduce asynchronously (as
+    NCCL does) and blocks in work.wait(), a host sync outside any torch.distributed frame."""
+    from tests.reliability_workers import host_sync_hang_job
+    from tinytron.launch import RankError, run_on_ranks
+
+    report = tmp_path / "hang.txt"
+    with pytest.raises(RankError) as err:
+        run_on_ranks(host_sync_hang_job, 2, str(report), timeout=120)
+    assert all(f"code {EXIT_CODE_HANG_DETECTED}" in m for m in err.value.failures.values())
+    verdict = report.read_text().strip()
+    assert verdict.startswith("hang detected: rank 1 hung in section 'step' at iteration 3"), \
+        verdict
+    assert "rank 0 hung" not in verdict
+    assert verdict.endswith("waiting for it, further along the step: ranks [0]"), verdict

@@ -112,6 +112,25 @@ class FaultToleranceConfig:
 # | 1 | fresh | step 7 (201 s) | `loader.py:88 in next` | **hung in step** |
 # | 2 | 45 s old | step 7 | — | **frozen** |
 #
+# The stack test is exact on gloo, whose collectives block the calling thread inside
+# `torch.distributed` until every rank has joined. It is not on GPUs: an NCCL collective
+# returns as soon as its kernel is *enqueued* on the stream, so a rank waiting for a hung
+# peer leaves `torch.distributed` at once and blocks later, on the host, wherever it first
+# needs a result — a `.item()` on the loss, a `torch.cuda.synchronize()`, the next
+# collective's stream wait — and its stack says "busy", like the culprit's. So the verdict
+# rests first on **progress**: each report carries how far the rank got — the iteration, the
+# number of sections it has opened, and `marks`, a counter the loop bumps around every
+# micro-batch's forward step (`RankMonitor.mark`, called by `Reliability.forward_step_func`).
+# When the live ranks are not level, the ones furthest behind are what the others wait for
+# (a rank that never issued the collective the others issued is behind by construction),
+# wherever each main thread sits. Only when every rank is at the same point does the stack
+# decide (exact on gloo; under NCCL it then blames all the late ranks, which is still the
+# truth when, say, the network itself hung). Ranks in one pipeline are not level within a
+# step by design (1F1B runs stage 0 ahead), so with PP > 1 the marks can blame a later stage
+# that waits in a receive for a hung earlier one; the section and iteration still name the
+# step. PyTorch's NCCL flight recorder answers the same question one layer down: per rank,
+# the collectives it entered (last section of this page).
+#
 # Ages are measured by the *observer's* clock from when it first saw a value change, so hosts
 # need not agree on the time. Heartbeats travel through the job's key-value store (the
 # `TCPStore` every `torch.distributed` job already has), each rank under its own key, so the
@@ -147,10 +166,25 @@ def find_hung_ranks(reports: dict[int, dict], ages: dict[int, tuple[float, float
             if r not in frozen and sec_age > config.timeout(reports[r]["section"])]
     if not frozen and not late:
         return None
-    # Someone is over time. Blame the silent ranks and the ranks that are not waiting in a
-    # collective (whatever their own age: they are what the waiting ranks wait for).
-    busy = [r for r in reports if r not in frozen and not reports[r]["in_collective"]]
-    waiting = [r for r in reports if r not in frozen and reports[r]["in_collective"]]
+    # Someone is over time. If the live ranks are not all at the same point, the ones behind
+    # are what the others wait for, wherever each main thread happens to block (NCCL returns
+    # from a collective at once; the wait shows up later, in a host sync).
+    alive = [r for r in reports if r not in frozen]
+    progress = {r: _progress(reports[r]) for r in alive}
+    behind = min(progress.values(), default=None)
+    if len(set(progress.values())) > 1:
+        busy = [r for r in alive if progress[r] == behind]
+        waiting = [r for r in alive if progress[r] != behind]
+        how = ("waiting for it in a collective" if all(reports[r]["in_collective"] for r in waiting)
+               else "waiting for it, further along the step")
+    elif frozen:   # the live ranks are level: they wait for the silent one
+        busy, waiting = [], alive
+        how = ("waiting for it in a collective" if all(reports[r]["in_collective"] for r in alive)
+               else "waiting for it")
+    else:   # all at one point: only the main threads' stacks can tell (exact on gloo)
+        busy = [r for r in alive if not reports[r]["in_collective"]]
+        waiting = [r for r in alive if reports[r]["in_collective"]]
+        how = "waiting for it in a collective"
     lines = []
     for r in frozen:
         rep = reports[r]
@@ -163,8 +197,13 @@ def find_hung_ranks(reports: dict[int, dict], ages: dict[int, tuple[float, float
                      f"{rep['iteration']} ({ages[r][1]:.1f} s in it, timeout "
                      f"{config.timeout(rep['section']):g} s); main thread at {rep['where']}")
     if waiting and (busy or frozen):
-        lines.append(f"waiting for it in a collective: ranks {waiting}")
+        lines.append(f"{how}: ranks {waiting}")
     return "hang detected: " + "; ".join(lines)
+
+
+def _progress(report: dict) -> tuple[int, int, int]:
+    """How far a rank got: (iteration, sections opened, progress marks within them)."""
+    return report["iteration"], report.get("section_seq", 0), report.get("marks", 0)
 
 
 # %% [markdown]
@@ -241,7 +280,7 @@ class RankMonitor:
         self.store = store or connect_store(f"tinytron_ft/{attempt}/", config.heartbeat_timeout)
         self.exit_fn, self.clock = exit_fn, clock
         self._lock = threading.Lock()
-        self._mine = {"section": None, "section_seq": 0, "iteration": 0, "beat": 0}
+        self._mine = {"section": None, "section_seq": 0, "iteration": 0, "beat": 0, "marks": 0}
         self._seen: dict[int, dict] = {}   # observer bookkeeping per rank
         self._steps_seen = 0
         self._stop = threading.Event()
@@ -286,6 +325,11 @@ class RankMonitor(RankMonitor):  # the same class, continued
     def on_training_step_end(self) -> None:
         """Close the step section."""
         self._open(None)
+
+    def mark(self) -> None:
+        """A progress point inside a section (the loop calls it around each micro-batch)."""
+        with self._lock:
+            self._mine["marks"] += 1
 
     def on_checkpointing_start(self) -> None:
         """Open the checkpoint section."""
@@ -448,8 +492,9 @@ if __name__ == "__main__":
 #
 # - Sections (setup, step, checkpoint, and out-of-section time) each get a timeout; the first
 #   steps run out of section.
-# - A beat from a side thread says *alive*; the main thread's stack says *where*; a rank over
-#   time outside any collective, or silent, is the one that hung — the others wait for it.
+# - A beat from a side thread says *alive*; progress marks say *how far*; the rank behind the
+#   others, or silent, is the one that hung — the others wait for it. When all are level,
+#   the main thread's stack decides (exact on gloo; NCCL returns from collectives at once).
 # - The verdict is agreed through the job's store, written where a scheduler can read it, and
 #   every rank exits so that the launcher restarts the job (next page).
 #

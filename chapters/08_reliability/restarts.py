@@ -357,7 +357,11 @@ class Reliability(Reliability):  # the same class, continued
     def forward_step_func(self, forward_step_func):
         """forward_step_func whose loss_func checks (and may corrupt) each micro-batch loss."""
         def wrapped(data_iterator, model):
+            if self.monitor is not None:   # progress marks: who is behind, even under NCCL
+                self.monitor.mark()
             output, loss_func = forward_step_func(data_iterator, model)
+            if self.monitor is not None:
+                self.monitor.mark()
             if self.rsm.state == RerunState.NOT_RUNNING_YET:  # evaluation: not validated
                 return output, loss_func
             return output, checked_loss_func(loss_func, self.rsm, self.rerun_config,
