@@ -368,6 +368,7 @@ def megatron_run(layout_name: str, data_prefix: str, initial: str, cache: str,
     """The reference run of one layout; then each of tinytron's final checkpoints, read into
     this layout by megatron-core's own loader, compared tensor by tensor with its weights."""
     from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     layout = LAYOUTS[layout_name]
     with megatron_core_on_cpu():
@@ -385,6 +386,8 @@ def megatron_run(layout_name: str, data_prefix: str, initial: str, cache: str,
                                                        data if layout["vpp"] else data[0], m, dp)}
                        for it in range(1, RECIPE["train_iters"] + 1)]
             trained = _weights(chunks)
+            parts = {"optimizer": sorted({type(o).__name__ for o in optimizer.chained_optimizers}),
+                     "schedule": get_forward_backward_func().__name__}
             gaps = {}
             for name, directory in compare_with.items():  # reading overwrites the model's tensors
                 theirs = {f"{i}.{k}": v for i, w in enumerate(_read_weights(chunks, directory))
@@ -392,7 +395,7 @@ def megatron_run(layout_name: str, data_prefix: str, initial: str, cache: str,
                 gaps[name] = {k: float((theirs[k] - trained[k]).abs().max()) for k in theirs}
         finally:
             ps.destroy_model_parallel()
-    return {"records": records, "weight_gaps": gaps, "num_tensors": len(trained),
+    return {"records": records, "weight_gaps": gaps, "num_tensors": len(trained), **parts,
             "weight_scale": max(float(v.abs().max()) for v in trained.values())}
 
 
