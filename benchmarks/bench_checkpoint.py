@@ -9,7 +9,11 @@ Per repeat (interleaved, so all share the machine's noise):
 4. a load of the torch_dist checkpoint (with and without the CRC check);
 5. a synchronous legacy save.
 
-Run: python benchmarks/bench_checkpoint.py [--repeats N] [--dir DIR]
+Then, once, the bytes each rank writes on 4 gloo ranks (DP 4, and TP 2 x DP 2), with the
+DistributedOptimizer, with and without the fully parallel save: a count of bytes on disk, not a
+timing.
+
+Run: python benchmarks/bench_checkpoint.py [--repeats N] [--dir DIR] [--bytes-only]
 Writes benchmarks/results/checkpoint.json.
 """
 
@@ -95,16 +99,36 @@ def one_repeat(work: Path, model, opt, rep: int, num_bytes: int) -> dict:
     out["sync_s"] = _save(work, "sync", state, model, opt)
     if not rep % 2:
         out["dd_s"] = run_dd(work / "dd.bin", num_bytes)
-    out["sync_no_checksums_s"] = _save(work, "nocrc", state, model, opt, verify_integrity=False)
+    out["sync_with_checksums_s"] = _save(work, "crc", state, model, opt, crc_checksums=True)
     for mode in ("process", "thread"):
         out.update(_async(work, mode, state, model, opt))
-    for verify in ((True, False) if rep % 2 else (False, True)):
+    for verify in ((True, False) if rep % 2 else (False, True)):   # CRC checked when present
         t0 = time.perf_counter()
-        load_checkpoint(work / "sync", model, opt, verify_integrity=verify)
+        load_checkpoint(work / ("crc" if verify else "sync"), model, opt)
         out[f"load_{'verified' if verify else 'unverified'}_s"] = time.perf_counter() - t0
     out["legacy_sync_s"] = _save(work, "legacy", state, model, opt, ckpt_format="torch")
-    for name in ("sync", "nocrc", "process", "thread", "legacy"):
+    for name in ("sync", "crc", "process", "thread", "legacy"):
         shutil.rmtree(work / name)
+    return out
+
+
+def per_rank_bytes(work: Path) -> dict:
+    """Bytes in each rank's __R_0.distcp, fully parallel save on and off, on 4 gloo ranks."""
+    from tinytron.checkpoint import _workers
+    from tinytron.launch import run_on_ranks
+
+    config = tiny_config(num_layers=8, hidden_size=256, ffn_hidden_size=704, seq_length=32,
+                         dropout=0.0)
+    out = {}
+    for tp in (1, 2):
+        root = work / f"per_rank_tp{tp}"
+        run_on_ranks(_workers.fully_parallel_both, 4, str(root), tp, config, timeout=600)
+        for name in ("on", "off"):
+            sizes = [(root / name / "iter_0000001" / f"__{r}_0.distcp").stat().st_size
+                     for r in range(4)]
+            out[f"tp{tp}_dp{4 // tp}_fully_parallel_{name}"] = {
+                "bytes_per_rank": sizes, "max_over_mean": max(sizes) / (sum(sizes) / 4)}
+        shutil.rmtree(root)
     return out
 
 
@@ -113,8 +137,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--bytes-only", action="store_true",
+                        help="only the per-rank bytes; keep the timings already in the results")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    out = Path(__file__).parent / "results" / "checkpoint.json"
+    if args.bytes_only:
+        work = Path(tempfile.mkdtemp(prefix="bench_ckpt_"))
+        result = json.loads(out.read_text()) if out.exists() else {}
+        if "sync_no_checksums_s" in result.get("median_seconds", {}):
+            result["timings_note"] = ("timings measured when checksums.json was written by "
+                                      "default: sync_s is with the CRC, sync_no_checksums_s without")
+        result["fully_parallel_bytes"] = per_rank_bytes(work)
+        result["fully_parallel_bytes_command"] = " ".join([Path(sys.executable).name, *sys.argv])
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result["fully_parallel_bytes"], indent=1))
+        shutil.rmtree(work, ignore_errors=True)
+        return
     config, model, opt = build()
     work = Path(args.dir or tempfile.mkdtemp(prefix="bench_ckpt_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -132,23 +171,25 @@ def main() -> None:
         "median_seconds": med, "runs": runs,
         "write_gbps": {"dd": gb / med["dd_s"], "torch_dist_sync": gb / med["sync_s"]},
         "ratio_sync_throughput_over_dd": med["dd_s"] / med["sync_s"],
-        "ratio_sync_no_checksums_throughput_over_dd": med["dd_s"] / med["sync_no_checksums_s"],
+        "ratio_sync_with_checksums_throughput_over_dd": med["dd_s"] / med["sync_with_checksums_s"],
         "ratio_async_process_blocking_over_sync": med["async_process_blocking_s"] / med["sync_s"],
         "ratio_async_thread_blocking_over_sync": med["async_thread_blocking_s"] / med["sync_s"],
         "ratio_legacy_over_torch_dist_sync": med["legacy_sync_s"] / med["sync_s"],
+        "fully_parallel_bytes": per_rank_bytes(work),
     }
-    out = Path(__file__).parent / "results" / "checkpoint.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{result['parameters'] / 1e6:.0f}M params, {gb:.2f} GB per checkpoint; "
           f"load average {result['load_average_at_start_1m']:.1f}")
     print(f"dd {result['write_gbps']['dd']:.2f} GB/s, torch_dist sync save "
           f"{result['write_gbps']['torch_dist_sync']:.2f} GB/s "
-          f"(ratio {result['ratio_sync_throughput_over_dd']:.2f}, goal >= 0.7; without checksums "
-          f"{result['ratio_sync_no_checksums_throughput_over_dd']:.2f})")
+          f"(ratio {result['ratio_sync_throughput_over_dd']:.2f}, goal >= 0.7; with checksums "
+          f"{result['ratio_sync_with_checksums_throughput_over_dd']:.2f})")
     print(f"async blocking / sync: process {result['ratio_async_process_blocking_over_sync']:.3f}, "
           f"thread {result['ratio_async_thread_blocking_over_sync']:.3f} (goal <= 0.05)")
     print(f"load {med['load_verified_s']:.2f} s (CRC checked), {med['load_unverified_s']:.2f} s "
           f"without; legacy save / torch_dist save {result['ratio_legacy_over_torch_dist_sync']:.2f}")
+    for name, v in result["fully_parallel_bytes"].items():
+        print(f"{name}: bytes per rank {v['bytes_per_rank']} (max / mean {v['max_over_mean']:.2f})")
     print(f"wrote {out}")
     if not args.dir:
         shutil.rmtree(work, ignore_errors=True)

@@ -190,7 +190,24 @@ def _interop(root: str, name: str, cfg, tokens) -> dict:
         out[f"tinytron_to_mcore_{name}"] = float((_megatron_logits(mcore2, tokens)
                                                   - ours2(tokens)).abs().max())
     out[f"logit_scale_{name}"] = float(reference.abs().max())
+    # file sets: megatron-core 0.16.1 saves with 2 writer threads per rank by default, Megatron
+    # at e03878b5f with 1 (strategies/torch.py:600), tinytron's default; both against tinytron
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+
+    one = get_default_save_sharded_strategy()
+    one.thread_count = 1
+    dist_checkpointing.save(mcore.sharded_state_dict(), _fresh(f"{root}/mcore1_{name}"), one)
+    save_model_weights(ours2, f"{root}/tinytron2_{name}", thread_count=2)
+    for label, d in (("mcore", mdir), ("mcore1", f"{root}/mcore1_{name}"),
+                     ("tinytron", f"{root}/tinytron_{name}"),
+                     ("tinytron2", f"{root}/tinytron2_{name}")):
+        out[f"files_{label}_{name}"] = sorted(os.listdir(d))
     return out
+
+
+def _fresh(path: str) -> str:
+    os.makedirs(path)
+    return path
 
 
 def megatron(root: str) -> dict:
@@ -204,6 +221,14 @@ def megatron(root: str) -> dict:
         # init_std 0.2: logits of size ~5, so that a 1e-5 gap is a real agreement
         cfg = tiny_config(tie_embeddings=tie, num_query_groups=groups, init_std=0.2)
         out.update(_interop(root, f"tie{int(tie)}_g{groups}", cfg, tokens))
+    # a whole training checkpoint with the default options: the same file names
+    from tinytron.checkpoint import save_checkpoint
+    from tinytron.checkpoint.resume import TrainStateFallback
+
+    _, model, opt, step = tiny_training()
+    step(0)
+    save_checkpoint(f"{root}/full", TrainStateFallback(iteration=1), model, opt)
+    out["files_full_checkpoint"] = sorted(os.listdir(f"{root}/full/iter_0000001"))
     return out
 
 

@@ -120,8 +120,7 @@ def test_torch_dist_files_open_with_pytorch_alone(tmp_path):
     save_checkpoint(tmp_path, state, model, opt)
     d = tmp_path / "iter_0000002"
     assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
-    assert sorted(os.listdir(d)) == [".metadata", "__0_0.distcp", "checksums.json", "common.pt",
-                                     "metadata.json"]
+    assert sorted(os.listdir(d)) == [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
     assert json.loads((d / "metadata.json").read_text()) == MEGATRON_METADATA
     mtimes = {p.name: p.stat().st_mtime_ns for p in d.iterdir()}
     assert mtimes["metadata.json"] == max(mtimes.values())   # written last
@@ -185,7 +184,7 @@ def _corrupt(d: Path, what: str) -> str:
 @pytest.mark.parametrize("what", ["truncated", "corrupted", "no_common", "tracker"])
 def test_bad_checkpoint_is_refused_and_nothing_is_loaded(tmp_path, what):
     model, opt, state = _trained()
-    save_checkpoint(tmp_path, state, model, opt)
+    save_checkpoint(tmp_path, state, model, opt, crc_checksums=what == "corrupted")
     message = _corrupt(tmp_path / "iter_0000002", what)
     fresh, fresh_opt, _ = _trained(steps=1, seed=3)
     before = _state_of(fresh, fresh_opt)
@@ -361,7 +360,6 @@ def test_convert_reads_megatron_args_safely(tmp_path, capsys):
                 "megatron.core.future.NewThing")[0].flash}), ("hostile", {
                 "x": _RunsCode(tmp_path / "ran")})):
             save_model_weights(model, tmp_path / name)
-            (tmp_path / name / "checksums.json").unlink()   # Megatron writes none
             torch.save({"args": argparse.Namespace(**vars(args), **extra), "iteration": 5,
                         "checkpoint_version": 3.0}, tmp_path / name / "common.pt")
         got = read_checkpoint_model(tmp_path / "megatron")   # no flags: the heads come from args

@@ -107,7 +107,7 @@ def test_who_writes_what(suite):
     root, _ = suite
     dist_dir = root / "dist_tp2_sync" / "iter_0000003"
     assert sorted(os.listdir(dist_dir)) == [".metadata", "__0_0.distcp", "__1_0.distcp",
-                                            "__2_0.distcp", "__3_0.distcp", "checksums.json",
+                                            "__2_0.distcp", "__3_0.distcp",
                                             "common.pt", "metadata.json"]
     legacy_dir = root / "legacy_tp2_pp2" / "iter_0000003"
     assert sorted(os.listdir(legacy_dir)) == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000",
@@ -125,3 +125,58 @@ def test_both_formats_merge_into_one_model(suite):
     for fmt in ("torch_dist", "torch"):
         merged = read_checkpoint_model(root / "both_formats" / fmt)
         assert all(torch.equal(p, q) for p, q in zip(merged.parameters(), reference.parameters()))
+
+
+def test_load_errors_are_one_line_on_every_rank(suite):
+    """A shape mismatch, a key only the last stage misses, an extra key: the same one-line
+    ValueError on all 4 ranks (naming key and shapes), and no rank's model changed."""
+    _, out = suite
+    views = out[0]["load_errors"]
+    assert len(views) == 4 and all(v == views[0] for v in views[1:]), views
+    got = views[0]
+    assert all(got[f"{case}_unchanged"] for case in ("shape", "missing", "extra"))
+    assert all("\n" not in got[case] for case in ("shape", "missing", "extra"))
+    assert ("'decoder.layers.mlp.linear_fc1.weight' has global shape (4, 256, 64) in the "
+            "checkpoint, the model needs (4, 512, 64)") in got["shape"]
+    assert "has no tensor 'output_layer.weight' (the model needs global shape (" in got["missing"]
+    assert "has tensor 'output_layer.weight' of global shape (" in got["extra"]
+    assert "which the model does not have" in got["extra"]
+
+
+def test_fully_parallel_save_spreads_the_weights_over_dp(suite):
+    """TP 2 x DP 2: on (the default), the four ranks write similar shares; off, DP rank 0 of each
+    position writes the weights. Both directories hold the same tensors."""
+    root, out = suite
+    ranks = out[0]["fully_parallel"]
+    sizes = {name: [os.path.getsize(root / "fully_parallel" / name / "iter_0000001" /
+                                    f"__{r}_0.distcp") for r in range(4)] for name in ("on", "off")}
+    dp0 = [r for r in range(4) if ranks[r]["dp_rank"] == 0]
+    dp1 = [r for r in range(4) if ranks[r]["dp_rank"] == 1]
+    # off: DP rank 0 writes the weights and its optimizer shard, DP rank 1 its shard alone
+    assert all(sizes["off"][a] > 1.5 * sizes["off"][b] for a, b in zip(dp0, dp1)), sizes
+    spread = {k: max(v) - min(v) for k, v in sizes.items()}
+    assert spread["on"] < 0.5 * spread["off"] and max(sizes["on"]) < max(sizes["off"]), sizes
+    assert sum(sizes["on"]) == pytest.approx(sum(sizes["off"]), rel=0.02)
+    a, b = (plain_tensors(root / "fully_parallel" / n / "iter_0000001") for n in ("on", "off"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_legacy_optimizer_entry_has_megatrons_structure(suite):
+    """DistributedOptimizer, legacy format: model_optim_rng.pt's `optimizer` entry is Megatron's
+    {'optimizer': {'param_groups'}, 'grad_scaler'} (with tinytron's per-name steps beside it),
+    distrib_optim.pt holds world tensors under buffer index and (param, grad) dtypes."""
+    root, _ = suite
+    rank_dir = root / "legacy_tp2_pp2" / "iter_0000003" / "mp_rank_00_000"
+    sd = torch.load(rank_dir / "model_optim_rng.pt", weights_only=True)
+    entry = sd["optimizer"]
+    assert set(entry) == {"optimizer", "grad_scaler", "steps"} and set(entry["optimizer"]) == {
+        "param_groups"}
+    assert all(g["step"] == 3 and "lr" in g and "params" not in g
+               for g in entry["optimizer"]["param_groups"])
+    assert set(entry["steps"].values()) == {3}
+    world = torch.load(rank_dir / "distrib_optim.pt", weights_only=True)
+    assert world["buckets_coalesced"] is True
+    (dtypes, tensors), = world[0].items()
+    assert dtypes == (torch.float32, torch.float32)
+    assert {"param", "exp_avg", "exp_avg_sq", "numel_unpadded"} <= set(tensors)
+    assert tensors["exp_avg"].numel() == tensors["numel_unpadded"]

@@ -2,7 +2,8 @@
 multiprocessing Manager and needs three CUDA calls stubbed): a model checkpoint written by
 Megatron-Core loads into tinytron's GPTModel, one written by tinytron loads into Megatron-Core
 (strict), and Megatron-Core -> Hugging Face through tinytron-convert — same logits to 1e-5,
-tied and untied, GQA and MHA."""
+tied and untied, GQA and MHA; a default save (weights alone, or a whole training checkpoint)
+writes the same files as megatron-core's save of the same model."""
 
 from __future__ import annotations
 
@@ -31,3 +32,11 @@ def test_megatron_core_checkpoints_both_ways(tmp_path):
         assert gaps[f"convert_status_{name}"] == 0
         for direction in ("mcore_to_tinytron", "tinytron_to_mcore", "mcore_to_hf"):
             assert gaps[f"{direction}_{name}"] < 1e-5, (direction, name, gaps)
+        # the default output is file for file what megatron-core's dist_checkpointing.save writes
+        # (one writer thread per rank, Megatron's default at e03878b5f; megatron-core 0.16.1's
+        # own default is two, and tinytron with thread_count=2 writes the same two files)
+        assert gaps[f"files_tinytron_{name}"] == gaps[f"files_mcore1_{name}"] == [
+            ".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
+        assert gaps[f"files_tinytron2_{name}"] == gaps[f"files_mcore_{name}"] == [
+            ".metadata", "__0_0.distcp", "__0_1.distcp", "common.pt", "metadata.json"]
+    assert gaps["files_full_checkpoint"] == gaps["files_mcore1_tie1_g2"]

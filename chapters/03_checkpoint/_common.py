@@ -109,6 +109,7 @@ class LoadedState:
     optimizer_state_dict: dict | None = None             # a whole optimizer.state_dict()
     param_groups: list | None = None                     # hyperparameters of this position
     rng: dict | None = None
+    rerun: dict | None = None                            # this rank's rerun-machine state
 
     @torch.no_grad()
     def apply_model(self) -> None:

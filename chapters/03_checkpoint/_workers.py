@@ -328,6 +328,24 @@ def legacy_refuses_tp_change(root: str) -> str:
     return "no error"
 
 
+def fully_parallel_both(root: str, tp: int = 2, config=None) -> dict:
+    """One TP x DP state (DistributedOptimizer) saved with and without the fully parallel save."""
+    run = Run(tp, 1, config=config)
+    run.step()
+    for name, on in (("on", True), ("off", False)):
+        _manager(run.grid, save=f"{root}/{name}", ckpt_fully_parallel_save=on).save(
+            run.state, [run.ddp], run.optimizer, run.scheduler)
+    return {"dp_rank": run.grid.rank("dp_cp"), "tp_rank": run.grid.rank("tp")}
+
+
+def _every_rank(root: str, fn) -> list:
+    """fn's result on every rank, gathered (each rank's view of the same check)."""
+    got = fn(root)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, got)
+    return everyone
+
+
 def checkpoint_suite(root: str) -> dict:
     """Every multi-rank check of the tests, in one 4-rank world (seconds per check included)."""
     checks = {
@@ -350,6 +368,8 @@ def checkpoint_suite(root: str) -> dict:
         "dp_only": (dp_only_load, "a", "b"),   # root/dp_only/a: dp_only_save in one process
         "legacy_refuses": (legacy_refuses_tp_change,),
         "both_formats": (save_both_formats, tiny_config(num_layers=4, seed=11)),
+        "load_errors": (_every_rank, load_errors),
+        "fully_parallel": (_every_rank, fully_parallel_both),
     }
     fp32_optimizer = {"distopt": False}   # the mixed-precision optimizer: fp32 weights, no masters
     options = {"dist_pp2_async_process": {"async_save": True},
@@ -485,3 +505,29 @@ def save_both_formats(root: str, config, tp: int = 2, pp: int = 2) -> None:
     for fmt in ("torch_dist", "torch"):
         CheckpointManager(CheckpointConfig(save=f"{root}/{fmt}", ckpt_format=fmt), grid).save(
             TrainStateFallback(), [model])
+
+
+def load_errors(root: str) -> dict:
+    """Bad loads at TP 1 x PP 2 (DP 2): the message each rank raises, or 'no error'."""
+    from tinytron.checkpoint.torch_dist import load_model_weights, save_model_weights
+
+    grid = grid_for(1, 2)
+    config = tiny_config(num_layers=4, seed=5)
+    save_model_weights(build_stage_models(config, grid)[0], f"{root}/tied", grid)
+    save_model_weights(build_stage_models(config.replace(tie_embeddings=False), grid)[0],
+                       f"{root}/untied", grid)
+    cases = {"shape": ("tied", config.replace(ffn_hidden_size=2 * config.ffn_hidden_size)),
+             # only the last stage holds the output layer: the other ranks see nothing wrong
+             "missing": ("tied", config.replace(tie_embeddings=False)),
+             "extra": ("untied", config)}
+    out = {}
+    for name, (source, cfg) in cases.items():
+        model = build_stage_models(cfg, grid)[0]
+        before = _weights(model)
+        try:
+            load_model_weights(f"{root}/{source}", model, grid)
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = str(e)
+        out[name + "_unchanged"] = _weights(model) == before
+    return out

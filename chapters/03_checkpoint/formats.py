@@ -315,9 +315,14 @@ def unwrap_chunks(model) -> list:
 #   `model_optim_rng.pt` (4.0 GB of bf16 weights) plus `distrib_optim.pt` (24.1 GB): 4 writers,
 #   8 files.
 # - **torch_dist**: every rank writes its own DistributedOptimizer shard (24.1 GB / 64 ≈
-#   0.38 GB) and DP rank 0 of each position also writes the bf16 weights; 256 writers, one
-#   `__R_0.distcp` each, plus `common.pt`, `.metadata` and `metadata.json` from rank 0. No
-#   gather, and the write bandwidth of the whole cluster is used.
+#   0.38 GB) and, with Megatron's default fully parallel save (`ckpt_fully_parallel_save`,
+#   `training_config.py:491`; [torch_dist](torch_dist.py)), a 64th of its position's bf16
+#   weights (4.0 GB / 64 ≈ 0.06 GB): 256 writers of about 0.44 GB each, one `__R_0.distcp`
+#   per rank, plus `common.pt`, `.metadata` and `metadata.json` from rank 0. No gather, and
+#   the write bandwidth of the whole cluster is used. With the fully parallel save turned off
+#   (Megatron-Core's plain `dist_checkpointing.save` does the same), DP rank 0 of each
+#   position writes all 4.0 GB of weights too: 4.4 GB on 4 ranks, 0.38 GB on the rest, so the
+#   slowest rank writes about 11× as much.
 #
 # The same iteration of the running example in each format (the `.tmp` suffix dropped, as after
 # the commit):
@@ -326,7 +331,7 @@ def unwrap_chunks(model) -> list:
 # flowchart LR
 #   subgraph D["--ckpt-format torch_dist: 256 writers, 259 files"]
 #     DI["iter_0001000/"] --> D0["common.pt<br/>rank 0"]
-#     DI --> D1["__0_0.distcp ... __255_0.distcp<br/>one per rank, 0.38 GB of optimizer state<br/>+ 4.0 GB of weights on DP rank 0"]
+#     DI --> D1["__0_0.distcp ... __255_0.distcp<br/>one per rank, 0.38 GB of optimizer state<br/>+ 0.06 GB of weights (fully parallel save)"]
 #     DI --> D2[".metadata<br/>rank 0, the index"]
 #     DI --> D3["metadata.json<br/>rank 0, written last"]
 #   end

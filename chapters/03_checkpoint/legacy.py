@@ -37,14 +37,22 @@ CHECKPOINT_VERSION = 3.0
 # | `checkpoint_version` | 3.0 |
 # | `iteration` | the iteration just finished |
 # | `model`, or `model0`, `model1`, … with virtual stages | this position's `state_dict()`: local names, TP shards |
-# | `optimizer` | the optimizer's state dict — for the DistributedOptimizer only its hyperparameters, step counts and loss scale |
+# | `optimizer` | for the DistributedOptimizer Megatron's structure (`distrib_optimizer.py:779-838`): `{"optimizer": {"param_groups": [...]}, "grad_scaler": ...}`, each group's hyperparameters with the one `step`, plus tinytron's `steps`, each parameter's step count by name; other optimizers: chapter 02's `state_dict()` |
 # | `opt_param_scheduler` | the scheduler's ten values |
-# | `rng_state` | a list with the RNG states (one per DP rank) |
+# | `rng_state` | a list with the RNG states: DP rank 0's alone, or one per DP rank with `data_parallel_random_init` |
 # | `num_floating_point_operations_so_far` | for MFU logging after a resume |
 #
 # Everything here is plain Python, lists and tensors, so `torch.load(..., weights_only=True)`
-# reads it without unpickling arbitrary objects (Megatron keeps an `argparse.Namespace` and
-# needs `weights_only=False`).
+# reads it without unpickling arbitrary objects. For the optimizers other than the
+# DistributedOptimizer the entry is chapter 02's own `state_dict()`, not the one of Megatron's
+# `Float16OptimizerWithFloat16Params` (`optimizer`, `grad_scaler`, `fp32_from_fp16_params`):
+# a deliberate difference, since tinytron's mixed-precision optimizer keeps its state in its
+# own layout. `distrib_optim.pt` below is Megatron's structure. Megatron reads with
+# `weights_only=True` too (PyTorch's default since 2.6, `checkpointing.py:1381`), but its
+# `args` is an
+# `argparse.Namespace`, so it registers that and a few of its own classes as safe globals
+# when `megatron.core` is imported (`megatron/core/safe_globals.py:26-52`,
+# `megatron/core/__init__.py:54`); tinytron stores `args` as a dict and needs no allow-list.
 #
 # ## `distrib_optim.pt`: the optimizer state, gathered over DP
 #
@@ -56,7 +64,10 @@ CHECKPOINT_VERSION = 3.0
 # a buffer into one **world tensor** per quantity:
 #
 # `{buffer_index: {(param_dtype, grad_dtype): {"param": …, "exp_avg": …, "exp_avg_sq": …,
-# "numel_unpadded": n}}, "buckets_coalesced": True}`
+# "numel_unpadded": n}}, "buckets_coalesced": True}` (`distrib_optimizer.py:1249-1353`).
+# tinytron adds one key to each entry, `bucket_numel_unpadded`, the unpadded size of every
+# bucket, so that a load with another bucket size is refused by name instead of cutting the
+# world tensor in the wrong places.
 #
 # Worked example (chapter 05's buffer): params `c[30]` at 0, `b[100]` at 64, bucket of 164
 # elements padded to 256 for $dp = 2$. Rank 0 owns `[0, 128)`, rank 1 `[128, 256)`; the gather
@@ -146,7 +157,7 @@ def distributed_optimizer_world_tensors(optimizer, comm: CheckpointGroups) -> di
 
 
 def _distopt_common(optimizer, comm: CheckpointGroups) -> dict:
-    """Hyperparameters, loss scale and each param's step count (gathered: shards own pieces)."""
+    """Megatron's entry ({'optimizer': {'param_groups'}, 'grad_scaler'}) and each param's step."""
     from tinytron.optimizer.mixed_precision import _group_hparams
 
     steps = {}
@@ -157,10 +168,18 @@ def _distopt_common(optimizer, comm: CheckpointGroups) -> dict:
     merged = {}
     for part in comm.all_gather_object(steps, group="dp"):
         merged.update(part)
-    return {"param_groups": _group_hparams(optimizer.param_groups, optimizer.group_names),
+    step = max(merged.values(), default=0)   # Megatron's one step, in every group
+    groups = [dict(g, step=step) for g in _group_hparams(optimizer.param_groups,
+                                                           optimizer.group_names)]
+    return {"optimizer": {"param_groups": groups},
             "grad_scaler": None if optimizer.grad_scaler is None
             else optimizer.grad_scaler.state_dict(),
             "steps": merged}
+
+
+def legacy_param_groups(entry: dict) -> list | None:
+    """The param groups of a legacy `optimizer` entry (Megatron's nesting, or the flat one)."""
+    return entry.get("optimizer", {}).get("param_groups", entry.get("param_groups"))
 
 
 # %% [markdown]
@@ -342,6 +361,8 @@ def _distopt_pieces(directory: Path, optimizer, common_opt: dict, comm) -> list:
         state = pieces[id(main)]
         if name in common_opt.get("steps", {}):
             state["step"] = common_opt["steps"][name]
+        elif "step" in ((legacy_param_groups(common_opt) or [{}])[0]):   # a Megatron file
+            state["step"] = int(legacy_param_groups(common_opt)[0]["step"])
         out.append((main, state))
     return out
 

@@ -30,14 +30,16 @@ from tinytron.checkpoint.async_save import ASYNC_MODES, AsyncSaver
 from tinytron.checkpoint.formats import (CheckpointSaveError, commit_checkpoint, detect_format,
                                          prepare_staging, resolve_checkpoint_dir, staging_dir,
                                          unwrap_chunks)
-from tinytron.checkpoint.legacy import CHECKPOINT_VERSION, read_legacy, save_legacy
+from tinytron.checkpoint.legacy import (CHECKPOINT_VERSION, legacy_param_groups, read_legacy,
+                                       save_legacy)
 from tinytron.checkpoint.resharding import (checkpoint_quantities, optimizer_pieces,
                                             optimizer_sharded_state_dict, optimizer_state_keys,
                                             optimizer_steps, piece_states, rederive_masters,
                                             wanted_quantities)
 from tinytron.checkpoint.sharded_keys import (ShardedObject, extra_state_objects,
                                               model_sharded_state_dict, param_layouts)
-from tinytron.checkpoint.torch_dist import SaveRequest, read_common, read_sharded
+from tinytron.checkpoint.torch_dist import (SaveRequest, distribute_main_replicas, read_common,
+                                            read_sharded)
 
 __all__ = ["CheckpointConfig", "TrainStateFallback", "get_rng_state", "set_rng_state",
            "check_model_config", "CheckpointManager", "CheckpointHooks", "make_checkpoint_hooks",
@@ -48,10 +50,16 @@ logger = logging.getLogger("tinytron.checkpoint")
 # %% [markdown]
 # ## The options
 #
-# Megatron's names and defaults (`megatron/training/arguments.py`, checkpointing group), the
-# ones tinytron implements. `async_mode` and `verify_integrity` are tinytron's: how the
-# background writer takes its snapshot ([saving in the background](async_save.py)), and
-# whether a load checks every file's CRC-32.
+# Megatron's names and defaults (`megatron/training/config/training_config.py`, the
+# checkpoint options), the ones tinytron implements. Two are tinytron's own: `async_mode`, how
+# the background writer takes its snapshot ([saving in the background](async_save.py)), and
+# `crc_checksums`, a `checksums.json` with every file's CRC-32 that a load then checks. It is
+# off by default, so that a default save is file for file what Megatron-Core writes. Megatron
+# has a flag of its own for this, `verify_integrity` (off by default, `:596`), which writes a
+# SHA-256 manifest `integrity.json` after `metadata.json` (`serialization.py:409-424`); tinytron
+# does not implement that one. `data_parallel_random_init` is Megatron's training flag, here
+# only for what it changes in a checkpoint: every DP rank's RNG state is saved, not just DP
+# rank 0's (`checkpointing.py:382-391`).
 
 # %%
 @dataclass
@@ -82,10 +90,14 @@ class CheckpointConfig:
     """Load this iteration instead of the tracker's."""
     exit_on_missing_checkpoint: bool = False
     """Raise when `load` is set but holds no checkpoint (default: start fresh)."""
-    verify_integrity: bool = True
-    """Write a CRC-32 of every file (checksums.json) and check it before loading (torch_dist)."""
+    crc_checksums: bool = False
+    """tinytron's own: write checksums.json (a CRC-32 of every file); a load checks it when present."""
+    ckpt_fully_parallel_save: bool = True
+    """Spread the DP-replicated tensors over the DP ranks (Megatron's default); False: DP rank 0."""
     thread_count: int = 1
     """Writer threads per rank (files __R_0 … __R_{n-1}.distcp)."""
+    data_parallel_random_init: bool = False
+    """The DP ranks draw different streams: save every DP rank's RNG state (else DP rank 0's)."""
 
     def __post_init__(self):
         if self.ckpt_format not in ("torch_dist", "torch"):
@@ -142,10 +154,12 @@ def _train_state_class():
 # TP region draws from the tracker's TP-forked stream, dropout outside from the default one:
 # restoring all of them makes the masks after a resume identical to an uninterrupted run.
 #
-# The states of all DP ranks are gathered into one list and stored as one object per
-# (PP, TP) position — Megatron's `ShardedObject('rng_state', shape (pp, tp))`. On load a rank
-# takes its own DP entry (entry 0 if DP changed: with the default seeding all DP ranks of a
-# position share their streams). When TP or PP changed the streams mean something else —
+# They are stored as one object per (PP, TP) position — Megatron's
+# `ShardedObject('rng_state', shape (pp, tp))` — holding a list: with the default seeding all
+# DP ranks of a position share their streams, and the list holds DP rank 0's state alone;
+# with `data_parallel_random_init` the states of all DP ranks are gathered into it
+# (`checkpointing.py:382-391`), and on load a rank takes its own DP entry (entry 0 if DP
+# changed, or without the flag, `:1993-1996`). When TP or PP changed the streams mean something else —
 # a TP rank's model-parallel seed is `seed + 2718 + tp_rank` — so, as in Megatron
 # (`checkpointing.py:1693-1706`), they are **not** restored and a warning says so.
 #
@@ -206,10 +220,14 @@ def check_model_config(saved: dict | None, config, where) -> None:
 # `common.pt` (or each legacy file) holds what is not a sharded tensor, Megatron's content
 # (`generate_state_dict`, `checkpointing.py:993`): `args` (the model config, the layout, the
 # consumed-sample counters Megatron reads back from its saved args), `checkpoint_version`,
-# `iteration`, the loop's `train_state`, `opt_param_scheduler`,
-# `num_floating_point_operations_so_far`, the optimizer's hyperparameters, loss scale and step
-# counts, and `content_metadata` (`distrib_optim_sharding_type = "fully_reshardable"`: the
-# optimizer state is in model space, see [resharding](resharding.py)).
+# `iteration`, `opt_param_scheduler` (only when the optimizer is saved, as in Megatron,
+# `:1032-1058`), `num_floating_point_operations_so_far`, the optimizer's loss scale and step
+# counts, `rerun_state_machine` (below), and `content_metadata`
+# (`distrib_optim_sharding_type = "fully_reshardable"`: the optimizer state is in model space,
+# see [resharding](resharding.py)); `args` also records `no_save_rng` and `no_save_optim`, so
+# that a load does not ask for what was not saved (`checkpointing.py:1694-1695, 1713-1714`).
+# The loop's `train_state` is tinytron's addition. The param groups' hyperparameters are not
+# here but in a per-(PP, TP) object, `optimizer.param_groups`, next to the RNG states.
 
 # %%
 def _hparams(optimizer) -> list[dict]:
@@ -218,8 +236,10 @@ def _hparams(optimizer) -> list[dict]:
             for g in optimizer.param_groups]
 
 
-def _args(config, grid, state) -> dict:
+def _args(config, grid, state, options: CheckpointConfig | None = None) -> dict:
+    options = options or CheckpointConfig()
     return {"model_config": dataclasses.asdict(config),
+            "no_save_rng": options.no_save_rng, "no_save_optim": options.no_save_optim,
             "tensor_model_parallel_size": grid.size("tp"),
             "pipeline_model_parallel_size": grid.size("pp"),
             "context_parallel_size": grid.size("cp"), "data_parallel_size": grid.size("dp"),
@@ -234,9 +254,9 @@ def _position_object(grid, key: str, data, ) -> ShardedObject:
                          (grid.rank("pp"), grid.rank("tp")), is_main=grid.rank("dp_cp") == 0)
 
 
-def _common(config, grid, state, optimizer, scheduler, steps) -> dict:
+def _common(config, grid, state, optimizer, scheduler, steps, options=None) -> dict:
     """The non-tensor part of a checkpoint."""
-    common = {"args": _args(config, grid, state), "checkpoint_version": CHECKPOINT_VERSION,
+    common = {"args": _args(config, grid, state, options), "checkpoint_version": CHECKPOINT_VERSION,
               "iteration": state.iteration, "train_state": state.state_dict(),
               "num_floating_point_operations_so_far":
                   getattr(state, "num_floating_point_operations_so_far", 0.0),
@@ -252,19 +272,47 @@ def _common(config, grid, state, optimizer, scheduler, steps) -> dict:
 
 
 # %% [markdown]
+# The rerun state machine of [chapter 08](../08_reliability/rerun_state_machine.py) goes into every
+# `torch_dist` checkpoint, as in Megatron (`checkpointing.py:563-566, 1061-1062`;
+# `rerun_state_machine.py:805-815`): its mode, state and iteration in `common.pt` under
+# `rerun_state_machine`, and each rank's part as the object `rerun_state_machine_state` of
+# shape `(world,)` at offset `(rank,)`, written in steady state too, so that successive
+# checkpoints have the same keys. A disabled machine saves nothing, and the legacy format
+# carries none (both as in Megatron). The per-rank part is chapter 08's `state_dict()`, not
+# Megatron's dict: tinytron's machine keeps its flags in its own layout.
+
+# %%
+def _rerun_state(machine, comm) -> tuple[dict, dict] | None:
+    """(common part, this rank's part) of a rerun state machine, or None when there is none."""
+    from tinytron.reliability import RerunMode
+
+    if machine is None or machine.mode == RerunMode.DISABLED:
+        return None
+    sd = machine.state_dict()
+    return ({"mode": sd["mode"], "state": sd["state"], "current_iteration": sd["current_iteration"],
+             "world_size": comm.world_size}, sd)
+
+
+def _rerun_object(comm, data) -> ShardedObject:
+    """Megatron's `rerun_state_machine_state` object: one per rank."""
+    return ShardedObject("rerun_state_machine_state", data, (comm.world_size,), (comm.rank,))
+
+
+# %% [markdown]
 # The manager holds what lives as long as the run: the options, the grid and its
 # checkpoint process groups, and the background saver when saves are asynchronous. `save`
 # follows the order of [the formats page](formats.py): rank 0 prepares the staging
 # directory, all ranks wait for it, then the state is written in the chosen format and
-# committed (at once, or at a later `finalize` for an async save). The RNG states and the param groups' hyperparameters are
-# per-(PP, TP) objects: every DP rank's RNG state gathered into one list, written by DP rank 0.
+# committed (at once, or at a later `finalize` for an async save). The RNG states and the
+# param groups' hyperparameters are per-(PP, TP) objects, written by DP rank 0.
 
 # %%
 class CheckpointManager:
     """Save, load and finalize the full training state on every rank of one run."""
 
-    def __init__(self, config: CheckpointConfig, grid, rng_tracker=None):
+    def __init__(self, config: CheckpointConfig, grid, rng_tracker=None, rerun_state_machine=None):
         self.config, self.grid, self.rng_tracker = config, grid, rng_tracker
+        self.rerun_state_machine = rerun_state_machine
         self.comm = CheckpointGroups(grid)
         self.saver = AsyncSaver(self.comm, config.async_mode) if config.async_save else None
         self.stats: list[dict] = []
@@ -276,10 +324,11 @@ class CheckpointManager:
         return getattr(chunks[0], "rng_tracker", None) or get_rng_tracker(self.grid.device)
 
     def _rng_states(self, chunks) -> list | None:
-        """Every DP rank's RNG states, gathered (one list per (PP, TP) position)."""
+        """A list of RNG states per (PP, TP) position: every DP rank's, or only this one's."""
         if self.config.no_save_rng:
             return None
-        return self.comm.all_gather_object(get_rng_state(self._tracker(chunks)), group="dp")
+        mine, gather = get_rng_state(self._tracker(chunks)), self.config.data_parallel_random_init
+        return self.comm.all_gather_object(mine, group="dp") if gather else [mine]
 
     def _position_objects(self, chunks, optimizer) -> list[ShardedObject]:
         """Objects stored once per (PP, TP) position: RNG states, the param groups' hyperparameters."""
@@ -295,7 +344,8 @@ class CheckpointManager:
         """Save the full state at state.iteration (sync, or scheduled when async_save)."""
         root, iteration = Path(root or self.config.save), state.iteration
         chunks, t0 = unwrap_chunks(model), time.perf_counter()
-        optimizer = None if self.config.no_save_optim else optimizer
+        if self.config.no_save_optim:   # Megatron saves the scheduler with the optimizer only
+            optimizer = scheduler = None
         if self.comm.rank == 0:
             prepare_staging(root, iteration)
         self.comm.barrier()
@@ -321,7 +371,9 @@ class CheckpointManager:
 # %% [markdown]
 # A `torch_dist` save is one DCP request (`_request`): the model's sharded tensors, the
 # optimizer's in model space (masters and moments under `optimizer.state.<quantity>.<key>`),
-# the objects, and `common.pt`. A legacy save writes its files, agrees on the first error over
+# the objects, and `common.pt`. With `ckpt_fully_parallel_save` (the default, as in Megatron)
+# the DP-replicated chunks are first spread over the DP ranks
+# ([torch_dist](torch_dist.py)), so that every rank writes a similar share. A legacy save writes its files, agrees on the first error over
 # all ranks, and lets rank 0 commit. `load` and `finalize` hand over to the loading code below
 # and to the background saver.
 
@@ -340,12 +392,19 @@ class CheckpointManager(CheckpointManager):  # the same class, continued
             tensors += optimizer_sharded_state_dict(optimizer, layouts, self.grid, keys)
             steps = optimizer_steps(optimizer, pieces, layouts, self.comm)
         objects = extra_state_objects(chunks, self.grid) + self._position_objects(chunks, optimizer)
-        common = _common(chunks[0].config, self.grid, state, optimizer, scheduler, steps)
+        common = _common(chunks[0].config, self.grid, state, optimizer, scheduler, steps,
+                         self.config)
+        if self.config.ckpt_fully_parallel_save:
+            distribute_main_replicas(tensors, self.comm)
+        rerun = _rerun_state(self.rerun_state_machine, self.comm)
+        if rerun is not None:
+            common["rerun_state_machine"], machine = rerun
+            objects.append(_rerun_object(self.comm, machine))
         return SaveRequest(staging, tensors, objects, self.comm, common, self.config.thread_count,
-                           checksums=self.config.verify_integrity)
+                           checksums=self.config.crc_checksums)
 
     def _save_legacy(self, staging, state, chunks, optimizer, scheduler, commit, t0) -> dict:
-        common = _common(chunks[0].config, self.grid, state, None, scheduler, None)
+        common = _common(chunks[0].config, self.grid, state, None, scheduler, None, self.config)
         error = save_legacy(staging, self.grid, chunks, optimizer, common,
                             self._rng_states(chunks), self.comm)
         error = self.comm.first_error(error)
@@ -407,7 +466,8 @@ class CheckpointManager(CheckpointManager):  # the same class, continued
 # differently.
 
 # %%
-def _read_dist(manager, directory, common, chunks, optimizer, load_optim, load_rng, same_layout):
+def _read_dist(manager, directory, common, chunks, optimizer, load_optim, load_rng, same_layout,
+               load_rerun=False):
     """Read this layout's share of a torch_dist checkpoint into a LoadedState."""
     grid = manager.grid
     layouts = param_layouts(chunks, grid)
@@ -425,16 +485,20 @@ def _read_dist(manager, directory, common, chunks, optimizer, load_optim, load_r
         objects["rng"] = _position_object(grid, "rng_state", None)
     if pieces and same_layout:   # another layout may group its params differently
         objects["groups"] = _position_object(grid, "optimizer.param_groups", None)
-    got = read_sharded(directory, tensors, list(objects.values()), manager.comm,
-                       manager.config.verify_integrity)
+    if load_rerun:
+        objects["rerun"] = _rerun_object(manager.comm, None)
+    got = read_sharded(directory, tensors, list(objects.values()), manager.comm)
     loaded = LoadedState(common=common, model=[(p.data, t) for p, t in staged.items()])
     steps = common.get("optimizer", {}).get("steps", {})
     loaded.optimizer_pieces = piece_states(pieces, quantities, staging, staged, layouts, steps)
     if "rng" in objects:
         states, r = got[objects["rng"].unique_key], grid.rank("dp_cp")
-        loaded.rng = states[r] if len(states) == grid.size("dp_cp") else states[0]
+        own = manager.config.data_parallel_random_init and len(states) == grid.size("dp_cp")
+        loaded.rng = states[r] if own else states[0]   # checkpointing.py:1993-1996
     if "groups" in objects:
         loaded.param_groups = got[objects["groups"].unique_key]
+    if "rerun" in objects:
+        loaded.rerun = got[objects["rerun"].unique_key]
     return loaded
 
 
@@ -463,7 +527,8 @@ def _apply(manager, loaded: LoadedState, chunks, optimizer, scheduler, where):
         groups = loaded.param_groups
         if groups is not None and len(groups) == len(optimizer.param_groups):
             for g, saved in zip(optimizer.param_groups, groups):
-                g.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+                g.update({k: v for k, v in saved.items()
+                          if k not in ("params", "param_names", "step")})
         scaler = getattr(optimizer, "grad_scaler", None)
         if scaler is not None and opt.get("grad_scaler") is not None:
             scaler.load_state_dict(opt["grad_scaler"])
@@ -475,6 +540,11 @@ def _apply(manager, loaded: LoadedState, chunks, optimizer, scheduler, where):
                                              for k, v in state.items()})
     if scheduler is not None and common.get("opt_param_scheduler") is not None:
         scheduler.load_state_dict(common["opt_param_scheduler"])   # lr, wd -> every group
+    if loaded.rerun is not None and manager.rerun_state_machine is not None:
+        try:   # Megatron: "Unable to restore RerunMachine from checkpoint ... Skipping."
+            manager.rerun_state_machine.load_state_dict(loaded.rerun)
+        except (KeyError, ValueError, TypeError) as e:
+            warnings.warn(f"{where}: rerun state machine not restored ({e})")
     if loaded.rng is not None:
         set_rng_state(loaded.rng, manager._tracker(chunks))
 
@@ -519,21 +589,34 @@ def _read(manager, directory, chunks, optimizer, scheduler, load_optim, finetune
     check_model_config(args.get("model_config"), chunks[0].config, directory)
     if scheduler is not None and common.get("opt_param_scheduler") is not None:
         _check_scheduler(scheduler, common["opt_param_scheduler"], directory)
-    load_rng = not (cfg.no_load_rng or finetune)
+    # what the checkpoint's args say was not saved is not asked for (checkpointing.py:1694-1695)
+    load_rng = not (cfg.no_load_rng or finetune or args.get("no_save_rng", False))
     saved = (args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size"))
     if fmt == "torch" and load_optim:
-        loaded.param_groups = loaded.common.get("optimizer", {}).get("param_groups")
+        loaded.param_groups = legacy_param_groups(loaded.common.get("optimizer", {}))
     if load_rng and saved != (grid.size("tp"), grid.size("pp")):
         if manager.comm.rank == 0:
             warnings.warn(f"{directory}: written with (tp, pp) = {saved}, this run has "
                           f"{(grid.size('tp'), grid.size('pp'))}: RNG states not restored")
         load_rng = False
     if fmt == "torch_dist":
+        same = saved == (grid.size("tp"), grid.size("pp"))
         return _read_dist(manager, directory, common, chunks, optimizer, load_optim, load_rng,
-                          saved == (grid.size("tp"), grid.size("pp")))
+                          same, _load_rerun(manager, common, same, finetune))
     if not load_rng:
         loaded.rng = None
     return loaded
+
+
+def _load_rerun(manager, common: dict, same_layout: bool, finetune: bool) -> bool:
+    """Megatron's rule (`checkpointing.py:1758-1772`): same world, TP, PP and DP, a rerun pending."""
+    from tinytron.reliability import RerunState
+
+    saved = common.get("rerun_state_machine")
+    return (manager.rerun_state_machine is not None and saved is not None and not finetune
+            and same_layout and saved.get("world_size") == manager.comm.world_size
+            and common.get("args", {}).get("data_parallel_size") == manager.grid.size("dp")
+            and saved.get("state") != int(RerunState.NOT_RUNNING_YET))
 
 
 def _train_state_dict(state, common: dict, iteration: int) -> dict:
@@ -633,9 +716,10 @@ class CheckpointHooks:
         return iter((self.save_checkpoint_fn, self.load_checkpoint_fn, self.finalize_async_save_fn))
 
 
-def make_checkpoint_hooks(config: CheckpointConfig, grid, rng_tracker=None) -> CheckpointHooks:
+def make_checkpoint_hooks(config: CheckpointConfig, grid, rng_tracker=None,
+                          rerun_state_machine=None) -> CheckpointHooks:
     """save_checkpoint_fn, load_checkpoint_fn, finalize_async_save_fn for one run (every rank)."""
-    manager = CheckpointManager(config, grid, rng_tracker)
+    manager = CheckpointManager(config, grid, rng_tracker, rerun_state_machine)
 
     def save_checkpoint_fn(state, model, optimizer, scheduler):
         if config.save is not None:
@@ -697,6 +781,10 @@ if __name__ == "__main__":
 #
 # - A resume restores model, optimizer (masters, moments, steps, hyperparameters, loss scale),
 #   scheduler, iteration and consumed samples, and every RNG; the run continues bit for bit.
+# - The order is Megatron's: weights, optimizer, then the scheduler, which writes its lr and
+#   weight decay into the param groups; `no_load_optim` leaves the scheduler at step 0.
+# - What a checkpoint's args say was not saved (RNG, optimizer) is not asked for; the rerun
+#   state machine rides along in every `torch_dist` checkpoint.
 # - Across a TP or PP change the tensors reshard but the RNG streams do not, and are not
 #   restored (with a warning), as in Megatron.
 # - Everything is read and checked before anything is applied: a bad checkpoint leaves the run

@@ -40,7 +40,10 @@ __all__ = ["ShardedTensor", "ShardedObject", "sharded_key", "TensorLayout", "par
 #   `decoder.layers.self_attention.linear_qkv.weight` has shape $[L, (a + 2g)d, h]$ and layer
 #   $i$ is the slice at offset $i$ of that axis, whichever stage holds it
 #   (`transformer_block.py:760-780`). A checkpoint written with PP 4 loads with PP 2.
-# - **DP** ranks hold replicas: only DP rank 0's copy is written (`replica_id`).
+# - **DP** ranks hold replicas, and one copy is written (`replica_id`): here DP rank 0's is
+#   marked main, as in Megatron-Core's `dist_checkpointing.save`; a training save then
+#   spreads the chunks over the DP ranks (Megatron's default fully parallel save,
+#   [torch_dist](torch_dist.py)).
 #
 # The names follow Megatron's checkpoints, which are those of its Transformer Engine layers:
 # the input norm is stored as `…self_attention.linear_qkv.layer_norm_weight` and the pre-MLP
@@ -178,7 +181,8 @@ class TensorLayout:
 # holding a replicated norm weight, or the tied output layer) is marked `replica`.
 # `model_sharded_state_dict` then turns each parameter into `ShardedTensor`s, one view of the
 # local tensor per box, with the layer axis added; only DP rank 0's non-replicas are main, so
-# every global element is written exactly once. `extra_state_objects` adds Megatron's empty
+# every global element is written exactly once (the fully parallel save then moves the main
+# mark of replicated chunks to other DP ranks, still once per element). `extra_state_objects` adds Megatron's empty
 # `_extra_state` of each linear layer.
 
 # %%

@@ -3,7 +3,7 @@
 #
 # Writing and reading the sharded keys of the previous page with PyTorch's distributed
 # checkpoint (DCP): each rank writes its chunks into its own `__R_0.distcp`, rank 0 writes the
-# index `.metadata`, the checksums and — last — Megatron's `metadata.json`; a reader on any
+# index `.metadata` and — last — Megatron's `metadata.json`; a reader on any
 # layout asks DCP for exactly the boxes it needs. The result opens with PyTorch's own tools,
 # without tinytron.
 #
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
@@ -41,7 +42,7 @@ from tinytron.checkpoint.formats import (CHECKSUM_FILENAME, COMMON_FILENAME, DCP
 from tinytron.checkpoint.sharded_keys import (ShardedObject, ShardedTensor, extra_state_objects,
                                               model_sharded_state_dict)
 
-__all__ = ["SaveRequest", "read_sharded", "read_common", "read_dcp_index", "save_model_weights",
+__all__ = ["SaveRequest", "distribute_main_replicas", "read_sharded", "read_common", "read_dcp_index", "save_model_weights",
            "load_model_weights"]
 
 # %% [markdown]
@@ -60,10 +61,13 @@ __all__ = ["SaveRequest", "read_sharded", "read_common", "read_dcp_index", "save
 #    planning, in the training process; here it moves to the background writer with the rest),
 #    then each rank streams its chunks into `__R_0.distcp` and fsyncs it.
 #    Here the stream also computes a CRC-32 of every byte written: DCP stores no checksums, and
-#    `torch.load` does not notice a flipped byte inside a tensor.
+#    `torch.load` does not notice a flipped byte inside a tensor. Writing them down is
+#    tinytron's own option (`crc_checksums`, off by default, so that a default save is file
+#    for file Megatron-Core's).
 # 3. **finalize** (collective): the write results (which file and offset holds each chunk) are
-#    gathered on rank 0, which writes DCP's `.metadata`, then `checksums.json`, then
-#    `metadata.json` — last — and hands over to the commit of the formats page.
+#    gathered on rank 0, which writes DCP's `.metadata`, then (with `crc_checksums`)
+#    `checksums.json`, then `metadata.json` — last — and hands over to the commit of the
+#    formats page.
 #
 # ```mermaid
 # flowchart LR
@@ -73,7 +77,7 @@ __all__ = ["SaveRequest", "read_sharded", "read_common", "read_dcp_index", "save
 #   end
 #   C --> W0["2 · rank 0 writes common.pt, __0_0.distcp"]
 #   C --> W1["2 · rank 1 writes __1_0.distcp"]
-#   W0 --> F["3 · rank 0: .metadata, checksums.json,<br/>metadata.json, then the commit"]
+#   W0 --> F["3 · rank 0: .metadata, (checksums.json),<br/>metadata.json, then the commit"]
 #   W1 --> F
 # ```
 #
@@ -226,6 +230,51 @@ def _check_tiling(plans: list[SavePlan]) -> None:
 
 
 # %% [markdown]
+# ## Who writes a replicated tensor: the fully parallel save
+#
+# Every DP rank of a (TP, PP) position holds the same weights. Someone must write them once:
+# Megatron-Core's plain `dist_checkpointing.save` lets DP rank 0 do it (`replica_id` 0), and
+# then DP rank 0 of each position writes all the weights while the other DP ranks write only
+# their DistributedOptimizer shard. Megatron's training loop does not save that way by
+# default: `ckpt_fully_parallel_save` is on (`training_config.py:491`) and wraps the strategy
+# in `FullyParallelSaveStrategyWrapper` (`checkpointing.py:665-671`, `fully_parallel.py:46-58`),
+# which spreads the replicated chunks over the DP group so that every rank writes a similar
+# share. Only metadata is exchanged: each rank lists its chunks (key, offset, bytes, whether
+# it is a main replica), the lists are gathered over the DP group, and every rank runs the
+# same deterministic greedy assignment (`distribute_shards_to_ranks`,
+# `exchange_utils.py:117-170`): chunks held by fewer ranks first (a rank's own optimizer shard
+# is held by it alone), then larger ones first, then by name; each goes to the least loaded
+# rank that holds it. The chunks considered are those with a main replica in the group;
+# a TP-replicated norm on TP rank 1 has none and stays unwritten there. As in Megatron,
+# only tensors are distributed; the small objects (RNG, `_extra_state`) stay with DP rank 0.
+
+# %%
+def distribute_main_replicas(tensors: list[ShardedTensor], comm: CheckpointGroups) -> dict:
+    """Set is_main so that the DP group's replicated chunks are written evenly; bytes per rank."""
+    mine = [((t.key, tuple(t.global_offset)), t.data.numel() * t.data.element_size(), t.is_main)
+            for t in tensors]
+    everyone = comm.all_gather_object(mine, group="dp")
+    holders, size, has_main = {}, {}, set()
+    for rank, shards in enumerate(everyone):
+        for shard, nbytes, main in shards:
+            holders.setdefault(shard, []).append(rank)
+            size[shard] = nbytes
+            if main:
+                has_main.add(shard)
+    load = [0] * len(everyone)
+    owner = {}
+    for shard in sorted(has_main, key=lambda k: (len(holders[k]), -size[k], k)):
+        rank = min(holders[shard], key=lambda r: (load[r], r))
+        owner[shard], load[rank] = rank, load[rank] + size[shard]
+    me = comm.grid.rank("dp_cp") if len(everyone) > 1 else 0
+    for t in tensors:
+        shard = (t.key, tuple(t.global_offset))
+        if shard in owner:
+            t.is_main = owner[shard] == me
+    return {"bytes_per_dp_rank": load}
+
+
+# %% [markdown]
 # `SaveRequest` carries one save through its three phases, so that the asynchronous saver can
 # run the middle one somewhere else. Only main replicas are kept: every global element is
 # written once. `plan` is the first collective: every rank's local plan goes to rank 0, which
@@ -237,7 +286,7 @@ class SaveRequest:
     """One torch_dist save split in Megatron's three phases: plan, write, finalize."""
 
     def __init__(self, directory: Path, tensors: list, objects: list, comm: CheckpointGroups,
-                 common: dict | None = None, thread_count: int = 1, checksums: bool = True):
+                 common: dict | None = None, thread_count: int = 1, checksums: bool = False):
         self.directory, self.comm, self.common = Path(directory), comm, common
         self.tensors = [t for t in tensors if t.is_main]
         self.objects = [o for o in objects if o.is_main]
@@ -343,8 +392,9 @@ class SaveRequest(SaveRequest):  # the same class, continued
 # and returns the requested objects. Before any byte is copied it checks what can be checked
 # cheaply: `metadata.json` says `torch_dist`, `.metadata` unpickles, every requested key exists
 # with the expected global shape (a `ValueError` names the key and both shapes), every file
-# the index refers to exists and is long enough, and — with `verify=True` — every file's CRC
-# matches `checksums.json` (the files are split over the ranks, each rank reads its share).
+# the index refers to exists and is long enough, and — when the save wrote `checksums.json`
+# and `verify=True` — every file's CRC matches it (the files are split over the ranks, each
+# rank reads its share).
 # Then DCP's loader reads the chunks; an error inside it is reported with the file that was
 # being read.
 
@@ -443,25 +493,76 @@ def read_dcp_index(directory: Path):
 
 
 # %% [markdown]
-# `read_sharded` runs those checks, then DCP's load with the planner above. DCP wraps what a
-# rank raised in a per-rank failure; `_root_cause` unwraps it, so that the error a user sees
-# names the file and not DCP's machinery. `read_common` reads the non-tensor part, with
-# `weights_only=True` like every load of this book.
+# What the model asks for is checked against the index on every rank *before* DCP starts,
+# and the ranks agree on the first error (`first_error`): every rank raises the same one-line
+# `ValueError` naming the key, the shape saved and the shape expected. Left to DCP, a
+# planner's error would arrive as DCP's `CheckpointException` — a `BaseException`, not an
+# `Exception`, with every failing rank's traceback in its text — on some ranks only.
+# With `strict`, a model tensor the checkpoint has and no rank asks for is an error too
+# (the optimizer's `optimizer.…` keys are not model tensors): the ranks first share the keys
+# they ask for, since each pipeline stage asks only for its own.
+
+# %%
+def _check_request(directory: Path, metadata, tensors, objects,
+                   asked_anywhere: set | None = None) -> str | None:
+    """The first key that is missing, has another global shape, or (given the keys every rank
+    asks for) that no rank asks for."""
+    md = metadata.state_dict_metadata
+    for t in tensors:
+        meta = md.get(t.key)
+        if not isinstance(meta, TensorStorageMetadata):
+            return (f"{directory}: the checkpoint has no tensor {t.key!r} (the model needs "
+                    f"global shape {tuple(t.global_shape)})")
+        if tuple(meta.size) != tuple(t.global_shape):
+            return (f"{directory}: {t.key!r} has global shape {tuple(meta.size)} in the "
+                    f"checkpoint, the model needs {tuple(t.global_shape)}")
+    for o in objects:
+        if not isinstance(md.get(o.unique_key), BytesStorageMetadata):
+            return f"{directory}: the checkpoint has no object {o.unique_key!r}"
+    if asked_anywhere is not None:
+        for key, meta in sorted(md.items()):
+            if (isinstance(meta, TensorStorageMetadata) and key not in asked_anywhere
+                    and not key.startswith("optimizer.")):
+                return (f"{directory}: the checkpoint has tensor {key!r} of global shape "
+                        f"{tuple(meta.size)}, which the model does not have")
+    return None
+
+
+# %% [markdown]
+# `read_sharded` runs those checks, then DCP's load with the planner above. A failure inside
+# DCP's load is wrapped in a per-rank `CheckpointException`; `_root_cause` unwraps the
+# lowest failing rank's exception, so that the error a user sees names the file and not DCP's
+# machinery. `read_common` reads the non-tensor part, with `weights_only=True` like every load
+# of this book.
 
 # %%
 def _root_cause(e: BaseException) -> BaseException:
-    """The exception a rank raised inside DCP (DCP wraps it per rank)."""
-    for failure in getattr(e, "failures", {}).values():
-        return getattr(failure, "exception", failure)
+    """The exception a rank raised inside DCP (DCP wraps it per rank as (exception, trace))."""
+    failures = getattr(e, "failures", None) or {}
+    for rank in sorted(failures):
+        failure = failures[rank]
+        return failure[0] if isinstance(failure, tuple) else failure
     return e.__cause__ if isinstance(e.__cause__, ValueError) else e
 
 
 def read_sharded(directory: Path, tensors: list[ShardedTensor], objects: list[ShardedObject],
-                 comm: CheckpointGroups, verify: bool = True) -> dict:
+                 comm: CheckpointGroups, verify: bool = True, strict: bool = False) -> dict:
     """Fill every ShardedTensor's data from the checkpoint; return {unique_key: object}."""
     directory = Path(directory)
-    metadata = read_dcp_index(directory)
-    _check_files(directory, metadata)
+    error = None
+    try:
+        metadata = read_dcp_index(directory)
+        _check_files(directory, metadata)
+        error = _check_request(directory, metadata, tensors, objects)
+    except ValueError as e:
+        error = str(e)
+    if strict:   # a key is unexpected only if no rank asks for it (each stage has its layers)
+        asked = set().union(*comm.all_gather_object(sorted({t.key for t in tensors})))
+        if error is None:
+            error = _check_request(directory, metadata, [], [], asked)
+    error = comm.first_error(error)   # every rank raises the same message, or none does
+    if error:
+        raise ValueError(error)
     if verify:
         _verify_checksums(directory, comm)
     reader = dcp.FileSystemReader(directory)
@@ -472,13 +573,13 @@ def read_sharded(directory: Path, tensors: list[ShardedTensor], objects: list[Sh
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
             dcp.load({}, storage_reader=reader, planner=planner, process_group=comm.world,
                      no_dist=not comm.distributed)
-    except Exception as e:  # noqa: BLE001 - re-raised with the file that was being read
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised, naming the file
         cause = _root_cause(e)
         if isinstance(cause, ValueError) and str(directory) in str(cause):
-            raise ValueError(str(cause)) from e
+            raise ValueError(str(cause).splitlines()[0]) from None
         where = reader.fs.current or directory
         raise ValueError(f"{where}: reading failed ({type(cause).__name__}: "
-                         f"{str(cause).splitlines()[0] if str(cause) else ''})") from e
+                         f"{str(cause).splitlines()[0] if str(cause) else ''})") from None
     return planner.loaded
 
 
@@ -499,7 +600,10 @@ def read_common(directory: Path) -> dict:
 # The plain API for a model without optimizer or progress: `save_model_weights(model, path)`
 # writes a `torch_dist` directory exactly like Megatron-Core's
 # `dist_checkpointing.save(model.sharded_state_dict(), path)` — an empty `common.pt`, the
-# tensors, `.metadata`, `metadata.json` — or, with `format="torch"`, one legacy
+# tensors, `.metadata`, `metadata.json`, the same four file names (a test compares them with
+# megatron-core 0.16.1's save; its default of two writer threads per rank, `__0_0.distcp` and
+# `__0_1.distcp`, is `thread_count=2` here, while Megatron at e03878b5f writes one,
+# `strategies/torch.py:600`) — or, with `format="torch"`, one legacy
 # `model_optim_rng.pt` per (TP, PP) position. `load_model_weights(path, model)` reads either
 # format (a root with a tracker or an iteration directory) into a model on **any** layout for
 # `torch_dist`. Call both on every rank of the model.
@@ -518,7 +622,8 @@ def _model_dir(path: Path) -> Path:
     return found[0]
 
 
-def save_model_weights(model, path, grid=None, format: str = "torch_dist") -> None:
+def save_model_weights(model, path, grid=None, format: str = "torch_dist",
+                       thread_count: int = 1, crc_checksums: bool = False) -> None:
     """Write the model's weights (any layout) as a torch_dist or legacy directory at `path`."""
     from tinytron.checkpoint.legacy import save_legacy
 
@@ -534,7 +639,8 @@ def save_model_weights(model, path, grid=None, format: str = "torch_dist") -> No
                             comm)
     elif format == "torch_dist":
         request = SaveRequest(path, model_sharded_state_dict(chunks, grid),
-                              extra_state_objects(chunks, grid), comm, common={})
+                              extra_state_objects(chunks, grid), comm, common={},
+                              thread_count=thread_count, checksums=crc_checksums)
         request.plan()
         error = request.finalize(request.write())
     else:
@@ -556,11 +662,15 @@ def _layout_args(chunks, grid) -> dict:
 # %% [markdown]
 # `load_model_weights` reads a `torch_dist` directory into CPU staging copies of the
 # parameters and copies them in only after the whole read succeeded; the legacy path does the
-# same through `read_legacy(...).apply_model()`.
+# same through `read_legacy(...).apply_model()`. It is strict by default, as PyTorch's
+# `load_state_dict` is: a model tensor of the checkpoint that this model lacks (an untied
+# `output_layer.weight` loaded into a tied model) is an error naming it. Megatron's loader
+# ignores unexpected keys by default (`dist_ckpt_strictness = "assume_ok_unexpected"`,
+# `megatron/training/config/training_config.py:554-563`); `strict=False` does the same here.
 
 # %%
 @torch.no_grad()
-def load_model_weights(path, model, grid=None, verify: bool = True) -> None:
+def load_model_weights(path, model, grid=None, verify: bool = True, strict: bool = True) -> None:
     """Load weights from either format into the model's chunks; nothing changes on error."""
     from tinytron.checkpoint.legacy import read_legacy
 
@@ -572,7 +682,8 @@ def load_model_weights(path, model, grid=None, verify: bool = True) -> None:
         read_legacy(directory, grid, chunks, None, comm).apply_model()
         return
     staged = {p: torch.empty_like(p, device="cpu") for c in chunks for p in c.parameters()}
-    read_sharded(directory, model_sharded_state_dict(chunks, grid, staged), [], comm, verify)
+    read_sharded(directory, model_sharded_state_dict(chunks, grid, staged), [], comm, verify,
+                 strict=strict)
     for p, t in staged.items():
         p.copy_(t)
 
@@ -583,9 +694,9 @@ def load_model_weights(path, model, grid=None, verify: bool = True) -> None:
 # The tiny model (TP 1) is saved with `save_model_weights`. DCP's index lists each key with its
 # global shape and number of chunks — the layers stacked on the leading axis. Then the directory
 # is opened with PyTorch's own tools only (`dcp_to_torch_save` turns it into one plain
-# `torch.save` file): every tensor equals the model's, re-stacked. Finally one byte inside a
-# tensor of the shard file is flipped: `torch.load` alone would not notice, the checksums do,
-# and the error names the file.
+# `torch.save` file): every tensor equals the model's, re-stacked. Finally the model is saved
+# again with `crc_checksums=True` and one byte inside a tensor of the shard file is flipped:
+# `torch.load` alone would not notice, the checksums do, and the error names the file.
 
 # %%
 if __name__ == "__main__":
@@ -613,6 +724,7 @@ if __name__ == "__main__":
         load_model_weights(tmp, fresh)
         same = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
         print("reloaded into a fresh model, bit-identical:", same)
+        save_model_weights(model, tmp, crc_checksums=True)
         shard = Path(tmp) / "__0_0.distcp"
         raw = bytearray(shard.read_bytes())
         raw[len(raw) // 2] ^= 0xFF
@@ -632,8 +744,11 @@ if __name__ == "__main__":
 # ## Summary
 #
 # - A save is plan (collective) → write (local I/O only) → finalize (collective: rank 0 writes
-#   `.metadata`, `checksums.json`, then `metadata.json`), Megatron's split of DCP's save.
-# - A load checks the index, the files and their checksums first, then asks DCP for this
+#   `.metadata`, then `metadata.json`), Megatron's split of DCP's save; the fully parallel
+#   save spreads the DP-replicated chunks over the DP ranks, as Megatron's training save does.
+# - A bad request (a key missing, another shape, an unexpected key) is one `ValueError` line,
+#   the same on every rank.
+# - A load checks the index, the files and (when written) their checksums first, then asks DCP for this
 #   layout's boxes and reads them into staging buffers; the model changes only when all of it
 #   was read.
 # - The directory is standard DCP: `dcp_to_torch_save` or `dcp.load` open it without tinytron.
