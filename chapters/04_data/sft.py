@@ -15,11 +15,13 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from tinytron.data._chat_jsonl import read_chat_jsonl
+from tinytron.data._sft_plot import plot_packed_rows
 from tinytron.overview.batch import ByteTokenizer
 from tinytron.overview.sft import (block_causal_mask, pack_conversations, parse_chat_record,
                                    split_conversations)
 
-__all__ = ["read_chat_jsonl", "pad_segments_for_context_parallel", "SFTDataset"]
+__all__ = ["read_chat_jsonl", "pad_segments_for_context_parallel", "SFTDataset"]  # noqa: F401
 
 # %% [markdown]
 # ## One record, one row
@@ -31,25 +33,24 @@ __all__ = ["read_chat_jsonl", "pad_segments_for_context_parallel", "SFTDataset"]
 # shift, `cu_seqlens`, per-conversation positions, the block-causal mask — is
 # [chapter 00's](../00_overview/sft.py) `pack_conversations`; this page only does the indexing and the CP padding.
 #
+# Why pack at all: chats are short and uneven. Padding each conversation to `seq_length` would
+# spend most of a row on pad tokens; packing a record's conversations into one row, with
+# `cu_seqlens` marking where each starts, fills it. The block-causal mask (or, on GPU, the
+# varlen attention kernel reading `cu_seqlens`) keeps a conversation from attending to the one
+# before it, and positions restart at 0 in each, so every conversation is trained exactly as if
+# it were alone in its row. Worked example: conversations of 7 and 5 tokens in a 16-token row,
+# `cu_seqlens = [0, 7, 12, 16]`, positions `0..6, 0..4, 0..3`; the last segment is padding.
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
 # When a record does not fit in one row Megatron cuts it on the right, mid-conversation. Here
 # that is a `ValueError` naming the record, or, with `truncate=True`, the conversations that do
 # not fit are dropped whole (a half conversation teaches a wrong ending).
-
-# %%
-def read_chat_jsonl(path: str) -> list[dict]:
-    """The records of a chat JSONL file (blank lines skipped), each validated."""
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                records.append({"messages": parse_chat_record(line)})
-            except ValueError as err:
-                raise ValueError(f"{path}:{n}: {err}") from None
-    if not records:
-        raise ValueError(f"{path}: no chat records")
-    return records
+#
+# </div>
+#
+# The records come from a JSONL file, one chat per line; `read_chat_jsonl`, in the chapter's
+# private module `tinytron.data._chat_jsonl`, reads it and names the line of a malformed record.
 
 # %% [markdown]
 # ## Padding segments for context parallelism
@@ -66,6 +67,16 @@ def read_chat_jsonl(path: str) -> list[dict]:
 # Worked example, cp = 2 (multiple of 4), segments of 7 and 5 tokens in a 16-token row:
 # `cu_seqlens = [0, 7, 12, 16]` becomes `[0, 8, 16]` — one pad after the first conversation, three
 # after the second, and the trailing pad segment is used up.
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# Megatron pads each conversation as it tokenizes it; tinytron pads the packed row, so that
+# [chapter 00's](../00_overview/sft.py) packer stays the one place that builds a row. The
+# trained tokens, their labels and their positions are the same; what differs is only where the
+# pad tokens are taken from (the row's trailing padding, so a row that is already full cannot
+# be padded and raises).
+#
+# </div>
 
 # %%
 def _is_pad_tail(row: dict, lo: int, hi: int) -> bool:
@@ -114,6 +125,12 @@ def pad_segments_for_context_parallel(row: dict, multiple: int, seq_length: int)
 
 # %% [markdown]
 # ## The dataset
+#
+# Sample `i` is record `indices[i % len(indices)]`, so a split asked for more samples than it
+# has records walks its records again, in the same order (Megatron's `:51`); there is no
+# shuffle here, because [the blend](blended.py) and [the samplers](samplers.py) already decide
+# the order. A record is packed when it is read, not ahead of time, so the dataset holds only
+# the parsed records.
 
 # %%
 class SFTDataset(torch.utils.data.Dataset):
@@ -155,6 +172,11 @@ class SFTDataset(torch.utils.data.Dataset):
 
 # %% [markdown]
 # ## Demo: two records, with and without CP padding
+#
+# Record 0 holds two conversations (a new one starts at the second `system` message), record 1
+# one. Packed at `seq_length` 40 with and without CP 2: the padded row's segments must all be
+# multiples of 4, the tokens that carry a loss must be the same, and sample 2 must wrap around
+# to record 0.
 
 # %%
 if __name__ == "__main__":
@@ -183,21 +205,7 @@ if __name__ == "__main__":
 if __name__ == "__main__":
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 1.9))
-    for y, (name, row) in enumerate((("cp=1", a), ("cp=2", b))):
-        cu = row["cu_seqlens"].tolist()
-        for k, (lo, hi) in enumerate(zip(cu[:-1], cu[1:])):
-            for t in range(lo, hi):
-                pad = bool(row["tokens"][t] == 0)
-                ax.add_patch(plt.Rectangle((t, -y), 0.95, 0.8, color="0.85" if pad else f"C{k}"))
-                if row["loss_mask"][t] > 0:
-                    ax.plot(t + 0.47, -y + 0.4, "k.", ms=4)
-        ax.text(-0.6, -y + 0.4, name, ha="right", va="center", fontsize=9)
-    ax.set_xlim(-4, 40)
-    ax.set_ylim(-1.2, 1)
-    ax.axis("off")
-    ax.set_title("one packed SFT row: conversations (colors), pads (gray), loss tokens (dots)",
-                 fontsize=9)
+    plot_packed_rows((("cp=1", a), ("cp=2", b)), seq_length=40)
     plt.show()
 
 # %% [markdown]
