@@ -9,13 +9,19 @@ from tinytron.memory.peak import activation_peak, schedule_ops
 from tinytron.memory.ledger import (RankLedger, megatron_args_from, plot_ledgers, rank_ledger,
                                     stage_ledgers)
 from tinytron.memory.calculator import (Hardware, memory_config_from, running_example,
-                                        search_layouts, step_time)
+                                        search_layouts)
+# The page 07.8 is the module tinytron.memory.step_time (the calculator's own step_time
+# function stays tinytron.memory.calculator.step_time).
+from tinytron.memory.step_time import (Links, StepOptions, StepTime, best_offload_modules,
+                                       estimate_step, offload_table)
+from tinytron.memory._step_time_io import step_timeline
 
 __pages__ = ["megatron_model", "states", "activations", "peak", "ledger", "measured",
-             "calculator"]
+             "calculator", "step_time"]
 
 __all__ = ["NUM_BYTES_IN_MEGABYTE", "megatron_args", "megatron_param_counts",
            "megatron_theoretical_memory", "MemoryConfig", "chunk_params", "state_ledger", "Saved",
            "activation_peak", "chunk_saved", "layer_saved", "schedule_ops", "RankLedger",
            "megatron_args_from", "plot_ledgers", "rank_ledger", "stage_ledgers", "Hardware",
-           "memory_config_from", "running_example", "search_layouts", "step_time"]
+           "memory_config_from", "running_example", "search_layouts", "Links", "StepOptions",
+           "StepTime", "best_offload_modules", "estimate_step", "offload_table", "step_timeline"]
