@@ -226,6 +226,35 @@ def test_from_hf_refuses_a_run_directory_unless_forced(first_run, tmp_path, caps
     assert _tracker(run) == "0"
 
 
+# -- §5: an export carries the run's tokenizer ---------------------------------------------------
+def test_to_hf_exports_the_runs_tokenizer(first_run, bpe_prefix, tmp_path, capsys):
+    import shutil
+
+    from tinytron.checkpoint.convert import main as convert
+    from tinytron.overview.batch import ByteTokenizer
+
+    transformers = pytest.importorskip("transformers")
+    a, _ = first_run
+    assert convert(["to-hf", str(a / "iter_0000004"), str(tmp_path / "byte")]) == 0
+    assert "with its tokenizer" in capsys.readouterr().out
+    auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "byte"))
+    text = "def f(x):\n    return x  # héllo ✓\t"
+    assert auto.encode(text) == ByteTokenizer().encode(text)   # the byte tokenizer's ids
+    assert auto.decode(auto.encode(text)) == text
+    assert (auto.eos_token_id, auto.pad_token_id) == (256, 257)
+    # a run trained with [tokenizer] hf exports that file
+    run = tmp_path / "bpe_run"
+    shutil.copytree(a, run, ignore=shutil.ignore_patterns("tensorboard", "data"))
+    tok_file = bpe_prefix.removesuffix("_text_document") + "_tokenizer.json"
+    config = (run / "config.toml").read_text()
+    (run / "config.toml").write_text(config.replace(
+        'tokenizer_type = "byte"', f'tokenizer_type = "hf"\ntokenizer_model = "{tok_file}"'))
+    assert convert(["to-hf", str(run), str(tmp_path / "bpe")]) == 0
+    assert (tmp_path / "bpe" / "tokenizer.json").read_bytes() == Path(tok_file).read_bytes()
+    bpe = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "bpe"))
+    assert bpe.eos_token_id == 0 and len(bpe.encode(text)) < len(text.encode())
+
+
 # -- §1: the data knows its tokenizer ---------------------------------------------------------
 @pytest.fixture(scope="module")
 def bpe_prefix(tmp_path_factory):

@@ -283,13 +283,30 @@ def read_checkpoint_model(path, num_attention_heads: int | None = None,
 # opens the target with `os.makedirs(save_dir, exist_ok=True)` and writes into it
 # (`tools/checkpoint/dist_checkpoint_io.py:238`).
 
+# %% [markdown]
+# An export is usable only with its tokenizer: `AutoTokenizer.from_pretrained` on the folder
+# must give the ids the model was trained on. The run's `config.toml`, beside the checkpoint,
+# names it (`[tokenizer]`): a Hugging Face `tokenizer.json` is copied; for chapter 00's byte
+# tokenizer, which has no file, the converter writes one that gives the same ids (a byte-level
+# BPE without merges, bytes 0-255 in order, the six specials after them). `--tokenizer-file`
+# names one explicitly; a checkpoint without a run config (Megatron's) gets none unless named.
+
 # %%
-def checkpoint_to_hf(src, dst, **kwargs) -> ModelConfig:
-    """Convert a checkpoint (either format, any layout) to a Hugging Face Llama folder."""
+def checkpoint_to_hf(src, dst, tokenizer_file: str | None = None, **kwargs) -> ModelConfig:
+    """Convert a checkpoint (either format, any layout) to a Hugging Face Llama folder,
+    with the run's tokenizer (or `tokenizer_file`) when it is known."""
+    import tempfile
+
+    from tinytron.checkpoint._hf_tokenizer import run_tokenizer, write_byte_tokenizer
     from tinytron.model.hf import save_hf_llama
 
     model = read_checkpoint_model(src, **kwargs)
-    save_hf_llama(model, dst)
+    kind, found = (None, tokenizer_file) if tokenizer_file else run_tokenizer(src)
+    with tempfile.TemporaryDirectory() as tmp:
+        eos = None
+        if kind == "byte":
+            found, eos = write_byte_tokenizer(Path(tmp) / "tokenizer.json"), 256
+        save_hf_llama(model, dst, tokenizer_file=found, eos_token_id=eos)
     return model.config
 
 
@@ -316,6 +333,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-query-groups", type=int, default=None)
     p.add_argument("--rotary-base", type=int, default=None)
     p.add_argument("--norm-epsilon", type=float, default=None)
+    p.add_argument("--tokenizer-file", default=None,
+                   help="to-hf: the tokenizer.json to export with the weights (default: the "
+                        "run's [tokenizer] from config.toml beside the checkpoint)")
     p.add_argument("--trust-pickle", action="store_true",
                    help="unpickle common.pt in full (can run code: a checkpoint you trust only)")
     p.add_argument("--format", dest="ckpt_format", choices=["torch_dist", "torch"],
@@ -361,15 +381,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             config = checkpoint_to_hf(args.src, args.dst,
                                       num_attention_heads=args.num_attention_heads,
                                       num_query_groups=args.num_query_groups,
-                                      trust_pickle=args.trust_pickle, **extra)
+                                      trust_pickle=args.trust_pickle,
+                                      tokenizer_file=args.tokenizer_file, **extra)
         else:
             check_target(args.dst, args.force)
             config = hf_to_checkpoint(args.src, args.dst, args.ckpt_format)
     except (ValueError, OSError, RuntimeError) as err:
         print(f"tinytron-convert: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
+    tokenizer = (" with its tokenizer" if args.direction == "to-hf"
+                 and (Path(args.dst) / "tokenizer.json").is_file() else "")
     print(f"tinytron-convert: {args.src} -> {args.dst} ({config.num_layers} layers, "
-          f"h {config.hidden_size}, V {config.vocab_size})")
+          f"h {config.hidden_size}, V {config.vocab_size}){tokenizer}")
     return 0
 
 
