@@ -4,8 +4,10 @@
 # Recompute pays for memory with compute. Offload pays with PCIe bandwidth instead: the
 # activations a module saves for its backward are copied to host memory as soon as the module's
 # forward ends, and copied back shortly before the backward needs them. On a GPU both copies
-# run on side streams, so they hide behind the matmuls. This page builds Megatron's
-# fine-grained version, where the model config picks *which modules'* activations move.
+# run on side streams, so they can hide behind the matmuls — when the link moves a layer's
+# offloaded bytes in less time than the layer computes (the section "What the overlap needs"
+# puts numbers on it). This page builds Megatron's fine-grained version, where the model
+# config picks *which modules'* activations move.
 #
 # You will build: `HostBufferPool`, `OffloadGroup`, `ChunkOffloadHandler`, `OffloadManager`
 # and `install_offload(model, manager)`.
@@ -21,7 +23,7 @@ import numpy as np
 import torch
 
 __all__ = ["HostBufferPool", "OffloadGroup", "ChunkOffloadHandler", "OffloadManager",
-           "install_offload", "offload_group_modules"]
+           "install_offload", "offload_group_modules", "overlap_bandwidth", "PCIE_GEN5_X16"]
 
 # %% [markdown]
 # ## The mechanism in one picture
@@ -68,14 +70,14 @@ __all__ = ["HostBufferPool", "OffloadGroup", "ChunkOffloadHandler", "OffloadMana
 #
 # **Which modules.** `offload_modules` names regions of a layer: `attn_norm` (input
 # layernorm), `qkv_linear`, `core_attn` (softmax attention), `attn_proj`, `mlp_norm`
-# (`transformer_config.py:1127-1146`, checks at `:1675-1698`). `attn_proj` requires `core_attn`:
+# (`transformer_config.py:1127-1145`, checks at `:1675-1698`). `attn_proj` requires `core_attn`:
 # the projection's input *is* core attention's output, which a fused attention kernel also
 # saves for its own backward, so moving it for `attn_proj` alone would free nothing. Megatron's
 # list has no region for a dense MLP's internals (`expert_fc1` and `moe_act` are MoE's): they
 # are the bulk of the compute that hides the copies of the other groups.
 #
 # **What is not moved.** Tensors smaller than `min_offloaded_tensor_size` elements (Megatron:
-# $2^{20}$, `:1127`) stay: a copy's fixed cost dominates for them. Parameters (and views of
+# $2^{20}$, `:1144`) stay: a copy's fixed cost dominates for them. Parameters (and views of
 # them, like the transposed weight a linear saves) stay: they live on the device anyway.
 # A tensor saved twice in one group (an RMSNorm saves its input for two operations) is copied
 # once.
@@ -92,7 +94,7 @@ __all__ = ["HostBufferPool", "OffloadGroup", "ChunkOffloadHandler", "OffloadMana
 # of layer $i$'s backward, its MLP included. Megatron prefetches one *group* ahead; a layer
 # gives the copies more compute to hide behind for at most one layer of extra memory.
 # When a chunk's backward is done, the handler starts the last layer of the next chunk in the
-# queue (`pre_reload_last_layer`, `:920`).
+# queue (`pre_reload_last_layer`, `:954`).
 #
 # **CPU, same structure.** Without CUDA the streams and events are absent and every copy
 # completes at once; host buffers are NumPy arrays, memory that torch's allocator — like the
@@ -555,6 +557,70 @@ def install_offload(model, manager: OffloadManager) -> None:
     model.register_forward_pre_hook(lambda m, args, kwargs: manager.begin_chunk(m),
                                     with_kwargs=True)
     model.register_forward_hook(lambda m, args, out: manager.end_chunk(), always_call=True)
+
+# %% [markdown]
+# ## What the overlap needs
+#
+# A copy is free only while compute runs beside it. The offload of layer $i$ has layer $i$'s
+# forward (and the next layers') to hide behind, the reload has the backward, about twice as
+# long; the forward is the tighter side. So the link must carry a layer's offloaded bytes
+# within one layer's forward, per direction:
+#
+# $$B_{\text{needed}} = \frac{\text{offloaded bytes of one layer}}{t_{\text{fwd}}},\qquad
+#   t_{\text{fwd}} = \frac{b\,s\,(2P_{\text{layer}} + 4sh)/t}{\text{MFU}\cdot\text{peak}}$$
+#
+# with $P_{\text{layer}}$ the layer's weights (two FLOPs per weight per token, plus $QK^\top$ and
+# $AV$ over the full $s \times s$ scores). The bytes per region are what the GPU kernels save,
+# in bf16, on one rank with TP $t$ and sequence parallelism: a fused norm keeps its input and
+# the fp32 reciprocal RMS, `qkv_linear` its input shard, flash attention $q, k, v$, its output
+# and the fp32 log-sum-exp — and that output *is* `attn_proj`'s input, moved once for both.
+# (The CPU demo below saves more: an unfused norm, math attention.) The running example (TP 2,
+# $b = 2$, $s = 4096$) gives what the cell prints: the five regions move 176 MiB per layer and
+# micro-batch, the layer's forward takes 5.2 ms at 40% MFU of 989 TFLOP/s (H100 bf16 dense),
+# so the overlap needs 36 GB/s per direction. PCIe Gen5 x16 carries 63 GB/s per direction on
+# paper (32 GT/s × 16 lanes, 128b/130b coding), before protocol overhead: the five regions fit
+# with little room — at 60% MFU they need 53 GB/s, 85% of the paper figure. A dense MLP's
+# internals (not in Megatron's list) would add 336 MiB per layer: no PCIe link hides that.
+# These are computed figures, not measurements.
+
+# %%
+PCIE_GEN5_X16 = 32e9 * 16 * 128 / 130 / 8   # bytes/s per direction, on paper
+
+
+def overlap_bandwidth(config, tp: int, micro_batch_size: int, mfu: float = 0.4,
+                      peak_flops: float = 989e12, dtype_bytes: int = 2) -> dict:
+    """Per offload region: bytes per layer and micro-batch on one rank, and the bandwidth
+    (bytes/s per direction) that hides them behind one layer's forward."""
+    s, b, h, a = config.seq_length, micro_batch_size, config.hidden_size, config.num_attention_heads
+    kv = config.num_query_groups * (h // a)
+    f = config.ffn_hidden_size
+    row = s * b * dtype_bytes // tp            # one [s/t, b, 1] column of bf16, per rank
+    rstd, lse = s * b * 4 // tp, s * b * (a // tp) * 4   # fp32 [s/t, b] and [b, a/t, s]
+    regions = {"attn_norm": row * h + rstd, "qkv_linear": row * h,
+               "core_attn": row * (h + 2 * kv) + row * h + lse,   # q, k, v; output; lse
+               "attn_proj": 0,                                  # core attention's output
+               "mlp_norm": row * h + rstd}
+    layer_weights = h * (h + 2 * kv) + h * h + 3 * h * f
+    t_fwd = b * s * (2 * layer_weights + 4 * s * h) / tp / (mfu * peak_flops)
+    total = sum(regions.values())
+    return {"regions": regions, "t_fwd": t_fwd, "total": total, "needed": total / t_fwd,
+            "mlp_internals": row * 3 * f}
+
+
+if __name__ == "__main__":
+    from tinytron.model.config import llama_7b_config
+
+    for mfu in (0.4, 0.6):
+        o = overlap_bandwidth(llama_7b_config(), tp=2, micro_batch_size=2, mfu=mfu)
+        print(f"MFU {mfu:.0%}: layer forward {o['t_fwd'] * 1e3:.1f} ms; regions (MiB) "
+              f"{ {k: v // 2**20 for k, v in o['regions'].items()} }; total "
+              f"{o['total'] // 2**20} MiB -> {o['needed'] / 1e9:.0f} GB/s per direction "
+              f"({o['needed'] / PCIE_GEN5_X16:.0%} of PCIe Gen5 x16's "
+              f"{PCIE_GEN5_X16 / 1e9:.0f} GB/s); a dense MLP's internals would add "
+              f"{o['mlp_internals'] // 2**20} MiB")
+    o = overlap_bandwidth(llama_7b_config(), tp=2, micro_batch_size=2)
+    assert o["total"] // 2**20 == 176 and round(o["t_fwd"] * 1e3, 1) == 5.2
+    assert o["needed"] < PCIE_GEN5_X16 < o["needed"] + o["mlp_internals"] / o["t_fwd"]
 
 # %% [markdown]
 # ## Demo: what moves, what stays, and the device's live bytes
