@@ -39,3 +39,16 @@ def parse_data_path(args) -> tuple[list[str], Optional[list[float]]]:
     if bad:
         raise ValueError(f"--data-path expected paths at odd positions, got numbers {bad}")
     return prefixes, weights
+
+
+def path_list(name: str, value) -> Optional[list]:
+    """None, or the list of words of a path argument (a string is split on whitespace)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, os.PathLike)):
+        return os.fspath(value).split()
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (str, os.PathLike, int, float))
+                                                and not isinstance(v, bool) for v in value):
+        return [v if isinstance(v, (int, float)) else os.fspath(v) for v in value]
+    raise ValueError(f"DataConfig.{name} must be a string or a list of prefixes (and weights), "
+                     f"got {value!r}")

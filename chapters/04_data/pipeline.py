@@ -16,6 +16,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from tinytron._fields import check_choice, check_fields, check_range, document_fields
+from tinytron.data._data_path import path_list
+from tinytron.data._pipeline_plot import plot_dataset_ranks
 from tinytron.data.blended import BlendedMegatronDatasetBuilder, parse_data_path
 from tinytron.data.gpt_dataset import (GPTDataset, GPTDatasetConfig, get_num_epochs,
                                        parse_and_normalize_split, shuffle_index_dtype)
@@ -32,9 +34,24 @@ __all__ = ["DataConfig", "build_train_valid_test_datasets", "build_data_iterator
 # The fields are Megatron's data flags (`megatron/training/arguments.py`, data group) with their
 # defaults; `data_path` takes the `w1 p1 w2 p2` syntax — as a list, or as one string split on
 # whitespace the way Megatron's command line splits it (`"0.3 wiki 0.7 code"`) — or the per-split
-# paths replace it. Every field is checked on construction, so `num_workers="2"` or a split of
-# `"a,b"` fails here, naming the field. The sequence length and batch sizes belong to the model
-# and the schedule and are passed in.
+# paths replace it. The sequence length and batch sizes belong to the model and the schedule
+# and are passed in.
+#
+# The flags fall into four groups, each read by one page of this chapter: *where the tokens
+# are* (`data_path` or the per-split paths, `split`, `mmap_bin_files`: [the blend](blended.py)
+# and [the reader](indexed.py)); *how samples are cut* (`reset_position_ids`,
+# `reset_attention_mask`, `eod_mask_loss`, `create_attention_mask_in_dataloader`:
+# [the GPT dataset](gpt_dataset.py)); *in which order they are read* (`seed`,
+# `dataloader_type`: [the samplers](samplers.py)); and *plumbing* (`data_cache_path`,
+# `num_workers`, `mid_level_dataset_surplus`).
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# Megatron's argparse converts and checks each flag on the command line; a config built in
+# Python skips that. So every field is checked on construction: `num_workers="2"` or a split of
+# `"a,b"` fails here, naming the field, instead of when the datasets are built.
+#
+# </div>
 #
 # ```mermaid
 # flowchart LR
@@ -46,24 +63,9 @@ __all__ = ["DataConfig", "build_train_valid_test_datasets", "build_data_iterator
 # ```
 
 # %% [markdown]
-# A path argument arrives as a list, or as one string that the command line would split:
-
-# %%
-def _path_list(name: str, value) -> Optional[list]:
-    """None, or the list of words of a path argument (a string is split on whitespace)."""
-    if value is None:
-        return None
-    if isinstance(value, (str, os.PathLike)):
-        return os.fspath(value).split()
-    if isinstance(value, (list, tuple)) and all(isinstance(v, (str, os.PathLike, int, float))
-                                                and not isinstance(v, bool) for v in value):
-        return [v if isinstance(v, (int, float)) else os.fspath(v) for v in value]
-    raise ValueError(f"DataConfig.{name} must be a string or a list of prefixes (and weights), "
-                     f"got {value!r}")
-
-
-# %% [markdown]
-# Then the config itself:
+# A path argument arrives as a list, or as one string that the command line would split; the
+# normalization (`path_list`) and the `--data-path` parser sit in the chapter's private module
+# `tinytron.data._data_path`. Then the config itself:
 
 # %%
 @document_fields
@@ -106,7 +108,7 @@ class DataConfig:
 
     def __post_init__(self):
         for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-            setattr(self, name, _path_list(name, getattr(self, name)))
+            setattr(self, name, path_list(name, getattr(self, name)))
         check_fields(self)
         check_choice(self, "dataloader_type", ("single", "cyclic"))
         check_range(self, "num_workers", 0)
@@ -148,7 +150,11 @@ def is_dataset_built_on_rank(grid) -> bool:
 # %% [markdown]
 # Drawn for 8 ranks at TP 2 × PP 2 × DP 2, from the same rank layout the process groups are
 # built from ([appendix A](../parallel/grid.py)), and next to it TP 2 × PP 4, where the middle
-# stages build nothing:
+# stages build nothing. In the first layout ranks 0, 2, 4 and 6 build: TP rank 0 of each stage
+# of each of the two data-parallel replicas, so each replica reads its own data twice (once for
+# the tokens of the first stage, once for the labels of the last). With PP 4, 4 of the 8 ranks
+# hold no dataset at all. (The drawing helper is in the private module
+# `tinytron.data._pipeline_plot`.)
 
 # %%
 if __name__ == "__main__":
@@ -156,23 +162,7 @@ if __name__ == "__main__":
 
     from tinytron.parallel.grid import rank_layout
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 2.6))
-    for ax, (tp, pp) in zip(axes, ((2, 2), (2, 4))):
-        layout = rank_layout(8, tp=tp, pp=pp)
-        built = []
-        for r, c in enumerate(layout.coords):
-            x, y = c["pp"] * tp + c["tp"], c["dp"]  # columns: stage, then TP rank; rows: DP
-            yes = builds_datasets(c["tp"], c["pp"], pp)
-            built.append(r) if yes else None
-            ax.add_patch(plt.Rectangle((x, -y), 0.92, 0.85, color="tab:green" if yes else "0.88"))
-            ax.text(x + 0.46, -y + 0.42, f"rank {r}\ntp{c['tp']} pp{c['pp']} dp{c['dp']}", ha="center",
-                    va="center", fontsize=7)
-        ax.set_xlim(0, tp * pp)
-        ax.set_ylim(-layout.sizes["dp"] + 1, 1)
-        ax.axis("off")
-        ax.set_title(f"TP{tp} × PP{pp} × DP{layout.sizes['dp']}: datasets on ranks {built}",
-                     fontsize=9)
-    plt.tight_layout()
+    plot_dataset_ranks(((2, 2), (2, 4)), builds_datasets)
     plt.show()
     assert [r for r, c in enumerate(rank_layout(8, tp=2, pp=2).coords)
             if builds_datasets(c["tp"], c["pp"], 2)] == [0, 2, 4, 6]
@@ -206,6 +196,13 @@ def get_train_valid_test_num_samples(train_iters: int, global_batch_size: int,
     return [train, evaluations * eval_iters * global_batch_size, eval_iters * global_batch_size]
 
 
+# %% [markdown]
+# The answer for that run: 23,552,000 train samples ($23{,}000 \cdot 1024$), 2,457,600 valid
+# ($24$ evaluations $\cdot\, 100 \cdot 1024$: at iterations 1000, 2000, …, 23000 and once more
+# at the end) and 102,400 test. The builder then builds each split's index tables for exactly
+# that many samples, and the blend asks each component for its weight's share of them.
+
+# %%
 if __name__ == "__main__":
     samples = get_train_valid_test_num_samples(23_000, 1024, eval_interval=1000, eval_iters=100)
     print("samples per split (train, valid, test):", [f"{n:,}" for n in samples])
@@ -246,11 +243,19 @@ if __name__ == "__main__":
     assert abs(sizes["sample index"] / sizes["shuffle index"] - 2) < 1e-6  # two int32 vs one uint32
 
 # %% [markdown]
+# What the demo prints for the train split: one epoch covers the 23.6M samples, the `.bin` is
+# 387.6 GB (int32 tokens), the `.idx` 1.94 GB, and the three GPTDataset tables 0.39, 0.19 and
+# 0.09 GB. The tables are small next to the corpus, but they are built once, on global rank 0,
+# and every other rank waits at the barrier while they are: the reason they are cached.
+#
 # ## The two calls a trainer makes
 #
 # `build_train_valid_test_datasets` turns the config and those sample counts into the three
 # datasets (on the ranks that build them); `build_data_iterators` wraps each in a loader for
-# this data-parallel rank that starts at its `consumed_samples`.
+# this data-parallel rank that starts at its `consumed_samples`. A trainer passes the checkpoint's
+# train `consumed_samples` (0 for a new run) and starts validation and test at 0. On ranks that
+# build nothing the datasets are `None`, and so are their iterators: exactly the ranks whose
+# `get_batch` receives by broadcast or needs no data.
 
 # %%
 def build_train_valid_test_datasets(cfg: DataConfig, seq_length: int,
@@ -316,6 +321,9 @@ def build_data_iterators(cfg: DataConfig, datasets: Sequence, consumed_samples: 
 # labels and positions and fp32 loss mask, and 32 MB more for the bool attention mask
 # `[2, 1, 4096, 4096]`. That mask is why Megatron lets a run skip it
 # (`--no-create-attention-mask-in-dataloader`): causal attention kernels build it themselves.
+# With Megatron's 2 workers and prefetch factor 2 that is 5 batches in flight per loader: the
+# demo below prints 32.22 MiB per micro-batch and 161.1 MiB of pinned host memory per loader
+# with the mask, 0.22 and 1.1 MiB without it.
 
 # %%
 def batch_bytes(micro_batch_size: int, seq_length: int, attention_mask: bool = True) -> int:
@@ -335,6 +343,11 @@ if __name__ == "__main__":
 
 # %% [markdown]
 # ## Demo: the standard library, end to end on one process
+#
+# Thirty modules of Python's own standard library, preprocessed into two corpora with the
+# byte tokenizer, blended 0.7/0.3, split 90/10/0 and read through `get_batch` from
+# `consumed_samples = 8`: the first row of the batch must be train sample 8, and there is no
+# test split.
 
 # %%
 if __name__ == "__main__":
@@ -409,13 +422,19 @@ if __name__ == "__main__":
 #   hundred MB; the loader's pinned batches are host memory that flows.
 # * Loaders start at `consumed_samples`, so a resumed run sees exactly the batches it would
 #   have seen.
+# * Only TP rank 0 of the first and last stages builds datasets; every other rank's iterator is
+#   `None`, and `get_batch` gives it what it needs.
 #
 # ## How production does it
 #
 # * Megatron: `pretrain_gpt.py:332` (`train_valid_test_datasets_provider`),
 #   `megatron/training/training.py:4157-4300` (building loaders and iterators).
+# * torchtitan gives every rank its own loader (no broadcast within TP) and saves the loader's
+#   state in the checkpoint (`StatefulDataLoader`) instead of a sample count.
 #
 # ## Exercises
 #
 # 1. Switch `dataloader_type` to `cyclic` and resume at `consumed_samples = 12`: which rows?
 # 2. Point `data_path` at your own JSONL after `tinytron-preprocess --input my.jsonl ...`.
+# 3. At TP 2 × PP 4 half the ranks build no dataset. How many times is each sample read from
+#    disk per step at TP 8 × PP 8 × DP 16, and does that matter next to the step time?
