@@ -168,3 +168,19 @@ def test_cpu_links_fit_latency_and_bandwidth():
     assert links.network == pytest.approx(1e9) and links.latency == pytest.approx(1e-3)
     assert links.interference == pytest.approx(0.05 / (1e-3 + 0.1))  # lost per hidden second
     assert links.reduce_scatter_as_all_reduce and not math.isinf(links.pcie)
+
+
+def test_search_ranks_by_the_overlap_aware_step():
+    from tinytron.memory.calculator import Hardware, parse_bytes, search_layouts
+
+    found = search_layouts(running_example(), 256, parse_bytes("80GiB"), 1024, top=5)
+    hw = Hardware()
+    for f in found:
+        cfg = f["config"]
+        assert f["time"] == step_time(cfg, hw)
+        options = StepOptions(overlap_param_gather=cfg.use_distributed_optimizer,
+                              checkpoint="none")
+        model = estimate_step(cfg.replace(overlap_grad_reduce=True), hw.links(), options)
+        assert f["time"]["total"] == pytest.approx(model.total)
+        assert f["time"]["dp"] < model.item("DP grad").seconds  # some of it hidden
+    assert found[0]["config"].pipeline_model_parallel_size == 1

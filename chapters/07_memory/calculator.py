@@ -428,7 +428,7 @@ if __name__ == "__main__":
 # time. All eight fit with most of the 80 GiB to spare. With the DP traffic hidden by
 # Megatron's overlap rules, the layouts without a pipeline win (no bubble, and no
 # single-bucket all-gather on a later stage), TP2 before TP4 (half the TP traffic on the
-# compute stream), and the eight lie within about 10% of each other: the search chooses
+# compute stream), and the eight lie within about 7% of each other: the search chooses
 # among near-equals, and the estimate's own error (07.8 measures it on a CPU) is of the
 # same order as the gaps. That is why production tools confirm the top few candidates with
 # short profiling runs instead of trusting the model's ranking.

@@ -257,9 +257,10 @@ def collective_seconds(kind: str, nbytes: float, group: int, bandwidth: float,
 #
 # The running example's first stage at DP 64: `bucket_size` is $\max(40\text{M}, 64\text{M})$
 # = 64 M elements, and one layer holds 109.1 M on a rank (QKV 12.6 M, projection 8.4 M, the
-# MLP 88.1 M), so the buckets come out one layer each: 18 buckets — the last layer with the
-# final norm (88.1 M), fifteen of 109.1 M, a 21.0 M remainder, and the tied embedding alone
-# (262.7 M), in that order. The second stage has two: its copy of the tied output layer, and
+# MLP 88.1 M), so the buckets come out one layer's worth each, shifted by half a layer: 18
+# buckets — the final norm with the last layer's MLP (88.1 M), fifteen of 109.1 M (a
+# layer's attention and the MLP below it), the first layer's attention (21.0 M), and the
+# tied embedding alone (262.7 M), in that order. The second stage has two: its copy of the tied output layer, and
 # everything else (1.745 G elements), because Megatron gives every stage but the first one
 # bucket. `dp_buckets` caches a layout per (shape, layout, first/middle/last stage) in
 # `_layout_cache`: the search asks for thousands of layouts that share a few hundred buffers.
