@@ -32,7 +32,11 @@ PAGES_AT_GOAL = {
     "02_optimizer/mixed_precision.py",
     "02_optimizer/offload.py",
     "04_data/blended.py",
+    "04_data/distribute.py",
     "04_data/indexed.py",
+    "04_data/pipeline.py",
+    "04_data/samplers.py",
+    "04_data/sft.py",
     "05_buffers/distributed_data_parallel.py",
     "05_buffers/naive_ddp.py",
 }
