@@ -41,18 +41,18 @@ __all__ = ["Links", "StepOptions", "StepItem", "StepTime", "stage_flops", "stage
 # %% [markdown]
 # ## Why a second step-time model
 #
-# A step-time estimate that adds every transfer to the compute, as if nothing overlapped,
-# is safe for ranking, but it gets the most important design questions wrong. Take the running example (the 7B model on 256 H100s, TP2 (SP) · PP2 · DP64,
-# micro-batch 2, 8 micro-batches, selective recompute, distributed optimizer) at 40% of the
-# dense bf16 peak, as chapter 01 assumes. A rank of the first stage holds about 2 billion
-# parameters (the tied 128 K-token embedding included), so its gradient reduce-scatter moves
-# 7.9 GB of fp32 gradients over a 50 GB/s network link: 158 ms. Added to a step of about
-# 2.6 seconds that is 6%; hidden it is 0%. Whether it hides depends on a single rule:
-# Megatron starts the reduce-scatter only in the backward of the *last* micro-batch, and
-# that backward lasts 161 ms. The transfer just fits — on paper; a 2% slower link would make
-# it stick out, and the order of the buckets makes part of it stick out anyway (below). The
-# parameter all-gather (bf16, half the bytes, 79 ms) has the first forward as its window,
-# 78 ms, and the same knife edge.
+# A step-time estimate that adds every transfer to the compute, as if nothing overlapped, is
+# safe for ranking, but it gets the most important design questions wrong. Take the running
+# example (the 7B model on 256 H100s, TP2 (SP) · PP2 · DP64, micro-batch 2, 8 micro-batches,
+# selective recompute, distributed optimizer) at 40% of the dense bf16 peak, as chapter 01
+# assumes. A rank of the first stage holds about 2 billion parameters (the tied 128 K-token
+# embedding included), so its gradient reduce-scatter moves 7.9 GB of fp32 gradients over a 50
+# GB/s network link: 158 ms. Added to a step of about 2.6 seconds that is 6%; hidden it is 0%.
+# Whether it hides depends on a single rule: Megatron starts the reduce-scatter only in the
+# backward of the *last* micro-batch, and that backward lasts 161 ms. The transfer just fits —
+# on paper; a 2% slower link would make it stick out, and the order of the buckets makes part
+# of it stick out anyway (below). The parameter all-gather (bf16, half the bytes, 79 ms) has
+# the first forward as its window, 78 ms, and the same knife edge.
 #
 # So the model of this page takes each transfer, finds its window by Megatron's rule, and
 # keeps only what sticks out:
@@ -258,12 +258,13 @@ def collective_seconds(kind: str, nbytes: float, group: int, bandwidth: float,
 # The running example's first stage at DP 64: `bucket_size` is $\max(40\text{M}, 64\text{M})$
 # = 64 M elements, and one layer holds 109.1 M on a rank (QKV 12.6 M, projection 8.4 M, the
 # MLP 88.1 M), so the buckets come out one layer's worth each, shifted by half a layer: 18
-# buckets — the final norm with the last layer's MLP (88.1 M), fifteen of 109.1 M (a
-# layer's attention and the MLP below it), the first layer's attention (21.0 M), and the
-# tied embedding alone (262.7 M), in that order. The second stage has two: its copy of the tied output layer, and
-# everything else (1.745 G elements), because Megatron gives every stage but the first one
-# bucket. `dp_buckets` caches a layout per (shape, layout, first/middle/last stage) in
-# `_layout_cache`: the search asks for thousands of layouts that share a few hundred buffers.
+# buckets — the final norm with the last layer's MLP (88.1 M), fifteen of 109.1 M (a layer's
+# attention and the MLP below it), the first layer's attention (21.0 M), and the tied
+# embedding alone (262.7 M), in that order. The second stage has two: its copy of the tied
+# output layer, and everything else (1.745 G elements), because Megatron gives every stage but
+# the first one bucket. `dp_buckets` caches a layout per (shape, layout, first/middle/last
+# stage) in `_layout_cache`: the search asks for thousands of layouts that share a few hundred
+# buffers.
 
 # %%
 def dp_buckets(cfg: MemoryConfig, pp_rank: int = 0) -> list[dict]:
@@ -275,6 +276,7 @@ def dp_buckets(cfg: MemoryConfig, pp_rank: int = 0) -> list[dict]:
 
 
 def _layout_buckets(cfg: MemoryConfig, pp_rank: int) -> list[dict]:
+    """dp_buckets without the cache."""
     buckets = []
     for params, layout in buffer_layouts(cfg, pp_rank):
         work = [0.0] * len(layout.bucket_indices)
@@ -296,8 +298,9 @@ def _layout_buckets(cfg: MemoryConfig, pp_rank: int) -> list[dict]:
 # ## Rule 1: the reduce-scatter hides only behind the last micro-batch's backward
 #
 # With several micro-batches per step, the gradients of micro-batches $1..m-1$ are only
-# accumulated: the schedule runs them inside `no_sync()` (`megatron/core/pipeline_parallel/
-# schedules.py:741-742` without a pipeline; `:2384`, `:2411` and `:2428` turn grad sync back
+# accumulated: the schedule runs them inside `no_sync()`
+# (`megatron/core/pipeline_parallel/schedules.py:741-742` without a pipeline; `:2384`,
+# `:2411` and `:2428` turn grad sync back
 # on just before the last backward of 1F1B), and a bucket's gradient hook counts a parameter
 # as ready only when `is_last_microbatch` is set
 # (`megatron/core/distributed/param_and_grad_buffer.py:813`; `no_sync` clears it,
@@ -339,9 +342,10 @@ def reduce_scatter_exposed(seconds: list[float], ready: list[float], backward: f
 # With the distributed optimizer each DP rank updates its shard of every bucket, then the
 # updated bf16 parameters must be all-gathered before the next forward uses them. With
 # `overlap_param_gather` Megatron does not gather in the optimizer step: a forward pre-hook
-# on each module waits for its bucket (`megatron/core/distributed/distributed_data_parallel.
-# py:413-447`). The first bucket (in forward order, the *last* of the buffer) is dispatched
-# by that first wait itself, and each wait dispatches the next bucket before returning
+# on each module waits for its bucket
+# (`megatron/core/distributed/distributed_data_parallel.py:413-447`). The first bucket (in
+# forward order, the *last* of the buffer) is dispatched by that first wait itself, and
+# each wait dispatches the next bucket before returning
 # (`megatron/core/distributed/param_and_grad_buffer.py:512-529`; the chain runs in reverse
 # bucket order, `distributed_data_parallel.py:295-306`). So exactly one all-gather is in
 # flight at a time, and:
@@ -863,12 +867,13 @@ def schedule_1f1b(stages: list[tuple[float, float]], m: int, tau: float,
 # the model's inputs: one micro-batch's forward and backward of the same model alone, gloo's
 # bucket collective (chapter 05's `_comm`, an all-reduce underneath) at three sizes, and the
 # memory bandwidth of an elementwise add, and the micro-batch once more with a 4 M-element
-# all-reduce running behind it. `cpu_links` turns those measurements into `Links`:
-# the achieved FLOP/s is the micro-batch's FLOPs over its seconds (so `mfu` is 1), and a
-# least-squares line through the collective's times gives gloo's latency and bandwidth,
-# used for every link of the run; the micro-batch's slowdown with the all-reduce behind it,
-# over that all-reduce's seconds, is the `interference`. The benchmark saves the inputs and the traced iterations
-# in `chapters/assets/step_time_cpu.json`; this page recomputes the prediction from them.
+# all-reduce running behind it. `cpu_links` turns those measurements into `Links`: the
+# achieved FLOP/s is the micro-batch's FLOPs over its seconds (so `mfu` is 1), and a
+# least-squares line through the collective's times gives gloo's latency and bandwidth, used
+# for every link of the run; the micro-batch's slowdown with the all-reduce behind it, over
+# that all-reduce's seconds, is the `interference`. The benchmark saves the inputs and the
+# traced iterations in `chapters/assets/step_time_cpu.json`; this page recomputes the
+# prediction from them.
 #
 # Both runs train the same small model (hidden 256, 4 layers, 4 heads in 2 groups, FFN 704,
 # vocabulary 512, sequence 64: 3.1 M parameters) with micro-batch 2 and global batch 8, so
