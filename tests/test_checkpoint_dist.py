@@ -180,3 +180,21 @@ def test_legacy_optimizer_entry_has_megatrons_structure(suite):
     assert dtypes == (torch.float32, torch.float32)
     assert {"param", "exp_avg", "exp_avg_sq", "numel_unpadded"} <= set(tensors)
     assert tensors["exp_avg"].numel() == tensors["numel_unpadded"]
+
+
+def test_rng_states_gathered_over_dp_only_with_data_parallel_random_init(suite):
+    """TP 2 x DP 2: the rng_state object of a position holds DP rank 0's state alone by default,
+    every DP rank's with data_parallel_random_init (Megatron, checkpointing.py:382-391)."""
+    from tinytron.checkpoint._common import CheckpointGroups
+    from tinytron.checkpoint.sharded_keys import ShardedObject
+    from tinytron.checkpoint.torch_dist import read_sharded
+    from tinytron.parallel import ParallelGrid
+
+    root, _ = suite
+    objects = [ShardedObject("rng_state", None, (1, 2), (0, tp)) for tp in (0, 1)]
+    lengths = {}
+    for name in ("on", "dp_random"):
+        got = read_sharded(root / "fully_parallel" / name / "iter_0000001", [], objects,
+                           CheckpointGroups(ParallelGrid.single()))
+        lengths[name] = [len(got[o.unique_key]) for o in objects]
+    assert lengths == {"on": [1, 1], "dp_random": [2, 2]}, lengths

@@ -335,6 +335,8 @@ def fully_parallel_both(root: str, tp: int = 2, config=None) -> dict:
     for name, on in (("on", True), ("off", False)):
         _manager(run.grid, save=f"{root}/{name}", ckpt_fully_parallel_save=on).save(
             run.state, [run.ddp], run.optimizer, run.scheduler)
+    _manager(run.grid, save=f"{root}/dp_random", data_parallel_random_init=True).save(
+        run.state, [run.ddp], run.optimizer, run.scheduler)
     return {"dp_rank": run.grid.rank("dp_cp"), "tp_rank": run.grid.rank("tp")}
 
 
