@@ -514,7 +514,7 @@ def _checkpoint_hooks(cfg: TrainConfig, out_dir: str, grid, reliability, plan):
     config = cfg.extra.get("checkpoint") or CheckpointConfig()
     config = dataclasses.replace(config, save=config.save or out_dir, load=plan.load,
                                  ckpt_step=plan.ckpt_step)
-    hooks = make_checkpoint_hooks(config, grid)
+    hooks = make_checkpoint_hooks(config, grid, rerun_state_machine=reliability.rsm)
     save, load = reliability.checkpoint_hooks(hooks.save_checkpoint_fn, hooks.load_checkpoint_fn)
     return save, load, hooks.finalize_async_save_fn, hooks.manager.comm.destroy, config
 
