@@ -433,20 +433,50 @@ def _next_steps(argv: list[str], out_dir: str, cfg: TrainConfig) -> str:
     ])
 
 
-def console_log_fn(logger):
-    """The logger, plus one console line per validation (on the rank that writes the logs)."""
-    import math
+class RunLog:
+    """The loop's log_fn: chapter 08's logger, plus what a reader of the records needs.
 
-    def log(record: dict) -> None:
-        logger(record)
-        if "validation" in record and logger.is_writer and record["validation"]:
+    Every JSONL record gets a `type` ("train", "validation", or "start" for the line each
+    launch writes once its checkpoint is loaded) and the `launch` number (0 for the first launch
+    that wrote to this log, counted from its "start" lines), so that iterations redone after a
+    restart are told apart. A validation record gets the consumed training samples (its x in
+    TensorBoard's "vs samples" plots). Each validation is one console line.
+    """
+
+    def __init__(self, logger):
+        self.logger, self.state = logger, None
+        path = getattr(logger, "jsonl", None)
+        self.launch = 0
+        if logger.is_writer and path is not None and os.path.isfile(path.name):
+            with open(path.name) as f:
+                self.launch = sum('"type": "start"' in line for line in f)
+
+    def start(self, state, resumed_from, world: int) -> None:
+        """The launch's first record: where it starts (called once the checkpoint is loaded)."""
+        import time
+
+        jsonl = getattr(self.logger, "jsonl", None)
+        if self.logger.is_writer and jsonl is not None:
+            jsonl.write(json.dumps({"type": "start", "launch": self.launch,
+                                    "iteration": 0 if state is None else state.iteration,
+                                    "resumed_from": resumed_from and str(resumed_from),
+                                    "world_size": world, "time": time.time()}) + "\n")
+
+    def __call__(self, record: dict) -> None:
+        import math
+
+        kind = "validation" if "validation" in record else "train"
+        extra = {"type": kind, "launch": self.launch}
+        if kind == "validation" and self.state is not None:
+            extra["consumed_train_samples"] = self.state.consumed_train_samples
+        self.logger({**record, **extra})
+        if kind == "validation" and self.logger.is_writer and record["validation"]:
             losses = record["validation"]
             text = " | ".join(f"{k} {v:.4f}" for k, v in losses.items())
             lm = losses.get("lm loss")
             ppl = f" | ppl {math.exp(min(lm, 50.0)):.2f}" if lm is not None else ""
             label = "final validation" if record.get("final") else "validation"
             print(f"{label} at iteration {record['iteration']}: {text}{ppl}", flush=True)
-    return log
 
 
 def final_validation(cfg: TrainConfig, result, valid_iterator, forward_step_func, log_fn,
@@ -543,7 +573,8 @@ def _restored(config, plan) -> str:
     return ", ".join(parts)
 
 
-def _reporting_hooks(save, load, *, rank: int, out_dir: str, cfg: TrainConfig, config, plan):
+def _reporting_hooks(save, load, *, rank: int, out_dir: str, cfg: TrainConfig, config, plan,
+                     run_log=None):
     """The checkpoint hooks, saying on the console what they did (rank 0).
 
     The run's config.toml is written once the load has succeeded, so a run refused at the load
@@ -556,6 +587,9 @@ def _reporting_hooks(save, load, *, rank: int, out_dir: str, cfg: TrainConfig, c
             state = load(model, optimizer, scheduler)
         except ValueError as e:  # every rank agreed on it (chapter 03's first_error): a user error
             raise LoadRefused(str(e)) from e
+        if run_log is not None:
+            run_log.start(state, plan.directory if state is not None else None,
+                          dist.get_world_size())
         if rank == 0:
             (Path(out_dir) / "config.toml").write_text(cfg.to_toml())
             if state is None:
@@ -608,14 +642,15 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
     logger, log_config = _logger(cfg, out_dir, train_iters, device, rel)
     save, load, finalize, close_checkpoint_groups, ckpt_config = _checkpoint_hooks(
         cfg, out_dir, grid, rel, plan)
+    log_fn, iterators = RunLog(logger), {}
     save, load = _reporting_hooks(save, load, rank=rank, out_dir=out_dir, cfg=cfg,
-                                  config=ckpt_config, plan=plan)
+                                  config=ckpt_config, plan=plan, run_log=log_fn)
     seq, mbs = cfg.model.seq_length, cfg.training.micro_batch_size
     dtype = torch.bfloat16 if cfg.training.bf16 else torch.float32
-    log_fn, iterators = console_log_fn(logger), {}
     provide_data = data_iterators_provider(cfg, data, tokenizer, rel)
 
     def provide_and_keep(grid_, state):
+        log_fn.state = state  # the loop's own TrainState: the samples a validation follows
         iterators["train"], iterators["valid"] = provide_data(grid_, state)
         return iterators["train"], iterators["valid"]
     forward_step = partial(gpt_forward_step, micro_batch_size=mbs, seq_length=seq)

@@ -91,6 +91,19 @@ def test_first_run_says_it_starts_fresh_and_reports_saves_and_validations(first_
     train = [r for r in _records(a) if "losses" in r]
     assert all(r["mfu"] is None and r["tflops_per_device"] > 0 for r in train), train
     assert "MFU: not reported on CPU" in out and " MFU " not in out, out
+    # every record says what it is; a validation knows its place in samples (TensorBoard too)
+    records = _records(a)
+    assert [r["type"] for r in records][:2] == ["start", "train"], records[:2]
+    assert {r["type"] for r in records} == {"start", "train", "validation"}
+    assert all(r["launch"] == 0 for r in records) and records[0]["resumed_from"] is None
+    valid = {r["iteration"]: r["consumed_train_samples"] for r in records if r["type"] ==
+             "validation"}
+    assert valid == {3: 12, 4: 16}, valid   # global batch 4
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(a / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("lm loss validation vs samples")] == [12, 16]
 
 
 def _main_error(capsys, *args) -> str:
@@ -174,6 +187,9 @@ def test_an_iteration_directory_loads_and_the_resume_command_continues(first_run
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"checkpoint: resumed from {b / 'iter_0000004'} at iteration 4;" in again.stdout
     assert _train_iterations(b) == [3, 4, 5] and _tracker(b) == "5" and _tracker(a) == "4"
+    starts = [r for r in _records(b) if r["type"] == "start"]
+    assert [(r["launch"], r["iteration"], r["resumed_from"]) for r in starts] == [
+        (0, 2, str(a / "iter_0000002")), (1, 4, str(b / "iter_0000004"))], starts
 
 
 def _resume_command(stdout: str) -> list[str]:
