@@ -25,7 +25,7 @@ ITERS, SAVE_INTERVAL = 6, 2
 
 
 def _run(root: str, async_mode: str | None, wire_hook: bool = True, iters: int = ITERS,
-         save_wrapper=None, dp: int = 1):
+         save_wrapper=None, dp: int = 1, overlap_param_gather: bool = False):
     """pretrain the tiny GPT with chapter 03's hooks saving every SAVE_INTERVAL iterations.
 
     With dp > 1 (inside a world of dp ranks): DP with the distributed optimizer."""
@@ -59,7 +59,7 @@ def _run(root: str, async_mode: str | None, wire_hook: bool = True, iters: int =
              scheduler_provider=megatron_scheduler_provider(
                  SchedulerConfig(lr_decay_style="cosine"), opt_config),
              grid_provider=lambda: grid, ddp_config=DistributedDataParallelConfig(
-                 use_distributed_optimizer=dp > 1),
+                 use_distributed_optimizer=dp > 1, overlap_param_gather=overlap_param_gather),
              seq_length=CFG.seq_length, save_checkpoint_fn=save,
              finalize_async_save_fn=hooks.finalize_async_save_fn,
              before_optimizer_step_fn=(saver.before_optimizer_step
@@ -105,26 +105,38 @@ def test_staged_checkpoints_are_the_sync_ones_while_training_goes_on(runs, mode)
         assert all(a[k] == b[k] for k in a), [k for k in a if a[k] != b[k]]
 
 
+DP2_RUNS = {"sync": (None, False), "thread": ("thread", False),   # name: (async mode, overlap)
+            "sync_overlap": (None, True), "thread_overlap": ("thread", True)}
+
+
 def _dp2(root: str) -> dict:
-    """Rank function: the sync and the staged run on DP 2 (distributed optimizer)."""
+    """Rank function: sync and staged runs on DP 2 (distributed optimizer), with and without
+    the param all-gather overlapped with the next forward."""
     out = {}
-    for name, mode in (("sync", None), ("thread", "thread")):
-        stats, out[f"{name}_losses"] = _run(f"{root}/{name}", mode, dp=2)
+    for name, (mode, overlap) in DP2_RUNS.items():
+        stats, out[f"{name}_losses"] = _run(f"{root}/{name}", mode, dp=2,
+                                            overlap_param_gather=overlap)
         out[f"{name}_staged"] = [s.get("staged") for s in stats]
     torch.distributed.barrier()
     return out
 
 
 def test_staged_checkpoints_are_the_sync_ones_on_dp2_with_the_distributed_optimizer(tmp_path):
+    """With overlap_param_gather the loop finishes the all-gather before saving (Megatron's
+    force_param_sync): the saved weights are the updated ones, as without the overlap."""
     from tinytron.launch import run_on_ranks
 
     results = run_on_ranks(_dp2, 2, str(tmp_path), timeout=600)
     for r in results:
-        assert r["thread_losses"] == r["sync_losses"] and r["thread_staged"] == [True] * 3
+        assert all(r[f"{n}_losses"] == r["sync_losses"] for n in DP2_RUNS)
+        assert r["thread_staged"] == r["thread_overlap_staged"] == [True] * 3
     for i in (2, 4, 6):
-        a, b = (_files(tmp_path / name / f"iter_{i:07d}") for name in ("sync", "thread"))
-        assert {"__0_0.distcp", "__1_0.distcp"} <= a.keys() and a.keys() == b.keys()
-        assert all(a[k] == b[k] for k in a), [k for k in a if a[k] != b[k]]
+        a = _files(tmp_path / "sync" / f"iter_{i:07d}")
+        assert {"__0_0.distcp", "__1_0.distcp"} <= a.keys()
+        for name in ("thread", "sync_overlap", "thread_overlap"):
+            b = _files(tmp_path / name / f"iter_{i:07d}")
+            assert a.keys() == b.keys() and all(a[k] == b[k] for k in a), \
+                (name, i, [k for k in a if a[k] != b[k]])
 
 
 def test_without_the_loops_hook_the_snapshot_is_taken_before_save_returns(runs):
@@ -202,13 +214,11 @@ def test_cuda_state_stages_on_a_side_stream_into_pinned_buffers(tmp_path, mode):
     from tests.checkpoint_workers import tiny_training
     from tinytron.checkpoint import CheckpointConfig, CheckpointManager
     from tinytron.checkpoint.resume import TrainStateFallback
-    from tinytron.optimizer import AdamW
-    from tinytron.optimizer.mixed_precision import MixedPrecisionOptimizer
     from tinytron.parallel import ParallelGrid
 
-    _, model, _, _ = tiny_training()
+    _, model, opt, _ = tiny_training()
     model.cuda()
-    opt = MixedPrecisionOptimizer(AdamW(model.parameters(), lr=1e-2), clip_grad=1.0)
+    opt = type(opt)(torch.optim.AdamW(model.parameters(), lr=1e-2), clip_grad=1.0)
     tokens = torch.randint(0, 512, (2, 17), device="cuda")
 
     def forward_backward():

@@ -35,7 +35,7 @@ from tinytron.parallel import ParallelGrid, set_random_seed
 __all__ = ["TrainState", "StepResult", "ExitSignal", "TorchOptimizer", "gpt_forward_step",
            "zero_grad_buffers", "logical_and_across_model_parallel_group",
            "reduce_max_stat_across_model_parallel_group", "reduce_losses", "train_step",
-           "evaluate", "checkpoint_and_decide_exit", "train", "wrap_with_ddp",
+           "evaluate", "save_with_param_sync", "checkpoint_and_decide_exit", "train", "wrap_with_ddp",
            "build_schedule_config", "megatron_optimizer_provider",
            "megatron_scheduler_provider", "TrainingRun", "pretrain"]
 
@@ -295,6 +295,24 @@ def evaluate(forward_step_func, data_iterator, model: list, forward_backward_fun
 # iterations first); `pretrain` then saves a final checkpoint unless the last iteration was
 # just saved. A signal handler only records the signal: the iteration in flight finishes, so
 # the saved state is always a consistent end-of-step state.
+#
+# Every save goes through `save_with_param_sync`: with the distributed optimizer's
+# `overlap_param_gather`, the step has updated only each rank's own shard of the parameters,
+# and the all-gather of the rest waits for the next forward's pre-hooks (chapter 05). Megatron
+# finishes that all-gather before saving (`force_param_sync`, `training.py:2764, 2788-2789`),
+# so the saved weights are the updated ones — and nothing is left for the next forward to
+# write while a staged save still copies the parameters (chapter 03).
+
+# %%
+def save_with_param_sync(save_checkpoint_fn, state, model: list, optimizer, scheduler) -> None:
+    """Finish an overlapped param all-gather (Megatron's force_param_sync), then save."""
+    if save_checkpoint_fn is None:
+        return
+    for chunk in model:
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is not None and ddp_config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
+    save_checkpoint_fn(state, model, optimizer, scheduler)
 
 # %%
 class ExitSignal:
@@ -440,7 +458,7 @@ def train(forward_step_func, model: list, optimizer, scheduler, train_data_itera
     """Run iterations until train_iters or an exit condition; return the exit reason or None."""
     # Chapter 08 passes `rerun_state_machine` (see train_step) and `step_hooks`, an object whose
     # `on_step_start(state)` / `on_step_end(state)` bracket every train_step (heartbeats, faults).
-    save = partial(save_checkpoint_fn or no_op, state, model, optimizer, scheduler)
+    save = partial(save_with_param_sync, save_checkpoint_fn, state, model, optimizer, scheduler)
     finalize = finalize_async_save_fn or no_op
     log_fn = log_fn or print_on_last_rank
     do_valid = valid_data_iterator is not None if do_valid is None else do_valid
@@ -587,7 +605,7 @@ def pretrain(training, *, model_provider, forward_step_func, data_iterators_prov
                            iterations_to_skip=iterations_to_skip)
     just_saved = bool(training.save_interval) and state.iteration % training.save_interval == 0
     if save_checkpoint_fn is not None and reason is None and state.iteration and not just_saved:
-        save_checkpoint_fn(state, model, optimizer, scheduler)
+        save_with_param_sync(save_checkpoint_fn, state, model, optimizer, scheduler)
     if finalize_async_save_fn is not None:
         finalize_async_save_fn(blocking=True)
     return TrainingRun(grid, model, optimizer, scheduler, state, reason)
