@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tinytron.buffers._buffer_plot import plot_buffer_layout
+
 __all__ = ["toy_layer_stack", "pad_to_divisor", "pad_param_start", "bucket_end_divisor",
            "pad_bucket_end", "stage_param_shapes", "collective_bytes",
            "BufferKey", "ParamLayout", "compute_param_layout", "group_params_for_buffers",
@@ -238,10 +240,50 @@ class ShardRange:
 
 
 # %% [markdown]
-# The bucket holds views of both buffers and answers the shard questions for any DP rank.
+# A rank's shard as views of the two buffers, and mapped back to parameter pieces. Worked
+# example, bucket 0 of the table above (`[0, 256)`, `c` at 0..30, `b` at 64..164) at $d = 2$:
+# rank 0's shard is `[0, 128)`, so its pieces are all of `c` (param elements 0..30, shard
+# 0..30) and `b[0:64]` (shard 64..128); rank 1's shard `[128, 256)` holds `b[64:100]` at shard
+# 0..36 and padding after it. The bucket answers these questions for any rank, so the
+# optimizer of [chapter 02](../02_optimizer/distributed.py) and the drawing below read the same
+# map; the three methods form a small class of their own, which `Bucket` includes.
 
 # %%
-class Bucket:
+class ShardViews:
+    """Mixin for Bucket: a DP rank's shard as buffer views and as parameter pieces."""
+
+    def grad_shard(self, rank: int | None = None) -> torch.Tensor:
+        """View of the grad buffer that DP ``rank`` owns in this bucket."""
+        s, e = self.shard_range(rank)
+        return self.grad_data[s:e]
+
+    def param_shard(self, rank: int | None = None) -> torch.Tensor:
+        """View of the param buffer that DP ``rank`` owns (distributed optimizer only)."""
+        if self.param_data is None:
+            raise ValueError("this buffer has no param_data (use_distributed_optimizer=False)")
+        s, e = self.shard_range(rank)
+        return self.param_data[s:e]
+
+    def shard_param_ranges(self, rank: int | None = None) -> list[ShardRange]:
+        """Every param piece inside DP ``rank``'s shard, in layout order."""
+        shard_start, shard_end = self.shard_range(rank)
+        out = []
+        for p in self.params:
+            p_start, p_end = self.param_to_index[p]
+            lo, hi = max(p_start, shard_start), min(p_end, shard_end)
+            if lo < hi:
+                out.append(ShardRange(p, lo - p_start, hi - p_start, lo - shard_start,
+                                      hi - shard_start, lo, hi, lo + self.offset, hi + self.offset))
+        return out
+
+
+# %% [markdown]
+# The bucket holds views of both buffers, its offset in the whole buffer, and the range of
+# each of its parameters relative to its own start; `shard_size` is $N_b / d$ and
+# `shard_range(r)` is $[rS, (r+1)S)$.
+
+# %%
+class Bucket(ShardViews):
     """A contiguous slice of the buffer: its params, grad/param views, and per-DP-rank shards."""
 
     def __init__(self, params, param_data, grad_data, offset: int, numel_unpadded: int,
@@ -275,37 +317,6 @@ class Bucket:
             raise ValueError(f"dp rank {rank} out of range for dp size {self.dp_size}")
         return rank * self.shard_size, (rank + 1) * self.shard_size
 
-
-# %% [markdown]
-# A rank's shard as views of the two buffers, and mapped back to parameter pieces:
-
-# %%
-class Bucket(Bucket):  # the same class, continued
-    __doc__ = Bucket.__doc__  # help() keeps the first cell's docstring
-    def grad_shard(self, rank: int | None = None) -> torch.Tensor:
-        """View of the grad buffer that DP ``rank`` owns in this bucket."""
-        s, e = self.shard_range(rank)
-        return self.grad_data[s:e]
-
-    def param_shard(self, rank: int | None = None) -> torch.Tensor:
-        """View of the param buffer that DP ``rank`` owns (distributed optimizer only)."""
-        if self.param_data is None:
-            raise ValueError("this buffer has no param_data (use_distributed_optimizer=False)")
-        s, e = self.shard_range(rank)
-        return self.param_data[s:e]
-
-    def shard_param_ranges(self, rank: int | None = None) -> list[ShardRange]:
-        """Every param piece inside DP ``rank``'s shard, in layout order."""
-        shard_start, shard_end = self.shard_range(rank)
-        out = []
-        for p in self.params:
-            p_start, p_end = self.param_to_index[p]
-            lo, hi = max(p_start, shard_start), min(p_end, shard_end)
-            if lo < hi:
-                out.append(ShardRange(p, lo - p_start, hi - p_start, lo - shard_start,
-                                      hi - shard_start, lo, hi, lo + self.offset, hi + self.offset))
-        return out
-
     def __repr__(self) -> str:
         return (f"Bucket(id={self.bucket_id}, [{self.offset}, {self.offset + self.numel}), "
                 f"{len(self.params)} params, unpadded {self.numel_unpadded})")
@@ -321,9 +332,48 @@ class Bucket(Bucket):  # the same class, continued
 # `param.data` is **re-pointed** to that view (`:1205-1216`). From then on the optimizer writes
 # new bf16 weights into `param_data` and one all-gather per bucket refreshes every rank's model
 # — no per-tensor copies anywhere.
+#
+# The views are the heart of it: every `main_grad` (and with the distributed optimizer every
+# `param.data`) is re-pointed into the flat buffers, and each bucket receives its slices. After
+# `_attach_views`, `a.main_grad.data_ptr()` in the worked example is the address of
+# `grad_data[256]`: writing a gradient into `a.main_grad` writes into bucket 1, and zeroing
+# the buffer zeroes every `main_grad` at once.
 
 # %%
-class ParamAndGradBuffer:
+class BufferViews:
+    """Mixin for ParamAndGradBuffer: the params' views into the flat buffers, and the buckets."""
+
+    def _attach_views(self) -> None:
+        """Point each param's main_grad (and .data with the distributed optimizer) into the buffer."""
+        for p in self.params:
+            start, end, _ = self.param_index_map[p]
+            if self.param_data is not None:
+                view = self.param_data[start:end].view(p.shape)
+                view.copy_(p.data)
+                p.data = view
+            p.main_grad = self.grad_data[start:end].view(p.shape)
+
+    def _make_buckets(self, scaling: float) -> list[Bucket]:
+        """One Bucket per layout range, holding views of both buffers."""
+        by_bucket: dict[int, list] = {}
+        for p, (start, _, b) in sorted(self.param_index_map.items(), key=lambda kv: kv[1][0]):
+            by_bucket.setdefault(b, []).append(p)
+        buckets = []
+        for b, (start, end) in enumerate(self.layout.bucket_indices):
+            pdata = self.param_data[start:end] if self.param_data is not None else None
+            buckets.append(Bucket(by_bucket.get(b, []), pdata, self.grad_data[start:end], start,
+                                  self.layout.per_bucket_numel_unpadded[b], b,
+                                  self.param_index_map, self.dp_size, self.dp_rank, scaling))
+        return buckets
+
+
+# %% [markdown]
+# The buffer itself allocates, lays out, attaches, and cuts into buckets; the rest is what the
+# DDP wrapper calls each step (`reset` to zero, `scale_gradients` for the loss scale) and
+# names for printing.
+
+# %%
+class ParamAndGradBuffer(BufferViews):
     """Flat grad (and param) storage for params of one (param dtype, grad dtype), cut into buckets."""
 
     def __init__(self, params, *, param_dtype: torch.dtype, grad_dtype: torch.dtype,
@@ -355,38 +405,6 @@ class ParamAndGradBuffer:
         self.buckets = self._make_buckets(gradient_scaling_factor)
         self.param_to_bucket = {p: b for b in self.buckets for p in b.params}
 
-
-# %% [markdown]
-# The views: every `main_grad` (and with the distributed optimizer every `param.data`) is
-# re-pointed into the flat buffers, and each bucket receives its slices. (The class continues
-# in this cell: a cell extends a class by subclassing it under the same name.)
-
-# %%
-class ParamAndGradBuffer(ParamAndGradBuffer):  # the same class, continued
-    __doc__ = ParamAndGradBuffer.__doc__  # help() keeps the first cell's docstring
-    def _attach_views(self) -> None:
-        """Point each param's main_grad (and .data with the distributed optimizer) into the buffer."""
-        for p in self.params:
-            start, end, _ = self.param_index_map[p]
-            if self.param_data is not None:
-                view = self.param_data[start:end].view(p.shape)
-                view.copy_(p.data)
-                p.data = view
-            p.main_grad = self.grad_data[start:end].view(p.shape)
-
-    def _make_buckets(self, scaling: float) -> list[Bucket]:
-        """One Bucket per layout range, holding views of both buffers."""
-        by_bucket: dict[int, list] = {}
-        for p, (start, _, b) in sorted(self.param_index_map.items(), key=lambda kv: kv[1][0]):
-            by_bucket.setdefault(b, []).append(p)
-        buckets = []
-        for b, (start, end) in enumerate(self.layout.bucket_indices):
-            pdata = self.param_data[start:end] if self.param_data is not None else None
-            buckets.append(Bucket(by_bucket.get(b, []), pdata, self.grad_data[start:end], start,
-                                  self.layout.per_bucket_numel_unpadded[b], b,
-                                  self.param_index_map, self.dp_size, self.dp_rank, scaling))
-        return buckets
-
     def scale_gradients(self, factor: float) -> None:
         """Multiply the whole grad buffer by ``factor`` in place."""
         self.grad_data.mul_(factor)
@@ -411,7 +429,10 @@ class ParamAndGradBuffer(ParamAndGradBuffer):  # the same class, continued
 #
 # `plot_buffer_layout` reads nothing but the data structure above: each parameter's
 # `(start, end)`, each bucket's range, and the padding between them, with one row per DP rank
-# showing which part of every bucket that rank owns.
+# showing which part of every bucket that rank owns. It lives in the chapter's private module
+# `tinytron.buffers._buffer_plot` (`chapters/05_buffers/_buffer_plot.py`); the demos need a
+# model to lay out, and `toy_layer_stack` gives the parameters of a small transformer stack
+# without its forward.
 
 # %%
 def toy_layer_stack(hidden: int = 32, ffn: int = 64, vocab: int = 48, num_layers: int = 2,
@@ -428,37 +449,6 @@ def toy_layer_stack(hidden: int = 32, ffn: int = 64, vocab: int = 48, num_layers
         stack[f"l{i}_fc2"] = torch.nn.Linear(ffn, hidden, bias=False)
     stack["final_norm"] = torch.nn.RMSNorm(hidden)
     return stack.to(dtype)  # .to() makes new Parameters: take their names afterwards
-
-
-def plot_buffer_layout(buffer: ParamAndGradBuffer, ax=None, title: str = ""):
-    """Draw params, padding, bucket boundaries and each DP rank's shard of ``buffer``."""
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(11, 1.2 + 0.45 * buffer.dp_size))
-    cmap = plt.get_cmap("tab20")
-    ax.barh(0, buffer.numel, left=0, height=0.8, color="#dddddd", hatch="//", edgecolor="#999999")
-    for i, p in enumerate(sorted(buffer.params, key=lambda q: buffer.param_index_map[q][0])):
-        s, e, _ = buffer.param_index_map[p]
-        ax.barh(0, e - s, left=s, height=0.8, color=cmap(i % 20), edgecolor="black", lw=0.5)
-        if e - s > buffer.numel / 40:
-            ax.text((s + e) / 2, 0, buffer.name(p), ha="center", va="center", fontsize=7,
-                    rotation=90 if e - s < buffer.numel / 8 else 0)
-    for b in buffer.buckets:
-        ax.axvline(b.offset, color="red", lw=1.5)
-        ax.text(b.offset + b.numel / 2, 0.5, f"bucket {b.bucket_id}", ha="center", va="bottom",
-                color="red", fontsize=8)
-        for r in range(buffer.dp_size):
-            s, e = b.shard_range(r)
-            ax.barh(-1 - r, e - s, left=b.offset + s, height=0.6, color=plt.get_cmap("Set2")(r),
-                    edgecolor="black", lw=0.5)
-    ax.axvline(buffer.numel, color="red", lw=1.5)
-    ax.set_ylim(-buffer.dp_size - 0.5, 1.0)
-    ax.set_yticks([0] + [-1 - r for r in range(buffer.dp_size)],
-                  ["params"] + [f"dp rank {r}" for r in range(buffer.dp_size)])
-    ax.set_xlabel("element offset in the flat buffer (gray hatch = padding)")
-    ax.set_title(title or repr(buffer), fontsize=9)
-    return ax
 
 
 # %% [markdown]
