@@ -906,7 +906,8 @@ def cpu_links(calibration: dict, flops_per_microbatch: float) -> Links:
 # ## Demo: the running example, item by item
 #
 # The model on the running example with Megatron's switches on (`overlap_grad_reduce`,
-# `overlap_param_gather`, a blocking save every 100 steps). First the four rows of the
+# `overlap_param_gather`, a blocking save every 500 steps, all three as the running example's
+# `configs/llama7b_tp2_pp2_dp64.toml` sets them). First the four rows of the
 # back-of-envelope this page started from, recomputed: each transfer, its window by the
 # rules above, and what stays exposed.
 # Each row is one transfer of one stage; "time" is the transfer alone on its link, "window"
@@ -922,7 +923,7 @@ if __name__ == "__main__":
     from tinytron.memory.calculator import running_example
 
     example = running_example().replace(overlap_grad_reduce=True)
-    links, options = Links(), StepOptions()
+    links, options = Links(), StepOptions(save_interval=500)  # as in its config file
     step = estimate_step(example, links, options)
     (f0, b0), (f1, b1) = stage_compute(example, links)
     rs, ag = step.item("DP grad"), step.item("DP param")
@@ -962,8 +963,8 @@ if __name__ == "__main__":
 #   the whole gather: 69 ms exposed. Stage 0 waits only for its first bucket, the embedding
 #   again (10 ms), and then a little for each bucket that takes longer than the layers before
 #   it. Together 83 ms, more than the reduce-scatter costs.
-# - **The checkpoint's copy** is 9 ms per save per rank: blocking, 0.09 ms per step at one save
-#   every 100 steps; staged, nothing. The write (440 MB at 1 GB/s) hides easily in 100 steps.
+# - **The checkpoint's copy** is 9 ms per save per rank: blocking, 0.02 ms per step at one save
+#   every 500 steps; staged, nothing. The write (440 MB at 1 GB/s) hides easily in 500 steps.
 # - **Offloading all five modules** moves 336 MiB per layer and micro-batch each way; at
 #   50 GB/s that is 7.0 ms against a layer forward of 4.9 ms. The back-of-envelope's "≈10×
 #   too slow" compared all micro-batches' bytes with one micro-batch's layer; per layer and
