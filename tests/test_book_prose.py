@@ -39,6 +39,9 @@ PAGES_AT_GOAL = {
     "04_data/sft.py",
     "05_buffers/distributed_data_parallel.py",
     "05_buffers/naive_ddp.py",
+    "05_buffers/overlap_timeline.py",
+    "05_buffers/param_and_grad_buffer.py",
+    "05_buffers/finalize_model_grads.py",
 }
 
 
