@@ -42,3 +42,39 @@ def check_grads_reduced(opt) -> None:
         raise RuntimeError("optimizer.step() on grads whose data-parallel reduction has not "
                            "finished: call ddp.finish_grad_sync() (or finalize_model_grads) "
                            "after the backward and before the step, as Megatron's train_step does")
+
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+WD_INCR_STYLES = ("constant", "linear", "cosine")
+
+
+def _check_choice(value: str, choices: tuple, name: str) -> None:
+    """ValueError naming the option when value is not one of choices."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def check_scheduler(s) -> None:
+    """The OptimizerParamScheduler constructor's consistency rules, as ValueErrors naming the argument."""
+    if not 0.0 <= s.min_lr <= s.max_lr:
+        raise ValueError(f"need 0 <= min_lr <= max_lr, got min_lr={s.min_lr}, max_lr={s.max_lr}")
+    if s.init_lr > s.max_lr:
+        raise ValueError(f"init_lr {s.init_lr} exceeds max_lr {s.max_lr}")
+    if s.lr_decay_steps <= 0 or s.lr_warmup_steps >= s.lr_decay_steps:
+        raise ValueError(f"need 0 <= lr_warmup_steps < lr_decay_steps, got "
+                         f"{s.lr_warmup_steps} and {s.lr_decay_steps}")
+    _check_choice(s.lr_decay_style, LR_DECAY_STYLES, "lr_decay_style")
+    _check_choice(s.wd_incr_style, WD_INCR_STYLES, "wd_incr_style")
+    if s.lr_decay_style == "WSD":
+        if s.wsd_decay_steps is None or s.wsd_decay_steps <= 0:
+            raise ValueError(f"WSD needs wsd_decay_steps > 0, got {s.wsd_decay_steps}")
+        _check_choice(s.lr_wsd_decay_style, WSD_DECAY_STYLES, "lr_wsd_decay_style")
+    if not 0.0 <= s.start_wd <= s.end_wd:
+        raise ValueError(f"need 0 <= start_wd <= end_wd, got {s.start_wd}, {s.end_wd}")
+    if s.wd_incr_style == "constant" and s.start_wd != s.end_wd:
+        raise ValueError(f"constant wd_incr_style needs start_wd == end_wd, got "
+                         f"{s.start_wd} != {s.end_wd}")
+    if s.override_opt_param_scheduler and s.use_checkpoint_opt_param_scheduler:
+        raise ValueError("override_opt_param_scheduler and use_checkpoint_opt_param_scheduler "
+                         "are both set; choose one")

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["OptimizerParamScheduler", "LR_DECAY_STYLES", "WSD_DECAY_STYLES", "WD_INCR_STYLES"]
+from tinytron.optimizer._checks import (LR_DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES,
+                                        check_scheduler)
 
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
-WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
-WD_INCR_STYLES = ("constant", "linear", "cosine")
+__all__ = ["OptimizerParamScheduler", "LR_DECAY_STYLES", "WSD_DECAY_STYLES", "WD_INCR_STYLES"]
 
 # %% [markdown]
 # ## The schedule, in samples
@@ -58,12 +57,6 @@ WD_INCR_STYLES = ("constant", "linear", "cosine")
 # ```
 
 # %%
-def _check_choice(value: str, choices: tuple, name: str) -> None:
-    """ValueError naming the option when value is not one of choices."""
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-
-
 def _wsd_coeff(n: float, decay_steps: float, wsd_steps: float, style: str) -> float:
     """The WSD multiplier: 1 during the stable phase, then the chosen anneal."""
     start = decay_steps - wsd_steps
@@ -80,67 +73,15 @@ def _wsd_coeff(n: float, decay_steps: float, wsd_steps: float, style: str) -> fl
 
 
 # %% [markdown]
-# ## The scheduler
-#
-# It is constructed with every length already in samples (the factory converts iterations),
-# checks that the lengths and rates are consistent, and sets the groups' first values.
+# The two schedules above as code. Both are pure functions of `num_steps` and the
+# constructor's values (and a group's own `max_lr`, `min_lr`, `start_wd`, `end_wd` when it has
+# them), which is what makes a resumed run's schedule exact: restoring one integer restores
+# every learning rate.
 
 # %%
-class OptimizerParamScheduler:
-    """Warmup + decay of the learning rate and an increment schedule for weight decay, in samples."""
+class Schedules:
+    """Mixin for OptimizerParamScheduler: lr and weight decay at the current sample count."""
 
-    def __init__(self, optimizer, init_lr: float, max_lr: float, min_lr: float,
-                 lr_warmup_steps: int, lr_decay_steps: int, lr_decay_style: str,
-                 start_wd: float, end_wd: float, wd_incr_steps: int, wd_incr_style: str,
-                 use_checkpoint_opt_param_scheduler: bool = True,
-                 override_opt_param_scheduler: bool = False,
-                 wsd_decay_steps: int | None = None, lr_wsd_decay_style: str | None = None):
-        self.optimizer = optimizer
-        self.init_lr, self.max_lr, self.min_lr = init_lr, float(max_lr), min_lr
-        self.lr_warmup_steps, self.lr_decay_steps = lr_warmup_steps, lr_decay_steps
-        self.lr_decay_style = lr_decay_style
-        self.wsd_decay_steps, self.lr_wsd_decay_style = wsd_decay_steps, lr_wsd_decay_style
-        self.start_wd, self.end_wd = start_wd, end_wd
-        self.wd_incr_steps, self.wd_incr_style = wd_incr_steps, wd_incr_style
-        self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
-        self.override_opt_param_scheduler = override_opt_param_scheduler
-        self.num_steps = 0
-        self._validate()
-        self.step(0)
-
-    def _validate(self) -> None:
-        """The constructor's consistency rules, as ValueErrors naming the argument."""
-        if not 0.0 <= self.min_lr <= self.max_lr:
-            raise ValueError(f"need 0 <= min_lr <= max_lr, got min_lr={self.min_lr}, max_lr={self.max_lr}")
-        if self.init_lr > self.max_lr:
-            raise ValueError(f"init_lr {self.init_lr} exceeds max_lr {self.max_lr}")
-        if self.lr_decay_steps <= 0 or self.lr_warmup_steps >= self.lr_decay_steps:
-            raise ValueError(f"need 0 <= lr_warmup_steps < lr_decay_steps, got "
-                             f"{self.lr_warmup_steps} and {self.lr_decay_steps}")
-        _check_choice(self.lr_decay_style, LR_DECAY_STYLES, "lr_decay_style")
-        _check_choice(self.wd_incr_style, WD_INCR_STYLES, "wd_incr_style")
-        if self.lr_decay_style == "WSD":
-            if self.wsd_decay_steps is None or self.wsd_decay_steps <= 0:
-                raise ValueError(f"WSD needs wsd_decay_steps > 0, got {self.wsd_decay_steps}")
-            _check_choice(self.lr_wsd_decay_style, WSD_DECAY_STYLES, "lr_wsd_decay_style")
-        if not 0.0 <= self.start_wd <= self.end_wd:
-            raise ValueError(f"need 0 <= start_wd <= end_wd, got {self.start_wd}, {self.end_wd}")
-        if self.wd_incr_style == "constant" and self.start_wd != self.end_wd:
-            raise ValueError(f"constant wd_incr_style needs start_wd == end_wd, got "
-                             f"{self.start_wd} != {self.end_wd}")
-        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
-            raise ValueError("override_opt_param_scheduler and use_checkpoint_opt_param_scheduler "
-                             "are both set; choose one")
-
-
-# %% [markdown]
-# The two schedules above as code, and `step`, which the training loop calls with the number of
-# samples consumed and which writes the new values into every param group (a group's
-# `wd_mult` of 0 keeps norms and biases undecayed).
-
-# %%
-class OptimizerParamScheduler(OptimizerParamScheduler):  # the same class, continued
-    __doc__ = OptimizerParamScheduler.__doc__  # help() keeps the first cell's docstring
     def get_wd(self, param_group: dict | None = None) -> float:
         """Weight decay at the current sample count (group start_wd/end_wd take precedence)."""
         group = param_group or {}
@@ -176,13 +117,6 @@ class OptimizerParamScheduler(OptimizerParamScheduler):  # the same class, conti
             coeff = _wsd_coeff(n, decay, self.wsd_decay_steps, self.lr_wsd_decay_style)
         return min_lr + coeff * (max_lr - min_lr)
 
-    def step(self, increment: int) -> None:
-        """Advance by `increment` samples and write lr / weight_decay into every group."""
-        self.num_steps += increment
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.get_lr(group)
-            group["weight_decay"] = self.get_wd(group) * group.get("wd_mult", 1.0)
-
 
 # %% [markdown]
 # ## state_dict and the reload rules
@@ -190,16 +124,29 @@ class OptimizerParamScheduler(OptimizerParamScheduler):  # the same class, conti
 # The checkpoint holds ten values. On reload each hyperparameter goes through one rule
 # (`_check_and_set`, `:318`): with `override_opt_param_scheduler` the value given to the
 # constructor wins; otherwise, if not `use_checkpoint_opt_param_scheduler`, constructor and
-# checkpoint must agree (Megatron asserts; here a `ValueError` names the field); otherwise the
-# checkpoint's value is used. Then `step(num_steps)` puts the scheduler back at the saved
-# position. Older checkpoints used other key names (`start_lr`, `warmup_iter`/`warmup_steps`,
-# `end_iter`/`decay_steps`, `decay_style`, `num_iters`), still accepted. As in Megatron, the
-# step comes *before* the weight-decay fields are restored, so the weight decay it writes into
-# the groups is computed from the constructor's values; the next `step()` uses the restored ones.
+# checkpoint must agree; otherwise the checkpoint's value is used. Then `step(num_steps)` puts
+# the scheduler back at the saved position. Older checkpoints used other key names (`start_lr`,
+# `warmup_iter`/`warmup_steps`, `end_iter`/`decay_steps`, `decay_style`, `num_iters`), still
+# accepted. As in Megatron, the step comes *before* the weight-decay fields are restored, so
+# the weight decay it writes into the groups is computed from the constructor's values; the
+# next `step()` uses the restored ones.
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# Where constructor and checkpoint disagree without either flag, Megatron asserts; tinytron
+# raises a `ValueError` that names the field and both values, and says which flag to set.
+#
+# </div>
+#
+# Worked example: a run saved at `num_steps = 4096` with `max_lr = 3e-4` is resumed with
+# `max_lr = 1e-4` on the command line. By default (`use_checkpoint_opt_param_scheduler`) the
+# resumed run keeps 3e-4; with `override_opt_param_scheduler` it switches to 1e-4 at the
+# saved position; with neither it stops with the error.
 
 # %%
-class OptimizerParamScheduler(OptimizerParamScheduler):  # continued
-    __doc__ = OptimizerParamScheduler.__doc__  # help() keeps the first cell's docstring
+class ReloadRules:
+    """Mixin for OptimizerParamScheduler: the ten saved values and Megatron's reload policy."""
+
     def state_dict(self) -> dict:
         """The ten values a checkpoint keeps."""
         return {k: getattr(self, k) for k in (
@@ -236,6 +183,47 @@ class OptimizerParamScheduler(OptimizerParamScheduler):  # continued
         if "start_wd" in sd:
             for key in ("start_wd", "end_wd", "wd_incr_steps", "wd_incr_style"):
                 setattr(self, key, self._check_and_set(getattr(self, key), sd[key], key))
+
+
+# %% [markdown]
+# ## The scheduler
+#
+# It is constructed with every length already in samples (the factory converts iterations),
+# checks that the lengths and rates are consistent (the checks, with the style names, are in
+# the chapter's private module `tinytron.optimizer._checks`), and sets the groups' first
+# values. `step` is what the training loop calls with the number of samples consumed; it writes
+# the new values into every param group (a group's `wd_mult` of 0 keeps norms and biases
+# undecayed).
+
+# %%
+class OptimizerParamScheduler(Schedules, ReloadRules):
+    """Warmup + decay of the learning rate and an increment schedule for weight decay, in samples."""
+
+    def __init__(self, optimizer, init_lr: float, max_lr: float, min_lr: float,
+                 lr_warmup_steps: int, lr_decay_steps: int, lr_decay_style: str,
+                 start_wd: float, end_wd: float, wd_incr_steps: int, wd_incr_style: str,
+                 use_checkpoint_opt_param_scheduler: bool = True,
+                 override_opt_param_scheduler: bool = False,
+                 wsd_decay_steps: int | None = None, lr_wsd_decay_style: str | None = None):
+        self.optimizer = optimizer
+        self.init_lr, self.max_lr, self.min_lr = init_lr, float(max_lr), min_lr
+        self.lr_warmup_steps, self.lr_decay_steps = lr_warmup_steps, lr_decay_steps
+        self.lr_decay_style = lr_decay_style
+        self.wsd_decay_steps, self.lr_wsd_decay_style = wsd_decay_steps, lr_wsd_decay_style
+        self.start_wd, self.end_wd = start_wd, end_wd
+        self.wd_incr_steps, self.wd_incr_style = wd_incr_steps, wd_incr_style
+        self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
+        self.override_opt_param_scheduler = override_opt_param_scheduler
+        self.num_steps = 0
+        check_scheduler(self)  # one-line ValueErrors naming the argument (_checks.py)
+        self.step(0)
+
+    def step(self, increment: int) -> None:
+        """Advance by `increment` samples and write lr / weight_decay into every group."""
+        self.num_steps += increment
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.get_lr(group)
+            group["weight_decay"] = self.get_wd(group) * group.get("wd_mult", 1.0)
 
 
 # %% [markdown]
