@@ -274,11 +274,11 @@ def _common(config, grid, state, optimizer, scheduler, steps, options=None) -> d
 # %% [markdown]
 # The rerun state machine of [chapter 08](../08_reliability/rerun_state_machine.py) goes into every
 # `torch_dist` checkpoint, as in Megatron (`checkpointing.py:563-566, 1061-1062`;
-# `rerun_state_machine.py:805-815`): its mode, state and iteration in `common.pt` under
+# `rerun_state_machine.py:858-871`): its mode, state and iteration in `common.pt` under
 # `rerun_state_machine`, and each rank's part as the object `rerun_state_machine_state` of
 # shape `(world,)` at offset `(rank,)`, written in steady state too, so that successive
-# checkpoints have the same keys. A disabled machine saves nothing, and the legacy format
-# carries none (both as in Megatron). The per-rank part is chapter 08's `state_dict()`, not
+# checkpoints have the same keys. A disabled machine saves nothing (`:806-807`), and the
+# legacy format carries none (`:809-816`). The per-rank part is chapter 08's `state_dict()`, not
 # Megatron's dict: tinytron's machine keeps its flags in its own layout.
 
 # %%

@@ -233,20 +233,22 @@ def _check_tiling(plans: list[SavePlan]) -> None:
 # ## Who writes a replicated tensor: the fully parallel save
 #
 # Every DP rank of a (TP, PP) position holds the same weights. Someone must write them once:
-# Megatron-Core's plain `dist_checkpointing.save` lets DP rank 0 do it (`replica_id` 0), and
-# then DP rank 0 of each position writes all the weights while the other DP ranks write only
-# their DistributedOptimizer shard. Megatron's training loop does not save that way by
-# default: `ckpt_fully_parallel_save` is on (`training_config.py:491`) and wraps the strategy
-# in `FullyParallelSaveStrategyWrapper` (`checkpointing.py:665-671`, `fully_parallel.py:46-58`),
-# which spreads the replicated chunks over the DP group so that every rank writes a similar
-# share. Only metadata is exchanged: each rank lists its chunks (key, offset, bytes, whether
-# it is a main replica), the lists are gathered over the DP group, and every rank runs the
-# same deterministic greedy assignment (`distribute_shards_to_ranks`,
-# `exchange_utils.py:117-170`): chunks held by fewer ranks first (a rank's own optimizer shard
-# is held by it alone), then larger ones first, then by name; each goes to the least loaded
-# rank that holds it. The chunks considered are those with a main replica in the group;
-# a TP-replicated norm on TP rank 1 has none and stays unwritten there. As in Megatron,
-# only tensors are distributed; the small objects (RNG, `_extra_state`) stay with DP rank 0.
+# Megatron-Core's plain `dist_checkpointing.save` lets DP rank 0 do it (`replica_id` 0), and then
+# DP rank 0 of each position writes all the weights while the other DP ranks write only their
+# DistributedOptimizer shard. Megatron's training loop does not save that way by default:
+# `ckpt_fully_parallel_save` is on (`training_config.py:491`) and wraps the strategy in
+# `FullyParallelSaveStrategyWrapper` (`checkpointing.py:665-671`,
+# `megatron/core/dist_checkpointing/strategies/fully_parallel.py:46-58`), which spreads the
+# replicated chunks over the DP group so that every rank writes a similar share. Only metadata is
+# exchanged: each rank lists its chunks (key, offset, bytes, whether it is a main replica), the
+# lists are gathered over the DP group, and every rank runs the same deterministic greedy
+# assignment (`distribute_shards_to_ranks`,
+# `megatron/core/dist_checkpointing/exchange_utils.py:117-170`): chunks held by fewer ranks first
+# (a rank's own optimizer shard is held by it alone), then larger ones first, then by name; each
+# goes to the least loaded rank that holds it. The chunks considered are those with a main replica
+# in the group; a TP-replicated norm on TP rank 1 has none and stays unwritten there. As in
+# Megatron, only tensors are distributed; the small objects (RNG, `_extra_state`) stay with DP
+# rank 0.
 
 # %%
 def distribute_main_replicas(tensors: list[ShardedTensor], comm: CheckpointGroups) -> dict:
@@ -599,14 +601,14 @@ def read_common(directory: Path) -> dict:
 #
 # The plain API for a model without optimizer or progress: `save_model_weights(model, path)`
 # writes a `torch_dist` directory exactly like Megatron-Core's
-# `dist_checkpointing.save(model.sharded_state_dict(), path)` — an empty `common.pt`, the
-# tensors, `.metadata`, `metadata.json`, the same four file names (a test compares them with
-# megatron-core 0.16.1's save; its default of two writer threads per rank, `__0_0.distcp` and
-# `__0_1.distcp`, is `thread_count=2` here, while Megatron at e03878b5f writes one,
-# `strategies/torch.py:600`) — or, with `format="torch"`, one legacy
-# `model_optim_rng.pt` per (TP, PP) position. `load_model_weights(path, model)` reads either
-# format (a root with a tracker or an iteration directory) into a model on **any** layout for
-# `torch_dist`. Call both on every rank of the model.
+# `dist_checkpointing.save(model.sharded_state_dict(), path)` — an empty `common.pt`, the tensors,
+# `.metadata`, `metadata.json`, the same four file names (a test compares them with megatron-core
+# 0.16.1's save; its default of two writer threads per rank, `__0_0.distcp` and `__0_1.distcp`, is
+# `thread_count=2` here, while Megatron at e03878b5f writes one,
+# `megatron/core/dist_checkpointing/strategies/torch.py:600`) — or, with `format="torch"`, one
+# legacy `model_optim_rng.pt` per (TP, PP) position. `load_model_weights(path, model)` reads
+# either format (a root with a tracker or an iteration directory) into a model on **any** layout
+# for `torch_dist`. Call both on every rank of the model.
 
 # %%
 def _model_dir(path: Path) -> Path:
