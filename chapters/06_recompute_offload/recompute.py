@@ -51,7 +51,7 @@ __all__ = ["FullRecompute", "recompute_core_attention", "recompute_module",
 #
 # ## Full recompute: `uniform` and `block`
 #
-# Megatron's `TransformerBlock` calls `_checkpointed_forward` when
+# Megatron's `TransformerBlock` calls `checkpointed_forward` when
 # `recompute_granularity == "full"` and the model is training (`transformer_block.py:621`;
 # the loop is `megatron/core/recompute.py:21`, uniform at `:139`, block at `:149`):
 #

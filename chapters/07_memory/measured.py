@@ -262,8 +262,8 @@ if __name__ == "__main__":
 # ## How production does it
 #
 # - Megatron compares its estimate with `torch.cuda.max_memory_allocated` in its logs
-#   (`megatron/training/utils.py`, `report_memory`); its unit test checks the weight formula
-#   against exact expected numbers (`tests/unit_tests/training/test_weight_and_optimizer_memory.py`).
+#   (`megatron/training/utils/common_utils.py:282`, `report_memory`); its unit test checks the
+#   weight formula against exact expected numbers (`tests/unit_tests/training/test_weight_and_optimizer_memory.py`).
 # - PyTorch's memory snapshot (`torch.cuda.memory._record_memory_history`) attributes every
 #   allocation to a stack trace — the GPU counterpart of this page's dispatch-mode meter.
 #

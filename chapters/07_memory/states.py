@@ -229,7 +229,7 @@ def chunk_params(cfg: MemoryConfig, pp_rank: int, chunk: int) -> list[ParamSpec]
 # Without the distributed optimizer the buffer is exactly the parameters, back to back. With
 # it, chapter 05 aligns every parameter start to 64 elements and pads every bucket end to a
 # multiple of $\mathrm{lcm}(d_{cp}, 128)$ so each of the $d_{cp}$ ranks owns an equal slice
-# (`megatron/core/distributed/param_layout.py:24-42`); the param buffer (bf16) gets the same
+# (`megatron/core/optimizer/param_layout.py:24-42`); the param buffer (bf16) gets the same
 # layout and the model's weights are re-pointed into it. Worked example, the tiny model
 # ($h = 64$, 2 layers, 4/2 heads, $f = 128$, $V = 512$) at DP 4: every parameter size is a
 # multiple of 64, so only the bucket end moves — 106,816 parameters become a buffer of 106,880
@@ -238,7 +238,7 @@ def chunk_params(cfg: MemoryConfig, pp_rank: int, chunk: int) -> list[ParamSpec]
 #
 # The buckets come from chapter 05's `default_bucket_size`: one bucket without
 # `overlap_grad_reduce`, $\max(40\mathrm{M}, 1\mathrm{M} \cdot d_{cp})$ elements with it, and one
-# bucket on every pipeline rank but the first (`distributed_data_parallel.py:66-72`).
+# bucket on every pipeline rank but the first (`distributed_data_parallel.py:95-106`).
 #
 # **Who owns what.** DP rank $r$ of a bucket $[b_0, b_1)$ owns $[b_0 + r\,q, b_0 + (r+1)\,q)$
 # with $q = (b_1 - b_0)/d_{cp}$; the distributed optimizer keeps fp32 masters and moments only

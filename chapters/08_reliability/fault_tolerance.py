@@ -154,6 +154,11 @@ def main_thread_position() -> tuple[str, bool]:
     return where, in_collective
 
 
+# %% [markdown]
+# The verdict: frozen ranks first, then — if the live ranks are not level — the ones behind;
+# only when they are level, the ranks whose main thread is outside a collective.
+
+# %%
 def find_hung_ranks(reports: dict[int, dict], ages: dict[int, tuple[float, float]],
                     config: FaultToleranceConfig) -> Optional[str]:
     """A verdict naming the hung rank(s) and section, or None if every rank is within time.

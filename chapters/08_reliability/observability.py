@@ -77,10 +77,12 @@ class LoggingConfig:
 # %% [markdown]
 # ## The memory report
 #
-# Megatron's `report_memory` (`megatron/training/utils.py`) prints, per rank, the CUDA caching
-# allocator's `allocated`, `max allocated`, `reserved` and `max reserved` in MB, after the first
-# iterations (until an iteration after the loaded one + 1, so that optimizer state — allocated
-# at the first step — is included). *Allocated* is what live tensors hold; *reserved* is what
+# Megatron's `report_memory` (`megatron/training/utils/common_utils.py:282`; `utils` is a
+# package at this commit) prints, per rank, the CUDA caching allocator's `allocated`,
+# `max allocated`, `reserved` and `max reserved` in MB at every logged iteration up to the
+# first one past `loaded + 1` — with `log_interval = 1` from a fresh start, iterations 1 and 2
+# (`training.py:2694-2704`) — so that the optimizer state, allocated at the first step, is
+# included. *Allocated* is what live tensors hold; *reserved* is what
 # the allocator holds from the driver (allocated + cached free blocks). On a CPU there is no
 # caching allocator: the report gives the process's resident set size (current from
 # `/proc/self/statm`, peak from `getrusage`), which includes Python and torch itself — an
@@ -350,7 +352,7 @@ if __name__ == "__main__":
 # ## How production does it
 #
 # - `megatron/training/training.py:2361` (`training_log`: scalars, console line, timers at
-#   `timing_log_level`), `megatron/training/utils.py` (`report_memory`),
+#   `timing_log_level`), `megatron/training/utils/common_utils.py:282` (`report_memory`),
 #   `megatron/training/global_vars.py` (the TensorBoard and W&B writers on the last rank),
 #   `megatron/core/timers.py:452` (`write`).
 # - torchtitan: `torchtitan/components/metrics.py` (`MetricsProcessor`: TensorBoard or W&B

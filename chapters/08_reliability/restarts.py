@@ -481,8 +481,11 @@ class Reliability(Reliability):  # the same class, continued
         pending = path is not None and os.path.exists(path)
         if pending and iteration + 1 not in self.iterations_to_skip:
             saved = torch.load(path, weights_only=True)
-            # Per-rank state means nothing on another layout (Megatron ignores it then too,
-            # checkpointing.py:1758-1779): the relaunch just trains on.
+            # Per-rank state means nothing on another layout: the relaunch just trains on.
+            # Megatron requires an equal world size, TP·PP and DP (checkpointing.py:1758-1779);
+            # tinytron differs here and compares the world size only (this object never sees
+            # the grid), so a relaunch on as many ranks with another TP·PP must not find a
+            # pending rerun: finish or discard it (rerun_state/) before changing the layout.
             if saved["world_size"] == self.world_size:
                 self.rsm.load_state_dict(saved["machine"])
         self.rsm.current_iteration = iteration   # the loop's count wins (training.py:3205)

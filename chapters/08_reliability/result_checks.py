@@ -48,7 +48,12 @@ __all__ = ["SPIKY_LOSS_FACTOR", "LARGE_GRAD_FACTOR", "RerunConfig", "RerunErrorI
 #
 # `RerunConfig` carries Megatron's names and defaults
 # (`megatron/training/config/resilience_config.py:8-29`, `arguments.py:2535-2541`). Note the
-# default: **validation is on** (`rerun_mode = "validate_results"`).
+# default: **validation is on** (`rerun_mode = "validate_results"`). One spelling differs
+# inside Megatron itself: its config lists the third mode as `report_stats`
+# (`resilience_config.py:21`), but the machine's enum value is `report_determinism_stats`
+# (`megatron/core/rerun_state_machine.py:78`) and `initialize.py:80` converts with
+# `RerunMode(args.rerun_mode)`, so `report_stats` fails there. tinytron takes the enum's
+# spelling; its error for `report_stats` says which one to use.
 
 # %%
 SPIKY_LOSS_FACTOR = 10.0  # pretrain_gpt.py:118
@@ -76,8 +81,10 @@ class RerunConfig:
 
     def __post_init__(self):
         if self.rerun_mode not in {m.value for m in RerunMode}:
+            hint = (" (Megatron's config spells it 'report_stats'; its RerunMode, and tinytron, "
+                    "say 'report_determinism_stats')" if self.rerun_mode == "report_stats" else "")
             raise ValueError(f"rerun_mode must be one of {[m.value for m in RerunMode]}, "
-                             f"got {self.rerun_mode!r}")
+                             f"got {self.rerun_mode!r}{hint}")
         if self.error_injection_type not in {d.value for d in RerunDiagnostic}:
             raise ValueError(f"error_injection_type must be one of "
                              f"{[d.value for d in RerunDiagnostic]}, "
@@ -152,6 +159,15 @@ class RerunErrorInjector:
             return (COMPARISON_MISMATCH if kind == RerunDiagnostic.PERSISTENT_ERROR
                     else COMPARISON_MATCH)
         raise RuntimeError(f"an injected {kind.value} compared in state {state.name}")
+
+
+# %% [markdown]
+# The injector's checkpoint: the armed verdict (it must survive the exit-16 relaunch) and the
+# position of its own generator.
+
+# %%
+class RerunErrorInjector(RerunErrorInjector):  # the same class, continued
+    __doc__ = RerunErrorInjector.__doc__  # help() keeps the first cell's docstring
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps (the forced verdict must survive the relaunch)."""
