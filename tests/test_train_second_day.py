@@ -354,3 +354,51 @@ def test_exit_signal_handler_is_one_switch():
     assert off.extra["reliability"].exit_signal_handler is False
     with pytest.raises(ConfigError, match=r"set it in \[training\] only"):
         load_config("configs/tiny.toml", ["--reliability.exit_signal_handler", "false"])
+
+
+# -- §5: text out of a trained model -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def varied_model():
+    """A model whose greedy continuation varies (untied, init std 0.1: no repeated last token)."""
+    from tinytron.model import GPTModel, tiny_config
+
+    return GPTModel(tiny_config(seq_length=64, seed=3, init_std=0.1, tie_embeddings=False))
+
+
+def test_greedy_decoding_with_the_kv_cache_equals_the_full_forward_and_transformers(
+        varied_model, tmp_path):
+    import torch
+
+    from tinytron.model import save_hf_llama
+    from tinytron.model._generate import generate
+
+    transformers = pytest.importorskip("transformers")
+    prompt = [5, 77, 200, 13]
+    cached = generate(varied_model, prompt, 40)
+    assert len(set(cached)) > 10, cached   # a continuation worth comparing
+    assert cached == generate(varied_model, prompt, 40, use_cache=False)
+    save_hf_llama(varied_model, tmp_path / "hf")
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
+                      eos_token_id=None, pad_token_id=0)
+    assert out[0, len(prompt):].tolist() == cached
+
+
+def test_sampling_options_and_the_command(varied_model, first_run, capsys):
+    from tinytron.model._generate import generate, main
+
+    prompt = [5, 77, 200, 13]
+    greedy = generate(varied_model, prompt, 20)
+    assert generate(varied_model, prompt, 20, temperature=1.0, top_k=1, seed=4) == greedy
+    assert generate(varied_model, prompt, 20, temperature=1.0, top_p=1e-6, seed=4) == greedy
+    drawn = generate(varied_model, prompt, 20, temperature=1.5, seed=4, vocab_size=262)
+    assert drawn == generate(varied_model, prompt, 20, temperature=1.5, seed=4, vocab_size=262)
+    assert drawn != greedy and max(drawn) < 262
+    assert generate(varied_model, prompt, 20, eod=greedy[3]) == greedy[:4]   # stops at EOD
+    with pytest.raises(ValueError, match="seq_length 64"):
+        generate(varied_model, prompt, 61)
+    a, _ = first_run
+    assert main([str(a), "--prompt", "def main(", "--max-new-tokens", "8", "--seed", "1"]) == 0
+    assert capsys.readouterr().out.startswith("def main(")
+    assert main([str(a / "nowhere"), "--prompt", "x"]) == 2
+    assert "generate: error: " in capsys.readouterr().err
