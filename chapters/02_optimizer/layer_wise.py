@@ -62,11 +62,54 @@ def ping_pong_owners(numels: list[int], dp: int) -> list[int]:
 
 
 # %% [markdown]
-# The optimizer is [the mixed-precision wrapper](mixed_precision.py) over only the params this
-# rank owns; the norm is reduced over every rank, and the step ends by sharing the results.
+# The all-gather sends each rank's owned params flattened into one vector per dtype, padded to
+# the longest rank's length (an all-gather needs equal sizes), and every rank copies the others'
+# slices back into its params.
+#
+# Example: 4 ranks owning 300, 120, 0 and 50 fp32 elements. Each sends a vector of 300 (the
+# longest), zero-padded; the all-gather returns 1,200 elements, and rank 2 reads rank 0's
+# params from `[0, 300)`, rank 1's from `[300, 420)`, rank 3's from `[900, 950)`. The padding
+# costs $4 \cdot 300 - 470 = 730$ elements of traffic here; with many params per rank the
+# ping-pong deal keeps the ranks' totals, and so the padding, small.
 
 # %%
-class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
+class AllGatherOwned:
+    """Mixin for LayerWiseDistributedOptimizer: share every rank's updated whole params."""
+
+    @torch.no_grad()
+    def allgather_params(self) -> None:
+        """One padded all-gather per dtype of the flattened params each rank owns."""
+        if self.dp_size == 1:
+            return
+        for dtype in sorted({p.dtype for _, p in self.all_named}, key=str):
+            by_rank = [[p for (_, p), o in zip(self.all_named, self.owners)
+                        if o == r and p.dtype == dtype] for r in range(self.dp_size)]
+            sizes = [sum(p.numel() for p in ps) for ps in by_rank]
+            width = max(sizes)
+            if width == 0:
+                continue
+            local = torch.zeros(width, dtype=dtype, device=self.all_named[0][1].device)
+            if by_rank[self.dp_rank]:
+                local[: sizes[self.dp_rank]] = torch.cat([p.view(-1) for p in by_rank[self.dp_rank]])
+            full = torch.empty(width * self.dp_size, dtype=dtype, device=local.device)
+            with warnings.catch_warnings():   # renamed in torch 2.13; 2.11 has only this name
+                warnings.filterwarnings("ignore", category=FutureWarning)
+                dist.all_gather_into_tensor(full, local, group=self.dp_group)
+            for r, ps in enumerate(by_rank):
+                offset = r * width
+                for p in ps:
+                    p.copy_(full[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+
+
+# %% [markdown]
+# The optimizer is [the mixed-precision wrapper](mixed_precision.py) over only the params this
+# rank owns; the norm is reduced over every rank, and the step ends by sharing the results. Its state dict is
+# the layout-independent one of the mixed-precision page, merged over the ranks, so it loads
+# into any optimizer of this chapter.
+
+# %%
+class LayerWiseDistributedOptimizer(AllGatherOwned, MixedPrecisionOptimizer):
     """Each DP rank steps the whole params it owns (ping-pong by size), then all-gathers them."""
 
     def __init__(self, build_optimizer: Callable, named_params: Iterable, grid, *,
@@ -94,40 +137,6 @@ class LayerWiseDistributedOptimizer(MixedPrecisionOptimizer):
         """Step my params, write them back, then share every rank's results."""
         super().step_with_ready_grads()
         self.allgather_params()
-
-
-# %% [markdown]
-# The all-gather sends each rank's owned params flattened into one vector per dtype, padded to
-# the longest rank's length (an all-gather needs equal sizes), and every rank copies the others'
-# slices back into its params.
-
-# %%
-class LayerWiseDistributedOptimizer(LayerWiseDistributedOptimizer):  # the same class, continued
-    __doc__ = LayerWiseDistributedOptimizer.__doc__  # help() keeps the first cell's docstring
-    @torch.no_grad()
-    def allgather_params(self) -> None:
-        """One padded all-gather per dtype of the flattened params each rank owns."""
-        if self.dp_size == 1:
-            return
-        for dtype in sorted({p.dtype for _, p in self.all_named}, key=str):
-            by_rank = [[p for (_, p), o in zip(self.all_named, self.owners)
-                        if o == r and p.dtype == dtype] for r in range(self.dp_size)]
-            sizes = [sum(p.numel() for p in ps) for ps in by_rank]
-            width = max(sizes)
-            if width == 0:
-                continue
-            local = torch.zeros(width, dtype=dtype, device=self.all_named[0][1].device)
-            if by_rank[self.dp_rank]:
-                local[: sizes[self.dp_rank]] = torch.cat([p.view(-1) for p in by_rank[self.dp_rank]])
-            full = torch.empty(width * self.dp_size, dtype=dtype, device=local.device)
-            with warnings.catch_warnings():   # renamed in torch 2.13; 2.11 has only this name
-                warnings.filterwarnings("ignore", category=FutureWarning)
-                dist.all_gather_into_tensor(full, local, group=self.dp_group)
-            for r, ps in enumerate(by_rank):
-                offset = r * width
-                for p in ps:
-                    p.copy_(full[offset:offset + p.numel()].view_as(p))
-                    offset += p.numel()
 
     def state_dict(self) -> dict:
         """Layout-independent: every rank's owned entries, merged (full tensors by name)."""
