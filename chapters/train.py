@@ -558,6 +558,9 @@ def _restored(config, plan) -> str:
     from tinytron.checkpoint._load_dir import saved_parts
 
     has = saved_parts(plan.directory)
+    if plan.release:
+        return "model weights only (a release checkpoint: iteration, optimizer, scheduler, RNG " \
+               "and data position start fresh)"
     if config.finetune:
         return "model weights only (checkpoint.finetune: iteration, optimizer, scheduler, RNG " \
                "and data position start fresh)"

@@ -49,6 +49,8 @@ class LoadPlan:
     directory: Optional[Path] = None
     """The iteration directory that will be read (None: start fresh)."""
     iteration: Optional[int] = None
+    release: bool = False
+    """The tracker says 'release': a model-only checkpoint, loaded as a finetune start."""
     fresh_reason: str = ""
     """Why the run starts fresh (printed on the console)."""
 
@@ -74,12 +76,9 @@ def plan_load(load: Optional[str], save: Optional[str], ckpt_step: Optional[int]
     tracker = path / TRACKER_FILENAME
     if tracker.is_file() or (ckpt_step is not None and path.is_dir()):
         found = resolve_checkpoint_dir(path, ckpt_step)  # ValueError: names the missing dir
-        if found[2]:
-            raise ValueError(f"{what}: {tracker} says 'release' (a model-only export): load it with "
-                             "tinytron-convert, or point checkpoint.load at a training checkpoint")
         if not _is_checkpoint_dir(found[0]):
             detect_format(found[0])  # raises, naming what is missing
-        return LoadPlan(str(path), ckpt_step, found[0], found[1])
+        return LoadPlan(str(path), ckpt_step, found[0], found[1], release=found[2])
     m = _ITER_DIR.fullmatch(path.name)
     if m and _is_checkpoint_dir(path):
         step = int(m.group(1))
@@ -90,6 +89,9 @@ def plan_load(load: Optional[str], save: Optional[str], ckpt_step: Optional[int]
     if is_save_dir and not exit_on_missing:
         state = "does not exist yet" if not path.exists() else f"has no {TRACKER_FILENAME}"
         return LoadPlan(None, None, fresh_reason=f"{path} {state} (first run of this directory)")
+    if is_save_dir:  # exit_on_missing_checkpoint
+        raise ValueError(f"{what}: {path} holds no checkpoint (no {tracker}) and "
+                         "checkpoint.exit_on_missing_checkpoint is set")
     if not path.exists():
         raise ValueError(f"{what}: {path} does not exist (looked for {path / TRACKER_FILENAME} "
                          "or an iter_NNNNNNN checkpoint directory)")
