@@ -78,3 +78,11 @@ def check_scheduler(s) -> None:
     if s.override_opt_param_scheduler and s.use_checkpoint_opt_param_scheduler:
         raise ValueError("override_opt_param_scheduler and use_checkpoint_opt_param_scheduler "
                          "are both set; choose one")
+
+
+def check_muon_args(momentum: float, fp32_matmul_prec: str) -> None:
+    """ValueError naming the Muon argument out of range."""
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum must lie in [0, 1), got {momentum}")
+    if fp32_matmul_prec not in ("highest", "high", "medium"):
+        raise ValueError(f"fp32_matmul_prec must be highest/high/medium, got {fp32_matmul_prec!r}")

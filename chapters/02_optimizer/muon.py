@@ -16,6 +16,7 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from tinytron.optimizer._checks import check_muon_args
 from tinytron.optimizer.algorithms import AdamW, ChainedOptimizer, build_param_groups
 
 __all__ = [
@@ -197,59 +198,8 @@ def orthogonalize_tp(d: torch.Tensor, *, tp_mode: str = "blockwise", tp_group=No
 # rows; Q is orthogonalized as `[64, 64]`, K and V as `[32, 64]` each.
 
 # %%
-class Muon(torch.optim.Optimizer):
-    """Muon for 2-D hidden matrices: EMA momentum, Newton-Schulz, scale, decoupled decay."""
-
-    def __init__(self, params, lr: float = 3e-4, momentum: float = 0.95, nesterov: bool = False,
-                 weight_decay: float = 0.01, split_qkv: bool = True,
-                 qkv_split_shapes: list[int] | None = None, coefficient_type: str = "quintic",
-                 num_ns_steps: int = 5, scale_mode: str = "spectral",
-                 extra_scale_factor: float = 1.0, fp32_matmul_prec: str = "medium",
-                 tp_mode: str = "blockwise", tp_group=None):
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must lie in [0, 1), got {momentum}")
-        if fp32_matmul_prec not in ("highest", "high", "medium"):
-            raise ValueError(f"fp32_matmul_prec must be highest/high/medium, got {fp32_matmul_prec!r}")
-        ns_coefficients(coefficient_type, num_ns_steps)   # validates both
-        muon_scale_factor(2, 1, scale_mode)                # validates the mode
-        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov,
-                                      weight_decay=weight_decay))
-        for p in (p for g in self.param_groups for p in g["params"]):
-            if p.dim() != 2:
-                raise ValueError(f"Muon handles 2-D matrices only, got shape {tuple(p.shape)}")
-        self.split_qkv, self.qkv_split_shapes = split_qkv, qkv_split_shapes
-        self.tp_mode, self.tp_group = tp_mode, tp_group
-        # "medium" lets the NS matmuls run in bf16 (Megatron's default); "highest" keeps fp32.
-        self.ortho_kw = dict(steps=num_ns_steps, coefficient_type=coefficient_type,
-                             scale_mode=scale_mode, extra_scale_factor=extra_scale_factor,
-                             matmul_dtype=torch.bfloat16 if fp32_matmul_prec == "medium"
-                             else torch.float32, tp_mode=tp_mode, tp_group=tp_group)
-
-
-# %% [markdown]
-# The step is AdamW's outer shape with the orthogonalized momentum as the update: decoupled
-# decay, an EMA of the gradient (or its Nesterov look-ahead), then the scaled Newton–Schulz
-# direction, split into Q, K and V for the fused attention weight.
-
-# %%
-class Muon(Muon):  # the same class, continued (a cell extends a class by subclassing it)
-    __doc__ = Muon.__doc__  # help() keeps the first cell's docstring
-    @torch.no_grad()
-    def step(self, closure: Callable | None = None):
-        """One Muon step over every group."""
-        loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-                if wd != 0:
-                    p.mul_(1 - lr * wd)
-                buf.lerp_(p.grad, 1 - mu)
-                direction = p.grad.lerp(buf, mu) if group["nesterov"] else buf
-                p.add_(self.orthogonalize(p, direction), alpha=-lr)
-        return loss
+class QKVSplit:
+    """Mixin for Muon: orthogonalize a direction, per Q/K/V slab for fused QKV weights."""
 
     def orthogonalize(self, p: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
         """Scaled NS of one param's direction, split into Q/K/V slabs for fused QKV weights."""
@@ -269,6 +219,61 @@ class Muon(Muon):  # the same class, continued (a cell extends a class by subcla
         outs = [orthogonalize_tp(s.reshape(-1, d.shape[1]), **kw).view(groups, -1, d.shape[1])
                 for s in parts]
         return torch.cat(outs, dim=1).view_as(d).to(p.dtype)
+
+
+# %% [markdown]
+# The step is AdamW's outer shape with the orthogonalized momentum as the update: decoupled
+# decay, an EMA of the gradient (or its Nesterov look-ahead), then the scaled Newton–Schulz
+# direction, split into Q, K and V for the fused attention weight.
+#
+# Worked example of one step with `momentum` 0.95 and no Nesterov: the buffer starts at 0, so
+# after the first step it is $0.05\,g_1$, after the second $0.0475\,g_1 + 0.05\,g_2$; the
+# update is the *orthogonalized* buffer, so its size is set by the scale factor, not by how
+# small $0.05\,g$ is. The constructor's argument checks are in the chapter's private module
+# `tinytron.optimizer._checks`.
+
+# %%
+class Muon(QKVSplit, torch.optim.Optimizer):
+    """Muon for 2-D hidden matrices: EMA momentum, Newton-Schulz, scale, decoupled decay."""
+
+    def __init__(self, params, lr: float = 3e-4, momentum: float = 0.95, nesterov: bool = False,
+                 weight_decay: float = 0.01, split_qkv: bool = True,
+                 qkv_split_shapes: list[int] | None = None, coefficient_type: str = "quintic",
+                 num_ns_steps: int = 5, scale_mode: str = "spectral",
+                 extra_scale_factor: float = 1.0, fp32_matmul_prec: str = "medium",
+                 tp_mode: str = "blockwise", tp_group=None):
+        check_muon_args(momentum, fp32_matmul_prec)       # one-line ValueErrors (_checks.py)
+        ns_coefficients(coefficient_type, num_ns_steps)   # validates both
+        muon_scale_factor(2, 1, scale_mode)                # validates the mode
+        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov,
+                                      weight_decay=weight_decay))
+        for p in (p for g in self.param_groups for p in g["params"]):
+            if p.dim() != 2:
+                raise ValueError(f"Muon handles 2-D matrices only, got shape {tuple(p.shape)}")
+        self.split_qkv, self.qkv_split_shapes = split_qkv, qkv_split_shapes
+        self.tp_mode, self.tp_group = tp_mode, tp_group
+        # "medium" lets the NS matmuls run in bf16 (Megatron's default); "highest" keeps fp32.
+        self.ortho_kw = dict(steps=num_ns_steps, coefficient_type=coefficient_type,
+                             scale_mode=scale_mode, extra_scale_factor=extra_scale_factor,
+                             matmul_dtype=torch.bfloat16 if fp32_matmul_prec == "medium"
+                             else torch.float32, tp_mode=tp_mode, tp_group=tp_group)
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None):
+        """One Muon step over every group."""
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                if wd != 0:
+                    p.mul_(1 - lr * wd)
+                buf.lerp_(p.grad, 1 - mu)
+                direction = p.grad.lerp(buf, mu) if group["nesterov"] else buf
+                p.add_(self.orthogonalize(p, direction), alpha=-lr)
+        return loss
 
 
 # %% [markdown]
