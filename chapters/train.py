@@ -8,10 +8,13 @@ read and check the whole config before any process group exists (`tinytron.confi
 the world (gloo on CPU, NCCL on CUDA), build the process-group grid (appendix A), the model
 chunks (appendix B, with chapter 06's recompute/offload switches and appendix C's kernels as
 the config says), wrap them in chapter 05's DDP, build chapter 02's optimizer and scheduler,
-resume from chapter 03's latest checkpoint, build chapter 04's datasets (the standard library
-tokenized into a `.bin/.idx` by default) and run chapter 01's loop with chapter 08's safety
-nets, timers, progress bar, JSONL and TensorBoard logs. At the end it draws the loss curve and
-prints the commands that resume the run, export it to Hugging Face and open the logs.
+resume from chapter 03's checkpoint (`load_plan`, checked before the world is joined: the save
+directory's latest, or the `[checkpoint] load` given, which must hold one), build chapter 04's
+datasets (the standard library tokenized into a `.bin/.idx` by default; a dataset's tokenizer
+sidecar must match `[tokenizer]`) and run chapter 01's loop with chapter 08's safety nets,
+timers, progress bar, JSONL and TensorBoard logs. At the end it evaluates once more, draws the
+loss curve and prints the commands that continue the run, export it to Hugging Face and open
+the logs.
 
 No chapter's logic lives here: this file only wires.
 """
