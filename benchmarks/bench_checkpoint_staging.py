@@ -14,8 +14,8 @@ optimizer step):
 Also: each async step's forward+backward time against the reference (what the background copy
 and write cost the compute beside them). Goal: blocked / sync <= 0.05, in thread mode too.
 
-Run: python benchmarks/bench_checkpoint_staging.py [--repeats N] [--batch B] [--dir DIR]
-Writes benchmarks/results/checkpoint_staging.json.
+Run: python benchmarks/bench_checkpoint_staging.py [--repeats N] [--batch B] [--dir DIR] [--out F]
+Writes benchmarks/results/checkpoint_staging.json (or F).
 """
 
 from __future__ import annotations
@@ -116,6 +116,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="sequences per training step")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" /
+                                             "checkpoint_staging.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()
@@ -148,7 +150,7 @@ def main() -> None:
         "median_of_ratios_per_run": {k: statistics.median(v) for k, v in per_run.items()},
         "median_seconds": med, "runs": runs,
     }
-    out = Path(__file__).parent / "results" / "checkpoint_staging.json"
+    out = Path(args.out)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{result['parameters'] / 1e6:.0f}M params, {num_bytes / 1e9:.2f} GB per checkpoint; "
           f"load average {load_start[0]:.1f} at start, {result['load_average_at_end'][0]:.1f} "

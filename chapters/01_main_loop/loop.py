@@ -35,8 +35,8 @@ from tinytron.parallel import ParallelGrid, set_random_seed
 __all__ = ["TrainState", "StepResult", "ExitSignal", "TorchOptimizer", "gpt_forward_step",
            "zero_grad_buffers", "logical_and_across_model_parallel_group",
            "reduce_max_stat_across_model_parallel_group", "reduce_losses", "train_step",
-           "evaluate", "save_with_param_sync", "checkpoint_and_decide_exit", "train", "wrap_with_ddp",
-           "build_schedule_config", "megatron_optimizer_provider",
+           "evaluate", "save_with_param_sync", "checkpoint_and_decide_exit", "train",
+           "wrap_with_ddp", "build_schedule_config", "megatron_optimizer_provider",
            "megatron_scheduler_provider", "TrainingRun", "pretrain"]
 
 # %% [markdown]

@@ -130,8 +130,9 @@ ASYNC_MODES = ("process", "thread")
 # staged `thread`-mode save blocked training 0.055 s, against 0.31 s when the copy is taken
 # before `save` returns, 0.37 s with `fork`, and 7.0 s for a synchronous save (0.008, 0.044,
 # 0.053 of it). Hidden is not free on a CPU: the 1.2 GB copy and then the write share the two
-# cores with the forward and backward, which ran about 2× slower beside them. On a GPU the
-# copy runs on the copy engine, beside the kernels.
+# cores with the forward and backward, which ran 2.0× slower beside them (1.6× beside the
+# write alone, 2.3× beside a forked writer and its copy-on-write faults). On a GPU the copy
+# runs on the copy engine, beside the kernels.
 
 # %%
 def stage_tensors(tensors: list[ShardedTensor], mode: str) -> list[ShardedTensor]:
