@@ -308,7 +308,9 @@ class AsyncSaver:
 #
 # The loop's first call also tells the saver that a wait point exists: until then (a script
 # that calls `save` and steps without the hook), `schedule` takes the snapshot before it
-# returns, as above, and nothing can overwrite a tensor while it is being copied.
+# returns, as above, and nothing can overwrite a tensor while it is being copied. A process
+# killed while it stages (fault point `during_staging`, halfway through the copies) leaves an
+# `iter_….tmp` directory and nothing else: the tracker still names the previous checkpoint.
 
 # %%
 class AsyncSaver(AsyncSaver):  # the same class, continued
