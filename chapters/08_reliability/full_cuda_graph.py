@@ -36,7 +36,7 @@ __all__ = ["FullCudaGraphUnavailable", "StaticBufferLoader", "FullCudaGraphWrapp
 # | no data-dependent control flow | Python runs once, at capture; its branches are baked in | the schedule's order depends only on static counts |
 # | memory from a private pool | addresses used inside the graph must stay valid for every replay | a graph memory pool (`pool=`), shared with the optimizer's graph if any (`use_single_mempool`) |
 # | warm-up first | the first calls allocate (cuBLAS workspaces, autograd's accumulation buffers, DDP buckets) and lazily initialize | `cuda_graph_warmup_steps` eager calls (default 3) before the capture |
-# | RNG | a replay must advance the Philox offset, not reuse the captured one | the default generator is handled by PyTorch; other generators (the TP RNG tracker's) are registered with `register_generator_state` |
+# | RNG | a replay must advance the Philox offset, not reuse the captured one | the default generator is handled by PyTorch; other generators must be registered with `register_generator_state` — the wrapper registers those it is given (`generators=`, none by default). Megatron registers every tracker state (`full_cuda_graph.py:213-214`); appendix A's tracker swaps states with `get_rng_state`/`set_rng_state`, which cannot be captured, so dropout inside a tracker fork is not yet graph-safe here (tinytron differs here) |
 # | outputs are static too | the returned loss tensors are overwritten by the next replay | consume (`reduce_losses`) before the next call |
 # | gradients in place | `zero_grad(set_to_none=True)` would free the addresses the graph writes | DDP's contiguous grad buffer (chapter 05), zeroed in place between replays |
 # | collectives | NCCL kernels can be captured; gloo (CPU) cannot | CUDA + NCCL only |
