@@ -224,3 +224,53 @@ def test_every_weight_is_used_inside_a_call_of_its_module(pre, post, tie):
     model(tokens if pre else None, labels=tokens if post else None)
     unseen = [n for n, p in model.named_parameters() if id(p) not in seen]
     assert not unseen, f"used outside a module call (no pre-hook ran): {unseen}"
+
+
+# -- RoPE from half-width cached tables, and the full-vocabulary loss ----------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotate_half_function_equals_the_formula_bit_for_bit(dtype):
+    """RotateHalf (half tables, no concatenation) = x cos + rotate_half(x) sin, values and grads."""
+    from tinytron.model.layers import rope_half_tables
+
+    s, b, d = 32, 3, 16
+    pos = torch.randint(0, 200, (b, s))
+    base = torch.randn(s, b, 2, 5, d, dtype=dtype)
+    x = base[:, :, :, 1:4].reshape(s, b, 6, d).requires_grad_()  # q-like, from a fused QKV
+    k = base[:, :, :, 4].requires_grad_()                          # k-like: a strided view
+    full = [t.transpose(0, 1) for t in rope_cos_sin(pos, d)]
+    half = [t.transpose(0, 1) for t in rope_half_tables(pos, d)]
+    for inp in (x, k):
+        y_full, y_half = apply_rope(inp, *full), apply_rope(inp, *half)
+        grad = torch.randn_like(y_full)
+        assert torch.equal(y_full, y_half)
+        assert torch.equal(*(torch.autograd.grad(y, inp, grad)[0] for y in (y_full, y_half)))
+
+
+def test_rope_tables_are_cached_and_default_positions_use_them():
+    config = tiny_config()
+    model = GPTModel(config)
+    tokens = torch.randint(0, config.vocab_size, (2, config.seq_length))
+    hidden = torch.zeros(config.seq_length, 2, config.hidden_size)
+    first = model._rope_tables(hidden, None)
+    assert model._rope_tables(hidden, None)[0] is first[0]  # built once per length
+    assert first[0].shape == (config.seq_length, 1, config.head_dim // 2)
+    default = torch.arange(config.seq_length).expand(2, -1)
+    assert model._rope_tables(hidden, default)[0] is first[0]
+    # positions that restart (packed documents) get their own tables, and their own logits
+    packed = torch.cat([torch.arange(20), torch.arange(config.seq_length - 20)]).expand(2, -1)
+    assert model._rope_tables(hidden, packed)[0].shape == (config.seq_length, 2,
+                                                           config.head_dim // 2)
+    with torch.no_grad():
+        plain, same = model(tokens), model(tokens, position_ids=default.clone())
+        other = model(tokens, position_ids=packed)
+    assert torch.equal(plain, same) and not torch.equal(plain, other)
+
+
+def test_rope_cache_filled_under_inference_still_trains():
+    config = tiny_config()
+    model = GPTModel(config)
+    tokens = torch.randint(0, config.vocab_size, (2, config.seq_length))
+    with torch.inference_mode():
+        model(tokens)
+    model(tokens, labels=tokens).mean().backward()   # would fail on inference tensors
+    assert model.embedding.word_embeddings.weight.grad is not None

@@ -136,8 +136,8 @@ def _offloaded_bytes(config, terms: dict) -> int:
                for n, size in terms[region].values() if n >= config.min_offloaded_tensor_size)
 
 # %% [markdown]
-# A chunk of $n$ layers adds the RoPE tables its layers share (cos and sin, $2 s b d$ fp32
-# elements). Full recompute keeps, per checkpointed run, the run's input and an RNG snapshot;
+# The RoPE tables its layers share cost a chunk nothing per micro-batch: the model builds them
+# once per sequence length and keeps them ([page B.3](../model/gpt.py)). Full recompute keeps, per checkpointed run, the run's input and an RNG snapshot;
 # `block` adds its plain layers. Offload subtracts what the chosen regions free in every layer
 # but the margin.
 
@@ -147,7 +147,7 @@ def decoder_activation_bytes(config, num_layers: int, tp: int = 1, micro_batch_s
                              post_process: bool = True) -> int:
     """Bytes the layers of one pipeline chunk keep after its forward, under the config's modes."""
     b, e, m, n = micro_batch_size, dtype_bytes, mask_bytes, num_layers
-    rope = 2 * config.seq_length * b * config.head_dim * 4
+    rope = 0  # the RoPE tables are the model's cache, not per micro-batch (page B.3)
     if config.recompute_granularity == "full":
         s_local = config.seq_length // tp if config.sequence_parallel else config.seq_length
         run = s_local * b * config.hidden_size * e

@@ -37,7 +37,7 @@ __all__ = ["Saved", "Dims", "attention_kernel", "layer_saved", "embedding_saved"
 # |---|---|---|
 # | RMSNorm (×2) | fp32 copy of the input, $1/\mathrm{rms}$, normalized input in $P$ | $4 s_r b h + 4 s_r b + P s_r b h$ |
 # | `linear_qkv`, `linear_fc1` | their input — **all-gathered** under SP | $P s_c b h$ each |
-# | RoPE | cos and sin cast to $P$, for q and for k | $4 \cdot P s_c b d$ |
+# | RoPE | only the cos/sin tables, which the model builds once per sequence length and keeps | 0 |
 # | flash attention | q, k, the whole QKV output (v is a view of it), out, logsumexp | $P s_c b (a_t + g_t + (a_t + 2 g_t) + a_t) d + 4 b a_t s_c$ |
 # | SwiGLU | fc1 output ($2 f_t$), silu(gate), the product (fc2's input) | $P s_c b \cdot 4 f_t$ |
 # | dropout (×2, if $p > 0$) | the mask | $M s_r b h$ |
@@ -193,8 +193,9 @@ def _selective_core_attention(cfg: MemoryConfig, x: Dims) -> list[Saved]:
 # %% [markdown]
 # The layer, assembled. In fp32 RMSNorm's `x.float()` is the input itself: the "fp32 copy" of
 # the first norm of a chunk that received its input from the previous stage *is* the received
-# tensor, counted once as the stage input. RoPE's `cos.to(x.dtype)` is then a view too, so
-# fp32 keeps the two fp32 tables once per chunk instead of four cast copies per layer.
+# tensor, counted once as the stage input. RoPE saves nothing of its own: its tables are built
+# once per sequence length, in $P$, and cached by the model ([page B.3](../model/gpt.py)), so
+# they are resident, not per micro-batch.
 #
 # **Recompute** (chapter 06, the model config's `recompute_*` switches, Megatron's names):
 #
@@ -286,14 +287,13 @@ def layer_saved(cfg: MemoryConfig, input_is_received: bool = False,
         norm2, fc1_in = _selective_norms(x, norm2, mlp[0], "mlp_norm")
         mlp = ([fc1_in] if fc1_in else []) + mlp[1:]
         snapshots += 2
-    rope = [] if x.P == 4 else [Saved("rope", "RoPE cos/sin cast", 4 * n * x.d, x.P)]
     core = _core_attention(cfg, x)
     if _selected(cfg, "core_attn", recompute):
         core, snapshots = _selective_core_attention(cfg, x), snapshots + 1
     if _selected(cfg, "mlp", recompute):
         mlp = [Saved("mlp", "MLP input (checkpoint input)", n * x.h, x.P)]
         snapshots += 1
-    out = [*norm1, *([qkv_in] if qkv_in else []), *rope, *core, *norm2, *mlp]
+    out = [*norm1, *([qkv_in] if qkv_in else []), *core, *norm2, *mlp]
     out += _snapshots(cfg, snapshots)
     if cfg.model.dropout > 0:
         mask = 1 if cfg.device == "cuda" else x.P
@@ -315,8 +315,7 @@ def layer_saved(cfg: MemoryConfig, input_is_received: bool = False,
 #
 # **Between stages**: a non-first chunk keeps the received activation ($P s_r b h$) until its
 # backward; a non-last chunk returns its output, which the schedule pseudo-frees once sent
-# (chapter 01's `deallocate_output_tensor`). In fp32 each chunk also keeps the two RoPE tables
-# (fp32 $[b, s_c, d]$) that every layer's RoPE saved a view of.
+# (chapter 01's `deallocate_output_tensor`).
 
 # %%
 def embedding_saved(cfg: MemoryConfig) -> list[Saved]:
@@ -429,8 +428,6 @@ def chunk_saved(cfg: MemoryConfig, pp_rank: int, chunk: int) -> dict[str, list[S
     if normal:  # the first kept layer may differ (fp32 and a received input); the rest repeat
         device, host = _kept_layers(cfg, normal, not first and not groups, last)
         layers += device
-    if groups or (x.P == 4 and normal):  # checkpoint inputs, or what fp32 RoPE saved views of
-        layers.append(Saved("rope", "RoPE cos/sin tables (fp32)", 2 * x.b * x.s_c * x.d, 4))
     return {"layers": layers,
             "embedding": embedding_saved(cfg) if first else [],
             "head": head_saved(cfg) if last else [],

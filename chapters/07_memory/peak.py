@@ -34,7 +34,7 @@ __all__ = ["schedule_ops", "p2p_buffers", "activation_peak"]
 #
 # | moment | what is alive on top of the kept tensors |
 # |---|---|
-# | end of a layer's forward | fc2's output and the new residual; in bf16 also the layer input, the mid-layer residual and the fp32 RoPE tables |
+# | end of a layer's forward | fc2's output and the new residual; in bf16 also the layer input and the mid-layer residual |
 # | TP collective after fc2 | fc2's partial sum over the whole local sequence and the collective's output |
 # | math attention | $q k^\top$ and its masked copy, q, k, v cast to fp32 — before the layer's MLP half is kept |
 # | cross-entropy forward | bf16 logits, their fp32 copy, the shifted logits, their exponential: 14 bytes per logit (8 in fp32), 4 of which stay as the softmax |
@@ -91,7 +91,7 @@ def schedule_ops(cfg: MemoryConfig, pp_rank: int,
 def _forward_transient(cfg: MemoryConfig, x: Dims, head: bool) -> int:
     """Bytes alive in a chunk's forward on top of what it keeps, at its largest moment."""
     unit = x.P * x.s_r * x.b * x.h  # one residual-stream tensor
-    rope = 0 if x.P == 4 else 2 * 4 * x.b * x.s_c * x.d  # the fp32 cos/sin tables
+    rope = 0  # RoPE's tables are the model's cache (page B.3), not a forward temporary
     # bf16: the layer's input and the mid-layer residual are alive (fp32 norms save them)
     resid = 0 if x.P == 4 else 2 * unit
     end_of_layer = resid + 2 * unit + rope  # fc2's output and the new residual

@@ -23,8 +23,8 @@ from torch import nn
 from tinytron.kernels import flash_attention, rms_norm, swiglu, use_triton
 from tinytron.kernels import vocab_parallel_cross_entropy as fused_vocab_parallel_cross_entropy
 from tinytron.model.config import ModelConfig, stage_layer_ranges
-from tinytron.model.layers import (RMSNorm, ShardSpec, apply_rope, init_full_tensor, rope_cos_sin,
-                                   scaled_std, shard_of)
+from tinytron.model.layers import (RMSNorm, ShardSpec, apply_rope, init_full_tensor,
+                                   rope_half_tables, scaled_std, shard_of)
 from tinytron.parallel import (ColumnParallelLinear, ParallelGrid, RowParallelLinear,
                                VocabParallelEmbedding, copy_to_tp_region,
                                gather_from_sequence_parallel_region, vocab_parallel_cross_entropy)
@@ -92,7 +92,11 @@ __all__ = [
 # convention (1 = keep): passed here, such a mask hides every key from every query, and
 # attention over nothing still returns finite numbers. `GPTModel.forward` therefore refuses a
 # mask under which some query sees no key at all, and ids outside `[0, vocab_size)` in
-# `input_ids` or `labels` (`check_attention_mask`, `check_ids`).
+# `input_ids` or `labels` (`check_attention_mask`, `check_ids`) — when these tensors are in
+# host memory, where the check is a read of a few kilobytes. On a GPU the same check would stop
+# the host until the device has caught up (a host sync in every forward), so the model leaves
+# device tensors to the code that made the batch: it checks them on the host before the copy
+# (chapter 04's `get_batch` with `vocab_size=`, `check_token_ids`).
 #
 # **Context parallel.** A CP rank holds sequence chunks $r$ and $2c - 1 - r$ of every sample
 # ([appendix A](../parallel/context_parallel.py)). Its queries need the keys and values of every
@@ -340,10 +344,13 @@ def global_parameter_name(name: str, layer_offset: int) -> str:
     return f"decoder.layers.{int(m.group(1)) + layer_offset}.{m.group(2)}" if m else name
 
 
+def _on_host(t: torch.Tensor) -> bool:
+    """Whether a check of t reads host memory (free) rather than waiting for a device (a sync)."""
+    return t.device.type == "cpu"
+
+
 def check_ids(ids: torch.Tensor, name: str, vocab_size: int) -> None:
     """ValueError naming the largest (or a negative) id outside [0, vocab_size)."""
-    # One host sync per call: the price of an error instead of an opaque index error (tokens)
-    # or a finite, meaningless loss (labels), and under TP the ids no rank owns embed to zeros.
     low, high = (int(v) for v in torch.aminmax(ids))
     if low < 0 or high >= vocab_size:
         raise ValueError(f"{name} hold id {high if high >= vocab_size else low} outside "
@@ -412,6 +419,7 @@ class GPTModel(nn.Module):
         self.layer_offset, self.input_tensor = start, None
         # Chapter 06's apply_recompute installs the full-recompute loop here and sets the flag.
         self.layer_runner, self.activation_policy_applied = None, False
+        self._rope_cache: dict = {}   # (length, device, dtype) -> RoPE tables of 0..s-1
         self._build(config, grid, start, end, rng_tracker)
         device = device if device is not None else grid.device
         self.to(device=device, dtype=dtype)  # e.g. bf16 params; the init is drawn in fp32
@@ -490,7 +498,7 @@ class GPTModel(GPTModel):  # continued
         attention_mask, ..., labels=)`, `megatron/core/models/gpt/gpt_model.py`).
         """
         self._check_activation_policy()
-        if attention_mask is not None:
+        if attention_mask is not None and _on_host(attention_mask):
             check_attention_mask(attention_mask)
         hidden = self._stage_input(input_ids)
         cos, sin = self._rope_tables(hidden, position_ids)
@@ -522,7 +530,8 @@ class GPTModel(GPTModel):  # continued
         if tokens is None or tokens.dim() != 2:
             raise ValueError(f"tokens must be [b, s] on the first stage, got "
                              f"{None if tokens is None else tuple(tokens.shape)}")
-        check_ids(tokens, "input_ids", self.config.vocab_size)
+        if _on_host(tokens):
+            check_ids(tokens, "input_ids", self.config.vocab_size)
         sp = self.config.sequence_parallel
         emb = self.embedding.word_embeddings(tokens)  # SP: reduce-scattered [s/t, b, h]
         if not sp:
@@ -532,27 +541,56 @@ class GPTModel(GPTModel):  # continued
 
 
 # %% [markdown]
-# The positions of this rank's tokens (its CP chunks when $c > 1$) become the RoPE tables; the
-# head gathers the sequence-parallel sequence, computes logits against its vocabulary slice,
-# and, given labels, the vocab-parallel per-token loss.
+# The positions of this rank's tokens (its CP chunks when $c > 1$) become the RoPE tables:
+# half-width ([page B.2](layers.py)'s `rope_half_tables`), in the activations' dtype, and built
+# **once per sequence length**: the default positions $0 \dots s-1$ (or this CP rank's chunks)
+# are the same in every step, so their tables are cached on the model, shaped $[s, 1, d/2]$ to
+# broadcast over the batch, and every layer reads the same two small tensors (Megatron caches
+# its `RotaryEmbedding` output per length the same way, an `lru_cache` on `forward`,
+# `megatron/core/models/common/embeddings/rotary_pos_embedding.py:177`). Explicit
+# `position_ids` that restart per document are data, so their tables are built per batch —
+# unless they are host tensors equal to the default, which costs a comparison of host memory;
+# on a GPU that comparison would be a host sync, so device-resident positions always get
+# per-batch tables. The head gathers the sequence-parallel sequence, computes logits against
+# its vocabulary slice, and, given labels, the vocab-parallel per-token loss.
 
 # %%
 class GPTModel(GPTModel):  # continued
     __doc__ = GPTModel.__doc__  # help() keeps the first cell's docstring
     def _rope_tables(self, hidden, position_ids):
-        """cos/sin [s, b, d] for this rank's tokens (its CP chunks when cp > 1)."""
+        """Half-width cos/sin [s, b or 1, d/2] in the activations' dtype for this rank's tokens."""
         grid, tp, cp = self.grid, self.grid.size("tp"), self.grid.size("cp")
         s_local = hidden.shape[0] * (tp if self.config.sequence_parallel else 1)
         b = hidden.shape[1]
-        if position_ids is None:
-            idx = (cp_positions(s_local * cp, cp, grid.rank("cp")).to(hidden.device)
-                   if cp > 1 else torch.arange(s_local, device=hidden.device))
-            position_ids = idx.unsqueeze(0).expand(b, -1)
-        elif tuple(position_ids.shape) != (b, s_local):
+        if position_ids is not None and tuple(position_ids.shape) != (b, s_local):
             raise ValueError(f"position_ids must be [b, s] = {(b, s_local)}, "
                              f"got {tuple(position_ids.shape)}")
-        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rotary_base)
+        if position_ids is None or self._default_positions(position_ids, s_local):
+            return self._cached_rope_tables(s_local, hidden.device, hidden.dtype)
+        cos, sin = rope_half_tables(position_ids, self.config.head_dim, self.config.rotary_base,
+                                    hidden.dtype)
         return cos.transpose(0, 1), sin.transpose(0, 1)
+
+    def _default_positions(self, position_ids, s_local) -> bool:
+        """True for host ids equal to this rank's default positions (a device would sync: no)."""
+        if position_ids.device.type != "cpu" or self.grid.size("cp") > 1:
+            return False
+        return bool((position_ids == torch.arange(s_local)).all())
+
+    def _cached_rope_tables(self, s_local, device, dtype):
+        """The tables of the default positions, built once per (length, device, dtype)."""
+        key = (s_local, str(device), dtype)
+        if key not in self._rope_cache:
+            with torch.inference_mode(False):  # a cache filled under inference must train too
+                self._rope_cache[key] = self._build_rope_tables(s_local, device, dtype)
+        return self._rope_cache[key]
+
+    def _build_rope_tables(self, s_local, device, dtype):
+        cp = self.grid.size("cp")
+        idx = (cp_positions(s_local * cp, cp, self.grid.rank("cp")) if cp > 1
+               else torch.arange(s_local)).to(device)
+        cos, sin = rope_half_tables(idx, self.config.head_dim, self.config.rotary_base, dtype)
+        return cos.unsqueeze(1), sin.unsqueeze(1)   # [s, 1, d/2]: broadcast over the batch
 
     def _head(self, hidden, labels):
         """Final norm, output layer (gathering the SP sequence), and the loss when labels are given."""
@@ -568,7 +606,8 @@ class GPTModel(GPTModel):  # continued
         if tuple(labels.shape) != tuple(logits.shape[:2]):
             raise ValueError(f"labels must be [b, s] = {tuple(logits.shape[:2])}, "
                              f"got {tuple(labels.shape)}")
-        check_ids(labels, "labels", self.config.vocab_size)
+        if _on_host(labels):
+            check_ids(labels, "labels", self.config.vocab_size)
         if use_triton(self.config.kernels, logits.device):
             # appendix C: reads the logits in their dtype; rows are contiguous as [s, b, V/t]
             loss = fused_vocab_parallel_cross_entropy(logits.transpose(0, 1),
