@@ -55,7 +55,7 @@ KERNEL_CHOICES = ("torch", "triton", "auto")
 
 __all__ = ["triton", "tl", "HAS_TRITON", "INTERPRET", "SUPPORTED_DTYPES", "KERNEL_CHOICES",
            "require_triton", "check_tensor", "resolve_kernels", "use_triton", "dot_flags", "num_row_programs",
-           "rows_per_program",
+           "rows_per_program", "row_warps", "MAX_ROW_LANES",
            "mma", "round_to"]
 
 
@@ -120,6 +120,19 @@ def rows_per_program(block: int) -> int:
     # every program costs Python overhead, so the tiles are bigger.
     lanes = 16384 if INTERPRET else 4096
     return max(1, min(64 if INTERPRET else 16, lanes // block))
+
+
+MAX_ROW_LANES = 8192
+"""The widest row a whole-row program holds: 16 warps x 32 threads x 16 fp32 values per thread."""
+
+
+def row_warps(lanes: int) -> int:
+    """num_warps for a program of `lanes` elements per tensor: 16 per thread, 4 to 16 warps."""
+    # Every thread keeps its share of each live fp32 tensor in registers. At 16 values a tensor,
+    # four live tensors (RMSNorm's backward: x, dy, w, the dw partial) take 64 of the 128
+    # registers a thread may use in a 512-thread block; 4 warps at 4096 lanes hold 32 values a
+    # tensor, and RMSNorm's backward spills from 8192 lanes.
+    return max(4, min(16, lanes // 512))
 
 
 def num_row_programs(n_rows: int, device: torch.device, per_sm: int = 4) -> int:

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tinytron.kernels._triton import INTERPRET, check_tensor, round_to, rows_per_program, tl, triton
+from tinytron.kernels._triton import (INTERPRET, check_tensor, round_to, row_warps,
+                                      rows_per_program, tl, triton)
 from tinytron.parallel import ParallelGrid
 from tinytron.parallel import vocab_parallel_cross_entropy as vocab_parallel_cross_entropy_reference
 from tinytron.parallel._comm import all_reduce
@@ -155,7 +156,8 @@ class _VocabParallelCE(torch.autograd.Function):
         stats = torch.empty(3, z.shape[0], dtype=torch.float32, device=z.device)
         rows, block, programs = _tiles(z.shape[0], n_cols)
         _ce_fwd_kernel[(programs,)](z, y, stats[0], stats[1], stats[2], z.shape[0], n_cols,
-                                    vocab_start, ROWS=rows, BLOCK_V=block)
+                                    vocab_start, ROWS=rows, BLOCK_V=block,
+                                    num_warps=row_warps(rows * block))
         local_max, local_sum, target = stats
         global_max = local_max.clone()
         if grid.size("tp") > 1:
@@ -175,7 +177,8 @@ class _VocabParallelCE(torch.autograd.Function):
         dlogits = torch.empty_like(z)
         rows, block, programs = _tiles(*z.shape)
         _ce_bwd_kernel[(programs,)](z, y, lse, dloss, dlogits, z.shape[0], z.shape[1],
-                                    ctx.vocab_start, ROWS=rows, BLOCK_V=block)
+                                    ctx.vocab_start, ROWS=rows, BLOCK_V=block,
+                                    num_warps=row_warps(rows * block))
         return dlogits.view(ctx.shape), None, None
 
 

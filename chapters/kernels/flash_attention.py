@@ -20,13 +20,12 @@ import math
 import torch
 import torch.nn.functional as F
 
+from tinytron.kernels._checks import ATTENTION_HEAD_DIMS, check_attention_inputs
 from tinytron.kernels._triton import INTERPRET, check_tensor, dot_flags, mma, round_to, tl, triton
 
 __all__ = ["flash_attention", "attention_reference", "attention_eager", "attention_flops",
            "attention_bytes", "ATTENTION_HEAD_DIMS"]
 
-ATTENTION_HEAD_DIMS = (16, 32, 64, 128)
-"""Head sizes the kernels take (powers of two for tl.arange, >= 16 for tl.dot, <= 128 for SRAM)."""
 
 # %% [markdown]
 # ## The algorithm
@@ -261,28 +260,12 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
 
 # %%
 def _tiles(head_dim: int) -> dict:
-    """Tile sizes and launch options, forward and backward."""
+    """(BLOCK_M, BLOCK_N, launch options) of the forward, the dK/dV and the dQ kernels."""
     if INTERPRET:
-        return {"fwd": (16, 16, {}), "bwd": (16, 16, {})}
-    warps = 8 if head_dim >= 128 else 4
-    return {"fwd": (128, 64, {"num_warps": warps, "num_stages": 3}),
-            "bwd": (64, 64, {"num_warps": warps, "num_stages": 2})}
-
-
-def _check_attention_inputs(q, k, v) -> None:
-    """ValueError naming the first thing the kernels cannot take."""
-    for name, t in (("query", q), ("key", k), ("value", v)):
-        check_tensor(f"flash_attention {name}", t, dims=4, dtype=q.dtype)
-    b, hq, s, d = q.shape
-    if d not in ATTENTION_HEAD_DIMS:
-        raise ValueError(f"flash_attention head size {d} is not supported; use one of "
-                         f"{ATTENTION_HEAD_DIMS}")
-    if k.shape != v.shape or k.shape[0] != b or k.shape[2:] != (s, d):
-        raise ValueError(f"flash_attention key {tuple(k.shape)} and value {tuple(v.shape)} must "
-                         f"be [b, kv_heads, s, d] matching query {tuple(q.shape)}")
-    if hq % k.shape[1]:
-        raise ValueError(f"flash_attention query heads ({hq}) must be a multiple of key/value "
-                         f"heads ({k.shape[1]})")
+        return {"fwd": (16, 16, {}), "dkdv": (16, 16, {}), "dq": (16, 16, {})}
+    return {"fwd": (64, 64, {"num_warps": 4, "num_stages": 3}),
+            "dkdv": (32, 64, {"num_warps": 8, "num_stages": 2}),
+            "dq": (64, 32, {"num_warps": 4, "num_stages": 2})}
 
 
 # %% [markdown]
@@ -313,17 +296,21 @@ class _FlashAttention(torch.autograd.Function):
         do = do.contiguous()
         b, hq, s, d = q.shape
         hkv = k.shape[1]
-        bm, bn, opts = _tiles(d)["bwd"]
-        flags = dict(CAUSAL=ctx.causal, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, **opts)
-        flags["UPCAST"], flags["PRECISION"] = dot_flags(q.dtype)
+        tiles = _tiles(d)
+        upcast, precision = dot_flags(q.dtype)
+        flags = dict(CAUSAL=ctx.causal, HEAD_DIM=d, UPCAST=upcast, PRECISION=precision)
         delta = torch.empty_like(lse)
-        _attn_bwd_delta_kernel[(triton.cdiv(b * hq * s, bm),)](o, do, delta, b * hq * s,
-                                                               HEAD_DIM=d, BLOCK_M=bm)
+        _attn_bwd_delta_kernel[(triton.cdiv(b * hq * s, 64),)](o, do, delta, b * hq * s,
+                                                               HEAD_DIM=d, BLOCK_M=64)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        bm, bn, opts = tiles["dkdv"]
         _attn_bwd_dkdv_kernel[(triton.cdiv(s, bn), b * hkv)](
-            q, k, v, do, lse, delta, dk, dv, s, hq, hkv, ctx.scale, **flags)
+            q, k, v, do, lse, delta, dk, dv, s, hq, hkv, ctx.scale, BLOCK_M=bm, BLOCK_N=bn,
+            **flags, **opts)
+        bm, bn, opts = tiles["dq"]
         _attn_bwd_dq_kernel[(triton.cdiv(s, bm), b * hq)](
-            q, k, v, do, lse, delta, dq, s, hq, hkv, ctx.scale, **flags)
+            q, k, v, do, lse, delta, dq, s, hq, hkv, ctx.scale, BLOCK_M=bm, BLOCK_N=bn,
+            **flags, **opts)
         return dq, dk, dv, None, None
 
 
@@ -336,8 +323,10 @@ class _FlashAttention(torch.autograd.Function):
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                     scale: float | None = None) -> torch.Tensor:
     """softmax(q k^T * scale, causal) v for q [b, a, s, d] and k, v [b, g, s, d] (GQA)."""
-    _check_attention_inputs(q, k, v)
+    check_attention_inputs(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if q.dtype == torch.float32 and not INTERPRET:  # no fp32 tiles fit: see "fp32" above
+        return attention_reference(q, k, v, causal=bool(causal), scale=scale)
     return _FlashAttention.apply(q, k, v, bool(causal), scale)
 
 

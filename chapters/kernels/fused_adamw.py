@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from tinytron.kernels._triton import INTERPRET, check_tensor, require_triton, round_to, tl, triton
+from tinytron.kernels._checks import check_grad_view, check_one_step, check_segment
+from tinytron.kernels._triton import (INTERPRET, check_tensor, require_triton, round_to, row_warps,
+                                      tl, triton)
 
 __all__ = ["fused_adamw_", "adamw_reference_", "FlatAdamW", "adamw_bytes", "build_chunk_table",
-           "HPARAM_COLUMNS"]
+           "HPARAM_COLUMNS", "DEFAULT_CHUNK"]
 
 # %% [markdown]
 # ## One launch over many tensors: the chunk table
@@ -40,8 +42,8 @@ __all__ = ["fused_adamw_", "adamw_reference_", "FlatAdamW", "adamw_bytes", "buil
 # | `segment` | which piece it belongs to: the row of its hyperparameters |
 #
 # Hyperparameters differ per parameter group (no weight decay on norms, a different learning
-# rate for embeddings) and the bias corrections per step, so the step uploads one small row per
-# piece: $(1 - \eta\lambda,\; 1 - \beta_1,\; \beta_2,\; 1 - \beta_2,\; -\eta / (1 - \beta_1^t),\;
+# rate for embeddings) and the bias corrections per step, so each param group gets its own
+# table and launch, with seven scalars: $(1 - \eta\lambda,\; 1 - \beta_1,\; \beta_2,\; 1 - \beta_2,\; -\eta / (1 - \beta_1^t),\;
 # \sqrt{1 - \beta_2^t},\; \epsilon)$ — the scalars chapter 02's `_adam_foreach` passes to each
 # `_foreach_` call, computed the same way in double precision on the host.
 #
@@ -54,21 +56,23 @@ __all__ = ["fused_adamw_", "adamw_reference_", "FlatAdamW", "adamw_bytes", "buil
 #   \text{param buffer} \leftarrow \mathrm{bf16}(\theta).$$
 
 # %%
+DEFAULT_CHUNK = 64 if INTERPRET else 4096
+"""Elements per program: 4096 compiled (8 warps, 16 per thread), 64 under the interpreter."""
+
 HPARAM_COLUMNS = ("decay", "one_minus_beta1", "beta2", "one_minus_beta2", "step_size",
                   "bias_correction2_sqrt", "eps")
 
 
 @triton.jit
-def _adamw_kernel(chunks_ptr, hparams_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_ptr,
-                  param_ptr, CHUNK: tl.constexpr):
+def _adamw_kernel(chunks_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_ptr, param_ptr,
+                  decay, one_minus_beta1, beta2, one_minus_beta2, step_size,
+                  bias_correction2_sqrt, eps, CHUNK: tl.constexpr):
     """AdamW on one chunk of the flat shard; the rounded result goes into the param buffer."""
     row = tl.program_id(0).to(tl.int64) * 4
     flat_start = tl.load(chunks_ptr + row)
     buffer_start = tl.load(chunks_ptr + row + 1)
     numel = tl.load(chunks_ptr + row + 2)
-    h = hparams_ptr + tl.load(chunks_ptr + row + 3) * 7
-    decay, w1, beta2 = tl.load(h), tl.load(h + 1), tl.load(h + 2)
-    w2, step_size, bc2_sqrt, eps = tl.load(h + 3), tl.load(h + 4), tl.load(h + 5), tl.load(h + 6)
+    w1, w2, bc2_sqrt = one_minus_beta1, one_minus_beta2, bias_correction2_sqrt
     offs = tl.arange(0, CHUNK)
     mask = offs < numel
     p = tl.load(master_ptr + flat_start + offs, mask=mask)
@@ -96,18 +100,25 @@ def build_chunk_table(segments: list[tuple[int, int, int, int]], chunk: int,
     return torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1, 4)
 
 
-def fused_adamw_(chunks: torch.Tensor, hparams: torch.Tensor, master: torch.Tensor,
+def fused_adamw_(chunks: torch.Tensor, hparams: list[float], master: torch.Tensor,
                  exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad_buffer: torch.Tensor,
                  param_buffer: torch.Tensor, chunk: int) -> None:
-    """One launch: AdamW on every chunk of the table, bf16 (or any dtype) copy into param_buffer."""
+    """One launch: AdamW on every chunk of the table, bf16 (or any dtype) copy into param_buffer.
+
+    `hparams` is one row of HPARAM_COLUMNS, passed to the kernel as scalar arguments.
+    """
     for name, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq),
-                    ("grad buffer", grad_buffer), ("hyperparameters", hparams)):
+                    ("grad buffer", grad_buffer)):
         check_tensor(f"fused AdamW {name}", t, dtype=torch.float32)
     check_tensor("fused AdamW param buffer", param_buffer, dims=1)
     check_tensor("fused AdamW chunk table", chunks, dtypes=(torch.int64,), dims=2)
+    if len(hparams) != len(HPARAM_COLUMNS):
+        raise ValueError(f"fused AdamW takes {len(HPARAM_COLUMNS)} hyperparameters "
+                         f"{HPARAM_COLUMNS}, got {len(hparams)}")
     if chunks.shape[0]:
-        _adamw_kernel[(chunks.shape[0],)](chunks, hparams, master, exp_avg, exp_avg_sq,
-                                          grad_buffer, param_buffer, CHUNK=chunk)
+        _adamw_kernel[(chunks.shape[0],)](chunks, master, exp_avg, exp_avg_sq, grad_buffer,
+                                          param_buffer, *map(float, hparams), CHUNK=chunk,
+                                          num_warps=row_warps(chunk))
 
 
 def adamw_reference_(params, grads, exp_avgs, exp_avg_sqs, step: int, lr: float,
@@ -147,22 +158,74 @@ def adamw_bytes(numel: int, param_dtype: torch.dtype = torch.bfloat16) -> int:
 # buffer's view (chapter 02's DistributedOptimizer over an fp32 grad buffer sets exactly that;
 # unscaling and clipping work in place on it). A bf16 grad buffer, an L2-coupled Adam group or
 # a piece without its gradient is refused with an error that says so.
+#
+# The state stays the optimizer's, so it can change under the flat buffers: a loaded state dict
+# puts fresh tensors in `state[main]`, and code elsewhere may re-point a master. Before each
+# step `adopt_state` notices either (the data pointers differ), copies the values into the flat
+# buffers and makes the entries views again; a piece seen for the first time gets zero moments.
+
+# %%
+def adopt_state(state: dict, main: torch.Tensor, flats: tuple, a: int, b: int) -> dict:
+    """state[main] with step and the moments as views of the flat buffers (copied in if new)."""
+    master, exp_avg, exp_avg_sq = flats
+    if main.data_ptr() != master[a:b].data_ptr():  # someone re-pointed the master
+        master[a:b].copy_(main.detach().reshape(-1))
+        main.data = master[a:b].view_as(main)
+    st = state[main]
+    st.setdefault("step", 0)
+    for key, flat in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        view, held = flat[a:b].view_as(main), st.get(key)
+        if held is None:
+            view.zero_()
+        elif held.data_ptr() != view.data_ptr():
+            view.copy_(held.reshape(view.shape))
+        st[key] = view
+    return st
+
+
+# %% [markdown]
+# The hyperparameters of a step are seven numbers per param group, computed on the host in
+# double precision from the group's entries as they are at that step (a scheduler's new learning
+# rate applies at once) and from the step count $t$. They go to the kernel as **scalar
+# arguments**, which travel inside the launch itself: no host tensor is built and copied to the
+# device each step (that copy, `torch.tensor(rows, device="cuda")`, would wait for the host and
+# put a pageable host-to-device transfer in every step, which also cannot be captured in a CUDA
+# graph). Triton passes a Python float as an fp32 argument, rounded to nearest like
+# `torch.tensor(..., dtype=torch.float32)`, so the kernel sees the same bits either way.
+
+# %%
+def step_hparams(group: dict, step: int) -> list[float]:
+    """The row of HPARAM_COLUMNS for a param group at step `step` (host doubles, as chapter 02)."""
+    beta1, beta2 = group["betas"]
+    lr, wd = group["lr"], group["weight_decay"]
+    return [1 - lr * wd, 1 - beta1, beta2, 1 - beta2, -lr / (1 - beta1 ** step),
+            (1 - beta2 ** step) ** 0.5, group["eps"]]
+
+
+# %% [markdown]
+# `FlatAdamW` ties these together. At construction it checks every piece (the checks, with
+# their messages, are in the page's private module [`_checks.py`](_checks.py): an fp32 master,
+# an fp32 grad buffer, a param buffer, a piece inside its buffer and in an AdamW param group),
+# lays out the flat buffers and builds one chunk table per (grad buffer, param buffer, param
+# group). A step adopts each piece's state, checks that its `.grad` is still the grad buffer's
+# slice the table points at, and launches once per table: with the usual two param groups
+# (decayed matrices, undecayed norms and biases) and one buffer, two launches per step.
 
 # %%
 class FlatAdamW:
-    """AdamW on pieces held as views of flat fp32 buffers: one kernel launch per step (per buffer)."""
+    """AdamW on pieces held as views of flat fp32 buffers: one launch per buffer and param group."""
 
     def __init__(self, param_groups: list[dict], state, segments, chunk: int | None = None):
         require_triton()
         self.param_groups, self.state = param_groups, state
-        self.chunk = chunk or (64 if INTERPRET else 4096)
+        self.chunk = chunk or DEFAULT_CHUNK
         group_of = {id(p): g for g in param_groups for p in g["params"]}
         self.mains, self.groups, self.slices, self.grad_ptrs, rows = [], [], [], [], {}
         flat = 0
         for main, grad_buffer, param_buffer, buffer_start in segments:
-            group = _check_segment(main, grad_buffer, param_buffer, buffer_start, group_of)
-            key = (grad_buffer.data_ptr(), param_buffer.data_ptr())
-            rows.setdefault(key, (grad_buffer, param_buffer, []))[2].append(
+            group = check_segment(main, grad_buffer, param_buffer, buffer_start, group_of)
+            key = (grad_buffer.data_ptr(), param_buffer.data_ptr(), id(group))
+            rows.setdefault(key, (grad_buffer, param_buffer, group, []))[3].append(
                 (flat, buffer_start, main.numel(), len(self.mains)))
             self.mains.append(main)
             self.groups.append(group)
@@ -176,105 +239,23 @@ class FlatAdamW:
             for main, (a, b) in zip(self.mains, self.slices):
                 self.master[a:b].copy_(main.detach().reshape(-1))
                 main.data = self.master[a:b].view_as(main)
-        self.launches = [(g, p, build_chunk_table(segs, self.chunk, device))
-                         for g, p, segs in rows.values()]
-
-
-# %% [markdown]
-# The state stays the optimizer's, so it can change under the flat buffers: a loaded state dict
-# puts fresh tensors in `state[main]`, and code elsewhere may re-point a master. Before each
-# step `_adopt_state` notices either (the data pointers differ), copies the values into the flat
-# buffers and makes the entries views again; a piece seen for the first time gets zero moments.
-
-# %%
-class FlatAdamW(FlatAdamW):  # the same class, continued
-    __doc__ = FlatAdamW.__doc__  # help() keeps the first cell's docstring
-    def _adopt_state(self, i: int) -> dict:
-        """state[main] with step and the moments as views of the flat buffers (copied in if new)."""
-        main, (a, b) = self.mains[i], self.slices[i]
-        if main.data_ptr() != self.master[a:b].data_ptr():  # someone re-pointed the master
-            self.master[a:b].copy_(main.detach().reshape(-1))
-            main.data = self.master[a:b].view_as(main)
-        st = self.state[main]
-        st.setdefault("step", 0)
-        for key, flat in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
-            view, held = flat[a:b].view_as(main), st.get(key)
-            if held is None:
-                view.zero_()
-            elif held.data_ptr() != view.data_ptr():
-                view.copy_(held.reshape(view.shape))
-            st[key] = view
-        return st
-
-
-# %% [markdown]
-# The step itself is one row of seven host-computed scalars per piece (the learning rate and
-# weight decay come from the piece's param group, read at each step, so a scheduler's change
-# applies at once) and then one `fused_adamw_` launch per pair of grad and param buffers.
-
-# %%
-class FlatAdamW(FlatAdamW):  # the same class, continued
-    __doc__ = FlatAdamW.__doc__  # help() keeps the first cell's docstring
-    def _hparams(self, i: int, step: int) -> list[float]:
-        """This piece's row of HPARAM_COLUMNS (host doubles, as chapter 02's scalars)."""
-        g = self.groups[i]
-        beta1, beta2 = g["betas"]
-        lr, wd = g["lr"], g["weight_decay"]
-        return [1 - lr * wd, 1 - beta1, beta2, 1 - beta2, -lr / (1 - beta1 ** step),
-                (1 - beta2 ** step) ** 0.5, g["eps"]]
+        self.launches = [(g, p, group, build_chunk_table(segs, self.chunk, device),
+                          [seg[3] for seg in segs]) for g, p, group, segs in rows.values()]
 
     @torch.no_grad()
     def step(self) -> None:
         """Advance every piece by one AdamW step and write the rounded params into their buffers."""
-        rows = []
+        flats = (self.master, self.exp_avg, self.exp_avg_sq)
+        steps = []
         for i, main in enumerate(self.mains):
-            _check_grad_view(main, self.grad_ptrs[i])
-            st = self._adopt_state(i)
+            check_grad_view(main, self.grad_ptrs[i])
+            st = adopt_state(self.state, main, flats, *self.slices[i])
             st["step"] += 1
-            rows.append(self._hparams(i, st["step"]))
-        if not rows:
-            return
-        hparams = torch.tensor(rows, dtype=torch.float32, device=self.master.device)
-        for grad_buffer, param_buffer, chunks in self.launches:
-            fused_adamw_(chunks, hparams, self.master, self.exp_avg, self.exp_avg_sq, grad_buffer,
-                         param_buffer, self.chunk)
-
-
-# %% [markdown]
-# The checks refuse, with a message that says why, what the single fused step cannot serve: a
-# master that is not fp32, a bf16 grad buffer, no param buffer, a piece outside its buffer or in
-# no param group, an L2-coupled Adam group, and (at each step) a `.grad` that is not the grad
-# buffer's slice the chunk table points at.
-
-# %%
-def _check_segment(main, grad_buffer, param_buffer, buffer_start, group_of) -> dict:
-    """The piece's param group, after ValueErrors for what the fused step cannot serve."""
-    if main.dtype != torch.float32:
-        raise ValueError(f"fused AdamW masters must be fp32, got {main.dtype}")
-    if grad_buffer.dtype != torch.float32:
-        raise ValueError(f"fused AdamW reads grads from the grad buffer, which is {grad_buffer.dtype}; "
-                         "it needs an fp32 grad buffer (grad_reduce_in_fp32=True)")
-    if param_buffer is None:
-        raise ValueError("fused AdamW writes into a param buffer; the buffer has none "
-                         "(use_distributed_optimizer=False)")
-    if not 0 <= buffer_start <= grad_buffer.numel() - main.numel():
-        raise ValueError(f"piece [{buffer_start}, {buffer_start + main.numel()}) is outside the "
-                         f"buffer of {grad_buffer.numel()} elements")
-    group = group_of.get(id(main))
-    if group is None:
-        raise ValueError("a fused AdamW piece is in none of the optimizer's param groups")
-    if not group.get("decoupled_weight_decay", True):
-        raise ValueError("fused AdamW implements decoupled weight decay (AdamW); a param group "
-                         "has decoupled_weight_decay=False")
-    return group
-
-
-def _check_grad_view(main, want_ptr: int) -> None:
-    """RuntimeError unless main.grad is the grad buffer's slice the chunk table points at."""
-    grad = main.grad
-    if grad is None or grad.data_ptr() != want_ptr or not grad.is_contiguous():
-        raise RuntimeError("fused AdamW: a master's .grad is not its slice of the fp32 grad "
-                           "buffer (the kernel reads the buffer directly)")
+            steps.append(st["step"])
+        for grad_buffer, param_buffer, group, chunks, pieces in self.launches:
+            step = check_one_step([steps[i] for i in pieces])
+            fused_adamw_(chunks, step_hparams(group, step), *flats, grad_buffer, param_buffer,
+                         self.chunk)
 
 
 # %% [markdown]
@@ -357,8 +338,9 @@ if __name__ == "__main__":
         used[starts[n]:starts[n] + m.numel()] = True
     print(f"after 5 steps: relative gap fused vs foreach: master {gap:.1e}, exp_avg_sq {gap_v:.1e}; "
           f"bf16 params written: {written}; padding untouched: {bool((param_buffer[~used] == 0).all())}")
-    chunks = opt.launches[0][2]
-    print("chunk table (flat_start, buffer_start, numel, segment):", chunks.tolist())
+    chunks = torch.cat([table for *_, table, _ in opt.launches])  # one table per param group
+    print(f"{len(opt.launches)} launches per step; chunk tables (flat_start, buffer_start, numel, "
+          f"piece): {chunks.tolist()}")
 
     fig, ax = plt.subplots(figsize=(8, 1.6))
     for pid, (_, start, numel, seg) in enumerate(chunks.tolist()):
@@ -394,8 +376,9 @@ if __name__ == "__main__":
 #
 # - Masters and moments live in three flat fp32 buffers; the optimizer state holds views of
 #   them, so state dicts, checkpoints and schedulers are unchanged.
-# - One launch walks a chunk table (flat offset, buffer offset, length, piece), reads
-#   hyperparameters per piece, reads the gradient from chapter 05's grad buffer and writes the
+# - One launch per param group walks a chunk table (flat offset, buffer offset, length,
+#   piece), takes the group's seven hyperparameters as scalar arguments (nothing is copied to
+#   the device per step), reads the gradient from chapter 05's grad buffer and writes the
 #   rounded parameter into its param buffer: 30 bytes per element against 92.
 # - Chapter 02's `DistributedOptimizer(..., fused_adamw=True)` (config `kernels = "triton"`)
 #   hands its pieces to `FlatAdamW`; the all-gather that follows is unchanged.

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from tinytron.kernels._triton import (check_tensor, num_row_programs, round_to, rows_per_program,
+from tinytron.kernels._triton import (MAX_ROW_LANES, check_tensor, num_row_programs, round_to,
+                                      row_warps, rows_per_program,
                                       tl, triton)
 
 __all__ = ["rms_norm", "rms_norm_reference", "rms_norm_bytes"]
@@ -146,8 +147,15 @@ def _check_rms_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
     if weight.shape[0] != x.shape[-1]:
         raise ValueError(f"rms_norm weight has {weight.shape[0]} entries, x has hidden size "
                          f"{x.shape[-1]}")
-    if x.shape[-1] > 65536:
-        raise ValueError(f"rms_norm hidden size {x.shape[-1]} > 65536 does not fit one program")
+    if x.shape[-1] > MAX_ROW_LANES:
+        raise ValueError(f"rms_norm hidden size {x.shape[-1]} > {MAX_ROW_LANES}: a row must fit "
+                         "one program's registers (16 warps, 16 fp32 values per thread)")
+
+
+def row_tiles(h: int) -> tuple[int, int]:
+    """(ROWS, BLOCK_H): whole rows padded to a power of two, several per program when narrow."""
+    block = triton.next_power_of_2(h)
+    return rows_per_program(block), block
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -157,10 +165,10 @@ class _RMSNorm(torch.autograd.Function):
         x2 = x.view(-1, h)
         y = torch.empty_like(x2)
         rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
-        block = triton.next_power_of_2(h)
-        rows = rows_per_program(block)
-        _rmsnorm_fwd_kernel[(triton.cdiv(x2.shape[0], rows),)](x2, weight, y, rstd, x2.shape[0], h,
-                                                               eps, ROWS=rows, BLOCK_H=block)
+        rows, block = row_tiles(h)
+        _rmsnorm_fwd_kernel[(triton.cdiv(x2.shape[0], rows),)](
+            x2, weight, y, rstd, x2.shape[0], h, eps, ROWS=rows, BLOCK_H=block,
+            num_warps=row_warps(rows * block))
         ctx.save_for_backward(x2, weight, rstd)
         ctx.shape = x.shape
         return y.view(x.shape)
@@ -171,12 +179,11 @@ class _RMSNorm(torch.autograd.Function):
         n_rows, h = x2.shape
         dy2 = dy.contiguous().view(n_rows, h)
         dx = torch.empty_like(x2)
-        block = triton.next_power_of_2(h)
-        rows = rows_per_program(block)
+        rows, block = row_tiles(h)
         grid = num_row_programs(triton.cdiv(n_rows, rows), x2.device)
         dw_partial = torch.empty(grid, h, dtype=torch.float32, device=x2.device)
         _rmsnorm_bwd_kernel[(grid,)](dy2, x2, weight, rstd, dx, dw_partial, n_rows, h,
-                                     ROWS=rows, BLOCK_H=block)
+                                     ROWS=rows, BLOCK_H=block, num_warps=row_warps(rows * block))
         return dx.view(ctx.shape), dw_partial.sum(0).to(weight.dtype), None
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tinytron.kernels._triton import INTERPRET, check_tensor, round_to, rows_per_program, tl, triton
+from tinytron.kernels._triton import (INTERPRET, check_tensor, round_to, row_warps,
+                                      rows_per_program, tl, triton)
 
 __all__ = ["swiglu", "swiglu_reference", "swiglu_bytes"]
 
@@ -117,7 +118,8 @@ class _SwiGLU(torch.autograd.Function):
         x2 = x.view(-1, two_f)
         out = torch.empty(x2.shape[0], f, dtype=x.dtype, device=x.device)
         rows, block, grid = _tiles(x2.shape[0], f)
-        _swiglu_fwd_kernel[grid](x2, out, x2.shape[0], f, ROWS=rows, BLOCK=block)
+        _swiglu_fwd_kernel[grid](x2, out, x2.shape[0], f, ROWS=rows, BLOCK=block,
+                                 num_warps=row_warps(rows * block))
         ctx.save_for_backward(x2)
         ctx.shape = x.shape
         return out.view(*x.shape[:-1], f)
@@ -129,7 +131,8 @@ class _SwiGLU(torch.autograd.Function):
         dy2 = dy.contiguous().view(-1, f)
         dx = torch.empty_like(x2)
         rows, block, grid = _tiles(x2.shape[0], f)
-        _swiglu_bwd_kernel[grid](x2, dy2, dx, x2.shape[0], f, ROWS=rows, BLOCK=block)
+        _swiglu_bwd_kernel[grid](x2, dy2, dx, x2.shape[0], f, ROWS=rows, BLOCK=block,
+                                 num_warps=row_warps(rows * block))
         return dx.view(ctx.shape)
 
 
