@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
-from tinytron.optimizer.algorithms import Adam
+
+
+def check_lr_wd(lr: float, weight_decay: float) -> None:
+    """Reject a negative learning rate or weight decay."""
+    if lr < 0:
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+
+
+def check_betas(betas: tuple[float, float]) -> None:
+    """Reject betas outside [0, 1)."""
+    for b in betas:
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"betas must lie in [0, 1), got {betas}")
 
 
 def check_distopt_inner(optimizer, ddp, fused_adamw: bool) -> None:
     """ValueError unless the inner rule is elementwise (not Muon) and DDP shards for us."""
+    from tinytron.optimizer.algorithms import Adam
+
     if fused_adamw and not (isinstance(optimizer, Adam)
                             and all(g["decoupled_weight_decay"] for g in optimizer.param_groups)):
         raise ValueError(f"fused_adamw needs the AdamW inner optimizer, got {type(optimizer).__name__}")

@@ -14,6 +14,9 @@ from typing import Callable, Iterable
 
 import torch
 
+from tinytron.optimizer._chained import ChainSurface
+from tinytron.optimizer._checks import check_betas, check_lr_wd
+
 __all__ = [
     "SGD", "Adam", "AdamW", "Lion", "ChainedOptimizer",
     "build_param_groups", "no_weight_decay", "group_tensors_by_device_and_dtype",
@@ -84,26 +87,16 @@ def _groups_with_grads(optimizer: torch.optim.Optimizer):
             yield group, params
 
 
-def _check_common(lr: float, weight_decay: float) -> None:
-    """Reject a negative learning rate or weight decay."""
-    if lr < 0:
-        raise ValueError(f"lr must be >= 0, got {lr}")
-    if weight_decay < 0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-
-
-def _check_betas(betas: tuple[float, float]) -> None:
-    """Reject betas outside [0, 1)."""
-    for b in betas:
-        if not 0.0 <= b < 1.0:
-            raise ValueError(f"betas must lie in [0, 1), got {betas}")
-
-
 # %% [markdown]
 # ## SGD with momentum (and Nesterov)
 #
 # PyTorch's semantics, which Megatron inherits: the weight decay is an L2 term added to the
-# gradient, and the first momentum buffer *is* the gradient (not $(1-\mu)g$).
+# gradient, and the first momentum buffer *is* the gradient (not $(1-\mu)g$). Worked example,
+# $\mu = 0.9$, gradients $g_1 = 1$ then $g_2 = 1$: the buffer is $1$, then $0.9 + 1 = 1.9$, so
+# the second step is 1.9 times the first; with Nesterov the step uses $g + \mu b$, 1.9 and
+# then 2.71. Every optimizer of this page refuses a negative learning rate or weight decay and
+# betas outside $[0, 1)$ with a one-line error; those checks are in the chapter's private
+# module `tinytron.optimizer._checks`.
 
 # %%
 class SGD(torch.optim.Optimizer):
@@ -111,7 +104,7 @@ class SGD(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.9, weight_decay: float = 0.0,
                  nesterov: bool = False):
-        _check_common(lr, weight_decay)
+        check_lr_wd(lr, weight_decay)
         if momentum < 0:
             raise ValueError(f"momentum must be >= 0, got {momentum}")
         if nesterov and momentum == 0:
@@ -164,8 +157,8 @@ class Adam(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, decoupled_weight_decay: bool = False):
-        _check_common(lr, weight_decay)
-        _check_betas(betas)
+        check_lr_wd(lr, weight_decay)
+        check_betas(betas)
         if eps < 0:
             raise ValueError(f"eps must be >= 0, got {eps}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
@@ -249,8 +242,8 @@ class Lion(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.95, 0.98),
                  weight_decay: float = 0.01):
-        _check_common(lr, weight_decay)
-        _check_betas(betas)
+        check_lr_wd(lr, weight_decay)
+        check_betas(betas)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
 
     @torch.no_grad()
@@ -278,9 +271,15 @@ class Lion(torch.optim.Optimizer):
 # Megatron builds one optimizer per kind and chains them (`ChainedOptimizer`,
 # `megatron/core/optimizer/optimizer.py:1104`): its `param_groups` is the concatenation of the
 # children's groups, so the scheduler sets the learning rate of all of them in one loop.
+# Because the groups are the children's own dict objects, there is nothing to synchronize:
+# `chained.param_groups[3]["lr"] = 1e-4` *is* a write into the second child's group, when the
+# first has three. What remains besides `step` (the merged per-param `state`, `zero_grad`, one
+# state dict per child) is forwarded to the children by a small mixin in the chapter's
+# private module `tinytron.optimizer._chained`. The chain may be empty: a rank of the
+# [layer-wise optimizer](layer_wise.py) can own no parameter at all.
 
 # %%
-class ChainedOptimizer:
+class ChainedOptimizer(ChainSurface):
     """Several optimizers stepped together; param_groups is the concatenation of theirs."""
 
     def __init__(self, optimizers: list):
@@ -292,37 +291,12 @@ class ChainedOptimizer:
         """All children's groups (the same dict objects: setting lr here sets it there)."""
         return [g for opt in self.chained_optimizers for g in opt.param_groups]
 
-    @property
-    def state(self) -> dict:
-        """The union of the children's per-param state."""
-        merged: dict = {}
-        for opt in self.chained_optimizers:
-            merged.update(opt.state)
-        return merged
-
     def step(self, closure: Callable | None = None):
         """Step every child in order."""
         loss = closure() if closure is not None else None
         for opt in self.chained_optimizers:
             opt.step()
         return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero (or drop) the grads of every child."""
-        for opt in self.chained_optimizers:
-            opt.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> list[dict]:
-        """One state dict per child, in order."""
-        return [opt.state_dict() for opt in self.chained_optimizers]
-
-    def load_state_dict(self, state_dicts: list[dict]) -> None:
-        """Load one state dict per child."""
-        if len(state_dicts) != len(self.chained_optimizers):
-            raise ValueError(f"expected {len(self.chained_optimizers)} state dicts, "
-                             f"got {len(state_dicts)}")
-        for opt, sd in zip(self.chained_optimizers, state_dicts):
-            opt.load_state_dict(sd)
 
 
 # %% [markdown]
@@ -384,26 +358,14 @@ def build_param_groups(named_params: Iterable[tuple[str, torch.Tensor]], lr: flo
 # ## Demo: each rule against its reference
 #
 # Three random tensors (one a bias), five steps with fresh random gradients; our optimizer and
-# `torch.optim`'s must hold identical parameters afterwards. Lion has no `torch.optim`
+# `torch.optim`'s must hold identical parameters afterwards. (The harness that runs two
+# optimizers on the same gradients is `tinytron.optimizer._compare`.) "Identical" means bit
+# for bit: the foreach loops perform the same floating-point operations in the same order as
+# `torch.optim`'s foreach implementations, so any difference, even $10^{-9}$, would mean a
+# different update rule, not rounding. Lion has no `torch.optim`
 # counterpart, so it is checked against the hand computation from the table above.
 
 # %%
-def _run_pair(make_ours, make_ref, steps: int = 5, seed: int = 0) -> float:
-    """Max |difference| of params after `steps` steps of two optimizers on the same grads."""
-    gen = torch.Generator().manual_seed(seed)
-    shapes = [(5, 7), (7,), (3, 2, 4)]
-    a = [torch.randn(s, generator=gen) for s in shapes]
-    b = [t.clone() for t in a]
-    opt_a, opt_b = make_ours(a), make_ref(b)
-    for _ in range(steps):
-        for x, y in zip(a, b):
-            g = torch.randn(x.shape, generator=gen)
-            x.grad, y.grad = g.clone(), g.clone()
-        opt_a.step()
-        opt_b.step()
-    return max((x - y).abs().max().item() for x, y in zip(a, b))
-
-
 def _lion_reference(theta, grads, lr, betas, wd) -> torch.Tensor:
     """Lion written scalar-style from the update rule, for the check."""
     m = torch.zeros_like(theta)
@@ -417,6 +379,8 @@ def _lion_reference(theta, grads, lr, betas, wd) -> torch.Tensor:
 
 # %%
 if __name__ == "__main__":
+    from tinytron.optimizer._compare import _run_pair
+
     kw = dict(lr=0.01, weight_decay=0.1)
     cases = {
         "SGD momentum": (lambda p: SGD(p, momentum=0.9, **kw),
