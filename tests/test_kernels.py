@@ -73,6 +73,7 @@ def test_rmsnorm_bf16_forward_is_bit_exact():
     (torch.randn(8, 4).t(), torch.ones(8), "contiguous"),
     (torch.randn(4, 8), torch.ones(8, dtype=torch.bfloat16), "dtype"),
     (torch.randn(4, 8), torch.ones(6), "hidden size"),
+    (torch.randn(1, 8193), torch.ones(8193), "hidden size 8193 > 8192"),  # 16 warps' registers
 ])
 def test_rmsnorm_refuses_bad_input(x, w, match):
     with pytest.raises(ValueError, match=match):
@@ -385,3 +386,83 @@ def test_model_config_kernels_field():
         tiny_config(kernels="cuda")
     with pytest.raises(ValueError, match="head size"):  # h 96 / 4 heads = 24: no kernel for it
         tiny_config(hidden_size=96, kernels="triton")
+
+
+# ---------------------------------------------------------------- fused AdamW: launches, steps
+
+
+def _one_group_flat_adamw():
+    from tinytron.optimizer.algorithms import AdamW
+
+    shapes = {"w": (9, 5), "b": (5,)}
+    starts, numel = _flat_layout(shapes)
+    grad_buffer, param_buffer = torch.zeros(numel), torch.zeros(numel, dtype=torch.bfloat16)
+    params = {n: torch.nn.Parameter(torch.randn(s)) for n, s in shapes.items()}
+    inner = AdamW(list(params.values()), lr=1e-2)
+    flat = FlatAdamW(inner.param_groups, inner.state,
+                     [(p, grad_buffer, param_buffer, starts[n]) for n, p in params.items()])
+    for n, p in params.items():
+        p.grad = grad_buffer[starts[n]:starts[n] + p.numel()].view_as(p)
+    return flat, inner, params
+
+
+def test_flat_adamw_step_builds_no_host_tensor(monkeypatch):
+    """The hyperparameters go to the kernel as scalars: no tensor is built (and copied) per step."""
+    flat, _, _ = _one_group_flat_adamw()
+    flat.step()  # the first step may allocate nothing either, but let state adoption settle
+
+    def no_host_tensor(*args, **kwargs):
+        raise AssertionError("FlatAdamW.step built a tensor from host values")
+
+    monkeypatch.setattr(torch, "tensor", no_host_tensor)
+    flat.step()
+
+
+def test_flat_adamw_refuses_pieces_of_one_group_at_different_steps():
+    flat, inner, params = _one_group_flat_adamw()
+    flat.step()
+    inner.state[params["b"]]["step"] = 7  # a state dict that does not belong together
+    with pytest.raises(RuntimeError, match="different steps"):
+        flat.step()
+
+
+# ---------------------------------------------------------------- ahead of time, for real GPUs
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm80_and_sm90_within_shared_memory_and_without_spills():
+    """Every kernel at the running example's sizes, compiled for an A100 and an H100, no GPU here.
+
+    chapters/kernels/_compile.py lowers each kernel with the launch options its page uses and
+    reports the shared memory a block needs and ptxas's registers and spill stores.
+    """
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    import tinytron.kernels as kernels
+
+    script = Path(kernels.__file__).with_name("_compile.py")
+    sys.path.insert(0, str(script.parent))
+    try:
+        from _compile import SHARED_LIMIT
+    finally:
+        sys.path.remove(str(script.parent))
+    runs = {arch: subprocess.Popen([sys.executable, str(script), str(arch)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for arch in (80, 90)}  # the two targets compile side by side
+    for arch, proc in runs.items():
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert {r["kernel"] for r in rows} == {
+            "rmsnorm_fwd", "rmsnorm_bwd", "swiglu_fwd", "swiglu_bwd", "ce_fwd", "ce_bwd",
+            "attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq", "adamw"}, rows
+        for r in rows:
+            assert r["shared"] <= SHARED_LIMIT[arch], r
+            if r["registers"] is not None:  # ptxas reported (Triton ships one)
+                assert r["spill_bytes"] == 0, r
+        sizes = {r["kernel"]: r["consts"] for r in rows}
+        assert sizes["attn_fwd"]["HEAD_DIM"] == 128 and sizes["rmsnorm_bwd"]["BLOCK_H"] == 4096

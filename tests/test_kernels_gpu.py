@@ -1,6 +1,6 @@
 """Appendix C on CUDA: the Triton kernels compiled, at the shapes of a ~1B model (Llama-3.2-1B:
-h 2048, 32 query / 8 key-value heads of 64, f 8192, V 128256; one sequence of 2048 tokens), against
-the same torch references as the CPU tests. Skipped without a GPU (and under the interpreter).
+h 2048, 32 query / 8 key-value heads of 64, f 8192, V 128256; one sequence of 2048 tokens) and
+with the running example's head size 128, against the same torch references as the CPU tests. Skipped without a GPU (and under the interpreter).
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ def test_cross_entropy_compiled_at_a_full_vocabulary():
 @pytest.mark.parametrize("heads,kv_heads,seq,head_dim,causal", [
     (HEADS, KV_HEADS, TOKENS, HEAD_DIM, True),   # the ~1B model's attention
     (16, 4, 1000, 128, True),                    # the running example's TP rank, ragged length
+    (4, 1, 4096, 128, True),                     # 7B: 32/8 heads of 128 at TP 8, s = 4096
+    (8, 2, 777, 128, False),                     # head size 128, grouped, not causal
     (4, 4, 300, 64, False),
 ])
 def test_flash_attention_compiled(heads, kv_heads, seq, head_dim, causal):
@@ -83,6 +85,23 @@ def test_flash_attention_compiled(heads, kv_heads, seq, head_dim, causal):
                 [t.bfloat16() for t in (q, k, v)], do.bfloat16())[0]
     for name, a, b in zip(("o", "dq", "dk", "dv"), bf16, truth):
         assert rel_gap(a, b) < BF16_TOL, (name, rel_gap(a, b))
+
+
+def test_flash_attention_fp32_compiled_is_the_sdpa_call():
+    """No fp32 tiles fit sm_80 without spills: compiled fp32 runs the SDPA call it replaces."""
+    q = torch.randn(1, 8, 512, 128, device="cuda")
+    k, v = torch.randn(1, 2, 512, 128, device="cuda"), torch.randn(1, 2, 512, 128, device="cuda")
+    assert torch.equal(flash_attention(q, k, v), attention_reference(q, k, v))
+
+
+@pytest.mark.parametrize("hidden", [4096, 8192])  # the 7B row, and the widest a program holds
+def test_rmsnorm_compiled_at_wide_rows(hidden):
+    x = torch.randn(512, hidden, device="cuda").bfloat16()
+    w = torch.rand(hidden, device="cuda").bfloat16()
+    dy = torch.randn_like(x)
+    kernel, ref = both([rms_norm, rms_norm_reference], [x, w], dy)
+    assert torch.equal(kernel[0], ref[0])
+    assert rel_gap(kernel[1], ref[1]) < BF16_TOL and rel_gap(kernel[2], ref[2]) < BF16_TOL
 
 
 def test_fused_adamw_compiled_equals_chapter_02():
@@ -106,14 +125,15 @@ def test_fused_adamw_compiled_equals_chapter_02():
     assert not param_buffer[:512].any() and not param_buffer[512 + numel:].any()
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-def test_model_with_triton_kernels_on_cuda(dtype, tol):
+@pytest.mark.parametrize("dtype,tol,hidden", [(torch.float32, 1e-4, 256), (torch.bfloat16, 2e-2, 256),
+                                              (torch.bfloat16, 2e-2, 512)])  # head size 64, 128
+def test_model_with_triton_kernels_on_cuda(dtype, tol, hidden):
     from tinytron.model import GPTModel, tiny_config
 
     losses = {}
     for kernels in ("torch", "triton"):
-        cfg = tiny_config(kernels=kernels, hidden_size=256, num_attention_heads=4,
-                          num_query_groups=2, ffn_hidden_size=512, seq_length=128)
+        cfg = tiny_config(kernels=kernels, hidden_size=hidden, num_attention_heads=4,
+                          num_query_groups=2, ffn_hidden_size=2 * hidden, seq_length=128)
         model = GPTModel(cfg, device="cuda", dtype=dtype)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         tokens = torch.randint(0, cfg.vocab_size, (2, 129), device="cuda",
