@@ -320,3 +320,37 @@ def test_determinism_stats_are_gathered_from_every_rank():
     # 4 steps x 2 values per rank per step; reports at iterations 2 and 4 (every 2 iterations)
     assert report[-1].startswith("determinism [loss]: 16 samples, 8 identical, max "), report
     assert held == 16 and out[1] == ([], 0)   # rank 1 sent its samples and kept none
+
+
+def test_exit_16_checkpoint_carries_the_steps_micro_batches(tmp_path):
+    """A loader whose order differs in every launch: the rerun from the checkpoint still sees
+    the rejected step's micro-batches, and the loader then continues past that step."""
+    import os
+    import random
+
+    def loader(start):   # repositioned by the consumed count; its order is new in each launch
+        order = list(range(1000))
+        random.Random(os.urandom(8)).shuffle(order)
+        return (torch.tensor([i]) for i in order[start:])
+
+    rsm, ident = _machine(tmp_path, node="bad")
+    data = RerunDataIterator(loader(0), rsm)
+    bad = lambda r: [NAN, 1.0] if ident["node"] == "bad" else [1.0, 1.0]  # noqa: E731
+    _step(rsm, data, lambda r: [1.0, 1.0])                          # step 1: two micro-batches
+    passes, decision = _step(rsm, data, bad)
+    assert decision == (True, True, 16)
+    rejected = passes[0][2]
+    torch.save(rsm.state_dict(data), tmp_path / "rerun.pt")
+
+    relaunched, idt = _machine(tmp_path, node="good")
+    relaunched.load_state_dict(torch.load(tmp_path / "rerun.pt", weights_only=True))
+    relaunched.current_iteration = 1
+    ident["node"] = "good"
+    fresh = loader(2)                                   # positioned after step 1, new order
+    data = RerunDataIterator(fresh, relaunched)
+    passes, decision = _step(relaunched, data, bad)
+    assert [p[0] for p in passes] == [RerunState.RERUNNING_FROM_CHECKPOINT]
+    assert [int(b) for b in passes[0][2]] == [int(b) for b in rejected]
+    assert decision == (False, True, 17) and relaunched.diagnosis == RerunDiagnostic.PERSISTENT_ERROR
+    # the repositioned loader was read past the replayed step, as if it had served it
+    assert len(list(fresh)) == 1000 - 2 - 2

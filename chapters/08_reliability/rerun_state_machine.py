@@ -172,6 +172,7 @@ class RerunDataIterator:
         self.saved_microbatches: list = []
         self.replaying = False
         self.replay_pos = 0
+        self.drain = 0   # replayed batches still to be read past in `iterable` (a relaunch)
 
     def __iter__(self):
         return self
@@ -183,6 +184,9 @@ class RerunDataIterator:
                                    f"step only used {len(self.saved_microbatches)}")
             batch = self.saved_microbatches[self.replay_pos]
             self.replay_pos += 1
+            if self.drain:   # keep the loader in step: it repositioned to this step's start
+                self.drain -= 1
+                next(self.iterable)
             return batch
         batch = next(self.iterable)
         if self.machine is None or self.machine.mode != RerunMode.DISABLED:
@@ -196,6 +200,25 @@ class RerunDataIterator:
     def advance(self) -> None:
         """A new step: forget the saved micro-batches and read fresh ones."""
         self.replaying, self.replay_pos, self.saved_microbatches = False, 0, []
+
+
+# %% [markdown]
+# For a relaunch (below, "The tracker file and the checkpoint payload"): the step's
+# micro-batches go into the exit-16 checkpoint, and the relaunched rerun replays them.
+
+# %%
+class RerunDataIterator(RerunDataIterator):  # the same class, continued
+    __doc__ = RerunDataIterator.__doc__  # help() keeps the first cell's docstring
+
+    def state_dict(self) -> dict:
+        """The step's micro-batches, for the exit-16 checkpoint."""
+        return {"saved_microbatches": list(self.saved_microbatches)}
+
+    def replay_from(self, state: dict) -> None:
+        """After a relaunch: replay the saved step and read past it in the repositioned loader."""
+        self.saved_microbatches = list(state["saved_microbatches"])
+        self.replaying, self.replay_pos = True, 0
+        self.drain = len(self.saved_microbatches)
 
 
 def default_identity() -> tuple[str, int]:
@@ -272,6 +295,7 @@ class RerunStateMachine:
         self.suspicious_device: Optional[int] = None
         self.large_value_counts: dict[str, int] = {}
         self.max_values: dict[str, float] = {}
+        self.data_iterator_checkpoints: Optional[list] = None   # the step's data, after a load
         self.validation_counts: dict[Caller, int] = defaultdict(int)
         self.saved_state: Any = None
         self.saved_results: dict[Call, Any] = {}
@@ -379,6 +403,13 @@ class RerunStateMachine(RerunStateMachine):  # the same class, continued
             return self._rewind(its, nxt, False)
         if s == RerunState.WILL_RERUN_FROM_CHECKPOINT:
             self.current_iteration += 1  # the checkpoint holds the iterations *before* this one
+            saved, self.data_iterator_checkpoints = self.data_iterator_checkpoints, None
+            if saved is not None:   # the very micro-batches the rejected step read
+                if len(saved) != len(its):
+                    raise RuntimeError(f"the checkpoint holds {len(saved)} data iterators' "
+                                       f"micro-batches, this run has {len(its)}")
+                for d, state in zip(its, saved):
+                    d.replay_from(state)
             self.state = RerunState.RERUNNING_FROM_CHECKPOINT
             return True
         if s == RerunState.RERUNNING_FROM_CHECKPOINT:
@@ -589,18 +620,17 @@ class RerunStateMachine(RerunStateMachine):  # the same class, continued
 # a `ShardedObject` keyed `rerun_state_machine_state`, shape `(world,)`, offset `(rank,)`,
 # written even in steady state so that successive checkpoints have the same structure).
 #
-# What it does not carry is the step's buffered micro-batches. Megatron writes them into the
-# exit-16 checkpoint (`data_iterator_checkpoints`, `:818-829, 853`), but it loads them back
-# only in the `NOT_RUNNING_YET` branch of the *next* step (`:304-310`), right before
-# `advance()` empties the buffer (`:311-314`); the rerun from the checkpoint itself
-# (`WILL_RERUN_FROM_CHECKPOINT`, `:372-374`) reads its micro-batches from the data loader,
-# repositioned by the checkpoint's consumed-sample count. tinytron does exactly that and
-# leaves the copy out. The rerun therefore sees the rejected step's data only because the
-# loader is deterministic given that count — chapter 04's dataset shuffles with the seed and
-# its samplers order by the consumed count (the cyclic one seeds by the epoch), never by the
-# process — and a loader whose order depended on anything
-# else (worker timing, an unseeded shuffle) would make the second opinion compare different
-# data, in Megatron as here.
+# With a rerun pending it also carries the step's buffered micro-batches. Megatron writes
+# them into the exit-16 checkpoint (`data_iterator_checkpoints`, `:818-829, 853`), but loads
+# them back only in the `NOT_RUNNING_YET` branch of the *next* step (`:304-310`), right
+# before `advance()` empties the buffer (`:311-314`); its rerun from the checkpoint
+# (`WILL_RERUN_FROM_CHECKPOINT`, `:372-374`) reads the data loader, repositioned by the
+# checkpoint's consumed-sample count — the same data only if the loader's order depends on
+# nothing but that count. tinytron differs here: the relaunch *replays* the saved
+# micro-batches in the rerun (`replay_from`) and reads past them in the repositioned loader,
+# so the second opinion sees the rejected step's very data even when the order comes from
+# worker timing or an unseeded shuffle (the test uses a loader whose order is new in every
+# launch).
 
 # %%
 class RerunStateMachine(RerunStateMachine):  # the same class, continued
@@ -618,10 +648,15 @@ class RerunStateMachine(RerunStateMachine):  # the same class, continued
         with open(self.tracker_path, "a") as f:
             f.write(line)
 
-    def state_dict(self) -> dict:
-        """This rank's machine state, for the checkpoint (same keys in every state)."""
+    def state_dict(self, data_iterator=None) -> dict:
+        """This rank's machine state, for the checkpoint (same keys in every state); with a
+        rerun pending, the step's micro-batches of `data_iterator` too."""
         fvc = self.failed_validation_call
+        its = [] if data_iterator is None else self._iterators(data_iterator)
+        data = ([d.state_dict() for d in its]
+                if its and self.state == RerunState.WILL_RERUN_FROM_CHECKPOINT else None)
         return {"mode": self.mode.value, "state": int(self.state),
+                "data_iterators": data,
                 "current_iteration": self.current_iteration,
                 "flags": [self.rerun_requested, self.checkpoint_requested,
                           self.restart_again_requested, self.continue_requested],
@@ -652,6 +687,7 @@ class RerunStateMachine(RerunStateMachine):  # the same class, continued
         self.suspicious_device = sd["suspicious_device"]
         self.large_value_counts = dict(sd["large_value_counts"])
         self.max_values = dict(sd["max_values"])
+        self.data_iterator_checkpoints = sd.get("data_iterators")
 
 
 def _detach(result):

@@ -340,6 +340,7 @@ class Reliability:
                                        self.world_size, store=store, attempt=attempt).start()
         self.iterations_to_skip = get_skipped_iterations_from_tracker_file(
             self.rerun_config.result_rejected_tracker_filename)
+        self._train_data: list[RerunDataIterator] = []
 
 
 # %% [markdown]
@@ -352,7 +353,11 @@ class Reliability(Reliability):  # the same class, continued
 
     def data_iterator(self, iterator):
         """The training iterator, replayable for reruns (None stays None)."""
-        return None if iterator is None else RerunDataIterator(iterator, self.rsm)
+        if iterator is None:
+            return None
+        wrapped = RerunDataIterator(iterator, self.rsm)
+        self._train_data.append(wrapped)   # its step's micro-batches go into an exit-16 save
+        return wrapped
 
     def forward_step_func(self, forward_step_func):
         """forward_step_func whose loss_func checks (and may corrupt) each micro-batch loss."""
@@ -469,8 +474,8 @@ class Reliability(Reliability):  # the same class, continued
             return
         path = rerun_state_path(self.save_dir, iteration, self.rank)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save({"world_size": self.world_size, "machine": self.rsm.state_dict()},
-                   path + ".tmp")
+        torch.save({"world_size": self.world_size,
+                    "machine": self.rsm.state_dict(self._train_data or None)}, path + ".tmp")
         os.replace(path + ".tmp", path)
 
     def _load_rerun_state(self, iteration: int) -> None:
