@@ -283,9 +283,11 @@ def inflight_case(num_microbatches: int = 8, deallocate: bool = True, num_layers
 
 
 def schedules_demo(num_microbatches: int = 8) -> dict:
-    """PP2: one training step (order, parity) and live bytes with and without pseudo-freeing."""
+    """PP2: one training step (order, parity), the naive schedules, live bytes with and without
+    pseudo-freeing."""
     m = num_microbatches
     return {"case": run_case(pp=2, num_microbatches=m, num_steps=1, record=True),
+            "naive": naive_case(m),
             "on": inflight_case(m // 2, deallocate=True, num_layers=2),  # the meter is slow:
             "off": inflight_case(m // 2, deallocate=False, num_layers=2)}  # half the steps
 
@@ -302,3 +304,43 @@ def timeline_cases(cases: list[tuple]) -> list[list]:
     """timed_case for each (pp, vpp, m, group_size, num_layers) of this world (pp = world size)."""
     return [timed_case(pp, vpp, m, group_size=g, num_layers=layers)
             for pp, vpp, m, g, layers in cases]
+
+
+def naive_case(num_microbatches: int = 6, num_layers: int = 4) -> dict:
+    """GPipe and the bare 1F1B against the trainer's 1F1B on the same weights and batches."""
+    from tinytron.main_loop.schedules import (forward_backward_1f1b_bare, forward_backward_gpipe,
+                                              forward_backward_pipelining_without_interleaving)
+
+    m, grid = num_microbatches, grid_for(1, dist.get_world_size())
+    config = tiny_config(num_layers=num_layers, tie_embeddings=False)
+    (model,) = build_stage_models(config, grid)
+    batches = make_microbatches(config, m)
+    ref = reference_run(config, [batches])[0]
+    shape = (config.seq_length, 1, config.hidden_size)
+
+    def real():
+        return forward_backward_pipelining_without_interleaving(
+            forward_step_func=forward_step_func, data_iterator=iter(batches), model=[model],
+            num_microbatches=m, seq_length=config.seq_length, micro_batch_size=1, grid=grid,
+            config=ScheduleConfig(finalize_model_grads_func=finalize_model_grads))
+
+    runs = {"real": real,
+            "gpipe": lambda: forward_backward_gpipe(forward_step_func, iter(batches), model, m,
+                                                    shape, grid),
+            "bare": lambda: forward_backward_1f1b_bare(forward_step_func, iter(batches), model,
+                                                       m, shape, grid)}
+    out = {}
+    for name, run in runs.items():
+        model.zero_grad(set_to_none=True)
+        reports = run()
+        grads = full_grads([model], grid)
+        out[name] = {"grads": grads, "losses": [r["lm loss"] for r in reports],
+                     "vs_reference": compare(grads, ref["grads"])}
+    real_run = out["real"]
+    return {"stage": grid.rank("pp"), "num_reports": len(real_run["losses"]),
+            **{name: {"grads_bitwise": all(torch.equal(g, real_run["grads"][n])
+                                           for n, g in res["grads"].items()),
+                      "losses_equal": len(res["losses"]) == len(real_run["losses"]) and all(
+                          torch.equal(a, b) for a, b in zip(res["losses"], real_run["losses"])),
+                      "vs_reference": res["vs_reference"]}
+               for name, res in out.items()}}

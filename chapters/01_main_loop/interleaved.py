@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from tinytron.main_loop.schedules import (ScheduleConfig, _check_num_microbatches, _check_pipeline,
-                                          _finalize, _GradSync, _span, _Stage,
-                                          backward_step, deallocate_output_tensor, forward_step,
-                                          tensor_shape)
+from tinytron.main_loop import _schedule_checks as checks
+from tinytron.main_loop.schedules import (ScheduleConfig, _comm_and_steps, _finalize, _GradSync,
+                                          deallocate_output_tensor)
 from tinytron.parallel import ParallelGrid
-from tinytron.parallel import pipeline_p2p as p2p
 
 __all__ = ["get_schedule_table", "get_pp_rank_microbatches", "check_interleaving",
            "forward_backward_pipelining_with_interleaving"]
@@ -158,24 +156,26 @@ def get_pp_rank_microbatches(num_microbatches: int, num_model_chunks: int,
 #
 # Grad sync: everything runs in `no_sync`; the hooks are let through for the backward of each
 # chunk's last micro-batch (so each chunk's buckets launch as soon as that chunk is done), or,
-# with a `grad_sync_func`, it is called for a chunk $p - 1 - r$ slots later, which lines the
-# launches up across the pipeline ranks.
+# with a `grad_sync_func`, rank $r$ calls it for a chunk $r$ virtual steps after that chunk's
+# last backward (rank 0 at once): rank $r$ runs its backwards $r$ steps later than rank 0, so
+# the launches line up across the pipeline ranks (`schedules.py:1387-1398`). 1F1B does the
+# same thing its own way: stage 0 launches in its last backward, the others after their
+# cooldown (`schedules.py:2409-2430`).
 
 # %%
 class _Interleaved:
     """Tables, per-chunk FIFOs and the forward/backward helpers of one rank's interleaved run."""
 
-    def __init__(self, step_func, iterators, model, m, st, config, forward_only, g):
-        self.step_func, self.iterators, self.model, self.m = step_func, iterators, model, m
-        self.st, self.config, self.forward_only, self.v = st, config, forward_only, len(model)
+    def __init__(self, steps, comm, num_chunks, m, config, forward_only, g):
+        self.steps, self.comm, self.m, self.v = steps, comm, m, num_chunks
+        self.config, self.forward_only = config, forward_only
         self.table = get_schedule_table(m, self.v, g)
         self.total, self.all_warmup, self.warmup, self.remaining = get_pp_rank_microbatches(
-            m, self.v, g, st.size, st.rank, forward_only)
-        self.inputs = [[] for _ in model]
-        self.outputs = [[] for _ in model]
-        self.grads = [[] for _ in model]
-        self.store, self.synced = [], set()
-        self.total_num_tokens = torch.zeros((), dtype=torch.int, device=st.grid.device)
+            m, self.v, g, comm.size, comm.rank, forward_only)
+        self.inputs = [[] for _ in range(num_chunks)]
+        self.outputs = [[] for _ in range(num_chunks)]
+        self.grads = [[] for _ in range(num_chunks)]
+        self.synced = set()
         self.sync = _GradSync(config)
 
     def microbatch(self, k: int) -> int:
@@ -188,16 +188,16 @@ class _Interleaved:
     def is_last_microbatch_of_chunk(self, k: int) -> bool:
         return k < self.total and self.table[k][0] == self.m - 1
 
-    def recv_source(self, k: int, forward: bool) -> tuple[bool, int, int]:
-        """(receive?, chunk it feeds, its micro-batch) for the message after virtual step k."""
-        st, p = self.st, self.st.size
-        leading = st.first if forward else st.last
+    def recv_source(self, k: int, forward: bool) -> tuple[bool, int]:
+        """(receive?, chunk it feeds) for the message after virtual step k."""
+        comm, p = self.comm, self.comm.size
+        leading = comm.first if forward else comm.last
         if not leading:
-            return True, self.chunk(k + 1, forward), self.microbatch(k + 1)
+            return True, self.chunk(k + 1, forward)
         src = k - (p - 1)  # the other end of the pipeline is p-1 slots behind
         c = self.chunk(max(src, 0), forward)
         recv = src >= 0 and c != (self.v - 1 if forward else 0)
-        return recv, c + (1 if forward else -1), self.microbatch(max(src, 0))
+        return recv, c + (1 if forward else -1)
 
     def released(self, k: int, c: int) -> int:
         """How many entries of chunk c's input list backward (or forward-only) already popped."""
@@ -209,16 +209,18 @@ class _Interleaved:
         return chunks[:k - self.warmup].count(self.v - 1 - c)
 
     def is_last_chunk(self, c: int) -> bool:
-        return c == self.v - 1 and self.st.last
+        return c == self.v - 1 and self.comm.last
 
     def is_first_chunk(self, c: int) -> bool:
-        return c == 0 and self.st.first
+        return c == 0 and self.comm.first
 
 
 # %% [markdown]
 # A forward reads its chunk's input at the released-adjusted index and stores the output; a
 # backward pops the oldest (input, output, gradient) of its chunk, opening `no_sync` for the
-# chunk's last micro-batch as described above; one exchange moves up to four tensors.
+# chunk's last micro-batch as described above. Both go through the previous page's `_Steps`,
+# and every message through its communicator's `exchange`, which moves up to four tensors in
+# one batch; the recorder (when there is one) wraps both, as on the previous page.
 
 # %%
 def _forward(run: _Interleaved, k: int):
@@ -226,11 +228,7 @@ def _forward(run: _Interleaved, k: int):
     c, mb = run.chunk(k, True), run.microbatch(k)
     if run.is_first_chunk(c) and len(run.inputs[c]) == len(run.outputs[c]):
         run.inputs[c].append(None)  # the first chunk of rank 0 reads tokens, not a message
-    x = run.inputs[c][mb - run.released(k, c)]
-    with _span(run.config, run.st.rank, c, mb, "forward"):
-        y, n = forward_step(run.step_func, run.iterators[c], run.model[c], run.m, x, run.store,
-                            run.config, run.is_last_chunk(c), run.st.grid.size("cp"))
-    run.total_num_tokens.add_(n.to(run.total_num_tokens.device))
+    y = run.steps.forward(c, run.inputs[c][mb - run.released(k, c)])
     run.outputs[c].append(y)
     if run.forward_only:  # nothing to keep for a backward
         run.inputs[c].pop(0)
@@ -240,16 +238,14 @@ def _forward(run: _Interleaved, k: int):
 
 def _backward(run: _Interleaved, k: int):
     """Backward of virtual micro-batch k: chunk reversed, oldest stored pair of that chunk."""
-    c, mb, cfg = run.chunk(k, False), run.microbatch(k), run.config
+    c, cfg = run.chunk(k, False), run.config
     if cfg.grad_sync_func is None and run.is_last_microbatch_of_chunk(k):
         run.sync.enable()  # this chunk is done after this backward: let its buckets go
         run.synced.add(c)
     if run.is_last_chunk(c) and not run.grads[c]:
         run.grads[c].append(None)  # the loss needs no incoming gradient
-    x, y, dy = run.inputs[c].pop(0), run.outputs[c].pop(0), run.grads[c].pop(0)
-    with _span(cfg, run.st.rank, c, mb, "backward"):
-        dx = backward_step(x, y, dy, cfg)
-    j = k - run.st.rank  # custom grad sync: aligned across the pipeline ranks
+    dx = run.steps.backward(c, run.inputs[c].pop(0), run.outputs[c].pop(0), run.grads[c].pop(0))
+    j = k - run.comm.rank  # custom grad sync: r virtual steps later on rank r
     if cfg.grad_sync_func is not None and j >= 0 and run.is_last_microbatch_of_chunk(j):
         cj = run.chunk(j, False)
         run.sync.enable()
@@ -257,18 +253,6 @@ def _backward(run: _Interleaved, k: int):
         run.synced.add(cj)
     run.sync.disable()
     return dx
-
-
-def _exchange(run: _Interleaved, y, y_ids, dx, dx_ids, recv_prev, prev_ids, recv_next,
-              next_ids):
-    """One batched exchange in up to four directions, recorded with the moved ids."""
-    events = ([("send",) + y_ids] if y is not None else []) + \
-             ([("send",) + dx_ids] if dx is not None else []) + \
-             ([("recv",) + prev_ids] if recv_prev else []) + \
-             ([("recv",) + next_ids] if recv_next else [])
-    st = run.st
-    return st._timed(events, lambda: p2p.send_forward_backward_recv_forward_backward(
-        y, dx, recv_prev, recv_next, st.shape, st.grid, st.dtype))
 
 
 def _chunk_func(funcs, c: int):
@@ -299,14 +283,13 @@ def _chunk_func(funcs, c: int):
 def _warmup(run: _Interleaved) -> None:
     for k in range(run.warmup):
         c = run.chunk(k, True)
-        recv_prev, next_c, next_mb = run.recv_source(k, True)
+        recv_prev, next_c = run.recv_source(k, True)
         recv_prev = recv_prev and k != run.total - 1
         y = _forward(run, k)
         y = None if run.is_last_chunk(c) else y
         last = k == run.warmup - 1 and not run.forward_only and not run.all_warmup
-        recv_next = last and not run.st.last
-        x, dy = _exchange(run, y, (c, run.microbatch(k)), None, None, recv_prev,
-                          (next_c, next_mb), recv_next, (run.v - 1, 0))
+        recv_next = last and not run.comm.last
+        x, dy = run.comm.exchange(y, None, recv_prev, recv_next)
         if last:
             run.grads[run.v - 1].append(dy)
         if recv_prev:
@@ -315,8 +298,8 @@ def _warmup(run: _Interleaved) -> None:
 
 # %% [markdown]
 # The steady state pairs forward $k + w_r$ with backward $k$. The two may belong to different
-# chunks, so each direction of the exchange carries its own (chunk, micro-batch); the first
-# chunk of rank 0 has no input gradient to send.
+# chunks, so what arrives from each side goes to its own chunk's list; the first chunk of
+# rank 0 has no input gradient to send.
 
 # %%
 def _steady(run: _Interleaved) -> None:
@@ -326,11 +309,10 @@ def _steady(run: _Interleaved) -> None:
         fc, bc = run.chunk(fk, True), run.chunk(k, False)
         y = None if run.is_last_chunk(fc) else y
         dx = None if run.is_first_chunk(bc) else dx
-        recv_prev, next_fc, next_fmb = run.recv_source(fk, True)
-        recv_next, next_bc, next_bmb = run.recv_source(k, False)
+        recv_prev, next_fc = run.recv_source(fk, True)
+        recv_next, next_bc = run.recv_source(k, False)
         recv_prev = recv_prev and k != run.remaining - 1
-        x, dy = _exchange(run, y, (fc, run.microbatch(fk)), dx, (bc, run.microbatch(k)),
-                          recv_prev, (next_fc, next_fmb), recv_next, (next_bc, next_bmb))
+        x, dy = run.comm.exchange(y, dx, recv_prev, recv_next)
         deallocate_output_tensor(y, run.config.deallocate_pipeline_outputs)
         if recv_prev:
             run.inputs[next_fc].append(x)
@@ -344,17 +326,15 @@ def _steady(run: _Interleaved) -> None:
 
 # %%
 def _cooldown(run: _Interleaved) -> None:
-    st = run.st
     if run.all_warmup:
-        run.grads[run.v - 1].append(st.p2p("recv_backward", [("recv", run.v - 1, 0)]))
+        run.grads[run.v - 1].append(run.comm.recv_backward())
     for k in range(run.remaining, run.total):
         c = run.chunk(k, False)
-        recv_next, next_c, next_mb = run.recv_source(k, False)
+        recv_next, next_c = run.recv_source(k, False)
         recv_next = recv_next and k != run.total - 1
         dx = _backward(run, k)
         dx = None if run.is_first_chunk(c) else dx
-        _, dy = _exchange(run, None, None, dx, (c, run.microbatch(k)), False, None,
-                          recv_next, (next_c, next_mb))
+        _, dy = run.comm.exchange(None, dx, False, recv_next)
         if recv_next:
             run.grads[next_c].append(dy)
     run.sync.enable()
@@ -375,27 +355,22 @@ def forward_backward_pipelining_with_interleaving(
         config: ScheduleConfig | None = None) -> list[dict]:
     """Interleaved 1F1B over this rank's v model chunks (one data iterator per chunk)."""
     config = config or ScheduleConfig()
-    model = list(model) if isinstance(model, (list, tuple)) else [model]
-    if not isinstance(data_iterator, (list, tuple)) or len(data_iterator) != len(model):
-        n = len(data_iterator) if isinstance(data_iterator, (list, tuple)) else 1
-        raise ValueError(f"the interleaved schedule needs one data iterator per model chunk: "
-                         f"{len(model)} chunks, {n} iterator(s)")
-    _check_num_microbatches(num_microbatches)
-    _check_pipeline(grid)
+    model, iterators = checks.chunks_and_iterators(model, data_iterator)
+    checks.check_pipeline(grid, num_microbatches)
     g = config.microbatch_group_size_per_vp_stage or grid.size("pp")
     check_interleaving(grid.size("pp"), num_microbatches, g)
-    st = _Stage(grid, config, tensor_shape(model[0], seq_length, micro_batch_size, grid, config))
-    run = _Interleaved(forward_step_func, list(data_iterator), model, num_microbatches, st,
-                       config, forward_only, g)
+    comm, steps = _comm_and_steps(forward_step_func, iterators, model, num_microbatches,
+                                  seq_length, micro_batch_size, grid, config)
+    run = _Interleaved(steps, comm, len(model), num_microbatches, config, forward_only, g)
     if not forward_only:
         run.sync.disable()
-    run.inputs[0].append(st.p2p("recv_forward", [("recv", 0, 0)]))  # None on rank 0
+    run.inputs[0].append(comm.recv_forward())  # None on rank 0
     _warmup(run)
     _steady(run)
     if not forward_only:
         _cooldown(run)
-        _finalize(config, model, grid, run.total_num_tokens)
-    return run.store
+        _finalize(config, model, grid, steps.total_num_tokens)
+    return steps.store
 
 # %% [markdown]
 # ## Demo: Megatron's example on two gloo ranks, and what interleaving costs in memory

@@ -95,90 +95,50 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 # and flowing bytes together; `mark(label)` stamps the timeline so a plot can show where the
 # forward of micro-batch 3 began.
 #
-# It comes in three cells: entering and leaving the block (on CUDA, that is all it needs),
-# the per-operator bookkeeping of the CPU path, and the numbers a caller reads.
+# It is built from three pieces, each whole: the table of live storages the CPU path keeps,
+# the readings a caller takes (each with its CUDA and its CPU branch), and the dispatch mode
+# that enters and leaves the block and feeds the table once per operator.
+#
+# ### The table of live storages
+#
+# One entry per storage allocated inside the block: its identity, a weak reference (so the
+# table does not keep it alive) and its size. A storage on another device type is not ours
+# to count; `sweep` forgets the storages that have died since the last call, and the live
+# bytes are the sum of what is left.
 
 # %%
-class LiveBytesMeter(TorchDispatchMode):
-    """Live bytes of tensor storages allocated in this block (CPU: by storage; CUDA: allocator)."""
+class _StorageTable:
+    """Storages born in (or tracked into) a block, held by weak reference, with their bytes."""
 
-    def __init__(self, device: torch.device | str | None = None, record_every_op: bool = True):
-        super().__init__()
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.record_every_op = record_every_op
-        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self._cpu_peak = 0
-        self._base = 0
-        self._t0 = time.perf_counter()
-        self.timeline: list[tuple[float, int, str]] = []
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
 
-    @property
-    def _uses_allocator(self) -> bool:
-        return self.device.type == "cuda"
-
-    def __enter__(self):
-        self._t0 = time.perf_counter()
-        if self._uses_allocator:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._base = torch.cuda.memory_allocated(self.device)
-            return self  # no dispatch mode needed: the allocator counts for us
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        if self._uses_allocator:
-            torch.cuda.synchronize(self.device)
-            return False
-        return super().__exit__(*exc)
-
-
-# %% [markdown]
-# On a CPU the work happens in `__torch_dispatch__`, once per operator: run it, forget the
-# storages that died since the last call, then add each output storage that is new. An
-# output that shares an input's storage (a view, an in-place op) allocated nothing and is
-# skipped; a storage on another device type is not ours to count.
-
-# %%
-class LiveBytesMeter(LiveBytesMeter):  # the same class, continued
-    __doc__ = LiveBytesMeter.__doc__  # help() keeps the first cell's docstring
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self._sweep()
-        # an output that shares an input's storage (a view, an in-place op) allocated nothing
-        inputs = {k[0] for k in map(_storage_key, _tensors((args, kwargs))) if k is not None}
-        for t in _tensors(out):
-            key = _storage_key(t)
-            if key is not None and key[0] not in inputs:
-                self._add(t)
-        self._cpu_peak = max(self._cpu_peak, self._cpu_current())
-        if self.record_every_op:
-            self.timeline.append((time.perf_counter() - self._t0, self._cpu_current(), ""))
-        return out
-
-    # -- bookkeeping -------------------------------------------------------------------------
-    def _add(self, t: torch.Tensor) -> None:
+    def add(self, t: torch.Tensor) -> None:
         key = _storage_key(t)
-        if key is None or key[3].type != self.device.type or key[0] in self._live:
+        if key is None or key[3].type != self.device.type or key[0] in self.live:
             return
-        self._live[key[0]] = (key[1], key[2])
+        self.live[key[0]] = (key[1], key[2])
 
-    def _sweep(self) -> None:
-        dead = [k for k, (ref, _) in self._live.items() if ref.expired()]
+    def sweep(self) -> None:
+        dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
         for k in dead:
-            del self._live[k]
+            del self.live[k]
 
-    def _cpu_current(self) -> int:
-        return sum(n for _, n in self._live.values())
-
+    def bytes(self) -> int:
+        return sum(n for _, n in self.live.values())
 
 # %% [markdown]
-# What a caller reads. Each answer has its two branches side by side: the allocator's
-# counters minus the baseline taken at `__enter__` on CUDA, the storage table on a CPU.
+# ### What a caller reads
+#
+# Each reading has its two branches side by side: the allocator's counters minus the baseline
+# taken when the block was entered on CUDA, the storage table on a CPU. `_Readings` is the
+# meter's half that answers questions; the meter below supplies `_uses_allocator`, `device`,
+# `table`, the baseline `_base` and the CPU peak `_cpu_peak`.
 
 # %%
-class LiveBytesMeter(LiveBytesMeter):  # the same class, continued
-    __doc__ = LiveBytesMeter.__doc__  # help() keeps the first cell's docstring
+class _Readings:
+    """current, peak, reset_peak, track and mark of LiveBytesMeter (both devices)."""
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count tensors that existed before the block (params, grads, optimizer state)."""
@@ -186,7 +146,7 @@ class LiveBytesMeter(LiveBytesMeter):  # the same class, continued
             return  # the allocator already sees them; they are part of the baseline
         for t in tensors:
             if isinstance(t, torch.Tensor):
-                self._add(t)
+                self.table.add(t)
         self._cpu_peak = max(self._cpu_peak, self.current)
 
     @property
@@ -194,8 +154,8 @@ class LiveBytesMeter(LiveBytesMeter):  # the same class, continued
         """Live bytes now (CUDA: allocated minus the amount allocated when the block began)."""
         if self._uses_allocator:
             return torch.cuda.memory_allocated(self.device) - self._base
-        self._sweep()
-        return self._cpu_current()
+        self.table.sweep()
+        return self.table.bytes()
 
     @property
     def peak(self) -> int:
@@ -217,20 +177,65 @@ class LiveBytesMeter(LiveBytesMeter):  # the same class, continued
         self.timeline.append((time.perf_counter() - self._t0, now, label))
         return now
 
-
 # %% [markdown]
+# ### The meter: a dispatch mode
+#
+# On CUDA entering and leaving the block is all the meter does: synchronize, reset the
+# allocator's peak, take the baseline. On a CPU the work happens in `__torch_dispatch__`, once
+# per operator: run it, sweep the table, then add each output storage that is new. An
+# output that shares an input's storage (a view, an in-place op) allocated nothing and is
+# skipped.
+#
 # One more reading, for a measurement right after a collective. Gloo runs a collective on its
 # own worker thread, and that thread lets go of the collective's tensors a moment *after* the
 # caller has woken up: read at once, a temporary the caller already dropped is sometimes
 # still alive and sometimes not (measured after a TP2 forward: 2 KiB at b = 4, s = 128, the
 # size of one [b, s] fp32 row like those the vocab-parallel loss all-reduces; it is gone
-# 200 ms later).
-# `settled()` reads until the count stops changing, so a measurement does not depend on
-# which thread the scheduler ran first.
+# 200 ms later). `settled()` reads until the count stops changing, so a measurement does not
+# depend on which thread the scheduler ran first.
 
 # %%
-class LiveBytesMeter(LiveBytesMeter):  # the same class, continued
-    __doc__ = LiveBytesMeter.__doc__  # help() keeps the first cell's docstring
+class LiveBytesMeter(_Readings, TorchDispatchMode):
+    """Live bytes of tensor storages allocated in this block (CPU: by storage; CUDA: allocator)."""
+
+    def __init__(self, device: torch.device | str | None = None, record_every_op: bool = True):
+        super().__init__()
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.record_every_op, self.table = record_every_op, _StorageTable(self.device)
+        self._cpu_peak, self._base, self._t0 = 0, 0, time.perf_counter()
+        self.timeline: list[tuple[float, int, str]] = []
+
+    @property
+    def _uses_allocator(self) -> bool:
+        return self.device.type == "cuda"
+
+    def __enter__(self):
+        self._t0 = time.perf_counter()
+        if self._uses_allocator:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+            return self  # no dispatch mode needed: the allocator counts for us
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self._uses_allocator:
+            torch.cuda.synchronize(self.device)
+            return False
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.table.sweep()
+        inputs = {k[0] for k in map(_storage_key, _tensors((args, kwargs))) if k is not None}
+        for t in _tensors(out):
+            key = _storage_key(t)
+            if key is not None and key[0] not in inputs:
+                self.table.add(t)
+        self._cpu_peak = max(self._cpu_peak, self.table.bytes())
+        if self.record_every_op:
+            self.timeline.append((time.perf_counter() - self._t0, self.table.bytes(), ""))
+        return out
 
     def settled(self, quiet_s: float = 0.05, timeout_s: float = 2.0) -> int:
         """Live bytes once they have not changed for quiet_s (CUDA: current, at once)."""

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from tinytron.main_loop._microbatch_checks import check_schedule, positive_int, positive_sizes
+
 __all__ = ["num_microbatches", "ConstantNumMicroBatchesCalculator",
            "StepBatchsizeNumMicroBatchesCalculator", "parse_numeric_value",
            "parse_step_batch_size_schedule",
@@ -48,22 +50,15 @@ __all__ = ["num_microbatches", "ConstantNumMicroBatchesCalculator",
 # | 1000 | 2 | 64 | — | 1000 is not a multiple of 128: an error, or run 896 and skip 104 |
 #
 # A bad combination must fail before anything is built, with the numbers in the message.
+# The plain argument checks (sizes that are not positive ints, a step schedule whose
+# thresholds do not increase or whose batch shrinks) live in
+# [`_microbatch_checks.py`](_microbatch_checks.py); the page keeps the divisibility rules.
 
 # %%
-def _positive_int(name: str, value) -> int:
-    """value if it is an int >= 1, else ValueError naming it."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 def num_microbatches(global_batch_size: int, micro_batch_size: int,
                      data_parallel_size: int) -> int:
     """m = B / (b · d); ValueError naming the numbers when it does not divide."""
-    for name, v in (("global_batch_size", global_batch_size),
-                    ("micro_batch_size", micro_batch_size),
-                    ("data_parallel_size", data_parallel_size)):
-        _positive_int(name, v)
+    positive_sizes(global_batch_size, micro_batch_size, data_parallel_size)
     per_step = micro_batch_size * data_parallel_size
     if global_batch_size % per_step:
         raise ValueError(
@@ -79,7 +74,7 @@ def num_microbatches(global_batch_size: int, micro_batch_size: int,
 # batch **down** to a multiple of $b \cdot d$ and runs that. The samples it did not run are
 # not silently forgotten: each iteration the loop adds
 # `current_global_batch_size - current_running_global_batch_size` to `skipped_train_samples`
-# (`megatron/training/training.py:3620-3628`). This is the knob for a job that loses a few
+# (`megatron/training/training.py:3622-3628`). This is the knob for a job that loses a few
 # nodes and restarts with a smaller $d$: $B = 1024$ on $d = 60$, $b = 2$ runs
 # $\lfloor 1024/120 \rfloor \cdot 120 = 960$ samples per step and counts 64 as skipped.
 
@@ -89,10 +84,7 @@ class ConstantNumMicroBatchesCalculator:
 
     def __init__(self, global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
                  decrease_batch_size_if_needed: bool = False):
-        for name, v in (("global_batch_size", global_batch_size),
-                        ("micro_batch_size", micro_batch_size),
-                        ("data_parallel_size", data_parallel_size)):
-            _positive_int(name, v)
+        positive_sizes(global_batch_size, micro_batch_size, data_parallel_size)
         per_step = micro_batch_size * data_parallel_size
         if decrease_batch_size_if_needed:
             running = (global_batch_size // per_step) * per_step
@@ -144,7 +136,7 @@ class ConstantNumMicroBatchesCalculator:
 # step-schedule string instead (thresholds in samples).
 #
 # **A schedule must not shrink.** The training loop asserts that the number of micro-batches
-# never decreases (`megatron/training/training.py:3441`), because the sampler, the learning-rate
+# never decreases (`megatron/training/training.py:3443-3446`), because the sampler, the learning-rate
 # schedule and a checkpoint saved at the change all assume the batch only grows. We reject a
 # shrinking schedule when it is parsed, with both entries in the message, instead of
 # thousands of iterations into the run.
@@ -168,24 +160,6 @@ def parse_numeric_value(text: str) -> int:
         raise ValueError(f"not a number with an optional K/M/B/T suffix: {text!r}") from None
 
 
-def _check_schedule(schedule: list[tuple[int, int]]) -> None:
-    """First threshold 0, strictly increasing thresholds, positive and non-shrinking sizes."""
-    if not schedule:
-        raise ValueError("step_batch_size_schedule has no entries")
-    if schedule[0][0] != 0:
-        raise ValueError(f"the first threshold must be 0, got {schedule[0][0]}")
-    for (t0, b0), (t1, b1) in zip(schedule, schedule[1:]):
-        if t1 <= t0:
-            raise ValueError(f"thresholds must strictly increase (in samples), got {t0} "
-                             f"then {t1}")
-        if b1 < b0:
-            raise ValueError(f"the batch size must not shrink: {b0} from {t0} samples, then "
-                             f"{b1} from {t1} samples")
-    for t, b in schedule:
-        if b < 1:
-            raise ValueError(f"batch sizes must be positive, got {b} at threshold {t}")
-
-
 def parse_step_batch_size_schedule(schedule: str, seq_length: int | None = None
                                    ) -> list[tuple[int, int]]:
     """'0:768 250B:1536' -> [(threshold in samples, global batch size)], sorted and checked."""
@@ -196,10 +170,10 @@ def parse_step_batch_size_schedule(schedule: str, seq_length: int | None = None
         t, b = entry.split(":", 1)
         threshold = parse_numeric_value(t)
         if seq_length is not None:
-            threshold //= _positive_int("seq_length", seq_length)  # tokens -> samples
+            threshold //= positive_int("seq_length", seq_length)  # tokens -> samples
         entries.append((threshold, parse_numeric_value(b)))
     entries.sort(key=lambda e: e[0])
-    _check_schedule(entries)
+    check_schedule(entries)
     return entries
 
 # %% [markdown]
@@ -212,8 +186,8 @@ class StepBatchsizeNumMicroBatchesCalculator:
 
     def __init__(self, micro_batch_size: int, data_parallel_size: int, schedule: str,
                  seq_length: int | None = None):
-        self.micro_batch_size = _positive_int("micro_batch_size", micro_batch_size)
-        self.data_parallel_size = _positive_int("data_parallel_size", data_parallel_size)
+        self.micro_batch_size = positive_int("micro_batch_size", micro_batch_size)
+        self.data_parallel_size = positive_int("data_parallel_size", data_parallel_size)
         self.schedule = parse_step_batch_size_schedule(schedule, seq_length)
         self.current_global_batch_size = self.current_running_global_batch_size = None
         self.num_micro_batches = None
@@ -257,7 +231,7 @@ class StepBatchsizeNumMicroBatchesCalculator:
 #
 # **Why samples, not iterations.** Everything that must survive a change of batch size
 # counts samples: the learning-rate scheduler advances by $m \cdot b \cdot d$ per successful
-# step (`training.py:2309`), the sampler resumes at `consumed_train_samples`, the checkpoint
+# step (`training.py:2316-2318`), the sampler resumes at `consumed_train_samples`, the checkpoint
 # stores it. When the batch doubles, the learning rate keeps its place on its curve and the
 # data loader reads the next unseen sample.
 
@@ -282,7 +256,7 @@ def build_num_microbatches_calculator(global_batch_size: int | None, micro_batch
 
 def train_iters_from_samples(calculator, train_samples: int) -> int:
     """Iterations that consume train_samples (training.py:1485, update_train_iters)."""
-    _positive_int("train_samples", train_samples)
+    positive_int("train_samples", train_samples)
     if isinstance(calculator, ConstantNumMicroBatchesCalculator):
         return train_samples // calculator.current_global_batch_size
     iters, consumed = 0, 0

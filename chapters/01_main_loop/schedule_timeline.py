@@ -26,7 +26,10 @@ __all__ = ["ScheduleEvent", "ScheduleRecorder", "bubble_formula", "measured_bubb
 # the micro-batch, the kind, and `time.perf_counter()` at start and end. On Linux that clock is
 # `CLOCK_MONOTONIC`, shared by all processes of a machine, so the events of different ranks
 # can be put on one time axis. A combined exchange (send an output, receive a gradient) is
-# recorded once per tensor it moved, with the same start and end.
+# recorded once per tensor it moved, with the same start and end. The schedules themselves
+# hold no recording code: a wrapper around each stage's communicator and around its
+# forward/backward steps writes the events
+# ([`_schedule_recording.py`](_schedule_recording.py), told on the schedules page).
 
 # %%
 class ScheduleEvent(NamedTuple):
@@ -214,7 +217,7 @@ if __name__ == "__main__":
 # ## How production does it
 #
 # - Megatron-LM records nothing like this itself; its timers (`forward-compute`,
-#   `backward-compute`, the p2p timers at `--timing-log-level 2`, `training.py:2418-2447`)
+#   `backward-compute`, the p2p timers at `--timing-log-level 2`, `training.py:2416-2446`)
 #   give totals, and Nsight Systems with NVTX ranges (`nvtx_range_push` in the schedules)
 #   draws the real GPU timeline.
 # - PyTorch's `torch.distributed.pipelining` can export a schedule's planned actions to a
