@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tinytron.overview._plots import plot_masks
+
 __all__ = [
     "ByteTokenizer",
     "PAD_SENTINEL",
@@ -253,40 +255,19 @@ def build_gpt_sample(text: torch.Tensor, eod_token: int, pad_id: int = PAD_SENTI
 #
 # A picture of the `[s, s]` attention mask (dark = may attend), the loss mask and the position
 # ids makes the EOD resets visible at a glance. [The SFT page](sft.py) reuses this plot for packed rows.
-
-# %%
-def plot_masks(attention_mask: torch.Tensor, loss_mask: torch.Tensor, position_ids: torch.Tensor,
-               labels: list[str] | None = None, title: str = ""):
-    """Draw attention mask (dark = may attend), loss mask and position ids of one row; returns the figure."""
-    import matplotlib.pyplot as plt
-
-    allowed = (~attention_mask.reshape(attention_mask.shape[-2:])).float().numpy()
-    s = allowed.shape[0]
-    fig, axes = plt.subplots(3, 1, figsize=(max(4.0, 0.28 * s + 1.5), 0.28 * s + 3.2),
-                             gridspec_kw={"height_ratios": [s, 1.2, 1.2]})
-    axes[0].imshow(allowed, cmap="Greys", vmin=0, vmax=1)
-    axes[0].set_ylabel("query")
-    axes[0].set_title(title or "attention (dark = may attend)", fontsize=9)
-    axes[1].imshow(loss_mask.reshape(1, -1).float().numpy(), cmap="Greens", vmin=0, vmax=1,
-                   aspect="auto")
-    axes[1].set_ylabel("loss", rotation=0, ha="right")
-    pos = position_ids.reshape(1, -1).numpy()
-    axes[2].imshow(pos, cmap="Blues", aspect="auto")
-    for k in range(s):
-        axes[2].text(k, 0, str(pos[0, k]), ha="center", va="center", fontsize=7)
-    axes[2].set_ylabel("pos", rotation=0, ha="right")
-    for ax in axes:
-        ax.set_yticks([] if ax is not axes[0] else range(s))
-        ax.set_xticks(range(s))
-        ax.set_xticklabels(labels or [""] * s, rotation=90, fontsize=7)
-    if labels:
-        axes[0].set_yticklabels(labels, fontsize=7)
-    fig.tight_layout()
-    return fig
-
+# The drawing function, `plot_masks`, is in the chapter's private module
+# `tinytron.overview._plots`. What to look for in the demo's picture: with
+# `reset_attention_mask` the lower triangle breaks into one block per document, so a token
+# never attends across an EOD; with `reset_position_ids` the position row restarts at 0 after
+# each EOD; and with `eod_mask_loss` the loss row is 0 at each position whose *input* token is
+# an EOD (the test is on the token, as in Megatron, not on the label).
 
 # %% [markdown]
 # ## Demo: three documents in one sample
+#
+# The byte tokenizer's stream `hi<eod>abc<eod>xyz<eod>` plus three pads, cut into samples of 6
+# (each 7 tokens, overlapping by one), then one 11-token sample built with every reset on: the
+# positions must restart after each EOD, and no document may see the one before it.
 
 # %%
 if __name__ == "__main__":

@@ -13,10 +13,9 @@
 # %%
 from __future__ import annotations
 
-import json
-
 import torch
 
+from tinytron.overview._chat import parse_chat_record
 from tinytron.overview.batch import ByteTokenizer
 
 __all__ = [
@@ -45,28 +44,16 @@ __all__ = [
 # Example: system "be brief", user "2+2?", assistant "4" tokenizes to
 # `<|system|> b e ... <|end|> <|user|> 2 + 2 ? <|end|> <|assistant|> 4 <|end|>` and only `4 <|end|>`
 # are targets.
+#
+# A record is one JSON object with a `messages` list of `{"role", "content"}` dicts, the format
+# of Megatron's SFT dataset and of most chat corpora. `parse_chat_record`, in the chapter's
+# private module `tinytron.overview._chat`, reads one and names what is wrong with a malformed
+# one (not JSON, no `messages`, a message without a string `content`). A record may hold
+# several conversations: a new one starts at every `system` message, which is how one JSONL
+# line can carry a whole multi-session chat.
 
 # %%
 IGNORE_INDEX = -100  # label value that never contributes to the loss
-
-
-def parse_chat_record(record) -> list[dict]:
-    """The messages list of one JSONL record (a str line or a dict), validated."""
-    if isinstance(record, str):
-        try:
-            record = json.loads(record)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"JSONL line is not valid JSON: {record[:80]!r} ({err})") from None
-    if not isinstance(record, dict) or "messages" not in record:
-        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise ValueError(f"chat record has no 'messages' key (got {keys})")
-    messages = record["messages"]
-    if not isinstance(messages, list) or not messages:
-        raise ValueError(f"chat record has an empty or non-list 'messages': {messages!r}")
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
-            raise ValueError(f"message must be {{'role': str, 'content': str}}, got {m!r}")
-    return messages
 
 
 def split_conversations(messages: list[dict]) -> list[list[dict]]:
