@@ -52,6 +52,12 @@ __all__ = [
 # documents `3+4=7` separated by EOD; for SFT they are chats (user `3+4`, assistant `7`); for RL
 # the model is given the chat prompt and rewarded 1 when it writes exactly the right digit
 # followed by `<|end|>`: a reward a program can check, which is what makes GRPO applicable.
+#
+# Why this task: it is small enough to learn in seconds on a CPU (25 problems, every answer one
+# byte token between `0` and `8`), and the same facts can be written in all three forms, so the
+# three modes can be compared on one model. A model that has only been pretrained on `3+4=7`
+# does not yet know that a chat turn `<|user|> 3+4` wants the digit and then `<|end|>`; SFT
+# teaches the format; RL then only has to make the right digit more likely than the wrong ones.
 
 # %%
 def addition_problems(max_operand: int = 4) -> list[tuple[int, int, int]]:
@@ -97,6 +103,12 @@ def sft_microbatches(problems, tok: ByteTokenizer, seq_length: int, micro_batch_
 # mask over generated tokens and the per-sequence advantages.
 # `rl_forward_step` is to RL what `pretrain_forward_step` is to pretraining: run the model, build
 # the per-token loss, hand back a `loss_func` with the 3-tuple contract.
+#
+# What a group teaches: the advantages compare each completion with the others of its prompt.
+# A group of four with two right and two wrong answers pushes the right ones up and the wrong
+# ones down by the same amount; a group whose four answers are all right (or all wrong) has
+# advantage 0 everywhere and changes nothing but the KL term. That is why RL needs a model
+# that already gets *some* answers right: the SFT phase.
 
 # %%
 def addition_reward(completion: list[int], answer: int, tok: ByteTokenizer) -> float:
