@@ -252,11 +252,44 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
 # ## Launching: tiles, checks, autograd
 #
 # The grid is (query blocks, batch × heads) for the forward and dQ, (key blocks, batch × key/value
-# heads) for dK/dV. Compiled, the tiles are $128 \times 64$ forward and $64 \times 64$ backward
-# with 4 or 8 warps (common choices for $d \le 128$ on Hopper; they were not tuned on a GPU
-# here); interpreted they are $16 \times 16$, so that the tests' short sequences cross several
-# ragged, diagonal and skipped blocks. Inputs are `[b, heads, s, d]`, contiguous, with one of
-# the head sizes the kernels take; anything else is a `ValueError` that names it.
+# heads) for dK/dV. Interpreted, every tile is $16 \times 16$, so that the tests' short
+# sequences cross several ragged, diagonal and skipped blocks. Compiled, a tile must fit two
+# budgets of one streaming multiprocessor: **shared memory** (the K and V tiles in flight, one
+# set per pipeline stage; an A100, sm_80, lets a block opt in to 163 KiB, an H100, sm_90, to
+# 227 KiB) and **registers** (65,536 per SM, at most 255 per thread; a thread that needs more
+# *spills* to local memory, which lives in DRAM behind the L1 cache). Every fp32 accumulator
+# element lives in some thread's registers: the forward's $O$ tile is
+# $B_M \cdot d / (32 \cdot \text{warps})$ values per thread, the dK/dV kernel holds two of them.
+#
+# The tiles below were chosen by compiling every candidate ahead of time for both targets with
+# the ptxas that Triton ships (no GPU needed; the script is the private module
+# [`_compile.py`](_compile.py), and a test re-checks it). At the running example's $d = 128$ in
+# bf16, with grouped queries:
+#
+# | kernel | $B_M \times B_N$, warps, stages | shared B/block sm_80 / sm_90 | registers/thread sm_80 / sm_90 | spills |
+# |---|---|---|---|---|
+# | forward | $64 \times 64$, 4, 3 | 40,960 / 49,152 | 255 / 255 | 0 |
+# | dK, dV | $32 \times 64$, 8, 2 | 53,504 / 65,792 | 255 / 201 | 0 |
+# | dQ | $64 \times 32$, 4, 2 | 49,152 / 49,152 | 255 / 255 | 0 |
+#
+# The tiles this page used before, $128 \times 64$ forward and $64 \times 64$ backward at 8
+# warps, fit in shared memory (49,152 to 74,240 B per block) but spilled on sm_80: 80 B per
+# thread in the forward, 184 B in dQ, 20 B in dK/dV. Halving a tile's rows halves its
+# accumulator, which is what removed the spills; dK/dV keeps 8 warps because it carries two
+# $B_N \times d$ accumulators ($dK$, $dV$), 64 values per thread at $B_N = 64$. Whether these
+# are also the *fastest* tiles is a question for a benchmark on the GPU; they are the largest
+# that compile cleanly on both.
+#
+# **fp32.** Exact fp32 products (`input_precision="ieee"`) cannot use the tensor cores, so
+# the products run on the FMA units and every operand tile sits in registers. With the old
+# $128 \times 64$ tiles a block needed 229,888 B of shared memory at $d = 128$ (more than an
+# A100's 163 KiB: it would not launch); even $32 \times 32$ tiles at 4 warps spill 200 B per
+# thread on sm_80 and 1,076 B on sm_90, and TF32 $64 \times 64$ spills 536 B. So compiled fp32
+# inputs take the `scaled_dot_product_attention` call the kernel replaces (PyTorch picks its own
+# fp32 kernel); the fp32 kernels still run under the interpreter, where they are the exact
+# reference of the CPU tests. Inputs are `[b, heads, s, d]`, contiguous, with one of the head
+# sizes the kernels take; anything else is a `ValueError` that names it (the checks are in the
+# chapter's private module [`_checks.py`](_checks.py)).
 
 # %%
 def _tiles(head_dim: int) -> dict:
@@ -322,7 +355,11 @@ class _FlashAttention(torch.autograd.Function):
 # %%
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                     scale: float | None = None) -> torch.Tensor:
-    """softmax(q k^T * scale, causal) v for q [b, a, s, d] and k, v [b, g, s, d] (GQA)."""
+    """softmax(q k^T * scale, causal) v for q [b, a, s, d] and k, v [b, g, s, d] (GQA).
+
+    bf16/fp16 run the Triton kernels; fp32 runs them only under the interpreter, and compiled
+    takes `attention_reference` (no fp32 tiles fit an A100 or H100 without spilling).
+    """
     check_attention_inputs(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if q.dtype == torch.float32 and not INTERPRET:  # no fp32 tiles fit: see "fp32" above

@@ -54,6 +54,11 @@ __all__ = ["fused_adamw_", "adamw_reference_", "FlatAdamW", "adamw_bytes", "buil
 # $$\theta \leftarrow \theta - \frac{\eta}{1 - \beta_1^t} \cdot
 #   \frac{m}{\sqrt{v} / \sqrt{1 - \beta_2^t} + \epsilon}, \qquad
 #   \text{param buffer} \leftarrow \mathrm{bf16}(\theta).$$
+#
+# A program updates one chunk of 4096 elements (64 under the interpreter, so that the tests'
+# small pieces still split). Its four fp32 inputs are live together, so the launch uses 8 warps,
+# 16 values of each per thread: compiled ahead of time, 128 registers per thread on sm_80 and
+# 254 on sm_90, no spills (at Triton's default of 4 warps each thread would hold 32 of each).
 
 # %%
 DEFAULT_CHUNK = 64 if INTERPRET else 4096

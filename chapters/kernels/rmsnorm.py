@@ -130,6 +130,26 @@ def _rmsnorm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, 
 
 
 # %% [markdown]
+# ## Warps: how wide a row one program can hold
+#
+# A whole-row program keeps every value of its row in registers, spread over its threads. Triton's
+# default of 4 warps (128 threads) gives each thread 32 fp32 values per tensor at $h = 4096$, and
+# the backward has four such tensors alive at once ($x$, $g$, $w$ and the $dw$ partial). The
+# launch therefore sets `num_warps` from the tile, 16 values per thread (`row_warps`: 4096 lanes
+# → 8 warps, 8192 → 16), compiled ahead of time for sm_80 and sm_90 with Triton's ptxas:
+#
+# | $h$ | warps | registers/thread, forward / backward (sm_80) | spills |
+# |---|---|---|---|
+# | 4096 (7B) | 8 | 64 / 114 | 0 |
+# | 8192 (70B) | 16 | 72 / 128 | 0 |
+# | 16384 | 16 | 120 / 128 | 564 B in the backward |
+#
+# A block of 16 warps may use at most 128 registers per thread ($65{,}536 / 512$), and 32 warps
+# only 64, so more warps cannot hold a 16384-wide row either; the kernels take $h \le 8192$ and
+# refuse a wider row with a `ValueError` that names the limit. (A wider row needs a loop over
+# column chunks, as the cross-entropy kernel of [C.3](cross_entropy.py) does over the vocabulary.)
+
+# %% [markdown]
 # ## The autograd function and the reference beside it
 #
 # `rms_norm` flattens the leading dims into rows, checks what the kernels cannot take (a
