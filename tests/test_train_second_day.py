@@ -166,56 +166,42 @@ def test_a_checkpoint_the_loader_refuses_is_one_line(first_run, data_prefix):
     assert _tracker(a) == "4"
 
 
-def test_an_iteration_directory_loads_and_the_resume_command_continues(first_run, data_prefix,
-                                                                       tmp_path):
-    """Load a/iter_0000002, save b/: that iteration is loaded, and the printed resume command
-    loads b/ (not a/ again) and repeats no fault injection."""
-    a, _ = first_run
-    b = tmp_path / "b"
-    proc = _train(*SMALL, "--data.data_path", data_prefix, "--training.train_iters", "4",
-                  "--checkpoint.load", str(a / "iter_0000002"), "--checkpoint.save", str(b),
-                  "--training.eval_interval", "none", "--reliability.faults", '["nan@99"]')
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"checkpoint: resumed from {a / 'iter_0000002'} at iteration 2;" in proc.stdout
-    assert _train_iterations(b) == [3, 4] and _tracker(a) == "4"
-    command = _resume_command(proc.stdout)
-    assert command[:4] == ["torchrun", "--nproc-per-node=1", "-m", "tinytron.train"], command
-    assert "--reliability.faults" not in command and command[-2:] == ["--checkpoint.load", str(b)]
-    assert not any(str(a) in word for word in command), command
-    again = _train(*command[4:], "--training.train_iters", "5",
-                   "--scheduler.override_opt_param_scheduler", "true")
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert f"checkpoint: resumed from {b / 'iter_0000004'} at iteration 4;" in again.stdout
-    assert _train_iterations(b) == [3, 4, 5] and _tracker(b) == "5" and _tracker(a) == "4"
-    starts = [r for r in _records(b) if r["type"] == "start"]
-    assert [(r["launch"], r["iteration"], r["resumed_from"]) for r in starts] == [
-        (0, 2, str(a / "iter_0000002")), (1, 4, str(b / "iter_0000004"))], starts
-
-
 def _resume_command(stdout: str) -> list[str]:
     lines = stdout.splitlines()
     return shlex.split(lines[lines.index(next(x for x in lines if x.startswith("resume ("))) + 1])
 
 
-def test_a_nan_stop_says_what_was_decided_and_its_resume_command_trains_on(data_prefix,
-                                                                           tmp_path):
-    """A NaN at iteration 3 stops the run (exit 17); the resume command does not inject it again."""
-    n = tmp_path / "n"
-    proc = _train(*SMALL, "--data.data_path", data_prefix, "--checkpoint.save", str(n),
-                  "--training.train_iters", "4", "--training.save_interval", "2",
-                  "--training.eval_interval", "none", "--reliability.faults", "nan@3")
+def test_an_iteration_directory_loads_and_the_resume_command_continues(first_run, data_prefix,
+                                                                       tmp_path):
+    """Load a/iter_0000002, save b/, a NaN injected at iteration 4: that iteration directory is
+    loaded, the stop names its verdict (exit 17), and the printed resume command loads b/ (not
+    a/ again) without the fault, and trains on to the end."""
+    a, _ = first_run
+    b = tmp_path / "b"
+    proc = _train(*SMALL, "--data.data_path", data_prefix, "--training.train_iters", "5",
+                  "--checkpoint.load", str(a / "iter_0000002"), "--checkpoint.save", str(b),
+                  "--training.save_interval", "1", "--training.eval_interval", "none",
+                  "--reliability.faults", "nan@4", "--scheduler.override_opt_param_scheduler",
+                  "true")
     assert proc.returncode == 17, proc.stderr[-3000:]
-    tracker_file = n / "result_rejected_tracker.txt"
+    assert f"checkpoint: resumed from {a / 'iter_0000002'} at iteration 2;" in proc.stdout
+    assert _tracker(b) == "3" and _tracker(a) == "4"
+    tracker_file = b / "result_rejected_tracker.txt"
     verdict = [x for x in proc.stdout.splitlines() if x.startswith("reliability: ")]
-    assert len(verdict) == 1 and verdict[0].startswith("reliability: iteration 3, rank 0: ")
+    assert len(verdict) == 1 and verdict[0].startswith("reliability: iteration 4, rank 0: ")
     assert "exit code 17" in verdict[0] and str(tracker_file) in verdict[0], verdict
-    assert "iteration=3 " in tracker_file.read_text() and _tracker(n) == "2"
+    assert "iteration=4 " in tracker_file.read_text()
     command = _resume_command(proc.stdout)
-    assert "--reliability.faults" not in command, command
+    assert command[:4] == ["torchrun", "--nproc-per-node=1", "-m", "tinytron.train"], command
+    assert "--reliability.faults" not in command and command[-2:] == ["--checkpoint.load", str(b)]
+    assert not any(str(a) in word for word in command), command
     again = _train(*command[4:])
     assert again.returncode == 0, again.stderr[-3000:]
-    assert f"checkpoint: resumed from {n / 'iter_0000002'} at iteration 2;" in again.stdout
-    assert _tracker(n) == "4" and _train_iterations(n)[-2:] == [3, 4]
+    assert f"checkpoint: resumed from {b / 'iter_0000003'} at iteration 3;" in again.stdout
+    assert _tracker(b) == "5" and _tracker(a) == "4" and _train_iterations(b)[-2:] == [4, 5]
+    starts = [r for r in _records(b) if r["type"] == "start"]
+    assert [(r["launch"], r["iteration"], r["resumed_from"]) for r in starts] == [
+        (0, 2, str(a / "iter_0000002")), (1, 3, str(b / "iter_0000003"))], starts
 
 
 # -- §1: tinytron-convert from-hf never overwrites a run --------------------------------------
@@ -328,22 +314,24 @@ def test_list_overrides_take_bare_words_and_name_the_syntax():
         load_config("configs/tiny.toml", ["--reliability.faults", "3"])
 
 
-def test_help_lists_every_key_with_its_default_and_meaning():
+def test_help_lists_every_key_with_its_default_and_meaning(capsys):
     import dataclasses
 
     from tinytron.config import SECTIONS, _section_class
+    from tinytron.train import main
 
-    proc = subprocess.run([sys.executable, "-m", "tinytron.train", "--help"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
     for name in SECTIONS:
         assert any(x.startswith(f"[{name}]  ") for x in lines), name
         for f in dataclasses.fields(_section_class(name)):
             if f.init and not f.name.startswith("_"):
                 assert any(x.startswith(f"  {name}.{f.name} = ") for x in lines), (name, f.name)
-    assert "  training.save_interval = none    Save a checkpoint every" in proc.stdout
-    assert '  checkpoint.ckpt_format = "torch_dist"    ' in proc.stdout
+    assert "  training.save_interval = none    Save a checkpoint every" in out
+    assert '  checkpoint.ckpt_format = "torch_dist"    ' in out
 
 
 def test_exit_signal_handler_is_one_switch():
