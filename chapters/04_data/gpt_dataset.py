@@ -311,9 +311,10 @@ def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length
     counts[-1] += n - first[-1]  # a kept partial sample ends in the last document
     out = np.empty((n, 2), dtype=out_dtype)
     out[:, 0] = pos = np.repeat(np.arange(num_docs, dtype=out_dtype), counts)
-    starts = ends - doc_lengths
-    np.subtract(np.arange(n, dtype=np.int64) * seq_length, starts[pos], out=out[:, 1],
-                casting="unsafe")
+    ends -= doc_lengths  # now each document's first token
+    offsets = np.arange(0, n * seq_length, seq_length, dtype=np.int64)
+    offsets -= ends[pos]  # in place and contiguous: a strided, casting subtract is 3x slower
+    out[:, 1] = offsets
     if num_samples * seq_length - shift > total - 1:  # the kept partial sample: the last row
         out[-1] = (num_docs - 1, doc_lengths[-1] - add_extra_token)
     out[0] = (0, 0)
