@@ -111,6 +111,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", default=None,
+                        help="default benchmarks/results/recompute.json (_cuda with --device cuda)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -161,7 +163,8 @@ def _report(args, device, times, cpu_times, losses, memory) -> dict:
         "modes": rows, "losses_identical": same,
     }
     suffix = "" if device.type == "cpu" else f"_{device.type}"
-    out = Path(__file__).resolve().parent / "results" / f"recompute{suffix}.json"
+    out = (Path(args.out) if args.out else
+           Path(__file__).resolve().parent / "results" / f"recompute{suffix}.json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
