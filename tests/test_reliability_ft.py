@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import timedelta
 
@@ -84,9 +85,10 @@ def test_a_frozen_rank_is_reported_through_a_real_store(tmp_path):
     while not exits and time.monotonic() - t0 < 10:
         time.sleep(0.05)
     assert exits == [EXIT_CODE_HANG_DETECTED]
-    assert 0.5 < time.monotonic() - t0 < 5
     text = (tmp_path / "verdict.txt").read_text()
     assert "rank 1 stopped beating" in text and "(frozen or dead)" in text
+    silent = float(re.search(r"stopped beating ([0-9.]+) s ago", text).group(1))
+    assert silent >= round(cfg.heartbeat_timeout, 1)   # not blamed before its beat was overdue
     assert alive.verdict == text.strip()
     assert alive.section_times["setup"] >= 0.0
 
@@ -111,7 +113,8 @@ def test_a_rank_blocked_in_a_host_sync_is_not_blamed_on_two_gloo_ranks(tmp_path)
     report = tmp_path / "hang.txt"
     with pytest.raises(RankError) as err:
         run_on_ranks(host_sync_hang_job, 2, str(report), timeout=120)
-    assert all(f"code {EXIT_CODE_HANG_DETECTED}" in m for m in err.value.failures.values())
+    # the hung rank's monitor ends it; rank 0 may fail first in its wait once rank 1 is gone
+    assert f"code {EXIT_CODE_HANG_DETECTED}" in err.value.failures[1], err.value.failures
     verdict = report.read_text().strip()
     assert verdict.startswith("hang detected: rank 1 hung in section 'step' at iteration 3"), \
         verdict
