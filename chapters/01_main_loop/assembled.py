@@ -163,7 +163,7 @@ if __name__ == "__main__":
 # | `lm loss 5.9589` | the per-token vocab-parallel cross entropy; `lm_loss_func`'s `[sum, count]` pair; `reduce_losses` over micro-batches and DP; `training_log`'s mean over the interval | [vocab_parallel](../parallel/vocab_parallel.py), [loss](../00_overview/loss.py), [loop](loop.py), [training_log](training_log.py) |
 # | `lr 1.50e-03` | `OptimizerParamScheduler`: linear warm-up to 3e-3 over 2 iterations, cosine to 3e-4 at iteration 8 | [scheduler](../02_optimizer/scheduler.py) |
 # | `5.9k tok/s` | `training_log`: the interval's tokens ($B \cdot s$ per iteration) over its wall time | [training_log](training_log.py) |
-# | `MFU 16.9%` | `num_floating_point_operations` per iteration / time / `peak_flops_per_device` (on a CPU a measured matmul peak, so a loaded machine moves it) | [training_log](training_log.py) |
+# | `MFU: not reported on CPU`; JSONL `tflops_per_device` | `num_floating_point_operations` per iteration / time; MFU divides that by `peak_flops_per_device`, a GPU's datasheet peak (a CPU has none that holds: a one-shape matmul rate moves with load, and runs beat it) | [training_log](training_log.py) |
 # | `mem 0.48 GiB` | `memory_report`: the caching allocator's bytes on a GPU, the process's resident set on a CPU | [observability](../08_reliability/observability.py) |
 # | JSONL `grad_norm` | the global L2 norm before clipping to `clip_grad` (`get_grad_norm_fp32`, over the DistributedOptimizer's shards) | [mixed_precision](../02_optimizer/mixed_precision.py), [distributed](../02_optimizer/distributed.py) |
 # | JSONL `loss_scale`, `skipped_iterations`, `nan_iterations` | the loss scaler (1.0 outside fp16) and `training_log`'s counts of skipped and NaN iterations | [mixed_precision](../02_optimizer/mixed_precision.py), [training_log](training_log.py) |
@@ -175,14 +175,18 @@ if __name__ == "__main__":
 # | `config.toml` | `TrainConfig.to_toml()`: the resolved config, overrides and defaults included | `tinytron.config` |
 # | `loss.png`; the `resume`, `tinytron-convert`, `tensorboard` lines | `plot_loss_curve` and the closing hints of `tinytron.train` | [convert](../03_checkpoint/convert.py) |
 #
-# Two small readers turn the files into Python objects.
+# Every JSONL record carries a `type`: `start` (written by each launch once its checkpoint is
+# loaded: the iteration, the directory it resumed from, the world size), `train` or
+# `validation`. Two small readers turn the files into Python objects; the log reader keeps
+# the training and the validation records.
 
 # %%
 def read_log(path: str | Path) -> tuple[list[dict], list[dict]]:
     """The JSONL log as (training records, validation records), in file order."""
     records = [json.loads(line) for line in Path(path).read_text().splitlines() if line]
-    return ([r for r in records if "validation" not in r],
-            [r for r in records if "validation" in r])
+    kind = [r.get("type", "validation" if "validation" in r else "train") for r in records]
+    return ([r for r, k in zip(records, kind) if k == "train"],  # a launch's "start" is neither
+            [r for r, k in zip(records, kind) if k == "validation"])
 
 
 def checkpoint_files(save_dir: str | Path) -> dict:
@@ -212,10 +216,11 @@ if __name__ == "__main__":
     import matplotlib.pyplot as plt
 
     train, valid = read_log(run_dir / "log.jsonl")
-    print(f"{'iter':>4} {'lm loss':>8} {'lr':>9} {'grad norm':>9} {'tok/s':>7} {'MFU':>6} samples")
+    print(f"{'iter':>4} {'lm loss':>8} {'lr':>9} {'grad norm':>9} {'tok/s':>7} {'TFLOP/s':>8} "
+          "samples")
     for r in train:
         print(f"{r['iteration']:>4} {r['losses']['lm loss']:>8.4f} {r['learning_rate']:>9.2e} "
-              f"{r['grad_norm']:>9.3f} {r['tokens_per_second']:>7.0f} {100 * r['mfu']:>5.1f}% "
+              f"{r['grad_norm']:>9.3f} {r['tokens_per_second']:>7.0f} {r['tflops_per_device']:>8.4f} "
               f"{r['consumed_train_samples']}")
     for r in valid:
         print(f"{r['iteration']:>4} validation lm loss {r['validation']['lm loss']:.4f}")
@@ -289,7 +294,7 @@ if __name__ == "__main__":
 #   calls `train` (`:3065`); the flags live in `megatron/training/arguments.py`, and its
 #   `validate_args` is the counterpart of `TrainConfig.resolve`. Launch is `torchrun` per node,
 #   usually from a Slurm script (`scripts/slurm_train.sh` here).
-# - torchtitan: one `Trainer` (`torchtitan/train.py`) built from a TOML job config
+# - torchtitan: one `Trainer` (`torchtitan/trainer.py`) built from a TOML job config
 #   (`torchtitan/models/llama3/train_configs/llama3_8b.toml`) with dotted command-line
 #   overrides, the same shape as `tinytron.config`.
 #

@@ -332,7 +332,7 @@ if __name__ == "__main__":
 #   `megatron/training/training.py` (`update_train_iters:1485`, the per-iteration update and the
 #   non-decreasing assertion `:3433-3458`, consumed and skipped samples `:3616-3628`).
 # - torchtitan fixes `global_batch_size` and derives gradient-accumulation steps as
-#   `global_batch_size // (local_batch_size * dp_degree)` (`torchtitan/train.py`), with no
+#   `global_batch_size // (local_batch_size * dp_degree)` (`torchtitan/trainer.py`), with no
 #   batch-size schedule.
 #
 # ## Exercises
