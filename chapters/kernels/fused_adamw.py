@@ -10,8 +10,8 @@
 # `multi_tensor_apply` for Megatron.
 #
 # You will build: `fused_adamw_` (the launch over a chunk table), `FlatAdamW` (masters and
-# moments as views of flat buffers, the state the optimizer keeps, one launch per step), and
-# `adamw_reference_` (the `_foreach_` step it replaces).
+# moments as views of flat buffers, the state the optimizer keeps, one launch per param group
+# per step), and `adamw_reference_` (the `_foreach_` step it replaces).
 
 # %%
 from __future__ import annotations
