@@ -46,6 +46,7 @@ PAGES_AT_GOAL = {
     "02_optimizer/factory.py",
     "02_optimizer/layer_wise.py",
     "02_optimizer/mixed_precision.py",
+    "02_optimizer/muon.py",
     "02_optimizer/offload.py",
     "02_optimizer/scheduler.py",
     "02_optimizer/training.py",
