@@ -52,8 +52,15 @@ __all__ = ["DistributedDataParallelConfig", "BucketGroup", "DistributedDataParal
 # (`megatron/core/distributed/distributed_data_parallel_config.py:12`). Note that
 # `grad_reduce_in_fp32` defaults to `False` there; Megatron's training script turns it on for
 # bf16 models unless `--grad-reduce-in-bf16` is given (`megatron/training/arguments.py:1181`).
-# `calculate_per_token_loss` lives on Megatron's `TransformerConfig`; it is here because it only
-# changes how DDP scales gradients. The checks that refuse combinations tinytron cannot run
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# `calculate_per_token_loss` lives on Megatron's `TransformerConfig`; tinytron puts it here
+# because it only changes how DDP scales gradients.
+#
+# </div>
+#
+# The checks that refuse combinations tinytron cannot run
 # (a second optimizer instance, `overlap_param_gather` without the distributed optimizer, …)
 # live in the chapter's private module `tinytron.buffers._checks` (`chapters/05_buffers/_checks.py`);
 # each names the field it refuses.
@@ -162,8 +169,15 @@ def default_bucket_size(config: DistributedDataParallelConfig, dp_size: int) -> 
 #
 # **Bucket groups.** Megatron issues collectives per *bucket group*, coalescing the buckets of
 # a group into one NCCL call (`partition_buckets`, `param_and_grad_buffer.py:1512`). By default
-# each group holds one bucket, which is what tinytron builds; `BucketGroup` keeps the list so
-# grouping more buckets only changes how the groups are formed.
+# each group holds one bucket.
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# tinytron builds only that default, one bucket per group, and no coalescing manager; its
+# `BucketGroup` keeps a list of buckets so that grouping more of them would change only how
+# the groups are formed.
+#
+# </div>
 #
 # **Where the collective runs.** On GPU every launch happens on a CUDA side stream that first
 # waits for the compute stream (so it sees the grads backward just wrote), and `wait()` makes the
