@@ -287,8 +287,11 @@ def megatron_num_floating_point_operations(config, batch_size: int, **kwargs) ->
 # not the 2:4-sparsity figure printed next to it (twice as large), and not TF32. A device
 # missing from the table gets no MFU rather than a guessed one (a missing entry is how MFUs
 # above 100% get published). For a CPU there is no datasheet number that a PyTorch matmul
-# reaches, so we **measure** the best large matmul in the training dtype and call that the
-# peak.
+# reaches, so `peak_flops_per_device` **measures** the best large matmul in the training dtype
+# and calls that the peak. The demo below divides by it to show the arithmetic; the trainer
+# (`tinytron.train`) does not: a one-shape matmul rate moves with the shape, the threads and
+# the machine's load, and a run was seen to beat it (101%), so on a CPU the trainer logs
+# TFLOP/s per device and tokens per second and no MFU.
 
 # %%
 GPU_PEAK_BF16_TFLOPS = (  # dense bf16 tensor-core peak from the vendors' datasheets
@@ -415,7 +418,8 @@ if __name__ == "__main__":
 #   + 4 P a d L$ forward, with $P$ the causal $(q, k)$ pairs; recompute adds forward work.
 # - Megatron's formula equals ours term by term except the causal diagonal ($s^2/2$ vs
 #   $s(s+1)/2$ pairs).
-# - MFU divides by the dense bf16 datasheet peak (GPU) or a measured matmul peak (CPU).
+# - MFU divides by the dense bf16 datasheet peak (GPU); a measured matmul peak (CPU) serves
+#   the demo, and the trainer reports no MFU on a CPU.
 #
 # ## How production does it
 #
