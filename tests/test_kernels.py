@@ -459,7 +459,7 @@ def test_kernels_compile_for_sm80_and_sm90_within_shared_memory_and_without_spil
         rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         assert {r["kernel"] for r in rows} == {
             "rmsnorm_fwd", "rmsnorm_bwd", "swiglu_fwd", "swiglu_bwd", "ce_fwd", "ce_bwd",
-            "attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq", "adamw"}, rows
+            "attn_fwd", "attn_bwd_delta", "attn_bwd_dkdv", "attn_bwd_dq", "adamw"}, rows
         for r in rows:
             assert r["shared"] <= SHARED_LIMIT[arch], r
             if r["registers"] is not None:  # ptxas reported (Triton ships one)

@@ -86,6 +86,9 @@ def kernel_specs(dtype: torch.dtype = torch.bfloat16, hidden: int = 4096, ffn: i
         specs.append((name, fn, fa_types, dict(CAUSAL=True, HEAD_DIM=head_dim, BLOCK_M=bm,
                                                 BLOCK_N=bn, UPCAST=upcast, PRECISION=precision),
                       opts))
+    specs.append(("attn_bwd_delta", fa._attn_bwd_delta_kernel,
+                  {**fa_types, "n_rows": "i32"}, dict(HEAD_DIM=head_dim, BLOCK_M=fa.DELTA_ROWS),
+                  {"num_warps": row_warps(fa.DELTA_ROWS * head_dim)}))
     chunk = adam.DEFAULT_CHUNK
     specs.append(("adamw", adam._adamw_kernel,
                   {"chunks_ptr": "*i64", **ptr("master_ptr", "exp_avg_ptr", "exp_avg_sq_ptr",

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tinytron.kernels._checks import ATTENTION_HEAD_DIMS, check_attention_inputs
-from tinytron.kernels._triton import INTERPRET, check_tensor, dot_flags, mma, round_to, tl, triton
+from tinytron.kernels._triton import INTERPRET, dot_flags, mma, round_to, row_warps, tl, triton
 
 __all__ = ["flash_attention", "attention_reference", "attention_eager", "attention_flops",
            "attention_bytes", "ATTENTION_HEAD_DIMS"]
@@ -272,6 +272,9 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
 # | dK, dV | $32 \times 64$, 8, 2 | 53,504 / 65,792 | 255 / 201 | 0 |
 # | dQ | $64 \times 32$, 4, 2 | 49,152 / 49,152 | 255 / 255 | 0 |
 #
+# The small $\delta$ kernel is a row kernel (64 rows of $O$ and $dO$, 8192 lanes, 16 warps by
+# the rule of page [C.1](rmsnorm.py)): 52 registers per thread on sm_80, 40 on sm_90, no spills.
+#
 # The tiles this page used before, $128 \times 64$ forward and $64 \times 64$ backward at 8
 # warps, fit in shared memory (49,152 to 74,240 B per block) but spilled on sm_80: 80 B per
 # thread in the forward, 184 B in dQ, 20 B in dK/dV. Halving a tile's rows halves its
@@ -292,6 +295,9 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
 # chapter's private module [`_checks.py`](_checks.py)).
 
 # %%
+DELTA_ROWS = 64  # rows of O and dO per program of the delta kernel
+
+
 def _tiles(head_dim: int) -> dict:
     """(BLOCK_M, BLOCK_N, launch options) of the forward, the dK/dV and the dQ kernels."""
     if INTERPRET:
@@ -333,8 +339,9 @@ class _FlashAttention(torch.autograd.Function):
         upcast, precision = dot_flags(q.dtype)
         flags = dict(CAUSAL=ctx.causal, HEAD_DIM=d, UPCAST=upcast, PRECISION=precision)
         delta = torch.empty_like(lse)
-        _attn_bwd_delta_kernel[(triton.cdiv(b * hq * s, 64),)](o, do, delta, b * hq * s,
-                                                               HEAD_DIM=d, BLOCK_M=64)
+        _attn_bwd_delta_kernel[(triton.cdiv(b * hq * s, DELTA_ROWS),)](
+            o, do, delta, b * hq * s, HEAD_DIM=d, BLOCK_M=DELTA_ROWS,
+            num_warps=row_warps(DELTA_ROWS * d))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         bm, bn, opts = tiles["dkdv"]
         _attn_bwd_dkdv_kernel[(triton.cdiv(s, bn), b * hkv)](
