@@ -15,14 +15,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from tinytron.buffers.distributed_data_parallel import (DistributedDataParallelConfig,
-                                                        default_bucket_size)
-from tinytron.buffers.param_and_grad_buffer import compute_param_layout
+import math
+
+from tinytron.memory._checks import check_memory_config, check_rank
 from tinytron.model.config import ModelConfig, stage_layer_ranges
-from tinytron.optimizer.offload import split_by_fraction
 
 __all__ = ["MemoryConfig", "ParamSpec", "chunk_params", "buffer_layouts", "owned_elements",
-           "state_ledger", "DTYPE_BYTES"]
+           "state_ledger", "DTYPE_BYTES", "BufferLayout", "lay_out", "bucket_size_for",
+           "offloaded_mask"]
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -77,33 +77,7 @@ class MemoryConfig:
     """Where it runs: decides the auto kernel and the dropout-mask width (CPU: the param dtype)."""
 
     def __post_init__(self):
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "context_parallel_size", "data_parallel_size", "micro_batch_size",
-                     "num_microbatches"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.optimizer not in ("adam", "sgd", "lion"):
-            raise ValueError(f"optimizer must be adam, sgd or lion, got {self.optimizer!r}")
-        _choice("attention_kernel", self.attention_kernel, ("auto", "flash", "math"))
-        _choice("device", self.device, ("cpu", "cuda"))
-        if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
-            raise ValueError("optimizer_offload_fraction must lie in [0, 1], got "
-                             f"{self.optimizer_offload_fraction}")
-        self.model.check_layout(tp=self.tensor_model_parallel_size,
-                                cp=self.context_parallel_size,
-                                pp=self.pipeline_model_parallel_size,
-                                num_virtual_stages=self.num_chunks)
-
-# %% [markdown]
-# The class continues (a cell extends a class by subclassing it under the same name) with the
-# quantities derived from the fields: the recompute switches read through from the model
-# config, the number of model chunks, the world size and the bytes of one parameter and of
-# one gradient element.
-
-# %%
-class MemoryConfig(MemoryConfig):  # the same class, continued
-    __doc__ = MemoryConfig.__doc__  # help() keeps the first cell's docstring
+        check_memory_config(self)  # one-line errors naming the field (_checks.py)
 
     # Recompute and activation offload are the model's switches (chapter 06, appendix B).
     @property
@@ -152,11 +126,14 @@ class MemoryConfig(MemoryConfig):  # the same class, continued
         return dataclasses.replace(self, **changes)
 
 
-def _choice(name: str, value, allowed) -> None:
-    """ValueError naming the field unless value is one of allowed."""
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-
+# %% [markdown]
+# The fields are checked in [`_checks.py`](_checks.py) (`check_memory_config`): every size a
+# positive int, the optimizer, kernel and device one of their choices, the offload fraction in
+# $[0, 1]$, and appendix B's `check_layout` on the model (heads divisible by TP, layers by the
+# pipeline's stages). Each failure is one line naming the field. The properties above are the
+# quantities the ledger derives from the fields: the recompute switches read through from the
+# model config, the model chunks per pipeline rank, the world size, and the bytes of one
+# parameter and of one gradient element.
 
 # %% [markdown]
 # ## Which parameters a rank holds, in the order DDP sees them
@@ -170,9 +147,12 @@ def _choice(name: str, value, allowed) -> None:
 # duplicate of the embedding when tied and $p > 1$, marked `shared_embedding`). The tests
 # check this list against `named_parameters()` of the built model, name by name.
 #
-# Chapter 05's `compute_param_layout` only asks each parameter for `numel()` and the
-# `shared_embedding` flag, so the ledger lays out these light stand-ins with the very same
-# function: the padding it computes *is* the padding the trainer allocates.
+# The ledger lays these light stand-ins out itself, with Megatron's rules written out below,
+# and calls nothing of chapter 05 or chapter 02. That is deliberate: chapter 05's
+# `compute_param_layout` sized the buffers the trainer allocates, so a ledger that called it
+# would agree with the measurement whatever the layout did. Written twice, a slip in either
+# shows up as a disagreement, in bytes, in
+# [`tests/test_memory_independent.py`](../../tests/test_memory_independent.py).
 
 # %%
 @dataclass(eq=False)
@@ -224,50 +204,126 @@ def chunk_params(cfg: MemoryConfig, pp_rank: int, chunk: int) -> list[ParamSpec]
 
 
 # %% [markdown]
-# ## The grad buffer and its padding
+# ## The grad buffer and its padding, from Megatron's rules
 #
-# Without the distributed optimizer the buffer is exactly the parameters, back to back. With
-# it, chapter 05 aligns every parameter start to 64 elements and pads every bucket end to a
-# multiple of $\mathrm{lcm}(d_{cp}, 128)$ so each of the $d_{cp}$ ranks owns an equal slice
-# (`megatron/core/optimizer/param_layout.py:24-42`); the param buffer (bf16) gets the same
-# layout and the model's weights are re-pointed into it. Worked example, the tiny model
-# ($h = 64$, 2 layers, 4/2 heads, $f = 128$, $V = 512$) at DP 4: every parameter size is a
-# multiple of 64, so only the bucket end moves — 106,816 parameters become a buffer of 106,880
-# elements ($835 \cdot 128$), and the four DP ranks own 26,720, 26,720, 26,720 and 26,656 of
-# them: the last rank's slice ends in the 64 padding elements.
+# Megatron lays a chunk's parameters out in **reverse** registration order (the order backward
+# produces their gradients), back to back, and cuts the run into buckets. Without the
+# distributed optimizer nothing is padded
+# (`megatron/core/distributed/param_and_grad_buffer.py:889-931`,
+# `_compute_default_per_buffer_param_layout`). With it three rules apply
+# (`megatron/core/optimizer/distrib_optimizer.py:483-557`, the helpers at
+# `megatron/core/optimizer/param_layout.py:24-42`):
 #
-# The buckets come from chapter 05's `default_bucket_size`: one bucket without
-# `overlap_grad_reduce`, $\max(40\mathrm{M}, 1\mathrm{M} \cdot d_{cp})$ elements with it, and one
-# bucket on every pipeline rank but the first (`distributed_data_parallel.py:95-106`).
+# 1. every parameter starts at a multiple of 64 elements (`pad_param_start`);
+# 2. every bucket ends at a multiple of $\mathrm{lcm}(d_{cp}, 128)$ — of
+#    $\mathrm{lcm}(d_{cp}, 128, 2^{16})$ with `pad_buckets_for_high_nccl_busbw` — so the
+#    $d_{cp}$ ranks own equal slices (`pad_bucket_end`);
+# 3. a parameter marked `shared_embedding` (the tied output table on the last stage) closes
+#    the bucket before it and gets a bucket of its own, so its grad can be all-reduced with the
+#    first stage's embedding separately.
 #
-# **Who owns what.** DP rank $r$ of a bucket $[b_0, b_1)$ owns $[b_0 + r\,q, b_0 + (r+1)\,q)$
-# with $q = (b_1 - b_0)/d_{cp}$; the distributed optimizer keeps fp32 masters and moments only
-# for the *parameter* elements inside that range (`DistributedOptimizer._build_main_params`,
-# chapter 02), so padding costs grad and param buffer bytes but no optimizer bytes, and the
-# ranks do not all own the same count.
+# A bucket closes once it holds at least `bucket_size` elements. With only these rules the
+# whole buffer is a list of `(start, end)` pairs:
+
+# %%
+def _round_up(value: int, divisor: int) -> int:
+    return -(-value // divisor) * divisor
+
+
+@dataclass
+class BufferLayout:
+    """One chunk's buffer: where each param sits and where each bucket ends (padded)."""
+
+    param_index_map: dict
+    """ParamSpec -> (start, end, bucket id), elements from the buffer's start."""
+    bucket_indices: list
+    """[(start, end)] of each bucket, padding included."""
+
+    @property
+    def numel(self) -> int:
+        """Elements of the whole buffer (the last bucket's end)."""
+        return self.bucket_indices[-1][1] if self.bucket_indices else 0
+
+
+def lay_out(params: list[ParamSpec], bucket_size: int | None, dp_size: int, *,
+            distributed_optimizer: bool, pad_for_high_nccl_busbw: bool = False) -> BufferLayout:
+    """Megatron's buffer layout of `params` (rules 1-3 with the distributed optimizer)."""
+    end_divisor = math.lcm(dp_size, 128, 2**16 if pad_for_high_nccl_busbw else 1)
+    where, buckets = {}, []
+    first = cursor = 0  # first element of the open bucket; next free element
+    held = 0            # params in the open bucket
+
+    def close(end: int) -> int:
+        padded = _round_up(end, end_divisor) if distributed_optimizer else end
+        buckets.append((first, padded))
+        return padded
+
+    for p in reversed(params):
+        alone = distributed_optimizer and p.shared_embedding
+        if distributed_optimizer:
+            cursor = _round_up(cursor, 64)                      # rule 1
+        if alone and held:
+            first = cursor = close(cursor)                      # rule 3: close the open bucket
+            held = 0
+        where[p] = (cursor, cursor + p.count, len(buckets))
+        cursor, held = cursor + p.count, held + 1
+        if alone or (bucket_size is not None and cursor - first >= bucket_size):
+            first = cursor = close(cursor)                      # rule 2 pads the end
+            held = 0
+    if held:
+        close(cursor)
+    return BufferLayout(where, buckets)
+
+
+# %% [markdown]
+# **The bucket size.** Without `overlap_grad_reduce` there is one bucket (nothing to overlap,
+# so one large collective wins); with it the configured size, else
+# $\max(40\mathrm{M}, 1\mathrm{M} \cdot d_{cp})$ elements
+# (`megatron/core/distributed/distributed_data_parallel.py:66-72`; the training loop passes the
+# DP size with CP, `megatron/training/training.py:1772-1775`). Every pipeline rank but the
+# first gets one bucket, because its DP traffic is not on the critical path
+# (`distributed_data_parallel.py:95-106`).
 
 # %%
 def _dp_cp(cfg: MemoryConfig) -> int:
     return cfg.data_parallel_size * cfg.context_parallel_size
 
 
-def buffer_layouts(cfg: MemoryConfig, pp_rank: int) -> list[tuple[list[ParamSpec], object]]:
-    """(params, chapter 05 ParamLayout) of each model chunk's DDP buffer on this pipeline rank."""
-    ddp = DistributedDataParallelConfig(overlap_grad_reduce=cfg.overlap_grad_reduce,
-                                        bucket_size=cfg.bucket_size,
-                                        use_distributed_optimizer=cfg.use_distributed_optimizer)
-    bucket = default_bucket_size(ddp, _dp_cp(cfg)) if pp_rank == 0 else None
+def bucket_size_for(cfg: MemoryConfig, pp_rank: int) -> int | None:
+    """Elements per bucket of pipeline rank `pp_rank` (None: one bucket)."""
+    if not cfg.overlap_grad_reduce or pp_rank > 0:
+        return None
+    return cfg.bucket_size or max(40_000_000, 1_000_000 * _dp_cp(cfg))
+
+
+def buffer_layouts(cfg: MemoryConfig, pp_rank: int) -> list[tuple[list[ParamSpec], BufferLayout]]:
+    """(params, layout) of each model chunk's DDP buffer on this pipeline rank."""
     out = []
     for chunk in range(cfg.num_chunks):
         params = chunk_params(cfg, pp_rank, chunk)
-        layout = compute_param_layout(params, bucket, _dp_cp(cfg),
-                                      use_distributed_optimizer=cfg.use_distributed_optimizer,
-                                      pad_for_high_nccl_busbw=cfg.pad_buckets_for_high_nccl_busbw)
-        out.append((params, layout))
+        out.append((params, lay_out(params, bucket_size_for(cfg, pp_rank), _dp_cp(cfg),
+                                    distributed_optimizer=cfg.use_distributed_optimizer,
+                                    pad_for_high_nccl_busbw=cfg.pad_buckets_for_high_nccl_busbw)))
     return out
 
 
-def owned_elements(params: list[ParamSpec], layout, dp_size: int, dp_rank: int) -> list[int]:
+# %% [markdown]
+# Worked example, the tiny model ($h = 64$, 2 layers, 4/2 heads, $f = 128$, $V = 512$) at DP 4
+# with the distributed optimizer: every parameter size is a multiple of 64, so rule 1 never
+# moves a start and only the bucket end moves — 106,816 parameters become a buffer of 106,880
+# elements ($835 \cdot 128$). The param buffer (bf16) gets the same layout and the model's
+# weights are re-pointed into it, so the weights cost the padded count too.
+#
+# **Who owns what.** DP rank $r$ of a bucket $[b_0, b_1)$ owns $[b_0 + r\,q, b_0 + (r+1)\,q)$
+# with $q = (b_1 - b_0)/d_{cp}$; the distributed optimizer keeps fp32 masters and moments only
+# for the *parameter* elements inside that range (`DistributedOptimizer._build_main_params`,
+# chapter 02), so padding costs grad and param buffer bytes but no optimizer bytes, and the
+# ranks do not all own the same count: the tiny model's four DP ranks own 26,720, 26,720,
+# 26,720 and 26,656 elements — the last rank's slice ends in the 64 padding elements.
+
+# %%
+def owned_elements(params: list[ParamSpec], layout: BufferLayout, dp_size: int,
+                   dp_rank: int) -> list[int]:
     """Per parameter, how many of its elements lie in DP rank `dp_rank`'s shards."""
     owned = []
     for p in params:
@@ -290,13 +346,24 @@ def owned_elements(params: list[ParamSpec], layout, dp_size: int, dp_rank: int) 
 # **CPU offload** (chapter 02's `HybridDeviceOptimizer`) takes the masters in optimizer-group
 # order — the weight-decay group first when the chunk starts with a matrix, the norms first
 # otherwise (`build_param_groups` keeps first-seen order) — and moves whole tensors to the host
-# until the offloaded elements reach the fraction (`split_by_fraction`). On the host each
-# offloaded element costs an fp32 copy, an fp32 grad and the moments; the device keeps its
-# fp32 master and only the moments of what stayed. (Megatron's hybrid optimizer keeps the
-# same structure: `megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py`.)
+# while the offloaded elements are still below the fraction of the total: the tensor that
+# crosses the budget still goes (Megatron's rule,
+# `megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py:251-275`; written out here as
+# `offloaded_mask`, not taken from chapter 02). On the host each offloaded element costs an
+# fp32 copy, an fp32 grad and the moments; the device keeps its fp32 master and only the
+# moments of what stayed.
 
 # %%
 _MOMENTS = {"adam": 2, "lion": 1, "sgd": 1}
+
+
+def offloaded_mask(counts: list[int], fraction: float) -> list[bool]:
+    """Which tensors (in optimizer order) go to the host: while the offloaded sum < budget."""
+    budget, taken, mask = fraction * sum(counts), 0, []
+    for n in counts:
+        mask.append(taken < budget)
+        taken += n if mask[-1] else 0
+    return mask
 
 
 def _optimizer_order(params: list[ParamSpec], owned: list[int]) -> list[int]:
@@ -316,7 +383,7 @@ def _optimizer_terms(cfg: MemoryConfig, params, owned) -> dict[str, int]:
              "optimizer_state": moments * elements, "host_optimizer": 0}
     if cfg.optimizer_cpu_offload:
         order = _optimizer_order(params, owned)
-        offloaded = sum(n for n, off in zip(order, split_by_fraction(
+        offloaded = sum(n for n, off in zip(order, offloaded_mask(
             order, cfg.optimizer_offload_fraction)) if off)
         terms["optimizer_state"] = moments * (elements - offloaded)
         terms["host_optimizer"] = (4 + 4 + moments) * offloaded  # copy, grad, moments
@@ -327,11 +394,7 @@ def _optimizer_terms(cfg: MemoryConfig, params, owned) -> dict[str, int]:
 
 def state_ledger(cfg: MemoryConfig, pp_rank: int = 0, dp_rank: int = 0) -> dict[str, int]:
     """Resident bytes of one rank: weights, grad buffer, masters, moments (device and host)."""
-    if not 0 <= pp_rank < cfg.pipeline_model_parallel_size:
-        raise ValueError(f"pp_rank must be in [0, {cfg.pipeline_model_parallel_size}), "
-                         f"got {pp_rank}")
-    if not 0 <= dp_rank < _dp_cp(cfg):
-        raise ValueError(f"dp_rank must be in [0, {_dp_cp(cfg)}) (DP x CP), got {dp_rank}")
+    check_rank(cfg, pp_rank, dp_rank, _dp_cp(cfg))
     out: dict[str, int] = {}
     for params, layout in buffer_layouts(cfg, pp_rank):
         count = sum(p.count for p in params)
