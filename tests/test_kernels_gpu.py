@@ -100,8 +100,8 @@ def test_rmsnorm_compiled_at_wide_rows(hidden):
     w = torch.rand(hidden, device="cuda").bfloat16()
     dy = torch.randn_like(x)
     kernel, ref = both([rms_norm, rms_norm_reference], [x, w], dy)
-    assert torch.equal(kernel[0], ref[0])
-    assert rel_gap(kernel[1], ref[1]) < BF16_TOL and rel_gap(kernel[2], ref[2]) < BF16_TOL
+    for a, b in zip(kernel, ref):
+        assert rel_gap(a, b) < BF16_TOL
 
 
 def test_fused_adamw_compiled_equals_chapter_02():
