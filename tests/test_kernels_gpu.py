@@ -1,6 +1,7 @@
 """Appendix C on CUDA: the Triton kernels compiled, at the shapes of a ~1B model (Llama-3.2-1B:
 h 2048, 32 query / 8 key-value heads of 64, f 8192, V 128256; one sequence of 2048 tokens) and
-with the running example's head size 128, against the same torch references as the CPU tests. Skipped without a GPU (and under the interpreter).
+with the running example's head size 128, against the same torch references as the CPU tests.
+Skipped without a GPU (and under the interpreter).
 """
 
 from __future__ import annotations
