@@ -34,3 +34,11 @@ def test_losses_only_on_the_last_stage_and_all_equal_one_process(stages):
         for schedule in ("real", "gpipe", "bare"):
             gap, bitwise = res[schedule]["vs_reference"]
             assert bitwise, (schedule, res["stage"], gap)
+
+
+def test_gpipe_holds_all_m_microbatches_and_1f1b_p_minus_r(stages):
+    """LiveBytesMeter peaks (storage-counted, not timed): GPipe / 1F1B is about m / (p - r)."""
+    for res in stages:
+        expected = M / (2 - res["stage"])  # 3 on stage 0, 6 on stage 1
+        ratio = res["peaks"]["gpipe"] / res["peaks"]["bare"]
+        assert 0.6 * expected < ratio <= 1.05 * expected, (res["stage"], res["peaks"], ratio)

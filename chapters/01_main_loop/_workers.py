@@ -336,8 +336,15 @@ def naive_case(num_microbatches: int = 6, num_layers: int = 4) -> dict:
         grads = full_grads([model], grid)
         out[name] = {"grads": grads, "losses": [r["lm loss"] for r in reports],
                      "vs_reference": compare(grads, ref["grads"])}
+    from tinytron.main_loop.memory_meter import LiveBytesMeter
+
+    peaks = {}  # grads exist by now and accumulate in place: the peaks are activations
+    for name in ("gpipe", "bare"):
+        with LiveBytesMeter(record_every_op=False) as meter:
+            runs[name]()
+        peaks[name] = meter.peak
     real_run = out["real"]
-    return {"stage": grid.rank("pp"), "num_reports": len(real_run["losses"]),
+    return {"stage": grid.rank("pp"), "num_reports": len(real_run["losses"]), "peaks": peaks,
             **{name: {"grads_bitwise": all(torch.equal(g, real_run["grads"][n])
                                            for n, g in res["grads"].items()),
                       "losses_equal": len(res["losses"]) == len(real_run["losses"]) and all(

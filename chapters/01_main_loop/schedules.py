@@ -734,8 +734,10 @@ if __name__ == "__main__":
 #
 # ## Exercises
 #
-# 1. Run `forward_backward_gpipe` under the `LiveBytesMeter` and measure stage 0's peak live
-#    bytes at $m = 8$. By what factor does it exceed 1F1B's?
+# 1. Under the `LiveBytesMeter` at $m = 6$ on two stages, GPipe's peak live bytes are 2.9×
+#    the bare 1F1B's on stage 0 and 4.7× on stage 1 (measured in
+#    `tests/test_main_loop_naive.py`), where $m / (p - r)$ predicts 3 and 6. What makes up
+#    the difference on stage 1?
 # 2. Why does the last stage never need `deallocate_output_tensor` to save memory?
 # 3. With a `grad_sync_func`, stages other than 0 launch their grad collectives after the
 #    cooldown instead of during the last backward. When is that better?
