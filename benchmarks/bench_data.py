@@ -5,6 +5,10 @@ Corpus: 100M uint16 tokens in synthetic documents (lengths drawn like Megatron's
   * the whole index build (document, sample and shuffle index) with tinytron's vectorized numpy
     vs the straightforward per-sample loop transcription of helpers.cpp build_sample_idx (the loop
     is timed on a prefix of the samples and extrapolated linearly; the JSON says so);
+  * the same whole build against megatron-core's own code (its numpy `_build_document_index` and
+    `_build_shuffle_index`, its compiled `build_sample_idx`, its separate-final-epoch rule), in
+    alternating rounds, CPU time and wall time, the three arrays checked equal
+    (`whole_build_vs_megatron`); and the sample index alone against the compiled helper;
   * random-access samples/s on a warm page cache: GPTDataset.query_tokens (the token window) and
     __getitem__ (the full sample dict), vs the per-sample reference lookup (per-token Python) and
     a Megatron-style lookup (IndexedDataset.get per part + one concatenate);
@@ -20,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -59,7 +64,8 @@ def time_it(fn, repeat: int = 3):
     return best, out
 
 
-def bench_build(ix: IndexedDataset, num_samples: int, seq_length: int, loop_fraction: float):
+def bench_build(ix: IndexedDataset, num_samples: int, seq_length: int, loop_fraction: float,
+                rounds: int = 7):
     """Vectorized build vs the per-sample loop (loop on a prefix, extrapolated)."""
     docs = np.arange(len(ix), dtype=np.int32)
     sizes = np.array(ix.sequence_lengths)
@@ -81,6 +87,7 @@ def bench_build(ix: IndexedDataset, num_samples: int, seq_length: int, loop_frac
     t_loop = t_loop_part * (num_samples / part) + t_doc + t_shuf  # the numpy shuffles are shared
     cpp = _time_megatron_cpp(sizes, doc_idx, seq_length, epochs, tokens, sample_idx, t_doc, t_shuf,
                              t_fast)
+    cpp.update(bench_whole_build(sizes, docs, num_samples, seq_length, rounds))
     return {"samples": int(len(sample_idx) - 1), "epochs": epochs, **cpp,
             "vectorized_build_s": t_fast, "loop_sample_index_s_measured": t_loop_part,
             "loop_samples_measured": part, "loop_build_s_extrapolated": t_loop,
@@ -105,11 +112,7 @@ def _megatron_helpers():
 
 def _time_megatron_cpp(sizes, doc_idx, seq_length, epochs, tokens, ours, t_doc, t_shuf,
                        t_ours_whole) -> dict:
-    """Megatron's compiled build_sample_idx side by side with ours; and the whole index build.
-
-    Megatron's whole build is numpy's document shuffle + the C++ sample index + numpy's sample
-    shuffle; ours replaces only the middle step, so the two shuffles are timed once and shared.
-    """
+    """Megatron's compiled build_sample_idx side by side with ours (the sample index alone)."""
     helpers, source = _megatron_helpers()
     if helpers is None:
         return {}
@@ -118,9 +121,62 @@ def _time_megatron_cpp(sizes, doc_idx, seq_length, epochs, tokens, ours, t_doc, 
     assert np.array_equal(ref, ours), "numpy sample index != Megatron's helpers.cpp"
     t_np, _ = time_it(lambda: build_sample_index(sizes, doc_idx, seq_length, epochs, tokens))
     return {"megatron_helpers": source, "megatron_cpp_sample_index_s": t,
-            "numpy_sample_index_s": t_np, "sample_index_vs_megatron_cpp": t_np / t,
-            "megatron_whole_build_s": t_doc + t + t_shuf,
-            "whole_build_vs_megatron": t_ours_whole / (t_doc + t + t_shuf)}
+            "numpy_sample_index_s": t_np, "sample_index_vs_megatron_cpp": t_np / t}
+
+
+def megatron_whole_build(sizes, docs, num_samples: int, seq_length: int, helpers, seed=1234):
+    """Megatron's three tables with megatron-core's own code: its numpy document shuffle
+    (`_build_document_index`), the compiled `build_sample_idx`, its numpy sample shuffle
+    (`_build_shuffle_index`), in its RNG order, with its separate-final-epoch rule
+    (`GPTDataset._build_document_sample_shuffle_indices`: the last epoch is kept apart when it
+    contributes fewer than 80% of an epoch's samples; add_extra_token = 1)."""
+    from megatron.core.datasets.gpt_dataset import _build_document_index, _build_shuffle_index
+
+    tokens = int(sizes[docs].sum(dtype=np.int64))
+    epochs = get_num_epochs(tokens, num_samples, seq_length)
+    separate, sans_final = False, 0
+    if epochs > 1:
+        sans_final = ((epochs - 1) * tokens - 1) // seq_length
+        separate = num_samples - sans_final < int(0.80 * ((tokens - 1) // seq_length))
+    rng = np.random.RandomState(seed)
+    doc_idx = _build_document_index(docs, epochs, rng, separate)
+    sample_idx = helpers.build_sample_idx_int32(sizes, doc_idx, seq_length, epochs, tokens,
+                                                True, 1)
+    n = sample_idx.shape[0] - 1
+    shuffle_idx = _build_shuffle_index(sans_final if separate else n, n, rng)
+    return doc_idx, sample_idx, shuffle_idx
+
+
+def bench_whole_build(sizes, docs, num_samples: int, seq_length: int, rounds: int) -> dict:
+    """Ours vs megatron-core's whole index build, alternating round by round, both clocks.
+
+    The ratio is the median of per-round ratios (ours / Megatron); the arrays must be equal.
+    """
+    helpers, source = _megatron_helpers()
+    if helpers is None:
+        return {}
+    ours = build_document_sample_shuffle_indices(sizes, docs, num_samples, seq_length)
+    theirs = megatron_whole_build(sizes, docs, num_samples, seq_length, helpers)
+    for name, a, b in zip(("document", "sample", "shuffle"), ours, theirs):
+        assert a.dtype == b.dtype and np.array_equal(a, b), f"{name} index differs from Megatron's"
+    times = {c: {"ours": [], "megatron": []} for c in ("wall", "cpu")}
+    sides = {"ours": lambda: build_document_sample_shuffle_indices(sizes, docs, num_samples,
+                                                                   seq_length),
+             "megatron": lambda: megatron_whole_build(sizes, docs, num_samples, seq_length,
+                                                      helpers)}
+    for _ in range(rounds):
+        for name, fn in sides.items():
+            w0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            times["wall"][name].append(time.perf_counter() - w0)
+            times["cpu"][name].append(time.process_time() - c0)
+    ratio = {c: statistics.median(a / b for a, b in zip(t["ours"], t["megatron"]))
+             for c, t in times.items()}
+    return {"megatron_helpers": source, "whole_build_rounds": rounds,
+            "whole_build_s_median": {c: {k: statistics.median(v) for k, v in t.items()}
+                                     for c, t in times.items()},
+            "whole_build_vs_megatron": ratio, "whole_build_per_round": times,
+            "whole_build_arrays_identical": True}
 
 
 def megatron_style_lookup(ix, doc_idx, sample_idx, shuffle_idx, idx: int, extra: int = 1):
@@ -181,6 +237,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=1_000_000)
     ap.add_argument("--seq-length", type=int, default=1024)
     ap.add_argument("--loop-fraction", type=float, default=0.05)
+    ap.add_argument("--rounds", type=int, default=7,
+                    help="alternating rounds of the whole-build comparison with megatron-core")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "data.json"))
     args = ap.parse_args()
     load_start = list(os.getloadavg())  # other jobs on the machine slow every number down
@@ -190,7 +248,8 @@ def main() -> None:
     make_corpus(prefix, args.tokens)
     ix = IndexedDataset(prefix)
     print(f"corpus: {args.tokens:,} tokens, {len(ix):,} documents ({time.perf_counter() - t0:.1f} s)")
-    build, tables = bench_build(ix, args.samples, args.seq_length, args.loop_fraction)
+    build, tables = bench_build(ix, args.samples, args.seq_length, args.loop_fraction,
+                                args.rounds)
     access = bench_access(ix, prefix, tables, args.samples, args.seq_length, 20000, 2000,
                           os.path.join(tmp, "cache"))
     blend = bench_blend(args.samples, args.samples // 20)
@@ -215,9 +274,12 @@ def main() -> None:
               f"compiled helpers.cpp ({build['megatron_helpers']}) "
               f"{build['megatron_cpp_sample_index_s']:.4f} s -> "
               f"{build['sample_index_vs_megatron_cpp']:.2f}x its time (identical arrays)")
-        print(f"whole index build (document shuffle + sample index + sample shuffle): ours "
-              f"{build['vectorized_build_s']:.3f} s = {build['whole_build_vs_megatron']:.2f}x "
-              f"Megatron's {build['megatron_whole_build_s']:.3f} s")
+    if "whole_build_vs_megatron" in build:
+        med, r = build["whole_build_s_median"], build["whole_build_vs_megatron"]
+        print(f"whole index build (document shuffle + sample index + sample shuffle), "
+              f"{build['whole_build_rounds']} alternating rounds: ours {med['wall']['ours']:.3f} s "
+              f"vs megatron-core {med['wall']['megatron']:.3f} s (wall) -> {r['cpu']:.2f}x "
+              f"(CPU time), {r['wall']:.2f}x (wall); identical arrays")
     print(f"random access: query_tokens {access['query_tokens_samples_per_s']:,.0f}/s, "
           f"__getitem__ {access['getitem_samples_per_s']:,.0f}/s vs loop lookup "
           f"{access['loop_lookup_samples_per_s']:,.0f}/s -> {access['access_speedup']:.1f}x; "

@@ -12,7 +12,11 @@ and (CPU, one thread) in this process's CPU time, which a loaded machine disturb
   ``torch.optim.AdamW(foreach=True)`` — the loop the issue names as the reference;
 - ``plain_model_loss``: the plain loop, but the loss computed by the model (``labels=``, the
   vocab-parallel cross entropy the book's model always uses), so that the ratio against it is
-  the loop's own overhead with the model held fixed.
+  the loop's own overhead with the model held fixed;
+- ``independent``: benchmarks/plain_llama.py, a Llama of the same shape and init scheme written
+  with torch modules only (no tinytron code), the same step (``F.cross_entropy``,
+  ``clip_grad_norm_(foreach=True)``, ``AdamW(foreach=True)``): the ratio against it includes
+  whatever the book's model costs.
 
 Run: python benchmarks/bench_main_loop.py [--device cpu|cuda] [--repeats N] [--threads T]
 Writes benchmarks/results/main_loop.json.
@@ -29,8 +33,13 @@ import time
 from functools import partial
 from pathlib import Path
 
+import sys
+
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plain_llama import PlainLlama, PlainTrainer  # noqa: E402
 
 from tinytron.buffers import DistributedDataParallelConfig
 from tinytron.main_loop.loop import (build_schedule_config, gpt_forward_step,
@@ -109,6 +118,19 @@ class _Plain:
         return float(total) / len(batches)
 
 
+class _Independent:
+    """benchmarks/plain_llama.py: no tinytron code in the model, the loss or the step."""
+
+    def __init__(self, cfg, device):
+        shape = {k: getattr(cfg, k) for k in ("hidden_size", "num_layers", "num_attention_heads",
+                                               "num_query_groups", "ffn_hidden_size",
+                                               "vocab_size", "seq_length")}
+        self.trainer = PlainTrainer(PlainLlama(**shape).to(device), LR, WD, CLIP)
+
+    def step(self, batches) -> float:
+        return float(self.trainer.step([(b["tokens"], b["labels"]) for b in batches]))
+
+
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -132,7 +154,7 @@ def _time_loops(loops: dict, batches, repeats: int, steps: int, device) -> dict:
 def _ratios(times: dict) -> dict:
     """Median over repeats of tinytron / reference within the same repeat (cancels drift)."""
     return {ref: statistics.median(a / b for a, b in zip(times["tinytron"], times[ref]))
-            for ref in ("plain", "plain_model_loss")}
+            for ref in ("plain", "plain_model_loss", "independent")}
 
 
 def run(device: str, repeats: int, steps: int, mbs: int, m: int) -> dict:
@@ -141,7 +163,8 @@ def run(device: str, repeats: int, steps: int, mbs: int, m: int) -> dict:
     batches = _microbatches(cfg, m, mbs, device)
     loops = {"tinytron": _Tinytron(cfg, mbs, m, device),
              "plain": _Plain(cfg, device, model_loss=False),
-             "plain_model_loss": _Plain(cfg, device, model_loss=True)}
+             "plain_model_loss": _Plain(cfg, device, model_loss=True),
+             "independent": _Independent(cfg, device)}
     first = {k: loop.step(batches) for k, loop in loops.items()}   # warm-up, creates state
     times = _time_loops(loops, batches, repeats, steps, device)
     # with one intra-op thread, CPU time is this process's own work: robust on a shared machine
@@ -153,6 +176,7 @@ def run(device: str, repeats: int, steps: int, mbs: int, m: int) -> dict:
             "ratios": {c: _ratios(t) for c, t in times.items()},
             "ratio_tinytron_over_plain": _ratios(times[primary])["plain"],
             "ratio_tinytron_over_plain_model_loss": _ratios(times[primary])["plain_model_loss"],
+            "ratio_tinytron_over_independent": _ratios(times[primary])["independent"],
             "all_ms": times, "first_loss": first}
 
 
@@ -192,7 +216,8 @@ def main() -> None:
           f"{med['plain']:.1f}, plain with the model's loss {med['plain_model_loss']:.1f}")
     for clock, r in res["ratios"].items():
         print(f"{clock:>4} time: tinytron / plain = {r['plain']:.3f} (goal <= 1.03); "
-              f"tinytron / plain with the model's loss = {r['plain_model_loss']:.3f}")
+              f"tinytron / plain with the model's loss = {r['plain_model_loss']:.3f}; "
+              f"tinytron / independent plain-PyTorch Llama = {r['independent']:.3f}")
     print(f"first losses {res['first_loss']}; load average {load_before} -> {os.getloadavg()}")
     print(f"command: {result['command']}  -> {out}")
 

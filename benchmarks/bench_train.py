@@ -10,6 +10,13 @@ machine noise hits both alike; ratios are medians of per-round ratios.
   a plain loop over the same GPTDataset samples and the same model (``GPTModel`` forward with
   labels, masked mean loss, backward, ``clip_grad_norm_(foreach=True)``,
   ``torch.optim.AdamW(foreach=True)``). Goal: trainer / plain <= 1.03.
+- ``independent`` (both parts): benchmarks/plain_llama.py, a Llama of the same shape and init
+  scheme written with torch modules only (its own RMSNorm, rotate-half RoPE, SDPA
+  ``is_causal``, SwiGLU, ``F.cross_entropy``, ``AdamW(foreach=True)``,
+  ``clip_grad_norm_(foreach=True)``; under torch DDP for dp2), fed consecutive windows of the
+  same token file by ``numpy.memmap``. The ``plain`` loop runs tinytron's own GPTModel, so the
+  model's cost cancels out of trainer / plain; trainer / independent includes it. Goal:
+  trainer / independent <= 1.00 (``ratio_over_independent``).
 - ``dp2`` (two gloo ranks through ``run_on_ranks``): the trainer at DP2 versus
   ``torch.nn.parallel.DistributedDataParallel`` (``no_sync`` on all but the last micro-batch)
   on the same model and each rank's same samples, in tokens/s. Goal: trainer / DDP >= 1.0.
@@ -26,8 +33,9 @@ result checks, to show what those cost; ``--profile`` splits one trainer iterati
 area (Python self time under cProfile, the same difference of two runs).
 
 Run: python benchmarks/bench_train.py [--rounds 5] [--iters 4] [--part single|dp2|both]
-                                      [--variants] [--profile]
-Writes benchmarks/results/train.json.
+                                      [--variants] [--profile] [--shape bench|tiny]
+Writes benchmarks/results/train.json (train_tiny.json for --shape tiny: configs/tiny.toml's
+model, micro-batch 8, global batch 32).
 """
 
 from __future__ import annotations
@@ -47,10 +55,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-MODEL = dict(hidden_size=256, num_layers=4, num_attention_heads=8, num_query_groups=2,
-             ffn_hidden_size=688, vocab_size=512, seq_length=256)
-MBS = 4
-GBS = {1: 8, 2: 16}   # world -> global batch: 2 micro-batches per rank in both parts
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # plain_llama, here and in workers
+
+SHAPES = {  # name -> model, micro-batch size, {world: global batch}
+    "bench": (dict(hidden_size=256, num_layers=4, num_attention_heads=8, num_query_groups=2,
+                   ffn_hidden_size=688, vocab_size=512, seq_length=256),
+              4, {1: 8, 2: 16}),    # 2 micro-batches per rank in both parts
+    "tiny": (dict(hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=2,
+                  ffn_hidden_size=352, vocab_size=512, seq_length=128),
+             8, {1: 32, 2: 32}),    # configs/tiny.toml's model and batch sizes
+}
+MODEL, MBS, GBS = SHAPES["bench"]
+
+
+def use_shape(name: str) -> None:
+    """Make SHAPES[name] the shape every function below runs (called in each worker too)."""
+    global MODEL, MBS, GBS
+    MODEL, MBS, GBS = SHAPES[name]
+
 LR, WD, CLIP, WARMUP_ITERS = 1e-3, 0.1, 1.0, 2
 VARIANTS = {  # name -> extra trainer sections; "trainer" is the default configuration
     "trainer": {},
@@ -83,8 +105,12 @@ def trainer_config(world: int, iters: int, out_dir: str, prefix: str, cache: str
 
 def time_trainer(world: int, iters: int, prefix: str, cache: str, extra=None) -> dict:
     """Wall and CPU seconds of one whole tinytron.train.run, and its JSONL records."""
-    from tinytron.train import run
+    import tinytron.train as train
 
+    # The closing "resume with ..." message re-reads the config file of the command line; the
+    # benchmark builds its config in memory and has none, so that message is left out.
+    train._next_steps = lambda *args: ""
+    run = train.run
     out = tempfile.mkdtemp(prefix="bench_train_")
     cfg = trainer_config(world, iters, out, prefix, cache, extra)
     console = io.StringIO()
@@ -97,6 +123,7 @@ def time_trainer(world: int, iters: int, prefix: str, cache: str, extra=None) ->
     assert code == 0, console.getvalue()[-2000:]
     log = Path(out, "log.jsonl")
     records = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+    records = [r for r in records if "losses" in r]   # the training records (not start lines)
     return {"wall": wall, "cpu": cpu, "records": records}
 
 
@@ -182,31 +209,67 @@ def trainer_per_iteration(world: int, iters: int, prefix: str, cache: str, extra
             "first_loss": long["records"][0]["losses"]["lm loss"] if long["records"] else None}
 
 
-def measure_side(side: str, world: int, iters: int, prefix: str, cache: str) -> dict:
+class IndependentLoop:
+    """The independent reference: benchmarks/plain_llama.py's model, step and data, no tinytron.
+
+    Same shape, init scheme, optimizer settings and batch sizes; its samples are consecutive
+    windows of the same token file (not GPTDataset's shuffled ones: the cost is the same).
+    """
+
+    def __init__(self, world: int, prefix: str):
+        from plain_llama import PlainLlama, PlainTrainer, TokenWindows
+
+        self.m = GBS[world] // (MBS * world)
+        self.trainer = PlainTrainer(PlainLlama(**MODEL), LR, WD, CLIP, ddp=world > 1)
+        self.data = TokenWindows(prefix, MODEL["seq_length"])
+        self.data.next_window = dist.get_rank() * 10 ** 4   # each rank its own windows
+
+    def step(self) -> float:
+        loss = self.trainer.step([self.data.batch(MBS) for _ in range(self.m)])
+        return float(loss)   # the step's one host sync, as a loop that logs its loss has
+
+    def time(self, warmup: int, iters: int) -> dict:
+        first = [self.step() for _ in range(warmup)]
+        dist.barrier()
+        w0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(iters):
+            self.step()
+        dist.barrier()
+        return {"wall": (time.perf_counter() - w0) / iters,
+                "cpu": (time.process_time() - c0) / iters, "first_loss": first[0]}
+
+
+def measure_side(side: str, world: int, iters: int, prefix: str, cache: str,
+                 shape: str = "bench") -> dict:
     """One side's seconds per iteration, on each rank of a fresh world (run_on_ranks' worker).
 
     Fresh because every in-process trainer run leaves its gloo subgroups (8 per run, 3 threads
     each) behind, and a few dozen runs in one process cost measurable CPU.
     """
+    use_shape(shape)
     torch.manual_seed(0)
     if side == "plain":
         loop = PlainLoop(world, prefix, cache, ddp=world > 1, total_iters=2 + WARMUP_ITERS + iters)
         first = loop.time(1, 1)["first_loss"]   # first steps pay lazy initialization: not timed
+        return dict(loop.time(WARMUP_ITERS, iters), first_loss=first)
+    if side == "independent":
+        loop = IndependentLoop(world, prefix)
+        first = loop.time(1, 1)["first_loss"]
         return dict(loop.time(WARMUP_ITERS, iters), first_loss=first)
     time_trainer(world, WARMUP_ITERS, prefix, cache, VARIANTS[side])   # imports: not timed
     return trainer_per_iteration(world, iters, prefix, cache, VARIANTS[side])
 
 
 def run_rounds(world: int, rounds: int, iters: int, prefix: str, cache: str,
-               variants: list[str], threads: int) -> list[dict]:
+               variants: list[str], threads: int, shape: str = "bench") -> list[dict]:
     """Per rank, {side: [per-round dict]}; the sides alternate within each round."""
     from tinytron.launch import run_on_ranks
 
-    sides = [*variants, "plain"]
+    sides = [*variants, "plain", "independent"]
     out = [{side: [] for side in sides} for _ in range(world)]
     for _ in range(rounds):
         for side in sides:
-            got = run_on_ranks(measure_side, world, side, world, iters, prefix, cache,
+            got = run_on_ranks(measure_side, world, side, world, iters, prefix, cache, shape,
                                timeout=900, num_threads=threads)
             for rank, r in enumerate(got):
                 out[rank][side].append(r)
@@ -259,13 +322,16 @@ def profile_breakdown(prefix: str, cache: str, iters: int) -> dict:
 # -- summaries ----------------------------------------------------------------------------------
 def summarize(per_round: dict, tokens_per_step: int, variants: list[str]) -> dict:
     """Medians per side and median per-round ratios trainer variant / plain, for each clock."""
-    out = {"seconds_per_iteration": {}, "ratio_over_plain": {}, "tokens_per_second": {}}
+    out = {"seconds_per_iteration": {}, "ratio_over_plain": {}, "ratio_over_independent": {},
+           "tokens_per_second": {}}
     for clock in ("wall", "cpu"):
         out["seconds_per_iteration"][clock] = {
             k: statistics.median(r[clock] for r in v) for k, v in per_round.items()}
-        out["ratio_over_plain"][clock] = {
-            name: statistics.median(a[clock] / b[clock] for a, b in
-                                    zip(per_round[name], per_round["plain"])) for name in variants}
+        for ref in ("plain", "independent"):
+            out[f"ratio_over_{ref}"][clock] = {
+                name: statistics.median(a[clock] / b[clock] for a, b in
+                                        zip(per_round[name], per_round[ref]))
+                for name in [*variants, "plain"] if name != ref}
         out["tokens_per_second"][clock] = {
             k: tokens_per_step / s for k, s in out["seconds_per_iteration"][clock].items()}
     logged = [r["logged_wall"] for r in per_round["trainer"] if r["logged_wall"]]
@@ -294,9 +360,15 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="also break the trainer's iteration down by source area (cProfile)")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"
-                                          / "train.json"))
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="bench",
+                    help="bench: h256 L4 s256 mbs 4; tiny: configs/tiny.toml's model and batch")
+    ap.add_argument("--out", default=None,
+                    help="default benchmarks/results/train.json (train_tiny.json for --shape tiny)")
     args = ap.parse_args()
+    use_shape(args.shape)
+    if args.out is None:
+        args.out = str(Path(__file__).resolve().parent / "results" /
+                       ("train.json" if args.shape == "bench" else f"train_{args.shape}.json"))
     torch.set_num_threads(args.threads)
     variants = list(VARIANTS) if args.variants else ["trainer"]
     command = "python benchmarks/bench_train.py " + " ".join(sys.argv[1:])
@@ -304,19 +376,24 @@ def main() -> None:
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, no GPU",
               "shared_machine_note": "a shared 2-core machine loaded by other jobs: absolute "
                                      "times are noisy; compare the side-by-side ratios",
-              "threads_per_process": args.threads, "model": MODEL, "micro_batch_size": MBS,
+              "threads_per_process": args.threads, "shape": args.shape, "model": MODEL, "micro_batch_size": MBS,
               "load_average_before": os.getloadavg()}
     workdir = tempfile.mkdtemp(prefix="bench_train_data_")
     prefix, cache = prepare_data(workdir)
     seq = MODEL["seq_length"]
     if args.part in ("single", "both"):
         per_round = run_rounds(1, args.rounds, args.iters, prefix, cache, variants,
-                               args.threads)[0]
+                               args.threads, args.shape)[0]
         result["single"] = {"global_batch_size": GBS[1], "rounds": per_round,
                             **summarize(per_round, GBS[1] * seq, variants)}
         r = result["single"]["ratio_over_plain"]
-        print(f"single process: trainer / plain loop = {r['cpu']['trainer']:.3f} (CPU time), "
-              f"{r['wall']['trainer']:.3f} (wall); goal <= 1.03")
+        print(f"single process: trainer / plain loop over GPTModel = {r['cpu']['trainer']:.3f} "
+              f"(CPU time), {r['wall']['trainer']:.3f} (wall); goal <= 1.03")
+        r = result["single"]["ratio_over_independent"]
+        print(f"single process: trainer / independent plain-PyTorch Llama = "
+              f"{r['cpu']['trainer']:.3f} (CPU time), {r['wall']['trainer']:.3f} (wall); "
+              f"GPTModel loop / independent = {r['cpu']['plain']:.3f} (CPU), "
+              f"{r['wall']['plain']:.3f} (wall); goal <= 1.00")
     if args.profile:
         from tinytron.launch import run_on_ranks
 
@@ -326,18 +403,24 @@ def main() -> None:
         print("trainer, ms per iteration by area (cProfile self time; profiling inflates "
               "Python):", {k: round(v, 1) for k, v in prof.items()})
     if args.part in ("dp2", "both"):
-        ranks = run_rounds(2, args.rounds, args.iters, prefix, cache, variants, args.threads)
+        ranks = run_rounds(2, args.rounds, args.iters, prefix, cache, variants, args.threads,
+                           args.shape)
         for name in variants:  # the trainer's log is written by the last rank
             for r0, r1 in zip(ranks[0][name], ranks[1][name]):
                 r0["first_loss"], r0["logged_wall"] = r1["first_loss"], r1["logged_wall"]
         s = summarize(ranks[0], GBS[2] * seq, variants)
         s["tokens_per_second_ratio_trainer_over_ddp"] = {
             clock: 1 / s["ratio_over_plain"][clock]["trainer"] for clock in ("wall", "cpu")}
+        s["tokens_per_second_ratio_trainer_over_independent_ddp"] = {
+            clock: 1 / s["ratio_over_independent"][clock]["trainer"] for clock in ("wall", "cpu")}
         result["dp2"] = {"global_batch_size": GBS[2], "reference": "torch DDP (gloo), no_sync",
                          "rounds_rank0": ranks[0], "rounds_rank1": ranks[1], **s}
         r = s["tokens_per_second_ratio_trainer_over_ddp"]
         print(f"DP2 (gloo): trainer tokens/s / torch DDP tokens/s = {r['wall']:.3f} (wall), "
               f"{r['cpu']:.3f} (CPU time per rank); goal >= 1.0")
+        r = s["tokens_per_second_ratio_trainer_over_independent_ddp"]
+        print(f"DP2 (gloo): trainer tokens/s / independent Llama under torch DDP = "
+              f"{r['wall']:.3f} (wall), {r['cpu']:.3f} (CPU time per rank)")
     result["load_average_after"] = os.getloadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
