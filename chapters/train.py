@@ -556,6 +556,10 @@ class LoadRefused(ConfigError):
     """Chapter 03 refused the checkpoint (every rank agrees): one line, exit status 2."""
 
 
+class DataRefused(ConfigError):
+    """Chapter 04 cannot build the datasets the config asks for: one line, exit status 2."""
+
+
 def _restored(config, plan) -> str:
     """What a load restores, in words (chapter 03's options)."""
     from tinytron.checkpoint._load_dir import saved_parts
@@ -657,7 +661,10 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
 
     def provide_and_keep(grid_, state):
         log_fn.state = state  # the loop's own TrainState: the samples a validation follows
-        iterators["train"], iterators["valid"] = provide_data(grid_, state)
+        try:
+            iterators["train"], iterators["valid"] = provide_data(grid_, state)
+        except ValueError as e:  # chapter 04 names the dataset and what it lacks: a user error
+            raise DataRefused(f"data: {e}") from e
         return iterators["train"], iterators["valid"]
     forward_step = partial(gpt_forward_step, micro_batch_size=mbs, seq_length=seq)
     # MFU needs a peak: a GPU's datasheet peak. A CPU's measured matmul rate moves with the

@@ -171,6 +171,18 @@ def _resume_command(stdout: str) -> list[str]:
     return shlex.split(lines[lines.index(next(x for x in lines if x.startswith("resume ("))) + 1])
 
 
+def test_data_too_small_for_its_split_is_one_line(tmp_path, capsys):
+    """Chapter 04's refusal (no validation sequences) reaches the shell as one line, exit 2."""
+    from tinytron.data.preprocess import run as preprocess, stdlib_corpus
+
+    few = preprocess(["--input", *stdlib_corpus(3), "--output-prefix", str(tmp_path / "few"),
+                      "--workers", "1", "--no-progress"])
+    line = _main_error(capsys, *SMALL, "--data.data_path", few, "--data.split", '"98,2,0"',
+                       "--checkpoint.save", str(tmp_path / "run"), "--training.train_iters", "4",
+                       "--training.eval_interval", "2")
+    assert line.startswith(f"tinytron.train: error: data: dataset '{few}' split 'valid'"), line
+
+
 def test_an_iteration_directory_loads_and_the_resume_command_continues(first_run, data_prefix,
                                                                        tmp_path):
     """Load a/iter_0000002, save b/, a NaN injected at iteration 4: that iteration directory is
