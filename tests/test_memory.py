@@ -224,6 +224,21 @@ def test_layer_saved_equals_what_autograd_saves(dtype, dropout):
     assert saved == saved_bytes(layer_saved(mem, input_is_received=True))
 
 
+def test_math_kernel_is_fp32_and_the_mask_follows_the_device():
+    """One rule: the math kernel keeps fp32 on both devices; dropout masks are bool on CUDA."""
+    from tinytron.memory.activations import dropout_mask_bytes
+    cfg = tiny_config(dropout=0.1)
+    b, s, d, a = 2, cfg.seq_length, cfg.head_dim, cfg.num_attention_heads
+    for device, mask in (("cuda", 1), ("cpu", 4)):
+        mem = MemoryConfig(cfg, micro_batch_size=b, device=device, attention_kernel="math")
+        core = [e for e in layer_saved(mem) if e.module == "core_attn"]
+        assert all(e.itemsize == 4 for e in core if "mask" not in e.what)
+        assert saved_bytes(core) == b * a * (4 * s * d + 8 * s * d + (8 + mask) * s * s)
+        residual = [e for e in layer_saved(mem) if e.module == "bda"]
+        assert [e.itemsize for e in residual] == [dropout_mask_bytes(mem, 2)] == \
+            [1 if device == "cuda" else 2]
+
+
 def test_kernel_and_recompute_formulas_order():
     base = MemoryConfig(tiny_config(num_layers=4), micro_batch_size=2, device="cuda")
 

@@ -141,3 +141,34 @@ def test_ledger_against_cuda_allocator():
             assert r["measured"] == r["predicted"], r
         elif r["term"] in ("kept_activations", "peak_activations"):
             assert _rel(r) <= 0.03, r
+
+
+@pytest.mark.gpu
+def test_math_layer_saved_on_cuda_equals_what_autograd_saves():
+    """On CUDA the math kernel keeps fp32 q, K^T, V and scores and a bool dropout mask."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tinytron.main_loop.memory_meter import saved_tensor_bytes
+    from tinytron.memory import MemoryConfig, layer_saved
+    from tinytron.memory.activations import saved_bytes
+    from tinytron.model import tiny_config
+    from tinytron.model.gpt import TransformerLayer
+    from tinytron.model.layers import rope_half_tables
+    from tinytron.parallel import ParallelGrid
+    from tinytron.parallel.rng import model_parallel_seed
+
+    cfg = tiny_config(dropout=0.1, kernels="torch")
+    grid = ParallelGrid.single()
+    layer = TransformerLayer(cfg, grid, 0, model_parallel_seed(1, grid))
+    layer = layer.to("cuda", torch.bfloat16).train()
+    b, s = 3, cfg.seq_length
+    x = torch.randn(s, b, cfg.hidden_size, dtype=torch.bfloat16, device="cuda",
+                    requires_grad=True)
+    cos, sin = (t.unsqueeze(1).cuda() for t in rope_half_tables(torch.arange(s), cfg.head_dim,
+                                                                dtype=torch.bfloat16))
+    with sdpa_kernel(SDPBackend.MATH):
+        _, saved = saved_tensor_bytes(layer, x, cos, sin,
+                                      exclude=[x, cos, sin, *layer.parameters()])
+    mem = MemoryConfig(cfg, micro_batch_size=b, device="cuda", attention_kernel="math")
+    assert saved == saved_bytes(layer_saved(mem, input_is_received=True))

@@ -21,7 +21,7 @@ from tinytron.memory.states import MemoryConfig
 from tinytron.model.config import stage_layer_ranges
 
 __all__ = ["Saved", "Dims", "attention_kernel", "layer_saved", "embedding_saved", "head_saved",
-           "chunk_saved", "saved_bytes", "CPU_RNG_STATE"]
+           "chunk_saved", "saved_bytes", "CPU_RNG_STATE", "dropout_mask_bytes"]
 
 # %% [markdown]
 # ## What one layer saves, tensor by tensor
@@ -58,17 +58,27 @@ __all__ = ["Saved", "Dims", "attention_kernel", "layer_saved", "embedding_saved"
 # **The kernel.** `scaled_dot_product_attention` picks a kernel. The flash kernels (CPU, and
 # CUDA's FlashAttention-2) save q, k, v, the output and one fp32 logsumexp per query and head —
 # nothing of size $s^2$. When the CPU flash kernel cannot run (dropout on the attention
-# probabilities), the math path runs: it casts to fp32 on CPU, repeats K and V to all $a_t$
-# heads (GQA is undone) and saves the scaled q, $K^T$, V, the probabilities, the dropout mask
-# and the dropped probabilities: $E\,b\,a_t (s_c d + 2 s d + 3 s_c s)$ with $E = 4$ on CPU —
-# the paper's $5 a s/h$ term, in fp32.
+# probabilities, or `attention_kernel = "math"`), the math path runs: it casts bf16 and fp16
+# inputs to fp32 **on every device** ("keep query, key, value in high precision",
+# `aten/src/ATen/native/transformers/attention.cpp`, `_scaled_dot_product_attention_math`),
+# repeats K and V to all $a_t$ heads (GQA is undone) and saves the scaled q, $K^T$, V, the
+# probabilities, the dropout mask and the dropped probabilities:
+# $b\,a_t\,(4 s_c d + 8 s d + (8 + M_4) s_c s)$ bytes with dropout, $M_4$ the mask's width
+# below — the paper's $5 a s/h$ term, in fp32 and not in bf16.
 #
 # **CP.** A CP rank holds $s_c$ queries but gathers the keys and values of the whole sequence:
 # the flash kernel then saves the gathered K and V ($P s b g_t d$ each) instead of the QKV
 # output, and an additive mask $P s_c s$ (the causal rule in global positions).
 #
-# **Dropout masks.** On CPU, `F.dropout` multiplies by a mask in the input's dtype ($M = P$);
-# CUDA's fused kernel saves a bool mask ($M = 1$).
+# **Dropout masks — one rule, per device** (`dropout_mask_bytes`). On CUDA, `F.dropout` runs
+# the fused `native_dropout`, which keeps a bool mask: $M = 1$ byte per element, for the
+# residual and embedding dropouts and for the math kernel's attention dropout alike. On CPU
+# `F.dropout` multiplies by a noise tensor in the input's dtype and autograd keeps it:
+# $M = P$ on the residuals, $M_4 = 4$ inside the math kernel (its input is fp32 there). The
+# math kernel's other saved tensors are fp32 on both devices. Chapter 06's running table
+# counts Megatron's *unfused* softmax instead (bf16 probabilities and a 1-byte mask, the
+# memory formula's assumption); this rule is what PyTorch's SDPA math kernel, which tinytron
+# runs, keeps.
 
 # %%
 @dataclass(frozen=True)
@@ -143,6 +153,11 @@ def attention_kernel(cfg: MemoryConfig) -> str:
     return "flash"
 
 
+def dropout_mask_bytes(cfg: MemoryConfig, input_bytes: int) -> int:
+    """Bytes per element of the mask `F.dropout` keeps: a bool on CUDA, the input's dtype on CPU."""
+    return 1 if cfg.device == "cuda" else input_bytes
+
+
 def _norm(module: str, x: Dims) -> list[Saved]:
     """RMSNorm: fp32 copy of the input, 1/rms, the normalized input in the param dtype."""
     n = x.s_r * x.b
@@ -169,15 +184,18 @@ def _core_attention(cfg: MemoryConfig, x: Dims) -> list[Saved]:
         return [Saved("core_attn", "q (after RoPE)", n * x.a_t * x.d, x.P), *kv,
                 Saved("core_attn", "logsumexp", x.b * x.a_t * x.s_c, 4),
                 Saved("core_attn", "output (= linear_proj input)", n * x.a_t * x.d, x.P)]
-    e = 4 if cfg.device == "cpu" else x.P  # the CPU math path computes in fp32
+    e = 4  # the math path computes in fp32 on every device
     heads = x.b * x.a_t
-    probs = 3 if cfg.model.dropout > 0 else 1  # probabilities, mask, dropped probabilities
-    return [Saved("core_attn", "q scaled", heads * x.s_c * x.d, e),
-            Saved("core_attn", "K^T repeated to all heads", heads * x.s * x.d, e),
-            Saved("core_attn", "V repeated to all heads", heads * x.s * x.d, e),
-            Saved("core_attn", "scores: probs (+ dropout mask, dropped)",
-                  probs * heads * x.s_c * x.s, e),
-            Saved("attn_proj", "linear_proj input", n * x.a_t * x.d, x.P)]
+    out = [Saved("core_attn", "q scaled", heads * x.s_c * x.d, e),
+           Saved("core_attn", "K^T repeated to all heads", heads * x.s * x.d, e),
+           Saved("core_attn", "V repeated to all heads", heads * x.s * x.d, e)]
+    if cfg.model.dropout > 0:  # probabilities, their dropout mask, the dropped probabilities
+        out += [Saved("core_attn", "scores: probs and dropped probs", 2 * heads * x.s_c * x.s, e),
+                Saved("core_attn", "scores: dropout mask", heads * x.s_c * x.s,
+                      dropout_mask_bytes(cfg, e))]
+    else:
+        out.append(Saved("core_attn", "scores: probs", heads * x.s_c * x.s, e))
+    return out + [Saved("attn_proj", "linear_proj input", n * x.a_t * x.d, x.P)]
 
 
 def _selective_core_attention(cfg: MemoryConfig, x: Dims) -> list[Saved]:
@@ -296,8 +314,8 @@ def layer_saved(cfg: MemoryConfig, input_is_received: bool = False,
     out = [*norm1, *([qkv_in] if qkv_in else []), *core, *norm2, *mlp]
     out += _snapshots(cfg, snapshots)
     if cfg.model.dropout > 0:
-        mask = 1 if cfg.device == "cuda" else x.P
-        out += [Saved("bda", "dropout mask (attention, mlp)", 2 * x.s_r * x.b * x.h, mask)]
+        out += [Saved("bda", "dropout mask (attention, mlp)", 2 * x.s_r * x.b * x.h,
+                      dropout_mask_bytes(cfg, x.P))]
     return out
 
 
@@ -328,7 +346,7 @@ def embedding_saved(cfg: MemoryConfig) -> list[Saved]:
                Saved("embedding", "out-of-range mask (bool)", n, 1)]
     if cfg.model.dropout > 0:
         out.append(Saved("embedding", "dropout mask", x.s_r * x.b * x.h,
-                         1 if cfg.device == "cuda" else x.P))
+                         dropout_mask_bytes(cfg, x.P)))
     return out
 
 
