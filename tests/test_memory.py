@@ -109,8 +109,20 @@ def test_megatron_moe_gqa_and_inputs():
         megatron_theoretical_memory(dict(SMALL, hidden_size=None))
     with pytest.raises(ValueError, match="padded_vocab_size"):
         megatron_theoretical_memory({k: v for k, v in SMALL.items() if k != "padded_vocab_size"})
-    with pytest.raises(ValueError, match="hybrid"):
-        megatron_theoretical_memory(SMALL, hybrid_override_pattern="M*")
+    for name in ("hybrid_layer_pattern", "hybrid_override_pattern"):  # Megatron's, its legacy
+        with pytest.raises(ValueError, match="hybrid_layer_pattern"):
+            megatron_theoretical_memory(SMALL, **{name: "M*"})
+
+
+def test_megatron_expert_parallel_beyond_the_world():
+    """etp * ep * pp > world: expert DP is 0; Megatron's number without distopt, an error with."""
+    moe = dict(SMALL, num_experts=4, moe_ffn_hidden_size=8, expert_model_parallel_size=4,
+               world_size=2, swiglu=True)
+    plain = megatron_theoretical_memory(moe)["weight_and_optimizer"]
+    dense = megatron_theoretical_memory(dict(moe, expert_model_parallel_size=1))
+    assert plain > 0 and plain < dense["weight_and_optimizer"]  # experts over ep = 4, 18 B each
+    with pytest.raises(ValueError, match="expert_model_parallel_size"):
+        megatron_theoretical_memory(moe, use_distributed_optimizer=True)
 
 
 # MiB that megatron/training/theoretical_memory_usage.py at e03878b5f returns for these args

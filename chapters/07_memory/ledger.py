@@ -299,7 +299,8 @@ if __name__ == "__main__":
 # ## How production does it
 #
 # - Megatron: `megatron/training/theoretical_memory_usage.py` (the estimate),
-#   `megatron/training/training.py` (`report_memory` after the first iterations: allocator
+#   `megatron/training/training.py` (calls `report_memory`,
+#   `megatron/training/utils/common_utils.py:282`, after the first iterations: allocator
 #   statistics next to the estimate).
 # - PyTorch: `torch.cuda.memory_stats`, `torch.cuda.memory._record_memory_history` and the
 #   memory snapshot viewer show allocations by stack trace — the measured side of this ledger.

@@ -76,8 +76,8 @@ _DEFAULTS = dict(
     moe_shared_expert_gate=False, moe_router_topk=2, add_bias_linear=True,
     expert_tensor_parallel_size=None, expert_model_parallel_size=1, mtp_num_layers=None,
     multi_latent_attention=False, q_lora_rank=None, kv_lora_rank=32, qk_head_dim=128,
-    qk_pos_emb_head_dim=64, v_head_dim=128, hybrid_override_pattern=None,
-    is_hybrid_model=False,
+    qk_pos_emb_head_dim=64, v_head_dim=128, hybrid_layer_pattern=None,
+    hybrid_override_pattern=None,
 )
 
 
@@ -135,7 +135,10 @@ def megatron_args(args=None, **overrides) -> SimpleNamespace:
 # **Bytes per parameter** (`:265-268`): 18 without the distributed optimizer — 2 (bf16 weight)
 # + 4 (fp32 grad) + 4 (fp32 master) + 4 + 4 (Adam moments) — and $6 + 12/d$ with it, where $d$
 # is `data_parallel_size` (expert weights use the expert data-parallel size
-# `world / (etp · ep · p)`).
+# `world / (etp · ep · p)`, an integer division). When `etp · ep · p` exceeds the world that
+# size is 0: without the distributed optimizer Megatron still returns its number (18 bytes per
+# expert parameter, the size unused), and so does this function; with it Megatron divides by
+# zero, and this function raises a `ValueError` naming the product instead.
 #
 # Worked example, the book's 7B model at TP 2 · PP 2 · DP 64 with the distributed optimizer:
 #
@@ -236,10 +239,11 @@ def compute_weight_and_optimizer_memory(a) -> float:
     def bytes_per_param(dp: int) -> float:
         return 18 if not a.use_distributed_optimizer else 6 + (12 / dp)
 
-    expert_dp = a.world_size // (etp_ep * p)
-    if expert_dp < 1:
+    expert_dp = a.world_size // (etp_ep * p)  # 0 when etp * ep * pp > world, as in Megatron
+    if expert_dp == 0 and a.use_distributed_optimizer:  # Megatron: 12 / 0, ZeroDivisionError
         raise ValueError(f"expert_model_parallel_size: etp * ep * pp = {etp_ep * p} exceeds the "
-                         f"world size {a.world_size}")
+                         f"world size {a.world_size}, so the expert DP size is 0 (Megatron "
+                         "divides by it)")
     return ((tp_sharded + replicated) * bytes_per_param(a.data_parallel_size)
             + expert * bytes_per_param(expert_dp))
 
@@ -310,11 +314,31 @@ def compute_activation_memory_without_sp(a, num_microbatches=None) -> float:
     return memory * 1.05
 
 
+# %% [markdown]
+# **The reporter** (`report_theoretical_memory`, `:428-458`) adds the two parts. It first asks
+# whether the model is a hybrid Mamba-Transformer: `is_hybrid_model` tests
+# `args.hybrid_layer_pattern is not None` (`megatron/training/utils/common_utils.py:437-439`;
+# `megatron/training/utils` is a package at this commit), and `validate_args` copies the legacy
+# `hybrid_override_pattern` onto that name (`megatron/training/arguments.py:736-747`), so
+# either name marks a hybrid model here too.
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# For a hybrid model Megatron prints one line and returns `None` (`:429-431`); this function
+# raises a `ValueError` naming `hybrid_layer_pattern`, because its callers (the ledger, the
+# calculator) index the result and a `None` would surface far from its cause. tinytron
+# builds no hybrid model, so no caller in the book reaches it. With the distributed optimizer
+# and `etp · ep · p` larger than the world, Megatron divides by a zero expert DP size; this
+# function raises instead (without the distributed optimizer both return the same number).
+#
+# </div>
+
+# %%
 def megatron_theoretical_memory(args=None, num_microbatches=None, **overrides) -> dict:
     """What report_theoretical_memory computes (:428-458): bytes, MiB and the branch taken."""
     a = megatron_args(args, **overrides)
-    if a.is_hybrid_model or a.hybrid_override_pattern:
-        raise ValueError("hybrid_override_pattern: Megatron has no estimate for hybrid models")
+    if a.hybrid_layer_pattern is not None or a.hybrid_override_pattern is not None:
+        raise ValueError("hybrid_layer_pattern: Megatron has no estimate for hybrid models")
     weights = compute_weight_and_optimizer_memory(a)
     if a.sequence_parallel and a.recompute_granularity == "selective":
         branch, activation = "compute_activation_memory", compute_activation_memory(
