@@ -250,14 +250,62 @@ if __name__ == "__main__":
 # last stage's logits — dominate. On the running example (page 07.5) the resident part agrees
 # to 12,672 bytes and the activations differ by the same terms, at 7B scale.
 #
+# ## What this agreement is worth: by construction, fitted, measured twice
+#
+# Agreement with a meter proves little if the prediction and the measurement share a cause.
+# Term by term:
+#
+# - **Resident terms — predicted from first principles, measured on the real buffers.** Page
+#   07.2 lays the buffers out from the parameter shapes and Megatron's padding and bucket
+#   rules written out there, and splits the offloaded optimizer with the hybrid optimizer's
+#   rule; it calls neither chapter 05's `compute_param_layout` nor chapter 02's
+#   `split_by_fraction`, which sized what the trainer allocates. The parameter list itself is
+#   checked name by name against the built model. [`tests/test_memory_independent.py`](../../tests/test_memory_independent.py)
+#   compares the layout with chapter 05's real `ParamAndGradBuffer` on 15 layouts (odd DP
+#   sizes, tied tables split over stages, small buckets, interleaving) to the byte, and a
+#   planted change to chapter 05's 64-element alignment shows up there as a disagreement.
+# - **Kept activations — written from the program, compared with the same meter.** The
+#   saved-tensor table of 07.3 was written by reading what autograd keeps on CPU and is
+#   checked against chapter 01's meter; the CPU generator's RNG snapshots are left out of
+#   both sides, because the meter cannot see them. On its own this is not independent.
+# - **Peak activations — fitted.** The transient terms of 07.4 were written down from the
+#   meter's readings, so the 2.6% above is a fit on the instrument it is checked against.
+#
+# **A second instrument.** PyTorch ships its own tracker,
+# `torch.distributed._tools.mem_tracker.MemTracker` (present in torch 2.13, and it runs on
+# CPU): a dispatch mode of its own that keeps a weak reference to each storage it sees and
+# sums sizes per category. [`_second_ruler.py`](_second_ruler.py) measures 8 of the 42 layouts
+# with it on 4 gloo ranks (DP 4 plain, with the distributed optimizer, with half the optimizer
+# offloaded; TP 2 + SP; PP 2; fp32; dropout; PP 2 × 2 interleaved) — 32 rank-cases, sharing
+# no code with the meter. Results:
+#
+# | quantity | rank-cases equal to the byte | examples (bytes) |
+# |---|---|---|
+# | resident (model + DDP buffers + optimizer after one step) vs the ledger | 32 / 32 | 1,922,688 (DP 4); 961,920 (distributed optimizer); 1,076,352-1,174,400 (offload 0.5, per DP rank); 1,709,056 (fp32) |
+# | kept bytes of one micro-batch vs the ledger | 32 / 32 | 504,384 (DP 4); 273,408 (TP 2 + SP); 977,472 (dropout) |
+# | forward and backward peak vs the meter | 32 / 32 | 842,048 and 636,224 (DP 4) |
+#
+# **Where they disagreed, and why.** A tracker *started after the model was built* does not
+# agree: it attributes storages that already existed to whatever first touches them. On DP 4
+# it counted 213,632 B of weights when the modules first ran, the 2,048 B RoPE tables passed
+# into the layers as inputs, and the 427,264 B fp32 grad buffer once the backward's in-place
+# accumulation wrote into it — 642,944 B it still reported alive after the backward, where
+# the meter (which counts only what is allocated inside it) reported 0. Started before the
+# model, the tracker has seen every storage and the two instruments agree exactly. What
+# neither can see is the same for both: memory allocated inside one C++ operator that never
+# surfaces as a tensor, and on CUDA the allocator's rounding, caching and fragmentation. Both
+# count tensor bytes; neither is GPU memory.
+#
 # ## What is not measured here
 #
 # - Selective recompute of `layernorm`: the output-discarding checkpoint frees a storage with
 #   `resize_(0)`, which the meter still counts at its original size (chapter 06 says the
 #   same); the ledger's entry for it is a formula.
-# - **CUDA**: `tests/test_memory_measured.py` has a GPU test (allocator statistics, NCCL, the
-#   flash kernel, bool dropout masks) that runs only where a GPU is present; it has not run
-#   for this page.
+# - **CUDA**: on a GPU the meter reads the allocator. `tests/test_memory_measured.py` has two
+#   `gpu` tests — the ledger against allocator statistics on an NCCL world of 1, and the math
+#   attention kernel's saved tensors (fp32 scores, bool dropout mask) against autograd's — and
+#   `scripts/gpu_check.sh` runs them with every `gpu` test. Neither has run for this page: no
+#   number on it is a GPU measurement.
 #
 # ## How production does it
 #
