@@ -10,6 +10,15 @@
 # machine: its modes, states and decisions, the checks on the loss and the gradients, the
 # data iterator that can replay a step, the tracker file and the exit codes a job scheduler
 # acts on.
+#
+# Why a machine at all, and not `if math.isnan(loss): sys.exit(1)`? Because the exit is the
+# expensive part. A month-long job on 1 024 GPUs that stops on every NaN loses its queue slot
+# and hours of progress each time, and a person still has to guess the cause. A rerun costs one
+# or two extra forward-backward passes of one step, and turns the guess into a line in a
+# file. The argument checks, the gathering of statistics between ranks and the copying of
+# plain fields into a checkpoint live in the chapter's private module
+# `tinytron.reliability._rerun_plumbing` (`chapters/08_reliability/_rerun_plumbing.py`); this
+# page keeps the states, the transitions and the verdicts.
 
 # %%
 from __future__ import annotations
@@ -28,6 +37,10 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from tinytron.reliability._rerun_plumbing import (checked_mode, checkpoint_fields,
+                                                  gather_to_first_rank, load_plain_fields,
+                                                  replayable_iterators)
 
 __all__ = [
     "EXIT_CODE_RESUME_TO_DISAMBIGUATE", "EXIT_CODE_FAILED_ON_RESULT_VALIDATION",
@@ -51,12 +64,23 @@ __all__ = [
 # tolerance: 0 for the loss (a deterministic recomputation must match bit for bit), 0.001 for
 # gradient norms (flash-attention's backward is not bit-deterministic). Two NaNs compare equal
 # (0), a NaN against a number is a mismatch ($\infty$)
-# (`megatron/core/rerun_state_machine.py:1398`). Two cases where tinytron differs here:
-# $+\infty$ against $-\infty$, and $a = -b \ne 0$. Megatron's formula gives NaN for the first
-# ($\infty/\text{NaN}$), and `NaN > tolerance` is false, so opposite infinities read as
-# *reproducible*; the second divides by zero and raises `ZeroDivisionError` in the middle of a
-# rerun (`:1406-1417`). tinytron calls both a mismatch ($\infty$): a value that changed sign
-# was not reproduced.
+# (`megatron/core/rerun_state_machine.py:1398`).
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# Two cases of `_compare_floats` (`:1406-1417`): $+\infty$ against $-\infty$, and
+# $a = -b \ne 0$. Megatron's formula gives NaN for the first ($\infty/\text{NaN}$), and
+# `NaN > tolerance` is false, so opposite infinities read as *reproducible*; the second divides
+# by zero and raises `ZeroDivisionError` in the middle of a rerun. tinytron calls both a
+# mismatch ($\infty$): a value that changed sign was not reproduced.
+#
+# </div>
+#
+# A worked example in small numbers. A bucket's gradient norm is 2.000 in the initial run and
+# 2.002 in the rerun: $|2 \cdot (2.000 - 2.002) / 4.002| = 0.0009995$, under the 0.001
+# tolerance of a gradient norm, so the two passes agree. The same two numbers as a *loss* would
+# be a mismatch, since the loss's tolerance is 0. A loss of NaN twice is a match (0): the NaN
+# reproduced, which is what sends the machine on to the second GPU.
 #
 # The exit codes are Megatron's: `EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16` ("relaunch me from the
 # checkpoint I just wrote, preferably elsewhere") and `EXIT_CODE_FAILED_ON_RESULT_VALIDATION =
@@ -160,6 +184,15 @@ class Call:
     sequence: int
 
 
+# %% [markdown]
+# The iterator holds the step's micro-batches in a list and, when rewound, hands them out again
+# in order. With $m = 4$ micro-batches a step reads batches 0-3 from the loader and keeps them;
+# a rerun reads `saved[0]` … `saved[3]` and the loader is not touched; `advance()` at the next
+# step drops the four and reads batch 4. For a relaunch (below, "The tracker file and the
+# checkpoint payload") the four go into the exit-16 checkpoint: `state_dict()` hands them out,
+# `replay_from()` takes them back in the new process.
+
+# %%
 class RerunDataIterator:
     """Wraps a data iterator so that the current step's micro-batches can be replayed.
 
@@ -201,15 +234,6 @@ class RerunDataIterator:
         """A new step: forget the saved micro-batches and read fresh ones."""
         self.replaying, self.replay_pos, self.saved_microbatches = False, 0, []
 
-
-# %% [markdown]
-# For a relaunch (below, "The tracker file and the checkpoint payload"): the step's
-# micro-batches go into the exit-16 checkpoint, and the relaunched rerun replays them.
-
-# %%
-class RerunDataIterator(RerunDataIterator):  # the same class, continued
-    __doc__ = RerunDataIterator.__doc__  # help() keeps the first cell's docstring
-
     def state_dict(self) -> dict:
         """The step's micro-batches, for the exit-16 checkpoint."""
         return {"saved_microbatches": list(self.saved_microbatches)}
@@ -221,6 +245,11 @@ class RerunDataIterator(RerunDataIterator):  # the same class, continued
         self.drain = len(self.saved_microbatches)
 
 
+# %% [markdown]
+# Where a result was computed is the node's name and the CUDA device; a test can set the node
+# name with `TINYTRON_NODE_NAME` to play two machines on one.
+
+# %%
 def default_identity() -> tuple[str, int]:
     """(node name, CUDA device index or -1): where a suspicious result was computed."""
     node = os.environ.get("TINYTRON_NODE_NAME") or socket.gethostname()
@@ -263,12 +292,15 @@ def default_identity() -> tuple[str, int]:
 # written before the optimizer has stepped once); in `disabled` mode a rejected result raises
 # at once, as it always did (`validate_result`, `:463`).
 #
-# The class comes in parts: its state, the tools it uses to replay a step, the transitions,
-# the judging of a value, and what it writes down.
+# The machine is put together from whole parts, each a small class with one job: its state
+# (`MachineState`), the tools it uses to replay a step (`Replay`), the transitions
+# (`Transitions`), the exit decision (`ExitDecision`), the judging of a value (`Judging`), the
+# two verdicts (`Verdicts`), the spike threshold and the determinism statistics (`Spikes`), and
+# what it writes down (`Records`). `RerunStateMachine` at the end of the page is all of them.
 
 # %%
-class RerunStateMachine:
-    """Validate results; rerun a step in place or from a checkpoint to diagnose a rejection."""
+class MachineState:
+    """The rerun state machine's fields: mode, state, flags and what the first pass saw."""
 
     def __init__(self, mode: RerunMode | str = RerunMode.VALIDATE_RESULTS, *,
                  error_injector=None,
@@ -276,11 +308,7 @@ class RerunStateMachine:
                  state_save_func: Callable[[], Any] | None = None,
                  state_restore_func: Callable[[Any], None] | None = None,
                  identity_func: Callable[[], tuple[str, int]] = default_identity):
-        try:
-            self.mode = RerunMode(mode)
-        except ValueError:
-            raise ValueError(f"rerun_mode must be one of {[m.value for m in RerunMode]}, "
-                             f"got {mode!r}") from None
+        self.mode = checked_mode(mode, RerunMode)  # a ValueError lists the valid spellings
         self.state = RerunState.NOT_RUNNING_YET
         self.current_iteration = 0  # 1-based number of the iteration being run
         self.error_injector = error_injector  # result_checks.RerunErrorInjector, for tests
@@ -321,8 +349,8 @@ class RerunStateMachine:
 # micro-batch.
 
 # %%
-class RerunStateMachine(RerunStateMachine):  # the same class, continued
-    __doc__ = RerunStateMachine.__doc__  # help() keeps the first cell's docstring
+class Replay:
+    """One OR over ranks, the RNG states of a replay, the replayable iterators."""
 
     def _reduce_any(self, *flags: bool) -> list[bool]:
         """Logical OR of each flag over every rank of the group (one all-reduce)."""
@@ -352,23 +380,33 @@ class RerunStateMachine(RerunStateMachine):  # the same class, continued
 
     @staticmethod
     def _iterators(data_iterator) -> list[RerunDataIterator]:
-        its = data_iterator if isinstance(data_iterator, list) else [data_iterator]
-        its = [d for d in its if d is not None]
-        for d in its:
-            if not isinstance(d, RerunDataIterator):
-                raise TypeError(f"the data iterator must be a RerunDataIterator to be replayed, "
-                                f"got {type(d).__name__}")
-        return its
+        return replayable_iterators(data_iterator, RerunDataIterator)  # a TypeError otherwise
 
 
 # %% [markdown]
 # The transitions (`:271-397`): one branch per state of the diagram above. Each call says
 # whether to run the forward-backward pass (again); a rerun first restores the RNG states and
 # rewinds the data, so the pass sees exactly what the first one saw.
+#
+# A trace, the transient fault of the demo below (iteration 3, two micro-batches, NaN on the
+# first pass only):
+#
+# 1. `NOT_RUNNING_YET`: save the RNG states, `advance()` the data, go to `INITIAL_RUN`, return
+#    True. The pass runs; the first micro-batch's loss is NaN, so `validate_result` records
+#    the call `("loss is NaN", rank 0), 1` with its value and sets `rerun_requested`.
+# 2. `INITIAL_RUN`: the OR over ranks is 1 on every rank, so restore the RNG, `rewind()`, go
+#    to `RERUNNING_IN_PLACE`, return True. The pass runs again on the same micro-batches; the
+#    same call now gives 3.1412, `compare_floats(nan, 3.1412)` is $\infty > 0$: transient. The
+#    tracker gets `first_rerun_not_reproducible`; the check is fatal, so no flag is set.
+# 3. `RERUNNING_IN_PLACE`: neither "continue" nor "checkpoint", so stay and return False; the
+#    loop ends, and `should_checkpoint_and_exit` answers (no save, exit, 17).
+#
+# The job leaves without an optimizer step; relaunched, it resumes from the previous
+# checkpoint and runs iteration 3 on a GPU that is now fine.
 
 # %%
-class RerunStateMachine(RerunStateMachine):  # the same class, continued
-    __doc__ = RerunStateMachine.__doc__  # help() keeps the first cell's docstring
+class Transitions:
+    """`should_run_forward_backward`: one branch per state of the diagram."""
 
     def should_run_forward_backward(self, data_iterator) -> bool:
         """Whether to run (or rerun) the forward-backward pass of this step."""
@@ -435,8 +473,8 @@ class RerunStateMachine(RerunStateMachine):  # the same class, continued
 # disambiguate, 17: failed on result validation).
 
 # %%
-class RerunStateMachine(RerunStateMachine):  # the same class, continued
-    __doc__ = RerunStateMachine.__doc__  # help() keeps the first cell's docstring
+class ExitDecision:
+    """`should_checkpoint_and_exit`: save? exit? with which code?"""
 
     def should_checkpoint_and_exit(self) -> tuple[bool, bool, int]:
         """(save a checkpoint?, exit?, exit code) after the last pass of the step."""
@@ -460,8 +498,8 @@ class RerunStateMachine(RerunStateMachine):  # the same class, continued
 # (`first_iteration_complete`).
 
 # %%
-class RerunStateMachine(RerunStateMachine):  # the same class, continued
-    __doc__ = RerunStateMachine.__doc__  # help() keeps the first cell's docstring
+class Judging:
+    """`validate_result`: record the first rejection, compare the same call in a rerun."""
 
     def validate_result(self, result: Any, rejection_func: Callable[[Any], Any],
                         message: str = "unexpected result",
@@ -512,8 +550,8 @@ class RerunStateMachine(RerunStateMachine):  # the same class, continued
 # different value convicts the first GPU, the same value acquits it (the data is at fault).
 
 # %%
-class RerunStateMachine(RerunStateMachine):  # the same class, continued
-    __doc__ = RerunStateMachine.__doc__  # help() keeps the first cell's docstring
+class Verdicts:
+    """What the reruns conclude: transient, persistent, or a correct result."""
 
     def _first_rerun_verdict(self, differs: bool, result, message: str, fatal: bool) -> None:
         if differs:  # not reproducible on the same GPU: a transient fault
@@ -552,6 +590,12 @@ class RerunStateMachine(RerunStateMachine):  # the same class, continued
 # own checks catch them). The max is frozen after the warm-up: a loss that falls from 10 to
 # 2 still has its spike threshold at 100. The state is checkpointed with the machine.
 #
+# Worked example: the loss of the first 100 iterations peaks at 10.4, so with
+# `SPIKY_LOSS_FACTOR = 10` (`pretrain_gpt.py:150-178`) the threshold is 104. A loss of 50 at
+# iteration 5 000 passes; 120 is rejected, rerun in place once, and training carries on with
+# the rerun's gradients (the check is non-fatal). Only a value that grows tenfold trips it,
+# which is why it catches a blow-up and not the ordinary noise of a falling loss.
+#
 # In `report_determinism_stats` mode every step is rerun in place and every validated value is
 # compared with its first-pass twin: the differences are collected per message and, every
 # `REPORTING_INTERVAL_ITERATIONS`, gathered from all ranks of the machine's group to rank 0,
@@ -560,8 +604,8 @@ class RerunStateMachine(RerunStateMachine):  # the same class, continued
 # in the report even though rank 0's own values were bitwise stable.
 
 # %%
-class RerunStateMachine(RerunStateMachine):  # the same class, continued
-    __doc__ = RerunStateMachine.__doc__  # help() keeps the first cell's docstring
+class Spikes:
+    """`is_unexpectedly_large` and the determinism statistics."""
 
     def is_unexpectedly_large(self, result: Any, threshold: float, context: str,
                               num_samples: int = 100, resample: bool = False) -> bool:
@@ -588,19 +632,8 @@ class RerunStateMachine(RerunStateMachine):  # the same class, continued
     def _maybe_report_stats(self) -> None:
         if self.current_iteration % REPORTING_INTERVAL_ITERATIONS != 0:
             return
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            first = dist.get_rank(self.group) == 0
-            gathered = [None] * dist.get_world_size(self.group) if first else None
-            dist.gather_object(dict(self.determinism_diffs), gathered, group=self.group,
-                               group_dst=0)
-            if not first:   # rank 0 keeps what it was sent: never count a sample twice
-                self.determinism_diffs.clear()
-                return
-            for other in gathered[1:]:
-                for message, diffs in other.items():
-                    self.determinism_diffs[message].extend(diffs)
-        elif self.rank != 0:
-            return
+        if not gather_to_first_rank(self.determinism_diffs, self.group, self.rank):
+            return   # not the printing rank (what it sent is cleared)
         for message, diffs in self.determinism_diffs.items():
             nonzero = sorted(d for d in diffs if d > 0)
             print(f"determinism [{message}]: {len(diffs)} samples, "
@@ -626,15 +659,26 @@ class RerunStateMachine(RerunStateMachine):  # the same class, continued
 # before `advance()` empties the buffer (`:311-314`); its rerun from the checkpoint
 # (`WILL_RERUN_FROM_CHECKPOINT`, `:372-374`) reads the data loader, repositioned by the
 # checkpoint's consumed-sample count — the same data only if the loader's order depends on
-# nothing but that count. tinytron differs here: the relaunch *replays* the saved
-# micro-batches in the rerun (`replay_from`) and reads past them in the repositioned loader,
-# so the second opinion sees the rejected step's very data even when the order comes from
-# worker timing or an unseeded shuffle (the test uses a loader whose order is new in every
-# launch).
+# nothing but that count.
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# The relaunch *replays* the saved micro-batches in the rerun (`replay_from`) and reads past
+# them in the repositioned loader, so the second opinion sees the rejected step's very data
+# even when the order comes from worker timing or an unseeded shuffle (the test uses a loader
+# whose order is new in every launch). Megatron's rerun from the checkpoint reads the loader
+# (`megatron/core/rerun_state_machine.py:372-374`).
+#
+# </div>
+#
+# In numbers: with $m = 4$ micro-batches of $4 \times 2\,048$ int64 token ids, the ids alone
+# are $4 \cdot 4 \cdot 2\,048 \cdot 8 = 262\,144$ bytes per data-parallel rank,
+# written once, only into the exit-16 checkpoint; every other checkpoint carries
+# `data_iterators = None` and the same keys.
 
 # %%
-class RerunStateMachine(RerunStateMachine):  # the same class, continued
-    __doc__ = RerunStateMachine.__doc__  # help() keeps the first cell's docstring
+class Records:
+    """The tracker line and the checkpoint payload."""
 
     def _track(self, status: RerunValidationStatus, result, message: str) -> None:
         if self.tracker_path is None:
@@ -653,45 +697,43 @@ class RerunStateMachine(RerunStateMachine):  # the same class, continued
         rerun pending, the step's micro-batches of `data_iterator` too."""
         fvc = self.failed_validation_call
         its = [] if data_iterator is None else self._iterators(data_iterator)
-        data = ([d.state_dict() for d in its]
+        data = ([d.state_dict() for d in its]   # the step's micro-batches, only with exit 16
                 if its and self.state == RerunState.WILL_RERUN_FROM_CHECKPOINT else None)
-        return {"mode": self.mode.value, "state": int(self.state),
-                "data_iterators": data,
-                "current_iteration": self.current_iteration,
-                "flags": [self.rerun_requested, self.checkpoint_requested,
-                          self.restart_again_requested, self.continue_requested],
-                "error_injector": self.error_injector and self.error_injector.state_dict(),
-                "failed_validation_call": None if fvc is None else
-                [fvc.caller.message, fvc.caller.rank, fvc.sequence],
-                "initial_result": None if self.initial_result is None else
-                _to_float(self.initial_result),
-                "suspicious_node": self.suspicious_node,
-                "suspicious_device": self.suspicious_device,
-                "large_value_counts": dict(self.large_value_counts),
-                "max_values": dict(self.max_values)}
+        return checkpoint_fields(
+            self, data,
+            None if fvc is None else [fvc.caller.message, fvc.caller.rank, fvc.sequence],
+            None if self.initial_result is None else _to_float(self.initial_result))
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore `state_dict()`; ignored when this run, or the saved one, is disabled."""
         if self.mode == RerunMode.DISABLED or sd["mode"] == RerunMode.DISABLED.value:
             return
         self.mode, self.state = RerunMode(sd["mode"]), RerunState(sd["state"])
-        self.current_iteration = sd["current_iteration"]
-        (self.rerun_requested, self.checkpoint_requested, self.restart_again_requested,
-         self.continue_requested) = sd["flags"]
-        if self.error_injector is not None and sd["error_injector"] is not None:
-            self.error_injector.load_state_dict(sd["error_injector"])
+        load_plain_fields(self, sd)   # iteration, flags, injector, suspect, spike thresholds
         fvc = sd["failed_validation_call"]
         self.failed_validation_call = None if fvc is None else Call(Caller(fvc[0], fvc[1]), fvc[2])
         self.initial_result = sd["initial_result"]
-        self.suspicious_node = sd["suspicious_node"]
-        self.suspicious_device = sd["suspicious_device"]
-        self.large_value_counts = dict(sd["large_value_counts"])
-        self.max_values = dict(sd["max_values"])
-        self.data_iterator_checkpoints = sd.get("data_iterators")
+        self.data_iterator_checkpoints = sd.get("data_iterators")  # replayed by the next pass
 
 
 def _detach(result):
     return result.detach().clone() if isinstance(result, torch.Tensor) else result
+
+
+# %% [markdown]
+# ## The whole machine
+#
+# The parts share nothing but the fields `MachineState.__init__` sets, so the order of the
+# bases only decides where Python looks first; `MachineState` comes last because it is the one
+# with the constructor. A reader looking for a method finds it in the part named after its job.
+# Megatron's `RerunStateMachine` is one class body of almost a thousand lines
+# (`megatron/core/rerun_state_machine.py:128-1108`); the public methods keep its names here,
+# only grouped, and `help(RerunStateMachine)` still lists them all on the one class.
+
+# %%
+class RerunStateMachine(Transitions, ExitDecision, Judging, Verdicts, Spikes, Records, Replay,
+                        MachineState):
+    """Validate results; rerun a step in place or from a checkpoint to diagnose a rejection."""
 
 
 # %% [markdown]

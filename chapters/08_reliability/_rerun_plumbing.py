@@ -1,0 +1,83 @@
+"""The rerun state machine's argument checks, rank gathering and checkpoint fields (not a page).
+
+The page `rerun_state_machine.py` keeps the mechanism: the states, the transitions, the
+verdicts and the tracker line. What is here only checks arguments, moves a dict between ranks,
+or copies plain fields in and out of a checkpoint.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch.distributed as dist
+
+
+def checked_mode(mode: Any, modes: type[enum.Enum]):
+    """`modes(mode)`, or a ValueError that lists the valid spellings."""
+    try:
+        return modes(mode)
+    except ValueError:
+        raise ValueError(f"rerun_mode must be one of {[m.value for m in modes]}, "
+                         f"got {mode!r}") from None
+
+
+def replayable_iterators(data_iterator, cls: type) -> list:
+    """The non-None iterators of `data_iterator` (one or a list), each an instance of `cls`."""
+    its = data_iterator if isinstance(data_iterator, list) else [data_iterator]
+    its = [d for d in its if d is not None]
+    for d in its:
+        if not isinstance(d, cls):
+            raise TypeError(f"the data iterator must be a RerunDataIterator to be replayed, "
+                            f"got {type(d).__name__}")
+    return its
+
+
+def gather_to_first_rank(diffs, group, world_rank: int) -> bool:
+    """Merge every rank's `diffs` (message -> list) into the group's first rank's `diffs`.
+
+    Returns True on the rank that should print. The other ranks clear what they sent, so no
+    sample is counted twice. Without a multi-rank group, only world rank 0 prints.
+    """
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        first = dist.get_rank(group) == 0
+        gathered = [None] * dist.get_world_size(group) if first else None
+        dist.gather_object(dict(diffs), gathered, group=group, group_dst=0)
+        if not first:   # rank 0 keeps what it was sent: never count a sample twice
+            diffs.clear()
+            return False
+        for other in gathered[1:]:
+            for message, values in other.items():
+                diffs[message].extend(values)
+        return True
+    return world_rank == 0
+
+
+def checkpoint_fields(m, data, failed_call, initial_result) -> dict:
+    """The machine's checkpoint dict: the step's data, the failed call and its first value as
+    the page computed them, every other field copied as it is (the same keys in every state)."""
+    return {"mode": m.mode.value, "state": int(m.state),
+            "data_iterators": data,
+            "current_iteration": m.current_iteration,
+            "flags": [m.rerun_requested, m.checkpoint_requested,
+                      m.restart_again_requested, m.continue_requested],
+            "error_injector": m.error_injector and m.error_injector.state_dict(),
+            "failed_validation_call": failed_call,
+            "initial_result": initial_result,
+            "suspicious_node": m.suspicious_node,
+            "suspicious_device": m.suspicious_device,
+            "large_value_counts": dict(m.large_value_counts),
+            "max_values": dict(m.max_values)}
+
+
+def load_plain_fields(m, sd: dict) -> None:
+    """Restore the fields `checkpoint_fields` copied (the error injector's state only into an injector)."""
+    m.current_iteration = sd["current_iteration"]
+    (m.rerun_requested, m.checkpoint_requested, m.restart_again_requested,
+     m.continue_requested) = sd["flags"]
+    if m.error_injector is not None and sd["error_injector"] is not None:
+        m.error_injector.load_state_dict(sd["error_injector"])
+    m.suspicious_node = sd["suspicious_node"]
+    m.suspicious_device = sd["suspicious_device"]
+    m.large_value_counts = dict(sd["large_value_counts"])
+    m.max_values = dict(sd["max_values"])
