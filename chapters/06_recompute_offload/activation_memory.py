@@ -47,8 +47,9 @@ __all__ = ["layer_activation_terms", "layer_activation_bytes", "decoder_activati
 #
 # In Megatron's units — bf16, 1-byte masks, no SP, $t = 1$, $g = a$, $f = 4h$, a LayerNorm
 # instead of an RMSNorm — the same walk gives Korthikanti et al.'s
-# $s b h\,(34 + 5 a s / h)$ bytes per layer (`megatron/training/theoretical_memory_usage.py`,
-# chapter 07). This model differs in the details that the table shows: the fp32 upcast in the
+# $s b h\,(34 + 5 a s / h)$ bytes per layer (their Table 2; Megatron's estimate,
+# `megatron/training/theoretical_memory_usage.py:289-291`, keeps only the $34$, written
+# $18 + 4 f / h$, because it assumes selective recompute; chapter 07). This model differs in the details that the table shows: the fp32 upcast in the
 # norms, SwiGLU's $2f$-wide fc1 output, and the fact that its column-parallel layers save the
 # *gathered* input under SP (Megatron saves the $s/t$ shard and gathers again in backward).
 #
@@ -263,8 +264,25 @@ if __name__ == "__main__":
 # ## The running example at TP 2 with sequence parallelism
 #
 # Llama-7B-like ($h = 4096$, $a = 32$, $g = 8$, $f = 14336$, $s = 4096$), micro-batch $b = 2$,
-# bf16 with 1-byte masks, dropout on, materialized attention, TP 2 with SP, PP 2: a stage holds
-# 16 layers. Per rank and per micro-batch:
+# bf16 with 1-byte masks, TP 2 with SP, PP 2: a stage holds 16 layers. Per rank and per
+# micro-batch.
+#
+# **What this table assumes**, stated because the numbers depend on it:
+#
+# | | this page's 7B table | chapter 07's ledger of the running example |
+# |---|---|---|
+# | attention kernel | materialized: softmax probabilities stored, $a s^2 b / t$ each | flash: a log-sum-exp per row, nothing of size $s^2$ |
+# | dropout | on ($p = 0.1$): a 1-byte mask per residual and attention dropout | off (the running example trains without dropout) |
+# | recompute | each row of the table is one mode: none, selective `core_attn`, full, offload | the run's own setting |
+#
+# Why the two differ: this page is about what recompute and offload *remove*, and the case
+# where they matter most is the one Megatron's memory paper counts, materialized attention
+# with dropout, whose $s^2$ tensors are 2.59 of a layer's 3.41 GiB. Chapter 07 answers
+# another question, "does the run I am about to launch fit?", and the run on a GPU uses flash
+# attention without dropout, where selective `core_attn` saves only the log-sum-exp. The same
+# model therefore prints 54.5 GiB per stage here and far less in chapter 07; neither is wrong,
+# they count different kernels. Exercise 1 below redoes this table under chapter 07's
+# assumptions.
 
 # %%
 def running_example_table(stage_layers: int = 16, tp: int = 2, micro_batch_size: int = 2) -> dict:
@@ -307,7 +325,7 @@ if __name__ == "__main__":
 # |---|---|---|
 # | none | 3.41 GiB (2.59 of it core attention) | 54.5 GiB |
 # | selective `core_attn` | 0.90 GiB | 14.4 GiB |
-# | full, uniform $k = 1$ | 32 MiB (the layer input) | 0.51 GiB |
+# | full, uniform $k = 1$ | 32 MiB (the layer input) | 0.50 GiB |
 # | offload, all five regions | 0.53 GiB left on the device | 8.5 GiB |
 #
 # Without recompute, materialized attention does not fit an 80 GB GPU even for one
@@ -330,9 +348,10 @@ if __name__ == "__main__":
 #
 # ## How production does it
 #
-# - Megatron-LM: `megatron/training/theoretical_memory_usage.py` (activation memory
-#   $s b h (34 + 5 a s / h)$ per layer, divided by $t$ with SP; used by `--log-memory`
-#   estimates), and chapter 07 of this book for the whole-model version.
+# - Megatron-LM: `megatron/training/theoretical_memory_usage.py:289-291` (activation memory
+#   $s b h (18 + 4 f / h)$ per layer, divided by $t$ with SP: Table 2 of Korthikanti et al.
+#   with selective recompute, so the $5 a s / h$ term of the softmax tensors is already gone,
+#   and $34$ at $f = 4h$), and chapter 07 of this book for the whole-model version.
 # - PyTorch: `torch.cuda.memory._record_memory_history()` and the snapshot viewer show the
 #   same held/peak picture per allocation on a GPU.
 #
