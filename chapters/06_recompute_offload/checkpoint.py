@@ -242,10 +242,15 @@ def checkpoint(function: Callable, distribute_saved_activations: bool, *args,
 #
 # One copy of the output must remain, not two. Megatron re-points the old storage at the
 # recomputed data with a small C++ extension (`random.py:28-75, 790-797`): zero bytes copied.
-# tinytron differs here, staying in Python: it copies the recomputed values into the old
-# storage and then points the recomputed tensor at that storage (`new.data = old`, which
-# bumps no version counter), so the recomputed storage is freed as the hook returns — one
-# copy from then on, two only during the copy itself.
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# tinytron stays in Python: it copies the recomputed values into the old storage and then
+# points the recomputed tensor at that storage (`new.data = old`, which bumps no version
+# counter), so the recomputed storage is freed as the hook returns — one copy from then on,
+# two only during the copy itself.
+#
+# </div>
 #
 # For the norm before `linear_qkv` this saves the norm's internals *and* its output: per
 # layer $s b h$ elements of output, $s b h$ of normalized input and $s b$ of reciprocal RMS

@@ -152,9 +152,17 @@ class DistributedSignalHandler:
 # `PrefixStore("tinytron/attempt/<TORCHELASTIC_RESTART_COUNT>/", …)` and builds the world on
 # it. `new_group` prefixes each subgroup's keys onto the world's store, so every group of the
 # `ParallelGrid` lands under the same attempt. Megatron itself passes `store=None` at
-# launch (`megatron/training/initialize.py:315-317`), that is, the launcher's keys as they are;
-# tinytron differs here, and restarts under the shared store because of it. One case stays
-# open: an elastic job whose membership changes restarts its workers without counting a
+# launch (`megatron/training/initialize.py:315-317`), that is, the launcher's keys as they are.
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# Every torchrun restart attempt gets its own `PrefixStore`, so a relaunched world never reads
+# the keys its failed predecessor left in torchrun's shared store; Megatron keeps the
+# launcher's keys unprefixed and relies on a fresh store per launch.
+#
+# </div>
+#
+# One case stays open: an elastic job whose membership changes restarts its workers without counting a
 # restart, so the count repeats; tinytron's launches fix the number of nodes.
 
 # %%

@@ -112,12 +112,22 @@ class RerunConfig:
 # Megatron draws from Python's global `random`, whose state the machine saves at the start of
 # every step and restores before each rerun (`:963-988`): after an in-place rerun the state is
 # back to *before* the draw that injected, so the next step draws the same number and injects
-# again — with a non-fatal check every step after the first injection is rejected. tinytron
-# differs here: the injector draws from a generator of its own (seeded by `seed`, kept in the
-# checkpoint), which no rerun rewinds, so the rate is the rate. And a non-fatal check's
-# in-place verdict is final (the step continues, no checkpoint rerun follows), so tinytron
-# re-arms there too; Megatron keeps a persistent or correct-result injection armed — and every
-# later comparison forced — waiting for a rerun from a checkpoint that never comes.
+# again — with a non-fatal check every step after the first injection is rejected.
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# The injector draws from a generator of its own (seeded by `seed`, kept in the checkpoint),
+# which no rerun rewinds, so the rate is the rate. And a non-fatal check's in-place verdict is
+# final (the step continues, no checkpoint rerun follows), so tinytron re-arms there too;
+# Megatron keeps a persistent or correct-result injection armed — and every later comparison
+# forced — waiting for a rerun from a checkpoint that never comes (`:1323-1337`).
+#
+# </div>
+#
+# In numbers: at `error_injection_rate = 8` a 64-step run with one validation per step sees
+# about $64 / 8 = 8$ injections here; with Megatron's rewound draw and a non-fatal check, the
+# first injection at step $k$ repeats at every step after it, $64 - k + 1$ in all.
+#
 # It only exercises the control flow: the values are never corrupted. The next page's
 # `FaultInjector` corrupts real values at a chosen iteration and rank.
 
