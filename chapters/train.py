@@ -84,14 +84,15 @@ def resolve_config(argv: list[str], world_size: int) -> TrainConfig:
 
 
 def load_plan(cfg: TrainConfig, name: str = "run"):
-    """Which checkpoint the run resumes (chapter 03), checked on the files; ConfigError if none fits.
+    """Which checkpoint the run resumes (chapter 03), checked on the files, or a ConfigError.
 
     A `[checkpoint] load` that is given must hold a checkpoint (a root with a tracker, or one
     of its `iter_NNNNNNN` directories); only the save directory may be empty (a first run).
     The checkpoint's model config must equal `[model]`: checked here, before anything is written.
     """
     from tinytron.checkpoint import CheckpointConfig
-    from tinytron.checkpoint._load_dir import model_config_differences, plan_load, saved_model_config
+    from tinytron.checkpoint._load_dir import (model_config_differences, plan_load,
+                                               saved_model_config)
 
     ckpt = cfg.extra.get("checkpoint") or CheckpointConfig()
     save = output_dir(cfg, name)
@@ -504,7 +505,8 @@ def final_validation(cfg: TrainConfig, result, valid_iterator, forward_step_func
         result.model, result.optimizer, grid,
         calculate_per_token_loss=bool(getattr(cfg.ddp, "calculate_per_token_loss", False)),
         pipeline_dtype=dtype)
-    fb = get_forward_backward_func(grid.size("pp"), cfg.parallel.virtual_pipeline_model_parallel_size)
+    fb = get_forward_backward_func(grid.size("pp"),
+                                   cfg.parallel.virtual_pipeline_model_parallel_size)
     dp = grid.size("dp")
     losses = evaluate(forward_step_func, valid_iterator, result.model, fb,
                       num_microbatches=t.global_batch_size // (t.micro_batch_size * dp),

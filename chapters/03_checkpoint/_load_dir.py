@@ -66,7 +66,7 @@ def _is_checkpoint_dir(path: Path) -> bool:
 
 def plan_load(load: Optional[str], save: Optional[str], ckpt_step: Optional[int] = None,
               exit_on_missing: bool = False) -> LoadPlan:
-    """The load decision for `[checkpoint] load/save/ckpt_step`; ValueError (one line) if none fits."""
+    """The load decision for `[checkpoint] load/save/ckpt_step`; a one-line ValueError if none."""
     root = load if load is not None else save
     if root is None:
         return LoadPlan(None, None, fresh_reason="no checkpoint.load or checkpoint.save")
@@ -138,7 +138,7 @@ def model_config_differences(saved: Optional[dict], config) -> list[str]:
 
 
 def saved_parts(directory) -> dict:
-    """What an iteration directory holds besides the weights: optimizer, scheduler, RNG, position."""
+    """What an iteration directory holds besides weights: optimizer, scheduler, RNG, position."""
     from tinytron.checkpoint.convert import read_common
 
     directory = Path(directory)
