@@ -43,15 +43,21 @@ CHECKPOINT_VERSION = 3.0
 # | `num_floating_point_operations_so_far` | for MFU logging after a resume |
 #
 # Everything here is plain Python, lists and tensors, so `torch.load(..., weights_only=True)`
-# reads it without unpickling arbitrary objects. For the optimizers other than the
-# DistributedOptimizer the entry is chapter 02's own `state_dict()`, not the one of Megatron's
-# `Float16OptimizerWithFloat16Params` (`optimizer`, `grad_scaler`, `fp32_from_fp16_params`):
-# a deliberate difference, since tinytron's mixed-precision optimizer keeps its state in its
-# own layout. `distrib_optim.pt` below is Megatron's structure. Megatron reads with
-# `weights_only=True` too (PyTorch's default since 2.6, `checkpointing.py:1381`), but its
-# `args` is an
-# `argparse.Namespace`, so it registers that and a few of its own classes as safe globals
-# when `megatron.core` is imported (`megatron/core/safe_globals.py:26-52`,
+# reads it without unpickling arbitrary objects.
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# For the optimizers other than the DistributedOptimizer the entry is chapter 02's own
+# `state_dict()`, not the one of Megatron's `Float16OptimizerWithFloat16Params` (`optimizer`,
+# `grad_scaler`, `fp32_from_fp16_params`): tinytron's mixed-precision optimizer keeps its
+# state in its own layout. `distrib_optim.pt` below is Megatron's structure.
+#
+# </div>
+#
+# Megatron reads with `weights_only=True` too (PyTorch's default since 2.6,
+# `checkpointing.py:1381`), but its `args` is an `argparse.Namespace`, so it registers that and
+# a few of its own classes as safe globals when `megatron.core` is imported
+# (`megatron/core/safe_globals.py:26-52`,
 # `megatron/core/__init__.py:54`); tinytron stores `args` as a dict and needs no allow-list.
 #
 # ## `distrib_optim.pt`: the optimizer state, gathered over DP
@@ -65,9 +71,14 @@ CHECKPOINT_VERSION = 3.0
 #
 # `{buffer_index: {(param_dtype, grad_dtype): {"param": …, "exp_avg": …, "exp_avg_sq": …,
 # "numel_unpadded": n}}, "buckets_coalesced": True}` (`distrib_optimizer.py:1249-1353`).
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
 # tinytron adds one key to each entry, `bucket_numel_unpadded`, the unpadded size of every
 # bucket, so that a load with another bucket size is refused by name instead of cutting the
 # world tensor in the wrong places.
+#
+# </div>
 #
 # Worked example (chapter 05's buffer): params `c[30]` at 0, `b[100]` at 64, bucket of 164
 # elements padded to 256 for $dp = 2$. Rank 0 owns `[0, 128)`, rank 1 `[128, 256)`; the gather

@@ -61,6 +61,17 @@ OPTIMIZER_PREFIX = "optimizer.state"
 # | rest of row 1 | (1, 2) | (1, 2) | 6, 7 |
 # | rows 2–3 | (2, 0) | (2, 4) | 8 … 15 |
 # | start of row 4 | (4, 0) | (1, 1) | 16 |
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# Megatron's `fully_reshardable` save gathers the DistributedOptimizer's buffers on DP rank 0
+# and writes them from there (`distrib_optimizer.py:1421-1426`, the docstring of
+# `sharded_state_dict`). tinytron writes the same keys and global shapes, but every DP rank
+# writes its own range as rectangles, with no gather: at DP 64 no rank holds 64 ranges at
+# once. A reader asks for boxes, as every DCP reader does, and reads both the same way; only
+# the chunk list in `.metadata` differs.
+#
+# </div>
 
 # %%
 def flat_range_boxes(shape, start: int, end: int) -> list[tuple[tuple, tuple]]:

@@ -7,17 +7,44 @@
 # formats, checks a checkpoint against the run before touching anything, and hands the loop
 # its three hooks.
 #
+# Why it is hard: a run that resumes "almost" right does not fail, it drifts. Forget the Adam
+# moments and the first steps after the restart take a full-size update in a random direction;
+# forget the sampler's position and the model sees 24 samples twice; forget the tracker's RNG and
+# every dropout mask changes. None of these crashes, and a loss curve hides them. So the test of
+# this page is strict: the resumed run must equal the uninterrupted one bit for bit.
+#
+# A worked example in small numbers, the demo at the end of this page: 2 ranks, 2 pipeline
+# stages, 8 samples per step. After 3 steps the run saves; the checkpoint then holds, besides
+# the tensors, `iteration = 3`, `consumed_train_samples = 3 × 8 = 24`, the scheduler at 24
+# samples (past its 2-step, 16-sample warmup, into the cosine decay), and one `rng_state`
+# object per (PP, TP) position, here 2 × 1 = 2 of them, each a list with one entry (DP rank 0's;
+# the DP size is 1). A restart with another seed reads all of it, and step 4 sees sample 24
+# on, at the same learning rate, with the same dropout masks.
+#
+# ```mermaid
+# flowchart LR
+#     S[save: state at iteration 3] --> C[(checkpoint: tensors,<br/>common.pt, objects)]
+#     C --> R["read all of it on every rank<br/>(staging buffers)"]
+#     R --> E{any rank failed?<br/>first_error}
+#     E -- yes --> X[every rank raises,<br/>the run unchanged]
+#     E -- no --> A["apply: weights, optimizer,<br/>scheduler, RNG, TrainState"]
+# ```
+#
+# The bookkeeping around this (the loop's counters when the loop is not importable, the
+# dictionaries of `common.pt`, the legacy save, the async finalize, the one-call API) lives in
+# the chapter's private module `tinytron.checkpoint._resume_plumbing`
+# (`chapters/03_checkpoint/_resume_plumbing.py`, named `_resume_plumbing.py` below); the page
+# keeps what decides the outcome of a resume.
+#
 # You will build: `CheckpointConfig`, `get_rng_state`, `set_rng_state`, `check_model_config`,
 # `CheckpointManager` (`save`, `load`, `finalize`), `make_checkpoint_hooks`.
 
 # %%
 from __future__ import annotations
 
-import copy
-import dataclasses
 import logging
-import random
 import time
+import random
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,19 +52,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tinytron.checkpoint._checks import check_checkpoint_config
 from tinytron.checkpoint._common import CheckpointGroups, LoadedState, set_main_state
+from tinytron.checkpoint._resume_plumbing import (CheckpointHooks, ManagerPlumbing,
+                                                  TrainStateFallback, _check_scheduler, _common,
+                                                  _load_rerun, _position_object, _rerun_object,
+                                                  _rerun_state, _train_state_class,
+                                                  _train_state_dict, load_checkpoint,
+                                                  save_checkpoint)
 from tinytron.checkpoint.async_save import ASYNC_MODES, AsyncSaver
 from tinytron.checkpoint.formats import (CheckpointSaveError, commit_checkpoint, detect_format,
                                          prepare_staging, resolve_checkpoint_dir, staging_dir,
                                          unwrap_chunks)
-from tinytron.checkpoint.legacy import (CHECKPOINT_VERSION, legacy_param_groups, read_legacy,
-                                       save_legacy)
+from tinytron.checkpoint.legacy import legacy_param_groups, read_legacy
 from tinytron.checkpoint.resharding import (checkpoint_quantities, optimizer_pieces,
                                             optimizer_sharded_state_dict, optimizer_state_keys,
                                             optimizer_steps, piece_states, rederive_masters,
                                             wanted_quantities)
-from tinytron.checkpoint.sharded_keys import (ShardedObject, extra_state_objects,
-                                              model_sharded_state_dict, param_layouts)
+from tinytron.checkpoint.sharded_keys import (extra_state_objects, model_sharded_state_dict,
+                                              param_layouts)
 from tinytron.checkpoint.torch_dist import (SaveRequest, distribute_main_replicas, read_common,
                                             read_sharded)
 
@@ -51,15 +84,21 @@ logger = logging.getLogger("tinytron.checkpoint")
 # ## The options
 #
 # Megatron's names and defaults (`megatron/training/config/training_config.py`, the
-# checkpoint options), the ones tinytron implements. Two are tinytron's own: `async_mode`, how
-# the background writer takes its snapshot ([saving in the background](async_save.py)), and
-# `crc_checksums`, a `checksums.json` with every file's CRC-32 that a load then checks. It is
-# off by default, so that a default save is file for file what Megatron-Core writes. Megatron
-# has a flag of its own for this, `verify_integrity` (off by default, `:596`), which writes a
-# SHA-256 manifest `integrity.json` after `metadata.json` (`serialization.py:409-424`); tinytron
-# does not implement that one. `data_parallel_random_init` is Megatron's training flag, here
-# only for what it changes in a checkpoint: every DP rank's RNG state is saved, not just DP
-# rank 0's (`checkpointing.py:382-391`).
+# checkpoint options), the ones tinytron implements. `data_parallel_random_init` is Megatron's
+# training flag, here only for what it changes in a checkpoint: every DP rank's RNG state is
+# saved, not just DP rank 0's (`checkpointing.py:382-391`).
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# Two options are tinytron's own: `async_mode`, how the background writer takes its snapshot
+# ([saving in the background](async_save.py)), and `crc_checksums`, a `checksums.json` with
+# every file's CRC-32 that a load then checks. It is off by default, so that a default save is
+# file for file what Megatron-Core writes. Megatron has a flag of its own for this,
+# `verify_integrity` (off by default, `training_config.py:596`), which writes a SHA-256
+# manifest `integrity.json` after `metadata.json` (`serialization.py:409-424`); tinytron does
+# not implement that one.
+#
+# </div>
 
 # %%
 @dataclass
@@ -100,50 +139,20 @@ class CheckpointConfig:
     """The DP ranks draw different streams: save every DP rank's RNG state (else DP rank 0's)."""
 
     def __post_init__(self):
-        if self.ckpt_format not in ("torch_dist", "torch"):
-            raise ValueError(f"ckpt_format must be 'torch_dist' or 'torch', got {self.ckpt_format!r}")
-        if self.async_save and self.ckpt_format != "torch_dist":
-            raise ValueError("async_save needs ckpt_format='torch_dist' (Megatron: "
-                             f"checkpointing.py:598), got ckpt_format={self.ckpt_format!r}")
-        if self.async_mode not in ASYNC_MODES:
-            raise ValueError(f"async_mode must be one of {ASYNC_MODES}, got {self.async_mode!r}")
-        if self.thread_count < 1:
-            raise ValueError(f"thread_count must be >= 1, got {self.thread_count}")
+        check_checkpoint_config(self, ASYNC_MODES)   # one-line ValueErrors (_checks.py)
 
 
 # %% [markdown]
+# The range checks of these options (a format that is neither `torch_dist` nor `torch`, an
+# async save of the legacy format, which Megatron refuses too, `checkpointing.py:598`, an unknown
+# `async_mode`, `thread_count < 1`) are one-line `ValueError`s naming the option, in the
+# chapter's private module `tinytron.checkpoint._checks`
+# (`chapters/03_checkpoint/_checks.py`).
+#
 # A load hands the loop back its `TrainState` (chapter 01): iteration, consumed and skipped
 # samples, FLOPs so far. This package is importable without the loop, so a stand-in with the
-# same fields and the same `state_dict()` takes its place when the loop is not there.
-
-# %%
-@dataclass
-class TrainStateFallback:
-    """The loop's TrainState fields, used when tinytron.main_loop.loop is not importable."""
-
-    iteration: int = 0
-    consumed_train_samples: int = 0
-    skipped_train_samples: int = 0
-    consumed_valid_samples: int = 0
-    num_floating_point_operations_so_far: float = 0.0
-
-    def state_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def load_state_dict(self, sd: dict) -> None:
-        for f in dataclasses.fields(self):
-            if f.name in sd:
-                setattr(self, f.name, sd[f.name])
-
-
-def _train_state_class():
-    """chapter 01's TrainState when it is there."""
-    try:
-        from tinytron.main_loop.loop import TrainState
-        return TrainState
-    except ImportError:
-        return TrainStateFallback
-
+# same fields and the same `state_dict()`, `TrainStateFallback`
+# (`_resume_plumbing.py`), takes its place when the loop is not there.
 
 # %% [markdown]
 # ## Every random number generator
@@ -228,48 +237,15 @@ def check_model_config(saved: dict | None, config, where) -> None:
 # that a load does not ask for what was not saved (`checkpointing.py:1694-1695, 1713-1714`).
 # The loop's `train_state` is tinytron's addition. The param groups' hyperparameters are not
 # here but in a per-(PP, TP) object, `optimizer.param_groups`, next to the RNG states.
-
-# %%
-def _hparams(optimizer) -> list[dict]:
-    """Each param group's hyperparameters (no params)."""
-    return [{k: v for k, v in g.items() if k not in ("params", "param_names")}
-            for g in optimizer.param_groups]
-
-
-def _args(config, grid, state, options: CheckpointConfig | None = None) -> dict:
-    options = options or CheckpointConfig()
-    return {"model_config": dataclasses.asdict(config),
-            "no_save_rng": options.no_save_rng, "no_save_optim": options.no_save_optim,
-            "tensor_model_parallel_size": grid.size("tp"),
-            "pipeline_model_parallel_size": grid.size("pp"),
-            "context_parallel_size": grid.size("cp"), "data_parallel_size": grid.size("dp"),
-            "consumed_train_samples": getattr(state, "consumed_train_samples", 0),
-            "skipped_train_samples": getattr(state, "skipped_train_samples", 0),
-            "consumed_valid_samples": getattr(state, "consumed_valid_samples", 0)}
-
-
-def _position_object(grid, key: str, data, ) -> ShardedObject:
-    """Megatron's per-(PP, TP) object, written by DP rank 0."""
-    return ShardedObject(key, data, (grid.size("pp"), grid.size("tp")),
-                         (grid.rank("pp"), grid.rank("tp")), is_main=grid.rank("dp_cp") == 0)
-
-
-def _common(config, grid, state, optimizer, scheduler, steps, options=None) -> dict:
-    """The non-tensor part of a checkpoint."""
-    common = {"args": _args(config, grid, state, options), "checkpoint_version": CHECKPOINT_VERSION,
-              "iteration": state.iteration, "train_state": state.state_dict(),
-              "num_floating_point_operations_so_far":
-                  getattr(state, "num_floating_point_operations_so_far", 0.0),
-              "opt_param_scheduler": None if scheduler is None else scheduler.state_dict(),
-              "content_metadata": {"distrib_optim_sharding_type": "fully_reshardable",
-                                   "singleton_local_shards": False,
-                                   "chained_optim_avoid_prefix": True}}
-    if optimizer is not None and steps is not None:
-        scaler = getattr(optimizer, "grad_scaler", None)
-        common["optimizer"] = {"steps": steps,
-                               "grad_scaler": None if scaler is None else scaler.state_dict()}
-    return common
-
+#
+# In numbers, for the demo's checkpoint at iteration 3: `args` says `tensor_model_parallel_size
+# = 1`, `pipeline_model_parallel_size = 2`, `data_parallel_size = 1`, `consumed_train_samples
+# = 24`; `opt_param_scheduler` holds `num_steps = 24` (the scheduler counts samples);
+# `optimizer["steps"]` holds Adam's step counts (3 after three steps). Those dictionaries are
+# put together by `_common` and `_args` in `_resume_plumbing.py`, and
+# the per-(PP, TP) object by `_position_object` there: `ShardedObject(key, data, (pp, tp),
+# (pp_rank, tp_rank))`, written by DP rank 0 alone, so a DP 8 run writes each of them once,
+# not eight times.
 
 # %% [markdown]
 # The rerun state machine of [chapter 08](../08_reliability/rerun_state_machine.py) goes into every
@@ -278,24 +254,51 @@ def _common(config, grid, state, optimizer, scheduler, steps, options=None) -> d
 # `rerun_state_machine`, and each rank's part as the object `rerun_state_machine_state` of
 # shape `(world,)` at offset `(rank,)`, written in steady state too, so that successive
 # checkpoints have the same keys. A disabled machine saves nothing (`:806-807`), and the
-# legacy format carries none (`:809-816`). The per-rank part is chapter 08's `state_dict()`, not
-# Megatron's dict: tinytron's machine keeps its flags in its own layout.
+# legacy format carries none (`:809-816`). `_rerun_state` and `_rerun_object`
+# (`_resume_plumbing.py`) build the two parts.
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# The per-rank part is chapter 08's `state_dict()`, not Megatron's dict
+# (`rerun_state_machine.py:858-871`): tinytron's machine keeps its flags in its own layout, so
+# the object has Megatron's key and shape, `(world,)` at `(rank,)`, but its own content.
+#
+# </div>
+
+# %% [markdown]
+# A `torch_dist` save is one DCP request, and `_save_request` lists what goes into it: the
+# model's sharded tensors, the optimizer's in model space (masters and moments under
+# `optimizer.state.<quantity>.<key>`, so that any other layout can read them back, see
+# [resharding](resharding.py)), the objects (each layer's extra state, the RNG states and the
+# param groups per (PP, TP) position, the rerun machine per rank) and `common.pt`. With
+# `ckpt_fully_parallel_save` (the default, as in Megatron) the DP-replicated chunks are first
+# spread over the DP ranks ([torch_dist](torch_dist.py)), so that every rank writes a similar
+# share: with DP 4, each rank writes about a quarter of the model instead of DP rank 0 writing
+# all of it.
 
 # %%
-def _rerun_state(machine, comm) -> tuple[dict, dict] | None:
-    """(common part, this rank's part) of a rerun state machine, or None when there is none."""
-    from tinytron.reliability import RerunMode
-
-    if machine is None or machine.mode == RerunMode.DISABLED:
-        return None
-    sd = machine.state_dict()
-    return ({"mode": sd["mode"], "state": sd["state"], "current_iteration": sd["current_iteration"],
-             "world_size": comm.world_size}, sd)
-
-
-def _rerun_object(comm, data) -> ShardedObject:
-    """Megatron's `rerun_state_machine_state` object: one per rank."""
-    return ShardedObject("rerun_state_machine_state", data, (comm.world_size,), (comm.rank,))
+def _save_request(manager, staging, state, chunks, optimizer, scheduler) -> SaveRequest:
+    """Every sharded tensor and object of the full state, as one DCP save."""
+    layouts = param_layouts(chunks, manager.grid)
+    tensors = model_sharded_state_dict(chunks, manager.grid)
+    steps = None
+    if optimizer is not None:
+        pieces, _ = optimizer_pieces(optimizer)
+        keys = optimizer_state_keys(optimizer, pieces, manager.comm) + ["param"]
+        tensors += optimizer_sharded_state_dict(optimizer, layouts, manager.grid, keys)
+        steps = optimizer_steps(optimizer, pieces, layouts, manager.comm)
+    objects = (extra_state_objects(chunks, manager.grid)
+               + manager._position_objects(chunks, optimizer))
+    common = _common(chunks[0].config, manager.grid, state, optimizer, scheduler, steps,
+                     manager.config)
+    if manager.config.ckpt_fully_parallel_save:
+        distribute_main_replicas(tensors, manager.comm)
+    rerun = _rerun_state(manager.rerun_state_machine, manager.comm)
+    if rerun is not None:
+        common["rerun_state_machine"], machine = rerun
+        objects.append(_rerun_object(manager.comm, machine))
+    return SaveRequest(staging, tensors, objects, manager.comm, common,
+                       manager.config.thread_count, checksums=manager.config.crc_checksums)
 
 
 # %% [markdown]
@@ -303,11 +306,19 @@ def _rerun_object(comm, data) -> ShardedObject:
 # checkpoint process groups, and the background saver when saves are asynchronous. `save`
 # follows the order of [the formats page](formats.py): rank 0 prepares the staging
 # directory, all ranks wait for it, then the state is written in the chosen format and
-# committed (at once, or at a later `finalize` for an async save). The RNG states and the
-# param groups' hyperparameters are per-(PP, TP) objects, written by DP rank 0.
+# committed (at once, or at a later `finalize` for an async save). `commit` is a closure that
+# binds the iteration now: an async save of iteration 100 may be committed during iteration
+# 103, and it must still write `100` into the tracker.
+#
+# The rest of the manager is bookkeeping, in the mixin `ManagerPlumbing`
+# (`_resume_plumbing.py`): finding the RNG tracker and gathering the
+# RNG states (every DP rank's under `data_parallel_random_init`, else a one-entry list), the
+# per-(PP, TP) objects, the legacy save (every rank writes its file, the first error is agreed
+# on, rank 0 commits) and `finalize`, which hands over to the [background saver](async_save.py)
+# and logs the blocking and background seconds of a completed save.
 
 # %%
-class CheckpointManager:
+class CheckpointManager(ManagerPlumbing):
     """Save, load and finalize the full training state on every rank of one run."""
 
     def __init__(self, config: CheckpointConfig, grid, rng_tracker=None, rerun_state_machine=None):
@@ -316,29 +327,6 @@ class CheckpointManager:
         self.comm = CheckpointGroups(grid)
         self.saver = AsyncSaver(self.comm, config.async_mode) if config.async_save else None
         self.stats: list[dict] = []
-
-    def _tracker(self, chunks):
-        if self.rng_tracker is not None:
-            return self.rng_tracker
-        from tinytron.parallel.rng import get_rng_tracker
-        return getattr(chunks[0], "rng_tracker", None) or get_rng_tracker(self.grid.device)
-
-    def _rng_states(self, chunks) -> list | None:
-        """A list of RNG states per (PP, TP) position: every DP rank's, or only this one's."""
-        if self.config.no_save_rng:
-            return None
-        mine, gather = get_rng_state(self._tracker(chunks)), self.config.data_parallel_random_init
-        return self.comm.all_gather_object(mine, group="dp") if gather else [mine]
-
-    def _position_objects(self, chunks, optimizer) -> list[ShardedObject]:
-        """Objects stored once per (PP, TP) position: RNG states, the param groups' hyperparameters."""
-        g, out = self.grid, []
-        rng = self._rng_states(chunks)
-        if rng is not None:
-            out.append(_position_object(g, "rng_state", rng))
-        if optimizer is not None:
-            out.append(_position_object(g, "optimizer.param_groups", _hparams(optimizer)))
-        return out
 
     def save(self, state, model, optimizer=None, scheduler=None, root: str | None = None) -> dict:
         """Save the full state at state.iteration (sync, or scheduled when async_save)."""
@@ -356,7 +344,7 @@ class CheckpointManager:
 
         if self.config.ckpt_format == "torch":
             return self._save_legacy(staging, state, chunks, optimizer, scheduler, commit, t0)
-        request = self._request(staging, state, chunks, optimizer, scheduler)
+        request = _save_request(self, staging, state, chunks, optimizer, scheduler)
         if self.config.async_save:
             return self.saver.schedule(request, commit, label=f"iteration {iteration}")
         request.plan()
@@ -367,72 +355,9 @@ class CheckpointManager:
         self.stats.append(stats)
         return stats
 
-
-# %% [markdown]
-# A `torch_dist` save is one DCP request (`_request`): the model's sharded tensors, the
-# optimizer's in model space (masters and moments under `optimizer.state.<quantity>.<key>`),
-# the objects, and `common.pt`. With `ckpt_fully_parallel_save` (the default, as in Megatron)
-# the DP-replicated chunks are first spread over the DP ranks
-# ([torch_dist](torch_dist.py)), so that every rank writes a similar share. A legacy save writes its files, agrees on the first error over
-# all ranks, and lets rank 0 commit. `load` and `finalize` hand over to the loading code below
-# and to the background saver.
-
-# %%
-class CheckpointManager(CheckpointManager):  # the same class, continued
-    __doc__ = CheckpointManager.__doc__  # help() keeps the first cell's docstring
-
-    def _request(self, staging, state, chunks, optimizer, scheduler) -> SaveRequest:
-        """Every sharded tensor and object of the full state, as one DCP save."""
-        layouts = param_layouts(chunks, self.grid)
-        tensors = model_sharded_state_dict(chunks, self.grid)
-        steps = None
-        if optimizer is not None:
-            pieces, _ = optimizer_pieces(optimizer)
-            keys = optimizer_state_keys(optimizer, pieces, self.comm) + ["param"]
-            tensors += optimizer_sharded_state_dict(optimizer, layouts, self.grid, keys)
-            steps = optimizer_steps(optimizer, pieces, layouts, self.comm)
-        objects = extra_state_objects(chunks, self.grid) + self._position_objects(chunks, optimizer)
-        common = _common(chunks[0].config, self.grid, state, optimizer, scheduler, steps,
-                         self.config)
-        if self.config.ckpt_fully_parallel_save:
-            distribute_main_replicas(tensors, self.comm)
-        rerun = _rerun_state(self.rerun_state_machine, self.comm)
-        if rerun is not None:
-            common["rerun_state_machine"], machine = rerun
-            objects.append(_rerun_object(self.comm, machine))
-        return SaveRequest(staging, tensors, objects, self.comm, common, self.config.thread_count,
-                           checksums=self.config.crc_checksums)
-
-    def _save_legacy(self, staging, state, chunks, optimizer, scheduler, commit, t0) -> dict:
-        common = _common(chunks[0].config, self.grid, state, None, scheduler, None, self.config)
-        error = save_legacy(staging, self.grid, chunks, optimizer, common,
-                            self._rng_states(chunks), self.comm)
-        error = self.comm.first_error(error)
-        if error is None and self.comm.rank == 0:
-            try:
-                commit()
-            except OSError as e:
-                error = f"committing {staging} failed: {type(e).__name__}: {e}"
-        error = self.comm.broadcast_object(error)
-        if error:
-            raise CheckpointSaveError(error)
-        stats = {"label": f"iteration {state.iteration}", "blocking_s": time.perf_counter() - t0}
-        self.stats.append(stats)
-        return stats
-
     def load(self, model, optimizer=None, scheduler=None, root: str | None = None):
         """Resume from `root` (default config.load): a TrainState, or None when there is nothing."""
         return _load(self, model, optimizer, scheduler, root)
-
-    def finalize(self, blocking: bool = False) -> dict | None:
-        """Complete a pending async save when every rank's writer is done (or wait for it)."""
-        stats = None if self.saver is None else self.saver.finalize(blocking)
-        if stats is not None:
-            self.stats.append(stats)
-            if self.comm.rank == 0:
-                logger.info("saved %s: blocking %.3f s, background %.3f s", stats["label"],
-                            stats["blocking_s"], stats["background_s"])
-        return stats
 
 
 # %% [markdown]
@@ -512,7 +437,15 @@ def _read_dist(manager, directory, common, chunks, optimizer, load_optim, load_r
 # group, over the values the optimizer just restored. With `override_opt_param_scheduler` and
 # a new `max_lr`, the first resumed step runs at the new schedule's lr, not the saved one.
 # The scheduler's own checks (a changed `max_lr` without override, say) ran already during
-# the read, on a copy (`_check_scheduler`), so nothing here can refuse halfway.
+# the read, on a copy (`_check_scheduler`, `_resume_plumbing.py`: the
+# saved state is loaded into a shallow copy of the scheduler that drives copies of the param
+# groups), so nothing here can refuse halfway.
+#
+# A worked example of that order: the run saved at lr 3e-4 after warmup; the relaunch sets
+# `override_opt_param_scheduler` with `max_lr = 1e-4`. The optimizer's `load_state_dict` first
+# puts 3e-4 back into every param group; the scheduler's load then calls `step(24)`, which
+# writes the new schedule's lr at sample 24 over it. Swap the two and the first resumed step
+# would run at the old 3e-4, at least 3 times the new schedule's lr (which never exceeds 1e-4).
 
 # %%
 @torch.no_grad()
@@ -549,28 +482,16 @@ def _apply(manager, loaded: LoadedState, chunks, optimizer, scheduler, where):
         set_rng_state(loaded.rng, manager._tracker(chunks))
 
 
-class _GroupsOnly:
-    """What a scheduler drives, without the params: copies of the optimizer's param groups."""
-
-    def __init__(self, groups):
-        self.param_groups = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-
-
-def _check_scheduler(scheduler, sd: dict, where) -> None:
-    """Load `sd` into a copy of the scheduler (and of its groups): ValueError if it refuses."""
-    trial = copy.copy(scheduler)
-    trial.optimizer = _GroupsOnly(getattr(scheduler.optimizer, "param_groups", []))
-    try:
-        trial.load_state_dict(sd)
-    except (ValueError, KeyError, AssertionError) as e:
-        raise ValueError(f"{where}: scheduler state does not fit: {e}") from e
-
 
 # %% [markdown]
 # `_read` is where a load may fail: detect the format, read the common part and check the
 # model config, decide whether the RNG states can be restored (only on the same TP and PP),
-# then hand over to the format's reader. `_train_state_dict` fills the loop's counters, from
-# Megatron's saved `args` when a checkpoint carries no `train_state`.
+# then hand over to the format's reader. Two rules it uses live in
+# `_resume_plumbing.py`: `_load_rerun`, Megatron's condition for
+# restoring the rerun machine (same world size, TP, PP and DP, and a rerun pending,
+# `checkpointing.py:1758-1772`), and `_train_state_dict`, which fills the loop's counters,
+# from Megatron's saved `args` when a checkpoint carries no `train_state` (a checkpoint written
+# by Megatron itself has none).
 
 # %%
 def _read(manager, directory, chunks, optimizer, scheduler, load_optim, finetune):
@@ -607,27 +528,6 @@ def _read(manager, directory, chunks, optimizer, scheduler, load_optim, finetune
         loaded.rng = None
     return loaded
 
-
-def _load_rerun(manager, common: dict, same_layout: bool, finetune: bool) -> bool:
-    """Megatron's rule (`checkpointing.py:1758-1772`): same world, TP, PP and DP, a rerun pending."""
-    from tinytron.reliability import RerunState
-
-    saved = common.get("rerun_state_machine")
-    return (manager.rerun_state_machine is not None and saved is not None and not finetune
-            and same_layout and saved.get("world_size") == manager.comm.world_size
-            and common.get("args", {}).get("data_parallel_size") == manager.grid.size("dp")
-            and saved.get("state") != int(RerunState.NOT_RUNNING_YET))
-
-
-def _train_state_dict(state, common: dict, iteration: int) -> dict:
-    """The loop's counters from a checkpoint; older or foreign ones via Megatron's saved args."""
-    out = state.state_dict()
-    args = common.get("args", {})
-    out.update({k: args[k] for k in out if k in args})
-    out.update(iteration=iteration, num_floating_point_operations_so_far=common.get(
-        "num_floating_point_operations_so_far", 0))
-    out.update({k: v for k, v in common.get("train_state", {}).items() if k in out})
-    return out
 
 
 # %% [markdown]
@@ -682,40 +582,13 @@ def _load(manager, model, optimizer, scheduler, root):
 #   training (`None`: nothing to resume, start fresh);
 # - `finalize_async_save_fn(blocking)` — at the start of every iteration with
 #   `blocking=False`, and once at exit with `blocking=True`.
+#
+# `make_checkpoint_hooks` returns them in a `CheckpointHooks` record (it unpacks as the three
+# functions and also carries the manager); the record and the one-call functions are in
+# `_resume_plumbing.py`. A hook whose directory is not set does nothing:
+# a run without `save` never writes, one without `load` always starts fresh.
 
 # %%
-def save_checkpoint(root, state, model, optimizer=None, scheduler=None, grid=None,
-                    **options) -> dict:
-    """Save the full training state under `root` (sync); options are CheckpointConfig fields."""
-    chunks = unwrap_chunks(model)
-    manager = CheckpointManager(CheckpointConfig(save=str(root), **options),
-                                grid or chunks[0].grid)
-    stats = manager.save(state, model, optimizer, scheduler)
-    manager.finalize(blocking=True)
-    return stats
-
-
-def load_checkpoint(root, model, optimizer=None, scheduler=None, grid=None, **options):
-    """Load the newest (or `ckpt_step`) checkpoint under `root`: a TrainState, or None."""
-    chunks = unwrap_chunks(model)
-    manager = CheckpointManager(CheckpointConfig(load=str(root), **options),
-                                grid or chunks[0].grid)
-    return manager.load(model, optimizer, scheduler)
-
-
-@dataclass
-class CheckpointHooks:
-    """The loop's three hooks (unpack as save, load, finalize) and the manager behind them."""
-
-    save_checkpoint_fn: object
-    load_checkpoint_fn: object
-    finalize_async_save_fn: object
-    manager: CheckpointManager
-
-    def __iter__(self):
-        return iter((self.save_checkpoint_fn, self.load_checkpoint_fn, self.finalize_async_save_fn))
-
-
 def make_checkpoint_hooks(config: CheckpointConfig, grid, rng_tracker=None,
                           rerun_state_machine=None) -> CheckpointHooks:
     """save_checkpoint_fn, load_checkpoint_fn, finalize_async_save_fn for one run (every rank)."""

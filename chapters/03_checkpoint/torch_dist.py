@@ -13,13 +13,10 @@
 # %%
 from __future__ import annotations
 
-import contextlib
 import io
-import json
 import os
 import time
 import warnings
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +24,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
                                                    MetadataIndex, TensorProperties,
                                                    TensorStorageMetadata)
@@ -35,7 +31,11 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, ReadIt
                                                   TensorWriteData, WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from tinytron.checkpoint._checks import _check_request, _check_tiling
 from tinytron.checkpoint._common import CheckpointGroups, save_file
+from tinytron.checkpoint._dcp_files import (_check_files, _ChecksumFS, _file_crc,
+                                            _layout_args, _model_dir, _root_cause,
+                                            _verify_checksums, _write_json, read_dcp_index)
 from tinytron.checkpoint.formats import (CHECKSUM_FILENAME, COMMON_FILENAME, DCP_METADATA_FILENAME,
                                          MEGATRON_METADATA, METADATA_FILENAME, CheckpointSaveError,
                                          detect_format, fault_point, unwrap_chunks)
@@ -57,13 +57,8 @@ __all__ = ["SaveRequest", "distribute_main_replicas", "read_sharded", "read_comm
 #    tensor exactly once (no overlap: DCP's `_validate_global_plan`; no gap: `_check_tiling`;
 #    together Megatron's `validate_sharding_integrity`, `validation.py:369`) and assigns each
 #    rank its file prefix `__R_`.
-# 2. **write** (no communication): rank 0 writes `common.pt` (Megatron writes it during the
-#    planning, in the training process; here it moves to the background writer with the rest),
-#    then each rank streams its chunks into `__R_0.distcp` and fsyncs it.
-#    Here the stream also computes a CRC-32 of every byte written: DCP stores no checksums, and
-#    `torch.load` does not notice a flipped byte inside a tensor. Writing them down is
-#    tinytron's own option (`crc_checksums`, off by default, so that a default save is file
-#    for file Megatron-Core's).
+# 2. **write** (no communication): rank 0 writes `common.pt`, then each rank streams its
+#    chunks into `__R_0.distcp` and fsyncs it.
 # 3. **finalize** (collective): the write results (which file and offset holds each chunk) are
 #    gathered on rank 0, which writes DCP's `.metadata`, then (with `crc_checksums`)
 #    `checksums.json`, then `metadata.json` — last — and hands over to the commit of the
@@ -80,6 +75,17 @@ __all__ = ["SaveRequest", "distribute_main_replicas", "read_sharded", "read_comm
 #   W0 --> F["3 · rank 0: .metadata, (checksums.json),<br/>metadata.json, then the commit"]
 #   W1 --> F
 # ```
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# Megatron writes `common.pt` in the training process, before the sharded save starts
+# (`megatron/core/dist_checkpointing/serialization.py:399`); tinytron moves it to the write
+# phase, so that an async save writes it in the background with the rest. And with
+# `crc_checksums` the write stream also computes a CRC-32 of every byte written: DCP stores no
+# checksums, and `torch.load` does not notice a flipped byte inside a tensor. The option is
+# tinytron's own and off by default, so that a default save is file for file Megatron-Core's.
+#
+# </div>
 #
 # Worked example, the tiny model at TP 1: 15 chunks (the untied model's 9 keys, 6 of them
 # stacked with one chunk per layer) and 8 `_extra_state` objects become one `__0_0.distcp` of
@@ -123,111 +129,31 @@ class _SavePlanner(DefaultSavePlanner):
 # %% [markdown]
 # The checksums ride on DCP's file-system object: DCP opens every file it writes through
 # `FileSystem.create_stream`, so a wrapper around that stream sees every byte on its way to
-# disk. `_CRCStream` keeps a running CRC-32 and byte count, holds on to an `OSError` that
-# `torch.save` would turn into an opaque `RuntimeError`, and is where the `mid_write` fault
-# point fires.
-
-# %%
-class _CRCStream(io.RawIOBase):
-    """A write-only file wrapper that keeps a running CRC-32 and byte count."""
-
-    def __init__(self, raw, rank: int, armed: bool, fs_error, checksum: bool = True):
-        self.raw, self.crc, self.size, self.rank, self.armed = raw, 0, 0, rank, armed
-        self.fs_error, self.checksum = fs_error, checksum
-
-    def writable(self):
-        return True
-
-    def write(self, b):
-        view = memoryview(b).cast("B")
-        try:
-            n = self.raw.write(view)
-        except OSError as e:   # torch.save turns it into an opaque RuntimeError: keep the cause
-            self.fs_error(e)
-            raise
-        if self.checksum:
-            self.crc = zlib.crc32(view[:n], self.crc)
-        self.size += n
-        if self.armed:
-            fault_point("mid_write", self.rank)
-        return n
-
-    def tell(self):
-        return self.raw.tell()
-
-    def flush(self):
-        self.raw.flush()
-
-    def fileno(self):
-        return self.raw.fileno()
-
-
-# %% [markdown]
-# `_ChecksumFS` wraps each stream opened for writing and records `[size, crc]` under the file's
-# name when it closes. It also remembers the path it opened last, which is how a failed write
-# or read names its file.
-
-# %%
-class _ChecksumFS(FileSystem):
-    """DCP's file system with a CRC on every written file and the open path remembered."""
-
-    def __init__(self, rank: int = 0, checksums: bool = True):
-        super().__init__()
-        self.sums, self.current, self.rank, self.armed, self.error = {}, None, rank, False, None
-        self.checksums = checksums
-
-    @contextlib.contextmanager
-    def create_stream(self, path, mode):
-        self.current = Path(path)
-        with super().create_stream(path, mode) as stream:
-            if "w" not in mode:
-                yield stream
-                return
-            wrapped = _CRCStream(stream, self.rank, self.armed, self._record, self.checksums)
-            yield wrapped
-            self.sums[Path(path).name] = [wrapped.size, wrapped.crc]
-
-    def _record(self, error: OSError) -> None:
-        self.error = error
-
-
-# %% [markdown]
-# Three helpers of the save: the CRC of a file written outside DCP (`common.pt`, `.metadata`),
-# a small JSON file written durably, and the gap check that DCP lacks. DCP already refuses
-# overlapping chunks, so chunks that add up to the tensor's size cover it exactly once.
-
-# %%
-def _file_crc(path: Path) -> list[int]:
-    """[size, crc32] of a file, read in 8 MiB blocks."""
-    crc, size = 0, 0
-    with open(path, "rb") as f:
-        while block := f.read(8 << 20):
-            crc, size = zlib.crc32(block, crc), size + len(block)
-    return [size, crc]
-
-
-def _write_json(path: Path, obj) -> None:
-    """Write and fsync a small JSON file."""
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _check_tiling(plans: list[SavePlan]) -> None:
-    """Every tensor fully covered by its written chunks (DCP itself checks only overlaps)."""
-    covered, size = {}, {}
-    for plan in plans:
-        for item in plan.items:
-            if item.type != WriteItemType.BYTE_IO:
-                covered[item.index.fqn] = covered.get(item.index.fqn, 0) + \
-                    item.tensor_data.chunk.sizes.numel()
-                size[item.index.fqn] = item.tensor_data.size.numel()
-    for key, n in covered.items():
-        if n < size[key]:
-            raise ValueError(f"key {key!r}: the written chunks cover {n} of {size[key]} elements "
-                             "(no rank wrote the rest)")
-
+# disk. Why there and not after the save, by reading the files back? Reading back doubles the
+# I/O of a save and would checksum whatever the disk returns; the stream checksums the bytes
+# as they leave the process. Two small classes do it, in the chapter's private module
+# `tinytron.checkpoint._dcp_files` (`chapters/03_checkpoint/_dcp_files.py`):
+#
+# - `_CRCStream` keeps a running CRC-32 and byte count, holds on to an `OSError` that
+#   `torch.save` would turn into an opaque `RuntimeError` (so that the error names the cause,
+#   a full disk say), and is where the `mid_write` fault point of the [formats
+#   page](formats.py) fires;
+# - `_ChecksumFS`, DCP's `FileSystem` with `create_stream` wrapped, records `[size, crc]`
+#   under the file's name when a stream closes, and remembers the path it opened last, which
+#   is how a failed write or read names its file.
+#
+# The same module has `_file_crc` (the CRC of a file written outside DCP, `common.pt` and
+# `.metadata`, read in 8 MiB blocks) and `_write_json` (a small JSON file, written and
+# fsynced). A CRC-32 in numbers: `zlib.crc32(b"tinytron")` is one 32-bit integer, and
+# flipping any single bit of the input changes it, so the demo below finds the one byte it
+# flips in a 592 KB shard.
+#
+# One check DCP lacks is the gap check, `_check_tiling` in the chapter's private module
+# `tinytron.checkpoint._checks` (`chapters/03_checkpoint/_checks.py`). DCP refuses overlapping
+# chunks, so chunks whose element counts add up to the tensor's size cover it exactly once; a
+# sum below the size means no rank wrote the rest, and the save is refused with the key and
+# both counts, e.g. "key 'w': the written chunks cover 3 of 5 elements (no rank wrote the
+# rest)".
 
 # %% [markdown]
 # ## Who writes a replicated tensor: the fully parallel save
@@ -278,10 +204,111 @@ def distribute_main_replicas(tensors: list[ShardedTensor], comm: CheckpointGroup
 
 # %% [markdown]
 # `SaveRequest` carries one save through its three phases, so that the asynchronous saver can
-# run the middle one somewhere else. Only main replicas are kept: every global element is
-# written once. `plan` is the first collective: every rank's local plan goes to rank 0, which
-# checks the tiling, builds the global plan and scatters each rank its part, or, when a check
-# fails, the same error message to every rank, so that no rank is left waiting.
+# run the middle one somewhere else. Each phase is a function below, and the class at the end
+# strings them together. Only main replicas are kept: every global element is written once.
+#
+# `_plan` is the first collective: every rank's local plan goes to rank 0, which checks the
+# tiling, builds the global plan and scatters each rank its part, or, when a check fails, the
+# same error message to every rank, so that no rank is left waiting. Why scatter an error
+# instead of raising it on rank 0? Rank 0 raising alone would leave ranks 1 … w-1 blocked in
+# the scatter forever; a message in every rank's slot makes all of them raise the same
+# `CheckpointSaveError`.
+
+# %%
+def _plan(request) -> None:
+    """Collective: build and exchange the DCP plans (the coordinator checks the tiling)."""
+    request.fs = _ChecksumFS(request.comm.rank, request.checksums)
+    # per_thread_copy_ahead=0: DCP's overlapping loader would open CUDA streams, which a
+    # forked writer must not touch; the chunks it writes are host copies already.
+    request.writer = dcp.FileSystemWriter(request.directory, thread_count=request.thread_count,
+                                          overwrite=True, per_thread_copy_ahead=0)
+    request.writer.fs = request.fs
+    request.planner = _SavePlanner(request.tensors, request.objects)
+    coordinator = request.comm.rank == 0
+    request.planner.set_up_planner({}, request.writer.storage_meta(), coordinator)
+    request.writer.set_up_storage_writer(coordinator, rank=request.comm.rank)
+    local = request.writer.prepare_local_plan(request.planner.create_local_plan())
+    plans = request.comm.gather_object(local)
+    central = None
+    if coordinator:   # a failure here must reach every rank through the scatter
+        try:
+            _check_tiling(plans)
+            plans, request.metadata = request.planner.create_global_plan(plans)
+            central = request.writer.prepare_global_plan(plans)
+        except (ValueError, OSError) as e:
+            central = [f"{request.directory}: {e}"] * request.comm.world_size
+    mine = request.comm.scatter_object(central)
+    if isinstance(mine, str):
+        raise CheckpointSaveError(mine)
+    request.final_plan = request.planner.finish_plan(mine)
+
+
+# %% [markdown]
+# `_write` talks to no other rank, which is what lets it run in a forked process: it returns
+# its outcome (the write results and checksums, or an error message naming the file) instead
+# of raising, because a forked writer's exception would die with the process. Rank 0 writes
+# `common.pt` first; then every rank streams its chunks, with the `mid_write` fault point live.
+# One more check: DCP's writer threads report a result per item, so fewer results than plan
+# items means a thread failed silently, and that is an error too.
+
+# %%
+def _write(request) -> dict:
+    """No communication: common.pt (rank 0), this rank's .distcp; {'results', ...} or {'error'}."""
+    t0 = time.perf_counter()
+    sums = {}
+    if request.comm.rank == 0 and request.common is not None:
+        path = request.directory / COMMON_FILENAME
+        error = save_file(request.common, path)
+        if error:
+            return {"error": error}
+        sums[COMMON_FILENAME] = _file_crc(path) if request.checksums else None
+    fault_point("before_write", request.comm.rank)
+    try:
+        request.fs.armed = True   # the mid_write fault point is live while shards are written
+        results = request.writer.write_data(request.final_plan, request.planner).wait()
+    except Exception as e:  # noqa: BLE001 - reported to every rank by finalize
+        request.fs.armed = False
+        where, cause = request.fs.current or request.directory, request.fs.error or e
+        return {"error": f"writing {where} failed: {type(cause).__name__}: {cause}"}
+    request.fs.armed = False
+    if len(results) != len(request.final_plan.items):
+        return {"error": f"writing {request.directory}: "
+                         f"{len(request.final_plan.items) - len(results)}"
+                         " items were not written (a writer thread failed)"}
+    return {"results": results, "sums": {**sums, **request.fs.sums},
+            "seconds": time.perf_counter() - t0}
+
+
+# %% [markdown]
+# `finalize` is the second collective: the outcomes meet on rank 0, which, if no rank
+# reported an error, runs `_finish`: the index `.metadata`, then (with `crc_checksums`)
+# `checksums.json`, then `metadata.json`, in that order, and then the caller's commit. The
+# order is the point: `metadata.json` is what makes a directory a Megatron checkpoint, so it
+# comes last, and a crash before it leaves a directory that no reader takes for complete.
+# Every rank gets the same verdict back.
+
+# %%
+def _finish(request, outcomes: list[dict], on_complete) -> str | None:
+    """Rank 0: the index, the checksums, then metadata.json; then the caller's commit."""
+    try:
+        request.writer.finish(request.metadata, [o["results"] for o in outcomes])
+        sums = {name: s for o in outcomes for name, s in o["sums"].items()}
+        if request.checksums:
+            sums[DCP_METADATA_FILENAME] = _file_crc(request.directory / DCP_METADATA_FILENAME)
+            _write_json(request.directory / CHECKSUM_FILENAME, {"algorithm": "crc32",
+                                                                "files": sums})
+        fault_point("before_metadata_json")
+        _write_json(request.directory / METADATA_FILENAME, MEGATRON_METADATA)
+        if on_complete is not None:
+            on_complete()
+    except OSError as e:
+        return f"finalizing {request.directory} failed: {type(e).__name__}: {e}"
+    return None
+
+
+# %% [markdown]
+# The request itself keeps what the three phases share (the directory, the groups, the
+# main-replica tensors and objects, `common.pt`'s content) and calls them.
 
 # %%
 class SaveRequest:
@@ -296,67 +323,11 @@ class SaveRequest:
 
     def plan(self) -> None:
         """Collective: build and exchange the DCP plans (the coordinator checks the tiling)."""
-        self.fs = _ChecksumFS(self.comm.rank, self.checksums)
-        # per_thread_copy_ahead=0: DCP's overlapping loader would open CUDA streams, which a
-        # forked writer must not touch; the chunks it writes are host copies already.
-        self.writer = dcp.FileSystemWriter(self.directory, thread_count=self.thread_count,
-                                           overwrite=True, per_thread_copy_ahead=0)
-        self.writer.fs = self.fs
-        self.planner = _SavePlanner(self.tensors, self.objects)
-        coordinator = self.comm.rank == 0
-        self.planner.set_up_planner({}, self.writer.storage_meta(), coordinator)
-        self.writer.set_up_storage_writer(coordinator, rank=self.comm.rank)
-        local = self.writer.prepare_local_plan(self.planner.create_local_plan())
-        plans = self.comm.gather_object(local)
-        central = None
-        if coordinator:   # a failure here must reach every rank through the scatter
-            try:
-                _check_tiling(plans)
-                plans, self.metadata = self.planner.create_global_plan(plans)
-                central = self.writer.prepare_global_plan(plans)
-            except (ValueError, OSError) as e:
-                central = [f"{self.directory}: {e}"] * self.comm.world_size
-        mine = self.comm.scatter_object(central)
-        if isinstance(mine, str):
-            raise CheckpointSaveError(mine)
-        self.final_plan = self.planner.finish_plan(mine)
-
-
-# %% [markdown]
-# `write` talks to no other rank, which is what lets it run in a forked process: it returns
-# its outcome (the write results and checksums, or an error message naming the file) instead
-# of raising. `finalize` is the second collective: the outcomes meet on rank 0, which writes
-# the index, the checksums and `metadata.json`, in that order, and then calls the commit; every
-# rank gets the same verdict back.
-
-# %%
-class SaveRequest(SaveRequest):  # the same class, continued
-    __doc__ = SaveRequest.__doc__  # help() keeps the first cell's docstring
+        _plan(self)
 
     def write(self) -> dict:
         """No communication: common.pt (rank 0), this rank's .distcp; {'results', ...} or {'error'}."""
-        t0 = time.perf_counter()
-        sums = {}
-        if self.comm.rank == 0 and self.common is not None:
-            path = self.directory / COMMON_FILENAME
-            error = save_file(self.common, path)
-            if error:
-                return {"error": error}
-            sums[COMMON_FILENAME] = _file_crc(path) if self.checksums else None
-        fault_point("before_write", self.comm.rank)
-        try:
-            self.fs.armed = True   # the mid_write fault point is live while shards are written
-            results = self.writer.write_data(self.final_plan, self.planner).wait()
-        except Exception as e:  # noqa: BLE001 - reported to every rank by finalize
-            self.fs.armed = False
-            where, cause = self.fs.current or self.directory, self.fs.error or e
-            return {"error": f"writing {where} failed: {type(cause).__name__}: {cause}"}
-        self.fs.armed = False
-        if len(results) != len(self.final_plan.items):
-            return {"error": f"writing {self.directory}: {len(self.final_plan.items) - len(results)}"
-                             " items were not written (a writer thread failed)"}
-        return {"results": results, "sums": {**sums, **self.fs.sums},
-                "seconds": time.perf_counter() - t0}
+        return _write(self)
 
     def finalize(self, outcome: dict, on_complete=None) -> str | None:
         """Collective: rank 0 writes .metadata, checksums.json, metadata.json; same verdict everywhere."""
@@ -366,25 +337,8 @@ class SaveRequest(SaveRequest):  # the same class, continued
         if self.comm.rank == 0:
             error = next((o["error"] for o in outcomes if o.get("error")), None)
             if error is None:
-                error = self._finish(outcomes, on_complete)
+                error = _finish(self, outcomes, on_complete)
         return self.comm.broadcast_object(error)
-
-    def _finish(self, outcomes: list[dict], on_complete) -> str | None:
-        """Rank 0: the index, the checksums, then metadata.json; then the caller's commit."""
-        try:
-            self.writer.finish(self.metadata, [o["results"] for o in outcomes])
-            sums = {name: s for o in outcomes for name, s in o["sums"].items()}
-            if self.checksums:
-                sums[DCP_METADATA_FILENAME] = _file_crc(self.directory / DCP_METADATA_FILENAME)
-                _write_json(self.directory / CHECKSUM_FILENAME, {"algorithm": "crc32",
-                                                                 "files": sums})
-            fault_point("before_metadata_json")
-            _write_json(self.directory / METADATA_FILENAME, MEGATRON_METADATA)
-            if on_complete is not None:
-                on_complete()
-        except OSError as e:
-            return f"finalizing {self.directory} failed: {type(e).__name__}: {e}"
-        return None
 
 
 # %% [markdown]
@@ -444,57 +398,16 @@ class _LoadPlanner(DefaultLoadPlanner):
 
 
 # %% [markdown]
-# The cheap checks come before DCP reads a byte: every file the index points into exists and
-# is long enough (a truncated file would otherwise fail deep inside DCP's reader), the files'
-# CRCs match (each rank verifies its share, and `first_error` tells all of them), and the
-# index itself unpickles.
-
-# %%
-def _check_files(directory: Path, metadata) -> None:
-    """Every file the index refers to exists and holds at least the bytes it should."""
-    need: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(need.items()):
-        path = directory / name
-        if not path.is_file():
-            raise ValueError(f"{path}: missing")
-        if path.stat().st_size < size:
-            raise ValueError(f"{path}: truncated ({path.stat().st_size} bytes, the index needs "
-                             f"at least {size})")
-
-
-def _verify_checksums(directory: Path, comm: CheckpointGroups) -> None:
-    """CRC of every file listed in checksums.json (files split over ranks); ValueError on a mismatch."""
-    path = directory / CHECKSUM_FILENAME
-    if not path.is_file():
-        return
-    files = sorted(json.loads(path.read_text())["files"].items())
-    error = None
-    for name, (size, crc) in files[comm.rank::comm.world_size]:
-        got = _file_crc(directory / name) if (directory / name).is_file() else None
-        if got != [size, crc]:
-            error = (f"{directory / name}: content does not match {CHECKSUM_FILENAME} "
-                     f"(corrupted or truncated)")
-            break
-    error = comm.first_error(error)
-    if error:
-        raise ValueError(error)
-
-
-def read_dcp_index(directory: Path):
-    """DCP's index of a torch_dist directory, or ValueError naming the file."""
-    detect_format(directory)
-    path = directory / DCP_METADATA_FILENAME
-    if not path.is_file():
-        raise ValueError(f"{path}: missing")
-    try:
-        return dcp.FileSystemReader(directory).read_metadata()
-    except Exception as e:  # noqa: BLE001 - an unreadable index is a bad checkpoint
-        raise ValueError(f"{path}: cannot be read ({type(e).__name__}: {e})") from e
-
-
-# %% [markdown]
+# The cheap checks come before DCP reads a byte, and they are file bookkeeping, in
+# `_dcp_files.py`: `_check_files` checks that every file the index points into
+# exists and is long enough (a truncated file would otherwise fail deep inside DCP's reader:
+# the index says a chunk lies at bytes 4096 to 8192 of `__1_0.distcp`, a 6000-byte file is
+# refused before the read with "truncated (6000 bytes, the index needs at least 8192)");
+# `_verify_checksums` checks the files' CRCs against `checksums.json` when the save wrote one,
+# each rank its share (rank r of w takes files r, r + w, r + 2w, … of the sorted list) with
+# `first_error` telling all of them; `read_dcp_index` unpickles the index itself, naming the
+# file when it cannot.
+#
 # What the model asks for is checked against the index on every rank *before* DCP starts,
 # and the ranks agree on the first error (`first_error`): every rank raises the same one-line
 # `ValueError` naming the key, the shape saved and the shape expected. Left to DCP, a
@@ -502,51 +415,16 @@ def read_dcp_index(directory: Path):
 # `Exception`, with every failing rank's traceback in its text — on some ranks only.
 # With `strict`, a model tensor the checkpoint has and no rank asks for is an error too
 # (the optimizer's `optimizer.…` keys are not model tensors): the ranks first share the keys
-# they ask for, since each pipeline stage asks only for its own.
-
-# %%
-def _check_request(directory: Path, metadata, tensors, objects,
-                   asked_anywhere: set | None = None) -> str | None:
-    """The first key that is missing, has another global shape, or (given the keys every rank
-    asks for) that no rank asks for."""
-    md = metadata.state_dict_metadata
-    for t in tensors:
-        meta = md.get(t.key)
-        if not isinstance(meta, TensorStorageMetadata):
-            return (f"{directory}: the checkpoint has no tensor {t.key!r} (the model needs "
-                    f"global shape {tuple(t.global_shape)})")
-        if tuple(meta.size) != tuple(t.global_shape):
-            return (f"{directory}: {t.key!r} has global shape {tuple(meta.size)} in the "
-                    f"checkpoint, the model needs {tuple(t.global_shape)}")
-    for o in objects:
-        if not isinstance(md.get(o.unique_key), BytesStorageMetadata):
-            return f"{directory}: the checkpoint has no object {o.unique_key!r}"
-    if asked_anywhere is not None:
-        for key, meta in sorted(md.items()):
-            if (isinstance(meta, TensorStorageMetadata) and key not in asked_anywhere
-                    and not key.startswith("optimizer.")):
-                return (f"{directory}: the checkpoint has tensor {key!r} of global shape "
-                        f"{tuple(meta.size)}, which the model does not have")
-    return None
-
-
-# %% [markdown]
+# they ask for, since each pipeline stage asks only for its own. That check,
+# `_check_request`, is in `_checks.py`.
+#
 # `read_sharded` runs those checks, then DCP's load with the planner above. A failure inside
 # DCP's load is wrapped in a per-rank `CheckpointException`; `_root_cause` unwraps the
-# lowest failing rank's exception, so that the error a user sees names the file and not DCP's
-# machinery. `read_common` reads the non-tensor part, with `weights_only=True` like every load
+# lowest failing rank's exception (`_dcp_files.py`), so that the error a user sees names the
+# file and not DCP's machinery. `read_common` reads the non-tensor part, with `weights_only=True` like every load
 # of this book.
 
 # %%
-def _root_cause(e: BaseException) -> BaseException:
-    """The exception a rank raised inside DCP (DCP wraps it per rank as (exception, trace))."""
-    failures = getattr(e, "failures", None) or {}
-    for rank in sorted(failures):
-        failure = failures[rank]
-        return failure[0] if isinstance(failure, tuple) else failure
-    return e.__cause__ if isinstance(e.__cause__, ValueError) else e
-
-
 def read_sharded(directory: Path, tensors: list[ShardedTensor], objects: list[ShardedObject],
                  comm: CheckpointGroups, verify: bool = True, strict: bool = False) -> dict:
     """Fill every ShardedTensor's data from the checkpoint; return {unique_key: object}."""
@@ -608,22 +486,12 @@ def read_common(directory: Path) -> dict:
 # `megatron/core/dist_checkpointing/strategies/torch.py:600`) — or, with `format="torch"`, one
 # legacy `model_optim_rng.pt` per (TP, PP) position. `load_model_weights(path, model)` reads
 # either format (a root with a tracker or an iteration directory) into a model on **any** layout
-# for `torch_dist`. Call both on every rank of the model.
+# for `torch_dist`. Call both on every rank of the model. Two helpers are bookkeeping, in
+# `_dcp_files.py`: `_model_dir` (the path itself when it is an iteration
+# directory, else the one its tracker names) and `_layout_args` (the model config and the
+# layout, the `args` a legacy file carries).
 
 # %%
-def _model_dir(path: Path) -> Path:
-    """An iteration directory: `path` itself, or the one its tracker names."""
-    from tinytron.checkpoint.formats import resolve_checkpoint_dir
-
-    path = Path(path)
-    if (path / METADATA_FILENAME).is_file() or any(path.glob("mp_rank_0*")):
-        return path
-    found = resolve_checkpoint_dir(path)
-    if found is None:
-        raise ValueError(f"{path}: neither a checkpoint directory nor a root with a tracker")
-    return found[0]
-
-
 def save_model_weights(model, path, grid=None, format: str = "torch_dist",
                        thread_count: int = 1, crc_checksums: bool = False) -> None:
     """Write the model's weights (any layout) as a torch_dist or legacy directory at `path`."""
@@ -651,14 +519,6 @@ def save_model_weights(model, path, grid=None, format: str = "torch_dist",
     if error:
         raise RuntimeError(error)
 
-
-def _layout_args(chunks, grid) -> dict:
-    """The `args` a legacy file carries: the model config and the layout."""
-    import dataclasses
-
-    return {"model_config": dataclasses.asdict(chunks[0].config),
-            "tensor_model_parallel_size": grid.size("tp"),
-            "pipeline_model_parallel_size": grid.size("pp")}
 
 
 # %% [markdown]
