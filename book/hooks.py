@@ -1,5 +1,6 @@
 """MkDocs hooks for the book: the nav, pages executed in parallel, offline mermaid, Megatron
-citations as links, checked page links."""
+citations as links, checked page links, tables of contents that keep code text, folded import
+cells."""
 
 from __future__ import annotations
 
@@ -159,7 +160,110 @@ def on_page_content(html, page, config, files):
     html = link_citations(html, _CITED)
     if page.file.src_uri.endswith(".py"):  # markdown pages: mkdocs checks their links itself
         html = _link_pages(html, page, files)
+        html = fold_code_cells(html, _code_cell_sources(Path(page.file.abs_src_path)),
+                               page.file.src_uri)
+        from mkdocs.structure.toc import get_toc
+        page.toc = get_toc(heading_toc_tokens(html))
     return html
+
+
+def on_post_page(output, page, config):
+    """Every entry of a page's table of contents links to a heading the page has."""
+    missing = [link.id for link in _toc_links(page.toc) if f'id="{link.id}"' not in output]
+    if missing:
+        log.warning("%s: its table of contents links to headings it does not have: %s",
+                    page.file.src_uri, missing[:3])
+    return output
+
+
+def _toc_links(items):
+    for item in items:
+        yield item
+        yield from _toc_links(item.children)
+
+
+# mkdocs-jupyter builds a notebook page's table of contents from a markdown copy of the page
+# with every code span deleted, so "`train_step`, in Megatron's exact order" read ", in
+# Megatron's exact order" in the TOC and linked to an id the page does not have (the page's
+# heading keeps its code, and its id `train_step-in-megatrons-exact-order`). The TOC is rebuilt
+# from the rendered headings instead: their text as shown, their ids as written.
+_HEADING = re.compile(r'<h([1-6])\s[^>]*?id="([^"]+)"[^>]*>(.*?)</h\1>', re.S)
+_ANCHOR_LINK = re.compile(r'<a class="anchor-link"[^>]*>.*?</a>', re.S)
+
+
+def heading_toc_tokens(html: str) -> list[dict]:
+    """The nested TOC tokens (as Python-Markdown makes them) of a rendered page's headings."""
+    from markdown.extensions.toc import nest_toc_tokens
+
+    flat = []
+    for m in _HEADING.finditer(html):
+        inner = _ANCHOR_LINK.sub("", m.group(3))
+        name = " ".join(re.sub(r"<[^>]+>", "", inner).split())
+        flat.append({"level": int(m.group(1)), "id": m.group(2), "name": name, "html": inner,
+                     "data-toc-label": ""})
+    return nest_toc_tokens(flat)
+
+
+# A page opens with its imports and `__all__` (DESIGN.md §3: the first code cell holds those
+# only), some twenty lines a reader skips; plotting helpers can fill a screen. In the rendered
+# site such a cell's code is folded into a closed <details> whose summary says what it holds
+# (its output, a figure say, stays in view); the .py and the notebook keep every line. Folded:
+# the first code cell when it starts with an import, and every cell tagged `hide-input`
+# (jupytext: `# %% tags=["hide-input"]`).
+HIDE_INPUT_TAG = "hide-input"
+_CODE_CELL_INPUT = re.compile(r'<div class="jp-Cell jp-CodeCell[^"]*"[^>]*>\s*'
+                              r'(?:<div class="jp-Cell jp-CodeCell[^"]*"[^>]*>\s*)?'
+                              r'(?=<div class="jp-Cell-inputWrapper")')
+_DIV = re.compile(r"<div\b|</div>")
+
+
+def _code_cell_sources(source: Path) -> list[tuple[str, list[str]]]:
+    """(source, tags) of each code cell of a jupytext page, in order."""
+    import jupytext
+
+    return [(cell.source, list(cell.metadata.get("tags", [])))
+            for cell in jupytext.read(source).cells if cell.cell_type == "code"]
+
+
+def fold_label(index: int, source: str, tags: list[str]) -> str | None:
+    """The summary of a code cell folded on the site, or None when the cell stays open."""
+    try:
+        body = ast.parse(source).body
+    except SyntaxError:
+        body = []
+    if index == 0 and body and isinstance(body[0], (ast.Import, ast.ImportFrom)):
+        exports = any(isinstance(s, ast.Assign) and any(getattr(t, "id", "") == "__all__"
+                                                        for t in s.targets) for s in body)
+        return "imports and <code>__all__</code>" if exports else "imports"
+    if HIDE_INPUT_TAG in tags:
+        names = [s.name for s in body
+                 if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+        return "code: " + ", ".join(f"<code>{n}</code>" for n in names) if names else "code"
+    return None
+
+
+def fold_code_cells(html: str, cells: list[tuple[str, list[str]]], where: str = "") -> str:
+    """Wrap the input of each code cell that fold_label names in a closed <details>."""
+    starts = [m.end() for m in _CODE_CELL_INPUT.finditer(html)]
+    if len(starts) != len(cells):
+        log.warning("%s: the page shows %d code cells, its source has %d", where,
+                    len(starts), len(cells))
+        return html
+    out, done = [], 0
+    for index, (start, (source, tags)) in enumerate(zip(starts, cells)):
+        label = fold_label(index, source, tags)
+        if label is None:
+            continue
+        depth = 0
+        for m in _DIV.finditer(html, start):
+            depth += -1 if m.group(0) == "</div>" else 1
+            if depth == 0:
+                break
+        end = m.end()
+        out += [html[done:start], f'<details class="tt-folded"><summary>{label}</summary>',
+                html[start:end], "</details>"]
+        done = end
+    return "".join(out) + html[done:]
 
 
 # Titles are taken from the page's first heading with its markup stripped, and Python-Markdown
