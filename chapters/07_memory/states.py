@@ -204,6 +204,18 @@ def chunk_params(cfg: MemoryConfig, pp_rank: int, chunk: int) -> list[ParamSpec]
 
 
 # %% [markdown]
+# **Worked example: the running example's two stages.** The 7B model (32 layers, $h = 4096$,
+# 32 query heads and 8 KV groups of $d = 128$, $f = 14336$, $V = 128256$, tied) at TP 2 · PP 2.
+# A layer's four matrices per TP rank hold $(32 + 16) \cdot 128 \cdot 4096 / 2 = 12{,}582{,}912$
+# (QKV), $4096 \cdot 4096 / 2 = 8{,}388{,}608$ (proj), $2 \cdot 14336 \cdot 4096 / 2 =
+# 58{,}720{,}256$ (fc1, gate and up) and $29{,}360{,}128$ (fc2) elements; its two norms 4,096
+# each (replicated, not split by TP). Sixteen layers are $1{,}745{,}092{,}608 + 131{,}072$
+# elements. Stage 0 adds the embedding's half table, $128256 \cdot 4096 / 2 = 262{,}668{,}288$:
+# 97 tensors, **2,007,629,824** parameters. Stage 1 adds the final norm and its own copy of the
+# tied table, marked `shared_embedding` (the first and last stage all-reduce the two copies'
+# gradients): 98 tensors, **2,007,633,920**.
+
+# %% [markdown]
 # ## The grad buffer and its padding, from Megatron's rules
 #
 # Megatron lays a chunk's parameters out in **reverse** registration order (the order backward
@@ -320,6 +332,13 @@ def buffer_layouts(cfg: MemoryConfig, pp_rank: int) -> list[tuple[list[ParamSpec
 # chapter 02), so padding costs grad and param buffer bytes but no optimizer bytes, and the
 # ranks do not all own the same count: the tiny model's four DP ranks own 26,720, 26,720,
 # 26,720 and 26,656 elements — the last rank's slice ends in the 64 padding elements.
+#
+# At 7B scale the same rules cost nothing: every tensor size is a multiple of 128 and $d_{cp}
+# = 64$, so $\mathrm{lcm}(64, 128) = 128$ divides every bucket. Rule 3 still shapes the
+# buckets: stage 0 has two, $[0, 1{,}744{,}961{,}536)$ for the layers (reverse order puts them
+# first) and the embedding alone after them; stage 1 has the tied output table alone at the
+# start and the layers after it. Each of the 64 DP ranks owns $1/64$ of each bucket:
+# 31,369,216 elements on stage 0, 31,369,280 on stage 1.
 
 # %%
 def owned_elements(params: list[ParamSpec], layout: BufferLayout, dp_size: int,
@@ -414,7 +433,33 @@ def state_ledger(cfg: MemoryConfig, pp_rank: int = 0, dp_rank: int = 0) -> dict[
 #
 # The tiny model shows the padding in small numbers; the running example gives the resident
 # bytes of the first and last pipeline stage of TP 2 · PP 2 · DP 64 with the distributed
-# optimizer, next to Megatron's single estimate.
+# optimizer, next to Megatron's single estimate. What the cell prints, for reading without
+# running it:
+#
+# | 7B, DP rank 0 | stage 0 | stage 1 |
+# |---|---|---|
+# | weights (bf16 param buffer) | 4,015,259,648 B (3,829.2 MiB) | 4,015,267,840 B |
+# | grad buffer (fp32) | 8,030,519,296 B (7,658.5 MiB) | 8,030,535,680 B |
+# | fp32 masters of the owned $1/64$ | 125,476,864 B (119.7 MiB) | 125,477,120 B |
+# | Adam moments of the owned $1/64$ | 250,953,728 B (239.3 MiB) | 250,954,240 B |
+# | total | **12,422,209,536 B** | **12,422,234,880 B** |
+#
+# Megatron's estimate, 12,422,222,208 B, sits exactly between the two, 12,672 B from each.
+# It counts one stage's share of the TP-sharded weights plus one embedding, all at
+# $6 + 12/64$ bytes, and divides *all* norm weights by $p$, the final norm included:
+# $(32 \cdot 2 + 1) \cdot 4096 / 2 = 133{,}120$ norm parameters per stage, where stage 0
+# holds 131,072 and stage 1 135,168. The 2,048 parameters of difference at 6.1875 bytes are
+# the 12,672 B.
+#
+# **Offload, worked.** With `optimizer_offload_fraction = 0.5` on stage 0, DP rank 0 owns two
+# pieces, the first $1/64$ of each bucket: 27,265,024 elements of the last layer's fc2 (reverse
+# order puts it at the start of the layers' bucket) and 4,104,192 of the embedding, which
+# has a bucket of its own. In optimizer order the embedding comes first: it was registered
+# first, and both are matrices of the weight-decay group. The budget is half of
+# their 31,369,216: 15,684,608. The first piece is below it, so the second goes too (the
+# tensor that crosses the budget still goes): every moment leaves the device, and
+# 501,907,456 B — fp32 copy, fp32 grad and two moments of 31,369,216 elements — live on the
+# host. The device keeps its 125,476,864 B of masters.
 
 # %%
 if __name__ == "__main__":
@@ -465,27 +510,16 @@ if __name__ == "__main__":
 if __name__ == "__main__":
     import matplotlib.pyplot as plt
 
+    from tinytron.memory._plots import plot_bytes_per_param
+
     n = count_parameters_per_rank(big.model, tp=2, pp=2, pp_rank=0)
     ledgers = {"replicated optimizer": state_ledger(big.replace(use_distributed_optimizer=False)),
                "distributed optimizer, DP 64": rows["stage 0"]}
     per_param = {name: {k: v / n for k, v in terms.items() if v} for name, terms in ledgers.items()}
-    colors = {"weights": "#4c72b0", "grad_buffer": "#64b5cd", "master_params": "#8172b3",
-              "optimizer_state": "#b39ddb"}
-    fig, ax = plt.subplots(figsize=(7, 2.4))
-    for i, (name, terms) in enumerate(per_param.items()):
-        left = 0.0
-        for term, value in terms.items():
-            ax.barh(name, value, left=left, color=colors[term],
-                    label=term.replace("_", " ") if i == 0 else None)
-            left += value
-        ax.text(left + 0.2, name, f"{left:g} B", va="center", fontsize=8)
+    for name, terms in per_param.items():
         print(f"{name}: " + ", ".join(f"{k} {v:g}" for k, v in terms.items())
-              + f" = {left:g} bytes per parameter")
-    ax.set_xlabel("bytes per parameter, 7B stage 0 (TP 2, PP 2), one GPU")
-    ax.set_xlim(0, 20)
-    ax.invert_yaxis()
-    ax.legend(fontsize=8, ncol=2, loc="lower right")
-    fig.tight_layout()
+              + f" = {sum(terms.values()):g} bytes per parameter")
+    plot_bytes_per_param(per_param, "bytes per parameter, 7B stage 0 (TP 2, PP 2), one GPU")
     plt.show()
 
     assert per_param["replicated optimizer"] == {"weights": 2, "grad_buffer": 4,
