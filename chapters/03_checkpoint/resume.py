@@ -8,9 +8,10 @@
 # its three hooks.
 #
 # Why it is hard: a run that resumes "almost" right does not fail, it drifts. Forget the Adam
-# moments and the first steps after the restart take a full-size update in a random direction;
-# forget the sampler's position and the model sees 24 samples twice; forget the tracker's RNG and
-# every dropout mask changes. None of these crashes, and a loss curve hides them. So the test of
+# moments and their step count, and the first update after the restart is about lr × sign(g)
+# in every coordinate, as at the very first step of a run; forget the sampler's position and
+# the model sees the first 24 samples twice; forget the tracker's RNG and every dropout mask
+# changes. None of these crashes, and a loss curve hides them. So the test of
 # this page is strict: the resumed run must equal the uninterrupted one bit for bit.
 #
 # A worked example in small numbers, the demo at the end of this page: 2 ranks, 2 pipeline
