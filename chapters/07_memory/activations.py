@@ -460,6 +460,24 @@ def chunk_saved(cfg: MemoryConfig, pp_rank: int, chunk: int) -> dict[str, list[S
 # The demo prints the per-layer table of the running example at TP 2 with SP and selective
 # recompute and compares it with Megatron's per-layer term, then shows how the same layer's
 # bytes move under each recompute mode and with everything offloaded.
+#
+# **The assumptions** are the running example's, stated once on the front page: flash
+# attention, no dropout, selective recompute of `core_attn` (`calculator.running_example`).
+# What the cell prints: one layer on one rank keeps **888.0 MiB** per micro-batch
+# ($b = 2$, $s = 4096$) — the two fp32 norm inputs (64 MiB each), the all-gathered linear
+# inputs (64 MiB each for QKV and fc1), the QKV output kept for the recompute (48 MiB), and
+# the SwiGLU chain, 448 MiB of fc1 output, `silu(gate)` and the product, the largest part.
+# Megatron's per-layer term $sbh(18 + 4f/h)/t$ gives 512.0 MiB: it counts bf16 norms, the
+# linear inputs at their SP slice and a smaller MLP. On stage 0's 16 layers and one
+# micro-batch the modes give 13.88 GiB with no recompute and with selective recompute alike
+# (flash saves no $s^2$ term, so selective recompute of core attention frees only the
+# logsumexp, 0.5 MiB per layer), 0.50 GiB with full recompute of every layer, and 8.01 GiB on
+# the device plus 5.75 GiB on the host with the five offloadable regions offloaded.
+#
+# Chapter 06's 7B table assumes Megatron's materialized attention with dropout 0.1 instead.
+# Under this ledger's rule for PyTorch's math kernel on CUDA (fp32 scores, bool mask) that
+# layer keeps 5,632.0 MiB without recompute and 920.0 MiB with selective recompute: there,
+# and only there, selective recompute is what makes a stage fit.
 
 # %%
 if __name__ == "__main__":
@@ -512,7 +530,7 @@ if __name__ == "__main__":
 #   TP divides the heads and the MLP width, SP the residual-stream tensors (norms, masks), CP
 #   the sequence of everything but the gathered K and V.
 # - The kernel matters more than any other choice: the flash path saves $O(s)$ per head, the
-#   math path $O(s^2)$ in fp32 on CPU.
+#   math path $O(s^2)$, in fp32 on every device, with a 1-byte dropout mask on CUDA.
 # - Recompute keeps checkpoint inputs (and RNG snapshots) instead of a region's insides;
 #   offload moves a region's saved tensors to the host when their last device holder lets go.
 #
