@@ -226,6 +226,30 @@ def test_every_weight_is_used_inside_a_call_of_its_module(pre, post, tie):
     assert not unseen, f"used outside a module call (no pre-hook ran): {unseen}"
 
 
+@pytest.mark.parametrize("pre, post, tie, flagged", [
+    (True, True, True, ["embedding.word_embeddings.weight"]),
+    (True, True, False, ["embedding.word_embeddings.weight", "output_layer.weight"]),
+    (True, False, True, ["embedding.word_embeddings.weight"]),
+    (False, False, True, []),
+    (False, True, True, ["output_layer.weight"]),      # the tied copy on the last stage
+    (False, True, False, ["output_layer.weight"])])
+def test_decoupled_lr_reaches_the_embedding_and_output_weights(pre, post, tie, flagged):
+    """Megatron's is_embedding_or_output_parameter, per stage; the decoupled lr follows it."""
+    from tinytron.optimizer.algorithms import build_param_groups
+
+    config = tiny_config(tie_embeddings=tie)
+    model = GPTModel(config, pre_process=pre, post_process=post, layer_range=(0, 2))
+    marked = [n for n, p in model.named_parameters()
+              if getattr(p, "is_embedding_or_output_parameter", False)]
+    assert marked == flagged
+    groups = build_param_groups(model.named_parameters(), lr=3e-4, decoupled_lr=1e-4,
+                                decoupled_min_lr=1e-5)
+    decoupled = sorted(n for g in groups if g["is_decoupled_lr"] for n in g["param_names"])
+    assert decoupled == sorted(flagged)
+    assert all((g["max_lr"], g["min_lr"]) == ((1e-4, 1e-5) if g["is_decoupled_lr"] else (3e-4, 0.0))
+               for g in groups)
+
+
 # -- RoPE from half-width cached tables, and the full-vocabulary loss ----------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotate_half_function_equals_the_formula_bit_for_bit(dtype):

@@ -15,8 +15,7 @@ checkpoint read by megatron-core's `dist_checkpointing.load` into the same layou
 one rank, DP 2, DP 2 with the DistributedOptimizer (tinytron overlapping its grad reduce),
 TP 2, PP 2 (1F1B) and PP 2 × VPP 2 (interleaved); on DP 2 also EOD tokens masked out of the
 loss, with the default per-micro-batch mean and with the per-token loss; on one rank also
-untied embeddings and a decoupled lr for the embedding (tinytron ignores it: the one known
-difference, marked xfail with the reason). Not covered: sequence parallelism
+untied embeddings and a decoupled lr for the embedding. Not covered: sequence parallelism
 (megatron-core's local spec refuses it without Apex), context parallelism (megatron-core's needs
 Transformer Engine's attention), bf16 (megatron-core's unfused CPU attention and tinytron's SDPA
 round differently in bf16, so no tight tolerance exists), layouts above two ranks (the 2-core
@@ -135,16 +134,7 @@ def weight_mismatches(per_rank: list[dict], name: str) -> list[str]:
 
 
 # tinytron differs here; the run is compared all the same, and the mark goes when it agrees
-KNOWN_DIFFERENCES = {
-    "one_rank_decoupled_lr": (
-        "optimizer.decoupled_lr has no effect in tinytron.train: chapter 02 gives the decoupled "
-        "lr to params flagged is_embedding_or_output_parameter, but appendix B's GPTModel never "
-        "sets the flag (Megatron-Core sets it on the word embeddings and the output layer in "
-        "LanguageModule.setup_embeddings_and_output_layer, "
-        "megatron/core/models/common/language_module/language_module.py:213,219 at e03878b5f); "
-        "tinytron's run equals the run without decoupled_lr, megatron-core's trains the "
-        "embedding on its own schedule (losses apart from iteration 3 on)"),
-}
+KNOWN_DIFFERENCES: dict[str, str] = {}
 
 
 # what megatron-core ran, by layout (its optimizer class, its schedule)

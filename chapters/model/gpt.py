@@ -447,16 +447,36 @@ class GPTModel(nn.Module):
                 weight.partition_stride = 1
                 weight.shard_spec = ShardSpec((v, h), dim=0, std=config.init_std)
                 self.output_layer = OutputLayer(weight)
+        self._mark_embedding_and_output()
         self._mark_shared_embedding()
 
 
 # %% [markdown]
-# A table tied across two stages carries the flags that tell the grad sync and the grad norm
-# about it; a later stage receives its input instead of embedding tokens.
+# Two kinds of flags go on the weights here. **`is_embedding_or_output_parameter`** marks the
+# word embeddings on the first stage and the output layer's weight on the last: chapter 02's
+# [parameter groups](../02_optimizer/algorithms.py) give these, and only these, the
+# `decoupled_lr` / `decoupled_min_lr` schedule, and its Muon split keeps them on Adam. Megatron
+# sets the same flag in `LanguageModule.setup_embeddings_and_output_layer`
+# (`megatron/core/models/common/language_module/language_module.py:213` for the embedding on a
+# `pre_process` chunk, `:219` for an output layer that has a weight of its own). Tied on one
+# stage there is no output layer, so one table carries the flag; tied across stages the
+# last stage's copy carries it too, so both copies step with the same lr and stay equal.
+# Example: `decoupled_lr=1e-4` with `lr=3e-4` on one stage, tied: two groups, the
+# `[V, h]` table at 1e-4 and every other weight at 3e-4.
+#
+# A table tied across two stages also carries the flags that tell the grad sync and the grad
+# norm about it; a later stage receives its input instead of embedding tokens.
 
 # %%
 class GPTModel(GPTModel):  # the same class, continued
     __doc__ = GPTModel.__doc__  # help() keeps the first cell's docstring
+    def _mark_embedding_and_output(self):
+        """Megatron's is_embedding_or_output_parameter: the decoupled lr's parameters."""
+        if self.pre_process:
+            self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
+        if self.post_process and hasattr(self, "output_layer"):
+            self.output_layer.weight.is_embedding_or_output_parameter = True
+
     def _mark_shared_embedding(self):
         """Megatron's shared_embedding / shared attributes for a table tied across stages."""
         if not self.config.tie_embeddings or (self.pre_process and self.post_process):
