@@ -239,3 +239,52 @@ def test_built_site_links_are_checked(tmp_path):
     problems = hooks.dead_links(tmp_path, tmp_path / "a" / "index.html")
     assert problems == ["links to '../c/', which is not in the site",
                         "links to '../b/#nope', which has no such heading"]
+
+
+_FOLD_PAGE = '''# %% [markdown]
+# # 09 · A page: `train_step` in a `<title>`
+
+# %%
+import math
+
+__all__ = ["area"]
+
+# %% [markdown]
+# ## `area`, the one definition
+
+# %%
+def area(r):
+    return math.pi * r * r
+
+# %% tags=["hide-input"]
+def plot_area(ax):
+    ax.plot([area(r) for r in range(3)])
+
+# %%
+print(area(1.0))
+'''
+
+
+def test_rendered_page_folds_imports_and_keeps_code_in_the_toc(tmp_path):
+    """The site folds the imports cell and hide-input cells; the TOC keeps headings' code text."""
+    convert = pytest.importorskip("mkdocs_jupyter.convert")
+    hooks = _hooks()
+    page = tmp_path / "page.py"
+    page.write_text(_FOLD_PAGE)
+    html = convert.nb2html(str(page), execute=False, theme="light", no_prompt=True)
+    out = hooks.fold_code_cells(html, hooks._code_cell_sources(page), "page.py")
+    folds = re.findall(r'<details class="tt-folded"><summary>(.*?)</summary>(.*?)</details>', out, re.S)
+    assert [label for label, _ in folds] == ["imports and <code>__all__</code>",
+                                             "code: <code>plot_area</code>"]
+    assert "math" in folds[0][1] and "plot_area" in folds[1][1]
+    for _, body in folds:  # each fold holds one whole input area: its <div>s balance
+        assert body.count("<div") == body.count("</div>") and body.lstrip().startswith("<div")
+    assert "area</span><span" in out.split("</details>")[1]  # the definition cell stays open
+    assert out.replace(folds[0][1], "").count("jp-CodeCell") == html.count("jp-CodeCell")
+    toc = hooks.heading_toc_tokens(out)
+    assert [(t["level"], t["name"]) for t in toc] == [(1, "09 · A page: train_step in a &lt;title&gt;")]
+    assert [(t["name"], t["id"]) for t in toc[0]["children"]] == [
+        ("area, the one definition", "area-the-one-definition")]
+    assert f'id="{toc[0]["children"][0]["id"]}"' in out  # the TOC links to the page's own heading
+    # a page whose source and rendering disagree on the cells is left as it is, with a warning
+    assert hooks.fold_code_cells(html, hooks._code_cell_sources(page)[:2], "page.py") == html

@@ -238,7 +238,7 @@ def extra_state_objects(model, grid) -> list[ShardedObject]:
 # The demo's picture calls the same `TensorLayout.boxes` for every (PP, TP) rank of a layout,
 # without any process group: a layout can be drawn for a cluster one does not have.
 
-# %%
+# %% tags=["hide-input"]
 def plot_key_layout(config, tp: int, pp: int, name: str = "mlp.linear_fc1.weight", ax=None):
     """Draw the global [L, rows] plane of one stacked key, colored by the (pp, tp) rank writing it."""
     import matplotlib.pyplot as plt

@@ -606,7 +606,7 @@ class GPTDataset(GPTDataset):  # continued
 # %% [markdown]
 # ## Drawing the three tables
 
-# %%
+# %% tags=["hide-input"]
 def plot_index_tables(sizes, document_index, sample_index, shuffle_index, seq_length: int,
                       tokens_per_epoch: Optional[int] = None):
     """The token stream colored by sequence, sample windows below it, and the shuffle order."""

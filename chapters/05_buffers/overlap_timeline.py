@@ -28,7 +28,7 @@ __all__ = ["timeline_summary", "plot_timeline", "plot_param_gather"]
 # The overlap we want to see: `start` long before the end of backward, and `done` before it
 # too, so that `finish_grad_sync` has (almost) nothing left to wait for.
 
-# %%
+# %% tags=["hide-input"]
 def timeline_summary(events) -> dict:
     """Per bucket: last grad arrival, collective start/done/waited; plus backward end and sync."""
     out: dict = {}

@@ -123,7 +123,7 @@ def megatron_args_from(cfg: MemoryConfig) -> dict:
 # One horizontal bar per ledger, each term a segment, resident terms in cool colors and the
 # flowing ones in warm colors; a dashed line marks a device budget.
 
-# %%
+# %% tags=["hide-input"]
 _COLORS = {"weights": "#4c72b0", "grad_buffer": "#64b5cd", "master_params": "#8172b3",
            "optimizer_state": "#b39ddb", "fp32_grad_copies": "#999999",
            "activations": "#dd8452", "p2p_buffers": "#c44e52"}
