@@ -6,7 +6,9 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
+from tinytron.buffers import DistributedDataParallel, DistributedDataParallelConfig
 from tinytron.optimizer import _workers
 from tinytron.optimizer.algorithms import SGD
 from tinytron.optimizer.mixed_precision import MixedPrecisionOptimizer, get_grad_norm_fp32, grads_for_norm
@@ -168,6 +170,56 @@ def gpt_distopt_tp_dp(steps: int = 3, clip: float = 0.3) -> dict:
     return dict(norms=norms, max_param_diff=gap)
 
 
+class _CopyingDistributedOptimizer(_workers.DistributedOptimizer):
+    """The DistributedOptimizer with a separate fp32 copy even for fp32 params (the old layout)."""
+
+    def _build_main_params(self) -> None:
+        super()._build_main_params()
+        for i, (p, main) in enumerate(self.pairs):
+            copy = torch.nn.Parameter(main.detach().clone())
+            for group in self.optimizer.param_groups:
+                group["params"] = [copy if q is main else q for q in group["params"]]
+            self.pairs[i] = (p, copy)
+
+
+def _owns_no_storage(opt) -> bool:
+    """Every fp32 master piece is the param buffer's own memory at the piece's range."""
+    return all(main.untyped_storage().data_ptr() == buf.param_data.untyped_storage().data_ptr()
+               and main.data_ptr() == buf.param_data[piece.buffer_start:].data_ptr()
+               for (_, main), (piece, buf) in zip(opt.pairs, opt.pieces))
+
+
+def fp32_shard_views(steps: int = 5) -> dict:
+    """fp32 params: the DistributedOptimizer's masters are views, and train as the copies did."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    grid = ParallelGrid(dp=world)
+    runs = {}
+    for name, cls in (("views", _workers.DistributedOptimizer),
+                      ("copies", _CopyingDistributedOptimizer)):
+        model = _workers.small_mlp(torch.float32)
+        cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, bucket_size=300,
+                                            use_distributed_optimizer=True)
+        ddp = DistributedDataParallel(model, grid, cfg)
+        opt = cls(_workers._adamw(model), ddp, clip_grad=0.5)
+        losses, norms = [], []
+        for step in range(steps):
+            x, y = _workers.batch(step, 4 * world)
+            loss, ok, norm = _workers.data_parallel_step(
+                ddp, opt, [(x.chunk(world)[rank], y.chunk(world)[rank])],
+                lambda m, b: F.mse_loss(m(b[0]), b[1]))
+            losses.append(float(loss)), norms.append(norm)
+        runs[name] = dict(no_storage=_owns_no_storage(opt), pieces=len(opt.pairs),
+                          losses=losses, norms=norms,
+                          params=[p.detach().clone() for p in model.parameters()],
+                          state=opt.state_dict())
+    v, c = runs["views"], runs["copies"]
+    return dict(views_no_storage=v["no_storage"], copies_no_storage=c["no_storage"],
+                pieces=v["pieces"], losses=v["losses"], ref_losses=c["losses"],
+                norms=v["norms"], ref_norms=c["norms"],
+                params_equal=all(torch.equal(a, b) for a, b in zip(v["params"], c["params"])),
+                state_diff=_workers._max_diff(v["state"], c["state"]))
+
+
 def world_checks(dp_parity: bool = True) -> dict:
     """Everything one world checks: DistOpt parity (fp32, bf16), clip layouts, Muon TP, layer-wise."""
     world = dist.get_world_size()
@@ -179,6 +231,7 @@ def world_checks(dp_parity: bool = True) -> dict:
     out["clip"] = clip_norm_layouts(layouts)
     if world == 2:
         out["muon_tp"] = muon_tp_modes()
+        out["fp32_views"] = fp32_shard_views()
     else:
         out["gpt_tp2_dp2"] = gpt_distopt_tp_dp()
     out["layer_wise"] = _workers.layer_wise_parity(4)

@@ -40,6 +40,19 @@ def test_distopt_loads_plain_state_and_continues(world):
         assert o["bf16"]["reload_param_diff"] < 1e-2
 
 
+def test_distopt_fp32_masters_are_views_of_the_param_buffer(world):
+    """fp32 params: no second fp32 copy (distrib_optimizer.py:442-446); training is bit-identical."""
+    size, out = world
+    if size != 2:
+        pytest.skip("checked in the 2-rank world")
+    for o in out:
+        v = o["fp32_views"]
+        assert v["pieces"] > 0
+        assert v["views_no_storage"] and not v["copies_no_storage"]
+        assert v["losses"] == v["ref_losses"] and v["norms"] == v["ref_norms"]
+        assert v["params_equal"] and v["state_diff"] == 0.0
+
+
 def test_clip_norm_equals_single_process_norm(world):
     size, out = world
     for o in out:

@@ -251,7 +251,9 @@ if __name__ == "__main__":
 # It is the mixed-precision optimizer of [the previous page](mixed_precision.py) with three
 # parts replaced:
 # the master params are fp32 copies of the **owned pieces** (1-D slices) and replace the model
-# params in the inner optimizer's groups; the grad of a piece is the matching slice of
+# params in the inner optimizer's groups (a piece of an fp32 param is its own master: the slice
+# is a view of the param, as Megatron's `shard_model_param` is, `distrib_optimizer.py:442-446`,
+# so an fp32 model costs no second copy, and the write-back skips it); the grad of a piece is the matching slice of
 # `main_grad`; the write-back goes into the bf16 `param_data` at the piece's buffer range,
 # followed by the all-gather (synchronous here, or left to the next forward's pre-hooks with
 # `overlap_param_gather`). A parameter without a piece on this rank is simply absent from this
@@ -314,8 +316,11 @@ class ShardedCopies:
         """Write every fp32 piece into the param buffer (bf16 rounding happens here)."""
         if not self.pairs:
             return
-        dst = [buf.param_data[p.buffer_start:p.buffer_end] for p, buf in self.pieces]
-        torch._foreach_copy_(dst, [m.detach() for _, m in self.pairs])
+        pairs = [(buf.param_data[p.buffer_start:p.buffer_end], m.detach())
+                 for (p, buf), (_, m) in zip(self.pieces, self.pairs)]
+        pairs = [(d, m) for d, m in pairs if d.data_ptr() != m.data_ptr()]  # fp32 views: in place
+        if pairs:
+            torch._foreach_copy_([d for d, _ in pairs], [m for _, m in pairs])
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> None:
@@ -361,7 +366,7 @@ class DistributedOptimizer(ShardedCopies, MixedPrecisionOptimizer):
              for (_, main), (piece, buf) in zip(self.pairs, self.pieces)])
 
     def _build_main_params(self) -> None:
-        """Replace each model param in the groups by fp32 copies of its pieces in my shards."""
+        """Replace each model param in the groups by fp32 copies (views, for fp32) of my pieces."""
         self.piece_of = {piece.param: (piece, buf) for buf in self.buffers
                          for b in buf.buckets for piece in b.shard_param_ranges()}
         self.model_param_names, self.pieces = {}, []
@@ -373,7 +378,8 @@ class DistributedOptimizer(ShardedCopies, MixedPrecisionOptimizer):
                     continue  # no piece of this param in my shards: absent from my inner optimizer
                 piece, buf = self.piece_of[p]
                 flat = p.detach().view(-1)[piece.param_start:piece.param_end]
-                main = torch.nn.Parameter(flat.clone().float())
+                # fp32 params: the shard *is* the master, a view (distrib_optimizer.py:442-446).
+                main = torch.nn.Parameter(flat if p.dtype == torch.float32 else flat.clone().float())
                 copy_param_attributes(main, p)
                 kept.append(main)
                 kept_names.append(name)
