@@ -63,8 +63,8 @@ class TrainingConfig:
     """Samples per forward/backward on one rank."""
     global_batch_size: Optional[int] = None
     """Samples per optimizer step over all DP ranks; None = micro_batch_size · dp."""
-    rampup_batch_size: Optional[str] = None
-    """Megatron's step schedule string, e.g. "0:16 1000:32" (thresholds in samples)."""
+    step_batch_size_schedule: Optional[str] = None
+    """Megatron's "THRESHOLD:BS ..." schedule, thresholds in tokens, e.g. "0:16 1M:32"."""
     decrease_batch_size_if_needed: bool = False
     """Round the global batch down to a multiple of micro_batch_size · dp instead of failing."""
     train_iters: Optional[int] = None
@@ -197,6 +197,10 @@ def _type_name(hint) -> str:
     return getattr(hint, "__name__", None) or str(hint)
 
 
+RENAMED_KEYS = {"training.rampup_batch_size": "; it is now training.step_batch_size_schedule "
+                "(Megatron's name; thresholds in tokens, not samples)"}
+
+
 def _build_section(name: str, values: dict) -> Any:
     """The section's dataclass from a dict, with one-line errors for unknown keys and types."""
     if not isinstance(values, dict):
@@ -209,6 +213,7 @@ def _build_section(name: str, values: dict) -> Any:
         if key not in names:
             near = difflib.get_close_matches(key, names, n=1)
             hint = f"; did you mean {name}.{near[0]}?" if near else ""
+            hint = RENAMED_KEYS.get(f"{name}.{key}", hint)
             raise ConfigError(f"unknown config key {name}.{key}{hint}")
         value = _bare_list(name, hints[key], value)
         ok, converted = _accepts(hints[key], value)
@@ -283,6 +288,9 @@ class TrainConfig:
             raise ConfigError(f"model: {e}") from e
         t = self.training
         per_step = t.micro_batch_size * dp
+        if t.step_batch_size_schedule is not None and t.global_batch_size is not None:
+            raise ConfigError("set training.step_batch_size_schedule or training.global_batch_size, "
+                              "not both (megatron/training/arguments.py:696-699)")
         if t.global_batch_size is None:
             t.global_batch_size = per_step
         if t.global_batch_size % per_step and not t.decrease_batch_size_if_needed:
@@ -314,6 +322,8 @@ class TrainConfig:
             lines.append(f"[{section}]")
             for key, value in values.items():
                 if value is not None and not (isinstance(value, dict) and not value):
+                    if key == "global_batch_size" and values.get("step_batch_size_schedule"):
+                        continue  # filled in by resolve; the schedule sets the batch
                     lines.append(f"{key} = {_toml_value(value)}")
             lines.append("")
         return "\n".join(lines)

@@ -246,7 +246,8 @@ def train_iters_of(cfg: TrainConfig, dp: int) -> int:
     if t.train_iters is not None:
         return t.train_iters
     calc = build_num_microbatches_calculator(t.global_batch_size, t.micro_batch_size, dp,
-                                             t.decrease_batch_size_if_needed, t.rampup_batch_size)
+                                             t.decrease_batch_size_if_needed,
+                                             t.step_batch_size_schedule, cfg.model.seq_length)
     return train_iters_from_samples(calc, t.train_samples)
 
 

@@ -23,7 +23,7 @@ OPT_CONFIG = OptimizerConfig(lr=1e-3, weight_decay=0.1, clip_grad=1.0)
 
 def training(**overrides) -> SimpleNamespace:
     """The [training] section's names (tinytron.config.TrainingConfig) with small values."""
-    base = dict(micro_batch_size=MBS, global_batch_size=8, rampup_batch_size=None,
+    base = dict(micro_batch_size=MBS, global_batch_size=8, step_batch_size_schedule=None,
                 decrease_batch_size_if_needed=False, train_iters=4, train_samples=None,
                 eval_interval=None, eval_iters=1, save_interval=None, exit_interval=None,
                 exit_duration_in_mins=None, exit_signal_handler=False, log_interval=1, seed=1234)

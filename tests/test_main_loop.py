@@ -269,7 +269,7 @@ def test_exit_conditions_stop_where_they_say():
 
 
 def test_step_schedule_and_decrease_in_the_loop():
-    run, saves = _saving_run(_training(global_batch_size=None, rampup_batch_size="0:4 8:8",
+    run, saves = _saving_run(_training(global_batch_size=None, step_batch_size_schedule=f"0:4 {8 * CFG.seq_length}:8",
                                        train_iters=4))
     assert saves == [2, 4]     # m grew from 2 to 4 before iteration 3: saved; and at the end
     assert run.state.consumed_train_samples == 4 + 4 + 8 + 8 == run.scheduler.num_steps

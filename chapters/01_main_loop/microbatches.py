@@ -10,8 +10,6 @@
 # %%
 from __future__ import annotations
 
-from fractions import Fraction
-
 from tinytron.main_loop._microbatch_checks import check_schedule, positive_int, positive_sizes
 
 __all__ = ["num_microbatches", "ConstantNumMicroBatchesCalculator",
@@ -132,14 +130,23 @@ class ConstantNumMicroBatchesCalculator:
 #   too small for a bigger cluster the run was later moved to).
 #
 # The older `--rampup-batch-size START INCR SAMPLES` is deprecated and ignored at this commit
-# (`num_microbatches_calculator.py:64`); tinytron's `[training] rampup_batch_size` takes the
-# step-schedule string instead (thresholds in samples).
+# (`num_microbatches_calculator.py:64`). tinytron's key is Megatron's,
+# `[training] step_batch_size_schedule`, in Megatron's units: Megatron passes the model's
+# `seq_length` to the calculator (`megatron/training/global_vars.py:127-135`), so a GPT run's
+# thresholds are **tokens**, and so are tinytron's (the trainer passes `model.seq_length`).
+# A schedule fixes the batch, so an explicit `global_batch_size` beside it is refused, as
+# Megatron refuses `--global-batch-size` with `--step-batch-size-schedule`
+# (`megatron/training/arguments.py:696-699`).
 #
 # **A schedule must not shrink.** The training loop asserts that the number of micro-batches
 # never decreases (`megatron/training/training.py:3443-3446`), because the sampler, the learning-rate
 # schedule and a checkpoint saved at the change all assume the batch only grows. We reject a
 # shrinking schedule when it is parsed, with both entries in the message, instead of
 # thousands of iterations into the run.
+#
+# Numbers are read as Megatron reads them, `int(float(digits) * multiplier)`
+# (`num_microbatches_calculator.py:499`), binary floating point included: `'2.01K'` is 2009,
+# because `2.01` is stored as 2.00999…; write `2010` to mean 2010.
 #
 # Example with the running example's $s = 4096$: `"0:256 1M:512 2M:1024"` in tokens is
 # thresholds $0$, $\lfloor 10^6/4096 \rfloor = 244$ and $488$ samples. With $b = 2$, $d = 64$:
@@ -150,13 +157,13 @@ _SUFFIXES = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
 
 
 def parse_numeric_value(text: str) -> int:
-    """'250B' -> 250_000_000_000; '1.5K' -> 1500; plain numbers as is."""
+    """'250B' -> 250_000_000_000; '1.5K' -> 1500; '2.01K' -> 2009, as Megatron's float rule."""
     s = text.strip().upper()
     mult = _SUFFIXES.get(s[-1:], 1)
     digits = s[:-1] if mult != 1 else s
     try:
-        return int(Fraction(digits) * mult)   # exact: '1.5K' is 1500, never 1499.9999
-    except (ValueError, ZeroDivisionError):
+        return int(float(digits) * mult)   # Megatron's rounding (toward zero), not exact decimals
+    except (ValueError, OverflowError):
         raise ValueError(f"not a number with an optional K/M/B/T suffix: {text!r}") from None
 
 
@@ -223,7 +230,9 @@ class StepBatchsizeNumMicroBatchesCalculator:
 #
 # `build_num_microbatches_calculator` takes Megatron's arguments and picks one
 # (`_build_num_microbatches_calculator`, `num_microbatches_calculator.py:227`); a step schedule
-# with `decrease_batch_size_if_needed` is rejected. A run given in samples
+# with `decrease_batch_size_if_needed` is rejected, and a `global_batch_size` beside a schedule
+# is ignored here (the config has refused one the user set, and filled in $b \cdot d$, as
+# Megatron's arguments do). A run given in samples
 # (`train_samples`) is converted to iterations once (`update_train_iters`,
 # `megatron/training/training.py:1485`): $\lfloor \text{samples} / B \rfloor$ for a constant
 # batch, and by walking the schedule otherwise (an iteration that starts before the target
@@ -242,7 +251,7 @@ def build_num_microbatches_calculator(global_batch_size: int | None, micro_batch
                                       step_batch_size_schedule: str | None = None,
                                       seq_length: int | None = None):
     """Constant calculator, or the step-schedule one when a schedule is given."""
-    if step_batch_size_schedule is not None:
+    if step_batch_size_schedule is not None:   # global_batch_size is then ignored, as in Megatron
         if decrease_batch_size_if_needed:
             raise ValueError("step_batch_size_schedule cannot be combined with "
                              "decrease_batch_size_if_needed")
@@ -321,7 +330,8 @@ if __name__ == "__main__":
 #   three numbers.
 # - `decrease_batch_size_if_needed` runs the largest multiple of $b \cdot d$ and counts the
 #   rest as skipped samples every step.
-# - A step schedule in samples or tokens grows the batch; it may never shrink.
+# - A step schedule grows the batch (thresholds in tokens for a GPT run, in samples without
+#   `seq_length`); it may never shrink, and it replaces `global_batch_size`.
 # - Consumed samples, not iterations, are the unit of the scheduler, the sampler and the
 #   checkpoint.
 #

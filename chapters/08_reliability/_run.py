@@ -178,7 +178,7 @@ class _Job:
 def _training(args) -> SimpleNamespace:
     """The [training] section of the job (tinytron.config.TrainingConfig's names)."""
     return SimpleNamespace(
-        micro_batch_size=MBS, global_batch_size=args.global_batch_size, rampup_batch_size=None,
+        micro_batch_size=MBS, global_batch_size=args.global_batch_size, step_batch_size_schedule=None,
         decrease_batch_size_if_needed=False, train_iters=args.train_iters, train_samples=None,
         eval_interval=None, eval_iters=0, save_interval=args.save_interval, exit_interval=None,
         exit_duration_in_mins=None, exit_signal_handler=True, log_interval=1, seed=1234)
