@@ -329,6 +329,44 @@ def memory_report_at_start(cfg: TrainConfig, world_size: int, device: torch.devi
     return "\n".join(lines)
 
 
+def step_time_report_at_start(cfg: TrainConfig, world_size: int, device: torch.device) -> str:
+    """Chapter 07's step-time model for this layout: compute plus what stays exposed, per item.
+
+    At the model's default rates (an H100 node's: its MFU, NVLink and network), with this run's
+    overlap switches and checkpoint schedule; a CPU run's own rates are measured by 07.8's check.
+    """
+    from tinytron.checkpoint import CheckpointConfig
+    from tinytron.memory import memory_config_from
+    from tinytron.memory.step_time import Links, StepOptions, estimate_step
+
+    ckpt = cfg.extra.get("checkpoint") or CheckpointConfig()
+    every = cfg.training.save_interval
+    options = StepOptions(
+        overlap_grad_reduce=cfg.ddp.overlap_grad_reduce,
+        overlap_param_gather=cfg.ddp.overlap_param_gather,
+        checkpoint="none" if not every else ("staged" if ckpt.async_save else "blocking"),
+        save_interval=every or 1)
+    links = Links()
+    try:
+        step = estimate_step(memory_config_from(cfg, world_size, device=device.type), links,
+                             options)
+    except Exception as e:  # noqa: BLE001 - a report: it must never stop a training run
+        return f"step time (chapter 07): not predicted for this layout ({type(e).__name__}: {e})"
+
+    def ms(x: float) -> str:
+        return f"{x * 1e3:.3g} ms"
+    lines = [f"step time per iteration, predicted by chapter 07 at MFU {links.mfu:.0%} of "
+             f"{links.peak_flops / 1e12:.0f} TFLOP/s, NVLink {links.nvlink / 1e9:.0f} GB/s, "
+             f"network {links.network / 1e9:.0f} GB/s (an H100 node's rates"
+             + (", not this CPU's" if device.type == "cpu" else "") + "):",
+             f"  step time {ms(step.total)} = compute {ms(step.compute)} + bubble "
+             f"{ms(step.bubble)} + optimizer {ms(step.optimizer)} + exposed {ms(step.exposed)}"]
+    for item in step.items:
+        if item.seconds > 0:
+            lines.append(f"  exposed: {item.item} {ms(item.exposed)} of {ms(item.seconds)}")
+    return "\n".join(lines)
+
+
 _VERDICTS = {  # chapter 08's rerun statuses, in words
     "INITIAL_RUN": "no rerun was made",
     "FIRST_RERUN_NOT_REPRODUCIBLE": "the rerun in place gave {result:.6g}: not reproducible, a "
@@ -550,9 +588,17 @@ def _checkpoint_hooks(cfg: TrainConfig, out_dir: str, grid, reliability, plan):
     config = cfg.extra.get("checkpoint") or CheckpointConfig()
     config = dataclasses.replace(config, save=config.save or out_dir, load=plan.load,
                                  ckpt_step=plan.ckpt_step)
+    if plan.continues_save:  # the run's own checkpoint: how to take `load`'s does not apply
+        config = dataclasses.replace(config, finetune=False, no_load_optim=False,
+                                     no_load_rng=False)
     hooks = make_checkpoint_hooks(config, grid, rerun_state_machine=reliability.rsm)
     save, load = reliability.checkpoint_hooks(hooks.save_checkpoint_fn, hooks.load_checkpoint_fn)
-    return save, load, hooks.finalize_async_save_fn, hooks.manager.comm.destroy, config
+    # a staged async save copies to host behind the next forward/backward and is waited for
+    # only here, just before the next optimizer.step (chapter 03's wait point)
+    saver = hooks.manager.saver
+    before_step = saver.before_optimizer_step if saver is not None else None
+    return (save, load, hooks.finalize_async_save_fn, before_step, hooks.manager.comm.destroy,
+            config, saver)
 
 
 class LoadRefused(ConfigError):
@@ -587,7 +633,7 @@ def _restored(config, plan) -> str:
 
 
 def _reporting_hooks(save, load, *, rank: int, out_dir: str, cfg: TrainConfig, config, plan,
-                     run_log=None):
+                     run_log=None, saver=None):
     """The checkpoint hooks, saying on the console what they did (rank 0).
 
     The run's config.toml is written once the load has succeeded, so a run refused at the load
@@ -617,7 +663,12 @@ def _reporting_hooks(save, load, *, rank: int, out_dir: str, cfg: TrainConfig, c
         save(state, model, optimizer, scheduler)
         if rank == 0 and config.save is not None:
             where = os.path.join(config.save, f"iter_{state.iteration:07d}")
-            how = ("queued, written in the background" if config.async_save else "written")
+            staged = saver is not None and saver.pending is not None and \
+                saver.pending.stats.get("staged")
+            how = ("written" if not config.async_save else
+                   "queued (its copy to host staged behind the next forward and backward), "
+                   "written in the background" if staged else
+                   "queued, written in the background")
             print(f"checkpoint: iteration {state.iteration} {how} to {where} "
                   f"(training blocked {time.perf_counter() - t0:.2f} s)", flush=True)
     return reporting_save, reporting_load
@@ -648,16 +699,19 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
         print(f"tinytron.train: world {world} = tp {tp} · pp {pp} · cp {cp} · dp "
               f"{cfg.data_parallel_size(world)} on {device.type}; writing to {out_dir}")
         print(memory_report_at_start(cfg, world, device), flush=True)
+        print(step_time_report_at_start(cfg, world, device), flush=True)
+        if plan.note:
+            print(f"checkpoint: {plan.note}", flush=True)
     tokenizer = build_tokenizer_for(cfg)
     data = _data_config(cfg, out_dir)
     rel = _reliability(cfg, out_dir)
     train_iters = train_iters_of(cfg, grid.size("dp"))
     logger, log_config = _logger(cfg, out_dir, train_iters, device, rel)
-    save, load, finalize, close_checkpoint_groups, ckpt_config = _checkpoint_hooks(
-        cfg, out_dir, grid, rel, plan)
+    save, load, finalize, before_step, close_checkpoint_groups, ckpt_config, saver = \
+        _checkpoint_hooks(cfg, out_dir, grid, rel, plan)
     log_fn, iterators = RunLog(logger), {}
     save, load = _reporting_hooks(save, load, rank=rank, out_dir=out_dir, cfg=cfg,
-                                  config=ckpt_config, plan=plan, run_log=log_fn)
+                                  config=ckpt_config, plan=plan, run_log=log_fn, saver=saver)
     seq, mbs = cfg.model.seq_length, cfg.training.micro_batch_size
     dtype = torch.bfloat16 if cfg.training.bf16 else torch.float32
     provide_data = data_iterators_provider(cfg, data, tokenizer, rel)
@@ -679,6 +733,8 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
                  else "CPU (it has no reliable peak)")
         print(f"MFU: not reported on {where}; the JSONL has tokens_per_second and "
               "tflops_per_device", flush=True)
+    from tinytron.data.distribute import TokenIdError
+
     try:
         with rel.signal_handler or contextlib.nullcontext() as handler:
             result = pretrain(
@@ -691,6 +747,7 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
                 vpp_size=cfg.parallel.virtual_pipeline_model_parallel_size,
                 schedule_overrides={"pipeline_dtype": dtype},
                 load_checkpoint_fn=load, save_checkpoint_fn=save, finalize_async_save_fn=finalize,
+                before_optimizer_step_fn=before_step,
                 flops_fn=lambda batch: num_floating_point_operations(cfg.model, batch),
                 peak_flops=peak_flops, log_fn=log_fn,
                 exit_signal=handler, rerun_state_machine=rel.rsm, step_hooks=rel,
@@ -698,6 +755,9 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
                 wrap_forward_backward_func=rel.forward_backward_func)
         if result.exit_reason is None:
             final_validation(cfg, result, iterators.get("valid"), forward_step, log_fn, dtype)
+    except TokenIdError as e:  # the data holds ids the model cannot: checked on the host
+        raise DataRefused(f"data: {e}; the data was tokenized with a larger vocabulary than "
+                          "model.vocab_size") from e
     finally:
         rel.shutdown()
         logger.close()

@@ -110,7 +110,8 @@ def gpt_forward_step(data_iterator, model, *, micro_batch_size: int, seq_length:
 
     grid = getattr(model, "grid", None) or ParallelGrid.single()  # GPTModel and DDP carry it
     batch = get_batch(data_iterator, grid, micro_batch_size=micro_batch_size,
-                      seq_length=seq_length, create_attention_mask=False)
+                      seq_length=seq_length, create_attention_mask=False,
+                      vocab_size=getattr(model, "module", model).config.vocab_size)
     output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
     return output, partial(lm_loss_func, batch["loss_mask"])
 

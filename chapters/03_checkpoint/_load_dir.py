@@ -9,13 +9,22 @@ The rules, checked on the files before the world is joined:
   is a one-line error naming what was looked for, never a silent start from scratch;
 - the save directory (`load` unset, or equal to `save`) without a tracker is a first run: the
   run starts fresh and says so;
+- `load` is read only while the save directory holds no checkpoint: once the run has saved one,
+  a relaunch with the same command line (torchrun's `--max-restarts`, a job requeued by a
+  scheduler) continues from the save directory's latest, not from `load` again, which would
+  retrain the iterations already done and overwrite their checkpoints. The options that say how
+  to take `load`'s checkpoint (`ckpt_step`, `finetune`, `no_load_optim`, `no_load_rng`) do not
+  apply to the run's own checkpoint;
 - the checkpoint's saved model config must equal the run's `[model]`: a one-line error naming
   every field that differs, before anything is written.
 
 Megatron warns and trains from random weights when `--load` holds no tracker, and with
 `--exit-on-missing-checkpoint` exits (status 0) instead
 (`megatron/training/checkpointing.py:1340-1349`). tinytron differs on purpose: a `load` that
-differs from `save` names a checkpoint the user wants, so its absence is an error.
+differs from `save` names a checkpoint the user wants, so its absence is an error. Megatron also
+reads `--load` on every launch, whatever `--save` holds (`load_dir = getattr(args, load_arg)`
+with `load_arg='load'`, `megatron/training/checkpointing.py:1613-1625`, called from
+`megatron/training/training.py:2045`); tinytron continues from `save` once it holds one.
 """
 
 from __future__ import annotations
@@ -53,6 +62,10 @@ class LoadPlan:
     """The tracker says 'release': a model-only checkpoint, loaded as a finetune start."""
     fresh_reason: str = ""
     """Why the run starts fresh (printed on the console)."""
+    continues_save: bool = False
+    """A `load` was given but the save directory already holds a checkpoint: that one is read."""
+    note: str = ""
+    """Which directory is read and why, when `load` and `save` differ (printed on the console)."""
 
 
 def _same(a, b) -> bool:
@@ -67,6 +80,13 @@ def _is_checkpoint_dir(path: Path) -> bool:
 def plan_load(load: Optional[str], save: Optional[str], ckpt_step: Optional[int] = None,
               exit_on_missing: bool = False) -> LoadPlan:
     """The load decision for `[checkpoint] load/save/ckpt_step`; a one-line ValueError if none."""
+    if load is not None and save is not None and not _same(load, save) \
+            and (Path(save) / TRACKER_FILENAME).is_file():
+        plan = plan_load(None, save)  # the run's own checkpoint: its tracker's iteration
+        plan.continues_save = True
+        plan.note = (f"{save} already holds this run's checkpoint (iteration {plan.iteration}): "
+                     f"continuing from it, not from checkpoint.load {load}")
+        return plan
     root = load if load is not None else save
     if root is None:
         return LoadPlan(None, None, fresh_reason="no checkpoint.load or checkpoint.save")
@@ -78,14 +98,20 @@ def plan_load(load: Optional[str], save: Optional[str], ckpt_step: Optional[int]
         found = resolve_checkpoint_dir(path, ckpt_step)  # ValueError: names the missing dir
         if not _is_checkpoint_dir(found[0]):
             detect_format(found[0])  # raises, naming what is missing
-        return LoadPlan(str(path), ckpt_step, found[0], found[1], release=found[2])
+        plan = LoadPlan(str(path), ckpt_step, found[0], found[1], release=found[2])
+        if not is_save_dir:
+            plan.note = (f"loading checkpoint.load {path} (checkpoint.save {save} holds no "
+                         "checkpoint yet)")
+        return plan
     m = _ITER_DIR.fullmatch(path.name)
     if m and _is_checkpoint_dir(path):
         step = int(m.group(1))
         if ckpt_step is not None and ckpt_step != step:
             raise ValueError(f"checkpoint.load is {path} (iteration {step}) but "
                              f"checkpoint.ckpt_step is {ckpt_step}: give one of them")
-        return LoadPlan(str(path.parent), step, path, step)
+        return LoadPlan(str(path.parent), step, path, step,
+                        note=f"loading checkpoint.load {path} (checkpoint.save {save} holds no "
+                             "checkpoint yet)" if save is not None else "")
     if is_save_dir and not exit_on_missing:
         state = "does not exist yet" if not path.exists() else f"has no {TRACKER_FILENAME}"
         return LoadPlan(None, None, fresh_reason=f"{path} {state} (first run of this directory)")

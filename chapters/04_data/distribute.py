@@ -17,7 +17,8 @@ import torch.distributed as dist
 from tinytron.parallel.grid import ParallelGrid
 
 __all__ = ["BATCH_KEYS", "stage_keys", "broadcast_from_tp_rank0", "get_batch_on_this_tp_rank",
-           "thd_partitioned_indices", "get_batch_on_this_cp_rank", "get_batch", "check_token_ids"]
+           "thd_partitioned_indices", "get_batch_on_this_cp_rank", "get_batch", "check_token_ids",
+           "TokenIdError"]
 
 # %% [markdown]
 # ## Who reads, who receives
@@ -114,18 +115,25 @@ def _broadcast_varlen(t: Optional[torch.Tensor], grid: ParallelGrid, device) -> 
 def get_batch_on_this_tp_rank(data_iterator: Optional[Iterator], grid: ParallelGrid, *,
                               micro_batch_size: int, seq_length: int,
                               create_attention_mask: bool = True, is_sft: bool = False,
-                              device=None) -> dict:
-    """The keys this stage uses, read on TP rank 0 and broadcast over the TP group."""
+                              device=None, vocab_size: Optional[int] = None) -> dict:
+    """The keys this stage uses, read on TP rank 0 and broadcast over the TP group.
+
+    Given `vocab_size`, TP rank 0 checks the token and label ids of the batch as the iterator
+    made it (on the host), before anything is copied to the device."""
     device = device or grid.device
     data = None
+    keys = stage_keys(grid, create_attention_mask)
     if grid.rank("tp") == 0:
         if data_iterator is None:
             raise ValueError(f"TP rank 0 (global rank {grid.global_rank}) needs a data iterator")
         data = next(data_iterator)
+        if vocab_size is not None:
+            check_token_ids({k: data.get(k) for k in ("tokens", "labels") if k in keys},
+                            vocab_size)
     shapes = {k: (micro_batch_size, seq_length) for k in BATCH_KEYS}
     shapes["attention_mask"] = (micro_batch_size, 1, seq_length, seq_length)
     batch = {k: None for k in BATCH_KEYS}
-    for k in stage_keys(grid, create_attention_mask):
+    for k in keys:
         if data is not None and data.get(k) is None:
             raise ValueError(f"the data iterator's batch has no {k!r} (keys: {sorted(data)})")
         batch[k] = broadcast_from_tp_rank0(None if data is None else data[k], shapes[k],
@@ -195,10 +203,16 @@ def get_batch_on_this_cp_rank(batch: dict, grid: ParallelGrid) -> dict:
 # slice. Sequence parallelism does not appear here at all: it splits the activations inside the
 # model, after the embedding.
 #
-# Given the tokenizer's `vocab_size`, `get_batch` also checks every token and label id against
-# it, after the broadcast so that all ranks of the group raise together. An id the embedding
-# cannot hold is otherwise an opaque index error, and a label beyond the vocabulary a finite,
-# meaningless loss (the model checks against its padded vocabulary as well).
+# Given a `vocab_size`, `get_batch` also checks every token and label id against it. An id the
+# embedding cannot hold is otherwise an opaque index error, and a label beyond the vocabulary a
+# finite, meaningless loss. The check runs on TP rank 0, on the batch as the data loader made
+# it, *before* the copy to the device: there the ids are host memory and reading their minimum
+# and maximum costs no device synchronization, where the same check after the copy would stall
+# a GPU's stream on every micro-batch. The other TP ranks, waiting in the broadcast, fail with
+# the broken group when rank 0 raises (torchrun then stops the job). Megatron's `get_batch`
+# (`pretrain_gpt.py:76`) checks no ids. Chapter 01's `gpt_forward_step` passes the model's
+# `vocab_size`; the tokenizer's own size is checked once at the start against the data's
+# [tokenizer sidecar](preprocess.py).
 
 # %%
 def get_batch(data_iterator: Optional[Iterator], grid: ParallelGrid, *, micro_batch_size: int,
@@ -218,14 +232,16 @@ def get_batch(data_iterator: Optional[Iterator], grid: ParallelGrid, *, micro_ba
     batch = get_batch_on_this_tp_rank(data_iterator, grid, micro_batch_size=micro_batch_size,
                                       seq_length=seq_length,
                                       create_attention_mask=create_attention_mask,
-                                      is_sft=is_sft, device=device)
-    if vocab_size is not None:
-        check_token_ids(batch, vocab_size)
+                                      is_sft=is_sft, device=device, vocab_size=vocab_size)
     return get_batch_on_this_cp_rank(batch, grid)
 
 
+class TokenIdError(ValueError):
+    """A token or label id outside [0, vocab_size): the data and the model disagree."""
+
+
 def check_token_ids(batch: dict, vocab_size: int) -> None:
-    """ValueError naming the key and the id when a token or label id is outside [0, vocab_size)."""
+    """TokenIdError naming the key and the id of a token or label outside [0, vocab_size)."""
     for key in ("tokens", "labels"):
         ids = batch.get(key)
         if ids is None or ids.numel() == 0:
@@ -233,8 +249,8 @@ def check_token_ids(batch: dict, vocab_size: int) -> None:
         low, high = (int(v) for v in torch.aminmax(ids))
         if low < 0 or high >= vocab_size:
             bad = high if high >= vocab_size else low
-            raise ValueError(f"{key} hold id {bad}, outside the tokenizer's vocabulary "
-                             f"[0, {vocab_size}) (vocab_size={vocab_size})")
+            raise TokenIdError(f"{key} hold id {bad}, outside the vocabulary [0, {vocab_size}) "
+                               f"(vocab_size={vocab_size})")
 
 # %% [markdown]
 # ## Demo: four ranks, TP 2 × CP 2
