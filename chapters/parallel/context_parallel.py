@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tinytron.parallel._checks import check_qkv, check_seq_for_cp
 from tinytron.parallel._comm import all_gather_dim, reduce_scatter_dim
 from tinytron.parallel.grid import ParallelGrid
 
@@ -41,6 +42,13 @@ __all__ = ["cp_chunk_ids", "cp_positions", "split_for_context_parallel",
 # rank 0 $1+2+7+8 = 18$, rank 1 $3+4+5+6 = 18$: balanced. Every per-sample tensor of the batch
 # (tokens, labels, loss mask, position ids) is sliced the same way, so RoPE and the loss see
 # the real global positions.
+#
+# The functions below are that table as code: `cp_chunk_ids` names the two chunks,
+# `cp_positions` lists their global positions (the sequence length must divide into $2cp$
+# chunks; that check and the shape checks of the attention live in
+# `tinytron.parallel._checks`, with the same messages), and the slicing helpers apply the
+# positions to every tensor of a batch. `restore_sequence_order` is the inverse permutation,
+# used to show a CP run's per-token results in natural order.
 
 # %%
 def cp_chunk_ids(cp_size: int, cp_rank: int) -> tuple[int, int]:
@@ -50,15 +58,9 @@ def cp_chunk_ids(cp_size: int, cp_rank: int) -> tuple[int, int]:
     return cp_rank, 2 * cp_size - 1 - cp_rank
 
 
-def _check_seq(seq_len: int, cp_size: int) -> int:
-    if seq_len % (2 * cp_size):
-        raise ValueError(f"sequence length {seq_len} is not divisible by 2*cp = {2 * cp_size}")
-    return seq_len // (2 * cp_size)
-
-
 def cp_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     """Global positions of the seq_len/cp tokens CP rank `cp_rank` holds, in its local order."""
-    chunk = _check_seq(seq_len, cp_size)
+    chunk = check_seq_for_cp(seq_len, cp_size)
     return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in cp_chunk_ids(cp_size, cp_rank)])
 
 
@@ -115,6 +117,13 @@ def gather_from_context_parallel(t_local: torch.Tensor, grid: ParallelGrid, seq_
 # Engine's `DotProductAttention`); the default `"p2p"` passes K/V blocks around a ring and
 # overlaps each hop with the attention on the previous block, never holding all of $K$ at once.
 #
+# The cost in small numbers: $cp = 2$, $s = 8$, two kv heads of width 4 ($h_{kv} = 8$). Each
+# rank holds 4 tokens, so it sends $4 \cdot 8 = 32$ elements of $K$ and 32 of $V$ and receives
+# as many: $2 \cdot (cp - 1)/cp \cdot s \cdot h_{kv} = 2 \cdot \tfrac12 \cdot 8 \cdot 8 = 64$
+# elements per layer, as the formula says. GQA is why the gather happens before the heads are
+# repeated: with 8 query heads over 2 kv heads, repeating first would put four times as much
+# on the wire.
+#
 # ```mermaid
 # flowchart LR
 #   Q0["rank 0: Q,K,V of chunks 0,3"] -->|all-gather K,V| KV["K,V of chunks 0,3,1,2 on both ranks"]
@@ -154,11 +163,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                *, causal: bool = True, scale: float | None = None,
                                dropout_p: float = 0.0) -> torch.Tensor:
     """SDPA over the full sequence for local q,k,v [b, heads, s/cp, d] (zig-zag order); returns [b, hq, s/cp, d]."""
-    if q.dim() != 4 or k.shape != v.shape or q.shape[-2] != k.shape[-2]:
-        raise ValueError(f"expected q, k, v as [b, heads, s, d] with equal s, got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads {q.shape[1]} are not a multiple of kv heads {k.shape[1]}")
+    check_qkv(q, k, v)
     k, v = gather_kv_for_context_parallel(k, grid), gather_kv_for_context_parallel(v, grid)
     if q.shape[1] != k.shape[1]:  # GQA: expand after the gather, so the wire carries kv heads only
         rep = q.shape[1] // k.shape[1]
@@ -167,6 +172,16 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, dropout_p=dropout_p)
     mask = _causal_cp_mask(q.shape[-2], grid, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout_p)
+
+# %% [markdown]
+# <div class="admonition note">
+# <p class="admonition-title">tinytron differs here</p>
+# <p>Megatron hands CP attention to Transformer Engine, which builds the zig-zag mask inside its
+# kernel (<code>cp_comm_type</code>, <code>transformer_config.py:891-895</code>). tinytron runs
+# PyTorch's SDPA on the gathered keys with an explicit boolean mask of global positions, so the
+# page can show the mask; it holds all of $K, V$ at once, which the default <code>"p2p"</code>
+# ring avoids (next section).</p>
+# </div>
 
 # %% [markdown]
 # ## The ring variant

@@ -15,6 +15,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from tinytron.parallel._checks import _check_sizes, _parse_order
+
 __all__ = ["AXES", "DEFAULT_ORDER", "RankLayout", "rank_layout", "ParallelGrid"]
 
 # %% [markdown]
@@ -90,38 +92,6 @@ DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 _AXIS_TOKENS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",),
                 "dp_cp": ("dp", "cp"), "tp_cp": ("tp", "cp"), "mp": ("tp", "pp")}
 
-
-def _parse_order(order: str, sizes: dict) -> list[str]:
-    """Split an order string into base axes; `ep` is dropped (size 1 here), unnamed size-1 axes go last."""
-    tokens = [t for t in order.lower().split("-") if t != "ep"]
-    if len(set(tokens)) != len(tokens) or not set(tokens) <= set(sizes):
-        raise ValueError(f"order must name each of tp, cp, dp, pp at most once, got {order!r}")
-    for axis in ("tp", "cp", "dp", "pp"):  # as RankGenerator (parallel_state.py:475-482)
-        if axis not in tokens:
-            if sizes[axis] != 1:
-                raise ValueError(f"order {order!r} does not name {axis}, whose size is {sizes[axis]}")
-            tokens.append(axis)
-    return tokens
-
-
-def _check_sizes(world_size: int, tp: int, cp: int, pp: int, dp: int | None) -> int:
-    """Validate sizes against the world size; return dp (inferred when None)."""
-    for name, value in (("world_size", world_size), ("tp", tp), ("cp", cp), ("pp", pp)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    model = tp * cp * pp
-    if dp is None:
-        if world_size % model:
-            raise ValueError(f"world_size {world_size} is not divisible by tp*cp*pp = "
-                             f"{tp}*{cp}*{pp} = {model}")
-        return world_size // model
-    if not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"dp must be a positive int, got {dp!r}")
-    if model * dp != world_size:
-        raise ValueError(f"tp*cp*dp*pp = {tp}*{cp}*{dp}*{pp} = {model * dp} does not equal "
-                         f"world_size {world_size}")
-    return dp
-
 # %% [markdown]
 # `rank_layout` is the pure part: no process group, just lists of global ranks. It is what the
 # worked example prints and what the tests compare against Megatron's documented groups.
@@ -185,65 +155,23 @@ def rank_layout(world_size: int, tp: int = 1, cp: int = 1, pp: int = 1, dp: int 
     return RankLayout(world_size, sizes, tuple(axes), groups, coords)
 
 # %% [markdown]
-# ## The grid object
+# ## The grid object, in three parts
 #
-# `ParallelGrid` wraps a `RankLayout` around real process groups. Every rank must create every
-# group, in the same order, even groups it is not in (that is how `torch.distributed.new_group`
-# works), so the constructor walks all axes and all their groups and keeps the handle of the
-# group that contains this rank. Groups of size 1 are real groups too: a `None` group would
-# silently mean "the whole world" to `torch.distributed`.
+# `ParallelGrid` is assembled from two small whole classes and a constructor. The first part is
+# what the rest of the book asks the grid: for an axis, my group's ranks, its size, my index in
+# it and its process-group handle; and which pipeline stage I am. It reads only two
+# dictionaries the constructor fills, `_ranks` (axis to rank list) and `_groups` (axis to
+# handle), so it works the same on the one-rank grid and on a real world.
 #
-# `ParallelGrid.single()` is the one-rank grid of a plain script: no process group exists, every
-# group handle is `None`, every size is 1, and the collectives of the layers built on top of it
-# skip communication when the size is 1.
+# Rank 13 of the worked example asks: `ranks("pp")` is $[1, 5, 9, 13]$, `rank("pp")` is 3, so
+# `is_last_stage()` holds; `size("embd")` is 2 and `rank("embd")` 1. Rank 5 of the same world
+# is a middle stage: `ranks("embd")` is $[]$, `size` 0 and `rank` $-1$, the three values
+# that let a caller skip the tied-embedding all-reduce without a special case.
 
 # %%
-class ParallelGrid:
-    """Process groups of one rank for tp/cp/dp/pp and the composite axes (see `AXES`)."""
+class GridQueries:
+    """The questions a rank asks its grid; reads `_ranks`, `_groups` and `global_rank`."""
 
-    def __init__(self, tp: int = 1, cp: int = 1, pp: int = 1, dp: int | None = None,
-                 backend: str | None = None, order: str = DEFAULT_ORDER, *, _single: bool = False):
-        if _single:
-            world_size, rank = 1, 0
-        else:
-            if not dist.is_available() or not dist.is_initialized():
-                raise ValueError("ParallelGrid needs torch.distributed.init_process_group first; "
-                                 "use ParallelGrid.single() for one process")
-            world_size, rank = dist.get_world_size(), dist.get_rank()
-        self.layout = rank_layout(world_size, tp, cp, pp, dp, order)
-        self.world_size, self.global_rank = world_size, rank
-        self.backend = None if _single else (backend or dist.get_backend())
-        self._ranks = {axis: self.layout.group_of(axis, rank) for axis in AXES}
-        self._groups = {axis: None for axis in AXES}
-        if not _single:
-            for axis in AXES:
-                for ranks in self.layout.groups[axis]:
-                    handle = dist.new_group(ranks, backend=backend)
-                    if rank in ranks:
-                        self._groups[axis] = handle
-            if self.backend == "nccl":
-                self._warm_up_p2p_groups()
-
-    def _warm_up_p2p_groups(self) -> None:
-        """NCCL: run one collective on the pp and cp groups so a later batched p2p is not their first call."""
-        for axis in ("pp", "cp"):  # torch requires all ranks in a group's first batch_isend_irecv
-            if self.size(axis) > 1:
-                dist.all_reduce(torch.zeros(1, device=self.device), group=self.group(axis))
-
-    @classmethod
-    def single(cls) -> "ParallelGrid":
-        """The one-rank grid: all sizes 1, all groups None, no process group needed."""
-        return cls(_single=True)
-
-
-# %% [markdown]
-# What the rest of the book asks the grid: for an axis, my group's ranks, its size, my index in
-# it and its process-group handle; and which pipeline stage I am. (The class continues in this
-# cell and the next: a cell extends a class by subclassing it under the same name.)
-
-# %%
-class ParallelGrid(ParallelGrid):  # the same class, continued
-    __doc__ = ParallelGrid.__doc__  # help() keeps the first cell's docstring
     def _check_axis(self, axis: str) -> None:
         if axis not in AXES:
             raise ValueError(f"unknown axis {axis!r}; expected one of {AXES}")
@@ -282,12 +210,15 @@ class ParallelGrid(ParallelGrid):  # the same class, continued
 
 
 # %% [markdown]
-# And the device the grid's collectives run on, one convenience collective, the groups' end,
-# and two ways to print where a rank sits.
+# The second part: the device the grid's collectives run on, one convenience collective, the
+# groups' end, and two ways to print where a rank sits. The device follows the backend: NCCL
+# groups only move CUDA tensors, gloo groups here move CPU tensors, so a layer that builds a
+# buffer for a collective asks `grid.device` instead of guessing.
 
 # %%
-class ParallelGrid(ParallelGrid):  # continued
-    __doc__ = ParallelGrid.__doc__  # help() keeps the first cell's docstring
+class GridServices:
+    """Device, a convenience all-reduce, teardown and printing; needs `backend` and `layout`."""
+
     @property
     def device(self) -> torch.device:
         """The device collectives on this grid use: the current CUDA device under NCCL, else CPU."""
@@ -320,6 +251,72 @@ class ParallelGrid(ParallelGrid):  # continued
                 f"rank={self.global_rank}/{self.world_size})")
 
 # %% [markdown]
+# The third part, the constructor, wraps a `RankLayout` around real process groups. Every rank must create every
+# group, in the same order, even groups it is not in (that is how `torch.distributed.new_group`
+# works), so the constructor walks all axes and all their groups and keeps the handle of the
+# group that contains this rank. Groups of size 1 are real groups too: a `None` group would
+# silently mean "the whole world" to `torch.distributed`.
+#
+# `ParallelGrid.single()` is the one-rank grid of a plain script: no process group exists, every
+# group handle is `None`, every size is 1, and the collectives of the layers built on top of it
+# skip communication when the size is 1.
+#
+# How many groups that walk creates, for the worked example (16 ranks, tp 2, pp 4, dp 2): 8 `tp`
+# groups, 16 `cp` groups of one rank, 8 `dp`, 4 `pp`, 8 `dp_cp`, 8 `tp_cp`, 2 `mp` and 4
+# `embd`: 58 `new_group` calls on every rank (the demo below counts them). Each rank keeps one
+# handle per axis it belongs to: 8 on a first or last stage, 7 on a middle one (no `embd`).
+
+# %%
+class ParallelGrid(GridQueries, GridServices):
+    """Process groups of one rank for tp/cp/dp/pp and the composite axes (see `AXES`)."""
+
+    def __init__(self, tp: int = 1, cp: int = 1, pp: int = 1, dp: int | None = None,
+                 backend: str | None = None, order: str = DEFAULT_ORDER, *, _single: bool = False):
+        if _single:
+            world_size, rank = 1, 0
+        else:
+            if not dist.is_available() or not dist.is_initialized():
+                raise ValueError("ParallelGrid needs torch.distributed.init_process_group first; "
+                                 "use ParallelGrid.single() for one process")
+            world_size, rank = dist.get_world_size(), dist.get_rank()
+        self.layout = rank_layout(world_size, tp, cp, pp, dp, order)
+        self.world_size, self.global_rank = world_size, rank
+        self.backend = None if _single else (backend or dist.get_backend())
+        self._ranks = {axis: self.layout.group_of(axis, rank) for axis in AXES}
+        self._groups = {axis: None for axis in AXES}
+        if not _single:
+            for axis in AXES:
+                for ranks in self.layout.groups[axis]:
+                    handle = dist.new_group(ranks, backend=backend)
+                    if rank in ranks:
+                        self._groups[axis] = handle
+            if self.backend == "nccl":
+                self._warm_up_p2p_groups()
+
+    def _warm_up_p2p_groups(self) -> None:
+        """NCCL: run one collective on the pp and cp groups so a later batched p2p is not their first call."""
+        for axis in ("pp", "cp"):  # torch requires all ranks in a group's first batch_isend_irecv
+            if self.size(axis) > 1:
+                dist.all_reduce(torch.zeros(1, device=self.device), group=self.group(axis))
+
+    @classmethod
+    def single(cls) -> "ParallelGrid":
+        """The one-rank grid: all sizes 1, all groups None, no process group needed."""
+        return cls(_single=True)
+
+
+# %% [markdown]
+# <div class="admonition note">
+# <p class="admonition-title">tinytron differs here</p>
+# <p>Megatron's <code>initialize_model_parallel</code> keeps every group in module globals
+# (<code>_TENSOR_MODEL_PARALLEL_GROUP</code> and the rest, <code>parallel_state.py:547</code>)
+# and skips none; tinytron keeps them in one object, so two layouts can live in one process,
+# and it has no expert axes (<code>ep</code> is dropped from the order string, size 1). The
+# size checks and the order-string parser live in <code>tinytron.parallel._checks</code>, with
+# the same messages.</p>
+# </div>
+
+# %% [markdown]
 # ## Demo: the 16-rank example, printed by the code
 
 # %%
@@ -335,6 +332,8 @@ if __name__ == "__main__":
     assert layout.groups["pp"] == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
     assert layout.coords[13] == {"tp": 1, "cp": 0, "dp": 0, "pp": 3}
     assert layout.group_of("embd", 13) == [1, 13]
+    print("new_group calls per rank:", sum(len(layout.groups[axis]) for axis in AXES))
+    assert sum(len(layout.groups[axis]) for axis in AXES) == 58
 
 # %% [markdown]
 # Adding context parallelism changes who sits next to whom. With tp 2, cp 2, pp 2 on 16 ranks

@@ -52,6 +52,9 @@ __all__ = ["MODEL_PARALLEL_RNG", "DATA_PARALLEL_RNG", "EXPERT_PARALLEL_RNG", "RN
 # both. Saving `get_states()` and restoring with `set_states()` rewinds every stream:
 # [chapter 06](../06_recompute_offload/checkpoint.py) uses it to recompute identical dropout
 # masks, [chapter 03](../03_checkpoint/resume.py) to resume.
+#
+# The tracker is built in two whole parts. `DefaultGenerator` below knows how to read, write
+# and seed one device's default generator; `RNGStatesTracker` adds the named streams on top.
 
 # %%
 MODEL_PARALLEL_RNG = "model-parallel-rng"
@@ -60,20 +63,13 @@ EXPERT_PARALLEL_RNG = "expert-parallel-rng"
 """Megatron's stream names (`megatron/core/tensor_parallel/random.py:91-93`)."""
 
 
-class RNGStatesTracker:
-    """Named RNG states for one device's default generator; `fork(name)` runs a block on one of them."""
+class DefaultGenerator:
+    """Read, write and seed the default generator of one device type (cpu or cuda)."""
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device}")
-        self.reset()
-
-    def reset(self) -> None:
-        """Forget every named state."""
-        self._states: dict[str, torch.Tensor] = {}
-        self._seeds: set[int] = set()
-        self._active: str | None = None
 
     def _get(self) -> torch.Tensor:
         if self.device.type == "cuda":
@@ -95,13 +91,36 @@ class RNGStatesTracker:
 
 
 # %% [markdown]
-# Adding a stream seeds the default generator, keeps the resulting state under the name and
-# puts the original back; `fork` swaps a named state in for the length of a block. (The class
-# continues in this cell: a cell extends a class by subclassing it under the same name.)
+# ## Named streams and the fork
+#
+# The tracker proper is a dictionary from stream name to a saved generator state, plus the set
+# of seeds already handed out (two streams with one seed would draw the same numbers, which is
+# exactly the bug the tracker exists to prevent). Adding a stream seeds the default generator,
+# keeps the resulting state under the name and puts the original back, so adding never moves
+# the default stream. `fork` swaps a named state in for the length of a block and, on the way
+# out, saves the named stream's advanced state before restoring the outer one. A fork inside a
+# fork first parks the outer stream's progress, so neither stream loses draws.
+#
+# Worked example with 4-element masks: stream `a` seeded 1, the default seeded 0. Outside,
+# `torch.rand(4)` draws the default's first four numbers $u_1..u_4$. Inside `fork("a")` it draws
+# `a`'s first four; a second `fork("a")` later continues with `a`'s numbers five to eight, not
+# one to four again; and the next draw outside is $u_5..u_8$, as if neither fork happened (the
+# last demo below checks exactly this, with draws of three).
 
 # %%
-class RNGStatesTracker(RNGStatesTracker):  # the same class, continued
-    __doc__ = RNGStatesTracker.__doc__  # help() keeps the first cell's docstring
+class RNGStatesTracker(DefaultGenerator):
+    """Named RNG states for one device's default generator; `fork(name)` runs a block on one of them."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        super().__init__(device)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every named state."""
+        self._states: dict[str, torch.Tensor] = {}
+        self._seeds: set[int] = set()
+        self._active: str | None = None
+
     def add(self, name: str, seed: int) -> None:
         """Create stream `name` seeded with `seed`; the default generator is left as it was."""
         if name in self._states:
@@ -138,6 +157,19 @@ class RNGStatesTracker(RNGStatesTracker):  # the same class, continued
             self._states[name] = self._get()
             self._active = outer
             self._set(self._states[outer] if outer is not None else original)
+
+# %% [markdown]
+# <div class="admonition note">
+# <p class="admonition-title">tinytron differs here</p>
+# <p>Megatron's <code>get_states</code> returns the tracker's own state tensors and
+# <code>set_states</code> keeps the dictionary it is given (<code>random.py:258-270</code>);
+# tinytron clones both ways, so a snapshot taken for recompute or a checkpoint cannot be changed
+# by later draws. <code>add</code> checks the name before the seed (Megatron the seed first,
+# <code>:272-281</code>), so a repeated <code>add</code> of one stream names the stream. There is
+# no CUDA-graph-safe variant and no warning when the CPU generator moves inside a fork
+# (<code>:313-320</code>); and a tracker is built for a device type, so the same code runs on a
+# CPU-only machine.</p>
+# </div>
 
 # %% [markdown]
 # Megatron reaches its tracker through a process-wide getter (`get_cuda_rng_tracker`,
@@ -269,8 +301,13 @@ if __name__ == "__main__":
     with tracker.fork("a"):
         inside = torch.rand(3)
     after = torch.rand(3)
+    with tracker.fork("a"):
+        again = torch.rand(3)
     print("outside the fork the default stream is untouched:", torch.equal(before, after))
     assert torch.equal(before, after) and not torch.equal(inside, before)
+    first_six = torch.rand(6, generator=torch.Generator().manual_seed(1))  # stream a, drawn alone
+    print("a second fork continues the stream:", torch.equal(torch.cat([inside, again]), first_six))
+    assert torch.equal(torch.cat([inside, again]), first_six)
 
 # %% [markdown]
 # ## Summary
