@@ -172,10 +172,18 @@ def restart_attempt() -> int:
 #   T -- raise --> R[RuntimeError in the step]
 #   T -- kill_in_save --> A["arm TINYTRON_CHECKPOINT_FAULT for this save only"]
 # ```
+#
+# The injector is two whole parts: `ValueFaults` holds the plan and corrupts a value
+# (a loss or a gradient) when a planned fault strikes, and `ProcessFaults` turns the process
+# faults into the real thing; the class `FaultInjector` below them is the two together. A
+# worked example: the plan `nan@3:rank=1` with the default `transient_error` on a two-rank job
+# corrupts rank 1's loss in iteration 3's first pass only; the rerun in place computes the true
+# loss, the comparison reports a mismatch, and the job exits 17 with the tracker naming
+# iteration 3 as transient.
 
 # %%
-class FaultInjector:
-    """Applies the planned faults of this rank and restart attempt."""
+class ValueFaults:
+    """The planned faults of this rank and attempt, and the value faults they strike."""
 
     def __init__(self, faults: list[Fault] | list[str], rank: int = 0,
                  attempt: int | None = None,
@@ -224,8 +232,8 @@ class FaultInjector:
 # and restores whatever was armed before.
 
 # %%
-class FaultInjector(FaultInjector):  # the same class, continued
-    __doc__ = FaultInjector.__doc__  # help() keeps the first cell's docstring
+class ProcessFaults:
+    """The process faults: kill, freeze, hang or raise at a step; kill points around a save."""
 
     def at_step_start(self, iteration: int) -> None:
         """Kill, hang or freeze this process if a fault is planned for this step."""
@@ -262,6 +270,10 @@ class FaultInjector(FaultInjector):  # the same class, continued
                 os.environ.pop(CHECKPOINT_FAULT_ENV, None)
             else:
                 os.environ[CHECKPOINT_FAULT_ENV] = previous
+
+
+class FaultInjector(ProcessFaults, ValueFaults):
+    """Applies the planned faults of this rank and restart attempt."""
 
 
 # %% [markdown]

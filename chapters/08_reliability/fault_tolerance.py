@@ -262,6 +262,12 @@ def _progress(report: dict) -> tuple[int, int, int]:
 #
 # The client first: a store connection of its own, and the state that the main thread writes
 # and the monitor thread reads, guarded by one lock.
+#
+# The monitor is four whole parts, each a small class: `MonitorState` (its fields and the
+# lock), `LoopHooks` (what the training loop calls), `MonitorThread` (the background loop)
+# and `JobEnd` (agreeing the verdict and leaving); `RankMonitor` after them is the four
+# together. The main thread only ever touches `LoopHooks`, the thread only `MonitorThread` and
+# `JobEnd`, and the two meet in `MonitorState` under its lock.
 
 # %%
 def connect_store(prefix: str, timeout_s: float):
@@ -272,8 +278,8 @@ def connect_store(prefix: str, timeout_s: float):
     return dist.PrefixStore(prefix, store)
 
 
-class RankMonitor:
-    """Per-rank heartbeats and section timeouts; ends the job when a rank hangs."""
+class MonitorState:
+    """The monitor's shared state: this rank's report, every rank's last-seen values, the lock."""
 
     def __init__(self, config: FaultToleranceConfig, rank: int, world_size: int, store=None,
                  attempt: Optional[int] = None, exit_fn: Callable[[int], None] = os._exit,
@@ -300,8 +306,8 @@ class RankMonitor:
 # never waits on the network for fault tolerance.
 
 # %%
-class RankMonitor(RankMonitor):  # the same class, continued
-    __doc__ = RankMonitor.__doc__  # help() keeps the first cell's docstring
+class LoopHooks:
+    """What the training loop calls: open and close sections, mark progress, shut down."""
 
     def start(self) -> "RankMonitor":
         """Open the setup section and start beating."""
@@ -369,8 +375,8 @@ class RankMonitor(RankMonitor):  # the same class, continued
 # store, ends the loop; so does losing the store for longer than `heartbeat_timeout`.
 
 # %%
-class RankMonitor(RankMonitor):  # the same class, continued
-    __doc__ = RankMonitor.__doc__  # help() keeps the first cell's docstring
+class MonitorThread:
+    """The background thread: publish this rank's report, age every rank's, decide."""
 
     def _publish(self) -> None:
         where, in_collective = main_thread_position()
@@ -422,8 +428,8 @@ class RankMonitor(RankMonitor):  # the same class, continued
 # printed by its owner, and then every rank exits with `EXIT_CODE_HANG_DETECTED`.
 
 # %%
-class RankMonitor(RankMonitor):  # the same class, continued
-    __doc__ = RankMonitor.__doc__  # help() keeps the first cell's docstring
+class JobEnd:
+    """Agree the verdict once through the store, write the report, exit with the hang code."""
 
     def _end(self, verdict: str) -> None:
         owner = str(self.rank)
@@ -448,6 +454,10 @@ class RankMonitor(RankMonitor):  # the same class, continued
         # may host the store) goes away.
         self._stop.wait(2 * self.config.heartbeat_interval)
         self.exit_fn(EXIT_CODE_HANG_DETECTED)
+
+
+class RankMonitor(JobEnd, MonitorThread, LoopHooks, MonitorState):
+    """Per-rank heartbeats and section timeouts; ends the job when a rank hangs."""
 
 # %% [markdown]
 # ## Demo: rank 1 hangs in step 3

@@ -156,10 +156,17 @@ class StaticBufferLoader:
 # machine without CUDA it refuses at construction, with the reason: there is nothing to
 # capture into, and silently running eagerly would make the speed-up claims of a
 # configuration meaningless.
+#
+# The wrapper is two whole parts: `GraphSetup` (the settings, the per-stage graph slots and
+# the data read that must happen outside the graph) and `CaptureReplay` (the per-stage
+# counter that decides eager, capture or replay); `FullCudaGraphWrapper` is the two together.
+# With the default `cuda_graph_warmup_steps = 3`, training calls 1 to 3 run eagerly; call 4
+# captures (recording runs no kernel) and at once replays what it recorded, so that call too
+# computes its step; every later call only replays.
 
 # %%
-class FullCudaGraphWrapper:
-    """Capture forward-backward of a whole iteration once; replay it every later iteration."""
+class GraphSetup:
+    """The wrapper's settings, its per-stage graphs and the data read that precedes a capture."""
 
     def __init__(self, forward_backward_func: Callable, cuda_graph_warmup_steps: int = 3,
                  use_single_mempool: bool = True, generators: tuple = (), barrier_group=None):
@@ -197,8 +204,8 @@ class FullCudaGraphWrapper:
 # the capture produced, which the replay has just overwritten.
 
 # %%
-class FullCudaGraphWrapper(FullCudaGraphWrapper):  # the same class, continued
-    __doc__ = FullCudaGraphWrapper.__doc__  # help() keeps the first cell's docstring
+class CaptureReplay:
+    """Per stage: eager warm-up calls, one capture, then replays of the captured graph."""
 
     def _barrier(self) -> None:
         if dist.is_initialized():
@@ -247,6 +254,10 @@ class FullCudaGraphWrapper(FullCudaGraphWrapper):  # the same class, continued
         """Drop the graph(s) and count warm-up again (`reset_cuda_graph`, `:244`)."""
         for s in ([stage] if stage else list(self.graphs)):
             self.graphs[s], self.results[s], self.calls[s] = None, None, 0
+
+
+class FullCudaGraphWrapper(CaptureReplay, GraphSetup):
+    """Capture forward-backward of a whole iteration once; replay it every later iteration."""
 
 
 # %% [markdown]

@@ -193,11 +193,15 @@ def init_torchrun_process_group(backend: str, timeout) -> None:
 # checkpoint carries *everything* the next iteration depends on — weights, fp32 masters,
 # optimizer moments and step counts, the scheduler, the RNG states, the consumed samples (so
 # the sampler serves the same next batch) — and nothing depends on the process's history.
+#
+# The config is two whole parts: `ReliabilityFields`, the section's own fields and checks on
+# top of `RerunConfig`'s, and `ReliabilityParts`, the methods that build each part's config
+# from the section; `ReliabilityConfig` is the dataclass of both.
 
 # %%
 @dataclass
-class ReliabilityConfig(RerunConfig):
-    """The trainer's [reliability] section: RerunConfig's fields, then the ones below."""
+class ReliabilityFields(RerunConfig):
+    """The [reliability] section's own fields (after RerunConfig's) and their checks."""
 
     exit_signal_handler: bool = False
     """On SIGTERM/SIGINT: finish the iteration, save, exit 0."""
@@ -233,8 +237,8 @@ class ReliabilityConfig(RerunConfig):
 # own config objects, built from it here (the tracker file defaults to the save directory).
 
 # %%
-class ReliabilityConfig(ReliabilityConfig):  # the same class, continued
-    __doc__ = ReliabilityConfig.__doc__  # help() keeps the first cell's docstring
+class ReliabilityParts:
+    """The config objects of the parts this section configures."""
 
     def rerun(self, save_dir: Optional[str] = None) -> RerunConfig:
         """The rerun machine's settings."""
@@ -253,6 +257,11 @@ class ReliabilityConfig(ReliabilityConfig):  # the same class, continued
             num_warmup_iters=self.ft_num_warmup_iters,
             heartbeat_interval=self.ft_heartbeat_interval,
             heartbeat_timeout=self.ft_heartbeat_timeout, report_path=report_path)
+
+
+@dataclass
+class ReliabilityConfig(ReliabilityParts, ReliabilityFields):
+    """The trainer's [reliability] section: RerunConfig's fields, then ReliabilityFields'."""
 
 
 # %% [markdown]
@@ -305,6 +314,11 @@ class ReliabilityConfig(ReliabilityConfig):  # the same class, continued
 #   C-->>R1: NaN
 #   Note over R0,R1: the step ends, every rank reruns it in place, rank 1 judges its own value
 # ```
+#
+# `Reliability` below is five whole parts, in the order the loop meets them: `SafetyNets`
+# (building the nets), `DataAndLoss`, `ScheduleChecks`, `CheckpointHooks` and `StepHooks`; the
+# class `Reliability` after the last is all five. Each part wraps one of the callables chapter
+# 01's `train()` already takes, so the loop itself is not edited to gain the nets.
 
 # %%
 def rerun_state_path(save_dir: str, iteration: int, rank: int) -> str:
@@ -323,8 +337,8 @@ def _timed(fn, timers: Timers, name: str, level: int):
     return wrapped
 
 
-class Reliability:
-    """One rank's safety nets, and the wrapped loop parts that install them."""
+class SafetyNets:
+    """One rank's safety nets: rerun machine, fault injector, timers, signal handler, monitor."""
 
     def __init__(self, config: ReliabilityConfig, *, save_dir: Optional[str] = None,
                  timing_log_level: int = 0, timing_log_option: str = "minmax",
@@ -356,8 +370,8 @@ class Reliability:
 # passes the injector and then the check.
 
 # %%
-class Reliability(Reliability):  # the same class, continued
-    __doc__ = Reliability.__doc__  # help() keeps the first cell's docstring
+class DataAndLoss:
+    """The data iterator made replayable; each micro-batch loss through injector and check."""
 
     def data_iterator(self, iterator):
         """The training iterator, replayable for reruns (None stays None)."""
@@ -392,8 +406,8 @@ class Reliability(Reliability):  # the same class, continued
 # removed when the pass ends. `optimizer.step` is timed in place.
 
 # %%
-class Reliability(Reliability):  # the same class, continued
-    __doc__ = Reliability.__doc__  # help() keeps the first cell's docstring
+class ScheduleChecks:
+    """The bucket checks installed for each training pass; the optimizer step timed."""
 
     def forward_backward_func(self, forward_backward_func):
         """The schedule, timed, with the gradient-norm checks of each training pass."""
@@ -458,8 +472,8 @@ def _grads(chunk) -> list:
 # iteration it would rerun.
 
 # %%
-class Reliability(Reliability):  # the same class, continued
-    __doc__ = Reliability.__doc__  # help() keeps the first cell's docstring
+class CheckpointHooks:
+    """The rerun machine's state written before a save commits and read back after a load."""
 
     def checkpoint_hooks(self, save_checkpoint_fn, load_checkpoint_fn):
         """(save, load) hooks that also carry the rerun machine, timers, sections and faults."""
@@ -518,8 +532,8 @@ class _null:
 # machine) and the heartbeats stop.
 
 # %%
-class Reliability(Reliability):  # the same class, continued
-    __doc__ = Reliability.__doc__  # help() keeps the first cell's docstring
+class StepHooks:
+    """The monitor's step section, the injector's strike, the exit code, the shutdown."""
 
     def on_step_start(self, state) -> None:
         """Open the step section; strike a planned kill/hang/freeze."""
@@ -540,6 +554,10 @@ class Reliability(Reliability):  # the same class, continued
         """Stop the heartbeats."""
         if self.monitor is not None:
             self.monitor.shutdown()
+
+
+class Reliability(StepHooks, CheckpointHooks, ScheduleChecks, DataAndLoss, SafetyNets):
+    """One rank's safety nets, and the wrapped loop parts that install them."""
 
 
 # %% [markdown]

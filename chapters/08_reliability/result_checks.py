@@ -132,8 +132,8 @@ class RerunConfig:
 # `FaultInjector` corrupts real values at a chosen iteration and rank.
 
 # %%
-class RerunErrorInjector:
-    """Reject about one result in `rate` and force the rerun's verdict (values are untouched)."""
+class InjectionDraws:
+    """The injector's draw and its forced verdict: when to reject, what the rerun then finds."""
 
     def __init__(self, error_injection_rate: int = 0,
                  error_injection_type: RerunDiagnostic | str = RerunDiagnostic.TRANSIENT_ERROR,
@@ -173,11 +173,15 @@ class RerunErrorInjector:
 
 # %% [markdown]
 # The injector's checkpoint: the armed verdict (it must survive the exit-16 relaunch) and the
-# position of its own generator.
+# position of its own generator. Without the generator's position a relaunched job would draw
+# the same numbers its first launch drew, and inject at the same validations again; without
+# the armed verdict, the rerun from the checkpoint would compare for real and find the values
+# equal (they were never corrupted), so an injected persistent error would read as a correct
+# result. The injector is these two parts, `RerunErrorInjector` below.
 
 # %%
-class RerunErrorInjector(RerunErrorInjector):  # the same class, continued
-    __doc__ = RerunErrorInjector.__doc__  # help() keeps the first cell's docstring
+class InjectorCheckpoint:
+    """The injector's checkpoint: its settings, the armed verdict and its generator's state."""
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps (the forced verdict must survive the relaunch)."""
@@ -197,6 +201,10 @@ class RerunErrorInjector(RerunErrorInjector):  # the same class, continued
             self.draws.setstate((version, tuple(internal), gauss))
 
 
+class RerunErrorInjector(InjectorCheckpoint, InjectionDraws):
+    """Reject about one result in `rate` and force the rerun's verdict (values are untouched)."""
+
+
 def build_rerun_state_machine(config: RerunConfig, group=None, state_save_func=None,
                               state_restore_func=None,
                               identity_func=default_identity) -> RerunStateMachine:
@@ -212,6 +220,13 @@ def build_rerun_state_machine(config: RerunConfig, group=None, state_save_func=N
 
 # %% [markdown]
 # ## Wiring the checks
+#
+# Why per micro-batch and per bucket, and not once on the reduced loss and the global norm:
+# after the data-parallel all-reduce every rank holds the same NaN, and nobody can tell which
+# GPU produced it. Checked before the collective, the value is still this rank's own, so the
+# rank that rejects it is the one the tracker file names, and the rerun in place is judged by
+# the GPU that computed it. With the default switches, 8 micro-batches and 4 buckets make
+# $8 \cdot 2 + 4 \cdot 2 = 24$ validations per step (NaN and Inf on each value).
 #
 # `check_loss` is what `loss_func` calls on each micro-batch's loss; `checked_loss_func` wraps
 # any loss function with chapter 00's contract `(loss, num_tokens, report)` so that the schedule

@@ -173,10 +173,23 @@ class Timer:
 # `log` the text Megatron prints, `write` sends the max of each to TensorBoard as
 # `<name>-time` (`write`, `:452`). `stragglers` adds what `minmax` hides: *which* rank was
 # fastest and slowest.
+#
+# `Timers` is three whole parts, each a small class: `TimerRegistry` hands out timers by name
+# and level, `CrossRankTimes` gathers every rank's seconds in one all-gather, and
+# `TimerReports` turns them into Megatron's text and TensorBoard scalars; the class `Timers`
+# after the last part is the three together.
+#
+# A worked example in small numbers: two ranks, `forward-backward` took 0.812 s on rank 0 and
+# 1.130 s on rank 1. The all-gather builds the $2 \times 1$ table `[[0.812], [1.130]]`;
+# `get_min_max` gives `(812.0, 1130.0)` ms, the 318 ms gap that says one rank waits; with
+# `normalizer = 4` (four iterations timed together) it gives `(203.0, 282.5)` per iteration.
+# `stragglers` adds the names: `(0, 812.0, 1, 1130.0)`, rank 1 is the slow one. A rank that
+# never started a timer contributes 0 and is left out of both, so a timer only the last
+# pipeline stage runs is not reported with a minimum of 0.
 
 # %%
-class Timers:
-    """Named timers with levels; min/max across ranks in ms."""
+class TimerRegistry:
+    """Timers by name and level: a real Timer up to the configured level, a DummyTimer above it."""
 
     _MAX_LEVEL = 2
 
@@ -211,8 +224,8 @@ class Timers:
 # that timer. Every rank calls these with the same names, in the same order.
 
 # %%
-class Timers(Timers):  # the same class, continued
-    __doc__ = Timers.__doc__  # help() keeps the first cell's docstring
+class CrossRankTimes:
+    """One all-gather of every rank's seconds; min/max (or fastest/slowest rank) per timer."""
 
     def all_ranks_seconds(self, names: list[str], reset: bool = True,
                           barrier: bool = False) -> torch.Tensor:
@@ -260,10 +273,26 @@ class Timers(Timers):  # the same class, continued
 # %% [markdown]
 # The outputs: Megatron's report text (`minmax`, `max` or `all`), printed on the last rank by
 # default, and the max of each timer sent to TensorBoard as `<name>-time`.
+#
+# Why the last rank: with pipeline parallelism it is the one that computes the loss, so its
+# log line is the one that carries loss and timers together (`megatron/core/timers.py:422`).
+# Why the max goes to TensorBoard and not the mean: the step waits for the slowest rank, so
+# the max is what the iteration time is made of; the min only says how much the others waited.
+#
+# For the worked example above, `minmax` prints
+#
+# ```text
+# (min, max) time across ranks (ms):
+#     forward-backward ...............................: (500.00, 800.00)
+# ```
+#
+# `max` prints only the `800.00`, and `all` prints one line per rank that ran the timer,
+# `rank  0: 500.00` and `rank  1: 800.00`, which is where a straggler's number is read.
+# All three are per iteration, since the report divides by `normalizer = log_interval` = 4.
 
 # %%
-class Timers(Timers):  # the same class, continued
-    __doc__ = Timers.__doc__  # help() keeps the first cell's docstring
+class TimerReports:
+    """Megatron's report text, printed on one rank, and the TensorBoard scalars."""
 
     def log_string(self, names: list[str], normalizer: float = 1.0, reset: bool = True,
                    barrier: bool = False) -> Optional[str]:
@@ -301,6 +330,10 @@ class Timers(Timers):  # the same class, continued
         if writer is not None:
             for name, (_, hi) in mm.items():
                 writer.add_scalar(f"{name}-time", hi, iteration)
+
+
+class Timers(TimerReports, CrossRankTimes, TimerRegistry):
+    """Named timers with levels; min/max across ranks in ms."""
 
 
 # %% [markdown]

@@ -29,7 +29,9 @@ __all__ = ["PHASES", "profile_iteration", "load_trace", "nest_depths", "draw_tra
 # the same for `--profile --use-pytorch-profiler` between `--profile-step-start` and
 # `--profile-step-end` (default 10 and 12) on the ranks in `--profile-ranks`, with TensorBoard's
 # trace handler; without `--use-pytorch-profiler` it brackets the same steps with
-# `cudaProfilerStart/Stop` for Nsight Systems (`megatron/training/training.py`, `train`).
+# `cudaProfilerStart/Stop` for Nsight Systems (`megatron/training/training.py:3344-3360` builds
+# the profiler with `wait = profile_step_start - 1`, `warmup = 1`, `active = end - start`;
+# `:3406-3411` starts it, or Nsight's range, at `profile_step_start`).
 #
 # `record_function(name)` adds a named range, shown as a `user_annotation` event above the
 # operators it contains. Naming the ranges after the timers (`batch-generator`,
@@ -75,6 +77,11 @@ def load_trace(path: str) -> list[dict]:
 # To draw the trace, each event needs a row: `nest_depths` sweeps one thread's events in start
 # order with a stack of the ranges still open, so an event's row is the number of open ranges
 # that contain it. `draw_trace` then draws the busiest thread, the four phases in color.
+#
+# A worked example in microseconds: `forward-compute` at `ts = 1000, dur = 350` is open when
+# `aten::mm` starts at 1 100 (`dur = 80`), so `aten::mm` is one row below it (depth 1). An
+# `aten::add` at 1 400 comes after `forward-compute` has closed (at 1 000 + 350 = 1 350): the
+# sweep pops the range from the stack, and `aten::add` sits at depth 0.
 
 # %%
 def nest_depths(events: list[dict]) -> list[int]:
