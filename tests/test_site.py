@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from html import unescape
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,26 @@ PROBE = b"""<script>(function () {
         d.setAttribute("data-tt-font-px", (parseFloat(getComputedStyle(label).fontSize) * scale).toFixed(1));
       }
     });
+    // Code blocks at the window's width: every folded cell opened, each <pre> that scrolls
+    // (its content wider than its box) counted, and the width a 110-character line needs in
+    // the first code cell's font against the width its box leaves for text.
+    document.querySelectorAll("details.tt-folded").forEach(function (d) { d.open = true; });
+    var clipped = [];
+    document.querySelectorAll(".md-content pre, .md-content pre > code").forEach(function (p) {
+      if (p.clientWidth && p.scrollWidth > p.clientWidth + 1)
+        clipped.push(p.scrollWidth + ">" + p.clientWidth + ":" + p.textContent.trim().slice(0, 40));
+    });
+    document.body.setAttribute("data-tt-clipped", clipped.length + (clipped.length ? " " + clipped[0] : ""));
+    var pre = document.querySelector(".jupyter-wrapper .highlight-ipynb pre");
+    if (pre && pre.clientWidth) {
+      var probe = document.createElement("span");
+      probe.textContent = "x".repeat(110);
+      pre.appendChild(probe);
+      var need = probe.getBoundingClientRect().width, style = getComputedStyle(pre);
+      pre.removeChild(probe);
+      var room = pre.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+      document.body.setAttribute("data-tt-line110", need.toFixed(0) + "/" + room.toFixed(0));
+    }
   }, 100);
 })();</script>"""
 
@@ -163,15 +184,21 @@ def _pages_to_check(site_dir):
         yield f"{page.parent.name}/{page.stem}/", None, page.read_text()
 
 
-def test_browser_renders_diagrams_and_math(site_dir, served_site):
-    """In headless Chromium every mermaid block becomes an SVG and the math is typeset."""
-    checked_mermaid = checked_math = 0
+@pytest.fixture(scope="session")
+def rendered_pages(site_dir, served_site):
+    """(address, source, DOM) of every page as headless Chromium renders it at 1280 px."""
     pages = list(_pages_to_check(site_dir))
     # one headless Chromium per page, two at a time: the pass is bound by browser start-ups
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        doms = pool.map(lambda page: _browser(f"{served_site}/{page[0]}", "--dump-dom"), pages)
-        doms = list(doms)
-    for (rel, _, source), dom in zip(pages, doms):
+        doms = list(pool.map(lambda page: _browser(f"{served_site}/{page[0]}", "--dump-dom",
+                                                   "--window-size=1280,2000"), pages))
+    return [(rel, source, dom) for (rel, _, source), dom in zip(pages, doms)]
+
+
+def test_browser_renders_diagrams_and_math(rendered_pages):
+    """In headless Chromium every mermaid block becomes an SVG and the math is typeset."""
+    checked_mermaid = checked_math = 0
+    for rel, source, dom in rendered_pages:
         assert "</html>" in dom, f"Chromium returned no page for /{rel}"
         expected = source.count("```mermaid")
         rendered = re.findall(r'<div class="mermaid"[^>]*data-tt-svg="yes"[^>]*data-tt-error="no"', dom)
@@ -192,6 +219,51 @@ def test_titles_keep_the_text_of_code_spans(site_dir):
     assert ".bin / .idx" in title, title
     assert re.search(r'md-nav__link[^>]*>\s*(?:<[^>]+>\s*)*04 · Data: the .bin / .idx', html), (
         "the nav entry of the indexed-dataset page lost its code text")
+
+
+def _code_fits(rel: str, dom: str) -> bool:
+    """No code block of a rendered page scrolls, and a 110-character line fits without wrapping."""
+    assert "</html>" in dom, f"Chromium returned no page for /{rel}"
+    clipped = re.search(r'data-tt-clipped="([^"]*)"', dom)
+    assert clipped and clipped.group(1) == "0", (
+        f"/{rel}: code blocks cut off at 1280 px (content > box, first one): "
+        f"{clipped.group(1) if clipped else 'not measured'}")
+    line = re.search(r'data-tt-line110="(\d+)/(\d+)"', dom)
+    if line is None:
+        return False  # a page without code cells
+    need, room = int(line.group(1)), int(line.group(2))
+    assert need <= room, f"/{rel}: a 110-character code line needs {need} px, the column has {room}"
+    return True
+
+
+def test_code_lines_are_not_cut_off_at_1280_px(rendered_pages):
+    """At a 1280 px window no code block hides text behind a scroll bar (folded cells opened),
+    and a 110-character line (the book's long lines) shows on one line."""
+    checked = sum(_code_fits(rel, dom) for rel, _, dom in rendered_pages)
+    assert checked >= len(chapter_pages()) // 2, f"only {checked} pages had code cells measured"
+
+
+def _toc(html: str) -> list[tuple[str, str]]:
+    """(href, text) of each entry of a built page's table of contents (the nav's in-page links)."""
+    return [(href, " ".join(unescape(re.sub(r"<[^>]+>", "", text)).split()))
+            for href, text in re.findall(r'<a href="(#[^"]*)" class="md-nav__link">(.*?)</a>', html, re.S)]
+
+
+def test_tables_of_contents_keep_the_text_of_code_spans(site_dir):
+    """01/loop's TOC reads "train_step, in Megatron's exact order", not ", in Megatron's exact
+    order", and on every page each TOC entry links to a heading the page has."""
+    loop = (site_dir / "01_main_loop" / "loop" / "index.html").read_text(encoding="utf-8")
+    names = [text for _, text in _toc(loop)]
+    for name in ["train_step, in Megatron's exact order", "train: the iteration loop",
+                 "pretrain: everything set up once"]:
+        assert name in names, names
+    assert not [n for n in names if re.match(r"[,:]", n)], f"headings that lost their code: {names}"
+    for html in site_dir.rglob("*.html"):
+        text = html.read_text(encoding="utf-8")
+        if 'data-md-component="toc"' not in text:
+            continue
+        dead = [href for href, _ in _toc(text) if f'id="{href[1:]}"' not in text]
+        assert not dead, f"{html.relative_to(site_dir)}: TOC entries with no heading: {dead[:3]}"
 
 
 def test_front_page_flowchart_is_legible(served_site):
