@@ -261,7 +261,7 @@ class ReliabilityParts:
 
 @dataclass
 class ReliabilityConfig(ReliabilityParts, ReliabilityFields):
-    """The trainer's [reliability] section: RerunConfig's fields, then ReliabilityFields'."""
+    """The trainer's [reliability] section: RerunConfig's fields, then the ones below."""
 
 
 # %% [markdown]
