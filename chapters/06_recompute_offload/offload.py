@@ -15,12 +15,15 @@
 # %%
 from __future__ import annotations
 
-import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from tinytron.recompute._offload_parts import (_HostRecord, _identity, _is_parameter_data,
+                                               _memory_order, _Streams, _Tag, _to_device,
+                                               _to_host)
 
 __all__ = ["HostBufferPool", "OffloadGroup", "ChunkOffloadHandler", "OffloadManager",
            "install_offload", "offload_group_modules", "overlap_bandwidth", "PCIE_GEN5_X16"]
@@ -143,78 +146,39 @@ class HostBufferPool:
 # The copies keep a tensor's layout. A saved tensor may be a non-contiguous view (the
 # transposed input a linear saves), so it goes to the host in its own memory order, and the
 # reload gives the device tensor back the same strides: the backward's kernels then see the
-# same layout, and round the same way, as without offload.
-
-# %%
-def _memory_order(t: torch.Tensor) -> list[int]:
-    """t's dims from outermost to innermost in memory (a transposed view is not contiguous)."""
-    return sorted(range(t.dim()), key=lambda d: -t.stride(d))
-
-
-def _to_host(buffer, t: torch.Tensor) -> None:
-    """Copy t, laid out in its own memory order, into a host buffer (asynchronous on CUDA)."""
-    dense = t.detach().permute(_memory_order(t)).contiguous()
-    if isinstance(buffer, torch.Tensor):
-        buffer.copy_(dense, non_blocking=True)
-    else:
-        np.copyto(buffer, dense.view(torch.uint8).reshape(-1).numpy())
-
-
-def _to_device(buffer, shape, dtype, device, order: list[int]) -> torch.Tensor:
-    """A device tensor with the host data, given back t's strides (so kernels, and rounding, match)."""
-    permuted_shape = [shape[d] for d in order]
-    if isinstance(buffer, torch.Tensor):
-        out = torch.empty(permuted_shape, dtype=dtype, device=device)
-        out.copy_(buffer, non_blocking=True)
-    else:
-        out = torch.from_numpy(buffer).clone().view(dtype).view(permuted_shape)
-    inverse = sorted(range(len(order)), key=lambda i: order[i])
-    return out.permute(inverse)
-
-
-# %% [markdown]
+# same layout, and round the same way, as without offload. In numbers: a bf16 `[4096, 8192]`
+# tensor seen through `.t()` has shape `[8192, 4096]` and strides `(1, 8192)`; its memory
+# order is dims `(1, 0)`, so the host gets the 64 MiB in storage order with no transposing
+# copy, and the reload permutes back to shape `[8192, 4096]`, strides `(1, 8192)`.
+#
 # The two side streams hide behind one small class, so that the handler below reads the same
 # on both devices: on CUDA it queues copies and records events, on CPU every call is a no-op
-# and every copy has finished when it returns.
-
-# %%
-class _Streams:
-    """The D2H and H2D side streams on CUDA; on CPU, nothing (every copy is synchronous)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.d2h = torch.cuda.Stream(device) if self.cuda else None
-        self.h2d = torch.cuda.Stream(device) if self.cuda else None
-
-    def on(self, stream):
-        """Context that makes `stream` current (CUDA) or does nothing (CPU)."""
-        return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
-
-    def follow_compute(self, stream) -> None:
-        """Make a side stream wait for the work queued so far on the compute stream."""
-        if self.cuda:
-            stream.wait_stream(torch.cuda.current_stream())
-
-    def record(self, stream):
-        """An event marking the work queued so far on `stream` (None on CPU)."""
-        if not self.cuda:
-            return None
-        event = torch.cuda.Event()
-        event.record(stream)
-        return event
-
-    def wait(self, event, stream=None) -> None:
-        """Make `stream` (default: the current one) wait for `event`."""
-        if event is not None:
-            (stream or torch.cuda.current_stream()).wait_event(event)
-
-# %% [markdown]
+# and every copy has finished when it returns. On a GPU the order is: the D2H stream waits
+# for the compute stream (the tensor must be written before it is read), copies, and records
+# an event; the reload's H2D stream copies back, records its event, and the compute stream
+# waits on that event right before the backward of the layer that needs the tensor — and not
+# earlier, so the copy runs while the backward of the layer above is still computing.
+#
+# The copies (`_memory_order`, `_to_host`, `_to_device`), the streams (`_Streams`) and the two
+# small records a slot refers to (`_Tag`, `_HostRecord`, and the `_identity` of a saved
+# tensor) live in the chapter's private module `tinytron.recompute._offload_parts`
+# (`chapters/06_recompute_offload/_offload_parts.py`); they move bytes and name things, and
+# decide nothing about what is offloaded or when.
+#
 # ## Groups and the chunk handler
 #
 # A saved tensor gets a tag `(group, slot)`. Until its group commits, the slot holds the
 # device tensor; after an offload, a host record; after a reload, the new device tensor. The
 # slot counts how many tags point at it and lets go of the tensor after the last unpack, so
 # the reloaded memory is freed as soon as autograd is done with it.
+#
+# Why count uses: one tensor is often saved twice within a module call, by two autograd nodes
+# that both read it. Both pack calls see the same storage, offset, shape, strides and dtype
+# (`_identity`), so one slot with two uses serves them and one copy crosses the link, not
+# two. A parameter, or a view of one (the transposed weight a
+# linear saves), is never offloaded: it lives on the device anyway, and copying it would
+# only spend bandwidth. A tensor under `min_offloaded_tensor_size` elements (the reciprocal RMS,
+# $s \cdot b$ floats) stays too: its copy would cost more in launch latency than it frees.
 
 # %%
 @dataclass
@@ -233,32 +197,6 @@ class OffloadGroup:
     reload_event: object = None
     offloaded_bytes: int = 0
 
-
-@dataclass(frozen=True)
-class _Tag:
-    group: OffloadGroup
-    slot: int
-
-
-@dataclass
-class _HostRecord:
-    buffer: object
-    shape: torch.Size
-    dtype: torch.dtype
-    device: torch.device
-    order: list
-
-
-def _identity(t: torch.Tensor) -> tuple:
-    """Two saved tensors with this key are the same data (one copy serves both)."""
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
-            t.dtype)
-
-
-def _is_parameter_data(t: torch.Tensor) -> bool:
-    """A parameter or a view of one (e.g. the transposed weight a linear layer saves)."""
-    base = t._base if t._base is not None else t
-    return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
 
 # %% [markdown]
 # The handler's forward side: `start_group` opens a group and turns the pack hooks on;
@@ -660,13 +598,18 @@ def _offload_run(config, steps: int = 1):
 
 # %% [markdown]
 # The demo runs both configurations for two micro-batches each, prints what moved, plots the
-# two timelines of live bytes, and asserts the claims above.
+# two timelines of live bytes (the drawing is in the chapter's `_plot.py`), and asserts the
+# claims above. What to read in the picture: where the forward ends, the gap between the two
+# curves is exactly the bytes that went to host memory (the first assert on `held` below);
+# in the backward the reloaded groups come back one at a time, so the offload curve never
+# climbs back to the other's height.
 
 # %%
 if __name__ == "__main__":
     import matplotlib.pyplot as plt
 
     from tinytron.model.config import tiny_config
+    from tinytron.recompute._plot import plot_live_bytes
 
     torch.set_num_threads(1)
     plain = tiny_config(num_layers=4, dropout=0.1)
@@ -683,13 +626,7 @@ if __name__ == "__main__":
     print(f"host buffers allocated: {manager.pool.num_allocated} "
           f"({manager.pool.bytes_allocated:,} bytes) for two micro-batches")
 
-    fig, ax = plt.subplots(figsize=(7, 2.6))
-    ax.plot([v / 2**20 for v in line0], label="no offload", color="#4c72b0")
-    ax.plot([v / 2**20 for v in line1], label="offload, 5 regions", color="#55a868")
-    ax.set_xlabel("operator call (forward, then backward)"), ax.set_ylabel("live MiB")
-    ax.set_title("device live bytes of one micro-batch (measured, CPU)")
-    ax.legend(fontsize=8)
-    plt.tight_layout()
+    plot_live_bytes({"no offload": line0, "offload, 5 regions": line1})  # _plot.py
     plt.show()
 
     assert torch.equal(loss0, loss1)
