@@ -12,13 +12,11 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import resource
-import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, TextIO
+from typing import Optional, TextIO
 
 import torch
 import torch.distributed as dist
@@ -158,43 +156,21 @@ def megatron_scalars(record: dict, world_size: int = 1,
 # %% [markdown]
 # The progress bar renders a line from the same record without any I/O (`render`, easy to
 # test), and `update` decides how to draw it: rewrite in place on a terminal, a new line in a log.
+#
+# The progress bar's code, the JSON conversion of a record and the TensorBoard reader live in
+# the chapter's private module `tinytron.reliability._logging_io`
+# (`chapters/08_reliability/_logging_io.py`): they draw and convert, and decide nothing.
+#
+# A worked example of the line: iteration 12 of 1 000, loss 7.4132, 1 250 ms per iteration,
+# 4 × 2 048 tokens per iteration. The bar is `int(24 · 12 / 1000) = 0` marks of 24; the
+# throughput $8\,192 / 1.25 = 6\,553.6$ tokens/s prints as `6.6k tok/s`; the ETA is
+# $(1000 - 12) \cdot 1.25 = 1\,235$ s, printed `0:20:35`. The ETA uses the *last* interval's
+# speed, not the mean since the start: the first interval includes compilation and warm-up,
+# and a run that slows down (a straggler, a throttled GPU) should show a later end at once.
 
 # %%
-def _fmt_seconds(s: float) -> str:
-    s = int(max(s, 0))
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
-
-
-class ProgressBar:
-    """A console progress line: iteration, loss, LR, tokens/s, MFU, memory, ETA."""
-
-    def __init__(self, total: int, stream: TextIO | None = None, width: int = 24):
-        self.total, self.stream, self.width = total, stream or sys.stderr, width
-        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-
-    def render(self, record: dict, memory: Optional[dict] = None) -> str:
-        """The line for one record (no I/O)."""
-        it = record["iteration"]
-        done = int(self.width * min(it / max(self.total, 1), 1.0))
-        parts = [f"[{'#' * done}{'-' * (self.width - done)}] {it}/{self.total}"]
-        parts += [f"{k} {v:.4f}" for k, v in record.get("losses", {}).items()]
-        parts.append(f"lr {record['learning_rate']:.2e}")
-        parts.append(f"{record['tokens_per_second'] / 1e3:.1f}k tok/s")
-        if record.get("mfu") is not None:
-            parts.append(f"MFU {100 * record['mfu']:.1f}%")
-        if memory:
-            key = "mem-allocated-bytes" if "mem-allocated-bytes" in memory else "mem-rss-bytes"
-            parts.append(f"mem {memory[key] / 2 ** 30:.2f} GiB")
-        eta = (self.total - it) * record["ms_per_iteration"] / 1000.0
-        parts.append(f"ETA {_fmt_seconds(eta)}")
-        return " | ".join(parts)
-
-    def update(self, record: dict, memory: Optional[dict] = None) -> None:
-        """Draw the line for a record."""
-        line = self.render(record, memory)
-        end = "" if self.tty and record["iteration"] < self.total else "\n"
-        self.stream.write(("\r" if self.tty else "") + line + end)
-        self.stream.flush()
+from tinytron.reliability._logging_io import (ProgressBar, _fmt_seconds,  # noqa: F401
+                                              _jsonable, read_tensorboard_scalars)
 
 
 # %% [markdown]
@@ -252,21 +228,6 @@ class MetricsLogger:
             self.jsonl.close()
 
 
-def _jsonable(x: Any):
-    if isinstance(x, torch.Tensor):
-        return x.item() if x.numel() == 1 else x.tolist()
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    return str(x)
-
-
-def read_tensorboard_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar of a TensorBoard log dir: {tag: [(step, value), ...]}, by its own reader."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(log_dir, size_guidance={"scalars": 0})  # 0 = keep every point
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 # %% [markdown]

@@ -13,9 +13,9 @@
 #
 # Why a machine at all, and not `if math.isnan(loss): sys.exit(1)`? Because the exit is the
 # expensive part. A month-long job on 1 024 GPUs that stops on every NaN loses its queue slot
-# and hours of progress each time, and a person still has to guess the cause. A rerun costs one
-# or two extra forward-backward passes of one step, and turns the guess into a line in a
-# file. The argument checks, the gathering of statistics between ranks and the copying of
+# and the progress since its last checkpoint each time, and a person still has to guess the
+# cause. A rerun costs one extra forward-backward pass in place (and, when that reproduces the
+# value, one relaunch from a checkpoint), and turns the guess into a line in a file. The argument checks, the gathering of statistics between ranks and the copying of
 # plain fields into a checkpoint live in the chapter's private module
 # `tinytron.reliability._rerun_plumbing` (`chapters/08_reliability/_rerun_plumbing.py`); this
 # page keeps the states, the transitions and the verdicts.
