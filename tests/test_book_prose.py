@@ -70,6 +70,13 @@ PAGES_AT_GOAL = {
     "05_buffers/param_and_grad_buffer.py",
     "05_buffers/finalize_model_grads.py",
     "kernels/roofline.py", "kernels/rmsnorm.py", "kernels/swiglu.py", "kernels/cross_entropy.py", "kernels/flash_attention.py", "kernels/fused_adamw.py",
+    "06_recompute_offload/activation_memory.py", "06_recompute_offload/checkpoint.py",
+    "06_recompute_offload/offload.py", "06_recompute_offload/recompute.py",
+    "08_reliability/fault_injection.py", "08_reliability/fault_tolerance.py",
+    "08_reliability/full_cuda_graph.py", "08_reliability/long_run.py",
+    "08_reliability/observability.py", "08_reliability/rerun_state_machine.py",
+    "08_reliability/restarts.py", "08_reliability/result_checks.py", "08_reliability/timers.py",
+    "08_reliability/trace.py",
 }
 
 
