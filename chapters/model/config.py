@@ -16,7 +16,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from tinytron._fields import check_fields, document_fields
-from tinytron.kernels import ATTENTION_HEAD_DIMS, HAS_TRITON, KERNEL_CHOICES
+from tinytron.model._checks import (check_activation_fields, check_kernels, check_shape,
+                                    divides as _divides)
 
 # Megatron's vocabulary padding rule lives with the vocab-parallel layers of appendix A.
 from tinytron.parallel.vocab_parallel import padded_vocab_size
@@ -72,9 +73,65 @@ __all__ = [
 # 50,257 (GPT-2) become 50,432.
 
 # %%
+class ShapeMethods:
+    """ModelConfig's methods: the head size, a checked copy, and the layout check."""
+
+    @property
+    def head_dim(self) -> int:
+        """Size d of one attention head."""
+        return self.hidden_size // self.num_attention_heads
+
+    def replace(self, **changes) -> "ModelConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def check_layout(self, tp: int = 1, cp: int = 1, pp: int = 1, num_virtual_stages: int = 1):
+        """Raise ValueError naming the field when this shape cannot be cut into the given layout."""
+        for axis, size in (("tp", tp), ("cp", cp), ("pp", pp), ("num_virtual_stages",
+                                                                 num_virtual_stages)):
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"{axis} must be a positive int, got {size!r}")
+        _divides(tp, self.num_attention_heads, "num_attention_heads", "tp")
+        _divides(tp, self.num_query_groups, "num_query_groups", "tp")
+        _divides(tp, self.ffn_hidden_size, "ffn_hidden_size", "tp")
+        _divides(tp, self.vocab_size, "vocab_size", "tp")
+        if cp > 1:
+            _divides(2 * cp, self.seq_length, "seq_length", "2 * cp")
+        if self.sequence_parallel:
+            _divides(tp, self.seq_length // cp, "seq_length // cp", "tp (sequence_parallel)")
+        if num_virtual_stages > 1 and pp == 1:
+            raise ValueError(f"num_virtual_stages ({num_virtual_stages}) > 1 needs pp > 1")
+        _divides(pp * num_virtual_stages, self.num_layers, "num_layers",
+                 "pp * num_virtual_stages")
+        stage_layers = self.num_layers // (pp * num_virtual_stages)
+        if self.recompute_num_layers is not None and self.recompute_num_layers > stage_layers:
+            raise ValueError(f"recompute_num_layers ({self.recompute_num_layers}) must be <= the "
+                             f"layers of one pipeline chunk ({stage_layers})")
+
+
+# %% [markdown]
+# That check, with the head size and a checked copy, is a small class of its own, so the rule
+# reads as one piece; the config below inherits it. Example: the tiny config of the tests ($a = 4$, $g = 2$, $f = 128$,
+# $V = 512$, $s = 64$, $L = 2$) passes `check_layout(tp=2, cp=2, pp=2)`: $2 \mid 4, 2, 128, 512$;
+# $2 \cdot 2 = 4 \mid 64$; $2 \mid 2$ layers. At `tp=4` it stops at the first rule it breaks,
+# `num_query_groups (2) must be divisible by tp (4)`; at `pp=2, num_virtual_stages=2` at
+# `num_layers (2) must be divisible by pp * num_virtual_stages (4)`.
+#
+# ## The config
+#
+# Every field carries its Megatron name and a one-line docstring under it (`help(ModelConfig)`
+# shows them). Construction checks the shape itself, whatever the layout: every size a positive
+# int, heads dividing the width and groups dividing the heads, an even head size (RoPE rotates
+# pairs), ranges for the rest; then the recompute and offload switches
+# ([chapter 06](../06_recompute_offload/recompute.py)) against Megatron's module names and
+# combinations (`transformer_config.py:1546-1698`), and the kernels switch against what
+# [appendix C's](../kernels/roofline.py) Triton kernels can serve. Those walls of checks live in
+# `tinytron.model._checks`; each message names the field to change.
+
+# %%
 @document_fields
 @dataclass
-class ModelConfig:
+class ModelConfig(ShapeMethods):
     """Shape and hyper-parameters of the Llama-style decoder (Megatron's names)."""
 
     hidden_size: int
@@ -126,168 +183,26 @@ class ModelConfig:
 
     def __post_init__(self):
         check_fields(self)  # a str, float or None where the annotation says otherwise
-        _check_shape(self)
-        _check_activation_fields(self)
-        _check_kernels(self)
+        check_shape(self)
+        check_activation_fields(self)
+        check_kernels(self)
 
 
 # %% [markdown]
-# The class continues (a cell extends a class by subclassing it under the same name): the head
-# size, a checked copy, and the layout check of the previous section.
+# <div class="admonition note">
+# <p class="admonition-title">tinytron differs here</p>
+# <p>Megatron's <code>TransformerConfig</code> has separate <code>hidden_dropout</code> and
+# <code>attention_dropout</code>; here one <code>dropout</code> drives both. Megatron also accepts
+# fewer key/value groups than TP ranks and replicates them
+# (<code>transformer_config.py:1214-1224</code>); this book requires $t \mid g$, so every TP
+# rank owns whole groups and the count below stays a plain division.</p>
+# </div>
+#
+# Two configs serve the whole book: `tiny_config`, small enough that every layout of the tests
+# runs on two CPU cores in seconds, and `llama_7b_config`, the running example whose counts
+# the next sections work out by hand.
 
 # %%
-class ModelConfig(ModelConfig):  # the same class, continued
-    __doc__ = ModelConfig.__doc__  # help() keeps the first cell's docstring
-    @property
-    def head_dim(self) -> int:
-        """Size d of one attention head."""
-        return self.hidden_size // self.num_attention_heads
-
-    def replace(self, **changes) -> "ModelConfig":
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)
-
-    def check_layout(self, tp: int = 1, cp: int = 1, pp: int = 1, num_virtual_stages: int = 1):
-        """Raise ValueError naming the field when this shape cannot be cut into the given layout."""
-        for axis, size in (("tp", tp), ("cp", cp), ("pp", pp), ("num_virtual_stages",
-                                                                 num_virtual_stages)):
-            if not isinstance(size, int) or size < 1:
-                raise ValueError(f"{axis} must be a positive int, got {size!r}")
-        _divides(tp, self.num_attention_heads, "num_attention_heads", "tp")
-        _divides(tp, self.num_query_groups, "num_query_groups", "tp")
-        _divides(tp, self.ffn_hidden_size, "ffn_hidden_size", "tp")
-        _divides(tp, self.vocab_size, "vocab_size", "tp")
-        if cp > 1:
-            _divides(2 * cp, self.seq_length, "seq_length", "2 * cp")
-        if self.sequence_parallel:
-            _divides(tp, self.seq_length // cp, "seq_length // cp", "tp (sequence_parallel)")
-        if num_virtual_stages > 1 and pp == 1:
-            raise ValueError(f"num_virtual_stages ({num_virtual_stages}) > 1 needs pp > 1")
-        _divides(pp * num_virtual_stages, self.num_layers, "num_layers",
-                 "pp * num_virtual_stages")
-        stage_layers = self.num_layers // (pp * num_virtual_stages)
-        if self.recompute_num_layers is not None and self.recompute_num_layers > stage_layers:
-            raise ValueError(f"recompute_num_layers ({self.recompute_num_layers}) must be <= the "
-                             f"layers of one pipeline chunk ({stage_layers})")
-
-
-# %% [markdown]
-# The checks run on construction: every size a positive int, heads dividing the width and
-# groups dividing the heads, an even head size (RoPE rotates pairs), and ranges for the rest.
-
-# %%
-def _divides(divisor: int, value: int, field: str, by: str):
-    """ValueError naming `field` unless `divisor` divides `value`."""
-    if value % divisor:
-        raise ValueError(f"{field} ({value}) must be divisible by {by} ({divisor})")
-
-
-def _check_shape(c: ModelConfig) -> None:
-    """ValueError naming the field when the shape itself is impossible (any layout)."""
-    for name in ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
-                 "ffn_hidden_size", "vocab_size", "seq_length", "rotary_base"):
-        value = getattr(c, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    _divides(c.num_attention_heads, c.hidden_size, "hidden_size", "num_attention_heads")
-    _divides(c.num_query_groups, c.num_attention_heads, "num_attention_heads", "num_query_groups")
-    if c.head_dim % 2:
-        raise ValueError(f"hidden_size // num_attention_heads = {c.head_dim} must be even "
-                         "(RoPE rotates pairs)")
-    if not 0.0 <= c.dropout < 1.0:
-        raise ValueError(f"dropout must be in [0, 1), got {c.dropout}")
-    if not c.norm_epsilon > 0:
-        raise ValueError(f"norm_epsilon must be > 0, got {c.norm_epsilon}")
-    if not c.init_std > 0:
-        raise ValueError(f"init_std must be > 0, got {c.init_std}")
-
-
-# %% [markdown]
-# The recompute and offload switches ([chapter 06](../06_recompute_offload/recompute.py)) take
-# Megatron's module names, and Megatron's rules about which combinations make sense.
-
-# %%
-
-# Megatron's allowed names (transformer_config.py:1546-1698 at e03878b5f); the MoE/MLA ones have no
-# module in this dense model, so they are rejected rather than silently ignored.
-_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
-_OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
-_MOE_MLA_MODULES = ("moe_act", "mla_up_proj", "moe", "shared_experts", "expert_fc1", "gdn_norm_out")
-
-
-def _check_module_names(field: str, names, allowed: tuple[str, ...]) -> list[str]:
-    """The names as a list; ValueError naming `field` for an unknown or MoE/MLA-only name."""
-    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-        raise ValueError(f"{field} must be a list of names, got {names!r}")
-    for name in names:
-        if name not in allowed:
-            why = "this dense model has no MoE/MLA module" if name in _MOE_MLA_MODULES else "unknown"
-            raise ValueError(f"{field}: {name!r} is not one of {list(allowed)} ({why})")
-    return list(names)
-
-
-# %%
-def _check_activation_fields(c: ModelConfig) -> None:
-    """Megatron's rules for the recompute and offload switches, as ValueErrors naming the field."""
-    if c.recompute_granularity not in (None, "full", "selective"):
-        raise ValueError(f"recompute_granularity must be None, 'full' or 'selective', "
-                         f"got {c.recompute_granularity!r}")
-    if c.recompute_granularity == "full":
-        if c.recompute_method not in ("uniform", "block"):
-            raise ValueError(f"recompute_method must be 'uniform' or 'block' with full recompute, "
-                             f"got {c.recompute_method!r}")
-        n = c.recompute_num_layers
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= c.num_layers:
-            raise ValueError(f"recompute_num_layers must be an int in [1, num_layers = "
-                             f"{c.num_layers}] with full recompute, got {n!r}")
-    else:
-        for name in ("recompute_method", "recompute_num_layers"):
-            if getattr(c, name) is not None:
-                raise ValueError(f"{name} must be None unless recompute_granularity is 'full' "
-                                 f"(it is {c.recompute_granularity!r})")
-    c.recompute_modules = _check_module_names(
-        "recompute_modules", ["core_attn"] if c.recompute_modules is None else c.recompute_modules,
-        _RECOMPUTE_MODULES)
-    if c.distribute_saved_activations and c.sequence_parallel:
-        raise ValueError("distribute_saved_activations cannot be combined with sequence_parallel "
-                         "(the checkpointed input already differs across TP ranks)")
-    c.offload_modules = _check_module_names("offload_modules", c.offload_modules or [],
-                                            _OFFLOAD_MODULES)
-    if not isinstance(c.min_offloaded_tensor_size, int) or c.min_offloaded_tensor_size < 0:
-        raise ValueError(f"min_offloaded_tensor_size must be an int >= 0, "
-                         f"got {c.min_offloaded_tensor_size!r}")
-    if c.fine_grained_activation_offloading:
-        if not c.offload_modules:
-            raise ValueError("offload_modules must name at least one module when "
-                             "fine_grained_activation_offloading is on")
-        if "attn_proj" in c.offload_modules and "core_attn" not in c.offload_modules:
-            raise ValueError("offload_modules: attn_proj needs core_attn (its input is core "
-                             "attention's output, which core attention's backward also reads)")
-        if c.recompute_granularity == "full":
-            raise ValueError("fine_grained_activation_offloading cannot be combined with "
-                             "recompute_granularity='full' (full recompute saves only layer inputs)")
-        if (c.recompute_granularity == "selective" and "layernorm" in c.recompute_modules
-                and "qkv_linear" in c.offload_modules):
-            raise ValueError("offload_modules: qkv_linear cannot be offloaded while 'layernorm' is in "
-                             "recompute_modules (the norm's output, qkv's input, is freed instead)")
-
-
-# %% [markdown]
-# And the kernels switch: [appendix C's](../kernels/roofline.py) Triton kernels need Triton,
-# and the flash-attention kernel a head size it was written for.
-
-# %%
-def _check_kernels(c: ModelConfig) -> None:
-    """ValueError naming `kernels` (or the head size) when appendix C's kernels cannot serve c."""
-    if c.kernels not in KERNEL_CHOICES:
-        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {c.kernels!r}")
-    if c.kernels == "triton" and not HAS_TRITON:
-        raise ValueError("kernels='triton' needs the triton package (pip install 'tinytron[kernels]')")
-    if c.kernels != "torch" and c.head_dim not in ATTENTION_HEAD_DIMS:
-        raise ValueError(f"kernels={c.kernels!r}: the flash-attention kernel takes head sizes "
-                         f"{ATTENTION_HEAD_DIMS}, got hidden_size // num_attention_heads = {c.head_dim}")
-
-
 def tiny_config(**overrides) -> ModelConfig:
     """A CPU-sized config: h 64, 2 layers, 4 heads / 2 kv groups, ffn 128, vocab 512, seq 64."""
     base = dict(hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
@@ -452,6 +367,15 @@ if __name__ == "__main__":
     except ValueError as err:
         print("rejected:", err)
         assert "num_attention_heads" in str(err)
+    tiny_config().check_layout(tp=2, cp=2, pp=2)   # the worked example of check_layout
+    for layout, message in (({"tp": 4}, "num_query_groups (2) must be divisible by tp (4)"),
+                            ({"pp": 2, "num_virtual_stages": 2}, "num_layers (2) must be "
+                             "divisible by pp * num_virtual_stages (4)")):
+        try:
+            tiny_config().check_layout(**layout)
+            raise AssertionError(f"{layout} must be rejected")
+        except ValueError as err:
+            assert str(err) == message, err
 
 # %% [markdown]
 # ## Summary
