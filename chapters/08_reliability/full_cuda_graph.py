@@ -36,10 +36,19 @@ __all__ = ["FullCudaGraphUnavailable", "StaticBufferLoader", "FullCudaGraphWrapp
 # | no data-dependent control flow | Python runs once, at capture; its branches are baked in | the schedule's order depends only on static counts |
 # | memory from a private pool | addresses used inside the graph must stay valid for every replay | a graph memory pool (`pool=`), shared with the optimizer's graph if any (`use_single_mempool`) |
 # | warm-up first | the first calls allocate (cuBLAS workspaces, autograd's accumulation buffers, DDP buckets) and lazily initialize | `cuda_graph_warmup_steps` eager calls (default 3) before the capture |
-# | RNG | a replay must advance the Philox offset, not reuse the captured one | the default generator is handled by PyTorch; other generators must be registered with `register_generator_state` — the wrapper registers those it is given (`generators=`, none by default). Megatron registers every tracker state (`full_cuda_graph.py:213-214`); appendix A's tracker swaps states with `get_rng_state`/`set_rng_state`, which cannot be captured, so dropout inside a tracker fork is not yet graph-safe here (tinytron differs here) |
+# | RNG | a replay must advance the Philox offset, not reuse the captured one | the default generator is handled by PyTorch; other generators must be registered with `register_generator_state` — the wrapper registers those it is given (`generators=`, none by default; see the note below) |
 # | outputs are static too | the returned loss tensors are overwritten by the next replay | consume (`reduce_losses`) before the next call |
 # | gradients in place | `zero_grad(set_to_none=True)` would free the addresses the graph writes | DDP's contiguous grad buffer (chapter 05), zeroed in place between replays |
 # | collectives | NCCL kernels can be captured; gloo (CPU) cannot | CUDA + NCCL only |
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# Megatron registers every RNG tracker state with the graph
+# (`megatron/core/full_cuda_graph.py:213-214`). Appendix A's tracker swaps states with
+# `get_rng_state`/`set_rng_state`, which cannot be captured, so dropout inside a tracker fork
+# is not yet graph-safe here; the wrapper registers only the generators it is given.
+#
+# </div>
 #
 # Per call (`megatron/core/full_cuda_graph.py:184`): read **all** the iteration's micro-batches
 # from the real iterator first and copy them into the static buffers on a side stream

@@ -470,6 +470,16 @@ def _grads(chunk) -> list:
 # save faults and writes the rerun machine's state *before* chapter 03's save commits; the
 # load restores that state, unless the layout changed or the tracker says to skip the
 # iteration it would rerun.
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# Megatron restores the rerun state only when the world size, TP·PP and DP all equal the
+# saved ones (`megatron/training/checkpointing.py:1758-1779`). This object never sees the
+# grid, so it compares the world size only: a relaunch on as many ranks with another TP·PP
+# must not find a pending rerun — finish or discard it (`rerun_state/`) before changing the
+# layout.
+#
+# </div>
 
 # %%
 class CheckpointHooks:
