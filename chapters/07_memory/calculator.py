@@ -9,6 +9,28 @@
 # You will build: `parse_bytes`, `memory_config_from`, `running_example`, `Hardware`,
 # `step_time`, `candidate_layouts`, `search_layouts`, `format_ledgers` and `main`. The step
 # time it ranks by is the next page's overlap-aware model.
+#
+# **What it answers, on the running example.** `tinytron-memory --example` prints, for DP
+# rank 0 of the first and the last pipeline stage (flash attention, no dropout, selective
+# recompute, as on the front page):
+#
+# | term | stage 0 | stage 1 |
+# |---|---|---|
+# | weights (bf16 param buffer) | 3,829.2 MiB | 3,829.3 MiB |
+# | grad buffer (fp32) | 7,658.5 MiB | 7,658.5 MiB |
+# | fp32 masters, $1/64$ | 119.7 MiB | 119.7 MiB |
+# | Adam moments, $1/64$ | 239.3 MiB | 239.3 MiB |
+# | activations at the peak | 28,673.6 MiB | 21,446.6 MiB |
+# | **total on the device** | **40,520.4 MiB** | **33,293.4 MiB** |
+# | where the peak is | backward of micro-batch 0, 2 in flight | forward of micro-batch 0, 1 in flight |
+#
+# Megatron's estimate for the same layout is 11,846.75 MiB of weights and optimizer state and
+# 16,416.06 MiB of activations. The resident parts agree to 12,672 B (07.2 explains the
+# difference: where the final norm is counted). The activations do not: Megatron charges
+# 512 MiB per layer and micro-batch, this ledger 888 MiB (07.3: the fp32 norm inputs, the
+# all-gathered linear inputs that SP does not shrink, the whole SwiGLU chain), for the same
+# 32 layer-micro-batches on stage 0 — 16 layers, 2 micro-batches in flight. Both fit an
+# 80 GiB device; only the ledger says by how much.
 
 # %%
 from __future__ import annotations
@@ -43,6 +65,22 @@ __all__ = ["parse_bytes", "memory_config_from", "running_example", "Hardware", "
 # `tinytron-memory: error: training.global_batch_size (1000) must be divisible by ...`, exit
 # status 2, no traceback. With bf16 the grad buffer is fp32 (Megatron forces it); the device
 # `auto` means CUDA, where the ledger is meant to be used.
+#
+# Where each field comes from:
+#
+# | `MemoryConfig` field | from |
+# |---|---|
+# | `tensor_model_parallel_size`, `pipeline_model_parallel_size`, `virtual_pipeline_model_parallel_size`, `context_parallel_size` | `[parallel]` |
+# | `data_parallel_size` | `--world-size` divided by TP · PP · CP |
+# | `micro_batch_size`, `num_microbatches` | `[training]`: global batch / (micro-batch · DP); without a global batch, one micro-batch per DP rank |
+# | `bf16`, `grad_reduce_in_fp32` | `[training] bf16` (or the optimizer's); bf16 forces the fp32 grad buffer |
+# | `use_distributed_optimizer`, offload switches, `optimizer` | `[optimizer]` (`[ddp]` follows the distributed optimizer) |
+# | `overlap_grad_reduce`, `bucket_size`, `pad_buckets_for_high_nccl_busbw` | `[ddp]` |
+# | the model, recompute and activation offload | `[model]` |
+#
+# Sizes on the command line read both ways: `parse_bytes("80GiB")` is 85,899,345,920 bytes
+# (binary units), `parse_bytes("80GB")` 80,000,000,000 (decimal). A device sold as "80 GB"
+# reports its capacity in binary units, so `80GiB` is the budget to pass.
 
 # %%
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -119,6 +157,15 @@ def running_example() -> MemoryConfig:
 # The search assumes Megatron's switches for speed: `overlap_grad_reduce` (buckets), and
 # `overlap_param_gather` with the distributed optimizer. `Hardware` keeps the constants
 # under the names the command has always used; `step_time` returns the parts by name.
+#
+# For the running example it estimates 2.14 s per step: 1.74 s of compute, a 0.19 s
+# pipeline bubble ($p = 2$, $m = 8$), 0.08 s of TP traffic on the compute stream, and 0.13 s
+# of DP and 0.01 s of PP transfers that their windows cannot hide. These are estimates from
+# the constants above, not measurements; 07.8 says how far such estimates are off.
+# `search_layouts` ranks the layouts that fit by the total, and between two equal totals
+# prefers the one with the smaller peak: the one with more memory to spare. Change a
+# constant of `Hardware` (a slower network, a lower `efficiency`) and the ranking moves; the
+# memory side of the answer does not.
 
 # %%
 @dataclass
@@ -167,6 +214,26 @@ def step_time(cfg: MemoryConfig, hw: Hardware = Hardware(),
 # the resident part is computed first and the layout dropped before its activations when it
 # alone does not fit. Ledgers of layouts that differ only in batch or recompute share their
 # resident part through a cache.
+#
+# Why each filter of `candidate_layouts`:
+#
+# - **TP within a node** (`tp <= gpus_per_node`): TP's all-gathers and reduce-scatters run on
+#   the compute stream, several per layer; over the network they would dominate the step.
+# - **TP divides heads, groups, FFN and vocabulary**: each TP rank holds whole heads and an
+#   equal slice of the MLP and the embedding (appendix A), else the model cannot be cut.
+# - **PP divides the layers**: every stage gets the same number of layers, so the first
+#   and the last stage bound the rest (below).
+# - **$s$ divisible by $2\,c$**: CP cuts the sequence into $2c$ chunks and gives each rank one
+#   from each end, so the causal work is balanced.
+# - **Interleaving only when $m$ is a multiple of $p$ and $L$ of $2p$**: the interleaved
+#   schedule runs micro-batches in groups of $p$, and each of the $v = 2$ chunks needs whole
+#   layers.
+# - **The micro-batch divides the global batch per DP rank**: $m$ must be an integer.
+#
+# For the 7B model on 256 GPUs with a global batch of 1,024 that space holds 2,514 candidate
+# layouts, and 2,182 of them fit 80 GiB: a 7B model at this scale is not memory-bound, and the
+# question the search answers is which layout is fastest. At 40 GiB, 1,722 still fit. Every
+# candidate keeps SP on with TP, since SP only removes bytes.
 
 # %%
 def layout_name(cfg: MemoryConfig) -> str:
@@ -217,6 +284,16 @@ def candidate_layouts(base: MemoryConfig, gpus: int, global_batch_size: int,
 # The search itself checks the first and the last pipeline stage of every candidate, the two
 # that bound the peak. Many candidates share their resident or their flowing bytes (these do not
 # depend on every field of the layout), so both are cached under the fields they depend on.
+#
+# Why those two stages: under 1F1B stage $r$ holds $\min(p - r, m)$ micro-batches, so the
+# first stage holds the most layers' activations, and the last stage holds the head, whose
+# fp32 logits chain is the largest transient of the step (07.4). A middle stage has fewer
+# micro-batches than the first and no head, so it can exceed neither (with equal layers per
+# stage, as here). The caches follow the ledger's dependencies: the resident bytes depend on
+# TP, PP, the chunks, DP · CP and the distributed optimizer, not on the micro-batch or the
+# recompute; the activations depend on the micro-batch, the schedule and the recompute, not
+# on DP or the optimizer. The 2,514 candidates need far fewer ledgers than that, and the
+# search over them takes a few seconds on one CPU core.
 
 # %%
 def _resident(cfg: MemoryConfig, pp_rank: int, cache: dict) -> tuple[int, int]:
@@ -264,6 +341,9 @@ def search_layouts(base: MemoryConfig, gpus: int, gpu_memory: int, global_batch_
 # Each stage gets a table of terms in MiB, a total, a stacked text bar (one letter per term:
 # **W**eights, **G**rads, **M**asters, **O**ptimizer moments, fp32 grad **C**opies,
 # **A**ctivations, **P**2p), and the moment of its peak; Megatron's two numbers follow.
+# The bar of the running example's stage 0 reads `WWWWWWGGGGGGGGGGGAAAA…`: the fp32 grad
+# buffer is twice the weights, and the activations are more than both together. The moments
+# and masters, split 64 ways, are too small to earn a letter.
 
 # %%
 _LETTERS = dict(zip(DEVICE_TERMS, "WGMOCAP"))
@@ -313,6 +393,13 @@ def _ledger_json(cfg: MemoryConfig, dp_rank: int) -> dict:
 #                 [--device cuda|cpu] [--dp-rank R] [--json] [--plot ledger.png]
 # tinytron-memory --example [--search --gpu-memory 80GiB --gpus 256 [--top 10]]
 # ```
+#
+# `--json` prints the same ledger for programs: the layout's name, per stage its `pp_rank`,
+# the `device` and `host` terms in bytes and the `total`, and Megatron's
+# `weight_and_optimizer`, `activation` and the formula `branch` it took. `--dp-rank` picks
+# the DP rank whose optimizer shard is counted (the ranks differ where padding falls, 07.2).
+# Exit status 0 on success; 2, with one line on stderr naming the flag or the config field,
+# on any bad input — the demo below ends with one, `--gpu-memory eighty`.
 
 # %%
 def _parser() -> argparse.ArgumentParser:
@@ -354,6 +441,11 @@ def _config_from_args(args, overrides: list[str]) -> MemoryConfig:
 # `_run` does what the flags ask: the search, or the ledger of every stage as a table or JSON,
 # and the picture when `--plot` names a file. `main` turns any bad input into one line on
 # stderr and exit status 2.
+#
+# The errors it turns into that line are `ValueError`s — this chapter's checks and
+# `tinytron.config`'s `ConfigError`, each naming a field or a flag — and `OSError`, a config
+# file that cannot be read; anything else is a bug and keeps its traceback. The console script `tinytron-memory` is `main` itself, so a test
+# can call `main([...])` and read the same stdout, stderr and exit status a user sees.
 
 # %%
 def _run(argv: Sequence[str] | None) -> None:
@@ -424,6 +516,26 @@ if __name__ == "__main__":
     assert main(["--example", "--search", "--gpu-memory", "eighty"]) == 2
 
 # %% [markdown]
+# The search's answer, as the cell prints it (peak of the larger stage; estimated step time
+# and its parts):
+#
+# | layout | peak | step | compute | TP | CP | DP |
+# |---|---|---|---|---|---|---|
+# | TP2(SP)·PP1·CP1·DP128 mbs2 m4 no-recompute DistOpt | 56.1 GiB | 1.75 s | 1.60 | 0.08 | | 0.07 |
+# | TP2(SP)·PP1·CP2·DP64 mbs4 m4 no-recompute DistOpt | 55.9 GiB | 1.76 s | 1.60 | 0.08 | 0.01 | 0.07 |
+# | TP2(SP)·PP1·CP1·DP128 mbs2 m4 selective DistOpt | 56.1 GiB | 1.78 s | 1.63 | 0.08 | | 0.06 |
+# | TP2(SP)·PP1·CP4·DP32 mbs8 m4 no-recompute DistOpt | 56.6 GiB | 1.78 s | 1.60 | 0.08 | 0.03 | 0.07 |
+# | TP2(SP)·PP1·CP2·DP64 mbs4 m4 selective DistOpt | 56.1 GiB | 1.79 s | 1.63 | 0.08 | 0.01 | 0.06 |
+# | TP2(SP)·PP1·CP4·DP32 mbs8 m4 selective DistOpt | 56.1 GiB | 1.80 s | 1.63 | 0.08 | 0.03 | 0.06 |
+# | TP4(SP)·PP1·CP1·DP64 mbs4 m4 no-recompute DistOpt | 49.7 GiB | 1.85 s | 1.60 | 0.23 | | 0.02 |
+# | TP4(SP)·PP1·CP2·DP32 mbs8 m4 no-recompute DistOpt | 49.4 GiB | 1.86 s | 1.60 | 0.23 | 0.01 | 0.02 |
+#
+# Against the running example's 2.14 s, the best of them saves the 0.19 s bubble and the
+# recompute. Every one uses the distributed optimizer: without it each rank holds all
+# 18 bytes per parameter (07.2). The winner without it would need 62.9 GiB of resident
+# state (3.75e9 parameters per TP-2 rank without a pipeline) plus a 34.8 GiB activation
+# peak (all 32 layers of one micro-batch): 97.7 GiB, not 80.
+#
 # The same eight layouts drawn: each one's peak against the budget, with its estimated step
 # time. All eight fit with most of the 80 GiB to spare. With the DP traffic hidden by
 # Megatron's overlap rules, the layouts without a pipeline win (no bubble, and no
@@ -456,8 +568,21 @@ if __name__ == "__main__":
     assert all(f["config"].pipeline_model_parallel_size == 1 for f in found[:3])
 
 # %% [markdown]
+# ## What the calculator cannot see
+#
+# The ledger counts tensor bytes: what PyTorch's caching allocator is asked for. A real
+# device also holds what no tensor owns — the CUDA context, the communication library's
+# buffers, the math libraries' workspaces — and the allocator itself rounds every request up
+# to its block sizes and keeps freed blocks cached, so fragmentation can make a request fail
+# below the budget. 07.6 checks the ledger against two instruments that both count tensor
+# bytes on a CPU; no number on this page is a GPU measurement. Leave a margin: the search's
+# `--gpu-memory` is the budget for tensors, not the card's capacity.
+#
 # ## How production does it
 #
+# - Megatron's `report_memory` (`megatron/training/utils/common_utils.py:282`) prints the
+#   allocator's allocated, max-allocated, reserved and max-reserved MiB: reserved minus
+#   allocated is the cache and fragmentation the ledger cannot see.
 # - Megatron prints its estimate at the first iteration (`megatron/training/training.py:2698`)
 #   and the allocator's numbers with `--log-memory-to-tensorboard` / `report_memory`.
 # - NVIDIA NeMo's auto-configurator and Megatron-LM's `tools/` scripts search layouts with a

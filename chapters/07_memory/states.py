@@ -42,42 +42,14 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #   ranks hold the same weights and reduce their grads together (`dp_cp` in appendix A's grid;
 #   Megatron's `get_data_parallel_group(with_context_parallel=True)`).
 
+# %% [markdown]
+# First, what the ledger derives from the fields, in a small base class of its own: the
+# recompute switches read through from the model config, the model chunks per pipeline rank,
+# the world size, and the bytes of one parameter and of one gradient element.
+
 # %%
-@dataclass
-class MemoryConfig:
-    """One training layout, everything the memory ledger needs (Megatron's names)."""
-
-    model: ModelConfig
-    """The model shape (appendix B); sequence_parallel and dropout live there."""
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: int | None = None
-    context_parallel_size: int = 1
-    data_parallel_size: int = 1
-    """DP without CP, as in Megatron: world = tp · pp · cp · dp."""
-    micro_batch_size: int = 1
-    num_microbatches: int = 1
-    """Micro-batches per step on each DP rank (global batch / (mbs · dp))."""
-    bf16: bool = True
-    """bf16 params (2 bytes) with fp32 masters; False = fp32 params, their own masters."""
-    grad_reduce_in_fp32: bool = True
-    """fp32 main_grad buffer (forced on with bf16, as Megatron does)."""
-    use_distributed_optimizer: bool = False
-    overlap_grad_reduce: bool = False
-    """Only changes the bucket size (one bucket without overlap)."""
-    bucket_size: int | None = None
-    pad_buckets_for_high_nccl_busbw: bool = False
-    optimizer: str = "adam"
-    """adam (2 moments), sgd (momentum) or lion (1 moment)."""
-    optimizer_cpu_offload: bool = False
-    optimizer_offload_fraction: float = 1.0
-    attention_kernel: str = "auto"
-    """"flash" (saves q, k, v, out, logsumexp), "math" (saves the s x s scores), "auto"."""
-    device: str = "cuda"
-    """Where it runs: decides the auto kernel and the dropout-mask width (CPU: the param dtype)."""
-
-    def __post_init__(self):
-        check_memory_config(self)  # one-line errors naming the field (_checks.py)
+class _Derived:
+    """The quantities MemoryConfig derives from its fields (a base class, not a config)."""
 
     # Recompute and activation offload are the model's switches (chapter 06, appendix B).
     @property
@@ -127,13 +99,50 @@ class MemoryConfig:
 
 
 # %% [markdown]
+# Then the fields themselves.
+
+# %%
+@dataclass
+class MemoryConfig(_Derived):
+    """One training layout, everything the memory ledger needs (Megatron's names)."""
+
+    model: ModelConfig
+    """The model shape (appendix B); sequence_parallel and dropout live there."""
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    context_parallel_size: int = 1
+    data_parallel_size: int = 1
+    """DP without CP, as in Megatron: world = tp · pp · cp · dp."""
+    micro_batch_size: int = 1
+    num_microbatches: int = 1
+    """Micro-batches per step on each DP rank (global batch / (mbs · dp))."""
+    bf16: bool = True
+    """bf16 params (2 bytes) with fp32 masters; False = fp32 params, their own masters."""
+    grad_reduce_in_fp32: bool = True
+    """fp32 main_grad buffer (forced on with bf16, as Megatron does)."""
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    """Only changes the bucket size (one bucket without overlap)."""
+    bucket_size: int | None = None
+    pad_buckets_for_high_nccl_busbw: bool = False
+    optimizer: str = "adam"
+    """adam (2 moments), sgd (momentum) or lion (1 moment)."""
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
+    attention_kernel: str = "auto"
+    """"flash" (saves q, k, v, out, logsumexp), "math" (saves the s x s scores), "auto"."""
+    device: str = "cuda"
+    """Where it runs: decides the auto kernel and the dropout-mask width (CPU: the param dtype)."""
+
+    def __post_init__(self):
+        check_memory_config(self)  # one-line errors naming the field (_checks.py)
+
+# %% [markdown]
 # The fields are checked in [`_checks.py`](_checks.py) (`check_memory_config`): every size a
 # positive int, the optimizer, kernel and device one of their choices, the offload fraction in
 # $[0, 1]$, and appendix B's `check_layout` on the model (heads divisible by TP, layers by the
-# pipeline's stages). Each failure is one line naming the field. The properties above are the
-# quantities the ledger derives from the fields: the recompute switches read through from the
-# model config, the model chunks per pipeline rank, the world size, and the bytes of one
-# parameter and of one gradient element.
+# pipeline's stages). Each failure is one line naming the field.
 
 # %% [markdown]
 # ## Which parameters a rank holds, in the order DDP sees them
