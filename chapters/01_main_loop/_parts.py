@@ -10,6 +10,8 @@ from __future__ import annotations
 from functools import partial
 from typing import Callable
 
+import signal
+
 import torch
 import torch.distributed as dist
 
@@ -17,7 +19,7 @@ from tinytron.main_loop.schedules import ScheduleConfig
 from tinytron.main_loop.training_log import LogState, format_log_line, training_log
 from tinytron.parallel import ParallelGrid
 
-__all__ = ["TorchOptimizer", "wrap_with_ddp", "build_schedule_config",
+__all__ = ["TorchOptimizer", "ExitSignal", "eval_batch", "wrap_with_ddp", "build_schedule_config",
            "megatron_optimizer_provider", "megatron_scheduler_provider", "log_step", "hooked",
            "no_op", "print_on_last_rank"]
 
@@ -60,14 +62,31 @@ def wrap_with_ddp(model: list, grid: ParallelGrid, ddp_config) -> list:
 
 def build_schedule_config(model: list, optimizer, grid: ParallelGrid, *,
                           calculate_per_token_loss: bool = False, **overrides) -> ScheduleConfig:
-    """ScheduleConfig with the loop's callbacks: no_sync, finalize_model_grads, scale_loss."""
+    """ScheduleConfig with the loop's callbacks, set as megatron/training/training.py:3227-3245.
+
+    `no_sync_func` only with `overlap_grad_reduce` (without it no hook launches a collective, so
+    there is nothing to hold back); `grad_sync_func` (each chunk's `start_grad_sync`) when
+    `align_grad_reduce` is on as well; `param_sync_func` (each chunk's `start_param_sync`) with
+    `overlap_param_gather` and `align_param_gather`. One chunk gets the bare callable, several a
+    list, as Megatron does.
+    """
     from tinytron.buffers import finalize_model_grads  # chapter 05
     ddp = [c for c in model if hasattr(c, "no_sync")]
+    ddp_config = getattr(ddp[0], "ddp_config", None) if ddp else None
+    one = (lambda fs: fs[0] if len(fs) == 1 else fs)  # noqa: E731 - Megatron's len(model) == 1
     scaler = getattr(optimizer, "grad_scaler", None)
     kw = dict(calculate_per_token_loss=calculate_per_token_loss,
-              no_sync_func=[c.no_sync for c in ddp] if ddp else None,
               finalize_model_grads_func=finalize_model_grads if ddp else None,
               grad_scale_func=optimizer.scale_loss if scaler is not None else None)
+    if ddp_config is not None and ddp_config.overlap_grad_reduce:
+        kw["no_sync_func"] = one([c.no_sync for c in ddp])
+        if getattr(ddp_config, "align_grad_reduce", True):
+            kw["grad_sync_func"] = one([c.start_grad_sync for c in ddp])
+    if (ddp_config is not None and ddp_config.overlap_param_gather
+            and ddp_config.align_param_gather):
+        kw["param_sync_func"] = one([c.start_param_sync for c in ddp])
+    if "param_sync_func" not in ScheduleConfig.__dataclass_fields__:
+        kw.pop("param_sync_func", None)  # the schedules do not dispatch it: pre-hooks gather
     kw.update(overrides)
     return ScheduleConfig(**kw)
 
@@ -133,3 +152,67 @@ def log_step(result, log_state: LogState, state, optimizer, *,
         log_interval=training.log_interval)
     if record is not None:
         log_fn(record)
+
+
+# -- plumbing of train(): the exit signal, the clocks, the evaluation batch, num_zeros --------
+class ExitSignal:
+    """Records a signal (default SIGTERM) so the loop can save and stop between iterations."""
+
+    def __init__(self, sig: int = signal.SIGTERM):
+        self.sig, self._received, self._previous = sig, False, None
+
+    def __enter__(self):
+        self._previous = signal.signal(self.sig, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        signal.signal(self.sig, self._previous)
+        return False
+
+    def _handler(self, signum, frame) -> None:
+        self._received = True
+
+    def received(self, grid: ParallelGrid) -> bool:
+        """True if any rank of the world has received the signal."""
+        flag = torch.tensor([int(self._received)], dtype=torch.int, device=grid.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def _duration_exceeded(limit_mins, start_time: float, clock, grid: ParallelGrid) -> bool:
+    """Wall time since start > limit on any rank (MAX all-reduce, as Megatron)."""
+    done = torch.tensor([int((clock() - start_time) / 60.0 > limit_mins)], dtype=torch.int,
+                        device=grid.device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(done, op=dist.ReduceOp.MAX)
+    return bool(done.item())
+
+
+def _earliest_over_ranks(t: float, grid: ParallelGrid) -> float:
+    """MIN over all ranks: the run started when its first process did (training.py:1132-1137)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return t
+    x = torch.tensor([t], dtype=torch.float64, device=grid.device)
+    dist.all_reduce(x, op=dist.ReduceOp.MIN)
+    return float(x.item())
+
+
+def eval_batch(training, data_parallel_size: int) -> tuple[int, int]:
+    """(micro-batches, samples) of one evaluation batch; Megatron's defaults and check."""
+    mbs = getattr(training, "eval_micro_batch_size", None) or training.micro_batch_size
+    gbs = (getattr(training, "eval_global_batch_size", None) or training.global_batch_size
+           or training.micro_batch_size * data_parallel_size)
+    if gbs % (mbs * data_parallel_size):
+        raise ValueError(f"eval_global_batch_size ({gbs}) must be divisible by "
+                         f"eval_micro_batch_size ({mbs}) * data_parallel_size "
+                         f"({data_parallel_size})")
+    return gbs // (mbs * data_parallel_size), gbs
+
+
+def _logs_num_zeros(training, optimizer) -> bool:
+    """Megatron's log_num_zeros_in_grad: the [training] key, else the optimizer's setting."""
+    if getattr(training, "log_num_zeros_in_grad", None) is not None:
+        return bool(training.log_num_zeros_in_grad)
+    parts = [optimizer, *getattr(optimizer, "chained_optimizers", [])]
+    return any(getattr(o, "log_num_zeros_in_grad", False) for o in parts)

@@ -7,13 +7,19 @@
 # schedule, step the optimizer, agree on success, advance the learning rate by the samples
 # just consumed. The loop takes every part as an argument, so the same code runs the plain
 # PyTorch demo below and the full trainer.
+#
+# The page starts with the whole loop on one screen, the way nanoGPT shows its training
+# loop: one model chunk, no pipeline, no checkpoint, no evaluation. A test runs it against
+# the production `train_step` on the same model and batches and finds the same losses and
+# the same weights, bit for bit. Everything after it is that loop again, with what a real
+# run adds: pipeline schedules, skipped steps, evaluation, exits, and the hooks through which
+# chapters 03 and 08 plug in.
 
 # %%
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import signal
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -22,7 +28,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from tinytron.main_loop._parts import (TorchOptimizer, build_schedule_config, hooked, log_step,
+from tinytron.main_loop._parts import (ExitSignal, TorchOptimizer, _duration_exceeded,
+                                       _earliest_over_ranks, _logs_num_zeros,
+                                       build_schedule_config, eval_batch, hooked, log_step,
                                        megatron_optimizer_provider, megatron_scheduler_provider,
                                        no_op, print_on_last_rank, wrap_with_ddp)
 from tinytron.main_loop.microbatches import (build_num_microbatches_calculator,
@@ -32,7 +40,11 @@ from tinytron.main_loop.training_log import LogState
 from tinytron.overview.loss import lm_loss_func
 from tinytron.parallel import ParallelGrid, set_random_seed
 
-__all__ = ["TrainState", "StepResult", "ExitSignal", "TorchOptimizer", "gpt_forward_step",
+# Megatron starts its clock when training.py is imported (`_TRAIN_START_TIME`,
+# megatron/training/training.py:10); `exit_duration_in_mins` counts from there.
+_TRAIN_START_TIME = time.time()
+
+__all__ = ["train_at_a_glance", "LoopHooks", "eval_batch", "TrainState", "StepResult", "ExitSignal", "TorchOptimizer", "gpt_forward_step",
            "zero_grad_buffers", "logical_and_across_model_parallel_group",
            "reduce_max_stat_across_model_parallel_group", "reduce_losses", "train_step",
            "evaluate", "save_with_param_sync", "checkpoint_and_decide_exit", "train",
@@ -40,12 +52,75 @@ __all__ = ["TrainState", "StepResult", "ExitSignal", "TorchOptimizer", "gpt_forw
            "megatron_scheduler_provider", "TrainingRun", "pretrain"]
 
 # %% [markdown]
+# ## The iteration at a glance
+#
+# One DP-wrapped model chunk (chapter 05's `DistributedDataParallel`), chapter 02's optimizer
+# and scheduler, and an iterator of micro-batches. Each line is one of the steps that
+# `train_step` below takes through its parts; the comments say why the step is there.
+
+# %%
+def train_at_a_glance(forward_step_func, data_iterator, model, optimizer, scheduler, *,
+                      train_iters: int, num_microbatches: int, micro_batch_size: int,
+                      grid: ParallelGrid, log=print) -> list[float]:
+    """The whole loop on one screen: one DDP chunk, no pipeline, no checkpoint, no eval."""
+    m, losses = num_microbatches, []
+    for iteration in range(1, train_iters + 1):
+        model.zero_grad_buffer()  # zeroed, not freed: the grad buffer is resident memory
+        optimizer.zero_grad()
+        reports = []
+        for i in range(m):
+            # All micro-batches but the last only accumulate into the buffer: a DP
+            # collective may start only once every gradient of the step is in it.
+            with model.no_sync() if i < m - 1 else contextlib.nullcontext():
+                output, loss_func = forward_step_func(data_iterator, model)
+                loss_sum, num_tokens, report = loss_func(output)
+                # Chapter 00's objective: this micro-batch's token mean, 1/m of the step.
+                objective = loss_sum / torch.clamp(num_tokens, min=1) / m
+                optimizer.scale_loss(objective).backward()  # x loss scale under fp16
+            reports.append(report)  # [loss sum, token count]: averaged exactly below
+        model.finish_grad_sync()  # wait for the DP collectives: the grads are the DP mean
+        ok, grad_norm, _ = optimizer.step()  # unscale, inf/NaN check, clip, update
+        # A pipeline stage or TP rank may see an overflow the others do not: every rank
+        # of the model-parallel group must take the same branch, so AND the verdicts.
+        ok = logical_and_across_model_parallel_group(ok, grid)
+        grad_norm = reduce_max_stat_across_model_parallel_group(grad_norm, grid)
+        if ok:  # by samples (m·b·d), not by 1: a growing batch keeps the LR schedule right
+            scheduler.step(increment=m * micro_batch_size * grid.size("dp"))
+        loss = float(reduce_losses(reports, grid)["lm loss"])  # token mean over DP ranks
+        losses.append(loss)
+        log(f"iteration {iteration:3d} | lm loss {loss:.4f} | grad norm {grad_norm:.3f} | "
+            f"lr {optimizer.param_groups[0]['lr']:.3e}" + ("" if ok else " | skipped"))
+    return losses
+
+# %% [markdown]
+# Three lines carry most of the meaning. The division by $m$ makes the sum of the $m$
+# backward passes the gradient of the *mean* loss of the step, so the learning rate does not
+# depend on how the global batch is cut into micro-batches. `no_sync` around all but the
+# last micro-batch is what lets chapter 05's buckets launch their all-reduce from inside the
+# last backward pass, overlapped with the rest of it, and not $m$ times. And the scheduler
+# steps by samples: with a batch-size schedule one iteration is worth more samples later in
+# the run, and Megatron's warm-up and decay lengths are counted in samples.
+#
+# What the production loop adds to these lines, and where on this page:
+#
+# - **The schedule.** The inner loop over micro-batches is `forward_backward_func`: the loop
+#   above is its no-pipelining case, and the previous pages' 1F1B and interleaved schedules
+#   replace it when the model is split into stages. The schedule also calls chapter 05's
+#   `finalize_model_grads` after the last backward, which is `finish_grad_sync` plus the
+#   tensor- and pipeline-parallel reductions that one chunk does not need.
+# - **Skipped steps.** `ok` is False after an fp16 overflow or a rejected grad norm; the
+#   learning rate stays, the samples still count as consumed (`train`, below).
+# - **Around the step**: a changing number of micro-batches (a batch-size schedule), the
+#   log record of the next page, evaluation every `eval_interval`, saving and exiting
+#   (`checkpoint_and_decide_exit`), and the hooks of chapters 03 and 08, each told in a
+#   section of its own once the loop itself is understood.
+#
 # ## The state that survives a restart
 #
 # Four counters and one running sum are all the loop itself must carry across a checkpoint
 # (Megatron keeps them in `args` and writes them into every checkpoint,
 # `megatron/training/checkpointing.py`): the iteration, the samples consumed (the sampler
-# resumes there and the scheduler's position derives from it), the samples skipped by
+# resumes there; the scheduler keeps its own count, which skipped steps do not advance), the samples skipped by
 # `decrease_batch_size_if_needed`, the validation samples consumed, and the FLOPs done so far
 # (so that a resumed run's TFLOP/s and MFU stay honest). Chapter 03 saves `state_dict()` and
 # hands a `TrainState` back through `load_checkpoint_fn`.
@@ -95,10 +170,10 @@ class TrainState:
 # Chapter 02's optimizers already return the triple. A plain `torch.optim` optimizer does not
 # clip and returns nothing, so `TorchOptimizer` adapts it: clip by the global norm with
 # `torch.nn.utils.clip_grad_norm_`, step, report `(True, norm, None)`. It and the builders of
-# the book's parts that `pretrain` is handed below live in `tinytron/main_loop/_parts.py`
-# (glue, not mechanism; the loop page imports them).
+# the book's parts that `pretrain` is handed below live in the chapter's private module
+# [`_parts.py`](_parts.py) (glue, not mechanism; the loop page imports them).
 #
-# `gpt_forward_step` is Megatron's `forward_step` of `pretrain_gpt.py:197` over the book's
+# `gpt_forward_step` is Megatron's `forward_step` of `pretrain_gpt.py:183` over the book's
 # model: `get_batch` (chapter 04: read on TP rank 0, broadcast, CP slice, only the keys this
 # stage needs), the model with labels (the last stage returns per-token losses), and chapter
 # 00's `lm_loss_func` bound to the batch's loss mask.
@@ -118,7 +193,8 @@ def gpt_forward_step(data_iterator, model, *, micro_batch_size: int, seq_length:
 # %% [markdown]
 # ## `train_step`, in Megatron's exact order
 #
-# `megatron/training/training.py:2162`:
+# `megatron/training/training.py:2162`; the zeroing at `:2179-2184`, the schedule at `:2227`,
+# the step at `:2287`:
 #
 # 1. `zero_grad_buffer()` on every model chunk, then `optimizer.zero_grad()`. The buffer is
 #    *zeroed*, not freed: gradients are resident memory.
@@ -132,15 +208,17 @@ def gpt_forward_step(data_iterator, model, *, micro_batch_size: int, seq_length:
 #    must finish it here (chapter 03, [saving in the background](../03_checkpoint/async_save.py)).
 #    Megatron has no such hook: its async save copies to host before the save returns.
 # 4. `update_successful` is **ANDed** and `grad_norm`, `num_zeros` are **MAXed** over the
-#    model-parallel group (`training.py:2297-2303`): a pipeline stage without trainable
-#    parameters reports `None`, and every rank must take the same branch next.
+#    model-parallel group (`training.py:2303-2306`): a pipeline stage without trainable
+#    parameters reports `None`, and every rank must take the same branch next. The MAX of
+#    `num_zeros` runs only with `log_num_zeros_in_grad` (`training.py:2307-2308`), one
+#    collective less per step otherwise.
 # 5. If successful, the scheduler advances by the samples of this step,
-#    $m \cdot b \cdot d$ (`training.py:2309`); otherwise the iteration is **skipped**: the
+#    $m \cdot b \cdot d$ (`training.py:2316-2318`); otherwise the iteration is **skipped**: the
 #    learning rate stays where it was. The samples still count as consumed — the loop adds them
 #    either way — because they were read and must not be read again.
 # 6. The last stage reduces the loss reports: each `{"lm loss": [sum, count]}` is summed over
 #    micro-batches and all-reduced over DP×CP, and the mean is `sum / count`
-#    (`training.py:2319-2345`): the exact token mean over the whole global batch.
+#    (`training.py:2327-2347`): the exact token mean over the whole global batch.
 #
 # In the running example one `train_step` on a DP rank runs 8 micro-batches of 2 × 4096
 # tokens; the scheduler then advances by $8 \cdot 2 \cdot 64 = 1024$ samples.
@@ -206,7 +284,8 @@ def reduce_losses(losses_reduced: list[dict], grid: ParallelGrid) -> dict:
 def train_step(forward_step_func, data_iterator, model: list, optimizer, scheduler,
                forward_backward_func, *, num_microbatches: int, micro_batch_size: int,
                seq_length: int, grid: ParallelGrid, config: ScheduleConfig,
-               rerun_state_machine=None, before_optimizer_step=None) -> StepResult:
+               rerun_state_machine=None, before_optimizer_step=None,
+               log_num_zeros_in_grad: bool = False) -> StepResult:
     """One iteration: zero grads, forward-backward (+finalize), step, agree, advance the LR."""
     # With chapter 08's rerun state machine the pass may run again (same data, same RNG) to
     # diagnose a rejected loss or gradient; the optimizer then steps on the last pass's grads.
@@ -221,14 +300,15 @@ def train_step(forward_step_func, data_iterator, model: list, optimizer, schedul
             micro_batch_size=micro_batch_size, grid=grid, forward_only=False, config=config)
     if rsm is not None:
         should_checkpoint, should_exit, exit_code = rsm.should_checkpoint_and_exit()
-        if should_exit:  # no optimizer step (training.py:2271)
+        if should_exit:  # no optimizer step (training.py:2271-2273)
             return StepResult({}, 0, None, None, should_checkpoint, should_exit, exit_code)
     if before_optimizer_step is not None:  # chapter 03: a staged save's copies end here
         before_optimizer_step()
     update_successful, grad_norm, num_zeros = optimizer.step()
     update_successful = logical_and_across_model_parallel_group(update_successful, grid)
     grad_norm = reduce_max_stat_across_model_parallel_group(grad_norm, grid)
-    num_zeros = reduce_max_stat_across_model_parallel_group(num_zeros, grid)
+    if log_num_zeros_in_grad:  # training.py:2307-2308: only then is it MAXed (and logged)
+        num_zeros = reduce_max_stat_across_model_parallel_group(num_zeros, grid)
     if update_successful:
         if scheduler is not None:
             scheduler.step(increment=num_microbatches * micro_batch_size * grid.size("dp"))
@@ -247,35 +327,66 @@ def train_step(forward_step_func, data_iterator, model: list, optimizer, schedul
 # `forward_only=True` under `torch.no_grad()` — no backward, no finalize, no optimizer, no
 # scheduler — reduces the reports exactly like `train_step`, and puts the chunks back in train
 # mode. With the distributed optimizer's overlapped parameter all-gather, the forward
-# pre-hooks are switched off around it (`training.py:3660-3700`) so that evaluation uses
-# complete parameters.
+# pre-hooks are switched off before it (`training.py:3692-3694`, which gathers every
+# parameter at once) and back on after it (`:3736-3738`), so that evaluation uses complete
+# parameters.
+#
+# The evaluation batch does not follow the training batch: it is `eval_global_batch_size`
+# samples, `eval_global_batch_size / (eval_micro_batch_size · d)` micro-batches, both
+# defaulting to the training values as configured (`arguments.py:706-709`), not to the
+# number of micro-batches a batch-size schedule runs now (`training.py:3854-3856`). After
+# each evaluation batch the validation sampler's position advances by that many samples
+# (`:3955`), and the time limit is checked (`:3957-3967`): a run that reaches
+# `exit_duration_in_mins` during a long evaluation stops it there, logs nothing for it, and
+# `checkpoint_and_decide_exit` saves and exits next. `eval_batch` (in
+# [`_parts.py`](_parts.py)) computes the batch and refuses one that does not divide into
+# micro-batches over the DP ranks, with Megatron's message.
 
 # %%
-def _set_pre_hooks(model: list, enabled: bool) -> None:
-    """Disable (with a param sync) or re-enable DDP's overlapped-all-gather pre-hooks."""
+def _set_pre_hooks(model: list, enabled: bool, param_sync: bool = True) -> bool:
+    """Disable (with a param sync unless told not to) or re-enable the overlapped-gather
+    pre-hooks; True if any chunk has them (the distributed optimizer's overlap_param_gather)."""
+    found = False
     for chunk in model:
         ddp_config = getattr(chunk, "ddp_config", None)
         if ddp_config is not None and ddp_config.overlap_param_gather:
-            chunk.enable_forward_pre_hook() if enabled else chunk.disable_forward_pre_hook()
+            found = True
+            if enabled:
+                chunk.enable_forward_pre_hook()
+            else:
+                chunk.disable_forward_pre_hook(param_sync=param_sync)
+    return found
 
 
 def evaluate(forward_step_func, data_iterator, model: list, forward_backward_func, *,
              num_microbatches: int, micro_batch_size: int, seq_length: int, eval_iters: int,
-             grid: ParallelGrid, config: ScheduleConfig) -> dict:
-    """Mean of each loss key over eval_iters forward-only global batches (last stage; {} else)."""
+             grid: ParallelGrid, config: ScheduleConfig, state: TrainState | None = None,
+             eval_batch_size: int = 0, time_is_up=None) -> dict | None:
+    """Mean of each loss key over eval_iters forward-only global batches (last stage; {} else).
+
+    With `state`, each batch adds `eval_batch_size` to `state.consumed_valid_samples`; with
+    `time_is_up` (a collective callable), a True after a batch stops here and returns None.
+    """
     for chunk in model:
         chunk.eval()
     _set_pre_hooks(model, False)
-    reports = []
+    reports, timed_out = [], False
     with torch.no_grad():
         for _ in range(eval_iters):
             reports += forward_backward_func(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                 num_microbatches=num_microbatches, seq_length=seq_length,
                 micro_batch_size=micro_batch_size, grid=grid, forward_only=True, config=config)
+            if state is not None:
+                state.consumed_valid_samples += eval_batch_size
+            if time_is_up is not None and time_is_up():
+                timed_out = True
+                break
     _set_pre_hooks(model, True)
     for chunk in model:
         chunk.train()
+    if timed_out:
+        return None
     if not grid.is_last_stage():
         return {}
     return {k: float(v) for k, v in reduce_losses(reports, grid).items()}
@@ -288,8 +399,13 @@ def evaluate(forward_step_func, data_iterator, model: list, forward_backward_fun
 # 1. **a signal** (with `exit_signal_handler`): SIGTERM from the cluster scheduler, seen by any
 #    rank, is shared by an all-reduce; save, exit;
 # 2. **`save_interval`**: save when `iteration % save_interval == 0`;
-# 3. **`exit_duration_in_mins`**: the wall time since training started, MAX-reduced over all
-#    ranks so that every rank decides alike; save (unless just saved), exit;
+# 3. **`exit_duration_in_mins`**: the wall time since the *program* started, MAX-reduced over
+#    all ranks so that every rank decides alike; save (unless just saved), exit. Megatron's
+#    clock starts when `training.py` is imported (`_TRAIN_START_TIME`), and `pretrain` takes
+#    the earliest start over all ranks (a MIN all-reduce, `training.py:1132-1137`); the
+#    check is `training.py:3017-3024`. So the setup — building the model, loading a
+#    checkpoint — counts against the limit, and a run that is given 4 hours by its cluster
+#    stops in time even when its load took 20 minutes;
 # 4. **`exit_interval`**: exit when `iteration % exit_interval == 0`, after a save.
 #
 # The loop itself ends when `iteration == train_iters` (`train_samples` is converted to
@@ -297,59 +413,14 @@ def evaluate(forward_step_func, data_iterator, model: list, forward_backward_fun
 # just saved. A signal handler only records the signal: the iteration in flight finishes, so
 # the saved state is always a consistent end-of-step state.
 #
-# Every save goes through `save_with_param_sync`: with the distributed optimizer's
-# `overlap_param_gather`, the step has updated only each rank's own shard of the parameters,
-# and the all-gather of the rest waits for the next forward's pre-hooks (chapter 05). Megatron
-# finishes that all-gather before saving (`force_param_sync`, `training.py:2764, 2788-2789`),
-# so the saved weights are the updated ones — and nothing is left for the next forward to
-# write while a staged save still copies the parameters (chapter 03).
+# The three collectives these checks need are plumbing and live in the chapter's private
+# module [`_parts.py`](_parts.py): `ExitSignal`, the handler whose `received(grid)` is a MAX
+# over all ranks of "this rank saw the signal"; `_duration_exceeded`, the MAX over all ranks of
+# "my clock says the time is up"; and `_earliest_over_ranks`, the MIN of the start times
+# that `pretrain` takes once. The MAX matters because clocks and signals differ between
+# hosts: if one rank stopped and the others did not, the next collective would hang.
 
 # %%
-def save_with_param_sync(save_checkpoint_fn, state, model: list, optimizer, scheduler) -> None:
-    """Finish an overlapped param all-gather (Megatron's force_param_sync), then save."""
-    if save_checkpoint_fn is None:
-        return
-    for chunk in model:
-        ddp_config = getattr(chunk, "ddp_config", None)
-        if ddp_config is not None and ddp_config.overlap_param_gather:
-            chunk.start_param_sync(force_sync=True)
-    save_checkpoint_fn(state, model, optimizer, scheduler)
-
-# %%
-class ExitSignal:
-    """Records a signal (default SIGTERM) so the loop can save and stop between iterations."""
-
-    def __init__(self, sig: int = signal.SIGTERM):
-        self.sig, self._received, self._previous = sig, False, None
-
-    def __enter__(self):
-        self._previous = signal.signal(self.sig, self._handler)
-        return self
-
-    def __exit__(self, *exc):
-        signal.signal(self.sig, self._previous)
-        return False
-
-    def _handler(self, signum, frame) -> None:
-        self._received = True
-
-    def received(self, grid: ParallelGrid) -> bool:
-        """True if any rank of the world has received the signal."""
-        flag = torch.tensor([int(self._received)], dtype=torch.int, device=grid.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-
-def _duration_exceeded(limit_mins, start_time: float, clock, grid: ParallelGrid) -> bool:
-    """Wall time since start > limit on any rank (MAX all-reduce, as Megatron)."""
-    done = torch.tensor([int((clock() - start_time) / 60.0 > limit_mins)], dtype=torch.int,
-                        device=grid.device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(done, op=dist.ReduceOp.MAX)
-    return bool(done.item())
-
-
 def checkpoint_and_decide_exit(state: TrainState, training, save, *, start_time: float,
                                clock, grid: ParallelGrid, exit_signal=None) -> str | None:
     """Save when due; return why to stop ('signal', 'duration', 'exit_interval') or None."""
@@ -374,17 +445,17 @@ def checkpoint_and_decide_exit(state: TrainState, training, save, *, start_time:
 # %% [markdown]
 # ## `train`: the iteration loop
 #
-# Per iteration (`training.py:3397-3800`), in order:
+# Per iteration (`training.py:3401-3792`), in order:
 #
 # 1. `finalize_async_save_fn(blocking=False)`: complete a background checkpoint whose write
 #    has finished (chapter 03); collective, so every rank calls it.
 # 2. Update the micro-batch calculator with the consumed samples. If $m$ changed (a step
-#    schedule), it must have grown — and a checkpoint is saved at the change.
-# 3. `train_step`, which calls `before_optimizer_step_fn()` (chapter 03's wait for a staged
-#    save's copy to host) just before `optimizer.step()`.
+#    schedule), it must have grown (`training.py:3443-3446`) — and a checkpoint is saved at
+#    the change.
+# 3. `train_step`.
 # 4. `iteration += 1`; `consumed_train_samples += m·b·d` (skipped or not);
 #    `skipped_train_samples +=` what `decrease_batch_size_if_needed` dropped; the FLOPs of the
-#    batch are added to the running sum.
+#    batch are added to the running sum (`training.py:3585-3628`).
 # 5. `training_log` (next page): accumulate, and hand a record to `log_fn` every `log_interval`.
 # 6. Evaluate every `eval_interval` iterations.
 # 7. `checkpoint_and_decide_exit`.
@@ -400,8 +471,50 @@ def checkpoint_and_decide_exit(state: TrainState, training, save, *, start_time:
 #   K -->|continue| A
 #   K -->|exit| F["finalize_async_save_fn<br/>(blocking)"]
 # ```
+#
+# One more rule comes from chapter 05's overlapped parameter all-gather. Its forward
+# pre-hooks stay **off for the first iteration** and come on after the first step that
+# succeeds (`training.py:3371-3380`, `:3561-3574`): the parameters a run starts from are
+# complete on every rank already, and a rank whose checkpoint load or initialization went
+# wrong must not spread its shard to the others in a first all-gather. After a skipped step
+# (an fp16 overflow) they stay off, since that step wrote no parameter.
+#
+# `train` takes the parts, the `[training]` section and the run's counters as arguments;
+# what other chapters plug in travels in one `LoopHooks`, whose every field defaults to
+# "nothing plugged in". The fields are told where they are used: chapter 03's after the
+# loop, chapter 08's after that.
 
 # %%
+@dataclass
+class LoopHooks:
+    """What the other chapters plug into train(); each default means nothing is plugged in."""
+
+    save_checkpoint_fn: object = None
+    """Chapter 03: save(state, model, optimizer, scheduler)."""
+    finalize_async_save_fn: object = None
+    """Chapter 03: finish background saves, f(blocking=...)."""
+    before_optimizer_step_fn: object = None
+    """Chapter 03: a staged save's copies must end before the step writes the params."""
+    rerun_state_machine: object = None
+    """Chapter 08: may run a forward-backward again and stop the run."""
+    step_hooks: object = None
+    """Chapter 08: on_step_start(state) / on_step_end(state) around every train_step."""
+    iterations_to_skip: tuple = ()
+    """Chapter 08: 1-based iterations whose data was found bad: read, not trained on."""
+    exit_signal: object = None
+    """Chapter 08 or ExitSignal: received(grid) is True once SIGTERM arrived on any rank."""
+    log_fn: object = None
+    """Receives each log record (default: print the line on the last rank)."""
+    flops_fn: object = None
+    """Model FLOPs of a batch of that many samples (for TFLOP/s and MFU)."""
+    peak_flops: float | None = None
+    """Per-device peak FLOP/s; None logs no MFU."""
+    clock: object = time.time
+    """The wall clock of exit_duration_in_mins."""
+    start_time: float | None = None
+    """When the program started by that clock (pretrain: MIN over ranks); None: now."""
+
+
 def _advance_microbatches(calculator, state: TrainState, previous: int, save) -> int:
     """Update m for the consumed samples; it may only grow; save when it changes."""
     calculator.update(state.consumed_train_samples, consistency_check=False)
@@ -413,13 +526,6 @@ def _advance_microbatches(calculator, state: TrainState, previous: int, save) ->
         save()
     calculator.update(state.consumed_train_samples, consistency_check=True)
     return m
-
-
-def _dummy_train_step(data_iterator, num_microbatches: int) -> None:
-    """Consume a skipped iteration's micro-batches without computing them."""
-    for it in data_iterator if isinstance(data_iterator, list) else [data_iterator]:
-        for _ in range(num_microbatches if it is not None else 0):
-            next(it)
 
 
 def _account(state: TrainState, calculator, batch: int, flops_fn) -> tuple[int, int]:
@@ -434,72 +540,176 @@ def _account(state: TrainState, calculator, batch: int, flops_fn) -> tuple[int, 
 
 # %%
 def _maybe_evaluate(forward_step_func, valid_data_iterator, model, forward_backward_func,
-                    state: TrainState, training, calculator, *, do_valid: bool, seq_length: int,
-                    grid: ParallelGrid, config: ScheduleConfig, log_fn) -> None:
-    """Evaluate every eval_interval iterations; count the validation samples."""
+                    state: TrainState, training, *, do_valid: bool, seq_length: int,
+                    grid: ParallelGrid, config: ScheduleConfig, log_fn, time_is_up) -> None:
+    """Evaluate every eval_interval iterations on the evaluation batch; log the losses."""
     if not (do_valid and training.eval_interval and training.eval_iters > 0
             and state.iteration % training.eval_interval == 0):
         return
+    m, samples = eval_batch(training, grid.size("dp"))
+    mbs = getattr(training, "eval_micro_batch_size", None) or training.micro_batch_size
     losses = evaluate(forward_step_func, valid_data_iterator, model, forward_backward_func,
-                      num_microbatches=calculator.get(), micro_batch_size=training.micro_batch_size,
-                      seq_length=seq_length, eval_iters=training.eval_iters, grid=grid,
-                      config=config)
-    state.consumed_valid_samples += training.eval_iters * calculator.current_running_global_batch_size
+                      num_microbatches=m, micro_batch_size=mbs, seq_length=seq_length,
+                      eval_iters=training.eval_iters, grid=grid, config=config, state=state,
+                      eval_batch_size=samples, time_is_up=time_is_up)
     if losses:
         log_fn({"iteration": state.iteration, "validation": losses})
+
+# %% [markdown]
+# The loop itself. Each line of the body is one of the steps listed above; the two lines
+# marked "chapter 08" and the `save` and `finalize` calls are told in the next two sections.
 
 # %%
 def train(forward_step_func, model: list, optimizer, scheduler, train_data_iterator,
           valid_data_iterator=None, *, training, train_iters: int, state: TrainState,
           calculator, seq_length: int, grid: ParallelGrid, forward_backward_func,
-          config: ScheduleConfig, do_valid: bool | None = None, save_checkpoint_fn=None,
-          finalize_async_save_fn=None, before_optimizer_step_fn=None, flops_fn=None,
-          peak_flops=None, log_fn=None, exit_signal=None, clock=time.time,
-          rerun_state_machine=None, step_hooks=None, iterations_to_skip=()) -> str | None:
+          config: ScheduleConfig, do_valid: bool | None = None,
+          hooks: LoopHooks | None = None) -> str | None:
     """Run iterations until train_iters or an exit condition; return the exit reason or None."""
-    # Chapter 08 passes `rerun_state_machine` (see train_step) and `step_hooks`, an object whose
-    # `on_step_start(state)` / `on_step_end(state)` bracket every train_step (heartbeats, faults).
-    save = partial(save_with_param_sync, save_checkpoint_fn, state, model, optimizer, scheduler)
-    finalize = finalize_async_save_fn or no_op
-    log_fn = log_fn or print_on_last_rank
+    h = hooks or LoopHooks()
+    save = partial(save_with_param_sync, h.save_checkpoint_fn, state, model, optimizer, scheduler)
+    finalize, log_fn = h.finalize_async_save_fn or no_op, h.log_fn or print_on_last_rank
     do_valid = valid_data_iterator is not None if do_valid is None else do_valid
-    log_state, start_time, m, reason = LogState(), clock(), 0, None
+    start_time = h.clock() if h.start_time is None else h.start_time
+    time_is_up = (partial(_duration_exceeded, training.exit_duration_in_mins, start_time,
+                          h.clock, grid) if training.exit_duration_in_mins else None)
+    log_state, m, reason = LogState(), 0, None
     for chunk in model:
         chunk.train()
+    pre_hooks_off = _first_iteration_without_pre_hooks(model, config)
     step = partial(train_step, forward_step_func, train_data_iterator, model, optimizer,
                    scheduler, forward_backward_func, micro_batch_size=training.micro_batch_size,
                    seq_length=seq_length, grid=grid, config=config,
-                   rerun_state_machine=rerun_state_machine,
-                   before_optimizer_step=before_optimizer_step_fn)
+                   rerun_state_machine=h.rerun_state_machine,
+                   before_optimizer_step=h.before_optimizer_step_fn,
+                   log_num_zeros_in_grad=_logs_num_zeros(training, optimizer))
     while state.iteration < train_iters:
         finalize(blocking=False)
         m = _advance_microbatches(calculator, state, m, save)
-        if state.iteration + 1 in iterations_to_skip:  # chapter 08: its data was found bad
-            _dummy_train_step(train_data_iterator, m)  # training.py:2115, 3473-3485
-            batch, _ = _account(state, calculator, m * training.micro_batch_size *
-                                grid.size("dp"), None)
-            state.skipped_train_samples += batch
-            continue
-        result = hooked(step_hooks, state, partial(step, num_microbatches=m))
-        if result.should_exit:  # the rerun machine: save if asked, stop (training.py:3545)
-            if result.should_checkpoint:
-                save()
+        batch = m * training.micro_batch_size * grid.size("dp")
+        if _skip_iteration(state, h.iterations_to_skip, train_data_iterator, m, batch):
+            continue  # chapter 08: its data was found bad
+        result = hooked(h.step_hooks, state, partial(step, num_microbatches=m))
+        if _rerun_stops(result, save):  # chapter 08
             reason = "rerun"
             break
-        batch, flops = _account(state, calculator, m * training.micro_batch_size *
-                                grid.size("dp"), flops_fn)
+        if pre_hooks_off and not result.skipped_iter:  # the first successful step
+            pre_hooks_off = _restore_pre_hooks(model, config, pre_hooks_off)
+        batch, flops = _account(state, calculator, batch, h.flops_fn)
         log_step(result, log_state, state, optimizer, training=training, train_iters=train_iters,
-                  batch_size=batch, seq_length=seq_length, flops=flops, peak_flops=peak_flops,
-                  log_fn=log_fn)
+                 batch_size=batch, seq_length=seq_length, flops=flops, peak_flops=h.peak_flops,
+                 log_fn=log_fn)
         _maybe_evaluate(forward_step_func, valid_data_iterator, model, forward_backward_func,
-                        state, training, calculator, do_valid=do_valid, seq_length=seq_length,
-                        grid=grid, config=config, log_fn=log_fn)
+                        state, training, do_valid=do_valid, seq_length=seq_length, grid=grid,
+                        config=config, log_fn=log_fn, time_is_up=time_is_up)
         reason = checkpoint_and_decide_exit(state, training, save, start_time=start_time,
-                                            clock=clock, grid=grid, exit_signal=exit_signal)
+                                            clock=h.clock, grid=grid, exit_signal=h.exit_signal)
         if reason is not None:
             break
     finalize(blocking=True)
     return reason
+
+# %% [markdown]
+# The pre-hooks are taken off with `param_sync=False` (the parameters are complete already,
+# so no all-gather is needed), and the schedule's `param_sync_func`, when it has one, is
+# held back with them so that the schedule dispatches no all-gather either.
+
+# %%
+def _first_iteration_without_pre_hooks(model: list, config: ScheduleConfig):
+    """Take the overlapped-gather pre-hooks off; return what to restore (False if none)."""
+    if not _set_pre_hooks(model, False, param_sync=False):
+        return False
+    held = {"param_sync_func": getattr(config, "param_sync_func", None)}
+    if held["param_sync_func"] is not None:
+        config.param_sync_func = None
+    return held
+
+
+def _restore_pre_hooks(model: list, config: ScheduleConfig, held) -> bool:
+    """Put the pre-hooks (and the schedule's param_sync_func) back; returns False."""
+    _set_pre_hooks(model, True)
+    if held["param_sync_func"] is not None:
+        config.param_sync_func = held["param_sync_func"]
+    return False
+
+# %% [markdown]
+# ## What chapter 03 adds here
+#
+# Checkpoints enter the loop at four places, all through `LoopHooks`:
+#
+# - `save_checkpoint_fn` is called by `checkpoint_and_decide_exit` and at a change of $m$,
+#   always through `save_with_param_sync` (below);
+# - `finalize_async_save_fn(blocking=False)` at the top of each iteration completes a
+#   background save whose write has finished, and `blocking=True` after the loop drains
+#   the rest ([saving in the background](../03_checkpoint/async_save.py));
+# - `before_optimizer_step_fn`, which `train_step` calls just before `optimizer.step()`: the
+#   step is the first write to the parameters since the last save, so a save whose copy to
+#   host is still running must finish it there. Megatron has no such hook: its async save
+#   copies to host before the save returns;
+# - `load_checkpoint_fn`, called once by `pretrain` before the data iterators are built.
+#
+# Every save goes through `save_with_param_sync`: with the distributed optimizer's
+# `overlap_param_gather`, the step has updated only each rank's own shard of the parameters,
+# and the all-gather of the rest waits for the next forward's pre-hooks (chapter 05). Megatron
+# finishes that all-gather before saving (`force_param_sync`, `training.py:2764, 2788-2789`),
+# so the saved weights are the updated ones — and nothing is left for the next forward to
+# write while a staged save still copies the parameters (chapter 03).
+
+# %%
+def save_with_param_sync(save_checkpoint_fn, state, model: list, optimizer, scheduler) -> None:
+    """Finish an overlapped param all-gather (Megatron's force_param_sync), then save."""
+    if save_checkpoint_fn is None:
+        return
+    for chunk in model:
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is not None and ddp_config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
+    save_checkpoint_fn(state, model, optimizer, scheduler)
+
+# %% [markdown]
+# ## What chapter 08 adds here
+#
+# Chapter 08's reliability parts plug in at three places:
+#
+# - **`step_hooks`** bracket every `train_step` with `on_step_start(state)` and
+#   `on_step_end(state)` (heartbeats, fault injection); `hooked`, in the chapter's private
+#   module [`_parts.py`](_parts.py), calls them.
+# - **The rerun state machine** may run one iteration's forward-backward again on the same
+#   data and RNG state to tell a transient fault from a real one (`train_step`'s `while`);
+#   when it decides to stop, `train_step` returns without a step, and the loop saves if
+#   asked and stops (`training.py:3545-3555`).
+# - **`iterations_to_skip`**: an iteration whose data was found bad is not run. Its
+#   micro-batches are read and dropped so that the next iteration reads the samples it would
+#   have read (`dummy_train_step`, `training.py:2115`), and the whole batch counts as
+#   consumed *and* skipped — the batch, and nothing on top of it: the shortfall of
+#   `decrease_batch_size_if_needed` belongs to the batches that ran (`training.py:3474-3485`).
+#   No FLOPs are counted for it, and it does not count as the first step for the pre-hooks.
+
+# %%
+def _dummy_train_step(data_iterator, num_microbatches: int) -> None:
+    """Consume a skipped iteration's micro-batches without computing them."""
+    for it in data_iterator if isinstance(data_iterator, list) else [data_iterator]:
+        for _ in range(num_microbatches if it is not None else 0):
+            next(it)
+
+
+def _skip_iteration(state: TrainState, iterations_to_skip, data_iterator, m: int,
+                    batch: int) -> bool:
+    """If the next iteration is to be skipped: read its data, count it, return True."""
+    if state.iteration + 1 not in iterations_to_skip:
+        return False
+    _dummy_train_step(data_iterator, m)
+    state.iteration += 1
+    state.consumed_train_samples += batch
+    state.skipped_train_samples += batch
+    return True
+
+
+def _rerun_stops(result: StepResult, save) -> bool:
+    """The rerun machine asked to stop: save first if it asked for that too."""
+    if result.should_exit and result.should_checkpoint:
+        save()
+    return result.should_exit
 
 # %% [markdown]
 # ## `pretrain`: everything set up once
@@ -510,7 +720,7 @@ def train(forward_step_func, model: list, optimizer, scheduler, train_data_itera
 #    (`set_random_seed`: offset by the pipeline rank, the TP-parallel RNG stream).
 # 2. **Model chunks**: one per virtual stage (appendix B's `build_stage_models`).
 # 3. **DDP**: each chunk wrapped over its contiguous grad buffer (chapter 05); only the first
-#    chunk is bucketed (`training.py:1784`).
+#    chunk is bucketed (`training.py:1783-1787`).
 # 4. **Optimizer and scheduler** (chapter 02), the scheduler's lengths in samples.
 # 5. **Load a checkpoint** through `load_checkpoint_fn(model, optimizer, scheduler)` (chapter 03):
 #    it restores the parts in place and returns the `TrainState`, or `None` for a fresh start.
@@ -519,15 +729,29 @@ def train(forward_step_func, model: list, optimizer, scheduler, train_data_itera
 # 7. **`train()`**, then a **final save** unless the last iteration was just saved, then a
 #    blocking drain of asynchronous saves.
 #
-# The schedule's callbacks are set as in `training.py:3227-3245` (`build_schedule_config`):
-# `no_sync_func` is each DDP chunk's `no_sync`, `finalize_model_grads_func` chapter 05's
-# `finalize_model_grads`, `grad_scale_func` the optimizer's `scale_loss`;
-# `calculate_per_token_loss` follows the DDP config, so the schedule and the buffers agree on
-# who divides by what. The builders — `wrap_with_ddp` (only the first chunk bucketed,
-# `training.py:1784`), `megatron_optimizer_provider`, `megatron_scheduler_provider` — are
+# The schedule's callbacks are set by `build_schedule_config`, with Megatron's conditions
+# (`training.py:3227-3245`): `grad_scale_func` is the optimizer's `scale_loss` and
+# `finalize_model_grads_func` chapter 05's `finalize_model_grads`, always; `no_sync_func`, each
+# DDP chunk's `no_sync`, only with `overlap_grad_reduce` — without it no backward hook
+# launches a collective, so there is nothing to hold back; `grad_sync_func`, each chunk's
+# `start_grad_sync`, when `align_grad_reduce` (on by default) is on as well: then only the
+# first pipeline stage launches its grad collectives from the hooks of its last backward,
+# the others all at once after their cooldown, where the pipeline drains anyway
+# (`schedules.py:2380-2430`); `param_sync_func`, each chunk's `start_param_sync`, with
+# `overlap_param_gather` and `align_param_gather`. `calculate_per_token_loss` follows the
+# DDP config, so the schedule and the buffers agree on who divides by what.
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# tinytron's schedules take no `param_sync_func` yet (their `ScheduleConfig` has no such
+# field), so `build_schedule_config` leaves it out and, with `align_param_gather`, each
+# forward pre-hook dispatches its own bucket's all-gather when it finds none in flight.
+#
+# </div>
+# The builders — `wrap_with_ddp` (only the first chunk bucketed,
+# `training.py:1783-1787`), `megatron_optimizer_provider`, `megatron_scheduler_provider` — are
 # passed in, so the loop imports none of chapters 02 and 05 itself.
 
-# %%
 # %%
 class TrainingRun(NamedTuple):
     """What pretrain built and ran (for the caller to inspect or keep using)."""
@@ -541,7 +765,7 @@ class TrainingRun(NamedTuple):
 
 
 def _setup(training, grid_provider, model_provider, ddp_config, optimizer_provider,
-           scheduler_provider, load_checkpoint_fn, seq_length=None):
+           scheduler_provider, load_checkpoint_fn):
     """Steps 1-5 of pretrain: grid, seeds, chunks, DDP, optimizer, scheduler, load."""
     grid = grid_provider()
     set_random_seed(training.seed, grid)
@@ -551,7 +775,7 @@ def _setup(training, grid_provider, model_provider, ddp_config, optimizer_provid
         model = wrap_with_ddp(model, grid, ddp_config)
     calc = build_num_microbatches_calculator(
         training.global_batch_size, training.micro_batch_size, grid.size("dp"),
-        training.decrease_batch_size_if_needed, training.step_batch_size_schedule, seq_length)
+        training.decrease_batch_size_if_needed, training.rampup_batch_size)
     iters = training.train_iters or train_iters_from_samples(calc, training.train_samples)
     optimizer = optimizer_provider(model, grid)
     scheduler = (scheduler_provider(optimizer, train_iters=iters,
@@ -562,6 +786,7 @@ def _setup(training, grid_provider, model_provider, ddp_config, optimizer_provid
     calc.update(state.consumed_train_samples, consistency_check=True)
     return grid, model, optimizer, scheduler, calc, iters, state
 
+
 # %%
 def pretrain(training, *, model_provider, forward_step_func, data_iterators_provider,
              optimizer_provider, scheduler_provider=None, grid_provider=ParallelGrid.single,
@@ -571,15 +796,18 @@ def pretrain(training, *, model_provider, forward_step_func, data_iterators_prov
              before_optimizer_step_fn=None, flops_fn=None, peak_flops=None, log_fn=None,
              exit_signal=None, clock=time.time,
              rerun_state_machine=None, step_hooks=None,
-             wrap_forward_backward_func=None, iterations_to_skip=()) -> TrainingRun:
+             wrap_forward_backward_func=None, iterations_to_skip=(),
+             start_time: float | None = None) -> TrainingRun:
     """Grid+seeds -> chunks -> DDP -> optimizer+scheduler -> load -> data -> train -> save."""
+    if start_time is None:  # the program's start; with another clock, pretrain's entry
+        start_time = _TRAIN_START_TIME if clock is time.time else clock()
     grid, model, optimizer, scheduler, calc, iters, state = _setup(
         training, grid_provider, model_provider, ddp_config, optimizer_provider,
-        scheduler_provider, load_checkpoint_fn, seq_length)
+        scheduler_provider, load_checkpoint_fn)
     train_it, valid_it = data_iterators_provider(grid, state)
     # Only ranks that read data hold a validation iterator (TP rank 0 of the first and last
     # stage), but every rank must run the evaluation's collectives: agree on it, as Megatron
-    # broadcasts its do_valid flag (training.py:4256).
+    # broadcasts its do_valid flag (training.py:4248).
     do_valid = valid_it is not None
     if dist.is_initialized():
         flag = torch.tensor([int(do_valid)], device=grid.device)
@@ -588,6 +816,7 @@ def pretrain(training, *, model_provider, forward_step_func, data_iterators_prov
     per_token = bool(getattr(ddp_config, "calculate_per_token_loss", False))
     config = build_schedule_config(model, optimizer, grid, calculate_per_token_loss=per_token,
                                    **(schedule_overrides or {}))
+    start_time = _earliest_over_ranks(start_time, grid)
     fb = get_forward_backward_func(grid.size("pp"), vpp_size)
     if wrap_forward_backward_func is not None:  # chapter 08: timers, checks, a CUDA graph
         fb = wrap_forward_backward_func(fb)
@@ -595,15 +824,17 @@ def pretrain(training, *, model_provider, forward_step_func, data_iterators_prov
     reason = None
     with (ExitSignal() if use_handler else contextlib.nullcontext(exit_signal)) as sig:
         if state.iteration < iters:
+            hooks = LoopHooks(
+                save_checkpoint_fn=save_checkpoint_fn,
+                finalize_async_save_fn=finalize_async_save_fn,
+                before_optimizer_step_fn=before_optimizer_step_fn,
+                rerun_state_machine=rerun_state_machine, step_hooks=step_hooks,
+                iterations_to_skip=tuple(iterations_to_skip), exit_signal=sig, log_fn=log_fn,
+                flops_fn=flops_fn, peak_flops=peak_flops, clock=clock, start_time=start_time)
             reason = train(forward_step_func, model, optimizer, scheduler, train_it, valid_it,
-                           do_valid=do_valid, training=training, train_iters=iters, state=state, calculator=calc,
-                           seq_length=seq_length, grid=grid, forward_backward_func=fb,
-                           config=config, save_checkpoint_fn=save_checkpoint_fn,
-                           finalize_async_save_fn=finalize_async_save_fn,
-                           before_optimizer_step_fn=before_optimizer_step_fn, flops_fn=flops_fn,
-                           peak_flops=peak_flops, log_fn=log_fn, exit_signal=sig, clock=clock,
-                           rerun_state_machine=rerun_state_machine, step_hooks=step_hooks,
-                           iterations_to_skip=iterations_to_skip)
+                           do_valid=do_valid, training=training, train_iters=iters, state=state,
+                           calculator=calc, seq_length=seq_length, grid=grid,
+                           forward_backward_func=fb, config=config, hooks=hooks)
     just_saved = bool(training.save_interval) and state.iteration % training.save_interval == 0
     if save_checkpoint_fn is not None and reason is None and state.iteration and not just_saved:
         save_with_param_sync(save_checkpoint_fn, state, model, optimizer, scheduler)
@@ -632,7 +863,7 @@ if __name__ == "__main__":
 
     cfg = tiny_config(seq_length=32)
     training = SimpleNamespace(  # the [training] section's names (tinytron.config.TrainingConfig)
-        micro_batch_size=2, global_batch_size=8, step_batch_size_schedule=None,
+        micro_batch_size=2, global_batch_size=8, rampup_batch_size=None,
         decrease_batch_size_if_needed=False, train_iters=8, train_samples=None,
         eval_interval=4, eval_iters=1, save_interval=4, exit_interval=None,
         exit_duration_in_mins=None, exit_signal_handler=False, log_interval=2, seed=1234)
@@ -651,10 +882,12 @@ if __name__ == "__main__":
                         SchedulerConfig(lr_decay_style="cosine"), opt_config),
                     save_checkpoint_fn=lambda s, *parts: saves.append(s.iteration),
                     log_fn=book_logs.append, **common)
-    for p, b in zip(plain_logs, book_logs):
+    plain_by_iter = {p["iteration"]: p for p in plain_logs if "losses" in p}
+    for b in book_logs:
         if "validation" in b:
             print(f"iter {b['iteration']:3d}  validation lm loss {b['validation']['lm loss']:.4f}")
         else:
+            p = plain_by_iter[b["iteration"]]
             print(f"iter {b['iteration']:3d}  lm loss plain {p['losses']['lm loss']:.4f}  "
                   f"book {b['losses']['lm loss']:.4f}  lr {b['learning_rate']:.2e}  "
                   f"consumed {b['consumed_train_samples']}")
@@ -665,7 +898,40 @@ if __name__ == "__main__":
     assert abs(plain_logs[0]["losses"]["lm loss"] - book_logs[0]["losses"]["lm loss"]) < 1e-5
 
 # %% [markdown]
-# The first logged losses agree (same weights, same batches; from there the two Adams
+# And the loop at a glance against `train_step`: two copies of one model, the same optimizer
+# and scheduler settings, the same batches; three iterations each.
+
+# %%
+if __name__ == "__main__":
+    from tinytron.main_loop.schedules import get_forward_backward_func as _fb
+
+    def glance_parts():
+        grid = ParallelGrid.single()
+        torch.manual_seed(7)
+        model = wrap_with_ddp(build_stage_models(cfg, grid), grid, DistributedDataParallelConfig())
+        opt = megatron_optimizer_provider(opt_config)(model, grid)
+        sched = megatron_scheduler_provider(SchedulerConfig(lr_decay_style="cosine"), opt_config)(
+            opt, train_iters=3, global_batch_size=8)
+        data = synthetic_iterators(cfg, grid, TrainState(), micro_batch_size=2)[0]
+        return grid, model, opt, sched, data
+    fwd = partial(gpt_forward_step, micro_batch_size=2, seq_length=32)
+    grid, model, opt, sched, data = glance_parts()
+    glance = train_at_a_glance(fwd, data, model[0], opt, sched, train_iters=3,
+                               num_microbatches=4, micro_batch_size=2, grid=grid)
+    grid, model2, opt2, sched2, data2 = glance_parts()
+    config = build_schedule_config(model2, opt2, grid)
+    steps = [float(train_step(fwd, data2, model2, opt2, sched2, _fb(1), num_microbatches=4,
+                              micro_batch_size=2, seq_length=32, grid=grid,
+                              config=config).loss_dict["lm loss"]) for _ in range(3)]
+    print("at a glance:", glance, "\ntrain_step: ", steps)
+    assert glance == steps
+    assert all(torch.equal(a, b) for a, b in zip(model[0].parameters(), model2[0].parameters()))
+
+# %% [markdown]
+# The same losses and the same weights, bit for bit: the loop at the top of the page is
+# `train_step` with one chunk and no pipeline.
+#
+# The first logged losses of the two `pretrain` runs agree (same weights, same batches; from there the two Adams
 # diverge by rounding and the book's run follows a cosine learning rate). Iteration 8 was
 # saved by `save_interval`, so `pretrain` did not save it twice.
 #
@@ -683,9 +949,9 @@ if __name__ == "__main__":
 # ## How production does it
 #
 # - Megatron: `megatron/training/training.py` — `pretrain:1029`, `setup_model_and_optimizer:1938`,
-#   `train_step:2162`, `checkpoint_and_decide_exit:2953`, `train:3065` (loop body `:3397-3800`),
-#   `evaluate:3826`; `pretrain_gpt.py:197` (`forward_step`).
-# - torchtitan: `torchtitan/train.py` (`Trainer.train_step`, `Trainer.train`) runs the same
+#   `train_step:2162`, `checkpoint_and_decide_exit:2953`, `train:3065` (loop body `:3401-3792`),
+#   `evaluate:3826`; `pretrain_gpt.py:183` (`forward_step`).
+# - torchtitan: `torchtitan/trainer.py` (`Trainer.train_step`, `Trainer.train`) runs the same
 #   skeleton with a fixed number of gradient-accumulation steps, `torch.optim` optimizers and
 #   an LR scheduler stepped once per iteration rather than by samples.
 #

@@ -75,6 +75,8 @@ class DistributedDataParallelConfig:
     """Accumulate and reduce grads in fp32 (main_grad is fp32 even for bf16 params)."""
     overlap_grad_reduce: bool = False
     """Launch each bucket's grad collective from the backward hooks as soon as it is complete."""
+    align_grad_reduce: bool = True
+    """With overlap_grad_reduce and PP > 1, stages after the first launch after the cooldown."""
     overlap_param_gather: bool = False
     """Defer the param all-gather to forward pre-hooks (distributed optimizer only)."""
     align_param_gather: bool = False
