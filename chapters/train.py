@@ -355,8 +355,8 @@ def step_time_report_at_start(cfg: TrainConfig, world_size: int, device: torch.d
 
     def ms(x: float) -> str:
         return f"{x * 1e3:.3g} ms"
-    lines = [f"step time per iteration, predicted by chapter 07 at MFU {links.mfu:.0%} of "
-             f"{links.peak_flops / 1e12:.0f} TFLOP/s, NVLink {links.nvlink / 1e9:.0f} GB/s, "
+    lines = [f"step time per iteration, predicted by chapter 07 with compute at {links.mfu:.0%} "
+             f"of {links.peak_flops / 1e12:.0f} TFLOP/s, NVLink {links.nvlink / 1e9:.0f} GB/s, "
              f"network {links.network / 1e9:.0f} GB/s (an H100 node's rates"
              + (", not this CPU's" if device.type == "cpu" else "") + "):",
              f"  step time {ms(step.total)} = compute {ms(step.compute)} + bubble "

@@ -92,7 +92,8 @@ def test_the_step_time_model_is_printed_at_start(runs):
     for name, schedule in (("sync", "blocking"), ("staged", "staged")):
         out = runs[name][1].splitlines()
         head = next(i for i, line in enumerate(out) if line.startswith(
-            "step time per iteration, predicted by chapter 07 at MFU 40% of 989 TFLOP/s"))
+            "step time per iteration, predicted by chapter 07 with compute at 40% of 989 "
+            "TFLOP/s"))
         assert out[head - 2].startswith("memory per rank, predicted by chapter 07"), out[:head]
         total = out[head + 1]
         assert total.startswith("  step time ") and " = compute " in total, total

@@ -9,7 +9,7 @@ from tinytron.model.gpt import (GPTModel, SelfAttention, SwiGLUMLP, TransformerL
 from tinytron.model.hf import load_hf_llama, save_hf_llama
 from tinytron.model.layers import RMSNorm, ShardSpec, apply_rope, rope_cos_sin, shard_of, unshard
 
-__pages__ = ["config", "layers", "gpt", "hf"]
+__pages__ = ["config", "layers", "gpt", "hf", "generate"]
 
 __all__ = ["ModelConfig", "tiny_config", "llama_7b_config", "padded_vocab_size",
            "stage_layer_ranges", "parameter_breakdown", "count_parameters",
