@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from tinytron.model._hf_io import Reader as _Reader
+from tinytron.model._hf_io import (check_checkpoint, check_hf_config, expected_hf_shapes,
+                                   read_config_json)
+from tinytron.model._hf_io import export_tokenizer as _export_tokenizer
+from tinytron.model._hf_io import fetch as _fetch
 from tinytron.model.config import ModelConfig
 from tinytron.model.gpt import GPTModel, build_stage_models, global_parameter_name
 from tinytron.model.layers import shard_of, unshard
@@ -123,25 +127,10 @@ def hf_config_dict(config: ModelConfig) -> dict:
     }
 
 
-_HF_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                "vocab_size")
-
-
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     """A ModelConfig from a Hugging Face Llama config.json dict; unsupported features raise."""
-    missing = [k for k in _HF_REQUIRED if k not in hf]
-    if missing:
-        raise ValueError(f"config.json has no {missing[0]!r} (a Llama config needs "
-                         f"{', '.join(_HF_REQUIRED)})")
-    if hf.get("model_type", "llama") != "llama":
-        raise ValueError(f"model_type must be 'llama', got {hf.get('model_type')!r}")
-    for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
-                    ("rope_scaling", None)):
-        if hf.get(key, ok) != ok:
-            raise ValueError(f"config.json {key}={hf[key]!r} is not supported (need {ok!r})")
+    check_hf_config(hf)
     heads = hf["num_attention_heads"]
-    if hf.get("head_dim", hf["hidden_size"] // heads) * heads != hf["hidden_size"]:
-        raise ValueError(f"config.json head_dim={hf['head_dim']} != hidden_size / heads")
     fields = dict(hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
                   num_attention_heads=heads,
                   num_query_groups=hf.get("num_key_value_heads") or heads,
@@ -218,18 +207,6 @@ def _expected_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ..
             pre + "mlp.down_proj.weight": (h, f)}
 
 
-def _fetch(read, hf_name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """One checked tensor from the checkpoint: present, right shape, finite."""
-    t = read(hf_name)
-    if t is None:
-        raise ValueError(f"checkpoint is missing tensor {hf_name!r}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"tensor {hf_name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-    if t.is_floating_point() and not torch.isfinite(t).all():
-        raise ValueError(f"tensor {hf_name!r} holds NaN or inf")
-    return t
-
-
 def from_hf_tensor(config: ModelConfig, name: str, read) -> torch.Tensor:
     """The full tensor of this model's parameter `name`, built from checkpoint reader `read`."""
     h, v = config.hidden_size, config.vocab_size
@@ -269,6 +246,17 @@ def from_hf_tensor(config: ModelConfig, name: str, read) -> torch.Tensor:
 # `lm_head.weight`, if present, equal to the embedding — then builds this rank's stage
 # model(s) and copies each parameter's shard in. Keyword overrides change config fields that
 # a checkpoint does not carry, e.g. `seq_length=4096, sequence_parallel=True`.
+#
+# The tiny model of the demo shows the inventory in small numbers: each of its 2 layers has 9
+# Hugging Face tensors (two norms, `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`,
+# `up_proj`, `down_proj`) where the model has 6 parameters (the fused `linear_qkv` and
+# `linear_fc1` split in three and two), plus `model.embed_tokens.weight` and
+# `model.norm.weight`: $2 \cdot 9 + 2 = 20$ tensors, tied. Untied it is 21, with `lm_head.weight`.
+#
+# The walls of checks and the file plumbing (what `config.json` must say, the inventory and its
+# shapes, a tensor read with its shape and finiteness checked, the reader over every
+# `*.safetensors` file of a folder, the tokenizer files) live in `tinytron.model._hf_io`, with
+# the same messages; this page keeps the mapping and the gathers.
 
 # %%
 def _as_list(models) -> list[GPTModel]:
@@ -297,7 +285,9 @@ def gather_full_state(models) -> dict[str, torch.Tensor]:
 
 # %% [markdown]
 # Export: every rank hands its chunks' full tensors (gathered over TP) to the first rank, which
-# writes `config.json`, one `model.safetensors` and, when given, the tokenizer files.
+# writes `config.json`, one `model.safetensors` and, when given, the tokenizer files: the
+# `tokenizer.json` is copied and a `tokenizer_config.json` names its end and pad tokens, so that
+# `from_pretrained` gives a usable model.
 
 # %%
 def save_hf_llama(models, path: str | os.PathLike, *, tokenizer_file: str | None = None,
@@ -327,7 +317,7 @@ def save_hf_llama(models, path: str | os.PathLike, *, tokenizer_file: str | None
         tensors = {}
         for name, full in state.items():
             tensors.update(to_hf_tensors(config, name, full))
-        missing = set(_expected_hf_shapes(config)) - set(tensors)
+        missing = set(expected_hf_shapes(config, _expected_shapes)) - set(tensors)
         assert not missing, f"export lost tensors {sorted(missing)[:3]}"
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
@@ -345,92 +335,9 @@ def save_hf_llama(models, path: str | os.PathLike, *, tokenizer_file: str | None
 
 
 # %% [markdown]
-# The tokenizer travels with the weights so that `from_pretrained` gives a usable model: the
-# `tokenizer.json` is copied and a `tokenizer_config.json` names its end and pad tokens.
-
-# %%
-def _export_tokenizer(out: Path, tokenizer_file, eos_token_id: int | None,
-                      config: ModelConfig) -> int | None:
-    """Copy tokenizer.json and write tokenizer_config.json; return the EOS id (found or given)."""
-    from tokenizers import Tokenizer
-
-    try:
-        tok = Tokenizer.from_file(str(tokenizer_file))
-    except Exception as err:  # tokenizers raises a bare Exception for a malformed file
-        raise ValueError(f"{tokenizer_file}: not a tokenizers JSON file ({err})") from None
-    if eos_token_id is None:
-        eos_token_id = tok.token_to_id("<|endoftext|>")
-    if tok.get_vocab_size() > config.vocab_size:
-        raise ValueError(f"{tokenizer_file}: {tok.get_vocab_size()} ids do not fit the model's "
-                         f"vocab_size {config.vocab_size}")
-    shutil.copyfile(tokenizer_file, out / "tokenizer.json")
-    extra = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.seq_length}
-    if eos_token_id is not None:
-        extra["eos_token"] = tok.id_to_token(int(eos_token_id))
-    if tok.token_to_id("<|pad|>") is not None:
-        extra["pad_token"] = "<|pad|>"
-    (out / "tokenizer_config.json").write_text(json.dumps(extra, indent=2) + "\n")
-    return eos_token_id
-
-
-# %% [markdown]
-# Import checks the whole checkpoint before reading a single weight: every expected tensor is
-# present with its shape, nothing unexpected is left over, across however many files.
-
-# %%
-def _expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Hugging Face checkpoint of this config holds, with its shape."""
-    h, v = config.hidden_size, config.vocab_size
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    if not config.tie_embeddings:
-        shapes["lm_head.weight"] = (v, h)
-    for layer in range(config.num_layers):
-        shapes.update(_expected_shapes(config, layer))
-    return shapes
-
-
-def _check_checkpoint(config: ModelConfig, names: set[str], read) -> None:
-    """ValueError naming the first missing, unexpected, misshapen or inconsistent tensor."""
-    expected = _expected_hf_shapes(config)
-    for name, shape in expected.items():
-        if name not in names:
-            raise ValueError(f"checkpoint is missing tensor {name!r}")
-        if tuple(read(name, shape_only=True)) != shape:
-            raise ValueError(f"tensor {name!r} has shape {tuple(read(name, shape_only=True))}, "
-                             f"expected {shape}")
-    extra = sorted(n for n in names - set(expected) if not n.endswith("rotary_emb.inv_freq")
-                   and n != "lm_head.weight")
-    if extra:
-        raise ValueError(f"checkpoint has unexpected tensor {extra[0]!r} ({len(extra)} in all)")
-    if "lm_head.weight" in names and config.tie_embeddings:
-        if not torch.equal(read("lm_head.weight"), read("model.embed_tokens.weight")):
-            raise ValueError("tensor 'lm_head.weight' differs from 'model.embed_tokens.weight' "
-                             "but config.json says tie_word_embeddings")
-
-
-class _Reader:
-    """Name -> tensor over every *.safetensors file of a checkpoint folder."""
-
-    def __init__(self, folder: Path):
-        from safetensors import safe_open
-
-        files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"no *.safetensors file in {folder}")
-        self.handles = [safe_open(str(f), framework="pt") for f in files]
-        self.where = {n: h for h in self.handles for n in h.keys()}
-
-    def __call__(self, name: str, shape_only: bool = False):
-        handle = self.where.get(name)
-        if handle is None:
-            return None
-        if shape_only:
-            return handle.get_slice(name).get_shape()
-        return handle.get_tensor(name)
-
-
-# %% [markdown]
-# Then each rank builds its chunks without drawing an init and fills every parameter with its
+# Import checks the whole checkpoint before reading a single weight, so a wrong file fails in
+# a second with the name of the tensor at fault instead of half-way through a copy. Then each
+# rank builds its chunks without drawing an init and fills every parameter with its
 # shard of the full tensor read from the files.
 
 # %%
@@ -446,15 +353,9 @@ def load_hf_llama(path: str | os.PathLike, grid: ParallelGrid | None = None, *,
         chunks, config = load_hf_llama("out/hf", grid, num_virtual_stages=2)  # TP/PP shards
     """
     folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"{folder / 'config.json'} not found")
-    try:
-        hf = json.loads((folder / "config.json").read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{folder / 'config.json'}: not valid JSON ({err})") from None
-    config = config_from_hf(hf, **config_overrides)
+    config = config_from_hf(read_config_json(folder), **config_overrides)
     read = _Reader(folder)
-    _check_checkpoint(config, set(read.where), read)
+    check_checkpoint(config, expected_hf_shapes(config, _expected_shapes), set(read.where), read)
     grid = grid if grid is not None else ParallelGrid.single()
     chunks = build_stage_models(config, grid, num_virtual_stages=num_virtual_stages, dtype=dtype,
                                 initialize=False)
@@ -464,6 +365,17 @@ def load_hf_llama(path: str | os.PathLike, grid: ParallelGrid | None = None, *,
             p.copy_(shard_of(full, p.shard_spec, grid.rank("tp"), grid.size("tp")).to(p.dtype))
     return (chunks[0] if len(chunks) == 1 else chunks), config
 
+
+# %% [markdown]
+# <div class="admonition note">
+# <p class="admonition-title">tinytron differs here</p>
+# <p>Megatron converts offline: its loader builds the whole Hugging Face model with
+# <code>transformers</code> (<code>tools/checkpoint/loader_mixtral_hf.py:139</code>) and sends full
+# tensors through a queue to a saver that writes Megatron's own checkpoint
+# (<code>:283-335</code>). tinytron reads and writes the <code>safetensors</code> files directly,
+# without <code>transformers</code>, on every rank of the training layout, and keeps only each
+# rank's shard; there is no intermediate checkpoint.</p>
+# </div>
 
 # %% [markdown]
 # ## Demo: a round trip, and a checkpoint that does not fit
@@ -506,6 +418,7 @@ if __name__ == "__main__":
 
     assert same and logits_equal and loaded_config == config.replace(seed=1234)
     assert "lm_head.weight" not in tensors and "model.layers.1.self_attn.k_proj.weight" in message
+    assert len(tensors) == 2 * 9 + 2                  # the inventory worked out above
 
 # %% [markdown]
 # ## Summary
