@@ -305,7 +305,8 @@ def _layout_buckets(cfg: MemoryConfig, pp_rank: int) -> list[dict]:
 # as ready only when `is_last_microbatch` is set
 # (`megatron/core/distributed/param_and_grad_buffer.py:813`; `no_sync` clears it,
 # `megatron/core/distributed/distributed_data_parallel.py:480-490`). When every parameter of
-# a bucket is ready its reduce-scatter starts (`:822`), on one communication stream, so the
+# a bucket is ready its reduce-scatter starts (`param_and_grad_buffer.py:820-822`), on one
+# communication stream, so the
 # buckets go out in order, each after the previous one and not before it is ready.
 #
 # Worked in small numbers: a backward of 10 ms with three buckets ready at 4, 7 and 10 ms,
