@@ -163,3 +163,23 @@ def test_memtracker_and_the_meter_agree_on_the_peaks(tracked):
         assert (t["kept"], t["forward_peak"], t["backward_peak"]) == \
             (m["kept"], m["forward_peak"], m["backward_peak"]), (r["case"], r["rank"], t, m)
         assert t["forward_peak"] > t["kept"] > 0
+
+
+@pytest.mark.gpu
+def test_memtracker_on_cuda_against_the_ledger():
+    """On one GPU (NCCL world of 1) the tracker rounds each storage up to 512 B, as the
+    caching allocator does: the resident total is the ledger's plus that rounding."""
+    from tinytron.memory._second_ruler import run_tracked
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cases = [{"hidden_size": 512, "num_attention_heads": 8, "num_query_groups": 4,
+              "ffn_hidden_size": 1024, "vocab_size": 4096, "seq_length": 512, "mbs": 2},
+             {"hidden_size": 512, "num_attention_heads": 8, "num_query_groups": 4,
+              "ffn_hidden_size": 1024, "vocab_size": 4096, "seq_length": 512,
+              "distopt": True, "bf16": False}]
+    for r in run_tracked(cases, world_size=1, backend="nccl"):
+        cfg = case_config(r["case"], 1, "cuda")
+        predicted = sum(state_ledger(cfg, 0, 0).values())
+        assert predicted <= r["resident"] <= predicted * 1.01, (r["case"], r["resident"], predicted)
+        t, m = r["tracked"], r["meter"]
+        assert abs(t["kept"] - m["kept"]) <= 0.01 * m["kept"], (r["case"], t, m)

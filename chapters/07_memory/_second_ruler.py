@@ -27,15 +27,16 @@ from tinytron.memory._workers import _build, _grid, _microbatch, case_config, me
 from tinytron.optimizer import OptimizerConfig, get_megatron_optimizer
 
 
+def _device_snapshot(tracker, device: torch.device, which: str) -> dict:
+    """The tracker's snapshot of `device` ('cuda' matches the current 'cuda:N')."""
+    for dev, snap in tracker.get_tracker_snapshot(which).items():
+        if dev.type == device.type and (device.index is None or dev.index == device.index):
+            return snap
+    return {}
+
+
 def _total(tracker, device: torch.device, which: str = "current") -> int:
-    snap = tracker.get_tracker_snapshot(which)
-    return int(snap.get(device, {}).get("Total", 0))
-
-
-def _categories(tracker, device: torch.device, which: str = "current") -> dict[str, int]:
-    """The tracker's bytes per category (Parameter, Gradient, Activation, Temp, ...)."""
-    snap = tracker.get_tracker_snapshot(which).get(device, {})
-    return {getattr(k, "value", k): int(v) for k, v in snap.items()}
+    return int(_device_snapshot(tracker, device, which).get("Total", 0))
 
 
 def _one_microbatch(cfg, grid, chunk, tracker, dev) -> dict[str, int]:
@@ -66,7 +67,8 @@ def _one_microbatch(cfg, grid, chunk, tracker, dev) -> dict[str, int]:
     chunk.set_input_tensor(None)
     dist.barrier()
     stats = tracker.memory_tracking[chunk].snapshots
-    peak = {state: stats[state][-1][dev]["Total"] - before
+    peak = {state: next(snap["Total"] for d, snap in stats[state][-1].items()
+                        if d.type == dev.type) - before
             for state in (_ModState.PEAK_FW, _ModState.PEAK_BW)}
     return {"kept": kept, "forward_peak": peak[_ModState.PEAK_FW],
             "backward_peak": peak[_ModState.PEAK_BW], "after": _total(tracker, dev) - before}
