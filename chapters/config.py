@@ -47,6 +47,8 @@ class ParallelConfig:
     """VPP: model chunks per pipeline rank (interleaved 1F1B); None = 1."""
     context_parallel_size: int = 1
     """CP: the sequence split over this many ranks for attention."""
+    overlap_p2p_comm: bool = True
+    """Interleaved 1F1B: post the p2p messages async (Megatron's default); off needs PP > 2."""
 
     def sizes(self) -> tuple[int, int, int, int]:
         """(tp, pp, vpp, cp) with vpp None read as 1."""
@@ -286,6 +288,9 @@ class TrainConfig:
             self.model.check_layout(tp=tp, cp=cp, pp=pp, num_virtual_stages=vpp)
         except ValueError as e:
             raise ConfigError(f"model: {e}") from e
+        if vpp > 1 and pp <= 2 and not self.parallel.overlap_p2p_comm:
+            raise ConfigError("parallel.overlap_p2p_comm = false needs pipeline_model_parallel_size"
+                              f" > 2 with interleaving, got {pp} (arguments.py:984-988)")
         t = self.training
         per_step = t.micro_batch_size * dp
         if t.step_batch_size_schedule is not None and t.global_batch_size is not None:

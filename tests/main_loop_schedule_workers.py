@@ -84,3 +84,72 @@ def world_checks() -> dict:
                           comm=True),
         "errors": error_checks(),
     }
+
+
+def _overlap_run(overlap: bool, pp: int, vpp: int, m: int, steps: int, group_size, ddp: bool,
+                 grad_sync: bool, deallocate: bool, forward_only: bool) -> dict:
+    """`steps` iterations of the interleaved schedule, plain or overlapped, from seed 0."""
+    from tinytron.buffers import finalize_model_grads
+    from tinytron.main_loop.schedules import ScheduleRecorder
+
+    grid = w.grid_for(1, pp)
+    dp, dp_rank = grid.size("dp"), grid.rank("dp")
+    config = w.tiny_config(num_layers=2 * pp, tie_embeddings=False)
+    torch.manual_seed(0)
+    models = build_stage_models(config, grid, num_virtual_stages=vpp)
+    opt = w.make_optimizer([p for c in models for p in c.parameters()])
+    models = w.wrap_ddp(models, grid) if ddp else models
+    out = {"grads": [], "losses": [], "events": [], "orders": []}
+    for k in range(steps):
+        for c in models:
+            c.zero_grad_buffer() if ddp else c.zero_grad(set_to_none=True)
+        batches = w.make_microbatches(config, dp * m, seed=100 * k)[dp_rank * m:(dp_rank + 1) * m]
+        rec = ScheduleRecorder()
+        cfg = ScheduleConfig(finalize_model_grads_func=finalize_model_grads, recorder=rec,
+                             no_sync_func=[c.no_sync for c in models] if ddp else None,
+                             grad_sync_func=[c.start_grad_sync for c in models] if grad_sync
+                             else None, microbatch_group_size_per_vp_stage=group_size,
+                             deallocate_pipeline_outputs=deallocate, overlap_p2p_comm=overlap)
+        fb = get_forward_backward_func(pp, vpp)
+        reports = fb(forward_step_func=w.forward_step_func,
+                     data_iterator=[iter(batches) for _ in models], model=models,
+                     num_microbatches=m, seq_length=config.seq_length, micro_batch_size=1,
+                     grid=grid, forward_only=forward_only, config=cfg)
+        out["losses"].append([r["lm loss"].clone() for r in reports])
+        out["events"].append(sorted((e.stage, e.chunk, e.microbatch, e.kind) for e in rec.events))
+        out["orders"].append(rec.order())
+        if not forward_only:
+            out["grads"].append(w.full_grads(models, grid))
+            w._step_with_grads(models, opt)
+    return out
+
+
+def overlap_p2p_case(pp: int = 2, vpp: int = 2, m: int = 4, steps: int = 2, group_size=None,
+                     ddp: bool = False, grad_sync: bool = False, deallocate: bool = True,
+                     forward_only: bool = False) -> dict:
+    """overlap_p2p_comm vs the plain interleaved schedule: bitwise, and the same events."""
+    args = (pp, vpp, m, steps, group_size, ddp, grad_sync, deallocate, forward_only)
+    plain, over = _overlap_run(False, *args), _overlap_run(True, *args)
+    same_grads = all(g.keys() == h.keys() and all(torch.equal(g[n], h[n]) for n in g)
+                     for g, h in zip(plain["grads"], over["grads"]))
+    same_losses = all(len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+                      for a, b in zip(plain["losses"], over["losses"]))
+    kinds = sorted({e[3] for ev in over["events"] for e in ev})
+    unnamed = sum(1 for ev in over["events"] for e in ev if e[3] == "recv" and e[1] < 0)
+    return dict(same_grads=same_grads and len(plain["grads"]) == len(over["grads"]),
+                same_losses=same_losses, num_losses=len(over["losses"][0]),
+                same_events=plain["events"] == over["events"],
+                same_orders=plain["orders"] == over["orders"], kinds=kinds,
+                unnamed_recvs=unnamed, num_events=len(over["events"][0]))
+
+
+def overlap_world_checks() -> dict:
+    """The overlapped interleaved schedule in one 4-rank world (dp2·pp2 and pp4)."""
+    return {
+        "dp2pp2": overlap_p2p_case(ddp=True, steps=3),
+        "dp2pp2_sync_keep": overlap_p2p_case(ddp=True, grad_sync=True, deallocate=False),
+        "example": overlap_p2p_case(m=5, group_size=3, ddp=True, steps=1),
+        "all_warmup": overlap_p2p_case(m=2, ddp=True, steps=1),
+        "forward_only": overlap_p2p_case(ddp=True, steps=1, forward_only=True),
+        "pp4": overlap_p2p_case(pp=4, m=8, steps=2),
+    }

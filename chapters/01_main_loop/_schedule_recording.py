@@ -18,7 +18,9 @@ The wrappers name each event's (chunk, micro-batch) without being told:
 
 A combined exchange is one event per tensor it moved, all with the exchange's start and end;
 a helper that is a no-op at this end of the pipeline (nothing before the first stage, nothing
-after the last) records nothing.
+after the last) records nothing. An exchange the overlapped interleaved schedule posts without
+waiting (`recorded_handles`) is one event per tensor too, each from the post to the end of
+its own wait.
 """
 
 from __future__ import annotations
@@ -139,3 +141,37 @@ class RecordedP2P:
 
     def exchange(self, y, dx, recv_prev: bool, recv_next: bool):
         return self._call("exchange", (y, dx), y, dx, recv_prev, recv_next)
+
+
+class _RecordedHandle:
+    """A posted send or receive; its event (post to completion) is written when it is waited."""
+
+    def __init__(self, work, tags: _Tags, tensor, sent: bool, start: float):
+        self.work, self.tags, self.tensor, self.sent, self.start = work, tags, tensor, sent, start
+        self.done = False
+
+    def wait(self) -> None:
+        self.work.wait()
+        if self.done:
+            return
+        self.done = True
+        end = time.perf_counter()
+        if self.sent:
+            self.tags.sent(self.tensor, self.start, end)
+        else:
+            self.tags.received(self.tensor, self.start, end)
+
+
+def recorded_handles(comm, handles: dict, sends: dict, received, start: float) -> dict:
+    """The handles of one posted exchange; with a recorder, each records itself when waited.
+
+    `sends` maps "send_next"/"send_prev" to the tensor sent; `received` is the receive buffer.
+    A posted send is one "send" event and a posted receive one "recv" event, both spanning
+    from the post to the end of their wait (named like the blocking exchange's).
+    """
+    tags = getattr(comm, "tags", None)
+    if tags is None:
+        return handles
+    return {name: _RecordedHandle(work, tags, sends.get(name, received),
+                                  name.startswith("send"), start)
+            for name, work in handles.items()}

@@ -14,12 +14,16 @@
 # %%
 from __future__ import annotations
 
+import time
+
 import torch
 
 from tinytron.main_loop import _schedule_checks as checks
+from tinytron.main_loop._schedule_recording import recorded_handles
 from tinytron.main_loop.schedules import (ScheduleConfig, _comm_and_steps, _finalize, _GradSync,
                                           deallocate_output_tensor)
 from tinytron.parallel import ParallelGrid
+from tinytron.parallel import pipeline_p2p as p2p
 
 __all__ = ["get_schedule_table", "get_pp_rank_microbatches", "check_interleaving",
            "forward_backward_pipelining_with_interleaving"]
@@ -261,8 +265,9 @@ def _chunk_func(funcs, c: int):
 # %% [markdown]
 # ## The schedule
 #
-# The same three phases as 1F1B, over virtual micro-batches (`schedules.py:946`, without
-# Megatron's optional `overlap_p2p_comm`, which posts the same messages asynchronously):
+# The same three phases as 1F1B, over virtual micro-batches (`schedules.py:946`). This is the
+# plain variant, every exchange posted and waited at once; the overlapped one, Megatron's
+# default for training, follows it and moves the same messages:
 #
 # 1. **warmup**, $k < w_r$: forward $k$, then one exchange that sends its output and receives
 #    the next input; the last warmup exchange also receives the first output gradient;
@@ -344,9 +349,155 @@ def _cooldown(run: _Interleaved) -> None:
                 _chunk_func(run.config.grad_sync_func, c)()
 
 # %% [markdown]
+# ## The overlapped variant: post now, wait when needed
+#
+# With `overlap_p2p_comm` (Megatron's default for this schedule, `arguments.py:2756-2758`)
+# the steady state posts each exchange as soon as its tensor exists and waits for each piece
+# only where it is needed, as Megatron's interleaved function does with
+# `overlap_p2p_comm_warmup_flush` off (`schedules.py:1575-1672, 1689-1830, 1896-2011`):
+#
+# - after a forward, post *send output, receive the next input*; the previous send is waited
+#   first, and with `deallocate_pipeline_outputs` this one at once too, so that the output
+#   can be shrunk (an `isend` may still be reading it);
+# - before the next forward, wait for the oldest posted receive of an input; the backward
+#   does the same with gradients (post after the backward, wait before the next one);
+# - the warmup's forwards exchange blocking as before; its last step posts the receive of
+#   the first output gradient, waited before the first backward of the steady state;
+# - the cooldown's backwards wait for the gradient posted in the steady state and then
+#   exchange blocking, as in the plain variant.
+#
+# A receive buffer goes into its chunk's list when it is posted; nothing reads it before its
+# wait. The messages, their order on each rank and so every tensor computed are the plain
+# variant's, which a test checks bit for bit; only when the waits happen changes. Megatron
+# refuses the plain variant with two pipeline ranks, where the batch of one exchange holds two
+# messages between the same two ranks (`arguments.py:984-988`); tinytron's config refuses it
+# too, though the fixed posting order of [appendix A](../parallel/pipeline_p2p.py) makes it
+# safe over gloo, which is why the plain variant runs on this page's examples.
+
+# %%
+class _Pending:
+    """The overlapped variant's handles: FIFO receives, the one send in flight each way."""
+
+    def __init__(self):
+        self.recv_prev, self.recv_next = [], []
+        self.send_next = self.send_prev = None
+        self.output = None   # the last forward's output, shrunk before the next forward
+
+
+def _post(run: _Interleaved, pending: _Pending, forward: bool, t, recv: bool):
+    """Post send(t) and, if asked, a receive, in one direction; file the handles."""
+    comm, start = run.comm, time.perf_counter()
+    fn = p2p.send_forward_recv_forward if forward else p2p.send_backward_recv_backward
+    buf, handles = fn(t, recv, comm.shape, comm.grid, comm.dtype, overlap_p2p_comm=True)
+    send, recv_name = ("send_next", "recv_prev") if forward else ("send_prev", "recv_next")
+    handles = recorded_handles(comm, handles, {send: t}, buf, start)
+    previous = getattr(pending, send)
+    if previous is not None:
+        previous.wait()
+    setattr(pending, send, handles.get(send))
+    if recv_name in handles:
+        getattr(pending, recv_name).append(handles[recv_name])
+    return buf
+
+
+def _wait_oldest(handles: list) -> None:
+    if handles:
+        handles.pop(0).wait()
+
+# %% [markdown]
+# The warmup differs from the plain one only in its last step, the steady state in where it
+# communicates: after each half of the step instead of once after both.
+
+# %%
+def _warmup_overlapped(run: _Interleaved, pending: _Pending) -> None:
+    for k in range(run.warmup):
+        c = run.chunk(k, True)
+        recv_prev, next_c = run.recv_source(k, True)
+        recv_prev = recv_prev and k != run.total - 1
+        y = _forward(run, k)
+        y = None if run.is_last_chunk(c) else y
+        x, _ = run.comm.exchange(y, None, recv_prev, False)
+        if recv_prev:
+            run.inputs[next_c].append(x)
+        deallocate_output_tensor(y, run.config.deallocate_pipeline_outputs)
+        if k == run.warmup - 1 and not run.forward_only and not run.all_warmup:
+            recv_next = not run.comm.last
+            dy = _post(run, pending, False, None, recv_next)
+            if recv_next:
+                run.grads[run.v - 1].append(dy)
+
+
+def _steady_overlapped(run: _Interleaved, pending: _Pending) -> None:
+    dealloc = run.config.deallocate_pipeline_outputs
+    for k in range(run.remaining):
+        fk = k + run.warmup
+        fc, bc = run.chunk(fk, True), run.chunk(k, False)
+        if not run.is_first_chunk(fc):
+            _wait_oldest(pending.recv_prev)
+        deallocate_output_tensor(pending.output, dealloc)
+        y = _forward(run, fk)
+        y = None if run.is_last_chunk(fc) else y
+        recv_prev, next_fc = run.recv_source(fk, True)
+        recv_prev = recv_prev and k != run.remaining - 1
+        x = _post(run, pending, True, y, recv_prev)
+        if pending.send_next is not None and dealloc:
+            pending.send_next.wait()
+            pending.send_next = None
+        if recv_prev:
+            run.inputs[next_fc].append(x)
+        pending.output = y
+        if not run.is_last_chunk(bc):
+            _wait_oldest(pending.recv_next)
+        dx = _backward(run, k)
+        dx = None if run.is_first_chunk(bc) else dx
+        recv_next, next_bc = run.recv_source(k, False)
+        dy = _post(run, pending, False, dx, recv_next)
+        if recv_next:
+            run.grads[next_bc].append(dy)
+    deallocate_output_tensor(pending.output, dealloc)
+
+# %% [markdown]
+# The cooldown waits for the gradient its first backward reads, then runs as the plain one;
+# at the end every handle still open is waited, so nothing is in flight when the schedule
+# returns (Megatron asserts the same of its receive lists, `schedules.py:2015-2020`).
+
+# %%
+def _cooldown_overlapped(run: _Interleaved, pending: _Pending) -> None:
+    if run.all_warmup:
+        run.grads[run.v - 1].append(run.comm.recv_backward())
+    for k in range(run.remaining, run.total):
+        c = run.chunk(k, False)
+        if not run.is_last_chunk(c) and k != 0:
+            _wait_oldest(pending.recv_next)
+        recv_next, next_c = run.recv_source(k, False)
+        recv_next = recv_next and k != run.total - 1
+        dx = _backward(run, k)
+        dx = None if run.is_first_chunk(c) else dx
+        _, dy = run.comm.exchange(None, dx, False, recv_next)
+        if recv_next:
+            run.grads[next_c].append(dy)
+    _finish_pending(pending)
+    run.sync.enable()
+    if run.config.grad_sync_func is not None:
+        for c in range(run.v):
+            if c not in run.synced:
+                _chunk_func(run.config.grad_sync_func, c)()
+
+
+def _finish_pending(pending: _Pending) -> None:
+    """Wait every handle still open; a receive left over would be a schedule bug."""
+    if pending.recv_prev or pending.recv_next:
+        raise RuntimeError(f"overlapped interleaved schedule ended with {len(pending.recv_prev)} "
+                           f"input and {len(pending.recv_next)} gradient receives not waited")
+    for h in (pending.send_next, pending.send_prev):
+        if h is not None:
+            h.wait()
+    pending.send_next = pending.send_prev = None
+
+# %% [markdown]
 # The entry point checks what the table needs (one data iterator per chunk, a valid $m$, a
 # pipeline, and $m$ compatible with the group size $g$), receives rank 0's first input before
-# the warmup, and runs the three phases.
+# the warmup, and runs the three phases, plain or overlapped as the config says.
 
 # %%
 def forward_backward_pipelining_with_interleaving(
@@ -365,10 +516,17 @@ def forward_backward_pipelining_with_interleaving(
     if not forward_only:
         run.sync.disable()
     run.inputs[0].append(comm.recv_forward())  # None on rank 0
-    _warmup(run)
-    _steady(run)
+    if config.overlap_p2p_comm:
+        pending = _Pending()
+        _warmup_overlapped(run, pending)
+        _steady_overlapped(run, pending)
+        if forward_only:
+            _finish_pending(pending)
+    else:
+        _warmup(run)
+        _steady(run)
     if not forward_only:
-        _cooldown(run)
+        (_cooldown_overlapped(run, pending) if config.overlap_p2p_comm else _cooldown(run))
         _finalize(config, model, grid, steps.total_num_tokens)
     return steps.store
 
@@ -428,13 +586,16 @@ if __name__ == "__main__":
 # - The bubble shrinks from $(p-1)/(m+p-1)$ to $(p-1)/(v m + p - 1)$; the first rank pays with
 #   more activations in flight ($1 + \frac{p-1}{p v}$, measured above) and every rank with $v$
 #   times more messages.
+# - `overlap_p2p_comm` (Megatron's default, and the only variant it allows for $p \le 2$)
+#   posts the same messages asynchronously and waits for each where it is needed; the
+#   results are the plain variant's, bit for bit.
 #
 # ## How production does it
 #
 # - Megatron-LM: `forward_backward_pipelining_with_interleaving`
 #   (`megatron/core/pipeline_parallel/schedules.py:946`), `get_schedule_table` (`:916`),
-#   `get_pp_rank_microbatches` (`:856`). It can post the sends and receives asynchronously
-#   (`overlap_p2p_comm`) so that communication hides behind the next chunk's compute, and it
+#   `get_pp_rank_microbatches` (`:856`). Its `overlap_p2p_comm_warmup_flush` also posts the
+#   warmup's and cooldown's receives ahead (not built here), and it
 #   launches each chunk's parameter all-gather (`param_sync_func`) one chunk ahead, offset by
 #   the pipeline rank so all ranks launch at once.
 # - PyTorch: `torch.distributed.pipelining.ScheduleInterleaved1F1B` (and

@@ -122,6 +122,8 @@ class ScheduleConfig:
     """Shrink a stage's output to one element once it is sent (only its grad_fn is needed)."""
     microbatch_group_size_per_vp_stage: int | None = None
     """Interleaved schedule: micro-batches per chunk before moving to the next; None means p."""
+    overlap_p2p_comm: bool = False
+    """Interleaved schedule: post the p2p messages async, wait where needed (its page)."""
     calculate_per_token_loss: bool = True
     """Back-propagate loss sums; finalize_model_grads divides by the global token count."""
     no_sync_func: Callable | list | None = None

@@ -71,8 +71,12 @@ def _empty(shape: Sequence[int], dtype, device, requires_grad: bool) -> torch.Te
 def communicate(grid: ParallelGrid, *, send_next: torch.Tensor | None = None,
                 send_prev: torch.Tensor | None = None, recv_prev_shape: Sequence[int] | None = None,
                 recv_next_shape: Sequence[int] | None = None, dtype: torch.dtype = torch.float32,
-                device: torch.device | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Post every requested send/recv to the pp neighbors at once, wait, return (from_prev, from_next)."""
+                device: torch.device | None = None, overlap_p2p_comm: bool = False):
+    """Post every requested send/recv to the pp neighbors at once, wait, return (from_prev, from_next).
+
+    With `overlap_p2p_comm`, wait for nothing: return (from_prev, from_next, handles) instead,
+    the handles by name ("send_next", "recv_prev", "send_prev", "recv_next").
+    """
     if grid.size("pp") == 1:
         raise ValueError("pipeline p2p needs a pp group of more than 1 rank")
     device = device if device is not None else grid.device
@@ -80,6 +84,9 @@ def communicate(grid: ParallelGrid, *, send_next: torch.Tensor | None = None,
     from_prev = None if recv_prev_shape is None else _empty(recv_prev_shape, dtype, device, True)
     from_next = None if recv_next_shape is None else _empty(recv_next_shape, dtype, device, False)
     group, ops = grid.group("pp"), []
+    if overlap_p2p_comm:
+        return from_prev, from_next, _post_each(group, prev_rank, next_rank, send_next, from_prev,
+                                                send_prev, from_next)
     # Fixed posting order; see "Matching" above.
     if send_next is not None:
         ops.append(dist.P2POp(dist.isend, send_next.detach().contiguous(), next_rank, group))
@@ -93,6 +100,42 @@ def communicate(grid: ParallelGrid, *, send_next: torch.Tensor | None = None,
         for req in dist.batch_isend_irecv(ops):
             req.wait()
     return from_prev, from_next
+
+# %% [markdown]
+# ## Posted, not waited: the overlapped exchange
+#
+# The interleaved schedule can hide its messages behind compute (`overlap_p2p_comm`, the
+# default of Megatron's training arguments for that schedule): it posts an exchange right after
+# a forward or a backward and waits for each piece only when it needs it — a received input
+# just before the forward that reads it, a send before its buffer is reused. For that an
+# exchange returns its handles instead of waiting, one per operation and named by direction
+# (Megatron's `_communicate(..., wait_on_reqs=False)` and `_p2p_ops`,
+# `p2p_communication.py:55-128, 411-415`). The operations are posted one by one with
+# `isend`/`irecv`, in the same fixed order as above, so the matching is unchanged.
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# Megatron's `_p2p_ops` posts in an even/odd order and, with two pipeline ranks, sends one
+# direction over the world group (`p2p_communication.py:66-77`), so that NCCL, whose
+# operations on one communicator run one after the other, can move both directions at
+# once. Gloo matches the messages of each pair of ranks in posting order and runs them on its
+# own threads, so tinytron keeps one group and one order for both paths.
+#
+# </div>
+
+# %%
+def _post_each(group, prev_rank: int, next_rank: int, send_next, recv_prev, send_prev,
+               recv_next) -> dict:
+    """isend/irecv each given tensor in the fixed order; {direction: handle}."""
+    handles = {}
+    for name, t, peer, op in (("send_next", send_next, next_rank, dist.isend),
+                              ("recv_prev", recv_prev, prev_rank, dist.irecv),
+                              ("send_prev", send_prev, prev_rank, dist.isend),
+                              ("recv_next", recv_next, next_rank, dist.irecv)):
+        if t is not None:
+            buf = t.detach().contiguous() if op is dist.isend else t
+            handles[name] = op(buf, peer, group=group)
+    return handles
 
 # %% [markdown]
 # ## The named helpers
@@ -153,18 +196,25 @@ def send_backward_recv_forward(input_grad: torch.Tensor, shape: Sequence[int], g
 
 # %%
 def send_forward_recv_forward(output: torch.Tensor | None, recv_prev: bool, shape: Sequence[int],
-                              grid: ParallelGrid, dtype=torch.float32) -> torch.Tensor | None:
-    """Interleaved: send to the next rank (wrapping) and optionally receive from the previous."""
-    return communicate(grid, send_next=output, recv_prev_shape=shape if recv_prev else None,
-                       dtype=dtype)[0]
+                              grid: ParallelGrid, dtype=torch.float32,
+                              overlap_p2p_comm: bool = False):
+    """Interleaved: send to the next rank (wrapping) and optionally receive from the previous.
+
+    With `overlap_p2p_comm`: (the receive buffer, not yet filled, and the handles)."""
+    out = communicate(grid, send_next=output, recv_prev_shape=shape if recv_prev else None,
+                      dtype=dtype, overlap_p2p_comm=overlap_p2p_comm)
+    return (out[0], out[2]) if overlap_p2p_comm else out[0]
 
 
 def send_backward_recv_backward(input_grad: torch.Tensor | None, recv_next: bool,
                                 shape: Sequence[int], grid: ParallelGrid,
-                                dtype=torch.float32) -> torch.Tensor | None:
-    """Interleaved: send a gradient to the previous rank (wrapping), optionally receive from the next."""
-    return communicate(grid, send_prev=input_grad, recv_next_shape=shape if recv_next else None,
-                       dtype=dtype)[1]
+                                dtype=torch.float32, overlap_p2p_comm: bool = False):
+    """Interleaved: send a gradient to the previous rank (wrapping), optionally receive from the next.
+
+    With `overlap_p2p_comm`: (the receive buffer, not yet filled, and the handles)."""
+    out = communicate(grid, send_prev=input_grad, recv_next_shape=shape if recv_next else None,
+                      dtype=dtype, overlap_p2p_comm=overlap_p2p_comm)
+    return (out[1], out[2]) if overlap_p2p_comm else out[1]
 
 
 def send_forward_backward_recv_forward_backward(
@@ -198,15 +248,16 @@ if __name__ == "__main__":
 # ## Summary
 #
 # - Every pipeline message goes through one batched exchange with a fixed posting order, so a
-#   send and a receive can be combined without deadlock.
+#   send and a receive can be combined without deadlock; the overlapped form posts the same
+#   operations and hands back their handles, to be waited where the schedule needs them.
 # - Receives need the shape in advance; received activations require grad so the stage's
 #   backward yields the gradient to send back.
 #
 # ## How production does it
 #
 # - Megatron-LM: `megatron/core/pipeline_parallel/p2p_communication.py` (also negotiates
-#   variable shapes with an extra exchange, `_communicate_shapes` `:186`, and can overlap the
-#   p2p with compute by returning the requests instead of waiting).
+#   variable shapes with an extra exchange, `_communicate_shapes` `:186`; it returns the
+#   requests instead of waiting under `overlap_p2p_comm`, as `communicate` does above).
 # - torchtitan / PyTorch: `torch.distributed.pipelining` (`PipelineStage` infers shapes with a
 #   meta-device dry run and runs `ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`).
 #
