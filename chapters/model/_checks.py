@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from tinytron.kernels import ATTENTION_HEAD_DIMS, HAS_TRITON, KERNEL_CHOICES
 
 if TYPE_CHECKING:
@@ -113,3 +115,24 @@ def check_kernels(c: ModelConfig) -> None:
     if c.kernels != "torch" and c.head_dim not in ATTENTION_HEAD_DIMS:
         raise ValueError(f"kernels={c.kernels!r}: the flash-attention kernel takes head sizes "
                          f"{ATTENTION_HEAD_DIMS}, got hidden_size // num_attention_heads = {c.head_dim}")
+
+
+# -- appendix B.3 (gpt.py): the model's input checks -----------------------------------------
+def on_host(t: torch.Tensor) -> bool:
+    """Whether a check of t reads host memory (free) rather than waiting for a device (a sync)."""
+    return t.device.type == "cpu"
+
+
+def check_ids(ids: torch.Tensor, name: str, vocab_size: int) -> None:
+    """ValueError naming the largest (or a negative) id outside [0, vocab_size)."""
+    low, high = (int(v) for v in torch.aminmax(ids))
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"{name} hold id {high if high >= vocab_size else low} outside "
+                         f"[0, vocab_size = {vocab_size}) (largest id {high})")
+
+
+def check_attention_mask(mask: torch.Tensor) -> None:
+    """ValueError when some query may attend to no key at all (a mask in the other convention)."""
+    if bool(mask.to(torch.bool).all(dim=-1).any()):
+        raise ValueError("attention_mask masks every key of some query: tinytron uses Megatron's "
+                         "convention, True = masked (a Hugging Face mask has 1 = keep: pass ~mask)")

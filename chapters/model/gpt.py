@@ -22,6 +22,8 @@ from torch import nn
 
 from tinytron.kernels import flash_attention, rms_norm, swiglu, use_triton
 from tinytron.kernels import vocab_parallel_cross_entropy as fused_vocab_parallel_cross_entropy
+from tinytron.model._checks import check_attention_mask, check_ids
+from tinytron.model._checks import on_host as _on_host
 from tinytron.model.config import ModelConfig, stage_layer_ranges
 from tinytron.model.layers import (RMSNorm, ShardSpec, apply_rope, init_full_tensor,
                                    rope_half_tables, scaled_std, shard_of)
@@ -109,63 +111,20 @@ __all__ = [
 # own query rows and all key columns, `[b, 1, s/c, s]`, which is how Megatron's
 # `get_batch_on_this_cp_rank` slices it (`megatron/core/utils.py`).
 
-# %%
-def _no_init(weight: torch.Tensor) -> None:
-    """Leave a freshly allocated weight as is: init_parameters fills every weight afterwards."""
-
-
-def _fork(tracker, enabled: bool = True):
-    """The tracker's TP-parallel RNG fork, or a no-op when there is no tracker or no dropout."""
-    if tracker is None or not enabled:
-        return contextlib.nullcontext()
-    return tracker.fork()
-
-
-class SelfAttention(nn.Module):
-    """GQA self-attention: fused column-parallel QKV, RoPE, SDPA, row-parallel output projection."""
-
-    def __init__(self, config: ModelConfig, grid: ParallelGrid, rng_tracker=None):
-        super().__init__()
-        tp, h, d = grid.size("tp"), config.hidden_size, config.head_dim
-        a, g = config.num_attention_heads, config.num_query_groups
-        self.grid, self.config, self.rng_tracker = grid, config, rng_tracker
-        self.heads_per_group, self.local_groups = a // g, g // tp
-        sp = config.sequence_parallel
-        self.linear_qkv = ColumnParallelLinear(h, (a + 2 * g) * d, grid, bias=False,
-                                               sequence_parallel=sp, init_method=_no_init)
-        self.linear_qkv.weight.shard_spec = ShardSpec(((a + 2 * g) * d, h), dim=0,
-                                                      std=config.init_std)
-        self.linear_proj = RowParallelLinear(a * d, h, grid, bias=False, sequence_parallel=sp,
-                                             init_method=_no_init)
-        self.linear_proj.weight.shard_spec = ShardSpec(
-            (h, a * d), dim=1, std=scaled_std(config.init_std, config.num_layers))
-        # Chapter 06 sets this to wrap core attention: selective recompute and/or offload.
-        self.attend_wrapper = None
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        qkv = self.linear_qkv(x)  # [s, b, g/t * (a/g + 2) * d]
-        s, b = qkv.shape[:2]
-        d, per = self.config.head_dim, self.heads_per_group
-        qkv = qkv.view(s, b, self.local_groups, per + 2, d)
-        q = qkv[:, :, :, :per].reshape(s, b, self.local_groups * per, d)
-        k, v = qkv[:, :, :, per], qkv[:, :, :, per + 1]  # [s, b, g/t, d]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.attend_wrapper is None:
-            context = self._attend(q, k, v, attention_mask)  # [s, b, a/t * d]
-        else:
-            context = self.attend_wrapper(self._attend, q, k, v, attention_mask)
-        return self.linear_proj(context)
-
-
 # %% [markdown]
-# Core attention: the flash kernel when it applies, else PyTorch's scaled dot-product attention
-# with the causal mask combined with any given mask. (The class continues in this cell: a cell
-# extends a class by subclassing it under the same name.)
+# Core attention comes first, as a small class of its own that `SelfAttention` inherits (Megatron
+# keeps it a separate module too, `DotProductAttention`): the flash kernel when it applies, else
+# PyTorch's scaled dot-product attention with the causal mask combined with any given mask.
+# `_allowed` builds that combined mask. Example, $c = 2$, $s = 8$, CP rank 0: its queries sit at
+# positions $[0, 1, 6, 7]$ and the gathered keys at $[0, 1, 6, 7, 2, 3, 4, 5]$, so the query
+# at 6 may attend to key columns 0, 1, 2, 4, 5, 6, 7 (positions 0, 1, 6, 2, 3, 4, 5) and not to
+# column 3 (position 7): a causal mask, with its columns in the order the keys arrived (the
+# demo checks this row).
 
 # %%
-class SelfAttention(SelfAttention):  # the same class, continued
-    __doc__ = SelfAttention.__doc__  # help() keeps the first cell's docstring
+class CoreAttention:
+    """softmax(q k^T / sqrt(d) + mask) v for SelfAttention; reads config, grid and rng_tracker."""
+
     def _attend(self, q, k, v, attention_mask):
         """softmax(q k^T / sqrt(d) + mask) v over the whole sequence, causal; [s, b, n, d] inputs."""
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # -> [b, n, s, d]
@@ -202,6 +161,61 @@ class SelfAttention(SelfAttention):  # the same class, continued
                                  f"got {tuple(attention_mask.shape)}")
             allowed = allowed & ~attention_mask.to(torch.bool)[..., k_pos]
         return allowed
+
+
+# %% [markdown]
+# The attention module proper owns the two weights: the fused `linear_qkv` (column-parallel) and
+# `linear_proj` (row-parallel). Its forward views the QKV output group by group, applies RoPE to
+# queries and keys, and hands the heads to core attention, or to the wrapper chapter 06
+# installs around it.
+
+# %%
+def _no_init(weight: torch.Tensor) -> None:
+    """Leave a freshly allocated weight as is: init_parameters fills every weight afterwards."""
+
+
+def _fork(tracker, enabled: bool = True):
+    """The tracker's TP-parallel RNG fork, or a no-op when there is no tracker or no dropout."""
+    if tracker is None or not enabled:
+        return contextlib.nullcontext()
+    return tracker.fork()
+
+
+class SelfAttention(CoreAttention, nn.Module):
+    """GQA self-attention: fused column-parallel QKV, RoPE, SDPA, row-parallel output projection."""
+
+    def __init__(self, config: ModelConfig, grid: ParallelGrid, rng_tracker=None):
+        super().__init__()
+        tp, h, d = grid.size("tp"), config.hidden_size, config.head_dim
+        a, g = config.num_attention_heads, config.num_query_groups
+        self.grid, self.config, self.rng_tracker = grid, config, rng_tracker
+        self.heads_per_group, self.local_groups = a // g, g // tp
+        sp = config.sequence_parallel
+        self.linear_qkv = ColumnParallelLinear(h, (a + 2 * g) * d, grid, bias=False,
+                                               sequence_parallel=sp, init_method=_no_init)
+        self.linear_qkv.weight.shard_spec = ShardSpec(((a + 2 * g) * d, h), dim=0,
+                                                      std=config.init_std)
+        self.linear_proj = RowParallelLinear(a * d, h, grid, bias=False, sequence_parallel=sp,
+                                             init_method=_no_init)
+        self.linear_proj.weight.shard_spec = ShardSpec(
+            (h, a * d), dim=1, std=scaled_std(config.init_std, config.num_layers))
+        # Chapter 06 sets this to wrap core attention: selective recompute and/or offload.
+        self.attend_wrapper = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        qkv = self.linear_qkv(x)  # [s, b, g/t * (a/g + 2) * d]
+        s, b = qkv.shape[:2]
+        d, per = self.config.head_dim, self.heads_per_group
+        qkv = qkv.view(s, b, self.local_groups, per + 2, d)
+        q = qkv[:, :, :, :per].reshape(s, b, self.local_groups * per, d)
+        k, v = qkv[:, :, :, per], qkv[:, :, :, per + 1]  # [s, b, g/t, d]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.attend_wrapper is None:
+            context = self._attend(q, k, v, attention_mask)  # [s, b, a/t * d]
+        else:
+            context = self.attend_wrapper(self._attend, q, k, v, attention_mask)
+        return self.linear_proj(context)
 
 
 # %% [markdown]
@@ -344,26 +358,6 @@ def global_parameter_name(name: str, layer_offset: int) -> str:
     return f"decoder.layers.{int(m.group(1)) + layer_offset}.{m.group(2)}" if m else name
 
 
-def _on_host(t: torch.Tensor) -> bool:
-    """Whether a check of t reads host memory (free) rather than waiting for a device (a sync)."""
-    return t.device.type == "cpu"
-
-
-def check_ids(ids: torch.Tensor, name: str, vocab_size: int) -> None:
-    """ValueError naming the largest (or a negative) id outside [0, vocab_size)."""
-    low, high = (int(v) for v in torch.aminmax(ids))
-    if low < 0 or high >= vocab_size:
-        raise ValueError(f"{name} hold id {high if high >= vocab_size else low} outside "
-                         f"[0, vocab_size = {vocab_size}) (largest id {high})")
-
-
-def check_attention_mask(mask: torch.Tensor) -> None:
-    """ValueError when some query may attend to no key at all (a mask in the other convention)."""
-    if bool(mask.to(torch.bool).all(dim=-1).any()):
-        raise ValueError("attention_mask masks every key of some query: tinytron uses Megatron's "
-                         "convention, True = masked (a Hugging Face mask has 1 = keep: pass ~mask)")
-
-
 # %% [markdown]
 # The output layer is a module of its own, called like every other layer, not a bare matrix the
 # head reads: anything that must happen *before a layer's weights are used* is a forward
@@ -386,45 +380,14 @@ class OutputLayer(nn.Module):
 
 
 # %% [markdown]
-# The model builds what its chunk needs: the embedding on the first chunk, its range of layers,
-# the final norm and the output layer on the last. (The class continues over the next cells: a
-# cell extends a class by subclassing it under the same name.)
+# `GPTModel` is put together from five small whole classes, each one job of a chunk, and then
+# the class itself with its constructor and forward. The first, `ChunkParts`, builds what the
+# chunk needs: the embedding on the first chunk, its range of layers, the final norm and the
+# output layer on the last.
 
 # %%
-class GPTModel(nn.Module):
-    """One pipeline chunk of the Llama-style GPT (the whole model when pp = 1).
-
-    Example::
-
-        model = GPTModel(tiny_config())                     # one process, whole model
-        loss = model(input_ids, labels=labels)              # per-token fp32 loss [b, s]
-        logits = model(input_ids, position_ids, attention_mask)  # [b, s, V]; mask True = masked
-    """
-
-    def __init__(self, config: ModelConfig, grid: ParallelGrid | None = None, *,
-                 pre_process: bool = True, post_process: bool = True,
-                 layer_range: tuple[int, int] | None = None, rng_tracker=None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 initialize: bool = True):
-        super().__init__()
-        grid = grid if grid is not None else ParallelGrid.single()
-        config.check_layout(tp=grid.size("tp"), cp=grid.size("cp"))
-        start, end = layer_range if layer_range is not None else (0, config.num_layers)
-        if not 0 <= start <= end <= config.num_layers:
-            raise ValueError(f"layer_range {layer_range} is outside [0, {config.num_layers}]")
-        if rng_tracker is None and config.dropout > 0:
-            rng_tracker = get_rng_tracker(grid.device)  # seeded by model_parallel_seed (app. A)
-        self.config, self.grid, self.rng_tracker = config, grid, rng_tracker
-        self.pre_process, self.post_process = pre_process, post_process
-        self.layer_offset, self.input_tensor = start, None
-        # Chapter 06's apply_recompute installs the full-recompute loop here and sets the flag.
-        self.layer_runner, self.activation_policy_applied = None, False
-        self._rope_cache: dict = {}   # (length, device, dtype) -> RoPE tables of 0..s-1
-        self._build(config, grid, start, end, rng_tracker)
-        device = device if device is not None else grid.device
-        self.to(device=device, dtype=dtype)  # e.g. bf16 params; the init is drawn in fp32
-        if initialize:  # a loader that overwrites every weight skips the draw
-            init_parameters(self)
+class ChunkParts:
+    """What a GPTModel chunk holds (embedding, layers, head) and the flags on its weights."""
 
     def _build(self, config, grid, start, end, rng_tracker):
         """Create the embedding, the layers [start, end), and the head, as this chunk needs."""
@@ -468,8 +431,9 @@ class GPTModel(nn.Module):
 # norm about it; a later stage receives its input instead of embedding tokens.
 
 # %%
-class GPTModel(GPTModel):  # the same class, continued
-    __doc__ = GPTModel.__doc__  # help() keeps the first cell's docstring
+class StageFlags:
+    """The weight flags Megatron's optimizer and grad sync read, and the stage's hand-over."""
+
     def _mark_embedding_and_output(self):
         """Megatron's is_embedding_or_output_parameter: the decoupled lr's parameters."""
         if self.pre_process:
@@ -501,37 +465,14 @@ class GPTModel(GPTModel):  # the same class, continued
 
 
 # %% [markdown]
-# The forward, in Megatron's argument order: check, the stage's input, the RoPE tables of this
-# rank's positions, the layers (or [chapter 06's](../06_recompute_offload/recompute.py) recompute
-# loop), and the head on the last stage.
+# The third part is the stage's input: embedded tokens on the first stage (after checking them
+# when they are in host memory), the activation the schedule handed over elsewhere. It also
+# refuses to train when the config asks for recompute or offload that nobody installed, so a
+# run cannot silently keep every activation it was told to drop.
 
 # %%
-class GPTModel(GPTModel):  # continued
-    __doc__ = GPTModel.__doc__  # help() keeps the first cell's docstring
-    def forward(self, input_ids: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [b, s, V/t], per-token fp32 loss [b, s] (labels given), or hidden [s, b, h].
-
-        The argument order and names are Megatron's (`GPTModel.forward(input_ids, position_ids,
-        attention_mask, ..., labels=)`, `megatron/core/models/gpt/gpt_model.py`).
-        """
-        self._check_activation_policy()
-        if attention_mask is not None and _on_host(attention_mask):
-            check_attention_mask(attention_mask)
-        hidden = self._stage_input(input_ids)
-        cos, sin = self._rope_tables(hidden, position_ids)
-        dropout_on = self.config.dropout > 0 and self.training
-        with _fork(self.rng_tracker, dropout_on and self.config.sequence_parallel):
-            if self.layer_runner is not None:
-                hidden = self.layer_runner(self.decoder.layers, hidden, cos, sin, attention_mask)
-            else:
-                for layer in self.decoder.layers:
-                    hidden = layer(hidden, cos, sin, attention_mask)
-        if not self.post_process:
-            return hidden
-        return self._head(hidden, labels)
+class StageInput:
+    """The input of a chunk: embedded, dropped-out tokens or the received activation."""
 
     def _check_activation_policy(self):
         """ValueError when the config asks for recompute/offload that nobody installed."""
@@ -571,12 +512,12 @@ class GPTModel(GPTModel):  # continued
 # `position_ids` that restart per document are data, so their tables are built per batch —
 # unless they are host tensors equal to the default, which costs a comparison of host memory;
 # on a GPU that comparison would be a host sync, so device-resident positions always get
-# per-batch tables. The head gathers the sequence-parallel sequence, computes logits against
-# its vocabulary slice, and, given labels, the vocab-parallel per-token loss.
+# per-batch tables.
 
 # %%
-class GPTModel(GPTModel):  # continued
-    __doc__ = GPTModel.__doc__  # help() keeps the first cell's docstring
+class RopeTables:
+    """cos/sin tables of this rank's positions, cached for the default positions."""
+
     def _rope_tables(self, hidden, position_ids):
         """Half-width cos/sin [s, b or 1, d/2] in the activations' dtype for this rank's tokens."""
         grid, tp, cp = self.grid, self.grid.size("tp"), self.grid.size("cp")
@@ -612,6 +553,18 @@ class GPTModel(GPTModel):  # continued
         cos, sin = rope_half_tables(idx, self.config.head_dim, self.config.rotary_base, dtype)
         return cos.unsqueeze(1), sin.unsqueeze(1)   # [s, 1, d/2]: broadcast over the batch
 
+
+# %% [markdown]
+# The head gathers the sequence-parallel sequence, computes logits against its vocabulary slice,
+# and, given labels, the vocab-parallel per-token loss. Shapes for the tiny config at TP 2 with
+# SP, $b = 2$: the final norm sees $[32, 2, 64]$, the gather makes it $[64, 2, 64]$, the output
+# layer gives $[64, 2, 256]$ (half of $V = 512$), transposed to logits $[2, 64, 256]$; the loss
+# is $[2, 64]$ and equal on both TP ranks.
+
+# %%
+class OutputHead:
+    """Final norm, output layer and the per-token loss of the last chunk."""
+
     def _head(self, hidden, labels):
         """Final norm, output layer (gathering the SP sequence), and the loss when labels are given."""
         x = self.decoder.final_layernorm(hidden)
@@ -637,8 +590,89 @@ class GPTModel(GPTModel):  # continued
 
 
 # %% [markdown]
+# Finally the class itself. Its constructor checks the layout, keeps the grid, the stage's role
+# and the hooks chapter 06 fills in, builds the parts and draws the init; its forward runs them
+# in Megatron's argument order: check, the stage's input, the RoPE tables of this rank's
+# positions, the layers (or [chapter 06's](../06_recompute_offload/recompute.py) recompute
+# loop), and the head on the last stage.
+
+# %%
+class GPTModel(ChunkParts, StageFlags, StageInput, RopeTables, OutputHead, nn.Module):
+    """One pipeline chunk of the Llama-style GPT (the whole model when pp = 1).
+
+    Example::
+
+        model = GPTModel(tiny_config())                     # one process, whole model
+        loss = model(input_ids, labels=labels)              # per-token fp32 loss [b, s]
+        logits = model(input_ids, position_ids, attention_mask)  # [b, s, V]; mask True = masked
+    """
+
+    def __init__(self, config: ModelConfig, grid: ParallelGrid | None = None, *,
+                 pre_process: bool = True, post_process: bool = True,
+                 layer_range: tuple[int, int] | None = None, rng_tracker=None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 initialize: bool = True):
+        super().__init__()
+        grid = grid if grid is not None else ParallelGrid.single()
+        config.check_layout(tp=grid.size("tp"), cp=grid.size("cp"))
+        start, end = layer_range if layer_range is not None else (0, config.num_layers)
+        if not 0 <= start <= end <= config.num_layers:
+            raise ValueError(f"layer_range {layer_range} is outside [0, {config.num_layers}]")
+        if rng_tracker is None and config.dropout > 0:
+            rng_tracker = get_rng_tracker(grid.device)  # seeded by model_parallel_seed (app. A)
+        self.config, self.grid, self.rng_tracker = config, grid, rng_tracker
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_offset, self.input_tensor = start, None
+        # Chapter 06's apply_recompute installs the full-recompute loop here and sets the flag.
+        self.layer_runner, self.activation_policy_applied = None, False
+        self._rope_cache: dict = {}   # (length, device, dtype) -> RoPE tables of 0..s-1
+        self._build(config, grid, start, end, rng_tracker)
+        device = device if device is not None else grid.device
+        self.to(device=device, dtype=dtype)  # e.g. bf16 params; the init is drawn in fp32
+        if initialize:  # a loader that overwrites every weight skips the draw
+            init_parameters(self)
+
+    def forward(self, input_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [b, s, V/t], per-token fp32 loss [b, s] (labels given), or hidden [s, b, h].
+
+        The argument order and names are Megatron's (`GPTModel.forward(input_ids, position_ids,
+        attention_mask, ..., labels=)`, `megatron/core/models/gpt/gpt_model.py`).
+        """
+        self._check_activation_policy()
+        if attention_mask is not None and _on_host(attention_mask):
+            check_attention_mask(attention_mask)
+        hidden = self._stage_input(input_ids)
+        cos, sin = self._rope_tables(hidden, position_ids)
+        dropout_on = self.config.dropout > 0 and self.training
+        with _fork(self.rng_tracker, dropout_on and self.config.sequence_parallel):
+            if self.layer_runner is not None:
+                hidden = self.layer_runner(self.decoder.layers, hidden, cos, sin, attention_mask)
+            else:
+                for layer in self.decoder.layers:
+                    hidden = layer(hidden, cos, sin, attention_mask)
+        if not self.post_process:
+            return hidden
+        return self._head(hidden, labels)
+
+
+# %% [markdown]
 # Every parameter is drawn as its *full* tensor from (seed, global name) and then sharded, so
 # the same seed gives the same model on any layout; and a pipeline rank builds its chunks.
+#
+# <div class="admonition note">
+# <p class="admonition-title">tinytron differs here</p>
+# <p>Megatron's default GPU init draws each TP shard on its own rank under the
+# <code>model-parallel-rng</code> fork (<code>_initialize_affine_weight_gpu</code>,
+# <code>megatron/core/tensor_parallel/layers.py:137-148</code>), so its weights depend on the
+# layout; only <code>--use-cpu-initialization</code> draws a full master weight and splits it
+# (<code>:152-178</code>). tinytron always draws the full tensor from the seed and the global name,
+# which is what lets every layout test compare with one process. The checks of the model's
+# inputs (<code>check_ids</code>, <code>check_attention_mask</code>) live in
+# <code>tinytron.model._checks</code> and are re-exported here.</p>
+# </div>
 
 # %%
 @torch.no_grad()
@@ -735,6 +769,10 @@ if __name__ == "__main__":
     assert num_params == count_parameters(config)
     assert abs(losses[0] - math.log(config.vocab_size)) < 0.5 and losses[-1] < 1.0
     assert max(gaps["logits_gap"], gaps["loss_gap"], gaps["grad_gap"]) < 1e-5
+    from tinytron.parallel.context_parallel import cp_positions as _cp_positions
+    q_pos = _cp_positions(8, 2, 0)                   # core attention's worked example
+    k_pos = torch.cat([_cp_positions(8, 2, r) for r in range(2)])
+    assert (k_pos <= q_pos[2]).nonzero().flatten().tolist() == [0, 1, 2, 4, 5, 6, 7]
 
 # %% [markdown]
 # ## Summary
