@@ -765,7 +765,7 @@ class TrainingRun(NamedTuple):
 
 
 def _setup(training, grid_provider, model_provider, ddp_config, optimizer_provider,
-           scheduler_provider, load_checkpoint_fn):
+           scheduler_provider, load_checkpoint_fn, seq_length=None):
     """Steps 1-5 of pretrain: grid, seeds, chunks, DDP, optimizer, scheduler, load."""
     grid = grid_provider()
     set_random_seed(training.seed, grid)
@@ -775,7 +775,7 @@ def _setup(training, grid_provider, model_provider, ddp_config, optimizer_provid
         model = wrap_with_ddp(model, grid, ddp_config)
     calc = build_num_microbatches_calculator(
         training.global_batch_size, training.micro_batch_size, grid.size("dp"),
-        training.decrease_batch_size_if_needed, training.rampup_batch_size)
+        training.decrease_batch_size_if_needed, training.step_batch_size_schedule, seq_length)
     iters = training.train_iters or train_iters_from_samples(calc, training.train_samples)
     optimizer = optimizer_provider(model, grid)
     scheduler = (scheduler_provider(optimizer, train_iters=iters,
@@ -803,7 +803,7 @@ def pretrain(training, *, model_provider, forward_step_func, data_iterators_prov
         start_time = _TRAIN_START_TIME if clock is time.time else clock()
     grid, model, optimizer, scheduler, calc, iters, state = _setup(
         training, grid_provider, model_provider, ddp_config, optimizer_provider,
-        scheduler_provider, load_checkpoint_fn)
+        scheduler_provider, load_checkpoint_fn, seq_length)
     train_it, valid_it = data_iterators_provider(grid, state)
     # Only ranks that read data hold a validation iterator (TP rank 0 of the first and last
     # stage), but every rank must run the evaluation's collectives: agree on it, as Megatron
@@ -863,7 +863,7 @@ if __name__ == "__main__":
 
     cfg = tiny_config(seq_length=32)
     training = SimpleNamespace(  # the [training] section's names (tinytron.config.TrainingConfig)
-        micro_batch_size=2, global_batch_size=8, rampup_batch_size=None,
+        micro_batch_size=2, global_batch_size=8, step_batch_size_schedule=None,
         decrease_batch_size_if_needed=False, train_iters=8, train_samples=None,
         eval_interval=4, eval_iters=1, save_interval=4, exit_interval=None,
         exit_duration_in_mins=None, exit_signal_handler=False, log_interval=2, seed=1234)
