@@ -132,7 +132,12 @@ def fork_rng(tracker: RNGStatesTracker | None = None) -> Iterator[None]:
 # (`random.py:585-589`), the slice *replaces the input's data* (`x.data = slice`): every
 # holder of that tensor — the previous layer, a pipeline stage keeping its received input for
 # backward — now holds the slice, not the full tensor beside a copy; backward puts the gathered
-# full tensor back into the same tensor object before the recompute. Under sequence
+# full tensor back into the same tensor object before the recompute. One case cannot work
+# that way: an input that is a *view* (the first layer's input is the embedding's output
+# transposed to $[s, b, h]$) keeps its base, and so the full storage, alive whatever its own
+# data becomes; there the slice is kept apart, which frees the base once the caller drops
+# the view. (Megatron's embedding makes its output contiguous, so its first layer gets no
+# view.) Under sequence
 # parallelism the input is already split ($[s/t, b, h]$, different on every rank), so the flag
 # is refused (`ModelConfig` raises).
 
@@ -185,11 +190,15 @@ class CheckpointFunction(torch.autograd.Function):
             outputs = run_function(*args)
         ctx.is_tensor = [torch.is_tensor(a) for a in args]
         ctx.others = [None if t else a for a, t in zip(args, ctx.is_tensor)]
-        ctx.first_shape = None
+        ctx.first_shape, tensors = None, [a for a in args if torch.is_tensor(a)]
         if options.distributes() and ctx.is_tensor[0]:
-            ctx.first_shape = args[0].shape   # the input itself now holds only this rank's slice
-            args[0].data = _my_flat_chunk(args[0], options.grid)
-        ctx.save_for_backward(*[a for a in args if torch.is_tensor(a)])
+            ctx.first_shape, ctx.first_requires_grad = args[0].shape, args[0].requires_grad
+            mine = _my_flat_chunk(args[0], options.grid)
+            if args[0]._base is None:   # the input itself now holds only this rank's slice
+                args[0].data = mine
+            else:   # a view's base would keep the full storage alive: keep the slice apart
+                tensors[0] = mine
+        ctx.save_for_backward(*tensors)
         return outputs
 
     @staticmethod
@@ -200,6 +209,8 @@ class CheckpointFunction(torch.autograd.Function):
         if ctx.first_shape is not None:   # the full input back into the same tensor
             tensors[0].data = _gather_flat_chunks(tensors[0].data, ctx.first_shape,
                                                   ctx.options.grid)
+            if ctx.first_requires_grad and not tensors[0].requires_grad:
+                tensors[0].requires_grad_()   # the slice kept apart from a view
         inputs = [_detached(tensors.pop(0)) if t else other
                   for t, other in zip(ctx.is_tensor, ctx.others)]
         tracker = ctx.options.tracker
