@@ -185,9 +185,18 @@ def rope_half_tables(position_ids: torch.Tensor, head_dim: int, base: float = 10
 # So every parameter is first drawn **in full** from a generator seeded by
 # `(config.seed, global parameter name)` and then sliced to this rank's shard. The global name
 # uses the global layer index (`decoder.layers.17.…` on whichever stage holds layer 17), so a
-# pipeline split does not rename anything. Megatron's `--use-cpu-initialization` does the same
-# draw-the-master-then-split (`megatron/core/tensor_parallel/layers.py:152`), with one global
-# RNG stream whose order depends on the layout; seeding per name removes that dependence.
+# pipeline split does not rename anything.
+#
+# <div class="admonition note">
+# <p class="admonition-title">tinytron differs here</p>
+# <p>Megatron's <code>--use-cpu-initialization</code> also draws the master weight and splits it
+# (<code>megatron/core/tensor_parallel/layers.py:152</code>), but from one global RNG stream
+# whose order depends on the layout, and its default GPU path draws each shard on its own rank
+# (<code>:137-148</code>). Seeding per name removes that dependence: layer 17's
+# <code>linear_fc1</code> gets the same $[2f, h]$ matrix at TP 1, TP 8 or on any pipeline
+# stage.</p>
+# </div>
+#
 # The cost is that each rank draws the full tensors of its own layers: for the 7B example at
 # TP 8 a rank draws 8× its shard, 7.5 B normal numbers — about two minutes on one busy CPU
 # core of the machine this book was written on — once, holding at most one full tensor (the

@@ -256,10 +256,16 @@ def _check_divisible(name: str, value: int, grid: ParallelGrid) -> int:
 # $[s/t, b, o]$ summed). The bias is added **after** the reduction (added before, it would be
 # summed $t$ times), so it is replicated and flagged `sequence_parallel` under SP.
 #
-# Both return just the output tensor (Megatron returns `(output, bias)` to let the caller fuse
-# the bias add). Megatron also re-gathers the SP input in backward instead of saving it
-# (`LinearWithGradAccumulationAndAsyncCommunication`, `layers.py:464`); here autograd keeps the
-# gathered input, which costs $t\times$ the memory of that one tensor but keeps the code plain.
+# <div class="admonition note">
+# <p class="admonition-title">tinytron differs here</p>
+# <p>Both linears return just the output tensor; Megatron's return <code>(output, bias)</code> so
+# that the caller can fuse the bias add into the next op. Megatron also re-gathers the SP input
+# in backward instead of saving it
+# (<code>LinearWithGradAccumulationAndAsyncCommunication</code>, <code>layers.py:464</code>);
+# here autograd keeps the gathered input, which costs $t\times$ the memory of that one tensor
+# but keeps the code plain. Example: at $s = 4096$, $b = 1$, $h = 4096$ in bf16 and $t = 4$, the
+# gathered input of one column-parallel layer is 32 MiB where the SP shard is 8 MiB.</p>
+# </div>
 
 # %%
 class ColumnParallelLinear(torch.nn.Module):
