@@ -90,7 +90,9 @@ def _state_tensors(optimizers) -> list[torch.Tensor]:
 
 def _optimizer_parts(opt) -> dict[str, list[torch.Tensor]]:
     """The tensors behind each optimizer term: masters, device state, host copies and state."""
-    masters = [m for p, m in opt.pairs if m is not p]
+    # an fp32 param's master is a view of the param itself (Megatron's shard, no copy)
+    masters = [m for p, m in opt.pairs if m is not p
+               and m.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()]
     inner = opt.optimizer
     host_of = getattr(inner, "host_of", None)
     if host_of is None:

@@ -367,7 +367,8 @@ def owned_elements(params: list[ParamSpec], layout: BufferLayout, dp_size: int,
 # ## The optimizer: masters, moments, and the offloaded fraction
 #
 # Per element the optimizer stepping it holds an fp32 master (bf16 training; an fp32 model is
-# its own master without the distributed optimizer) and its moments: Adam 2, Lion 1, SGD 1
+# its own master, and with the distributed optimizer its shard is a view of the fp32 param,
+# `distrib_optimizer.py:442-446`) and its moments: Adam 2, Lion 1, SGD 1
 # (the momentum buffer), 4 bytes each. Without the distributed optimizer that is every local
 # parameter; with it, the owned elements above.
 #
@@ -405,7 +406,7 @@ def _optimizer_order(params: list[ParamSpec], owned: list[int]) -> list[int]:
 def _optimizer_terms(cfg: MemoryConfig, params, owned) -> dict[str, int]:
     """Device and host bytes of masters, moments and offload copies for one chunk."""
     elements = sum(owned)
-    has_master = cfg.bf16 or cfg.use_distributed_optimizer
+    has_master = cfg.bf16  # fp32 params: the shard is a view of the param (no copy)
     moments = 4 * _MOMENTS[cfg.optimizer]
     terms = {"master_params": 4 * elements if has_master else 0,
              "optimizer_state": moments * elements, "host_optimizer": 0}
