@@ -540,13 +540,12 @@ def _account(state: TrainState, calculator, batch: int, flops_fn) -> tuple[int, 
 
 # %%
 def _maybe_evaluate(forward_step_func, valid_data_iterator, model, forward_backward_func,
-                    state: TrainState, training, *, do_valid: bool, seq_length: int,
+                    state: TrainState, training, *, eval_shape, seq_length: int,
                     grid: ParallelGrid, config: ScheduleConfig, log_fn, time_is_up) -> None:
     """Evaluate every eval_interval iterations on the evaluation batch; log the losses."""
-    if not (do_valid and training.eval_interval and training.eval_iters > 0
-            and state.iteration % training.eval_interval == 0):
+    if eval_shape is None or state.iteration % training.eval_interval:
         return
-    m, samples = eval_batch(training, grid.size("dp"))
+    m, samples = eval_shape
     mbs = getattr(training, "eval_micro_batch_size", None) or training.micro_batch_size
     losses = evaluate(forward_step_func, valid_data_iterator, model, forward_backward_func,
                       num_microbatches=m, micro_batch_size=mbs, seq_length=seq_length,
@@ -573,6 +572,8 @@ def train(forward_step_func, model: list, optimizer, scheduler, train_data_itera
     start_time = h.clock() if h.start_time is None else h.start_time
     time_is_up = (partial(_duration_exceeded, training.exit_duration_in_mins, start_time,
                           h.clock, grid) if training.exit_duration_in_mins else None)
+    evaluates = do_valid and training.eval_interval and training.eval_iters > 0
+    eval_shape = eval_batch(training, grid.size("dp")) if evaluates else None  # checked now
     log_state, m, reason = LogState(), 0, None
     for chunk in model:
         chunk.train()
@@ -600,8 +601,8 @@ def train(forward_step_func, model: list, optimizer, scheduler, train_data_itera
                  batch_size=batch, seq_length=seq_length, flops=flops, peak_flops=h.peak_flops,
                  log_fn=log_fn)
         _maybe_evaluate(forward_step_func, valid_data_iterator, model, forward_backward_func,
-                        state, training, do_valid=do_valid, seq_length=seq_length, grid=grid,
-                        config=config, log_fn=log_fn, time_is_up=time_is_up)
+                        state, training, eval_shape=eval_shape, seq_length=seq_length,
+                        grid=grid, config=config, log_fn=log_fn, time_is_up=time_is_up)
         reason = checkpoint_and_decide_exit(state, training, save, start_time=start_time,
                                             clock=h.clock, grid=grid, exit_signal=h.exit_signal)
         if reason is not None:
@@ -610,6 +611,12 @@ def train(forward_step_func, model: list, optimizer, scheduler, train_data_itera
     return reason
 
 # %% [markdown]
+# Two details of the body. The batch, $m \cdot b \cdot d$, is fixed before the step: $m$
+# changes only between iterations, when the calculator sees the consumed samples, so the
+# samples counted after the step are the ones the step read. And the evaluation batch is
+# computed (and checked) once, before the first iteration, so that a batch that does not
+# divide over the DP ranks stops the run at its start, not after `eval_interval` iterations.
+#
 # The pre-hooks are taken off with `param_sync=False` (the parameters are complete already,
 # so no all-gather is needed), and the schedule's `param_sync_func`, when it has one, is
 # held back with them so that the schedule dispatches no all-gather either.
