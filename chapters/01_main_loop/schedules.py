@@ -595,6 +595,7 @@ def forward_backward_pipelining_without_interleaving(
             comm.send_backward(dx)
         else:
             x = comm.send_backward_recv_forward(dx)
+        y = dy = dx = None  # sent and done: not held through the next round
     if forward_only:
         return steps.store
     # Cooldown.

@@ -46,10 +46,11 @@ __all__ = ["schedule_ops", "p2p_buffers", "activation_peak"]
 # With one stage holding both ends of tied embeddings, the output layer's weight gradient waits
 # in `.grad` until the embedding adds its share at the very end of the backward. With
 # pipelining, a stage that sends activations forward still holds the previous micro-batch's
-# output in its send while the next forward runs, and a middle stage also holds the previous
-# round's input-gradient and output while a steady-state backward runs (`p2p_buffers`); the
-# received inputs and gradients are already counted (as kept stage inputs, and as the
-# incoming grad of each backward event).
+# output in its send while the next forward runs (`p2p_buffers`); 1F1B lets go of a round's
+# output, incoming gradient and input gradient once the round has sent them, so nothing of the
+# previous round is left during a steady-state backward; the received inputs and gradients
+# are already counted (as kept stage inputs, and as the incoming grad of each backward
+# event).
 #
 # Measured on the 42-case grid of page 07.6, this replay is within 2.7% of the measured peak
 # (median 0.29%; the CPU math-attention cases within 8%); what remains is the timing of small
@@ -189,13 +190,13 @@ def _transients(cfg: MemoryConfig, parts: dict) -> tuple[int, int, int]:
 # %%
 def p2p_buffers(cfg: MemoryConfig, pp_rank: int, backward: bool = False) -> int:
     """Messages still held by their sends: the last output during the next forward (all but
-    the last stage); on a middle stage, the last round's two messages during a steady backward.
+    the last stage); none during a backward (a 1F1B round lets go of its gradients once sent).
     """
     p = cfg.pipeline_model_parallel_size
     x = Dims.of(cfg)
     unit = x.P * x.s_r * x.b * x.h
-    if backward:
-        return 2 * unit if 0 < pp_rank < p - 1 and cfg.num_chunks == 1 else 0
+    if backward:  # 1F1B drops a round's gradients once sent (chapter 01's steady state)
+        return 0
     if p == 1 or (pp_rank == p - 1 and cfg.num_chunks == 1):
         return 0
     return unit
