@@ -77,6 +77,8 @@ class TrainingConfig:
     """Evaluate every this many iterations (None = never)."""
     eval_iters: int = 100
     """Batches per evaluation."""
+    eval_global_batch_size: Optional[int] = None
+    """Samples per evaluation batch over all DP ranks; None = global_batch_size (Megatron's)."""
     save_interval: Optional[int] = None
     """Save a checkpoint every this many iterations (None = only at the end)."""
     exit_interval: Optional[int] = None

@@ -85,3 +85,16 @@ def test_ddp_takes_the_distributed_optimizer_switch_from_optimizer(path):
     assert load_config(path).ddp.use_distributed_optimizer is False
     with pytest.raises(ConfigError, match="disagrees"):  # [optimizer]'s default counts too
         load_config(path, ["--ddp.use_distributed_optimizer", "true"])
+
+
+def test_eval_global_batch_size_sets_the_evaluation_batch(path):
+    """Megatron's eval_global_batch_size: the loop's evaluation batch, defaulting to the training one."""
+    from tinytron.main_loop.loop import eval_batch
+
+    default = load_config(path).resolve(8).training
+    assert eval_batch(default, 2) == (2, 8)  # 8 samples = 2 micro-batches of 2 on each of 2 DP ranks
+    smaller = load_config(path, ["--training.eval_global_batch_size", "4"]).resolve(8).training
+    assert eval_batch(smaller, 2) == (1, 4)
+    odd = load_config(path, ["--training.eval_global_batch_size", "6"]).resolve(8).training
+    with pytest.raises(ValueError, match="eval_global_batch_size"):
+        eval_batch(odd, 2)
