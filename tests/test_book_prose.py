@@ -36,6 +36,7 @@ PAGES_AT_GOAL = {
     "00_overview/pipeline.py",
     "00_overview/sft.py",
     "01_main_loop/assembled.py",
+    "01_main_loop/loop.py",
     "01_main_loop/interleaved.py",
     "01_main_loop/memory_meter.py",
     "01_main_loop/microbatches.py",
@@ -94,6 +95,9 @@ PAGES_AT_GOAL = {
     "07_memory/megatron_model.py",
     "07_memory/peak.py",
     "07_memory/states.py",
+    "07_memory/step_time.py",
+    "model/generate.py",
+    "parallel/pipeline_p2p.py",
 }
 
 
