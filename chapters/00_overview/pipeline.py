@@ -70,6 +70,39 @@ def one_step(model, optimizer, batch: dict, clip_grad: float = 1.0) -> dict:
 
 
 # %% [markdown]
+# ## The same step at the running example's size
+#
+# The book's running example (the [front page](../index.md)) is a Llama-3-8B-shaped model on
+# 256 GPUs: tensor parallel 2, pipeline parallel 2, data parallel 64, micro-batch 2, global
+# batch 1024, sequence 4096, vocabulary 128,256. The boxes above are the same; only their
+# sizes change, and each size is the subject of a later chapter:
+#
+# ```mermaid
+# flowchart LR
+#   D["dataset<br/>1024 samples of 4097 tokens"] --> B["batch<br/>4,194,304 tokens per step"]
+#   B --> M["m = 1024 / (2 · 64) = 8<br/>micro-batches per rank (01)"]
+#   M --> F["forward, last stage<br/>logits [2, 4096, 64128] per TP rank"]
+#   F --> K["backward<br/>fp32 grad buffer 8.03 GB per rank (05)"]
+#   K --> O["optimizer.step<br/>masters + moments 0.38 GB: a 1/64 shard (02)"]
+# ```
+#
+# | quantity | value | where it is worked out |
+# |---|---|---|
+# | tokens per step | $1024 \cdot 4096 = 4\,194\,304$ | chapter 01, the batch system |
+# | micro-batches per rank and step | $1024 / (2 \cdot 64) = 8$ | chapter 01 |
+# | logits per TP rank, one micro-batch | $2 \times 4096 \times 128\,256/2$, 2.1 GB in fp32 | chapter 00's loss, appendix A |
+# | fp32 grad buffer of one pipeline stage's TP shard | 8,030,519,296 B = 8.03 GB | chapters 05 and 07 |
+# | fp32 masters + Adam moments of its $1/64$ shard | 125,476,864 + 250,953,728 B = 0.38 GB | chapters 02 and 07 |
+#
+# The logits dominate a micro-batch's forward on the last stage: a vocabulary split over the
+# TP ranks is why the loss is computed *vocab-parallel* rather than after a gather. The grad
+# buffer is whole on every data-parallel rank (each rank accumulates all its gradients before
+# the reduce-scatter), while the optimizer's state is split 64 ways; that asymmetry is the
+# distributed optimizer's whole point. The last two rows are chapter 07's ledger
+# (`tinytron-memory --config configs/llama7b_tp2_pp2_dp64.toml --world-size 256`); the demo
+# below checks the first three by arithmetic.
+
+# %% [markdown]
 # ## Demo: one step on a tiny model
 
 # %%
@@ -112,6 +145,10 @@ if __name__ == "__main__":
     twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3, weight_decay=0.0)
     same = train_step(twin, twin_opt, [batch], pretrain_forward_step)  # the reusable step agrees
     assert abs(same["lm loss"] - out["loss"]) < 1e-5 and abs(same["grad_norm"] - out["grad_norm"]) < 1e-4
+    # the running example's sizes in the table above
+    gbs, seq, mbs, dp, tp, vocab = 1024, 4096, 2, 64, 2, 128256
+    assert gbs * seq == 4_194_304 and gbs // (mbs * dp) == 8
+    assert (mbs, seq, vocab // tp) == (2, 4096, 64128) and round(mbs * seq * vocab // tp * 4 / 1e9, 1) == 2.1
 
 # %% [markdown]
 # ## What happens next
