@@ -64,6 +64,7 @@ PAGES_AT_GOAL = {
     "04_data/distribute.py",
     "04_data/indexed.py",
     "04_data/pipeline.py",
+    "04_data/preprocess.py",
     "04_data/samplers.py",
     "04_data/sft.py",
     "05_buffers/distributed_data_parallel.py",

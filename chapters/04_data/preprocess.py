@@ -6,11 +6,38 @@
 # format — optionally in several partitions that are merged at the end. With no input at all it
 # tokenizes the Python standard library's own source files found on this machine, so a new user
 # can train on real text without downloading anything.
+#
+# Why a separate step at all: training reads tokens, never text. A training step that had to
+# tokenize its own batch would spend CPU on every step of every run, on every data-parallel
+# rank, and would have to agree with itself after a restart about where in the text it was.
+# Tokenizing once, ahead of time, turns the corpus into two flat files that any rank can
+# memory-map and index by sample number ([the indexed format](indexed.py)); after that, what a
+# sample is becomes plain arithmetic on integers ([GPTDataset](gpt_dataset.py)).
+#
+# ### A corpus of three lines, by hand
+#
+# `c.jsonl` holds three documents, `{"text": "hi"}`, `{"text": ""}` and `{"text": "abc"}`.
+# With the byte tokenizer (`h`=104, `i`=105, `a`=97, `b`=98, `c`=99, EOD=256) and
+# `--append-eod` on, the command writes:
+#
+# | document | text    | sequence written        | length |
+# |----------|---------|-------------------------|--------|
+# | 0        | `hi`    | `[104, 105, 256]`       | 3      |
+# | 1        | (empty) | none, and no EOD        | -      |
+# | 2        | `abc`   | `[97, 98, 99, 256]`     | 4      |
+#
+# So `sequence_lengths = [3, 4]` and `document_indices = [0, 1, 1, 2]`: document *d* owns the
+# sequences from `document_indices[d]` to `document_indices[d+1]`, and the empty document owns
+# none (1 to 1). The vocabulary has 262 ids, under 65500, so the tokens are `uint16`
+# (`megatron/core/datasets/indexed_dataset.py:116-117`) and `c_text_document.bin` is 7 × 2 = 14
+# bytes. `c_text_document.idx` is 90 bytes: 34 of header (magic 9, version 8, dtype code 1, and
+# the sequence and document counts, 8 each; `indexed_dataset.py:147-198`), then 2 × 4 bytes of
+# int32 lengths, 2 × 8 of int64 byte pointers and 4 × 8 of int64 document indices
+# (`indexed_dataset.py:201-207`).
 
 # %%
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing as mp
 import os
@@ -22,8 +49,8 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from tinytron.data._sidecar import (describe_tokenizer, read_sidecar, sidecar_mismatch,
-                                    sidecar_path, write_sidecar)
+from tinytron.data._preprocess_cli import UsageError, main, run
+from tinytron.data._sidecar import describe_tokenizer, read_sidecar, sidecar_mismatch, write_sidecar
 from tinytron.data.indexed import (IndexedDataset, IndexedDatasetBuilder, get_bin_path,
                                    get_idx_path, optimal_dtype)
 
@@ -46,6 +73,11 @@ __all__ = [
 #
 # Worker processes receive a small picklable `TokenizerSpec` and build their own tokenizer once
 # (`Encoder.initializer` in `tools/preprocess_data.py` does the same).
+#
+# Why three: `byte` needs nothing and cannot fail, so the first hour works offline; `hf` reads
+# the tokenizer a real model was trained with, which is what a fine-tune or a comparison with a
+# published checkpoint needs; `bpe` sits between, a real subword vocabulary with no download,
+# at the price of one pass over the text before tokenizing starts.
 #
 # The whole command, from files to one `.bin/.idx` pair per JSON key:
 #
@@ -199,11 +231,42 @@ def _json_text(line: str, key: str, path: str, lineno: int) -> str:
     return obj[key]
 
 # %% [markdown]
+# A text file is read as bytes and decoded here, not by `open(..., encoding=...)`, so the
+# error can name the byte offset; `newline=""` semantics (no translation) keep `\r\n` as
+# written, so the tokens are those of the file on disk.
+
+# %%
+def _encode_text(doc: tuple[str, str], errors: str = "strict") -> str:
+    kind, payload = doc
+    return _read_file(payload, errors) if kind == "file" else payload
+
+
+def _read_file(path: str, errors: str = "strict") -> str:
+    """A text file exactly as stored (newline="" keeps \r\n); bytes that are not UTF-8 are an
+    error naming the file and byte offset, or U+FFFD with errors="replace"."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8", errors=errors)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not valid UTF-8 at byte {err.start} ({raw[err.start]:#04x}); "
+                         "pass --encoding-errors replace to turn such bytes into U+FFFD") from None
+    return text
+
+# %% [markdown]
 # ## Tokenizing in worker processes
 #
 # Each worker tokenizes one document at a time and returns its ids as a numpy array (one
 # pickled buffer, not a list of Python ints); the parent writes them in input order, so the
 # output does not depend on the number of workers. The progress bar counts input bytes.
+#
+# In-order is a choice: `pool.imap` returns results in the order the documents went in, where
+# `imap_unordered` would return them as workers finish and so write a different `.bin` for each
+# worker count. Megatron's tool makes the same choice (`pool.imap(encoder.encode, fin, 32)`,
+# `tools/preprocess_data.py:160`), with chunks of 32 JSON lines; tinytron sends 8 documents
+# per chunk, because a document here may be a whole source file rather than one line. The
+# parent is the only writer, so the builder never sees two documents interleaved. The demo
+# below checks the claim: one worker and two workers give byte-identical files.
 
 # %%
 _WORKER: dict = {}
@@ -275,6 +338,13 @@ def _write_partition(docs: Sequence, prefix: str, spec, append_eod, dtype, worke
 # `add_index`, which offsets the document indices (`tools/merge_datasets.py` in Megatron).
 # Datasets made with different tokenizers (their sidecars disagree) are not merged; a merge of
 # datasets that share one sidecar gets that sidecar.
+#
+# The three-line corpus with `--partitions 2` splits at `linspace(0, 3, 3)` = documents
+# [0 | 1, 2]. Part 0 has `sequence_lengths = [3]`, `document_indices = [0, 1]`; part 1 has
+# `[4]` and `[0, 0, 1]` (the empty document first). Merging appends part 1's lengths and its
+# document indices shifted by the one sequence already written, dropping the leading 0:
+# `[0, 1] + [1, 2]` = `[0, 1, 1, 2]`, the same index the single partition wrote
+# (`add_index`, `indexed_dataset.py:1003-1015`).
 
 # %%
 def merge_datasets(prefixes: Sequence[str], output_prefix: str) -> IndexedDataset:
@@ -360,157 +430,20 @@ def _progress_bar(docs):
 # and every bad input — a flag out of range, flags that contradict each other, a file that is
 # not a tokenizer — is one `tinytron-preprocess: error: ...` line with exit status 2.
 #
+# The flags, their checks and that exit status live in `tinytron.data._preprocess_cli`, which
+# this page imports `main`, `run` and `UsageError` from. Why exit status 2 and one line: a
+# script that calls the command can tell "you asked for something impossible" (2, as argparse
+# itself uses) from "it crashed" (1, with a traceback), and the one line names the flag or the
+# file, so the fix is on the screen. Contradictions are refused rather than ignored:
+# `--tokenizer-file` with `--tokenizer-type byte` would otherwise tokenize with bytes while the
+# user believes their tokenizer was used, and every later number would be about the wrong data.
+#
 # ```
 # tinytron-preprocess --output-prefix data/stdlib                       # stdlib, byte tokenizer
 # tinytron-preprocess --input corpus.jsonl --output-prefix data/c --tokenizer-type bpe --vocab-size 4096
 # tinytron-preprocess --input qa.jsonl --json-keys question answer --output-prefix data/qa
 # tinytron-preprocess --merge data/a_text_document data/b_text_document --output-prefix data/ab
 # ```
-
-# %%
-class UsageError(ValueError):
-    """A bad command line: printed as one `error:` line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is raised (one line, exit 2 from main) instead of printed."""
-
-    def error(self, message):
-        raise UsageError(f"{message} (see --help)")
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="tinytron-preprocess", description="Tokenize text into Megatron .bin/.idx files.")
-    p.add_argument("--input", nargs="*", default=None,
-                   help="JSONL (.jsonl/.json) or plain text files (default: the Python stdlib's .py files)")
-    p.add_argument("--json-keys", nargs="+", default=["text"],
-                   help="the JSONL field(s) holding the text, one output per key (default: text)")
-    p.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
-    p.add_argument("--tokenizer-type", choices=["byte", "hf", "bpe"], default="byte",
-                   help="byte: UTF-8 bytes; hf: --tokenizer-file; bpe: trained on the input "
-                        "(default: %(default)s)")
-    p.add_argument("--tokenizer-file", default=None, help="tokenizer.json for --tokenizer-type hf")
-    p.add_argument("--vocab-size", type=int, default=4096,
-                   help="BPE vocabulary for --tokenizer-type bpe (default: %(default)s)")
-    p.add_argument("--eod-token", default="<|endoftext|>",
-                   help="end-of-document token of hf/bpe (default: %(default)s)")
-    p.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
-                   help="end every document with the EOD token (default: on)")
-    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                   help="tokenizing processes (default: CPUs - 1 = %(default)s)")
-    p.add_argument("--partitions", type=int, default=1,
-                   help="parts written separately, then merged (default: %(default)s)")
-    p.add_argument("--max-files", type=int, default=None, help="limit the default stdlib corpus")
-    p.add_argument("--merge", nargs="+", default=None, metavar="PREFIX",
-                   help="only merge these finished datasets into --output-prefix")
-    p.add_argument("--encoding-errors", choices=["strict", "replace"], default=None,
-                   help="text files that are not UTF-8: strict = stop, naming the file and byte "
-                        "offset; replace = U+FFFD (default: strict for --input, replace for the "
-                        "built-in stdlib corpus, a few of whose test files are Latin-1 or KOI8-R)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
-
-
-# %% [markdown]
-# `main` turns any bad input into one line and exit status 2; the checks that argparse cannot
-# express (flags that contradict each other) come first.
-
-# %%
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of `tinytron-preprocess`: exit status 0, or 2 with a one-line error.
-
-    Example (the shell command, or the same list from Python)::
-
-        tinytron-preprocess --input corpus.jsonl --output-prefix data/corpus --workers 4
-        main(["--input", "corpus.jsonl", "--output-prefix", "data/corpus"])   # -> 0
-    """
-    try:
-        run(argv)
-    except (ValueError, OSError) as err:  # bad input: say what, without a traceback
-        print(f"tinytron-preprocess: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def _check_args(args) -> None:
-    """UsageError naming the flag when the flags contradict each other or are out of range."""
-    for flag, value in (("--workers", args.workers), ("--partitions", args.partitions)):
-        if value < 1:
-            raise UsageError(f"{flag} must be >= 1, got {value}")
-    if args.tokenizer_file is not None and args.tokenizer_type != "hf":
-        raise UsageError(f"--tokenizer-file is read only with --tokenizer-type hf, "
-                         f"not {args.tokenizer_type} (it would be ignored)")
-    if args.tokenizer_type == "hf" and args.tokenizer_file is None:
-        raise UsageError("--tokenizer-type hf needs --tokenizer-file")
-    if args.tokenizer_type == "bpe" and args.vocab_size < 258:
-        raise UsageError(f"--vocab-size must be >= 258 for a BPE (256 byte symbols + EOD + pad), "
-                         f"got {args.vocab_size}")
-
-
-# %% [markdown]
-# `run` is the command's work, callable from Python: merge only, or train the BPE if asked,
-# then one dataset per JSON key, and a last line with what training needs to know.
-
-# %%
-def run(argv: Optional[Sequence[str]] = None):
-    """The command line's work, callable from Python; the written prefix (a list for several keys)."""
-    args = _parser().parse_args(argv)
-    _check_args(args)
-    if args.merge:
-        out = merge_datasets(args.merge, args.output_prefix)
-        print(f"merged {len(args.merge)} datasets -> {args.output_prefix} ({len(out)} sequences)")
-        return args.output_prefix
-    inputs = args.input or stdlib_corpus(args.max_files)
-    errors = args.encoding_errors or ("strict" if args.input else "replace")
-    spec = TokenizerSpec(args.tokenizer_type, args.tokenizer_file, args.eod_token)
-    if args.tokenizer_type == "bpe":
-        spec = _train_bpe(args, inputs, errors)
-    tok = build_tokenizer(spec)
-    prefixes = [preprocess(inputs, args.output_prefix, spec, key, args.append_eod, args.workers,
-                           args.partitions, not args.no_progress, errors)
-                for key in args.json_keys]
-    for prefix in prefixes:
-        ds = IndexedDataset(prefix)
-        print(f"wrote {prefix}.bin/.idx: {ds.document_count} documents, "
-              f"{int(ds.sequence_lengths.sum()):,} tokens, dtype {np.dtype(ds.dtype).name}, "
-              f"vocab {tok.vocab_size}, eod {tok.eod}, pad {tok.pad}"
-              + (f", tokenizer {spec.path}" if spec.path else "")
-              + f"; tokenizer recorded in {sidecar_path(prefix)}")
-    return prefixes[0] if len(prefixes) == 1 else prefixes
-
-
-def _train_bpe(args, inputs, errors: str = "strict") -> TokenizerSpec:
-    """Train the BPE on every key's text; warn when it came out smaller than asked."""
-    path = f"{args.output_prefix}_tokenizer.json"
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    texts = (_encode_text(d, errors) for key in args.json_keys
-             for d in iter_documents(inputs, key))
-    spec = TokenizerSpec("hf", train_bpe_tokenizer(texts, args.vocab_size, path, args.eod_token),
-                         args.eod_token)
-    size = build_tokenizer(spec).vocab_size
-    if size < args.vocab_size:
-        print(f"tinytron-preprocess: warning: the BPE vocabulary has {size} ids, fewer than the "
-              f"{args.vocab_size} asked (the input is too small to learn more merges)",
-              file=sys.stderr)
-    return spec
-
-
-def _encode_text(doc: tuple[str, str], errors: str = "strict") -> str:
-    kind, payload = doc
-    return _read_file(payload, errors) if kind == "file" else payload
-
-
-def _read_file(path: str, errors: str = "strict") -> str:
-    """A text file exactly as stored (newline="" keeps \r\n); bytes that are not UTF-8 are an
-    error naming the file and byte offset, or U+FFFD with errors="replace"."""
-    with open(path, "rb") as f:
-        raw = f.read()
-    try:
-        text = raw.decode("utf-8", errors=errors)
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: not valid UTF-8 at byte {err.start} ({raw[err.start]:#04x}); "
-                         "pass --encoding-errors replace to turn such bytes into U+FFFD") from None
-    return text
 
 # %% [markdown]
 # ## Demo: 40 stdlib files, two workers, two partitions, then a BPE
