@@ -171,7 +171,7 @@ class TrainState:
 # clip and returns nothing, so `TorchOptimizer` adapts it: clip by the global norm with
 # `torch.nn.utils.clip_grad_norm_`, step, report `(True, norm, None)`. It and the builders of
 # the book's parts that `pretrain` is handed below live in the chapter's private module
-# [`_parts.py`](_parts.py) (glue, not mechanism; the loop page imports them).
+# `chapters/01_main_loop/_parts.py` (glue, not mechanism; the loop page imports them).
 #
 # `gpt_forward_step` is Megatron's `forward_step` of `pretrain_gpt.py:183` over the book's
 # model: `get_batch` (chapter 04: read on TP rank 0, broadcast, CP slice, only the keys this
@@ -339,7 +339,7 @@ def train_step(forward_step_func, data_iterator, model: list, optimizer, schedul
 # (`:3955`), and the time limit is checked (`:3957-3967`): a run that reaches
 # `exit_duration_in_mins` during a long evaluation stops it there, logs nothing for it, and
 # `checkpoint_and_decide_exit` saves and exits next. `eval_batch` (in
-# [`_parts.py`](_parts.py)) computes the batch and refuses one that does not divide into
+# `chapters/01_main_loop/_parts.py`) computes the batch and refuses one that does not divide into
 # micro-batches over the DP ranks, with Megatron's message.
 
 # %%
@@ -414,8 +414,8 @@ def evaluate(forward_step_func, data_iterator, model: list, forward_backward_fun
 # the saved state is always a consistent end-of-step state.
 #
 # The three collectives these checks need are plumbing and live in the chapter's private
-# module [`_parts.py`](_parts.py): `ExitSignal`, the handler whose `received(grid)` is a MAX
-# over all ranks of "this rank saw the signal"; `_duration_exceeded`, the MAX over all ranks of
+# module `chapters/01_main_loop/_parts.py`: `ExitSignal`, the handler whose `received(grid)` is
+# a MAX over all ranks of "this rank saw the signal"; `_duration_exceeded`, the MAX over all ranks of
 # "my clock says the time is up"; and `_earliest_over_ranks`, the MIN of the start times
 # that `pretrain` takes once. The MAX matters because clocks and signals differ between
 # hosts: if one rank stopped and the others did not, the next collective would hang.
@@ -680,7 +680,7 @@ def save_with_param_sync(save_checkpoint_fn, state, model: list, optimizer, sche
 #
 # - **`step_hooks`** bracket every `train_step` with `on_step_start(state)` and
 #   `on_step_end(state)` (heartbeats, fault injection); `hooked`, in the chapter's private
-#   module [`_parts.py`](_parts.py), calls them.
+#   module `chapters/01_main_loop/_parts.py`, calls them.
 # - **The rerun state machine** may run one iteration's forward-backward again on the same
 #   data and RNG state to tell a transient fault from a real one (`train_step`'s `while`);
 #   when it decides to stop, `train_step` returns without a step, and the loop saves if

@@ -50,7 +50,7 @@ __all__ = ["num_microbatches", "ConstantNumMicroBatchesCalculator",
 # A bad combination must fail before anything is built, with the numbers in the message.
 # The plain argument checks (sizes that are not positive ints, a step schedule whose
 # thresholds do not increase or whose batch shrinks) live in
-# [`_microbatch_checks.py`](_microbatch_checks.py); the page keeps the divisibility rules.
+# `chapters/01_main_loop/_microbatch_checks.py`; the page keeps the divisibility rules.
 
 # %%
 def num_microbatches(global_batch_size: int, micro_batch_size: int,

@@ -29,7 +29,7 @@ __all__ = ["ScheduleEvent", "ScheduleRecorder", "bubble_formula", "measured_bubb
 # recorded once per tensor it moved, with the same start and end. The schedules themselves
 # hold no recording code: a wrapper around each stage's communicator and around its
 # forward/backward steps writes the events
-# ([`_schedule_recording.py`](_schedule_recording.py), told on the schedules page).
+# (`chapters/01_main_loop/_schedule_recording.py`, told on the schedules page).
 
 # %%
 class ScheduleEvent(NamedTuple):

@@ -157,7 +157,7 @@ class ScheduleConfig:
 # The message shape is fixed before anything arrives: $[s/c, b, h]$, and $[s/(c\,t), b, h]$
 # with sequence parallelism (`get_tensor_shapes`, `schedules.py:2057`). The arguments the
 # schedules refuse (a missing width, a sequence that does not split, a wrong number of chunks
-# or micro-batches) are checked in [`_schedule_checks.py`](_schedule_checks.py), each with a
+# or micro-batches) are checked in `chapters/01_main_loop/_schedule_checks.py`, each with a
 # one-line `ValueError` that names the numbers.
 
 # %%
@@ -616,7 +616,7 @@ def forward_backward_pipelining_without_interleaving(
 # The timeline page draws these schedules from what they did, yet no line above records
 # anything. `instrument(comm, steps, recorder, stage)` returns the two objects unchanged
 # without a recorder; with one it wraps both (in
-# [`_schedule_recording.py`](_schedule_recording.py)), so that every call of `steps.forward`,
+# `chapters/01_main_loop/_schedule_recording.py`), so that every call of `steps.forward`,
 # `steps.backward` and of each communicator method becomes a `ScheduleEvent`. The wrappers
 # name each event's (chunk, micro-batch) from what the schedule hands them: the $n$-th forward
 # (or backward) of a chunk is micro-batch $n$, since every schedule runs a chunk's micro-batches

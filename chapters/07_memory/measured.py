@@ -260,7 +260,7 @@ if __name__ == "__main__":
 #   rules written out there, and splits the offloaded optimizer with the hybrid optimizer's
 #   rule; it calls neither chapter 05's `compute_param_layout` nor chapter 02's
 #   `split_by_fraction`, which sized what the trainer allocates. The parameter list itself is
-#   checked name by name against the built model. [`tests/test_memory_independent.py`](../../tests/test_memory_independent.py)
+#   checked name by name against the built model. `tests/test_memory_independent.py`
 #   compares the layout with chapter 05's real `ParamAndGradBuffer` on 15 layouts (odd DP
 #   sizes, tied tables split over stages, small buckets, interleaving) to the byte, and a
 #   planted change to chapter 05's 64-element alignment shows up there as a disagreement.
@@ -274,7 +274,7 @@ if __name__ == "__main__":
 # **A second instrument.** PyTorch ships its own tracker,
 # `torch.distributed._tools.mem_tracker.MemTracker` (present in torch 2.13, and it runs on
 # CPU): a dispatch mode of its own that keeps a weak reference to each storage it sees and
-# sums sizes per category. [`_second_ruler.py`](_second_ruler.py) measures 8 of the 42 layouts
+# sums sizes per category. `chapters/07_memory/_second_ruler.py` measures 8 of the 42 layouts
 # with it on 4 gloo ranks (DP 4 plain, with the distributed optimizer, with half the optimizer
 # offloaded; TP 2 + SP; PP 2; fp32; dropout; PP 2 × 2 interleaved) — 32 rank-cases, sharing
 # no code with the meter. Results:

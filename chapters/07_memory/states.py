@@ -139,7 +139,7 @@ class MemoryConfig(_Derived):
         check_memory_config(self)  # one-line errors naming the field (_checks.py)
 
 # %% [markdown]
-# The fields are checked in [`_checks.py`](_checks.py) (`check_memory_config`): every size a
+# The fields are checked in `chapters/07_memory/_checks.py` (`check_memory_config`): every size a
 # positive int, the optimizer, kernel and device one of their choices, the offload fraction in
 # $[0, 1]$, and appendix B's `check_layout` on the model (heads divisible by TP, layers by the
 # pipeline's stages). Each failure is one line naming the field.
@@ -161,7 +161,7 @@ class MemoryConfig(_Derived):
 # `compute_param_layout` sized the buffers the trainer allocates, so a ledger that called it
 # would agree with the measurement whatever the layout did. Written twice, a slip in either
 # shows up as a disagreement, in bytes, in
-# [`tests/test_memory_independent.py`](../../tests/test_memory_independent.py).
+# `tests/test_memory_independent.py`.
 
 # %%
 @dataclass(eq=False)

@@ -263,7 +263,7 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
 #
 # The tiles below were chosen by compiling every candidate ahead of time for both targets with
 # the ptxas that Triton ships (no GPU needed; the script is the private module
-# [`_compile.py`](_compile.py), and a test re-checks it). At the running example's $d = 128$ in
+# `chapters/kernels/_compile.py`, and a test re-checks it). At the running example's $d = 128$ in
 # bf16, with grouped queries:
 #
 # | kernel | $B_M \times B_N$, warps, stages | shared B/block sm_80 / sm_90 | registers/thread sm_80 / sm_90 | spills |
@@ -292,7 +292,7 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
 # fp32 kernel); the fp32 kernels still run under the interpreter, where they are the exact
 # reference of the CPU tests. Inputs are `[b, heads, s, d]`, contiguous, with one of the head
 # sizes the kernels take; anything else is a `ValueError` that names it (the checks are in the
-# chapter's private module [`_checks.py`](_checks.py)).
+# chapter's private module `chapters/kernels/_checks.py`).
 
 # %%
 DELTA_ROWS = 64  # rows of O and dO per program of the delta kernel

@@ -209,7 +209,7 @@ def step_hparams(group: dict, step: int) -> list[float]:
 
 # %% [markdown]
 # `FlatAdamW` ties these together. At construction it checks every piece (the checks, with
-# their messages, are in the page's private module [`_checks.py`](_checks.py): an fp32 master,
+# their messages, are in the page's private module `chapters/kernels/_checks.py`: an fp32 master,
 # an fp32 grad buffer, a param buffer, a piece inside its buffer and in an AdamW param group),
 # lays out the flat buffers and builds one chunk table per (grad buffer, param buffer, param
 # group). A step adopts each piece's state, checks that its `.grad` is still the grad buffer's
