@@ -40,7 +40,7 @@ __all__ = [
 # used by [the SFT page](sft.py). [Chapter 04](../04_data/preprocess.py) has the real tokenizers
 # (BPE through `tokenizers`).
 
-# %%
+# %% tags=["hide-input"]
 @dataclass(frozen=True)
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255 plus special ids for end-of-document, padding and chat roles."""
@@ -105,7 +105,7 @@ class ByteTokenizer:
 # | 0 | a b c d e | a b c d | b c d e |
 # | 1 | e f g h i | e f g h | f g h i |
 
-# %%
+# %% tags=["hide-input"]
 def split_into_samples(stream: torch.Tensor, seq_length: int) -> list[torch.Tensor]:
     """Cut a 1-D token stream into windows of seq_length+1 tokens with stride seq_length."""
     if seq_length < 1:
@@ -153,7 +153,7 @@ def shift_labels(text: torch.Tensor, pad_id: int | None = None):
 # Worked example, `s = 6`, tokens `x EOD y z EOD w` (EOD at 1 and 4): $d = 0,0,1,1,1,2$,
 # positions $0,1,0,1,2,0$, loss mask with `eod_mask_loss` $1,0,1,1,0,1$.
 
-# %%
+# %% tags=["hide-input"]
 def _document_index(tokens_bs: torch.Tensor, eod_token: int) -> torch.Tensor:
     """Number of EODs strictly before each position: the document each token belongs to."""
     is_eod = (tokens_bs == eod_token).long()
@@ -213,7 +213,7 @@ def get_ltor_masks_and_position_ids(tokens: torch.Tensor, eod_token: int,
 # global batch to full size) gets an **all-zero loss mask** (`gpt_dataset.py:279-280`): it flows
 # through the model but contributes nothing to the loss or its token count.
 
-# %%
+# %% tags=["hide-input"]
 PAD_SENTINEL = -1  # Megatron's _PAD_TOKEN_ID when the tokenizer has no usable pad
 
 
@@ -269,7 +269,7 @@ def build_gpt_sample(text: torch.Tensor, eod_token: int, pad_id: int = PAD_SENTI
 # (each 7 tokens, overlapping by one), then one 11-token sample built with every reset on: the
 # positions must restart after each EOD, and no document may see the one before it.
 
-# %%
+# %% tags=["hide-input"]
 if __name__ == "__main__":
     import matplotlib.pyplot as plt
 

@@ -37,7 +37,7 @@ __all__ = [
 # model that produced the rollouts, frozen at collection time) and $\log\pi_{ref}$ (a frozen
 # reference, usually the starting checkpoint).
 
-# %%
+# %% tags=["hide-input"]
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log p(tokens[:, i+1] | tokens[:, :i+1]) as [b, L-1] fp32, from logits [b, L, V]."""
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
@@ -54,7 +54,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 # teaches nothing. Example: rewards $(1, 0, 0, 0)$ give mean $0.25$, $\sigma = 0.433$,
 # advantages $(1.732, -0.577, -0.577, -0.577)$.
 
-# %%
+# %% tags=["hide-input"]
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
     """[num_groups, group_size] rewards -> flat advantages (r - mean) / (eps + population std)."""
     if rewards.dim() != 2 or rewards.shape[1] < 2:
@@ -92,7 +92,7 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
 # `megatron/rl/rl_utils.py:1701`). Only from the second pass on does $\pi$ differ from
 # $\pi_{old}$, so only then can the clip bite. `GRPOConfig` carries these settings.
 
-# %%
+# %% tags=["hide-input"]
 def grpo_loss(current_logprobs, old_logprobs, ref_logprobs, advantages, clamp_eps_lower: float,
               clamp_eps_upper: float, kl_beta: float, entropy_weight: float = 0.0,
               inference_logprobs=None, is_truncation_coef: float | None = None) -> dict:
@@ -121,7 +121,7 @@ def grpo_loss(current_logprobs, old_logprobs, ref_logprobs, advantages, clamp_ep
 # The knobs with Megatron's names and defaults, checked when the config is built (a clip range
 # that excludes 1 would clip every token of the first pass):
 
-# %%
+# %% tags=["hide-input"]
 @dataclass
 class GRPOConfig:
     """GRPO knobs with Megatron's defaults (megatron/training/arguments.py:2380-2440)."""
@@ -160,7 +160,7 @@ class GRPOConfig:
 # report of `[sum, count]` pairs that the loop averages over micro-batches and data-parallel
 # ranks. The RL report adds the KL, the ratios, the entropy and the two clip counts.
 
-# %%
+# %% tags=["hide-input"]
 def grpo_loss_func(loss_mask: torch.Tensor, parts: dict, output_tensor: torch.Tensor):
     """RL loss_func with the 3-tuple contract: (loss_sum, num_tokens, report of [sum, count] pairs)."""
     mask = loss_mask.reshape(-1).float()
@@ -184,7 +184,7 @@ def grpo_loss_func(loss_mask: torch.Tensor, parts: dict, output_tensor: torch.Te
 # Real systems run this with a dedicated inference engine and KV caches; a plain loop over
 # positions is enough for 3-token answers.
 
-# %%
+# %% tags=["hide-input"]
 @torch.no_grad()
 def sample_completions(model, prompts: torch.Tensor, group_size: int, max_new_tokens: int,
                        end_id: int, pad_id: int, generator: torch.Generator | None = None):
@@ -219,7 +219,7 @@ def completion_loss_mask(generated: torch.Tensor, prompt_len: int) -> torch.Tens
 # "clip-higher" setting), $\beta = 0.1$. The ratios are chosen to land inside, above and below the
 # clip range, and the advantages have both signs.
 
-# %%
+# %% tags=["hide-input"]
 if __name__ == "__main__":
     import math
 
@@ -259,7 +259,7 @@ if __name__ == "__main__":
 # of 1 the unclipped term wins the min and the slope stays: a token that moved the wrong way is
 # always pulled back.
 
-# %%
+# %% tags=["hide-input"]
 if __name__ == "__main__":
     import matplotlib.pyplot as plt
 

@@ -61,7 +61,7 @@ __all__ = [
 # Megatron's *logged* loss is always the global token mean: the `[sum, count]` pairs are summed
 # over micro-batches and data-parallel ranks and divided (`megatron/training/training.py:2327-2345`).
 
-# %%
+# %% tags=["hide-input"]
 def lm_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """(loss_sum fp32, num_tokens int, report {'lm loss': [sum, count]}) from per-token losses."""
     losses = output_tensor.reshape(-1).float()
@@ -95,7 +95,7 @@ def microbatch_objective(loss_sum: torch.Tensor, num_tokens: torch.Tensor, num_m
 # small micro-batch counts $\frac{1}{4}$, one of the large micro-batch $\frac{1}{12}$; per token
 # every one counts $\frac{1}{8}$.
 
-# %%
+# %% tags=["hide-input"]
 def token_weights(num_tokens: list[int], calculate_per_token_loss: bool) -> list[list[float]]:
     """Gradient weight of each loss token, grouped by micro-batch, under either normalization."""
     total, m = sum(num_tokens), len(num_tokens)
@@ -112,7 +112,7 @@ def token_weights(num_tokens: list[int], calculate_per_token_loss: bool) -> list
 # With `calculate_per_token_loss` it finishes as `finalize_model_grads` does, dividing every
 # gradient by the total token count. `train_step` then clips, steps, and measures the update.
 
-# %%
+# %% tags=["hide-input"]
 def forward_backward(model, microbatches: list[dict], forward_step=pretrain_forward_step,
                      calculate_per_token_loss: bool = False):
     """Accumulate gradients over micro-batches; return (reports, total num_tokens)."""
@@ -167,7 +167,7 @@ def train_step(model, optimizer, microbatches: list[dict], forward_step=pretrain
 # per-token mode reproduces the global mean exactly. Then with masks that keep 4 and 4 tokens:
 # all three agree.
 
-# %%
+# %% tags=["hide-input"]
 def _grads(model) -> torch.Tensor:
     """All gradients of a model flattened into one vector."""
     return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])

@@ -59,7 +59,7 @@ __all__ = [
 # does not yet know that a chat turn `<|user|> 3+4` wants the digit and then `<|end|>`; SFT
 # teaches the format; RL then only has to make the right digit more likely than the wrong ones.
 
-# %%
+# %% tags=["hide-input"]
 def addition_problems(max_operand: int = 4) -> list[tuple[int, int, int]]:
     """All (a, b, a+b) with 0 <= a, b <= max_operand and a one-digit sum."""
     if not 0 <= max_operand <= 4:
@@ -110,7 +110,7 @@ def sft_microbatches(problems, tok: ByteTokenizer, seq_length: int, micro_batch_
 # advantage 0 everywhere and changes nothing but the KL term. That is why RL needs a model
 # that already gets *some* answers right: the SFT phase.
 
-# %%
+# %% tags=["hide-input"]
 def addition_reward(completion: list[int], answer: int, tok: ByteTokenizer) -> float:
     """1.0 when the completion is exactly the answer digit then <|end|>, else 0.0."""
     return float(completion[:2] == tok.encode(str(answer)) + [tok.end_of_turn])
@@ -158,7 +158,7 @@ def rl_forward_step(model, batch: dict, config: GRPOConfig | None = None):
 # 50 pretraining steps, 50 SFT steps, then 8 rollout collections of 2 GRPO passes each, all
 # with the same AdamW and the same `train_step`. We measure accuracy by sampling.
 
-# %%
+# %% tags=["hide-input"]
 def _accuracy(model, problems, tok, group_size=8, seed=0) -> float:
     """Mean reward of sampled answers: the fraction of exactly right completions."""
     g = torch.Generator().manual_seed(seed)
@@ -178,7 +178,7 @@ def _completion_logprob(model, batch: dict) -> torch.Tensor:
 # First the two supervised phases: the same `pretrain_forward_step` (per-token cross entropy)
 # on EOD-separated facts, then on packed chats whose prompt tokens are masked out of the loss.
 
-# %%
+# %% tags=["hide-input"]
 if __name__ == "__main__":
     import matplotlib.pyplot as plt
 
@@ -204,7 +204,7 @@ if __name__ == "__main__":
 # log-probabilities, and makes `grpo_iterations` passes over them with `rl_forward_step`. The
 # SFT model, frozen, is the KL reference.
 
-# %%
+# %% tags=["hide-input"]
 if __name__ == "__main__":
     ref_model = copy.deepcopy(model).requires_grad_(False)
     g = torch.Generator().manual_seed(1)
@@ -228,7 +228,7 @@ if __name__ == "__main__":
 # The three curves, and the claims: both supervised losses fall, RL keeps or improves the
 # accuracy, and completions with a positive advantage became more likely.
 
-# %%
+# %% tags=["hide-input"]
 if __name__ == "__main__":
     print(f"model: {name}; pretrain loss {history['pretrain'][0]:.3f} -> {history['pretrain'][-1]:.3f}; "
           f"SFT loss {history['sft'][0]:.3f} -> {history['sft'][-1]:.3f}")

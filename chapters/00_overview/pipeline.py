@@ -44,7 +44,7 @@ __all__ = ["one_step"]
 # `finalize_model_grads` (`megatron/core/distributed/finalize_model_grads.py:445`) and the
 # optimizer step inside `train_step` (`megatron/training/training.py:2162`).
 
-# %%
+# %% tags=["hide-input"]
 def one_step(model, optimizer, batch: dict, clip_grad: float = 1.0) -> dict:
     """One pretraining step on one micro-batch that returns every intermediate for inspection."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -105,7 +105,7 @@ def one_step(model, optimizer, batch: dict, clip_grad: float = 1.0) -> dict:
 # %% [markdown]
 # ## Demo: one step on a tiny model
 
-# %%
+# %% tags=["hide-input"]
 if __name__ == "__main__":
     import copy
     import math

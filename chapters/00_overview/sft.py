@@ -52,7 +52,7 @@ __all__ = [
 # several conversations: a new one starts at every `system` message, which is how one JSONL
 # line can carry a whole multi-session chat.
 
-# %%
+# %% tags=["hide-input"]
 IGNORE_INDEX = -100  # label value that never contributes to the loss
 
 
@@ -109,7 +109,7 @@ def tokenize_conversation(conversation: list[dict], tok: ByteTokenizer):
 # `seq_length` raises `ValueError` unless `truncate=True` is passed, in which case it is cut on the
 # right to `seq_length` tokens and placed alone in its row.
 
-# %%
+# %% tags=["hide-input"]
 def block_causal_mask(cu_seqlens: torch.Tensor, seq_length: int) -> torch.Tensor:
     """[1, s, s] bool, True = masked: causal inside each cu_seqlens segment, blocked across them."""
     if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != seq_length:
@@ -126,7 +126,7 @@ def block_causal_mask(cu_seqlens: torch.Tensor, seq_length: int) -> torch.Tensor
 # Packing itself is two steps. First the conversations are grouped, in order, into rows that
 # hold at most `seq_length` tokens (the overlong-conversation check lives here):
 
-# %%
+# %% tags=["hide-input"]
 def _fit_conversations(encoded, seq_length: int, truncate: bool):
     """Group (tokens, targets) pairs into rows of at most seq_length tokens, in order."""
     rows, current, used = [], [], 0
@@ -150,7 +150,7 @@ def _fit_conversations(encoded, seq_length: int, truncate: bool):
 # Then each group becomes one row: tokens and targets laid end to end, positions restarting per
 # conversation, padding to `seq_length + 1`, the shift, the loss mask and `cu_seqlens`.
 
-# %%
+# %% tags=["hide-input"]
 def _build_row(convs, seq_length: int, tok: ByteTokenizer) -> dict:
     """One packed row dict from conversations that fit in seq_length tokens."""
     tokens = [t for c in convs for t in c[0]]
@@ -183,7 +183,7 @@ def _build_row(convs, seq_length: int, tok: ByteTokenizer) -> dict:
 # %% [markdown]
 # The two entry points: conversations already split, or JSONL records straight from a file.
 
-# %%
+# %% tags=["hide-input"]
 def pack_conversations(conversations: list[list[dict]], seq_length: int,
                        tok: ByteTokenizer | None = None, truncate: bool = False) -> list[dict]:
     """Tokenize conversations and pack them greedily into rows of seq_length inputs."""
@@ -213,7 +213,7 @@ def sft_rows_from_jsonl(lines, seq_length: int, tok: ByteTokenizer | None = None
 # %% [markdown]
 # ## Demo: three chats in one 32-token row
 
-# %%
+# %% tags=["hide-input"]
 if __name__ == "__main__":
     import matplotlib.pyplot as plt
 
