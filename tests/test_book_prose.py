@@ -57,6 +57,7 @@ PAGES_AT_GOAL = {
     "03_checkpoint/formats.py",
     "03_checkpoint/legacy.py",
     "03_checkpoint/resharding.py",
+    "03_checkpoint/convert.py",
     "03_checkpoint/resume.py",
     "03_checkpoint/sharded_keys.py",
     "03_checkpoint/torch_dist.py",

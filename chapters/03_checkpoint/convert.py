@@ -32,12 +32,11 @@ import pickle
 import re
 import signal
 import types
-import sys
 from pathlib import Path
-from typing import Optional, Sequence
 
 import torch
 
+from tinytron.checkpoint._convert_cli import check_target, main
 from tinytron.checkpoint.formats import (LEGACY_MODEL_FILENAME, detect_format,
                                          resolve_checkpoint_dir)
 from tinytron.model import GPTModel, ModelConfig
@@ -67,6 +66,16 @@ __all__ = ["read_checkpoint_model", "checkpoint_to_hf", "hf_to_checkpoint", "inf
 # The head count is not in any shape ($d$ is unknown), so `--num-attention-heads` (and
 # `--num-query-groups`, else derived from the QKV rows) must be given; RoPE base and norm
 # epsilon default to Megatron's (10000, 1e-5) unless given.
+#
+# Worked by hand for the tiny GPT of the tests, saved model-only: the index says
+# `word_embeddings` is $[512, 64]$, `linear_qkv` is $[2, 128, 64]$ and `linear_fc1` is
+# $[2, 256, 64]$, with no `output_layer`. So $V = 512$, $h = 64$, $L = 2$, $f = 256/2 = 128$,
+# and the embeddings are tied. Given `--num-attention-heads 4`, the head size is
+# $d = 64/4 = 16$, and the 128 QKV rows are $(4 + 2g) \cdot 16$, so $g = (128/16 - 4)/2 = 2$
+# query groups; a head count that leaves a remainder (say 3: $d = 21$, and $(3 + 2g) \cdot 21$
+# is never 128) is refused with the row count in the message rather than built wrong. Why the
+# heads cannot be guessed: 4 heads of 16 and 8 heads of 8 give the same 64 columns, and, with
+# the groups free, the same 128 rows (4 + 2·2 = 8 rows of 16; 8 + 2·4 = 16 rows of 8).
 
 # %%
 def _metadata_shapes(directory: Path) -> dict:
@@ -322,79 +331,27 @@ def hf_to_checkpoint(src, dst, ckpt_format: str = "torch_dist") -> ModelConfig:
     return config
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tinytron-convert",
-                                description="Convert checkpoints to and from Hugging Face Llama.")
-    p.add_argument("direction", choices=["to-hf", "from-hf"])
-    p.add_argument("src")
-    p.add_argument("dst")
-    p.add_argument("--num-attention-heads", type=int, default=None,
-                   help="heads, for checkpoints without a model config (e.g. Megatron-Core's)")
-    p.add_argument("--num-query-groups", type=int, default=None)
-    p.add_argument("--rotary-base", type=int, default=None)
-    p.add_argument("--norm-epsilon", type=float, default=None)
-    p.add_argument("--tokenizer-file", default=None,
-                   help="to-hf: the tokenizer.json to export with the weights (default: the "
-                        "run's [tokenizer] from config.toml beside the checkpoint)")
-    p.add_argument("--trust-pickle", action="store_true",
-                   help="unpickle common.pt in full (can run code: a checkpoint you trust only)")
-    p.add_argument("--format", dest="ckpt_format", choices=["torch_dist", "torch"],
-                   default="torch_dist", help="checkpoint format written by from-hf")
-    p.add_argument("--force", action="store_true",
-                   help="from-hf: write into a CHECKPOINT_ROOT that is not empty (its tracker "
-                        "is rewritten to iteration 0: a run there would restart from it)")
-    return p
-
-
-
 # %% [markdown]
-# `check_target` is that refusal: a tracker in the target names the iteration a resume there
-# would lose; any other file means the directory belongs to something else.
-
-# %%
-def check_target(dst, force: bool = False) -> None:
-    """ValueError when from-hf would write into a non-empty directory (a run's, maybe)."""
-    from tinytron.checkpoint.formats import read_tracker
-
-    path = Path(dst)
-    if force or not path.exists():
-        return
-    if not path.is_dir():
-        raise ValueError(f"{path} exists and is not a directory")
-    found = read_tracker(path)
-    if found is not None:
-        raise ValueError(f"{path} holds a checkpoint (tracker at iteration "
-                         f"{'release' if found[1] else found[0]}): writing iteration 0 there "
-                         "would make the next resume start over; pick a new directory, or "
-                         "pass --force")
-    if any(path.iterdir()):
-        raise ValueError(f"{path} is not empty: pick a new directory, or pass --force")
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of `tinytron-convert`: exit status 0, or 2 with a one-line error."""
-    args = _parser().parse_args(argv)
-    try:
-        if args.direction == "to-hf":
-            extra = {k: v for k, v in (("rotary_base", args.rotary_base),
-                                       ("norm_epsilon", args.norm_epsilon)) if v is not None}
-            config = checkpoint_to_hf(args.src, args.dst,
-                                      num_attention_heads=args.num_attention_heads,
-                                      num_query_groups=args.num_query_groups,
-                                      trust_pickle=args.trust_pickle,
-                                      tokenizer_file=args.tokenizer_file, **extra)
-        else:
-            check_target(args.dst, args.force)
-            config = hf_to_checkpoint(args.src, args.dst, args.ckpt_format)
-    except (ValueError, OSError, RuntimeError) as err:
-        print(f"tinytron-convert: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
-    tokenizer = (" with its tokenizer" if args.direction == "to-hf"
-                 and (Path(args.dst) / "tokenizer.json").is_file() else "")
-    print(f"tinytron-convert: {args.src} -> {args.dst} ({config.num_layers} layers, "
-          f"h {config.hidden_size}, V {config.vocab_size}){tokenizer}")
-    return 0
-
+# ### The command line, and the refusal
+#
+# The flags, `check_target` and `main` live in `tinytron.checkpoint._convert_cli`, from which
+# this page imports `main` and `check_target`. What the check decides, for a `from-hf` target:
+#
+# | the target | `from-hf` does |
+# |---|---|
+# | does not exist, or an empty directory | writes iteration 0 there |
+# | holds `latest_checkpointed_iteration.txt` saying 1200 | stops: a resume there would lose 1200 iterations |
+# | holds any other file | stops: the directory belongs to something else |
+# | a file, not a directory | stops |
+# | anything, with `--force` | writes, rewriting the tracker to 0 |
+#
+# Why refuse rather than warn: the damage is silent and shows up later. The converter itself
+# succeeds; only the next `tinytron-train` in that directory, which reads the tracker to
+# decide where to resume (Megatron's tracker, named at `megatron/training/checkpointing.py:312-316`
+# and read by `read_metadata` at `:326`), starts again from the converted weights at
+# iteration 0. Every refusal, and every other bad
+# input (a missing directory, a checkpoint without heads), is one `tinytron-convert: error:`
+# line with exit status 2, so a script can tell a refused request from a crash.
 
 # %% [markdown]
 # ## Demo: a PP 2 training checkpoint → Hugging Face → checkpoint
