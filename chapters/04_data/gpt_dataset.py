@@ -4,13 +4,55 @@
 # How Megatron turns a pile of variable-length sequences into a fixed, shuffled list of
 # `seq_length + 1`-token windows — the same windows in the same order as Megatron, built with a
 # few numpy calls instead of a C++ extension, cached on disk and keyed on the data itself.
+#
+# Why three tables instead of one list of windows: a corpus of a trillion tokens read as
+# 4,097-token windows is about 244 million samples, and each must be found in constant time, in
+# a shuffled order that every data-parallel rank agrees on, and again after a restart at sample
+# 1,000,000 without replaying the first million. Materializing the windows would copy the
+# corpus; instead three small integer arrays say where each window lives in the `.bin`, and a
+# sample is a lookup. They are:
+#
+# * the **document index**: which sequence comes next in the stream, epoch after epoch, shuffled;
+# * the **sample index**: where in that stream each window starts (a position in the document
+#   index and a token offset in that sequence);
+# * the **shuffle index**: in which order the windows are handed out.
+#
+# ### Three documents, worked by hand
+#
+# Take a split of 3 sequences of lengths 5, 3 and 4 ($T = 12$ tokens per epoch), windows of
+# $L = 3$ tokens (each reads $L + 1 = 4$) and $S = 4$ samples asked for, seed 1234.
+#
+# *Epochs.* Four samples read $4 \cdot 3 + 1 = 13$ tokens, more than 12, so $E = 2$ passes. Of
+# the second pass only one sample is needed: the first pass gives $(12 - 1)//3 = 3$ samples, so
+# $S_{last} = 4 - 3 = 1 < \lfloor 0.8 \cdot 3 \rfloor = 2$, and the second epoch is shuffled
+# apart from the first (the 80% rule below).
+#
+# *Document index.* Each epoch is `[0, 1, 2]` shuffled by `RandomState(1234)`, the first epoch
+# and then the second from the same stream: `[0, 1, 2 | 1, 2, 0]`. In that order the lengths are
+# 5, 3, 4, 3, 4, 5, so position $j$ starts at token $c_j$ = 0, 5, 8, 12, 15, 19 (and 24 ends).
+#
+# *Sample index.* Both epochs hold 24 tokens, so $(24 - 1)//3 = 7$ windows, starting at tokens
+# 0, 3, 6, ..., 21 — more than the 4 asked for, because the tables cover whole epochs. Token 6
+# lies in position 1 (5 ≤ 6 < 8) at offset 1, token 21 in position 5 at offset 2:
+#
+# | row | start token | (position, offset) | | row | start token | (position, offset) |
+# |---|---|---|---|---|---|---|
+# | 0 | 0 | (0, 0) | | 4 | 12 | (3, 0) |
+# | 1 | 3 | (0, 3) | | 5 | 15 | (4, 0) |
+# | 2 | 6 | (1, 1) | | 6 | 18 | (4, 3) |
+# | 3 | 9 | (2, 1) | | 7 | 21 | (5, 2) |
+#
+# *Shuffle index.* The 3 windows of the first epoch are shuffled among themselves, the 4 of the
+# separate last epoch among themselves, from the same stream after the document shuffles:
+# `[2, 1, 0 | 3, 5, 4, 6]`. So step 0 reads window 2, rows 2 and 3: the last 2 tokens of
+# sequence 1 (offsets 1, 2) and the first 2 of sequence 2 — 4 tokens, the inputs of the first
+# 3 and the labels of the last 3. The first $S = 4$ steps read windows 2, 1, 0 and 3, all of the
+# first epoch but one: the partial epoch does not leak into the first steps. The demo below
+# checks every one of these numbers.
 
 # %%
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
 import math
 import numbers
 import os
@@ -23,6 +65,8 @@ import numpy as np
 import torch
 
 from tinytron._fields import check_fields, check_range, document_fields
+from tinytron.data._dataset_cache import (_is_rank_zero, _save_atomic,  # noqa: F401 (re-exported)
+                                          data_identity, describe, load_or_build)
 from tinytron.data.indexed import IndexedDataset, get_bin_path, get_idx_path
 from tinytron.overview.batch import PAD_SENTINEL, get_ltor_masks_and_position_ids, mask_padding
 
@@ -44,6 +88,12 @@ __all__ = [
 # sequence per document). A zero weight gives `None`, no split at all
 # (`megatron/core/datasets/blended_megatron_dataset_config.py:155-215`,
 # `megatron/core/datasets/blended_megatron_dataset_builder.py:470`).
+#
+# Why the split is over sequences, not tokens or samples: the validation set must hold text the
+# model never trained on. Cutting by sequence id, before any window is made, means no window of
+# the validation split can share a token with a training window; cutting the shuffled samples
+# instead would put the two halves of one document on both sides. With `969,30,1` and 1,000
+# sequences, train gets ids 0..968, validation 969..998 and test 999.
 
 # %%
 class Split(Enum):
@@ -92,6 +142,12 @@ def split_indices(bookends: Optional[tuple], num_elements: int) -> Optional[np.n
 # Names and defaults follow `GPTDatasetConfig` (`gpt_dataset.py:25`) and its parent
 # `BlendedMegatronDatasetConfig`. Instead of a tokenizer object the config takes the two ids the
 # dataset needs, `eod_id` and `pad_id` (Megatron's `-1` sentinel when the tokenizer has no pad).
+# Two integers rather than a tokenizer object keep the config a plain dataclass that pickles
+# to `DataLoader` workers and prints in the cache description; they are also all the dataset
+# uses a tokenizer for.
+# Every field that changes which windows come out, or in what order, is also a field of the
+# cache key below; the mask options (`reset_position_ids` and the rest) change only what is
+# computed from a window, so they are not.
 
 # %%
 @document_fields
@@ -193,6 +249,13 @@ def checked_blend(blend, name: str = "blend") -> tuple:
 # Worked example: $T = 100$, $L = 10$, $S = 12$: $E = 2$ ($200 \ge 121$);
 # $S_{prev} = (100 - 1)//10 = 9$, $S_{last} = 3$, $S_{epoch} = 9$; $3 < \lfloor 0.8\cdot 9\rfloor = 7$
 # so the second epoch is kept apart.
+#
+# Why $+1$: with `add_extra_token_to_sequence` each window reads $L + 1$ tokens, so that the
+# inputs are tokens $0..L-1$ and the labels tokens $1..L$ of the same window, with no label
+# missing at the end. Consecutive windows share that one token (the last label of one is the
+# first input of the next), so $S$ windows cover $S L + 1$ tokens, not $S (L + 1)$. An empty
+# split asked for samples would need infinitely many epochs; Megatron's loop never ends there,
+# tinytron stops with a one-line error naming the dataset and the split.
 
 # %%
 def get_num_epochs(tokens_per_epoch: int, num_samples: Optional[int], seq_length: int,
@@ -228,6 +291,21 @@ def needs_separate_final_epoch(num_epochs: int, tokens_per_epoch: int, num_sampl
 # the document shuffle(s) (first $E-1$ epochs, then the last one when separate), then the sample
 # shuffle(s) (`_build_document_index`, `:640`; `_build_shuffle_index`, `:674`). A permutation of
 # $n$ items drawn by `RandomState.shuffle` depends only on $n$ and the stream, not on the dtype.
+#
+# That is why `shuffle_index_dtype` can pick the narrower type freely: a trillion-token corpus
+# of 4,097-token windows has about 244 million samples, so a `uint32` shuffle index is about
+# 0.98 GB where `int64` would be 1.95 GB, in every process that maps it, and only above
+# $2^{32} - 2$ samples is `int64` needed (`gpt_dataset.py:693`).
+#
+# Why shuffle twice: the document shuffle mixes *which text* is next to which, so a window that
+# spans a boundary joins two unrelated documents rather than two chapters of one book; the
+# sample shuffle mixes *when* each window is seen, so consecutive steps are not consecutive
+# text. Either alone leaves a pattern: documents shuffled but samples in order feed the model
+# one document's windows in a row; samples shuffled but documents in order make every
+# boundary window join the same two neighbors, epoch after epoch. Why numpy's legacy
+# `RandomState` and not `default_rng`: the order of the draws and the generator are part of
+# the format — the same seed must give the same arrays as Megatron's, bit for bit, or a run
+# resumed from a Megatron checkpoint would see different data.
 
 # %%
 def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
@@ -273,6 +351,13 @@ def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.Random
 # $(12-1)//3 = 3$ samples starting at tokens $0, 3, 6, 9$ → rows `(0,0) (0,3) (1,2) (2,2)`.
 # Sample 1 reads tokens 3..6: the last token of sequence 0 and all of sequence 1.
 #
+# The code below gets there without `searchsorted` too, by counting instead of searching. The
+# documents end at tokens 4, 7, 12; the first sample starting at or after an end $e$ is
+# $\lceil e/3 \rceil$ = 2, 3, 4, so document 0 holds the starts of samples 0 and 1, and
+# documents 1 and 2 one each: counts `[2, 1, 1]`, positions `repeat([0, 1, 2], [2, 1, 1])` =
+# `[0, 0, 1, 2]`, and offsets = starts `[0, 3, 6, 9]` minus each position's first token
+# `[0, 0, 4, 7]` = `[0, 3, 2, 2]`: the same four rows, in time linear in documents plus samples.
+#
 # Two corner rules of the C++ are kept: row 0 is always `(0, 0)` (even when the first sequence
 # is empty), and a partial last sample (validation only, when not dropped) ends at
 # `(last position, len - 1)`. Without the extra token a sample that ends exactly at a sequence
@@ -285,6 +370,12 @@ def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.Random
 # `benchmarks/bench_data.py` at a million samples), and end to end against Megatron's own
 # `GPTDataset` and `BlendedDataset` (opt-in `tests/test_data_megatron_compat.py`: the same
 # tokens, labels, masks and positions for every sample of every split, blends included).
+#
+# Why not simply port the C++ loop: it is a walk of one step per sequence and one per sample,
+# fine in C++ and far too slow as a Python loop at a billion tokens. The formula version does
+# the same arithmetic for all samples at once — a cumulative sum, one `np.repeat` and one
+# subtraction — so numpy's vectorized loops do the walk, and there is no extension to compile
+# (Megatron compiles `helpers.cpp` with pybind11 on first use).
 
 # %%
 def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length: int,
@@ -320,7 +411,16 @@ def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length
     out[0] = (0, 0)
     return out
 
+# %% [markdown]
+# The three builders together, in the order that fixes the random stream: count the epochs,
+# decide on the separate final epoch, then one `RandomState(seed)` draws the document
+# shuffle(s) first and the sample shuffle(s) after, with the sample index (which draws nothing)
+# built between them (`_build_document_sample_shuffle_indices`, `gpt_dataset.py:381`). Swap
+# two of these calls and every table is still a valid permutation — and none of them is
+# Megatron's any more, which only the parity tests would notice. For the three-document example
+# this function returns exactly the arrays of the tables at the top of the page.
 
+# %%
 def build_document_sample_shuffle_indices(sizes: np.ndarray, documents: np.ndarray,
                                           num_samples: Optional[int], seq_length: int,
                                           seed: int = 1234, add_extra_token: int = 1,
@@ -359,43 +459,29 @@ def build_document_sample_shuffle_indices(sizes: np.ndarray, documents: np.ndarr
 # Files are written to temporary names and renamed, the description last, so a reader that sees
 # the description sees complete arrays. With `torch.distributed` initialized only global rank 0
 # builds; the others wait at a barrier and memory-map the files (`gpt_dataset.py:441-551`).
+#
+# Why cache at all: building the tables is a shuffle of every sequence id and a pass over every
+# sample, seconds to minutes for a large corpus, and it would otherwise run again on every
+# restart and in every process that opens the dataset. Loading is `np.load(mmap_mode="r")`:
+# no copy, so eight processes on one node share one page cache. Why rank 0 alone builds: two
+# ranks writing the same file at once could leave one rank reading the other's half-written
+# array; with one writer, temporary names and the description renamed last, a reader either
+# sees all four files complete or goes on waiting. A rank that finds no cache and is not rank
+# 0 was not made to wait, and stops with an error that says so rather than build its own copy.
 
-# %%
-def data_identity(path_prefix: str) -> dict:
-    """File sizes and the .idx hash of a prefix: changes whenever the sequence lengths change."""
-    idx, bin_ = get_idx_path(path_prefix), get_bin_path(path_prefix)
-    st = os.stat(idx)
-    return {"idx_blake2b": _idx_hash(idx, st.st_size, st.st_mtime_ns, st.st_ino),
-            "idx_size": st.st_size, "bin_size": os.path.getsize(bin_)}
-
-
-@functools.lru_cache(maxsize=256)
-def _idx_hash(idx: str, size: int, mtime_ns: int, inode: int) -> str:
-    """BLAKE2 of the .idx, memoised per file version (one read per process, not per split)."""
-    h = hashlib.blake2b(digest_size=16)
-    with open(idx, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-_TABLES = ("document_index", "sample_index", "shuffle_index")
-
-
-def _save_atomic(path: str, array: Optional[np.ndarray] = None, text: Optional[str] = None) -> None:
-    """Write one cache file under a temporary name, then rename it into place."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        if text is not None:
-            f.write(text.encode())
-        else:
-            np.save(f, array, allow_pickle=False)
-    os.replace(tmp, path)
-
-
-def _is_rank_zero() -> bool:
-    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
-        or torch.distributed.get_rank() == 0
+# %% [markdown]
+# That bookkeeping — the description, its md5, the four file names, the writes under temporary
+# names and the rank-0 rule — is in `tinytron.data._dataset_cache`; the class below calls its
+# `describe` and `load_or_build`, and `data_identity` is importable from this page.
+#
+# What the key looks like, for the 3-document corpus of the worked example below: the
+# description is a JSON object of 14 fields, among them `"num_samples": 4`,
+# `"sequence_length": 3`, `"random_seed": 1234`, `"index_split": "train"`, `"num_indices": 3`
+# and `"data": {"idx_blake2b": ..., "idx_size": ..., "bin_size": ...}`; its md5 (32 hex digits)
+# starts every file name, as in `<md5>-GPTDataset-train-sample_index.npy`. Ask for 5 samples
+# instead of 4, or re-run preprocessing so that one document gets one token longer, and the md5
+# changes, so the old files are simply never looked at again; copy the dataset to another disk
+# byte for byte and the md5 stays, so the cache built on the first is used on the second.
 
 # %% [markdown]
 # ## GPTDataset
@@ -409,6 +495,15 @@ def _is_rank_zero() -> bool:
 # [chapter 00's](../00_overview/batch.py)
 # `get_ltor_masks_and_position_ids` and `mask_padding`; like Megatron they are computed once and
 # reused when no EOD-dependent option is on (`gpt_dataset.py:131-137`).
+#
+# The class is small on purpose: its constructor describes the dataset (the cache key), loads or
+# builds the three tables, and attaches the token views; `query_tokens` and `__getitem__` are
+# the two functions of the next cells. `__len__` is the sample index's rows minus one, as in
+# Megatron (`gpt_dataset.py:223`; its `defer_npy_index_mmap` branch above computes the same
+# count without the table, a mode tinytron does not have), which for the worked example is 7,
+# not the 4 asked for: the training loop asks for only the first $S$. Pickling drops the token
+# views, so a `DataLoader` worker re-opens the memory map in its own process instead of
+# receiving a copy of the corpus through a pipe.
 
 # %%
 class GPTDataset(torch.utils.data.Dataset):
@@ -429,79 +524,13 @@ class GPTDataset(torch.utils.data.Dataset):
         self.dataset, self.dataset_path, self.indices = indexed_dataset, dataset_path, indexed_indices
         self.num_samples, self.index_split, self.config = num_samples, index_split, config
         self.extra = int(config.add_extra_token_to_sequence)
-        self.unique_identifiers = {
-            "class": type(self).__name__, "dataset_path": dataset_path, "num_samples": num_samples,
-            "index_split": index_split.name, "random_seed": config.random_seed,
-            "sequence_length": config.sequence_length, "split": config.split,
-            "split_matrix": config.split_matrix, "eod_id": config.eod_id,
-            "add_extra_token_to_sequence": config.add_extra_token_to_sequence,
-            "drop_last_partial_validation_sequence": config.drop_last_partial_validation_sequence,
-            "first_index": int(indexed_indices[0]) if len(indexed_indices) else None,
-            "num_indices": len(indexed_indices),
-            "data": data_identity(dataset_path) if dataset_path else None,
-        }
-        self.unique_description = json.dumps(self.unique_identifiers, indent=4)
-        self.unique_description_hash = hashlib.md5(self.unique_description.encode()).hexdigest()
+        describe(self)  # unique_identifiers, unique_description and its md5 (the cache key)
         self.cache_hit = False
-        self.document_index, self.sample_index, self.shuffle_index = self._load_or_build()
-        self._attach_tokens()
-
-    def _attach_tokens(self) -> None:
-        """Plain ndarray views of the mapped .bin: numpy's memmap subclass costs ~5 us per slice."""
-        tok = self.dataset._tokens  # None for the file reader (mmap=False)
-        self._tokens = None if tok is None else tok.view(np.ndarray)
-        self._offsets = self.dataset._token_offsets if self._tokens is not None else None
-        self._cached_masks = None
-
-    def __getstate__(self):
-        """Pickle without the token views; the IndexedDataset re-opens its files."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("_tokens", "_offsets")}
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._attach_tokens()
-
-
-# %% [markdown]
-# The class continues over the next cells (a cell extends a class by subclassing it under the
-# same name). First the tables: loaded from the cache when its four files exist, else built on
-# global rank 0 and saved; another rank that finds no cache was not made to wait for rank 0,
-# and says so.
-
-# %%
-class GPTDataset(GPTDataset):  # the same class, continued
-    __doc__ = GPTDataset.__doc__  # help() keeps the first cell's docstring
-    def _cache_paths(self) -> Optional[dict]:
-        """The four cache file paths, or None when caching is impossible."""
-        root = self.config.path_to_cache
-        if root is None and self.dataset_path:
-            root = os.path.join(self.dataset_path, "cache", f"{type(self).__name__}_indices")
-        if root is None:
-            return None
-        base = f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}"
-        return {a: os.path.join(root, f"{base}-{a}{'.txt' if a == 'description' else '.npy'}")
-                for a in ("description",) + _TABLES}
-
-    def _load_or_build(self):
-        """Load cached tables (mmap) or build them on rank 0 and save them."""
-        paths = self._cache_paths()
-        hit = paths is not None and all(os.path.isfile(p) for p in paths.values())
-        if paths is None or (not hit and _is_rank_zero()):
-            tables = self._build()
-            if paths is not None:
-                os.makedirs(os.path.dirname(paths["description"]), exist_ok=True)
-                for name, arr in zip(_TABLES, tables):
-                    _save_atomic(paths[name], arr)
-                _save_atomic(paths["description"], text=self.unique_description)
-            return tables
-        if not hit:
-            raise FileNotFoundError(f"{paths['description']}: index cache missing on a non-zero "
-                                    "rank; build the dataset on rank 0 first (barrier)")
-        self.cache_hit = True
-        return tuple(np.load(paths[name], mmap_mode="r").view(np.ndarray) for name in _TABLES)
+        self.document_index, self.sample_index, self.shuffle_index = load_or_build(self, self._build)
+        _attach_tokens(self)
 
     def _build(self):
-        """The three tables for this split."""
+        """The three tables for this split (the last valid sample kept partial if asked)."""
         drop = (self.config.drop_last_partial_validation_sequence
                 if self.index_split == Split.valid else True)
         return build_document_sample_shuffle_indices(
@@ -511,6 +540,22 @@ class GPTDataset(GPTDataset):  # the same class, continued
 
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1
+
+    def query_tokens(self, idx: int) -> np.ndarray:
+        """The seq_length + extra token ids of sample idx (int64; pad id where short)."""
+        return _window_tokens(self, idx)
+
+    def __getitem__(self, idx: Optional[int]) -> dict:
+        """tokens, labels, loss_mask, position_ids (+ attention_mask) of sample idx."""
+        return _sample(self, idx)
+
+    def __getstate__(self):
+        """Pickle without the token views; the IndexedDataset re-opens its files."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_tokens", "_offsets")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        _attach_tokens(self)
 
     def __repr__(self) -> str:
         tokens = int(np.asarray(self.dataset.sequence_lengths)[self.indices].sum(dtype=np.int64))
@@ -522,89 +567,112 @@ class GPTDataset(GPTDataset):  # the same class, continued
 # %% [markdown]
 # Reading the tokens of sample `idx`: the shuffle index picks the row of the sample index, two
 # consecutive rows give where the window starts and ends, and the window is cut out of the
-# memory-mapped `.bin`.
+# memory-mapped `.bin`. The class's `query_tokens` is this function; `_attach_tokens` makes the
+# flat views it slices, once when the dataset is built and again after unpickling.
 
 # %%
-class GPTDataset(GPTDataset):  # continued
-    __doc__ = GPTDataset.__doc__  # help() keeps the first cell's docstring
-    def query_tokens(self, idx: int) -> np.ndarray:
-        """The seq_length + extra token ids of sample idx (int64; pad id where short)."""
-        j = int(self.shuffle_index[idx])
-        d0, o0 = self.sample_index[j].tolist()
-        d1, o1 = self.sample_index[j + 1].tolist()
-        doc, extra = self.document_index, self.extra
-        if d0 == d1:
-            parts = [self._read(int(doc[d0]), o0, o1 - o0 + extra)]
-        else:
-            parts = [self._read(int(doc[d0]), o0, None)]
-            parts += [self._read(int(s), 0, None) for s in doc[d0 + 1:d1]]
-            parts.append(self._read(int(doc[d1]), 0, o1 + extra))
-        out = np.concatenate(parts, dtype=np.int64) if len(parts) > 1 else parts[0].astype(np.int64)
-        need = self.config.sequence_length + extra
-        if len(out) < need:
-            out = np.concatenate([out, np.full(need - len(out), self.config.pad_id, np.int64)])
-        return out
+def _attach_tokens(ds: GPTDataset) -> None:
+    """Plain ndarray views of the mapped .bin: numpy's memmap subclass costs ~5 us per slice."""
+    tok = ds.dataset._tokens  # None for the file reader (mmap=False)
+    ds._tokens = None if tok is None else tok.view(np.ndarray)
+    ds._offsets = ds.dataset._token_offsets if ds._tokens is not None else None
+    ds._cached_masks = None
 
-    def _read(self, seq: int, offset: int, length: Optional[int]) -> np.ndarray:
-        """Tokens of one sequence: a slice of the flat mmap, or the dataset's file reader."""
-        if self._offsets is None:
-            return self.dataset.get(seq, offset, length)
-        start = int(self._offsets[seq]) + offset
-        if length is None:
-            length = int(self.dataset.sequence_lengths[seq]) - offset
-        return self._tokens[start:start + length]
+
+def _window_tokens(ds: GPTDataset, idx: int) -> np.ndarray:
+    """The seq_length + extra token ids of sample idx of `ds` (int64; pad id where short)."""
+    j = int(ds.shuffle_index[idx])
+    d0, o0 = ds.sample_index[j].tolist()
+    d1, o1 = ds.sample_index[j + 1].tolist()
+    doc, extra = ds.document_index, ds.extra
+    if d0 == d1:
+        parts = [_read(ds, int(doc[d0]), o0, o1 - o0 + extra)]
+    else:
+        parts = [_read(ds, int(doc[d0]), o0, None)]
+        parts += [_read(ds, int(s), 0, None) for s in doc[d0 + 1:d1]]
+        parts.append(_read(ds, int(doc[d1]), 0, o1 + extra))
+    out = np.concatenate(parts, dtype=np.int64) if len(parts) > 1 else parts[0].astype(np.int64)
+    need = ds.config.sequence_length + extra
+    if len(out) < need:
+        out = np.concatenate([out, np.full(need - len(out), ds.config.pad_id, np.int64)])
+    return out
+
+
+def _read(ds: GPTDataset, seq: int, offset: int, length: Optional[int]) -> np.ndarray:
+    """Tokens of one sequence: a slice of the flat mmap, or the dataset's file reader."""
+    if ds._offsets is None:
+        return ds.dataset.get(seq, offset, length)
+    start = int(ds._offsets[seq]) + offset
+    if length is None:
+        length = int(ds.dataset.sequence_lengths[seq]) - offset
+    return ds._tokens[start:start + length]
 
 
 # %% [markdown]
 # And the sample itself: the shift into tokens and labels, the masks and positions, padding
-# masked out of the loss (`idx=None` is Megatron's padding sample: all loss zero).
+# masked out of the loss (`idx=None` is Megatron's padding sample: all loss zero). The class's
+# `__getitem__` is this function.
+#
+# For the worked example's window 2, `text = [t1, t2, u0, u1]` (the last two tokens of sequence
+# 1, the first two of sequence 2): `tokens = [t1, t2, u0]`, `labels = [t2, u0, u1]`, and the
+# loss mask is all ones unless `eod_mask_loss` zeroes the position whose input is the EOD
+# (`t2`, when sequence 1 ends with one). Padding appears only in a kept partial validation
+# window, whose missing tokens are the pad id; `mask_padding` zeroes the loss where the label
+# is pad and maps pad ids to 0, so a `-1` sentinel never reaches the embedding lookup. The masks and
+# positions depend only on where EODs are when one of the three reset/mask options is on;
+# otherwise they are the same for every window, so they are computed once and copied.
 
 # %%
-class GPTDataset(GPTDataset):  # continued
-    __doc__ = GPTDataset.__doc__  # help() keeps the first cell's docstring
-    def __getitem__(self, idx: Optional[int]) -> dict:
-        """tokens, labels, loss_mask, position_ids (+ attention_mask) of sample idx."""
-        cfg = self.config
-        text_np = self.query_tokens(0 if idx is None else idx)
-        if cfg.pad_id < 0 and np.dtype(self.dataset.dtype).kind == "u":
-            has_pad = bool(text_np[-1] == cfg.pad_id)  # only padding (at the end) can hold -1
-        else:
-            has_pad = bool((text_np == cfg.pad_id).any())
-        text = torch.from_numpy(text_np)
-        if self.extra:
-            tokens, labels = text[:-1], text[1:]
-        else:
-            tokens, labels = text, torch.roll(text, -1)
-            labels[-1] = cfg.pad_id
-            has_pad = True
-        attention_mask, loss_mask, position_ids = self._masks(tokens)
-        if has_pad:  # chapter 00's rule; a no-op (skipped) when no pad id is present
-            tokens, labels, loss_mask = mask_padding(tokens, labels, loss_mask, cfg.pad_id)
-        if idx is None:
-            loss_mask = torch.zeros_like(loss_mask)
-        sample = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
-                  "position_ids": position_ids}
-        if cfg.create_attention_mask:
-            sample["attention_mask"] = attention_mask
-        return sample
+def _sample(ds: GPTDataset, idx: Optional[int]) -> dict:
+    """tokens, labels, loss_mask, position_ids (+ attention_mask) of sample idx of `ds`."""
+    cfg = ds.config
+    text_np = _window_tokens(ds, 0 if idx is None else idx)
+    if cfg.pad_id < 0 and np.dtype(ds.dataset.dtype).kind == "u":
+        has_pad = bool(text_np[-1] == cfg.pad_id)  # only padding (at the end) can hold -1
+    else:
+        has_pad = bool((text_np == cfg.pad_id).any())
+    text = torch.from_numpy(text_np)
+    if ds.extra:
+        tokens, labels = text[:-1], text[1:]
+    else:
+        tokens, labels = text, torch.roll(text, -1)
+        labels[-1] = cfg.pad_id
+        has_pad = True
+    attention_mask, loss_mask, position_ids = _masks(ds, tokens)
+    if has_pad:  # chapter 00's rule; a no-op (skipped) when no pad id is present
+        tokens, labels, loss_mask = mask_padding(tokens, labels, loss_mask, cfg.pad_id)
+    if idx is None:
+        loss_mask = torch.zeros_like(loss_mask)
+    sample = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+              "position_ids": position_ids}
+    if cfg.create_attention_mask:
+        sample["attention_mask"] = attention_mask
+    return sample
 
-    def _masks(self, tokens: torch.Tensor):
-        """Chapter 00's masks and positions, computed once when they do not depend on EODs."""
-        cfg = self.config
-        cacheable = not (cfg.reset_position_ids or cfg.reset_attention_mask or cfg.eod_mask_loss)
-        if cacheable and self._cached_masks is not None:
-            mask, loss_mask, pos = self._cached_masks
-            return mask, torch.from_numpy(loss_mask.numpy().copy()), pos  # 3x cheaper than clone
-        out = get_ltor_masks_and_position_ids(tokens, cfg.eod_id, cfg.reset_position_ids,
-                                              cfg.reset_attention_mask, cfg.eod_mask_loss,
-                                              cfg.create_attention_mask)
-        if cacheable:
-            self._cached_masks = out
-            return out[0], out[1].clone(), out[2]
-        return out
+
+def _masks(ds: GPTDataset, tokens: torch.Tensor):
+    """Chapter 00's masks and positions, computed once when they do not depend on EODs."""
+    cfg = ds.config
+    cacheable = not (cfg.reset_position_ids or cfg.reset_attention_mask or cfg.eod_mask_loss)
+    if cacheable and ds._cached_masks is not None:
+        mask, loss_mask, pos = ds._cached_masks
+        return mask, torch.from_numpy(loss_mask.numpy().copy()), pos  # 3x cheaper than clone
+    out = get_ltor_masks_and_position_ids(tokens, cfg.eod_id, cfg.reset_position_ids,
+                                          cfg.reset_attention_mask, cfg.eod_mask_loss,
+                                          cfg.create_attention_mask)
+    if cacheable:
+        ds._cached_masks = out
+        return out[0], out[1].clone(), out[2]
+    return out
 
 # %% [markdown]
 # ## Drawing the three tables
+#
+# The picture of the demo's corpus: the top row is the document index as a token stream (one
+# color per sequence, dashed lines at the epoch ends), the rows below are the windows of the
+# sample index, each labeled `s{i}→#{k}`: window $i$ is read at step $k$ of the shuffle
+# index. Windows overlap by one token, a window that crosses a color is a window that crosses a
+# document boundary, and the step numbers jump around: that is the shuffle.
 
 # %% tags=["hide-input"]
 def plot_index_tables(sizes, document_index, sample_index, shuffle_index, seq_length: int,
@@ -637,6 +705,14 @@ def plot_index_tables(sizes, document_index, sample_index, shuffle_index, seq_le
 
 # %% [markdown]
 # ## Demo: a tiny corpus, its three tables, and Megatron's loop
+#
+# Five sequences of 7, 3, 9, 5 and 6 tokens (30 per epoch), whose tokens say where they come
+# from (sequence $s$ holds $100s, 100s+1, ...$), windows of 4 tokens and 8 samples: two epochs.
+# The printed sample windows can be checked by eye — a window that jumps from 6 to 100 crossed
+# from sequence 0 into sequence 1. Then the asserts: the sample index equals the transcription
+# of Megatron's C++ loop, the worked examples of this page give the arrays worked by hand,
+# every window equals the reference reader's, and a second dataset with the same key is a
+# cache hit with the same shuffle.
 
 # %%
 if __name__ == "__main__":
@@ -669,6 +745,12 @@ if __name__ == "__main__":
     assert np.array_equal(ref, ds.sample_index)
     worked = build_sample_index(np.array([4, 3, 5]), np.arange(3), 3, 1, 12)  # the prose example
     assert worked.tolist() == [[0, 0], [0, 3], [1, 2], [2, 2]]
+    three = build_document_sample_shuffle_indices(np.array([5, 3, 4]), np.arange(3, dtype=np.int32),
+                                                  4, 3, seed=1234)  # the 3-document example
+    assert [t.tolist() for t in three] == [
+        [0, 1, 2, 1, 2, 0], [[0, 0], [0, 3], [1, 1], [2, 1], [3, 0], [4, 0], [4, 3], [5, 2]],
+        [2, 1, 0, 3, 5, 4, 6]]
+    assert get_num_epochs(12, 4, 3) == 2 and needs_separate_final_epoch(2, 12, 4, 3) == (True, 3)
     assert all(np.array_equal(ds.query_tokens(i), reference_sample_tokens(
         ds_ix, ds.document_index, ds.sample_index, ds.shuffle_index, i, 4)) for i in range(len(ds)))
     again = GPTDataset(ds_ix, prefix, np.arange(5, dtype=np.int32), 8, Split.train, cfg)
@@ -683,6 +765,10 @@ if __name__ == "__main__":
 # * Sample index: sample $i$ starts at token $iL$ of that stream; one `searchsorted` builds it.
 # * Shuffle index: a permutation of samples from the same RNG stream, drawn after the documents.
 # * Cached on disk under a key that includes the data's own identity.
+#   That identity is tinytron's addition: Megatron's key (`megatron_dataset.py:57-71`) holds
+#   the path and the config, so rewriting a prefix in place keeps its stale tables.
+# * The class only describes, loads or builds, and reads; the cache's bookkeeping lives in
+#   `tinytron.data._dataset_cache`.
 #
 # ## How production does it
 #
@@ -697,3 +783,5 @@ if __name__ == "__main__":
 # 1. Change one sequence's length in the tiny corpus, re-run: which cache files are rebuilt?
 # 2. Show that with `add_extra_token_to_sequence=False` consecutive samples no longer overlap.
 # 3. Set $S$ so that the final epoch holds exactly 80% of an epoch's samples: separate or not?
+# 4. In the three-document example ask for $S = 3$ instead of 4: how many epochs, which
+#    document index, and why is the shuffle index now a single permutation?
