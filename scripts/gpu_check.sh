@@ -9,6 +9,7 @@
 #   3. chapter 07's memory meter on CUDA against the ledger and the allocator          (60 s)
 #   4. selective and full recompute overhead, the staged checkpoint copy's blocking time,
 #      the full-iteration CUDA graph's speed-up                                  (3 x 60 s)
+#      and chapter 07's step-time model against a traced DP2 / PP2 run on 2 GPUs      (240 s)
 #   5. pytest -m gpu                                                                  (150 s)
 #
 #   bash scripts/gpu_check.sh                  # report: benchmarks/results/gpu/gpu_report.md
@@ -192,6 +193,17 @@ step staging "4b. Staged checkpoint copy: blocking time" "$(limit 60)" "$STAGING
 step cudagraph "4c. Full-iteration CUDA graph: speed-up" "$(limit 60)" \
   "python3 -m pytest -q -p no:cacheprovider -rs tests/test_reliability_gpu.py \
    && grep -E 'passed|skipped|failed' '$DEST/cudagraph.log' | tail -n 3 >'$DEST/cudagraph.md'"
+
+# -- 4d. the step-time model against a traced 2-GPU run ---------------------------------------
+# Chapter 07.8's model fed with this machine's micro-batch time (CUDA events) and NCCL's
+# all-reduce / send-recv bandwidth, against tinytron.train traced on 2 GPUs (DP2 and PP2). With
+# fewer than 2 GPUs the script says so in one line and exits 0; the dry run takes the CPU path
+# (gloo) with 3 iterations, the fewest it times (iterations 3..N).
+if [ "$DRY" = 1 ]; then STARGS="--device cpu --iters 3"; STLIM=400
+else STARGS="--device cuda --iters 16"; STLIM=240; fi
+step step_time "4d. Step-time model against a traced 2-GPU run" "$(limit $STLIM)" \
+  "python3 benchmarks/bench_step_time.py $STARGS --out '$DEST/step_time.json' \
+   --summary '$DEST/step_time.md'"
 
 # -- 5. the GPU tests, last -------------------------------------------------------------------
 if [ "$DRY" = 1 ]; then PYARGS="--collect-only -q"; else PYARGS="-q"; fi
