@@ -60,7 +60,8 @@ def test_progress_bar_line_eta_and_non_tty_newlines():
     bar = ProgressBar(total=10, stream=out, width=10)
     line = bar.render(_record(4, 2.0), {"mem-rss-bytes": 3 * 2 ** 30})
     assert line == ("[####------] 4/10 | lm loss 2.0000 | lr 4.00e-03 | 4.1k tok/s | "
-                    "MFU 25.0% | mem 3.00 GiB | ETA 0:00:01")
+                    "MFU 25.0% | rss 3.00 GiB | ETA 0:00:01")
+    assert "| allocated 1.00 GiB |" in bar.render(_record(4, 2.0), {"mem-allocated-bytes": 2 ** 30})
     bar.update(_record(4, 2.0))
     bar.update(_record(5, 2.0))
     assert out.getvalue().count("\n") == 2 and "\r" not in out.getvalue()

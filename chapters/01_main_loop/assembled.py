@@ -156,7 +156,7 @@ if __name__ == "__main__":
 # | what the run shows | produced by | page |
 # |---|---|---|
 # | `tinytron.train: world 2 = tp 1 · pp 1 · cp 1 · dp 2 on cpu` | `TrainConfig.resolve` checks the layout; `ParallelGrid(tp, pp, cp)` builds the groups | [grid](../parallel/grid.py) |
-# | `memory per rank, predicted by chapter 07`: weights, grad buffer, master params, optimizer state, activations | `stage_ledgers(memory_config_from(cfg, world))`; with the DistributedOptimizer on DP2 the fp32 master copy and the Adam moments are halves (1.5 and 3.1 MiB for 3.1 MiB of weights) | [ledger](../07_memory/ledger.py), [calculator](../07_memory/calculator.py) |
+# | `memory per rank, predicted by chapter 07`: weights, grad buffer, master params, optimizer state, activations | `stage_ledgers(memory_config_from(cfg, world))`; with the DistributedOptimizer on DP2 the fp32 run's masters are views of its weights (no bytes) and the Adam moments are halves (3.1 MiB for 3.1 MiB of weights) | [ledger](../07_memory/ledger.py), [calculator](../07_memory/calculator.py) |
 # | `wrote …/stdlib_400_byte_text_document.bin/.idx: 400 documents, 5,035,647 tokens` | `prepare_embedded_corpus` → `preprocess` with the byte tokenizer and EOD appended, once per output directory | [preprocess](../04_data/preprocess.py), [indexed](../04_data/indexed.py) |
 # | `data/cache/…-GPTDataset-train-{document,sample,shuffle}_index.npy` | `GPTDataset`'s three indices, built once and memory-mapped; the sampler starts at `consumed_train_samples` | [gpt_dataset](../04_data/gpt_dataset.py), [samplers](../04_data/samplers.py) |
 # | `[###----] 1/8` … `ETA 0:00:04` | `ProgressBar.render`: iteration / `train_iters`; ETA = iterations left × ms per iteration | [observability](../08_reliability/observability.py) |
@@ -164,7 +164,7 @@ if __name__ == "__main__":
 # | `lr 1.50e-03` | `OptimizerParamScheduler`: linear warm-up to 3e-3 over 2 iterations, cosine to 3e-4 at iteration 8 | [scheduler](../02_optimizer/scheduler.py) |
 # | `5.9k tok/s` | `training_log`: the interval's tokens ($B \cdot s$ per iteration) over its wall time | [training_log](training_log.py) |
 # | `MFU: not reported on CPU`; JSONL `tflops_per_device` | `num_floating_point_operations` per iteration / time; MFU divides that by `peak_flops_per_device`, a GPU's datasheet peak (a CPU has none that holds: a one-shape matmul rate moves with load, and runs beat it) | [training_log](training_log.py) |
-# | `mem 0.48 GiB` | `memory_report`: the caching allocator's bytes on a GPU, the process's resident set on a CPU | [observability](../08_reliability/observability.py) |
+# | `rss 0.48 GiB` | `memory_report`: the process's resident set on a CPU (`allocated …`, the caching allocator's tensor bytes, on a GPU) | [observability](../08_reliability/observability.py) |
 # | JSONL `grad_norm` | the global L2 norm before clipping to `clip_grad` (`get_grad_norm_fp32`, over the DistributedOptimizer's shards) | [mixed_precision](../02_optimizer/mixed_precision.py), [distributed](../02_optimizer/distributed.py) |
 # | JSONL `loss_scale`, `skipped_iterations`, `nan_iterations` | the loss scaler (1.0 outside fp16) and `training_log`'s counts of skipped and NaN iterations | [mixed_precision](../02_optimizer/mixed_precision.py), [training_log](training_log.py) |
 # | JSONL `{"iteration": 4, "validation": …}` | `evaluate` every `eval_interval`; no console line (the bar shows training) | [loop](loop.py) |

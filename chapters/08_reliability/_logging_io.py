@@ -36,8 +36,12 @@ class ProgressBar:
         if record.get("mfu") is not None:
             parts.append(f"MFU {100 * record['mfu']:.1f}%")
         if memory:
-            key = "mem-allocated-bytes" if "mem-allocated-bytes" in memory else "mem-rss-bytes"
-            parts.append(f"mem {memory[key] / 2 ** 30:.2f} GiB")
+            # on CUDA the allocator's tensor bytes; on a CPU the process RSS (torch alone is
+            # ~350 MiB of it), so the label says which one the number is
+            allocated = "mem-allocated-bytes" in memory
+            key, label = (("mem-allocated-bytes", "allocated") if allocated
+                          else ("mem-rss-bytes", "rss"))
+            parts.append(f"{label} {memory[key] / 2 ** 30:.2f} GiB")
         eta = (self.total - it) * record["ms_per_iteration"] / 1000.0
         parts.append(f"ETA {_fmt_seconds(eta)}")
         return " | ".join(parts)
