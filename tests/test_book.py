@@ -203,6 +203,17 @@ _BRITISH = re.compile(r"\b(?:normalis|initialis|optimis|serialis|materialis|sync
                       r"centre|modelling|labelled|travelled|cancelled|artefact|analyse)\w*|\bgrey\b", re.I)
 
 
+# A class is whole in one cell: a definition continued in a later cell as `class X(X):` breaks
+# "find the definition" and reads as a class that subclasses itself (DESIGN.md, style).
+_CONTINUED_CLASS = re.compile(r"^class (\w+)\(\1\)", re.M)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=PAGE_IDS)
+def test_no_class_is_continued_across_cells(page):
+    continued = _CONTINUED_CLASS.findall(page.read_text(encoding="utf-8"))
+    assert not continued, f"{page}: class continued in a later cell: {continued}"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=PAGE_IDS)
 def test_one_spelling(page):
     comments = "\n".join(line for line in page.read_text(encoding="utf-8").splitlines()

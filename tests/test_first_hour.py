@@ -238,7 +238,7 @@ def test_config_fields_are_documented_for_help():
 
 
 def test_every_public_class_has_a_docstring_for_help():
-    """A class continued in a later cell (`class X(X):`) keeps the first cell's docstring."""
+    """help() on any public class shows a docstring (mixins included)."""
     import importlib
     import pkgutil
 
@@ -405,8 +405,7 @@ def test_public_entry_points_show_a_usage_example():
                     data.get_batch, data.parse_data_path, preprocess.main,
                     DistributedDataParallel, optimizer.DistributedOptimizer,
                     optimizer.get_megatron_optimizer]
-    # inspect.getdoc is what help() and IDEs show: a class continued over several book cells
-    # (class X(X): ...) shows the docstring of its first part
+    # inspect.getdoc is what help() and IDEs show
     missing = [f.__qualname__ for f in entry_points if "Example" not in (inspect.getdoc(f) or "")]
     assert not missing, f"no usage example in the docstring of {missing}"
 
