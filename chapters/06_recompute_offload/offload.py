@@ -519,7 +519,12 @@ def install_offload(model, manager: OffloadManager) -> None:
 # paper (32 GT/s × 16 lanes, 128b/130b coding), before protocol overhead: the five regions fit
 # with little room — at 60% MFU they need 53 GB/s, 85% of the paper figure. A dense MLP's
 # internals (not in Megatron's list) would add 336 MiB per layer: no PCIe link hides that.
-# These are computed figures, not measurements.
+# These are computed figures, not measurements. Chapter 07's
+# [step-time page](../07_memory/step_time.py) asks the same question of tinytron's own model
+# as chapter 07's ledger counts it (what tinytron's modules save, more per module than the
+# fused kernels counted here): 336 MiB per layer and micro-batch for the five modules, of
+# which three fit behind the forward at 50 GB/s. Which answer holds depends on the kernels a
+# run uses.
 
 # %%
 PCIE_GEN5_X16 = 32e9 * 16 * 128 / 130 / 8   # bytes/s per direction, on paper

@@ -969,7 +969,10 @@ if __name__ == "__main__":
 # - **Offloading all five modules** moves 336 MiB per layer and micro-batch each way; at
 #   50 GB/s that is 7.0 ms against a layer forward of 4.9 ms. The back-of-envelope's "≈10×
 #   too slow" compared all micro-batches' bytes with one micro-batch's layer; per layer and
-#   micro-batch the gap is 1.45×, and three of the five modules fit (below).
+#   micro-batch the gap is 1.45×, and three of the five modules fit (below). These are the
+#   bytes chapter 07's ledger counts for tinytron's modules; counting what fused norm and
+#   flash-attention kernels save, the five regions are 176 MiB and all fit (chapter 06's
+#   [offload page](../06_recompute_offload/offload.py) counts that case).
 #
 # In total the model gives 2.61 s per step, of which 0.20 s is exposed transfer — TP's
 # all-reduces (76 ms, on the compute stream by design), the all-gather (83 ms) and the
