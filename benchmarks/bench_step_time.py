@@ -284,21 +284,9 @@ def cuda_links(calibration: dict, flops_per_microbatch: float, kind: str):
     On 2 ranks a ring all-reduce moves 2 (g - 1) / g = 1 times its bytes per link, a send 1
     time, so both fits give the link's bandwidth directly.
     """
-    from tinytron.memory.step_time import Links
+    from tinytron.memory.step_time import cpu_links  # the same fit, on NCCL's timings
 
-    points = [(c["numel"] * 4, c[kind]) for c in calibration["collectives"]]
-    mean_x = sum(x for x, _ in points) / len(points)
-    mean_y = sum(y for _, y in points) / len(points)
-    slope = (sum((x - mean_x) * (y - mean_y) for x, y in points)
-             / sum((x - mean_x) ** 2 for x, _ in points))
-    bandwidth = 1 / slope if slope > 0 else float("inf")
-    latency = max(0.0, mean_y - slope * mean_x)
-    behind = latency + calibration["background_numel"] * 4 / bandwidth
-    slower = max(0.0, calibration["microbatch_with_comm_s"] - calibration["microbatch_s"])
-    return Links(peak_flops=flops_per_microbatch / calibration["microbatch_s"], mfu=1.0,
-                 nvlink=bandwidth, network=bandwidth, pcie=bandwidth, disk=bandwidth,
-                 memory=calibration["memory_bandwidth"], latency=latency,
-                 interference=min(1.0, slower / behind) if behind > 0 else 0.0)
+    return cpu_links(calibration, flops_per_microbatch, kind, reduce_scatter_as_all_reduce=False)
 
 
 def predict_cuda_case(case: dict, name: str):

@@ -886,9 +886,11 @@ def schedule_1f1b(stages: list[tuple[float, float]], m: int, tau: float,
 # calibration between the iterations are added.
 
 # %%
-def cpu_links(calibration: dict, flops_per_microbatch: float) -> Links:
-    """Links from this machine's measurements (calibrate_and_trace in _step_trace)."""
-    points = [(c["numel"] * 4, c["reduce_scatter"]) for c in calibration["collectives"]]
+def cpu_links(calibration: dict, flops_per_microbatch: float, kind: str = "reduce_scatter",
+              reduce_scatter_as_all_reduce: bool = True) -> Links:
+    """Links from this machine's measurements (calibrate_and_trace in _step_trace); `kind`
+    names the collective whose timings give latency and bandwidth."""
+    points = [(c["numel"] * 4, c[kind]) for c in calibration["collectives"]]
     mean_x = sum(x for x, _ in points) / len(points)
     mean_y = sum(y for _, y in points) / len(points)
     slope = (sum((x - mean_x) * (y - mean_y) for x, y in points)
@@ -900,7 +902,8 @@ def cpu_links(calibration: dict, flops_per_microbatch: float) -> Links:
     return Links(peak_flops=flops_per_microbatch / calibration["microbatch_s"], mfu=1.0,
                  nvlink=bandwidth, network=bandwidth, pcie=bandwidth, disk=bandwidth,
                  memory=calibration["memory_bandwidth"], latency=latency,
-                 reduce_scatter_as_all_reduce=True, interference=min(1.0, slower / behind))
+                 reduce_scatter_as_all_reduce=reduce_scatter_as_all_reduce,
+                 interference=min(1.0, slower / behind) if behind > 0 else 0.0)
 
 
 # %% [markdown]
