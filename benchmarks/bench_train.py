@@ -187,14 +187,19 @@ class PlainLoop:
 
     def time(self, warmup: int, iters: int) -> dict:
         """Wall and CPU seconds per iteration over `iters` steps after `warmup` steps."""
-        first = [self.step() for _ in range(warmup)]
-        dist.barrier()
-        w0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(iters):
-            self.step()
-        dist.barrier()
-        return {"wall": (time.perf_counter() - w0) / iters,
-                "cpu": (time.process_time() - c0) / iters, "first_loss": first[0]}
+        return time_steps(self.step, warmup, iters)
+
+
+def time_steps(step, warmup: int, iters: int) -> dict:
+    """Wall and CPU seconds per call of step() over `iters` calls after `warmup` calls."""
+    first = [step() for _ in range(warmup)]
+    dist.barrier()
+    w0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(iters):
+        step()
+    dist.barrier()
+    return {"wall": (time.perf_counter() - w0) / iters,
+            "cpu": (time.process_time() - c0) / iters, "first_loss": first[0]}
 
 
 # -- one round of each side, on every rank ----------------------------------------------------
@@ -229,14 +234,7 @@ class IndependentLoop:
         return float(loss)   # the step's one host sync, as a loop that logs its loss has
 
     def time(self, warmup: int, iters: int) -> dict:
-        first = [self.step() for _ in range(warmup)]
-        dist.barrier()
-        w0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(iters):
-            self.step()
-        dist.barrier()
-        return {"wall": (time.perf_counter() - w0) / iters,
-                "cpu": (time.process_time() - c0) / iters, "first_loss": first[0]}
+        return time_steps(self.step, warmup, iters)
 
 
 def measure_side(side: str, world: int, iters: int, prefix: str, cache: str,
