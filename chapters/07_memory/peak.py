@@ -188,15 +188,13 @@ def _transients(cfg: MemoryConfig, parts: dict) -> tuple[int, int, int]:
 # largest sum of kept bytes, the running step's transient and the messages in transit.
 
 # %%
-def p2p_buffers(cfg: MemoryConfig, pp_rank: int, backward: bool = False) -> int:
+def p2p_buffers(cfg: MemoryConfig, pp_rank: int) -> int:
     """Messages still held by their sends: the last output during the next forward (all but
-    the last stage); none during a backward (a 1F1B round lets go of its gradients once sent).
+    the last stage). A backward holds none: a 1F1B round lets go of its gradients once sent.
     """
     p = cfg.pipeline_model_parallel_size
     x = Dims.of(cfg)
     unit = x.P * x.s_r * x.b * x.h
-    if backward:  # 1F1B drops a round's gradients once sent (chapter 01's steady state)
-        return 0
     if p == 1 or (pp_rank == p - 1 and cfg.num_chunks == 1):
         return 0
     return unit
@@ -215,20 +213,19 @@ def activation_peak(cfg: MemoryConfig, pp_rank: int, leave_out: tuple[str, ...] 
         kept[chunk] = sum(saved_bytes(v) for k, v in parts.items() if k != "host")
         transient[chunk] = _transients(cfg, parts)
     live, peak, in_flight, most, when, at_peak = 0, 0, 0, 0, None, 0
-    before = previous = None
-    p2p, p2p_back = p2p_buffers(cfg, pp_rank), p2p_buffers(cfg, pp_rank, backward=True)
+    p2p = p2p_buffers(cfg, pp_rank)
     period = 2 * cfg.pipeline_model_parallel_size * cfg.num_chunks
     for kind, chunk, mb in schedule_ops(cfg, pp_rank, max_steady_rounds=period):
         if kind == "F":  # the previous micro-batch's output may still be in its send
             transit = p2p
             during = live + kept[chunk] + transient[chunk][0] + transit
             live, in_flight = live + kept[chunk], in_flight + 1
-        else:  # a steady backward after the first one overlaps the previous round's messages
-            transit = p2p_back if (previous, before) == ("F", "B") else 0
-            during = max(live + transient[chunk][1] + transit,
+        else:  # a backward: the previous round's messages are already let go
+            transit = 0
+            during = max(live + transient[chunk][1],
                          live - kept[chunk] + transient[chunk][2])
             live, in_flight = live - kept[chunk], in_flight - 1
-        most, before, previous = max(most, in_flight + (kind == "B")), previous, kind
+        most = max(most, in_flight + (kind == "B"))
         if during > peak:
             peak, when, at_peak = during, (kind, chunk, mb), transit
     return {"peak": peak, "activations": peak - at_peak, "p2p_buffers": at_peak, "at": when,
