@@ -2,13 +2,15 @@
 
 The page `rerun_state_machine.py` keeps the mechanism: the states, the transitions, the
 verdicts and the tracker line. What is here only checks arguments, moves a dict between ranks,
-or copies plain fields in and out of a checkpoint.
+copies plain fields in and out of a checkpoint, or prints a line the page decided to print.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch.distributed as dist
 
@@ -81,3 +83,54 @@ def load_plain_fields(m, sd: dict) -> None:
     m.suspicious_device = sd["suspicious_device"]
     m.large_value_counts = dict(sd["large_value_counts"])
     m.max_values = dict(sd["max_values"])
+
+
+# -- the console lines about a running threshold (the page decides when; this prints) -------
+
+SWITCHES = {"loss": "check_for_spiky_loss", "grads": "check_for_large_grads"}
+
+
+def switch_name(context: str) -> str:
+    """The setting that turns on the check of `context` (Megatron's argument names)."""
+    return SWITCHES.get(context, f"the unexpectedly-large check on {context!r}")
+
+
+@dataclass
+class SpikeConsole:
+    """What the console has been told about each context's threshold, in this process."""
+
+    calls: dict = field(default_factory=lambda: defaultdict(int))
+    """context -> values judged or learned in the current iteration."""
+    settings: dict = field(default_factory=dict)
+    """context -> (num_samples, factor) of its last call."""
+    announced: set = field(default_factory=set)
+    """contexts whose 'not armed yet' line was printed."""
+    last_large: Optional[tuple] = None
+    """(context, value, running max, factor) of the last value found too large."""
+    detail: Optional[str] = None
+    """How the pending rejection reads in its line."""
+
+
+def rejection_detail(console: SpikeConsole, message: str, value: float, injected: bool) -> str:
+    """A rejected value in words: with its threshold when a running-max check rejected it."""
+    if injected:
+        return f"'{message}' forced by the error injector (value {value:.6g})"
+    if console.last_large is None:
+        return f"'{message}' (value {value:.6g})"
+    context, value, peak, factor = console.last_large
+    num_samples = console.settings[context][0]
+    return (f"{message}: {value:.6g} >= {factor:g} x {peak:.6g} = {factor * peak:.6g} "
+            f"({switch_name(context)}: {factor:g} x the largest of the first {num_samples} "
+            f"{context} values)")
+
+
+def say(line: str) -> None:
+    """One console line of the rerun machine."""
+    print(f"reliability: {line}", flush=True)
+
+
+def is_last_rank() -> bool:
+    """True on the world's last rank (it holds the loss: the last pipeline stage), or alone."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == dist.get_world_size() - 1
+    return True

@@ -38,9 +38,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tinytron.reliability._rerun_plumbing import (checked_mode, checkpoint_fields,
-                                                  gather_to_first_rank, load_plain_fields,
-                                                  replayable_iterators)
+from tinytron.reliability._rerun_plumbing import (SpikeConsole, checked_mode, checkpoint_fields,
+                                                  gather_to_first_rank, is_last_rank,
+                                                  load_plain_fields, rejection_detail,
+                                                  replayable_iterators, say, switch_name)
 
 __all__ = [
     "EXIT_CODE_RESUME_TO_DISAMBIGUATE", "EXIT_CODE_FAILED_ON_RESULT_VALIDATION",
@@ -323,6 +324,7 @@ class MachineState:
         self.suspicious_device: Optional[int] = None
         self.large_value_counts: dict[str, int] = {}
         self.max_values: dict[str, float] = {}
+        self.spike_console = SpikeConsole()   # what the console is told about the threshold
         self.data_iterator_checkpoints: Optional[list] = None   # the step's data, after a load
         self.validation_counts: dict[Caller, int] = defaultdict(int)
         self.saved_state: Any = None
@@ -479,6 +481,7 @@ class ExitDecision:
     def should_checkpoint_and_exit(self) -> tuple[bool, bool, int]:
         """(save a checkpoint?, exit?, exit code) after the last pass of the step."""
         self.first_iteration_complete = True
+        self._announce_warm_up()   # a spike check not armed yet says so, once
         if self.mode in (RerunMode.DISABLED, RerunMode.REPORT_DETERMINISM_STATS):
             return False, False, 0
         return {
@@ -507,8 +510,12 @@ class Judging:
                         tolerance: float = 0.0, fatal: bool = True) -> None:
         """Check `result`; on rejection, drive the rerun that diagnoses it."""
         if self.mode == RerunMode.DISABLED:
+            self.spike_console.last_large = None
             if bool(rejection_func(result)):
                 self._track(RerunValidationStatus.RERUN_DISABLED, result, message)
+                if not fatal:
+                    self.spike_console.detail = self._describe_rejection(result, message, False)
+                    self._say_rejection("rerun_mode is disabled: not rerun, training continues")
                 if fatal:
                     node, device = self.identity_func()
                     raise RuntimeError(f"Rank {self.rank}, node {node}, device {device}, "
@@ -537,7 +544,9 @@ class Judging:
 
     def _initial_check(self, call: Call, result, rejection_func, message: str) -> None:
         injected = self.error_injector is not None and self.error_injector.maybe_inject(self.rank)
+        self.spike_console.last_large = None
         if injected or bool(rejection_func(result)):
+            self.spike_console.detail = self._describe_rejection(result, message, injected)
             self.failed_validation_call, self.initial_result = call, _detach(result)
             self.rerun_requested = True
             self._track(RerunValidationStatus.INITIAL_RUN, result, message)
@@ -554,6 +563,11 @@ class Verdicts:
     """What the reruns conclude: transient, persistent, or a correct result."""
 
     def _first_rerun_verdict(self, differs: bool, result, message: str, fatal: bool) -> None:
+        if not fatal:   # the step goes on: the console hears of it now, not at an exit
+            self._say_rejection(f"the rerun in place gave {_to_float(result):.6g}: "
+                                + ("not reproduced, a transient error" if differs else
+                                   "reproduced") + "; training continues with the rerun's "
+                                "gradients")
         if differs:  # not reproducible on the same GPU: a transient fault
             self.diagnosis = RerunDiagnostic.TRANSIENT_ERROR
             self._track(RerunValidationStatus.FIRST_RERUN_NOT_REPRODUCIBLE, result, message)
@@ -605,7 +619,7 @@ class Verdicts:
 
 # %%
 class Spikes:
-    """`is_unexpectedly_large` and the determinism statistics."""
+    """`is_unexpectedly_large`, what the console hears about it, and the determinism statistics."""
 
     def is_unexpectedly_large(self, result: Any, threshold: float, context: str,
                               num_samples: int = 100, resample: bool = False) -> bool:
@@ -615,11 +629,32 @@ class Spikes:
             return False
         if resample or context not in self.large_value_counts:
             self.large_value_counts[context] = 0
+        console = self.spike_console
+        console.calls[context] += 1
+        console.settings[context] = (num_samples, threshold)
         if self.large_value_counts[context] < num_samples:
-            self.large_value_counts[context] += 1
-            self.max_values[context] = max(self.max_values.get(context, 0.0), value)
+            self._learn(context, value, threshold, num_samples)
             return False
-        return value >= self.max_values[context] * threshold
+        if value >= self.max_values[context] * threshold:
+            console.last_large = (context, value, self.max_values[context], threshold)
+            return True
+        return False
+
+    def _learn(self, context: str, value: float, factor: float, num_samples: int) -> None:
+        """One warm-up value: the running max takes it (Megatron's rule), never silently."""
+        before, seen = self.max_values.get(context, 0.0), self.large_value_counts[context]
+        if before > 0 and value >= factor * before:   # armed, this would have been rejected
+            say(f"iteration {self.current_iteration}, rank {self.rank}: {context} {value:.6g} "
+                f">= {factor:g} x its running max {before:.6g}, but {switch_name(context)} is "
+                f"not armed yet ({seen} of {num_samples} values learned): not rejected, and "
+                f"the threshold it arms with rises to {factor * value:.6g}")
+        self.large_value_counts[context] = seen + 1
+        self.max_values[context] = max(before, value)
+        if seen + 1 == num_samples and is_last_rank():   # Megatron logs the max here (:762)
+            peak = self.max_values[context]
+            say(f"{switch_name(context)} armed in iteration {self.current_iteration}: threshold "
+                f"{factor:g} x {peak:.6g} = {factor * peak:.6g} (the largest of the first "
+                f"{num_samples} {context} values)")
 
     def _record_determinism(self, call: Call, result, compare) -> None:
         if self.state == RerunState.INITIAL_RUN:
@@ -638,6 +673,80 @@ class Spikes:
             nonzero = sorted(d for d in diffs if d > 0)
             print(f"determinism [{message}]: {len(diffs)} samples, "
                   f"{len(diffs) - len(nonzero)} identical, max {max(diffs, default=0):.3e}")
+
+
+# %% [markdown]
+# ### What the console says about a spike check
+#
+# The threshold is silent in Megatron until it is set ("Max value for loss: …", `:762`), and
+# a rejection is one `logger.error` line without the threshold (`:604-610`). A user who
+# switched the check on cannot tell from that when it starts to judge, nor whether a spike
+# in the warm-up slipped through. tinytron keeps Megatron's arithmetic — the same values
+# counted, the same frozen max, so a threshold means the same number in both — and prints
+# four kinds of line, each prefixed `reliability:`:
+#
+# | when | where | says |
+# |---|---|---|
+# | after the first validated iteration, once per process | last rank | not armed yet; the iteration of the first value it judges |
+# | a warm-up value $\ge$ factor × the running max | the rank that saw it | not rejected, and the threshold it raises |
+# | the `num_samples`-th value | last rank | armed: factor × max = threshold |
+# | a rejection, once its rerun in place has compared | the rank that rejected | iteration, value, factor × max, the verdict |
+#
+# **When the check arms.** It counts one value per validated call: one loss per micro-batch
+# (the micro-batch's *summed* loss, as `pretrain_gpt.py:144` computes it), one norm per
+# gradient bucket; nothing in a process's first iteration (it is not validated, `:588-591`)
+# and nothing in a rerun. With $m$ micro-batches per rank per iteration, a fresh run's 101st
+# loss, the first one judged, falls in iteration $1 + \lceil 101/m \rceil$: iteration 27 at
+# $m = 4$, iteration 8 at $m = 16$. The forecast line computes it from the values still to
+# learn, $r$, and the values of the iteration just done, $m$: the first judged value is in
+# iteration $k + \lceil (r + 1)/m \rceil$. A relaunch learns again: the machine's
+# state is restored from a checkpoint only when a rerun is pending (`:885-887`).
+#
+# **The rejection's line** waits for the rerun in place, so that it can carry the verdict:
+# the rejecting rank knows the value, the factor and the frozen max when it rejects, and the
+# rerun's value one pass later. From a real run of the trainer (16 micro-batches per
+# iteration, the fault injector multiplying iteration 9's losses by $10^6$):
+#
+# ```text
+# reliability: iteration 9, rank 0: Spiky loss: 3.01874e+08 >= 10 x 375349 = 3.75349e+06
+#   (check_for_spiky_loss: 10 x the largest of the first 100 loss values); the rerun in place
+#   gave 301.874: not reproduced, a transient error; training continues with the rerun's gradients
+# ```
+#
+# Its max, 375 349, is the 1000× spike of iteration 4, learned during the warm-up; the
+# largest ordinary summed loss before it was 398.8 (64 tokens at about 6.2 each), so without
+# that spike the threshold would have been about 4 000. A fatal check prints nothing here: its step ends the
+# job, and the trainer's exit line says what was found. The sentences are put together in the
+# chapter's `_rerun_plumbing.py`; this class decides when each is due.
+
+# %%
+class SpikeLines:
+    """The spike check's console lines: the forecast, and a rejection with its verdict."""
+
+    def _announce_warm_up(self) -> None:
+        """After a step: once per context, say that it is not armed yet and from when it is."""
+        console = self.spike_console
+        calls, console.calls = dict(console.calls), type(console.calls)(int)
+        for context, m in calls.items():
+            num_samples, factor = console.settings[context]
+            left = num_samples - self.large_value_counts.get(context, 0)
+            if context in console.announced or left <= 0:
+                continue
+            console.announced.add(context)
+            if is_last_rank():
+                first = self.current_iteration + math.ceil((left + 1) / m)
+                say(f"{switch_name(context)} is not armed yet: it learns its threshold "
+                    f"({factor:g} x the largest of the first {num_samples} {context} values "
+                    f"of each rank, {left} still to learn at {m} per iteration) and judges "
+                    f"nothing before iteration {first}; a spike before then is only warned "
+                    f"about, and raises the threshold")
+
+    def _describe_rejection(self, result, message: str, injected: bool) -> str:
+        return rejection_detail(self.spike_console, message, _to_float(result), injected)
+
+    def _say_rejection(self, outcome: str) -> None:
+        say(f"iteration {self.current_iteration}, rank {self.rank}: "
+            f"{self.spike_console.detail}; {outcome}")
 
 
 # %% [markdown]
@@ -731,8 +840,8 @@ def _detach(result):
 # only grouped, and `help(RerunStateMachine)` still lists them all on the one class.
 
 # %%
-class RerunStateMachine(Transitions, ExitDecision, Judging, Verdicts, Spikes, Records, Replay,
-                        MachineState):
+class RerunStateMachine(Transitions, ExitDecision, Judging, Verdicts, Spikes, SpikeLines,
+                        Records, Replay, MachineState):
     """Validate results; rerun a step in place or from a checkpoint to diagnose a rejection."""
 
 

@@ -46,6 +46,32 @@ __all__ = ["SPIKY_LOSS_FACTOR", "LARGE_GRAD_FACTOR", "RerunConfig", "RerunErrorI
 # The gradient tolerance is 0.001 because a rerun of a backward with non-deterministic kernels
 # (flash attention's dK/dV accumulation) legitimately differs in the last bits.
 #
+# **When a spike check arms.** `check_for_spiky_loss` and `check_for_large_grads` judge
+# nothing until each rank has learned its threshold: 10 × the largest of its first 100
+# values (`is_unexpectedly_large`, `megatron/core/rerun_state_machine.py:697-765`). One value
+# is one micro-batch's summed loss, or one bucket's norm; a process's first iteration and the
+# reruns add none, and every relaunch learns again. The README's job (`configs/tiny.toml`:
+# global batch 32, micro-batch 8, two data-parallel ranks) runs $m = 32 / (8 \cdot 2) = 2$
+# micro-batches per rank, so its first judged loss is the 101st, in iteration
+# $1 + \lceil 101 / 2 \rceil = 52$; a 300-iteration run is judged from 52 to 300.
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# Megatron learns in silence: a spike during those first 100 values becomes the running max,
+# the threshold rises tenfold with it, and the only line is "Max value for loss: …" once the
+# warm-up ends (`:762`). tinytron keeps the arithmetic — the same values counted, the same
+# max, so the threshold is Megatron's number — and tells the console: once, after the first
+# validated iteration, that the check is not armed yet and the iteration of the first value it
+# will judge; a warm-up value at or above 10 × the running max, with the threshold it raises;
+# the iteration it arms in; and each rejection, in its iteration, with the value, the
+# threshold and the rerun's verdict ([the machine's page](rerun_state_machine.py) lists the
+# four lines). The warm-up value is still not rejected: a loss that falls for its first
+# hundred values is the usual case, but a gradient norm may rise tenfold legitimately while
+# the learning rate warms up, and a check that refused to learn from it would reject every
+# later step.
+#
+# </div>
+#
 # `RerunConfig` carries Megatron's names and defaults
 # (`megatron/training/config/resilience_config.py:8-29`, `arguments.py:2535-2541`). Note the
 # default: **validation is on** (`rerun_mode = "validate_results"`). One spelling differs
