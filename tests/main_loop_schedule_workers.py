@@ -153,3 +153,67 @@ def overlap_world_checks() -> dict:
         "forward_only": overlap_p2p_case(ddp=True, steps=1, forward_only=True),
         "pp4": overlap_p2p_case(pp=4, m=8, steps=2),
     }
+
+
+def param_sync_case(pp: int, vpp: int | None, m: int, group_size: int | None = None,
+                    overlap: bool = False, forward_only: bool = False) -> dict:
+    """One schedule call with a recording param_sync_func per chunk.
+
+    Each call is recorded as (chunk, forwards this rank had run when it came): the virtual
+    micro-batch step it was called before. The forward step also notes whether the config
+    still held the callbacks while it ran.
+    """
+    grid = w.grid_for(1, pp)
+    chunks = vpp or 1
+    config = w.tiny_config(num_layers=pp * chunks, tie_embeddings=False)
+    torch.manual_seed(0)
+    models = build_stage_models(config, grid, num_virtual_stages=chunks)
+    batches = w.make_microbatches(config, m, seed=3)
+    state = {"forwards": 0, "calls": [], "held": []}
+
+    def recording(c):
+        def start_param_sync(*args):
+            state["calls"].append((c, state["forwards"], len(args)))
+        return start_param_sync
+
+    param_funcs = [recording(c) for c in range(chunks)]
+    grad_funcs = [lambda: None for _ in range(chunks)]
+    cfg = ScheduleConfig(microbatch_group_size_per_vp_stage=group_size, overlap_p2p_comm=overlap,
+                         param_sync_func=param_funcs if vpp else param_funcs[0],
+                         grad_sync_func=grad_funcs if vpp else None)
+
+    def forward_step_func(data_iterator, model):
+        state["held"].append(cfg.param_sync_func is not None or cfg.grad_sync_func is not None)
+        state["forwards"] += 1
+        return w.forward_step_func(data_iterator, model)
+
+    iters = [iter(batches) for _ in models]
+    get_forward_backward_func(pp, vpp)(
+        forward_step_func=forward_step_func, data_iterator=iters if vpp else iters[0],
+        model=models if vpp else models[0], num_microbatches=m, seq_length=config.seq_length,
+        micro_batch_size=1, grid=grid, forward_only=forward_only, config=cfg)
+    restored = (cfg.param_sync_func is (param_funcs if vpp else param_funcs[0])
+                and cfg.grad_sync_func is (grad_funcs if vpp else None))
+    return {"rank": grid.rank("pp"), "calls": state["calls"], "forwards": state["forwards"],
+            "held_during_forwards": state["held"], "restored": restored}
+
+
+PARAM_SYNC_CASES = {  # name: (pp, vpp, m, group_size, overlap, forward_only)
+    "pp2_v4_m4": (2, 4, 4, None, False, False),
+    "pp2_v4_m4_overlap": (2, 4, 4, None, True, False),
+    "pp2_v3_m5_g3": (2, 3, 5, 3, False, False),
+    "pp2_v3_m5_g3_overlap": (2, 3, 5, 3, True, False),
+    "pp4_v3_m8": (4, 3, 8, None, True, False),
+    "pp4_v3_m4_all_warmup": (4, 3, 4, None, True, False),
+    "pp2_v3_m4_forward_only": (2, 3, 4, None, False, True),
+    "pp2_v3_m4_forward_only_overlap": (2, 3, 4, None, True, True),
+    "pp4_v3_m8_forward_only": (4, 3, 8, None, True, True),
+    "1f1b_pp2": (2, None, 4, None, False, False),
+    "1f1b_pp4": (4, None, 4, None, False, False),
+    "no_pipelining": (1, None, 3, None, False, False),
+}
+
+
+def param_sync_world_checks() -> dict:
+    """Every case of tests/test_main_loop_param_sync.py in one 4-rank world."""
+    return {name: param_sync_case(*args) for name, args in PARAM_SYNC_CASES.items()}

@@ -85,8 +85,6 @@ def build_schedule_config(model: list, optimizer, grid: ParallelGrid, *,
     if (ddp_config is not None and ddp_config.overlap_param_gather
             and ddp_config.align_param_gather):
         kw["param_sync_func"] = one([c.start_param_sync for c in ddp])
-    if "param_sync_func" not in ScheduleConfig.__dataclass_fields__:
-        kw.pop("param_sync_func", None)  # the schedules do not dispatch it: pre-hooks gather
     kw.update(overrides)
     return ScheduleConfig(**kw)
 

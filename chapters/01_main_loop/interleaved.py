@@ -14,6 +14,7 @@
 # %%
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -161,8 +162,9 @@ def get_pp_rank_microbatches(num_microbatches: int, num_model_chunks: int,
 # Grad sync: everything runs in `no_sync`; the hooks are let through for the backward of each
 # chunk's last micro-batch (so each chunk's buckets launch as soon as that chunk is done), or,
 # with a `grad_sync_func`, rank $r$ calls it for a chunk $r$ virtual steps after that chunk's
-# last backward (rank 0 at once): rank $r$ runs its backwards $r$ steps later than rank 0, so
-# the launches line up across the pipeline ranks (`schedules.py:1387-1398`). 1F1B does the
+# last backward (rank 0 at once): a gradient reaches rank 0 last, $r$ slots after it left rank
+# $r$, so rank $r$ runs each backward step $r$ slots before rank 0 does, and waiting $r$ steps
+# lines the launches up across the pipeline ranks (`schedules.py:1387-1398`). 1F1B does the
 # same thing its own way: stage 0 launches in its last backward, the others after their
 # cooldown (`schedules.py:2409-2430`).
 
@@ -192,6 +194,9 @@ class _Interleaved:
     def is_last_microbatch_of_chunk(self, k: int) -> bool:
         return k < self.total and self.table[k][0] == self.m - 1
 
+    def is_first_microbatch_of_chunk(self, k: int) -> bool:
+        return k < self.total and self.table[k][0] == 0
+
     def recv_source(self, k: int, forward: bool) -> tuple[bool, int]:
         """(receive?, chunk it feeds) for the message after virtual step k."""
         comm, p = self.comm, self.comm.size
@@ -220,15 +225,57 @@ class _Interleaved:
 
 
 # %% [markdown]
-# A forward reads its chunk's input at the released-adjusted index and stores the output; a
-# backward pops the oldest (input, output, gradient) of its chunk, opening `no_sync` for the
-# chunk's last micro-batch as described above. Both go through the previous page's `_Steps`,
+# ## Parameter all-gathers, one chunk ahead
+#
+# With the distributed optimizer's `overlap_param_gather`, a rank holds only its shard of the
+# updated parameters after the step, and each chunk must all-gather the rest before its first
+# forward (chapter 05). The forward pre-hooks would do it on demand; with `align_param_gather`
+# the loop also hands the schedule each chunk's `start_param_sync` as `param_sync_func`, and
+# the schedule launches them ahead of need (`schedules.py:1161-1163, 1283-1296`):
+#
+# - chunks 0 and 1 before the warmup: chunk 0 runs at once, chunk 1 after one group of $g$
+#   forwards;
+# - chunk $c + 1$ (for $2 \le c + 1 < v$) as chunk $c$ starts: before its forward step $k$,
+#   rank $r$ looks at step $j = k + r$ and, if $j$ is the first micro-batch of its chunk $c$
+#   (micro-batch 0 in the table, $j = c\,g$), launches chunk $c + 1$.
+#
+# Why $k + r$: a forward reaches rank $r$ $r$ slots after rank 0, so rank $r$'s step $k$ runs
+# when rank 0's step $k + r$ does. Looking $r$ steps ahead, every rank launches chunk $c + 1$'s
+# all-gather at the moment rank 0 starts chunk $c$: the collectives start together rather than
+# staggered by the pipeline (Megatron's comment: unaligned asynchronous communication slows
+# the compute down). Megatron passes chunk $c$'s `model[c].parameters()` to its callable, and
+# its `start_param_sync(*unused, ...)` ignores them; chapter 05's takes none, so tinytron
+# passes none. With a single chunk only chunk 0 is launched (Megatron indexes chunk 1 anyway).
+
+# %%
+def _launch_first_param_syncs(run: _Interleaved) -> None:
+    """Chunks 0 and 1, before the warmup (schedules.py:1161-1163)."""
+    if run.config.param_sync_func is not None:
+        for c in range(min(2, run.v)):
+            _chunk_func(run.config.param_sync_func, c)()
+
+
+def _param_sync(run: _Interleaved, k: int) -> None:
+    """Before forward k: launch chunk c+1 when step k + r is chunk c's first (:1283-1296)."""
+    funcs = run.config.param_sync_func
+    j = k + run.comm.rank  # rank r's step k runs when rank 0's step k + r does
+    if funcs is not None and run.is_first_microbatch_of_chunk(j):
+        c = run.chunk(j, True) + 1
+        if 1 < c < run.v:  # chunks 0 and 1 were launched before the warmup
+            _chunk_func(funcs, c)()
+
+# %% [markdown]
+# A forward launches what `_param_sync` says, then reads its chunk's input at the
+# released-adjusted index and stores the output; a backward pops the oldest (input, output,
+# gradient) of its chunk, opening `no_sync` for the chunk's last micro-batch as described
+# above. Both go through the previous page's `_Steps`,
 # and every message through its communicator's `exchange`, which moves up to four tensors in
 # one batch; the recorder (when there is one) wraps both, as on the previous page.
 
 # %%
 def _forward(run: _Interleaved, k: int):
     """Forward of virtual micro-batch k (its chunk and micro-batch from the table)."""
+    _param_sync(run, k)
     c, mb = run.chunk(k, True), run.microbatch(k)
     if run.is_first_chunk(c) and len(run.inputs[c]) == len(run.outputs[c]):
         run.inputs[c].append(None)  # the first chunk of rank 0 reads tokens, not a message
@@ -496,10 +543,28 @@ def _finish_pending(pending: _Pending) -> None:
 
 # %% [markdown]
 # The entry point checks what the table needs (one data iterator per chunk, a valid $m$, a
-# pipeline, and $m$ compatible with the group size $g$), receives rank 0's first input before
-# the warmup, and runs the three phases, plain or overlapped as the config says.
+# pipeline, and $m$ compatible with the group size $g$). A forward-only call (evaluation)
+# sets `grad_sync_func` and `param_sync_func` to `None` for its duration and puts them back
+# at the end, as Megatron does (`schedules.py:1062-1067, 2043-2045`; here also when the call
+# raises), so evaluation launches no all-gather of its own: the forward pre-hooks still
+# gather what it reads. Then it launches chunks 0 and 1's all-gathers, receives rank 0's
+# first input before the warmup, and runs the three phases, plain or overlapped as the config
+# says.
 
 # %%
+@contextlib.contextmanager
+def _sync_funcs_off(config: ScheduleConfig, forward_only: bool):
+    """Forward only: no grad_sync_func / param_sync_func during the call, restored after."""
+    held = config.grad_sync_func, config.param_sync_func
+    if forward_only:
+        config.grad_sync_func = config.param_sync_func = None
+    try:
+        yield
+    finally:
+        if forward_only:
+            config.grad_sync_func, config.param_sync_func = held
+
+
 def forward_backward_pipelining_with_interleaving(
         *, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
         micro_batch_size: int, grid: ParallelGrid, forward_only: bool = False,
@@ -513,21 +578,23 @@ def forward_backward_pipelining_with_interleaving(
     comm, steps = _comm_and_steps(forward_step_func, iterators, model, num_microbatches,
                                   seq_length, micro_batch_size, grid, config)
     run = _Interleaved(steps, comm, len(model), num_microbatches, config, forward_only, g)
-    if not forward_only:
-        run.sync.disable()
-    run.inputs[0].append(comm.recv_forward())  # None on rank 0
-    if config.overlap_p2p_comm:
-        pending = _Pending()
-        _warmup_overlapped(run, pending)
-        _steady_overlapped(run, pending)
-        if forward_only:
-            _finish_pending(pending)
-    else:
-        _warmup(run)
-        _steady(run)
-    if not forward_only:
-        (_cooldown_overlapped(run, pending) if config.overlap_p2p_comm else _cooldown(run))
-        _finalize(config, model, grid, steps.total_num_tokens)
+    with _sync_funcs_off(config, forward_only):
+        if not forward_only:
+            run.sync.disable()
+        _launch_first_param_syncs(run)
+        run.inputs[0].append(comm.recv_forward())  # None on rank 0
+        if config.overlap_p2p_comm:
+            pending = _Pending()
+            _warmup_overlapped(run, pending)
+            _steady_overlapped(run, pending)
+            if forward_only:
+                _finish_pending(pending)
+        else:
+            _warmup(run)
+            _steady(run)
+        if not forward_only:
+            (_cooldown_overlapped(run, pending) if config.overlap_p2p_comm else _cooldown(run))
+            _finalize(config, model, grid, steps.total_num_tokens)
     return steps.store
 
 # %% [markdown]
@@ -589,15 +656,16 @@ if __name__ == "__main__":
 # - `overlap_p2p_comm` (Megatron's default, and the only variant it allows for $p \le 2$)
 #   posts the same messages asynchronously and waits for each where it is needed; the
 #   results are the plain variant's, bit for bit.
+# - With `param_sync_func`, chunks 0 and 1 gather their parameters before the warmup and
+#   chunk $c + 1$ when chunk $c$ starts, each rank $r$ looking $r$ steps ahead so that every
+#   rank launches at once; forward-only calls launch none.
 #
 # ## How production does it
 #
 # - Megatron-LM: `forward_backward_pipelining_with_interleaving`
 #   (`megatron/core/pipeline_parallel/schedules.py:946`), `get_schedule_table` (`:916`),
 #   `get_pp_rank_microbatches` (`:856`). Its `overlap_p2p_comm_warmup_flush` also posts the
-#   warmup's and cooldown's receives ahead (not built here), and it
-#   launches each chunk's parameter all-gather (`param_sync_func`) one chunk ahead, offset by
-#   the pipeline rank so all ranks launch at once.
+#   warmup's and cooldown's receives ahead (not built here).
 # - PyTorch: `torch.distributed.pipelining.ScheduleInterleaved1F1B` (and
 #   `ScheduleInterleavedZeroBubble`), which build a per-rank action list from a similar
 #   table and can be inspected before running.

@@ -748,13 +748,15 @@ def _rerun_stops(result: StepResult, save) -> bool:
 # `overlap_param_gather` and `align_param_gather`. `calculate_per_token_loss` follows the
 # DDP config, so the schedule and the buffers agree on who divides by what.
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+# Only the interleaved schedule calls `param_sync_func`, as in Megatron, and with the loop's
+# own providers the trainer never gets there: `overlap_param_gather` needs the distributed
+# optimizer, which `megatron_optimizer_provider` refuses over several model chunks (it shards
+# one DDP wrapper's buffers; `tinytron.train` refuses `use_distributed_optimizer` with virtual
+# stages before that). So the trainer hands `param_sync_func` to a schedule only with one
+# chunk, as the bare callable, to 1F1B or no pipelining, which never call it: the forward
+# pre-hooks dispatch each bucket's all-gather. The interleaved dispatch runs for a caller who
+# brings its own optimizer provider, or its own `ScheduleConfig`.
 #
-# tinytron's schedules take no `param_sync_func` yet (their `ScheduleConfig` has no such
-# field), so `build_schedule_config` leaves it out and, with `align_param_gather`, each
-# forward pre-hook dispatches its own bucket's all-gather when it finds none in flight.
-#
-# </div>
 # The builders — `wrap_with_ddp` (only the first chunk bucketed,
 # `training.py:1783-1787`), `megatron_optimizer_provider`, `megatron_scheduler_provider` — are
 # passed in, so the loop imports none of chapters 02 and 05 itself.

@@ -105,7 +105,14 @@ __all__ = ["ScheduleConfig", "ScheduleEvent", "ScheduleRecorder", "tensor_shape"
 # wrapper's `no_sync` (one per chunk) and, with `align_grad_reduce` (on by default), also
 # `grad_sync_func` its `start_grad_sync`; `finalize_model_grads_func` is chapter 05's
 # `finalize_model_grads(model_chunks, grid, num_tokens)` (tinytron passes the grid where
-# Megatron passes its process-group collection). The `recorder` is tinytron's
+# Megatron passes its process-group collection). With `overlap_param_gather` and
+# `align_param_gather`, `param_sync_func` is each chunk's `start_param_sync`: only the
+# interleaved schedule calls it (next page). This page's schedules never do, as Megatron's
+# do not: every read of `config.param_sync_func` in `schedules.py` lies inside
+# `forward_backward_pipelining_with_interleaving` (`:1059-1067, 1161-1163, 1283-1296,
+# 2043-2045`), none in `forward_backward_no_pipelining` (`:634`) or
+# `forward_backward_pipelining_without_interleaving` (`:2089`); with one chunk the forward
+# pre-hooks of chapter 05 dispatch its all-gathers. The `recorder` is tinytron's
 # (`ScheduleRecorder`, defined with the pictures it feeds on the timeline page): every
 # forward, backward, send and receive is stamped with `time.perf_counter()`, a clock shared by
 # the processes of one machine. How it records without a line in the schedules is told below,
@@ -130,6 +137,8 @@ class ScheduleConfig:
     """Context manager (or one per chunk) that holds back the grad collectives."""
     grad_sync_func: Callable | list | None = None
     """Launches the grad collectives (or one per chunk); called with no arguments."""
+    param_sync_func: Callable | list | None = None
+    """Launches the param all-gathers (or one per chunk); interleaved schedule only; no args."""
     finalize_model_grads_func: Callable | None = None
     """Called as f(model_chunks, grid, num_tokens or None) after the last backward."""
     grad_scale_func: Callable | None = None
