@@ -6,8 +6,9 @@
 # estimate; `tinytron-memory --example --search --gpu-memory 80GiB --gpus 256` lists the
 # layouts that fit a device, ranked by an estimated step time.
 #
-# You will build: `parse_bytes`, `memory_config_from`, `running_example`, `Hardware`,
-# `step_time`, `candidate_layouts`, `search_layouts`, `format_ledgers` and `main`. The step
+# You will build: `parse_bytes`, `resolve_device`, `memory_config_from`, `running_example`,
+# `Hardware`, `step_time`, `candidate_layouts`, `search_layouts`, `peak_parts`,
+# `megatron_gap`, `format_gap`, `assumption_lines`, `format_ledgers` and `main`. The step
 # time it ranks by is the next page's overlap-aware model.
 #
 # **What it answers, on the running example.** `tinytron-memory --example` prints, for DP
@@ -25,12 +26,17 @@
 # | where the peak is | backward of micro-batch 0, 2 in flight | forward of micro-batch 0, 1 in flight |
 #
 # Megatron's estimate for the same layout is 11,846.75 MiB of weights and optimizer state and
-# 16,416.06 MiB of activations. The resident parts agree to 12,672 B (07.2 explains the
-# difference: where the final norm is counted). The activations do not: Megatron charges
-# 512 MiB per layer and micro-batch, this ledger 888 MiB (07.3: the fp32 norm inputs, the
-# all-gathered linear inputs that SP does not shrink, the whole SwiGLU chain), for the same
-# 32 layer-micro-batches on stage 0 — 16 layers, 2 micro-batches in flight. Both fit an
-# 80 GiB device; only the ledger says by how much.
+# 16,416.06 MiB of activations, 28,262.81 MiB for every stage: 12,257.57 MiB less than the
+# ledger on stage 0 and 5,030.57 MiB less on stage 1. The command prints that difference
+# taken apart (the section "Where the ledger and Megatron's estimate part ways" below). The
+# resident parts agree to 12,672 B (07.2 explains the difference: where the final norm is
+# counted). The activations do not: Megatron charges 512 MiB per layer and micro-batch, this
+# ledger 888 MiB (07.3: the fp32 norm inputs, the all-gathered linear inputs that SP does not
+# shrink, the whole SwiGLU chain), for the same 32 layer-micro-batches on stage 0 — 16
+# layers, 2 micro-batches in flight. Both fit an 80 GiB device; only the ledger says by how
+# much. Before any number the command also says what it assumed — the world size and where
+# it came from, the device, the dtypes, the micro-batches per step and in flight — because a
+# ledger computed for the wrong world size or device looks just as precise as a right one.
 
 # %%
 from __future__ import annotations
@@ -45,14 +51,18 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from tinytron.memory.peak import activation_peak
+from tinytron.memory.activations import attention_kernel, chunk_saved, saved_bytes
+from tinytron.memory.peak import activation_peak, schedule_ops
 from tinytron.memory.ledger import (DEVICE_TERMS, RankLedger, megatron_args_from, plot_ledgers,
-                                    stage_ledgers)
-from tinytron.memory.megatron_model import megatron_theoretical_memory
-from tinytron.memory.states import MemoryConfig, state_ledger
+                                    rank_ledger, stage_ledgers)
+from tinytron.memory.megatron_model import (_embedding_terms, _pipeline_factor, megatron_args,
+                                            megatron_theoretical_memory)
+from tinytron.memory.states import MemoryConfig, buffer_layouts, state_ledger
+from tinytron.model.config import stage_layer_ranges
 
-__all__ = ["parse_bytes", "memory_config_from", "running_example", "Hardware", "step_time",
-           "candidate_layouts", "search_layouts", "format_ledgers", "layout_name", "main"]
+__all__ = ["parse_bytes", "resolve_device", "memory_config_from", "running_example", "Hardware",
+           "step_time", "candidate_layouts", "search_layouts", "peak_parts", "megatron_gap",
+           "format_gap", "assumption_lines", "format_ledgers", "layout_name", "main"]
 
 # %% [markdown]
 # ## From the trainer's config to a `MemoryConfig`
@@ -63,8 +73,11 @@ __all__ = ["parse_bytes", "memory_config_from", "running_example", "Hardware", "
 # checks before any process group exists — the layout against the model, the global batch
 # against micro-batch × DP — and every error names the field:
 # `tinytron-memory: error: training.global_batch_size (1000) must be divisible by ...`, exit
-# status 2, no traceback. With bf16 the grad buffer is fp32 (Megatron forces it); the device
-# `auto` means CUDA, where the ledger is meant to be used.
+# status 2, no traceback. With bf16 the grad buffer is fp32 (Megatron forces it). The device
+# `auto` is resolved as the trainer resolves it (`tinytron.train`: a CUDA device when one is
+# visible, else the CPU), so the ledger is for the run the config would start on this
+# machine; `--device` asks for another. `resolve_device` also returns the reason, which the
+# command prints.
 #
 # Where each field comes from:
 #
@@ -110,6 +123,26 @@ def _layout_sizes(train, world_size: int) -> tuple[int, int, int, int, int]:
     return tp, pp, vpp, cp, dp
 
 
+# %% [markdown]
+# The device comes first, with its reason: `--device` wins, then an explicit
+# `training.device`, then `"auto"` as the trainer resolves it.
+
+# %%
+def resolve_device(configured: str, flag: str | None = None) -> tuple[str, str]:
+    """The device the ledger is for, and why: --device, the config's, or "auto" resolved as the
+    trainer resolves it (a CUDA device if one is visible, else the CPU)."""
+    if flag:
+        return flag, "--device"
+    if configured != "auto":
+        return configured, "training.device in the config"
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda", 'training.device is "auto" and a CUDA device is visible here'
+    return "cpu", ('training.device is "auto" and no GPU is visible here, so the trainer '
+                   "would run on the CPU; --device picks another")
+
+
 def memory_config_from(train, world_size: int, device: str | None = None) -> MemoryConfig:
     """A MemoryConfig from the trainer's TrainConfig (tinytron.config) and a world size."""
     from tinytron.config import ConfigError
@@ -121,7 +154,7 @@ def memory_config_from(train, world_size: int, device: str | None = None) -> Mem
         raise ConfigError(f"training.global_batch_size ({gbs}) must be divisible by "
                           f"micro_batch_size·dp = {t.micro_batch_size}·{dp}")
     bf16 = t.bf16 or getattr(opt, "bf16", False)
-    device = device or ("cuda" if t.device == "auto" else t.device)
+    device = device or resolve_device(t.device)[0]
     return MemoryConfig(
         model, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, context_parallel_size=cp,
@@ -336,11 +369,310 @@ def search_layouts(base: MemoryConfig, gpus: int, gpu_memory: int, global_batch_
 
 
 # %% [markdown]
+# ## Where the ledger and Megatron's estimate part ways, term by term
+#
+# On the running example the ledger says 40,520.4 MiB on stage 0 and 33,293.4 MiB on stage
+# 1; Megatron's `report_theoretical_memory` (`megatron/training/theoretical_memory_usage.py:428`
+# at e03878b5f) says 11,846.75 + 16,416.06 = 28,262.81 MiB for every stage. A number without
+# its reason is no use to someone sizing a job, so the command prints the difference taken
+# apart into named terms that add up to it. Each term is one place where Megatron's formula
+# leaves something out or counts it another way:
+#
+# | term | what Megatron's formula does | what the ledger does |
+# |---|---|---|
+# | parameters on the stage | one "most loaded" shard: the layers and norms spread evenly over the stages, plus one embedding table | this stage's own tensors (the final norm sits on the last stage) |
+# | padding of the buffers | none | the distributed optimizer's param and grad buffers padded to 64-element starts and $\mathrm{lcm}(d_{cp}, 128)$ bucket ends (07.2) |
+# | bytes per parameter | $2 + 4$ for weights and grads (mixed precision) | the config's dtypes: $4 + 4$ for an fp32 model |
+# | optimizer states | $12$ bytes per parameter, or $12/d$ with the distributed optimizer ($d$ without CP) | the owned shard over $d \cdot c$, the optimizer's own moments, no master copy for an fp32 model, nothing for what is offloaded |
+# | a layer's norms, linear_qkv input, attention, MLP, dropout masks | Korthikanti et al.'s Table 2: $s b h (18 + 4 f/h)/t$ with SP and selective recompute, else $s b h (10 + 24/t) \cdot 1.05$ | appendix B's model tensor by tensor (07.3): fp32 norm inputs, gathered linear inputs, GQA, the SwiGLU chain, no masks without dropout |
+# | layer-micro-batches in flight | $L$ layers times $\min(1, m/p)$ or the interleaving penalty, the first stage's count, for every stage | the replayed schedule's in-flight set at the peak (07.4) |
+# | embedding | token ids and a 1-byte dropout mask, $p$ micro-batches | local ids and the out-of-range mask of the micro-batches in flight |
+# | received activations, send buffers | none | the stage input each in-flight micro-batch keeps, the message a send still holds |
+# | head: cross-entropy softmax, the rest | only with $p = 1$: $4 s b (h + V)/t$ | the last stage's fp32 softmax, final norm, output-layer input, targets and loss |
+# | transients at the peak | none | the temporaries alive inside the operation where the peak falls (07.4) |
+#
+# Megatron's per-layer number is not split by module in its code
+# (`megatron/training/theoretical_memory_usage.py:280` with SP and selective recompute, `:354`
+# without), but the paper's count is (Korthikanti et al., §4.2), and the split below follows
+# it: the two norm inputs, 2 bytes
+# each; the QKV input, 2; q, k, v and the projection's input, 8 (GQA not modelled); the fc1
+# input 2 plus $4f/h$ for the MLP's intermediates; two 1-byte dropout masks. Without SP the
+# same parts, with the TP-split ones divided by $t$ and $24/t$ standing for $f = 4h$.
+
+# %%
+_MIB = 2**20
+_LAYER_GROUPS = {"attn_norm": "norms", "mlp_norm": "norms", "qkv_linear": "linear_qkv input",
+                 "core_attn": "attention", "attn_proj": "attention", "mlp": "MLP",
+                 "bda": "dropout masks", "recompute": "recompute checkpoints"}
+_OTHER = "other layer tensors"
+_LABELS = {  # the printed order
+    "params": "parameters on the stage vs Megatron's shard",
+    "padding": "padding of the param and grad buffers",
+    "bytes_per_param": "weights + grads: the config's dtypes vs 2 + 4 B",
+    "optimizer": "optimizer states: owned shard, moments, offload",
+    "norms": "layers' norms: fp32 input, 1/rms, output", "linear_qkv input": "layers' "
+    "linear_qkv input", "attention": "layers' attention: q, k, v (GQA), output",
+    "MLP": "layers' MLP: fc1 input and the SwiGLU chain", "dropout masks": "layers' dropout masks",
+    "recompute checkpoints": "recompute: run inputs, RNG snapshots",
+    _OTHER: "layers' other saved tensors", "in_flight": "layer-micro-batches in flight",
+    "embedding": "embedding: token ids and masks", "stage_input": "received activations "
+    "(stage inputs)", "logits": "head: fp32 cross-entropy softmax (logits)",
+    "head": "head: final norm, output-layer input, targets",
+    "transient": "transients inside the op at the peak", "p2p": "send buffers in transit (p2p)"}
+
+
+def _megatron_pieces(cfg: MemoryConfig) -> dict:
+    """Megatron's activation estimate as parts that add up to it (bytes, floats)."""
+    a = megatron_args(megatron_args_from(cfg))
+    s, b, h, t = a.seq_length, a.micro_batch_size, a.hidden_size, a.tensor_model_parallel_size
+    f, v, p = a.ffn_hidden_size, a.padded_vocab_size, a.pipeline_model_parallel_size
+    if a.sequence_parallel and a.recompute_granularity == "selective":  # :280-351, all / t
+        per_h, head, scale = {"norms": 4, "linear_qkv input": 2, "attention": 8,
+                              "MLP": 2 + 4 * f / h, "dropout masks": 2}, (4 * v, 4 * h), 1 / t
+    else:  # :354-425: TP-only, times 1.05
+        per_h, head, scale = {"norms": 4, "linear_qkv input": 2, "attention": 8 / t,
+                              "MLP": 2 + 16 / t, "dropout masks": 2}, (2 * v / t, 2 * h), 1.05
+    factor = _pipeline_factor(a, cfg.num_microbatches)
+    return {"layer": {k: s * b * h * c * scale for k, c in per_h.items()},
+            "layers": a.num_layers * factor,
+            "embedding": _embedding_terms(a) * factor * scale,
+            "logits": s * b * head[0] * scale if p == 1 else 0.0,
+            "head": s * b * head[1] * scale if p == 1 else 0.0}
+
+# %% [markdown]
+# On the ledger's side the peak is one moment of the replayed schedule (07.4): the kept bytes
+# of the chunk-micro-batches in flight, plus the transient of the operation running, plus a
+# send buffer. `activation_peak` reports the sum and where it falls; `peak_parts` replays the
+# same order up to that operation and returns the in-flight set itself, so that its tensors can
+# be sorted into the table's terms. A backward's peak can fall before its chunk is freed (the
+# layers' backward) or after (the embedding's end of backward); the larger of the two is the
+# one `activation_peak` took. The function checks that its parts add up to the reported peak
+# to the byte, so the two replays cannot drift apart unnoticed.
+
+# %%
+def peak_parts(cfg: MemoryConfig, pp_rank: int) -> dict:
+    """The activation peak taken apart: the chunks in flight at it, the transient, the p2p."""
+    pk = activation_peak(cfg, pp_rank)
+    period = 2 * cfg.pipeline_model_parallel_size * cfg.num_chunks
+    live: list[int] = []
+    for op in schedule_ops(cfg, pp_rank, max_steady_rounds=period):
+        if op[0] == "F":
+            live.append(op[1])
+        if op == pk["at"]:
+            break
+        if op[0] == "B":
+            live.remove(op[1])
+    kind, chunk, _ = pk["at"]
+    kept = sum(pk["per_chunk"][c] for c in live)
+    transient = pk["transient"][chunk][0 if kind == "F" else 1]
+    if kind == "B" and kept + transient < kept - pk["per_chunk"][chunk] + pk["transient"][chunk][2]:
+        live.remove(chunk)
+        transient = pk["transient"][chunk][2]
+    if sum(pk["per_chunk"][c] for c in live) + transient + pk["p2p_buffers"] != pk["peak"]:
+        raise RuntimeError(f"peak_parts: stage {pp_rank}'s parts do not add up to its peak")
+    return {"in_flight": live, "transient": transient, "p2p": pk["p2p_buffers"], "at": pk["at"]}
+
+# %% [markdown]
+# With both sides in parts, `megatron_gap` subtracts them. The resident terms come from the
+# buffers of 07.2: with $n$ the stage's parameters, $n_M$ Megatron's and $B$ its bytes per
+# parameter ($18$, or $6 + 12/d$), the four terms are $(n - n_M) B$, the buffers' padding
+# elements at their dtypes, $(P + G - 6)\,n$, and the optimizer's device bytes less
+# $(B - 6)\,n$ — they add up to the resident difference by construction. The activation terms
+# are, per group of a layer's tensors, the ledger's bytes in flight less Megatron's bytes of
+# that group times the ledger's layer-micro-batches $N$; then Megatron's per-layer total
+# times $N - N_M$; then the embedding and the head, each the ledger's bytes less Megatron's,
+# and the stage inputs, the transient and the send buffer, which Megatron has no term for.
+# Megatron's side is in floating point (its formula divides), so the terms add up to the
+# difference to within floating-point rounding: the test holds them to a byte.
+
+# %%
+def megatron_gap(cfg: MemoryConfig, pp_rank: int, dp_rank: int = 0) -> dict:
+    """Ledger − Megatron on one stage: the totals, and named terms (bytes) that add up to it."""
+    led = rank_ledger(cfg, pp_rank, dp_rank)
+    meg = megatron_theoretical_memory(megatron_args_from(cfg), cfg.num_microbatches)
+    bpp = 6 + 12 / cfg.data_parallel_size if cfg.use_distributed_optimizer else 18
+    layouts = buffer_layouts(cfg, pp_rank)
+    n = sum(p.count for params, _ in layouts for p in params)
+    padded = sum(layout.numel for _, layout in layouts)
+    d = led.device
+    terms = {"params": n * bpp - meg["weight_and_optimizer"],
+             "padding": (d["weights"] - cfg.param_bytes * n) + cfg.grad_bytes * (padded - n),
+             "bytes_per_param": (cfg.param_bytes + cfg.grad_bytes - 6) * n,
+             "optimizer": d["master_params"] + d["optimizer_state"] + d["fp32_grad_copies"]
+             - (bpp - 6) * n}
+    parts, pieces = peak_parts(cfg, pp_rank), _megatron_pieces(cfg)
+    ranges = stage_layer_ranges(cfg.model.num_layers, cfg.pipeline_model_parallel_size,
+                                cfg.num_chunks, pp_rank)
+    held = {k: 0 for k in (*pieces["layer"], "recompute checkpoints", _OTHER, "embedding",
+                           "stage_input", "logits", "head")}
+    for c in parts["in_flight"]:
+        saved = chunk_saved(cfg, pp_rank, c)
+        for e in saved["layers"]:
+            held[_LAYER_GROUPS.get(e.module, _OTHER)] += e.nbytes
+        for e in saved["head"]:
+            held["logits" if e.what.startswith("cross-entropy softmax") else "head"] += e.nbytes
+        held["embedding"] += saved_bytes(saved["embedding"])
+        held["stage_input"] += saved_bytes(saved["stage_input"])
+    layers = sum(ranges[c][1] - ranges[c][0] for c in parts["in_flight"])
+    for group, value in held.items():
+        terms[group] = value - pieces["layer"].get(group, 0) * layers - pieces.get(group, 0)
+    terms.update(in_flight=sum(pieces["layer"].values()) * (layers - pieces["layers"]),
+                 transient=parts["transient"], p2p=parts["p2p"])
+    meg_stage = meg["weight_and_optimizer"] + meg["activation"]
+    return {"pp_rank": pp_rank, "ledger": {"resident": led.resident, "flowing": led.flowing,
+                                           "total": led.total},
+            "megatron": {"resident": meg["weight_and_optimizer"], "flowing": meg["activation"],
+                         "total": meg_stage},
+            "difference": led.total - meg_stage, "terms": terms, "peak": parts,
+            "layer_microbatches": (layers, pieces["layers"]),
+            "megatron_layer_bytes": sum(pieces["layer"].values())}
+
+# %% [markdown]
+# Printed, the terms that are zero on every stage are left out, each value is rounded to
+# 0.01 MiB (so the printed terms may miss the printed difference by a few hundredths), and
+# `--json` carries every term in bytes. The in-flight line names both counts and the bytes
+# Megatron charges per layer and micro-batch, because that is the one number a reader can
+# check against Megatron's log line "Activation memory footprint per transformer layer".
+
+# %%
+def format_gap(cfg: MemoryConfig, dp_rank: int = 0) -> list[str]:
+    """The ledger next to Megatron's formula per stage, and the difference by term, in MiB."""
+    gaps = [megatron_gap(cfg, led.pp_rank, dp_rank) for led in stage_ledgers(cfg, dp_rank)]
+    counts = "/".join(str(g["layer_microbatches"][0]) for g in gaps)
+    per_layer = gaps[0]["megatron_layer_bytes"] / _MIB
+    labels = {**_LABELS, "in_flight": f"{_LABELS['in_flight']}: {counts} vs Megatron's "
+              f"{gaps[0]['layer_microbatches'][1]:g} x {per_layer:,.1f} MiB"}
+    rows = [(label, [g["terms"][key] for g in gaps]) for key, label in labels.items()
+            if any(abs(g["terms"][key]) >= 0.005 * _MIB for g in gaps)]
+    rows.append(("sum of the terms = the difference", [g["difference"] for g in gaps]))
+    width = max(40, *(len(label) for label, _ in rows))
+    heads = "".join(f"{'stage ' + str(g['pp_rank']):>12}" for g in gaps)
+    lines = [f"{'ledger vs Megatron (MiB)':<{width + 2}}{heads}{'Megatron':>12}"]
+    for key, name in (("resident", "weights + grads + optimizer states"),
+                      ("flowing", "activations + p2p at the peak"), ("total", "total")):
+        lines.append(f"  {name:<{width}}" + "".join(f"{g['ledger'][key] / _MIB:>12,.2f}"
+                                                   for g in gaps)
+                     + f"{gaps[0]['megatron'][key] / _MIB:>12,.2f}")
+    lines.append(f"{'difference by term (ledger - Megatron, MiB)':<{width + 2}}{heads}")
+    lines += [f"  {label:<{width}}" + "".join(f"{v / _MIB:>+12,.2f}" for v in values)
+              for label, values in rows]
+    return lines
+
+# %% [markdown]
+# The running example's gap, as the command prints it:
+
+# %%
+if __name__ == "__main__":
+    print("\n".join(format_gap(running_example())))
+    gap0, gap1 = (megatron_gap(running_example(), r) for r in (0, 1))
+    assert all(abs(math.fsum(g["terms"].values()) - g["difference"]) < 1 for g in (gap0, gap1))
+    assert gap1["terms"]["in_flight"] == -8192 * _MIB and gap0["terms"]["in_flight"] == 0
+
+# %% [markdown]
+# Read the stage-0 column first. Its 12,257.57 MiB are almost all "what a layer keeps":
+# per layer and micro-batch ($s b h / t$ = 16 Mi elements at TP 2) the ledger holds 192.03 MiB
+# of norm tensors where Megatron counts 64 (an fp32 copy of each input, $1/\mathrm{rms}$ and
+# the bf16 output, against two bf16 inputs), 64 MiB of linear_qkv input against 32 (this
+# column-parallel layer saves the gathered sequence, Megatron's saves the $s/t$ slice and
+# gathers it again in backward), 120 MiB of attention against 128 (GQA's 8 KV groups make k and
+# v smaller than Megatron's $h$-wide ones), 512 MiB of MLP against 256 (fc1's input plus
+# SwiGLU's gate, up, silu and product, $4 f_t$ bf16 elements per token — Megatron's $4 f/h$
+# term counts two, a GELU MLP's input and output), and no dropout masks against Megatron's
+# 32 MiB (the model has no dropout; the formula always charges two 1-byte masks). That is
+# 888.03 MiB against 512 MiB, times 32 layer-micro-batches: +12,033 MiB. Both sides agree on
+# those 32 — 2 micro-batches of 16 layers — so the in-flight line is zero. The rest is small: the backward's 256.50 MiB
+# transient, and the embedding's 31.92 MiB that Megatron charges for a 1-byte dropout mask the
+# model does not have.
+#
+# Stage 1 is where the two disagree in kind. Megatron's formula is the first stage's and is
+# reported for every stage, so it charges stage 1 for 32 layer-micro-batches; stage 1 holds one
+# micro-batch of its 16 layers at its peak, so the in-flight line gives back 8,192 MiB (16
+# times 512). In exchange the formula has no head for $p > 1$: the fp32 cross-entropy
+# softmax, $4 b s V/t$ = 2,004 MiB, the final norm, output-layer input and targets (160.12
+# MiB) and, largest, the 5,042 MiB transient of the cross-entropy chain (bf16 logits, their
+# fp32 copy, the shifted logits and their exponential, 07.4) — the moment stage 1 peaks in.
+# The stage input it received (32 MiB) is kept too. Net: +5,030.57 MiB. The ledger's numbers
+# are themselves a model, checked against two meters on a CPU in 07.6; what this table shows
+# is where the two models differ and by how much, not which one a GPU would confirm.
+#
+# The README's CPU job shows the other kind of term. `tinytron-memory --config
+# configs/tiny.toml` (no `--world-size`: one rank, and it says so; `device = "auto"` on a
+# machine without a GPU: cpu, and it says why) finds nearly twice the 33.10 MiB of
+# Megatron's formula. The model trains in fp32, which the formula does not model: weights and
+# grads cost $4 + 4$ bytes per parameter against its $2 + 4$ (+1.53 MiB for 0.80 M
+# parameters), and the optimizer $8$ against $12$, because fp32 parameters are their own
+# masters (−3.07 MiB). The run has no SP, so the formula takes its second branch
+# ($s b h (10 + 24/t) \cdot 1.05$, 2-byte activations) while every saved tensor here is 4
+# bytes wide: each layer group roughly doubles, the MLP most (+14.55 MiB). With $p = 1$ the
+# formula does count the head, at $2 \cdot 1.05$ bytes per logit against the fp32 softmax's
+# 4 (+0.95 MiB), and the transient at its peak is the forward's cross-entropy chain again.
+# `tests/test_memory_cli.py` holds every config in `configs/` to the same rule: the printed
+# terms add up to the printed difference.
+
+
+# %% [markdown]
+# ## What the command assumed
+#
+# A ledger is only as right as its inputs, and three of them are easy to get wrong without
+# noticing: the world size (the TOML file does not hold it, and without `--world-size` the
+# command takes $t \cdot p \cdot c$ ranks, DP 1), the device (it decides the attention kernel
+# and the width of the dropout masks, 07.3) and the batch (a missing global batch means one
+# micro-batch per DP rank). So the command prints, before any number, each of them and where
+# it came from: a flag, the config, or a default. `training.device = "auto"` is resolved as
+# the trainer resolves it, a CUDA device when one is visible and the CPU otherwise, and the
+# line says which happened, so a ledger computed on a laptop for a CPU run says cpu.
+# Then the dtypes, and the micro-batches in flight at each stage's peak next to the count
+# Megatron's formula assumes for every stage. `--search` prints the device line and the GPU
+# count it searched: its candidates inherit the device, the dtypes and the model from the
+# config or the example, and only the layout, the micro-batch and the recompute change. None
+# of these lines names a device the run would not use: a CPU config's output says cpu only.
+
+# %%
+def _op(at: tuple, chunks: int) -> str:
+    kind, chunk, mb = at
+    name = {"F": "forward", "B": "backward"}[kind]
+    return f"{name} of {'chunk %d, ' % chunk if chunks > 1 else ''}micro-batch {mb}"
+
+
+_DEFAULT_WHY = {"world": "the MemoryConfig's", "device": "the MemoryConfig's",
+                "batch": "the MemoryConfig's"}
+
+
+def assumption_lines(cfg: MemoryConfig, why: dict) -> list[str]:
+    """What the ledger assumed (world size, device, dtypes, batch, in flight) and why."""
+    t, p, c = (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
+               cfg.context_parallel_size)
+    opt = f"{cfg.optimizer} moments"
+    precision = (f"bf16 params and activations, an fp{8 * cfg.grad_bytes} grad buffer, fp32 "
+                 f"masters and {opt}" if cfg.bf16 else f"fp32 params, grads, activations and "
+                 f"{opt} (the fp32 params are their own masters)")
+    unit = "chunk-micro-batches" if cfg.num_chunks > 1 else "micro-batches"
+    stages = [(r, peak_parts(cfg, r)) for r in sorted({0, p - 1})]
+    held = ", ".join(f"{len(pp['in_flight'])} on stage {r} ({_op(pp['at'], cfg.num_chunks)})"
+                     for r, pp in stages)
+    meg = _megatron_pieces(cfg)["layers"] / cfg.model.num_layers * p
+    return [f"assumed: world size {cfg.world_size} ({why['world']}), so DP {cfg.data_parallel_size}"
+            f" = {cfg.world_size} / (TP {t} · PP {p} · CP {c})",
+            f"assumed: device {cfg.device} ({why['device']}); attention kernel "
+            f"{attention_kernel(cfg)}",
+            f"assumed: {precision}" + (f"; the distributed optimizer over DP · CP = "
+                                       f"{cfg.data_parallel_size * c}"
+                                       if cfg.use_distributed_optimizer else ""),
+            f"assumed: {cfg.num_microbatches} micro-batches of {cfg.micro_batch_size} per step "
+            f"and DP rank ({why['batch']})",
+            f"assumed: {unit} in flight at the peak: {held}; Megatron's formula takes {meg:g} "
+            f"micro-batch{'es' if meg != 1 else ''} of a whole stage"
+            + (" for every stage" if p > 1 else "")]
+
+
+# %% [markdown]
 # ## Printing a ledger
 #
 # Each stage gets a table of terms in MiB, a total, a stacked text bar (one letter per term:
 # **W**eights, **G**rads, **M**asters, **O**ptimizer moments, fp32 grad **C**opies,
-# **A**ctivations, **P**2p), and the moment of its peak; Megatron's two numbers follow.
+# **A**ctivations, **P**2p), and the moment of its peak; Megatron's two numbers follow. The
+# assumption lines come first, right under the layout, and the gap table last, so a reader
+# who stops after the first screen has seen what the numbers rest on.
 # The bar of the running example's stage 0 reads `WWWWWWGGGGGGGGGGGAAAA…`: the fp32 grad
 # buffer is twice the weights, and the activations are more than both together. The moments
 # and masters, split 64 ways, are too small to earn a letter.
@@ -354,13 +686,14 @@ def _bar(led: RankLedger, scale: float, width: int = 60) -> str:
     return "".join(_LETTERS[k] * round(v / scale) for k, v in led.device.items())[:width + 5]
 
 
-def format_ledgers(cfg: MemoryConfig, dp_rank: int = 0) -> str:
-    """The first and last stage's ledgers, and Megatron's estimate, as text."""
+def format_ledgers(cfg: MemoryConfig, dp_rank: int = 0, why: dict | None = None) -> str:
+    """The assumptions, the first and last stage's ledgers, Megatron's estimate and the gap."""
     ledgers = stage_ledgers(cfg, dp_rank)
     mib = 2**20
     scale = max(led.total for led in ledgers) / 60
     lines = [f"layout {layout_name(cfg)}, {cfg.world_size} ranks, "
              f"{'bf16' if cfg.bf16 else 'fp32'}, device {cfg.device}"]
+    lines += assumption_lines(cfg, why or _DEFAULT_WHY)
     for led in ledgers:
         name = {0: "first"}.get(led.pp_rank, "last")
         lines.append(f"stage {led.pp_rank} ({name}), DP rank {dp_rank}:")
@@ -373,15 +706,25 @@ def format_ledgers(cfg: MemoryConfig, dp_rank: int = 0) -> str:
     lines.append(f"Megatron's estimate: weight and optimizer {meg['weight_and_optimizer_mib']:,.2f}"
                  f" MiB, activation {meg['activation_mib']:,.2f} MiB ({meg['branch']})")
     lines.append("legend: " + " ".join(f"{c}={k}" for k, c in _LETTERS.items()))
-    return "\n".join(lines)
+    return "\n".join(lines + format_gap(cfg, dp_rank))
 
 
-def _ledger_json(cfg: MemoryConfig, dp_rank: int) -> dict:
-    """Machine-readable: every stage's terms in bytes and Megatron's estimate."""
+def _ledger_json(cfg: MemoryConfig, dp_rank: int, why: dict | None = None) -> dict:
+    """Machine-readable: every stage's terms in bytes, Megatron's estimate, the gap by term."""
     meg = megatron_theoretical_memory(megatron_args_from(cfg), cfg.num_microbatches)
+    why = why or _DEFAULT_WHY
+    gaps = {r: megatron_gap(cfg, r, dp_rank)
+            for r in sorted({0, cfg.pipeline_model_parallel_size - 1})}
     return {"layout": layout_name(cfg),
+            "assumed": {"world_size": cfg.world_size, "device": cfg.device,
+                        "num_microbatches": cfg.num_microbatches,
+                        **{f"{k}_from": v for k, v in why.items()},
+                        "lines": assumption_lines(cfg, why)},
             "stages": [{"pp_rank": led.pp_rank, "device": led.device, "host": led.host,
-                        "total": led.total} for led in stage_ledgers(cfg, dp_rank)],
+                        "total": led.total,
+                        "megatron_gap": {"difference": gaps[led.pp_rank]["difference"],
+                                         "terms": gaps[led.pp_rank]["terms"]}}
+                       for led in stage_ledgers(cfg, dp_rank)],
             "megatron": {k: meg[k] for k in ("weight_and_optimizer", "activation", "branch")}}
 
 
@@ -394,10 +737,13 @@ def _ledger_json(cfg: MemoryConfig, dp_rank: int) -> dict:
 # tinytron-memory --example [--search --gpu-memory 80GiB --gpus 256 [--top 10]]
 # ```
 #
-# `--json` prints the same ledger for programs: the layout's name, per stage its `pp_rank`,
-# the `device` and `host` terms in bytes and the `total`, and Megatron's
-# `weight_and_optimizer`, `activation` and the formula `branch` it took. `--dp-rank` picks
-# the DP rank whose optimizer shard is counted (the ranks differ where padding falls, 07.2).
+# `--json` prints the same ledger for programs: the layout's name, `assumed` (the world size,
+# device and micro-batches per step, where each came from, and the printed assumption lines),
+# per stage its `pp_rank`, the `device` and `host` terms in bytes, the `total` and
+# `megatron_gap` (the `difference` and every named term in bytes, zeros included), and
+# Megatron's `weight_and_optimizer`, `activation` and the formula `branch` it took.
+# `--dp-rank` picks the DP rank whose optimizer shard is counted (the ranks differ where
+# padding falls, 07.2).
 # Exit status 0 on success; 2, with one line on stderr naming the flag or the config field,
 # on any bad input — the demo below ends with one, `--gpu-memory eighty`.
 
@@ -420,22 +766,33 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _config_from_args(args, overrides: list[str]) -> MemoryConfig:
-    """The MemoryConfig the command works on: the example, or the TOML file plus overrides."""
+def _config_from_args(args, overrides: list[str]) -> tuple[MemoryConfig, dict]:
+    """The MemoryConfig the command works on (the example, or the TOML file plus overrides),
+    and where its world size, device and batch came from."""
     if args.example:
         if args.config or overrides:
             raise ValueError("--example takes no --config and no --section.key overrides")
         if args.world_size not in (None, 256):
             raise ValueError(f"--world-size: the example runs on 256 ranks, got {args.world_size}")
         cfg = running_example()
-        return cfg.replace(device=args.device) if args.device else cfg
+        why = {"world": "the running example's", "batch": "the running example's global "
+               "batch 1024", "device": "--device" if args.device else "the running example's"}
+        return (cfg.replace(device=args.device) if args.device else cfg), why
     if args.config is None and not overrides:
         raise ValueError("give --config FILE, --section.key overrides, or --example")
     from tinytron.config import load_config
 
     train = load_config(args.config, overrides)
     tp, pp, _, cp = train.parallel.sizes()
-    return memory_config_from(train, args.world_size or tp * pp * cp, args.device)
+    device, device_why = resolve_device(train.training.device, args.device)
+    cfg = memory_config_from(train, args.world_size or tp * pp * cp, device)
+    t, dp = train.training, cfg.data_parallel_size
+    why = {"world": "--world-size" if args.world_size else f"not given: --world-size defaults "
+           f"to TP · PP · CP = {tp * pp * cp}", "device": device_why,
+           "batch": (f"global batch {t.global_batch_size} / (micro-batch {t.micro_batch_size}"
+                     f" · DP {dp})" if t.global_batch_size else
+                     "no global batch in the config: one micro-batch per DP rank")}
+    return cfg, why
 
 # %% [markdown]
 # `_run` does what the flags ask: the search, or the ledger of every stage as a table or JSON,
@@ -451,7 +808,7 @@ def _config_from_args(args, overrides: list[str]) -> MemoryConfig:
 def _run(argv: Sequence[str] | None) -> None:
     """Parse, build, print (or search); raises ValueError with a one-line message."""
     args, overrides = _parser().parse_known_args(argv)
-    cfg = _config_from_args(args, overrides)
+    cfg, why = _config_from_args(args, overrides)
     search_only = [flag for flag, value in (("--gpus", args.gpus), ("--gpu-memory", args.gpu_memory),
                    ("--global-batch-size", args.global_batch_size), ("--top", args.top))
                    if value is not None]
@@ -464,6 +821,8 @@ def _run(argv: Sequence[str] | None) -> None:
             * cfg.num_microbatches
         t0 = time.perf_counter()
         found = search_layouts(cfg, gpus, parse_bytes(budget), gbs, top=args.top or 10)
+        print(assumption_lines(cfg, why)[1].split(";")[0] + f"; {gpus} GPUs ("
+              + ("--gpus" if args.gpus else "the world size") + ")")
         print(f"{len(found)} fastest layouts of {gpus} GPUs that fit {budget} "
               f"(global batch {gbs}); searched in {time.perf_counter() - t0:.2f} s")
         for i, f in enumerate(found, 1):
@@ -473,8 +832,8 @@ def _run(argv: Sequence[str] | None) -> None:
     if not 0 <= args.dp_rank < cfg.data_parallel_size * cfg.context_parallel_size:
         raise ValueError(f"--dp-rank must be in [0, "
                          f"{cfg.data_parallel_size * cfg.context_parallel_size})")
-    print(json.dumps(_ledger_json(cfg, args.dp_rank)) if args.json
-          else format_ledgers(cfg, args.dp_rank))
+    print(json.dumps(_ledger_json(cfg, args.dp_rank, why)) if args.json
+          else format_ledgers(cfg, args.dp_rank, why))
     if args.plot:
         import matplotlib
         matplotlib.use("Agg")
