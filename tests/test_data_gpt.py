@@ -11,7 +11,8 @@ import torch
 
 from tinytron.data._reference import reference_sample_idx, reference_sample_tokens
 from tinytron.data.gpt_dataset import (GPTDataset, GPTDatasetConfig, Split,
-                                       build_document_sample_shuffle_indices, build_sample_index,
+                                       build_document_index, build_document_sample_shuffle_indices,
+                                       build_sample_index, build_sample_index_loop,
                                        convert_split_vector_to_split_matrix, get_num_epochs,
                                        needs_separate_final_epoch, parse_and_normalize_split,
                                        shuffle_index_dtype, split_indices)
@@ -78,6 +79,62 @@ def test_sample_index_int64_when_large():
     di = np.array([0, 1], dtype=np.int32)
     assert build_sample_index(sizes, di, 3, 1, 12).dtype == np.int32
     assert shuffle_index_dtype(2**32 - 3) == np.uint32 and shuffle_index_dtype(2**32 - 2) == np.int64
+
+
+def _edge_corpora():
+    """(name, sizes, seq): the corners of the sample-index walk."""
+    yield "one sequence", [17], 4
+    yield "ends exactly at sequence ends", [6, 3, 9, 3], 3  # every boundary on a document end
+    yield "shorter than a sample", [1, 2, 1, 1, 2, 1, 1], 5  # several documents per boundary
+    yield "empty sequences", [0, 0, 5, 0, 0, 0, 4, 0, 3, 0], 2
+    yield "empty first and last", [0, 7, 2, 0], 3
+    yield "one long, many short", [50, 1, 1, 1, 1, 1, 1], 7
+
+
+@pytest.mark.parametrize("case", list(_edge_corpora()), ids=lambda c: c[0])
+def test_sample_index_equals_the_loop_at_the_corners(case):
+    _, sizes, seq = case
+    sizes = np.array(sizes, dtype=np.int32)
+    total = int(sizes.sum())
+    for epochs in (1, 2, 5):
+        for extra in (0, 1):
+            for drop in (True, False):
+                di = build_document_index(np.arange(len(sizes), dtype=np.int32), epochs,
+                                          np.random.RandomState(epochs), False)
+                fast = build_sample_index(sizes, di, seq, epochs, total, drop, extra)
+                loop = build_sample_index_loop(sizes, di, seq, epochs, total, drop, extra)
+                ref = reference_sample_idx(sizes, di, seq, epochs, total, drop, extra)
+                where = f"epochs={epochs} extra={extra} drop={drop}"
+                assert fast.dtype == np.int32 and fast.shape == loop.shape, where
+                assert np.array_equal(fast, loop) and np.array_equal(loop, ref), where
+
+
+def test_sample_index_equals_the_loop_on_random_corpora():
+    rng = np.random.default_rng(7)
+    for trial in range(300):
+        sizes = rng.integers(0 if trial % 2 else 1, rng.integers(2, 200),
+                             rng.integers(1, 40)).astype(np.int32)
+        sizes[0] += 2
+        total, seq = int(sizes.sum()), int(rng.integers(2, 50))
+        extra, drop = trial % 3 != 0, trial % 4 != 1
+        epochs = get_num_epochs(total, int(rng.integers(1, 3 * total // seq + 2)), seq, int(extra))
+        di = build_document_index(np.arange(len(sizes), dtype=np.int32), epochs,
+                                  np.random.RandomState(trial), False)
+        args = (sizes, di, seq, epochs, total, drop, int(extra))
+        assert np.array_equal(build_sample_index(*args), build_sample_index_loop(*args)), trial
+
+
+def test_sample_index_int64_path_equals_the_loop():
+    """Sequences longer than int32 take the two separate int64 sums instead of the packed one."""
+    sizes = np.array([2**31 + 5, 7, 0, 2**30 + 3], dtype=np.int64)
+    di = np.array([0, 1, 2, 3, 1, 0], dtype=np.int32)
+    total = int(sizes[di].sum())
+    for extra in (0, 1):
+        for drop in (True, False):
+            fast = build_sample_index(sizes, di, 2**29 + 7, 1, total, drop, extra)
+            loop = build_sample_index_loop(sizes, di, 2**29 + 7, 1, total, drop, extra)
+            assert fast.dtype == np.int64 and np.array_equal(fast, loop), (extra, drop)
+    assert fast[-1].tolist() == [5, 2**31 + 5 - 1]  # the kept partial sample's last row
 
 
 def test_epochs_and_the_80_percent_rule():

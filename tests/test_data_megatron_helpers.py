@@ -49,6 +49,36 @@ def test_sample_index_is_identical_to_helpers_cpp(helpers):
         assert np.array_equal(ref, build_sample_index(sizes, di, seq, epochs, total, drop, extra))
 
 
+@pytest.mark.parametrize("sizes,seq", [
+    ([17], 4),                                  # one sequence, many epochs
+    ([6, 3, 9, 3], 3),                          # every boundary exactly on a sequence end
+    ([1, 2, 1, 1, 2, 1, 1], 5),                 # several sequences end before one boundary
+    ([2, 0, 0, 5, 0, 0, 0, 4, 0, 3, 0], 2),     # empty sequences, the last one too
+    ([50, 1, 1, 1, 1, 1, 1], 7),
+])
+def test_sample_index_corners_are_identical_to_helpers_cpp(helpers, sizes, seq):
+    sizes = np.array(sizes, dtype=np.int32)
+    total = int(sizes.sum())
+    for epochs in (1, 2, 7):
+        for extra in (0, 1):
+            for drop in (True, False):
+                di = build_document_index(np.arange(len(sizes), dtype=np.int32), epochs,
+                                          np.random.RandomState(epochs), False)
+                ref = helpers.build_sample_idx_int32(sizes, di, seq, epochs, total, drop, extra)
+                ours = build_sample_index(sizes, di, seq, epochs, total, drop, extra)
+                assert ours.dtype == ref.dtype and np.array_equal(ref, ours), (epochs, extra, drop)
+
+
+def test_sample_index_at_half_a_million_samples(helpers):
+    """One corpus of the benchmark's shape, smaller: 50k sequences of 1..4095 tokens, 5 epochs."""
+    sizes = np.random.default_rng(5).integers(1, 4096, 50_000).astype(np.int32)
+    total, seq = int(sizes.sum()), 1024
+    di = build_document_index(np.arange(len(sizes), dtype=np.int32), 5,
+                              np.random.RandomState(1234), False)
+    ref = helpers.build_sample_idx_int32(sizes, di, seq, 5, total, True, 1)
+    assert len(ref) > 450_000 and np.array_equal(ref, build_sample_index(sizes, di, seq, 5, total))
+
+
 def test_blending_is_identical_to_helpers_cpp(helpers):
     rng = np.random.default_rng(1)
     for _ in range(100):

@@ -57,6 +57,7 @@ import math
 import numbers
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
@@ -73,8 +74,8 @@ from tinytron.overview.batch import PAD_SENTINEL, get_ltor_masks_and_position_id
 __all__ = [
     "Split", "parse_and_normalize_split", "convert_split_vector_to_split_matrix", "split_indices",
     "GPTDatasetConfig", "checked_blend", "get_num_epochs", "needs_separate_final_epoch",
-    "build_document_index", "build_sample_index", "build_shuffle_index", "shuffle_index_dtype",
-    "build_document_sample_shuffle_indices",
+    "build_document_index", "build_sample_index", "build_sample_index_loop", "build_shuffle_index",
+    "shuffle_index_dtype", "build_document_sample_shuffle_indices",
     "data_identity", "GPTDataset", "plot_index_tables",
 ]
 
@@ -337,79 +338,146 @@ def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.Random
     return np.concatenate((first, last))
 
 # %% [markdown]
-# ## The sample index, without a loop
+# ## The sample index: the loop first
 #
 # Megatron's C++ (`helpers.cpp:145`) walks the shuffled sequences with a token budget of
 # $L+1$ per sample and records where each sample starts: `(position in the document index,
 # token offset in that sequence)`. Because every sample re-uses the last token of the previous
-# one (the label of its last input), sample $i$ simply starts at token $i\cdot L$ of the
-# concatenated stream. With $c_j$ = the tokens before document-index position $j$ (a cumulative
-# sum), the start of sample $i$ is the $j$ with $c_j \le iL < c_{j+1}$ — one `searchsorted` for
-# all samples at once — and the offset is $iL - c_j$.
+# one (the label of its last input), sample $k$ simply starts at token $kL$ of the
+# concatenated stream. What the C++ records is the sequence holding the *boundary token*, the
+# last token that sample $k-1$ reads: token $kL$ with the extra token, token $kL - 1$ without
+# it; and the offset $kL - c_j$, where $c_j$ is the first token of position $j$.
 #
 # Worked example: lengths in document-index order `4, 3, 5` ($c = 0, 4, 7, 12$), $L = 3$:
 # $(12-1)//3 = 3$ samples starting at tokens $0, 3, 6, 9$ → rows `(0,0) (0,3) (1,2) (2,2)`.
 # Sample 1 reads tokens 3..6: the last token of sequence 0 and all of sequence 1.
 #
-# The code below gets there without `searchsorted` too, by counting instead of searching. The
-# documents end at tokens 4, 7, 12; the first sample starting at or after an end $e$ is
-# $\lceil e/3 \rceil$ = 2, 3, 4, so document 0 holds the starts of samples 0 and 1, and
-# documents 1 and 2 one each: counts `[2, 1, 1]`, positions `repeat([0, 1, 2], [2, 1, 1])` =
-# `[0, 0, 1, 2]`, and offsets = starts `[0, 3, 6, 9]` minus each position's first token
-# `[0, 0, 4, 7]` = `[0, 3, 2, 2]`: the same four rows, in time linear in documents plus samples.
-#
 # Two corner rules of the C++ are kept: row 0 is always `(0, 0)` (even when the first sequence
 # is empty), and a partial last sample (validation only, when not dropped) ends at
 # `(last position, len - 1)`. Without the extra token a sample that ends exactly at a sequence
-# end is recorded as `(j, len_j)` rather than `(j+1, 0)`: the code looks up the sequence of
-# the last token read (`last_token`), not of the next start.
+# end is recorded as `(j, len_j)` rather than `(j+1, 0)`, because the boundary token is then
+# the last token of $j$. An empty sequence never holds a boundary, so the walk steps over it.
 #
-# Checked against a step-by-step Python transcription of the C++ (`_reference.py`, in the
-# tests), against Megatron's own compiled `helpers.cpp` (opt-in
-# `tests/test_data_megatron_helpers.py`: identical arrays in hundreds of random corpora, and in
-# `benchmarks/bench_data.py` at a million samples), and end to end against Megatron's own
-# `GPTDataset` and `BlendedDataset` (opt-in `tests/test_data_megatron_compat.py`: the same
-# tokens, labels, masks and positions for every sample of every split, blends included).
-#
-# Why not simply port the C++ loop: it is a walk of one step per sequence and one per sample,
-# fine in C++ and far too slow as a Python loop at a billion tokens. The formula version does
-# the same arithmetic for all samples at once — a cumulative sum, one `np.repeat` and one
-# subtraction — so numpy's vectorized loops do the walk, and there is no extension to compile
-# (Megatron compiles `helpers.cpp` with pybind11 on first use).
+# The loop below is that rule said once per sample: move on to the next sequence while the
+# current one ends at or before the boundary, then record. It is the definition the fast
+# version is tested against (identical arrays, in the tests and in the demo), and it is too
+# slow to use: a Python step per sample and per sequence, about 20 s for the million samples
+# of `benchmarks/bench_data.py`. The C++ is this same walk, compiled.
 
 # %%
-def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length: int,
-                       num_epochs: int, tokens_per_epoch: int, drop_last_partial_sequence: bool = True,
-                       add_extra_token: int = 1) -> np.ndarray:
-    """[(doc position, offset)] of every sample start: the vectorized helpers.cpp build_sample_idx."""
+def _num_samples(total: int, seq_length: int, drop_last: bool, extra: int) -> int:
+    """Samples in the whole stream; a kept partial one rounds up through a float32 as the C++."""
+    if drop_last:
+        return (total - extra) // seq_length
+    return math.ceil(float(np.float32(total - extra)) / seq_length)
+
+
+def build_sample_index_loop(sizes, document_index, seq_length: int, num_epochs: int,
+                            tokens_per_epoch: int, drop_last_partial_sequence: bool = True,
+                            add_extra_token: int = 1) -> np.ndarray:
+    """Naive first: the sample index one sample at a time (int64; build_sample_index's oracle)."""
     total = num_epochs * tokens_per_epoch
-    if drop_last_partial_sequence:
-        num_samples = (total - add_extra_token) // seq_length
-    else:  # the C++ rounds through a 32-bit float here
-        num_samples = math.ceil(float(np.float32(total - add_extra_token)) / seq_length)
+    num_samples = _num_samples(total, seq_length, drop_last_partial_sequence, add_extra_token)
+    last, shift = len(document_index) - 1, 1 - add_extra_token
+    rows, j, start = [], 0, 0  # j: position in the document index, start: its first token
+    for k in range(num_samples + 1):
+        boundary = k * seq_length - shift  # the last token sample k - 1 reads
+        while j < last and start + int(sizes[document_index[j]]) <= boundary:
+            start += int(sizes[document_index[j]])
+            j += 1
+        rows.append((j, k * seq_length - start))
+    rows[0] = (0, 0)
+    if num_samples * seq_length - shift > total - 1:  # the kept partial sample
+        rows[-1] = (last, int(sizes[document_index[last]]) - add_extra_token)
+    return np.array(rows, dtype=np.int64).reshape(-1, 2)
+
+# %% [markdown]
+# ### The same walk as two running sums
+#
+# Follow the two columns from sample to sample. The position goes up by one each time a
+# sequence ends at or before the boundary; the offset goes up by $L$ every sample and comes
+# down by the length of each sequence left behind. So both columns are running sums
+# (`np.cumsum`) of a step array, and the only question is *at which sample* each sequence's
+# step falls: sequence $j$ ends at token $e_j = c_{j+1}$, and the first sample whose boundary
+# $kL - s$ ($s = 1$ without the extra token, else 0) reaches it is
+# $f_j = \lceil (e_j + s) / L \rceil$, one integer division for all sequences at once.
+#
+# In the example, $e = 4, 7$ (the last sequence's end needs no step) give $f = 2, 3$. Position
+# steps `[0, 0, 1, 1]` sum to `[0, 0, 1, 2]`; offset steps `[0, 3, 3-4, 3-3]` sum to
+# `[0, 3, 2, 2]`: the four rows again. Several sequences can end before the same boundary (an
+# empty one, or two shorter than $L$ in a row), so their steps are added with `np.add.at`,
+# which sums repeated indices where plain `d[f] += x` would keep only one; a step that falls
+# past the last sample goes to one spare slot at the end, cut off afterwards.
+#
+# The two sums become one. While the table is `int32` (positions and lengths below $2^{31}$,
+# the usual case) each row is 8 bytes, the size of one `uint64`. Put the position step in the
+# low 32 bits and the offset step in the high 32 bits of one `uint64` step and run one
+# `cumsum`: unsigned sums wrap around modulo $2^{64}$, so the total is exactly
+# $\text{position} + 2^{32}\cdot\text{offset}$ modulo $2^{64}$, whatever the partial sums
+# carried on the way, and viewing the result as pairs of `int32` reads the two columns with
+# no copy (on a big-endian machine the two halves swap, and the code swaps with them).
+# Otherwise the two sums run separately in `int64`.
+#
+# Why this form and not a compiled helper: the fast version is pure numpy. The whole build is
+# a gather of lengths, one `cumsum` and one division per sequence, and one fill, one scatter-add
+# and one `cumsum` per sample, all without Python-level loops and with few temporaries, which
+# is what brings it to the C++'s time (the numbers are in the summary). An earlier form of this
+# page spread the positions with `np.repeat` and gathered each sample's first token, about 3×
+# the C++'s time: each of those steps wrote a fresh array of a million elements, and at this
+# size the page faults of fresh memory cost as much as the arithmetic. A compiled helper of our
+# own (Megatron compiles `helpers.cpp` with pybind11 on first use) would need a compiler on
+# every machine that opens a dataset, for no gain in speed.
+
+# %%
+def build_sample_index(sizes, document_index, seq_length: int, num_epochs: int,
+                       tokens_per_epoch: int, drop_last_partial_sequence: bool = True,
+                       add_extra_token: int = 1) -> np.ndarray:
+    """[(doc position, offset)] of every sample start: helpers.cpp build_sample_idx, vectorized."""
+    total = num_epochs * tokens_per_epoch
+    num_samples = _num_samples(total, seq_length, drop_last_partial_sequence, add_extra_token)
+    sizes = np.asarray(sizes)
     num_docs, n, shift = len(document_index), num_samples + 1, 1 - add_extra_token
-    big = max(num_docs, int(sizes.max()) if len(sizes) else 0) > np.iinfo(np.int32).max
-    out_dtype = np.int64 if big else np.int32
-    doc_lengths = np.asarray(sizes)[document_index]
-    ends = np.cumsum(doc_lengths, dtype=np.int64)  # ends[j]: first token after document j
-    assert ends[-1] == total, (ends[-1], total)
-    # Sample k's boundary token is k*seq - shift; it lies in the first document j whose end
-    # exceeds it. The first sample whose boundary reaches ends[j] is ceil((ends[j]+shift)/seq),
-    # so document j is the boundary document of first[j] - first[j-1] samples: one np.repeat
-    # instead of a binary search per sample (linear, like the C++ walk).
-    first = np.minimum((ends + (shift + seq_length - 1)) // seq_length, n)
-    counts = np.diff(first, prepend=0)
-    counts[-1] += n - first[-1]  # a kept partial sample ends in the last document
-    out = np.empty((n, 2), dtype=out_dtype)
-    out[:, 0] = pos = np.repeat(np.arange(num_docs, dtype=out_dtype), counts)
-    ends -= doc_lengths  # now each document's first token
-    offsets = np.arange(0, n * seq_length, seq_length, dtype=np.int64)
-    offsets -= ends[pos]  # in place and contiguous: a strided, casting subtract is 3x slower
-    out[:, 1] = offsets
+    lengths = np.take(sizes, document_index)
+    first = lengths.astype(np.int64)  # (cumsum with a dtype= casts slowly: cast once, sum in place)
+    np.cumsum(first, out=first)  # each sequence's end ...
+    assert first[-1] == total, (first[-1], total)
+    first += shift + seq_length - 1
+    first //= seq_length  # ... then f_j, the first sample whose boundary lies past it
+    np.minimum(first, n, out=first)  # steps past the last sample land in the spare slot n
+    at, left_behind = first[:-1], lengths[:-1]
+    if max(num_docs, int(sizes.max()) if len(sizes) else 0) > np.iinfo(np.int32).max:
+        out = np.empty((n, 2), dtype=np.int64)
+        out[:, 0] = _running_sum(n, 0, at, 1, np.int64)
+        out[:, 1] = _running_sum(n, seq_length, at, -left_behind.astype(np.int64), np.int64)
+    else:  # one uint64 sum: the position in one 32-bit half, the offset in the other
+        pos, off = np.uint64(0), np.uint64(32)  # int32 pairs read the low half first ...
+        if sys.byteorder == "big":
+            pos, off = off, pos  # ... on a little-endian machine
+        steps = left_behind.astype(np.uint64) << off
+        np.subtract(np.uint64(1) << pos, steps, out=steps)  # +1 position, -length offset
+        packed = _running_sum(n, np.uint64(seq_length) << off, at, steps, np.uint64)
+        out = packed.view(np.int32).reshape(n, 2)
     if num_samples * seq_length - shift > total - 1:  # the kept partial sample: the last row
-        out[-1] = (num_docs - 1, doc_lengths[-1] - add_extra_token)
+        out[-1] = (num_docs - 1, lengths[-1] - add_extra_token)
     out[0] = (0, 0)
     return out
+
+
+def _running_sum(n: int, step, at: np.ndarray, jumps, dtype) -> np.ndarray:
+    """cumsum over n samples of `step` per sample after the first plus `jumps` at samples `at`."""
+    d = np.full(n + 1, step, dtype=dtype)  # slot n: the spare for steps past the last sample
+    d[0] = 0
+    np.add.at(d, at, jumps)  # repeated samples add up
+    return np.cumsum(d, out=d)[:n]
+
+# %% [markdown]
+# Checked against the loop above (`tests/test_data_gpt.py`, random corpora with empty
+# sequences, both extra-token settings and the kept partial sample), against a step-by-step
+# Python transcription of the C++ (`_reference.py`), against Megatron's own compiled
+# `helpers.cpp` (`tests/test_data_megatron_helpers.py`: identical arrays in hundreds of random
+# corpora, and in `benchmarks/bench_data.py` at a million samples), and end to end against
+# Megatron's own `GPTDataset` and `BlendedDataset` (`tests/test_data_megatron_compat.py`: the
+# same tokens, labels, masks and positions for every sample of every split, blends included).
 
 # %% [markdown]
 # The three builders together, in the order that fixes the random stream: count the epochs,
@@ -710,9 +778,9 @@ def plot_index_tables(sizes, document_index, sample_index, shuffle_index, seq_le
 # from (sequence $s$ holds $100s, 100s+1, ...$), windows of 4 tokens and 8 samples: two epochs.
 # The printed sample windows can be checked by eye — a window that jumps from 6 to 100 crossed
 # from sequence 0 into sequence 1. Then the asserts: the sample index equals the transcription
-# of Megatron's C++ loop, the worked examples of this page give the arrays worked by hand,
-# every window equals the reference reader's, and a second dataset with the same key is a
-# cache hit with the same shuffle.
+# of Megatron's C++ loop and this page's own loop, the worked examples of this page give the
+# arrays worked by hand, every window equals the reference reader's, and a second dataset with
+# the same key is a cache hit with the same shuffle.
 
 # %%
 if __name__ == "__main__":
@@ -745,6 +813,9 @@ if __name__ == "__main__":
     assert np.array_equal(ref, ds.sample_index)
     worked = build_sample_index(np.array([4, 3, 5]), np.arange(3), 3, 1, 12)  # the prose example
     assert worked.tolist() == [[0, 0], [0, 3], [1, 2], [2, 2]]
+    assert np.array_equal(build_sample_index_loop(np.array([4, 3, 5]), np.arange(3), 3, 1, 12), worked)
+    assert np.array_equal(build_sample_index_loop(ds_ix.sequence_lengths, ds.document_index, 4, 2, 30),
+                          ds.sample_index)  # the loop first, the running sums after: one table
     three = build_document_sample_shuffle_indices(np.array([5, 3, 4]), np.arange(3, dtype=np.int32),
                                                   4, 3, seed=1234)  # the 3-document example
     assert [t.tolist() for t in three] == [
@@ -762,7 +833,8 @@ if __name__ == "__main__":
 # ## Summary
 #
 # * Document index: sequence ids × epochs, shuffled (the last epoch apart under the 80% rule).
-# * Sample index: sample $i$ starts at token $iL$ of that stream; one `searchsorted` builds it.
+# * Sample index: sample $i$ starts at token $iL$ of that stream; two running sums, packed
+#   into one `cumsum`, build it, tested against the loop that walks it sample by sample.
 # * Shuffle index: a permutation of samples from the same RNG stream, drawn after the documents.
 # * Cached on disk under a key that includes the data's own identity.
 #   That identity is tinytron's addition: Megatron's key (`megatron_dataset.py:57-71`) holds
