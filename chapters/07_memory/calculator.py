@@ -754,7 +754,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="the trainer's TOML file")
     p.add_argument("--example", action="store_true", help="the book's 7B running example")
     p.add_argument("--world-size", type=int, help="ranks of the run (default tp·pp·cp)")
-    p.add_argument("--device", choices=("cuda", "cpu"), help="default: the config's, cuda for auto")
+    p.add_argument("--device", choices=("cuda", "cpu"),
+                   help="default: the config's; auto as the trainer resolves it")
     p.add_argument("--dp-rank", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", help="write the stacked-bar picture to this PNG file")
