@@ -43,13 +43,17 @@ def test_tensorboard_and_jsonl_hold_every_logged_scalar(tmp_path):
     timers("forward-backward").stop()
     logger = MetricsLogger(cfg, train_iters=10, timers=timers, timer_names=("forward-backward",))
     for it, loss in [(1, 3.0), (2, 2.5), (4, 2.0)]:
+        if it == 4:   # the timer runs again between the records of 2 and 4
+            timers("forward-backward").start()
+            timers("forward-backward").stop()
         logger(_record(it, loss))
     logger.close()
     tb = read_tensorboard_scalars(str(tmp_path / "tb"))
     assert tb["lm loss"] == [(1, 3.0), (2, 2.5), (4, 2.0)]
     assert [s for s, _ in tb["lm loss vs samples"]] == [8, 16, 32]
     assert [v for _, v in tb["grad-norm"]] == [1.5, 2.5, 4.5]
-    assert len(tb["forward-backward-time"]) == 3 and "mem-rss-bytes" in tb
+    # a timer's point for each interval in which it ran, none where it did not
+    assert [s for s, _ in tb["forward-backward-time"]] == [1, 4] and "mem-rss-bytes" in tb
     lines = [json.loads(x) for x in open(tmp_path / "m.jsonl")]
     assert [x["losses"]["lm loss"] for x in lines] == [3.0, 2.5, 2.0]
     assert all(x["memory"]["mem-rss-bytes"] > 0 for x in lines)
@@ -98,3 +102,55 @@ def test_trace_of_one_iteration_and_nesting(tmp_path):
     (tmp_path / "empty.json").write_text('{"traceEvents": []}')
     with pytest.raises(ValueError, match="no complete"):
         load_trace(str(tmp_path / "empty.json"))
+
+
+def test_trainer_tensorboard_timers_cover_their_interval_and_say_their_units(tmp_path):
+    """A real six-iteration trainer run, saving at 2, 4 and 6, read back from its event files."""
+    import os
+    import subprocess
+    import sys
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.conftest import ROOT
+    from tinytron.data.preprocess import run as preprocess, stdlib_corpus
+    from tinytron.reliability.observability import PER_INTERVAL_TIMERS, SCALAR_UNITS, TIMER_UNIT
+
+    prefix = preprocess(["--input", *stdlib_corpus(20), "--output-prefix",
+                         str(tmp_path / "corpus"), "--workers", "1", "--no-progress"])
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tinytron.train", "--config", "configs/tiny.toml",
+         "--model.hidden_size", "64", "--model.ffn_hidden_size", "128",
+         "--model.seq_length", "64", "--training.micro_batch_size", "2",
+         "--training.global_batch_size", "4", "--training.log_interval", "1",
+         "--scheduler.lr_warmup_iters", "1", "--training.eval_interval", "none",
+         "--training.train_iters", "6", "--training.save_interval", "2",
+         "--logging.progress_bar", "false", "--logging.timing_log_level", "1",
+         "--data.split", "\"90,10,0\"", "--data.data_path", prefix,
+         "--checkpoint.save", str(run)],
+        cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+        timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    points = {tag: [(e.step, e.value) for e in events.Scalars(tag)]
+              for tag in events.Tags()["scalars"]}
+    # a save runs after its iteration's record: the saves at 2 and 4 are the points at 3 and 5;
+    # nothing is written where no save ran, and the save at 6 has no record after it
+    saves = points["save-checkpoint-time"]
+    assert [s for s, _ in saves] == [3, 5] and all(v > 0 for _, v in saves), saves
+    # per-iteration timers are the interval's, not the run's running total: the forward-
+    # backward of one iteration fits inside that iteration, every time
+    iteration = dict(points["iteration-time"])
+    fb = points["forward-backward-time"]
+    assert [s for s, _ in fb] == [1, 2, 3, 4, 5, 6], fb
+    assert all(0 < v <= iteration[s] for s, v in fb), (fb, iteration)
+    # Megatron's tags, with the unit as each tag's description in the event file
+    described = {tag: events.SummaryMetadata(tag).summary_description for tag in
+                 ("iteration-time", "throughput", "forward-backward-time", "save-checkpoint-time")}
+    assert described["iteration-time"] == SCALAR_UNITS["iteration-time"]
+    assert described["throughput"] == SCALAR_UNITS["throughput"]
+    assert "TFLOP/s per device" in described["throughput"]
+    assert described["forward-backward-time"] == TIMER_UNIT
+    assert described["save-checkpoint-time"] == PER_INTERVAL_TIMERS["save-checkpoint"]

@@ -1,7 +1,8 @@
 """Chapter 08's console line, JSON conversion and TensorBoard reader (not a page).
 
 The page `observability.py` keeps what is logged and under which names; what is here only
-draws the console line, turns tensors into JSON values and reads an event file back.
+draws the console line, turns tensors into JSON values, builds a described scalar point and
+reads an event file back.
 """
 
 from __future__ import annotations
@@ -69,3 +70,13 @@ def read_tensorboard_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]
     acc = EventAccumulator(log_dir, size_guidance={"scalars": 0})  # 0 = keep every point
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def described_scalar(tag: str, value: float, description: str):
+    """One scalar point as a Summary whose metadata carries `description` (TensorBoard's own
+    scalar-plugin metadata; the points after it are plain `add_scalar` ones)."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from tensorboard.plugins.scalar.metadata import create_summary_metadata
+
+    metadata = create_summary_metadata(display_name=tag, description=description)
+    return Summary(value=[Summary.Value(tag=tag, simple_value=float(value), metadata=metadata)])

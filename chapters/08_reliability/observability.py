@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["LoggingConfig", "memory_report", "format_memory_report", "megatron_scalars",
-           "ProgressBar", "MetricsLogger", "read_tensorboard_scalars"]
+           "SCALAR_UNITS", "TIMER_UNIT", "PER_INTERVAL_TIMERS", "scalar_unit", "ProgressBar",
+           "MetricsLogger", "read_tensorboard_scalars"]
 
 # %% [markdown]
 # ## Megatron's scalar names
@@ -43,7 +44,7 @@ __all__ = ["LoggingConfig", "memory_report", "format_memory_report", "megatron_s
 # | `iteration-time`, `throughput` | seconds per iteration; TFLOP/s per GPU |
 # | `mem-reserved-bytes`, `mem-allocated-bytes`, `mem-max-allocated-bytes`, `mem-allocated-count` | CUDA caching allocator |
 # | `skipped-train-samples` | when any were skipped |
-# | `<timer>-time` | each timer's max over ranks, ms (previous page) |
+# | `<timer>-time` | each timer's max over ranks, seconds per iteration (below) |
 # | `lm loss validation`, `lm loss validation vs samples` | evaluation |
 #
 # Only the **last rank** writes (it holds the loss on the last pipeline stage). Here the
@@ -170,7 +171,88 @@ def megatron_scalars(record: dict, world_size: int = 1,
 
 # %%
 from tinytron.reliability._logging_io import (ProgressBar, _fmt_seconds,  # noqa: F401
-                                              _jsonable, read_tensorboard_scalars)
+                                              _jsonable, described_scalar,
+                                              read_tensorboard_scalars)
+
+
+# %% [markdown]
+# ## Units, and what a timer scalar covers
+#
+# Megatron's tags carry no unit: `iteration-time` is seconds per iteration
+# (`training.py:2624`), `throughput` TFLOP/s per GPU (`:2641`, the console's "throughput per
+# GPU (TFLOP/s/GPU)"), and each `<timer>-time` the slowest rank's seconds divided by
+# `log_interval` (`megatron/core/timers.py:452-485`, called with `normalizer=log_interval` at
+# `training.py:2710`). tinytron keeps the tags, so that a dashboard built for Megatron reads a
+# tinytron run, and writes the unit into the event file as each tag's description: the first
+# point of the tag carries it (TensorBoard shows it beside the chart, and
+# `EventAccumulator.SummaryMetadata(tag).summary_description` reads it back).
+#
+# The timers are read and **reset** at every record. Megatron writes them with `reset=False`
+# and resets them in the console report right after (`:2710-2713`), and a timer that did not
+# run since is left out (`_get_global_min_max_time` keeps only values above zero,
+# `timers.py:318-336`). Without the reset every value would be the sum since the start of the
+# run, and `save-checkpoint-time` would repeat the last save's total at every record.
+#
+# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+#
+# Megatron divides by `log_interval`; tinytron by the iterations since the previous record
+# (the first record covers one iteration, where Megatron would divide its one iteration by the
+# interval). `save-checkpoint-time` is tinytron's: Megatron prints the save timer on the
+# console and writes no scalar for it (`save_checkpoint_and_time`, `training.py:2796-2843`).
+# It is the seconds spent saving since the previous record, not divided by anything, and
+# written only in an interval in which a save ran. A save comes after its iteration's record (as
+# in Megatron), so it shows at the next record: a save at iteration 2 with `log_interval = 1` is
+# the point at step 3.
+#
+# </div>
+
+# %%
+SCALAR_UNITS = {
+    "iteration-time": "seconds per iteration, mean over the log interval",
+    "throughput": "TFLOP/s per device (model FLOPs over the log interval's wall time)",
+}
+TIMER_UNIT = "seconds per iteration, slowest rank, mean over the log interval"
+PER_INTERVAL_TIMERS = {
+    "save-checkpoint": "seconds spent saving since the previous record, slowest rank "
+                       "(written only when a save ran)",
+}
+
+
+def scalar_unit(tag: str) -> Optional[str]:
+    """The unit a tag's description states, or None (the name says it, or it has none)."""
+    if tag in SCALAR_UNITS:
+        return SCALAR_UNITS[tag]
+    if tag.endswith("-time"):
+        return PER_INTERVAL_TIMERS.get(tag[:-len("-time")], TIMER_UNIT)
+    return None
+
+
+# %% [markdown]
+# Two methods of the logger write the scalars that need more than a name: the timers, read,
+# divided and reset at each record as the section above says, and a tag with a unit, whose
+# first point is written with its description.
+
+# %%
+class TimedScalars:
+    """The logger's timer scalars and the unit-carrying first point of a tag."""
+
+    def _write_timers(self, iteration: int) -> None:
+        """`<name>-time` for the timers that ran since the last record, then reset them."""
+        iterations = 1 if self._timed_through is None else max(iteration - self._timed_through, 1)
+        self._timed_through = iteration
+        ms = self.timers.get_min_max(self.timer_names, reset=True)   # collective; ran > 0 only
+        for name, (_, slowest) in ms.items() if self.writer is not None else ():
+            per = 1 if name in PER_INTERVAL_TIMERS else iterations
+            self._add_scalar(f"{name}-time", slowest / 1000.0 / per, iteration)
+
+    def _add_scalar(self, tag: str, value: float, step: int) -> None:
+        """add_scalar; the first point of a tag with a unit carries it as its description."""
+        unit = scalar_unit(tag)
+        if unit is None or tag in self._described:
+            self.writer.add_scalar(tag, value, step)
+            return
+        self._described.add(tag)
+        self.writer.file_writer.add_summary(described_scalar(tag, value, unit), step)
 
 
 # %% [markdown]
@@ -184,7 +266,7 @@ from tinytron.reliability._logging_io import (ProgressBar, _fmt_seconds,  # noqa
 # `<name>-time` is written too (a collective: every rank must call the logger).
 
 # %%
-class MetricsLogger:
+class MetricsLogger(TimedScalars):
     """JSONL + TensorBoard + progress bar from training_log records (writes on the last rank)."""
 
     def __init__(self, config: LoggingConfig, train_iters: int, device=None,
@@ -196,6 +278,8 @@ class MetricsLogger:
         self.timers, self.timer_names = timers, list(timer_names)
         self.bar = ProgressBar(train_iters, stream) if config.progress_bar else None
         self.writer, self.jsonl = None, None
+        self._timed_through: Optional[int] = None   # the iteration the timers were last read at
+        self._described: set[str] = set()            # tags whose unit is already written
         if self.is_writer and config.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(log_dir=config.tensorboard_dir, max_queue=100)
@@ -207,8 +291,7 @@ class MetricsLogger:
         """Log one record (call on every rank: the timer report is a collective)."""
         memory = memory_report(self.device) if self.config.log_memory_to_tensorboard else None
         if self.timers is not None and self.timer_names and "validation" not in record:
-            self.timers.write(self.timer_names, self.writer if self.is_writer else None,
-                              record["iteration"], normalizer=1.0, reset=False)
+            self._write_timers(record["iteration"])
         if not self.is_writer:
             return
         if self.jsonl is not None:
@@ -216,7 +299,7 @@ class MetricsLogger:
                                         default=_jsonable) + "\n")
         if self.writer is not None:
             for name, value, step in megatron_scalars(record, self.world_size, memory):
-                self.writer.add_scalar(name, value, step)
+                self._add_scalar(name, value, step)
         if self.bar is not None and "validation" not in record:
             self.bar.update(record, memory)
 
@@ -305,6 +388,8 @@ if __name__ == "__main__":
 # - One record per `log_interval` feeds the console, a JSONL file and TensorBoard, on the last
 #   rank, with Megatron's scalar names (`lm loss`, `learning-rate`, `grad-norm`,
 #   `iteration-time`, `mem-allocated-bytes`, … and their ` vs samples` twins).
+# - Timer scalars cover the interval since the previous record (read and reset there), so a
+#   timer that did not run is not written; units travel as each tag's TensorBoard description.
 # - The memory report is the CUDA allocator's allocated/reserved bytes, or the process RSS on
 #   a CPU.
 # - The TensorBoard files are the standard event format, written by the `tensorboard`

@@ -715,9 +715,9 @@ class Spikes:
 #
 # Its max, 375 349, is the 1000× spike of iteration 4, learned during the warm-up; the
 # largest ordinary summed loss before it was 398.8 (64 tokens at about 6.2 each), so without
-# that spike the threshold would have been about 4 000. A fatal check prints nothing here: its step ends the
-# job, and the trainer's exit line says what was found. The sentences are put together in the
-# chapter's `_rerun_plumbing.py`; this class decides when each is due.
+# that spike the threshold would have been about 4 000. A fatal check prints nothing here: its
+# step ends the job, and the trainer's exit line says what was found. The sentences are put
+# together in the chapter's `_rerun_plumbing.py`; this class decides when each is due.
 
 # %%
 class SpikeLines:
