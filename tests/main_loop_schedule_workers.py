@@ -214,6 +214,47 @@ PARAM_SYNC_CASES = {  # name: (pp, vpp, m, group_size, overlap, forward_only)
 }
 
 
+def loop_callbacks_case(pp: int, vpp: int | None, m: int = 4) -> dict:
+    """The loop's own callbacks through the real schedule, with and without param_sync_func.
+
+    build_schedule_config over chapter 05's DDP (distributed optimizer, overlap_param_gather,
+    align_param_gather): which callables it hands the schedule, and one training call's
+    gradients with its param_sync_func and with param_sync_func=None.
+    """
+    from tinytron.buffers.distributed_data_parallel import DistributedDataParallelConfig
+    from tinytron.main_loop.loop import build_schedule_config, wrap_with_ddp
+
+    grid, chunks = w.grid_for(1, pp), vpp or 1
+    config = w.tiny_config(num_layers=pp * chunks, tie_embeddings=False)
+    ddp_config = DistributedDataParallelConfig(
+        calculate_per_token_loss=True, overlap_grad_reduce=True, use_distributed_optimizer=True,
+        overlap_param_gather=True, align_param_gather=True, bucket_size=20_000)
+    dp, dp_rank = grid.size("dp"), grid.rank("dp")
+    batches = w.make_microbatches(config, dp * m, seed=5)[dp_rank * m:(dp_rank + 1) * m]
+    out, grads = {}, []
+    for handed in (True, False):
+        torch.manual_seed(0)
+        models = wrap_with_ddp(build_stage_models(config, grid, num_virtual_stages=chunks), grid,
+                               ddp_config)
+        cfg = build_schedule_config(models, None, grid, calculate_per_token_loss=True,
+                                    **({} if handed else {"param_sync_func": None}))
+        if handed:
+            expected = [c.start_param_sync for c in models]
+            out["handed"] = cfg.param_sync_func == (expected if vpp else expected[0])
+        iters = [iter(batches) for _ in models]
+        get_forward_backward_func(pp, vpp)(
+            forward_step_func=w.forward_step_func, data_iterator=iters if vpp else iters[0],
+            model=models if vpp else models[0], num_microbatches=m,
+            seq_length=config.seq_length, micro_batch_size=1, grid=grid, config=cfg)
+        grads.append(w.full_grads(models, grid))
+    out["same_grads"] = grads[0].keys() == grads[1].keys() and all(
+        torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+    return out
+
+
 def param_sync_world_checks() -> dict:
     """Every case of tests/test_main_loop_param_sync.py in one 4-rank world."""
-    return {name: param_sync_case(*args) for name, args in PARAM_SYNC_CASES.items()}
+    out = {name: param_sync_case(*args) for name, args in PARAM_SYNC_CASES.items()}
+    out["loop_interleaved"] = loop_callbacks_case(2, 3)
+    out["loop_1f1b"] = loop_callbacks_case(2, None)
+    return out

@@ -90,3 +90,11 @@ def test_non_interleaved_schedules_never_call_it(world, case):
         assert res[case]["calls"] == []
         assert res[case]["forwards"] == m
         assert all(res[case]["held_during_forwards"]) and res[case]["restored"]
+
+
+@pytest.mark.parametrize("case", ["loop_interleaved", "loop_1f1b"])
+def test_the_loops_start_param_sync_runs_through_the_schedule(world, case):
+    """build_schedule_config hands each DDP chunk's start_param_sync (the bare one for one chunk)
+    and the real all-gathers it launches leave the gradients bit for bit as without it."""
+    for res in world:
+        assert res[case]["handed"] and res[case]["same_grads"], res[case]

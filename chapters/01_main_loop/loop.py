@@ -626,7 +626,7 @@ def _first_iteration_without_pre_hooks(model: list, config: ScheduleConfig):
     """Take the overlapped-gather pre-hooks off; return what to restore (False if none)."""
     if not _set_pre_hooks(model, False, param_sync=False):
         return False
-    held = {"param_sync_func": getattr(config, "param_sync_func", None)}
+    held = {"param_sync_func": config.param_sync_func}
     if held["param_sync_func"] is not None:
         config.param_sync_func = None
     return held
