@@ -292,6 +292,9 @@ def model_provider(cfg: TrainConfig, device: torch.device):
         if m.recompute_granularity or m.fine_grained_activation_offloading:
             from tinytron.recompute import apply_recompute  # chapter 06, before DDP wraps
             apply_recompute(chunks)
+        if m.compile:  # each layer compiled in place, around chapter 06's wrappers
+            from tinytron.model._compile import compile_layers
+            compile_layers(chunks)
         return chunks
     return provide
 

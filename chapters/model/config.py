@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from tinytron._fields import check_fields, document_fields
 from tinytron.model._checks import (check_activation_fields, check_kernels, check_shape,
                                     divides as _divides)
+from tinytron.model._compile import check_compile
 
 # Megatron's vocabulary padding rule lives with the vocab-parallel layers of appendix A.
 from tinytron.parallel.vocab_parallel import padded_vocab_size
@@ -126,7 +127,10 @@ class ShapeMethods:
 # ([chapter 06](../06_recompute_offload/recompute.py)) against Megatron's module names and
 # combinations (`transformer_config.py:1546-1698`), and the kernels switch against what
 # [appendix C's](../kernels/roofline.py) Triton kernels can serve. Those walls of checks live in
-# `tinytron.model._checks`; each message names the field to change.
+# `tinytron.model._checks`; each message names the field to change. The last field, `compile`,
+# says how the layers run, not what they hold: a resume may switch it (chapter 03 compares the
+# architecture fields only), and it refuses appendix C's kernels and activation offloading
+# ([appendix C](../kernels/roofline.py) says why).
 
 # %%
 @document_fields
@@ -180,12 +184,13 @@ class ModelConfig(ShapeMethods):
     """Saved tensors with fewer elements stay on the device (Megatron's default, 1024 * 1024)."""
     kernels: str = "torch"
     """Norms, SwiGLU, attention and loss: "torch", "triton" (appendix C) or "auto" (triton on CUDA)."""
+    compile: bool = False
+    """torch.compile each transformer layer (appendix C); how the layers run, not their shape."""
 
     def __post_init__(self):
         check_fields(self)  # a str, float or None where the annotation says otherwise
-        check_shape(self)
-        check_activation_fields(self)
-        check_kernels(self)
+        for check in (check_shape, check_activation_fields, check_kernels, check_compile):
+            check(self)
 
 
 # %% [markdown]

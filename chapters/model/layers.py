@@ -118,6 +118,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """
     cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
     if cos.shape[-1] * 2 == x.shape[-1]:
+        if torch.compiler.is_compiling():  # dynamo cannot trace out= into views; inductor fuses this
+            x1, x2 = x.chunk(2, dim=-1)
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return RotateHalf.apply(x, cos, sin)
     return x * cos + rotate_half(x) * sin
 
