@@ -95,6 +95,11 @@ class TrainingConfig:
     """Train with bf16 params and fp32 main grads/master weights."""
     device: str = "auto"
     """"cpu", "cuda" or "auto" (cuda when available)."""
+    cuda_graph_impl: str = "none"
+    """"none", or "full_iteration": each iteration's forward-backward captured once as one CUDA
+    graph and replayed (chapter 08; CUDA only, refused on CPU; Megatron's --cuda-graph-impl)."""
+    cuda_graph_warmup_steps: int = 3
+    """Eager iterations before the full-iteration graph is captured (Megatron's default)."""
 
 
 @dataclass

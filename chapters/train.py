@@ -138,6 +138,57 @@ def _check_trainer_rules(cfg: TrainConfig) -> None:
                           f"than the decay length ({decay} iterations: scheduler.lr_decay_iters "
                           f"or training.train_iters); for a short run shorten the warm-up, e.g. "
                           f"--scheduler.lr_warmup_iters {max(0, min(decay - 1, decay // 10))}")
+    check_cuda_graph(cfg, torch.cuda.is_available())
+
+
+def check_cuda_graph(cfg: TrainConfig, cuda_available: bool) -> None:
+    """`[training] cuda_graph_impl`: a known value; with "full_iteration", a run a graph can hold."""
+    t, key = cfg.training, "training.cuda_graph_impl"
+    if t.cuda_graph_impl not in ("none", "full_iteration"):
+        raise ConfigError(f"{key} must be 'none' or 'full_iteration', got {t.cuda_graph_impl!r} "
+                          "(Megatron's per-layer 'local' and 'transformer_engine' are not built "
+                          "here)")
+    if t.cuda_graph_impl == "none":
+        return
+    if t.device == "cpu" or not cuda_available:
+        where = "this run is on cpu" if t.device == "cpu" else "no CUDA device is available"
+        raise ConfigError(f"{key} = 'full_iteration' needs a CUDA device (a CUDA graph records "
+                          f"GPU kernels) and {where}; use {key} = 'none'")
+    rel, host = cfg.extra.get("reliability"), "a check that reads results on the host; " \
+        "Megatron asserts it off too, arguments.py:1186-1188"
+    cannot = {  # chapter 08's table of what a captured iteration cannot hold
+        "model.recompute_granularity": (cfg.model.recompute_granularity,
+                                        "recompute rewinds the CUDA generator on the host"),
+        "training.step_batch_size_schedule": (t.step_batch_size_schedule,
+                                              "a graph holds one micro-batch count"),
+        "reliability.faults": (getattr(rel, "faults", None), "a fault is injected at capture only"),
+        "ddp.check_for_nan_in_grad": (cfg.ddp.check_for_nan_in_grad, host),
+        **{f"reliability.{c}": (getattr(rel, c) if rel is not None
+                                else c == "check_for_nan_in_loss_and_grad", host)
+           for c in ("check_for_nan_in_loss_and_grad", "check_for_large_grads",
+                     "check_for_spiky_loss")}}
+    for name, (value, reason) in cannot.items():
+        if value:
+            raise ConfigError(f"{key} = 'full_iteration' cannot hold {name} = {value!r} "
+                              f"({reason}); turn it off or use {key} = 'none'")
+    if t.cuda_graph_warmup_steps < 1:
+        raise ConfigError(f"training.cuda_graph_warmup_steps must be >= 1 (the capture needs warm "
+                          f"allocations), got {t.cuda_graph_warmup_steps}")
+
+
+def _graphed(cfg: TrainConfig, wrap):
+    """Chapter 08's timers and checks (`wrap`) around the schedule, as one CUDA graph if asked."""
+    if cfg.training.cuda_graph_impl != "full_iteration":
+        return wrap
+    from tinytron.reliability.full_cuda_graph import FullCudaGraphWrapper
+
+    from tinytron.data.distribute import check_token_ids
+
+    def check(batch):  # chapter 04's id check, on the host: inside the graph it cannot run
+        if isinstance(batch, dict):
+            check_token_ids(batch, cfg.model.vocab_size)
+    return lambda fb: wrap(FullCudaGraphWrapper(fb, cfg.training.cuda_graph_warmup_steps,
+                                                check_batch=check))
 
 
 def _check_data_tokenizer(cfg: TrainConfig, tok) -> None:
@@ -755,7 +806,7 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
                 peak_flops=peak_flops, log_fn=log_fn,
                 exit_signal=handler, rerun_state_machine=rel.rsm, step_hooks=rel,
                 iterations_to_skip=rel.iterations_to_skip,
-                wrap_forward_backward_func=rel.forward_backward_func)
+                wrap_forward_backward_func=_graphed(cfg, rel.forward_backward_func))
         if result.exit_reason is None:
             final_validation(cfg, result, iterators.get("valid"), forward_step, log_fn, dtype)
     except TokenIdError as e:  # the data holds ids the model cannot: checked on the host

@@ -43,6 +43,7 @@ def _train(graphed: bool, iters: int = ITERS):
     torch.manual_seed(0)
     model = GPTModel(tiny_config()).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    FullCudaGraphWrapper.reset_cuda_graph()  # the graphs live on the class: start from none
     fb = FullCudaGraphWrapper(_forward_backward, cuda_graph_warmup_steps=3) if graphed \
         else _forward_backward
     losses, seconds, addresses = [], [], []
@@ -86,6 +87,7 @@ def test_validation_graph_is_separate_from_training():
     from tinytron.model import GPTModel, tiny_config
 
     model = GPTModel(tiny_config()).cuda()
+    FullCudaGraphWrapper.reset_cuda_graph()
     wrapper = FullCudaGraphWrapper(_forward_backward, cuda_graph_warmup_steps=1)
     step = _batches(1)[0]
     for _ in range(3):

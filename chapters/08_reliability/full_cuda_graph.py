@@ -15,8 +15,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import weakref
+
 import torch
 import torch.distributed as dist
+
+from tinytron.parallel.rng import RNGStatesTracker, get_rng_tracker
 
 __all__ = ["FullCudaGraphUnavailable", "StaticBufferLoader", "FullCudaGraphWrapper",
            "get_capture_stream", "get_graph_pool", "copy_into_static"]
@@ -32,11 +36,12 @@ __all__ = ["FullCudaGraphUnavailable", "StaticBufferLoader", "FullCudaGraphWrapp
 # |---|---|---|
 # | static shapes | kernel launch parameters are frozen | fixed micro-batch size, sequence length and micro-batch count |
 # | static input addresses | a replay reads the pointers recorded at capture | `StaticBufferLoader` copies each batch **into** the same tensors (`copy_`) |
-# | no host synchronization | `.item()`, `print(tensor)`, a NaN check that branches in Python would wait for a kernel that is only being recorded | the rerun machine's checks must be off (`--no-check-for-nan-in-loss-and-grad`, `arguments.py:1186-1188`) |
+# | no host synchronization | `.item()`, `print(tensor)`, a NaN check that branches in Python would wait for a kernel that is only being recorded | the rerun machine's checks must be off (Megatron asserts `--no-check-for-nan-in-loss-and-grad`, `arguments.py:1186-1188`); the trainer refuses each of `[reliability]`'s three `check_for_*` switches with this graph |
 # | no data-dependent control flow | Python runs once, at capture; its branches are baked in | the schedule's order depends only on static counts |
 # | memory from a private pool | addresses used inside the graph must stay valid for every replay | a graph memory pool (`pool=`), shared with the optimizer's graph if any (`use_single_mempool`) |
 # | warm-up first | the first calls allocate (cuBLAS workspaces, autograd's accumulation buffers, DDP buckets) and lazily initialize | `cuda_graph_warmup_steps` eager calls (default 3) before the capture |
-# | RNG | a replay must advance the Philox offset, not reuse the captured one | the default generator is handled by PyTorch; other generators must be registered with `register_generator_state` — the wrapper registers those it is given (`generators=`, none by default; see the note below) |
+# | no recompute | chapter 06's checkpoint reads and rewinds generator states on the host, which a capture cannot do | the trainer refuses recompute with this graph (Megatron skips checkpointing while capturing, `megatron/core/tensor_parallel/random.py:647-648`) |
+# | RNG | a replay must advance the Philox offset, not reuse the captured one; a state copied in with `set_rng_state` at capture is never copied again | PyTorch registers the default generator; the wrapper registers every stream of appendix A's tracker (`register_generator_state`), whose forks point the default at a stream instead of copying states |
 # | outputs are static too | the returned loss tensors are overwritten by the next replay | consume (`reduce_losses`) before the next call |
 # | gradients in place | `zero_grad(set_to_none=True)` would free the addresses the graph writes | DDP's contiguous grad buffer (chapter 05), zeroed in place between replays |
 # | collectives | NCCL kernels can be captured; gloo (CPU) cannot | CUDA + NCCL only |
@@ -44,9 +49,12 @@ __all__ = ["FullCudaGraphUnavailable", "StaticBufferLoader", "FullCudaGraphWrapp
 # <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
 #
 # Megatron registers every RNG tracker state with the graph
-# (`megatron/core/full_cuda_graph.py:213-214`). Appendix A's tracker swaps states with
-# `get_rng_state`/`set_rng_state`, which cannot be captured, so dropout inside a tracker fork
-# is not yet graph-safe here; the wrapper registers only the generators it is given.
+# (`megatron/core/full_cuda_graph.py:213-214`), the tracker being the process-wide one. Here the
+# wrapper registers the streams of the tracker it is given (`rng_tracker=`, by default the
+# process-wide CUDA tracker of appendix A, the one the model's dropout forks into), plus any
+# extra `generators=`. Registration happens at capture, not at construction, so a tracker
+# reseeded between the two is the one registered; one reseeded *after* the capture holds new
+# generator objects, and the graph must be captured again (`reset_cuda_graph`).
 #
 # </div>
 #
@@ -158,7 +166,7 @@ class StaticBufferLoader:
 # ## The wrapper
 #
 # `FullCudaGraphWrapper(forward_backward_func, cuda_graph_warmup_steps=3,
-# use_single_mempool=True)` has the call signature of chapter 01's schedules
+# use_single_mempool=True, rng_tracker=None, generators=())` has the call signature of chapter 01's schedules
 # (`forward_backward_func(forward_step_func=, data_iterator=, model=, num_microbatches=, …,
 # forward_only=)`), so `train()` uses it unchanged (Megatron wraps it at
 # `megatron/training/training.py:3293-3298`, and the evaluation schedule at `:3858`). On a
@@ -166,19 +174,25 @@ class StaticBufferLoader:
 # capture into, and silently running eagerly would make the speed-up claims of a
 # configuration meaningless.
 #
-# The wrapper is two whole parts: `GraphSetup` (the settings, the per-stage graph slots and
-# the data read that must happen outside the graph) and `CaptureReplay` (the per-stage
-# counter that decides eager, capture or replay); `FullCudaGraphWrapper` is the two together.
+# The wrapper is three whole parts: `GraphSetup` (the settings and the data read that must
+# happen outside the graph), `GraphSlots` (the per-stage graphs, kept on the class, below) and
+# `CaptureReplay` (the per-stage counter that decides eager, capture or replay);
+# `FullCudaGraphWrapper` is the three together. A check of the data that reads values (the
+# trainer's token-id check against the vocabulary, chapter 04) cannot live inside the graph:
+# it would run once, at capture, and its read would stall the capture. `check_batch=` runs it
+# on each host batch before the copy, at every call.
 # With the default `cuda_graph_warmup_steps = 3`, training calls 1 to 3 run eagerly; call 4
 # captures (recording runs no kernel) and at once replays what it recorded, so that call too
 # computes its step; every later call only replays.
 
 # %%
 class GraphSetup:
-    """The wrapper's settings, its per-stage graphs and the data read that precedes a capture."""
+    """The wrapper's settings and the data read that precedes a capture or a replay."""
 
     def __init__(self, forward_backward_func: Callable, cuda_graph_warmup_steps: int = 3,
-                 use_single_mempool: bool = True, generators: tuple = (), barrier_group=None):
+                 use_single_mempool: bool = True, generators: tuple = (),
+                 rng_tracker: Optional[RNGStatesTracker] = None, barrier_group=None,
+                 check_batch: Optional[Callable[[Any], None]] = None):
         if not torch.cuda.is_available():
             raise FullCudaGraphUnavailable(
                 "the full-iteration CUDA graph (cuda_graph_impl='full_iteration') needs a CUDA "
@@ -187,14 +201,18 @@ class GraphSetup:
         if cuda_graph_warmup_steps < 1:
             raise ValueError(f"cuda_graph_warmup_steps must be >= 1 (the capture needs warm "
                              f"allocations), got {cuda_graph_warmup_steps}")
+        if rng_tracker is not None and not rng_tracker.graph_safe:
+            raise ValueError(f"rng_tracker is a {rng_tracker.device.type} tracker; a CUDA graph "
+                             "registers the streams of a CUDA one")
         self.fn, self.warmup = forward_backward_func, cuda_graph_warmup_steps
         self.use_single_mempool, self.generators = use_single_mempool, tuple(generators)
-        self.barrier_group = barrier_group
-        self.loader = StaticBufferLoader("cuda")
-        self.calls = {"training": 0, "validation": 0}
-        self.graphs: dict[str, Optional[torch.cuda.CUDAGraph]] = {"training": None,
-                                                                  "validation": None}
-        self.results: dict[str, Any] = {"training": None, "validation": None}
+        self.rng_tracker, self.barrier_group = rng_tracker, barrier_group
+        self.check_batch = check_batch
+
+    def generators_to_register(self) -> list:
+        """The tracker's streams (the model's dropout draws from them), then any extra ones."""
+        tracker = self.rng_tracker if self.rng_tracker is not None else get_rng_tracker("cuda")
+        return list(tracker.generators().values()) + list(self.generators)
 
     def data_read(self, data_iterator, num_microbatches: int, stage: str):
         """Pull the iteration's micro-batches now; an iterator over their static copies."""
@@ -204,13 +222,81 @@ class GraphSetup:
         if data_iterator is None:
             return None
         self.loader.buffers.setdefault(stage, [])
-        return iter([self.loader(next(data_iterator), stage, i) for i in range(num_microbatches)])
+        batches = [next(data_iterator) for _ in range(num_microbatches)]
+        for batch in batches if self.check_batch is not None else ():
+            self.check_batch(batch)   # on the host, every call: a replay runs no Python
+        return iter([self.loader(b, stage, i) for i, b in enumerate(batches)])
+
+
+# %% [markdown]
+# ## Graphs kept on the class
+#
+# The counters, the graphs, their results and the static input buffers live **on the class**,
+# as Megatron keeps them (`full_cuda_graph.py:141-143`, and the loader's buffers at `:102`).
+# Megatron builds a new wrapper in every `evaluate` call (`training.py:3858`) and in `train`
+# (`:3293`); per-instance graphs would capture the validation graph again at each evaluation
+# and free nothing of the old one. On the class, a new wrapper continues where the last one
+# stopped: it counts on, replays the same graph and copies its batches into the same buffers
+# the graph reads. (`tinytron.train` wraps the schedule once, with `[training]
+# cuda_graph_impl = "full_iteration"`, and hands that wrapper to its evaluations too; the
+# class-level slots are what keep any second wrapper, in a user's loop or a test, correct.)
+#
+# The price is that two models in one process share the slots: a graph replayed for other
+# model chunks, or for another micro-batch count than it captured, would compute someone
+# else's step. So the wrapper remembers both at capture and refuses a replay that differs
+# (Megatron does not check), naming `reset_cuda_graph`, which drops the graphs and their
+# static inputs (Megatron's keeps the buffers).
+
+# %%
+class GraphSlots:
+    """Per stage: call count, graph, result, what it was captured for; the static inputs."""
+
+    calls: dict[str, int] = {"training": 0, "validation": 0}
+    graphs: dict[str, Optional["torch.cuda.CUDAGraph"]] = {"training": None,
+                                                           "validation": None}
+    results: dict[str, Any] = {"training": None, "validation": None}
+    captured_for: dict[str, Optional[tuple]] = {"training": None, "validation": None}
+    _loader: Optional[StaticBufferLoader] = None
+
+    @property
+    def loader(self) -> StaticBufferLoader:
+        """The static input buffers every wrapper of this process copies into."""
+        if GraphSlots._loader is None:
+            GraphSlots._loader = StaticBufferLoader("cuda")
+        return GraphSlots._loader
+
+    def _remember(self, stage: str, kwargs) -> None:
+        model = kwargs["model"] if isinstance(kwargs["model"], list) else [kwargs["model"]]
+        self.captured_for[stage] = ([weakref.ref(m) for m in model], kwargs["num_microbatches"])
+
+    def _check_same_call(self, stage: str, kwargs) -> None:
+        models, count = self.captured_for[stage]
+        now = kwargs["model"] if isinstance(kwargs["model"], list) else [kwargs["model"]]
+        if len(now) != len(models) or any(ref() is not m for ref, m in zip(models, now)) \
+                or kwargs["num_microbatches"] != count:
+            raise RuntimeError(
+                f"the {stage} CUDA graph was captured for other model chunks or "
+                f"{count} micro-batches (now {kwargs['num_microbatches']}); call "
+                "FullCudaGraphWrapper.reset_cuda_graph() before wrapping another model")
+
+    @classmethod
+    def reset_cuda_graph(cls, stage: Optional[str] = None) -> None:
+        """Drop the graph(s) and their static inputs; count warm-up again (`:244`)."""
+        for s in ([stage] if stage else list(cls.graphs)):
+            cls.graphs[s], cls.results[s], cls.calls[s] = None, None, 0
+            cls.captured_for[s] = None
+            if GraphSlots._loader is not None:
+                for key in [k for k in GraphSlots._loader.buffers
+                            if k == s or k.startswith(s + "/")]:
+                    GraphSlots._loader.buffers[key] = []
 
 
 # %% [markdown]
 # Each call counts per stage: before call number `warmup` it runs eagerly (on the capture
 # stream), at that call it captures, and from then on it replays and returns the result tensors
-# the capture produced, which the replay has just overwritten.
+# the capture produced, which the replay has just overwritten. The capture registers the
+# tracker's generators first: a generator used inside a capture without being registered
+# raises, and one registered but never used costs nothing.
 
 # %%
 class CaptureReplay:
@@ -225,9 +311,10 @@ class CaptureReplay:
         stage = "validation" if kwargs.get("forward_only") else "training"
         kwargs["data_iterator"] = self.data_read(kwargs["data_iterator"],
                                                  kwargs["num_microbatches"], stage)
-        if self.calls[stage] == self.warmup:
+        if self.calls[stage] == self.warmup and self.graphs[stage] is None:
             self._capture(stage, args, kwargs)
         if self.graphs[stage] is not None:
+            self._check_same_call(stage, kwargs)
             self.graphs[stage].replay()
             result = self.results[stage]
         else:
@@ -248,7 +335,7 @@ class CaptureReplay:
     def _capture(self, stage: str, args, kwargs) -> None:
         self._barrier()
         graph = torch.cuda.CUDAGraph()
-        for gen in self.generators:  # e.g. the tensor-parallel RNG tracker's CUDA generators
+        for gen in self.generators_to_register():  # every tracker stream (`:213-214`)
             graph.register_generator_state(gen)
         torch.cuda.synchronize()
         with torch.cuda.graph(graph, stream=get_capture_stream(),
@@ -257,15 +344,11 @@ class CaptureReplay:
             self.results[stage] = self.fn(*args, **kwargs)
         torch.cuda.synchronize()
         self._barrier()
+        self._remember(stage, kwargs)
         self.graphs[stage] = graph
 
-    def reset_cuda_graph(self, stage: Optional[str] = None) -> None:
-        """Drop the graph(s) and count warm-up again (`reset_cuda_graph`, `:244`)."""
-        for s in ([stage] if stage else list(self.graphs)):
-            self.graphs[s], self.results[s], self.calls[s] = None, None, 0
 
-
-class FullCudaGraphWrapper(CaptureReplay, GraphSetup):
+class FullCudaGraphWrapper(CaptureReplay, GraphSetup, GraphSlots):
     """Capture forward-backward of a whole iteration once; replay it every later iteration."""
 
 
@@ -276,7 +359,10 @@ class FullCudaGraphWrapper(CaptureReplay, GraphSetup):
 # contract — a new batch lands in the *same* storage, a batch of another shape is rejected —
 # is shown on CPU tensors. On a GPU, `tests/test_reliability_gpu.py` trains the tiny GPT with
 # the wrapper around a gradient-accumulating forward-backward and checks that the graphed
-# losses equal the eager ones, iteration by iteration, and reports the speed-up.
+# losses equal the eager ones, iteration by iteration, and reports the speed-up;
+# `tests/test_cuda_graph_rng.py` does the same with dropout inside the tracker's forks and
+# checks that each replay draws new masks, the same ones an eager run draws from the same
+# seeds.
 
 # %%
 if __name__ == "__main__":
@@ -310,7 +396,11 @@ if __name__ == "__main__":
 #   with one launch; data loading, the loss bookkeeping and the optimizer stay outside.
 # - Every input lives at a fixed address (the static buffers), every shape is fixed, nothing
 #   inside synchronizes with the host — so the NaN checks of the rerun machine must be off.
-# - There is no CPU version of a CUDA graph: on a CPU the wrapper refuses.
+# - Dropout stays random under replay because every RNG stream is a generator object the graph
+#   registers, and the tracker's forks swap which state the default generator points at.
+# - Graphs, counters and static inputs are kept on the class, so a wrapper built again (each
+#   evaluation, in Megatron) replays the same graph; a replay for another model is refused.
+# - There is no CPU version of a CUDA graph: on a CPU the wrapper and the trainer refuse.
 #
 # ## How production does it
 #

@@ -18,8 +18,9 @@ import torch
 
 from tinytron.parallel.grid import ParallelGrid
 
-__all__ = ["MODEL_PARALLEL_RNG", "DATA_PARALLEL_RNG", "EXPERT_PARALLEL_RNG", "RNGStatesTracker",
-           "get_rng_tracker", "model_parallel_seed", "set_random_seed"]
+__all__ = ["MODEL_PARALLEL_RNG", "DATA_PARALLEL_RNG", "EXPERT_PARALLEL_RNG", "DefaultGenerator",
+           "NamedStreams", "RNGStatesTracker", "get_rng_tracker", "model_parallel_seed",
+           "set_random_seed"]
 
 # %% [markdown]
 # ## The idea
@@ -53,8 +54,50 @@ __all__ = ["MODEL_PARALLEL_RNG", "DATA_PARALLEL_RNG", "EXPERT_PARALLEL_RNG", "RN
 # [chapter 06](../06_recompute_offload/checkpoint.py) uses it to recompute identical dropout
 # masks, [chapter 03](../03_checkpoint/resume.py) to resume.
 #
+# ## Streams as generator objects, so that a CUDA graph can hold them
+#
+# Swapping a saved state *tensor* into the default generator (`set_rng_state`) is a host-side
+# copy of a seed and an offset. Inside a CUDA graph capture that is wrong twice: the copy runs
+# once, at capture, and never at replay, so every replay would draw the same mask; and PyTorch
+# refuses to read a CUDA generator's state while a capture is running. A graph instead advances
+# the Philox offset of each generator *registered* with it (`CUDAGraph.register_generator_state`)
+# by the amount the captured kernels consumed, once per replay. So each named stream must be a
+# real `torch.Generator` whose state object the graph can register, and `fork` must make the
+# default generator *point at* that state rather than copy it in.
+#
+# PyTorch provides exactly that for CUDA generators: `graphsafe_get_state()` returns a generator
+# sharing the default's current state object, `graphsafe_set_state(g)` makes the default use
+# `g`'s state object (a pointer swap, legal during capture). Megatron's graph-safe tracker
+# (`CudaRNGStatesTracker(use_cudagraphable_rng=True)`, `random.py:225-236`) creates each stream
+# by cloning the default generator and seeding the clone (`:283-286`), forks with
+# `graphsafe_set_state` (`_set_cuda_rng_state(..., graph_safe=True)`, `:160-162`, called at
+# `:310`), and the full-iteration graph registers every stream (`get_all_rng_states`, `:411`).
+# Dropout needs no generator argument for this: it draws from the default generator, which,
+# inside the fork, *is* the stream.
+#
+# A CPU generator has no graph-safe swap (`graphsafe_set_state is not supported in this
+# Generator`), and there is no graph to register with. On CPU the tracker keeps the same
+# generator objects but forks by copying their state in and out, which is the old
+# `get/set_rng_state` arithmetic, draw for draw; the tests check it bit for bit against an
+# inline copy of that old implementation.
+#
+# | | CPU | CUDA |
+# |---|---|---|
+# | a named stream is | a `torch.Generator` on the CPU | a `torch.Generator` on the device |
+# | `fork` enters by | copying the stream's state into the default | `default.graphsafe_set_state(stream)` |
+# | `fork` leaves by | copying the default's state back into the stream | pointing the default back at its own state |
+# | a stream's progress while forked is | in the default (the stream's copy is stale) | in the stream itself (shared) |
+# | capturable | no graph on a CPU | yes, once the graph registers `generators()` |
+#
+# `get_states()` still returns state *tensors* (a byte tensor per stream, as before), so the
+# checkpoint format of [chapter 03](../03_checkpoint/resume.py) does not change and old
+# checkpoints load; `set_states()` writes those tensors *into* the existing generator objects,
+# never replacing them, because a graph registered the objects and a recompute may run while
+# the default points at one of them.
+#
 # The tracker is built in two whole parts. `DefaultGenerator` below knows how to read, write
-# and seed one device's default generator; `RNGStatesTracker` adds the named streams on top.
+# and seed one device's default generator and make new streams for it; `RNGStatesTracker` adds
+# the named streams on top.
 
 # %%
 MODEL_PARALLEL_RNG = "model-parallel-rng"
@@ -71,6 +114,26 @@ class DefaultGenerator:
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device}")
 
+    @property
+    def graph_safe(self) -> bool:
+        """True on CUDA: forks swap state objects (capturable), not state tensors."""
+        return self.device.type == "cuda"
+
+    def _index(self) -> int:
+        torch.cuda.init()  # default_generators is filled on CUDA's lazy init
+        return self.device.index if self.device.index is not None else torch.cuda.current_device()
+
+    def default_generator(self) -> torch.Generator:
+        """The device's default generator object (what dropout draws from)."""
+        if self.device.type == "cuda":
+            return torch.cuda.default_generators[self._index()]
+        return torch.default_generator
+
+    def new_generator(self, seed: int) -> torch.Generator:
+        """A fresh generator on this device, seeded: the state `manual_seed(seed)` would give."""
+        where = torch.device("cuda", self._index()) if self.device.type == "cuda" else "cpu"
+        return torch.Generator(device=where).manual_seed(seed)
+
     def _get(self) -> torch.Tensor:
         if self.device.type == "cuda":
             return torch.cuda.get_rng_state(self.device)
@@ -83,92 +146,135 @@ class DefaultGenerator:
             torch.set_rng_state(state)
 
     def _manual_seed(self, seed: int) -> None:
-        if self.device.type == "cuda":
-            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            torch.cuda.default_generators[index].manual_seed(seed)
-        else:
-            torch.default_generator.manual_seed(seed)
+        self.default_generator().manual_seed(seed)
 
 
 # %% [markdown]
 # ## Named streams and the fork
 #
-# The tracker proper is a dictionary from stream name to a saved generator state, plus the set
-# of seeds already handed out (two streams with one seed would draw the same numbers, which is
-# exactly the bug the tracker exists to prevent). Adding a stream seeds the default generator,
-# keeps the resulting state under the name and puts the original back, so adding never moves
-# the default stream. `fork` swaps a named state in for the length of a block and, on the way
-# out, saves the named stream's advanced state before restoring the outer one. A fork inside a
-# fork first parks the outer stream's progress, so neither stream loses draws.
+# The tracker proper is a dictionary from stream name to a generator, plus the set of seeds
+# already handed out (two streams with one seed would draw the same numbers, which is exactly
+# the bug the tracker exists to prevent). Adding a stream makes a new generator seeded with its
+# seed, so adding never moves the default stream. `fork` makes the named stream the default for
+# the length of a block and, on the way out, makes the outer one the default again. A fork
+# inside a fork must not lose the outer stream's draws: on CPU it first parks the outer
+# stream's progress in its generator; on CUDA there is nothing to park, the default was
+# pointing at the outer stream's own state.
 #
 # Worked example with 4-element masks: stream `a` seeded 1, the default seeded 0. Outside,
 # `torch.rand(4)` draws the default's first four numbers $u_1..u_4$. Inside `fork("a")` it draws
 # `a`'s first four; a second `fork("a")` later continues with `a`'s numbers five to eight, not
 # one to four again; and the next draw outside is $u_5..u_8$, as if neither fork happened (the
 # last demo below checks exactly this, with draws of three).
+#
+# The class is three short parts: the streams and their states (`add`, `get_states`,
+# `set_states`, `generators`), the fork by copying (CPU) and the fork by pointing (CUDA).
 
 # %%
-class RNGStatesTracker(DefaultGenerator):
-    """Named RNG states for one device's default generator; `fork(name)` runs a block on one of them."""
+class NamedStreams(DefaultGenerator):
+    """The named generators of one device, their seeds, and their states as tensors."""
 
     def __init__(self, device: torch.device | str = "cpu"):
         super().__init__(device)
         self.reset()
 
     def reset(self) -> None:
-        """Forget every named state."""
-        self._states: dict[str, torch.Tensor] = {}
+        """Forget every named stream (a graph that registered them must be captured again)."""
+        self._generators: dict[str, torch.Generator] = {}
         self._seeds: set[int] = set()
         self._active: str | None = None
 
     def add(self, name: str, seed: int) -> None:
         """Create stream `name` seeded with `seed`; the default generator is left as it was."""
-        if name in self._states:
+        if name in self._generators:
             raise ValueError(f"RNG state {name!r} already exists")
         if seed in self._seeds:
             raise ValueError(f"seed {seed} is already used by another RNG state")
-        original = self._get()
-        self._manual_seed(seed)
-        self._states[name] = self._get()
-        self._set(original)
+        self._generators[name] = self.new_generator(seed)
         self._seeds.add(seed)
 
+    def generators(self) -> dict[str, torch.Generator]:
+        """The stream objects, by name: what a CUDA graph registers."""
+        return dict(self._generators)
+
     def get_states(self) -> dict[str, torch.Tensor]:
-        """A copy of every named state (save it to rewind later)."""
-        return {name: state.clone() for name, state in self._states.items()}
+        """A copy of every named state as a tensor (save it to rewind later)."""
+        # cloned: an ordinary allocation, so chapter 06's CPU meter counts a snapshot it holds
+        return {name: gen.get_state().clone() for name, gen in self._generators.items()}
 
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        """Replace the named states with `states` (from get_states)."""
-        self._states = {name: state.clone() for name, state in states.items()}
+        """Make the named states equal `states` (from get_states), in the same generator objects."""
+        for name in [n for n in self._generators if n not in states]:
+            del self._generators[name]
+        for name, state in states.items():
+            self._store(name, state)
+
+    def _store(self, name: str, state: torch.Tensor) -> None:
+        if name not in self._generators:
+            self._generators[name] = self.new_generator(0)
+        self._generators[name].set_state(state)
+
+# %% [markdown]
+# The fork itself picks one of two ways by device. Both leave the default generator exactly as
+# they found it and both keep every draw a stream made; they differ only in *where* the
+# stream's progress lives while the block runs (the table above). The CPU way is the old
+# state-copying one, kept so that CPU results stay bit for bit what they were; the CUDA way is
+# the one a graph can capture, because entering and leaving the fork change which state object
+# the default generator uses and copy no state at all.
+
+# %%
+class RNGStatesTracker(NamedStreams):
+    """Named RNG streams for one device's default generator; `fork(name)` runs a block on one."""
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
         """Run the block with stream `name` as the default generator; restore the original after."""
-        if name not in self._states:
-            raise ValueError(f"RNG state {name!r} was never added; have {sorted(self._states)}")
+        if name not in self._generators:
+            raise ValueError(f"RNG state {name!r} was never added; have {sorted(self._generators)}")
+        with (self._fork_by_pointing(name) if self.graph_safe else self._fork_by_copying(name)):
+            yield
+
+    @contextlib.contextmanager
+    def _fork_by_copying(self, name: str) -> Iterator[None]:
         original, outer = self._get(), self._active
         if outer is not None:  # nested fork: park the outer stream's progress first
-            self._states[outer] = original
-        self._set(self._states[name])
+            self._store(outer, original)
+        self._set(self._generators[name].get_state())
         self._active = name
         try:
             yield
         finally:
-            self._states[name] = self._get()
+            self._store(name, self._get())
             self._active = outer
-            self._set(self._states[outer] if outer is not None else original)
+            self._set(self._generators[outer].get_state() if outer is not None else original)
+
+    @contextlib.contextmanager
+    def _fork_by_pointing(self, name: str) -> Iterator[None]:
+        default = self.default_generator()
+        original, outer = default.graphsafe_get_state(), self._active  # shares the current state
+        default.graphsafe_set_state(self._generators[name])
+        self._active = name
+        try:
+            yield
+        finally:
+            self._active = outer
+            default.graphsafe_set_state(original)
 
 # %% [markdown]
 # <div class="admonition note">
 # <p class="admonition-title">tinytron differs here</p>
-# <p>Megatron's <code>get_states</code> returns the tracker's own state tensors and
+# <p>Megatron's <code>get_states</code> returns the tracker's own state objects and
 # <code>set_states</code> keeps the dictionary it is given (<code>random.py:258-270</code>);
-# tinytron clones both ways, so a snapshot taken for recompute or a checkpoint cannot be changed
-# by later draws. <code>add</code> checks the name before the seed (Megatron the seed first,
-# <code>:272-281</code>), so a repeated <code>add</code> of one stream names the stream. There is
-# no CUDA-graph-safe variant and no warning when the CPU generator moves inside a fork
-# (<code>:313-320</code>); and a tracker is built for a device type, so the same code runs on a
-# CPU-only machine.</p>
+# tinytron returns state tensors and writes them into its own generators, so a snapshot taken
+# for recompute or a checkpoint cannot be changed by later draws, a checkpoint holds tensors on
+# both devices, and a graph's registered generators survive a restore. <code>add</code> checks
+# the name before the seed (Megatron the seed first, <code>:272-281</code>), so a repeated
+# <code>add</code> of one stream names the stream. Megatron makes the graph-safe tracker
+# opt-in (<code>use_cudagraphable_rng</code>, set when <code>cuda_graph_impl != "none"</code>,
+# <code>megatron/training/initialize.py:105</code>); here a CUDA tracker is always graph-safe,
+# since the pointer swap does the same draws without the two state copies per fork. There is no
+# warning when the CPU generator moves inside a fork (<code>:313-320</code>); and a tracker is
+# built for a device type, so the same code runs on a CPU-only machine.</p>
 # </div>
 
 # %% [markdown]
@@ -320,9 +426,9 @@ if __name__ == "__main__":
 #
 # - Megatron-LM: `megatron/core/tensor_parallel/random.py` (`CudaRNGStatesTracker` `:216`,
 #   `model_parallel_cuda_manual_seed` `:433`, the checkpoint function that captures and restores
-#   all of them `:555`); Transformer Engine brings its own tracker
-#   (`te_rng_tracker`), and a CUDA-graph-safe variant keeps `torch.Generator` objects instead of
-#   state tensors.
+#   all of them `:555`); its graph-safe variant (`use_cudagraphable_rng`) keeps
+#   `torch.Generator` objects as this page does on CUDA, and Transformer Engine brings its own
+#   graph-safe tracker (`te_rng_tracker`).
 # - torchtitan: DTensor's `OffsetBasedRNGTracker` (`torch/distributed/tensor/_random.py`)
 #   gives each shard its own Philox offset instead of its own seed.
 #
