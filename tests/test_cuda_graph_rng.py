@@ -11,6 +11,7 @@ eager run.
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import subprocess
 import sys
@@ -346,18 +347,28 @@ def test_a_second_wrapper_replays_the_class_graph_and_refuses_another_model(fres
 
 @pytest.mark.gpu
 def test_trainer_graphed_run_matches_its_eager_run(tmp_path):
+    """The user's command with the graph: training and validation graphs, dropout on."""
     from tests.train_workers import read_losses
+    from tinytron.data.preprocess import run as preprocess, stdlib_corpus
 
-    common = ["--training.device", "cuda", "--training.train_iters", "8",
+    data = preprocess(["--input", *stdlib_corpus(40), "--output-prefix", str(tmp_path / "corpus"),
+                       "--workers", "1", "--no-progress", "--append-eod"])
+    common = ["--data.data_path", data, "--training.device", "cuda", "--training.train_iters", "8",
               "--training.eval_interval", "4", "--training.eval_iters", "4",
               "--training.log_interval", "1", "--scheduler.lr_warmup_iters", "2",
               "--model.dropout", "0.1", "--reliability.check_for_nan_in_loss_and_grad", "false",
               "--logging.progress_bar", "false"]
-    losses = {}
+    losses, valid = {}, {}
     for impl in ("none", "full_iteration"):
         proc = _train(*common, "--training.cuda_graph_impl", impl, tmp_path=tmp_path / impl)
         assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
-        losses[impl] = read_losses(str(tmp_path / impl / "run" / "log.jsonl"))
+        jsonl = tmp_path / impl / "run" / "log.jsonl"
+        losses[impl] = read_losses(str(jsonl))
+        valid[impl] = {r["iteration"]: r["validation"]["lm loss"]
+                       for r in map(json.loads, jsonl.read_text().splitlines()) if "validation" in r}
     assert sorted(losses["none"]) == list(range(1, 9)) == sorted(losses["full_iteration"])
     for it, ref in losses["none"].items():
         assert abs(losses["full_iteration"][it] - ref) <= 1e-4 * abs(ref), (it, losses)
+    assert sorted(valid["none"]) == [4, 8] == sorted(valid["full_iteration"])  # 4th call captures
+    for it, ref in valid["none"].items():
+        assert abs(valid["full_iteration"][it] - ref) <= 1e-4 * abs(ref), (it, valid)
