@@ -57,9 +57,10 @@ __all__ = ["MODEL_PARALLEL_RNG", "DATA_PARALLEL_RNG", "EXPERT_PARALLEL_RNG", "De
 # ## Streams as generator objects, so that a CUDA graph can hold them
 #
 # Swapping a saved state *tensor* into the default generator (`set_rng_state`) is a host-side
-# copy of a seed and an offset. Inside a CUDA graph capture that is wrong twice: the copy runs
-# once, at capture, and never at replay, so every replay would draw the same mask; and PyTorch
-# refuses to read a CUDA generator's state while a capture is running. A graph instead advances
+# copy of a seed and an offset. Inside a CUDA graph capture that fails twice over: the copy
+# would run once, at capture, and never at replay, so no replay could move a stream in or out;
+# and PyTorch refuses outright to read a CUDA generator's state while a capture runs ("Cannot
+# call CUDAGeneratorImpl::current_seed during CUDA graph capture"). A graph instead advances
 # the Philox offset of each generator *registered* with it (`CUDAGraph.register_generator_state`)
 # by the amount the captured kernels consumed, once per replay. So each named stream must be a
 # real `torch.Generator` whose state object the graph can register, and `fork` must make the
@@ -95,9 +96,9 @@ __all__ = ["MODEL_PARALLEL_RNG", "DATA_PARALLEL_RNG", "EXPERT_PARALLEL_RNG", "De
 # never replacing them, because a graph registered the objects and a recompute may run while
 # the default points at one of them.
 #
-# The tracker is built in two whole parts. `DefaultGenerator` below knows how to read, write
-# and seed one device's default generator and make new streams for it; `RNGStatesTracker` adds
-# the named streams on top.
+# The tracker is built in three whole parts. `DefaultGenerator` below knows how to read, write
+# and seed one device's default generator and make new streams for it; `NamedStreams` keeps the
+# streams and their states; `RNGStatesTracker` adds the fork on top.
 
 # %%
 MODEL_PARALLEL_RNG = "model-parallel-rng"
