@@ -7,6 +7,7 @@ one SIGTERM + resume.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -111,3 +112,44 @@ def test_inprocess_restart_after_a_raised_error_matches_bitwise(tmp_path, refere
     assert out == [(0, [0, 1]), (0, [0, 1])]        # both ranks: two attempts, exit code 0
     assert [it for it, _ in logged(tmp_path)] == [1, 2, 3, 4, 5, 6, 7, 8]  # resumed at 4
     assert step_losses(tmp_path) == reference
+
+
+def _stopped(out: str) -> tuple[int, int]:
+    """(iteration, exit code) from the job's own last line."""
+    import re
+
+    m = re.findall(r"\[run\] stopped at iteration (\d+) \(reason: \w+\), exit code (\d+)", out)
+    assert m, out[-3000:]
+    return int(m[-1][0]), int(m[-1][1])
+
+
+def test_a_pending_rerun_is_restored_on_its_layout_and_ignored_on_another(tmp_path):
+    """Megatron restores the rerun state only with equal world size, (TP, PP) and DP.
+
+    A NaN that node-A's GPU gives at iteration 3 on every pass: exit 16 with a pending rerun
+    on TP2. Relaunched on TP2 and node-A, the rerun resumes (and, on the suspect GPU, asks for
+    another relaunch); relaunched on DP2 — the same two ranks — it is ignored, and iteration 3
+    runs afresh on node-B.
+    """
+    from tinytron.reliability.result_checks import parse_tracker_file
+    from tinytron.reliability.restarts import rerun_state_path
+
+    args = ["--train-iters", "4", "--save-interval", "2",
+            "--fault", "nan@3:diagnostic=persistent_error:node=node-A"]
+    tp2 = ["--tensor-model-parallel-size", "2"]
+    code, out, _ = run_job(tmp_path, args + tp2 + ["--node-name", "node-A"])
+    assert _stopped(out) == (2, 16), out[-3000:]
+    assert all(os.path.exists(rerun_state_path(str(tmp_path), 2, r)) for r in (0, 1))
+    tracked = len(parse_tracker_file(str(tmp_path / "result_rejected_tracker.txt")))
+
+    code, out, _ = run_job(tmp_path, args + tp2 + ["--node-name", "node-A"])
+    assert _stopped(out) == (2, 16), out[-3000:]   # restored: rerun again elsewhere
+    assert "Job sharding has changed" not in out
+    assert len(parse_tracker_file(str(tmp_path / "result_rejected_tracker.txt"))) == tracked
+
+    code, out, _ = run_job(tmp_path, args + ["--node-name", "node-B"])   # DP2 now
+    assert code == 0 and _stopped(out) == (4, 0), out[-3000:]
+    assert out.count("Job sharding has changed: Rerun state will be ignored") == 1, out[-3000:]
+    # no second opinion was given: the tracker is as the first launch left it
+    assert len(parse_tracker_file(str(tmp_path / "result_rejected_tracker.txt"))) == tracked
+    assert [it for it, _ in logged(tmp_path)] == [1, 2, 3, 4]

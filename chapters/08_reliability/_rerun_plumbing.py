@@ -134,3 +134,26 @@ def is_last_rank() -> bool:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank() == dist.get_world_size() - 1
     return True
+
+
+# -- the job's sharding, as Megatron compares it before restoring a rerun state -------------
+
+def job_sharding(model, world_size: int) -> dict:
+    """World size, [TP, PP] and DP of this job (`checkpointing.py:1676-1688`), read from the
+    grid its DDP chunks were built on; a model without one is all data parallel."""
+    grid = next((c.grid for c in model or [] if getattr(c, "grid", None) is not None), None)
+    if grid is None:
+        return {"world_size": world_size, "tp_pp": [1, 1], "dp": world_size}
+    return {"world_size": world_size, "tp_pp": [grid.size("tp"), grid.size("pp")],
+            "dp": grid.size("dp")}
+
+
+def same_sharding(saved: dict, run: dict) -> bool:
+    """Megatron's rule (`checkpointing.py:1757-1778`): equal world size, (TP, PP) and DP, a
+    missing field read with its defaults (TP = PP = 1, world size and DP 0). A mismatch says
+    so on rank 0, in Megatron's words."""
+    ckpt = (saved.get("world_size", 0), list(saved.get("tp_pp", [1, 1])), saved.get("dp", 0))
+    same = ckpt == (run["world_size"], list(run["tp_pp"]), run["dp"])
+    if not same and (not dist.is_initialized() or dist.get_rank() == 0):
+        print("Job sharding has changed: Rerun state will be ignored", flush=True)
+    return same

@@ -62,8 +62,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--train-iters", type=int, default=8)
     p.add_argument("--save-interval", type=int, default=2)
     p.add_argument("--global-batch-size", type=int, default=8)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--fault", action="append", default=[], help="fault spec (repeatable)")
-    p.add_argument("--node", default=None, help="this launch's node name (rerun diagnosis)")
+    p.add_argument("--node", "--node-name", dest="node", default=None,
+                   help="this launch's node name (rerun diagnosis; under torchrun spell it "
+                        "--node-name, which torchrun's own --node-rank does not shadow)")
     p.add_argument("--rerun-mode", default="validate_results")
     p.add_argument("--check-for-spiky-loss", action="store_true")
     p.add_argument("--no-safety-nets", action="store_true",
@@ -194,7 +198,7 @@ def run(argv=None) -> int:
         os.environ["TINYTRON_NODE_NAME"] = args.node
     _init_distributed()
     torch.set_num_threads(1)
-    grid = ParallelGrid()
+    grid = ParallelGrid(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size)
     os.makedirs(os.path.join(args.save, "pids"), exist_ok=True)
     with open(os.path.join(args.save, "pids", f"rank{dist.get_rank()}.pid"), "w") as f:
         f.write(str(os.getpid()))   # so that a test can signal one rank

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from tinytron.reliability._rerun_plumbing import job_sharding, same_sharding
 from tinytron.reliability.fault_injection import FaultInjector, parse_fault
 from tinytron.reliability.fault_tolerance import FaultToleranceConfig, RankMonitor
 from tinytron.reliability.result_checks import (RerunConfig, bucket_grad_norms,
@@ -471,15 +472,12 @@ def _grads(chunk) -> list:
 # load restores that state, unless the layout changed or the tracker says to skip the
 # iteration it would rerun.
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
-# Megatron restores the rerun state only when the world size, TP·PP and DP all equal the
-# saved ones (`megatron/training/checkpointing.py:1758-1779`). This object never sees the
-# grid, so it compares the world size only: a relaunch on as many ranks with another TP·PP
-# must not find a pending rerun — finish or discard it (`rerun_state/`) before changing the
-# layout.
-#
-# </div>
+# "The layout changed" is Megatron's test (`megatron/training/checkpointing.py:1757-1778`):
+# the world size, (TP, PP) and DP must all equal the saved ones, or the job prints "Job
+# sharding has changed: Rerun state will be ignored" and trains on. The hooks read TP, PP and
+# DP from the grid of the model chunks they are handed and write them beside the state; a
+# relaunch of a 2-rank TP2 job as DP2 has the same world size and still trains on instead of
+# rerunning a step whose per-rank state belongs to another layout.
 
 # %%
 class CheckpointHooks:
@@ -490,27 +488,28 @@ class CheckpointHooks:
         def save(state, model, optimizer, scheduler):
             section = self.monitor.section("checkpoint") if self.monitor else _null()
             with section, self.injector.around_save(state.iteration):
-                self._save_rerun_state(state.iteration)
+                self._save_rerun_state(state.iteration, job_sharding(model, self.world_size))
                 _timed(save_checkpoint_fn, self.timers, "save-checkpoint", 0)(
                     state, model, optimizer, scheduler)
 
         def load(model, optimizer, scheduler):
             state = _timed(load_checkpoint_fn, self.timers, "load-checkpoint", 0)(
                 model, optimizer, scheduler)
-            self._load_rerun_state(0 if state is None else state.iteration)
+            self._load_rerun_state(0 if state is None else state.iteration,
+                                   job_sharding(model, self.world_size))
             return state
         return save, load
 
-    def _save_rerun_state(self, iteration: int) -> None:
+    def _save_rerun_state(self, iteration: int, sharding: Optional[dict] = None) -> None:
         if self.save_dir is None or self.rsm.state == RerunState.NOT_RUNNING_YET:
             return
         path = rerun_state_path(self.save_dir, iteration, self.rank)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save({"world_size": self.world_size,
+        torch.save({**(sharding or job_sharding(None, self.world_size)),
                     "machine": self.rsm.state_dict(self._train_data or None)}, path + ".tmp")
         os.replace(path + ".tmp", path)
 
-    def _load_rerun_state(self, iteration: int) -> None:
+    def _load_rerun_state(self, iteration: int, sharding: Optional[dict] = None) -> None:
         path = None if self.save_dir is None else rerun_state_path(self.save_dir, iteration,
                                                                      self.rank)
         # A pending rerun of an iteration the tracker now says to skip is settled: do not
@@ -518,12 +517,9 @@ class CheckpointHooks:
         pending = path is not None and os.path.exists(path)
         if pending and iteration + 1 not in self.iterations_to_skip:
             saved = torch.load(path, weights_only=True)
-            # Per-rank state means nothing on another layout: the relaunch just trains on.
-            # Megatron requires an equal world size, TP·PP and DP (checkpointing.py:1758-1779);
-            # tinytron differs here and compares the world size only (this object never sees
-            # the grid), so a relaunch on as many ranks with another TP·PP must not find a
-            # pending rerun: finish or discard it (rerun_state/) before changing the layout.
-            if saved["world_size"] == self.world_size:
+            # Per-rank state means nothing on another layout: the relaunch just trains on
+            # (Megatron's rule: equal world size, TP·PP and DP, checkpointing.py:1757-1778).
+            if same_sharding(saved, sharding or job_sharding(None, self.world_size)):
                 self.rsm.load_state_dict(saved["machine"])
         self.rsm.current_iteration = iteration   # the loop's count wins (training.py:3205)
 
