@@ -692,15 +692,15 @@ class Spikes:
 # | the `num_samples`-th value | last rank | armed: factor × max = threshold |
 # | a rejection, once its rerun in place has compared | the rank that rejected | iteration, value, factor × max, the verdict |
 #
-# **When the check arms.** It counts one value per validated call: one loss per micro-batch
-# (the micro-batch's *summed* loss, as `pretrain_gpt.py:144` computes it), one norm per
-# gradient bucket; nothing in a process's first iteration (it is not validated, `:588-591`)
-# and nothing in a rerun. With $m$ micro-batches per rank per iteration, a fresh run's 101st
-# loss, the first one judged, falls in iteration $1 + \lceil 101/m \rceil$: iteration 27 at
-# $m = 4$, iteration 8 at $m = 16$. The forecast line computes it from the values still to
-# learn, $r$, and the values of the iteration just done, $m$: the first judged value is in
-# iteration $k + \lceil (r + 1)/m \rceil$. A relaunch learns again: the machine's
-# state is restored from a checkpoint only when a rerun is pending (`:885-887`).
+# **When the check arms.** It counts one value per validated call: one loss per micro-batch,
+# one norm per gradient bucket; nothing in a process's first iteration (it is not validated,
+# `:591-594`) and nothing in a rerun. A relaunch learns again: the machine's state is restored
+# from a checkpoint only when a rerun is pending (`:885-887`). The loss is the micro-batch's
+# *summed* loss, as `pretrain_gpt.py:144` computes it. With $m$ micro-batches per rank per
+# iteration, a fresh run's 101st loss, the first one judged, falls in iteration
+# $1 + \lceil 101/m \rceil$: iteration 27 at $m = 4$, iteration 8 at $m = 16$. The forecast
+# line computes it from the values still to learn, $r$, and the values of the iteration just
+# done, $m$: the first judged value is in iteration $k + \lceil (r + 1)/m \rceil$.
 #
 # **The rejection's line** waits for the rerun in place, so that it can carry the verdict:
 # the rejecting rank knows the value, the factor and the frozen max when it rejects, and the
