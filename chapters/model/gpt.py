@@ -208,9 +208,12 @@ class SelfAttention(CoreAttention, nn.Module):
         s, b = qkv.shape[:2]
         d, per = self.config.head_dim, self.heads_per_group
         qkv = qkv.view(s, b, self.local_groups, per + 2, d)
-        q = qkv[:, :, :, :per].reshape(s, b, self.local_groups * per, d)
-        k, v = qkv[:, :, :, per], qkv[:, :, :, per + 1]  # [s, b, g/t, d]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = qkv.split([per, 1, 1], dim=3)  # views; the backward is one concatenation
+        k, v = k.squeeze(3), v.squeeze(3)  # [s, b, g/t, d]
+        # RoPE reads the query view as [s, b, g/t, a/g, d] and writes a new contiguous tensor,
+        # so the heads are flattened for free (no copy of the strided query rows first)
+        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)).view(s, b, -1, d)
+        k = apply_rope(k, cos, sin)
         if self.attend_wrapper is None:
             context = self._attend(q, k, v, attention_mask)  # [s, b, a/t * d]
         else:
@@ -285,8 +288,49 @@ class SwiGLUMLP(nn.Module):
         fc1 = self.linear_fc1(x)
         if use_triton(self.kernels, fc1.device):
             return self.linear_fc2(swiglu(fc1))  # appendix C: gate and up read once
+        if torch.compiler.is_compiling():  # dynamo cannot trace out= into views; inductor fuses this
+            gate, up = fc1.chunk(2, dim=-1)
+            return self.linear_fc2(F.silu(gate) * up)
+        return self.linear_fc2(_SwiGLUProduct.apply(fc1))
+
+
+# %% [markdown]
+# The product is a small autograd function rather than `silu(gate) * up` on two `chunk`
+# views, for its backward. Autograd's version computes the gate's and the up half's gradients
+# as two $[s, b, f/t]$ tensors and then concatenates them into the $[s, b, 2f/t]$ gradient
+# of fc1's output: a copy of the MLP's widest tensor in every layer's backward, with both
+# halves and the concatenation alive at once. `_SwiGLUProduct` allocates that gradient once
+# and writes each half in place: $g_{up} = g \cdot \mathrm{silu}(gate)$, then
+# $g \cdot up$ into the gate half and through `silu_backward` there. Those are the calls
+# autograd's `MulBackward0` and `SiluBackward0` make, so the gradients are equal bit for bit
+# (the tests compare against `F.silu(gate) * up`), and the forward saves what autograd saved
+# for the two ops — fc1's output and $\mathrm{silu}(gate)$ — so chapter 06's and 07's ledgers
+# count the same tensors. Megatron's fused `SwiGLUFunction`
+# (`megatron/core/fusions/fused_bias_swiglu.py:147`) saves only fc1's output, recomputes the
+# sigmoid in the backward and still concatenates (`swiglu_back`, `:55-69`); under
+# `torch.compile` the plain expression is kept, since dynamo cannot trace `out=` into views.
+
+# %%
+class _SwiGLUProduct(torch.autograd.Function):
+    """silu(gate) * up from fc1's output [..., 2f]; the backward fills one [..., 2f] gradient."""
+
+    @staticmethod
+    def forward(ctx, fc1):
         gate, up = fc1.chunk(2, dim=-1)
-        return self.linear_fc2(F.silu(gate) * up)
+        act = F.silu(gate)
+        ctx.save_for_backward(fc1, act)  # what autograd keeps for the two ops: gate, up, silu
+        return act * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        fc1, act = ctx.saved_tensors
+        gate, up = fc1.chunk(2, dim=-1)
+        out = torch.empty_like(fc1, memory_format=torch.contiguous_format)
+        grad_gate, grad_up = out.chunk(2, dim=-1)
+        torch.mul(grad, act, out=grad_up)
+        torch.mul(grad, up, out=grad_gate)  # the gradient of silu(gate), then through silu:
+        torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
+        return out
 
 
 # %% [markdown]
