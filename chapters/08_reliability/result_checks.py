@@ -390,7 +390,10 @@ if __name__ == "__main__":
     steps = torch.arange(200)
     curve = 2 + 8 * torch.exp(-steps / 40.0) + 0.2 * torch.randn(200, generator=g)
     curve[130] = 150.0
-    flags = [rsm.is_unexpectedly_large(v, SPIKY_LOSS_FACTOR, "loss") for v in curve]
+    flags = []
+    for step, v in enumerate(curve):   # one value per iteration, numbered as on the plot
+        rsm.current_iteration = step
+        flags.append(rsm.is_unexpectedly_large(v, SPIKY_LOSS_FACTOR, "loss"))
     threshold = rsm.max_values["loss"] * SPIKY_LOSS_FACTOR
     print(f"running max after 100 values: {rsm.max_values['loss']:.2f} -> threshold "
           f"{threshold:.1f}; flagged steps: {[i for i, f in enumerate(flags) if f]}")
