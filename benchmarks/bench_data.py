@@ -8,7 +8,9 @@ Corpus: 100M uint16 tokens in synthetic documents (lengths drawn like Megatron's
   * the same whole build against megatron-core's own code (its numpy `_build_document_index` and
     `_build_shuffle_index`, its compiled `build_sample_idx`, its separate-final-epoch rule), in
     alternating rounds, CPU time and wall time, the three arrays checked equal
-    (`whole_build_vs_megatron`); and the sample index alone against the compiled helper;
+    (`whole_build_vs_megatron`); each of the three indexes alone against megatron-core's
+    (`parts_vs_megatron`, same alternation); and the sample index alone against the compiled
+    helper, best of nine alternating runs in CPU time;
   * random-access samples/s on a warm page cache: GPTDataset.query_tokens (the token window) and
     __getitem__ (the full sample dict), vs the per-sample reference lookup (per-token Python) and
     a Megatron-style lookup (IndexedDataset.get per part + one concatenate);
@@ -37,7 +39,7 @@ from tinytron.data.blended import build_blending_indices
 from tinytron.data.gpt_dataset import (GPTDataset, GPTDatasetConfig, Split,
                                        build_document_sample_shuffle_indices, build_document_index,
                                        build_sample_index, build_shuffle_index,
-                                       get_num_epochs)
+                                       get_num_epochs, needs_separate_final_epoch)
 from tinytron.data.indexed import IndexedDataset, get_bin_path, get_idx_path, write_index_bytes
 
 
@@ -88,6 +90,7 @@ def bench_build(ix: IndexedDataset, num_samples: int, seq_length: int, loop_frac
     cpp = _time_megatron_cpp(sizes, doc_idx, seq_length, epochs, tokens, sample_idx, t_doc, t_shuf,
                              t_fast)
     cpp.update(bench_whole_build(sizes, docs, num_samples, seq_length, rounds))
+    cpp.update(bench_parts(sizes, docs, num_samples, seq_length, rounds))
     return {"samples": int(len(sample_idx) - 1), "epochs": epochs, **cpp,
             "vectorized_build_s": t_fast, "loop_sample_index_s_measured": t_loop_part,
             "loop_samples_measured": part, "loop_build_s_extrapolated": t_loop,
@@ -116,10 +119,20 @@ def _time_megatron_cpp(sizes, doc_idx, seq_length, epochs, tokens, ours, t_doc, 
     helpers, source = _megatron_helpers()
     if helpers is None:
         return {}
-    t, ref = time_it(lambda: helpers.build_sample_idx_int32(sizes, doc_idx, seq_length, epochs,
+    def cpu(fn):
+        c0 = time.process_time()
+        out = fn()
+        return time.process_time() - c0, out
+
+    runs = {"cpp": [], "numpy": []}
+    for _ in range(9):  # alternating, best of nine each, CPU time (wall is the machine's load)
+        t, ref = cpu(lambda: helpers.build_sample_idx_int32(sizes, doc_idx, seq_length, epochs,
                                                             tokens, True, 1))
+        runs["cpp"].append(t)
+        runs["numpy"].append(cpu(lambda: build_sample_index(sizes, doc_idx, seq_length, epochs,
+                                                            tokens))[0])
     assert np.array_equal(ref, ours), "numpy sample index != Megatron's helpers.cpp"
-    t_np, _ = time_it(lambda: build_sample_index(sizes, doc_idx, seq_length, epochs, tokens))
+    t, t_np = min(runs["cpp"]), min(runs["numpy"])
     return {"megatron_helpers": source, "megatron_cpp_sample_index_s": t,
             "numpy_sample_index_s": t_np, "sample_index_vs_megatron_cpp": t_np / t}
 
@@ -148,7 +161,8 @@ def megatron_whole_build(sizes, docs, num_samples: int, seq_length: int, helpers
 
 
 def bench_whole_build(sizes, docs, num_samples: int, seq_length: int, rounds: int) -> dict:
-    """Ours vs megatron-core's whole index build, alternating round by round, both clocks.
+    """Ours vs megatron-core's whole index build, alternating round by round (and which of the
+    two goes first), both clocks.
 
     The ratio is the median of per-round ratios (ours / Megatron); the arrays must be equal.
     """
@@ -164,8 +178,8 @@ def bench_whole_build(sizes, docs, num_samples: int, seq_length: int, rounds: in
                                                                    seq_length),
              "megatron": lambda: megatron_whole_build(sizes, docs, num_samples, seq_length,
                                                       helpers)}
-    for _ in range(rounds):
-        for name, fn in sides.items():
+    for r in range(rounds):  # who goes first alternates too: the second runs on a warmer heap
+        for name, fn in list(sides.items())[::1 if r % 2 == 0 else -1]:
             w0, c0 = time.perf_counter(), time.process_time()
             fn()
             times["wall"][name].append(time.perf_counter() - w0)
@@ -177,6 +191,52 @@ def bench_whole_build(sizes, docs, num_samples: int, seq_length: int, rounds: in
                                      for c, t in times.items()},
             "whole_build_vs_megatron": ratio, "whole_build_per_round": times,
             "whole_build_arrays_identical": True}
+
+
+def build_in_parts(sizes, docs, num_samples: int, seq_length: int, helpers=None,
+                   seed: int = 1234) -> dict:
+    """CPU seconds of the document, sample and shuffle index, one after the other in the RNG
+    order: tinytron's builders, or (helpers given) megatron-core's `_build_document_index`,
+    compiled `build_sample_idx` and `_build_shuffle_index`."""
+    from megatron.core.datasets.gpt_dataset import _build_document_index, _build_shuffle_index
+
+    tokens = int(sizes[docs].sum(dtype=np.int64))
+    epochs = get_num_epochs(tokens, num_samples, seq_length)
+    separate, before_last = needs_separate_final_epoch(epochs, tokens, num_samples, seq_length)
+    rng = np.random.RandomState(seed)
+    c0 = time.process_time()
+    doc_idx = (build_document_index if helpers is None else _build_document_index)(
+        docs, epochs, rng, separate)
+    c1 = time.process_time()
+    if helpers is None:
+        sample_idx = build_sample_index(sizes, doc_idx, seq_length, epochs, tokens)
+    else:
+        sample_idx = helpers.build_sample_idx_int32(sizes, doc_idx, seq_length, epochs, tokens,
+                                                    True, 1)
+    c2 = time.process_time()
+    n = sample_idx.shape[0] - 1
+    (build_shuffle_index if helpers is None else _build_shuffle_index)(
+        before_last if separate else n, n, rng)
+    c3 = time.process_time()
+    return {"document": c1 - c0, "sample": c2 - c1, "shuffle": c3 - c2}
+
+
+def bench_parts(sizes, docs, num_samples: int, seq_length: int, rounds: int) -> dict:
+    """Where the whole build's time goes: each index alone, ours vs megatron-core's, alternating
+    round by round (CPU time; the ratio is the median of per-round ratios)."""
+    helpers, _ = _megatron_helpers()
+    if helpers is None:
+        return {}
+    times = {side: {part: [] for part in ("document", "sample", "shuffle")}
+             for side in ("ours", "megatron")}
+    for r in range(rounds):
+        for side, h in (("ours", None), ("megatron", helpers))[::1 if r % 2 == 0 else -1]:
+            for part, t in build_in_parts(sizes, docs, num_samples, seq_length, h).items():
+                times[side][part].append(t)
+    return {"parts_cpu_s_median": {side: {p: statistics.median(v) for p, v in t.items()}
+                                   for side, t in times.items()},
+            "parts_vs_megatron": {p: statistics.median(a / b for a, b in zip(
+                times["ours"][p], times["megatron"][p])) for p in times["ours"]}}
 
 
 def megatron_style_lookup(ix, doc_idx, sample_idx, shuffle_idx, idx: int, extra: int = 1):
@@ -270,9 +330,9 @@ def main() -> None:
           f"{build['loop_build_s_extrapolated']:.1f} s -> {build['build_speedup_vs_extrapolated_loop']:.0f}x "
           f"(against an extrapolated loop, not a measured one)")
     if "megatron_cpp_sample_index_s" in build:
-        print(f"sample index alone: numpy {build['numpy_sample_index_s']:.4f} s vs Megatron's "
-              f"compiled helpers.cpp ({build['megatron_helpers']}) "
-              f"{build['megatron_cpp_sample_index_s']:.4f} s -> "
+        print(f"sample index alone (CPU time, best of 9): numpy "
+              f"{build['numpy_sample_index_s']:.4f} s vs Megatron's compiled helpers.cpp "
+              f"({build['megatron_helpers']}) {build['megatron_cpp_sample_index_s']:.4f} s -> "
               f"{build['sample_index_vs_megatron_cpp']:.2f}x its time (identical arrays)")
     if "whole_build_vs_megatron" in build:
         med, r = build["whole_build_s_median"], build["whole_build_vs_megatron"]
@@ -280,6 +340,11 @@ def main() -> None:
               f"{build['whole_build_rounds']} alternating rounds: ours {med['wall']['ours']:.3f} s "
               f"vs megatron-core {med['wall']['megatron']:.3f} s (wall) -> {r['cpu']:.2f}x "
               f"(CPU time), {r['wall']:.2f}x (wall); identical arrays")
+    if "parts_vs_megatron" in build:
+        med, r = build["parts_cpu_s_median"], build["parts_vs_megatron"]
+        print("each index alone (CPU time, median of the same rounds): " + "; ".join(
+            f"{p} {1e3 * med['ours'][p]:.1f} ms vs {1e3 * med['megatron'][p]:.1f} ms -> {r[p]:.2f}x"
+            for p in r))
     print(f"random access: query_tokens {access['query_tokens_samples_per_s']:,.0f}/s, "
           f"__getitem__ {access['getitem_samples_per_s']:,.0f}/s vs loop lookup "
           f"{access['loop_lookup_samples_per_s']:,.0f}/s -> {access['access_speedup']:.1f}x; "
