@@ -100,9 +100,11 @@ def fork_rng(tracker: RNGStatesTracker | None = None) -> Iterator[None]:
 # %% [markdown]
 # One subtlety with appendix A's tracker: under sequence parallelism the whole decoder runs
 # inside `tracker.fork()`, so while the forward runs, the `model-parallel-rng` stream *is* the
-# default generator and the tracker's stored copy of it is stale. The snapshot still replays
-# correctly: its CPU (or CUDA) state is the forked stream's current position, and a recompute
-# that runs outside any fork draws from exactly that state.
+# default generator. On a CPU the fork copies the stream's state in and out, so the tracker's
+# stored copy is stale until the fork ends; on CUDA the fork points the default generator at
+# the stream's own state (so a CUDA graph can capture it), and the stream is live. Either way
+# the snapshot replays correctly: its CPU (or CUDA) state is the forked stream's current
+# position, and a recompute that runs outside any fork draws from exactly that state.
 #
 # ## The checkpoint function
 #
@@ -448,6 +450,6 @@ if __name__ == "__main__":
 # ## Exercises
 #
 # 1. Put the forward inside `tracker.fork()` (as sequence parallelism does) and check that the
-#    replay is still exact. Why does the snapshot not need the tracker's stale copy?
+#    replay is still exact. Why does the snapshot not need the tracker's copy, stale on a CPU?
 # 2. Measure the saved bytes of `checkpoint(..., distribute_saved_activations=True)` on two TP
 #    ranks with `saved_tensor_bytes` (chapter 01).
