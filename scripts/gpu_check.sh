@@ -5,6 +5,7 @@
 # why in the report and the next one runs. About 10 minutes on one H200:
 #   1. the trainer on configs/gpt_1b.toml (~1B) for a few dozen iterations: tokens/s and MFU
 #      with kernels = torch, triton, and torch.compile           (limit 3 x 150 s)
+#      and the Triton kernels inductor writes for RMSNorm (appendix C.6)               (60 s)
 #   2. appendix C's kernels: achieved bandwidth / HBM peak, flash attention / SDPA flash (90 s)
 #   3. chapter 07's memory meter on CUDA against the ledger and the allocator          (60 s)
 #   4. selective and full recompute overhead, the staged checkpoint copy's blocking time,
@@ -142,6 +143,13 @@ export DEST DRY SCALE
 step trainer "1. The trainer: $([ "$DRY" = 1 ] && echo configs/tiny.toml on CPU || echo configs/gpt_1b.toml), tokens/s and MFU" \
   "$(( 3 * $(limit 150) + 30 ))" \
   'cp "$DEST/trainer.md.head" "$DEST/trainer.md"; f=0; for v in torch triton compile; do trainer_variant $v || { f=1; echo "kernels=$v failed: see train_$v.log"; }; done; exit $f'
+
+# -- 1b. what torch.compile writes: inductor's Triton for RMSNorm (forward and backward) --------
+# On the GPU a real compile at 4096 x 4096 bf16; in the dry run the same code generator's Triton
+# for the CPU, taken before it would be compiled (appendix C.6's inductor_triton_source).
+step inductor "1b. torch.compile: inductor's Triton kernels for RMSNorm (beside appendix C.1's)" \
+  "$(limit 60)" \
+  "python3 -c 'import sys; from tinytron.kernels.inductor import write_triton_report as w; print(w(sys.argv[1], sys.argv[2]), \"kernels\")' '$DEST/inductor.md' $DEVICE"
 
 # -- 2. appendix C's kernels ------------------------------------------------------------------
 summarize_kernels() {  # the ratios of benchmarks/bench_kernels.py's JSON, as a table

@@ -83,7 +83,7 @@ PAGES_AT_GOAL = {
     "parallel/rng.py",
     "parallel/tensor_parallel.py",
     "parallel/vocab_parallel.py",
-    "kernels/roofline.py", "kernels/rmsnorm.py", "kernels/swiglu.py", "kernels/cross_entropy.py", "kernels/flash_attention.py", "kernels/fused_adamw.py",
+    "kernels/roofline.py", "kernels/rmsnorm.py", "kernels/swiglu.py", "kernels/cross_entropy.py", "kernels/flash_attention.py", "kernels/fused_adamw.py", "kernels/inductor.py",
     "06_recompute_offload/activation_memory.py", "06_recompute_offload/checkpoint.py",
     "06_recompute_offload/offload.py", "06_recompute_offload/recompute.py",
     "08_reliability/fault_injection.py", "08_reliability/fault_tolerance.py",

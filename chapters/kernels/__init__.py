@@ -12,7 +12,8 @@ from tinytron.kernels.fused_adamw import FlatAdamW, adamw_bytes, adamw_reference
 from tinytron.kernels.rmsnorm import rms_norm, rms_norm_bytes, rms_norm_reference
 from tinytron.kernels.swiglu import swiglu, swiglu_bytes, swiglu_reference
 
-__pages__ = ["roofline", "rmsnorm", "swiglu", "cross_entropy", "flash_attention", "fused_adamw"]
+__pages__ = ["roofline", "rmsnorm", "swiglu", "cross_entropy", "flash_attention", "fused_adamw",
+             "inductor"]
 
 __all__ = ["HAS_TRITON", "INTERPRET", "KERNEL_CHOICES", "resolve_kernels", "use_triton",
            "rms_norm", "rms_norm_reference", "rms_norm_bytes",

@@ -130,7 +130,7 @@ class ShapeMethods:
 # `tinytron.model._checks`; each message names the field to change. The last field, `compile`,
 # says how the layers run, not what they hold: a resume may switch it (chapter 03 compares the
 # architecture fields only), and it refuses appendix C's kernels and activation offloading
-# ([appendix C](../kernels/roofline.py) says why).
+# ([C.6](../kernels/inductor.py) says why).
 
 # %%
 @document_fields
