@@ -65,7 +65,7 @@ def test_the_console_says_once_that_the_check_is_not_armed_and_from_when(spiky_r
     assert len(lines) == 1, console
     # 16 losses per iteration from iteration 2 on: the 101st is in iteration 1 + ceil(101/16)
     assert "84 still to learn at 16 per iteration" in lines[0], lines
-    assert "judges nothing before iteration 8" in lines[0], lines
+    assert "judges its first value in iteration 8 (value 5 of 16 there)" in lines[0], lines
     armed = _lines(console, "reliability: check_for_spiky_loss armed in iteration 8: ")
     assert len(armed) == 1, console
 

@@ -700,7 +700,10 @@ class Spikes:
 # iteration, a fresh run's 101st loss, the first one judged, falls in iteration
 # $1 + \lceil 101/m \rceil$: iteration 27 at $m = 4$, iteration 8 at $m = 16$. The forecast
 # line computes it from the values still to learn, $r$, and the values of the iteration just
-# done, $m$: the first judged value is in iteration $k + \lceil (r + 1)/m \rceil$.
+# done, $m$: the first judged value is in iteration $k + \lceil (r + 1)/m \rceil$, and is
+# value $r + 1 - (\lceil (r + 1)/m \rceil - 1)\,m$ of the $m$ there. At $m = 16$, after
+# iteration 2: $r = 84$, iteration $2 + \lceil 85/16 \rceil = 8$, value $85 - 5 \cdot 16 = 5$
+# — a spike in one of that iteration's first four micro-batches is still learned.
 #
 # **The rejection's line** waits for the rerun in place, so that it can carry the verdict:
 # the rejecting rank knows the value, the factor and the frozen max when it rejects, and the
@@ -734,12 +737,14 @@ class SpikeLines:
                 continue
             console.announced.add(context)
             if is_last_rank():
-                first = self.current_iteration + math.ceil((left + 1) / m)
+                ahead = math.ceil((left + 1) / m)   # iterations until the first judged value
+                nth = left + 1 - (ahead - 1) * m     # its place among that iteration's m
                 say(f"{switch_name(context)} is not armed yet: it learns its threshold "
                     f"({factor:g} x the largest of the first {num_samples} {context} values "
                     f"of each rank, {left} still to learn at {m} per iteration) and judges "
-                    f"nothing before iteration {first}; a spike before then is only warned "
-                    f"about, and raises the threshold")
+                    f"its first value in iteration {self.current_iteration + ahead} (value "
+                    f"{nth} of {m} there); a spike before then is only warned about, and "
+                    f"raises the threshold")
 
     def _describe_rejection(self, result, message: str, injected: bool) -> str:
         return rejection_detail(self.spike_console, message, _to_float(result), injected)
