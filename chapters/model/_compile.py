@@ -7,18 +7,24 @@ loss stay eager. `nn.Module.compile` compiles the layer's call in place, so the 
 the parameter names (and with them checkpoints and chapter 05's buffers) stay as they are;
 `torch.compile(layer)` would insert an `_orig_mod.` level into every name.
 
-It composes with the rest of a chunk because it changes nothing outside a layer's call:
+It composes with the rest of a chunk because it changes nothing outside a layer's call
+(checked on the CPU: losses against eager in tests/test_model_compile.py):
 
 - chapter 06's full recompute (`GPTModel.layer_runner`) calls the layers inside its checkpoint:
   the compiled layer runs there once without grad (forward) and once with (the recompute);
-- selective recompute and offload live inside the layer (`attend_wrapper`, module wrappers,
-  saved-tensor hooks): dynamo breaks the graph around what it cannot trace (the RNG snapshots
-  of the checkpoint, the hooks' context) and those parts run eagerly;
-- TP/SP collectives inside the layers and PP (each stage compiles the layers it holds).
+- selective recompute lives inside the layer (`attend_wrapper`, module wrappers): dynamo breaks
+  the graph at the checkpoint's RNG snapshots, which run eagerly, and compiles the pieces
+  between them;
+- TP/SP: the collectives inside a layer are traced (no graph break at TP 2 with sequence
+  parallelism, losses bit-identical to eager); PP: each stage compiles the layers it holds.
 
-`kernels = "triton"` (or "auto") with compile is refused where the config is made
-(`ModelConfig`): inductor generates its own fused kernels for the norms and SwiGLU, and one switch
-should decide which kernels run.
+Refused where the config is made (`check_compile`, called by `ModelConfig`): `kernels =
+"triton"` or "auto" (inductor generates its own fused kernels for the norms and SwiGLU, and one
+switch decides which kernels run) and activation offloading (its saved-tensor hooks would be
+traced into the graph, and a compiled layer saves its activations as one graph, not per module).
+Dropout under compile draws its masks from inductor's own random-number code, so with dropout > 0
+the losses differ from eager's (measured: 6.2604 against 6.2620 at the tiny config, dropout 0.1);
+inductor's `fallback_random = True` calls eager's generator and gives eager's losses back.
 """
 
 from __future__ import annotations
