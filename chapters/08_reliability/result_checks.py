@@ -95,9 +95,11 @@ class RerunConfig:
     check_for_nan_in_loss_and_grad: bool = True
     """Reject NaN/Inf losses and bucket grad norms (fatal)."""
     check_for_spiky_loss: bool = False
-    """Reject a loss >= 10x the max of the first 100 (non-fatal)."""
+    """Reject a micro-batch loss >= 10x the max of this rank's first 100 (non-fatal; the console
+    says from which iteration it judges)."""
     check_for_large_grads: bool = False
-    """Reject a bucket grad norm >= 10x the max of the first 100 (non-fatal)."""
+    """Reject a bucket grad norm >= 10x the max of this rank's first 100 (non-fatal; the
+    console says from which iteration it judges)."""
     error_injection_rate: int = 0
     """Megatron's random injector: about one rejection per N validations (0 = off)."""
     error_injection_type: str = "transient_error"
