@@ -30,6 +30,9 @@ def test_scalars_carry_megatron_names_and_sample_axes():
     assert s[("learning-rate", 3)] == pytest.approx(3e-3) and s[("world-size", 3)] == 4
     assert s[("grad-norm", 3)] == 3.5 and s[("iteration-time", 3)] == 0.25
     assert s[("throughput", 3)] == 1.5 and not any(n == "num-zeros" for n, _ in s)
+    assert s[("tokens-per-second", 3)] == 4096.0 and s[("mfu", 3)] == 0.25
+    no_peak = {n for n, _, _ in megatron_scalars(dict(_record(3, 2.5), mfu=None))}
+    assert "tokens-per-second" in no_peak and "mfu" not in no_peak
     v = megatron_scalars({"iteration": 5, "consumed_train_samples": 40,
                           "validation": {"lm loss": 3.0}})
     assert v == [("lm loss validation", 3.0, 5), ("lm loss validation vs samples", 3.0, 40)]
@@ -110,6 +113,7 @@ def test_trainer_tensorboard_timers_cover_their_interval_and_say_their_units(tmp
     import subprocess
     import sys
 
+    import torch
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from tests.conftest import ROOT
@@ -154,3 +158,10 @@ def test_trainer_tensorboard_timers_cover_their_interval_and_say_their_units(tmp
     assert "TFLOP/s per device" in described["throughput"]
     assert described["forward-backward-time"] == TIMER_UNIT
     assert described["save-checkpoint-time"] == PER_INTERVAL_TIMERS["save-checkpoint"]
+    # the token rate at every record, with its unit; no MFU on a CPU (no peak to divide by)
+    assert [s for s, _ in points["tokens-per-second"]] == [1, 2, 3, 4, 5, 6]
+    assert all(v > 0 for _, v in points["tokens-per-second"])
+    assert (events.SummaryMetadata("tokens-per-second").summary_description
+            == SCALAR_UNITS["tokens-per-second"])
+    if not torch.cuda.is_available():
+        assert "mfu" not in points

@@ -148,6 +148,10 @@ def megatron_scalars(record: dict, world_size: int = 1,
         out += [(name, float(value), it), (f"{name} vs samples", float(value), samples)]
     out += [("iteration-time", record["ms_per_iteration"] / 1000.0, it),
             ("throughput", record["tflops_per_device"], it)]
+    if record.get("tokens_per_second") is not None:  # tinytron's: Megatron logs no token rate
+        out.append(("tokens-per-second", float(record["tokens_per_second"]), it))
+    if record.get("mfu") is not None:  # None where no peak is known (a CPU)
+        out.append(("mfu", float(record["mfu"]), it))
     if record.get("skipped_train_samples"):
         out.append(("skipped-train-samples", float(record["skipped_train_samples"]), it))
     out += [(k, float(v), it) for k, v in (memory or {}).items()]
@@ -202,7 +206,9 @@ from tinytron.reliability._logging_io import (ProgressBar, _fmt_seconds,  # noqa
 # It is the seconds spent saving since the previous record, not divided by anything, and
 # written only in an interval in which a save ran. A save comes after its iteration's record (as
 # in Megatron), so it shows at the next record: a save at iteration 2 with `log_interval = 1` is
-# the point at step 3.
+# the point at step 3. `tokens-per-second` (the whole job's) and `mfu` are tinytron's tags
+# too: Megatron prints neither to TensorBoard. `mfu` is written only where the device's peak
+# is known, so a CPU run has no `mfu` tag (see chapter 01's `training_log`).
 #
 # </div>
 
@@ -210,6 +216,8 @@ from tinytron.reliability._logging_io import (ProgressBar, _fmt_seconds,  # noqa
 SCALAR_UNITS = {
     "iteration-time": "seconds per iteration, mean over the log interval",
     "throughput": "TFLOP/s per device (model FLOPs over the log interval's wall time)",
+    "tokens-per-second": "tokens per second over all ranks, over the log interval",
+    "mfu": "model FLOP utilization: throughput / the device's peak TFLOP/s (0 to 1)",
 }
 TIMER_UNIT = "seconds per iteration, slowest rank, mean over the log interval"
 PER_INTERVAL_TIMERS = {
