@@ -1,4 +1,4 @@
-"""Shared pytest set-up: the gpu marker skips without CUDA; helpers to find the book's pages."""
+"""Shared pytest set-up: the gpu marker, one intra-op thread, the book build started early, page helpers."""
 
 from __future__ import annotations
 
@@ -15,6 +15,18 @@ if not torch.cuda.is_available():
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = ROOT / "chapters"
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: tiny tensors on a shared 2-core machine thrash with two.
+
+    Modules of small single-process tests use it with `pytestmark = pytest.mark.usefixtures(
+    "one_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def chapter_pages() -> list[Path]:
@@ -38,11 +50,16 @@ def _run_pages_once(items) -> None:
     When the build test is selected, running each page again as a script would double the
     longest part of the suite; the build fails on any failing demo (allow_errors: false) and
     names the page. Selecting pages alone (`-k 04_data`, `-m "not slow"`) still runs them.
+    The build itself starts here, in the background (tests/test_site.py's `start_book_build`):
+    the suite before test_site.py leaves about one of two cores idle, and the build fills it.
     """
-    build = any(item.nodeid.endswith("test_site.py::test_book_builds_strict_and_offline")
-                for item in items)
+    build = [item for item in items
+             if item.nodeid.endswith("test_site.py::test_book_builds_strict_and_offline")]
     if not build:
         return
+    if not build[0].config.option.collectonly:
+        _BUILDS.append(build[0].module)
+        build[0].module.start_book_build()  # runs beside the tests until test_site.py needs it
     skip = pytest.mark.skip(reason="executed by the strict book build in this session "
                                    "(tests/test_site.py)")
     for item in items:
@@ -54,3 +71,12 @@ def _run_pages_once(items) -> None:
 def pytest_collection_modifyitems(config, items):
     _skip_gpu_tests_without_cuda(items)
     _run_pages_once(items)
+
+
+_BUILDS: list = []  # the module whose book build was started at collection
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A build still running when the session ends (-x, Ctrl-C, a failure) is stopped."""
+    for module in _BUILDS:
+        module.stop_book_build()

@@ -35,13 +35,7 @@ FORWARD_STEP = workers.FORWARD_STEP
 _training = workers.training
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: tiny matmuls on a shared 2-core machine thrash with two."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _run(training, opt_config=None, sched_config=None, ddp=True, **kw):

@@ -21,13 +21,7 @@ from tinytron.model import GPTModel, llama_7b_config, tiny_config
 CFG = tiny_config()   # h 64, L 2, 4 heads in 2 KV groups (GQA), f 128, V 512, s 64
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: tiny matmuls on a shared 2-core machine thrash with two."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _counted(model, batch: int = 2, early_stop: bool = False) -> tuple[int, int]:

@@ -20,12 +20,7 @@ CFG, MBS, FORWARD_STEP = workers.CFG, workers.MBS, workers.FORWARD_STEP
 ITERS, M = 4, 4
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _parts(opt_config, ddp_config):

@@ -34,12 +34,7 @@ CFG, MBS, FORWARD_STEP, training = workers.CFG, workers.MBS, workers.FORWARD_STE
 M = 4  # micro-batches per step: global batch 8 = 4 x 2 on one DP rank
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _run(train, opt_config=None, ddp_config=None, **kw):

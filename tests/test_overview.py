@@ -22,13 +22,7 @@ TOK = ByteTokenizer()
 EOD, PAD = TOK.eod, TOK.pad
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one thread avoids contention on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _reference_masks(data, eod, reset_pos, reset_attn, eod_mask):

@@ -17,13 +17,7 @@ from tinytron.recompute.checkpoint import dropout_masks
 from tinytron.recompute.recompute import MODES, train_steps
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small ops on a shared machine: one intra-op thread is faster and steadier."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)

@@ -8,6 +8,7 @@ import http.server
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -71,23 +72,64 @@ PROBE = b"""<script>(function () {
 
 
 BUILD_LOG: dict[str, str] = {}  # the strict build's console output, for the tests that read it
+_BUILD: dict = {}  # the session's one build: its process, console file and output directory
+BUILD_TIMEOUT_S = 1200
 
 
-@pytest.fixture(scope="session")
-def site_dir():
-    """Build the book once per session (this executes every chapter page)."""
+def start_book_build() -> None:
+    """Start `mkdocs build --strict` in the background, once per session (this executes every page).
+
+    tests/conftest.py calls it at collection when the build test is selected, so the build runs
+    beside the tests before this module: the rest of the suite keeps about one of two cores
+    busy (one pytest process, single-process tests), and the build's kernels use what is idle.
+    The build and its checks are unchanged; only its start moves.
+    """
+    if _BUILD:
+        return
     out = Path(tempfile.mkdtemp(prefix="tinytron-site-"))
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     # The kernels must use Jupyter's inline backend: with MPLBACKEND=Agg, plt.show() draws
     # nothing and the book would lose every figure.
     env.pop("MPLBACKEND", None)
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    console = tempfile.TemporaryFile(mode="w+", encoding="utf-8")  # no pipe to fill while tests run
+    proc = subprocess.Popen([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)],
+                            cwd=ROOT, env=env, stdout=console, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its kernels and their ranks: one group
+    _BUILD.update(proc=proc, console=console, out=out)
+
+
+def stop_book_build() -> None:
+    """End a build still running (the session stopped early) and remove its output."""
+    proc = _BUILD.get("proc")
+    if proc is not None and proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    if _BUILD:
+        _BUILD["console"].close()
+        shutil.rmtree(_BUILD["out"], ignore_errors=True)
+    _BUILD.clear()
+
+
+@pytest.fixture(scope="session")
+def site_dir():
+    """The book built once per session (started early by tests/conftest.py, or here)."""
+    start_book_build()
+    proc, console = _BUILD["proc"], _BUILD["console"]
+    try:  # the limit counts from here: a build started early has had a head start, not less time
+        proc.wait(timeout=BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        stop_book_build()
+        pytest.fail(f"mkdocs build --strict did not finish within {BUILD_TIMEOUT_S} s")
+    console.seek(0)
+    text = console.read()
     if proc.returncode != 0:
-        pytest.fail(f"mkdocs build --strict failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}")
-    BUILD_LOG["text"] = proc.stdout + proc.stderr
-    yield out
-    shutil.rmtree(out, ignore_errors=True)
+        pytest.fail(f"mkdocs build --strict failed:\n{text[-11000:]}")
+    BUILD_LOG["text"] = text
+    yield _BUILD["out"]
+    stop_book_build()
 
 
 def test_book_builds_strict_and_offline(site_dir):
