@@ -1,7 +1,7 @@
 """Chapter 07 against measurement: the ledger vs live storage bytes on gloo worlds (and CUDA).
 
-The 42 cases of VALIDATION_GRID run in two 4-rank worlds (one module fixture); every test below
-reads those results, so the worlds start once. The ledger's predictions are computed here, in
+The 42 cases of VALIDATION_GRID run in one 4-rank world (one module fixture); every test below
+reads those results, so the world starts once. The ledger's predictions are computed here, in
 the test process, which lets the last test remove one ledger term at a time and check that the
 comparison then fails.
 """
@@ -20,8 +20,7 @@ EXACT_TERMS = STATE_TERMS + ("resident", "optimizer_new_bytes")
 
 @pytest.fixture(scope="module")
 def results():
-    half = len(VALIDATION_GRID) // 2
-    return run_grid(VALIDATION_GRID[:half]) + run_grid(VALIDATION_GRID[half:])
+    return run_grid(VALIDATION_GRID)
 
 
 @pytest.fixture(scope="module")
