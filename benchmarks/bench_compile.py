@@ -12,7 +12,8 @@ loss), the step of ``bench_model.py``:
   so that compiled is also held against compiled.
 
 The compile happens in the warm-up steps, which are timed apart (``warmup_seconds``) and left out
-of the rounds. The sides then alternate round by round; each ratio is the median of the per-round
+of the rounds (a cold compile of the bench shape took ~90 s on a loaded 2-core machine; once
+inductor's on-disk cache holds the graphs, a few seconds). The sides then alternate round by round; each ratio is the median of the per-round
 ratios, in this process's CPU time (one thread: robust on a loaded machine) and in wall time.
 
 Run: python benchmarks/bench_compile.py [--shape bench|tiny] [--rounds 5] [--steps 2]
@@ -52,8 +53,9 @@ def build_sides(model_kwargs: dict) -> dict:
     sides = {"tinytron_eager": TinytronSide(model_kwargs)}
     sides["tinytron_compiled"] = TinytronSide(model_kwargs)
     compile_layers(sides["tinytron_compiled"].model)
-    sides["reference"] = ReferenceSide(model_kwargs)
-    sides["reference_compiled"] = ReferenceSide(model_kwargs)
+    for name in ("reference", "reference_compiled"):  # the same weights: its init reads torch's seed
+        torch.manual_seed(0)
+        sides[name] = ReferenceSide(model_kwargs)
     for block in sides["reference_compiled"].trainer.model.blocks:
         block.compile()
     return sides

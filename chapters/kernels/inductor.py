@@ -131,8 +131,9 @@ if __name__ == "__main__":
     print("largest |y - fp32 math|:", {k: f"{v:.4f}" for k, v in err.items()})
 
 # %% [markdown]
-# The C++ kernel is a loop over rows with two vectorized loops inside, 32 lanes at a time
-# (`VectorizedN<float, 2>`: two AVX-512 registers, or four AVX2 ones). The first squares and
+# The C++ kernel is a loop over rows with two vectorized loops inside, 32 lanes at a time on
+# this machine (`VectorizedN<float, 2>`, two 16-lane AVX-512 registers; the width follows the
+# CPU's vector instructions). The first squares and
 # adds into a 32-lane fp32 accumulator and reduces the lanes at the end of the row; the sum lands
 # in a `[64, 1]` fp32 buffer. The second loop reads the row again, and the weight, and writes
 # $y$. The cast to bf16 before the weight is gone (`tmp12 = (tmp11)`): inductor keeps the
@@ -192,9 +193,11 @@ if __name__ == "__main__":
 # any width and pays a second read, which the cache absorbs when the chunk fits. Whether the
 # extra read costs anything on an H200 is `gpu_check.sh`'s measurement, not this page's claim.
 # On this 2-core CPU, one thread, the whole step at `bench_train.py`'s shape (h 256, 4 layers,
-# s 256) takes 0.94× eager's CPU time with every layer compiled, and 0.96× that of the
-# independent plain-PyTorch loop (eager tinytron: 1.03×; the compile itself, ~90 s on a loaded
-# machine, left out): `python benchmarks/bench_compile.py`, `benchmarks/results/compile.json`.
+# s 256) takes 0.92× eager's CPU time with every layer compiled, and 0.95× that of the
+# independent plain-PyTorch loop (eager tinytron: 1.05×); at `configs/tiny.toml`'s shape 0.91×
+# and 0.98× (eager 1.06×). The compile is left out: about 90 s the first time on the loaded
+# machine, a few seconds once inductor's on-disk cache holds the graphs
+# (`python benchmarks/bench_compile.py [--shape tiny]`, `benchmarks/results/compile*.json`).
 # Inductor also fuses across op boundaries that a hand-written kernel does not cross. Compiled
 # whole, one layer of the tiny config (h = 64) runs five generated kernels in its forward: the
 # first norm, RoPE on queries and keys, the residual add together with the second norm
