@@ -29,10 +29,9 @@ inductor's `fallback_random = True` calls eager's generator and gives eager's lo
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-__all__ = ["check_compile", "compile_layers", "reset_compiled"]
+__all__ = ["check_compile", "compile_layers"]
 
 
 def check_compile(c) -> None:
@@ -59,7 +58,3 @@ def compile_layers(models, **options) -> int:
             count += 1
     return count
 
-
-def reset_compiled() -> None:
-    """Forget every compiled graph (dynamo's caches), e.g. between two runs in one process."""
-    torch._dynamo.reset()
