@@ -10,14 +10,16 @@ Corpus: 100M uint16 tokens in synthetic documents (lengths drawn like Megatron's
     alternating rounds, CPU time and wall time, the three arrays checked equal
     (`whole_build_vs_megatron`); each of the three indexes alone against megatron-core's
     (`parts_vs_megatron`, same alternation); and the sample index alone against the compiled
-    helper, best of nine alternating runs in CPU time;
+    helper, best of nine alternating runs in CPU time; and the whole build once per fresh
+    process, as a training run builds it (`cold_build_vs_megatron`);
   * random-access samples/s on a warm page cache: GPTDataset.query_tokens (the token window) and
     __getitem__ (the full sample dict), vs the per-sample reference lookup (per-token Python) and
     a Megatron-style lookup (IndexedDataset.get per part + one concatenate);
   * the blending index for 1M samples over two datasets (greedy rule).
 Writes benchmarks/results/data.json.
 
-    python benchmarks/bench_data.py [--tokens 100000000] [--samples 1000000]
+    python benchmarks/bench_data.py [--tokens 100000000] [--samples 1000000] [--rounds 7]
+        [--cold-rounds 5]
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -239,6 +243,40 @@ def bench_parts(sizes, docs, num_samples: int, seq_length: int, rounds: int) -> 
                 times["ours"][p], times["megatron"][p])) for p in times["ours"]}}
 
 
+def _cold_build(prefix: str, side: str, num_samples: int, seq_length: int) -> None:
+    """One whole build in this fresh process, ours or megatron-core's; prints its CPU seconds."""
+    ix = IndexedDataset(prefix)
+    sizes, docs = np.array(ix.sequence_lengths), np.arange(len(ix), dtype=np.int32)
+    helpers, _ = _megatron_helpers()
+    import megatron.core.datasets.gpt_dataset  # noqa: F401  (imported before the clock starts)
+
+    c0 = time.process_time()
+    if side == "ours":
+        build_document_sample_shuffle_indices(sizes, docs, num_samples, seq_length)
+    else:
+        megatron_whole_build(sizes, docs, num_samples, seq_length, helpers)
+    print(json.dumps({"cpu_s": time.process_time() - c0}))
+
+
+def bench_cold_build(prefix: str, num_samples: int, seq_length: int, rounds: int) -> dict:
+    """The whole build once per fresh process, as a training run builds it: every array on
+    memory the process never touched before (its page faults included), the two sides
+    alternating process by process and in which goes first; CPU time of the build alone."""
+    if _megatron_helpers()[0] is None:
+        return {}
+    times = {"ours": [], "megatron": []}
+    for r in range(rounds):
+        for side in ("ours", "megatron")[::1 if r % 2 == 0 else -1]:
+            out = subprocess.run([sys.executable, __file__, "--cold-side", side, "--cold-prefix",
+                                  prefix, "--samples", str(num_samples), "--seq-length",
+                                  str(seq_length)], check=True, capture_output=True, text=True)
+            times[side].append(json.loads(out.stdout.strip().splitlines()[-1])["cpu_s"])
+    return {"cold_build_cpu_s_median": {k: statistics.median(v) for k, v in times.items()},
+            "cold_build_vs_megatron": statistics.median(
+                a / b for a, b in zip(times["ours"], times["megatron"])),
+            "cold_build_per_round": times}
+
+
 def megatron_style_lookup(ix, doc_idx, sample_idx, shuffle_idx, idx: int, extra: int = 1):
     """Megatron's lookup as written there: IndexedDataset.get per part, then one concatenate."""
     j = shuffle_idx[idx]
@@ -299,8 +337,15 @@ def main() -> None:
     ap.add_argument("--loop-fraction", type=float, default=0.05)
     ap.add_argument("--rounds", type=int, default=7,
                     help="alternating rounds of the whole-build comparison with megatron-core")
+    ap.add_argument("--cold-rounds", type=int, default=5,
+                    help="alternating pairs of fresh processes, one whole build each (~10 s a "
+                         "process: each imports torch and megatron-core)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "data.json"))
+    ap.add_argument("--cold-side", choices=("ours", "megatron"), help=argparse.SUPPRESS)
+    ap.add_argument("--cold-prefix", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.cold_side:  # one build in a fresh process, for bench_cold_build
+        return _cold_build(args.cold_prefix, args.cold_side, args.samples, args.seq_length)
     load_start = list(os.getloadavg())  # other jobs on the machine slow every number down
     tmp = tempfile.mkdtemp()
     prefix = os.path.join(tmp, "corpus")
@@ -310,18 +355,24 @@ def main() -> None:
     print(f"corpus: {args.tokens:,} tokens, {len(ix):,} documents ({time.perf_counter() - t0:.1f} s)")
     build, tables = bench_build(ix, args.samples, args.seq_length, args.loop_fraction,
                                 args.rounds)
+    build.update(bench_cold_build(prefix, args.samples, args.seq_length, args.cold_rounds))
     access = bench_access(ix, prefix, tables, args.samples, args.seq_length, 20000, 2000,
                           os.path.join(tmp, "cache"))
     blend = bench_blend(args.samples, args.samples // 20)
     env = ("TINYTRON_MEGATRON_HELPERS=<helpers.cpp build> "
            if os.environ.get("TINYTRON_MEGATRON_HELPERS") else "")
+    if os.environ.get("OMP_NUM_THREADS"):
+        env = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " + env
     result = {"command": env + "python benchmarks/bench_data.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+        if k not in ("out", "cold_side", "cold_prefix")),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus",
         "load_average_at_start": load_start, "load_average_at_end": list(os.getloadavg()),
         "tokens": args.tokens, "documents": len(ix), "seq_length": args.seq_length,
         "note": "loop timings measured on a prefix (loop_samples_measured / blend size/20) and "
-                "extrapolated linearly; the document/shuffle numpy shuffles are shared",
+                "extrapolated linearly; the document/shuffle numpy shuffles are shared; "
+                "whole_build and parts: one process, rounds alternating; cold_build: one fresh "
+                "process per build",
         **build, **access, **blend}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
@@ -345,6 +396,12 @@ def main() -> None:
         print("each index alone (CPU time, median of the same rounds): " + "; ".join(
             f"{p} {1e3 * med['ours'][p]:.1f} ms vs {1e3 * med['megatron'][p]:.1f} ms -> {r[p]:.2f}x"
             for p in r))
+    if "cold_build_vs_megatron" in build:
+        med = build["cold_build_cpu_s_median"]
+        print(f"whole build once per fresh process ({args.cold_rounds} alternating pairs, CPU "
+              f"time): "
+              f"ours {1e3 * med['ours']:.1f} ms vs megatron-core {1e3 * med['megatron']:.1f} ms -> "
+              f"{build['cold_build_vs_megatron']:.2f}x")
     print(f"random access: query_tokens {access['query_tokens_samples_per_s']:,.0f}/s, "
           f"__getitem__ {access['getitem_samples_per_s']:,.0f}/s vs loop lookup "
           f"{access['loop_lookup_samples_per_s']:,.0f}/s -> {access['access_speedup']:.1f}x; "

@@ -422,12 +422,13 @@ def build_sample_index_loop(sizes, document_index, seq_length: int, num_epochs: 
 # Why this form, and pure numpy rather than a compiled helper: per sequence it is a gather of
 # lengths, one `cumsum` and one division; per sample one fill, one in-place `cumsum`, and a
 # scatter-add at the sequence ends, with no Python-level loop and few temporaries. On the
-# benchmark's 1.07 million samples it takes about 3 ms of CPU time where Megatron's compiled
-# walk takes 5.5 ms (the summary has the measurement). An earlier form of this page spread the
-# positions with `np.repeat` and then gathered each sample's first token and wrote the two
-# columns one by one: `np.repeat` alone took 3.4 ms and the whole function 2–3× the C++. A
-# compiled helper of our own (Megatron compiles `helpers.cpp` with pybind11 on first use) would
-# need a compiler on every machine that opens a dataset, and would have nothing left to win.
+# benchmark's 1.07 million samples it takes 4–6.5 ms of CPU time where Megatron's compiled
+# walk takes 6.3–7.3 ms (the summary has the measurement). An earlier form of this page
+# spread the positions with `np.repeat` and then gathered each sample's first token and wrote
+# the two columns one by one: `np.repeat` alone took 3.4 ms and the whole function 2–3× the
+# C++. A compiled helper of our own (Megatron compiles `helpers.cpp` with pybind11 on first
+# use) would need a compiler on every machine that opens a dataset, and would have little
+# left to win: the walk is a small part of the build (the summary again).
 
 # %%
 def build_sample_index(sizes, document_index, seq_length: int, num_epochs: int,
@@ -438,28 +439,29 @@ def build_sample_index(sizes, document_index, seq_length: int, num_epochs: int,
     num_samples = _num_samples(total, seq_length, drop_last_partial_sequence, add_extra_token)
     sizes = np.asarray(sizes)
     num_docs, n, shift = len(document_index), num_samples + 1, 1 - add_extra_token
-    lengths = np.take(sizes, document_index)
-    first = lengths.astype(np.int64)  # (cumsum with a dtype= casts slowly: cast once, sum in place)
-    np.cumsum(first, out=first)  # each sequence's end ...
+    lengths = np.take(sizes, document_index).astype(np.int64)  # (cumsum(dtype=) casts slowly)
+    last_length = int(lengths[-1])
+    first = np.cumsum(lengths)  # each sequence's end ...
     assert first[-1] == total, (first[-1], total)
     first += shift + seq_length - 1
     first //= seq_length  # ... then f_j, the first sample whose boundary lies past it
     np.minimum(first, n, out=first)  # steps past the last sample land in the spare slot n
-    at, left_behind = first[:-1], lengths[:-1]
+    at = first[:-1]
     if max(num_docs, int(sizes.max()) if len(sizes) else 0) > np.iinfo(np.int32).max:
         out = np.empty((n, 2), dtype=np.int64)
         out[:, 0] = _running_sum(n, 0, at, 1, np.int64)
-        out[:, 1] = _running_sum(n, seq_length, at, -left_behind.astype(np.int64), np.int64)
+        out[:, 1] = _running_sum(n, seq_length, at, -lengths[:-1], np.int64)
     else:  # one uint64 sum: the position in one 32-bit half, the offset in the other
         pos, off = np.uint64(0), np.uint64(32)  # int32 pairs read the low half first ...
         if sys.byteorder == "big":
             pos, off = off, pos  # ... on a little-endian machine
-        steps = left_behind.astype(np.uint64) << off
+        steps = lengths.view(np.uint64)  # in place: one array fewer to allocate and fill
+        steps <<= off
         np.subtract(np.uint64(1) << pos, steps, out=steps)  # +1 position, -length offset
-        packed = _running_sum(n, np.uint64(seq_length) << off, at, steps, np.uint64)
+        packed = _running_sum(n, np.uint64(seq_length) << off, at, steps[:-1], np.uint64)
         out = packed.view(np.int32).reshape(n, 2)
     if num_samples * seq_length - shift > total - 1:  # the kept partial sample: the last row
-        out[-1] = (num_docs - 1, lengths[-1] - add_extra_token)
+        out[-1] = (num_docs - 1, last_length - add_extra_token)
     out[0] = (0, 0)
     return out
 
@@ -838,11 +840,14 @@ if __name__ == "__main__":
 # * Sample index: sample $i$ starts at token $iL$ of that stream; two running sums, packed
 #   into one `cumsum`, build it, tested against the loop that walks it sample by sample.
 # * Measured (`OMP_NUM_THREADS=1 python benchmarks/bench_data.py --rounds 9`: 100M tokens,
-#   1.07M samples of 1,024, CPU time, nine rounds alternating with megatron-core 0.16.1, five
-#   runs on a shared 2-core machine at load 15–22): the whole build takes 0.89× the time of
-#   Megatron's (0.88–0.92×), with identical arrays. Of its ~28 ms the sample index is ~3 ms
-#   (0.55× the compiled `build_sample_idx`) and the two `RandomState` shuffles, the same numpy
-#   calls on both sides, the other ~25 ms: what is left is numpy's shuffle.
+#   1.07M samples of 1,024, CPU time against megatron-core 0.16.1, identical arrays, five runs
+#   on a shared 2-core machine at load 5–8): the whole build, nine rounds alternating in one
+#   process, takes 0.94× Megatron's time (median; 0.76–0.96×); built once per fresh process, as
+#   a training run builds it, 0.94× (median of 25 pairs, noisier: 0.83–1.20× per run). The
+#   sample index is 4–6.5 ms against 6.3–7.3 ms for the compiled `build_sample_idx`; the rest,
+#   about 85% of either build, is the two `RandomState` shuffles, the same numpy calls on both
+#   sides. Shuffling an `int64` copy to reach numpy's faster loop for 8-byte items (the same
+#   permutation) gave nothing in the median: the loop is faster, but twice the bytes move.
 # * Shuffle index: a permutation of samples from the same RNG stream, drawn after the documents.
 # * Cached on disk under a key that includes the data's own identity.
 #   That identity is tinytron's addition: Megatron's key (`megatron_dataset.py:57-71`) holds
