@@ -362,7 +362,7 @@ def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.Random
 # current one ends at or before the boundary, then record. It is the definition the fast
 # version is tested against (identical arrays, in the tests and in the demo), and it is too
 # slow to use: a Python step per sample and per sequence, about 0.6 s for the million samples
-# of `benchmarks/bench_data.py` (timed on a twentieth of them), some 200 times the version
+# of `benchmarks/bench_data.py` (timed on a twentieth of them), 100 to 200 times the version
 # below, and minutes at a billion. The C++ is this same walk, compiled.
 
 # %%
