@@ -75,3 +75,31 @@ def test_qkv_split_equals_slicing_bit_for_bit(dtype, per_token_tables):
     ref, ref_grads = _grads(sliced, tensors, g)
     assert torch.equal(out, ref)
     assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+
+
+def _chain_loss(logits, labels):
+    """The vocab-parallel chain at one rank: max, shift, exp, sum; a label outside gets lse."""
+    z = logits.float() - logits.float().amax(-1, keepdim=True)
+    outside = (labels < 0) | (labels >= logits.shape[-1])
+    target = z.gather(-1, labels.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    return z.exp().sum(-1).log() - target.masked_fill(outside, 0.0)
+
+
+def test_single_rank_cross_entropy_matches_the_chain_and_autograd():
+    from tinytron.parallel import ParallelGrid, vocab_parallel_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    logits = (4 * torch.randn(3, 7, 50, generator=g)).requires_grad_(True)
+    labels = torch.randint(0, 50, (3, 7), generator=g)
+    labels[0, 0], labels[2, 3] = 50, -1  # outside the vocabulary: the chain's log-sum-exp
+    loss = vocab_parallel_cross_entropy(logits, labels, ParallelGrid.single())
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, _chain_loss(logits.detach(), labels), rtol=1e-6, atol=1e-6)
+    weights = torch.rand(3, 7, generator=g)
+    (loss * weights).sum().backward()
+    inside = (labels >= 0) & (labels < 50)
+    ref = logits.detach().clone().requires_grad_(True)
+    per_token = F.cross_entropy(ref.transpose(1, 2), labels.clamp(0, 49), reduction="none")
+    lse = torch.logsumexp(ref, -1) - ref.amax(-1).detach()  # outside: only the softmax term
+    (torch.where(inside, per_token, lse) * weights).sum().backward()
+    torch.testing.assert_close(logits.grad, ref.grad, rtol=1e-5, atol=1e-7)

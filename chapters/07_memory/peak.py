@@ -37,11 +37,11 @@ __all__ = ["schedule_ops", "p2p_buffers", "activation_peak"]
 # | end of a layer's forward | fc2's output and the new residual; in bf16 also the layer input and the mid-layer residual |
 # | TP collective after fc2 | fc2's partial sum over the whole local sequence and the collective's output |
 # | math attention | $q k^\top$ and its masked copy, q, k, v cast to fp32 — before the layer's MLP half is kept |
-# | cross-entropy forward | bf16 logits, their fp32 copy, the shifted logits, their exponential: 14 bytes per logit (8 in fp32), 4 of which stay as the softmax |
+# | cross-entropy forward | bf16 logits, their fp32 copy, the shifted logits, their exponential: 14 bytes per logit (12 in fp32), 4 of which stay as the softmax; at TP 1 one `log_softmax` output replaces the last two and becomes the softmax in place: 10 bytes (8 in fp32) |
 # | SwiGLU backward | the incoming grad and the grads of gate, up and fc1's output, once the product and silu are freed |
 # | attention backward | the grads of the output, q, and the (gathered) k and v |
 # | fc1 / output-layer backward | the weight gradient (`.grad`, until DDP's hook adds it to `main_grad` and frees it) |
-# | end of the first chunk's backward | the embedding's weight gradient, $P\,V h / t$ |
+# | end of the first chunk's backward | the embedding's weight gradient, $P\,V h / t$; tied on one stage, the output layer's as well and their sum, $3\,P\,V h$ |
 #
 # With one stage holding both ends of tied embeddings, the output layer's weight gradient waits
 # in `.grad` until the embedding adds its share at the very end of the backward. With
@@ -52,9 +52,24 @@ __all__ = ["schedule_ops", "p2p_buffers", "activation_peak"]
 # are already counted (as kept stage inputs, and as the incoming grad of each backward
 # event).
 #
-# Measured on the 42-case grid of page 07.6, this replay is within 2.7% of the measured peak
-# (median 0.29%; the CPU math-attention cases within 8%); what remains is the timing of small
+# Measured on the 42-case grid of page 07.6, this replay is within 2.5% of the measured peak
+# (median 0.32%; the CPU math-attention cases within 1.6%); what remains is the timing of small
 # buffers inside one operation.
+#
+# **Moments that hide under a larger one.** A replay that takes the maximum only shows its
+# errors where the maximum falls. At TP 1 the cross-entropy used to build the shifted logits
+# and their exponential side by side, and on most of the grid that forward chain was the peak;
+# [page A.3's](../parallel/vocab_parallel.py) single-rank loss now writes one `log_softmax`
+# output, 4 bytes per logit less, and the peak moved into the backward on several layouts,
+# where three moments had been written
+# down too small or too large. The end of a backward with the table tied on one stage holds
+# the output layer's weight gradient, the embedding's and their sum, which autograd writes
+# into a third tensor (a CP 4 case measured 196,956 B against 189,312 predicted). The block
+# method checkpoints a chunk's *first* layers, so their re-run comes after the later layers'
+# backward has freed what those kept; counting both at once put a case 10.6% too high. And a
+# re-run forks the RNG: with dropout on a CPU the tracker's three streams are snapshotted and
+# restored as new tensors, six 5,056-byte states beside the re-created activations (selective
+# core-attention and MLP recompute with dropout: 732,052 B measured, 689,408 predicted before).
 
 # %%
 def schedule_ops(cfg: MemoryConfig, pp_rank: int,
@@ -89,6 +104,19 @@ def schedule_ops(cfg: MemoryConfig, pp_rank: int,
 # the function takes the largest of those that apply.
 
 # %%
+def _math_scores(cfg: MemoryConfig, x: Dims) -> int:
+    """Math attention's temporaries: q k^T (and its masked copy under CP), q, k, v in fp32."""
+    e = 4 if cfg.device == "cpu" else x.P
+    copies = 2 if cfg.context_parallel_size > 1 else 1
+    return copies * e * x.b * x.a_t * x.s_c * x.s + e * x.b * x.d * (x.a_t * x.s_c
+                                                                     + 2 * x.g_t * x.s)
+
+
+def _mlp_half(cfg: MemoryConfig) -> int:
+    """What a layer keeps from its MLP half (the pre-MLP norm and the MLP)."""
+    return saved_bytes([s for s in layer_saved(cfg) if s.module in ("mlp_norm", "mlp")])
+
+
 def _forward_transient(cfg: MemoryConfig, x: Dims, head: bool) -> int:
     """Bytes alive in a chunk's forward on top of what it keeps, at its largest moment."""
     unit = x.P * x.s_r * x.b * x.h  # one residual-stream tensor
@@ -102,16 +130,15 @@ def _forward_transient(cfg: MemoryConfig, x: Dims, head: bool) -> int:
         if t > 1 else 0
     layer = max(end_of_layer, collective)
     if attention_kernel(cfg) == "math":  # q k^T (and its masked copy under CP), q/k/v cast
-        e = 4 if cfg.device == "cpu" else x.P  # to fp32, while the MLP half is not kept yet
-        copies = 2 if cfg.context_parallel_size > 1 else 1
-        scores = copies * e * x.b * x.a_t * x.s_c * x.s + e * x.b * x.d * (x.a_t * x.s_c
-                                                                           + 2 * x.g_t * x.s)
-        later = saved_bytes([s for s in layer_saved(cfg) if s.module in ("mlp_norm", "mlp")])
-        layer = max(layer, scores + unit + rope - later)
+        # to fp32, while the MLP half is not kept yet
+        layer = max(layer, _math_scores(cfg, x) + unit + rope - _mlp_half(cfg))
     if not head:
         return layer
     logits = x.b * x.s_c * x.v_t
-    chain = (2 + 4 + 4 if x.P == 2 else 4 + 4) * logits  # logits (, fp32 copy), z, exp(z)
+    # logits (, fp32 copy), and z beside exp(z); at TP 1 log_softmax writes only log p, which
+    # becomes the kept softmax in place (page A.3)
+    one_rank = cfg.tensor_model_parallel_size == 1
+    chain = ((2 + 4 if x.P == 2 else 4) + (0 if one_rank else 4)) * logits
     return max(layer, chain + (0 if x.P == 4 else unit) + rope)
 
 # %% [markdown]
@@ -121,7 +148,7 @@ def _forward_transient(cfg: MemoryConfig, x: Dims, head: bool) -> int:
 
 # %%
 def _backward_transient(cfg: MemoryConfig, x: Dims, head: bool, tied_here: bool,
-                        head_kept: int = 0, recomputed: int = 0) -> int:
+                        head_kept: int = 0, recomputed: int = 0, later_kept: int = 0) -> int:
     """Bytes alive in a chunk's backward on top of what it kept, at its largest moment."""
     unit = x.P * x.s_r * x.b * x.h
     table_grad = x.P * x.v_t * x.h  # the .grad of an embedding or output matrix
@@ -139,8 +166,11 @@ def _backward_transient(cfg: MemoryConfig, x: Dims, head: bool, tied_here: bool,
     held = table_grad if tied_here else 0
     # on the last chunk the layers' backward starts after the head's saved tensors are freed
     freed = head_kept if head else 0
-    # a recompute re-creates its run's (or module's) saved tensors before their backward
-    events = [e + held - freed + recomputed for e in (mlp, attn, fc1)]
+    # a recompute re-creates its run's (or module's) saved tensors before their backward; the
+    # block method's run is the chunk's first layers, so the later layers kept normally have
+    # had their backward (and freed what they kept) by the time it is re-created
+    events = [e + held - freed + r for e in (mlp, attn, fc1)
+              for r in ((recomputed - later_kept, 0) if later_kept else (recomputed,))]
     if head:  # softmax.clone() as the gradient; then the output layer's weight gradient, with
         logits = x.b * x.s_c * x.v_t  # the softmax freed and the logits' grad in P bytes
         events += [4 * logits, table_grad + (x.P - 4) * logits]
@@ -148,8 +178,10 @@ def _backward_transient(cfg: MemoryConfig, x: Dims, head: bool, tied_here: bool,
 
 # %% [markdown]
 # Three smaller pieces complete a chunk's transients: the very end of the first chunk's
-# backward (the embedding's weight gradient), the bytes a recompute re-creates inside one
-# backward, and the function that gathers the three moments of one chunk.
+# backward (the embedding's weight gradient, and with tied weights the sum of both table
+# gradients), the bytes a recompute re-creates inside one backward (with the RNG states its
+# fork copies), and the function that gathers the three moments of one chunk; for the block
+# method it also passes the bytes the later, normally kept layers free before the re-run.
 
 # %%
 def _late_backward(cfg: MemoryConfig, x: Dims, parts: dict) -> int:
@@ -157,20 +189,27 @@ def _late_backward(cfg: MemoryConfig, x: Dims, parts: dict) -> int:
     if not parts["embedding"]:
         return 0
     unit = x.P * x.s_r * x.b * x.h
-    held = x.P * x.v_t * x.h if parts["head"] and cfg.model.tie_embeddings else 0
+    table = x.P * x.v_t * x.h
+    held = table if parts["head"] and cfg.model.tie_embeddings else 0
     # the grad arriving at the embedding, its [b, s, h] copy, and the table's weight grad
-    return (saved_bytes(parts["embedding"]) + unit + x.P * x.s_c * x.b * x.h
-            + x.P * x.v_t * x.h + held)
+    lookup = saved_bytes(parts["embedding"]) + unit + x.P * x.s_c * x.b * x.h + table + held
+    # tied on one stage, autograd then adds the two table grads into a third tensor
+    summed = saved_bytes(parts["embedding"]) + 3 * table if held else 0
+    return max(lookup, summed)
 
 
 def _recomputed(cfg: MemoryConfig) -> int:
     """Bytes a recompute re-creates inside one backward: a run of layers, or a module's inside."""
     if cfg.recompute_granularity is None:
         return 0
+    # the re-run forks the RNG: a snapshot of the tracker's 3 CPU streams, and their restored
+    # copies (the model uses the tracker only with dropout; CUDA states live off the device)
+    forked = 2 * 3 * 5056 if cfg.device == "cpu" and cfg.model.dropout > 0 else 0
     layer = saved_bytes(layer_saved(cfg, recompute=False))
     if cfg.recompute_granularity == "full":
-        return layer * (cfg.recompute_num_layers if cfg.recompute_method == "uniform" else 1)
-    return layer - saved_bytes(layer_saved(cfg))
+        return forked + layer * (cfg.recompute_num_layers if cfg.recompute_method == "uniform"
+                                 else 1)
+    return forked + layer - saved_bytes(layer_saved(cfg))
 
 
 def _transients(cfg: MemoryConfig, parts: dict) -> tuple[int, int, int]:
@@ -178,8 +217,10 @@ def _transients(cfg: MemoryConfig, parts: dict) -> tuple[int, int, int]:
     x = Dims.of(cfg)
     head = bool(parts["head"])
     tied_here = head and bool(parts["embedding"]) and cfg.model.tie_embeddings
+    block = cfg.recompute_granularity == "full" and cfg.recompute_method == "block"
+    later = saved_bytes([e for e in parts["layers"] if e.module != "recompute"]) if block else 0
     backward = _backward_transient(cfg, x, head, tied_here, saved_bytes(parts["head"]),
-                                   _recomputed(cfg))
+                                   _recomputed(cfg), later)
     return _forward_transient(cfg, x, head), backward, _late_backward(cfg, x, parts)
 
 # %% [markdown]

@@ -140,6 +140,8 @@ class VocabParallelEmbedding(torch.nn.Module):
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_local, labels, grid, vocab_start):
+        if grid.size("tp") == 1:
+            return _one_rank_forward(ctx, logits_local, labels)
         local_max = logits_local.float().max(dim=-1).values
         global_max = local_max.clone()
         if grid.size("tp") > 1:
@@ -164,6 +166,36 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad.scatter_add_(-1, idx.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad.to(ctx.in_dtype), None, None, None
+
+
+# %% [markdown]
+# **One rank.** With the whole vocabulary on one rank there is nothing to reduce, and the
+# chain above — the max, the shifted logits $z$, their exponential, its sum, the division —
+# is five passes over $[b, s, V]$ with $z$ and $e^z$ alive together. `torch.log_softmax` does
+# the max, the sum and the shift in one pass per row and writes $\log p$ once; the loss is
+# $-\log p_y$, and $e^{\log p}$, taken in place, is the same softmax the backward above reads.
+# So the saved tensors (softmax, target ids, target mask) and the backward are those of every
+# other layout, and the forward holds one $[b, s, V]$ temporary less (chapter 07's peak
+# counts it). The numbers agree with the chain to fp32 rounding (the sum is taken in another
+# order), not bit for bit. A label outside the vocabulary gets the loss the chain gives it at
+# any TP size, $\log \sum_j e^{z_j - m}$, which needs the max again (one read-only pass).
+# Megatron has no such special case: its `VocabParallelCrossEntropy` runs the chain at TP 1
+# too (`megatron/core/tensor_parallel/cross_entropy.py:32-116`); PyTorch's `F.cross_entropy`
+# is this `log_softmax` plus a gather.
+
+# %%
+def _one_rank_forward(ctx, logits, labels):
+    """TP 1: loss -log p_y from one log_softmax pass; saves what the chain saves."""
+    x = logits.float()
+    outside = (labels < 0) | (labels >= x.shape[-1])
+    idx = labels.long().masked_fill(outside, 0).unsqueeze(-1)
+    log_p = torch.log_softmax(x, dim=-1)
+    target = log_p.gather(-1, idx).squeeze(-1)
+    # outside the vocabulary: log sum exp(z - max), as the chain (no one-hot in the backward)
+    shifted_lse = x.gather(-1, idx).squeeze(-1) - x.amax(dim=-1) - target
+    ctx.save_for_backward(log_p.exp_(), idx.squeeze(-1), outside)
+    ctx.in_dtype = logits.dtype
+    return torch.where(outside, shifted_lse, -target)
 
 
 def vocab_parallel_cross_entropy(logits_local: torch.Tensor, labels: torch.Tensor,
