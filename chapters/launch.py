@@ -90,9 +90,10 @@ class RankError(RuntimeError):
 # multiprocessing's forkserver imports torch once in a server process and forks every rank
 # from it: 0.2 s for a world of four after the first. The server has imported modules only (no
 # thread pool, no CUDA context, no process group), so a fork of it is clean. What spawn gave a
-# rank that a fork of the server would not is sent along: the caller's environment as it is
-# now (the server keeps its own from its start), the working directory, sys.path and the main
-# script (multiprocessing's preparation data, as for spawn).
+# rank that a fork of the server would not is restored: the caller's environment as it is now
+# (the server keeps its own from its start), a random seed of the rank's own for torch's default
+# generator (every fork would share the server's), and the working directory, sys.path and the
+# main script (multiprocessing's preparation data, as for spawn).
 _PRELOAD = ["torch", "torch.distributed"]
 
 
@@ -115,6 +116,7 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, backend, timeout_s, num
         import torch
         import torch.distributed as dist
 
+        torch.seed()  # a seed of its own, as a fresh process draws one (a fork shares the server's)
         torch.set_num_threads(num_threads)  # N ranks on few cores: one thread each avoids thrashing
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -1,4 +1,4 @@
-"""Module-level functions the harness test runs on spawned ranks (spawn needs them importable)."""
+"""Module-level functions the harness test runs on its ranks (they must be importable by name)."""
 
 import os
 import time
@@ -43,3 +43,9 @@ def die_on(bad_rank):
         os._exit(3)
     dist.barrier()
     return "unreachable"
+
+
+def environment(name):
+    """What a rank starts with: one variable's value, every variable's name, cwd, torch's seed."""
+    return {"value": os.environ.get(name), "names": sorted(os.environ), "cwd": os.getcwd(),
+            "initial_seed": torch.initial_seed()}

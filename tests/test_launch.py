@@ -1,5 +1,6 @@
 """The multi-rank harness: real gloo worlds on loopback, failures reported, hangs bounded."""
 
+import os
 import time
 
 import pytest
@@ -50,3 +51,19 @@ def test_bad_arguments():
         run_on_ranks(_rank_fns.collectives, 0)
     with pytest.raises(ValueError, match="backend"):
         run_on_ranks(_rank_fns.collectives, 2, backend="mpi")
+
+
+def test_ranks_see_the_callers_environment_at_the_call(monkeypatch):
+    """Ranks fork from a server started at the first world: they still get the environment as
+    it is when run_on_ranks is called (a variable set or removed since) and, like fresh
+    processes, torch seeds of their own (a fork would share the server's)."""
+    monkeypatch.setenv("TINYTRON_LAUNCH_PROBE_GONE", "set before the server started")
+    first = run_on_ranks(_rank_fns.environment, 2, "TINYTRON_LAUNCH_PROBE", timeout=90)
+    monkeypatch.setenv("TINYTRON_LAUNCH_PROBE", "set after")
+    monkeypatch.delenv("TINYTRON_LAUNCH_PROBE_GONE")
+    out = run_on_ranks(_rank_fns.environment, 2, "TINYTRON_LAUNCH_PROBE", timeout=90)
+    for o in out:
+        assert o["value"] == "set after" and "TINYTRON_LAUNCH_PROBE_GONE" not in o["names"], o
+        assert o["cwd"] == os.getcwd()
+    seeds = [o["initial_seed"] for o in first + out]
+    assert len(set(seeds)) == len(seeds), seeds
