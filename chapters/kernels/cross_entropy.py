@@ -243,11 +243,14 @@ def cross_entropy_saved_bytes(num_tokens: int, vocab_local: int, dtype: torch.dt
 #
 # The last stage of the running example holds $N = s b = 8192$ tokens of $V/t = 64{,}128$
 # logits per micro-batch: 525 M elements, 1.05 GB in bf16. The kernels read them once forward,
-# and once more backward while writing the gradient; the demo counts what appendix A's eager
-# path moves (starting from `logits.float()`, as appendix B's model calls it): 42 bytes per
-# logit forward and 30 backward, against the kernels' 2 and 4.
+# and once more backward while writing the gradient. Appendix A's eager loss at TP 2 runs the
+# chain of A.3 (max, shift, exp, sum, divide) and moves 42 bytes per logit forward and 30
+# backward, starting from `logits.float()` as appendix B's model calls it. On one rank it takes
+# one `log_softmax` pass instead (A.3's one-rank path), and the demo below, which runs on one
+# rank, counts 34 bytes per logit forward and the same 30 backward, against the kernels' 2 and
+# 4. The table is the running example's TP 2, so its eager column is the chain's.
 #
-# | | kernels | eager (appendix A) |
+# | | kernels | eager (appendix A's chain, TP 2) |
 # |---|---|---|
 # | forward bytes (roofline, H100 SXM) | 1.05 GB (313 µs) | 22.1 GB (6.6 ms) |
 # | backward bytes (roofline) | 2.10 GB (627 µs) | 15.8 GB (4.7 ms) |
@@ -257,8 +260,9 @@ def cross_entropy_saved_bytes(num_tokens: int, vocab_local: int, dtype: torch.dt
 # adds (`cross_entropy_saved_bytes`); the forward's transient fp32 copies (`logits.float()`,
 # $z - M$, $e^{z - M}$, each 2.1 GB) never exist with the kernel. The benchmark measures the
 # peak: on the CPU at 256 tokens × 4,096 columns of bf16 logits (2 MiB), forward plus backward
-# peaks at 2.0 MiB with the kernels (the gradient) and 12.0 MiB with appendix A's loss, 6.0×
-# (`python benchmarks/bench_kernels.py --device cpu`).
+# peaks at 2.0 MiB with the kernels (the gradient) and 8.0 MiB with appendix A's one-rank
+# loss, 4.0× (`python benchmarks/bench_kernels.py --device cpu`; the chain, before A.3 took
+# one `log_softmax` pass on one rank, peaked at 12.0 MiB there).
 
 # %% [markdown]
 # ## Demo: one rank, then two ranks on gloo
@@ -314,7 +318,8 @@ if __name__ == "__main__":
     print(f"kept for backward: fused {kept_fused} B, eager {kept_eager} B")
 
     assert max(gaps32) < 1e-6 and max(gaps16) < 2 ** -7
-    assert per == {"forward": 42, "backward": 30} and kernel == {"forward": 2, "backward": 4}
+    # one rank: A.3's log_softmax path (the chain at TP > 1 reads and writes 8 B/logit more)
+    assert per == {"forward": 34, "backward": 30} and kernel == {"forward": 2, "backward": 4}
     assert kept_fused == cross_entropy_saved_bytes(n, v, torch.bfloat16, fused=True)
     assert kept_eager == cross_entropy_saved_bytes(n, v, torch.bfloat16, fused=False)
 
