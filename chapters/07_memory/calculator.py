@@ -605,7 +605,9 @@ if __name__ == "__main__":
 # ($s b h (10 + 24/t) \cdot 1.05$, 2-byte activations) while every saved tensor here is 4
 # bytes wide: each layer group roughly doubles, the MLP most (+14.55 MiB). With $p = 1$ the
 # formula does count the head, at $2 \cdot 1.05$ bytes per logit against the fp32 softmax's
-# 4 (+0.95 MiB), and the transient at its peak is the forward's cross-entropy chain again.
+# 4 (+0.95 MiB), and the transient at its peak (+2.00 MiB) is the forward's cross-entropy
+# again, here one `log_softmax` pass, since A.3 takes it on one rank. In all: 60.89 MiB,
+# +27.78 MiB.
 # `tests/test_memory_cli.py` holds every config in `configs/` to the same rule: the printed
 # terms add up to the printed difference.
 

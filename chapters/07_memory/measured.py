@@ -42,7 +42,7 @@ __all__ = ["VALIDATION_GRID", "DEMO_GRID", "run_grid", "compare", "error_table",
 # autograd's saved tensors, outputs, p2p buffers, transient gradients — so nothing has to be
 # listed by hand for the measurement side; the ledger, on the other side, is pure arithmetic.
 #
-# The grid below has 42 cases; the tests run all of them (two worlds of 4 ranks), this page
+# The grid below has 42 cases; the tests run all of them (in one world of 4 ranks), this page
 # runs the six of `DEMO_GRID`, and `benchmarks/bench_memory.py` runs the grid and larger
 # models and writes the error table to `benchmarks/results/memory.json`.
 
@@ -234,7 +234,7 @@ if __name__ == "__main__":
 # | weights, grad buffer, masters, moments, host copies, fp32 grad copies | 168 each | 0 | 0 | | |
 # | resident total | 168 | 0 | 0 | 88.6% | 0.03% |
 # | kept activations (per chunk, one micro-batch) | 176 | 0 | 0 | | |
-# | peak activations (one `forward_backward`) | 168 | 2.6% | 0.29% | 72.0% | 50.7% |
+# | peak activations (one `forward_backward`) | 168 | 2.5% | 0.35% | 90.2% | 47.3% |
 #
 # The state terms agree **to the byte** on every rank, including the DP ranks that own fewer
 # elements of a padded bucket and the host copies of CPU offload. The kept activations agree
@@ -269,7 +269,7 @@ if __name__ == "__main__":
 #   checked against chapter 01's meter; the CPU generator's RNG snapshots are left out of
 #   both sides, because the meter cannot see them. On its own this is not independent.
 # - **Peak activations — fitted.** The transient terms of 07.4 were written down from the
-#   meter's readings, so the 2.6% above is a fit on the instrument it is checked against.
+#   meter's readings, so the 2.5% above is a fit on the instrument it is checked against.
 #
 # **A second instrument.** PyTorch ships its own tracker,
 # `torch.distributed._tools.mem_tracker.MemTracker` (present in torch 2.13, and it runs on
@@ -283,7 +283,7 @@ if __name__ == "__main__":
 # |---|---|---|
 # | resident (model + DDP buffers + optimizer after one step) vs the ledger | 32 / 32 | 1,922,688 (DP 4); 961,920 (distributed optimizer); 1,076,352-1,174,400 (offload 0.5, per DP rank); 1,709,056 (fp32) |
 # | kept bytes of one micro-batch vs the ledger | 32 / 32 | 504,384 (DP 4); 273,408 (TP 2 + SP); 977,472 (dropout) |
-# | forward and backward peak vs the meter | 32 / 32 | 842,048 and 636,224 (DP 4) |
+# | forward and backward peak vs the meter | 32 / 32 | 710,464 and 636,224 (DP 4) |
 #
 # **Where they disagreed, and why.** A tracker *started after the model was built* does not
 # agree: it attributes storages that already existed to whatever first touches them. On DP 4
