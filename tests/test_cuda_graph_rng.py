@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.test_reliability_gpu import MBS, SEQ, _batches
 from tinytron.parallel import ParallelGrid
 from tinytron.parallel.rng import (DATA_PARALLEL_RNG, EXPERT_PARALLEL_RNG, MODEL_PARALLEL_RNG,
                                    RNGStatesTracker, model_parallel_seed)
@@ -257,7 +258,7 @@ def fresh_graphs():
     FullCudaGraphWrapper.reset_cuda_graph()
 
 
-MICRO, MBS, SEQ, ITERS, WARMUP = 2, 2, 32, 6, 2
+MICRO, ITERS, WARMUP = 2, 6, 2  # [MBS, SEQ] batches: test_reliability_gpu._batches
 
 
 def _fb_with_masks(forward_step_func=None, data_iterator=None, model=None, num_microbatches=1,
@@ -291,13 +292,8 @@ def _run_dropout(graphed: bool):
     fb = partial(_fb_with_masks, tracker=tracker)
     if graphed:
         fb = FullCudaGraphWrapper(fb, cuda_graph_warmup_steps=WARMUP, rng_tracker=tracker)
-    g = torch.Generator().manual_seed(1)
     out = []
-    for _ in range(ITERS):
-        step = []
-        for _ in range(MICRO):
-            t = torch.randint(0, 512, (MBS, SEQ), generator=g)
-            step.append({"tokens": t, "labels": torch.roll(t, -1, 1)})
+    for step in _batches(ITERS, MICRO):
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.zero_()       # in place: the graph keeps writing into these tensors

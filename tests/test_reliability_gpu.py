@@ -25,12 +25,13 @@ def _forward_backward(forward_step_func=None, data_iterator=None, model=None, nu
     return losses
 
 
-def _batches(iters: int):
+def _batches(iters: int, micro: int = MICRO):
+    """iters steps of micro CPU batches {tokens, labels} [MBS, SEQ], from one seeded generator."""
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(iters):
         step = []
-        for _ in range(MICRO):
+        for _ in range(micro):
             t = torch.randint(0, 512, (MBS, SEQ), generator=g)
             step.append({"tokens": t, "labels": torch.roll(t, -1, 1)})
         out.append(step)
