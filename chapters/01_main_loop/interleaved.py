@@ -389,6 +389,11 @@ def _cooldown(run: _Interleaved) -> None:
         _, dy = run.comm.exchange(None, dx, False, recv_next)
         if recv_next:
             run.grads[next_c].append(dy)
+    _sync_remaining_grads(run)
+
+
+def _sync_remaining_grads(run: _Interleaved) -> None:
+    """The end of a backward pass: grad sync on for good, the custom func for chunks not synced."""
     run.sync.enable()
     if run.config.grad_sync_func is not None:
         for c in range(run.v):
@@ -524,11 +529,7 @@ def _cooldown_overlapped(run: _Interleaved, pending: _Pending) -> None:
         if recv_next:
             run.grads[next_c].append(dy)
     _finish_pending(pending)
-    run.sync.enable()
-    if run.config.grad_sync_func is not None:
-        for c in range(run.v):
-            if c not in run.synced:
-                _chunk_func(run.config.grad_sync_func, c)()
+    _sync_remaining_grads(run)
 
 
 def _finish_pending(pending: _Pending) -> None:
