@@ -22,7 +22,6 @@ Writes benchmarks/results/compile.json (compile_tiny.json for --shape tiny).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -35,7 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_model import ReferenceSide, TinytronSide, batches_for  # noqa: E402
+from bench_model import (ReferenceSide, TinytronSide, batches_for, bench_args,  # noqa: E402
+                         time_rounds)
 from bench_train import SHAPES  # noqa: E402
 
 RATIOS = {  # name -> (numerator side, denominator side)
@@ -62,13 +62,7 @@ def build_sides(model_kwargs: dict) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="bench")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=2, help="timed steps per side and round")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = bench_args(__doc__.splitlines()[0], rounds=5, steps=2).parse_args()
     torch.set_num_threads(args.threads)
     model_kwargs, mbs, gbs = SHAPES[args.shape]
     m = gbs[1] // mbs
@@ -82,14 +76,7 @@ def main() -> None:
         first[name] = side.step(batches)
         side.step(batches)
         warmup[name] = time.perf_counter() - w0
-    times = {c: {k: [] for k in sides} for c in ("wall", "cpu")}
-    for _ in range(args.rounds):
-        for name, side in sides.items():
-            w0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(args.steps):
-                side.step(batches)
-            times["wall"][name].append((time.perf_counter() - w0) / args.steps)
-            times["cpu"][name].append((time.process_time() - c0) / args.steps)
+    times = time_rounds(sides, batches, args.rounds, args.steps)
     ratios = {c: {r: statistics.median(a / b for a, b in zip(t[num], t[den]))
                   for r, (num, den) in RATIOS.items()} for c, t in times.items()}
     cmd = ("python benchmarks/bench_compile.py " + " ".join(sys.argv[1:])).strip()

@@ -73,6 +73,30 @@ def batches_for(model_kwargs: dict, mbs: int, m: int, seed: int = 0):
     return out
 
 
+def bench_args(description: str, rounds: int, steps: int) -> argparse.ArgumentParser:
+    """The options this benchmark and bench_compile.py share: shape, rounds, steps, threads, out."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="bench")
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--steps", type=int, default=steps, help="timed steps per side and round")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=None)
+    return ap
+
+
+def time_rounds(sides: dict, batches, rounds: int, steps: int) -> dict:
+    """{"wall"|"cpu": {side: [seconds per step, one per round]}}; the sides alternate per round."""
+    times = {c: {k: [] for k in sides} for c in ("wall", "cpu")}
+    for _ in range(rounds):
+        for name, side in sides.items():
+            w0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(steps):
+                side.step(batches)
+            times["wall"][name].append((time.perf_counter() - w0) / steps)
+            times["cpu"][name].append((time.process_time() - c0) / steps)
+    return times
+
+
 def profile_table(side, batches, steps: int, rows: int = 15) -> list[dict]:
     """Top ops by self CPU time (ms per step) under torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -86,13 +110,8 @@ def profile_table(side, batches, steps: int, rows: int = 15) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="bench")
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per side and round")
+    ap = bench_args(__doc__.splitlines()[0], rounds=7, steps=3)
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_kwargs, mbs, gbs = SHAPES[args.shape]
@@ -104,14 +123,7 @@ def main() -> None:
     first = {k: s.step(batches) for k, s in sides.items()}   # warm-up: lazy init, allocator
     for s in sides.values():
         s.step(batches)
-    times = {c: {k: [] for k in sides} for c in ("wall", "cpu")}
-    for _ in range(args.rounds):
-        for name, side in sides.items():
-            w0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(args.steps):
-                side.step(batches)
-            times["wall"][name].append((time.perf_counter() - w0) / args.steps)
-            times["cpu"][name].append((time.process_time() - c0) / args.steps)
+    times = time_rounds(sides, batches, args.rounds, args.steps)
     ratio = {c: statistics.median(a / b for a, b in zip(t["tinytron"], t["reference"]))
              for c, t in times.items()}
     cmd = "python benchmarks/bench_model.py " + " ".join(sys.argv[1:])
