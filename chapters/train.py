@@ -154,17 +154,19 @@ def check_cuda_graph(cfg: TrainConfig, cuda_available: bool) -> None:
         where = "this run is on cpu" if t.device == "cpu" else "no CUDA device is available"
         raise ConfigError(f"{key} = 'full_iteration' needs a CUDA device (a CUDA graph records "
                           f"GPU kernels) and {where}; use {key} = 'none'")
-    rel, host = cfg.extra.get("reliability"), "a check that reads results on the host; " \
-        "Megatron asserts it off too, arguments.py:1186-1188"
+    from tinytron.reliability import ReliabilityConfig
+
+    rel = cfg.extra.get("reliability") or ReliabilityConfig()  # absent: its defaults
+    host = "a check that reads results on the host; Megatron asserts it off too, " \
+        "arguments.py:1186-1188"
     cannot = {  # chapter 08's table of what a captured iteration cannot hold
         "model.recompute_granularity": (cfg.model.recompute_granularity,
                                         "recompute rewinds the CUDA generator on the host"),
         "training.step_batch_size_schedule": (t.step_batch_size_schedule,
                                               "a graph holds one micro-batch count"),
-        "reliability.faults": (getattr(rel, "faults", None), "a fault is injected at capture only"),
+        "reliability.faults": (rel.faults, "a fault is injected at capture only"),
         "ddp.check_for_nan_in_grad": (cfg.ddp.check_for_nan_in_grad, host),
-        **{f"reliability.{c}": (getattr(rel, c) if rel is not None
-                                else c == "check_for_nan_in_loss_and_grad", host)
+        **{f"reliability.{c}": (getattr(rel, c), host)
            for c in ("check_for_nan_in_loss_and_grad", "check_for_large_grads",
                      "check_for_spiky_loss")}}
     for name, (value, reason) in cannot.items():
