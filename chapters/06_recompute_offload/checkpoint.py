@@ -135,11 +135,16 @@ def fork_rng(tracker: RNGStatesTracker | None = None) -> Iterator[None]:
 # holder of that tensor — the previous layer, a pipeline stage keeping its received input for
 # backward — now holds the slice, not the full tensor beside a copy; backward puts the gathered
 # full tensor back into the same tensor object before the recompute. One case cannot work
-# that way: an input that is a *view* (the first layer's input is the embedding's output
-# transposed to $[s, b, h]$) keeps its base, and so the full storage, alive whatever its own
-# data becomes; there the slice is kept apart, which frees the base once the caller drops
-# the view. (Megatron's embedding makes its output contiguous, so its first layer gets no
-# view.) Under sequence
+# that way: an input that is a *view* keeps its base, and so the full storage, alive
+# whatever its own data becomes. The first layer's input is one at micro-batch size 1 without
+# embedding dropout: the
+# embedding's $[b, s, h]$ output transposed to $[s, b, h]$ is then already contiguous, so
+# `.contiguous()` hands back the view itself. There the slice is kept apart, which frees the
+# base once the caller drops the view. Megatron meets the same view and removes it one level
+# up: `TransformerBlock.forward` makes its input viewless before any layer runs
+# (`make_viewless_tensor`, `megatron/core/transformer/transformer_block.py:575-590`), and its
+# checkpoint asserts that it is (`safely_set_viewless_tensor_data`,
+# `megatron/core/utils.py:754`); tinytron differs by handling it here. Under sequence
 # parallelism the input is already split ($[s/t, b, h]$, different on every rank), so the flag
 # is refused (`ModelConfig` raises).
 
