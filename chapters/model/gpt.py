@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinytron.kernels import flash_attention, rms_norm, swiglu, use_triton
+from tinytron.kernels import flash_attention, rms_norm, swiglu, swiglu_reference, use_triton
 from tinytron.kernels import vocab_parallel_cross_entropy as fused_vocab_parallel_cross_entropy
 from tinytron.model._checks import check_attention_mask, check_ids
 from tinytron.model._checks import on_host as _on_host
@@ -289,8 +289,7 @@ class SwiGLUMLP(nn.Module):
         if use_triton(self.kernels, fc1.device):
             return self.linear_fc2(swiglu(fc1))  # appendix C: gate and up read once
         if torch.compiler.is_compiling():  # dynamo cannot trace out= into views; inductor fuses this
-            gate, up = fc1.chunk(2, dim=-1)
-            return self.linear_fc2(F.silu(gate) * up)
+            return self.linear_fc2(swiglu_reference(fc1))
         return self.linear_fc2(_SwiGLUProduct.apply(fc1))
 
 
@@ -308,7 +307,8 @@ class SwiGLUMLP(nn.Module):
 # count the same tensors. Megatron's fused `SwiGLUFunction`
 # (`megatron/core/fusions/fused_bias_swiglu.py:147`) saves only fc1's output, recomputes the
 # sigmoid in the backward and still concatenates (`swiglu_back`, `:55-69`); under
-# `torch.compile` the plain expression is kept, since dynamo cannot trace `out=` into views.
+# `torch.compile` the plain expression is kept (appendix C's `swiglu_reference`), since dynamo
+# cannot trace `out=` into views.
 
 # %%
 class _SwiGLUProduct(torch.autograd.Function):
