@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tinytron.memory._workers import _build, _grid, _microbatch, case_config, measure_chunk
+from tinytron.memory._workers import _build, _microbatch, case_on_this_rank, measure_chunk
 from tinytron.optimizer import OptimizerConfig, get_megatron_optimizer
 
 
@@ -78,11 +78,7 @@ def tracked_case(case: dict) -> dict:
     """MemTracker's resident, kept and peak bytes of one case on this rank."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    world = dist.get_world_size()
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    cfg = case_config(case, world, device)
-    grid = _grid(cfg.tensor_model_parallel_size, cfg.context_parallel_size,
-                 cfg.pipeline_model_parallel_size)
+    cfg, grid = case_on_this_rank(case)
     dev = torch.device(grid.device)
     tracker = MemTracker()
     with tracker:
@@ -102,7 +98,8 @@ def tracked_case(case: dict) -> dict:
                 key=lambda m: m["kept"])  # chapter 01's meter on the same chunk, for the report
     meter = {"kept": meter["kept"], "forward_peak": meter["kept"] + meter["forward_peak"],
              "backward_peak": meter["kept"] + meter["backward_peak"]}  # from the same zero
-    return {"case": case, "world_size": world, "device": device, "rank": dist.get_rank(),
+    return {"case": case, "world_size": dist.get_world_size(), "device": cfg.device,
+            "rank": dist.get_rank(),
             "pp_rank": grid.rank("pp"), "dp_cp_rank": grid.rank("dp_cp"),
             "resident": resident, "tracked": tracked, "meter": meter}
 

@@ -221,13 +221,17 @@ def predict(result: dict) -> dict:
             "schedule": activation_peak(cfg, r, leave_out=(CPU_RNG_STATE,))}
 
 
+def case_on_this_rank(case: dict):
+    """(MemoryConfig, grid) of one case in the running world (nccl: CUDA, else CPU)."""
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    cfg = case_config(case, dist.get_world_size(), device)
+    return cfg, _grid(cfg.tensor_model_parallel_size, cfg.context_parallel_size,
+                      cfg.pipeline_model_parallel_size)
+
+
 def measure_case(case: dict) -> dict:
     """Measured bytes of one case on this rank: states, each chunk, one schedule run."""
-    world = dist.get_world_size()
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    cfg = case_config(case, world, device)
-    grid = _grid(cfg.tensor_model_parallel_size, cfg.context_parallel_size,
-                 cfg.pipeline_model_parallel_size)
+    cfg, grid = case_on_this_rank(case)
     states, chunks, ddps = measure_states(cfg, grid)
     # Activations: the smaller of two runs. On a loaded machine a gloo work object or the
     # cycle collector can hold a freed buffer a moment longer; that only ever adds bytes.
@@ -235,7 +239,8 @@ def measure_case(case: dict) -> dict:
             for i, chunk in enumerate(chunks)]
     schedule = min((measure_schedule(cfg, grid, ddps) for _ in range(2)), key=lambda m: m["peak"])
     params = [[(n, p.numel()) for n, p in c.named_parameters()] for c in chunks]
-    return {"case": case, "world_size": world, "device": device, "rank": dist.get_rank(),
+    return {"case": case, "world_size": dist.get_world_size(), "device": cfg.device,
+            "rank": dist.get_rank(),
             "pp_rank": grid.rank("pp"), "dp_cp_rank": grid.rank("dp_cp"), "states": states,
             "chunks": acts, "schedule": schedule, "params": params}
 
