@@ -585,6 +585,7 @@ def final_validation(cfg: TrainConfig, result, valid_iterator, forward_step_func
     Skipped when the last iteration was just evaluated (the same loss twice) or when no
     validation is configured; every rank takes part (the schedule's collectives).
     """
+    from tinytron.main_loop._parts import any_rank
     from tinytron.main_loop.loop import build_schedule_config, evaluate, get_forward_backward_func
 
     t, grid = cfg.training, result.grid
@@ -592,9 +593,7 @@ def final_validation(cfg: TrainConfig, result, valid_iterator, forward_step_func
         return False
     if result.state.iteration % t.eval_interval == 0 and result.state.iteration > 0:
         return False
-    flag = torch.tensor([int(valid_iterator is not None)], device=grid.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if not flag.item():
+    if not any_rank(valid_iterator is not None, grid):  # every rank, or none
         return False
     config = build_schedule_config(
         result.model, result.optimizer, grid,

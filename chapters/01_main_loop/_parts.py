@@ -19,7 +19,7 @@ from tinytron.main_loop.schedules import ScheduleConfig
 from tinytron.main_loop.training_log import LogState, format_log_line, training_log
 from tinytron.parallel import ParallelGrid
 
-__all__ = ["TorchOptimizer", "ExitSignal", "eval_batch", "wrap_with_ddp", "build_schedule_config",
+__all__ = ["TorchOptimizer", "ExitSignal", "any_rank", "eval_batch", "wrap_with_ddp", "build_schedule_config",
            "megatron_optimizer_provider", "megatron_scheduler_provider", "log_step", "hooked",
            "no_op", "print_on_last_rank"]
 
@@ -172,19 +172,21 @@ class ExitSignal:
 
     def received(self, grid: ParallelGrid) -> bool:
         """True if any rank of the world has received the signal."""
-        flag = torch.tensor([int(self._received)], dtype=torch.int, device=grid.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return any_rank(self._received, grid)
 
 
 def _duration_exceeded(limit_mins, start_time: float, clock, grid: ParallelGrid) -> bool:
     """Wall time since start > limit on any rank (MAX all-reduce, as Megatron)."""
-    done = torch.tensor([int((clock() - start_time) / 60.0 > limit_mins)], dtype=torch.int,
-                        device=grid.device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(done, op=dist.ReduceOp.MAX)
-    return bool(done.item())
+    return any_rank((clock() - start_time) / 60.0 > limit_mins, grid)
+
+
+def any_rank(flag: bool, grid: ParallelGrid) -> bool:
+    """True if `flag` is true on any rank of the world (a MAX all-reduce; alone, the flag)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return bool(flag)
+    t = torch.tensor([int(flag)], dtype=torch.int, device=grid.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def _earliest_over_ranks(t: float, grid: ParallelGrid) -> float:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from tinytron.main_loop._parts import (ExitSignal, TorchOptimizer, _duration_exceeded,
-                                       _earliest_over_ranks, _logs_num_zeros,
+                                       _earliest_over_ranks, _logs_num_zeros, any_rank,
                                        build_schedule_config, eval_batch, hooked, log_step,
                                        megatron_optimizer_provider, megatron_scheduler_provider,
                                        no_op, print_on_last_rank, wrap_with_ddp)
@@ -817,11 +817,7 @@ def pretrain(training, *, model_provider, forward_step_func, data_iterators_prov
     # Only ranks that read data hold a validation iterator (TP rank 0 of the first and last
     # stage), but every rank must run the evaluation's collectives: agree on it, as Megatron
     # broadcasts its do_valid flag (training.py:4248).
-    do_valid = valid_it is not None
-    if dist.is_initialized():
-        flag = torch.tensor([int(do_valid)], device=grid.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        do_valid = bool(flag.item())
+    do_valid = any_rank(valid_it is not None, grid)
     per_token = bool(getattr(ddp_config, "calculate_per_token_loss", False))
     config = build_schedule_config(model, optimizer, grid, calculate_per_token_loss=per_token,
                                    **(schedule_overrides or {}))
