@@ -53,8 +53,8 @@ __all__ = ["schedule_ops", "p2p_buffers", "activation_peak"]
 # event).
 #
 # Measured on the 42-case grid of page 07.6, this replay is within 2.5% of the measured peak
-# (median 0.32%; the CPU math-attention cases within 1.6%); what remains is the timing of small
-# buffers inside one operation.
+# (median 0.35%, 07.6's table; the CPU math-attention cases within 1.6%); what remains is the
+# timing of small buffers inside one operation.
 #
 # **Moments that hide under a larger one.** A replay that takes the maximum only shows its
 # errors where the maximum falls. At TP 1 the cross-entropy used to build the shifted logits
