@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.train_workers import corpus, train_cli
 
 ARGS = ["--config", "configs/tiny.toml",
         "--model.hidden_size", "64", "--model.ffn_hidden_size", "128",
@@ -36,17 +33,9 @@ NUMBER = r"([0-9.e+-]+)"
 @pytest.fixture(scope="module")
 def spiky_run(tmp_path_factory):
     """(run directory, console) of the ten-iteration run with both spikes."""
-    from tinytron.data.preprocess import run as preprocess, stdlib_corpus
-
-    data = tmp_path_factory.mktemp("data")
-    prefix = preprocess(["--input", *stdlib_corpus(40), "--output-prefix", str(data / "corpus"),
-                         "--workers", "1", "--no-progress"])
+    prefix = corpus(tmp_path_factory.mktemp("data"), 40)
     run_dir = tmp_path_factory.mktemp("runs") / "spiky"
-    proc = subprocess.run([sys.executable, "-m", "tinytron.train", *ARGS,
-                           "--data.data_path", prefix, "--checkpoint.save", str(run_dir)],
-                          cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = train_cli(*ARGS, "--data.data_path", prefix, "--checkpoint.save", str(run_dir))
     return run_dir, proc.stdout
 
 

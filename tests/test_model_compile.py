@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT
-from tests.train_workers import read_losses
+from tests.train_workers import corpus, read_losses, train_cli
 
 REL_TOL = 1e-6
 """Allowed relative loss difference, compiled vs eager (measured: 0 here, <= 7.7e-8 at tiny.toml)."""
@@ -35,19 +35,13 @@ RUN = ["--config", "configs/tiny.toml", "--model.hidden_size", "64", "--model.nu
 @pytest.fixture(scope="module")
 def data_prefix(tmp_path_factory):
     """20 standard-library files as one byte-tokenized .bin/.idx."""
-    from tinytron.data.preprocess import run as preprocess, stdlib_corpus
-
-    out = tmp_path_factory.mktemp("data")
-    return preprocess(["--input", *stdlib_corpus(20), "--output-prefix", str(out / "corpus"),
-                       "--workers", "1", "--no-progress", "--append-eod"])
+    return corpus(tmp_path_factory.mktemp("data"), 20, "--append-eod")
 
 
 def _train(out_dir, data_prefix, *extra, timeout=600) -> dict[int, float]:
     """`python -m tinytron.train` as a user runs it; the losses of its JSONL log."""
-    argv = [*RUN, "--data.data_path", data_prefix, "--checkpoint.save", str(out_dir), *extra]
-    proc = subprocess.run([sys.executable, "-m", "tinytron.train", *argv], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    train_cli(*RUN, "--data.data_path", data_prefix, "--checkpoint.save", str(out_dir), *extra,
+              timeout=timeout)
     return read_losses(str(out_dir / "log.jsonl"))
 
 

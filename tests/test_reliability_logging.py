@@ -109,33 +109,22 @@ def test_trace_of_one_iteration_and_nesting(tmp_path):
 
 def test_trainer_tensorboard_timers_cover_their_interval_and_say_their_units(tmp_path):
     """A real six-iteration trainer run, saving at 2, 4 and 6, read back from its event files."""
-    import os
-    import subprocess
-    import sys
-
     import torch
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from tests.conftest import ROOT
-    from tinytron.data.preprocess import run as preprocess, stdlib_corpus
+    from tests.train_workers import corpus, train_cli
     from tinytron.reliability.observability import PER_INTERVAL_TIMERS, SCALAR_UNITS, TIMER_UNIT
 
-    prefix = preprocess(["--input", *stdlib_corpus(20), "--output-prefix",
-                         str(tmp_path / "corpus"), "--workers", "1", "--no-progress"])
     run = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tinytron.train", "--config", "configs/tiny.toml",
-         "--model.hidden_size", "64", "--model.ffn_hidden_size", "128",
-         "--model.seq_length", "64", "--training.micro_batch_size", "2",
-         "--training.global_batch_size", "4", "--training.log_interval", "1",
-         "--scheduler.lr_warmup_iters", "1", "--training.eval_interval", "none",
-         "--training.train_iters", "6", "--training.save_interval", "2",
-         "--logging.progress_bar", "false", "--logging.timing_log_level", "1",
-         "--data.split", "\"90,10,0\"", "--data.data_path", prefix,
-         "--checkpoint.save", str(run)],
-        cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-        timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    train_cli("--config", "configs/tiny.toml",
+              "--model.hidden_size", "64", "--model.ffn_hidden_size", "128",
+              "--model.seq_length", "64", "--training.micro_batch_size", "2",
+              "--training.global_batch_size", "4", "--training.log_interval", "1",
+              "--scheduler.lr_warmup_iters", "1", "--training.eval_interval", "none",
+              "--training.train_iters", "6", "--training.save_interval", "2",
+              "--logging.progress_bar", "false", "--logging.timing_log_level", "1",
+              "--data.split", "\"90,10,0\"", "--data.data_path", corpus(tmp_path, 20),
+              "--checkpoint.save", str(run))
     events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
     points = {tag: [(e.step, e.value) for e in events.Scalars(tag)]

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -17,6 +20,25 @@ TINY = ["--model.hidden_size", "64", "--model.num_layers", "4", "--model.num_att
         "--scheduler.lr_warmup_iters", "2", "--optimizer.lr", "3e-3",
         "--data.split", '"98,2,0"', "--data.num_workers", "0",
         "--logging.progress_bar", "false"]
+
+
+def corpus(out_dir, files: int = 20, *extra: str) -> str:
+    """`files` standard-library files as one byte-tokenized .bin/.idx in `out_dir`: its prefix."""
+    from tinytron.data.preprocess import run as preprocess, stdlib_corpus
+
+    return preprocess(["--input", *stdlib_corpus(files), "--output-prefix",
+                       str(Path(out_dir) / "corpus"), "--workers", "1", "--no-progress", *extra])
+
+
+def train_cli(*argv: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python -m tinytron.train ARGV` as a user runs it (repository root, one OpenMP thread);
+    it must exit 0. Returns the finished process (its console in .stdout and .stderr)."""
+    proc = subprocess.run([sys.executable, "-m", "tinytron.train", *argv],
+                          cwd=Path(__file__).resolve().parents[1],
+                          env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    return proc
 
 
 def read_losses(jsonl: str) -> dict[int, float]:
