@@ -648,12 +648,8 @@ def _checkpoint_hooks(cfg: TrainConfig, out_dir: str, grid, reliability, plan):
                                      no_load_rng=False)
     hooks = make_checkpoint_hooks(config, grid, rerun_state_machine=reliability.rsm)
     save, load = reliability.checkpoint_hooks(hooks.save_checkpoint_fn, hooks.load_checkpoint_fn)
-    # a staged async save copies to host behind the next forward/backward and is waited for
-    # only here, just before the next optimizer.step (chapter 03's wait point)
-    saver = hooks.manager.saver
-    before_step = saver.before_optimizer_step if saver is not None else None
-    return (save, load, hooks.finalize_async_save_fn, before_step, hooks.manager.comm.destroy,
-            config, saver)
+    return (save, load, hooks.finalize_async_save_fn, hooks.manager.comm.destroy, config,
+            hooks.manager.saver)
 
 
 class LoadRefused(ConfigError):
@@ -762,8 +758,11 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
     rel = _reliability(cfg, out_dir)
     train_iters = train_iters_of(cfg, grid.size("dp"))
     logger, log_config = _logger(cfg, out_dir, train_iters, device, rel)
-    save, load, finalize, before_step, close_checkpoint_groups, ckpt_config, saver = \
-        _checkpoint_hooks(cfg, out_dir, grid, rel, plan)
+    save, load, finalize, close_checkpoint_groups, ckpt_config, saver = _checkpoint_hooks(
+        cfg, out_dir, grid, rel, plan)
+    # a staged async save copies to host behind the next forward/backward and is waited for
+    # only just before the next optimizer.step (chapter 03's wait point)
+    before_step = saver.before_optimizer_step if saver is not None else None
     log_fn, iterators = RunLog(logger), {}
     save, load = _reporting_hooks(save, load, rank=rank, out_dir=out_dir, cfg=cfg,
                                   config=ckpt_config, plan=plan, run_log=log_fn, saver=saver)
