@@ -7,7 +7,6 @@ reads an event file back.
 
 from __future__ import annotations
 
-import math
 import sys
 from typing import Any, Optional, TextIO
 
@@ -56,10 +55,9 @@ class ProgressBar:
 
 
 def _jsonable(x: Any):
+    """json.dumps's `default`: called only for what JSON cannot write (never a float)."""
     if isinstance(x, torch.Tensor):
         return x.item() if x.numel() == 1 else x.tolist()
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
     return str(x)
 
 
