@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from tinytron.model.layers import apply_rope, rope_half_tables
+from tinytron.model.layers import rope_half_tables
 
 __all__ = ["KVCache", "generate", "sample_next", "main"]
 
@@ -51,15 +51,9 @@ def _check(model) -> None:
 
 def _layer(layer, x, cos, sin, cache: KVCache, index: int, start: int):
     """One decoder layer over positions start..start+s-1, reading and extending the cache."""
-    att, cfg = layer.self_attention, layer.self_attention.config
-    qkv = att.linear_qkv(layer.input_layernorm(x))             # [s, b, g * (a/g + 2) * d]
-    s, b = qkv.shape[:2]
-    d, per = cfg.head_dim, att.heads_per_group
-    qkv = qkv.view(s, b, att.local_groups, per + 2, d)
-    q = qkv[:, :, :, :per].reshape(s, b, att.local_groups * per, d)
-    k, v = qkv[:, :, :, per], qkv[:, :, :, per + 1]
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    end = start + s
+    att = layer.self_attention
+    q, k, v = att.project_qkv(layer.input_layernorm(x), cos, sin)   # as the training forward
+    end = start + x.shape[0]
     cache.k[index][:, :, start:end] = k.permute(1, 2, 0, 3)
     cache.v[index][:, :, start:end] = v.permute(1, 2, 0, 3)
     keys, values = cache.k[index][:, :, :end], cache.v[index][:, :, :end]

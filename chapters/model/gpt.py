@@ -204,6 +204,15 @@ class SelfAttention(CoreAttention, nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = self.project_qkv(x, cos, sin)
+        if self.attend_wrapper is None:
+            context = self._attend(q, k, v, attention_mask)  # [s, b, a/t * d]
+        else:
+            context = self.attend_wrapper(self._attend, q, k, v, attention_mask)
+        return self.linear_proj(context)
+
+    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [s, b, a/t, d], k and v [s, b, g/t, d], RoPE applied; B.5's KV cache calls it too."""
         qkv = self.linear_qkv(x)  # [s, b, g/t * (a/g + 2) * d]
         s, b = qkv.shape[:2]
         d, per = self.config.head_dim, self.heads_per_group
@@ -213,12 +222,7 @@ class SelfAttention(CoreAttention, nn.Module):
         # RoPE reads the query view as [s, b, g/t, a/g, d] and writes a new contiguous tensor,
         # so the heads are flattened for free (no copy of the strided query rows first)
         q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)).view(s, b, -1, d)
-        k = apply_rope(k, cos, sin)
-        if self.attend_wrapper is None:
-            context = self._attend(q, k, v, attention_mask)  # [s, b, a/t * d]
-        else:
-            context = self.attend_wrapper(self._attend, q, k, v, attention_mask)
-        return self.linear_proj(context)
+        return q, apply_rope(k, cos, sin), v
 
 
 # %% [markdown]
