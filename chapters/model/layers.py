@@ -139,7 +139,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # fuses it into one kernel (`fused_apply_rotary_pos_emb`).
 #
 # `rope_half_tables` is `rope_cos_sin` without the doubling: the model builds these once per
-# sequence length and caches them.
+# sequence length and caches them. Under `torch.compile` `apply_rope` writes the per-half
+# formula as plain tensor ops instead, since dynamo cannot trace `out=` into views; inductor
+# fuses those into one kernel anyway.
 
 # %%
 class RotateHalf(torch.autograd.Function):
