@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from tinytron.memory.activations import attention_kernel, chunk_saved, saved_bytes
-from tinytron.memory.peak import activation_peak, schedule_ops
+from tinytron.memory.peak import activation_peak
 from tinytron.memory.ledger import (DEVICE_TERMS, RankLedger, megatron_args_from, plot_ledgers,
                                     rank_ledger, stage_ledgers)
 from tinytron.memory.megatron_model import (_embedding_terms, _pipeline_factor, megatron_args,
@@ -442,32 +442,18 @@ def _megatron_pieces(cfg: MemoryConfig) -> dict:
 # %% [markdown]
 # On the ledger's side the peak is one moment of the replayed schedule (07.4): the kept bytes
 # of the chunk-micro-batches in flight, plus the transient of the operation running, plus a
-# send buffer. `activation_peak` reports the sum and where it falls; `peak_parts` replays the
-# same order up to that operation and returns the in-flight set itself, so that its tensors can
-# be sorted into the table's terms. A backward's peak can fall before its chunk is freed (the
-# layers' backward) or after (the embedding's end of backward); the larger of the two is the
-# one `activation_peak` took. The function checks that its parts add up to the reported peak
-# to the byte, so the two replays cannot drift apart unnoticed.
+# send buffer. `activation_peak` reports the sum, where it falls, and what it is made of: the
+# in-flight set itself, so that its tensors can be sorted into the table's terms, and the
+# transient of the step running. A backward's peak can fall before its chunk is freed (the
+# layers' backward) or after (the embedding's end of backward); the replay keeps the set of
+# whichever of the two was larger. `peak_parts` checks that the parts add up to the reported
+# peak to the byte.
 
 # %%
 def peak_parts(cfg: MemoryConfig, pp_rank: int) -> dict:
     """The activation peak taken apart: the chunks in flight at it, the transient, the p2p."""
     pk = activation_peak(cfg, pp_rank)
-    period = 2 * cfg.pipeline_model_parallel_size * cfg.num_chunks
-    live: list[int] = []
-    for op in schedule_ops(cfg, pp_rank, max_steady_rounds=period):
-        if op[0] == "F":
-            live.append(op[1])
-        if op == pk["at"]:
-            break
-        if op[0] == "B":
-            live.remove(op[1])
-    kind, chunk, _ = pk["at"]
-    kept = sum(pk["per_chunk"][c] for c in live)
-    transient = pk["transient"][chunk][0 if kind == "F" else 1]
-    if kind == "B" and kept + transient < kept - pk["per_chunk"][chunk] + pk["transient"][chunk][2]:
-        live.remove(chunk)
-        transient = pk["transient"][chunk][2]
+    live, transient = pk["in_flight_at_peak"], pk["transient_at_peak"]
     if sum(pk["per_chunk"][c] for c in live) + transient + pk["p2p_buffers"] != pk["peak"]:
         raise RuntimeError(f"peak_parts: stage {pp_rank}'s parts do not add up to its peak")
     return {"in_flight": live, "transient": transient, "p2p": pk["p2p_buffers"], "at": pk["at"]}

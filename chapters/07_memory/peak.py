@@ -226,7 +226,10 @@ def _transients(cfg: MemoryConfig, parts: dict) -> tuple[int, int, int]:
 # %% [markdown]
 # Last, the messages a send still holds, and the replay itself: `activation_peak` walks the
 # schedule, adds a chunk's kept bytes at each `F` and removes them at each `B`, and records the
-# largest sum of kept bytes, the running step's transient and the messages in transit.
+# largest sum of kept bytes, the running step's transient and the messages in transit. With
+# the peak it keeps what the peak is made of — the chunks in flight at that moment and the
+# transient of the step running — so that the calculator (07.7) can take the peak apart
+# without replaying the schedule a second time.
 
 # %%
 def p2p_buffers(cfg: MemoryConfig, pp_rank: int) -> int:
@@ -254,23 +257,28 @@ def activation_peak(cfg: MemoryConfig, pp_rank: int, leave_out: tuple[str, ...] 
         kept[chunk] = sum(saved_bytes(v) for k, v in parts.items() if k != "host")
         transient[chunk] = _transients(cfg, parts)
     live, peak, in_flight, most, when, at_peak = 0, 0, 0, 0, None, 0
+    chunks, made_of = [], ([], 0)  # the chunks in flight; (in flight, transient) at the peak
     p2p = p2p_buffers(cfg, pp_rank)
     period = 2 * cfg.pipeline_model_parallel_size * cfg.num_chunks
     for kind, chunk, mb in schedule_ops(cfg, pp_rank, max_steady_rounds=period):
         if kind == "F":  # the previous micro-batch's output may still be in its send
-            transit = p2p
-            during = live + kept[chunk] + transient[chunk][0] + transit
+            transit, step = p2p, transient[chunk][0]
+            chunks.append(chunk)
+            during, holding = live + kept[chunk] + step + transit, list(chunks)
             live, in_flight = live + kept[chunk], in_flight + 1
         else:  # a backward: the previous round's messages are already let go
-            transit = 0
-            during = max(live + transient[chunk][1],
-                         live - kept[chunk] + transient[chunk][2])
+            transit, before = 0, list(chunks)
+            chunks.remove(chunk)
+            during, holding, step = max((live + transient[chunk][1], before, transient[chunk][1]),
+                                        (live - kept[chunk] + transient[chunk][2], list(chunks),
+                                         transient[chunk][2]), key=lambda x: x[0])
             live, in_flight = live - kept[chunk], in_flight - 1
         most = max(most, in_flight + (kind == "B"))
         if during > peak:
-            peak, when, at_peak = during, (kind, chunk, mb), transit
+            peak, when, at_peak, made_of = during, (kind, chunk, mb), transit, (holding, step)
     return {"peak": peak, "activations": peak - at_peak, "p2p_buffers": at_peak, "at": when,
-            "max_in_flight": most, "per_chunk": kept, "transient": transient}
+            "max_in_flight": most, "per_chunk": kept, "transient": transient,
+            "in_flight_at_peak": made_of[0], "transient_at_peak": made_of[1]}
 
 
 # %% [markdown]
