@@ -361,9 +361,10 @@ def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.Random
 # The loop below is that rule said once per sample: move on to the next sequence while the
 # current one ends at or before the boundary, then record. It is the definition the fast
 # version is tested against (identical arrays, in the tests and in the demo), and it is too
-# slow to use: a Python step per sample and per sequence, about 0.6 s for the million samples
-# of `benchmarks/bench_data.py` (timed on a twentieth of them), 100 to 200 times the version
-# below, and minutes at a billion. The C++ is this same walk, compiled.
+# slow to use: a Python step per sample and per sequence, about 0.11 s of CPU time per 50,000
+# samples on one thread (measured on a prefix of `benchmarks/bench_data.py`'s corpus), so
+# seconds for its million samples against the version below's milliseconds, and most of an
+# hour at a billion. The C++ is this same walk, compiled.
 
 # %%
 def _num_samples(total: int, seq_length: int, drop_last: bool, extra: int) -> int:
@@ -423,7 +424,7 @@ def build_sample_index_loop(sizes, document_index, seq_length: int, num_epochs: 
 # lengths, one `cumsum` and one division; per sample one fill, one in-place `cumsum`, and a
 # scatter-add at the sequence ends, with no Python-level loop and few temporaries. On the
 # benchmark's 1.07 million samples it takes 4–6.5 ms of CPU time where Megatron's compiled
-# walk takes 6.3–7.3 ms (the summary has the measurement). An earlier form of this page
+# walk takes 5.7–7.3 ms (the summary has the measurement). An earlier form of this page
 # spread the positions with `np.repeat` and then gathered each sample's first token and wrote
 # the two columns one by one: `np.repeat` alone took 3.4 ms and the whole function 2–3× the
 # C++. A compiled helper of our own (Megatron compiles `helpers.cpp` with pybind11 on first
@@ -844,7 +845,7 @@ if __name__ == "__main__":
 #   on a shared 2-core machine at load 5–8): the whole build, nine rounds alternating in one
 #   process, takes 0.94× Megatron's time (median; 0.76–0.96×); built once per fresh process, as
 #   a training run builds it, 0.94× (median of 25 pairs, noisier: 0.83–1.20× per run). The
-#   sample index is 4–6.5 ms against 6.3–7.3 ms for the compiled `build_sample_idx`; the rest,
+#   sample index is 4–6.5 ms against 5.7–7.3 ms for the compiled `build_sample_idx`; the rest,
 #   about 85% of either build, is the two `RandomState` shuffles, the same numpy calls on both
 #   sides. Shuffling an `int64` copy to reach numpy's faster loop for 8-byte items (the same
 #   permutation) gave nothing in the median: the loop is faster, but twice the bytes move.
