@@ -99,6 +99,8 @@ def test_first_run_says_it_starts_fresh_and_reports_saves_and_validations(first_
     valid = {r["iteration"]: r["consumed_train_samples"] for r in records if r["type"] ==
              "validation"}
     assert valid == {3: 12, 4: 16}, valid   # global batch 4
+    # the end-of-run validation is marked final (README's JSONL schema); the interval one is not
+    assert [r.get("final", False) for r in records if r["type"] == "validation"] == [False, True]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(a / "tensorboard"))
@@ -402,3 +404,33 @@ def test_sampling_options_and_the_command(varied_model, first_run, capsys):
     assert capsys.readouterr().out.startswith("def main(")
     assert main([str(a / "nowhere"), "--prompt", "x"]) == 2
     assert "generate: error: " in capsys.readouterr().err
+
+
+def test_sigterm_saves_at_the_iteration_it_stops_and_exits_zero(tmp_path, data_prefix):
+    """README: with exit_signal_handler (tiny.toml's) a SIGTERM finishes the iteration, saves
+    and exits 0; the tracker and the JSONL agree on where the run stopped."""
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tinytron.train", *SMALL, "--data.data_path", data_prefix,
+         "--checkpoint.save", str(run), "--training.train_iters", "10000",
+         "--training.eval_interval", "none"],
+        cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not ((run / "log.jsonl").is_file() and _train_iterations(run)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    stopped = int(_tracker(run))
+    assert 1 <= stopped < 10000 and (run / f"iter_{stopped:07d}").is_dir()
+    assert max(_train_iterations(run)) == stopped
+    assert f"stopped at iteration {stopped} (reason: signal), exit code 0" in out, out[-2000:]
