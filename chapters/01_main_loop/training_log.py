@@ -405,7 +405,8 @@ if __name__ == "__main__":
         if rec is not None:
             print(format_log_line(rec))
     print(f"measured CPU matmul peak: {peak / 1e9:.1f} GFLOP/s (fp32)")
-    assert 0 < rec["mfu"] < 1
+    # rate / peak, both wall-clock on a shared CPU: no upper bound (the trainer prints no CPU MFU)
+    assert rec["mfu"] > 0 and math.isclose(rec["mfu"], rec["tflops_per_device"] * 1e12 / peak)
 
 # %% [markdown]
 # The counter and the formula agree to the FLOP, and the backward is exactly twice the forward
