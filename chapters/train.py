@@ -828,7 +828,8 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
                 print(line)
         print(f"stopped at iteration {result.state.iteration} "
               f"(reason: {result.exit_reason or 'train_iters reached'}), exit code {code}")
-        print(_next_steps(argv, out_dir, cfg), flush=True)
+        if _split_argv(argv)[0] is not None:  # a command line to continue (not a config
+            print(_next_steps(argv, out_dir, cfg), flush=True)  # built in memory)
     return code
 
 
