@@ -21,7 +21,7 @@ from tinytron.memory.megatron_model import megatron_args
 from tinytron.memory.states import buffer_layouts, owned_elements
 from tinytron.model import GPTModel, llama_7b_config, tiny_config
 from tinytron.model.gpt import TransformerLayer
-from tinytron.model.layers import rope_half_tables
+from tinytron.model.layers import rope_cos_sin
 from tinytron.parallel import ParallelGrid
 from tinytron.parallel.rng import model_parallel_seed
 
@@ -228,9 +228,9 @@ def test_layer_saved_equals_what_autograd_saves(dtype, dropout):
     layer = TransformerLayer(cfg, grid, 0, tracker).to(dtype).train()
     b, s = 3, cfg.seq_length
     x = torch.randn(s, b, cfg.hidden_size, dtype=dtype, requires_grad=True)
-    # the tables GPTModel hands its layers: half width, in the layer's dtype, [s, 1, d/2]
-    cos, sin = (t.unsqueeze(1) for t in rope_half_tables(torch.arange(s), cfg.head_dim,
-                                                         dtype=dtype))
+    # the tables GPTModel hands its layers: in the layer's dtype, [s, 1, d]
+    cos, sin = (t.unsqueeze(1) for t in rope_cos_sin(torch.arange(s), cfg.head_dim,
+                                                     dtype=dtype))
     _, saved = saved_tensor_bytes(layer, x, cos, sin, exclude=[x, cos, sin, *layer.parameters()])
     mem = MemoryConfig(cfg, micro_batch_size=b, bf16=dtype == torch.bfloat16, device="cpu")
     assert saved == saved_bytes(layer_saved(mem, input_is_received=True))

@@ -153,7 +153,7 @@ def test_math_layer_saved_on_cuda_equals_what_autograd_saves():
     from tinytron.memory.activations import saved_bytes
     from tinytron.model import tiny_config
     from tinytron.model.gpt import TransformerLayer
-    from tinytron.model.layers import rope_half_tables
+    from tinytron.model.layers import rope_cos_sin
     from tinytron.parallel import ParallelGrid
     from tinytron.parallel.rng import model_parallel_seed
 
@@ -164,8 +164,8 @@ def test_math_layer_saved_on_cuda_equals_what_autograd_saves():
     b, s = 3, cfg.seq_length
     x = torch.randn(s, b, cfg.hidden_size, dtype=torch.bfloat16, device="cuda",
                     requires_grad=True)
-    cos, sin = (t.unsqueeze(1).cuda() for t in rope_half_tables(torch.arange(s), cfg.head_dim,
-                                                                dtype=torch.bfloat16))
+    cos, sin = (t.unsqueeze(1).cuda() for t in rope_cos_sin(torch.arange(s), cfg.head_dim,
+                                                            dtype=torch.bfloat16))
     with sdpa_kernel(SDPBackend.MATH):
         _, saved = saved_tensor_bytes(layer, x, cos, sin,
                                       exclude=[x, cos, sin, *layer.parameters()])

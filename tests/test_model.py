@@ -250,24 +250,26 @@ def test_decoupled_lr_reaches_the_embedding_and_output_weights(pre, post, tie, f
                for g in groups)
 
 
-# -- RoPE from half-width cached tables, and the full-vocabulary loss ----------------------------
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotate_half_function_equals_the_formula_bit_for_bit(dtype):
-    """RotateHalf (half tables, no concatenation) = x cos + rotate_half(x) sin, values and grads."""
-    from tinytron.model.layers import rope_half_tables
-
+# -- RoPE from cached tables, and the full-vocabulary loss -------------------------------------
+def test_rope_on_strided_views_is_the_complex_rotation_of_each_pair():
+    """apply_rope on q/k views of a fused QKV = (x1 + i x2) e^{i m theta}; the grad rotates back."""
     s, b, d = 32, 3, 16
     pos = torch.randint(0, 200, (b, s))
-    base = torch.randn(s, b, 2, 5, d, dtype=dtype)
+    base = torch.randn(s, b, 2, 5, d, dtype=torch.float64)
     x = base[:, :, :, 1:4].reshape(s, b, 6, d).requires_grad_()  # q-like, from a fused QKV
     k = base[:, :, :, 4].requires_grad_()                          # k-like: a strided view
-    full = [t.transpose(0, 1) for t in rope_cos_sin(pos, d)]
-    half = [t.transpose(0, 1) for t in rope_half_tables(pos, d)]
+    cos, sin = (t.transpose(0, 1) for t in rope_cos_sin(pos, d, dtype=torch.float64))
+    theta = pos.t().unsqueeze(-1).double() * 10000.0 ** (-torch.arange(0, d, 2).double() / d)
+    turn = torch.polar(torch.ones_like(theta), theta).unsqueeze(-2)     # [s, b, 1, d/2]
+    tol = dict(rtol=0, atol=5e-5)  # the tables' angles are fp32: m theta to ~m 2^-24 at m < 200
     for inp in (x, k):
-        y_full, y_half = apply_rope(inp, *full), apply_rope(inp, *half)
-        grad = torch.randn_like(y_full)
-        assert torch.equal(y_full, y_half)
-        assert torch.equal(*(torch.autograd.grad(y, inp, grad)[0] for y in (y_full, y_half)))
+        y = apply_rope(inp, cos, sin)
+        z = torch.complex(inp[..., : d // 2], inp[..., d // 2:]) * turn
+        torch.testing.assert_close(y, torch.cat((z.real, z.imag), -1), **tol)
+        grad = torch.randn_like(y)
+        gz = torch.complex(grad[..., : d // 2], grad[..., d // 2:]) * turn.conj()
+        torch.testing.assert_close(torch.autograd.grad(y, inp, grad)[0],
+                                   torch.cat((gz.real, gz.imag), -1), **tol)
 
 
 def test_rope_tables_are_cached_and_default_positions_use_them():
@@ -277,13 +279,12 @@ def test_rope_tables_are_cached_and_default_positions_use_them():
     hidden = torch.zeros(config.seq_length, 2, config.hidden_size)
     first = model._rope_tables(hidden, None)
     assert model._rope_tables(hidden, None)[0] is first[0]  # built once per length
-    assert first[0].shape == (config.seq_length, 1, config.head_dim // 2)
+    assert first[0].shape == (config.seq_length, 1, config.head_dim)
     default = torch.arange(config.seq_length).expand(2, -1)
     assert model._rope_tables(hidden, default)[0] is first[0]
     # positions that restart (packed documents) get their own tables, and their own logits
     packed = torch.cat([torch.arange(20), torch.arange(config.seq_length - 20)]).expand(2, -1)
-    assert model._rope_tables(hidden, packed)[0].shape == (config.seq_length, 2,
-                                                           config.head_dim // 2)
+    assert model._rope_tables(hidden, packed)[0].shape == (config.seq_length, 2, config.head_dim)
     with torch.no_grad():
         plain, same = model(tokens), model(tokens, position_ids=default.clone())
         other = model(tokens, position_ids=packed)

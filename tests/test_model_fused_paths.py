@@ -55,7 +55,7 @@ def test_qkv_split_equals_slicing_bit_for_bit(dtype, per_token_tables):
     cfg, model, layer = _layer(dtype)
     attn = layer.self_attention
     cos, sin = model._cached_rope_tables(32, torch.device("cpu"), dtype)
-    if per_token_tables:  # explicit position_ids give [s, b, d/2] tables
+    if per_token_tables:  # explicit position_ids give [s, b, d] tables
         cos, sin = (t.expand(32, 3, t.shape[-1]).contiguous() for t in (cos, sin))
     x = torch.randn(32, 3, 64, dtype=dtype, requires_grad=True)
     g = torch.randn(32, 3, 64, dtype=dtype)

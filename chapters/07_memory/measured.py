@@ -287,10 +287,11 @@ if __name__ == "__main__":
 #
 # **Where they disagreed, and why.** A tracker *started after the model was built* does not
 # agree: it attributes storages that already existed to whatever first touches them. On DP 4
-# it counted 213,632 B of weights when the modules first ran, the 2,048 B RoPE tables passed
-# into the layers as inputs, and the 427,264 B fp32 grad buffer once the backward's in-place
-# accumulation wrote into it — 642,944 B it still reported alive after the backward, where
-# the meter (which counts only what is allocated inside it) reported 0. Started before the
+# it counted 213,632 B of weights when the modules first ran, the RoPE tables passed into
+# the layers as inputs (2,048 B then, when the model cached half-width tables), and the
+# 427,264 B fp32 grad buffer once the backward's in-place accumulation wrote into it — all of
+# it still reported alive after the backward, where the meter (which counts only what is
+# allocated inside it) reported 0. Started before the
 # model, the tracker has seen every storage and the two instruments agree exactly. What
 # neither can see is the same for both: memory allocated inside one C++ operator that never
 # surfaces as a tensor, and on CUDA the allocator's rounding, caching and fragmentation. Both

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from tinytron.model.layers import rope_half_tables
+from tinytron.model.layers import rope_cos_sin
 
 __all__ = ["KVCache", "generate", "sample_next", "main"]
 
@@ -73,9 +73,9 @@ def forward_with_cache(model, tokens: torch.Tensor, cache: KVCache) -> torch.Ten
         raise ValueError(f"{start + s} positions exceed the cache's {cache.max_len}")
     x = model.embedding.word_embeddings(tokens).transpose(0, 1)    # [s, b, h]
     positions = torch.arange(start, start + s, device=tokens.device)
-    cos, sin = rope_half_tables(positions, model.config.head_dim, model.config.rotary_base,
-                                x.dtype)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                  # [s, 1, d/2]
+    cos, sin = rope_cos_sin(positions, model.config.head_dim, model.config.rotary_base,
+                            x.dtype)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                  # [s, 1, d]
     for i, layer in enumerate(model.decoder.layers):
         x = _layer(layer, x, cos, sin, cache, i, start)
     cache.length = start + s

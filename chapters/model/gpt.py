@@ -26,7 +26,7 @@ from tinytron.model._checks import check_attention_mask, check_ids
 from tinytron.model._checks import on_host as _on_host
 from tinytron.model.config import ModelConfig, stage_layer_ranges
 from tinytron.model.layers import (RMSNorm, ShardSpec, apply_rope, init_full_tensor,
-                                   rope_half_tables, scaled_std, shard_of)
+                                   rope_cos_sin, scaled_std, shard_of)
 from tinytron.parallel import (ColumnParallelLinear, ParallelGrid, RowParallelLinear,
                                VocabParallelEmbedding, copy_to_tp_region,
                                gather_from_sequence_parallel_region, vocab_parallel_cross_entropy)
@@ -551,9 +551,9 @@ class StageInput:
 
 # %% [markdown]
 # The positions of this rank's tokens (its CP chunks when $c > 1$) become the RoPE tables:
-# half-width ([page B.2](layers.py)'s `rope_half_tables`), in the activations' dtype, and built
+# [page B.2](layers.py)'s `rope_cos_sin`, in the activations' dtype, and built
 # **once per sequence length**: the default positions $0 \dots s-1$ (or this CP rank's chunks)
-# are the same in every step, so their tables are cached on the model, shaped $[s, 1, d/2]$ to
+# are the same in every step, so their tables are cached on the model, shaped $[s, 1, d]$ to
 # broadcast over the batch, and every layer reads the same two small tensors (Megatron caches
 # its `RotaryEmbedding` output per length the same way, an `lru_cache` on `forward`,
 # `megatron/core/models/common/embeddings/rotary_pos_embedding.py:177`). Explicit
@@ -567,7 +567,7 @@ class RopeTables:
     """cos/sin tables of this rank's positions, cached for the default positions."""
 
     def _rope_tables(self, hidden, position_ids):
-        """Half-width cos/sin [s, b or 1, d/2] in the activations' dtype for this rank's tokens."""
+        """cos/sin [s, b or 1, d] in the activations' dtype for this rank's tokens."""
         grid, tp, cp = self.grid, self.grid.size("tp"), self.grid.size("cp")
         s_local = hidden.shape[0] * (tp if self.config.sequence_parallel else 1)
         b = hidden.shape[1]
@@ -576,8 +576,8 @@ class RopeTables:
                              f"got {tuple(position_ids.shape)}")
         if position_ids is None or self._default_positions(position_ids, s_local):
             return self._cached_rope_tables(s_local, hidden.device, hidden.dtype)
-        cos, sin = rope_half_tables(position_ids, self.config.head_dim, self.config.rotary_base,
-                                    hidden.dtype)
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rotary_base,
+                                hidden.dtype)
         return cos.transpose(0, 1), sin.transpose(0, 1)
 
     def _default_positions(self, position_ids, s_local) -> bool:
@@ -598,8 +598,8 @@ class RopeTables:
         cp = self.grid.size("cp")
         idx = (cp_positions(s_local * cp, cp, self.grid.rank("cp")) if cp > 1
                else torch.arange(s_local)).to(device)
-        cos, sin = rope_half_tables(idx, self.config.head_dim, self.config.rotary_base, dtype)
-        return cos.unsqueeze(1), sin.unsqueeze(1)   # [s, 1, d/2]: broadcast over the batch
+        cos, sin = rope_cos_sin(idx, self.config.head_dim, self.config.rotary_base, dtype)
+        return cos.unsqueeze(1), sin.unsqueeze(1)   # [s, 1, d]: broadcast over the batch
 
 
 # %% [markdown]

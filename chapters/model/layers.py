@@ -24,8 +24,6 @@ __all__ = [
     "rope_cos_sin",
     "apply_rope",
     "rotate_half",
-    "RotateHalf",
-    "rope_half_tables",
     "ShardSpec",
     "shard_of",
     "unshard",
@@ -110,74 +108,25 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [..., heads, d] by tables cos/sin [..., d] or [..., d/2] (broadcast over heads).
-
-    Full-width tables (`rope_cos_sin`) take the formula as written; half-width ones
-    (`rope_half_tables`, what the model passes) take `RotateHalf`, the same numbers without
-    building `rotate_half(x)`.
-    """
+    """Rotate x [..., heads, d] by full-width tables cos/sin [..., d], broadcast over heads."""
     cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
-    if cos.shape[-1] * 2 == x.shape[-1]:
-        if torch.compiler.is_compiling():  # dynamo cannot trace out= into views; inductor fuses this
-            x1, x2 = x.chunk(2, dim=-1)
-            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return RotateHalf.apply(x, cos, sin)
     return x * cos + rotate_half(x) * sin
 
 
 # %% [markdown]
-# The formula above builds `rotate_half(x)` — a negation and a concatenation, a full copy of
-# every query and key — and then multiplies by tables whose two halves are equal. Written per
-# half it needs neither: with $c, s$ the $d/2$-wide tables,
-# $$y_1 = x_1 c - x_2 s, \qquad y_2 = x_2 c + x_1 s,$$
-# and the backward is the rotation by $-\theta$: $g_{x_1} = g_1 c + g_2 s$,
-# $g_{x_2} = g_2 c - g_1 s$. `RotateHalf` computes both directions with four half-width
-# products each, written straight into the halves of one output: no concatenation, and only
-# the tables are saved for the backward (the input is not). The products and sums are the same
-# as the formula's, in the same order, so the results are equal bit for bit (the tests check
-# it). Megatron's unfused path is the formula (`rope_utils.py:73`, applied at `:92`); Transformer Engine
-# fuses it into one kernel (`fused_apply_rotary_pos_emb`).
+# That is the whole forward: two products, a negation, one concatenation and a sum, over the
+# whole batch at once. Autograd saves only the two tables for the backward (the products'
+# other operands), not $x$, so RoPE adds nothing to chapter 07's count of saved activations.
+# Megatron's unfused path is the same formula (`rope_utils.py:73` for `_rotate_half`, applied
+# at `:92`); Transformer Engine fuses it into one kernel (`fused_apply_rotary_pos_emb`).
 #
-# `rope_half_tables` is `rope_cos_sin` without the doubling: the model builds these once per
-# sequence length and caches them. Under `torch.compile` `apply_rope` writes the per-half
-# formula as plain tensor ops instead, since dynamo cannot trace `out=` into views; inductor
-# fuses those into one kernel anyway.
-
-# %%
-class RotateHalf(torch.autograd.Function):
-    """Rotate-half RoPE from half-width tables [..., 1, d/2], without concatenations."""
-
-    @staticmethod
-    def forward(ctx, x, cos, sin):
-        ctx.save_for_backward(cos, sin)
-        return _rotate(x, cos, sin, sign=1.0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        cos, sin = ctx.saved_tensors
-        return _rotate(grad, cos, sin, sign=-1.0), None, None
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
-    """[x1 c - sign x2 s, x2 c + sign x1 s] into a new contiguous tensor (sign -1: the inverse)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    o1, o2 = out[..., :half], out[..., half:]
-    # separate products and sums, each rounded once, as the formula's (no fused multiply-add)
-    (torch.sub if sign > 0 else torch.add)(torch.mul(x1, cos, out=o1), x2 * sin, out=o1)
-    (torch.add if sign > 0 else torch.sub)(torch.mul(x2, cos, out=o2), x1 * sin, out=o2)
-    return out
-
-
-def rope_half_tables(position_ids: torch.Tensor, head_dim: int, base: float = 10000.0,
-                     dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape position_ids.shape + (head_dim / 2,): one angle per channel pair."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=position_ids.device,
-                                            dtype=torch.float32) / head_dim))
-    angles = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq  # [..., d/2]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
+# What costs is building the tables, not applying them: `rope_cos_sin` takes a power, an outer
+# product, a cosine and a sine per position. The model builds them **once per sequence length**
+# and caches them ([page B.3](gpt.py)). Applying the formula per half instead (four
+# half-width products written into the halves of one output, no `rotate_half`) saves the
+# concatenation but not time: on a CPU each of those products walks a strided half of $x$, and
+# this model's benchmark (`benchmarks/bench_model.py`, against a plain-PyTorch Llama that
+# uses the formula) ran slower with them than with the formula, so the formula stays.
 
 # %% [markdown]
 # ## One init for every layout
