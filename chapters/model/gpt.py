@@ -621,20 +621,22 @@ class OutputHead:
         else:
             x = copy_to_tp_region(x, self.grid)
         head = getattr(self, "output_layer", None)  # a call: its pre-hooks run (see OutputLayer)
-        logits = (head(x) if head is not None else F.linear(x, self.output_weight())).transpose(0, 1)
+        logits = head(x) if head is not None else F.linear(x, self.output_weight())  # [s, b, V/t]
         if labels is None:
-            return logits.contiguous()
-        if tuple(labels.shape) != tuple(logits.shape[:2]):
-            raise ValueError(f"labels must be [b, s] = {tuple(logits.shape[:2])}, "
+            return logits.transpose(0, 1).contiguous()
+        if tuple(labels.shape) != tuple(logits.shape[1::-1]):
+            raise ValueError(f"labels must be [b, s] = {tuple(logits.shape[1::-1])}, "
                              f"got {tuple(labels.shape)}")
         if _on_host(labels):
             check_ids(labels, "labels", self.config.vocab_size)
+        # the loss reads the logits where the output layer wrote them, [s, b, V/t] rows, and
+        # only the small [s, b] loss is transposed to [b, s]
         if use_triton(self.config.kernels, logits.device):
-            # appendix C: reads the logits in their dtype; rows are contiguous as [s, b, V/t]
-            loss = fused_vocab_parallel_cross_entropy(logits.transpose(0, 1),
-                                                      labels.t().contiguous(), self.grid)
-            return loss.t().contiguous()
-        return vocab_parallel_cross_entropy(logits.float(), labels, self.grid)
+            # appendix C: reads the logits in their dtype
+            loss = fused_vocab_parallel_cross_entropy(logits, labels.t().contiguous(), self.grid)
+        else:
+            loss = vocab_parallel_cross_entropy(logits.float(), labels.t().contiguous(), self.grid)
+        return loss.t().contiguous()
 
 
 # %% [markdown]
