@@ -155,13 +155,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = all_reduce(exp_z.sum(dim=-1), grid, "tp")
         target = all_reduce(target, grid, "tp")
         ctx.save_for_backward(exp_z.div_(sum_exp.unsqueeze(-1)), idx, outside)
-        ctx.in_dtype = logits_local.dtype
+        ctx.in_dtype, ctx.saved_log_p = logits_local.dtype, False
         return sum_exp.log() - target
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, idx, outside = ctx.saved_tensors
-        grad = softmax.clone()
+        saved, idx, outside = ctx.saved_tensors
+        # the softmax, as a new tensor the gradient is built in (TP 1 saved log p: see below)
+        grad = saved.exp() if ctx.saved_log_p else saved.clone()
         # Subtract the one-hot only on the rank that owns the target.
         grad.scatter_add_(-1, idx.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
         grad.mul_(grad_loss.unsqueeze(-1))
@@ -173,10 +174,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 # chain above — the max, the shifted logits $z$, their exponential, its sum, the division —
 # is five passes over $[b, s, V]$ with $z$ and $e^z$ alive together. `torch.log_softmax` does
 # the max, the sum and the shift in one pass per row and writes $\log p$ once; the loss is
-# $-\log p_y$, and $e^{\log p}$, taken in place, is the same softmax the backward above reads.
-# So the saved tensors (softmax, target ids, target mask) and the backward are those of every
-# other layout, and the forward holds one $[b, s, V]$ temporary less (chapter 07's peak
-# counts it). The numbers agree with the chain to fp32 rounding (the sum is taken in another
+# $-\log p_y$. The backward needs the softmax as a new tensor anyway, the one the gradient is
+# built in (the chain above copies its saved softmax for that), so this path saves $\log p$
+# and the backward takes $e^{\log p}$ there: the same numbers as the chain's softmax, one
+# pass over $[b, s, V]$ fewer than exponentiating in the forward and copying in the backward.
+# The saved tensors have the bytes of every other layout's (log-softmax, target ids, target
+# mask), and the forward holds one $[b, s, V]$ temporary less (chapter 07's peak counts it). The numbers agree with the chain to fp32 rounding (the sum is taken in another
 # order), not bit for bit. A label outside the vocabulary gets the loss the chain gives it at
 # any TP size, $\log \sum_j e^{z_j - m}$, which needs the max again (one read-only pass).
 # Megatron has no such special case: its `VocabParallelCrossEntropy` runs the chain at TP 1
@@ -193,8 +196,8 @@ def _one_rank_forward(ctx, logits, labels):
     target = log_p.gather(-1, idx).squeeze(-1)
     # outside the vocabulary: log sum exp(z - max), as the chain (no one-hot in the backward)
     shifted_lse = x.gather(-1, idx).squeeze(-1) - x.amax(dim=-1) - target
-    ctx.save_for_backward(log_p.exp_(), idx.squeeze(-1), outside)
-    ctx.in_dtype = logits.dtype
+    ctx.save_for_backward(log_p, idx.squeeze(-1), outside)
+    ctx.in_dtype, ctx.saved_log_p = logits.dtype, True
     return torch.where(outside, shifted_lse, -target)
 
 
