@@ -8,10 +8,16 @@ The sides alternate round by round; the ratio is the median of per-round ratios,
 process's CPU time (one thread: robust on a loaded machine) and in wall time.
 
 ``--profile`` adds a torch.profiler table of both sides (self CPU time per op, per step), to
-see where a gap lies.
+see where a gap lies. ``--parts`` times the pieces of one micro-batch side by side, forward and
+backward each: the embedding, one attention block (norm, QKV, RoPE, attention, output
+projection), one MLP block (norm, SwiGLU), one whole layer, and the head (final norm, output
+layer, loss); each side gets the same values in its own layout ([s, b, h] for tinytron,
+[b, s, h] for the reference).
 
 Run: python benchmarks/bench_model.py [--shape bench|tiny] [--rounds 7] [--steps 3] [--profile]
-Writes benchmarks/results/model.json (model_tiny.json for --shape tiny).
+                                      [--parts] [--keep-freed-memory]
+Writes benchmarks/results/model.json (model_tiny.json for --shape tiny; a _keep suffix with
+--keep-freed-memory).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from plain_llama import PlainLlama, PlainTrainer  # noqa: E402
 
-from bench_train import LR, WD, CLIP, SHAPES  # noqa: E402
+from bench_train import LR, WD, CLIP, SHAPES, keep_freed_memory  # noqa: E402
 
 
 class TinytronSide:
@@ -109,10 +115,65 @@ def profile_table(side, batches, steps: int, rows: int = 15) -> list[dict]:
              "calls_per_step": e.count / steps} for e in events]
 
 
+def part_pairs(t_side: TinytronSide, r_side: ReferenceSide, tokens, labels) -> dict:
+    """{part: (tinytron fn, reference fn)}: one micro-batch's piece, forward and backward."""
+    import torch.nn.functional as F
+
+    t, r = t_side.model, r_side.trainer.model
+    b, s = tokens.shape
+    xb = torch.randn(b, s, t.config.hidden_size, requires_grad=True)   # the reference's layout
+    xs = xb.detach().transpose(0, 1).contiguous().requires_grad_()     # tinytron's [s, b, h]
+    cos, sin = t._rope_tables(xs.detach(), None)
+    rc, rs = r.cos[:s], r.sin[:s]
+    tl, rl = t.decoder.layers[0], r.blocks[0]
+
+    def back(y):
+        y.backward(torch.ones_like(y))
+
+    def reference_head():
+        logits = F.linear(r.norm(xb), r.tok.weight)
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1)).backward()
+
+    return {
+        "embedding": (lambda: back(t._stage_input(tokens)), lambda: back(r.tok(tokens))),
+        "attention block": (lambda: back(tl.self_attention(tl.input_layernorm(xs), cos, sin)),
+                            lambda: back(rl.attn(rl.attn_norm(xb), rc, rs))),
+        "MLP block": (lambda: back(tl.mlp(tl.pre_mlp_layernorm(xs))),
+                      lambda: back(rl.mlp(rl.mlp_norm(xb)))),
+        "layer": (lambda: back(tl(xs, cos, sin)), lambda: back(rl(xb, rc, rs))),
+        "head and loss": (lambda: t._head(xs, labels).mean().backward(), reference_head),
+    }
+
+
+def time_parts(pairs: dict, rounds: int, repeats: int = 5) -> dict:
+    """{part: {"tinytron_ms", "reference_ms", "ratio"}}: CPU time, medians over rounds."""
+    out = {}
+    for name, (a, c) in pairs.items():
+        for f in (a, c):   # warm-up: lazy tables, allocator
+            f(), f()
+        times = {"tinytron": [], "reference": []}
+        for _ in range(rounds):
+            for side, f in (("tinytron", a), ("reference", c)):
+                c0 = time.process_time()
+                for _ in range(repeats):
+                    f()
+                times[side].append((time.process_time() - c0) / repeats)
+        out[name] = {"tinytron_ms": 1e3 * statistics.median(times["tinytron"]),
+                     "reference_ms": 1e3 * statistics.median(times["reference"]),
+                     "ratio": statistics.median(x / y for x, y in
+                                                zip(times["tinytron"], times["reference"]))}
+    return out
+
+
 def main() -> None:
     ap = bench_args(__doc__.splitlines()[0], rounds=7, steps=3)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--parts", action="store_true", help="also time each piece side by side")
+    ap.add_argument("--keep-freed-memory", action="store_true",
+                    help="glibc keeps freed memory mapped, for both sides (bench_train's note)")
     args = ap.parse_args()
+    if args.keep_freed_memory:
+        keep_freed_memory()
     torch.set_num_threads(args.threads)
     model_kwargs, mbs, gbs = SHAPES[args.shape]
     m = gbs[1] // mbs
@@ -130,6 +191,7 @@ def main() -> None:
     result = {"command": cmd.strip(), "torch": torch.__version__,
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, no GPU",
               "threads": args.threads, "shape": args.shape, "model": model_kwargs,
+              "keep_freed_memory": args.keep_freed_memory,
               "micro_batch_size": mbs, "num_microbatches": m,
               "reference": "benchmarks/plain_llama.py (torch only, no tinytron code)",
               "seconds_per_step_median": {c: {k: statistics.median(v) for k, v in t.items()}
@@ -138,9 +200,13 @@ def main() -> None:
     if args.profile:
         result["profile_top_ops"] = {k: profile_table(s, batches, args.steps)
                                      for k, s in sides.items()}
+    if args.parts:
+        result["parts_of_one_micro_batch_fwd_bwd"] = time_parts(
+            part_pairs(sides["tinytron"], sides["reference"], *batches[0]), args.rounds)
     result["load_average_before_after"] = [load_before, os.getloadavg()]
-    out = Path(args.out or Path(__file__).resolve().parent / "results" /
-               ("model.json" if args.shape == "bench" else f"model_{args.shape}.json"))
+    name = "model" + ("" if args.shape == "bench" else f"_{args.shape}") + (
+        "_keep" if args.keep_freed_memory else "")
+    out = Path(args.out or Path(__file__).resolve().parent / "results" / f"{name}.json")
     out.write_text(json.dumps(result, indent=2))
     print(f"GPTModel fwd+bwd+AdamW / independent plain Llama: {ratio['cpu']:.3f} (CPU time), "
           f"{ratio['wall']:.3f} (wall); goal <= 1.00; first losses {first}")
@@ -149,6 +215,11 @@ def main() -> None:
             print(f"-- {k}: top ops, self CPU ms per step")
             for r in rows[:12]:
                 print(f"   {r['op']:<40} {r['self_ms_per_step']:8.1f}  x{r['calls_per_step']:.0f}")
+    if args.parts:
+        print("-- one micro-batch, forward + backward, CPU ms (tinytron / reference = ratio)")
+        for name, r in result["parts_of_one_micro_batch_fwd_bwd"].items():
+            print(f"   {name:<16} {r['tinytron_ms']:7.2f} / {r['reference_ms']:7.2f} = "
+                  f"{r['ratio']:.3f}")
     print(f"load average {load_before} -> {result['load_average_before_after'][1]}")
     print(f"command: {cmd.strip()}  -> {out}")
 

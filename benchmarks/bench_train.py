@@ -32,8 +32,11 @@ the robust one on a loaded machine.
 result checks, to show what those cost; ``--profile`` splits one trainer iteration by source
 area (Python self time under cProfile, the same difference of two runs).
 
+``--keep-freed-memory`` runs every side with glibc keeping freed memory (``keep_freed_memory``).
+
 Run: python benchmarks/bench_train.py [--rounds 5] [--iters 4] [--part single|dp2|both]
                                       [--variants] [--profile] [--shape bench|tiny]
+                                      [--keep-freed-memory]
 Writes benchmarks/results/train.json (train_tiny.json for --shape tiny: configs/tiny.toml's
 model, micro-batch 8, global batch 32).
 """
@@ -57,13 +60,21 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # plain_llama, here and in workers
 
+def _tiny_toml_shape() -> tuple[dict, int, dict]:
+    """configs/tiny.toml's [model] and batch sizes, read from the file the README runs."""
+    import tomllib
+
+    with open(Path(__file__).resolve().parent.parent / "configs" / "tiny.toml", "rb") as f:
+        raw = tomllib.load(f)
+    gbs = raw["training"]["global_batch_size"]
+    return dict(raw["model"]), raw["training"]["micro_batch_size"], {1: gbs, 2: gbs}
+
+
 SHAPES = {  # name -> model, micro-batch size, {world: global batch}
     "bench": (dict(hidden_size=256, num_layers=4, num_attention_heads=8, num_query_groups=2,
                    ffn_hidden_size=688, vocab_size=512, seq_length=256),
               4, {1: 8, 2: 16}),    # 2 micro-batches per rank in both parts
-    "tiny": (dict(hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=2,
-                  ffn_hidden_size=352, vocab_size=512, seq_length=128),
-             8, {1: 32, 2: 32}),    # configs/tiny.toml's model and batch sizes
+    "tiny": _tiny_toml_shape(),
 }
 MODEL, MBS, GBS = SHAPES["bench"]
 
@@ -74,6 +85,27 @@ def use_shape(name: str) -> None:
     MODEL, MBS, GBS = SHAPES[name]
 
 LR, WD, CLIP, WARMUP_ITERS = 1e-3, 0.1, 1.0, 2
+
+
+def keep_freed_memory() -> None:
+    """Make glibc's malloc keep freed memory in the process (``--keep-freed-memory``).
+
+    By default glibc hands large freed blocks back to the kernel (``munmap`` above
+    M_MMAP_THRESHOLD, a trim of the heap's top above M_TRIM_THRESHOLD), and the next tensor of
+    that size faults its pages in again, zeroed, in the first kernel that writes it. With
+    M_MMAP_MAX = 0 (``mallopt(-4, 0)``, ``malloc.h``) every block comes from the heap, and with
+    M_TRIM_THRESHOLD at 1 GiB (``mallopt(-1, ...)``) the heap is not trimmed, so freed blocks
+    stay mapped for reuse: what a caching allocator does, and CUDA's on a GPU. It changes no
+    result, only where the time goes; applied to every side alike it shows how much of a gap
+    is page faults.
+    """
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    if not (libc.mallopt(-4, 0) and libc.mallopt(-1, 2 ** 30)):
+        raise OSError("mallopt refused the thresholds")
+
+
 VARIANTS = {  # name -> extra trainer sections; "trainer" is the default configuration
     "trainer": {},
     "trainer_log_every_iteration": {"training": {"log_interval": 1}},
@@ -235,13 +267,15 @@ class IndependentLoop:
 
 
 def measure_side(side: str, world: int, iters: int, prefix: str, cache: str,
-                 shape: str = "bench") -> dict:
+                 shape: str = "bench", keep_memory: bool = False) -> dict:
     """One side's seconds per iteration, on each rank of a fresh world (run_on_ranks' worker).
 
     Fresh because every in-process trainer run leaves its gloo subgroups (8 per run, 3 threads
     each) behind, and a few dozen runs in one process cost measurable CPU.
     """
     use_shape(shape)
+    if keep_memory:
+        keep_freed_memory()
     torch.manual_seed(0)
     if side == "plain":
         loop = PlainLoop(world, prefix, cache, ddp=world > 1, total_iters=2 + WARMUP_ITERS + iters)
@@ -256,7 +290,8 @@ def measure_side(side: str, world: int, iters: int, prefix: str, cache: str,
 
 
 def run_rounds(world: int, rounds: int, iters: int, prefix: str, cache: str,
-               variants: list[str], threads: int, shape: str = "bench") -> list[dict]:
+               variants: list[str], threads: int, shape: str = "bench",
+               keep_memory: bool = False) -> list[dict]:
     """Per rank, {side: [per-round dict]}; the sides alternate within each round."""
     from tinytron.launch import run_on_ranks
 
@@ -265,7 +300,7 @@ def run_rounds(world: int, rounds: int, iters: int, prefix: str, cache: str,
     for _ in range(rounds):
         for side in sides:
             got = run_on_ranks(measure_side, world, side, world, iters, prefix, cache, shape,
-                               timeout=900, num_threads=threads)
+                               keep_memory, timeout=900, num_threads=threads)
             for rank, r in enumerate(got):
                 out[rank][side].append(r)
     return out
@@ -359,6 +394,8 @@ def main() -> None:
                     help="bench: h256 L4 s256 mbs 4; tiny: configs/tiny.toml's model and batch")
     ap.add_argument("--out", default=None,
                     help="default benchmarks/results/train.json (train_tiny.json for --shape tiny)")
+    ap.add_argument("--keep-freed-memory", action="store_true",
+                    help="every side's process keeps freed memory mapped (see keep_freed_memory)")
     args = ap.parse_args()
     use_shape(args.shape)
     if args.out is None:
@@ -372,13 +409,14 @@ def main() -> None:
               "shared_machine_note": "a shared 2-core machine loaded by other jobs: absolute "
                                      "times are noisy; compare the side-by-side ratios",
               "threads_per_process": args.threads, "shape": args.shape, "model": MODEL, "micro_batch_size": MBS,
+              "keep_freed_memory": args.keep_freed_memory,
               "load_average_before": os.getloadavg()}
     workdir = tempfile.mkdtemp(prefix="bench_train_data_")
     prefix, cache = prepare_data(workdir)
     seq = MODEL["seq_length"]
     if args.part in ("single", "both"):
         per_round = run_rounds(1, args.rounds, args.iters, prefix, cache, variants,
-                               args.threads, args.shape)[0]
+                               args.threads, args.shape, args.keep_freed_memory)[0]
         result["single"] = {"global_batch_size": GBS[1], "rounds": per_round,
                             **summarize(per_round, GBS[1] * seq, variants)}
         r = result["single"]["ratio_over_plain"]
@@ -399,7 +437,7 @@ def main() -> None:
               "Python):", {k: round(v, 1) for k, v in prof.items()})
     if args.part in ("dp2", "both"):
         ranks = run_rounds(2, args.rounds, args.iters, prefix, cache, variants, args.threads,
-                           args.shape)
+                           args.shape, args.keep_freed_memory)
         for name in variants:  # the trainer's log is written by the last rank
             for r0, r1 in zip(ranks[0][name], ranks[1][name]):
                 r0["first_loss"], r0["logged_wall"] = r1["first_loss"], r1["logged_wall"]
