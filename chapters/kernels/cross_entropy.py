@@ -246,9 +246,9 @@ def cross_entropy_saved_bytes(num_tokens: int, vocab_local: int, dtype: torch.dt
 # and once more backward while writing the gradient. Appendix A's eager loss at TP 2 runs the
 # chain of A.3 (max, shift, exp, sum, divide) and moves 42 bytes per logit forward and 30
 # backward, starting from `logits.float()` as appendix B's model calls it. On one rank it takes
-# one `log_softmax` pass instead (A.3's one-rank path), and the demo below, which runs on one
-# rank, counts 34 bytes per logit forward and the same 30 backward, against the kernels' 2 and
-# 4. The table is the running example's TP 2, so its eager column is the chain's.
+# one `log_softmax` pass instead and exponentiates only in the backward (A.3's one-rank path),
+# and the demo below, which runs on one rank, counts 26 bytes per logit forward and the same
+# 30 backward, against the kernels' 2 and 4. The table is the running example's TP 2, so its eager column is the chain's.
 #
 # | | kernels | eager (appendix A's chain, TP 2) |
 # |---|---|---|
@@ -318,8 +318,8 @@ if __name__ == "__main__":
     print(f"kept for backward: fused {kept_fused} B, eager {kept_eager} B")
 
     assert max(gaps32) < 1e-6 and max(gaps16) < 2 ** -7
-    # one rank: A.3's log_softmax path (the chain at TP > 1 reads and writes 8 B/logit more)
-    assert per == {"forward": 34, "backward": 30} and kernel == {"forward": 2, "backward": 4}
+    # one rank: A.3's log_softmax path (the chain at TP > 1 reads and writes 16 B/logit more)
+    assert per == {"forward": 26, "backward": 30} and kernel == {"forward": 2, "backward": 4}
     assert kept_fused == cross_entropy_saved_bytes(n, v, torch.bfloat16, fused=True)
     assert kept_eager == cross_entropy_saved_bytes(n, v, torch.bfloat16, fused=False)
 
