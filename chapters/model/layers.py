@@ -120,9 +120,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # Megatron's unfused path is the same formula (`rope_utils.py:73` for `_rotate_half`, applied
 # at `:92`); Transformer Engine fuses it into one kernel (`fused_apply_rotary_pos_emb`).
 #
-# What costs is building the tables, not applying them: `rope_cos_sin` takes a power, an outer
-# product, a cosine and a sine per position. The model builds them **once per sequence length**
-# and caches them ([page B.3](gpt.py)). Applying the formula per half instead (four
+# The tables are the same in every step, so the model builds them **once per sequence length**
+# and caches them ([page B.3](gpt.py)) rather than taking a power, an outer product, a cosine
+# and a sine per position in every layer. Applying the formula per half instead (four
 # half-width products written into the halves of one output, no `rotate_half`) saves the
 # concatenation but not time: on a CPU each of those products walks a strided half of $x$, and
 # this model's benchmark (`benchmarks/bench_model.py`, against a plain-PyTorch Llama that
