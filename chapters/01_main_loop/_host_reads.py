@@ -11,8 +11,7 @@ charged to the tinytron function that called torch), and restores them afterward
 
 What it cannot see: a sync inside one C++ operator (``torch.nonzero``, boolean-mask indexing,
 ``repeat_interleave`` without an output size) never passes through these methods. On CUDA,
-``torch.cuda.set_sync_debug_mode("warn")`` sees those too (``tests/test_main_loop_host_reads.py``
-uses it where a GPU exists).
+``torch.cuda.set_sync_debug_mode("warn")`` reports those too.
 """
 
 from __future__ import annotations
@@ -82,6 +81,7 @@ def trainer_host_reads(config: str, overrides: list[str], iters: int = 2) -> dic
     """
     import io
     import os
+    import shutil
     import tempfile
 
     import torch.distributed as dist
@@ -104,6 +104,9 @@ def trainer_host_reads(config: str, overrides: list[str], iters: int = 2) -> dic
         if code != 0:
             raise RuntimeError(f"tinytron.train exited {code}:\n{console.getvalue()[-2000:]}")
         counts.append(reads)
+    dist.barrier()                                     # every rank is done with the folder
+    if dist.get_rank() == 0:
+        shutil.rmtree(shared[0], ignore_errors=True)
     short, long = counts
     return {key: (long[key] - short.get(key, 0)) / iters for key in long
             if long[key] != short.get(key, 0)}
