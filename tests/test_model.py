@@ -7,7 +7,7 @@ import torch
 
 from tinytron.launch import run_on_ranks
 from tinytron.model import _workers
-from tinytron.model.config import (ModelConfig, count_parameters, count_parameters_per_rank,
+from tinytron.model.config import (count_parameters, count_parameters_per_rank,
                                    llama_7b_config, stage_layer_ranges, tiny_config)
 from tinytron.model.gpt import GPTModel, build_stage_models
 from tinytron.model.layers import (RMSNorm, ShardSpec, apply_rope, init_full_tensor, rope_cos_sin,

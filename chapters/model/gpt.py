@@ -568,7 +568,7 @@ class RopeTables:
 
     def _rope_tables(self, hidden, position_ids):
         """cos/sin [s, b or 1, d] in the activations' dtype for this rank's tokens."""
-        grid, tp, cp = self.grid, self.grid.size("tp"), self.grid.size("cp")
+        tp = self.grid.size("tp")
         s_local = hidden.shape[0] * (tp if self.config.sequence_parallel else 1)
         b = hidden.shape[1]
         if position_ids is not None and tuple(position_ids.shape) != (b, s_local):
