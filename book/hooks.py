@@ -135,10 +135,23 @@ def on_files(files, config, **kwargs):
         _POOL.shutdown(cancel_futures=True)
         _PAGES.clear()
     _POOL = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="book-page")
-    for f in files:
-        if f.inclusion.is_included() and plugin.should_include(f):
-            _PAGES[f.abs_src_path] = (kwargs, _POOL.submit(_NB2HTML[0], f.abs_src_path, **kwargs))
+    for path in executed_pages(files, plugin):
+        _PAGES[path] = (kwargs, _POOL.submit(_NB2HTML[0], path, **kwargs))
     return files
+
+
+def executed_pages(files, plugin) -> list[str]:
+    """The source paths of the notebook pages the site shows: what the pool executes.
+
+    mkdocs-jupyter's on_files (it runs before this hook) wraps every file its `include` glob
+    matches, the excluded `_*.py` and `__init__.py` modules too, in a NotebookFile that does not
+    copy the file's inclusion level: the wrapper answers with File's class default, UNDEFINED,
+    which counts as included. MkDocs sets the levels again after on_files, so those modules never
+    become pages, but a pool that trusted the wrapper executed each of them (76 kernels, a third
+    of the build's work). The wrapped file keeps its real level.
+    """
+    return [f.abs_src_path for f in files
+            if getattr(f, "file", f).inclusion.is_included() and plugin.should_include(f)]
 
 
 # nbconvert wraps a notebook's mermaid block as <div class="jp-Mermaid"><pre class="mermaid">

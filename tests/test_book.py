@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -94,6 +95,20 @@ def test_nav_follows_the_chapter_order(tmp_path):
     (tmp_path / "04_data" / "__init__.py").write_text('__pages__ = ["missing"]\n')
     with pytest.raises(ValueError, match="missing"):
         hooks.build_nav(tmp_path)
+
+
+def test_the_build_executes_the_pages_and_no_private_module():
+    """The pool executes each page the site shows once, and no `_*.py` or `__init__.py` module
+    (mkdocs-jupyter's wrapper used to make those look included: 141 kernels for 85 pages)."""
+    from mkdocs.config import load_config
+    from mkdocs.structure.files import get_files
+
+    hooks = _hooks()
+    config = load_config(str(ROOT / "mkdocs.yml"))
+    plugin = config["plugins"]["mkdocs-jupyter"]
+    files = plugin.on_files(get_files(config), config)  # the order mkdocs runs them in
+    executed = sorted(Path(p) for p in hooks.executed_pages(files, plugin))
+    assert executed == chapter_pages()
 
 
 def _check(page, check: str, problems: list[str]) -> None:
