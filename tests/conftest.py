@@ -50,8 +50,9 @@ def _run_pages_once(items) -> None:
     When the build test is selected, running each page again as a script would double the
     longest part of the suite; the build fails on any failing demo (allow_errors: false) and
     names the page. Selecting pages alone (`-k 04_data`, `-m "not slow"`) still runs them.
-    The build itself starts here, in the background (tests/test_site.py's `start_book_build`):
-    the suite before test_site.py leaves about one of two cores idle, and the build fills it.
+    The build and its browser pass start here, in the background (tests/test_site.py's
+    `start_book_build`), and test_site.py's tests move to the end of the session: the rest of
+    the suite leaves about one of two cores idle, and the build fills it.
     """
     build = [item for item in items
              if item.nodeid.endswith("test_site.py::test_book_builds_strict_and_offline")]
@@ -65,6 +66,8 @@ def _run_pages_once(items) -> None:
     for item in items:
         if getattr(item, "originalname", "") == "test_page_runs_as_a_script":
             item.add_marker(skip)
+    site = [item for item in items if item.module is build[0].module]
+    items[:] = [item for item in items if item.module is not build[0].module] + site
 
 
 @pytest.hookimpl(trylast=True)  # after -k / -m have deselected what they deselect

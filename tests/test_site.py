@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import concurrent.futures
-import functools
-import http.server
+import json
 import os
 import re
 import shutil
@@ -12,124 +10,90 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
+import time
 from html import unescape
 from pathlib import Path
 
 import pytest
 
+from tests import site_workers
 from tests.conftest import ROOT, chapter_pages
 
 ARTIFACTS = ROOT / "test-artifacts"
 
 # the strict build executes every page, and the browser pass loads every page: minutes each
-# (the build executes every page: allow it more than pytest's default 600 s per test)
+# (a test may wait for both: allow it more than pytest's default 600 s)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-# Injected by the test server only: material renders each mermaid diagram into a *closed*
-# shadow root, invisible to --dump-dom. The probe opens those roots and copies what they hold
-# into attributes, so the test reads the browser's own rendering.
-PROBE = b"""<script>(function () {
-  var attach = Element.prototype.attachShadow;
-  Element.prototype.attachShadow = function (init) {
-    return attach.call(this, Object.assign({}, init, {mode: "open"}));
-  };
-  setInterval(function () {
-    document.querySelectorAll("div.mermaid").forEach(function (d) {
-      var root = d.shadowRoot;
-      if (!root) return;
-      var svg = root.querySelector("svg");
-      d.setAttribute("data-tt-svg", svg ? "yes" : "no");
-      d.setAttribute("data-tt-error", /Syntax error|Parse error/.test(root.textContent) ? "yes" : "no");
-      var label = svg && root.querySelector(".nodeLabel, .label, text");
-      if (label && svg.viewBox.baseVal.width) {  // the label's font size as drawn on screen
-        var scale = svg.getBoundingClientRect().width / svg.viewBox.baseVal.width;
-        d.setAttribute("data-tt-font-px", (parseFloat(getComputedStyle(label).fontSize) * scale).toFixed(1));
-      }
-    });
-    // Code blocks at the window's width: every folded cell opened, each <pre> that scrolls
-    // (its content wider than its box) counted, and the width a 110-character line needs in
-    // the first code cell's font against the width its box leaves for text.
-    document.querySelectorAll("details.tt-folded").forEach(function (d) { d.open = true; });
-    var clipped = [];
-    document.querySelectorAll(".md-content pre, .md-content pre > code").forEach(function (p) {
-      if (p.clientWidth && p.scrollWidth > p.clientWidth + 1)
-        clipped.push(p.scrollWidth + ">" + p.clientWidth + ":" + p.textContent.trim().slice(0, 40));
-    });
-    document.body.setAttribute("data-tt-clipped", clipped.length + (clipped.length ? " " + clipped[0] : ""));
-    var pre = document.querySelector(".jupyter-wrapper .highlight-ipynb pre");
-    if (pre && pre.clientWidth) {
-      var probe = document.createElement("span");
-      probe.textContent = "x".repeat(110);
-      pre.appendChild(probe);
-      var need = probe.getBoundingClientRect().width, style = getComputedStyle(pre);
-      pre.removeChild(probe);
-      var room = pre.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
-      document.body.setAttribute("data-tt-line110", need.toFixed(0) + "/" + room.toFixed(0));
-    }
-  }, 100);
-})();</script>"""
-
-
-BUILD_LOG: dict[str, str] = {}  # the strict build's console output, for the tests that read it
-_BUILD: dict = {}  # the session's one build: its process, console file and output directory
+_RUN: dict = {}  # the session's one build and browser pass: its process and output directory
 BUILD_TIMEOUT_S = 1200
+BROWSER_TIMEOUT_S = 600
 
 
 def start_book_build() -> None:
-    """Start `mkdocs build --strict` in the background, once per session (this executes every page).
+    """Start the strict build and its browser pass in the background, once per session.
 
-    tests/conftest.py calls it at collection when the build test is selected, so the build runs
-    beside the tests before this module: the rest of the suite keeps about one of two cores
-    busy (one pytest process, single-process tests), and the build's kernels use what is idle.
-    The build and its checks are unchanged; only its start moves.
+    `python -m tests.site_workers OUT` runs `mkdocs build --strict` (which executes every page),
+    then loads every built page in headless Chromium. tests/conftest.py calls this at collection
+    when the build test is selected and moves this module's tests to the end of the session, so
+    both run beside the rest of the suite. The build and its checks are unchanged; only when they
+    run moves.
     """
-    if _BUILD:
+    if _RUN:
         return
     out = Path(tempfile.mkdtemp(prefix="tinytron-site-"))
-    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    # The kernels must use Jupyter's inline backend: with MPLBACKEND=Agg, plt.show() draws
-    # nothing and the book would lose every figure.
-    env.pop("MPLBACKEND", None)
-    console = tempfile.TemporaryFile(mode="w+", encoding="utf-8")  # no pipe to fill while tests run
-    proc = subprocess.Popen([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)],
-                            cwd=ROOT, env=env, stdout=console, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # its kernels and their ranks: one group
-    _BUILD.update(proc=proc, console=console, out=out)
+    with open(out / "driver.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.site_workers", str(out)], cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its kernels, their ranks, the browser
+    _RUN.update(proc=proc, out=out)
 
 
 def stop_book_build() -> None:
-    """End a build still running (the session stopped early) and remove its output."""
-    proc = _BUILD.get("proc")
+    """End a run still going (the session stopped early) and remove its output."""
+    proc = _RUN.get("proc")
     if proc is not None and proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         proc.wait()
-    if _BUILD:
-        _BUILD["console"].close()
-        shutil.rmtree(_BUILD["out"], ignore_errors=True)
-    _BUILD.clear()
+    if _RUN:
+        shutil.rmtree(_RUN["out"], ignore_errors=True)
+    _RUN.clear()
+
+
+def _wait_for(name: str, timeout_s: float) -> Path:
+    """The run's file `name`, once written; fails naming what did not finish in time."""
+    path, proc = _RUN["out"] / name, _RUN["proc"]
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if proc.poll() is not None and not path.exists():
+            driver = (_RUN["out"] / "driver.log").read_text(errors="replace")
+            pytest.fail(f"the site run ended (exit {proc.returncode}) without writing {name}:\n"
+                        f"{driver[-5000:]}")
+        if time.monotonic() > deadline:
+            stop_book_build()
+            pytest.fail(f"the site run did not write {name} within {timeout_s} s")
+        time.sleep(0.5)
+    return path
 
 
 @pytest.fixture(scope="session")
 def site_dir():
     """The book built once per session (started early by tests/conftest.py, or here)."""
     start_book_build()
-    proc, console = _BUILD["proc"], _BUILD["console"]
-    try:  # the limit counts from here: a build started early has had a head start, not less time
-        proc.wait(timeout=BUILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        stop_book_build()
-        pytest.fail(f"mkdocs build --strict did not finish within {BUILD_TIMEOUT_S} s")
-    console.seek(0)
-    text = console.read()
-    if proc.returncode != 0:
+    # the limit counts from here: a build started early has had a head start, not less time
+    rc = int(_wait_for("build.rc", BUILD_TIMEOUT_S).read_text())
+    text = (_RUN["out"] / "build.log").read_text(encoding="utf-8", errors="replace")
+    if rc != 0:
         pytest.fail(f"mkdocs build --strict failed:\n{text[-11000:]}")
     BUILD_LOG["text"] = text
-    yield _BUILD["out"]
+    yield _RUN["out"] / "site"
     stop_book_build()
+
+
+BUILD_LOG: dict[str, str] = {}  # the strict build's console output, for the tests that read it
 
 
 def test_book_builds_strict_and_offline(site_dir):
@@ -169,72 +133,29 @@ def test_megatron_citations_link_to_the_pinned_commit(site_dir):
     assert linked > 200, f"only {linked} citation links in the whole book"
 
 
-class _ProbeHandler(http.server.SimpleHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802 - http.server's naming
-        path = self.translate_path(self.path)
-        if os.path.isdir(path):
-            path = os.path.join(path, "index.html")
-        if not path.endswith(".html"):
-            return super().do_GET()
-        try:
-            data = Path(path).read_bytes().replace(b"<head>", b"<head>" + PROBE, 1)
-        except OSError:
-            return self.send_error(404)
-        self.send_response(200)
-        self.send_header("Content-Type", "text/html; charset=utf-8")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture(scope="session")
 def served_site(site_dir):
-    handler = functools.partial(_ProbeHandler, directory=str(site_dir))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server, address = site_workers.serve(site_dir)
+    yield address
     server.shutdown()
 
 
-def _chromium() -> str:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        if path := shutil.which(name):
-            return path
-    pytest.skip("no Chromium found: install it with `apt-get install chromium` (scripts/setup.sh does)")
-
-
 def _browser(url: str, *extra: str) -> str:
-    user_dir = tempfile.mkdtemp(prefix="tinytron-chromium-")
-    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-           "--no-first-run", "--disable-background-networking", "--disable-component-update",
-           "--disable-sync", f"--user-data-dir={user_dir}", "--virtual-time-budget=15000",
-           *extra, url]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    finally:
-        shutil.rmtree(user_dir, ignore_errors=True)
-    return proc.stdout
-
-
-def _pages_to_check(site_dir):
-    yield "", site_dir / "index.html", (ROOT / "chapters" / "index.md").read_text()
-    for page in chapter_pages():
-        yield f"{page.parent.name}/{page.stem}/", None, page.read_text()
+    if site_workers.chromium() is None:
+        pytest.skip(site_workers.NO_CHROMIUM)
+    return site_workers.browser(url, *extra)
 
 
 @pytest.fixture(scope="session")
-def rendered_pages(site_dir, served_site):
+def rendered_pages(site_dir):
     """(address, source, DOM) of every page as headless Chromium renders it at 1280 px."""
-    pages = list(_pages_to_check(site_dir))
-    # one headless Chromium per page, two at a time: the pass is bound by browser start-ups
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        doms = list(pool.map(lambda page: _browser(f"{served_site}/{page[0]}", "--dump-dom",
-                                                   "--window-size=1280,2000"), pages))
-    return [(rel, source, dom) for (rel, _, source), dom in zip(pages, doms)]
+    listed = json.loads(_wait_for("doms.json", BROWSER_TIMEOUT_S).read_text())
+    if isinstance(listed, dict):
+        pytest.skip(listed["skip"])
+    sources = dict(site_workers.pages_to_check())
+    assert [rel for rel, _ in listed] == list(sources), "the browser pass skipped pages"
+    doms = _RUN["out"] / "doms"
+    return [(rel, sources[rel], (doms / name).read_text(encoding="utf-8")) for rel, name in listed]
 
 
 def test_browser_renders_diagrams_and_math(rendered_pages):

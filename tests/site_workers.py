@@ -1,0 +1,181 @@
+"""Subprocess entry point of the site tests: the strict book build, then its browser pass.
+
+    python -m tests.site_workers OUT
+
+runs `mkdocs build --strict` into OUT/site (its console in OUT/build.log, its exit status in
+OUT/build.rc, written once the build has ended), then loads every page of the built site in
+headless Chromium at 1280 px and keeps each page's DOM under OUT/doms/, listed in OUT/doms.json
+(written last: a list of [address, DOM file], or {"skip": reason} when no Chromium is found).
+
+tests/conftest.py starts this at collection and tests/test_site.py reads what it leaves, at the
+end of the suite. Both halves run beside the other tests: the build's kernels and the browser
+fill the core that one pytest process leaves idle, and a page load mostly waits (about 1.8 s of
+wall time for 0.9 s of CPU), so the browser pass costs the suite little wall time.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from tests.conftest import ROOT, chapter_pages
+
+# Injected by the test server only: material renders each mermaid diagram into a *closed*
+# shadow root, invisible to --dump-dom. The probe opens those roots and copies what they hold
+# into attributes, so the test reads the browser's own rendering.
+PROBE = b"""<script>(function () {
+  var attach = Element.prototype.attachShadow;
+  Element.prototype.attachShadow = function (init) {
+    return attach.call(this, Object.assign({}, init, {mode: "open"}));
+  };
+  setInterval(function () {
+    document.querySelectorAll("div.mermaid").forEach(function (d) {
+      var root = d.shadowRoot;
+      if (!root) return;
+      var svg = root.querySelector("svg");
+      d.setAttribute("data-tt-svg", svg ? "yes" : "no");
+      d.setAttribute("data-tt-error", /Syntax error|Parse error/.test(root.textContent) ? "yes" : "no");
+      var label = svg && root.querySelector(".nodeLabel, .label, text");
+      if (label && svg.viewBox.baseVal.width) {  // the label's font size as drawn on screen
+        var scale = svg.getBoundingClientRect().width / svg.viewBox.baseVal.width;
+        d.setAttribute("data-tt-font-px", (parseFloat(getComputedStyle(label).fontSize) * scale).toFixed(1));
+      }
+    });
+    // Code blocks at the window's width: every folded cell opened, each <pre> that scrolls
+    // (its content wider than its box) counted, and the width a 110-character line needs in
+    // the first code cell's font against the width its box leaves for text.
+    document.querySelectorAll("details.tt-folded").forEach(function (d) { d.open = true; });
+    var clipped = [];
+    document.querySelectorAll(".md-content pre, .md-content pre > code").forEach(function (p) {
+      if (p.clientWidth && p.scrollWidth > p.clientWidth + 1)
+        clipped.push(p.scrollWidth + ">" + p.clientWidth + ":" + p.textContent.trim().slice(0, 40));
+    });
+    document.body.setAttribute("data-tt-clipped", clipped.length + (clipped.length ? " " + clipped[0] : ""));
+    var pre = document.querySelector(".jupyter-wrapper .highlight-ipynb pre");
+    if (pre && pre.clientWidth) {
+      var probe = document.createElement("span");
+      probe.textContent = "x".repeat(110);
+      pre.appendChild(probe);
+      var need = probe.getBoundingClientRect().width, style = getComputedStyle(pre);
+      pre.removeChild(probe);
+      var room = pre.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+      document.body.setAttribute("data-tt-line110", need.toFixed(0) + "/" + room.toFixed(0));
+    }
+  }, 100);
+})();</script>"""
+
+NO_CHROMIUM = "no Chromium found: install it with `apt-get install chromium` (scripts/setup.sh does)"
+
+
+class ProbeHandler(http.server.SimpleHTTPRequestHandler):
+    """Serves the built site, each HTML page with PROBE at the top of its <head>."""
+
+    def do_GET(self):  # noqa: N802 - http.server's naming
+        path = self.translate_path(self.path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "index.html")
+        if not path.endswith(".html"):
+            return super().do_GET()
+        try:
+            data = Path(path).read_bytes().replace(b"<head>", b"<head>" + PROBE, 1)
+        except OSError:
+            return self.send_error(404)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def serve(site_dir: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
+    """(server, its address) of the probed site, served from a daemon thread."""
+    handler = functools.partial(ProbeHandler, directory=str(site_dir))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if path := shutil.which(name):
+            return path
+    return None
+
+
+def browser(url: str, *extra: str) -> str:
+    """What headless Chromium prints for `url` (the DOM with --dump-dom), after 15 s of page time."""
+    user_dir = tempfile.mkdtemp(prefix="tinytron-chromium-")
+    cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+           "--no-first-run", "--disable-background-networking", "--disable-component-update",
+           "--disable-sync", f"--user-data-dir={user_dir}", "--virtual-time-budget=15000",
+           *extra, url]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    finally:
+        shutil.rmtree(user_dir, ignore_errors=True)
+    return proc.stdout
+
+
+def pages_to_check() -> list[tuple[str, str]]:
+    """(address under the site, the page's source text) of the front page and every chapter page."""
+    pages = [("", (ROOT / "chapters" / "index.md").read_text())]
+    return pages + [(f"{p.parent.name}/{p.stem}/", p.read_text()) for p in chapter_pages()]
+
+
+def build(out: Path) -> int:
+    """`mkdocs build --strict` into out/site; its console in out/build.log, then out/build.rc."""
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    # The kernels must use Jupyter's inline backend: with MPLBACKEND=Agg, plt.show() draws
+    # nothing and the book would lose every figure.
+    env.pop("MPLBACKEND", None)
+    with open(out / "build.log", "w", encoding="utf-8") as console:
+        rc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d",
+                             str(out / "site")], cwd=ROOT, env=env, stdout=console,
+                            stderr=subprocess.STDOUT).returncode
+    _write(out / "build.rc", str(rc))
+    return rc
+
+
+def render(out: Path) -> None:
+    """Every page's DOM at 1280 px, one page at a time (two at once take as long: a load waits)."""
+    if chromium() is None:
+        _write(out / "doms.json", json.dumps({"skip": NO_CHROMIUM}))
+        return
+    server, address = serve(out / "site")
+    (out / "doms").mkdir()
+    listed = []
+    try:
+        for i, (rel, _) in enumerate(pages_to_check()):
+            dom = browser(f"{address}/{rel}", "--dump-dom", "--window-size=1280,2000")
+            (out / "doms" / f"{i:03d}.html").write_text(dom, encoding="utf-8")
+            listed.append([rel, f"{i:03d}.html"])
+    finally:
+        server.shutdown()
+    _write(out / "doms.json", json.dumps(listed))
+
+
+def _write(path: Path, text: str) -> None:
+    """Write a file whole or not at all: a reader waiting for it never sees half of it."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(text, encoding="utf-8")
+    part.rename(path)
+
+
+def main(out: Path) -> None:
+    if build(out) == 0:
+        render(out)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
