@@ -104,7 +104,7 @@ def test_the_step_time_model_is_printed_at_start(runs):
 
 
 # -- tinytron-generate ------------------------------------------------------------------------
-def test_tinytron_generate_runs_on_the_trained_checkpoint_greedy_as_the_function(runs):
+def test_tinytron_generate_on_a_run_and_on_one_iteration_writes_what_the_function_writes(runs):
     from tinytron.checkpoint.convert import read_checkpoint_model
     from tinytron.data.preprocess import TokenizerSpec, build_tokenizer
     from tinytron.model._generate import generate
@@ -120,6 +120,21 @@ def test_tinytron_generate_runs_on_the_trained_checkpoint_greedy_as_the_function
     new = generate(read_checkpoint_model(str(run_dir)), tok.encode("def "), 12,
                    temperature=0.0, eod=tok.eod, vocab_size=tok.vocab_size)
     assert proc.stdout.rstrip("\n") == "def " + tok.decode([i for i in new if i != tok.eod])
+    # one iteration's directory (README: `tinytron-generate runs/tiny/iter_0000150`): that
+    # iteration's weights, not the tracker's latest. Sampled (the same seed, the same text), the
+    # two checkpoints write different text, so the comparison tells them apart.
+    first, sampling = run_dir / "iter_0000002", dict(temperature=1.0, seed=3)
+    texts = {}
+    for where in (first, run_dir):
+        new = generate(read_checkpoint_model(str(where)), tok.encode("def "), 24, eod=tok.eod,
+                       vocab_size=tok.vocab_size, **sampling)
+        texts[where] = "def " + tok.decode([i for i in new if i != tok.eod])
+    assert texts[first] != texts[run_dir]
+    one = subprocess.run([exe, str(first), "--prompt", "def ", "--max-new-tokens", "24",
+                          "--temperature", "1", "--seed", "3"], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert one.stdout == texts[first] + "\n"
     bad = subprocess.run([exe, str(run_dir / "nothing"), "--prompt", "x"], capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
