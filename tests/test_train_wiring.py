@@ -162,6 +162,27 @@ def test_a_relaunch_continues_from_the_save_directory_not_load_again(runs, capsy
     assert (b / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
 
 
+def test_a_relaunch_of_a_finetune_continues_its_own_checkpoint_with_all_its_state(runs, capsys,
+                                                                                  tmp_path):
+    """`finetune` says how to take `load`'s checkpoint (weights only, iteration 0). The relaunch
+    of the same command line reads the run's own checkpoint whole: nothing is trained again."""
+    a, b = runs["sync"][0], tmp_path / "b"
+    args = ["--data.data_path", _prefix_of(a), "--checkpoint.load", str(a),
+            "--checkpoint.save", str(b), "--checkpoint.finetune", "true",
+            "--training.train_iters", "6", "--training.save_interval", "2",
+            "--training.eval_interval", "0"]
+    code, first, err = _main(capsys, *args)
+    assert code == 0, err[-3000:]
+    assert f"checkpoint: resumed from {a / 'iter_0000004'} at iteration 0; restored model " \
+           "weights only" in first, first
+    assert _train_iterations(b) == [1, 2, 3, 4, 5, 6]
+    code, second, err = _main(capsys, *args)   # the same command line: a relaunch
+    assert code == 0, err[-3000:]
+    assert f"checkpoint: resumed from {b / 'iter_0000006'} at iteration 6; restored model " \
+           "weights, optimizer state, scheduler, RNG states, data position" in second, second
+    assert _train_iterations(b) == [1, 2, 3, 4, 5, 6]   # a finetune again would retrain 1-6
+
+
 def _prefix_of(run_dir: Path) -> str:
     """The data prefix a run trained on (its config.toml)."""
     import tomllib
