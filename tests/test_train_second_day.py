@@ -406,6 +406,21 @@ def test_sampling_options_and_the_command(varied_model, first_run, capsys):
     assert "generate: error: " in capsys.readouterr().err
 
 
+def test_readme_lists_the_commands_sampling_defaults():
+    """README's `tinytron-generate` table gives each flag the default the command has."""
+    import re
+
+    from tinytron.model._generate import parser
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Generating text: `tinytron-generate`", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(--[\w-]+) \w+` \| ([\d.]+)", section, re.M)
+    assert len(rows) == 5, rows
+    p = parser()
+    for flag, default in rows:
+        assert p.get_default(flag[2:].replace("-", "_")) == float(default), flag
+
+
 def test_sigterm_saves_at_the_iteration_it_stops_and_exits_zero(tmp_path, data_prefix):
     """README: with exit_signal_handler (tiny.toml's) a SIGTERM finishes the iteration, saves
     and exits 0; the tracker and the JSONL agree on where the run stopped."""

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from tinytron.model.layers import rope_cos_sin
 
-__all__ = ["KVCache", "generate", "sample_next", "main"]
+__all__ = ["KVCache", "generate", "sample_next", "parser", "main"]
 
 
 class KVCache:
@@ -154,8 +154,8 @@ def _tokenizer(src: str, tokenizer_file: Optional[str]):
     return build_tokenizer(TokenizerSpec(kind or "byte", path))
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m tinytron.model._generate CHECKPOINT --prompt TEXT`: exit 0, or 2 with one line."""
+def parser() -> argparse.ArgumentParser:
+    """The command line of `tinytron-generate` (the README's table lists its sampling defaults)."""
     p = argparse.ArgumentParser(prog="python -m tinytron.model._generate",
                                 description="Generate text from a tinytron checkpoint.")
     p.add_argument("checkpoint", help="a checkpoint root or iter_* directory, either format")
@@ -167,7 +167,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer-file", default=None,
                    help="a tokenizer.json (default: the run's [tokenizer], else bytes)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m tinytron.model._generate CHECKPOINT --prompt TEXT`: exit 0, or 2 with one line."""
+    args = parser().parse_args(argv)
     try:
         from tinytron.checkpoint.convert import read_checkpoint_model
 
