@@ -77,7 +77,7 @@ def trainer_host_reads(config: str, overrides: list[str], iters: int = 2) -> dic
 
     Two in-process runs of the trainer from scratch, of 2 and 2 + `iters` iterations, each
     under the recorder; their difference over `iters` is what one iteration adds, with the
-    start-up, the final save and the final validation cancelled out.
+    start-up, the final save and the final validation canceled out.
     """
     import io
     import os

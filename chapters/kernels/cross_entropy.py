@@ -248,7 +248,8 @@ def cross_entropy_saved_bytes(num_tokens: int, vocab_local: int, dtype: torch.dt
 # backward, starting from `logits.float()` as appendix B's model calls it. On one rank it takes
 # one `log_softmax` pass instead and exponentiates only in the backward (A.3's one-rank path),
 # and the demo below, which runs on one rank, counts 26 bytes per logit forward and the same
-# 30 backward, against the kernels' 2 and 4. The table is the running example's TP 2, so its eager column is the chain's.
+# 30 backward, against the kernels' 2 and 4. The table is the running example's TP 2, so its
+# eager column is the chain's.
 #
 # | | kernels | eager (appendix A's chain, TP 2) |
 # |---|---|---|

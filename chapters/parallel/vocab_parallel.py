@@ -178,8 +178,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 # built in (the chain above copies its saved softmax for that), so this path saves $\log p$
 # and the backward takes $e^{\log p}$ there: the same numbers as the chain's softmax, one
 # pass over $[b, s, V]$ fewer than exponentiating in the forward and copying in the backward.
-# The saved tensors have the bytes of every other layout's (log-softmax, target ids, target
-# mask), and the forward holds one $[b, s, V]$ temporary less (chapter 07's peak counts it). The numbers agree with the chain to fp32 rounding (the sum is taken in another
+# It saves as many bytes as every other layout (log p instead of the softmax, the target ids,
+# the target mask), and the forward holds one $[b, s, V]$ temporary less (chapter 07's peak
+# counts it). The numbers agree with the chain to fp32 rounding (the sum is taken in another
 # order), not bit for bit. A label outside the vocabulary gets the loss the chain gives it at
 # any TP size, $\log \sum_j e^{z_j - m}$, which needs the max again (one read-only pass).
 # Megatron has no such special case: its `VocabParallelCrossEntropy` runs the chain at TP 1
