@@ -26,6 +26,7 @@ ARTIFACTS = ROOT / "test-artifacts"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 _RUN: dict = {}  # the session's one build and browser pass: its process and output directory
+BUILD_LOG: dict[str, str] = {}  # the strict build's console output, for the tests that read it
 BUILD_TIMEOUT_S = 1200
 BROWSER_TIMEOUT_S = 600
 
@@ -68,7 +69,7 @@ def _wait_for(name: str, timeout_s: float) -> Path:
     path, proc = _RUN["out"] / name, _RUN["proc"]
     deadline = time.monotonic() + timeout_s
     while not path.exists():
-        if proc.poll() is not None and not path.exists():
+        if proc.poll() is not None and not path.exists():  # it may have ended just after writing
             driver = (_RUN["out"] / "driver.log").read_text(errors="replace")
             pytest.fail(f"the site run ended (exit {proc.returncode}) without writing {name}:\n"
                         f"{driver[-5000:]}")
@@ -91,9 +92,6 @@ def site_dir():
     BUILD_LOG["text"] = text
     yield _RUN["out"] / "site"
     stop_book_build()
-
-
-BUILD_LOG: dict[str, str] = {}  # the strict build's console output, for the tests that read it
 
 
 def test_book_builds_strict_and_offline(site_dir):
