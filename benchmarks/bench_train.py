@@ -60,6 +60,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # plain_llama, here and in workers
 
+
 def _tiny_toml_shape() -> tuple[dict, int, dict]:
     """configs/tiny.toml's [model] and batch sizes, read from the file the README runs."""
     import tomllib
