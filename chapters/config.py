@@ -48,13 +48,28 @@ class ParallelConfig:
     context_parallel_size: int = 1
     """CP: the sequence split over this many ranks for attention."""
     overlap_p2p_comm: bool = True
-    """Interleaved 1F1B: post the p2p messages async (Megatron's default); off needs PP > 2."""
+    """Interleaved 1F1B: post the p2p messages async (Megatron's default); off needs PP > 2.
+    Without interleaving the schedule gets it off, as Megatron sets it (arguments.py:989-991)."""
+    batch_p2p_comm: Optional[bool] = None
+    """Pipeline p2p as one batch_isend_irecv per exchange, else single isend/irecv; None = not
+    overlap_p2p_comm (Megatron's argument_utils.py:302); true is refused with overlap_p2p_comm."""
 
     def sizes(self) -> tuple[int, int, int, int]:
         """(tp, pp, vpp, cp) with vpp None read as 1."""
         vpp = self.virtual_pipeline_model_parallel_size or 1
         return (self.tensor_model_parallel_size, self.pipeline_model_parallel_size, vpp,
                 self.context_parallel_size)
+
+    def p2p_schedule_options(self) -> dict:
+        """overlap_p2p_comm and batch_p2p_comm as the schedule gets them: one p2p method for
+        every message (NCCL matches a batched message only with a batched one)."""
+        overlap = self.overlap_p2p_comm and self.sizes()[2] > 1
+        batch = not overlap if self.batch_p2p_comm is None else self.batch_p2p_comm
+        if batch and overlap:
+            raise ConfigError("parallel.batch_p2p_comm = true needs parallel.overlap_p2p_comm = "
+                              "false: overlapped p2p posts single isend/irecv "
+                              "(model_parallel_config.py:304-312)")
+        return {"overlap_p2p_comm": overlap, "batch_p2p_comm": batch}
 
 
 @dataclass
@@ -295,9 +310,11 @@ class TrainConfig:
             self.model.check_layout(tp=tp, cp=cp, pp=pp, num_virtual_stages=vpp)
         except ValueError as e:
             raise ConfigError(f"model: {e}") from e
-        if vpp > 1 and pp <= 2 and not self.parallel.overlap_p2p_comm:
+        p2p = self.parallel.p2p_schedule_options()
+        if vpp > 1 and pp <= 2 and p2p["batch_p2p_comm"]:
             raise ConfigError("parallel.overlap_p2p_comm = false needs pipeline_model_parallel_size"
-                              f" > 2 with interleaving, got {pp} (arguments.py:984-988)")
+                              f" > 2 with interleaving, got {pp} (arguments.py:984-988; or set "
+                              "parallel.batch_p2p_comm = false)")
         t = self.training
         per_step = t.micro_batch_size * dp
         if t.step_batch_size_schedule is not None and t.global_batch_size is not None:

@@ -799,7 +799,7 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
                 scheduler_provider=megatron_scheduler_provider(cfg.scheduler, cfg.optimizer),
                 grid_provider=lambda: grid, ddp_config=_ddp_config(cfg), seq_length=seq,
                 vpp_size=cfg.parallel.virtual_pipeline_model_parallel_size,
-                schedule_overrides={"pipeline_dtype": dtype, "overlap_p2p_comm": cfg.parallel.overlap_p2p_comm},
+                schedule_overrides={"pipeline_dtype": dtype, **cfg.parallel.p2p_schedule_options()},
                 load_checkpoint_fn=load, save_checkpoint_fn=save, finalize_async_save_fn=finalize,
                 before_optimizer_step_fn=before_step,
                 flops_fn=lambda batch: num_floating_point_operations(cfg.model, batch),

@@ -10,6 +10,7 @@ from tinytron.parallel import (ColumnParallelLinear, ParallelGrid, RowParallelLi
                                VocabParallelEmbedding, gather_from_context_parallel,
                                gather_from_sequence_parallel_region, gather_shards, normal_init,
                                rank_layout, scatter_to_sequence_parallel_region,
+                               send_backward_recv_backward,
                                send_forward_backward_recv_forward_backward, send_forward_recv_forward,
                                split_for_context_parallel)
 from tinytron.parallel._workers import (cp_attention_parity, dropout_masks, pipeline_parity,
@@ -51,13 +52,26 @@ def _sp_regions(grid: ParallelGrid) -> float:
     return err + (g - x.detach()).abs().max().item() + (z.grad - 2).abs().max().item()
 
 
-def _p2p_both_ways(grid: ParallelGrid) -> list:
-    """All four directions in one exchange between wrap-around neighbors; return what arrived."""
+def _p2p_both_ways(grid: ParallelGrid) -> dict:
+    """All four directions in one exchange between wrap-around neighbors, batched, as single
+    operations and posted without waiting (overlap_p2p_comm); what arrived, per method."""
     me = float(grid.global_rank)
     out, grad = torch.full((2,), me), torch.full((2,), -me)
-    from_prev, from_next = send_forward_backward_recv_forward_backward(out, grad, True, True, (2,), grid)
-    ring = send_forward_recv_forward(torch.full((3,), me), True, (3,), grid)
-    return [from_prev[0].item(), from_next[0].item(), ring[0].item()]
+    arrived = {}
+    for name, batch in (("batched", True), ("single", False)):
+        from_prev, from_next = send_forward_backward_recv_forward_backward(
+            out, grad, True, True, (2,), grid, batch_p2p_comm=batch)
+        ring = send_forward_recv_forward(torch.full((3,), me), True, (3,), grid,
+                                         batch_p2p_comm=batch)
+        arrived[name] = [from_prev[0].item(), from_next[0].item(), ring[0].item()]
+    ring, handles = send_forward_recv_forward(torch.full((3,), me), True, (3,), grid,
+                                              overlap_p2p_comm=True, batch_p2p_comm=False)
+    grad_back, more = send_backward_recv_backward(grad, True, (2,), grid, overlap_p2p_comm=True,
+                                                  batch_p2p_comm=False)
+    for h in [*handles.values(), *more.values()]:
+        h.wait()
+    arrived["posted"] = [ring[0].item(), grad_back[0].item(), sorted(handles) + sorted(more)]
+    return arrived
 
 
 def _grid_matches_layout(grid: ParallelGrid, **sizes) -> bool:

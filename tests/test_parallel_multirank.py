@@ -77,10 +77,14 @@ def test_pipeline_stages_reproduce_unsplit_model(world, request):
 @pytest.mark.parametrize("world,n", [("two", 2), ("four", 4)])
 def test_p2p_round_trip_wraps_around_the_ring(world, n, request):
     for r, res in enumerate(request.getfixturevalue(world)):
-        from_prev, from_next, ring = res["p2p"]
-        assert from_prev == (r - 1) % n  # the activation of the previous stage
-        assert from_next == -float((r + 1) % n)  # the gradient of the next stage
-        assert ring == (r - 1) % n
+        for method in ("batched", "single"):  # one batch; single isend/irecv, even/odd order
+            from_prev, from_next, ring = res["p2p"][method]
+            assert from_prev == (r - 1) % n  # the activation of the previous stage
+            assert from_next == -float((r + 1) % n)  # the gradient of the next stage
+            assert ring == (r - 1) % n
+        ring, grad, names = res["p2p"]["posted"]  # overlap_p2p_comm: handles, waited later
+        assert ring == (r - 1) % n and grad == -float((r + 1) % n)
+        assert names == ["recv_prev", "send_next", "recv_next", "send_prev"]
 
 
 def test_grid_with_sizes_not_fitting_the_world_raises(two):

@@ -58,3 +58,19 @@ def message_width(config_hidden, model_config) -> int:
 def check_sequence_split(seq_length: int, split: int) -> None:
     if seq_length % split:
         raise ValueError(f"seq_length ({seq_length}) must be divisible by cp*tp(SP) ({split})")
+
+
+def batch_p2p(config) -> bool:
+    """The schedule's p2p method: batched (True) or single isend/irecv (False).
+
+    `batch_p2p_comm` None means the negation of `overlap_p2p_comm`, as Megatron's training
+    arguments set it (megatron/training/argument_utils.py:302); both True is refused
+    (megatron/core/model_parallel_config.py:304-312).
+    """
+    batch, overlap = config.batch_p2p_comm, config.overlap_p2p_comm
+    if batch is None:
+        return not overlap
+    if batch and overlap:
+        raise ValueError("batch_p2p_comm = True with overlap_p2p_comm = True: overlapped p2p "
+                         "posts single isend/irecv, so set batch_p2p_comm = False (or None)")
+    return bool(batch)

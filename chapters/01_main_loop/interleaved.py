@@ -270,7 +270,8 @@ def _param_sync(run: _Interleaved, k: int) -> None:
 # gradient) of its chunk, opening `no_sync` for the chunk's last micro-batch as described
 # above. Both go through the previous page's `_Steps`,
 # and every message through its communicator's `exchange`, which moves up to four tensors in
-# one batch; the recorder (when there is one) wraps both, as on the previous page.
+# one exchange (one batch, or single operations: the config's one method, below); the
+# recorder (when there is one) wraps both, as on the previous page.
 
 # %%
 def _forward(run: _Interleaved, k: int):
@@ -420,11 +421,26 @@ def _sync_remaining_grads(run: _Interleaved) -> None:
 #
 # A receive buffer goes into its chunk's list when it is posted; nothing reads it before its
 # wait. The messages, their order on each rank and so every tensor computed are the plain
-# variant's, which a test checks bit for bit; only when the waits happen changes. Megatron
-# refuses the plain variant with two pipeline ranks, where the batch of one exchange holds two
-# messages between the same two ranks (`arguments.py:984-988`); tinytron's config refuses it
-# too, though the fixed posting order of [appendix A](../parallel/pipeline_p2p.py) makes it
-# safe over gloo, which is why the plain variant runs on this page's examples.
+# variant's, which a test checks bit for bit; only when the waits happen changes.
+#
+# **One method for every message.** A posted exchange cannot be a batch, so
+# `overlap_p2p_comm` requires `batch_p2p_comm = False` (`model_parallel_config.py:304-312`;
+# `ScheduleConfig` refuses both true), and the communicator posts *every* message as single
+# `isend`/`irecv`, the warmup's and cooldown's blocking ones included: Megatron's
+# `_communicate` reads one method from its config (`p2p_communication.py:374-378`). Under
+# NCCL a batch and a single operation travel on different communicators
+# ([appendix A](../parallel/pipeline_p2p.py)), so a gradient sent by a batch of the warmup
+# and received by a posted `irecv` would never arrive. Gloo matches both by peer and hides
+# the mix: with batched warmup and cooldown around a posted steady state, 6 of the 48
+# messages of one PP 2 iteration (two pipelines, 4 micro-batches) went out one way and in
+# the other while every CPU test passed. `tests/test_main_loop_p2p_methods.py` records each
+# message's method at both ends through torch's own functions.
+#
+# Megatron refuses the plain variant with two pipeline ranks, where the batch of one exchange
+# holds two messages between the same two ranks (`arguments.py:984-988`); tinytron's config
+# refuses it too unless `parallel.batch_p2p_comm = false`, though the fixed posting order of
+# [appendix A](../parallel/pipeline_p2p.py) makes the batch safe over gloo, which is why the
+# plain variant runs on this page's examples.
 
 # %%
 class _Pending:
@@ -440,7 +456,8 @@ def _post(run: _Interleaved, pending: _Pending, forward: bool, t, recv: bool):
     """Post send(t) and, if asked, a receive, in one direction; file the handles."""
     comm, start = run.comm, time.perf_counter()
     fn = p2p.send_forward_recv_forward if forward else p2p.send_backward_recv_backward
-    buf, handles = fn(t, recv, comm.shape, comm.grid, comm.dtype, overlap_p2p_comm=True)
+    buf, handles = fn(t, recv, comm.shape, comm.grid, comm.dtype, overlap_p2p_comm=True,
+                      batch_p2p_comm=comm.batched)
     send, recv_name = ("send_next", "recv_prev") if forward else ("send_prev", "recv_next")
     handles = recorded_handles(comm, handles, {send: t}, buf, start)
     previous = getattr(pending, send)
@@ -644,6 +661,23 @@ if __name__ == "__main__":
     assert 1.1 < ratio0 < 1.45  # Megatron's memory factor 1 + (p-1)/(p v) = 1.25 on rank 0
 
 # %% [markdown]
+# Which method a schedule uses is decided once, from the config: the plain variant batches
+# (Megatron's default), the overlapped one posts single operations everywhere, and asking for
+# both is refused before any message is sent.
+
+# %%
+if __name__ == "__main__":
+    from tinytron.main_loop._schedule_checks import batch_p2p
+
+    assert batch_p2p(ScheduleConfig()) is True                         # plain: one batch
+    assert batch_p2p(ScheduleConfig(overlap_p2p_comm=True)) is False   # overlapped: single ops
+    try:
+        ScheduleConfig(overlap_p2p_comm=True, batch_p2p_comm=True)
+        raise AssertionError("batched and overlapped p2p was accepted")
+    except ValueError as e:
+        print("refused:", e)
+
+# %% [markdown]
 # ## Summary
 #
 # - Interleaving gives each rank $v$ model chunks; every rank walks the same table of $m\,v$
@@ -656,7 +690,9 @@ if __name__ == "__main__":
 #   times more messages.
 # - `overlap_p2p_comm` (Megatron's default, and the only variant it allows for $p \le 2$)
 #   posts the same messages asynchronously and waits for each where it is needed; the
-#   results are the plain variant's, bit for bit.
+#   results are the plain variant's, bit for bit. It posts every message, blocking ones
+#   included, as single `isend`/`irecv` (`batch_p2p_comm = False`): under NCCL a batched
+#   send never meets a single receive.
 # - With `param_sync_func`, chunks 0 and 1 gather their parameters before the warmup and
 #   chunk $c + 1$ when chunk $c$ starts, each rank $r$ looking $r$ steps ahead so that every
 #   rank launches at once; forward-only calls launch none.

@@ -112,7 +112,12 @@ __all__ = ["ScheduleConfig", "ScheduleEvent", "ScheduleRecorder", "tensor_shape"
 # `forward_backward_pipelining_with_interleaving` (`:1059-1067, 1161-1163, 1283-1296,
 # 2043-2045`), none in `forward_backward_no_pipelining` (`:634`) or
 # `forward_backward_pipelining_without_interleaving` (`:2089`); with one chunk the forward
-# pre-hooks of chapter 05 dispatch its all-gathers. The `recorder` is tinytron's
+# pre-hooks of chapter 05 dispatch its all-gathers. `batch_p2p_comm` says how every pipeline
+# message of a schedule call is posted: one `batch_isend_irecv` per exchange (Megatron's
+# default) or single `isend`/`irecv`; one schedule never mixes the two, because under NCCL
+# they travel on different communicators ([appendix A](../parallel/pipeline_p2p.py)). Left
+# at `None` it is the negation of `overlap_p2p_comm`, as Megatron's training arguments set it
+# (`megatron/training/argument_utils.py:302`). The `recorder` is tinytron's
 # (`ScheduleRecorder`, defined with the pictures it feeds on the timeline page): every
 # forward, backward, send and receive is stamped with `time.perf_counter()`, a clock shared by
 # the processes of one machine. How it records without a line in the schedules is told below,
@@ -131,6 +136,9 @@ class ScheduleConfig:
     """Interleaved schedule: micro-batches per chunk before moving to the next; None means p."""
     overlap_p2p_comm: bool = False
     """Interleaved schedule: post the p2p messages async, wait where needed (its page)."""
+    batch_p2p_comm: bool | None = None
+    """Post each exchange as one batch_isend_irecv (True) or as single isend/irecv (False), for
+    every message of the schedule; None: `not overlap_p2p_comm`. Both True is a ValueError."""
     calculate_per_token_loss: bool = True
     """Back-propagate loss sums; finalize_model_grads divides by the global token count."""
     no_sync_func: Callable | list | None = None
@@ -149,6 +157,9 @@ class ScheduleConfig:
     """Width of the pipeline messages; None reads it from the model chunk's config."""
     sequence_parallel: bool | None = None
     """Messages are split over TP along the sequence; None reads it from the chunk's config."""
+
+    def __post_init__(self):
+        checks.batch_p2p(self)  # the combination Megatron forbids fails here, and again per call
 
 # %% [markdown]
 # ## One forward step and the loss contract
@@ -516,39 +527,41 @@ def _call_all(funcs) -> None:
 class _StageP2P:
     """Appendix A's point-to-point helpers bound to one stage's message shape and dtype."""
 
-    def __init__(self, grid: ParallelGrid, shape, dtype: torch.dtype):
-        self.grid, self.shape, self.dtype = grid, shape, dtype
+    def __init__(self, grid: ParallelGrid, shape, dtype: torch.dtype, batched: bool = True):
+        self.grid, self.shape, self.dtype, self.batched = grid, shape, dtype, batched
         self.rank, self.size = grid.rank("pp"), grid.size("pp")
         self.first, self.last = grid.is_first_stage(), grid.is_last_stage()
+        self.method = {"batch_p2p_comm": batched}  # one method for every message
 
     def recv_forward(self):
-        return p2p.recv_forward(self.shape, self.grid, self.dtype)
+        return p2p.recv_forward(self.shape, self.grid, self.dtype, **self.method)
 
     def recv_backward(self):
-        return p2p.recv_backward(self.shape, self.grid, self.dtype)
+        return p2p.recv_backward(self.shape, self.grid, self.dtype, **self.method)
 
     def send_forward(self, y) -> None:
-        p2p.send_forward(y, self.grid)
+        p2p.send_forward(y, self.grid, **self.method)
 
     def send_backward(self, dx) -> None:
-        p2p.send_backward(dx, self.grid)
+        p2p.send_backward(dx, self.grid, **self.method)
 
     def send_forward_recv_backward(self, y):
-        return p2p.send_forward_recv_backward(y, self.shape, self.grid, self.dtype)
+        return p2p.send_forward_recv_backward(y, self.shape, self.grid, self.dtype, **self.method)
 
     def send_backward_recv_forward(self, dx):
-        return p2p.send_backward_recv_forward(dx, self.shape, self.grid, self.dtype)
+        return p2p.send_backward_recv_forward(dx, self.shape, self.grid, self.dtype, **self.method)
 
     def exchange(self, y, dx, recv_prev: bool, recv_next: bool):
         return p2p.send_forward_backward_recv_forward_backward(
-            y, dx, recv_prev, recv_next, self.shape, self.grid, self.dtype)
+            y, dx, recv_prev, recv_next, self.shape, self.grid, self.dtype, **self.method)
 
 
 def _comm_and_steps(forward_step_func, iterators, chunks, num_microbatches, seq_length,
                     micro_batch_size, grid, config):
     """The stage's communicator and steps, both wrapped when the config has a recorder."""
     shape = tensor_shape(chunks[0], seq_length, micro_batch_size, grid, config)
-    return instrument(_StageP2P(grid, shape, config.pipeline_dtype),
+    comm = _StageP2P(grid, shape, config.pipeline_dtype, checks.batch_p2p(config))
+    return instrument(comm,
                       _Steps(forward_step_func, iterators, chunks, num_microbatches, grid, config),
                       config.recorder, stage=grid.rank("pp"))
 

@@ -154,7 +154,8 @@ def cp_attention_parity(grid: ParallelGrid | None = None, causal: bool = True, b
     return errors
 
 
-def pipeline_parity(grid: ParallelGrid | None = None, h: int = 8, b: int = 4) -> dict:
+def pipeline_parity(grid: ParallelGrid | None = None, h: int = 8, b: int = 4,
+                    batch_p2p_comm: bool = True) -> dict:
     """One micro-batch through a pp-stage chain of Linear+tanh vs the unsplit chain on every rank."""
     from tinytron.parallel import pipeline_p2p as p2p
     from tinytron.parallel.tensor_parallel import normal_init
@@ -175,18 +176,26 @@ def pipeline_parity(grid: ParallelGrid | None = None, h: int = 8, b: int = 4) ->
     ref_grad = layers[me].weight.grad.clone()
     layer = layers[me]
     layer.weight.grad = None
-    inp = x if grid.is_first_stage() else p2p.recv_forward((b, h), grid)
+    batch = {"batch_p2p_comm": batch_p2p_comm}
+    inp = x if grid.is_first_stage() else p2p.recv_forward((b, h), grid, **batch)
     out = torch.tanh(layer(inp))
     loss = None
     if grid.is_last_stage():
         loss = ((out - target) ** 2).mean()
         loss.backward()
     else:
-        out.backward(p2p.send_forward_recv_backward(out, (b, h), grid))
+        out.backward(p2p.send_forward_recv_backward(out, (b, h), grid, **batch))
     if not grid.is_first_stage():
-        p2p.send_backward(inp.grad, grid)
+        p2p.send_backward(inp.grad, grid, **batch)
     return {"grad_err": (layer.weight.grad - ref_grad).abs().max().item(),
-            "loss": None if loss is None else round(loss.item(), 6), "loss_ref": loss_ref.item()}
+            "loss": None if loss is None else round(loss.item(), 6), "loss_ref": loss_ref.item(),
+            "grad": layer.weight.grad.clone()}
+
+
+def pipeline_parity_both_methods() -> list[dict]:
+    """pipeline_parity with the messages batched, then as single isend/irecv (one world)."""
+    grid = ParallelGrid(pp=torch.distributed.get_world_size())
+    return [pipeline_parity(grid, batch_p2p_comm=batch) for batch in (True, False)]
 
 
 def tp_mlp_both_modes() -> list[float]:
