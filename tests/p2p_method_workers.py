@@ -45,7 +45,6 @@ def recorded_p2p(log: list):
     (method, kind, src, dst, group ranks) per message posted on this rank."""
     names = ("isend", "irecv", "P2POp", "batch_isend_irecv")
     orig = {n: getattr(dist, n) for n in names}
-    me = dist.get_rank()
 
     def single(kind):
         fn, sig = orig[kind], inspect.signature(orig[kind])
@@ -56,6 +55,7 @@ def recorded_p2p(log: list):
             group, peer = a.get("group"), a.get(peer_key)
             if peer is None:
                 peer = dist.get_global_rank(group, a["group_" + peer_key])
+            me = dist.get_rank()
             src, dst = (me, peer) if kind == "isend" else (peer, me)
             log.append(("single", kind, src, dst, _group_ranks(group)))
             return fn(*args, **kwargs)
@@ -68,6 +68,7 @@ def recorded_p2p(log: list):
         return orig["P2POp"](unwrap.get(id(op), op), *args, **kwargs)
 
     def batch_isend_irecv(ops):
+        me = dist.get_rank()
         for op in ops:
             kind = "isend" if op.op is orig["isend"] else "irecv"
             src, dst = (me, op.peer) if kind == "isend" else (op.peer, me)
