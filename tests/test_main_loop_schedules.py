@@ -222,11 +222,16 @@ def test_no_pipelining_on_cuda_equals_cpu():
 
 @pytest.mark.gpu
 def test_pp2_1f1b_and_interleaved_over_nccl():
+    """Each p2p method end to end over NCCL, where a batched send never meets a single
+    receive: 1F1B batched and single, interleaved plain and overlapped (the trainer's
+    default, single isend/irecv with one direction on the world group)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices for a 2-rank NCCL world")
-    for vpp in (None, 2):
-        for r in run_on_ranks(w.run_case, 2, 1, 2, vpp, 4, 2, backend="nccl", timeout=300):
-            assert max(r["gaps"]) < 1e-4, r["gaps"]
+    for vpp, p2p in ((None, {}), (None, {"batch_p2p_comm": False}), (2, {}),
+                     (2, {"overlap_p2p_comm": True})):
+        for r in run_on_ranks(w.run_case, 2, 1, 2, vpp, 4, 2, backend="nccl", timeout=300,
+                              p2p=p2p):
+            assert max(r["gaps"]) < 1e-4, (vpp, p2p, r["gaps"])
 
 
 # ------------------------------------------------------------------ one 4-rank world

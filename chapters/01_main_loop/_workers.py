@@ -134,8 +134,10 @@ def run_case(tp: int = 1, pp: int = 2, vpp: int | None = None, num_microbatches:
              num_steps: int = 2, ddp: bool = False, tie: bool = False, num_layers: int = 4,
              optimizer: str = "adamw", group_size: int | None = None, seed: int = 0,
              record: bool = False, deallocate: bool = True, comm: bool = False,
-             grad_sync: bool = False) -> dict:
-    """Train num_steps iterations through the layout's schedule; gaps against one process."""
+             grad_sync: bool = False, p2p: dict | None = None) -> dict:
+    """Train num_steps iterations through the layout's schedule; gaps against one process.
+
+    `p2p`: ScheduleConfig's overlap_p2p_comm / batch_p2p_comm, when not the defaults."""
     grid = grid_for(tp, pp)
     dp, dp_rank = grid.size("dp"), grid.rank("dp")
     if dp > 1 and not ddp:
@@ -160,7 +162,7 @@ def run_case(tp: int = 1, pp: int = 2, vpp: int | None = None, num_microbatches:
                              microbatch_group_size_per_vp_stage=group_size,
                              deallocate_pipeline_outputs=deallocate,
                              grad_sync_func=[c.start_grad_sync for c in models] if grad_sync
-                             else None)
+                             else None, **(p2p or {}))
         mine = batches[dp_rank * m:(dp_rank + 1) * m]
         iters = [iter(mine) for _ in models]
         reports = fb(forward_step_func=forward_step_func, data_iterator=iters if vpp else iters[0],
