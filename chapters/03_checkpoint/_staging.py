@@ -126,7 +126,8 @@ class HostStaging:
 
         CPU copies: wait for the worker thread. CUDA copies: the current stream waits for the
         side stream's event (the host does not block; the optimizer's kernels queue behind the
-        copies)."""
+        copies). A stream of the step's own that writes a source must first wait for the
+        current stream, as the CPU-offload optimizer's upload stream does (chapter 02)."""
         self._join(None if timeout_s is None else time.monotonic() + timeout_s, timeout_s)
         if self.error is not None and self.thread.is_alive():
             raise CheckpointSaveError(self.error)   # the optimizer must not overwrite a source

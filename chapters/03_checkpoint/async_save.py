@@ -379,7 +379,8 @@ class _SaveQueue:
 # does training wait for what is left of the copies — torchtitan's `maybe_wait_for_staging`
 # has this place in its loop. On a CPU the wait joins the staging thread. On a GPU the host
 # does not block at all: the current stream waits for the side stream's event, so the
-# optimizer's kernels queue behind the copies. In `process` mode the writer can only fork once
+# optimizer's kernels queue behind the copies; a step that writes from a stream of its own
+# waits for the current stream first (chapter 02's offload optimizer uploads that way). In `process` mode the writer can only fork once
 # the host copies are complete, so the wait synchronizes and forks (a forked child copies no
 # CUDA state; it writes from the pinned buffers).
 #
