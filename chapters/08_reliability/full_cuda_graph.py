@@ -419,6 +419,8 @@ if __name__ == "__main__":
 #   inside synchronizes with the host — so the NaN checks of the rerun machine must be off.
 # - Dropout stays random under replay because every RNG stream is a generator object the graph
 #   registers, and the tracker's forks swap which state the default generator points at.
+# - A replay returns the tensors the capture returned, overwritten: a caller consumes each
+#   call's result before the next (`evaluate` copies each batch's reports).
 # - Graphs, counters and static inputs are kept on the class, so a wrapper built again (each
 #   evaluation, in Megatron) replays the same graph; a replay for another model is refused.
 # - There is no CPU version of a CUDA graph: on a CPU the wrapper and the trainer refuse.
