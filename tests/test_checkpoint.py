@@ -160,6 +160,80 @@ def test_async_save_writes_what_sync_save_writes(tmp_path, mode):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _trainer(out: Path, *argv: str, timeout: int = 300) -> str:
+    """`python -m tinytron.train ARGV` with two OpenMP threads, in its own session: on a timeout
+    the whole group (a forked writer too) is killed and the test fails instead of hanging."""
+    proc = subprocess.Popen([sys.executable, "-m", "tinytron.train", *argv],
+                            cwd=Path(__file__).resolve().parents[1], start_new_session=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="2"), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        log, _ = proc.communicate()
+        pytest.fail(f"the trainer did not finish within {timeout} s: {log[-1500:]}")
+    assert proc.returncode == 0, log[-3000:]
+    return log
+
+
+def test_trainer_async_save_in_process_mode_finishes_and_its_checkpoint_resumes(tmp_path):
+    """A forked writer with OpenMP threads in the parent: the save completes and loads."""
+    from tests.train_workers import corpus, read_losses
+
+    job = ["--config", "configs/tiny.toml", "--data.data_path", corpus(tmp_path, 4),
+           "--training.train_iters", "4", "--training.save_interval", "2",
+           "--training.micro_batch_size", "2", "--training.global_batch_size", "2",
+           "--training.eval_interval", "none", "--training.log_interval", "1",
+           "--scheduler.lr_warmup_iters", "0", "--logging.progress_bar", "false",
+           "--optimizer.use_distributed_optimizer", "true", "--checkpoint.async_save", "true",
+           "--checkpoint.async_mode", "process"]
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    log = _trainer(first, *job, "--checkpoint.save", str(first))
+    assert "iteration 2 queued" in log and read_tracker(first) == (4, False)
+    assert all((first / checkpoint_dir_name(i) / "metadata.json").is_file() for i in (2, 4))
+    _trainer(resumed, *job, "--checkpoint.save", str(resumed), "--checkpoint.load", str(first),
+             "--checkpoint.ckpt_step", "2")
+    a, b = read_losses(str(first / "log.jsonl")), read_losses(str(resumed / "log.jsonl"))
+    assert sorted(b) == [3, 4] and all(b[i] == a[i] for i in b), (a, b)
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_a_writer_stuck_in_the_file_system_fails_the_save_in_one_line(tmp_path, mode):
+    """common.pt is a FIFO nobody reads: the writer's open() blocks, as on a hung mount."""
+    from tinytron.checkpoint import AsyncSaver, CheckpointSaveError
+    from tinytron.checkpoint._common import CheckpointGroups
+    from tinytron.checkpoint.sharded_keys import ShardedTensor
+    from tinytron.checkpoint.torch_dist import SaveRequest
+
+    stuck = tmp_path / "iter_0000002.tmp"
+    stuck.mkdir()
+    os.mkfifo(stuck / "common.pt")
+    saver = AsyncSaver(CheckpointGroups(SINGLE), mode, timeout_s=1.0)
+    request = SaveRequest(stuck, [ShardedTensor("w", torch.ones(5), (5,), (0,))], [],
+                          saver.comm, common={"iteration": 2})
+    saver.schedule(request)
+    pid = saver.pending.writer.pid if mode == "process" else None
+    try:
+        with pytest.raises(CheckpointSaveError) as e:
+            saver.finalize(blocking=True)
+    finally:   # a reader lets a writer still blocked in open() go (it then sees a broken pipe)
+        os.close(os.open(stuck / "common.pt", os.O_RDONLY | os.O_NONBLOCK))
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("timed out"), message
+    assert str(stuck) in message and "within 1 s" in message and "async_timeout_s" in message
+    assert not saver.in_flight and not (stuck / ".metadata").exists()
+    if pid is not None:
+        assert "killed" in message
+        with pytest.raises(ChildProcessError):   # killed and reaped: no process is left behind
+            os.waitpid(pid, os.WNOHANG)
+    again = SaveRequest(tmp_path / "next", [ShardedTensor("w", torch.ones(5), (5,), (0,))], [],
+                        saver.comm, common={"iteration": 3})
+    (tmp_path / "next").mkdir()
+    saver.schedule(again)
+    assert saver.finalize(blocking=True)["background_s"] > 0   # the saver works on
+
+
 # -- bad input ---------------------------------------------------------------------------------------
 def _corrupt(d: Path, what: str) -> str:
     """Damage one iteration directory; return the text the error must contain."""
@@ -238,6 +312,8 @@ def test_checkpoint_config_refuses_bad_values():
         CheckpointConfig(ckpt_format="torch", async_save=True)
     with pytest.raises(ValueError, match="async_mode must be one of"):
         CheckpointConfig(async_mode="gpu")
+    with pytest.raises(ValueError, match="async_timeout_s must be > 0 seconds, got 0"):
+        CheckpointConfig(async_timeout_s=0)
 
 
 def test_hooks_start_fresh_and_resume(tmp_path):

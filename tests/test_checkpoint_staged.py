@@ -2,7 +2,8 @@
 do, and the loop waits for it only before the next optimizer step. Checked through chapter 01's
 loop as a trainer runs it: every checkpoint is the one a synchronous save writes (the shard file
 and common.pt byte for byte), and a SIGKILL during staging leaves the previous checkpoint the
-latest. The legacy format has no async path (`async_save` needs `torch_dist`, as in Megatron).
+latest; beside a step of the CPU-offload optimizer, whose upload stream waits for the staging
+wait, the checkpoint still holds the pre-step state. The legacy format has no async path (`async_save` needs `torch_dist`, as in Megatron).
 
     python -m tests.test_checkpoint_staged kill ROOT     (the subprocess of the kill test)
 """
@@ -206,6 +207,61 @@ def _kill(root: str) -> None:
 
     _run(root, "thread", iters=6, save_wrapper=wrapper)
     print(json.dumps({"survived": True}))
+
+
+def _staged_save_beside_an_offloaded_step(root: Path, device: str):
+    """Save at iteration 1 synchronously and staged (thread mode) while the next step runs
+    with chapter 02's CPU-offload optimizer; both checkpoints' files and the optimizer."""
+    from tests.checkpoint_workers import tiny_training
+    from tinytron.checkpoint import CheckpointConfig, CheckpointManager
+    from tinytron.checkpoint.resume import TrainStateFallback
+    from tinytron.optimizer.offload import HybridDeviceOptimizer
+    from tinytron.parallel import ParallelGrid
+
+    _, model, opt, _ = tiny_training()
+    model.to(device)
+    inner = HybridDeviceOptimizer(model.parameters(), offload_fraction=1.0, lr=1e-2)
+    opt = type(opt)(inner, clip_grad=1.0)
+    tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
+
+    def forward_backward():
+        model(tokens[:, :-1].to(device), labels=tokens[:, 1:].to(device)).mean().backward()
+
+    forward_backward()
+    opt.step()
+    opt.zero_grad()
+    state, grid = TrainStateFallback(iteration=1), ParallelGrid.single()
+    CheckpointManager(CheckpointConfig(save=str(root / "sync")), grid).save(state, model, opt)
+    manager = CheckpointManager(CheckpointConfig(save=str(root / "staged"), async_save=True,
+                                                 async_mode="thread"), grid)
+    manager.saver.before_optimizer_step()
+    if device == "cuda":   # hold the staging copies back: they start after this on the stream
+        torch.cuda._sleep(100_000_000)
+    stats = manager.save(state, model, opt)
+    forward_backward()
+    manager.saver.before_optimizer_step()   # the compute stream waits for the copies
+    opt.step()                              # H2D uploads overwrite the saved parameters
+    manager.finalize(blocking=True)
+    files = [_files(root / name / "iter_0000001") for name in ("sync", "staged")]
+    return files, stats, inner
+
+
+def test_offloaded_steps_order_the_upload_stream_after_the_staging_wait(tmp_path):
+    """The rule on a CPU: both of the offload optimizer's copy streams wait for the compute
+    stream, where `before_optimizer_step` queued the wait for the staged copies."""
+    (sync, staged), stats, inner = _staged_save_beside_an_offloaded_step(tmp_path, "cpu")
+    assert inner.streams.after_compute_names == ("d2h", "h2d")
+    assert stats["staged"] and inner.host_of   # staged; the parameters stepped on the host
+    assert sync.keys() == staged.keys() and all(sync[k] == staged[k] for k in sync)
+
+
+@pytest.mark.gpu
+def test_staged_save_with_cpu_offload_holds_the_pre_step_parameters_on_cuda(tmp_path):
+    """The real streams: staging stream, compute stream, the offload optimizer's D2H/H2D."""
+    (sync, staged), stats, inner = _staged_save_beside_an_offloaded_step(tmp_path, "cuda")
+    assert stats["staged"] and inner.streams.h2d is not None
+    assert sync["__0_0.distcp"] == staged["__0_0.distcp"]
+    assert sync["common.pt"] == staged["common.pt"]
 
 
 @pytest.mark.gpu

@@ -306,6 +306,60 @@ def _run_dropout(graphed: bool):
     return out, tracker.get_states(), torch.cuda.get_rng_state(), fb
 
 
+class _ReplayedResults:
+    """The wrapper's result contract on CPU: `warmup` eager calls return fresh reports; the
+    capture's reports are then returned by every later call, overwritten in place."""
+
+    def __init__(self, forward_backward_func, warmup: int):
+        self.fn, self.warmup, self.calls, self.static = forward_backward_func, warmup, 0, None
+
+    def __call__(self, **kwargs):
+        reports = self.fn(**kwargs)
+        self.calls += 1
+        if self.calls <= self.warmup:
+            return reports
+        if self.static is None:       # the capture's outputs: what every replay hands back
+            self.static = reports
+        else:                         # a replay writes its values into those same tensors
+            for old, new in zip(self.static, reports):
+                for key in old:
+                    old[key].copy_(new[key])
+        return self.static
+
+
+def test_evaluation_through_replayed_results_equals_the_eager_evaluation():
+    """Validation under the graph: each replay's losses count once, not the last one N times."""
+    from tests.main_loop_workers import CFG, FORWARD_STEP, MBS as EVAL_MBS
+    from tinytron.main_loop._loop_workers import SyntheticTokens
+    from tinytron.main_loop.loop import build_schedule_config, evaluate
+    from tinytron.main_loop.schedules import get_forward_backward_func
+    from tinytron.model import build_stage_models
+
+    grid, eval_iters, micro = ParallelGrid.single(), 4, 2
+    torch.manual_seed(0)
+    model = build_stage_models(CFG, grid)
+    valid = SyntheticTokens(64, CFG.seq_length, CFG.vocab_size, 1235)
+    batches = [{k: torch.stack([valid[i + j][k] for j in range(EVAL_MBS)]) for k in valid[0]}
+               for i in range(0, eval_iters * micro * EVAL_MBS, EVAL_MBS)]
+
+    def run(forward_backward_func, data=batches, iters=eval_iters):
+        return evaluate(FORWARD_STEP, iter(data), model, forward_backward_func,
+                        num_microbatches=micro, micro_batch_size=EVAL_MBS,
+                        seq_length=CFG.seq_length, eval_iters=iters, grid=grid,
+                        config=build_schedule_config(model, None, grid))["lm loss"]
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        eager = run(get_forward_backward_func(1))
+        replayed = run(_ReplayedResults(get_forward_backward_func(1), warmup=1))
+        last_batch = run(get_forward_backward_func(1), batches[-micro:], 1)
+    finally:
+        torch.set_num_threads(old)
+    assert replayed == eager               # the same numbers, added in the same order
+    assert last_batch != eager             # what keeping references would have averaged
+
+
 @pytest.mark.gpu
 def test_replays_draw_new_dropout_masks_equal_to_the_eager_run(fresh_graphs):
     eager, eager_states, eager_default, _ = _run_dropout(graphed=False)

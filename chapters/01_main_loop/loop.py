@@ -341,6 +341,15 @@ def train_step(forward_step_func, data_iterator, model: list, optimizer, schedul
 # `checkpoint_and_decide_exit` saves and exits next. `eval_batch` (in
 # `chapters/01_main_loop/_parts.py`) computes the batch and refuses one that does not divide into
 # micro-batches over the DP ranks, with Megatron's message.
+#
+# Each batch's reports are copied out (`_own_reports`) before the next call. The schedule
+# hands back fresh tensors when it runs eagerly, but chapter 08's full-iteration CUDA graph
+# returns, at every replay, the *same* tensors it produced at capture, overwritten in place:
+# keeping references and averaging at the end would average the last batch `eval_iters`
+# times (losses 1, 2, 3, 4 read back as 4.0 instead of 2.5). Megatron consumes each call at
+# once too: it all-reduces and adds every batch into running totals inside the loop
+# (`megatron/training/training.py:3919-3953`). The copy keeps the single all-reduce at the end,
+# so an eager evaluation adds the same numbers in the same order as before.
 
 # %%
 def _set_pre_hooks(model: list, enabled: bool, param_sync: bool = True) -> bool:
@@ -358,6 +367,12 @@ def _set_pre_hooks(model: list, enabled: bool, param_sync: bool = True) -> bool:
     return found
 
 
+def _own_reports(reports: list[dict]) -> list[dict]:
+    """Copies of one call's report tensors: a replayed graph overwrites its own next call."""
+    return [{k: v.detach().clone() if torch.is_tensor(v) else v for k, v in r.items()}
+            for r in reports]
+
+
 def evaluate(forward_step_func, data_iterator, model: list, forward_backward_func, *,
              num_microbatches: int, micro_batch_size: int, seq_length: int, eval_iters: int,
              grid: ParallelGrid, config: ScheduleConfig, state: TrainState | None = None,
@@ -373,10 +388,10 @@ def evaluate(forward_step_func, data_iterator, model: list, forward_backward_fun
     reports, timed_out = [], False
     with torch.no_grad():
         for _ in range(eval_iters):
-            reports += forward_backward_func(
+            reports += _own_reports(forward_backward_func(
                 forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
                 num_microbatches=num_microbatches, seq_length=seq_length,
-                micro_batch_size=micro_batch_size, grid=grid, forward_only=True, config=config)
+                micro_batch_size=micro_batch_size, grid=grid, forward_only=True, config=config))
             if state is not None:
                 state.consumed_valid_samples += eval_batch_size
             if time_is_up is not None and time_is_up():

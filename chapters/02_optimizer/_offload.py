@@ -18,6 +18,7 @@ class _Streams:
         cuda = device.type == "cuda"
         self.d2h = torch.cuda.Stream(device) if cuda else None
         self.h2d = torch.cuda.Stream(device) if cuda else None
+        self.after_compute_names: tuple[str, ...] = ()   # the last call's streams, by name
 
     def on(self, stream):
         """Context: run the enclosed copies on `stream` (nothing on CPU)."""
@@ -32,10 +33,16 @@ class _Streams:
         if stream is not None:
             torch.cuda.current_stream(stream.device).wait_stream(stream)
 
-    def after_compute(self, stream) -> None:
-        """Make `stream` wait for the default stream (the grads come from its backward)."""
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(stream.device))
+    def after_compute(self, *names: str) -> None:
+        """Make each named side stream wait for the work queued so far on the compute stream.
+
+        D2H reads the grads that the backward wrote; H2D overwrites parameters that work queued
+        before the step may still read (chapter 03's staged checkpoint copies wait there)."""
+        for name in names:
+            stream = getattr(self, name)
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream(stream.device))
+        self.after_compute_names = names
 
 
 class SubOptimizerState:

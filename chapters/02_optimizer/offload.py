@@ -132,6 +132,21 @@ class HostCopies:
 # sub-optimizers' state as this optimizer's `state` (so that a checkpoint sees one optimizer),
 # are in the chapter's private module `tinytron.optimizer._offload`
 # (`chapters/02_optimizer/_offload.py`).
+#
+# **Ordering the side streams.** A side stream sees nothing of what the compute stream has
+# queued unless told to wait for it, so the step first makes *both* wait
+# (`after_compute("d2h", "h2d")`). D2H reads the grads that the backward wrote there. H2D
+# overwrites parameters that earlier work may still be reading: chapter 03's staged
+# checkpoint copies the parameters to the host on a stream of its own, and its wait before the
+# step ([saving in the background](../03_checkpoint/async_save.py)) orders only the compute
+# stream, so an upload that ignored the compute stream could land in a checkpoint that should
+# hold the pre-step values. Megatron's H2D stream waits the same way
+# (`megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py:120`). Without that wait the
+# uploads were still safe, but only by accident: each one is issued after the host waited for
+# its grad's D2H event, which queues behind the compute stream; an upload not preceded by such
+# a host wait would lose the order. `tests/test_checkpoint_staged.py` checks the rule on a CPU
+# and, on a GPU, that a staged save beside the offloaded step writes the synchronous save's
+# bytes.
 
 # %%
 class HybridDeviceOptimizer(HostCopies, SubOptimizerState, torch.optim.Optimizer):
@@ -152,7 +167,7 @@ class HybridDeviceOptimizer(HostCopies, SubOptimizerState, torch.optim.Optimizer
             self._build()
         self._sync_hyperparams_and_state()
         events = {}
-        self.streams.after_compute(self.streams.d2h)
+        self.streams.after_compute("d2h", "h2d")   # both: see "Ordering the side streams"
         with self.streams.on(self.streams.d2h):
             for p, host in self.host_of.items():
                 if p.grad is not None:
@@ -202,6 +217,7 @@ if __name__ == "__main__":
         print(f"fraction {frac}: offloaded {sum(split_by_fraction(numels, frac))}/{len(numels)} "
               f"params, {len(opt.cpu_optimizers)} CPU optimizers, max |hybrid - AdamW| = {diff:.1e}")
         assert diff == 0.0
+        assert opt.streams.after_compute_names == ("d2h", "h2d")   # both copy streams ordered
         if frac == 0.5:
             first = next(model.parameters())
             assert opt.state[first]["exp_avg"].data_ptr() == \

@@ -22,6 +22,8 @@ def check_checkpoint_config(cfg, async_modes) -> None:
                          f"checkpointing.py:598), got ckpt_format={cfg.ckpt_format!r}")
     if cfg.async_mode not in async_modes:
         raise ValueError(f"async_mode must be one of {async_modes}, got {cfg.async_mode!r}")
+    if not cfg.async_timeout_s > 0:
+        raise ValueError(f"async_timeout_s must be > 0 seconds, got {cfg.async_timeout_s}")
     if cfg.thread_count < 1:
         raise ValueError(f"thread_count must be >= 1, got {cfg.thread_count}")
 

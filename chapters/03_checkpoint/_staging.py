@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from tinytron.checkpoint.formats import fault_point
+from tinytron.checkpoint.formats import CheckpointSaveError, fault_point
 from tinytron.checkpoint.sharded_keys import ShardedTensor
 
 __all__ = ["HostStaging", "PinnedPool"]
@@ -98,21 +98,39 @@ class HostStaging:
         """True when every copy is complete (never blocks)."""
         return (not self.thread.is_alive()) and (self.event is None or self.event.query())
 
-    def wait(self) -> None:
-        """Block this thread until every copy is complete (the writer's wait)."""
-        self.thread.join()
-        if self.event is not None:
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block this thread until every copy is complete (the writer's wait), or set `error`
+        after `timeout_s`."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._join(deadline, timeout_s)
+        if self.event is not None and deadline is None:
             self.event.synchronize()
-        if self.complete_at is None:
+        while self.event is not None and not self.event.query() and self.error is None:
+            if time.monotonic() >= deadline:
+                self.error = self._late("the device-to-host copies", timeout_s)
+            time.sleep(0.001)
+        if self.complete_at is None and self.error is None:
             self.complete_at = time.perf_counter()
 
-    def fence(self) -> None:
+    def _join(self, deadline: float | None, timeout_s: float | None) -> None:
+        self.thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if self.thread.is_alive():
+            self.error = self._late("the staging thread", timeout_s)
+
+    def _late(self, what: str, timeout_s: float | None) -> str:
+        return (f"timed out: {what} of a checkpoint did not finish within {timeout_s:g} s "
+                "(checkpoint.async_timeout_s)")
+
+    def fence(self, timeout_s: float | None = None) -> None:
         """Make it safe for the training step to overwrite the sources.
 
         CPU copies: wait for the worker thread. CUDA copies: the current stream waits for the
         side stream's event (the host does not block; the optimizer's kernels queue behind the
-        copies)."""
-        self.thread.join()
+        copies). A stream of the step's own that writes a source must first wait for the
+        current stream, as the CPU-offload optimizer's upload stream does (chapter 02)."""
+        self._join(None if timeout_s is None else time.monotonic() + timeout_s, timeout_s)
+        if self.error is not None and self.thread.is_alive():
+            raise CheckpointSaveError(self.error)   # the optimizer must not overwrite a source
         if self.event is not None:
             torch.cuda.current_stream(self.device).wait_event(self.event)
         self.fenced = True

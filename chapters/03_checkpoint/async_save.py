@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import tempfile
 import threading
 import time
@@ -33,11 +34,12 @@ from tinytron.checkpoint.formats import CheckpointSaveError, fault_point
 from tinytron.checkpoint.sharded_keys import ShardedTensor
 from tinytron.checkpoint.torch_dist import SaveRequest
 
-__all__ = ["stage_tensors", "AsyncSaver", "ASYNC_MODES"]
+__all__ = ["stage_tensors", "AsyncSaver", "ASYNC_MODES", "WRITER_TIMEOUT_S"]
 
 logger = logging.getLogger("tinytron.checkpoint")
 
 ASYNC_MODES = ("process", "thread")
+WRITER_TIMEOUT_S = 600.0   # Megatron's default collective timeout, 10 minutes
 
 # %% [markdown]
 # ## The stages, as Megatron runs them
@@ -181,6 +183,7 @@ def _forked_write(request: SaveRequest, outcome_path: str) -> None:
     """Body of the forked writer: write, leave the outcome in a file, exit at once."""
     code = 0
     try:
+        torch.set_num_threads(1)   # before any torch op: OpenMP's pool did not survive the fork
         outcome = request.write()
         with open(outcome_path, "wb") as f:
             pickle.dump(outcome, f)
@@ -190,6 +193,20 @@ def _forked_write(request: SaveRequest, outcome_path: str) -> None:
         os._exit(code)   # no atexit handlers, no process-group teardown in the child
 
 
+def _reap_within(pid: int, timeout_s: float) -> int | None:
+    """The child's exit status, or None if it still runs after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not (reaped := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return reaped[1] if reaped[0] else None
+
+
+def _timed_out(request: SaveRequest, timeout_s: float, who: str) -> dict:
+    return {"error": f"timed out: the background checkpoint writer ({who}) of "
+                     f"{request.directory} did not finish within {timeout_s:g} s "
+                     "(checkpoint.async_timeout_s)"}
+
+
 # %% [markdown]
 # `_Writer` owns one background write. In `process` mode it forks, and the child runs
 # `_forked_write` above and never comes back. The parent polls it without blocking
@@ -197,6 +214,27 @@ def _forked_write(request: SaveRequest, outcome_path: str) -> None:
 # write goes on; the outcome travels back through a small file, since nothing the child
 # changes in its memory is seen by the parent. A child that died before leaving one (SIGKILL,
 # the out-of-memory killer) is reported with its exit code.
+#
+# **A fork copies memory, not threads.** PyTorch's CPU kernels split large loops (above
+# 32,768 elements) over an OpenMP pool; the child inherits libgomp's record that the pool's
+# threads exist, but only the forking thread was copied. Its first parallel loop hands work
+# to threads that are not there and waits at a barrier forever. The writer has such loops:
+# DCP clones every tensor that views a larger storage before writing it
+# (`torch/distributed/checkpoint/filesystem.py`), as the distributed optimizer's shards do.
+# So `configs/tiny.toml` with the distributed optimizer, `process` mode and
+# `OMP_NUM_THREADS=2` printed "iteration 2 queued" and never wrote the checkpoint. The child
+# now calls `torch.set_num_threads(1)` first: with one thread ATen runs every loop inline and
+# never enters libgomp, and one thread copies as fast as the disk writes. A `spawn` child
+# would start clean but see none of the parent's memory: every tensor copied into shared
+# memory first (the copy this mode exists to avoid) and torch imported per save, unless the
+# worker persists, as Megatron's `PersistentAsyncCaller` does (`async_utils.py:349`).
+#
+# **Every wait on the writer is bounded.** Megatron's are not (`process.join()`,
+# `async_utils.py:336`), and without a bound a stuck writer (a hung mount) hangs the exit
+# path too: SIGTERM saves, then waits for the save in flight. `finalize` and the wait before
+# the next step give up after `async_timeout_s` (600 s, Megatron's default collective
+# timeout, `megatron/training/config/common_config.py:77`): a forked writer is killed, a
+# thread abandoned, and the save fails on every rank in one line naming what timed out.
 
 # %%
 class _Writer:
@@ -216,7 +254,8 @@ class _Writer:
 
     def _run_thread(self) -> None:
         if self.staging is not None:
-            self.staging.wait()
+            if not self.staging.error:   # a staging that timed out is not waited for again
+                self.staging.wait()
             if self.staging.error:
                 self.outcome = {"error": self.staging.error}
                 return
@@ -232,13 +271,19 @@ class _Writer:
                 self.status = status
         return self.status is not None
 
-    def result(self) -> dict:
-        """The writer's outcome; waits for it."""
+    def result(self, timeout_s: float) -> dict:
+        """The writer's outcome; waits at most `timeout_s` for it (then an error outcome)."""
         if self.mode == "thread":
-            self.thread.join()
-            return self.outcome
+            self.thread.join(timeout_s)
+            alive = self.thread.is_alive()
+            return _timed_out(self.request, timeout_s, "thread") if alive else self.outcome
         if self.status is None:
+            self.status = _reap_within(self.pid, timeout_s)
+        if self.status is None:   # still writing: end it, or it writes on into the staging dir
+            os.kill(self.pid, signal.SIGKILL)
             self.status = os.waitpid(self.pid, 0)[1]
+            os.remove(self.outcome_path)
+            return _timed_out(self.request, timeout_s, f"process {self.pid} (killed)")
         try:
             with open(self.outcome_path, "rb") as f:
                 self.outcome = pickle.load(f)
@@ -284,10 +329,11 @@ class _Pending:
 class _SaveQueue:
     """AsyncSaver's first part: the save in flight, and `schedule`, which starts one."""
 
-    def __init__(self, comm: CheckpointGroups, mode: str = "process"):
+    def __init__(self, comm: CheckpointGroups, mode: str = "process",
+                 timeout_s: float = WRITER_TIMEOUT_S):
         if mode not in ASYNC_MODES:
             raise ValueError(f"async mode must be one of {ASYNC_MODES}, got {mode!r}")
-        self.comm, self.mode = comm, mode
+        self.comm, self.mode, self.timeout_s = comm, mode, timeout_s
         self.pending: _Pending | None = None
         self.wait_point = False    # set by the loop's first before_optimizer_step()
         self.pool = PinnedPool()
@@ -333,7 +379,8 @@ class _SaveQueue:
 # does training wait for what is left of the copies — torchtitan's `maybe_wait_for_staging`
 # has this place in its loop. On a CPU the wait joins the staging thread. On a GPU the host
 # does not block at all: the current stream waits for the side stream's event, so the
-# optimizer's kernels queue behind the copies. In `process` mode the writer can only fork once
+# optimizer's kernels queue behind the copies; a step that writes from a stream of its own
+# waits for the current stream first (chapter 02's offload optimizer uploads that way). In `process` mode the writer can only fork once
 # the host copies are complete, so the wait synchronizes and forks (a forked child copies no
 # CUDA state; it writes from the pinned buffers).
 #
@@ -362,11 +409,11 @@ class _StagingWait:
 
     def _fence(self, p: _Pending) -> None:
         if p.writer is None:   # process mode, CUDA tensors: fork once the host copies are complete
-            p.staging.wait()
+            p.staging.wait(self.timeout_s)
             p.staging.fenced = True
             p.writer = _Writer(p.request, "thread" if p.staging.error else self.mode, p.staging)
         else:
-            p.staging.fence()
+            p.staging.fence(self.timeout_s)
 
 
 # %% [markdown]
@@ -394,7 +441,7 @@ class AsyncSaver(_SaveQueue, _StagingWait):
         t0 = time.perf_counter()
         if p.staging is not None and not p.staging.fenced:
             self._fence(p)
-        outcome = p.writer.result()
+        outcome = p.writer.result(self.timeout_s)
         self.pending = None
         if p.staging is not None:
             p.stats["staging_s"] = p.staging.seconds()

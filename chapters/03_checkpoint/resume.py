@@ -61,7 +61,7 @@ from tinytron.checkpoint._resume_plumbing import (CheckpointHooks, ManagerPlumbi
                                                   _rerun_state, _train_state_class,
                                                   _train_state_dict, load_checkpoint,
                                                   save_checkpoint)
-from tinytron.checkpoint.async_save import ASYNC_MODES, AsyncSaver
+from tinytron.checkpoint.async_save import ASYNC_MODES, WRITER_TIMEOUT_S, AsyncSaver
 from tinytron.checkpoint.formats import (CheckpointSaveError, commit_checkpoint, detect_format,
                                          prepare_staging, resolve_checkpoint_dir, staging_dir,
                                          unwrap_chunks)
@@ -91,8 +91,9 @@ logger = logging.getLogger("tinytron.checkpoint")
 #
 # <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
 #
-# Two options are tinytron's own: `async_mode`, how the background writer takes its snapshot
-# ([saving in the background](async_save.py)), and `crc_checksums`, a `checksums.json` with
+# Three options are tinytron's own: `async_mode`, how the background writer takes its snapshot,
+# and `async_timeout_s`, how long a save waits for that writer before it fails
+# ([saving in the background](async_save.py)); and `crc_checksums`, a `checksums.json` with
 # every file's CRC-32 that a load then checks. It is off by default, so that a default save is
 # file for file what Megatron-Core writes. Megatron has a flag of its own for this,
 # `verify_integrity` (off by default, `training_config.py:596`), which writes a SHA-256
@@ -116,6 +117,8 @@ class CheckpointConfig:
     """Write in the background; only with torch_dist."""
     async_mode: str = "process"
     """'process' (fork: copy-on-write snapshot) or 'thread' (clone, then write from a thread)."""
+    async_timeout_s: float = WRITER_TIMEOUT_S
+    """tinytron's own: the longest wait for a background writer, then the save fails."""
     no_save_optim: bool = False
     """Do not save the optimizer state."""
     no_save_rng: bool = False
@@ -326,7 +329,8 @@ class CheckpointManager(ManagerPlumbing):
         self.config, self.grid, self.rng_tracker = config, grid, rng_tracker
         self.rerun_state_machine = rerun_state_machine
         self.comm = CheckpointGroups(grid)
-        self.saver = AsyncSaver(self.comm, config.async_mode) if config.async_save else None
+        self.saver = (AsyncSaver(self.comm, config.async_mode, config.async_timeout_s)
+                      if config.async_save else None)
         self.stats: list[dict] = []
 
     def save(self, state, model, optimizer=None, scheduler=None, root: str | None = None) -> dict:

@@ -42,7 +42,7 @@ __all__ = ["FullCudaGraphUnavailable", "StaticBufferLoader", "FullCudaGraphWrapp
 # | warm-up first | the first calls allocate (cuBLAS workspaces, autograd's accumulation buffers, DDP buckets) and lazily initialize | `cuda_graph_warmup_steps` eager calls (default 3) before the capture |
 # | no recompute | chapter 06's checkpoint reads and rewinds generator states on the host, which a capture cannot do | the trainer refuses recompute with this graph (Megatron skips checkpointing while capturing, `megatron/core/tensor_parallel/random.py:647-648`) |
 # | RNG | a replay must advance the Philox offset, not reuse the captured one; a state copied in with `set_rng_state` at capture is never copied again | PyTorch registers the default generator; the wrapper registers every stream of appendix A's tracker (`register_generator_state`), whose forks point the default at a stream instead of copying states |
-# | outputs are static too | the returned loss tensors are overwritten by the next replay | consume (`reduce_losses`) before the next call |
+# | outputs are static too | the returned loss tensors are overwritten by the next replay | consume before the next call: `train_step` reduces at once, `evaluate` copies each batch's reports |
 # | gradients in place | `zero_grad(set_to_none=True)` would free the addresses the graph writes | DDP's contiguous grad buffer (chapter 05), zeroed in place between replays |
 # | collectives | NCCL kernels can be captured; gloo (CPU) cannot | CUDA + NCCL only |
 #
@@ -297,6 +297,15 @@ class GraphSlots:
 # the capture produced, which the replay has just overwritten. The capture registers the
 # tracker's generators first: a generator used inside a capture without being registered
 # raises, and one registered but never used costs nothing.
+#
+# Returning the capture's own tensors is the contract (Megatron's
+# `megatron/core/full_cuda_graph.py:232-234` returns its stored result the same way), and it
+# binds every caller. Chapter 01's `evaluate` once kept each batch's reports and averaged them
+# after the last batch: under replay every kept report was the same tensor, so validation
+# averaged the last batch `eval_iters` times (losses 1, 2, 3, 4 read 4.0, not 2.5). It now
+# copies each call's reports before the next call, as Megatron reduces each batch inside its
+# loop; `tests/test_cuda_graph_rng.py` checks on CPU that an evaluation through results
+# returned this way equals the eager one, bit for bit.
 
 # %%
 class CaptureReplay:
@@ -388,6 +397,18 @@ if __name__ == "__main__":
     except ValueError as e:
         print("rejected:", e)
 
+    # The result contract: every replay writes into the tensors the capture returned.
+    from tinytron.main_loop.loop import _own_reports   # chapter 01's evaluate copies each call
+    static = [{"lm loss": torch.zeros(2)}]
+    kept, owned = [], []
+    for loss in (1.0, 2.0, 3.0, 4.0):
+        static[0]["lm loss"].copy_(torch.tensor([loss, 1.0]))   # what replay() does
+        kept += static
+        owned += _own_reports(static)
+    mean = (lambda reports: sum(r["lm loss"][0].item() for r in reports) / len(reports))
+    print(f"mean of 4 replays: references kept {mean(kept)}, copies kept {mean(owned)}")
+    assert (mean(kept), mean(owned)) == (4.0, 2.5)
+
 # %% [markdown]
 # ## Summary
 #
@@ -398,6 +419,8 @@ if __name__ == "__main__":
 #   inside synchronizes with the host — so the NaN checks of the rerun machine must be off.
 # - Dropout stays random under replay because every RNG stream is a generator object the graph
 #   registers, and the tracker's forks swap which state the default generator points at.
+# - A replay returns the tensors the capture returned, overwritten: a caller consumes each
+#   call's result before the next (`evaluate` copies each batch's reports).
 # - Graphs, counters and static inputs are kept on the class, so a wrapper built again (each
 #   evaluation, in Megatron) replays the same graph; a replay for another model is refused.
 # - There is no CPU version of a CUDA graph: on a CPU the wrapper and the trainer refuse.
