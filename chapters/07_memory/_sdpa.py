@@ -1,7 +1,7 @@
 """Which kernel `scaled_dot_product_attention` runs for the attention call the ledger describes.
 
 Torch answers for a device it has: `torch._fused_sdp_choice` is the dispatcher's own choice for
-the given tensors (it honours `torch.nn.attention.sdpa_kernel` and, on CUDA, the device's
+the given tensors (it honors `torch.nn.attention.sdpa_kernel` and, on CUDA, the device's
 architecture and the cuDNN preference of newer builds). A CUDA ledger computed where no GPU is
 (the book's pages, the calculator on a laptop) cannot ask, so `rule_choice` writes torch's
 dispatch out as a table, read from torch's source for torch 2.5 to 2.13 on sm_80 to sm_90:

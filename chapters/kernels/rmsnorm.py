@@ -256,7 +256,7 @@ def rms_norm_bytes(num_rows: int, hidden: int, dtype: torch.dtype,
 #    CUDA and PTX manuals) and $n = x r$ one rounding. Two implementations' fp32 normalized
 #    values therefore differ by at most $\rho |n|$, $\rho = (h + 16) u$: at most $4.9 \cdot
 #    10^{-4}$ for the widest row the kernel takes, $h = 8192$, below $2^{-10}$.
-# 3. **Rounding to bf16.** Values that close round to the same bf16 number or to neighbours:
+# 3. **Rounding to bf16.** Values that close round to the same bf16 number or to neighbors:
 #    the normalized values $\hat n$ differ by at most one step $\sigma(\hat n)$ (bf16's spacing,
 #    $2^{-7} \cdot 2^{\lfloor \log_2 |\hat n| \rfloor}$). The weight scales that step, and rounding
 #    the product adds at most one step of the output:
@@ -274,7 +274,7 @@ def rms_norm_bytes(num_rows: int, hidden: int, dtype: torch.dtype,
 
 # %%
 def _spacing(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The gap between neighbours of `dtype` at |v| (eps times v's power of two), in fp32."""
+    """The gap between neighbors of `dtype` at |v| (eps times v's power of two), in fp32."""
     power = (v.float().view(torch.int32) & 0x7F800000).view(torch.float32)
     fi = torch.finfo(dtype)
     return fi.eps * power.clamp_min(fi.tiny)
