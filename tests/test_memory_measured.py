@@ -201,8 +201,8 @@ def test_ledger_against_cuda_allocator():
     and the ledger predicts it; its peak carries the math kernel's approximated s x s
     temporaries, held to the 8% of the CPU grid's math cases.
     """
-    for case, kernel in zip(GPU_CASES, ("flash", "math")):
-        assert activations.attention_kernel(case_config(case, 1, "cuda")) == kernel, case
+    for case, kernels in zip(GPU_CASES, (("flash", "cudnn"), ("math",))):
+        assert activations.attention_kernel(case_config(case, 1, "cuda")) in kernels, case
     gpu_rows = compare(run_grid(GPU_CASES, world_size=1, backend="nccl"))
     for r in gpu_rows:
         if r["term"] in EXACT_TERMS:

@@ -75,7 +75,11 @@ def rule_choice(call: SdpaCall) -> tuple[str, str]:
 
 @functools.lru_cache(maxsize=256)
 def torch_choice(call: SdpaCall) -> str | None:
-    """torch's own choice for tensors of this call's shapes, or None where it cannot tell."""
+    """torch's own choice for tensors of this call's shapes, or None where it cannot tell.
+
+    Cached per call: torch's global switches (`torch.backends.cuda.enable_*_sdp`) are read the
+    first time a shape is asked about, which is when a ledger is computed.
+    """
     if call.device == "cuda" and not torch.cuda.is_available():
         return None
     device = torch.device(call.device)
