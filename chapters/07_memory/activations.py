@@ -65,15 +65,18 @@ __all__ = ["Saved", "Dims", "attention_kernel", "attention_kernel_why", "layer_s
 # ledger computed without a GPU uses a table of torch's dispatch rules, kept with its sources
 # in the private module `chapters/07_memory/_sdpa.py`:
 #
-# | device | dtype | grouped queries ($g < a$) | mask (CP) | kernel |
+# | device | dtype | mask (CP) | grouped queries ($g < a$) | kernel |
 # |---|---|---|---|---|
-# | CPU | any | either | either | flash; math with attention dropout |
-# | CUDA | bf16, fp16 | either | none | flash (head size $\le 256$) |
-# | CUDA | fp32, or any with a mask | no | either | mem-efficient |
-# | CUDA | fp32, or any with a mask | yes | either | **math** |
+# | CPU | any | any | any | flash; math with attention dropout |
+# | CUDA | bf16, fp16 | none | any | flash (head size $\le 256$) |
+# | CUDA | fp32 | any | none | mem-efficient |
+# | CUDA | bf16, fp16 | yes | none | mem-efficient |
+# | CUDA | fp32 | any | yes | **math** |
+# | CUDA | bf16, fp16 | yes | yes | **math** |
 #
-# So an fp32 run with grouped queries on a GPU materializes the scores: mem-efficient refuses
-# grouped queries (torch 2.5 to 2.13 at least) and flash refuses fp32. The flash, mem-efficient
+# So an fp32 run with grouped queries on a GPU materializes the scores, and so does context
+# parallelism with grouped queries (its mask rules flash out): mem-efficient refuses grouped
+# queries (torch 2.5 to 2.13 at least) and flash refuses fp32 and masks. The flash, mem-efficient
 # and cuDNN kernels (the last preferred on sm_90 by some newer builds, and then named by torch
 # on the GPU) save q, k, v, the output and one fp32 logsumexp per query and head —
 # nothing of size $s^2$; mem-efficient pads the logsumexp rows to a multiple of 32. When the
