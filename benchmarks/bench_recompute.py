@@ -10,8 +10,12 @@ benchmark runs on one thread), the ratio to no recompute, the goals (full <= 1.4
 offload on a GPU <= 1.10x), and per mode the activation bytes one micro-batch holds after its
 forward and at its peak (measured by chapter 01's LiveBytesMeter in a separate, untimed step).
 Writes benchmarks/results/recompute.json (recompute_cuda.json with --device cuda).
+The model runs in bf16 on CUDA and fp32 on a CPU (--dtype): on CUDA, fp32 with grouped queries
+would time PyTorch's math attention kernel (its fused kernels refuse that combination), not the
+flash kernel a bf16 run uses. The JSON records the kernel torch picked (chapter 07's `_sdpa`).
 
     python benchmarks/bench_recompute.py [--rounds 5] [--steps 3] [--threads 1] [--device cpu]
+                                         [--dtype auto|fp32|bf16]
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ def _config(**fields):
                        ffn_hidden_size=688, vocab_size=4096, seq_length=256, dropout=0.1, **fields)
 
 
-def _build(name, device):
+def _build(name, device, dtype=torch.float32):
     """Model, optimizer and batch for one mode, from the same seeds as every other mode."""
     from tinytron.model.gpt import GPTModel
     from tinytron.parallel import ParallelGrid
@@ -57,7 +61,7 @@ def _build(name, device):
 
     config = _config(**MODES[name])
     tracker = model_parallel_seed(1234, ParallelGrid.single(), RNGStatesTracker(device.type))
-    model = GPTModel(config, device=device, rng_tracker=tracker)
+    model = GPTModel(config, device=device, dtype=dtype, rng_tracker=tracker)
     apply_recompute(model)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (MICRO_BATCH, config.seq_length), generator=g)
@@ -88,11 +92,11 @@ def _time_mode(setup, steps, device) -> tuple[float, float]:
     return (time.perf_counter() - start) / steps, (time.process_time() - cpu_start) / steps
 
 
-def _memory(name, device) -> dict:
+def _memory(name, device, dtype) -> dict:
     """Bytes one micro-batch holds after its forward and at its peak (parameters excluded)."""
     from tinytron.main_loop.memory_meter import LiveBytesMeter
 
-    model, opt, tokens = _build(name, device)
+    model, opt, tokens = _build(name, device, dtype)
     _step(model, opt, tokens)  # grads exist: the measured step allocates no new .grad tensors
     opt.zero_grad(set_to_none=False)
     with LiveBytesMeter(device, record_every_op=False) as meter:
@@ -111,14 +115,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
+                        help="auto: bf16 on CUDA, fp32 on a CPU")
     parser.add_argument("--out", default=None,
                         help="default benchmarks/results/recompute.json (_cuda with --device cuda)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(
+        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
     setups, losses = {}, {}
     for name in MODES:  # build, then one warm-up step right after the seeding: equal losses
-        setups[name] = _build(name, device)
+        setups[name] = _build(name, device, dtype)
         losses[name] = _step(*setups[name])
     times = {name: [] for name in MODES}
     cpu_times = {name: [] for name in MODES}
@@ -128,11 +136,21 @@ def main(argv=None) -> dict:
             wall, cpu = _time_mode(setups[name], args.steps, device)
             times[name].append(wall)
             cpu_times[name].append(cpu)
-    memory = {name: _memory(name, device) for name in MODES}
-    return _report(args, device, times, cpu_times, losses, memory)
+    memory = {name: _memory(name, device, dtype) for name in MODES}
+    return _report(args, device, dtype, times, cpu_times, losses, memory)
 
 
-def _report(args, device, times, cpu_times, losses, memory) -> dict:
+def _attention_kernel(device, dtype) -> str:
+    """The SDPA kernel torch picks for this model's attention call (and why)."""
+    from tinytron.memory._sdpa import SdpaCall, sdpa_choice
+
+    c = _config()
+    call = SdpaCall(device.type, dtype, MICRO_BATCH, c.num_attention_heads, c.num_query_groups,
+                    c.seq_length, c.seq_length, c.head_dim, c.dropout, masked=False)
+    return "%s (%s)" % sdpa_choice(call)
+
+
+def _report(args, device, dtype, times, cpu_times, losses, memory) -> dict:
     """Print the table and write the JSON."""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     ref_med, ref_best = statistics.median(times["none"]), min(times["none"])
@@ -154,10 +172,13 @@ def _report(args, device, times, cpu_times, losses, memory) -> dict:
     same = len({round(v, 6) for v in losses.values()}) == 1
     print(f"every mode gave the same loss after its warm-up step: {same}")
     print(f"load average at the end: {load}")
+    kernel = _attention_kernel(device, dtype)
+    print(f"attention kernel: {kernel}")
     result = {
         "command": "python benchmarks/bench_recompute.py " + " ".join(
             f"--{k} {v}" for k, v in vars(args).items()),
-        "model": "GPTModel h256 L4 a8 g2 f688 V4096 s256, dropout 0.1, fp32", "micro_batch": MICRO_BATCH,
+        "model": f"GPTModel h256 L4 a8 g2 f688 V4096 s256, dropout 0.1, {str(dtype)[6:]}",
+        "micro_batch": MICRO_BATCH, "attention_kernel": kernel,
         "device": str(device), "torch": torch.__version__, "threads": args.threads,
         "machine": platform.platform(), "cpu_count": os.cpu_count(), "load_average_1min": load,
         "modes": rows, "losses_identical": same,

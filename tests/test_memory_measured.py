@@ -9,8 +9,10 @@ comparison then fails.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tinytron.memory import activations
+from tinytron.memory._sdpa import SdpaCall, rule_choice, sdpa_choice, torch_choice
 from tinytron.memory._workers import case_config, predict
 from tinytron.memory.measured import STATE_TERMS, VALIDATION_GRID, compare, error_table, run_grid
 from tinytron.memory.states import chunk_params
@@ -126,20 +128,88 @@ def test_removing_any_term_breaks_agreement(results, monkeypatch):
                 (fn, what)
 
 
-@pytest.mark.gpu
-def test_ledger_against_cuda_allocator():
-    """One GPU, NCCL world of 1: resident terms exact, activations from allocator statistics."""
-    cases = [{"hidden_size": 512, "num_attention_heads": 8, "num_query_groups": 4,
+GPU_CASES = [{"hidden_size": 512, "num_attention_heads": 8, "num_query_groups": 4,
               "ffn_hidden_size": 1024, "vocab_size": 4096, "seq_length": 512, "mbs": 2, "m": 2},
              {"hidden_size": 512, "num_attention_heads": 8, "num_query_groups": 4,
               "ffn_hidden_size": 1024, "vocab_size": 4096, "seq_length": 512,
               "distopt": True, "bf16": False}]
-    gpu_rows = compare(run_grid(cases, world_size=1, backend="nccl"))
+"""bf16 with grouped queries (flash on CUDA), and fp32 with grouped queries (math on CUDA)."""
+
+SDPA_CASES = [(dtype, heads, groups, dropout, masked, head_dim)
+              for dtype in (torch.float32, torch.bfloat16, torch.float16)
+              for heads, groups in ((8, 8), (8, 4), (8, 1)) for dropout in (0.0, 0.1)
+              for masked in (False, True) for head_dim in (32, 128, 320)]
+
+
+def _call(device, dtype, heads, groups, dropout, masked, head_dim) -> SdpaCall:
+    return SdpaCall(device, dtype, 2, heads, groups, 64, 128 if masked else 64, head_dim, dropout,
+                    masked)
+
+
+def test_sdpa_rule_is_torchs_own_choice_on_cpu():
+    """The rule table's CPU rows against torch's answer here, for dtype x GQA x dropout x mask."""
+    for case in SDPA_CASES:
+        call = _call("cpu", *case)
+        assert torch_choice(call) == rule_choice(call)[0], call
+
+
+def test_sdpa_rule_table_for_cuda():
+    """The CUDA rows (torch's dispatch as read from its source; asked on a GPU in the test below):
+    flash for bf16/fp16 without a mask, math for fp32 or a mask with grouped queries."""
+    expect = {(torch.bfloat16, 8, 4, False, 128): "flash", (torch.float16, 8, 8, False, 64): "flash",
+              (torch.float32, 8, 4, False, 64): "math", (torch.float32, 8, 8, False, 64): "efficient",
+              (torch.bfloat16, 8, 4, True, 128): "math", (torch.bfloat16, 8, 8, True, 128): "efficient",
+              (torch.bfloat16, 8, 8, False, 320): "efficient", (torch.float32, 8, 8, False, 30): "math",
+              (torch.bfloat16, 8, 1, False, 320): "math"}
+    for (dtype, a, g, masked, d), kernel in expect.items():
+        for dropout in (0.0, 0.1):  # dropout does not change a CUDA choice
+            assert rule_choice(_call("cuda", dtype, a, g, dropout, masked, d))[0] == kernel
+    if not torch.cuda.is_available():  # nothing to ask: the ledger says it used the rules
+        assert sdpa_choice(_call("cuda", torch.float32, 8, 4, 0.0, False, 64))[1].endswith(
+            "no GPU here to ask")
+
+
+def test_ledger_predicts_the_kernel_torch_picks_and_says_so():
+    """fp32 with grouped queries on CUDA keeps the s x s scores; bf16 keeps O(s) (flash)."""
+    from tinytron.memory.calculator import _DEFAULT_WHY, assumption_lines
+
+    bf16, fp32 = (case_config(case, 1, "cuda") for case in GPU_CASES)
+    assert activations.attention_kernel(bf16) == "flash"
+    assert activations.attention_kernel(fp32) == "math"
+    scores = [e for e in activations.layer_saved(fp32) if e.what.startswith("scores")]
+    assert scores and scores[0].elements == 1 * 8 * 512 * 512  # b a s^2, fp32
+    assert activations.attention_kernel(fp32.replace(device="cpu")) == "flash"
+    kernel_line = [ln for ln in assumption_lines(fp32, _DEFAULT_WHY) if "attention kernel" in ln]
+    assert kernel_line and "math (fp32 on CUDA" in kernel_line[0], kernel_line
+
+
+@pytest.mark.gpu
+def test_sdpa_rule_is_torchs_own_choice_on_this_gpu():
+    """Where torch can tell (a GPU here), the rule table agrees with it; cuDNN, which some builds
+    prefer on sm_90, keeps what flash keeps."""
+    for case in SDPA_CASES:
+        call = _call("cuda", *case)
+        asked, ruled = torch_choice(call), rule_choice(call)[0]
+        assert asked == ruled or (asked, ruled) == ("cudnn", "flash"), (call, asked, ruled)
+
+
+@pytest.mark.gpu
+def test_ledger_against_cuda_allocator():
+    """One GPU, NCCL world of 1: resident terms exact, activations from allocator statistics.
+
+    The fp32 case runs the math kernel (torch's fused kernels refuse fp32 with grouped queries),
+    and the ledger predicts it; its peak carries the math kernel's approximated s x s
+    temporaries, held to the 8% of the CPU grid's math cases.
+    """
+    for case, kernels in zip(GPU_CASES, (("flash", "cudnn"), ("math",))):
+        assert activations.attention_kernel(case_config(case, 1, "cuda")) in kernels, case
+    gpu_rows = compare(run_grid(GPU_CASES, world_size=1, backend="nccl"))
     for r in gpu_rows:
         if r["term"] in EXACT_TERMS:
             assert r["measured"] == r["predicted"], r
         elif r["term"] in ("kept_activations", "peak_activations"):
-            assert _rel(r) <= 0.03, r
+            math_peak = r["term"] == "peak_activations" and "bf16=False" in r["case"]
+            assert _rel(r) <= (0.08 if math_peak else 0.03), r
 
 
 @pytest.mark.gpu

@@ -26,7 +26,8 @@ def check_memory_config(cfg) -> None:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if cfg.optimizer not in ("adam", "sgd", "lion"):
         raise ValueError(f"optimizer must be adam, sgd or lion, got {cfg.optimizer!r}")
-    check_choice("attention_kernel", cfg.attention_kernel, ("auto", "flash", "math"))
+    check_choice("attention_kernel", cfg.attention_kernel,
+                 ("auto", "flash", "efficient", "cudnn", "math"))
     check_choice("device", cfg.device, ("cpu", "cuda"))
     if not 0.0 <= cfg.optimizer_offload_fraction <= 1.0:
         raise ValueError("optimizer_offload_fraction must lie in [0, 1], got "

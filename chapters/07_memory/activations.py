@@ -17,11 +17,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
+from tinytron.memory._sdpa import SdpaCall, lse_rows, sdpa_choice
 from tinytron.memory.states import MemoryConfig
 from tinytron.model.config import stage_layer_ranges
 
-__all__ = ["Saved", "Dims", "attention_kernel", "layer_saved", "embedding_saved", "head_saved",
-           "chunk_saved", "saved_bytes", "CPU_RNG_STATE", "dropout_mask_bytes"]
+__all__ = ["Saved", "Dims", "attention_kernel", "attention_kernel_why", "layer_saved",
+           "embedding_saved", "head_saved", "chunk_saved", "saved_bytes", "CPU_RNG_STATE", "dropout_mask_bytes"]
 
 # %% [markdown]
 # ## What one layer saves, tensor by tensor
@@ -55,10 +58,29 @@ __all__ = ["Saved", "Dims", "attention_kernel", "layer_saved", "embedding_saved"
 #   `megatron/core/tensor_parallel/layers.py`); SP here shrinks the norms, dropout masks and
 #   residuals only.
 #
-# **The kernel.** `scaled_dot_product_attention` picks a kernel. The flash kernels (CPU, and
-# CUDA's FlashAttention-2) save q, k, v, the output and one fp32 logsumexp per query and head —
-# nothing of size $s^2$. When the CPU flash kernel cannot run (dropout on the attention
-# probabilities, or `attention_kernel = "math"`), the math path runs: it casts bf16 and fp16
+# **The kernel.** `scaled_dot_product_attention` picks a kernel per call, from the dtype, the
+# head layout, the mask, dropout, the device and the torch version, and `attention_kernel`
+# predicts that pick (`attention_kernel_why` also says why). Where the ledger's device is at
+# hand it asks torch itself (`torch._fused_sdp_choice`, the dispatcher's own answer); a CUDA
+# ledger computed without a GPU uses a table of torch's dispatch rules, kept with its sources
+# in the private module `chapters/07_memory/_sdpa.py`:
+#
+# | device | dtype | mask (CP) | grouped queries ($g < a$) | kernel |
+# |---|---|---|---|---|
+# | CPU | any | any | any | flash; math with attention dropout |
+# | CUDA | bf16, fp16 | none | any | flash (head size $\le 256$) |
+# | CUDA | fp32 | any | none | mem-efficient |
+# | CUDA | bf16, fp16 | yes | none | mem-efficient |
+# | CUDA | fp32 | any | yes | **math** |
+# | CUDA | bf16, fp16 | yes | yes | **math** |
+#
+# So an fp32 run with grouped queries on a GPU materializes the scores, and so does context
+# parallelism with grouped queries (its mask rules flash out): mem-efficient refuses grouped
+# queries (torch 2.5 to 2.13 at least) and flash refuses fp32 and masks. The flash, mem-efficient
+# and cuDNN kernels (the last preferred on sm_90 by some newer builds, and then named by torch
+# on the GPU) save q, k, v, the output and one fp32 logsumexp per query and head —
+# nothing of size $s^2$; mem-efficient pads the logsumexp rows to a multiple of 32. When the
+# math path runs (the table says so, or `attention_kernel = "math"`), it casts bf16 and fp16
 # inputs to fp32 **on every device** ("keep query, key, value in high precision",
 # `aten/src/ATen/native/transformers/attention.cpp`, `_scaled_dot_product_attention_math`),
 # repeats K and V to all $a_t$ heads (GQA is undone) and saves the scaled q, $K^T$, V, the
@@ -145,12 +167,18 @@ class Dims:
 
 
 def attention_kernel(cfg: MemoryConfig) -> str:
-    """The SDPA kernel that runs: flash, or math (CPU with attention dropout, or forced)."""
+    """The SDPA kernel that runs: flash, efficient, cudnn or math (see `attention_kernel_why`)."""
+    return attention_kernel_why(cfg)[0]
+
+
+def attention_kernel_why(cfg: MemoryConfig) -> tuple[str, str]:
+    """(kernel, why): the one set in the config, else what torch picks for this layer's call."""
     if cfg.attention_kernel != "auto":
-        return cfg.attention_kernel
-    if cfg.device == "cpu" and cfg.model.dropout > 0:
-        return "math"
-    return "flash"
+        return cfg.attention_kernel, "set in the MemoryConfig"
+    x = Dims.of(cfg)
+    return sdpa_choice(SdpaCall(cfg.device, torch.bfloat16 if cfg.bf16 else torch.float32,
+                                x.b, x.a_t, x.g_t, x.s_c, x.s, x.d, cfg.model.dropout,
+                                masked=cfg.context_parallel_size > 1))
 
 
 def dropout_mask_bytes(cfg: MemoryConfig, input_bytes: int) -> int:
@@ -172,8 +200,8 @@ def _norm(module: str, x: Dims) -> list[Saved]:
 # %%
 def _core_attention(cfg: MemoryConfig, x: Dims) -> list[Saved]:
     """What the attention kernel saves (and the proj input when it is a separate tensor)."""
-    n, c = x.s_c * x.b, cfg.context_parallel_size
-    if attention_kernel(cfg) == "flash":
+    n, c, kernel = x.s_c * x.b, cfg.context_parallel_size, attention_kernel(cfg)
+    if kernel != "math":  # flash, cudnn and mem-efficient keep the same tensors
         kv = ([Saved("core_attn", "k (after RoPE)", n * x.g_t * x.d, x.P),
                Saved("core_attn", "qkv output (v is a view)", n * (x.a_t + 2 * x.g_t) * x.d, x.P,
                      n * x.g_t * x.d)]
@@ -182,7 +210,7 @@ def _core_attention(cfg: MemoryConfig, x: Dims) -> list[Saved]:
                Saved("core_attn", "v gathered over CP", x.s * x.b * x.g_t * x.d, x.P),
                Saved("core_attn", "additive causal mask", x.s_c * x.s, x.P)])
         return [Saved("core_attn", "q (after RoPE)", n * x.a_t * x.d, x.P), *kv,
-                Saved("core_attn", "logsumexp", x.b * x.a_t * x.s_c, 4),
+                Saved("core_attn", "logsumexp", x.b * x.a_t * lse_rows(kernel, x.s_c), 4),
                 Saved("core_attn", "output (= linear_proj input)", n * x.a_t * x.d, x.P)]
     e = 4  # the math path computes in fp32 on every device
     heads = x.b * x.a_t
@@ -497,6 +525,9 @@ if __name__ == "__main__":
     megatron_layer = s * b * h * (18 + 4 * f / h) / 2
     print(f"one layer, one rank: {ours / 2**20:,.1f} MiB here, Megatron's term "
           f"{megatron_layer / 2**20:,.1f} MiB")
+    print("attention kernel: %s (%s)" % attention_kernel_why(big))
+    fp32 = big.replace(bf16=False, grad_reduce_in_fp32=True)
+    print("the same layer in fp32: %s (%s)" % attention_kernel_why(fp32))
 
     plain = big.model.replace(recompute_granularity=None)
     modes = {"none": plain, "selective": big.model,
@@ -520,6 +551,7 @@ if __name__ == "__main__":
     for name in modes:
         print(f"{name:>16}: device {device[name]:6.2f} GiB, host {host[name]:5.2f} GiB")
     assert ours > megatron_layer  # the all-gathered linear inputs and the fp32 norm copies
+    assert attention_kernel(big) == "flash" and attention_kernel(fp32) == "math"  # 32 / 8 heads
     order = ["full, uniform 1", "offload all 5", "selective", "none"]
     assert [device[n] for n in order] == sorted(device.values())
 
@@ -530,7 +562,9 @@ if __name__ == "__main__":
 #   TP divides the heads and the MLP width, SP the residual-stream tensors (norms, masks), CP
 #   the sequence of everything but the gathered K and V.
 # - The kernel matters more than any other choice: the flash path saves $O(s)$ per head, the
-#   math path $O(s^2)$, in fp32 on every device, with a 1-byte dropout mask on CUDA.
+#   math path $O(s^2)$, in fp32 on every device, with a 1-byte dropout mask on CUDA. Torch
+#   picks it from the dtype, the head layout, the mask and the device: on CUDA, fp32 with
+#   grouped queries runs the math path, and the ledger predicts that pick and says why.
 # - Recompute keeps checkpoint inputs (and RNG snapshots) instead of a region's insides;
 #   offload moves a region's saved tensors to the host when their last device holder lets go.
 #

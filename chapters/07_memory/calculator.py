@@ -51,7 +51,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from tinytron.memory.activations import attention_kernel, chunk_saved, saved_bytes
+from tinytron.memory.activations import attention_kernel_why, chunk_saved, saved_bytes
 from tinytron.memory.peak import activation_peak
 from tinytron.memory.ledger import (DEVICE_TERMS, RankLedger, megatron_args_from, plot_ledgers,
                                     rank_ledger, stage_ledgers)
@@ -603,8 +603,10 @@ if __name__ == "__main__":
 #
 # A ledger is only as right as its inputs, and three of them are easy to get wrong without
 # noticing: the world size (the TOML file does not hold it, and without `--world-size` the
-# command takes $t \cdot p \cdot c$ ranks, DP 1), the device (it decides the attention kernel
-# and the width of the dropout masks, 07.3) and the batch (a missing global batch means one
+# command takes $t \cdot p \cdot c$ ranks, DP 1), the device (with the dtype and the head
+# layout it decides the attention kernel, and it sets the width of the dropout masks, 07.3;
+# the kernel's line says why: torch's own choice where that device is present, else 07.3's
+# table of torch's dispatch rules) and the batch (a missing global batch means one
 # micro-batch per DP rank). So the command prints, before any number, each of them and where
 # it came from: a flag, the config, or a default. `training.device = "auto"` is resolved as
 # the trainer resolves it, a CUDA device when one is visible and the CPU otherwise, and the
@@ -642,7 +644,7 @@ def assumption_lines(cfg: MemoryConfig, why: dict) -> list[str]:
     return [f"assumed: world size {cfg.world_size} ({why['world']}), so DP {cfg.data_parallel_size}"
             f" = {cfg.world_size} / (TP {t} · PP {p} · CP {c})",
             f"assumed: device {cfg.device} ({why['device']}); attention kernel "
-            f"{attention_kernel(cfg)}",
+            "%s (%s)" % attention_kernel_why(cfg),
             f"assumed: {precision}" + (f"; the distributed optimizer over DP · CP = "
                                        f"{cfg.data_parallel_size * c}"
                                        if cfg.use_distributed_optimizer else ""),

@@ -131,7 +131,8 @@ class MemoryConfig(_Derived):
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0
     attention_kernel: str = "auto"
-    """"flash" (saves q, k, v, out, logsumexp), "math" (saves the s x s scores), "auto"."""
+    """"flash"/"efficient"/"cudnn" (keep q, k, v, out, logsumexp), "math" (the s x s scores),
+    "auto" (what torch picks for the layer: 07.3's `attention_kernel`)."""
     device: str = "cuda"
     """Where it runs: decides the auto kernel and the dropout-mask width (CPU: the param dtype)."""
 

@@ -7,7 +7,9 @@ queries) for sm_80 and prints one JSON line per kernel: the shared memory a bloc
 (`metadata.shared`), and the registers per thread and bytes of spill stores that ptxas reports
 (`Used N registers`, `N bytes spill stores`). No GPU is needed: Triton lowers to PTX and runs the
 ptxas it ships for the target named, which is how the tile and warp choices of the pages were
-checked. The launch options are the ones the pages use (`launch_options` of each module).
+checked. The launch options are the ones the pages use (each module's tile and warp rules).
+`python chapters/kernels/_compile.py 90 --configs` compiles at every model size that
+configs/*.toml uses instead (`config_sizes`: head sizes 32, 64 and 128), as the slow test does.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import io
 import json
 import re
 import sys
+import tomllib
+from pathlib import Path
 
 import torch
 
@@ -94,12 +98,28 @@ def kernel_specs(dtype: torch.dtype = torch.bfloat16, hidden: int = 4096, ffn: i
                   {"chunks_ptr": "*i64", **ptr("master_ptr", "exp_avg_ptr", "exp_avg_sq_ptr",
                                                "grad_ptr", ty="fp32"), "param_ptr": "*bf16",
                    **{n: "fp32" for n in adam.HPARAM_COLUMNS}}, dict(CHUNK=chunk),
-                  {"num_warps": row_warps(chunk)}))
+                  {"num_warps": adam.adamw_warps(chunk)}))
     return specs
 
 
-def compile_for(arch: int, names: list[str] | None = None) -> list[dict]:
-    """Compile the kernels for sm_<arch>; per kernel its shared bytes, registers and spill bytes."""
+def config_sizes(folder: Path | None = None) -> list[dict]:
+    """The distinct (hidden, ffn, vocab, head_dim) of the model sections of configs/*.toml."""
+    folder = folder or Path(__file__).resolve().parents[2] / "configs"
+    sizes = []
+    for path in sorted(folder.glob("*.toml")):
+        m = tomllib.loads(path.read_text()).get("model", {})
+        if "hidden_size" not in m:
+            continue
+        size = dict(hidden=m["hidden_size"], ffn=m["ffn_hidden_size"], vocab=m["vocab_size"],
+                    head_dim=m.get("kv_channels") or m["hidden_size"] // m["num_attention_heads"])
+        if size not in sizes:
+            sizes.append(size)
+    return sizes
+
+
+def compile_for(arch: int, names: list[str] | None = None, **sizes) -> list[dict]:
+    """Compile the kernels for sm_<arch> at `sizes` (kernel_specs' keywords; default the
+    running example's): per kernel its shared bytes, registers and spill bytes."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -108,7 +128,7 @@ def compile_for(arch: int, names: list[str] | None = None) -> list[dict]:
     knobs.nvidia.dump_ptxas_log = True         # ptxas -v's report, printed by Triton
     knobs.compilation.always_compile = True    # a cached kernel would print no report
     out = []
-    for name, fn, types, consts, opts in kernel_specs():
+    for name, fn, types, consts, opts in kernel_specs(**sizes):
         if names and name not in names:
             continue
         log = io.StringIO()
@@ -118,12 +138,19 @@ def compile_for(arch: int, names: list[str] | None = None) -> list[dict]:
         text = log.getvalue()
         regs = [int(n) for n in re.findall(r"Used (\d+) registers", text)]
         spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", text)]
-        out.append({"kernel": name, "arch": arch, "shared": k.metadata.shared,
+        out.append({"kernel": name, "arch": arch, "triton": triton.__version__,
+                    "sizes": sizes, "shared": k.metadata.shared,
                     "num_warps": k.metadata.num_warps, "registers": max(regs, default=None),
                     "spill_bytes": max(spills, default=None), "consts": consts})
     return out
 
 
 if __name__ == "__main__":
-    for row in compile_for(int(sys.argv[1]), sys.argv[2:] or None):
-        print(json.dumps(row), flush=True)
+    # python _compile.py ARCH [--configs] [KERNEL ...]: --configs compiles at every model size
+    # of configs/*.toml instead of the running example's
+    args = sys.argv[2:]
+    every = "--configs" in args
+    names = [a for a in args if a != "--configs"] or None
+    for sizes in (config_sizes() if every else [{}]):
+        for row in compile_for(int(sys.argv[1]), names, **sizes):
+            print(json.dumps(row), flush=True)

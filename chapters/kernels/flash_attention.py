@@ -261,27 +261,36 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
 # element lives in some thread's registers: the forward's $O$ tile is
 # $B_M \cdot d / (32 \cdot \text{warps})$ values per thread, the dK/dV kernel holds two of them.
 #
-# The tiles below were chosen by compiling every candidate ahead of time for both targets with
-# the ptxas that Triton ships (no GPU needed; the script is the private module
-# `chapters/kernels/_compile.py`, and a test re-checks it). At the running example's $d = 128$ in
-# bf16, with grouped queries:
+# The tiles below were chosen by compiling candidates ahead of time for both targets with the
+# ptxas that Triton ships (no GPU needed; the script is the private module
+# `chapters/kernels/_compile.py`), with Triton 3.6 (the version on the lent H200) and 3.9, at
+# every head size the configs use: 32 (`tiny.toml`), 64 (`gpt_125m.toml`) and 128
+# (`gpt_1b.toml`, the 7B example). A slow test re-compiles them at every config's sizes and
+# asserts no spills. At $d = 128$ in bf16, with grouped queries:
 #
-# | kernel | $B_M \times B_N$, warps, stages | shared B/block sm_80 / sm_90 | registers/thread sm_80 / sm_90 | spills |
-# |---|---|---|---|---|
-# | forward | $64 \times 64$, 4, 3 | 40,960 / 49,152 | 255 / 255 | 0 |
-# | dK, dV | $32 \times 64$, 8, 2 | 53,504 / 65,792 | 255 / 201 | 0 |
-# | dQ | $64 \times 32$, 4, 2 | 49,152 / 49,152 | 255 / 255 | 0 |
+# | kernel | $B_M \times B_N$, warps, stages | shared B/block sm_80 / sm_90 | registers/thread sm_80 / sm_90, Triton 3.6 | sm_90, Triton 3.9 | spills |
+# |---|---|---|---|---|---|
+# | forward | $64 \times 32$, 8, 3 | 28,672 / 32,768 | 255 / 228 | 202 | 0 |
+# | dK, dV | $16 \times 64$, 8, 2 | 43,136 / 49,280 | 255 / 231 | 194 | 0 |
+# | dQ | $32 \times 64$, 8, 2 | 49,152 / 49,152 | 253 / 220 | 177 | 0 |
 #
-# The small $\delta$ kernel is a row kernel (64 rows of $O$ and $dO$, 8192 lanes, 16 warps by
-# the rule of page [C.1](rmsnorm.py)): 52 registers per thread on sm_80, 40 on sm_90, no spills.
+# At $d = 64$ they take 114, 128 and 147 registers on sm_90 (Triton 3.6), at $d = 32$ 64, 74
+# and 152. The small $\delta$ kernel is a row kernel (64 rows of $O$ and $dO$, 8192 lanes, 16
+# warps by the rule of page [C.1](rmsnorm.py)): 52 registers per thread on sm_80, 40 on sm_90,
+# no spills.
 #
-# The tiles this page used before, $128 \times 64$ forward and $64 \times 64$ backward at 8
-# warps, fit in shared memory (49,152 to 74,240 B per block) but spilled on sm_80: 80 B per
-# thread in the forward, 184 B in dQ, 20 B in dK/dV. Halving a tile's rows halves its
-# accumulator, which is what removed the spills; dK/dV keeps 8 warps because it carries two
-# $B_N \times d$ accumulators ($dK$, $dV$), 64 values per thread at $B_N = 64$. Whether these
-# are also the *fastest* tiles is a question for a benchmark on the GPU; they are the largest
-# that compile cleanly on both.
+# The tiles this page used before passed with Triton 3.9 but not with 3.6: at $d = 128$ on
+# sm_90 the $64 \times 64$ forward at 4 warps took 255 registers and spilled 20 B per thread,
+# dQ ($64 \times 32$, 4 warps) 255 and 416 B, and dK/dV ($32 \times 64$, 8 warps) used 238 of
+# its 255. At 4 warps each thread holds a quarter of a $64 \times 128$ fp32 accumulator (64
+# values) beside its slices of the Q, K and V tiles, which Triton loads into registers before
+# staging them for the tensor cores; 8 warps halve every share. Smaller tiles are not simply
+# safer, though: $32 \times 32$ dQ at 8 warps spills 12 B at $d = 64$ and $32 \times 32$ dK/dV
+# 24 B at $d = 32$ (Triton 3.6, sm_90), which is why every head size is compiled. The chosen
+# tiles compile without spills for both targets, both Triton versions and every configured
+# head size, and on sm_90, the lent device's architecture, each stays at least 24 registers
+# under the limit (a $64 \times 64$ forward at 8 warps also compiles cleanly, but at 250).
+# Whether they are also the *fastest* is a question for a benchmark on the GPU.
 #
 # **fp32.** Exact fp32 products (`input_precision="ieee"`) cannot use the tensor cores, so
 # the products run on the FMA units and every operand tile sits in registers. With the old
@@ -302,9 +311,9 @@ def _tiles(head_dim: int) -> dict:
     """(BLOCK_M, BLOCK_N, launch options) of the forward, the dK/dV and the dQ kernels."""
     if INTERPRET:
         return {"fwd": (16, 16, {}), "dkdv": (16, 16, {}), "dq": (16, 16, {})}
-    return {"fwd": (64, 64, {"num_warps": 4, "num_stages": 3}),
-            "dkdv": (32, 64, {"num_warps": 8, "num_stages": 2}),
-            "dq": (64, 32, {"num_warps": 4, "num_stages": 2})}
+    return {"fwd": (64, 32, {"num_warps": 8, "num_stages": 3}),
+            "dkdv": (16, 64, {"num_warps": 8, "num_stages": 2}),
+            "dq": (32, 64, {"num_warps": 8, "num_stages": 2})}
 
 
 # %% [markdown]

@@ -19,11 +19,10 @@ from __future__ import annotations
 import torch
 
 from tinytron.kernels._checks import check_grad_view, check_one_step, check_segment
-from tinytron.kernels._triton import (INTERPRET, check_tensor, require_triton, round_to, row_warps,
-                                      tl, triton)
+from tinytron.kernels._triton import INTERPRET, check_tensor, require_triton, round_to, tl, triton
 
 __all__ = ["fused_adamw_", "adamw_reference_", "FlatAdamW", "adamw_bytes", "build_chunk_table",
-           "HPARAM_COLUMNS", "DEFAULT_CHUNK"]
+           "HPARAM_COLUMNS", "DEFAULT_CHUNK", "adamw_warps"]
 
 # %% [markdown]
 # ## One launch over many tensors: the chunk table
@@ -55,14 +54,25 @@ __all__ = ["fused_adamw_", "adamw_reference_", "FlatAdamW", "adamw_bytes", "buil
 #   \frac{m}{\sqrt{v} / \sqrt{1 - \beta_2^t} + \epsilon}, \qquad
 #   \text{param buffer} \leftarrow \mathrm{bf16}(\theta).$$
 #
-# A program updates one chunk of 4096 elements (64 under the interpreter, so that the tests'
-# small pieces still split). Its four fp32 inputs are live together, so the launch uses 8 warps,
-# 16 values of each per thread: compiled ahead of time, 128 registers per thread on sm_80 and
-# 254 on sm_90, no spills (at Triton's default of 4 warps each thread would hold 32 of each).
+# A program updates one chunk of 1024 elements (64 under the interpreter, so that the tests'
+# small pieces still split) with 8 warps: each thread holds 4 values of each of its four fp32
+# inputs, one 16-byte load apiece (`adamw_warps`). Compiled ahead of time with Triton 3.6 (the
+# lent H200's) and 3.9, that takes 40 registers per thread on sm_80 and sm_90, no spills, so
+# six 256-thread blocks share an SM. The chunk this page used before, 4096 at 8 warps (16 values
+# of each per thread), took 254 registers on sm_90 with either Triton (198 on sm_80 with 3.6):
+# one block per SM. 2048 at 8 warps takes 64 registers with Triton 3.6 but 118 with 3.9 on
+# sm_90, and 4096 at 4 warps spills (224 B per thread on sm_90 with 3.6). A memory-bound kernel wants many loads in flight per SM, which
+# small per-thread shares and several resident blocks give. The chunk table costs 32 bytes per
+# chunk, 0.8% of the fp32 master shard at 1024.
 
 # %%
-DEFAULT_CHUNK = 64 if INTERPRET else 4096
-"""Elements per program: 4096 compiled (8 warps, 16 per thread), 64 under the interpreter."""
+DEFAULT_CHUNK = 64 if INTERPRET else 1024
+"""Elements per program: 1024 compiled (8 warps, 4 per thread), 64 under the interpreter."""
+
+
+def adamw_warps(chunk: int) -> int:
+    """num_warps for a chunk: 4 elements of each tensor per thread (one 16-byte load), 4 to 16."""
+    return max(4, min(16, chunk // 128))
 
 HPARAM_COLUMNS = ("decay", "one_minus_beta1", "beta2", "one_minus_beta2", "step_size",
                   "bias_correction2_sqrt", "eps")
@@ -123,7 +133,7 @@ def fused_adamw_(chunks: torch.Tensor, hparams: list[float], master: torch.Tenso
     if chunks.shape[0]:
         _adamw_kernel[(chunks.shape[0],)](chunks, master, exp_avg, exp_avg_sq, grad_buffer,
                                           param_buffer, *map(float, hparams), CHUNK=chunk,
-                                          num_warps=row_warps(chunk))
+                                          num_warps=adamw_warps(chunk))
 
 
 def adamw_reference_(params, grads, exp_avgs, exp_avg_sqs, step: int, lr: float,
