@@ -17,6 +17,7 @@ Writes benchmarks/results/recompute.json (recompute_cuda.json with --device cuda
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -39,6 +40,7 @@ MODES = {
 }
 GOALS = {"selective core_attn": 1.05, "full uniform k=1": 1.40, "offload (5 regions)": 1.10}
 MICRO_BATCH = 4
+SMALL = False
 
 
 def _config(**fields):
@@ -56,6 +58,8 @@ def _build(name, device):
     from tinytron.recompute import apply_recompute
 
     config = _config(**MODES[name])
+    if SMALL:  # --small: the same modes on 2 layers of 64 tokens, a quick plumbing run
+        config = dataclasses.replace(config, num_layers=2, seq_length=64)
     tracker = model_parallel_seed(1234, ParallelGrid.single(), RNGStatesTracker(device.type))
     model = GPTModel(config, device=device, rng_tracker=tracker)
     apply_recompute(model)
@@ -111,9 +115,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--small", action="store_true",
+                        help="2 layers of 64 tokens: checks the plumbing, measures nothing")
     parser.add_argument("--out", default=None,
                         help="default benchmarks/results/recompute.json (_cuda with --device cuda)")
     args = parser.parse_args(argv)
+    global SMALL
+    SMALL = args.small
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     setups, losses = {}, {}
@@ -157,7 +165,8 @@ def _report(args, device, times, cpu_times, losses, memory) -> dict:
     result = {
         "command": "python benchmarks/bench_recompute.py " + " ".join(
             f"--{k} {v}" for k, v in vars(args).items()),
-        "model": "GPTModel h256 L4 a8 g2 f688 V4096 s256, dropout 0.1, fp32", "micro_batch": MICRO_BATCH,
+        "model": ("GPTModel h256 L2 a8 g2 f688 V4096 s64 (--small)" if SMALL else
+                  "GPTModel h256 L4 a8 g2 f688 V4096 s256") + ", dropout 0.1, fp32", "micro_batch": MICRO_BATCH,
         "device": str(device), "torch": torch.__version__, "threads": args.threads,
         "machine": platform.platform(), "cpu_count": os.cpu_count(), "load_average_1min": load,
         "modes": rows, "losses_identical": same,
