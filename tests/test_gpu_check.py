@@ -116,3 +116,16 @@ def test_a_cut_off_command_still_reports_how_far_it_got(tmp_path):
     text = (tmp_path / "gpu_check.md").read_text()
     assert "| trainer_torch: the trainer | timed out | 110 (110) | Terminated |" in text
     assert "| memory: the ledger | pending |" in text
+
+
+def test_pytest_cut_off_before_its_summary_still_counts_its_tests(tmp_path):
+    log = tmp_path / "pytest_gpu.log"
+    log.write_text("tests/test_a.py::test_x[1] PASSED   [ 2%]\n"
+                   "tests/test_a.py::test_x[2] FAILED   [ 4%]\n"
+                   "tests/test_b.py::test_y SKIPPED (no CUDA)   [ 6%]\n")
+    data, headline = gpu_check_helper()._extract_pytest(None, str(log))
+    assert data == {"counts": {"passed": 1, "failed": 1, "skipped": 1},
+                    "failed": ["tests/test_a.py::test_x[2]"]}
+    log.write_text(log.read_text() + "FAILED tests/test_a.py::test_x[2] - assert 1 == 2\n"
+                   "1 failed, 1 passed, 1 skipped in 3.20s\n")
+    assert gpu_check_helper()._extract_pytest(None, str(log))[1] == "1 failed, 1 passed, 1 skipped"
