@@ -160,7 +160,7 @@ def _pytest_counts(log) -> dict:
         if re.search(r"\b(passed|failed|skipped|error|errors|deselected|tests? collected)\b",
                      line) and re.search(r"\bin [\d.]+s\b", line):
             counts = {w: int(n) for n, w in re.findall(r"(\d+) (\w+)", line)}
-    if m := re.search(r"^(\d+)/\d+ tests? collected", text, re.M):  # --collect-only -m gpu
+    if m := re.search(r"^[= ]*(\d+)/\d+ tests? collected", text, re.M):  # --collect-only -m gpu
         counts = {"collected": int(m[1])}
     if not counts:  # cut off before its summary: pytest -v's line per test, counted
         for word in re.findall(r"^\S+::\S+.* (PASSED|FAILED|SKIPPED|ERROR)\b", text, re.M):

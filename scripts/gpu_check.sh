@@ -49,11 +49,11 @@ PYTEST_MIN_S=45
 PLAN_1="trainer_torch:110:the trainer on configs/gpt_1b.toml with kernels = torch"
 PLAN_1+=";trainer_compile:170:the trainer on configs/gpt_1b.toml with kernels = torch and compile"
 PLAN_1+=";memory:45:chapter 07's ledger against the CUDA allocator (test_ledger_against_cuda_allocator)"
-PLAN_2="kernels:60:appendix C's kernels: bandwidth / HBM peak and flash / SDPA"
+PLAN_2="kernels:65:appendix C's kernels: bandwidth / HBM peak and flash / SDPA"
 PLAN_2+=";recompute:35:selective and full recompute overhead"
 PLAN_2+=";staging:40:the staged checkpoint copy's blocking time on the GPU"
 PLAN_2+=";cudagraph:40:the full-iteration CUDA graph's speed-up (tests/test_reliability_gpu.py)"
-PLAN_2+=";pipeline:55:chapter 07's step-time model against a traced NCCL run on 2 GPUs"
+PLAN_2+=";pipeline:50:chapter 07's step-time model against a traced NCCL run on 2 GPUs"
 PLAN_2+=";inductor:25:inductor's Triton for RMSNorm (appendix C.6)"
 PLAN_2+=";pytest_gpu:$PYTEST_MIN_S:pytest -m gpu with what is left"
 
