@@ -166,7 +166,8 @@ def _report(args, device, times, cpu_times, losses, memory) -> dict:
         "command": "python benchmarks/bench_recompute.py " + " ".join(
             f"--{k} {v}" for k, v in vars(args).items()),
         "model": ("GPTModel h256 L2 a8 g2 f688 V4096 s64 (--small)" if SMALL else
-                  "GPTModel h256 L4 a8 g2 f688 V4096 s256") + ", dropout 0.1, fp32", "micro_batch": MICRO_BATCH,
+                  "GPTModel h256 L4 a8 g2 f688 V4096 s256") + ", dropout 0.1, fp32",
+        "micro_batch": MICRO_BATCH,
         "device": str(device), "torch": torch.__version__, "threads": args.threads,
         "machine": platform.platform(), "cpu_count": os.cpu_count(), "load_average_1min": load,
         "modes": rows, "losses_identical": same,

@@ -100,7 +100,8 @@ def summary_text(report: dict) -> str:
              f"Python {report['python']}; {report['device_count']} device(s); {report['date']}"]
     if report.get("dry_run"):
         lines += ["", "**Dry run on CPU**: the steps' plumbing, no number here is a GPU's."]
-    lines += ["", "| command | step | status | seconds (limit) | headline |", "|---|---|---|---|---|"]
+    lines += ["", "| command | step | status | seconds (limit) | headline |",
+              "|---|---|---|---|---|"]
     for name, s in report["steps"].items():
         secs = f"{s['seconds']:.0f}" if "seconds" in s else ""
         lines.append(f"| {s['command']} | {name}: {s['title']} | {s['status']} | {secs} "
@@ -183,9 +184,10 @@ def _extract_kernels(raw, log) -> tuple[dict, str]:
            "copy_bytes_per_s_measured": r.get("copy_bytes_per_s_measured")}
     for name in ("rmsnorm", "swiglu", "cross_entropy"):
         row = r.get(name, {})
-        out[name] = {impl: {"fwd_bwd_ms": row[impl]["fwd_bwd_ms"],
-                            "fraction_of_peak": row[impl].get("fraction_of_peak", {}).get("fwd_bwd")}
-                     for impl in ("triton", "eager", "compile") if isinstance(row.get(impl), dict)}
+        out[name] = {impl: {"fwd_bwd_ms": v["fwd_bwd_ms"],
+                            "fraction_of_peak": v.get("fraction_of_peak", {}).get("fwd_bwd")}
+                     for impl in ("triton", "eager", "compile")
+                     if isinstance(v := row.get(impl), dict)}
     att = r.get("attention", {})
     if att:
         out["attention"] = {"shape": att["shape"], "sdpa_backend": att["sdpa_backend"],
@@ -245,7 +247,8 @@ def _extract_pipeline(raw, log) -> tuple[dict, str]:
             ", ".join(f"{n} error {c['step_error']:+.0%}" for n, c in cases.items()))
 
 
-EXTRACT = {"trainer": _extract_trainer, "memory": _extract_pytest, "inductor": _extract_none, "kernels": _extract_kernels,
+EXTRACT = {"trainer": _extract_trainer, "memory": _extract_pytest, "inductor": _extract_none,
+           "kernels": _extract_kernels,
            "recompute": _extract_recompute, "staging": _extract_staging,
            "cudagraph": _extract_cudagraph, "pipeline": _extract_pipeline,
            "pytest_gpu": _extract_pytest}

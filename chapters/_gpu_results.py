@@ -70,8 +70,8 @@ def _measured(steps: dict) -> list[str]:
     memory = steps.get("memory")
     test = _outcome(memory) or ", ".join(f"{n} {w}" for w, n in
                                          memory.get("data", {}).get("counts", {}).items())
-    return (["| kernels | peak allocated (GiB) | ledger (GiB) | peak / ledger | peak reserved (GiB) |",
-             "|---|---|---|---|---|"] + _trainer_rows(steps, cells) +
+    return (["| kernels | peak allocated (GiB) | ledger (GiB) | peak / ledger "
+             "| peak reserved (GiB) |", "|---|---|---|---|---|"] + _trainer_rows(steps, cells) +
             ["", f"The ledger against the allocator on 07.6's two CUDA cases "
                  f"(`test_ledger_against_cuda_allocator`): {test}."])
 

@@ -48,7 +48,7 @@ PYTEST_MIN_S=45
 # name:limit_s:title, in the order they run; pytest_gpu gets what is left (at least PYTEST_MIN_S)
 PLAN_1="trainer_torch:110:the trainer on configs/gpt_1b.toml with kernels = torch"
 PLAN_1+=";trainer_compile:170:the trainer on configs/gpt_1b.toml with kernels = torch and compile"
-PLAN_1+=";memory:45:chapter 07's ledger against the CUDA allocator (test_ledger_against_cuda_allocator)"
+PLAN_1+=";memory:45:chapter 07's ledger against the CUDA allocator"
 PLAN_2="kernels:65:appendix C's kernels: bandwidth / HBM peak and flash / SDPA"
 PLAN_2+=";recompute:35:selective and full recompute overhead"
 PLAN_2+=";staging:40:the staged checkpoint copy's blocking time on the GPU"
@@ -140,7 +140,8 @@ trainer_run() {
 from tinytron.data.preprocess import run, stdlib_corpus
 print(run(["--input", *stdlib_corpus(20), "--output-prefix", sys.argv[1], "--workers", "1",
            "--no-progress", "--append-eod"]))' "$SCRATCH/corpus" | tail -n 1 >"$SCRATCH/corpus_prefix"
-    args=(--data.data_path "$(cat "$SCRATCH/corpus_prefix")" --config configs/tiny.toml --training.device cpu --training.train_iters 3
+    args=(--data.data_path "$(cat "$SCRATCH/corpus_prefix")" --config configs/tiny.toml
+          --training.device cpu --training.train_iters 3
           --training.log_interval 1 --training.global_batch_size 8 --scheduler.lr_warmup_iters 1
           --optimizer.use_distributed_optimizer false --ddp.overlap_grad_reduce false
           --model.kernels torch)   # no compile on the CPU: the plumbing, not inductor's minutes
@@ -228,7 +229,8 @@ for N in 1 2; do
   if [ "$DRY" = 1 ]; then budget "$N" || exit 1; fi
   PLAN=$([ "$N" = 1 ] && echo "$PLAN_1" || echo "$PLAN_2")
   REPORT=$(python3 benchmarks/gpu_check.py start --dest "$DEST" --command "$N" --plan "$PLAN" \
-           $([ "$DRY" = 1 ] && echo --dry)) || { echo "gpu_check: could not start the report" >&2; exit 1; }
+           $([ "$DRY" = 1 ] && echo --dry)) \
+    || { echo "gpu_check: could not start the report" >&2; exit 1; }
   export REPORT
   "command_$N"
   echo "[gpu_check] command $N: $((SECONDS - T0)) s of $BUDGET_S; report $REPORT"

@@ -35,8 +35,8 @@ def _budget(script: Path) -> subprocess.CompletedProcess:
 def test_each_command_fits_its_six_minutes():
     out = _budget(SCRIPT)
     assert out.returncode == 0, out.stderr
-    commands = re.findall(r"command (\d) \(budget (\d+) s\): setup (\d+) s\n((?:  \S+: limit .*\n)+)",
-                          out.stdout)
+    commands = re.findall(r"command (\d) \(budget (\d+) s\): setup (\d+) s\n"
+                          r"((?:  \S+: limit .*\n)+)", out.stdout)
     assert [c[0] for c in commands] == ["1", "2"]
     steps = {}
     for number, budget, setup, rows in commands:

@@ -1,4 +1,4 @@
-"""The pages' "measured on <device>" tables: rendered from gpu_check's JSON, or saying there is none.
+"""The pages' "measured on <device>" tables: from gpu_check's JSON, or a line saying there is none.
 
 The fixture JSON is written the way scripts/gpu_check.sh writes it (benchmarks/gpu_check.py's
 `trainer` and `record` on outputs shaped like the benchmarks'), so a change to either side
@@ -60,8 +60,8 @@ def results(tmp_path_factory) -> Path:
     for name, raw in raws.items():
         (folder / f"{name}.json").write_text(json.dumps(raw))
     (folder / "memory.log").write_text("1 passed in 3.10s\n")
-    steps = [("trainer_torch", "ok", folder / "trainer.json"), ("trainer_compile", "timed out", None),
-             ("memory", "ok", None)] + [(n, "ok", folder / f"{n}.json") for n in raws]
+    steps = [("trainer_torch", "ok", folder / "trainer.json"),
+             ("trainer_compile", "timed out", None), ("memory", "ok", None)] + [(n, "ok", folder / f"{n}.json") for n in raws]
     for name, status, raw in steps:
         helper.main(["record", "--json", str(report), "--step", name, "--status", status,
                      "--seconds", "12", "--limit", "170", "--log", str(folder / f"{name}.log"),
@@ -80,8 +80,8 @@ def test_the_tables_show_the_device_and_its_values(results):
     assert "| torch | 21-30 | 50,030 | 40.0% | 396 | 650 |" in text
     assert "| torch + compile | timed out (limit 170 s) |" in text  # an outcome, not a number
     measured = gpu_table("measured", results)
-    assert "| torch | 30.00 | " in measured and "(`test_ledger_against_cuda_allocator`): 1 passed." \
-        in measured
+    assert "| torch | 30.00 | " in measured
+    assert "(`test_ledger_against_cuda_allocator`): 1 passed." in measured
     assert "| rmsnorm: fraction of HBM peak | 62% | 21% | 55% |" in gpu_table("kernels", results)
     assert "Flash attention / SDPA: 0.78." in gpu_table("kernels", results)
     assert "| selective core_attn | 1.031 | 1.05 | 40.0 |" in gpu_table("recompute", results)
