@@ -29,7 +29,8 @@
 #                        the torch, Triton and CUDA versions and the date: the file the book's
 #                        pages render ("measured on <device>"); commit it as
 #                        benchmarks/results/gpu/<device>.json. Command 2 keeps command 1's
-#                        results when that file is already there.
+#                        results when that file is there: put command 1's JSON there before
+#                        command 2 runs (the working tree is what the machine gets).
 #   gpu_check.md         the same as a short text
 #   gpu_check_logs.tgz   every step's log (each cut to its last 2 MB) and raw outputs
 # Checkpoints go to a scratch folder outside $OUT and are removed; the trainer saves only its

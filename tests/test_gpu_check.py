@@ -129,3 +129,10 @@ def test_pytest_cut_off_before_its_summary_still_counts_its_tests(tmp_path):
     log.write_text(log.read_text() + "FAILED tests/test_a.py::test_x[2] - assert 1 == 2\n"
                    "1 failed, 1 passed, 1 skipped in 3.20s\n")
     assert gpu_check_helper()._extract_pytest(None, str(log))[1] == "1 failed, 1 passed, 1 skipped"
+
+
+def test_the_report_is_named_after_the_device():
+    slug = gpu_check_helper().device_slug
+    assert [slug(n) for n in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB",
+                              "NVIDIA GeForce RTX 4090")] == [
+        "h200", "h100", "a100", "nvidia-geforce-rtx-4090"]
