@@ -203,8 +203,8 @@ command_2() {
   else
     step pipeline 5 "" "echo 'skipped: the NCCL pipeline needs 2 GPUs; this machine has $ndev'; exit 77"
   fi
-  # on 2 loaded cores importing inductor alone takes ~25 s and tracing the norm ~45 s: the dry
-  # run only finds the module, without importing torch
+  # on 2 loaded cores importing inductor alone took 25 s and tracing the norm 45 s: the dry run
+  # only finds the module (importing tinytron.kernels, not torch._inductor)
   if [ "$DRY" = 1 ]; then
     step inductor "$(limit_of inductor)" "" \
       "python3 -c 'import importlib.util as u; assert u.find_spec(\"tinytron.kernels.inductor\")' \
