@@ -41,15 +41,19 @@ from tinytron.optimizer.mixed_precision import MixedPrecisionOptimizer
 from tinytron.parallel import ParallelGrid
 
 
-def build(seed: int = 0):
-    """~100M-parameter GPT (fp32) + AdamW with its state created by one real step."""
+def build(seed: int = 0, device: str = "cpu", small: bool = False):
+    """~100M-parameter GPT (fp32) + AdamW with its state created by one real step, on `device`.
+
+    small: a 2-layer, h 256 model of the same kind (~3M parameters), for a quick plumbing run."""
     torch.manual_seed(seed)
-    config = tiny_config(hidden_size=768, num_layers=12, num_attention_heads=12,
-                         num_query_groups=4, ffn_hidden_size=2048, vocab_size=32000,
-                         seq_length=32)
-    model = GPTModel(config)
+    size = (dict(hidden_size=256, num_layers=2, num_attention_heads=4, ffn_hidden_size=704,
+                 vocab_size=4096) if small else
+            dict(hidden_size=768, num_layers=12, num_attention_heads=12, ffn_hidden_size=2048,
+                 vocab_size=32000))
+    config = tiny_config(num_query_groups=4, seq_length=32, **size)
+    model = GPTModel(config).to(device)
     opt = MixedPrecisionOptimizer(AdamW(model.parameters(), lr=1e-4), clip_grad=1.0)
-    tokens = torch.randint(0, config.vocab_size, (1, config.seq_length + 1))
+    tokens = torch.randint(0, config.vocab_size, (1, config.seq_length + 1), device=device)
     model(tokens[:, :-1], labels=tokens[:, 1:]).mean().backward()
     opt.step()
     opt.zero_grad()

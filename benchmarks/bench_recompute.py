@@ -21,6 +21,7 @@ flash kernel a bf16 run uses. The JSON records the kernel torch picked (chapter 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -43,6 +44,7 @@ MODES = {
 }
 GOALS = {"selective core_attn": 1.05, "full uniform k=1": 1.40, "offload (5 regions)": 1.10}
 MICRO_BATCH = 4
+SMALL = False
 
 
 def _config(**fields):
@@ -60,6 +62,8 @@ def _build(name, device, dtype=torch.float32):
     from tinytron.recompute import apply_recompute
 
     config = _config(**MODES[name])
+    if SMALL:  # --small: the same modes on 2 layers of 64 tokens, a quick plumbing run
+        config = dataclasses.replace(config, num_layers=2, seq_length=64)
     tracker = model_parallel_seed(1234, ParallelGrid.single(), RNGStatesTracker(device.type))
     model = GPTModel(config, device=device, dtype=dtype, rng_tracker=tracker)
     apply_recompute(model)
@@ -117,9 +121,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
                         help="auto: bf16 on CUDA, fp32 on a CPU")
+    parser.add_argument("--small", action="store_true",
+                        help="2 layers of 64 tokens: checks the plumbing, measures nothing")
     parser.add_argument("--out", default=None,
                         help="default benchmarks/results/recompute.json (_cuda with --device cuda)")
     args = parser.parse_args(argv)
+    global SMALL
+    SMALL = args.small
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(
@@ -177,7 +185,8 @@ def _report(args, device, dtype, times, cpu_times, losses, memory) -> dict:
     result = {
         "command": "python benchmarks/bench_recompute.py " + " ".join(
             f"--{k} {v}" for k, v in vars(args).items()),
-        "model": f"GPTModel h256 L4 a8 g2 f688 V4096 s256, dropout 0.1, {str(dtype)[6:]}",
+        "model": ("GPTModel h256 L2 a8 g2 f688 V4096 s64 (--small)" if SMALL else
+                  "GPTModel h256 L4 a8 g2 f688 V4096 s256") + f", dropout 0.1, {str(dtype)[6:]}",
         "micro_batch": MICRO_BATCH, "attention_kernel": kernel,
         "device": str(device), "torch": torch.__version__, "threads": args.threads,
         "machine": platform.platform(), "cpu_count": os.cpu_count(), "load_average_1min": load,

@@ -414,7 +414,25 @@ if __name__ == "__main__":
 # count exceeds Megatron's by $6 \cdot 4096 \cdot 4096 \cdot 32 \cdot 1024 \approx 3.3 \cdot
 # 10^{12}$ FLOPs, 0.0016% of the iteration: the diagonal of the causal mask. The tiny model's
 # MFU on a CPU is low because its matmuls are small next to the per-operator overhead.
+
+# %% [markdown]
+# ## Measured on a GPU
 #
+# The MFU above is a CPU's, against a measured peak. What a GPU reaches is measured by
+# `bash scripts/gpu_check.sh 1`: the trainer on `configs/gpt_1b.toml` (1.04B parameters,
+# sequence 2048, 16 sequences per iteration) on one GPU for 30 iterations, eager
+# (`kernels = torch`) and with `torch.compile`, its rates read from the last logged interval
+# of the run's own JSONL, MFU against the datasheet peak the trainer assumes for that GPU.
+# `chapters/_gpu_results.py` renders the table from `benchmarks/results/gpu/<device>.json`;
+# until a GPU has run the check, it says so.
+
+# %%
+if __name__ == "__main__":
+    from tinytron._gpu_results import gpu_table
+
+    print(gpu_table("training_log"))
+
+# %% [markdown]
 # ## Summary
 #
 # - The log line averages losses over advanced iterations only and counts skipped and NaN

@@ -551,6 +551,22 @@ if __name__ == "__main__":
     assert st["staged"] and out["same_files"]
 
 # %% [markdown]
+# ## Measured on a GPU
+#
+# On a GPU the staged copy is a device-to-host copy on a side stream into pinned buffers, and
+# the optimizer's kernels queue behind it. `bash scripts/gpu_check.sh 2` runs
+# `benchmarks/bench_checkpoint_staging.py --device cuda` (the 100M model, its optimizer state
+# and its batch in GPU memory): the time training is blocked against a synchronous save, and
+# the whole step, timed to the GPU's completion, against a step with no save.
+# `chapters/_gpu_results.py` renders the table from `benchmarks/results/gpu/<device>.json`.
+
+# %%
+if __name__ == "__main__":
+    from tinytron._gpu_results import gpu_table
+
+    print(gpu_table("async_save"))
+
+# %% [markdown]
 # ## Summary
 #
 # - Async save = synchronous planning + a snapshot + a background writer + a collective

@@ -323,6 +323,21 @@ if __name__ == "__main__":
     assert results["selective all three"][1] < 1e-6
 
 # %% [markdown]
+# ## Measured on a GPU
+#
+# `bash scripts/gpu_check.sh 2` runs `benchmarks/bench_recompute.py --device cuda`: each mode's
+# step time over no recompute, against the goals (selective at most 1.05×, full at most 1.40×),
+# and the peak activation bytes of one micro-batch. The model is the benchmark's small one
+# (hidden 256, 4 layers, sequence 256). `chapters/_gpu_results.py` renders the table from
+# `benchmarks/results/gpu/<device>.json`.
+
+# %%
+if __name__ == "__main__":
+    from tinytron._gpu_results import gpu_table
+
+    print(gpu_table("recompute"))
+
+# %% [markdown]
 # ## Summary
 #
 # - Full recompute checkpoints runs of layers (`uniform`) or the first layers of a stage

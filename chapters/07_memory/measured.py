@@ -307,7 +307,25 @@ if __name__ == "__main__":
 #   attention kernel's saved tensors (fp32 scores, bool dropout mask) against autograd's — and
 #   `scripts/gpu_check.sh` runs them with every `gpu` test. Neither has run for this page: no
 #   number on it is a GPU measurement.
+
+# %% [markdown]
+# ## Measured on a GPU
 #
+# On a GPU the allocator is the meter. `bash scripts/gpu_check.sh 1` records the largest
+# `torch.cuda.max_memory_allocated` of the ~1B trainer run (`configs/gpt_1b.toml` on one GPU:
+# selective recompute, the distributed optimizer, micro-batch 4 of 2048 tokens) beside this
+# chapter's ledger for the same config, and runs `test_ledger_against_cuda_allocator`. The
+# allocator also holds what the ledger does not model (its block rounding, library
+# workspaces), so peak / ledger reads as the ledger's miss plus that overhead.
+# `chapters/_gpu_results.py` renders the table from `benchmarks/results/gpu/<device>.json`.
+
+# %%
+if __name__ == "__main__":
+    from tinytron._gpu_results import gpu_table
+
+    print(gpu_table("measured"))
+
+# %% [markdown]
 # ## How production does it
 #
 # - Megatron compares its estimate with `torch.cuda.max_memory_allocated` in its logs

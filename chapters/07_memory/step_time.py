@@ -1134,7 +1134,25 @@ if __name__ == "__main__":
 # collectives and copies run on engines of their own, the comparison to run is the same
 # benchmark with NCCL and CUDA traces; the CPU check bounds how wrong the model is when that
 # assumption fails.
+
+# %% [markdown]
+# ## Measured on a GPU
 #
+# `bash scripts/gpu_check.sh 1` times the ~1B trainer on one GPU (`configs/gpt_1b.toml`, 16
+# sequences of 2048 tokens per iteration), and the model predicts the same layout with compute
+# at its assumed MFU (`Links.mfu`) of that GPU's datasheet peak: on one GPU nothing is
+# exposed, so the error is mostly how far the achieved MFU is from the assumed one. With two
+# or more GPUs, `bash scripts/gpu_check.sh 2` also traces the DP 2 and PP 2 runs of the CPU
+# check above over NCCL. `chapters/_gpu_results.py` renders the tables from
+# `benchmarks/results/gpu/<device>.json`.
+
+# %%
+if __name__ == "__main__":
+    from tinytron._gpu_results import gpu_table
+
+    print(gpu_table("step_time"))
+
+# %% [markdown]
 # ## Summary
 #
 # - A step is compute + bubble + optimizer + what each transfer cannot hide in its window.

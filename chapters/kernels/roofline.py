@@ -168,6 +168,22 @@ if __name__ == "__main__":
     assert total_eager > 5 * total_fused
 
 # %% [markdown]
+# ## Measured on a GPU
+#
+# The roofline says where each kernel should land; `bash scripts/gpu_check.sh 2` measures where
+# it does, with `benchmarks/bench_kernels.py` at a ~1B model's shapes: each memory-bound
+# kernel's minimum bytes over its forward-and-backward time, as a fraction of the device's
+# datasheet HBM bandwidth, beside eager PyTorch and `torch.compile`; and the flash attention
+# kernel's TFLOP/s against SDPA's flash backend. `chapters/_gpu_results.py` renders the table
+# from `benchmarks/results/gpu/<device>.json`.
+
+# %%
+if __name__ == "__main__":
+    from tinytron._gpu_results import gpu_table
+
+    print(gpu_table("kernels"))
+
+# %% [markdown]
 # ## Summary
 #
 # - Norms, activations, the loss and the optimizer update are memory-bound by two orders of
