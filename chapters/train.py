@@ -124,11 +124,6 @@ def _check_trainer_rules(cfg: TrainConfig) -> None:
     if tok.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the "
                           f"tokenizer's vocabulary ({tok.vocab_size})")
-    vpp = cfg.parallel.virtual_pipeline_model_parallel_size or 1
-    if vpp > 1 and cfg.optimizer.use_distributed_optimizer:
-        raise ConfigError("optimizer.use_distributed_optimizer with "
-                          "parallel.virtual_pipeline_model_parallel_size > 1 is not supported "
-                          "by this trainer (one DistributedOptimizer serves one model chunk)")
     if cfg.optimizer.lr is None:
         raise ConfigError("optimizer.lr is required")
     s, t = cfg.scheduler, cfg.training

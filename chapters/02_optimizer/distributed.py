@@ -329,8 +329,9 @@ class ShardedCopies:
             self.fused_adamw.step()
         else:
             super().step_with_ready_grads()
-        if not self.ddp.ddp_config.overlap_param_gather:
-            self.ddp.start_param_sync(force_sync=True)
+        for chunk in self.model_chunks:  # each chunk's all-gather, unless its pre-hooks will
+            if not chunk.ddp_config.overlap_param_gather:
+                chunk.start_param_sync(force_sync=True)
 
 
 # %% [markdown]
@@ -353,10 +354,14 @@ class DistributedOptimizer(ShardedCopies, MixedPrecisionOptimizer):
     def __init__(self, optimizer, ddp, *, clip_grad: float = 1.0, grad_scaler=None,
                  log_num_zeros_in_grad: bool = False, grad_norm_skip_threshold: float = math.inf,
                  fused_adamw: bool = False):
-        check_distopt_inner(optimizer, ddp, fused_adamw)
-        self.ddp, self.buffers = ddp, ddp.buffers
-        self.dp_group, self.dp_size = ddp.dp_group, ddp.dp_size
-        super().__init__(optimizer, clip_grad=clip_grad, grad_scaler=grad_scaler, grid=ddp.grid,
+        # one DDP wrapper, or one per model chunk (virtual stages): the buffers of all, in order
+        self.model_chunks = list(ddp) if isinstance(ddp, (list, tuple)) else [ddp]
+        for chunk in self.model_chunks:
+            check_distopt_inner(optimizer, chunk, fused_adamw)
+        self.buffers = [buf for chunk in self.model_chunks for buf in chunk.buffers]
+        first = self.model_chunks[0]
+        self.dp_group, self.dp_size = first.dp_group, first.dp_size
+        super().__init__(optimizer, clip_grad=clip_grad, grad_scaler=grad_scaler, grid=first.grid,
                          log_num_zeros_in_grad=log_num_zeros_in_grad,
                          grad_norm_skip_threshold=grad_norm_skip_threshold)
         # Appendix C: the AdamW step and the bf16 write-back as one Triton launch over the shard.
