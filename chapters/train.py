@@ -307,10 +307,13 @@ def data_iterators_provider(cfg: TrainConfig, data, tokenizer, reliability):
     t = cfg.training
 
     def provide(grid, state):
+        from tinytron.main_loop.loop import eval_batch
+
         train_iters = train_iters_of(cfg, grid.size("dp"))
         eval_runs = (train_iters // t.eval_interval + 1) if t.eval_interval else 0
+        # evaluation reads eval_global_batch_size samples a batch (training.py:4119)
         samples = [t.train_samples or train_iters * t.global_batch_size,
-                   eval_runs * t.eval_iters * t.global_batch_size, 0]
+                   eval_runs * t.eval_iters * eval_batch(t, grid.size("dp"))[1], 0]
         datasets = build_train_valid_test_datasets(
             data, cfg.model.seq_length, samples, lambda: is_dataset_built_on_rank(grid),
             eod_id=tokenizer.eod, pad_id=tokenizer.pad if tokenizer.pad >= 0 else tokenizer.eod)

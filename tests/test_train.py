@@ -135,6 +135,20 @@ def test_a_virtual_stage_distopt_checkpoint_resumes_on_another_layout(parity, na
         assert abs(got["losses"][it] - ref[it]) <= 1e-5 * abs(ref[it]), (name, it, got, ref)
 
 
+def test_validation_data_is_sized_with_the_evaluation_batch(tmp_path, data_prefix):
+    """Evaluation reads eval_global_batch_size samples a batch, so the validation dataset is
+    sized with it (Megatron's get_train_valid_test_num_samples, training.py:4119): 8 per batch
+    against a training batch of 2 runs its three evaluations instead of running out of data."""
+    from tests import train_workers
+
+    argv = ["--training.global_batch_size", "2", "--training.eval_global_batch_size", "8",
+            "--training.train_iters", "4", "--training.eval_interval", "2",
+            "--training.eval_iters", "1"]
+    got = run_on_ranks(train_workers.run_layouts, 1, str(tmp_path), data_prefix,
+                       {"eval_batch": argv}, timeout=300)[0]["eval_batch"]
+    assert got["code"] == 0 and got["validations"] == [2, 4], got
+
+
 # -- torchrun: the README's job in a fresh clone, two launchers, a kill and a restart -----------
 def _free_port() -> int:
     with socket.socket() as s:
