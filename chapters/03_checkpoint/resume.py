@@ -418,8 +418,8 @@ def _read_dist(manager, directory, common, chunks, optimizer, load_optim, load_r
     steps = common.get("optimizer", {}).get("steps", {})
     loaded.optimizer_pieces = piece_states(pieces, quantities, staging, staged, layouts, steps)
     if "rng" in objects:
-        states, r = got[objects["rng"].unique_key], grid.rank("dp_cp")
-        own = manager.config.data_parallel_random_init and len(states) == grid.size("dp_cp")
+        states, r = got[objects["rng"].unique_key], grid.rank("dp")
+        own = manager.config.data_parallel_random_init and len(states) == grid.size("dp")
         loaded.rng = states[r] if own else states[0]   # checkpointing.py:1993-1996
     if "groups" in objects:
         loaded.param_groups = got[objects["groups"].unique_key]
@@ -566,6 +566,9 @@ def _load(manager, model, optimizer, scheduler, root):
     state = _train_state_class()()
     if not finetune:
         state.load_state_dict(_train_state_dict(state, loaded.common, iteration))
+    else:   # a finetune restarts the counters but keeps the FLOPs done (checkpointing.py:1877)
+        state.num_floating_point_operations_so_far = loaded.common.get(
+            "num_floating_point_operations_so_far", 0)
     if manager.comm.rank == 0:
         logger.info("loaded %s (iteration %d)", directory, iteration)
     return state
