@@ -100,7 +100,7 @@ def megatron_optimizer_provider(opt_config) -> Callable:
             return get_megatron_optimizer(opt_config, modules[0], grid, ddp=ddp)
         # several chunks (virtual stages): one optimizer over all, named "<chunk>.<param>"; the
         # distributed one shards every chunk's buffers (Megatron's get_megatron_optimizer over
-        # the model list, training.py:1894)
+        # the model list, training.py:1979; distrib_optimizer.py:685)
         ddp = list(model) if all(hasattr(c, "module") for c in model) else None
         return get_megatron_optimizer(opt_config, torch.nn.ModuleList(modules), grid, ddp=ddp)
     return build
