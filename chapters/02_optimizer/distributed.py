@@ -349,18 +349,14 @@ class DistributedOptimizer(ShardedCopies, MixedPrecisionOptimizer):
         ddp = DistributedDataParallel(model, grid, DistributedDataParallelConfig(
             use_distributed_optimizer=True, grad_reduce_in_fp32=True))
         opt = DistributedOptimizer(AdamW(model.parameters(), lr=3e-4), ddp, clip_grad=1.0)
-        # virtual stages: one DDP per chunk, one optimizer over all (a list of wrappers)
     """
 
     def __init__(self, optimizer, ddp, *, clip_grad: float = 1.0, grad_scaler=None,
                  log_num_zeros_in_grad: bool = False, grad_norm_skip_threshold: float = math.inf,
                  fused_adamw: bool = False):
         # one DDP wrapper, or one per model chunk (virtual stages): the buffers of all, in order
-        self.model_chunks = list(ddp) if isinstance(ddp, (list, tuple)) else [ddp]
-        for chunk in self.model_chunks:
-            check_distopt_inner(optimizer, chunk, fused_adamw)
+        self.model_chunks = first, *_ = check_distopt_inner(optimizer, ddp, fused_adamw)
         self.buffers = [buf for chunk in self.model_chunks for buf in chunk.buffers]
-        first = self.model_chunks[0]
         self.dp_group, self.dp_size = first.dp_group, first.dp_size
         super().__init__(optimizer, clip_grad=clip_grad, grad_scaler=grad_scaler, grid=first.grid,
                          log_num_zeros_in_grad=log_num_zeros_in_grad,
