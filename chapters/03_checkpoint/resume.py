@@ -169,7 +169,9 @@ class CheckpointConfig:
 # DP ranks of a position share their streams, and the list holds DP rank 0's state alone;
 # with `data_parallel_random_init` the states of all DP ranks are gathered into it
 # (`checkpointing.py:382-391`), and on load a rank takes its own DP entry (entry 0 if DP
-# changed, or without the flag, `:1993-1996`). When TP or PP changed the streams mean something else —
+# changed, or without the flag, `:1993-1996`). The gather runs over DP alone, not DP × CP:
+# with CP 2 × DP 2 the list has 2 entries, written by CP rank 0's DP group, and both CP ranks
+# of DP rank $d$ restore entry $d$. When TP or PP changed the streams mean something else —
 # a TP rank's model-parallel seed is `seed + 2718 + tp_rank` — so, as in Megatron
 # (`checkpointing.py:1693-1706`), they are **not** restored and a warning says so.
 #
