@@ -310,6 +310,11 @@ class TrainConfig:
             self.model.check_layout(tp=tp, cp=cp, pp=pp, num_virtual_stages=vpp)
         except ValueError as e:
             raise ConfigError(f"model: {e}") from e
+        if vpp == 1 and self.ddp is not None and self.ddp.align_param_gather:
+            # only the interleaved schedule dispatches the gathers (param_sync_func); without it
+            # the aligned pre-hooks would prefetch nothing: off, as Megatron sets it
+            # (arguments.py:990-992)
+            self.ddp.align_param_gather = False
         p2p = self.parallel.p2p_schedule_options()
         if vpp > 1 and pp <= 2 and p2p["batch_p2p_comm"]:
             raise ConfigError("parallel.overlap_p2p_comm = false needs pipeline_model_parallel_size"

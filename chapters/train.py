@@ -124,11 +124,6 @@ def _check_trainer_rules(cfg: TrainConfig) -> None:
     if tok.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the "
                           f"tokenizer's vocabulary ({tok.vocab_size})")
-    vpp = cfg.parallel.virtual_pipeline_model_parallel_size or 1
-    if vpp > 1 and cfg.optimizer.use_distributed_optimizer:
-        raise ConfigError("optimizer.use_distributed_optimizer with "
-                          "parallel.virtual_pipeline_model_parallel_size > 1 is not supported "
-                          "by this trainer (one DistributedOptimizer serves one model chunk)")
     if cfg.optimizer.lr is None:
         raise ConfigError("optimizer.lr is required")
     s, t = cfg.scheduler, cfg.training
@@ -312,10 +307,13 @@ def data_iterators_provider(cfg: TrainConfig, data, tokenizer, reliability):
     t = cfg.training
 
     def provide(grid, state):
+        from tinytron.main_loop.loop import eval_batch
+
         train_iters = train_iters_of(cfg, grid.size("dp"))
         eval_runs = (train_iters // t.eval_interval + 1) if t.eval_interval else 0
+        # evaluation reads eval_global_batch_size samples a batch (training.py:4119)
         samples = [t.train_samples or train_iters * t.global_batch_size,
-                   eval_runs * t.eval_iters * t.global_batch_size, 0]
+                   eval_runs * t.eval_iters * eval_batch(t, grid.size("dp"))[1], 0]
         datasets = build_train_valid_test_datasets(
             data, cfg.model.seq_length, samples, lambda: is_dataset_built_on_rank(grid),
             eod_id=tokenizer.eod, pad_id=tokenizer.pad if tokenizer.pad >= 0 else tokenizer.eod)

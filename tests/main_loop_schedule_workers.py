@@ -252,9 +252,95 @@ def loop_callbacks_case(pp: int, vpp: int | None, m: int = 4) -> dict:
     return out
 
 
+def _record_gathers(models, log: list, inside: dict) -> None:
+    """Wrap every bucket group's start_param_sync: (iteration, chunk, async, from the schedule)."""
+    for c, chunk in enumerate(models):
+        for group in chunk.bucket_groups:
+            def recorded(force_sync=False, _orig=group.start_param_sync, _c=c):
+                log.append((inside["iteration"], _c, not force_sync, inside["schedule"]))
+                return _orig(force_sync=force_sync)
+            group.start_param_sync = recorded
+
+
+def _schedule_dispatch(funcs: list, inside: dict) -> list:
+    """Each chunk's param_sync_func, marked as called by the schedule while it runs."""
+    def marked(f):
+        def call(*args):
+            inside["schedule"] = True
+            try:
+                return f(*args)
+            finally:
+                inside["schedule"] = False
+        return call
+    return [marked(f) for f in funcs]
+
+
+def _distopt_run(grid, config, batches, pp, vpp, m, distributed: bool) -> dict:
+    """Three training steps over virtual stages with the loop's own optimizer provider."""
+    from tinytron.buffers.distributed_data_parallel import DistributedDataParallelConfig
+    from tinytron.main_loop.loop import (_first_iteration_without_pre_hooks, _restore_pre_hooks,
+                                         build_schedule_config, megatron_optimizer_provider,
+                                         wrap_with_ddp)
+    from tinytron.optimizer import OptimizerConfig
+
+    torch.manual_seed(0)
+    ddp_config = DistributedDataParallelConfig(
+        overlap_grad_reduce=True, use_distributed_optimizer=distributed,
+        overlap_param_gather=distributed, align_param_gather=distributed, bucket_size=20_000)
+    models = wrap_with_ddp(build_stage_models(config, grid, num_virtual_stages=vpp), grid,
+                           ddp_config)
+    opt = megatron_optimizer_provider(OptimizerConfig(
+        lr=1e-2, clip_grad=0.0, use_distributed_optimizer=distributed))(models, grid)
+    cfg = build_schedule_config(models, opt, grid)
+    log, inside = [], {"iteration": 0, "schedule": False}
+    if distributed:
+        _record_gathers(models, log, inside)
+        cfg.param_sync_func = _schedule_dispatch(cfg.param_sync_func, inside)
+    for it in range(3):
+        inside["iteration"] = it
+        for c in models:
+            c.zero_grad_buffer()
+        held = _first_iteration_without_pre_hooks(models, cfg) if it == 0 else False
+        get_forward_backward_func(pp, vpp)(
+            forward_step_func=w.forward_step_func, data_iterator=[iter(batches) for _ in models],
+            model=models, num_microbatches=m, seq_length=config.seq_length, micro_batch_size=1,
+            grid=grid, config=cfg)
+        opt.step()
+        if held:
+            _restore_pre_hooks(models, cfg, held)
+    for c in models:  # the last step's gather (the next forward would have waited for it)
+        if distributed:
+            c.start_param_sync(force_sync=True)
+    params = {f"{i}.{n}": p.detach().clone() for i, c in enumerate(models)
+              for n, p in c.module.named_parameters()}
+    return {"params": params, "gathers": log, "type": type(opt).__name__,
+            "groups": [len(c.bucket_groups) for c in models]}
+
+
+def loop_distopt_case(pp: int = 2, vpp: int = 3, m: int = 4) -> dict:
+    """The DistributedOptimizer over every chunk, its gathers dispatched by the schedule.
+
+    Three steps with chapter 02's DistributedOptimizer over the v DDP chunks (overlapped,
+    aligned gathers) against the plain optimizer over the same chunks, on the same batches.
+    """
+    grid = w.grid_for(1, pp)
+    config = w.tiny_config(num_layers=pp * vpp, tie_embeddings=False)
+    dp, dp_rank = grid.size("dp"), grid.rank("dp")
+    batches = w.make_microbatches(config, dp * m, seed=11)[dp_rank * m:(dp_rank + 1) * m]
+    sharded = _distopt_run(grid, config, batches, pp, vpp, m, True)
+    plain = _distopt_run(grid, config, batches, pp, vpp, m, False)
+    return {"type": sharded["type"], "plain_type": plain["type"], "rank": grid.rank("pp"),
+            "gathers": sharded["gathers"], "groups": sharded["groups"],
+            "same_params": sharded["params"].keys() == plain["params"].keys() and all(
+                torch.equal(sharded["params"][n], plain["params"][n]) for n in plain["params"]),
+            "max_diff": max(float((sharded["params"][n] - plain["params"][n]).abs().max())
+                            for n in plain["params"])}
+
+
 def param_sync_world_checks() -> dict:
     """Every case of tests/test_main_loop_param_sync.py in one 4-rank world."""
     out = {name: param_sync_case(*args) for name, args in PARAM_SYNC_CASES.items()}
     out["loop_interleaved"] = loop_callbacks_case(2, 3)
     out["loop_1f1b"] = loop_callbacks_case(2, None)
+    out["loop_distopt"] = loop_distopt_case()
     return out

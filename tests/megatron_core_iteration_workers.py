@@ -49,9 +49,10 @@ def init_root(root: str, tie: bool) -> str:
 
 
 def _layout(tp=1, pp=1, vpp=None, distopt=False, tie=True, eod_mask_loss=False,
-            per_token_loss=False, decoupled_lr=None, argv=()) -> dict:
+            per_token_loss=False, decoupled_lr=None, overlap=False, argv=()) -> dict:
     return dict(tp=tp, pp=pp, vpp=vpp, distopt=distopt, tie=tie, eod_mask_loss=eod_mask_loss,
-                per_token_loss=per_token_loss, decoupled_lr=decoupled_lr, argv=list(argv))
+                per_token_loss=per_token_loss, decoupled_lr=decoupled_lr, overlap=overlap,
+                argv=list(argv))
 
 
 # Each layout on both sides; `argv` is what tinytron's command line adds to the recipe (its data
@@ -76,6 +77,13 @@ LAYOUTS = {
         "--data.eod_mask_loss", "true", "--ddp.calculate_per_token_loss", "true"]),
     "pp2_vpp2": _layout(pp=2, vpp=2, argv=PP2 + [
         "--parallel.virtual_pipeline_model_parallel_size", "2"]),
+    # four ranks: one distributed optimizer over both chunks, both sides overlapping the grad
+    # reduce-scatter and the param all-gather, the gathers dispatched chunk by chunk by the
+    # interleaved schedule's param_sync_func (align_param_gather)
+    "pp2_vpp2_dp2_distopt": _layout(pp=2, vpp=2, distopt=True, overlap=True, argv=PP2 + [
+        "--parallel.virtual_pipeline_model_parallel_size", "2",
+        "--optimizer.use_distributed_optimizer", "true", "--ddp.overlap_grad_reduce", "true",
+        "--ddp.overlap_param_gather", "true", "--ddp.align_param_gather", "true"]),
 }
 # negative controls: tinytron run with one knob changed, compared with the unchanged reference
 CONTROLS = {"adam_eps": ["--optimizer.adam_eps", "1e-8"],
@@ -303,7 +311,10 @@ def _megatron_parts(layout: dict, initial: str):
     torch.manual_seed(INIT_SEED + 1)  # any initialization: the checkpoint overwrites it
     chunks = _megatron_chunks(config, layout["tie"])
     _load_weights(chunks, os.path.join(initial, "iter_0000000"))
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=layout["distopt"])
+    overlap = layout["overlap"]
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=layout["distopt"], overlap_grad_reduce=overlap,
+        overlap_param_gather=overlap, align_param_gather=overlap)
     # get_model: only the first chunk is split into buckets (the others are one bucket each)
     ddp = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
            for i, chunk in enumerate(chunks)]
@@ -325,7 +336,39 @@ def _megatron_parts(layout: dict, initial: str):
         wd_incr_style="constant")
     config.grad_scale_func = optimizer.scale_loss          # training.py:3227
     config.finalize_model_grads_func = finalize_model_grads  # training.py:3245
+    if overlap:  # training.py:3228-3242: each chunk's callbacks, as a list (virtual stages)
+        config.no_sync_func = [c.no_sync for c in ddp]
+        config.grad_sync_func = [c.start_grad_sync for c in ddp]
+        config.param_sync_func = [_counted(c.start_param_sync) for c in ddp]
     return chunks, ddp, optimizer, scheduler
+
+
+PARAM_SYNC_CALLS = [0]  # how often megatron-core's schedule called a chunk's param_sync_func
+
+
+def _counted(fn):
+    def call(*args, **kwargs):
+        PARAM_SYNC_CALLS[0] += 1
+        return fn(*args, **kwargs)
+    return call
+
+
+@contextlib.contextmanager
+def _first_iteration(ddp: list, iteration: int):
+    """training.py:3374-3379, 3569-3573: with the overlapped gather the first iteration runs
+    without the forward pre-hooks and without param_sync_func (the weights are complete); both
+    come back after its step."""
+    config = ddp[0].config
+    if iteration != 1 or not ddp[0].ddp_config.overlap_param_gather:
+        yield
+        return
+    held, config.param_sync_func = config.param_sync_func, None
+    for chunk in ddp:
+        chunk.disable_forward_pre_hook(param_sync=False)
+    yield
+    for chunk in ddp:
+        chunk.enable_forward_pre_hook()
+    config.param_sync_func = held
 
 
 def _train_step(ddp: list, optimizer, scheduler, data_iterator, num_microbatches: int, dp: int):
@@ -382,11 +425,17 @@ def megatron_run(layout_name: str, data_prefix: str, initial: str, cache: str,
             # the iterators once per chunk)
             data = [_microbatches(dataset, dp_rank, dp) for _ in chunks]
             m = RECIPE["global_batch_size"] // (RECIPE["micro_batch_size"] * dp)
-            records = [{"iteration": it, **_train_step(ddp, optimizer, scheduler,
-                                                       data if layout["vpp"] else data[0], m, dp)}
-                       for it in range(1, RECIPE["train_iters"] + 1)]
+            records = []
+            for it in range(1, RECIPE["train_iters"] + 1):
+                with _first_iteration(ddp, it):
+                    records.append({"iteration": it, **_train_step(
+                        ddp, optimizer, scheduler, data if layout["vpp"] else data[0], m, dp)})
+            if layout["overlap"]:  # the last step's gather, as a save forces it (training.py:2788)
+                for chunk in ddp:
+                    chunk.start_param_sync(force_sync=True)
             trained = _weights(chunks)
             parts = {"optimizer": sorted({type(o).__name__ for o in optimizer.chained_optimizers}),
+                     "param_sync_calls": PARAM_SYNC_CALLS[0],
                      "schedule": get_forward_backward_func().__name__}
             gaps = {}
             for name, directory in compare_with.items():  # reading overwrites the model's tensors

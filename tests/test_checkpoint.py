@@ -294,12 +294,17 @@ def test_legacy_round_trip_one_process(tmp_path):
     assert loaded.iteration == 2 and _equal(_state_of(model, opt), _state_of(fresh, fresh_opt))
 
 
-def test_finetune_loads_weights_only(tmp_path):
+@pytest.mark.parametrize("ckpt_format", ["torch_dist", "torch"])
+def test_finetune_loads_weights_only(tmp_path, ckpt_format):
+    """Weights only; the iteration and the samples restart, the FLOPs done are kept, as
+    Megatron's load_checkpoint returns them in every case (checkpointing.py:1877)."""
     model, opt, state = _trained()
-    save_checkpoint(tmp_path, state, model, opt)
+    state.num_floating_point_operations_so_far = 1.5e12
+    save_checkpoint(tmp_path, state, model, opt, ckpt_format=ckpt_format)
     fresh, fresh_opt, _ = _trained(steps=0, seed=3)
     loaded = load_checkpoint(tmp_path, fresh, fresh_opt, finetune=True)
     assert loaded.iteration == 0 and loaded.consumed_train_samples == 0
+    assert loaded.num_floating_point_operations_so_far == 1.5e12
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
     assert not fresh_opt._state_of[id(fresh_opt.pairs[0][1])]   # fresh optimizer state
 

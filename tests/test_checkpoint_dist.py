@@ -64,7 +64,7 @@ def test_resume_equals_uninterrupted_bitwise(suite, case):
     ("reshard_pp2_to_pp1", 1e-6, 32), ("reshard_pp1_to_pp2", 1e-6, 32),
     ("reshard_bf16_tp2_to_pp2", 2e-2, 32),
     ("reshard_vpp2_to_pp2", 1e-6, 24), ("reshard_vpp2_to_pp1", 1e-6, 24),
-    ("reshard_pp1_to_vpp2", 1e-6, 24),
+    ("reshard_pp1_to_vpp2", 1e-6, 24), ("reshard_vpp2_distopt_to_pp1", 1e-6, 32),
     ("reshard_cp2_to_cp1", 1e-6, 32), ("reshard_cp1_to_cp2", 1e-6, 32),
     ("reshard_pp2_cp2_to_dp4", 1e-6, 32)])
 def test_resharded_resume(suite, case, tol, num_tensors):
@@ -198,3 +198,24 @@ def test_rng_states_gathered_over_dp_only_with_data_parallel_random_init(suite):
                            CheckpointGroups(ParallelGrid.single()))
         lengths[name] = [len(got[o.unique_key]) for o in objects]
     assert lengths == {"on": [1, 1], "dp_random": [2, 2]}, lengths
+
+
+def test_rng_states_listed_and_restored_by_dp_rank_under_context_parallelism(suite):
+    """CP 2 x DP 2 with data_parallel_random_init: Megatron gathers the RNG states over DP only
+    and restores entry [dp rank] (checkpointing.py:382-391, 1993-1996). So each position's list
+    has 2 entries, not 4, in both formats, and every rank gets back its DP rank's state."""
+    from tinytron.checkpoint._common import CheckpointGroups
+    from tinytron.checkpoint.sharded_keys import ShardedObject
+    from tinytron.checkpoint.torch_dist import read_sharded
+    from tinytron.parallel import ParallelGrid
+
+    root, out = suite
+    ranks = out[0]["rng_cp2_dp2"]
+    assert sorted((r["dp"], r["cp"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r["restored"] == {"torch_dist": True, "torch": True} for r in ranks), ranks
+    obj = ShardedObject("rng_state", None, (1, 1), (0, 0))
+    got = read_sharded(root / "rng_cp2_dp2" / "torch_dist" / "iter_0000000", [], [obj],
+                       CheckpointGroups(ParallelGrid.single()))
+    legacy = torch.load(root / "rng_cp2_dp2" / "torch" / "iter_0000000" / "mp_rank_00" /
+                        "model_optim_rng.pt", weights_only=False)
+    assert (len(got[obj.unique_key]), len(legacy["rng_state"])) == (2, 2)

@@ -87,6 +87,17 @@ def test_ddp_takes_the_distributed_optimizer_switch_from_optimizer(path):
         load_config(path, ["--ddp.use_distributed_optimizer", "true"])
 
 
+def test_align_param_gather_is_off_without_virtual_stages(path):
+    """Only the interleaved schedule dispatches aligned gathers (param_sync_func); without virtual
+    stages the aligned pre-hooks would prefetch nothing, so Megatron sets it off
+    (arguments.py:990-992). With virtual stages it is kept."""
+    on = ["--optimizer.use_distributed_optimizer", "true", "--ddp.overlap_param_gather", "true",
+          "--ddp.align_param_gather", "true"]
+    assert load_config(path, on).resolve(8).ddp.align_param_gather is False
+    interleaved = load_config(path, on + ["--parallel.virtual_pipeline_model_parallel_size", "2"])
+    assert interleaved.resolve(8).ddp.align_param_gather is True
+
+
 def test_eval_global_batch_size_sets_the_evaluation_batch(path):
     """Megatron's eval_global_batch_size: the loop's evaluation batch, defaulting to the training one."""
     from tinytron.main_loop.loop import eval_batch

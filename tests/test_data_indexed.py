@@ -205,3 +205,21 @@ def test_pointer_check_works_across_blocks(tmp_path, monkeypatch):
     open(get_idx_path(p), "wb").write(bytes(raw))
     with pytest.raises(IndexedDatasetError, match="pointer for sequence 7: 999 bytes, lengths say 56"):
         IndexedDataset(p)
+
+
+def test_add_document_takes_token_ids_written_as_text(tmp_path):
+    """megatron-core's builder converts with np.array(tokens, dtype=...), which parses "12" as
+    12: the same list gives the same file here; text that is not an id is one ValueError."""
+    p = str(tmp_path / "t")
+    b = IndexedDatasetBuilder(get_bin_path(p), dtype=np.int32)
+    b.add_document(["12", "34", "56"], [3])
+    b.add_document(np.array(["7", "8"]), [1, 1])
+    with pytest.raises(ValueError, match="^tokens: not integer token ids"):
+        b.add_document(["12", "x"], [2])
+    small = IndexedDatasetBuilder(get_bin_path(str(tmp_path / "u")), dtype=np.uint16)
+    with pytest.raises(ValueError, match="does not fit"):   # parsed, then range-checked
+        small.add_document(["70000"], [1])
+    b.finalize(get_idx_path(p))
+    ds = IndexedDataset(p)
+    assert [ds[i].tolist() for i in range(len(ds))] == [[12, 34, 56], [7], [8]]
+    assert ds.document_indices.tolist() == [0, 1, 3]

@@ -98,3 +98,20 @@ def test_the_loops_start_param_sync_runs_through_the_schedule(world, case):
     and the real all-gathers it launches leave the gradients bit for bit as without it."""
     for res in world:
         assert res[case]["handed"] and res[case]["same_grads"], res[case]
+
+
+def test_distributed_optimizer_over_chunks_gathers_through_the_schedule(world):
+    """Chapter 02's DistributedOptimizer over the v = 3 chunks of PP 2 x DP 2, with overlapped,
+    aligned gathers: after the first step (which runs without pre-hooks, as Megatron's does)
+    every bucket group's all-gather of every chunk is dispatched by the schedule's
+    param_sync_func — none on demand by a forward pre-hook — and three steps give the plain
+    optimizer's weights bit for bit (fp32, no clipping: the same sums, elementwise Adam)."""
+    for res in world:
+        r = res["loop_distopt"]
+        assert (r["type"], r["plain_type"]) == ("DistributedOptimizer", "MixedPrecisionOptimizer")
+        assert r["same_params"], r["max_diff"]
+        for it in (1, 2):
+            launched = [(c, sched) for i, c, is_async, sched in r["gathers"] if i == it and is_async]
+            expected = [(c, True) for c, n in enumerate(r["groups"]) for _ in range(n)]
+            assert sorted(launched) == expected, (it, r["gathers"])
+        assert not [g for g in r["gathers"] if g[0] == 0 and g[2]]  # the first step: none

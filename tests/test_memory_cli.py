@@ -34,7 +34,8 @@ EXAMPLE = "configs/llama7b_tp2_pp2_dp64.toml"
 # and the 4-rank layouts that pipeline, interleave, shard over TP+SP and over CP.
 CONFIGS = [(EXAMPLE, 256), ("configs/tiny.toml", None), ("configs/pp2_vpp2.toml", 4),
            ("configs/tp2_pp2.toml", 4), ("configs/cp2.toml", 4),
-           ("configs/pp2_dp2_distopt.toml", 4), ("configs/gpt_1b.toml", 8)]
+           ("configs/pp2_dp2_distopt.toml", 4), ("configs/pp2_vpp2_dp2_distopt.toml", 4),
+           ("configs/gpt_1b.toml", 8)]
 
 
 def _command() -> list[str]:

@@ -94,6 +94,33 @@ def test_lion_order_decay_sign_ema():
     assert q.item() == pytest.approx(2.0 * (1 - 0.05) - 0.1)
 
 
+def test_lion_equals_emerging_optimizers_arithmetic_to_the_last_bit():
+    """Megatron's Lion is emerging_optimizers' (megatron/core/optimizer/__init__.py:599-609),
+    whose decoupled decay adds -lr*wd*theta to theta where tinytron multiplies theta by
+    (1 - lr*wd): the same rule, rounded differently. Written out here from that arithmetic,
+    three steps on 4,096 fp32 values: the momentum is bitwise equal, no update changes sign,
+    and theta differs by at most 3 units in the last place of the larger of |theta| before and
+    after (measured: up to 2.3 such units, at most 4.8e-7 in absolute terms at |theta| ~ 4)."""
+    g = torch.Generator().manual_seed(0)
+    theta0 = torch.randn(4096, generator=g)
+    grads = [torch.randn(4096, generator=g) for _ in range(3)]
+    lr, wd, (b1, b2) = 1e-2, 0.1, (0.95, 0.98)
+    p = torch.nn.Parameter(theta0.clone())
+    ours = Lion([p], lr=lr, betas=(b1, b2), weight_decay=wd)
+    theta, m = theta0.clone(), torch.zeros(4096)
+    for grad in grads:
+        p.grad = grad.clone()
+        ours.step()
+        theta.add_(theta, alpha=-wd * lr)                  # decoupled decay, as an add
+        theta.add_(torch.sign(m.lerp(grad, 1 - b1)), alpha=-lr)
+        m.lerp_(grad, 1 - b2)
+    gap = (p.detach() - theta).abs()
+    assert torch.equal(ours.state[p]["exp_avg"], m)
+    scale = torch.maximum(theta0.abs(), theta.abs())   # a value may pass near 0 on the way
+    assert bool((gap <= 3 * torch.finfo(torch.float32).eps * scale).all())
+    assert gap.max() > 0   # not bitwise: the decay rounds differently
+
+
 def test_bad_hyperparameters_raise():
     p = [torch.nn.Parameter(torch.ones(2))]
     with pytest.raises(ValueError, match="lr"):

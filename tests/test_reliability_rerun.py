@@ -223,6 +223,23 @@ def test_state_dict_same_keys_in_steady_and_fault_state_and_disabled_ignores(tmp
     assert off.state == RerunState.NOT_RUNNING_YET and off.mode == RerunMode.DISABLED
 
 
+def test_state_dict_takes_a_plain_iterator_in_steady_state(tmp_path):
+    """Megatron reads the data iterator only when a rerun is pending
+    (rerun_state_machine.py:823-824): in steady state a plain iterator is accepted and the
+    checkpoint stores no data; with a step to replay, the iterator must be replayable."""
+    rsm, _ = _machine(tmp_path)
+    _step(rsm, _data(), lambda r: [1.0])
+    assert rsm.state == RerunState.NOT_RUNNING_YET
+    assert rsm.state_dict(data_iterator=iter([1, 2, 3]))["data_iterators"] is None
+    assert rsm.state_dict(data_iterator=[iter([1]), None])["data_iterators"] is None
+    data = _data()
+    _step(rsm, data, lambda r: [NAN])
+    assert rsm.state == RerunState.WILL_RERUN_FROM_CHECKPOINT
+    assert rsm.state_dict(data_iterator=data)["data_iterators"] is not None
+    with pytest.raises(TypeError):
+        rsm.state_dict(data_iterator=iter([1, 2, 3]))
+
+
 def test_random_injector_forces_verdicts_and_survives_checkpoint(tmp_path):
     cfg = RerunConfig(error_injection_rate=1, error_injection_type="persistent_error",
                       result_rejected_tracker_filename=str(tmp_path / "t.txt"))

@@ -27,6 +27,10 @@ def data_prefix(tmp_path_factory):
 
 
 # -- parity: every layout gives the single-process losses -------------------------------------
+VPP2 = ["--parallel.pipeline_model_parallel_size", "2",
+        "--parallel.virtual_pipeline_model_parallel_size", "2"]
+DISTOPT = ["--optimizer.use_distributed_optimizer", "true", "--ddp.overlap_grad_reduce", "true",
+           "--ddp.overlap_param_gather", "true", "--ddp.align_param_gather", "true"]
 LAYOUTS = {
     "tp2_pp2": ["--parallel.tensor_model_parallel_size", "2",
                 "--parallel.pipeline_model_parallel_size", "2"],
@@ -37,9 +41,31 @@ LAYOUTS = {
                         "--ddp.overlap_grad_reduce", "true", "--ddp.overlap_param_gather", "true"],
     "pp2_vpp2_dp2": ["--parallel.pipeline_model_parallel_size", "2",
                      "--parallel.virtual_pipeline_model_parallel_size", "2"],
+    # one DistributedOptimizer over both chunks, the schedule dispatching each chunk's gathers;
+    # it saves at iteration 5 for the resumes below
+    "pp2_vpp2_dp2_distopt": VPP2 + DISTOPT + ["--training.save_interval", "5"],
     "cp2_dp2": ["--parallel.context_parallel_size", "2"],
     "tp2_sp_dp2": ["--parallel.tensor_model_parallel_size", "2", "--model.sequence_parallel", "true"],
 }
+
+
+def _resumes(root: str) -> dict[str, tuple[str, list[str]]]:
+    """Runs that load iteration 5 of a PP2 x VPP2 distributed-optimizer run into another layout:
+    name -> (the run whose losses 6-10 they continue, their arguments)."""
+    def load(run):
+        return ["--checkpoint.load", os.path.join(root, run), "--checkpoint.ckpt_step", "5"]
+    return {  # torch_dist reshards anything; the legacy format reshards DP only
+        "vpp_distopt_to_pp2_plain": ("pp2_vpp2_dp2_distopt", ["--parallel.pipeline_model_parallel_size",
+                                                              "2"] + load("pp2_vpp2_dp2_distopt")),
+        "vpp_distopt_to_tp2_dp2_distopt": ("pp2_vpp2_dp2_distopt", [
+            "--parallel.tensor_model_parallel_size", "2"] + DISTOPT[:4]
+            + load("pp2_vpp2_dp2_distopt")),
+        "legacy_dp1_to_dp2": ("pp2_vpp2_dp1_distopt_legacy", VPP2 + DISTOPT + LEGACY
+                              + load("pp2_vpp2_dp1_distopt_legacy")),
+    }
+
+
+LEGACY = ["--checkpoint.ckpt_format", "torch"]
 
 
 @pytest.fixture(scope="module")
@@ -49,32 +75,78 @@ def parity(tmp_path_factory, data_prefix):
     root = str(tmp_path_factory.mktemp("parity"))
     single = run_on_ranks(train_workers.run_layouts, 1, root, data_prefix, {"single": []},
                           timeout=300)[0]["single"]
-    per_rank = run_on_ranks(train_workers.run_layouts, 4, root, data_prefix, LAYOUTS, timeout=600)
-    return single, per_rank[-1]  # the last rank writes the log
+    two = run_on_ranks(train_workers.run_layouts, 2, root, data_prefix, {
+        "pp2_vpp2_dp1_distopt_legacy": VPP2 + DISTOPT + LEGACY + ["--training.save_interval", "5"]},
+        timeout=300)[-1]
+    resumes = {name: argv for name, (_, argv) in _resumes(root).items()}
+    per_rank = run_on_ranks(train_workers.run_layouts, 4, root, data_prefix,
+                            {**LAYOUTS, **resumes}, timeout=900)
+    runs = {**two, **per_rank[-1]}  # the last rank writes the log
+    return single, runs, {name: runs[source] for name, (source, _) in _resumes(root).items()}
 
 
 def test_runs_in_one_process_release_their_groups(parity):
     """Six run() calls in one world: each destroys its gloo groups (27 threads a run leaked before)."""
-    _, runs = parity
-    threads = [r["threads"] for r in runs.values()]
+    _, runs, _ = parity
+    threads = [r["threads"] for name, r in runs.items() if name in LAYOUTS]
     assert threads[-1] - threads[0] <= 4 * (len(threads) - 1), threads
 
 
 def test_single_process_run_trains(parity):
-    single, _ = parity
+    single, _, _ = parity
     assert single["code"] == 0 and sorted(single["losses"]) == list(range(1, 11))
     assert single["losses"][10] < single["losses"][1] - 0.5
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_gives_the_single_process_losses(parity, layout):
-    single, runs = parity
+    single, runs, _ = parity
     got = runs[layout]
     assert got["code"] == 0 and sorted(got["losses"]) == list(range(1, 11)), got
     for it, ref in single["losses"].items():
         assert abs(got["losses"][it] - ref) <= 1e-5 * abs(ref), (layout, it, got["losses"][it], ref)
     if "--training.eval_interval" in LAYOUTS[layout]:  # every rank joined the evaluation
         assert got["validations"][:2] == [5, 10], got["validations"]
+
+
+def test_distributed_optimizer_over_virtual_stages_equals_the_plain_optimizer(parity):
+    """PP2 x VPP2 x DP2: the DistributedOptimizer over both chunks (overlapped, aligned gathers)
+    against the plain optimizer over them. The sums are the same (two DP ranks) and the update
+    is elementwise; only the clip norm is summed in another order (shards over the world, not
+    whole parameters over the pipeline group), so 1e-6 relative is allowed (measured: equal).
+    Bit for bit without clipping: tests/test_main_loop_param_sync.py."""
+    _, runs, _ = parity
+    plain, sharded = runs["pp2_vpp2_dp2"]["losses"], runs["pp2_vpp2_dp2_distopt"]["losses"]
+    assert sorted(sharded) == sorted(plain) == list(range(1, 11))
+    for it, ref in plain.items():
+        assert abs(sharded[it] - ref) <= 1e-6 * abs(ref), (it, sharded[it], ref)
+
+
+@pytest.mark.parametrize("name", ["vpp_distopt_to_pp2_plain", "vpp_distopt_to_tp2_dp2_distopt",
+                                  "legacy_dp1_to_dp2"])
+def test_a_virtual_stage_distopt_checkpoint_resumes_on_another_layout(parity, name):
+    """Iteration 5 of a PP2 x VPP2 DistributedOptimizer run, loaded on another layout (torch_dist:
+    no virtual stages and the plain optimizer, or TP2 x DP2; legacy: DP 1 -> 2), continues with
+    the uninterrupted run's losses 6-10 (1e-5 relative, the tolerance of the layouts above)."""
+    _, runs, sources = parity
+    got, ref = runs[name], sources[name]["losses"]
+    assert got["code"] == 0 and sorted(got["losses"]) == [6, 7, 8, 9, 10], got
+    for it in range(6, 11):
+        assert abs(got["losses"][it] - ref[it]) <= 1e-5 * abs(ref[it]), (name, it, got, ref)
+
+
+def test_validation_data_is_sized_with_the_evaluation_batch(tmp_path, data_prefix):
+    """Evaluation reads eval_global_batch_size samples a batch, so the validation dataset is
+    sized with it (Megatron's get_train_valid_test_num_samples, training.py:4119): 8 per batch
+    against a training batch of 2 runs its three evaluations instead of running out of data."""
+    from tests import train_workers
+
+    argv = ["--training.global_batch_size", "2", "--training.eval_global_batch_size", "8",
+            "--training.train_iters", "4", "--training.eval_interval", "2",
+            "--training.eval_iters", "1"]
+    got = run_on_ranks(train_workers.run_layouts, 1, str(tmp_path), data_prefix,
+                       {"eval_batch": argv}, timeout=300)[0]["eval_batch"]
+    assert got["code"] == 0 and got["validations"] == [2, 4], got
 
 
 # -- torchrun: the README's job in a fresh clone, two launchers, a kill and a restart -----------

@@ -24,6 +24,7 @@ from tinytron.config import load_config
 CONFIGS = ROOT / "configs"
 # config -> the world size it is written for
 WORLDS = {"tiny": 2, "tp2_pp2": 4, "tp2_dp2": 4, "pp2_dp2_distopt": 4, "cp2": 4, "pp2_vpp2": 4,
+          "pp2_vpp2_dp2_distopt": 4,
           "gpt_125m": 8, "gpt_1b": 8, "llama7b_tp2_pp2_dp64": 256}
 GPU_CONFIGS = {"gpt_125m": 125e6, "gpt_1b": 1.0e9, "llama7b_tp2_pp2_dp64": 7.5e9}
 # config -> evaluate too. Not with TP > 1 yet: there the ranks that hold no validation iterator

@@ -98,10 +98,11 @@ def megatron_optimizer_provider(opt_config) -> Callable:
         if len(model) == 1:
             ddp = model[0] if hasattr(model[0], "module") else None
             return get_megatron_optimizer(opt_config, modules[0], grid, ddp=ddp)
-        if opt_config.use_distributed_optimizer:  # it shards one DDP wrapper's buffers
-            raise ValueError(f"use_distributed_optimizer over {len(model)} model chunks (virtual "
-                             "stages) is not supported; pass an optimizer_provider")
-        return get_megatron_optimizer(opt_config, torch.nn.ModuleList(modules), grid)
+        # several chunks (virtual stages): one optimizer over all, named "<chunk>.<param>"; the
+        # distributed one shards every chunk's buffers (Megatron's get_megatron_optimizer over
+        # the model list, training.py:1979; distrib_optimizer.py:685)
+        ddp = list(model) if all(hasattr(c, "module") for c in model) else None
+        return get_megatron_optimizer(opt_config, torch.nn.ModuleList(modules), grid, ddp=ddp)
     return build
 
 

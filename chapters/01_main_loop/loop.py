@@ -763,14 +763,16 @@ def _rerun_stops(result: StepResult, save) -> bool:
 # `overlap_param_gather` and `align_param_gather`. `calculate_per_token_loss` follows the
 # DDP config, so the schedule and the buffers agree on who divides by what.
 #
-# Only the interleaved schedule calls `param_sync_func`, as in Megatron, and with the loop's
-# own providers the trainer never gets there: `overlap_param_gather` needs the distributed
-# optimizer, which `megatron_optimizer_provider` refuses over several model chunks (it shards
-# one DDP wrapper's buffers; `tinytron.train` refuses `use_distributed_optimizer` with virtual
-# stages before that). So the trainer hands `param_sync_func` to a schedule only with one
-# chunk, as the bare callable, to 1F1B or no pipelining, which never call it: the forward
-# pre-hooks dispatch each bucket's all-gather. The interleaved dispatch runs for a caller who
-# brings its own optimizer provider, or its own `ScheduleConfig`.
+# Only the interleaved schedule calls `param_sync_func`, as in Megatron. There, with the
+# distributed optimizer's overlapped, aligned gather, every chunk's all-gather is launched by
+# the schedule, chunk $c + 1$ as chunk $c$ starts ([interleaved](interleaved.py)), and the
+# forward pre-hooks only wait. `megatron_optimizer_provider` builds one optimizer over all the
+# chunks, as Megatron's `get_megatron_optimizer` takes the whole model list
+# (`training.py:1979`): the DistributedOptimizer shards the buffers of every chunk's DDP
+# wrapper. With one chunk `param_sync_func` is the bare callable, handed to 1F1B or no
+# pipelining, which never call it; and without virtual stages `tinytron.config` turns
+# `align_param_gather` off, as Megatron does (`arguments.py:990-992`), so that the pre-hooks
+# prefetch the next bucket themselves.
 #
 # The builders — `wrap_with_ddp` (only the first chunk bucketed,
 # `training.py:1783-1787`), `megatron_optimizer_provider`, `megatron_scheduler_provider` — are

@@ -19,19 +19,24 @@ def check_betas(betas: tuple[float, float]) -> None:
             raise ValueError(f"betas must lie in [0, 1), got {betas}")
 
 
-def check_distopt_inner(optimizer, ddp, fused_adamw: bool) -> None:
-    """ValueError unless the inner rule is elementwise (not Muon) and DDP shards for us."""
+def check_distopt_inner(optimizer, ddp, fused_adamw: bool) -> list:
+    """The DDP chunks (one wrapper, or a list: one per virtual stage); ValueError unless the
+    inner rule is elementwise (not Muon) and every chunk's DDP shards for us."""
     from tinytron.optimizer.algorithms import Adam
 
+    chunks = list(ddp) if isinstance(ddp, (list, tuple)) else [ddp]
+    if not chunks:
+        raise ValueError("DistributedOptimizer needs at least one DDP-wrapped model chunk")
     if fused_adamw and not (isinstance(optimizer, Adam)
                             and all(g["decoupled_weight_decay"] for g in optimizer.param_groups)):
         raise ValueError(f"fused_adamw needs the AdamW inner optimizer, got {type(optimizer).__name__}")
-    if not ddp.ddp_config.use_distributed_optimizer:
+    if not all(c.ddp_config.use_distributed_optimizer for c in chunks):
         raise ValueError("DistributedOptimizer needs DDP built with use_distributed_optimizer=True")
     leaves = getattr(optimizer, "chained_optimizers", [optimizer])
     if any(type(o).__name__ == "Muon" for o in leaves):
         raise ValueError("Muon needs whole matrices: use LayerWiseDistributedOptimizer, "
                          f"got {[type(o).__name__ for o in leaves]}")
+    return chunks
 
 
 def check_scaler_args(min_scale, initial_scale, growth_factor, backoff_factor,

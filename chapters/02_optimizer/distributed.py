@@ -329,8 +329,9 @@ class ShardedCopies:
             self.fused_adamw.step()
         else:
             super().step_with_ready_grads()
-        if not self.ddp.ddp_config.overlap_param_gather:
-            self.ddp.start_param_sync(force_sync=True)
+        for chunk in self.model_chunks:  # each chunk's all-gather, unless its pre-hooks will
+            if not chunk.ddp_config.overlap_param_gather:
+                chunk.start_param_sync(force_sync=True)
 
 
 # %% [markdown]
@@ -353,10 +354,11 @@ class DistributedOptimizer(ShardedCopies, MixedPrecisionOptimizer):
     def __init__(self, optimizer, ddp, *, clip_grad: float = 1.0, grad_scaler=None,
                  log_num_zeros_in_grad: bool = False, grad_norm_skip_threshold: float = math.inf,
                  fused_adamw: bool = False):
-        check_distopt_inner(optimizer, ddp, fused_adamw)
-        self.ddp, self.buffers = ddp, ddp.buffers
-        self.dp_group, self.dp_size = ddp.dp_group, ddp.dp_size
-        super().__init__(optimizer, clip_grad=clip_grad, grad_scaler=grad_scaler, grid=ddp.grid,
+        # one DDP wrapper, or one per model chunk (virtual stages): the buffers of all, in order
+        self.model_chunks = first, *_ = check_distopt_inner(optimizer, ddp, fused_adamw)
+        self.buffers = [buf for chunk in self.model_chunks for buf in chunk.buffers]
+        self.dp_group, self.dp_size = first.dp_group, first.dp_size
+        super().__init__(optimizer, clip_grad=clip_grad, grad_scaler=grad_scaler, grid=first.grid,
                          log_num_zeros_in_grad=log_num_zeros_in_grad,
                          grad_norm_skip_threshold=grad_norm_skip_threshold)
         # Appendix C: the AdamW step and the bf16 write-back as one Triton launch over the shard.
@@ -400,6 +402,36 @@ class DistributedOptimizer(ShardedCopies, MixedPrecisionOptimizer):
         """No communication: my pieces, each with its flat range in the param and the full shape."""
         return _pieces_state_dict(self)
 
+
+# %% [markdown]
+# ### Several model chunks
+#
+# With virtual pipeline stages a rank holds $v$ model chunks, each wrapped in its own DDP with
+# its own buffers ([chapter 01's `wrap_with_ddp`](../01_main_loop/loop.py): only the first one
+# bucketed, `training.py:1783-1787`). Megatron does not build one optimizer per chunk: it
+# passes the whole model list to `get_megatron_optimizer` (`training.py:1979`), and the
+# DistributedOptimizer chains the chunks' buffers into one list
+# (`distrib_optimizer.py:685`). The constructor above does the same when it is given a list of
+# DDP wrappers: `buffers` is every chunk's buffers in chunk order, each bucket of each is
+# split into $dp$ ranges exactly as before, and the inner optimizer holds the pieces of all
+# chunks. So one norm, one clip and one step cover the whole stage, and the buffer index counts
+# across chunks — the order in which the legacy `distrib_optim.pt` stores its world tensors
+# ([chapter 03](../03_checkpoint/legacy.py)).
+#
+# Only the end of the step is per chunk: each chunk's all-gather runs synchronously at the
+# end of the step, or, with `overlap_param_gather`, is left to that chunk's next forward.
+# With virtual stages and `align_param_gather` the interleaved schedule launches those
+# gathers itself, chunk $c + 1$ as chunk $c$ starts
+# ([chapter 01's interleaved schedule](../01_main_loop/interleaved.py)), and the pre-hooks only
+# wait. `tests/test_main_loop_param_sync.py` runs PP 2 × VPP 3 × DP 2 that way: after the first
+# step every bucket's gather of every chunk comes from the schedule, none from a pre-hook, and
+# three steps give the plain optimizer's weights bit for bit (fp32, no clipping: the same sums,
+# an elementwise update). With clipping the norm is summed in another order (shards over the
+# world, against whole parameters over the pipeline group), so the trainer's test allows
+# $10^{-6}$ relative on the losses of PP 2 × VPP 2 × DP 2 (measured: equal), and
+# `tests/test_train_megatron_core.py` compares that layout with megatron-core's own
+# DistributedOptimizer, both overlapping the gathers. The recipe is
+# `configs/pp2_vpp2_dp2_distopt.toml`.
 
 # %% [markdown]
 # ### The state dict, gathered
@@ -670,6 +702,8 @@ if __name__ == "__main__":
 #   buffer, then one all-gather per bucket.
 # - Grad norm and `found_inf` are reduced over all ranks because the shards are disjoint.
 # - The state dict is per-parameter and full-sized, so any DP size can reload it.
+# - With virtual stages one optimizer spans every chunk's buffers; each chunk's all-gather is
+#   its own, launched by the interleaved schedule when the gathers are aligned.
 #
 # ## How production does it
 #

@@ -196,7 +196,9 @@ def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module, grid
     """
     if config.lr is None:
         raise ValueError("OptimizerConfig.lr is required, got None")
-    module = ddp.module if ddp is not None else model
+    chunks = list(ddp) if isinstance(ddp, (list, tuple)) else [] if ddp is None else [ddp]
+    # one chunk: its module; several (virtual stages): `model`, a ModuleList of their modules
+    module = chunks[0].module if len(chunks) == 1 else model
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     model_config = getattr(module, "config", None)
     tp_group = grid.group("tp") if grid is not None and grid.size("tp") > 1 else None
@@ -214,8 +216,8 @@ def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module, grid
                              "(ddp=...) built with use_distributed_optimizer=True")
         fused = config.kernels == "triton" or (
             config.kernels == "auto" and _fused_adamw_applies(config)
-            and all(b.grad_dtype == torch.float32 for b in ddp.buffers)
-            and use_triton("auto", ddp.buffers[0].grad_data.device))
+            and all(b.grad_dtype == torch.float32 for c in chunks for b in c.buffers)
+            and use_triton("auto", chunks[0].buffers[0].grad_data.device))
         return DistributedOptimizer(inner, ddp, **common, **extra, fused_adamw=fused)
     return MixedPrecisionOptimizer(inner, grid=grid, **common, **extra)
 

@@ -20,27 +20,31 @@ class CheckpointGroups:
         self.grid = grid
         self.distributed = (dist.is_available() and dist.is_initialized()
                             and grid.world_size > 1)
-        self.world = self.dp = None
+        # dp: the optimizer's shards (DP x CP); dp_only: the RNG states (DP alone, as Megatron)
+        self.world = self.dp = self.dp_only = None
         self.rank = grid.global_rank
         if not self.distributed:
             return
         if grid.backend == "gloo":
             self.world, self.dp = dist.new_group(backend="gloo"), grid.group("dp_cp")
+            self.dp_only = grid.group("dp")
             return
         # NCCL training: the same groups again on gloo, so plans and shards stay on the CPU.
         self.world = dist.new_group(backend="gloo")
-        for ranks in grid.layout.groups["dp_cp"]:
-            handle = dist.new_group(ranks, backend="gloo")
-            if self.rank in ranks:
-                self.dp = handle
+        for axis, attr in (("dp_cp", "dp"), ("dp", "dp_only")):
+            for ranks in grid.layout.groups[axis]:
+                handle = dist.new_group(ranks, backend="gloo")
+                if self.rank in ranks:
+                    setattr(self, attr, handle)
 
     def destroy(self) -> None:
-        """Destroy the groups made here (the training grid's own dp group stays the grid's)."""
+        """Destroy the groups made here (the training grid's own dp groups stay the grid's)."""
         made = [self.world] + ([self.dp] if self.dp is not self.grid.group("dp_cp") else [])
+        made += [self.dp_only] if self.dp_only is not self.grid.group("dp") else []
         for handle in made:
             if handle is not None:
                 dist.destroy_process_group(handle)
-        self.world = self.dp = None
+        self.world = self.dp = self.dp_only = None
         self.distributed = False
 
     @property
@@ -52,9 +56,10 @@ class CheckpointGroups:
             dist.barrier(group=self.world)
 
     def all_gather_object(self, obj, group="world") -> list:
-        """Every rank's obj (in rank order of the group)."""
-        g = self.world if group == "world" else self.dp
-        size = self.world_size if group == "world" else self.grid.size("dp_cp")
+        """Every rank's obj (in rank order of the group: "world", "dp" = DP x CP, "dp_only")."""
+        g = {"world": self.world, "dp": self.dp, "dp_only": self.dp_only}[group]
+        size = {"world": self.world_size, "dp": self.grid.size("dp_cp"),
+                "dp_only": self.grid.size("dp")}[group]
         if not self.distributed or size == 1:
             return [obj]
         out = [None] * size

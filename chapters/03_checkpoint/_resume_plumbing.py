@@ -175,7 +175,8 @@ class ManagerPlumbing:
         if self.config.no_save_rng:
             return None
         mine, gather = get_rng_state(self._tracker(chunks)), self.config.data_parallel_random_init
-        return self.comm.all_gather_object(mine, group="dp") if gather else [mine]
+        # over DP alone, not DP x CP (checkpointing.py:382-391): one entry per DP rank
+        return self.comm.all_gather_object(mine, group="dp_only") if gather else [mine]
 
     def _position_objects(self, chunks, optimizer) -> list[ShardedObject]:
         """Objects stored once per (PP, TP) position: RNG states, the param groups' hyperparameters."""

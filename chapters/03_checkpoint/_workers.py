@@ -72,8 +72,9 @@ class Run:
         self.scheduled = scheduled or vpp > 1 or cp > 1
         opt_cfg = OptimizerConfig(lr=lr, min_lr=lr / 10, weight_decay=0.1, clip_grad=1.0,
                                   use_distributed_optimizer=distopt, bf16=bf16)
-        if vpp > 1:   # one optimizer over all chunks, as the trainer (no DistributedOptimizer)
-            self.optimizer = get_megatron_optimizer(opt_cfg, torch.nn.ModuleList(chunks), grid)
+        if vpp > 1:   # one optimizer over all chunks (and all their buffers), as the trainer's
+            self.optimizer = get_megatron_optimizer(opt_cfg, torch.nn.ModuleList(chunks), grid,
+                                                    self.models)
         else:
             self.optimizer = get_megatron_optimizer(opt_cfg, self.model, grid, self.ddp)
         self.scheduler = get_optimizer_param_scheduler(
@@ -340,6 +341,29 @@ def fully_parallel_both(root: str, tp: int = 2, config=None) -> dict:
     return {"dp_rank": run.grid.rank("dp_cp"), "tp_rank": run.grid.rank("tp")}
 
 
+def rng_over_dp(root: str) -> dict:
+    """CP 2 x DP 2 with data_parallel_random_init, both formats: each rank draws its own stream,
+    saves, scrambles it and loads; what it gets back is the state of its DP rank (at CP rank 0,
+    the rank whose list the checkpoint stores), as Megatron indexes it (checkpointing.py:1993)."""
+    run = Run(1, 1, 2)
+    grid = run.grid
+    torch.manual_seed(100 + grid.global_rank)   # a different stream on every rank
+    mine = torch.get_rng_state()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (grid.rank("dp"), grid.rank("cp"), mine))
+    expected = next(s for d, c, s in everyone if d == grid.rank("dp") and c == 0)
+    restored = {}
+    for fmt in ("torch_dist", "torch"):
+        torch.set_rng_state(mine)
+        _manager(grid, save=f"{root}/{fmt}", ckpt_format=fmt, data_parallel_random_init=True
+                 ).save(run.state, run.models, run.optimizer, run.scheduler)
+        torch.manual_seed(0)
+        _manager(grid, load=f"{root}/{fmt}", ckpt_format=fmt, data_parallel_random_init=True
+                 ).load(run.models, run.optimizer, run.scheduler)
+        restored[fmt] = torch.equal(torch.get_rng_state(), expected)
+    return {"restored": restored, "dp": grid.rank("dp"), "cp": grid.rank("cp")}
+
+
 def _every_rank(root: str, fn) -> list:
     """fn's result on every rank, gathered (each rank's view of the same check)."""
     got = fn(root)
@@ -372,6 +396,9 @@ def checkpoint_suite(root: str) -> dict:
         "both_formats": (save_both_formats, tiny_config(num_layers=4, seed=11)),
         "load_errors": (_every_rank, load_errors),
         "fully_parallel": (_every_rank, fully_parallel_both),
+        "rng_cp2_dp2": (_every_rank, rng_over_dp),
+        # one DistributedOptimizer over the two chunks of each stage -> no pipeline, one chunk
+        "reshard_vpp2_distopt_to_pp1": (reshard_roundtrip, (1, 2, 1, 2), (1, 1)),
     }
     fp32_optimizer = {"distopt": False}   # the mixed-precision optimizer: fp32 weights, no masters
     options = {"dist_pp2_async_process": {"async_save": True},

@@ -400,8 +400,8 @@ def read_legacy(directory: Path, grid, chunks, optimizer, comm: CheckpointGroups
     loaded = LoadedState(common=sd, model=_model_pairs(sd, chunks, path))
     rng = sd.get("rng_state")
     if rng:
-        r = grid.rank("dp_cp")
-        loaded.rng = rng[r] if len(rng) == grid.size("dp_cp") else rng[0]
+        r = grid.rank("dp")   # one entry per DP rank (checkpointing.py:1993-1996)
+        loaded.rng = rng[r] if len(rng) == grid.size("dp") else rng[0]
     if optimizer is None or not load_optim or "optimizer" not in sd:
         return loaded
     if type(optimizer).__name__ == "DistributedOptimizer":

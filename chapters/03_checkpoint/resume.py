@@ -172,7 +172,9 @@ class CheckpointConfig:
 # DP ranks of a position share their streams, and the list holds DP rank 0's state alone;
 # with `data_parallel_random_init` the states of all DP ranks are gathered into it
 # (`checkpointing.py:382-391`), and on load a rank takes its own DP entry (entry 0 if DP
-# changed, or without the flag, `:1993-1996`). When TP or PP changed the streams mean something else —
+# changed, or without the flag, `:1993-1996`). The gather runs over DP alone, not DP × CP:
+# with CP 2 × DP 2 the list has 2 entries, written by CP rank 0's DP group, and both CP ranks
+# of DP rank $d$ restore entry $d$. When TP or PP changed the streams mean something else —
 # a TP rank's model-parallel seed is `seed + 2718 + tp_rank` — so, as in Megatron
 # (`checkpointing.py:1693-1706`), they are **not** restored and a warning says so.
 #
@@ -422,8 +424,8 @@ def _read_dist(manager, directory, common, chunks, optimizer, load_optim, load_r
     steps = common.get("optimizer", {}).get("steps", {})
     loaded.optimizer_pieces = piece_states(pieces, quantities, staging, staged, layouts, steps)
     if "rng" in objects:
-        states, r = got[objects["rng"].unique_key], grid.rank("dp_cp")
-        own = manager.config.data_parallel_random_init and len(states) == grid.size("dp_cp")
+        states, r = got[objects["rng"].unique_key], grid.rank("dp")
+        own = manager.config.data_parallel_random_init and len(states) == grid.size("dp")
         loaded.rng = states[r] if own else states[0]   # checkpointing.py:1993-1996
     if "groups" in objects:
         loaded.param_groups = got[objects["groups"].unique_key]
@@ -570,6 +572,9 @@ def _load(manager, model, optimizer, scheduler, root):
     state = _train_state_class()()
     if not finetune:
         state.load_state_dict(_train_state_dict(state, loaded.common, iteration))
+    else:   # a finetune restarts the counters but keeps the FLOPs done (checkpointing.py:1877)
+        state.num_floating_point_operations_so_far = loaded.common.get(
+            "num_floating_point_operations_so_far", 0)
     if manager.comm.rank == 0:
         logger.info("loaded %s (iteration %d)", directory, iteration)
     return state

@@ -94,6 +94,11 @@ def as_tokens(tokens, dtype) -> np.ndarray:
         tokens = tokens.numpy()
     arr = np.asarray(tokens).reshape(-1)
     target = np.dtype(dtype)
+    if arr.dtype.kind in "USO":   # ids as text ("12"): numpy parses them, as megatron-core's
+        try:                      # np.array(tokens, dtype=...) does; anything else is refused
+            arr = arr.astype(np.int64)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"tokens: not integer token ids ({e})") from e
     if arr.size and arr.dtype != target and target.kind in "iu":
         # numpy's cast wraps around: 70000 -> 4464 and -1 -> 65535 in uint16, without a word
         info = np.iinfo(target)

@@ -477,6 +477,17 @@ class GradSyncState:
 # module's forward, wait for its params' all-gather. The pre-hooks can be removed (evaluation
 # runs without them) and put back; removing them gathers every param at once by default, so
 # the evaluation sees the newest weights.
+#
+# **Aligned gathers.** A pre-hook's `finish_param_sync` normally dispatches the next bucket
+# group's gather, the prefetch of the previous section. With `align_param_gather` it does not
+# (`skip_next_bucket_dispatch`, `distributed_data_parallel.py:439-444`): the interleaved
+# schedule launches each model chunk's gathers itself, at the same moment on every pipeline
+# rank ([chapter 01](../01_main_loop/interleaved.py)), and the hooks only wait. No other
+# schedule launches anything, so without virtual stages the switch would leave every bucket
+# to be gathered on demand by the first pre-hook that needs it, the prefetch lost. Megatron
+# therefore turns it off unless there are virtual stages (`arguments.py:990-992`), and so does
+# `tinytron.config` when it resolves a run (`tests/test_config.py`); this class, like
+# megatron-core's, does what its config says.
 
 # %%
 class SyncHooks:

@@ -810,7 +810,10 @@ class Records:
         """This rank's machine state, for the checkpoint (same keys in every state); with a
         rerun pending, the step's micro-batches of `data_iterator` too."""
         fvc = self.failed_validation_call
-        its = [] if data_iterator is None else self._iterators(data_iterator)
+        # steady state: nothing to replay, so any iterator is accepted and none is read, as
+        # Megatron does (rerun_state_machine.py:823-824); otherwise it must be replayable
+        steady = self.state == RerunState.NOT_RUNNING_YET
+        its = [] if data_iterator is None or steady else self._iterators(data_iterator)
         data = ([d.state_dict() for d in its]   # the step's micro-batches, only with exit 16
                 if its and self.state == RerunState.WILL_RERUN_FROM_CHECKPOINT else None)
         return checkpoint_fields(
