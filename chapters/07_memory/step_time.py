@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 
+from tinytron.kernels.roofline import KernelLaw, attention_seconds, gemm_seconds, stream_seconds
 from tinytron.main_loop.training_log import flops_terms
 from tinytron.memory._layout_cache import LAYOUT_CACHE, layout_key
 from tinytron.memory.activations import _offloaded, layer_saved
@@ -122,6 +123,9 @@ class Links:
 
     peak_flops: float = 989e12
     mfu: float = 0.40
+    """Used only without a `law` (a CPU): compute = FLOPs / (peak_flops * mfu)."""
+    law: KernelLaw | None = KernelLaw()
+    """Appendix C's kernel law of the device; None times compute at peak_flops * mfu."""
     nvlink: float = 450e9
     network: float = 50e9
     pcie: float = 50e9
@@ -131,17 +135,20 @@ class Links:
     latency: float = 0.0
     """Fixed seconds per collective or copy (0: bandwidth only; the CPU check measures it)."""
     reduce_scatter_as_all_reduce: bool = False
-    interference: float = 0.0
-    """Compute seconds lost per second of a transfer hidden behind it (0: separate engines)."""
+    interference: float = 16 / 132
+    """Compute seconds lost per second of DP transfer hidden behind it (GPU: NCCL's 16 SMs of 132)."""
 
     @property
     def flops(self) -> float:
         """Achieved FLOP/s of the compute stream."""
         return self.peak_flops * self.mfu
 
-    def link(self, ranks_spanned: int) -> float:
-        """NVLink when a group's ranks lie within one node, the network otherwise."""
-        return self.nvlink if ranks_spanned <= self.gpus_per_node else self.network
+    def link(self, ranks_spanned: int, per_node: int = 1) -> float:
+        """NVLink within one node; across nodes, the NICs of the group's `per_node` ranks in a
+        node carry its rings side by side, up to NVLink's rate."""
+        if ranks_spanned <= self.gpus_per_node:
+            return self.nvlink
+        return min(self.nvlink, max(1, per_node) * self.network)
 
 
 @dataclass(frozen=True)
@@ -152,6 +159,10 @@ class StepOptions:
     overlap_param_gather: bool = True
     overlap_p2p_comm: bool = False
     """Megatron allows it only with interleaving (schedules.py:2123)."""
+    tp_comm_overlap: bool = False
+    """Transformer Engine hides TP's all-gathers and reduce-scatters inside the GEMMs."""
+    align_param_gather: bool = True
+    """With virtual stages, every rank launches chunk gathers at the same time (Megatron's default)."""
     checkpoint: str = "blocking"
     """"none", "blocking" (Megatron: D2H before the fork) or "staged" (tinytron: D2H hidden)."""
     save_interval: int = 100
@@ -194,10 +205,98 @@ def stage_flops(cfg: MemoryConfig, pp_rank: int) -> tuple[float, float]:
     return total / 3 / ranks, (total * 2 / 3 + terms["recompute"] * share) / ranks
 
 
-def stage_compute(cfg: MemoryConfig, links: Links = Links()) -> list[tuple[float, float]]:
+def stage_compute(cfg: MemoryConfig, links: Links = Links(),
+                  options: StepOptions = StepOptions()) -> list[tuple[float, float]]:
     """Per pipeline stage, (forward, backward) seconds of one micro-batch on one of its ranks."""
-    return [tuple(f / links.flops for f in stage_flops(cfg, r))
+    if links.law is None:
+        return [tuple(f / links.flops for f in stage_flops(cfg, r))
+                for r in range(cfg.pipeline_model_parallel_size)]
+    return [stage_kernel_seconds(cfg, r, links.law, options.tp_comm_overlap)
             for r in range(cfg.pipeline_model_parallel_size)]
+
+# %% [markdown]
+# ## Compute from the shapes: every kernel of a micro-batch, by appendix C's law
+#
+# One efficiency for every shape cannot be right: a TP8 rank of a 2,048-wide model multiplies
+# slivers 256 columns wide that fill a fifth of an H100's SMs, a 16,384-wide one multiplies
+# blocks that fill them many times over. So with a device `law` (the default: appendix C's
+# [roofline page](../kernels/roofline.py), H100 SXM) the model lists the kernels one
+# micro-batch runs on one rank and times each by its own law: GEMMs by tiles and waves,
+# flash attention at its stated fraction of the peak, the streaming kernels by their bytes.
+#
+# Per layer and rank, with $T = b\,s/c$ tokens, $n = T/t$ rows of the residual stream with
+# sequence parallelism (else $T$) and $q = a d$, $k = g d$:
+#
+# | kernel | forward | backward |
+# |---|---|---|
+# | QKV, projection, fc1, fc2 | GEMMs $T \times \frac{q + 2k}{t} \times h$, $T \times h \times \frac{q}{t}$, $T \times \frac{2f}{t} \times h$, $T \times h \times \frac{f}{t}$ | each twice: input gradient ($M \times K \times N$) and weight gradient ($N \times K \times M$) |
+# | attention | $4 b (s^2/2c) d\,a/t$ FLOPs | 2.5× the forward (scores recomputed) |
+# | 2 norms, 2 residual adds | 4 and 6 B per element of $n \times h$ | 6 and 6 B |
+# | SwiGLU, rotary | 6 B per element of $T \times f/t$; 4 B of $T \times (q + k)/t$ | 10 B; 4 B |
+# | the loss (last stage) | logits GEMM $T \times V/t \times h$; 38 B per logit | the GEMM twice; 22 B per logit |
+#
+# The bytes per element are the loads and stores of the fused kernels of appendix C (C.1,
+# C.2) in bf16; the loss's are Megatron's vocab-parallel cross-entropy, which works on fp32
+# logits (`megatron/core/tensor_parallel/cross_entropy.py`): a bf16 read and fp32 write,
+# the max, the subtraction, the exponential and the normalization forward, the gradient's
+# three passes backward. Selective recompute adds the attention forward to the backward,
+# full recompute the whole layer's forward. With `tp_comm_overlap` Transformer Engine cuts
+# each GEMM next to a TP collective into $t$ pieces along the tokens, one per chunk of the
+# ring exchange, and each piece pays its own quantization: the price of hiding TP.
+
+# %%
+STREAM_BYTES = {"norm": (4, 6), "residual": (6, 6), "swiglu": (6, 10), "rotary": (4, 4),
+                "loss": (38, 22)}
+"""Bytes per element (forward, backward) of the memory-bound kernels (see the table above)."""
+
+
+def layer_gemms(cfg: MemoryConfig) -> list[tuple[str, int, int, int]]:
+    """(name, M, N, K) of the forward GEMMs of one layer on one rank, per micro-batch."""
+    m, t = cfg.model, cfg.tensor_model_parallel_size
+    tokens = cfg.micro_batch_size * m.seq_length // cfg.context_parallel_size
+    q, k = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim
+    return [("qkv", tokens, (q + 2 * k) // t, m.hidden_size),
+            ("proj", tokens, m.hidden_size, q // t),
+            ("fc1", tokens, 2 * m.ffn_hidden_size // t, m.hidden_size),
+            ("fc2", tokens, m.hidden_size, m.ffn_hidden_size // t)]
+
+
+def _gemm_fwd_bwd(m: int, n: int, k: int, law: KernelLaw, pieces: int) -> tuple[float, float]:
+    """(forward, input + weight gradient) seconds of one GEMM run as `pieces` along M."""
+    rows = max(1, m // pieces)
+    return (pieces * gemm_seconds(rows, n, k, law),
+            pieces * gemm_seconds(rows, k, n, law) + gemm_seconds(n, k, m, law))
+
+
+def stage_kernel_seconds(cfg: MemoryConfig, pp_rank: int, law: KernelLaw,
+                         tp_comm_overlap: bool = False) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch on a rank of stage `pp_rank`, by kernel."""
+    m, t, b = cfg.model, cfg.tensor_model_parallel_size, cfg.micro_batch_size
+    tokens = b * m.seq_length // cfg.context_parallel_size
+    rows = tokens // t if m.sequence_parallel else tokens
+    pieces = t if tp_comm_overlap and t > 1 else 1
+    fwd = bwd = 0.0
+    for _, mm, nn, kk in layer_gemms(cfg):
+        f, g = _gemm_fwd_bwd(mm, nn, kk, law, pieces)
+        fwd, bwd = fwd + f, bwd + g
+    heads = m.num_attention_heads // t
+    att = 4 * b * m.seq_length ** 2 / 2 / cfg.context_parallel_size * m.head_dim * heads
+    att_f, att_b = attention_seconds(att, law), attention_seconds(2.5 * att, law)
+    width = {"norm": 2 * rows * m.hidden_size, "residual": 2 * rows * m.hidden_size,
+             "swiglu": tokens * m.ffn_hidden_size // t,
+             "rotary": tokens * (m.num_attention_heads + m.num_query_groups) * m.head_dim // t}
+    mem_f = stream_seconds(sum(STREAM_BYTES[k][0] * n for k, n in width.items()), law)
+    mem_b = stream_seconds(sum(STREAM_BYTES[k][1] * n for k, n in width.items()), law)
+    layer_f = fwd + att_f + mem_f
+    again = {None: 0.0, "selective": att_f, "full": layer_f}[cfg.recompute_granularity]
+    layers = m.num_layers // cfg.pipeline_model_parallel_size
+    forward, backward = layers * layer_f, layers * (bwd + att_b + mem_b + again)
+    if pp_rank == cfg.pipeline_model_parallel_size - 1:  # the logits and the loss
+        f, g = _gemm_fwd_bwd(tokens, m.vocab_size // t, m.hidden_size, law, 1)
+        logits = tokens * m.vocab_size // t
+        forward += f + stream_seconds(STREAM_BYTES["loss"][0] * logits, law)
+        backward += g + stream_seconds(STREAM_BYTES["loss"][1] * logits, law)
+    return forward, backward
 
 # %% [markdown]
 # ## Collectives: bytes over a link
@@ -278,14 +377,14 @@ def dp_buckets(cfg: MemoryConfig, pp_rank: int = 0) -> list[dict]:
 def _layout_buckets(cfg: MemoryConfig, pp_rank: int) -> list[dict]:
     """dp_buckets without the cache."""
     buckets = []
-    for params, layout in buffer_layouts(cfg, pp_rank):
+    for chunk, (params, layout) in enumerate(buffer_layouts(cfg, pp_rank)):
         work = [0.0] * len(layout.bucket_indices)
         for p in params:
             _, _, bucket = layout.param_index_map[p]
             gemm = p.matrix and "word_embeddings" not in p.name
             work[bucket] += p.count if gemm else 0.0
         for (start, end), w in zip(layout.bucket_indices, work):
-            buckets.append({"numel": end - start, "work": w})
+            buckets.append({"numel": end - start, "work": w, "chunk": chunk})
     total = sum(b["work"] for b in buckets) or 1.0
     done = 0.0
     for b in buckets:
@@ -389,6 +488,41 @@ if __name__ == "__main__":  # the worked examples of rules 1 and 2
     assert all_gather_exposed([6, 6, 6], [4, 4, 4])[0] == 10
 
 # %% [markdown]
+# ### Rule 2 with virtual stages: the gathers launched together
+#
+# With interleaving, `overlap_param_gather` and `align_param_gather` (Megatron's default), the
+# schedule takes the gathers out of the pre-hooks' chain: every rank launches the all-gathers
+# of its chunks 0 and 1 at the start of the step
+# (`megatron/core/pipeline_parallel/schedules.py:1161-1163`), and the gather of chunk $c + 1$
+# when its micro-batch counter reaches the one where chunk $c$ begins on rank 0 — rank $r$
+# looks $r$ micro-batches ahead (`schedules.py:1283-1296`), so all ranks launch the same
+# chunk at the same wall-clock time. One communication stream runs them in order. Rank $r$
+# needs chunk $c$ when its first micro-batch of that chunk arrives: in the fill, after $c\,p
+# + r$ chunk-forwards of $f$ seconds. So later stages hide their gathers behind the fill
+# instead of adding them up along it; the step pays the largest wait of any rank.
+#
+# Worked: $p = 2$, two chunks, $f = 1$ ms, 3 ms per chunk's gather. Rank 0: chunk 0 ready at
+# 3, needed at 0 (waits 3); chunk 1 ready at 6, needed at $2 + 3 = 5$ (waits 1): 4 ms. Rank 1:
+# chunk 0 needed at 1 (waits 2), chunk 1 at $3 + 2 = 5$ (waits 1): 3 ms. The step: 4 ms,
+# where adding the first waits along the fill would say 3 + 3 = 6 ms and more chunks more.
+
+# %%
+def aligned_gather_exposed(seconds: list[float], chunk_forward: float, p: int,
+                           rank: int) -> float:
+    """Rank `rank`'s waits for its chunks' gathers (launched aligned) in the pipeline's fill."""
+    comm, waited = 0.0, 0.0
+    for c, t in enumerate(seconds):
+        launch = 0.0 if c < 2 else (c - 1) * p * chunk_forward
+        comm = max(comm, launch) + t
+        need = (c * p + rank) * chunk_forward + waited
+        waited += max(0.0, comm - need)
+    return waited
+
+
+if __name__ == "__main__":  # the worked example
+    assert aligned_gather_exposed([3, 3], 1, 2, 0) == 4 and aligned_gather_exposed([3, 3], 1, 2, 1) == 3
+
+# %% [markdown]
 # ## Rule 3: the pipeline's sends, with and without `overlap_p2p_comm`
 #
 # Between stages each micro-batch sends its activation forward and its gradient back: a
@@ -442,11 +576,12 @@ def pipeline_seconds(stages: list[tuple[float, float]], num_microbatches: int,
     bubble = (sum(per_mb) - max(per_mb)) / v
     if p == 1:
         return {"compute": compute, "bubble": 0.0, "p2p": 0.0}
-    steady = 2 * (m * v - 1) * p2p
-    if overlap_p2p_comm:
+    if overlap_p2p_comm:  # rank 0's warm-up and cool-down exchanges stay blocking
+        blocking = min(m * v, 2 * (p - 1) + (v - 1) * p)
         chunk_forward = min(f for f, _ in stages) / v
-        steady = 2 * (m * v - 1) * max(0.0, p2p - chunk_forward)
-    return {"compute": compute, "bubble": bubble, "p2p": 2 * (p - 1) * p2p + steady}
+        return {"compute": compute, "bubble": bubble,
+                "p2p": 2 * blocking * p2p + 2 * (m * v - blocking) * max(0.0, p2p - chunk_forward)}
+    return {"compute": compute, "bubble": bubble, "p2p": 2 * (p - 1) * p2p + 2 * (m * v - 1) * p2p}
 
 
 if __name__ == "__main__":  # the worked example above
@@ -693,11 +828,12 @@ class StepTime:
 def _dp_items(cfg: MemoryConfig, links: Links, options: StepOptions,
               stages: list[tuple[float, float]]) -> list[StepItem]:
     """The gradient reduce-scatter (or all-reduce) and the parameter all-gather."""
-    dp = cfg.data_parallel_size * cfg.context_parallel_size
-    bw = links.link(cfg.tensor_model_parallel_size * dp)
+    dp, stride = cfg.data_parallel_size * cfg.context_parallel_size, cfg.tensor_model_parallel_size
+    bw = links.link(stride * dp, min(dp, links.gpus_per_node // stride))
     distopt = cfg.use_distributed_optimizer
     kind = "all_reduce" if (not distopt or links.reduce_scatter_as_all_reduce) else "reduce_scatter"
     rs_seconds, rs_spans, ag_seconds, ag_spans, rs_stage, ag_stage = 0, [], 0, [], [], []
+    aligned = cfg.num_chunks > 1 and options.overlap_param_gather and options.align_param_gather
     if cfg.overlap_grad_reduce != options.overlap_grad_reduce:  # it decides the buckets
         cfg = cfg.replace(overlap_grad_reduce=options.overlap_grad_reduce)
     for s, (forward, backward) in enumerate(stages):
@@ -716,14 +852,19 @@ def _dp_items(cfg: MemoryConfig, links: Links, options: StepOptions,
                                      links.latency) for b in order]
             exposed, spans = all_gather_exposed(ag, [b["share"] * forward for b in order],
                                                 options.overlap_param_gather)
+            if aligned:
+                per_chunk = [sum(a for a, b in zip(ag, order) if b["chunk"] == c)
+                             for c in range(cfg.num_chunks)]
+                exposed = aligned_gather_exposed(per_chunk, forward / cfg.num_chunks,
+                                                 len(stages), s)
             ag_stage.append(exposed)
             ag_seconds = max(ag_seconds, sum(ag))
             ag_spans = ag_spans or spans
     items = [StepItem(f"DP grad {kind.replace('_', '-')}", rs_seconds, stages[0][1],
                       max(rs_stage), rs_spans, rs_stage)]
     if distopt:
-        items.append(StepItem("DP param all-gather", ag_seconds, stages[0][0], sum(ag_stage),
-                              ag_spans, ag_stage))
+        items.append(StepItem("DP param all-gather", ag_seconds, stages[0][0],
+                              max(ag_stage) if aligned else sum(ag_stage), ag_spans, ag_stage))
     return items
 
 
@@ -743,16 +884,33 @@ def _model_parallel_items(cfg: MemoryConfig, links: Links, options: StepOptions,
     mb, layers = cfg.num_microbatches, m.num_layers // cfg.pipeline_model_parallel_size
     tau = p2p_seconds(cfg, links)
     pipe = pipeline_seconds(stages, mb, cfg.num_chunks, tau, options.overlap_p2p_comm)
-    unit = cfg.param_bytes * (m.seq_length // c) * cfg.micro_batch_size * m.hidden_size
-    ops = 6 if cfg.recompute_granularity == "full" else 4  # forward 2, backward 2, recompute 2
-    tp = mb * layers * ops * collective_seconds("all_reduce", unit, t, links.link(t), links.latency)
+    tp_seconds, tp_exposed = (mb * layers * x for x in tp_layer_seconds(cfg, links, options))
     kv = 2 * cfg.param_bytes * m.seq_length * cfg.micro_batch_size * m.num_query_groups \
         * m.head_dim // t
     cp = mb * layers * 2 * collective_seconds("all_gather", kv, c, links.link(t * c), links.latency)
-    items = [StepItem("TP all-reduce", tp, 0.0, tp), StepItem("CP K/V exchange", cp, 0.0, cp),
+    items = [StepItem("TP all-reduce" if not options.tp_comm_overlap else "TP (tp_comm_overlap)",
+                      tp_seconds, 0.0, tp_exposed), StepItem("CP K/V exchange", cp, 0.0, cp),
              StepItem("PP p2p", 2 * (mb * cfg.num_chunks + cfg.pipeline_model_parallel_size - 2)
                       * tau if cfg.pipeline_model_parallel_size > 1 else 0.0, 0.0, pipe["p2p"])]
     return pipe, items
+
+
+def tp_layer_seconds(cfg: MemoryConfig, links: Links,
+                     options: StepOptions) -> tuple[float, float]:
+    """(seconds, exposed seconds) of one layer's TP traffic for one micro-batch."""
+    m, t, c = cfg.model, cfg.tensor_model_parallel_size, cfg.context_parallel_size
+    unit = cfg.param_bytes * (m.seq_length // c) * cfg.micro_batch_size * m.hidden_size
+    ops = 6 if cfg.recompute_granularity == "full" else 4  # forward 2, backward 2, recompute 2
+    gather = collective_seconds("all_gather", unit, t, links.link(t), links.latency)
+    seconds = ops * 2 * gather  # an all-reduce moves an all-gather and a reduce-scatter
+    if not options.tp_comm_overlap or t == 1 or links.law is None:
+        return seconds, seconds
+    exposed = 0.0  # each gather or reduce-scatter rides inside its GEMM, one piece per rank
+    for _, mm, nn, kk in layer_gemms(cfg):
+        forward = t * gemm_seconds(mm // t, nn, kk, links.law)
+        dgrad = t * gemm_seconds(mm // t, kk, nn, links.law)
+        exposed += (ops // 2 - 1) * max(0.0, gather - forward) + max(0.0, gather - dgrad)
+    return seconds, exposed
 
 
 def optimizer_seconds(cfg: MemoryConfig, links: Links = Links()) -> float:
