@@ -22,7 +22,7 @@ def step_timeline(cfg: MemoryConfig, links: Links = Links(),
     """The lanes of one iteration of the first stage, from the model's rules."""
     tau, step = p2p_seconds(cfg, links), estimate_step(cfg, links, options)
     tp = step.item("TP").exposed / cfg.num_microbatches / 2  # on the compute stream
-    stages = [(f + tp, b + tp) for f, b in stage_compute(cfg, links)]
+    stages = [(f + tp, b + tp) for f, b in stage_compute(cfg, links, options)]
     ag_wait = (step.item("DP param all-gather").per_stage if cfg.use_distributed_optimizer
                else None)
     ops = schedule_1f1b(stages, cfg.num_microbatches, tau, ag_wait)[0]

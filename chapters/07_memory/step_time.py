@@ -45,15 +45,15 @@ __all__ = ["Links", "StepOptions", "StepItem", "StepTime", "stage_flops", "stage
 # A step-time estimate that adds every transfer to the compute, as if nothing overlapped, is
 # safe for ranking, but it gets the most important design questions wrong. Take the running
 # example (the 7B model on 256 H100s, TP2 (SP) · PP2 · DP64, micro-batch 2, 8 micro-batches,
-# selective recompute, distributed optimizer) at 40% of the dense bf16 peak, as chapter 01
-# assumes. A rank of the first stage holds about 2 billion parameters (the tied 128 K-token
-# embedding included), so its gradient reduce-scatter moves 7.9 GB of fp32 gradients over a 50
-# GB/s network link: 158 ms. Added to a step of about 2.6 seconds that is 6%; hidden it is 0%.
-# Whether it hides depends on a single rule: Megatron starts the reduce-scatter only in the
-# backward of the *last* micro-batch, and that backward lasts 161 ms. The transfer just fits —
-# on paper; a 2% slower link would make it stick out, and the order of the buckets makes part
-# of it stick out anyway (below). The parameter all-gather (bf16, half the bytes, 79 ms) has
-# the first forward as its window, 78 ms, and the same knife edge.
+# selective recompute, distributed optimizer), its compute timed kernel by kernel on an H100
+# (below). A rank of the first stage holds about 2 billion parameters (the tied 128 K-token
+# embedding included), so its gradient reduce-scatter moves 7.9 GB of fp32 gradients; the
+# four DP ranks of a node send it through their four NICs side by side, 200 GB/s: 40 ms.
+# Added to a step of about 1.9 seconds that is 2%; hidden it is 0%. Whether it hides depends
+# on a single rule: Megatron starts the reduce-scatter only in the backward of the *last*
+# micro-batch, and that backward lasts 117 ms. The transfer fits — and the order of the
+# buckets makes part of it stick out anyway (below). On a TP8 layout, one DP rank per node,
+# the same gradients would cross one NIC at 50 GB/s and miss the window by far.
 #
 # So the model of this page takes each transfer, finds its window by Megatron's rule, and
 # keeps only what sticks out:
@@ -90,18 +90,21 @@ __all__ = ["Links", "StepOptions", "StepItem", "StepTime", "stage_flops", "stage
 #
 # | field | default | why this number |
 # |---|---|---|
-# | `peak_flops` | 989 TFLOP/s | H100 SXM dense bf16 tensor-core peak (NVIDIA datasheet) |
-# | `mfu` | 0.40 | the fraction chapter 01 uses for a 7B dense model; 0.35-0.5 is typical |
+# | `law` | H100 SXM | appendix C's kernel law: datasheet peak, HBM and SMs, and three stated fractions |
+# | `peak_flops`, `mfu` | 989 TFLOP/s, 0.40 | used only without a law (a CPU, whose rate is measured) |
 # | `nvlink` | 450 GB/s | NVLink 4: 900 GB/s per GPU both ways, so 450 GB/s one way |
 # | `network` | 50 GB/s | one 400 Gb/s InfiniBand NIC per GPU |
 # | `pcie` | 50 GB/s | PCIe Gen5 x16: 64 GB/s raw per direction, about 50 reached by copies |
 # | `disk` | 1 GB/s | a GPU's share of a node's ~8 GB/s write to the checkpoint store |
 # | `memory` | 3.35 TB/s | HBM3, for the optimizer step, which streams its state once |
+# | `interference` | 16/132 | NCCL's ring kernels occupy about 16 of the 132 SMs while a hidden DP transfer runs |
 #
 # Bandwidths are per GPU and per direction, as the collective algorithms need them: a ring
 # reduce-scatter or all-gather over $g$ ranks sends $(g-1)/g$ of the buffer through each
 # rank's link, an all-reduce twice that. A group uses NVLink when all its ranks share a node
-# (Megatron's rank order puts TP innermost, then CP, DP, PP) and the network otherwise.
+# (Megatron's rank order puts TP innermost, then CP, DP, PP) and the network otherwise —
+# and when $k$ of its ranks share a node, NCCL runs $k$ rings side by side through their $k$
+# NICs, so the group moves $\min(k \cdot 50, 450)$ GB/s per rank.
 # In the running example TP's pairs are neighbors (NVLink), a DP group spans 2 × 64 ranks
 # and adjacent pipeline stages are 128 ranks apart (both over the network).
 # `reduce_scatter_as_all_reduce` describes gloo, which has no reduce-scatter: torch emulates
@@ -168,7 +171,7 @@ class StepOptions:
     save_interval: int = 100
 
 # %% [markdown]
-# ## Compute: chapter 01's FLOPs at a stated MFU
+# ## Compute: chapter 01's FLOPs, and what one efficiency cannot say
 #
 # Chapter 01 counts the FLOPs of an iteration exactly (`flops_terms`, Megatron's formula at
 # `megatron/training/training.py:411` plus the causal diagonal and the recomputation). Per
@@ -178,9 +181,11 @@ class StepOptions:
 # (one GEMM for the input gradient, one for the weight gradient), plus the recomputed forward
 # that the backward runs first. Worked in small numbers: a stage whose micro-batch costs
 # 3 GFLOP forward at 1 TFLOP/s achieved takes 3 ms forward and 6 ms backward.
-# MFU rather than the peak: the peak counts only tensor-core math, while a step also runs
-# norms, softmax, rotary embeddings and the optimizer at memory speed, and launches kernels
-# between them. Chapter 01's 40% folds all of that into one number per model size.
+# Dividing by one efficiency (`mfu`, chapter 01's 40%) folds GEMM quantization, attention,
+# the memory-bound kernels and the launches into a single number — and then predicts that
+# per-GPU throughput falls as models grow, where every published weak-scaling table shows it
+# rising. On a GPU the model therefore times the kernels themselves (next section); the
+# FLOP division stays for a CPU, whose matmul rate the trainer measures.
 #
 # The step of a rank is the pipeline: the layers of the slowest stage set the pace, and a
 # first and last stage with the embedding and the logits are not equal to the middle ones.
@@ -188,9 +193,10 @@ class StepOptions:
 #
 # For the running example: a micro-batch is 2 × 4096 tokens; stage 0's 16 layers cost
 # 30.8 TFLOP forward and 63.8 TFLOP backward per rank (the backward includes selective
-# recompute's second pass through core attention), 78 and 161 ms at 396 TFLOP/s. Stage 1
-# adds the logits of a 128,256-token vocabulary, 4.3 TFLOP forward per rank: 89 and 183 ms.
-# The last stage is the slowest by 14%, and the pipeline runs at its pace.
+# recompute's second pass through core attention). By the kernels of the next section they
+# take 57 and 117 ms on an H100 (540 TFLOP/s); stage 1 adds the logits of a 128,256-token
+# vocabulary and the loss: 70 and 135 ms. The last stage is the slowest by 18%, and the
+# pipeline runs at its pace.
 
 # %%
 def stage_flops(cfg: MemoryConfig, pp_rank: int) -> tuple[float, float]:
@@ -398,9 +404,10 @@ def _layout_buckets(cfg: MemoryConfig, pp_rank: int) -> list[dict]:
 #
 # With several micro-batches per step, the gradients of micro-batches $1..m-1$ are only
 # accumulated: the schedule runs them inside `no_sync()`
-# (`megatron/core/pipeline_parallel/schedules.py:741-742` without a pipeline; `:2384`,
-# `:2411` and `:2428` turn grad sync back
-# on just before the last backward of 1F1B), and a bucket's gradient hook counts a parameter
+# (`megatron/core/pipeline_parallel/schedules.py:741-742` without a pipeline; in 1F1B
+# `:2384` and `:2411` turn grad sync back on just before the last backward, and `:2428`,
+# after the cool-down, launches whatever reductions are still pending), and a bucket's
+# gradient hook counts a parameter
 # as ready only when `is_last_microbatch` is set
 # (`megatron/core/distributed/param_and_grad_buffer.py:813`; `no_sync` clears it,
 # `megatron/core/distributed/distributed_data_parallel.py:480-490`). When every parameter of
@@ -679,6 +686,9 @@ def _offloaded_bytes(cfg: MemoryConfig, modules: tuple[str, ...]) -> int:
 
 def layer_seconds(cfg: MemoryConfig, links: Links = Links()) -> tuple[float, float]:
     """(forward, backward) seconds of one layer and micro-batch on one rank."""
+    if links.law is not None:  # a stage without the logits, divided by its layers
+        per = cfg.model.num_layers // cfg.pipeline_model_parallel_size
+        return tuple(x / per for x in stage_kernel_seconds(cfg, -1, links.law))
     terms = flops_terms(cfg.model, cfg.micro_batch_size, recompute=cfg.recompute_granularity)
     layers = sum(v for k, v in terms.items() if k not in ("logits", "recompute"))
     per = cfg.model.num_layers * cfg.tensor_model_parallel_size * cfg.context_parallel_size
@@ -756,7 +766,7 @@ def offload_exposed(cfg: MemoryConfig, links: Links, layers: int) -> float:
 # the sum that the calculator's search ranks by.
 #
 # Why stage 1's one bucket hides behind slack in the running example: its last backward
-# ends 161 ms (stage 0's last backward) before the step's backward does, and its 158 ms
+# ends 117 ms (stage 0's last backward) before the step's backward does, and its 40 ms
 # reduce-scatter fits in that. Megatron's comment says the same in words: data-parallel
 # communication of later stages is "not on the critical path".
 
@@ -942,7 +952,7 @@ def optimizer_seconds(cfg: MemoryConfig, links: Links = Links()) -> float:
 def estimate_step(cfg: MemoryConfig, links: Links = Links(),
                   options: StepOptions = StepOptions()) -> StepTime:
     """Seconds of one iteration: compute, bubble, optimizer and each item's exposed part."""
-    stages = stage_compute(cfg, links)
+    stages = stage_compute(cfg, links, options)
     pipe, items = _model_parallel_items(cfg, links, options, stages)
     items = _dp_items(cfg, links, options, stages) + items
     layers = cfg.model.num_layers // cfg.pipeline_model_parallel_size
@@ -1058,6 +1068,7 @@ def cpu_links(calibration: dict, flops_per_microbatch: float, kind: str = "reduc
     behind = latency + calibration["background_numel"] * 4 / bandwidth
     slower = max(0.0, calibration["microbatch_with_comm_s"] - calibration["microbatch_s"])
     return Links(peak_flops=flops_per_microbatch / calibration["microbatch_s"], mfu=1.0,
+                 law=None,
                  nvlink=bandwidth, network=bandwidth, pcie=bandwidth, disk=bandwidth,
                  memory=calibration["memory_bandwidth"], latency=latency,
                  reduce_scatter_as_all_reduce=reduce_scatter_as_all_reduce,
@@ -1114,41 +1125,42 @@ if __name__ == "__main__":
 # What the table says, row by row:
 #
 # - **The reduce-scatter fits its window, and still sticks out.** Stage 0's 7.9 GB of fp32
-#   gradients take 158 ms against a last backward of 161 ms — yet 29 ms are exposed. The rule
+#   gradients take 40 ms against a last backward of 117 ms — yet 6 ms are exposed. The rule
 #   is bucket by bucket: the last bucket in backward order is the input embedding alone
 #   (128,256 / 2 × 4096 = 263 M elements; the tied table gets a bucket of its own), and its
-#   gradient is the last one the backward produces. Its 21 ms, plus the queue of buckets in
-#   front of it, can only start when there is nothing left to hide behind. Stage 1's single
-#   bucket starts later still, but it has stage 0's whole last backward as slack: hidden.
+#   gradient is the last one the backward produces. Its 5 ms, plus the queue in front of it,
+#   can only start when there is nothing left to hide behind. Stage 1's single bucket starts
+#   later still, but it has stage 0's whole last backward as slack: hidden.
 # - **The all-gather has the opposite problem on stage 1.** One bucket (Megatron's choice for
 #   every stage but the first, made for the reduce-scatter) means its first forward waits for
-#   the whole gather: 69 ms exposed. Stage 0 waits only for its first bucket, the embedding
-#   again (10 ms), and then a little for each bucket that takes longer than the layers before
-#   it. Together 83 ms, more than the reduce-scatter costs.
+#   the whole gather: 17 ms exposed. Stage 0 waits only for its first bucket, the embedding
+#   again (3 ms). Together 20 ms, more than the reduce-scatter leaves exposed.
 # - **The checkpoint's copy** is 9 ms per save per rank: blocking, 0.02 ms per step at one save
 #   every 500 steps; staged, nothing. The write (440 MB at 1 GB/s) hides easily in 500 steps.
 # - **Offloading all five modules** moves 336 MiB per layer and micro-batch each way; at
-#   50 GB/s that is 7.0 ms against a layer forward of 4.9 ms. The back-of-envelope's "≈10×
-#   too slow" compared all micro-batches' bytes with one micro-batch's layer; per layer and
-#   micro-batch the gap is 1.45×, and three of the five modules fit (below). These are the
-#   bytes chapter 07's ledger counts for tinytron's modules; counting what fused norm and
-#   flash-attention kernels save, the five regions are 176 MiB and all fit (chapter 06's
-#   [offload page](../06_recompute_offload/offload.py) counts that case).
+#   50 GB/s that is 7.0 ms against a layer forward of 3.5 ms: twice too slow, and two of the
+#   five modules fit (below). These are the bytes chapter 07's ledger counts for tinytron's
+#   modules; counting what fused norm and flash-attention kernels save, the five regions are
+#   176 MiB (chapter 06's [offload page](../06_recompute_offload/offload.py) counts that case).
 #
-# In total the model gives 2.61 s per step, of which 0.20 s is exposed transfer — TP's
-# all-reduces (76 ms, on the compute stream by design), the all-gather (83 ms) and the
-# reduce-scatter's last bucket (29 ms) — and 0.24 s pipeline bubble.
+# In total the model gives 1.94 s per step, of which 0.12 s is exposed transfer — TP's
+# collectives (76 ms, on the compute stream: the example's config leaves `tp_comm_overlap`
+# off), the all-gather (20 ms), the p2p (11 ms) and the reduce-scatter's last bucket (6 ms)
+# — and 0.17 s pipeline bubble. With `tp_comm_overlap` the TP traffic hides inside its GEMMs,
+# which run in two pieces each and slow by 0.2%: 1.86 s, the number 07.7's search quotes.
 
 # %%
 if __name__ == "__main__":
-    assert 0.95 < rs.seconds / b0 < 1.0 and 0.1 < rs.per_stage[0] / rs.seconds < 0.25
+    assert 0.3 < rs.seconds / b0 < 0.4 and 0.1 < rs.per_stage[0] / rs.seconds < 0.25
     assert rs.per_stage[1] == 0.0 and ag.per_stage[1] > 0.8 * ag.seconds > ag.per_stage[0]
     assert ckpt["exposed"] == ckpt["seconds"] and staged["exposed"] == 0.0
     assert everything["copy"] > everything["forward"] and not everything["hides"]
     assert abs(step.total - (step.compute + step.bubble + step.optimizer + step.exposed)) < 1e-12
-    assert 2.5 < step.total < 2.7 and step.exposed / step.total < 0.1
+    assert 1.9 < step.total < 2.0 and step.exposed / step.total < 0.1
+    overlapped = estimate_step(example, links, replace(options, tp_comm_overlap=True))
+    assert 1.8 < overlapped.total < step.total - 0.05
     naive = step.compute + step.bubble + sum(i.seconds for i in step.items)  # nothing hidden
-    assert step.total < naive - 0.1
+    assert step.total < naive - 0.03
 
 # %% [markdown]
 # ## One iteration on a time axis
@@ -1204,9 +1216,8 @@ if __name__ == "__main__":
 # module's bytes, its copy time, and the two windows (a layer's forward for the copy out, its
 # backward for the copy back). The backward is twice the forward plus the recomputation, so
 # the forward is the binding window. Every module fits alone; all five do not; the best set
-# that fits moves `attn_norm`, `qkv_linear` and `core_attn`: 208 MiB in 4.4 ms of a 4.9 ms
-# forward. At PCIe Gen4 (25 GB/s) only the smaller sets fit, so the same search gives a
-# smaller default.
+# that fits moves `attn_norm` and `qkv_linear`: 160 MiB in 3.4 ms of a 3.5 ms forward. At
+# PCIe Gen4 (25 GB/s) only the smaller sets fit, so the same search gives a smaller default.
 
 # %%
 if __name__ == "__main__":
@@ -1216,7 +1227,7 @@ if __name__ == "__main__":
               f"{row['forward'] * 1e3:>7.2f}ms{row['backward'] * 1e3:>8.2f}ms  {row['hides']}")
     gen4 = best_offload_modules(example, replace(links, pcie=25e9))
     print("fits at 50 GB/s:", fitted, " at 25 GB/s:", gen4)
-    assert fitted == ["attn_norm", "qkv_linear", "core_attn"]
+    assert fitted == ["attn_norm", "qkv_linear"]
     assert all(r["hides"] for r in offload_table(example, links)[:5])
     assert _offloaded_bytes(example, tuple(gen4)) < _offloaded_bytes(example, tuple(fitted))
     with_offload = estimate_step(drawn, links, options)
@@ -1227,10 +1238,10 @@ if __name__ == "__main__":
 
 # %% [markdown]
 # So on an H100 node the suggested `offload_modules` default is
-# `["attn_norm", "qkv_linear", "core_attn"]` — what the model says hides behind compute —
-# and offload stays off unless memory asks for it. Offloading all five would expose about
-# 2.2 ms per layer and micro-batch, 0.28 s per step on a 16-layer stage: more than a tenth
-# of the step, to save 336 MiB × the micro-batches in flight.
+# `["attn_norm", "qkv_linear"]` — what the model says hides behind compute — and offload
+# stays off unless memory asks for it. Offloading all five would expose about 3.5 ms per
+# layer and micro-batch, 0.45 s per step on a 16-layer stage: a quarter of the step, to
+# save 336 MiB × the micro-batches in flight.
 #
 # The same search answers for any layout and link: a longer sequence makes a layer's
 # compute grow faster than its saved bytes (attention is quadratic in the sequence, the
@@ -1302,10 +1313,14 @@ if __name__ == "__main__":
 #   always exposed); blocking p2p on the critical path unless `overlap_p2p_comm` (interleaved
 #   only); the checkpoint's copy blocking in Megatron, hidden in the next step when staged;
 #   offload per layer against the layer's compute.
-# - For the running example the overlap rules leave 0.20 s of 2.61 s exposed; the largest
-#   single item is the later stage's one-bucket all-gather, not the reduce-scatter.
-# - Offload on a 50 GB/s PCIe link hides `attn_norm`, `qkv_linear` and `core_attn`; all five
-#   modules need about 72 GB/s.
+# - Compute is every kernel of a micro-batch timed by appendix C's law (tiles and waves for
+#   GEMMs, bytes for streaming kernels, a stated flash-attention fraction); page 07.9 holds
+#   it against Megatron's published H100 throughput.
+# - For the running example the overlap rules leave 0.12 s of 1.94 s exposed, most of it
+#   TP's traffic on the compute stream; among DP items the later stage's one-bucket
+#   all-gather exposes more than the reduce-scatter.
+# - Offload on a 50 GB/s PCIe link hides `attn_norm` and `qkv_linear`; all five modules
+#   need about 100 GB/s.
 # - The layouts' ranking (07.7's search) changes with the rules: without a pipeline there is
 #   no bubble and no one-bucket all-gather, so PP1 layouts that fit come first.
 # - Against traced runs of the real trainer on this CPU the model is within 20% of the step
