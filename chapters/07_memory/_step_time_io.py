@@ -12,8 +12,9 @@ import json
 import os
 
 from tinytron.memory.states import MemoryConfig
+from tinytron.memory.step_published import cpu_links
 from tinytron.memory.step_time import (Links, StepOptions, StepTime, _offloaded_bytes,
-                                       checkpoint_bytes, cpu_links, estimate_step, p2p_seconds,
+                                       checkpoint_bytes, estimate_step, p2p_seconds,
                                        schedule_1f1b, stage_compute)
 
 

@@ -9,16 +9,16 @@
 # offload (chapter 06). Each of them can hide only in a particular window, set by a rule in
 # Megatron's code, and a transfer longer than its window shows up in the step time.
 #
-# The page ends with two pictures of one iteration side by side — the running example as
-# the model plays it, and a real two-rank run of the trainer as chapter 08's tracer recorded
-# it — and with the model's error against that run, measured on this machine.
+# Compute is timed kernel by kernel from the layout's shapes by appendix C's law, so a
+# narrow TP slice and a wide one cost what their GEMMs cost. The next page (07.9) holds the
+# model against Megatron's published H100 throughput and against real runs of the trainer
+# on this machine.
 #
-# You will build: `Links`, `StepOptions`, `stage_compute`, `collective_seconds`, `dp_buckets`,
-# `reduce_scatter_exposed`, `all_gather_exposed`, `pipeline_seconds`, `checkpoint_items`,
-# `offload_table`, `best_offload_modules`, `estimate_step`, `schedule_1f1b` and
-# `cpu_links`. The drawing of an iteration (`step_timeline`, `plot_timeline`) and the
-# reading of the saved CPU check live in the page's private module
-# `chapters/07_memory/_step_time_io.py`.
+# You will build: `Links`, `StepOptions`, `layer_gemms`, `stage_kernel_seconds`,
+# `stage_compute`, `collective_seconds`, `dp_buckets`, `reduce_scatter_exposed`,
+# `all_gather_exposed`, `aligned_gather_exposed`, `pipeline_seconds`, `tp_layer_seconds`,
+# `checkpoint_items`, `offload_table`, `best_offload_modules`, `estimate_step` and
+# `schedule_1f1b`.
 
 # %%
 from __future__ import annotations
@@ -36,8 +36,9 @@ __all__ = ["Links", "StepOptions", "StepItem", "StepTime", "stage_flops", "stage
            "collective_seconds",
            "dp_buckets", "reduce_scatter_exposed", "all_gather_exposed", "p2p_seconds",
            "pipeline_seconds", "checkpoint_items", "offload_table", "best_offload_modules",
-           "estimate_step", "schedule_1f1b", "cpu_links", "optimizer_seconds", "layer_seconds",
-           "checkpoint_bytes", "offload_exposed", "OFFLOAD_MODULES"]
+           "estimate_step", "schedule_1f1b", "optimizer_seconds", "layer_seconds",
+           "checkpoint_bytes", "offload_exposed", "OFFLOAD_MODULES", "STREAM_BYTES",
+           "layer_gemms", "stage_kernel_seconds", "aligned_gather_exposed", "tp_layer_seconds"]
 
 # %% [markdown]
 # ## Why a second step-time model
@@ -247,8 +248,11 @@ def stage_compute(cfg: MemoryConfig, links: Links = Links(),
 # the max, the subtraction, the exponential and the normalization forward, the gradient's
 # three passes backward. Selective recompute adds the attention forward to the backward,
 # full recompute the whole layer's forward. With `tp_comm_overlap` Transformer Engine cuts
-# each GEMM next to a TP collective into $t$ pieces along the tokens, one per chunk of the
-# ring exchange, and each piece pays its own quantization: the price of hiding TP.
+# the GEMMs next to a TP collective into pieces along the tokens, and each piece pays its own
+# quantization — the price of hiding TP. By its default configuration: QKV and fc1 forward
+# in $t$ pieces (the all-gather's ring exchange), projection and fc2 forward in 4 (the
+# reduce-scatter's pipeline), their input gradients in $t$, and the rest whole (bulk
+# overlap, `megatron/core/extensions/transformer_engine.py` passes the `ub_*` switches).
 
 # %%
 STREAM_BYTES = {"norm": (4, 6), "residual": (6, 6), "swiglu": (6, 10), "rotary": (4, 4),
@@ -267,11 +271,19 @@ def layer_gemms(cfg: MemoryConfig) -> list[tuple[str, int, int, int]]:
             ("fc2", tokens, m.hidden_size, m.ffn_hidden_size // t)]
 
 
-def _gemm_fwd_bwd(m: int, n: int, k: int, law: KernelLaw, pieces: int) -> tuple[float, float]:
-    """(forward, input + weight gradient) seconds of one GEMM run as `pieces` along M."""
-    rows = max(1, m // pieces)
-    return (pieces * gemm_seconds(rows, n, k, law),
-            pieces * gemm_seconds(rows, k, n, law) + gemm_seconds(n, k, m, law))
+def _pieces(name: str, t: int) -> tuple[int, int]:
+    """(forward, input-gradient) pieces of a GEMM under Transformer Engine's TP overlap."""
+    if name in ("qkv", "fc1"):  # all-gather by ring exchange, t pieces; dgrad in bulk
+        return t, 1
+    return min(4, t), t  # reduce-scatter pipelined in 4 splits; dgrad's all-gather by ring
+
+
+def _gemm_fwd_bwd(m: int, n: int, k: int, law: KernelLaw,
+                  pieces: tuple[int, int] = (1, 1)) -> tuple[float, float]:
+    """(forward, input + weight gradient) seconds of one GEMM, forward and dgrad in pieces."""
+    f, d = pieces
+    return (f * gemm_seconds(max(1, m // f), n, k, law),
+            d * gemm_seconds(max(1, m // d), k, n, law) + gemm_seconds(n, k, m, law))
 
 
 def stage_kernel_seconds(cfg: MemoryConfig, pp_rank: int, law: KernelLaw,
@@ -280,10 +292,10 @@ def stage_kernel_seconds(cfg: MemoryConfig, pp_rank: int, law: KernelLaw,
     m, t, b = cfg.model, cfg.tensor_model_parallel_size, cfg.micro_batch_size
     tokens = b * m.seq_length // cfg.context_parallel_size
     rows = tokens // t if m.sequence_parallel else tokens
-    pieces = t if tp_comm_overlap and t > 1 else 1
+    overlap = tp_comm_overlap and t > 1
     fwd = bwd = 0.0
-    for _, mm, nn, kk in layer_gemms(cfg):
-        f, g = _gemm_fwd_bwd(mm, nn, kk, law, pieces)
+    for name, mm, nn, kk in layer_gemms(cfg):
+        f, g = _gemm_fwd_bwd(mm, nn, kk, law, _pieces(name, t) if overlap else (1, 1))
         fwd, bwd = fwd + f, bwd + g
     heads = m.num_attention_heads // t
     att = 4 * b * m.seq_length ** 2 / 2 / cfg.context_parallel_size * m.head_dim * heads
@@ -298,7 +310,7 @@ def stage_kernel_seconds(cfg: MemoryConfig, pp_rank: int, law: KernelLaw,
     layers = m.num_layers // cfg.pipeline_model_parallel_size
     forward, backward = layers * layer_f, layers * (bwd + att_b + mem_b + again)
     if pp_rank == cfg.pipeline_model_parallel_size - 1:  # the logits and the loss
-        f, g = _gemm_fwd_bwd(tokens, m.vocab_size // t, m.hidden_size, law, 1)
+        f, g = _gemm_fwd_bwd(tokens, m.vocab_size // t, m.hidden_size, law)
         logits = tokens * m.vocab_size // t
         forward += f + stream_seconds(STREAM_BYTES["loss"][0] * logits, law)
         backward += g + stream_seconds(STREAM_BYTES["loss"][1] * logits, law)
@@ -916,9 +928,9 @@ def tp_layer_seconds(cfg: MemoryConfig, links: Links,
     if not options.tp_comm_overlap or t == 1 or links.law is None:
         return seconds, seconds
     exposed = 0.0  # each gather or reduce-scatter rides inside its GEMM, one piece per rank
-    for _, mm, nn, kk in layer_gemms(cfg):
-        forward = t * gemm_seconds(mm // t, nn, kk, links.law)
-        dgrad = t * gemm_seconds(mm // t, kk, nn, links.law)
+    for name, mm, nn, kk in layer_gemms(cfg):
+        forward, dgrad = (p * gemm_seconds(mm // p, a, b, links.law)
+                          for p, a, b in zip(_pieces(name, t), (nn, kk), (kk, nn)))
         exposed += (ops // 2 - 1) * max(0.0, gather - forward) + max(0.0, gather - dgrad)
     return seconds, exposed
 
@@ -1026,56 +1038,6 @@ def schedule_1f1b(stages: list[tuple[float, float]], m: int, tau: float,
     return out
 
 # %% [markdown]
-# ## Checked against a real run on this CPU
-#
-# A model of time is only worth its agreement with a clock. `benchmarks/bench_step_time.py`
-# runs the real trainer (`tinytron.train.run`) on two gloo ranks, twice — DP2 with the
-# distributed optimizer, `overlap_grad_reduce`, `overlap_param_gather` and 1 M-element
-# buckets; and PP2 with four micro-batches — under chapter 08's tracer (torch.profiler, every
-# `train_step` in an `iteration-N` range). Before each run it measures on the same two ranks
-# the model's inputs: one micro-batch's forward and backward of the same model alone, gloo's
-# bucket collective (chapter 05's `_comm`, an all-reduce underneath) at three sizes, and the
-# memory bandwidth of an elementwise add, and the micro-batch once more with a 4 M-element
-# all-reduce running behind it. `cpu_links` turns those measurements into `Links`: the
-# achieved FLOP/s is the micro-batch's FLOPs over its seconds (so `mfu` is 1), and a
-# least-squares line through the collective's times gives gloo's latency and bandwidth, used
-# for every link of the run; the micro-batch's slowdown with the all-reduce behind it, over
-# that all-reduce's seconds, is the `interference`. The benchmark saves the inputs and the
-# traced iterations in `chapters/assets/step_time_cpu.json`; this page recomputes the
-# prediction from them.
-#
-# Both runs train the same small model (hidden 256, 4 layers, 4 heads in 2 groups, FFN 704,
-# vocabulary 512, sequence 64: 3.1 M parameters) with micro-batch 2 and global batch 8, so
-# DP2 runs 2 micro-batches per step and PP2 runs 4. In DP2 the 1 M-element buckets cut the
-# buffer in three, enough for the reduce-scatter of the early buckets to start inside the
-# last backward; in PP2 the two stages hold two layers each, the first the embedding and
-# the second the logits, and the bubble is a fifth of the step by rule 3. The trainer, its
-# data, its optimizer and its logging are the real ones; only the profiler and the
-# calibration between the iterations are added.
-
-# %%
-def cpu_links(calibration: dict, flops_per_microbatch: float, kind: str = "reduce_scatter",
-              reduce_scatter_as_all_reduce: bool = True) -> Links:
-    """Links from this machine's measurements (calibrate_and_trace in _step_trace); `kind`
-    names the collective whose timings give latency and bandwidth."""
-    points = [(c["numel"] * 4, c[kind]) for c in calibration["collectives"]]
-    mean_x = sum(x for x, _ in points) / len(points)
-    mean_y = sum(y for _, y in points) / len(points)
-    slope = (sum((x - mean_x) * (y - mean_y) for x, y in points)
-             / sum((x - mean_x) ** 2 for x, _ in points))
-    bandwidth = 1 / slope if slope > 0 else float("inf")  # all-reduce on 2 ranks: factor 1
-    latency = max(0.0, mean_y - slope * mean_x)
-    behind = latency + calibration["background_numel"] * 4 / bandwidth
-    slower = max(0.0, calibration["microbatch_with_comm_s"] - calibration["microbatch_s"])
-    return Links(peak_flops=flops_per_microbatch / calibration["microbatch_s"], mfu=1.0,
-                 law=None,
-                 nvlink=bandwidth, network=bandwidth, pcie=bandwidth, disk=bandwidth,
-                 memory=calibration["memory_bandwidth"], latency=latency,
-                 reduce_scatter_as_all_reduce=reduce_scatter_as_all_reduce,
-                 interference=min(1.0, slower / behind) if behind > 0 else 0.0)
-
-
-# %% [markdown]
 # ## Demo: the running example, item by item
 #
 # The model on the running example with Megatron's switches on (`overlap_grad_reduce`,
@@ -1091,8 +1053,6 @@ def cpu_links(calibration: dict, flops_per_microbatch: float, kind: str = "reduc
 
 # %%
 if __name__ == "__main__":
-    from tinytron.memory._step_time_io import (load_cpu_check, plot_timeline, predict_cpu_case,
-                                               step_timeline, trace_lanes)
     from tinytron.memory.calculator import running_example
 
     example = running_example().replace(overlap_grad_reduce=True)
@@ -1163,52 +1123,6 @@ if __name__ == "__main__":
     assert step.total < naive - 0.03
 
 # %% [markdown]
-# ## One iteration on a time axis
-#
-# Left, the running example's iteration on a rank of the first stage as the model plays it,
-# with chapter 06's offload of the three modules that fit (next section) and the previous
-# step's checkpoint staged into this one. Right, one traced iteration of the CPU check's DP2
-# run of the trainer, rank 0: the main thread's operators and gloo's collectives, drawn
-# from the saved trace. Both show the same shape — the all-gathers at the start of the first
-# forward, the reduce-scatters (all-reduces on gloo) packed into the last backward — at
-# scales a thousand times apart.
-#
-# In the right panel the blue lane is the union of the main thread's operators: its gaps
-# are the exposed time (the first all-gather's wait at the start, the wait for the last
-# gradient bucket at the end, the small reductions of the optimizer step). The red bars
-# start while the last backward still runs: chapter 05's hooks launch each bucket as soon
-# as its last gradient arrives.
-
-# %%
-if __name__ == "__main__":
-    import matplotlib.pyplot as plt
-
-    fitted = best_offload_modules(example, links)
-    drawn = example.replace(model=example.model.replace(
-        fine_grained_activation_offloading=True, offload_modules=fitted))
-    model_lanes = step_timeline(drawn, links, replace(options, checkpoint="staged"))
-    cpu = load_cpu_check()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.0),
-                                      gridspec_kw={"width_ratios": [1.4, 1]})
-    plot_timeline(model_lanes, left)
-    left.set_title("running example, stage 0, from the model (F blue, B orange, AG purple, "
-                   "RS red)", fontsize=7)
-    plot_timeline(trace_lanes(cpu["cases"]["dp2"]["lanes"]["rank0"]), right)
-    right.set_title("CPU DP2 run of the trainer, rank 0, from its trace", fontsize=7)
-    fig.tight_layout()
-    plt.show()
-    ends = [b for lane in model_lanes.values() for _, b, _ in lane if lane is not
-            model_lanes["checkpoint"]]
-    assert abs(max(ends) - estimate_step(drawn, links, replace(options, checkpoint="staged"))
-               .total) < 0.01 * step.total
-    gloo = cpu["cases"]["dp2"]["lanes"]["rank0"]["comm"]
-    assert {c["name"] for c in gloo} >= {"all_gather", "all_reduce"}
-
-# %% [markdown]
-# The left panel's long gap after the first two forwards is the pipeline's fill, made longer
-# by stage 1's single-bucket all-gather; the gray and olive ticks are the offload copies, one
-# per layer, each shorter than its layer.
-#
 # ## Offload, with its bandwidth (chapter 06's table)
 #
 # Which of chapter 06's regions can move to the host without slowing the step? For the
@@ -1221,6 +1135,9 @@ if __name__ == "__main__":
 
 # %%
 if __name__ == "__main__":
+    fitted = best_offload_modules(example, links)
+    drawn = example.replace(model=example.model.replace(
+        fine_grained_activation_offloading=True, offload_modules=fitted))
     print(f"{'module':<12}{'MiB/layer':>10}{'copy':>9}{'forward':>9}{'backward':>10}  hides")
     for row in offload_table(example, links):
         print(f"{row['module']:<12}{row['bytes'] / 2**20:>10.1f}{row['copy'] * 1e3:>7.2f}ms"
@@ -1251,59 +1168,6 @@ if __name__ == "__main__":
 # offload on for a GPU, this set is the one that costs no time.
 
 # %% [markdown]
-# ## The CPU check, recomputed
-#
-# The saved check holds, per run, the trainer's command line, the inputs sampled between
-# its iterations, and the traced steps. The page predicts each step again from the inputs
-# with the functions above and puts it beside the trace: the measured step is the median of
-# the traced iterations 3 to 12, the measured idle time is the step minus the main thread's
-# busy time (the union of its operators), which the model calls bubble plus exposed.
-
-# %%
-if __name__ == "__main__":
-    print(f"{'run':<5}{'measured':>10}{'predicted':>11}{'error':>8}{'idle: measured':>16}"
-          f"{'predicted':>11}")
-    for name, case in cpu["cases"].items():
-        again = predict_cpu_case(case)
-        error = again.total / case["measured_step_s"] - 1
-        print(f"{name:<5}{case['measured_step_s'] * 1e3:>8.1f}ms{again.total * 1e3:>9.1f}ms"
-              f"{error:>+8.1%}{case['measured_idle_s'] * 1e3:>14.1f}ms"
-              f"{(again.bubble + again.exposed) * 1e3:>9.1f}ms")
-        for item in again.items:
-            if item.exposed:
-                print(f"      {item.item:<36} exposed {item.exposed * 1e3:6.2f} ms")
-        assert abs(again.total - case["predicted"]["step_s"]) < 1e-9  # the benchmark's model
-        assert abs(error) < 0.30
-    pp2 = predict_cpu_case(cpu["cases"]["pp2"])
-    assert pp2.bubble > 0.15 * pp2.compute  # (p - 1) / m = 1/4 of a balanced pipeline's compute
-
-# %% [markdown]
-# What the check says. With the inputs measured between its own iterations, the saved run
-# (`benchmarks/results/step_time.json`, its command inside) has the model 18% low on the
-# DP2 step (247 ms measured, 203 ms predicted) and 5% high on the PP2 step (220 ms against
-# 230 ms): within the 20% this page aimed for. The same model on an earlier run of the
-# benchmark was 23% low on DP2 and 11% low on PP2 — the machine's load (two cores shared
-# with other jobs, load average 15-28) moves a step by ±15% from one iteration to the next,
-# as the saved list of traced steps shows, so the error's second digit is noise.
-#
-# Where the DP2 prediction is low, the trace says why. The model's idle time (10 ms) is a
-# third of the measured one (35 ms): on this machine the two ranks share two cores with
-# each other, so gloo's bucket all-reduces inside the backward take 3-5× their time alone
-# (13-19 ms in the drawn iteration against 3-5 ms between iterations); the
-# scalar reductions of the optimizer step (gradient norm, found-inf) and the loss's
-# reduction for the log wait for the slower rank; and the trainer's own work between the
-# micro-batches (data, loss, the optimizer's Python) is not in the model at all. The
-# `interference` input recovers part of the first effect (the "compute lost" line above).
-# The PP2 prediction's bubble is rule 3's; its p2p is gloo's latency, about 3 ms per blocking
-# transfer on this machine against 0.7 ms for a 33 MB transfer over InfiniBand.
-#
-# The rules themselves — which transfer waits for what — are the ones the traces show: the
-# all-gathers at the start of the first forward, one at a time; the gradient collectives
-# packed into the last backward and the last bucket after it. On a GPU, where the
-# collectives and copies run on engines of their own, the comparison to run is the same
-# benchmark with NCCL and CUDA traces; the CPU check bounds how wrong the model is when that
-# assumption fails.
-#
 # ## Summary
 #
 # - A step is compute + bubble + optimizer + what each transfer cannot hide in its window.
@@ -1323,8 +1187,8 @@ if __name__ == "__main__":
 #   need about 100 GB/s.
 # - The layouts' ranking (07.7's search) changes with the rules: without a pipeline there is
 #   no bubble and no one-bucket all-gather, so PP1 layouts that fit come first.
-# - Against traced runs of the real trainer on this CPU the model is within 20% of the step
-#   (DP2 −18%, PP2 +5% in the saved run).
+# - Page 07.9 holds the model against Megatron's published H100 throughput and against
+#   traced runs of the real trainer on this CPU.
 #
 # ## How production does it
 #
