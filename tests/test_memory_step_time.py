@@ -301,9 +301,26 @@ def test_one_running_example_one_step_time():
     search = step_time(running_example())["total"]  # 07.7: tp_comm_overlap on
     assert search == pytest.approx(estimate_step(ex, Links(), search_options(ex)).total)
     log = (root / "01_main_loop" / "training_log.py").read_text()
-    assert f"predicts {page:.2f} s per" in log and f"STEP_07_8 = {page:.2f}" in log
+    assert f"predicts {page:.2f} s per" in log and f"in 07.8's {page:.2f} s/iter" in log
     calc = (root / "07_memory" / "calculator.py").read_text()
     assert re.search(rf"estimates {search:.2f} s per step", calc)
     assert f"(07.8: {page:.2f} s with TP's traffic" in calc
     step = (root / "07_memory" / "step_time.py").read_text()
     assert f"model gives {page:.2f} s per step" in step and f"{search:.2f} s, the number 07.7" in step
+
+
+def test_memory_json_carries_the_step_time_and_its_exposed_terms(capsys):
+    import json
+
+    from tinytron.memory.calculator import main
+
+    assert main(["--example", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["step_time"]
+    assert got["total_s"] == pytest.approx(step_time(running_example())["total"])
+    items = {i["item"]: i for i in got["items"]}
+    assert {"DP grad reduce-scatter", "DP param all-gather", "PP p2p"} <= set(items)
+    assert got["exposed_s"] == pytest.approx(sum(i["exposed"] for i in got["items"]))
+    assert main(["--example", "--search", "--json", "--top", "2"]) == 0
+    ranked = json.loads(capsys.readouterr().out)
+    assert len(ranked) == 2 and ranked[0]["step_time"]["total_s"] <= \
+        ranked[1]["step_time"]["total_s"]

@@ -84,8 +84,8 @@ def _compute_rate(cfg, dtype: torch.dtype) -> tuple[float, str]:
         step()  # the first call allocates
         return flops / _seconds(step), "a micro-batch of the model"
     rows = b * m.seq_length  # too large to run twice here: the fc1 GEMM alone
-    x, w = torch.randn(rows, m.hidden_size, dtype=dtype), torch.randn(m.hidden_size,
-                                                                       m.ffn_hidden_size, dtype=dtype)
+    x = torch.randn(rows, m.hidden_size, dtype=dtype)
+    w = torch.randn(m.hidden_size, m.ffn_hidden_size, dtype=dtype)
     return 2 * rows * m.hidden_size * m.ffn_hidden_size / _seconds(lambda: x @ w), \
         "the model's fc1 GEMM"
 

@@ -731,7 +731,11 @@ def _ledger_json(cfg: MemoryConfig, dp_rank: int, why: dict | None = None) -> di
             "megatron": {k: meg[k] for k in ("weight_and_optimizer", "activation", "branch")},
             "step_time": step_time_json(cfg)}
 
+# %% [markdown]
+# The step time in the JSON is 07.8's model under the search's switches, item by item, so
+# the ledger and the time of a layout travel together.
 
+# %%
 def step_time_json(cfg: MemoryConfig, hw: Hardware = Hardware()) -> dict:
     """07.8's step time of a layout under the search's switches: seconds and exposed items."""
     try:
@@ -759,6 +763,13 @@ def step_time_json(cfg: MemoryConfig, hw: Hardware = Hardware()) -> dict:
 # per stage its `pp_rank`, the `device` and `host` terms in bytes, the `total` and
 # `megatron_gap` (the `difference` and every named term in bytes, zeros included), and
 # Megatron's `weight_and_optimizer`, `activation` and the formula `branch` it took.
+# It also carries `step_time`: 07.8's model of the layout under the search's switches, in
+# seconds — the total, compute, bubble, optimizer and exposed parts, and every item with
+# its seconds alone and what of it stays exposed — so a program reading the ledger reads
+# the time with it. `--search --json` prints the ranked layouts the same way: each one's
+# name, its peak in bytes and that `step_time`, fastest first. A layout the memory model
+# accepts and the time model cannot place (say, a shape the kernel law was never told
+# about) gets an `error` line instead of numbers, and the ledger is printed all the same.
 # `--dp-rank` picks the DP rank whose optimizer shard is counted (the ranks differ where
 # padding falls, 07.2).
 # Exit status 0 on success; 2, with one line on stderr naming the flag or the config field,
@@ -839,14 +850,14 @@ def _run(argv: Sequence[str] | None) -> None:
             * cfg.num_microbatches
         t0 = time.perf_counter()
         found = search_layouts(cfg, gpus, parse_bytes(budget), gbs, top=args.top or 10)
+        if args.json:  # the ranked layouts alone, for programs
+            print(json.dumps([{"layout": f["layout"], "peak_bytes": f["peak_bytes"],
+                               "step_time": step_time_json(f["config"])} for f in found]))
+            return
         print(assumption_lines(cfg, why)[1].split(";")[0] + f"; {gpus} GPUs ("
               + ("--gpus" if args.gpus else "the world size") + ")")
         print(f"{len(found)} fastest layouts of {gpus} GPUs that fit {budget} "
               f"(global batch {gbs}); searched in {time.perf_counter() - t0:.2f} s")
-        if args.json:
-            print(json.dumps([{"layout": f["layout"], "peak_bytes": f["peak_bytes"],
-                               "step_time": step_time_json(f["config"])} for f in found]))
-            return
         for i, f in enumerate(found, 1):
             print(f"{i:>3}. {f['layout']:<55} peak {f['peak_bytes'] / 2**30:6.1f} GiB   "
                   f"step ~{f['time']['total']:.2f} s")
