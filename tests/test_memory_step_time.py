@@ -324,3 +324,16 @@ def test_memory_json_carries_the_step_time_and_its_exposed_terms(capsys):
     ranked = json.loads(capsys.readouterr().out)
     assert len(ranked) == 2 and ranked[0]["step_time"]["total_s"] <= \
         ranked[1]["step_time"]["total_s"]
+
+
+def test_a_gpu_run_is_reported_with_its_own_gpus_law():
+    from tinytron.kernels.roofline import LAWS
+    from tinytron.memory._step_report import links_for_gpu
+
+    for name, key in (("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA A100-SXM4-80GB", "A100"),
+                      ("NVIDIA H200", "H200")):
+        links, words = links_for_gpu(name)
+        assert links.law == LAWS[key] and links.memory == LAWS[key].gpu.hbm_bytes_per_s
+        assert words == f"{LAWS[key].gpu.name} (appendix C's kernel law)"
+    links, words = links_for_gpu("NVIDIA L4")
+    assert links.law == LAWS["H100"] and "no law for this GPU" in words

@@ -117,9 +117,13 @@ def measure_cpu_links(cfg, dtype: torch.dtype = torch.float32) -> tuple[Links, s
 
 def gpu_links(device: torch.device) -> tuple[Links, str]:
     """07.8's links with appendix C's law of this GPU, and the words that name it."""
+    return links_for_gpu(torch.cuda.get_device_name(device))
+
+
+def links_for_gpu(name: str) -> tuple[Links, str]:
+    """07.8's links with the law of the GPU called `name` (H100's law when none matches)."""
     from tinytron.kernels.roofline import LAWS
 
-    name = torch.cuda.get_device_name(device)
     key = next((k for k in LAWS if k in name.upper()), None)
     law = LAWS[key or "H100"]
     words = f"{law.gpu.name} (appendix C's kernel law)" if key else \
