@@ -10,9 +10,9 @@
 # Megatron's code, and a transfer longer than its window shows up in the step time.
 #
 # Compute is timed kernel by kernel from the layout's shapes by appendix C's law, so a
-# narrow TP slice and a wide one cost what their GEMMs cost. The next page (07.9) holds the
-# model against Megatron's published H100 throughput and against real runs of the trainer
-# on this machine.
+# narrow TP slice and a wide one cost what their GEMMs cost. The next page
+# ([07.9](step_published.py)) holds the model against Megatron's published H100
+# throughput and against real runs of the trainer on this machine.
 #
 # You will build: `Links`, `StepOptions`, `layer_gemms`, `stage_kernel_seconds`,
 # `stage_compute`, `collective_seconds`, `dp_buckets`, `reduce_scatter_exposed`,
@@ -113,12 +113,15 @@ __all__ = ["Links", "StepOptions", "StepItem", "StepTime", "stage_flops", "stage
 # `interference` is what a hidden transfer still costs: the compute seconds lost per second
 # of a transfer running behind it. On a GPU the copy engines and the network are separate
 # from the tensor cores and the default 0 ignores the few SMs NCCL occupies; on a CPU, gloo's
-# thread and the compute share the cores, and the CPU check below measures it.
+# thread and the compute share the cores, and 07.9's CPU check measures it.
 #
-# On a real cluster each default has a measurement that replaces it: `mfu` from chapter
-# 01's throughput log of a few iterations, `network` and `nvlink` from NCCL's own tests
-# (their "bus bandwidth" is exactly the per-link rate used here), `pcie` from a pinned
-# host-to-device copy, `disk` from the time of one checkpoint save divided by its bytes.
+# On a real cluster each default has a measurement that replaces it: the law's fractions
+# from a GEMM and a copy timed on the device (appendix C), `network` and `nvlink` from
+# NCCL's own tests (their "bus bandwidth" is exactly the per-link rate used here), `pcie`
+# from a pinned host-to-device copy, `disk` from the time of one checkpoint save divided
+# by its bytes. On a CPU (07.9, and the trainer's own report) the compute rate is measured
+# and the law is off. The `interference` line was measured on a CPU by 07.9's check;
+# on a GPU it is the SMs NCCL's kernels take.
 
 # %%
 @dataclass(frozen=True)
@@ -370,7 +373,7 @@ if __name__ == "__main__":
 # 157.5 MB, 3.15 ms at 50 GB/s.
 # Point-to-point has no ring: the whole tensor crosses one link, once. The same formula
 # serves gloo on one machine, where "the link" is the loopback socket and the memory copies
-# behind it; the CPU check below measures its rate and latency instead of assuming them,
+# behind it; 07.9's CPU check measures its rate and latency instead of assuming them,
 # and reads a reduce-scatter as the all-reduce gloo runs underneath.
 #
 # A reduce-scatter and the all-gather that follows it move together exactly what one
@@ -600,7 +603,11 @@ if __name__ == "__main__":  # the worked example
 # The middle term is the bubble: $(p-1)/(v m)$ of the compute for equal stages, as chapter 01
 # says. Each transfer of $\tau$ seconds is exposed on the fill and the drain, $2(p-1)\tau$;
 # in the steady state a blocking step exchanges one activation and one gradient, $2\tau$ per
-# chunk and micro-batch; with `overlap_p2p_comm` only what exceeds a chunk's forward is left.
+# chunk and micro-batch; with `overlap_p2p_comm` only what exceeds a chunk's forward is left —
+# in the steady state. The warm-up's forwards and the cool-down's backwards still exchange
+# blocking (`schedules.py:1575-1672` and `:1896-2011`): on rank 0 that is $W = 2(p-1) +
+# (v-1)p$ of each (`schedules.py:891-892`), so $2W\tau$ stays exposed — at PP8, $v = 5$,
+# $m = 64$, 92 of 640 transfers, 14%.
 # With $v$ chunks per rank the fill and the drain pass through chunks $v$ times smaller, so
 # the bubble shrinks by $v$ while the number of transfers grows by $v$: interleaving trades
 # bubble for p2p, which is why Megatron lets only the interleaved schedule overlap its p2p.
@@ -870,6 +877,8 @@ class StepTime:
 # | all-gather waited for by the pre-hook, next one dispatched | `distributed_data_parallel.py:413-447`, `param_and_grad_buffer.py:494-529` |
 # | p2p shapes with SP; blocking unless `overlap_p2p_comm` | `schedules.py:2080-2085`, `:2123-2126`; `model_parallel_config.py:304-312` |
 # | TP traffic on the compute stream unless `tp_comm_overlap` | `megatron/core/model_parallel_config.py:184` |
+# | warm-up and cool-down p2p blocking even with `overlap_p2p_comm` | `schedules.py:1575-1672`, `:1896-2011`; warm-up count `:891-892` |
+# | aligned chunk gathers with virtual stages | `schedules.py:1161-1163`, `:1283-1296` |
 # | the checkpoint's blocking copy | `megatron/core/dist_checkpointing/strategies/async_utils.py:264-273` |
 # | offload's modules | `megatron/core/transformer/transformer_config.py:1127-1146` |
 #
@@ -877,7 +886,7 @@ class StepTime:
 # launch gaps, the scalar all-reduces of the step (gradient norm, found-inf, the logged loss:
 # microseconds on a GPU network), stragglers (a step waits for the slowest rank), and
 # contention between a transfer and the compute beyond the `interference` input. Each is
-# small on a healthy GPU cluster; the CPU check below shows what they add on a crowded CPU.
+# small on a healthy GPU cluster; 07.9's CPU check shows what they add on a crowded CPU.
 
 # %% [markdown]
 # The DP rules per stage: the reduce-scatter of stage $s$ has its last backward plus the
