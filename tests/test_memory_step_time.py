@@ -337,3 +337,16 @@ def test_a_gpu_run_is_reported_with_its_own_gpus_law():
         assert words == f"{LAWS[key].gpu.name} (appendix C's kernel law)"
     links, words = links_for_gpu("NVIDIA L4")
     assert links.law == LAWS["H100"] and "no law for this GPU" in words
+
+
+def test_p2p_is_split_over_tp_only_by_sequence_parallelism():
+    # Megatron at e03878b5f has no scatter/gather of the p2p tensor over TP ranks: each TP
+    # rank sends the whole (s, b, h) tensor, divided by t only with SP (schedules.py:2080-2085)
+    links = Links(law=None, peak_flops=1e9, mfu=1.0)
+    full = p2p_seconds(_tiny(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
+                             data_parallel_size=1), links)
+    sp = _tiny(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
+               data_parallel_size=1)
+    sp = sp.replace(model=sp.model.replace(sequence_parallel=True))
+    assert full == pytest.approx(2 * 32 * 2 * 64 / links.nvlink)  # stages 2 ranks apart
+    assert p2p_seconds(sp, links) == pytest.approx(full / 2)

@@ -587,7 +587,10 @@ if __name__ == "__main__":  # the worked example
 #
 # Between stages each micro-batch sends its activation forward and its gradient back: a
 # tensor of $s/c \times b \times h$ elements, $s/(c\,t)$ with sequence parallelism
-# (`megatron/core/pipeline_parallel/schedules.py:2080-2085`). In 1F1B Megatron's sends and
+# (`megatron/core/pipeline_parallel/schedules.py:2080-2085`). That split is the only one: at
+# `e03878b5f` Megatron no longer scatters the tensor over the TP ranks before a send and
+# gathers it after (older versions did), so without sequence parallelism each of the $t$
+# ranks sends the whole tensor through its own NIC. In 1F1B Megatron's sends and
 # receives are blocking (`batch_p2p_comm`, `megatron/core/model_parallel_config.py:309`):
 # the compute stream waits for each. Only the interleaved schedule can post them early and
 # compute meanwhile (`overlap_p2p_comm`, `model_parallel_config.py:304`; rejected without
