@@ -29,8 +29,13 @@ the union of the compute kernels (NCCL's left out). It needs 2 GPUs: with fewer 
 line saying so and exits 0. Its results go to benchmarks/results/step_time_cuda.json unless
 --out says otherwise.
 
+`--published` runs no trainer: it predicts every row of Megatron-LM's published H100
+weak-scaling table (README at e03878b5f) with the model's default H100 constants (page 07.9)
+and writes published, predicted and their ratio to benchmarks/results/step_time_published.json.
+
     OMP_NUM_THREADS=1 python benchmarks/bench_step_time.py [--iters 16] [--out FILE]
     python benchmarks/bench_step_time.py --device cuda [--summary FILE.md]
+    python benchmarks/bench_step_time.py --published
 """
 
 from __future__ import annotations
@@ -284,7 +289,7 @@ def cuda_links(calibration: dict, flops_per_microbatch: float, kind: str):
     On 2 ranks a ring all-reduce moves 2 (g - 1) / g = 1 times its bytes per link, a send 1
     time, so both fits give the link's bandwidth directly.
     """
-    from tinytron.memory.step_time import cpu_links  # the same fit, on NCCL's timings
+    from tinytron.memory.step_published import cpu_links  # the same fit, on NCCL's timings
 
     return cpu_links(calibration, flops_per_microbatch, kind, reduce_scatter_as_all_reduce=False)
 
@@ -332,8 +337,52 @@ def summary_markdown(out: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def published(path: Path) -> int:
+    """Predict every row of Megatron's published table; write the comparison to `path`."""
+    from tinytron.kernels.roofline import KernelLaw
+    from tinytron.memory.step_published import (PUBLISHED, finest_virtual_stages,
+                                                predict_published)
+    from tinytron.memory.step_time import Links
+
+    links = Links()
+    rows = []
+    for run in PUBLISHED:
+        row = predict_published(run, finest_virtual_stages(run), links)
+        if run.pp > 1:
+            plain = predict_published(run, None, links)
+            row["without_interleaving"] = {k: plain[k] for k in ("step_s", "predicted_tflops",
+                                                                 "ratio")}
+        rows.append(row)
+        print(f"{run.name:>5}: published {run.tflops:.1f}, predicted "
+              f"{row['predicted_tflops']:.1f} TFLOP/s per GPU, ratio {row['ratio']:.3f}")
+    law = KernelLaw()
+    out = {"command": "python benchmarks/bench_step_time.py --published",
+           "source": "Megatron-LM README at e03878b5f, images/model_table.png (H100)",
+           "constants": {"law": {"gpu": law.gpu.name, "peak_flops": law.gpu.bf16_flops,
+                                 "hbm_bytes_per_s": law.gpu.hbm_bytes_per_s, "sms": law.gpu.sms,
+                                 "tensor_fraction": law.tensor_fraction,
+                                 "memory_fraction": law.memory_fraction,
+                                 "attention_fraction": law.attention_fraction,
+                                 "tiles": law.tiles},
+                         "nvlink": links.nvlink, "network": links.network,
+                         "gpus_per_node": links.gpus_per_node,
+                         "interference": links.interference},
+           "assumptions": {"micro_batch_size": 1, "recompute": None,
+                           "virtual_stages": "one layer each (the finest); 1F1B beside it",
+                           "grad_reduce": "bf16", "mlp": "SwiGLU with f = 8h/3 (GeLU 4h FLOPs)",
+                           "options": ["overlap_grad_reduce", "overlap_param_gather",
+                                       "tp_comm_overlap", "overlap_p2p_comm (interleaved)"]},
+           "within_10_percent": sum(abs(r["ratio"] - 1) <= 0.10 for r in rows), "rows": rows}
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--published", action="store_true",
+                    help="predict Megatron's published H100 table (no run) and write "
+                    "benchmarks/results/step_time_published.json (or --out)")
     ap.add_argument("--iters", type=int, default=16,
                     help="trainer iterations per case (>= 3: iterations 3..N are timed)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -343,6 +392,9 @@ def main() -> int:
     ap.add_argument("--summary", help="also write the Markdown table of predicted vs measured "
                     "step time per layout here")
     args = ap.parse_args()
+    if args.published:
+        return published(Path(args.out) if args.out else
+                         ROOT / "benchmarks" / "results" / "step_time_published.json")
     if args.iters < 3:
         ap.error(f"--iters must be >= 3 (iterations 3..N are timed), got {args.iters}")
     if args.device == "cuda" and (missing := gpus_missing()):

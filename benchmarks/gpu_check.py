@@ -290,25 +290,27 @@ def trainer(args) -> int:
 
 
 def _predictions(argv: list[str], last: dict) -> dict:
-    """Chapter 07's ledger (one rank) and step time for the run's own config."""
+    """Chapter 07's ledger (one rank) and step time for the run's own config and options."""
+    import torch
+
     from tinytron.memory import memory_config_from, stage_ledgers
-    from tinytron.memory.step_time import Links, StepOptions, estimate_step
+    from tinytron.memory._step_report import links_for_gpu, run_options
+    from tinytron.memory.step_time import estimate_step
     from tinytron.train import resolve_config
 
     cfg = resolve_config(argv, 1)
     mem = memory_config_from(cfg, 1, device="cuda")
     ledger = stage_ledgers(mem)[0]
-    # the model's compute rate is an assumed MFU (Links' 40%) of this device's datasheet peak,
-    # which the trainer's MFU implies: peak = achieved TFLOP/s / MFU
-    peak = (last["tflops_per_device"] * 1e12 / last["mfu"]) if last.get("mfu") else None
-    links = Links(peak_flops=peak) if peak else Links()
-    step = estimate_step(mem, links, StepOptions())
+    # appendix C's kernel law of this GPU (the H100's, named as such, on a dry run's CPU)
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "H100"
+    links, law = links_for_gpu(name)
+    step = estimate_step(mem, links, run_options(cfg))
     return {"ledger_total_bytes": ledger.total,
             "ledger_terms": {k: v for k, v in ledger.device.items() if v},
             "predicted_step_s": step.total,
             "predicted": {"compute_s": step.compute, "bubble_s": step.bubble,
                           "optimizer_s": step.optimizer, "exposed_s": step.exposed,
-                          "assumed_mfu": links.mfu, "peak_flops": links.peak_flops}}
+                          "law": law, "peak_flops": links.peak_flops}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -80,7 +80,7 @@ def _step_time(steps: dict) -> list[str]:
     def cells(d):
         p = d["predicted"]
         return (f"{_num(d['ms_per_iteration'], '.0f')} | {_num(d['predicted_step_s'], '.0f', 1e3)} "
-                f"(compute {_num(p['compute_s'], '.0f', 1e3)}, at {p['assumed_mfu']:.0%} MFU) "
+                f"(compute {_num(p['compute_s'], '.0f', 1e3)}, {p.get('law', 'kernel law')}) "
                 f"| {_num(d['predicted_step_s'] * 1e3 / d['ms_per_iteration'] - 1, '+.0%')}")
     rows = (["| one GPU, kernels | measured ms/iteration | predicted ms | error |",
              "|---|---|---|---|"] + _trainer_rows(steps, cells))

@@ -383,42 +383,14 @@ def memory_report_at_start(cfg: TrainConfig, world_size: int, device: torch.devi
     return "\n".join(lines)
 
 
-def step_time_report_at_start(cfg: TrainConfig, world_size: int, device: torch.device) -> str:
-    """Chapter 07's step-time model for this layout: compute plus what stays exposed, per item.
+def step_time_report_at_start(cfg: TrainConfig, world_size: int, device: torch.device):
+    """Chapter 07's step-time model for this run: its options, this machine's rates (07.8).
 
-    At the model's default rates (an H100 node's: its MFU, NVLink and network), with this run's
-    overlap switches and checkpoint schedule; a CPU run's own rates are measured by 07.8's check.
+    Every rank calls it (on a CPU it measures the gloo link); rank 0 prints `.text`.
     """
-    from tinytron.checkpoint import CheckpointConfig
-    from tinytron.memory import memory_config_from
-    from tinytron.memory.step_time import Links, StepOptions, estimate_step
+    from tinytron.memory._step_report import step_report_at_start
 
-    ckpt = cfg.extra.get("checkpoint") or CheckpointConfig()
-    every = cfg.training.save_interval
-    options = StepOptions(
-        overlap_grad_reduce=cfg.ddp.overlap_grad_reduce,
-        overlap_param_gather=cfg.ddp.overlap_param_gather,
-        checkpoint="none" if not every else ("staged" if ckpt.async_save else "blocking"),
-        save_interval=every or 1)
-    links = Links()
-    try:
-        step = estimate_step(memory_config_from(cfg, world_size, device=device.type), links,
-                             options)
-    except Exception as e:  # noqa: BLE001 - a report: it must never stop a training run
-        return f"step time (chapter 07): not predicted for this layout ({type(e).__name__}: {e})"
-
-    def ms(x: float) -> str:
-        return f"{x * 1e3:.3g} ms"
-    lines = [f"step time per iteration, predicted by chapter 07 with compute at {links.mfu:.0%} "
-             f"of {links.peak_flops / 1e12:.0f} TFLOP/s, NVLink {links.nvlink / 1e9:.0f} GB/s, "
-             f"network {links.network / 1e9:.0f} GB/s (an H100 node's rates"
-             + (", not this CPU's" if device.type == "cpu" else "") + "):",
-             f"  step time {ms(step.total)} = compute {ms(step.compute)} + bubble "
-             f"{ms(step.bubble)} + optimizer {ms(step.optimizer)} + exposed {ms(step.exposed)}"]
-    for item in step.items:
-        if item.seconds > 0:
-            lines.append(f"  exposed: {item.item} {ms(item.exposed)} of {ms(item.seconds)}")
-    return "\n".join(lines)
+    return step_report_at_start(cfg, world_size, device)
 
 
 _VERDICTS = {  # chapter 08's rerun statuses, in words
@@ -744,11 +716,12 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
     out_dir = output_dir(cfg, name)
     plan = load_plan(cfg, name)
     os.makedirs(out_dir, exist_ok=True)
+    step_report = step_time_report_at_start(cfg, world, device)  # every rank: CPU rates
     if rank == 0:
         print(f"tinytron.train: world {world} = tp {tp} · pp {pp} · cp {cp} · dp "
               f"{cfg.data_parallel_size(world)} on {device.type}; writing to {out_dir}")
         print(memory_report_at_start(cfg, world, device), flush=True)
-        print(step_time_report_at_start(cfg, world, device), flush=True)
+        print(step_report.text, flush=True)
         if plan.note:
             print(f"checkpoint: {plan.note}", flush=True)
     tokenizer = build_tokenizer_for(cfg)
@@ -824,6 +797,9 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
             line = rerun_verdict(rel.rerun_config.result_rejected_tracker_filename, code)
             if line:
                 print(line)
+        from tinytron.memory._step_report import step_report_at_end
+        if (line := step_report_at_end(step_report, log_config.jsonl_path)) is not None:
+            print(line)  # chapter 07's prediction beside this run's measured step
         print(f"stopped at iteration {result.state.iteration} "
               f"(reason: {result.exit_reason or 'train_iters reached'}), exit code {code}")
         if _split_argv(argv)[0] is not None:  # a command line to continue (not a config

@@ -91,15 +91,23 @@ def test_the_step_time_model_is_printed_at_start(runs):
     for name, schedule in (("sync", "blocking"), ("staged", "staged")):
         out = runs[name][1].splitlines()
         head = next(i for i, line in enumerate(out) if line.startswith(
-            "step time per iteration, predicted by chapter 07 with compute at 40% of 989 "
-            "TFLOP/s"))
+            "step time per iteration, predicted by chapter 07 for this CPU, measured now: "))
+        assert " GFLOP/s on a micro-batch of the model, memory " in out[head], out[head]
         assert out[head - 2].startswith("memory per rank, predicted by chapter 07"), out[:head]
-        total = out[head + 1]
+        assert out[head + 1] == (f"  options: overlap_grad_reduce True, overlap_param_gather "
+                                 f"False, overlap_p2p_comm False, tp_comm_overlap False, "
+                                 f"checkpoint {schedule}"), out[head + 1]
+        total = out[head + 2]
         assert total.startswith("  step time ") and " = compute " in total, total
-        items = [line for line in out[head + 2:] if line.startswith("  exposed: ")]
+        items = [line for line in out[head + 3:] if line.startswith("  exposed: ")]
         assert any(f"checkpoint D2H ({schedule})" in line for line in items), items
         assert any("checkpoint write" in line for line in items), items
         assert not any("DP " in line for line in items), items   # one rank: no DP traffic
+        # at the end, the same prediction beside the run's own measured step
+        predicted = total.split(" = ")[0].removeprefix("  step time ")
+        end = [line for line in out if line.startswith("step time: predicted ")]
+        assert len(end) == 1 and end[0].startswith(f"step time: predicted {predicted} at the "
+                                                   "start, measured "), end
 
 
 # -- tinytron-generate ------------------------------------------------------------------------

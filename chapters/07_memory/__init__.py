@@ -17,7 +17,7 @@ from tinytron.memory.step_time import (Links, StepOptions, StepTime, best_offloa
 from tinytron.memory._step_time_io import step_timeline
 
 __pages__ = ["megatron_model", "states", "activations", "peak", "ledger", "measured",
-             "calculator", "step_time"]
+             "calculator", "step_time", "step_published"]
 
 __all__ = ["NUM_BYTES_IN_MEGABYTE", "megatron_args", "megatron_param_counts",
            "megatron_theoretical_memory", "MemoryConfig", "chunk_params", "state_ledger", "Saved",

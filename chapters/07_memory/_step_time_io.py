@@ -12,8 +12,9 @@ import json
 import os
 
 from tinytron.memory.states import MemoryConfig
+from tinytron.memory.step_published import cpu_links
 from tinytron.memory.step_time import (Links, StepOptions, StepTime, _offloaded_bytes,
-                                       checkpoint_bytes, cpu_links, estimate_step, p2p_seconds,
+                                       checkpoint_bytes, estimate_step, p2p_seconds,
                                        schedule_1f1b, stage_compute)
 
 
@@ -22,7 +23,7 @@ def step_timeline(cfg: MemoryConfig, links: Links = Links(),
     """The lanes of one iteration of the first stage, from the model's rules."""
     tau, step = p2p_seconds(cfg, links), estimate_step(cfg, links, options)
     tp = step.item("TP").exposed / cfg.num_microbatches / 2  # on the compute stream
-    stages = [(f + tp, b + tp) for f, b in stage_compute(cfg, links)]
+    stages = [(f + tp, b + tp) for f, b in stage_compute(cfg, links, options)]
     ag_wait = (step.item("DP param all-gather").per_stage if cfg.use_distributed_optimizer
                else None)
     ops = schedule_1f1b(stages, cfg.num_microbatches, tau, ag_wait)[0]

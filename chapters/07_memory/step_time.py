@@ -9,16 +9,16 @@
 # offload (chapter 06). Each of them can hide only in a particular window, set by a rule in
 # Megatron's code, and a transfer longer than its window shows up in the step time.
 #
-# The page ends with two pictures of one iteration side by side — the running example as
-# the model plays it, and a real two-rank run of the trainer as chapter 08's tracer recorded
-# it — and with the model's error against that run, measured on this machine.
+# Compute is timed kernel by kernel from the layout's shapes by appendix C's law, so a
+# narrow TP slice and a wide one cost what their GEMMs cost. The next page
+# ([07.9](step_published.py)) holds the model against Megatron's published H100
+# throughput and against real runs of the trainer on this machine.
 #
-# You will build: `Links`, `StepOptions`, `stage_compute`, `collective_seconds`, `dp_buckets`,
-# `reduce_scatter_exposed`, `all_gather_exposed`, `pipeline_seconds`, `checkpoint_items`,
-# `offload_table`, `best_offload_modules`, `estimate_step`, `schedule_1f1b` and
-# `cpu_links`. The drawing of an iteration (`step_timeline`, `plot_timeline`) and the
-# reading of the saved CPU check live in the page's private module
-# `chapters/07_memory/_step_time_io.py`.
+# You will build: `Links`, `StepOptions`, `layer_gemms`, `stage_kernel_seconds`,
+# `stage_compute`, `collective_seconds`, `dp_buckets`, `reduce_scatter_exposed`,
+# `all_gather_exposed`, `aligned_gather_exposed`, `pipeline_seconds`, `tp_layer_seconds`,
+# `checkpoint_items`, `offload_table`, `best_offload_modules`, `estimate_step` and
+# `schedule_1f1b`.
 
 # %%
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 
+from tinytron.kernels.roofline import KernelLaw, attention_seconds, gemm_seconds, stream_seconds
 from tinytron.main_loop.training_log import flops_terms
 from tinytron.memory._layout_cache import LAYOUT_CACHE, layout_key
 from tinytron.memory.activations import _offloaded, layer_saved
@@ -35,8 +36,9 @@ __all__ = ["Links", "StepOptions", "StepItem", "StepTime", "stage_flops", "stage
            "collective_seconds",
            "dp_buckets", "reduce_scatter_exposed", "all_gather_exposed", "p2p_seconds",
            "pipeline_seconds", "checkpoint_items", "offload_table", "best_offload_modules",
-           "estimate_step", "schedule_1f1b", "cpu_links", "optimizer_seconds", "layer_seconds",
-           "checkpoint_bytes", "offload_exposed", "OFFLOAD_MODULES"]
+           "estimate_step", "schedule_1f1b", "optimizer_seconds", "layer_seconds",
+           "checkpoint_bytes", "offload_exposed", "OFFLOAD_MODULES", "STREAM_BYTES",
+           "layer_gemms", "stage_kernel_seconds", "aligned_gather_exposed", "tp_layer_seconds"]
 
 # %% [markdown]
 # ## Why a second step-time model
@@ -44,15 +46,15 @@ __all__ = ["Links", "StepOptions", "StepItem", "StepTime", "stage_flops", "stage
 # A step-time estimate that adds every transfer to the compute, as if nothing overlapped, is
 # safe for ranking, but it gets the most important design questions wrong. Take the running
 # example (the 7B model on 256 H100s, TP2 (SP) · PP2 · DP64, micro-batch 2, 8 micro-batches,
-# selective recompute, distributed optimizer) at 40% of the dense bf16 peak, as chapter 01
-# assumes. A rank of the first stage holds about 2 billion parameters (the tied 128 K-token
-# embedding included), so its gradient reduce-scatter moves 7.9 GB of fp32 gradients over a 50
-# GB/s network link: 158 ms. Added to a step of about 2.6 seconds that is 6%; hidden it is 0%.
-# Whether it hides depends on a single rule: Megatron starts the reduce-scatter only in the
-# backward of the *last* micro-batch, and that backward lasts 161 ms. The transfer just fits —
-# on paper; a 2% slower link would make it stick out, and the order of the buckets makes part
-# of it stick out anyway (below). The parameter all-gather (bf16, half the bytes, 79 ms) has
-# the first forward as its window, 78 ms, and the same knife edge.
+# selective recompute, distributed optimizer), its compute timed kernel by kernel on an H100
+# (below). A rank of the first stage holds about 2 billion parameters (the tied 128 K-token
+# embedding included), so its gradient reduce-scatter moves 7.9 GB of fp32 gradients; the
+# four DP ranks of a node send it through their four NICs side by side, 200 GB/s: 40 ms.
+# Added to a step of about 1.9 seconds that is 2%; hidden it is 0%. Whether it hides depends
+# on a single rule: Megatron starts the reduce-scatter only in the backward of the *last*
+# micro-batch, and that backward lasts 117 ms. The transfer fits — and the order of the
+# buckets makes part of it stick out anyway (below). On a TP8 layout, one DP rank per node,
+# the same gradients would cross one NIC at 50 GB/s and miss the window by far.
 #
 # So the model of this page takes each transfer, finds its window by Megatron's rule, and
 # keeps only what sticks out:
@@ -89,18 +91,21 @@ __all__ = ["Links", "StepOptions", "StepItem", "StepTime", "stage_flops", "stage
 #
 # | field | default | why this number |
 # |---|---|---|
-# | `peak_flops` | 989 TFLOP/s | H100 SXM dense bf16 tensor-core peak (NVIDIA datasheet) |
-# | `mfu` | 0.40 | the fraction chapter 01 uses for a 7B dense model; 0.35-0.5 is typical |
+# | `law` | H100 SXM | appendix C's kernel law: datasheet peak, HBM and SMs, and three stated fractions |
+# | `peak_flops`, `mfu` | 989 TFLOP/s, 0.40 | used only without a law (a CPU, whose rate is measured) |
 # | `nvlink` | 450 GB/s | NVLink 4: 900 GB/s per GPU both ways, so 450 GB/s one way |
 # | `network` | 50 GB/s | one 400 Gb/s InfiniBand NIC per GPU |
 # | `pcie` | 50 GB/s | PCIe Gen5 x16: 64 GB/s raw per direction, about 50 reached by copies |
 # | `disk` | 1 GB/s | a GPU's share of a node's ~8 GB/s write to the checkpoint store |
 # | `memory` | 3.35 TB/s | HBM3, for the optimizer step, which streams its state once |
+# | `interference` | 16/132 | NCCL's ring kernels occupy about 16 of the 132 SMs while a hidden DP transfer runs |
 #
 # Bandwidths are per GPU and per direction, as the collective algorithms need them: a ring
 # reduce-scatter or all-gather over $g$ ranks sends $(g-1)/g$ of the buffer through each
 # rank's link, an all-reduce twice that. A group uses NVLink when all its ranks share a node
-# (Megatron's rank order puts TP innermost, then CP, DP, PP) and the network otherwise.
+# (Megatron's rank order puts TP innermost, then CP, DP, PP) and the network otherwise —
+# and when $k$ of its ranks share a node, NCCL runs $k$ rings side by side through their $k$
+# NICs, so the group moves $\min(k \cdot 50, 450)$ GB/s per rank.
 # In the running example TP's pairs are neighbors (NVLink), a DP group spans 2 × 64 ranks
 # and adjacent pipeline stages are 128 ranks apart (both over the network).
 # `reduce_scatter_as_all_reduce` describes gloo, which has no reduce-scatter: torch emulates
@@ -108,12 +113,15 @@ __all__ = ["Links", "StepOptions", "StepItem", "StepTime", "stage_flops", "stage
 # `interference` is what a hidden transfer still costs: the compute seconds lost per second
 # of a transfer running behind it. On a GPU the copy engines and the network are separate
 # from the tensor cores and the default 0 ignores the few SMs NCCL occupies; on a CPU, gloo's
-# thread and the compute share the cores, and the CPU check below measures it.
+# thread and the compute share the cores, and 07.9's CPU check measures it.
 #
-# On a real cluster each default has a measurement that replaces it: `mfu` from chapter
-# 01's throughput log of a few iterations, `network` and `nvlink` from NCCL's own tests
-# (their "bus bandwidth" is exactly the per-link rate used here), `pcie` from a pinned
-# host-to-device copy, `disk` from the time of one checkpoint save divided by its bytes.
+# On a real cluster each default has a measurement that replaces it: the law's fractions
+# from a GEMM and a copy timed on the device (appendix C), `network` and `nvlink` from
+# NCCL's own tests (their "bus bandwidth" is exactly the per-link rate used here), `pcie`
+# from a pinned host-to-device copy, `disk` from the time of one checkpoint save divided
+# by its bytes. On a CPU (07.9, and the trainer's own report) the compute rate is measured
+# and the law is off. The `interference` line was measured on a CPU by 07.9's check;
+# on a GPU it is the SMs NCCL's kernels take.
 
 # %%
 @dataclass(frozen=True)
@@ -122,6 +130,9 @@ class Links:
 
     peak_flops: float = 989e12
     mfu: float = 0.40
+    """Used only without a `law` (a CPU): compute = FLOPs / (peak_flops * mfu)."""
+    law: KernelLaw | None = KernelLaw()
+    """Appendix C's kernel law of the device; None times compute at peak_flops * mfu."""
     nvlink: float = 450e9
     network: float = 50e9
     pcie: float = 50e9
@@ -131,17 +142,20 @@ class Links:
     latency: float = 0.0
     """Fixed seconds per collective or copy (0: bandwidth only; the CPU check measures it)."""
     reduce_scatter_as_all_reduce: bool = False
-    interference: float = 0.0
-    """Compute seconds lost per second of a transfer hidden behind it (0: separate engines)."""
+    interference: float = 16 / 132
+    """Compute seconds lost per second of DP transfer hidden behind it (GPU: NCCL's 16 SMs of 132)."""
 
     @property
     def flops(self) -> float:
         """Achieved FLOP/s of the compute stream."""
         return self.peak_flops * self.mfu
 
-    def link(self, ranks_spanned: int) -> float:
-        """NVLink when a group's ranks lie within one node, the network otherwise."""
-        return self.nvlink if ranks_spanned <= self.gpus_per_node else self.network
+    def link(self, ranks_spanned: int, per_node: int = 1) -> float:
+        """NVLink within one node; across nodes, the NICs of the group's `per_node` ranks in a
+        node carry its rings side by side, up to NVLink's rate."""
+        if ranks_spanned <= self.gpus_per_node:
+            return self.nvlink
+        return min(self.nvlink, max(1, per_node) * self.network)
 
 
 @dataclass(frozen=True)
@@ -152,12 +166,16 @@ class StepOptions:
     overlap_param_gather: bool = True
     overlap_p2p_comm: bool = False
     """Megatron allows it only with interleaving (schedules.py:2123)."""
+    tp_comm_overlap: bool = False
+    """Transformer Engine hides TP's all-gathers and reduce-scatters inside the GEMMs."""
+    align_param_gather: bool = True
+    """With virtual stages, every rank launches chunk gathers at the same time (Megatron's default)."""
     checkpoint: str = "blocking"
     """"none", "blocking" (Megatron: D2H before the fork) or "staged" (tinytron: D2H hidden)."""
     save_interval: int = 100
 
 # %% [markdown]
-# ## Compute: chapter 01's FLOPs at a stated MFU
+# ## Compute: chapter 01's FLOPs, and what one efficiency cannot say
 #
 # Chapter 01 counts the FLOPs of an iteration exactly (`flops_terms`, Megatron's formula at
 # `megatron/training/training.py:411` plus the causal diagonal and the recomputation). Per
@@ -167,9 +185,11 @@ class StepOptions:
 # (one GEMM for the input gradient, one for the weight gradient), plus the recomputed forward
 # that the backward runs first. Worked in small numbers: a stage whose micro-batch costs
 # 3 GFLOP forward at 1 TFLOP/s achieved takes 3 ms forward and 6 ms backward.
-# MFU rather than the peak: the peak counts only tensor-core math, while a step also runs
-# norms, softmax, rotary embeddings and the optimizer at memory speed, and launches kernels
-# between them. Chapter 01's 40% folds all of that into one number per model size.
+# Dividing by one efficiency (`mfu`, chapter 01's 40%) folds GEMM quantization, attention,
+# the memory-bound kernels and the launches into a single number — and then predicts that
+# per-GPU throughput falls as models grow, where every published weak-scaling table shows it
+# rising. On a GPU the model therefore times the kernels themselves (next section); the
+# FLOP division stays for a CPU, whose matmul rate the trainer measures.
 #
 # The step of a rank is the pipeline: the layers of the slowest stage set the pace, and a
 # first and last stage with the embedding and the logits are not equal to the middle ones.
@@ -177,9 +197,10 @@ class StepOptions:
 #
 # For the running example: a micro-batch is 2 × 4096 tokens; stage 0's 16 layers cost
 # 30.8 TFLOP forward and 63.8 TFLOP backward per rank (the backward includes selective
-# recompute's second pass through core attention), 78 and 161 ms at 396 TFLOP/s. Stage 1
-# adds the logits of a 128,256-token vocabulary, 4.3 TFLOP forward per rank: 89 and 183 ms.
-# The last stage is the slowest by 14%, and the pipeline runs at its pace.
+# recompute's second pass through core attention). By the kernels of the next section they
+# take 57 and 117 ms on an H100 (540 TFLOP/s); stage 1 adds the logits of a 128,256-token
+# vocabulary and the loss: 70 and 135 ms. The last stage is the slowest by 18%, and the
+# pipeline runs at its pace.
 
 # %%
 def stage_flops(cfg: MemoryConfig, pp_rank: int) -> tuple[float, float]:
@@ -194,10 +215,147 @@ def stage_flops(cfg: MemoryConfig, pp_rank: int) -> tuple[float, float]:
     return total / 3 / ranks, (total * 2 / 3 + terms["recompute"] * share) / ranks
 
 
-def stage_compute(cfg: MemoryConfig, links: Links = Links()) -> list[tuple[float, float]]:
+def stage_compute(cfg: MemoryConfig, links: Links = Links(),
+                  options: StepOptions = StepOptions()) -> list[tuple[float, float]]:
     """Per pipeline stage, (forward, backward) seconds of one micro-batch on one of its ranks."""
-    return [tuple(f / links.flops for f in stage_flops(cfg, r))
+    if links.law is None:
+        return [tuple(f / links.flops for f in stage_flops(cfg, r))
+                for r in range(cfg.pipeline_model_parallel_size)]
+    return [stage_kernel_seconds(cfg, r, links.law, options.tp_comm_overlap)
             for r in range(cfg.pipeline_model_parallel_size)]
+
+# %% [markdown]
+# ## Compute from the shapes: every kernel of a micro-batch, by appendix C's law
+#
+# One efficiency for every shape cannot be right: a TP8 rank of a 2,048-wide model multiplies
+# slivers 256 columns wide that fill a fifth of an H100's SMs, a 16,384-wide one multiplies
+# blocks that fill them many times over. So with a device `law` (the default: appendix C's
+# [roofline page](../kernels/roofline.py), H100 SXM) the model lists the kernels one
+# micro-batch runs on one rank and times each by its own law: GEMMs by tiles and waves,
+# flash attention at its stated fraction of the peak, the streaming kernels by their bytes.
+#
+# Per layer and rank, with $T = b\,s/c$ tokens, $n = T/t$ rows of the residual stream with
+# sequence parallelism (else $T$) and $q = a d$, $k = g d$:
+#
+# | kernel | forward | backward |
+# |---|---|---|
+# | QKV, projection, fc1, fc2 | GEMMs $T \times \frac{q + 2k}{t} \times h$, $T \times h \times \frac{q}{t}$, $T \times \frac{2f}{t} \times h$, $T \times h \times \frac{f}{t}$ | each twice: input gradient ($M \times K \times N$) and weight gradient ($N \times K \times M$) |
+# | attention | $4 b (s^2/2c) d\,a/t$ FLOPs | 2.5× the forward (scores recomputed) |
+# | 2 norms, 2 residual adds | 4 and 6 B per element of $n \times h$ | 6 and 6 B |
+# | SwiGLU, rotary | 6 B per element of $T \times f/t$; 4 B of $T \times (q + k)/t$ | 10 B; 4 B |
+# | the loss (last stage) | logits GEMM $T \times V/t \times h$; 38 B per logit | the GEMM twice; 22 B per logit |
+#
+# The bytes per element are the loads and stores of the fused kernels of appendix C (C.1,
+# C.2) in bf16; the loss's are Megatron's vocab-parallel cross-entropy, which works on fp32
+# logits (`megatron/core/tensor_parallel/cross_entropy.py`): a bf16 read and fp32 write,
+# the max, the subtraction, the exponential and the normalization forward, the gradient's
+# three passes backward. Selective recompute adds the attention forward to the backward,
+# full recompute the whole layer's forward. With `tp_comm_overlap` Transformer Engine cuts
+# the GEMMs next to a TP collective into pieces along the tokens, and each piece pays its own
+# quantization — the price of hiding TP. By its default configuration: QKV and fc1 forward
+# in $t$ pieces (the all-gather's ring exchange), projection and fc2 forward in 4 (the
+# reduce-scatter's pipeline), their input gradients in $t$, and the rest whole (bulk
+# overlap, `megatron/core/extensions/transformer_engine.py` passes the `ub_*` switches).
+
+# %%
+STREAM_BYTES = {"norm": (4, 6), "residual": (6, 6), "swiglu": (6, 10), "rotary": (4, 4),
+                "loss": (38, 22)}
+"""Bytes per element (forward, backward) of the memory-bound kernels (see the table above)."""
+
+
+def layer_gemms(cfg: MemoryConfig) -> list[tuple[str, int, int, int]]:
+    """(name, M, N, K) of the forward GEMMs of one layer on one rank, per micro-batch."""
+    m, t = cfg.model, cfg.tensor_model_parallel_size
+    tokens = cfg.micro_batch_size * m.seq_length // cfg.context_parallel_size
+    q, k = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim
+    return [("qkv", tokens, (q + 2 * k) // t, m.hidden_size),
+            ("proj", tokens, m.hidden_size, q // t),
+            ("fc1", tokens, 2 * m.ffn_hidden_size // t, m.hidden_size),
+            ("fc2", tokens, m.hidden_size, m.ffn_hidden_size // t)]
+
+
+def _pieces(name: str, t: int) -> tuple[int, int]:
+    """(forward, input-gradient) pieces of a GEMM under Transformer Engine's TP overlap."""
+    if name in ("qkv", "fc1"):  # all-gather by ring exchange, t pieces; dgrad in bulk
+        return t, 1
+    return min(4, t), t  # reduce-scatter pipelined in 4 splits; dgrad's all-gather by ring
+
+
+def _gemm_fwd_bwd(m: int, n: int, k: int, law: KernelLaw,
+                  pieces: tuple[int, int] = (1, 1)) -> tuple[float, float]:
+    """(forward, input + weight gradient) seconds of one GEMM, forward and dgrad in pieces."""
+    f, d = pieces
+    return (f * gemm_seconds(max(1, m // f), n, k, law),
+            d * gemm_seconds(max(1, m // d), k, n, law) + gemm_seconds(n, k, m, law))
+
+
+def stage_kernel_seconds(cfg: MemoryConfig, pp_rank: int, law: KernelLaw,
+                         tp_comm_overlap: bool = False) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch on a rank of stage `pp_rank`, by kernel."""
+    m, t, b = cfg.model, cfg.tensor_model_parallel_size, cfg.micro_batch_size
+    tokens = b * m.seq_length // cfg.context_parallel_size
+    rows = tokens // t if m.sequence_parallel else tokens
+    overlap = tp_comm_overlap and t > 1
+    fwd = bwd = 0.0
+    for name, mm, nn, kk in layer_gemms(cfg):
+        f, g = _gemm_fwd_bwd(mm, nn, kk, law, _pieces(name, t) if overlap else (1, 1))
+        fwd, bwd = fwd + f, bwd + g
+    heads = m.num_attention_heads // t
+    att = 4 * b * m.seq_length ** 2 / 2 / cfg.context_parallel_size * m.head_dim * heads
+    att_f, att_b = attention_seconds(att, law), attention_seconds(2.5 * att, law)
+    width = {"norm": 2 * rows * m.hidden_size, "residual": 2 * rows * m.hidden_size,
+             "swiglu": tokens * m.ffn_hidden_size // t,
+             "rotary": tokens * (m.num_attention_heads + m.num_query_groups) * m.head_dim // t}
+    mem_f = stream_seconds(sum(STREAM_BYTES[k][0] * n for k, n in width.items()), law)
+    mem_b = stream_seconds(sum(STREAM_BYTES[k][1] * n for k, n in width.items()), law)
+    layer_f = fwd + att_f + mem_f
+    again = {None: 0.0, "selective": att_f, "full": layer_f}[cfg.recompute_granularity]
+    layers = m.num_layers // cfg.pipeline_model_parallel_size
+    forward, backward = layers * layer_f, layers * (bwd + att_b + mem_b + again)
+    if pp_rank == cfg.pipeline_model_parallel_size - 1:  # the logits and the loss
+        f, g = _gemm_fwd_bwd(tokens, m.vocab_size // t, m.hidden_size, law)
+        logits = tokens * m.vocab_size // t
+        forward += f + stream_seconds(STREAM_BYTES["loss"][0] * logits, law)
+        backward += g + stream_seconds(STREAM_BYTES["loss"][1] * logits, law)
+    return forward, backward
+
+# %% [markdown]
+# What the law says about width, drawn: the rate one rank achieves on a micro-batch of one
+# layer (4,096 tokens, forward and backward, Megatron's FLOP count over the law's seconds)
+# for GPT layers of width 1,024 to 16,384, alone (TP1) and cut over 8 ranks (TP8 with
+# sequence parallelism), against the flat 40% a single efficiency would draw. Narrow TP8
+# slices fill few of the 132 SMs; wide ones approach the law's 65% main-loop rate, less the
+# attention and the memory-bound kernels: from 221 to 590 TFLOP/s at TP8, from 403 to 602
+# alone. The gap between the two curves at small widths is what TP costs in compute, before
+# it costs anything in communication.
+
+# %%
+if __name__ == "__main__":
+    import matplotlib.pyplot as plt
+
+    from tinytron.model.config import ModelConfig
+
+    def layer_rate(h: int, t: int) -> float:
+        model = ModelConfig(hidden_size=h, num_layers=1, num_attention_heads=h // 128,
+                            num_query_groups=h // 128, ffn_hidden_size=8 * h // 3 // 8 * 8,
+                            vocab_size=1024, seq_length=4096, sequence_parallel=t > 1)
+        cfg = MemoryConfig(model, tensor_model_parallel_size=t, pipeline_model_parallel_size=1)
+        f, b = stage_kernel_seconds(cfg, -1, KernelLaw())
+        flops = sum(v for k, v in flops_terms(model, 1).items() if k not in ("logits",
+                                                                             "recompute"))
+        return flops / t / (f + b) / 1e12
+
+    widths = [1024, 2048, 4096, 8192, 16384]
+    rates = {t: [layer_rate(h, t) for h in widths] for t in (1, 8)}
+    fig, ax = plt.subplots(figsize=(6, 3))
+    for t, ys in rates.items():
+        ax.plot(widths, ys, marker="o", label=f"TP{t}, appendix C's law")
+    ax.axhline(0.4 * 989, color="gray", ls=":", label="one efficiency (40%)")
+    ax.set(xscale="log", xlabel="hidden size", ylabel="TFLOP/s per GPU, one layer")
+    ax.legend(fontsize=7)
+    plt.tight_layout()
+    plt.show()
+    assert rates[8] == sorted(rates[8]) and rates[1][-1] > rates[8][0] * 1.3
 
 # %% [markdown]
 # ## Collectives: bytes over a link
@@ -215,7 +373,7 @@ def stage_compute(cfg: MemoryConfig, links: Links = Links()) -> list[tuple[float
 # 157.5 MB, 3.15 ms at 50 GB/s.
 # Point-to-point has no ring: the whole tensor crosses one link, once. The same formula
 # serves gloo on one machine, where "the link" is the loopback socket and the memory copies
-# behind it; the CPU check below measures its rate and latency instead of assuming them,
+# behind it; 07.9's CPU check measures its rate and latency instead of assuming them,
 # and reads a reduce-scatter as the all-reduce gloo runs underneath.
 #
 # A reduce-scatter and the all-gather that follows it move together exactly what one
@@ -278,14 +436,14 @@ def dp_buckets(cfg: MemoryConfig, pp_rank: int = 0) -> list[dict]:
 def _layout_buckets(cfg: MemoryConfig, pp_rank: int) -> list[dict]:
     """dp_buckets without the cache."""
     buckets = []
-    for params, layout in buffer_layouts(cfg, pp_rank):
+    for chunk, (params, layout) in enumerate(buffer_layouts(cfg, pp_rank)):
         work = [0.0] * len(layout.bucket_indices)
         for p in params:
             _, _, bucket = layout.param_index_map[p]
             gemm = p.matrix and "word_embeddings" not in p.name
             work[bucket] += p.count if gemm else 0.0
         for (start, end), w in zip(layout.bucket_indices, work):
-            buckets.append({"numel": end - start, "work": w})
+            buckets.append({"numel": end - start, "work": w, "chunk": chunk})
     total = sum(b["work"] for b in buckets) or 1.0
     done = 0.0
     for b in buckets:
@@ -299,9 +457,10 @@ def _layout_buckets(cfg: MemoryConfig, pp_rank: int) -> list[dict]:
 #
 # With several micro-batches per step, the gradients of micro-batches $1..m-1$ are only
 # accumulated: the schedule runs them inside `no_sync()`
-# (`megatron/core/pipeline_parallel/schedules.py:741-742` without a pipeline; `:2384`,
-# `:2411` and `:2428` turn grad sync back
-# on just before the last backward of 1F1B), and a bucket's gradient hook counts a parameter
+# (`megatron/core/pipeline_parallel/schedules.py:741-742` without a pipeline; in 1F1B
+# `:2384` and `:2411` turn grad sync back on just before the last backward, and `:2428`,
+# after the cool-down, launches whatever reductions are still pending), and a bucket's
+# gradient hook counts a parameter
 # as ready only when `is_last_microbatch` is set
 # (`megatron/core/distributed/param_and_grad_buffer.py:813`; `no_sync` clears it,
 # `megatron/core/distributed/distributed_data_parallel.py:480-490`). When every parameter of
@@ -389,11 +548,49 @@ if __name__ == "__main__":  # the worked examples of rules 1 and 2
     assert all_gather_exposed([6, 6, 6], [4, 4, 4])[0] == 10
 
 # %% [markdown]
+# ### Rule 2 with virtual stages: the gathers launched together
+#
+# With interleaving, `overlap_param_gather` and `align_param_gather` (Megatron's default), the
+# schedule takes the gathers out of the pre-hooks' chain: every rank launches the all-gathers
+# of its chunks 0 and 1 at the start of the step
+# (`megatron/core/pipeline_parallel/schedules.py:1161-1163`), and the gather of chunk $c + 1$
+# when its micro-batch counter reaches the one where chunk $c$ begins on rank 0 — rank $r$
+# looks $r$ micro-batches ahead (`schedules.py:1283-1296`), so all ranks launch the same
+# chunk at the same wall-clock time. One communication stream runs them in order. Rank $r$
+# needs chunk $c$ when its first micro-batch of that chunk arrives: in the fill, after $c\,p
+# + r$ chunk-forwards of $f$ seconds. So later stages hide their gathers behind the fill
+# instead of adding them up along it; the step pays the largest wait of any rank.
+#
+# Worked: $p = 2$, two chunks, $f = 1$ ms, 3 ms per chunk's gather. Rank 0: chunk 0 ready at
+# 3, needed at 0 (waits 3); chunk 1 ready at 6, needed at $2 + 3 = 5$ (waits 1): 4 ms. Rank 1:
+# chunk 0 needed at 1 (waits 2), chunk 1 at $3 + 2 = 5$ (waits 1): 3 ms. The step: 4 ms,
+# where adding the first waits along the fill would say 3 + 3 = 6 ms and more chunks more.
+
+# %%
+def aligned_gather_exposed(seconds: list[float], chunk_forward: float, p: int,
+                           rank: int) -> float:
+    """Rank `rank`'s waits for its chunks' gathers (launched aligned) in the pipeline's fill."""
+    comm, waited = 0.0, 0.0
+    for c, t in enumerate(seconds):
+        launch = 0.0 if c < 2 else (c - 1) * p * chunk_forward
+        comm = max(comm, launch) + t
+        need = (c * p + rank) * chunk_forward + waited
+        waited += max(0.0, comm - need)
+    return waited
+
+
+if __name__ == "__main__":  # the worked example
+    assert aligned_gather_exposed([3, 3], 1, 2, 0) == 4 and aligned_gather_exposed([3, 3], 1, 2, 1) == 3
+
+# %% [markdown]
 # ## Rule 3: the pipeline's sends, with and without `overlap_p2p_comm`
 #
 # Between stages each micro-batch sends its activation forward and its gradient back: a
 # tensor of $s/c \times b \times h$ elements, $s/(c\,t)$ with sequence parallelism
-# (`megatron/core/pipeline_parallel/schedules.py:2080-2085`). In 1F1B Megatron's sends and
+# (`megatron/core/pipeline_parallel/schedules.py:2080-2085`). That split is the only one: at
+# `e03878b5f` Megatron no longer scatters the tensor over the TP ranks before a send and
+# gathers it after (older versions did), so without sequence parallelism each of the $t$
+# ranks sends the whole tensor through its own NIC. In 1F1B Megatron's sends and
 # receives are blocking (`batch_p2p_comm`, `megatron/core/model_parallel_config.py:309`):
 # the compute stream waits for each. Only the interleaved schedule can post them early and
 # compute meanwhile (`overlap_p2p_comm`, `model_parallel_config.py:304`; rejected without
@@ -409,7 +606,11 @@ if __name__ == "__main__":  # the worked examples of rules 1 and 2
 # The middle term is the bubble: $(p-1)/(v m)$ of the compute for equal stages, as chapter 01
 # says. Each transfer of $\tau$ seconds is exposed on the fill and the drain, $2(p-1)\tau$;
 # in the steady state a blocking step exchanges one activation and one gradient, $2\tau$ per
-# chunk and micro-batch; with `overlap_p2p_comm` only what exceeds a chunk's forward is left.
+# chunk and micro-batch; with `overlap_p2p_comm` only what exceeds a chunk's forward is left —
+# in the steady state. The warm-up's forwards and the cool-down's backwards still exchange
+# blocking (`schedules.py:1575-1672` and `:1896-2011`): on rank 0 that is $W = 2(p-1) +
+# (v-1)p$ of each (`schedules.py:891-892`), so $2W\tau$ stays exposed — at PP8, $v = 5$,
+# $m = 64$, 92 of 640 transfers, 14%.
 # With $v$ chunks per rank the fill and the drain pass through chunks $v$ times smaller, so
 # the bubble shrinks by $v$ while the number of transfers grows by $v$: interleaving trades
 # bubble for p2p, which is why Megatron lets only the interleaved schedule overlap its p2p.
@@ -442,11 +643,12 @@ def pipeline_seconds(stages: list[tuple[float, float]], num_microbatches: int,
     bubble = (sum(per_mb) - max(per_mb)) / v
     if p == 1:
         return {"compute": compute, "bubble": 0.0, "p2p": 0.0}
-    steady = 2 * (m * v - 1) * p2p
-    if overlap_p2p_comm:
+    if overlap_p2p_comm:  # rank 0's warm-up and cool-down exchanges stay blocking
+        blocking = min(m * v, 2 * (p - 1) + (v - 1) * p)
         chunk_forward = min(f for f, _ in stages) / v
-        steady = 2 * (m * v - 1) * max(0.0, p2p - chunk_forward)
-    return {"compute": compute, "bubble": bubble, "p2p": 2 * (p - 1) * p2p + steady}
+        return {"compute": compute, "bubble": bubble,
+                "p2p": 2 * blocking * p2p + 2 * (m * v - blocking) * max(0.0, p2p - chunk_forward)}
+    return {"compute": compute, "bubble": bubble, "p2p": 2 * (p - 1) * p2p + 2 * (m * v - 1) * p2p}
 
 
 if __name__ == "__main__":  # the worked example above
@@ -544,6 +746,9 @@ def _offloaded_bytes(cfg: MemoryConfig, modules: tuple[str, ...]) -> int:
 
 def layer_seconds(cfg: MemoryConfig, links: Links = Links()) -> tuple[float, float]:
     """(forward, backward) seconds of one layer and micro-batch on one rank."""
+    if links.law is not None:  # a stage without the logits, divided by its layers
+        per = cfg.model.num_layers // cfg.pipeline_model_parallel_size
+        return tuple(x / per for x in stage_kernel_seconds(cfg, -1, links.law))
     terms = flops_terms(cfg.model, cfg.micro_batch_size, recompute=cfg.recompute_granularity)
     layers = sum(v for k, v in terms.items() if k not in ("logits", "recompute"))
     per = cfg.model.num_layers * cfg.tensor_model_parallel_size * cfg.context_parallel_size
@@ -621,7 +826,7 @@ def offload_exposed(cfg: MemoryConfig, links: Links, layers: int) -> float:
 # the sum that the calculator's search ranks by.
 #
 # Why stage 1's one bucket hides behind slack in the running example: its last backward
-# ends 161 ms (stage 0's last backward) before the step's backward does, and its 158 ms
+# ends 117 ms (stage 0's last backward) before the step's backward does, and its 40 ms
 # reduce-scatter fits in that. Megatron's comment says the same in words: data-parallel
 # communication of later stages is "not on the critical path".
 
@@ -675,6 +880,8 @@ class StepTime:
 # | all-gather waited for by the pre-hook, next one dispatched | `distributed_data_parallel.py:413-447`, `param_and_grad_buffer.py:494-529` |
 # | p2p shapes with SP; blocking unless `overlap_p2p_comm` | `schedules.py:2080-2085`, `:2123-2126`; `model_parallel_config.py:304-312` |
 # | TP traffic on the compute stream unless `tp_comm_overlap` | `megatron/core/model_parallel_config.py:184` |
+# | warm-up and cool-down p2p blocking even with `overlap_p2p_comm` | `schedules.py:1575-1672`, `:1896-2011`; warm-up count `:891-892` |
+# | aligned chunk gathers with virtual stages | `schedules.py:1161-1163`, `:1283-1296` |
 # | the checkpoint's blocking copy | `megatron/core/dist_checkpointing/strategies/async_utils.py:264-273` |
 # | offload's modules | `megatron/core/transformer/transformer_config.py:1127-1146` |
 #
@@ -682,7 +889,7 @@ class StepTime:
 # launch gaps, the scalar all-reduces of the step (gradient norm, found-inf, the logged loss:
 # microseconds on a GPU network), stragglers (a step waits for the slowest rank), and
 # contention between a transfer and the compute beyond the `interference` input. Each is
-# small on a healthy GPU cluster; the CPU check below shows what they add on a crowded CPU.
+# small on a healthy GPU cluster; 07.9's CPU check shows what they add on a crowded CPU.
 
 # %% [markdown]
 # The DP rules per stage: the reduce-scatter of stage $s$ has its last backward plus the
@@ -693,11 +900,12 @@ class StepTime:
 def _dp_items(cfg: MemoryConfig, links: Links, options: StepOptions,
               stages: list[tuple[float, float]]) -> list[StepItem]:
     """The gradient reduce-scatter (or all-reduce) and the parameter all-gather."""
-    dp = cfg.data_parallel_size * cfg.context_parallel_size
-    bw = links.link(cfg.tensor_model_parallel_size * dp)
+    dp, stride = cfg.data_parallel_size * cfg.context_parallel_size, cfg.tensor_model_parallel_size
+    bw = links.link(stride * dp, min(dp, links.gpus_per_node // stride))
     distopt = cfg.use_distributed_optimizer
     kind = "all_reduce" if (not distopt or links.reduce_scatter_as_all_reduce) else "reduce_scatter"
     rs_seconds, rs_spans, ag_seconds, ag_spans, rs_stage, ag_stage = 0, [], 0, [], [], []
+    aligned = cfg.num_chunks > 1 and options.overlap_param_gather and options.align_param_gather
     if cfg.overlap_grad_reduce != options.overlap_grad_reduce:  # it decides the buckets
         cfg = cfg.replace(overlap_grad_reduce=options.overlap_grad_reduce)
     for s, (forward, backward) in enumerate(stages):
@@ -716,14 +924,19 @@ def _dp_items(cfg: MemoryConfig, links: Links, options: StepOptions,
                                      links.latency) for b in order]
             exposed, spans = all_gather_exposed(ag, [b["share"] * forward for b in order],
                                                 options.overlap_param_gather)
+            if aligned:
+                per_chunk = [sum(a for a, b in zip(ag, order) if b["chunk"] == c)
+                             for c in range(cfg.num_chunks)]
+                exposed = aligned_gather_exposed(per_chunk, forward / cfg.num_chunks,
+                                                 len(stages), s)
             ag_stage.append(exposed)
             ag_seconds = max(ag_seconds, sum(ag))
             ag_spans = ag_spans or spans
     items = [StepItem(f"DP grad {kind.replace('_', '-')}", rs_seconds, stages[0][1],
                       max(rs_stage), rs_spans, rs_stage)]
     if distopt:
-        items.append(StepItem("DP param all-gather", ag_seconds, stages[0][0], sum(ag_stage),
-                              ag_spans, ag_stage))
+        items.append(StepItem("DP param all-gather", ag_seconds, stages[0][0],
+                              max(ag_stage) if aligned else sum(ag_stage), ag_spans, ag_stage))
     return items
 
 
@@ -743,16 +956,33 @@ def _model_parallel_items(cfg: MemoryConfig, links: Links, options: StepOptions,
     mb, layers = cfg.num_microbatches, m.num_layers // cfg.pipeline_model_parallel_size
     tau = p2p_seconds(cfg, links)
     pipe = pipeline_seconds(stages, mb, cfg.num_chunks, tau, options.overlap_p2p_comm)
-    unit = cfg.param_bytes * (m.seq_length // c) * cfg.micro_batch_size * m.hidden_size
-    ops = 6 if cfg.recompute_granularity == "full" else 4  # forward 2, backward 2, recompute 2
-    tp = mb * layers * ops * collective_seconds("all_reduce", unit, t, links.link(t), links.latency)
+    tp_seconds, tp_exposed = (mb * layers * x for x in tp_layer_seconds(cfg, links, options))
     kv = 2 * cfg.param_bytes * m.seq_length * cfg.micro_batch_size * m.num_query_groups \
         * m.head_dim // t
     cp = mb * layers * 2 * collective_seconds("all_gather", kv, c, links.link(t * c), links.latency)
-    items = [StepItem("TP all-reduce", tp, 0.0, tp), StepItem("CP K/V exchange", cp, 0.0, cp),
+    items = [StepItem("TP all-reduce" if not options.tp_comm_overlap else "TP (tp_comm_overlap)",
+                      tp_seconds, 0.0, tp_exposed), StepItem("CP K/V exchange", cp, 0.0, cp),
              StepItem("PP p2p", 2 * (mb * cfg.num_chunks + cfg.pipeline_model_parallel_size - 2)
                       * tau if cfg.pipeline_model_parallel_size > 1 else 0.0, 0.0, pipe["p2p"])]
     return pipe, items
+
+
+def tp_layer_seconds(cfg: MemoryConfig, links: Links,
+                     options: StepOptions) -> tuple[float, float]:
+    """(seconds, exposed seconds) of one layer's TP traffic for one micro-batch."""
+    m, t, c = cfg.model, cfg.tensor_model_parallel_size, cfg.context_parallel_size
+    unit = cfg.param_bytes * (m.seq_length // c) * cfg.micro_batch_size * m.hidden_size
+    ops = 6 if cfg.recompute_granularity == "full" else 4  # forward 2, backward 2, recompute 2
+    gather = collective_seconds("all_gather", unit, t, links.link(t), links.latency)
+    seconds = ops * 2 * gather  # an all-reduce moves an all-gather and a reduce-scatter
+    if not options.tp_comm_overlap or t == 1 or links.law is None:
+        return seconds, seconds
+    exposed = 0.0  # each gather or reduce-scatter rides inside its GEMM, one piece per rank
+    for name, mm, nn, kk in layer_gemms(cfg):
+        forward, dgrad = (p * gemm_seconds(mm // p, a, b, links.law)
+                          for p, a, b in zip(_pieces(name, t), (nn, kk), (kk, nn)))
+        exposed += (ops // 2 - 1) * max(0.0, gather - forward) + max(0.0, gather - dgrad)
+    return seconds, exposed
 
 
 def optimizer_seconds(cfg: MemoryConfig, links: Links = Links()) -> float:
@@ -784,7 +1014,7 @@ def optimizer_seconds(cfg: MemoryConfig, links: Links = Links()) -> float:
 def estimate_step(cfg: MemoryConfig, links: Links = Links(),
                   options: StepOptions = StepOptions()) -> StepTime:
     """Seconds of one iteration: compute, bubble, optimizer and each item's exposed part."""
-    stages = stage_compute(cfg, links)
+    stages = stage_compute(cfg, links, options)
     pipe, items = _model_parallel_items(cfg, links, options, stages)
     items = _dp_items(cfg, links, options, stages) + items
     layers = cfg.model.num_layers // cfg.pipeline_model_parallel_size
@@ -858,55 +1088,6 @@ def schedule_1f1b(stages: list[tuple[float, float]], m: int, tau: float,
     return out
 
 # %% [markdown]
-# ## Checked against a real run on this CPU
-#
-# A model of time is only worth its agreement with a clock. `benchmarks/bench_step_time.py`
-# runs the real trainer (`tinytron.train.run`) on two gloo ranks, twice — DP2 with the
-# distributed optimizer, `overlap_grad_reduce`, `overlap_param_gather` and 1 M-element
-# buckets; and PP2 with four micro-batches — under chapter 08's tracer (torch.profiler, every
-# `train_step` in an `iteration-N` range). Before each run it measures on the same two ranks
-# the model's inputs: one micro-batch's forward and backward of the same model alone, gloo's
-# bucket collective (chapter 05's `_comm`, an all-reduce underneath) at three sizes, and the
-# memory bandwidth of an elementwise add, and the micro-batch once more with a 4 M-element
-# all-reduce running behind it. `cpu_links` turns those measurements into `Links`: the
-# achieved FLOP/s is the micro-batch's FLOPs over its seconds (so `mfu` is 1), and a
-# least-squares line through the collective's times gives gloo's latency and bandwidth, used
-# for every link of the run; the micro-batch's slowdown with the all-reduce behind it, over
-# that all-reduce's seconds, is the `interference`. The benchmark saves the inputs and the
-# traced iterations in `chapters/assets/step_time_cpu.json`; this page recomputes the
-# prediction from them.
-#
-# Both runs train the same small model (hidden 256, 4 layers, 4 heads in 2 groups, FFN 704,
-# vocabulary 512, sequence 64: 3.1 M parameters) with micro-batch 2 and global batch 8, so
-# DP2 runs 2 micro-batches per step and PP2 runs 4. In DP2 the 1 M-element buckets cut the
-# buffer in three, enough for the reduce-scatter of the early buckets to start inside the
-# last backward; in PP2 the two stages hold two layers each, the first the embedding and
-# the second the logits, and the bubble is a fifth of the step by rule 3. The trainer, its
-# data, its optimizer and its logging are the real ones; only the profiler and the
-# calibration between the iterations are added.
-
-# %%
-def cpu_links(calibration: dict, flops_per_microbatch: float, kind: str = "reduce_scatter",
-              reduce_scatter_as_all_reduce: bool = True) -> Links:
-    """Links from this machine's measurements (calibrate_and_trace in _step_trace); `kind`
-    names the collective whose timings give latency and bandwidth."""
-    points = [(c["numel"] * 4, c[kind]) for c in calibration["collectives"]]
-    mean_x = sum(x for x, _ in points) / len(points)
-    mean_y = sum(y for _, y in points) / len(points)
-    slope = (sum((x - mean_x) * (y - mean_y) for x, y in points)
-             / sum((x - mean_x) ** 2 for x, _ in points))
-    bandwidth = 1 / slope if slope > 0 else float("inf")  # all-reduce on 2 ranks: factor 1
-    latency = max(0.0, mean_y - slope * mean_x)
-    behind = latency + calibration["background_numel"] * 4 / bandwidth
-    slower = max(0.0, calibration["microbatch_with_comm_s"] - calibration["microbatch_s"])
-    return Links(peak_flops=flops_per_microbatch / calibration["microbatch_s"], mfu=1.0,
-                 nvlink=bandwidth, network=bandwidth, pcie=bandwidth, disk=bandwidth,
-                 memory=calibration["memory_bandwidth"], latency=latency,
-                 reduce_scatter_as_all_reduce=reduce_scatter_as_all_reduce,
-                 interference=min(1.0, slower / behind) if behind > 0 else 0.0)
-
-
-# %% [markdown]
 # ## Demo: the running example, item by item
 #
 # The model on the running example with Megatron's switches on (`overlap_grad_reduce`,
@@ -922,8 +1103,6 @@ def cpu_links(calibration: dict, flops_per_microbatch: float, kind: str = "reduc
 
 # %%
 if __name__ == "__main__":
-    from tinytron.memory._step_time_io import (load_cpu_check, plot_timeline, predict_cpu_case,
-                                               step_timeline, trace_lanes)
     from tinytron.memory.calculator import running_example
 
     example = running_example().replace(overlap_grad_reduce=True)
@@ -956,89 +1135,44 @@ if __name__ == "__main__":
 # What the table says, row by row:
 #
 # - **The reduce-scatter fits its window, and still sticks out.** Stage 0's 7.9 GB of fp32
-#   gradients take 158 ms against a last backward of 161 ms — yet 29 ms are exposed. The rule
+#   gradients take 40 ms against a last backward of 117 ms — yet 6 ms are exposed. The rule
 #   is bucket by bucket: the last bucket in backward order is the input embedding alone
 #   (128,256 / 2 × 4096 = 263 M elements; the tied table gets a bucket of its own), and its
-#   gradient is the last one the backward produces. Its 21 ms, plus the queue of buckets in
-#   front of it, can only start when there is nothing left to hide behind. Stage 1's single
-#   bucket starts later still, but it has stage 0's whole last backward as slack: hidden.
+#   gradient is the last one the backward produces. Its 5 ms, plus the queue in front of it,
+#   can only start when there is nothing left to hide behind. Stage 1's single bucket starts
+#   later still, but it has stage 0's whole last backward as slack: hidden.
 # - **The all-gather has the opposite problem on stage 1.** One bucket (Megatron's choice for
 #   every stage but the first, made for the reduce-scatter) means its first forward waits for
-#   the whole gather: 69 ms exposed. Stage 0 waits only for its first bucket, the embedding
-#   again (10 ms), and then a little for each bucket that takes longer than the layers before
-#   it. Together 83 ms, more than the reduce-scatter costs.
+#   the whole gather: 17 ms exposed. Stage 0 waits only for its first bucket, the embedding
+#   again (3 ms). Together 20 ms, more than the reduce-scatter leaves exposed.
 # - **The checkpoint's copy** is 9 ms per save per rank: blocking, 0.02 ms per step at one save
 #   every 500 steps; staged, nothing. The write (440 MB at 1 GB/s) hides easily in 500 steps.
 # - **Offloading all five modules** moves 336 MiB per layer and micro-batch each way; at
-#   50 GB/s that is 7.0 ms against a layer forward of 4.9 ms. The back-of-envelope's "≈10×
-#   too slow" compared all micro-batches' bytes with one micro-batch's layer; per layer and
-#   micro-batch the gap is 1.45×, and three of the five modules fit (below). These are the
-#   bytes chapter 07's ledger counts for tinytron's modules; counting what fused norm and
-#   flash-attention kernels save, the five regions are 176 MiB and all fit (chapter 06's
-#   [offload page](../06_recompute_offload/offload.py) counts that case).
+#   50 GB/s that is 7.0 ms against a layer forward of 3.5 ms: twice too slow, and two of the
+#   five modules fit (below). These are the bytes chapter 07's ledger counts for tinytron's
+#   modules; counting what fused norm and flash-attention kernels save, the five regions are
+#   176 MiB (chapter 06's [offload page](../06_recompute_offload/offload.py) counts that case).
 #
-# In total the model gives 2.61 s per step, of which 0.20 s is exposed transfer — TP's
-# all-reduces (76 ms, on the compute stream by design), the all-gather (83 ms) and the
-# reduce-scatter's last bucket (29 ms) — and 0.24 s pipeline bubble.
+# In total the model gives 1.94 s per step, of which 0.12 s is exposed transfer — TP's
+# collectives (76 ms, on the compute stream: the example's config leaves `tp_comm_overlap`
+# off), the all-gather (20 ms), the p2p (11 ms) and the reduce-scatter's last bucket (6 ms)
+# — and 0.17 s pipeline bubble. With `tp_comm_overlap` the TP traffic hides inside its GEMMs,
+# which run in two pieces each and slow by 0.2%: 1.86 s, the number 07.7's search quotes.
 
 # %%
 if __name__ == "__main__":
-    assert 0.95 < rs.seconds / b0 < 1.0 and 0.1 < rs.per_stage[0] / rs.seconds < 0.25
+    assert 0.3 < rs.seconds / b0 < 0.4 and 0.1 < rs.per_stage[0] / rs.seconds < 0.25
     assert rs.per_stage[1] == 0.0 and ag.per_stage[1] > 0.8 * ag.seconds > ag.per_stage[0]
     assert ckpt["exposed"] == ckpt["seconds"] and staged["exposed"] == 0.0
     assert everything["copy"] > everything["forward"] and not everything["hides"]
     assert abs(step.total - (step.compute + step.bubble + step.optimizer + step.exposed)) < 1e-12
-    assert 2.5 < step.total < 2.7 and step.exposed / step.total < 0.1
+    assert 1.9 < step.total < 2.0 and step.exposed / step.total < 0.1
+    overlapped = estimate_step(example, links, replace(options, tp_comm_overlap=True))
+    assert 1.8 < overlapped.total < step.total - 0.05
     naive = step.compute + step.bubble + sum(i.seconds for i in step.items)  # nothing hidden
-    assert step.total < naive - 0.1
+    assert step.total < naive - 0.03
 
 # %% [markdown]
-# ## One iteration on a time axis
-#
-# Left, the running example's iteration on a rank of the first stage as the model plays it,
-# with chapter 06's offload of the three modules that fit (next section) and the previous
-# step's checkpoint staged into this one. Right, one traced iteration of the CPU check's DP2
-# run of the trainer, rank 0: the main thread's operators and gloo's collectives, drawn
-# from the saved trace. Both show the same shape — the all-gathers at the start of the first
-# forward, the reduce-scatters (all-reduces on gloo) packed into the last backward — at
-# scales a thousand times apart.
-#
-# In the right panel the blue lane is the union of the main thread's operators: its gaps
-# are the exposed time (the first all-gather's wait at the start, the wait for the last
-# gradient bucket at the end, the small reductions of the optimizer step). The red bars
-# start while the last backward still runs: chapter 05's hooks launch each bucket as soon
-# as its last gradient arrives.
-
-# %%
-if __name__ == "__main__":
-    import matplotlib.pyplot as plt
-
-    fitted = best_offload_modules(example, links)
-    drawn = example.replace(model=example.model.replace(
-        fine_grained_activation_offloading=True, offload_modules=fitted))
-    model_lanes = step_timeline(drawn, links, replace(options, checkpoint="staged"))
-    cpu = load_cpu_check()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.0),
-                                      gridspec_kw={"width_ratios": [1.4, 1]})
-    plot_timeline(model_lanes, left)
-    left.set_title("running example, stage 0, from the model (F blue, B orange, AG purple, "
-                   "RS red)", fontsize=7)
-    plot_timeline(trace_lanes(cpu["cases"]["dp2"]["lanes"]["rank0"]), right)
-    right.set_title("CPU DP2 run of the trainer, rank 0, from its trace", fontsize=7)
-    fig.tight_layout()
-    plt.show()
-    ends = [b for lane in model_lanes.values() for _, b, _ in lane if lane is not
-            model_lanes["checkpoint"]]
-    assert abs(max(ends) - estimate_step(drawn, links, replace(options, checkpoint="staged"))
-               .total) < 0.01 * step.total
-    gloo = cpu["cases"]["dp2"]["lanes"]["rank0"]["comm"]
-    assert {c["name"] for c in gloo} >= {"all_gather", "all_reduce"}
-
-# %% [markdown]
-# The left panel's long gap after the first two forwards is the pipeline's fill, made longer
-# by stage 1's single-bucket all-gather; the gray and olive ticks are the offload copies, one
-# per layer, each shorter than its layer.
-#
 # ## Offload, with its bandwidth (chapter 06's table)
 #
 # Which of chapter 06's regions can move to the host without slowing the step? For the
@@ -1046,19 +1180,21 @@ if __name__ == "__main__":
 # module's bytes, its copy time, and the two windows (a layer's forward for the copy out, its
 # backward for the copy back). The backward is twice the forward plus the recomputation, so
 # the forward is the binding window. Every module fits alone; all five do not; the best set
-# that fits moves `attn_norm`, `qkv_linear` and `core_attn`: 208 MiB in 4.4 ms of a 4.9 ms
-# forward. At PCIe Gen4 (25 GB/s) only the smaller sets fit, so the same search gives a
-# smaller default.
+# that fits moves `attn_norm` and `qkv_linear`: 160 MiB in 3.4 ms of a 3.5 ms forward. At
+# PCIe Gen4 (25 GB/s) only the smaller sets fit, so the same search gives a smaller default.
 
 # %%
 if __name__ == "__main__":
+    fitted = best_offload_modules(example, links)
+    drawn = example.replace(model=example.model.replace(
+        fine_grained_activation_offloading=True, offload_modules=fitted))
     print(f"{'module':<12}{'MiB/layer':>10}{'copy':>9}{'forward':>9}{'backward':>10}  hides")
     for row in offload_table(example, links):
         print(f"{row['module']:<12}{row['bytes'] / 2**20:>10.1f}{row['copy'] * 1e3:>7.2f}ms"
               f"{row['forward'] * 1e3:>7.2f}ms{row['backward'] * 1e3:>8.2f}ms  {row['hides']}")
     gen4 = best_offload_modules(example, replace(links, pcie=25e9))
     print("fits at 50 GB/s:", fitted, " at 25 GB/s:", gen4)
-    assert fitted == ["attn_norm", "qkv_linear", "core_attn"]
+    assert fitted == ["attn_norm", "qkv_linear"]
     assert all(r["hides"] for r in offload_table(example, links)[:5])
     assert _offloaded_bytes(example, tuple(gen4)) < _offloaded_bytes(example, tuple(fitted))
     with_offload = estimate_step(drawn, links, options)
@@ -1069,10 +1205,10 @@ if __name__ == "__main__":
 
 # %% [markdown]
 # So on an H100 node the suggested `offload_modules` default is
-# `["attn_norm", "qkv_linear", "core_attn"]` — what the model says hides behind compute —
-# and offload stays off unless memory asks for it. Offloading all five would expose about
-# 2.2 ms per layer and micro-batch, 0.28 s per step on a 16-layer stage: more than a tenth
-# of the step, to save 336 MiB × the micro-batches in flight.
+# `["attn_norm", "qkv_linear"]` — what the model says hides behind compute — and offload
+# stays off unless memory asks for it. Offloading all five would expose about 3.5 ms per
+# layer and micro-batch, 0.45 s per step on a 16-layer stage: a quarter of the step, to
+# save 336 MiB × the micro-batches in flight.
 #
 # The same search answers for any layout and link: a longer sequence makes a layer's
 # compute grow faster than its saved bytes (attention is quadratic in the sequence, the
@@ -1082,69 +1218,15 @@ if __name__ == "__main__":
 # offload on for a GPU, this set is the one that costs no time.
 
 # %% [markdown]
-# ## The CPU check, recomputed
-#
-# The saved check holds, per run, the trainer's command line, the inputs sampled between
-# its iterations, and the traced steps. The page predicts each step again from the inputs
-# with the functions above and puts it beside the trace: the measured step is the median of
-# the traced iterations 3 to 12, the measured idle time is the step minus the main thread's
-# busy time (the union of its operators), which the model calls bubble plus exposed.
-
-# %%
-if __name__ == "__main__":
-    print(f"{'run':<5}{'measured':>10}{'predicted':>11}{'error':>8}{'idle: measured':>16}"
-          f"{'predicted':>11}")
-    for name, case in cpu["cases"].items():
-        again = predict_cpu_case(case)
-        error = again.total / case["measured_step_s"] - 1
-        print(f"{name:<5}{case['measured_step_s'] * 1e3:>8.1f}ms{again.total * 1e3:>9.1f}ms"
-              f"{error:>+8.1%}{case['measured_idle_s'] * 1e3:>14.1f}ms"
-              f"{(again.bubble + again.exposed) * 1e3:>9.1f}ms")
-        for item in again.items:
-            if item.exposed:
-                print(f"      {item.item:<36} exposed {item.exposed * 1e3:6.2f} ms")
-        assert abs(again.total - case["predicted"]["step_s"]) < 1e-9  # the benchmark's model
-        assert abs(error) < 0.30
-    pp2 = predict_cpu_case(cpu["cases"]["pp2"])
-    assert pp2.bubble > 0.15 * pp2.compute  # (p - 1) / m = 1/4 of a balanced pipeline's compute
-
-# %% [markdown]
-# What the check says. With the inputs measured between its own iterations, the saved run
-# (`benchmarks/results/step_time.json`, its command inside) has the model 18% low on the
-# DP2 step (247 ms measured, 203 ms predicted) and 5% high on the PP2 step (220 ms against
-# 230 ms): within the 20% this page aimed for. The same model on an earlier run of the
-# benchmark was 23% low on DP2 and 11% low on PP2 — the machine's load (two cores shared
-# with other jobs, load average 15-28) moves a step by ±15% from one iteration to the next,
-# as the saved list of traced steps shows, so the error's second digit is noise.
-#
-# Where the DP2 prediction is low, the trace says why. The model's idle time (10 ms) is a
-# third of the measured one (35 ms): on this machine the two ranks share two cores with
-# each other, so gloo's bucket all-reduces inside the backward take 3-5× their time alone
-# (13-19 ms in the drawn iteration against 3-5 ms between iterations); the
-# scalar reductions of the optimizer step (gradient norm, found-inf) and the loss's
-# reduction for the log wait for the slower rank; and the trainer's own work between the
-# micro-batches (data, loss, the optimizer's Python) is not in the model at all. The
-# `interference` input recovers part of the first effect (the "compute lost" line above).
-# The PP2 prediction's bubble is rule 3's; its p2p is gloo's latency, about 3 ms per blocking
-# transfer on this machine against 0.7 ms for a 33 MB transfer over InfiniBand.
-#
-# The rules themselves — which transfer waits for what — are the ones the traces show: the
-# all-gathers at the start of the first forward, one at a time; the gradient collectives
-# packed into the last backward and the last bucket after it. On a GPU, where the
-# collectives and copies run on engines of their own, the comparison to run is the same
-# benchmark with NCCL and CUDA traces; the CPU check bounds how wrong the model is when that
-# assumption fails.
-
-# %% [markdown]
 # ## Measured on a GPU
 #
 # `bash scripts/gpu_check.sh 1` times the ~1B trainer on one GPU (`configs/gpt_1b.toml`, 16
-# sequences of 2048 tokens per iteration), and the model predicts the same layout with compute
-# at its assumed MFU (`Links.mfu`) of that GPU's datasheet peak: on one GPU nothing is
-# exposed, so the error is mostly how far the achieved MFU is from the assumed one. With two
-# or more GPUs, `bash scripts/gpu_check.sh 2` also traces the DP 2 and PP 2 runs of the CPU
-# check above over NCCL. `chapters/_gpu_results.py` renders the tables from
-# `benchmarks/results/gpu/<device>.json`.
+# sequences of 2048 tokens per iteration), and the model predicts the same layout with
+# appendix C's kernel law of that GPU and the run's own options: on one GPU nothing is
+# exposed, so the error is how far the law's GEMM, attention and bandwidth fractions are from
+# what the kernels achieved. With two or more GPUs, `bash scripts/gpu_check.sh 2` also traces
+# the DP 2 and PP 2 runs of 07.9's CPU check over NCCL. `chapters/_gpu_results.py` renders
+# the tables from `benchmarks/results/gpu/<device>.json`.
 
 # %%
 if __name__ == "__main__":
@@ -1162,14 +1244,18 @@ if __name__ == "__main__":
 #   always exposed); blocking p2p on the critical path unless `overlap_p2p_comm` (interleaved
 #   only); the checkpoint's copy blocking in Megatron, hidden in the next step when staged;
 #   offload per layer against the layer's compute.
-# - For the running example the overlap rules leave 0.20 s of 2.61 s exposed; the largest
-#   single item is the later stage's one-bucket all-gather, not the reduce-scatter.
-# - Offload on a 50 GB/s PCIe link hides `attn_norm`, `qkv_linear` and `core_attn`; all five
-#   modules need about 72 GB/s.
+# - Compute is every kernel of a micro-batch timed by appendix C's law (tiles and waves for
+#   GEMMs, bytes for streaming kernels, a stated flash-attention fraction); page 07.9 holds
+#   it against Megatron's published H100 throughput.
+# - For the running example the overlap rules leave 0.12 s of 1.94 s exposed, most of it
+#   TP's traffic on the compute stream; among DP items the later stage's one-bucket
+#   all-gather exposes more than the reduce-scatter.
+# - Offload on a 50 GB/s PCIe link hides `attn_norm` and `qkv_linear`; all five modules
+#   need about 100 GB/s.
 # - The layouts' ranking (07.7's search) changes with the rules: without a pipeline there is
 #   no bubble and no one-bucket all-gather, so PP1 layouts that fit come first.
-# - Against traced runs of the real trainer on this CPU the model is within 20% of the step
-#   (DP2 −18%, PP2 +5% in the saved run).
+# - Page 07.9 holds the model against Megatron's published H100 throughput and against
+#   traced runs of the real trainer on this CPU.
 #
 # ## How production does it
 #

@@ -8,7 +8,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["EagerTraffic", "saved_tensor_bytes", "GPU", "H100_SXM", "roofline_seconds"]
+__all__ = ["EagerTraffic", "saved_tensor_bytes", "GPU", "H100_SXM", "A100_SXM", "H200_SXM",
+           "roofline_seconds"]
 
 
 def _tensors(tree) -> list[torch.Tensor]:
@@ -83,6 +84,8 @@ class GPU:
     bf16_flops: float
     hbm_bytes_per_s: float
     notes: dict = field(default_factory=dict)
+    sms: int = 132
+    """Streaming multiprocessors: how many GEMM tiles run at once (one wave)."""
 
     @property
     def ridge(self) -> float:
@@ -91,7 +94,13 @@ class GPU:
 
 
 H100_SXM = GPU("H100 SXM", 989e12, 3.35e12)
-"""NVIDIA H100 SXM5: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3 (NVIDIA H100 datasheet)."""
+"""NVIDIA H100 SXM5: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3, 132 SMs (NVIDIA H100 datasheet)."""
+
+A100_SXM = GPU("A100 SXM", 312e12, 2.039e12, sms=108)
+"""NVIDIA A100 SXM4 80 GB: 312 TFLOP/s dense bf16, 2.0 TB/s HBM2e, 108 SMs (A100 datasheet)."""
+
+H200_SXM = GPU("H200 SXM", 989e12, 4.8e12, sms=132)
+"""NVIDIA H200 SXM: the H100's 132 SMs and 989 TFLOP/s with 4.8 TB/s HBM3e (H200 datasheet)."""
 
 
 def roofline_seconds(flops: float, bytes_moved: float, gpu: GPU = H100_SXM) -> float:

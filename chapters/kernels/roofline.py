@@ -8,14 +8,18 @@
 # says which of them the next five pages turn into kernels, and why those.
 #
 # You will build: `step_operations` (FLOPs, eager bytes and fused bytes of each operation of the
-# running example) and `plot_roofline`.
+# running example), `plot_roofline`, and the law chapter 07's step-time model times every
+# kernel of a step with: `KernelLaw`, `gemm_seconds`, `stream_seconds`, `attention_seconds`.
 
 # %%
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
-from tinytron.kernels._measure import H100_SXM, EagerTraffic, GPU, roofline_seconds
+from tinytron.kernels._measure import A100_SXM, H100_SXM, H200_SXM, EagerTraffic, GPU, roofline_seconds
 from tinytron.kernels.cross_entropy import cross_entropy_bytes, vocab_parallel_cross_entropy_reference
 from tinytron.kernels.flash_attention import attention_bytes, attention_eager, attention_flops
 from tinytron.kernels.fused_adamw import adamw_bytes, adamw_reference_
@@ -23,7 +27,8 @@ from tinytron.kernels.rmsnorm import rms_norm_bytes, rms_norm_reference
 from tinytron.kernels.swiglu import swiglu_bytes, swiglu_reference
 from tinytron.parallel import ParallelGrid
 
-__all__ = ["eager_bytes_per_element", "step_operations", "plot_roofline"]
+__all__ = ["eager_bytes_per_element", "step_operations", "plot_roofline", "KernelLaw",
+           "gemm_seconds", "stream_seconds", "attention_seconds", "LAWS"]
 
 # %% [markdown]
 # ## Two ceilings
@@ -134,6 +139,88 @@ def plot_roofline(ops: list[dict], gpu: GPU = H100_SXM, ax=None):
 
 
 # %% [markdown]
+# ## From a bound to a law: what a step-time model times kernels with
+#
+# The roofline is a lower bound. Chapter 07's step-time model (pages 07.8 and 07.9) needs a
+# *prediction* for every kernel of a micro-batch, on any layout, from datasheet numbers, so it
+# turns the bound into a law with three stated fractions and the two quantizations of a GEMM.
+# Each fraction is a property of the device and its libraries, the same for every model and
+# layout — nothing in it is fitted to a particular run.
+#
+# **GEMMs: tiles and waves.** cuBLAS and CUTLASS compute an $M \times N$ output in tiles of
+# $128 \times 256$ (their large bf16 tile on Hopper and Ampere), one tile per SM at a time. A
+# GEMM runs $\lceil M/128 \rceil \lceil N/256 \rceil$ tiles in $\lceil \text{tiles} /
+# \text{SMs} \rceil$ *waves*, and each wave takes as long as one full tile's $2 \cdot 128
+# \cdot 256 \cdot K$ FLOPs at one SM's share of the sustained peak — a ragged last wave or a
+# half-empty edge tile costs a whole one (tile and wave quantization). The tile's result is
+# written after its last multiply, so the output's bytes are added at memory speed; the
+# inputs are read while the main loop runs, so they only count when they take longer.
+#
+# $$ t_\text{GEMM} = \max\Big(\text{waves} \cdot \frac{2 \cdot 128 \cdot 256 \cdot K}
+#    {\eta_\text{tc} P / \text{SMs}},\ \frac{2(MK + KN)}{\eta_\text{mem} B}\Big)
+#    + \frac{2MN}{\eta_\text{mem} B} $$
+#
+# **Streaming kernels** (norms, the activation, residual adds, the loss's softmax, the
+# optimizer) take their bytes at $\eta_\text{mem} B$. **Flash attention** takes its matmul
+# FLOPs (forward $4 b s^2 d\,a/2$ for causal attention; the backward 2.5× that, since it
+# recomputes the scores) at $\eta_\text{att} P$.
+#
+# | constant | H100 SXM | A100 SXM | why this number |
+# |---|---|---|---|
+# | $P$, $B$, SMs | 989 TFLOP/s, 3.35 TB/s, 132 | 312 TFLOP/s, 2.04 TB/s, 108 | the datasheets (H200: 989, 4.8 TB/s, 132) |
+# | $\eta_\text{tc}$ | 0.65 | 0.80 | a large cuBLAS bf16 GEMM on random data, sustained: an H100 SXM under its 700 W cap holds its clock well below the boost the datasheet peak assumes (640-700 TFLOP/s); an A100 at 400 W sustains 250-260 |
+# | $\eta_\text{mem}$ | 0.90 | 0.90 | a streaming copy reaches about 90% of HBM's rate on both |
+# | $\eta_\text{att}$ | 0.45 | 0.50 | FlashAttention-3's and cuDNN's published rates at head 128, causal, 4 K tokens (about 600 TFLOP/s forward, 450 backward, in isolation) under the same power cap; FlashAttention-2's on an A100 |
+#
+# The H200 takes the H100's fractions: the same SMs at the same power. Worked in small
+# numbers on an H100: the running example's fc1 forward on a TP rank, $M = 8192$ tokens,
+# $N = 2 \cdot 14336/2 = 14336$, $K = 4096$. With $128 \times 256$ tiles: $64 \times 56 =
+# 3584$ tiles, 28 waves (27.2 rounded up), each $2 \cdot 128 \cdot 256 \cdot 4096 / (0.65
+# \cdot 989 \cdot 10^{12} / 132) = 55.1\ \mu$s: 1.54 ms, plus 235 MB of output at 3.0 TB/s,
+# 0.08 ms. The $128 \times 128$ tile fills the waves better — 7,168 tiles in 55 waves (54.3)
+# of 27.5 $\mu$s, 1.52 ms — so the library takes it: 962 GFLOP in 1.59 ms is 604 TFLOP/s,
+# 61% of the datasheet, 4% below the main loop's 65% for the ragged last wave and the output.
+
+# %%
+@dataclass(frozen=True)
+class KernelLaw:
+    """A device's kernel speeds: datasheet numbers and the three stated fractions."""
+
+    gpu: GPU = H100_SXM
+    tensor_fraction: float = 0.65
+    """Of the datasheet bf16 peak, what a large GEMM's main loop sustains."""
+    memory_fraction: float = 0.90
+    """Of the datasheet HBM bandwidth, what a streaming kernel reaches."""
+    attention_fraction: float = 0.45
+    """Of the datasheet bf16 peak, what flash attention sustains (head 128, causal)."""
+    tiles: tuple[tuple[int, int], ...] = ((128, 256), (256, 128), (128, 128))
+    """The output tiles the GEMM library chooses from (one SM computes one at a time)."""
+
+
+LAWS = {"H100": KernelLaw(), "H200": KernelLaw(H200_SXM),
+        "A100": KernelLaw(A100_SXM, tensor_fraction=0.80, attention_fraction=0.50)}
+
+
+def gemm_seconds(m: int, n: int, k: int, law: KernelLaw = KernelLaw()) -> float:
+    """Seconds of a bf16 (m x k) @ (k x n) GEMM: tile and wave quantized main loop + output."""
+    per_sm = law.tensor_fraction * law.gpu.bf16_flops / law.gpu.sms
+    main = min(math.ceil(math.ceil(m / tm) * math.ceil(n / tn) / law.gpu.sms) * 2 * tm * tn * k
+               for tm, tn in law.tiles) / per_sm  # the library picks the best tile
+    bandwidth = law.memory_fraction * law.gpu.hbm_bytes_per_s
+    return max(main, 2 * (m * k + k * n) / bandwidth) + 2 * m * n / bandwidth
+
+
+def stream_seconds(nbytes: float, law: KernelLaw = KernelLaw()) -> float:
+    """Seconds of a memory-bound kernel that moves nbytes."""
+    return nbytes / (law.memory_fraction * law.gpu.hbm_bytes_per_s)
+
+
+def attention_seconds(flops: float, law: KernelLaw = KernelLaw()) -> float:
+    """Seconds of flash attention doing `flops` of matmul work."""
+    return flops / (law.attention_fraction * law.gpu.bf16_flops)
+
+
+# %% [markdown]
 # ## Demo: the running example on the roofline
 #
 # The table adds, for one micro-batch of one pipeline stage (16 layers; the loss on the last
@@ -166,6 +253,13 @@ if __name__ == "__main__":
                if op["name"] != "attention")
     assert by_name["attention"]["t_eager"] > 10 * by_name["attention"]["t_fused"]
     assert total_eager > 5 * total_fused
+    fc1 = gemm_seconds(8192, 14336, 4096)
+    print(f"law: running example's fc1 forward {fc1 * 1e3:.2f} ms, "
+          f"{2 * 8192 * 14336 * 4096 / fc1 / 1e12:.0f} TFLOP/s")
+    assert abs(fc1 - 1.59e-3) < 0.01e-3
+    for h in (2048, 8192):  # a TP8 slice of a layer runs below the law's large-GEMM rate
+        assert 2 * 4096 * h * h / 8 / gemm_seconds(4096, h // 8, h) < 0.65 * H100_SXM.bf16_flops
+    assert gemm_seconds(4096, 256, 2048) > 0.2 * gemm_seconds(4096, 2048, 2048)  # quantized
 
 # %% [markdown]
 # ## Measured on a GPU
