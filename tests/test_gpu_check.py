@@ -96,7 +96,8 @@ def test_a_trainer_run_counts_only_when_it_reached_its_iterations(tmp_path):
     assert code == 0 and d["interval"] == [21, 30] and d["tokens_per_second"] == 50_030.0
     assert d["peak_allocated_bytes"] == 30 * 2**30 + 30 and d["ledger_total_bytes"] > 0
     assert d["peak_over_ledger"] == d["peak_allocated_bytes"] / d["ledger_total_bytes"]
-    assert d["predicted"]["peak_flops"] == 395.6e12 / 0.4 and d["predicted_step_s"] > 0
+    # without a GPU the prediction is made with the H100's kernel law, and says so
+    assert d["predicted"]["law"].startswith("H100") and d["predicted_step_s"] > 0
 
 
 def test_a_cut_off_command_still_reports_how_far_it_got(tmp_path):
