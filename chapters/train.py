@@ -80,6 +80,7 @@ def resolve_config(argv: list[str], world_size: int) -> TrainConfig:
     cfg = load_config(path, overrides).resolve(world_size)
     _check_trainer_rules(cfg)
     load_plan(cfg, Path(path).stem if path else "run")  # the checkpoint to resume, checked
+    check_save_dir(output_dir(cfg, Path(path).stem if path else "run"))
     return cfg
 
 
@@ -98,10 +99,13 @@ def load_plan(cfg: TrainConfig, name: str = "run"):
     save = output_dir(cfg, name)
     try:
         plan = plan_load(ckpt.load, save, ckpt.ckpt_step, ckpt.exit_on_missing_checkpoint)
-        differ = (model_config_differences(saved_model_config(plan.directory), cfg.model)
-                  if plan.directory is not None else [])
+        saved = saved_model_config(plan.directory) if plan.directory is not None else None
+        differ = model_config_differences(saved, cfg.model)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    made_for = saved and (saved.get("max_position_embeddings") or saved.get("seq_length"))
+    if made_for and cfg.model.max_position_embeddings is None and made_for > cfg.model.seq_length:
+        cfg.model.max_position_embeddings = made_for  # the model's context, kept for the export
     if differ:
         raise ConfigError(f"checkpoint.load: {plan.directory} holds another model ("
                           f"{', '.join(differ)}; checkpoint vs this run's [model]): resume with "
@@ -112,15 +116,18 @@ def load_plan(cfg: TrainConfig, name: str = "run"):
 
 def _check_trainer_rules(cfg: TrainConfig) -> None:
     """What the trainer itself needs: data paths that exist, a vocabulary that fits, a layout it runs."""
-    for key in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        for word in getattr(cfg.data, key) or []:
-            if _is_number(word):
-                continue
-            for ext in (".bin", ".idx"):
-                if not os.path.isfile(str(word) + ext):
-                    raise ConfigError(f"data.{key}: {word}{ext} does not exist")
     tok = build_tokenizer_for(cfg)
-    _check_data_tokenizer(cfg, tok)
+    if cfg.data.sft:
+        _check_sft_data(cfg, tok)
+    else:
+        for key in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+            for word in getattr(cfg.data, key) or []:
+                if _is_number(word):
+                    continue
+                for ext in (".bin", ".idx"):
+                    if not os.path.isfile(str(word) + ext):
+                        raise ConfigError(f"data.{key}: {word}{ext} does not exist")
+        _check_data_tokenizer(cfg, tok)
     if tok.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the "
                           f"tokenizer's vocabulary ({tok.vocab_size})")
@@ -129,9 +136,12 @@ def _check_trainer_rules(cfg: TrainConfig) -> None:
         raise ConfigError("optimizer.use_distributed_optimizer with "
                           "parallel.virtual_pipeline_model_parallel_size > 1 is not supported "
                           "by this trainer (one DistributedOptimizer serves one model chunk)")
+    s, t = cfg.scheduler, cfg.training
+    _check_kernels_device(cfg)
+    if t.skip_train:  # no step is taken: the learning rate is not read (arguments.py:1226-1227)
+        return check_cuda_graph(cfg, torch.cuda.is_available())
     if cfg.optimizer.lr is None:
         raise ConfigError("optimizer.lr is required")
-    s, t = cfg.scheduler, cfg.training
     decay = s.lr_decay_iters or t.train_iters
     if t.train_iters is not None and decay is not None and s.lr_warmup_iters >= decay:
         raise ConfigError(f"scheduler.lr_warmup_iters ({s.lr_warmup_iters}) must be smaller "
@@ -139,6 +149,35 @@ def _check_trainer_rules(cfg: TrainConfig) -> None:
                           f"or training.train_iters); for a short run shorten the warm-up, e.g. "
                           f"--scheduler.lr_warmup_iters {max(0, min(decay - 1, decay // 10))}")
     check_cuda_graph(cfg, torch.cuda.is_available())
+
+
+def _check_kernels_device(cfg: TrainConfig) -> None:
+    """Appendix C's Triton kernels on a CPU run in Triton's interpreter: refused, not crawled."""
+    device = cfg.training.device
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if cfg.model.kernels == "triton" and on_cpu:
+        raise ConfigError("model.kernels = 'triton' on a CPU runs Triton's interpreter (minutes "
+                          "per iteration of the tiny model); use model.kernels = 'torch', or "
+                          "'auto' (Triton on CUDA, torch on a CPU)")
+
+
+def check_save_dir(save: str) -> None:
+    """The directory the run writes to: a directory (or creatable) and writable, or a ConfigError."""
+    path = Path(save)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"checkpoint.save: {save} exists and is not a directory")
+    probe = path
+    while not probe.exists():  # the nearest existing ancestor is where mkdir would write
+        probe = probe.parent
+    import tempfile
+
+    try:  # a file made and removed: permission bits alone miss read-only mounts and root
+        fd, name = tempfile.mkstemp(dir=probe, prefix=".tinytron-write-check-")
+        os.close(fd)
+        os.remove(name)
+    except OSError as e:
+        raise ConfigError(f"checkpoint.save: {save} is not writable ({probe}: "
+                          f"{e.strerror or e})") from e
 
 
 def check_cuda_graph(cfg: TrainConfig, cuda_available: bool) -> None:
@@ -218,6 +257,18 @@ def _check_data_tokenizer(cfg: TrainConfig, tok) -> None:
                     "tokenizer.tokenizer_model to the data's tokenizer")
 
 
+def _check_sft_data(cfg: TrainConfig, tok) -> None:
+    """`[data] sft`: chat JSONL files that exist, a tokenizer with the chat tokens (chapter 04)."""
+    from tinytron.data._sft_build import chat_tokenizer, sft_paths
+
+    t = cfg.extra.get("tokenizer")
+    try:
+        sft_paths(cfg.data)
+        chat_tokenizer(tok, t.tokenizer_model if t is not None else None)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
 def _is_number(word) -> bool:
     try:
         float(word)
@@ -282,7 +333,7 @@ def prepare_embedded_corpus(cache_dir: str, num_files: int = EMBEDDED_CORPUS_FIL
 def _data_config(cfg: TrainConfig, out_dir: str):
     """cfg.data, pointed at the embedded corpus when it names no data."""
     data = cfg.data
-    if not (data.data_path or data.train_data_path):
+    if not (data.data_path or data.train_data_path or data.sft):
         prefix = prepare_embedded_corpus(os.path.join(out_dir, "data"))
         data = dataclasses.replace(data, data_path=[prefix])
     if data.data_cache_path is None:
@@ -314,20 +365,33 @@ def data_iterators_provider(cfg: TrainConfig, data, tokenizer, reliability):
     def provide(grid, state):
         train_iters = train_iters_of(cfg, grid.size("dp"))
         eval_runs = (train_iters // t.eval_interval + 1) if t.eval_interval else 0
+        if t.skip_train:  # one evaluation of each split, from its start (training.py:4132-4142)
+            eval_runs = 1
+        eval_gbs = t.eval_global_batch_size or t.global_batch_size
         samples = [t.train_samples or train_iters * t.global_batch_size,
-                   eval_runs * t.eval_iters * t.global_batch_size, 0]
-        datasets = build_train_valid_test_datasets(
-            data, cfg.model.seq_length, samples, lambda: is_dataset_built_on_rank(grid),
-            eod_id=tokenizer.eod, pad_id=tokenizer.pad if tokenizer.pad >= 0 else tokenizer.eod)
-        consumed = [state.consumed_train_samples, state.consumed_valid_samples, 0]
+                   eval_runs * t.eval_iters * eval_gbs, t.eval_iters * eval_gbs * t.skip_train]
+        if data.sft:  # chat JSONL read as Megatron's --sft reads it (chapter 04's SFTDataset)
+            from tinytron.data._sft_build import build_sft_datasets
+            datasets = build_sft_datasets(data, cfg.model.seq_length, samples,
+                                          lambda: is_dataset_built_on_rank(grid), tokenizer,
+                                          grid.size("cp"))
+        else:
+            datasets = build_train_valid_test_datasets(
+                data, cfg.model.seq_length, samples, lambda: is_dataset_built_on_rank(grid),
+                eod_id=tokenizer.eod,
+                pad_id=tokenizer.pad if tokenizer.pad >= 0 else tokenizer.eod)
+        consumed = ([0, 0, 0] if t.skip_train else
+                    [state.consumed_train_samples, state.consumed_valid_samples, 0])
         # virtual stages: one iterator per model chunk over the same samples, as Megatron builds
         # them (training.py:4256); the first chunk reads the tokens, the last the labels
         vpp = cfg.parallel.virtual_pipeline_model_parallel_size or 1
-        per_chunk = [build_data_iterators(data, datasets, consumed, t.micro_batch_size, grid)[:2]
+        per_chunk = [build_data_iterators(data, datasets, consumed, t.micro_batch_size, grid)
                      for _ in range(vpp)]
-        train = [reliability.data_iterator(tr) for tr, _ in per_chunk]
-        valid = [va for _, va in per_chunk]
+        train = [reliability.data_iterator(tr) for tr, _, _ in per_chunk]
+        valid = [va for _, va, _ in per_chunk]
+        provide.test = [te for _, _, te in per_chunk] if vpp > 1 else per_chunk[0][2]
         return (train[0], valid[0]) if vpp == 1 else (train, valid)
+    provide.test = None  # the test split's iterator, built for training.skip_train only
     return provide
 
 
@@ -358,6 +422,13 @@ def optimizer_provider(cfg: TrainConfig, reliability):
 
     build = megatron_optimizer_provider(dataclasses.replace(cfg.optimizer, bf16=cfg.training.bf16))
     return lambda model, grid: reliability.wrap_optimizer(build(model, grid))
+
+
+def _scheduler_config(cfg: TrainConfig):
+    """[scheduler]; evaluation only takes the checkpoint's schedule as it is (it steps nothing)."""
+    if cfg.training.skip_train:
+        return dataclasses.replace(cfg.scheduler, use_checkpoint_opt_param_scheduler=True)
+    return cfg.scheduler
 
 
 def _ddp_config(cfg: TrainConfig):
@@ -463,7 +534,7 @@ def plot_loss_curve(jsonl_path: str, png_path: str) -> bool:
     train, valid = [], []
     for line in Path(jsonl_path).read_text().splitlines():
         r = json.loads(line)
-        if "validation" in r:
+        if "validation" in r and r.get("split", "validation") == "validation":
             valid.append((r["iteration"], r["validation"].get("lm loss")))
         elif r.get("losses", {}).get("lm loss") is not None:
             train.append((r["iteration"], r["losses"]["lm loss"]))
@@ -574,26 +645,26 @@ class RunLog:
             text = " | ".join(f"{k} {v:.4f}" for k, v in losses.items())
             lm = losses.get("lm loss")
             ppl = f" | ppl {math.exp(min(lm, 50.0)):.2f}" if lm is not None else ""
-            label = "final validation" if record.get("final") else "validation"
+            label = ("final " if record.get("final") else "") + record.get("split", "validation")
             print(f"{label} at iteration {record['iteration']}: {text}{ppl}", flush=True)
 
 
 def final_validation(cfg: TrainConfig, result, valid_iterator, forward_step_func, log_fn,
-                     dtype) -> bool:
+                     dtype, *, split: str = "validation", always: bool = False) -> bool:
     """Evaluate once more at the end of a run, as Megatron does (`training.py:1421-1422`).
 
     Skipped when the last iteration was just evaluated (the same loss twice) or when no
-    validation is configured; every rank takes part (the schedule's collectives).
+    validation is configured, unless `always` (training.skip_train: valid and test, once each,
+    `training.py:1430-1466`); every rank takes part (the schedule's collectives).
     """
-    from tinytron.main_loop._parts import any_rank
+    from tinytron.main_loop._parts import any_rank, eval_batch
     from tinytron.main_loop.loop import build_schedule_config, evaluate, get_forward_backward_func
 
     t, grid = cfg.training, result.grid
-    if not (t.eval_interval and t.eval_iters > 0) or result.state.iteration == 0:
+    if not always and (not t.eval_interval or result.state.iteration == 0
+                       or result.state.iteration % t.eval_interval == 0):
         return False
-    if result.state.iteration % t.eval_interval == 0 and result.state.iteration > 0:
-        return False
-    if not any_rank(valid_iterator is not None, grid):  # every rank, or none
+    if t.eval_iters < 1 or not any_rank(valid_iterator is not None, grid):  # every rank, or none
         return False
     config = build_schedule_config(
         result.model, result.optimizer, grid,
@@ -601,12 +672,12 @@ def final_validation(cfg: TrainConfig, result, valid_iterator, forward_step_func
         pipeline_dtype=dtype)
     fb = get_forward_backward_func(grid.size("pp"),
                                    cfg.parallel.virtual_pipeline_model_parallel_size)
-    dp = grid.size("dp")
     losses = evaluate(forward_step_func, valid_iterator, result.model, fb,
-                      num_microbatches=t.global_batch_size // (t.micro_batch_size * dp),
+                      num_microbatches=eval_batch(t, grid.size("dp"))[0],
                       micro_batch_size=t.micro_batch_size, seq_length=cfg.model.seq_length,
                       eval_iters=t.eval_iters, grid=grid, config=config)
-    log_fn({"iteration": result.state.iteration, "validation": losses, "final": True})
+    log_fn({"iteration": result.state.iteration, "validation": losses, "final": True,
+            **({"split": split} if split != "validation" else {})})
     return True
 
 
@@ -646,6 +717,8 @@ def _checkpoint_hooks(cfg: TrainConfig, out_dir: str, grid, reliability, plan):
     if plan.continues_save:  # the run's own checkpoint: how to take `load`'s does not apply
         config = dataclasses.replace(config, finetune=False, no_load_optim=False,
                                      no_load_rng=False)
+    if cfg.training.skip_train:  # nothing steps: the optimizer state is not read (:1662-1664)
+        config = dataclasses.replace(config, no_load_optim=True)
     hooks = make_checkpoint_hooks(config, grid, rerun_state_machine=reliability.rsm)
     save, load = reliability.checkpoint_hooks(hooks.save_checkpoint_fn, hooks.load_checkpoint_fn)
     return (save, load, hooks.finalize_async_save_fn, hooks.manager.comm.destroy, config,
@@ -701,7 +774,8 @@ def _reporting_hooks(save, load, *, rank: int, out_dir: str, cfg: TrainConfig, c
             run_log.start(state, plan.directory if state is not None else None,
                           dist.get_world_size())
         if rank == 0:
-            (Path(out_dir) / "config.toml").write_text(cfg.to_toml())
+            if not cfg.training.skip_train:  # an evaluation leaves the run's config as it was
+                (Path(out_dir) / "config.toml").write_text(cfg.to_toml())
             if state is None:
                 print(f"checkpoint: starting fresh at iteration 0: {plan.fresh_reason}")
             else:
@@ -777,7 +851,8 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
         except ValueError as e:  # chapter 04 names the dataset and what it lacks: a user error
             raise DataRefused(f"data: {e}") from e
         return iterators["train"], iterators["valid"]
-    forward_step = partial(gpt_forward_step, micro_batch_size=mbs, seq_length=seq)
+    forward_step = partial(gpt_forward_step, micro_batch_size=mbs, seq_length=seq,
+                           sft=cfg.data.sft)
     # MFU needs a peak: a GPU's datasheet peak. A CPU's measured matmul rate moves with the
     # shape, the threads and whatever else runs, and a run can beat it (101% was seen), so on
     # a CPU the logs give tokens/s and TFLOP/s (tflops_per_device in the JSONL), not MFU.
@@ -796,7 +871,8 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
                 forward_step_func=rel.forward_step_func(forward_step),
                 data_iterators_provider=provide_and_keep,
                 optimizer_provider=optimizer_provider(cfg, rel),
-                scheduler_provider=megatron_scheduler_provider(cfg.scheduler, cfg.optimizer),
+                scheduler_provider=megatron_scheduler_provider(_scheduler_config(cfg),
+                                                               cfg.optimizer),
                 grid_provider=lambda: grid, ddp_config=_ddp_config(cfg), seq_length=seq,
                 vpp_size=cfg.parallel.virtual_pipeline_model_parallel_size,
                 schedule_overrides={"pipeline_dtype": dtype, "overlap_p2p_comm": cfg.parallel.overlap_p2p_comm},
@@ -808,7 +884,12 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
                 iterations_to_skip=rel.iterations_to_skip,
                 wrap_forward_backward_func=_graphed(cfg, rel.forward_backward_func))
         if result.exit_reason is None:
-            final_validation(cfg, result, iterators.get("valid"), forward_step, log_fn, dtype)
+            skip = cfg.training.skip_train  # evaluation only: valid, then test, whatever ran
+            final_validation(cfg, result, iterators.get("valid"), forward_step, log_fn, dtype,
+                             always=skip)
+            if skip:
+                final_validation(cfg, result, provide_data.test, forward_step, log_fn, dtype,
+                                 split="test", always=True)
     except TokenIdError as e:  # the data holds ids the model cannot: checked on the host
         raise DataRefused(f"data: {e}; the data was tokenized with a larger vocabulary than "
                           "model.vocab_size") from e
@@ -827,7 +908,7 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
             if line:
                 print(line)
         print(f"stopped at iteration {result.state.iteration} "
-              f"(reason: {result.exit_reason or 'train_iters reached'}), exit code {code}")
+              f"(reason: {result.exit_reason or ('training.skip_train: evaluated only' if cfg.training.skip_train else 'train_iters reached')}), exit code {code}")
         if _split_argv(argv)[0] is not None:  # a command line to continue (not a config
             print(_next_steps(argv, out_dir, cfg), flush=True)  # built in memory)
     return code

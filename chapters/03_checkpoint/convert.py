@@ -328,6 +328,8 @@ def hf_to_checkpoint(src, dst, ckpt_format: str = "torch_dist") -> ModelConfig:
     manager = CheckpointManager(CheckpointConfig(save=str(dst), ckpt_format=ckpt_format,
                                                  no_save_rng=True), model.grid)
     manager.save(_train_state_class()(), model)
+    from tinytron.checkpoint._hf_tokenizer import write_run_config
+    write_run_config(src, dst, config)  # [model] and [tokenizer] for the fine-tune's --config
     return config
 
 

@@ -119,7 +119,7 @@ def hf_config_dict(config: ModelConfig) -> dict:
         "num_hidden_layers": config.num_layers,
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_query_groups, "head_dim": config.head_dim,
-        "vocab_size": config.vocab_size, "max_position_embeddings": config.seq_length,
+        "vocab_size": config.vocab_size, "max_position_embeddings": config.max_position_embeddings or config.seq_length,
         "rms_norm_eps": config.norm_epsilon, "rope_theta": float(config.rotary_base),
         "rope_scaling": None, "tie_word_embeddings": config.tie_embeddings,
         "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
