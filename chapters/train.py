@@ -284,9 +284,30 @@ def build_tokenizer_for(cfg: TrainConfig):
     t = cfg.extra.get("tokenizer")
     kind, path = (t.tokenizer_type, t.tokenizer_model) if t is not None else ("byte", None)
     try:
-        return build_tokenizer(TokenizerSpec(kind, path))
+        if kind != "hf":
+            return build_tokenizer(TokenizerSpec(kind, path))
+        eod = t.eod_token or _sidecar_eod_token(cfg, path) or "<|endoftext|>"
+        return build_tokenizer(TokenizerSpec(kind, path, eod, t.pad_token))
     except (ValueError, OSError) as e:
         raise ConfigError(f"tokenizer: {e}") from e
+
+
+def _sidecar_eod_token(cfg: TrainConfig, path: str):
+    """The end-of-document token the data was tokenized with (its sidecar's id), if recorded."""
+    from tinytron.data._sidecar import read_sidecar
+
+    for key in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        for word in getattr(cfg.data, key) or []:
+            if _is_number(word) or cfg.data.sft:
+                continue
+            info = read_sidecar(str(word))
+            if info and info.get("tokenizer_type") == "hf" and info.get("eod") is not None:
+                from tokenizers import Tokenizer
+                try:
+                    return Tokenizer.from_file(str(path)).id_to_token(int(info["eod"]))
+                except Exception:  # noqa: BLE001 - the build below names a bad file
+                    return None
+    return None
 
 
 # -- the world --------------------------------------------------------------------------------

@@ -129,3 +129,26 @@ def test_skip_train_evaluates_the_checkpoint_on_valid_and_test_and_exits_zero(fi
                for r in new[1:])
     assert (run / "latest_checkpointed_iteration.txt").read_text() == tracker  # nothing saved
     assert "final test at iteration 3" in proc.stdout
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--top-k", "-3"], "--top-k must be >= 0"),
+    (["--prompt", "x" * 200], "the prompt is 200 tokens, the model's seq_length 128"),
+    (["--tokenizer-file", "{big}"], "the tokenizer has 300 ids but the model only 262"),
+])
+def test_generate_refuses_what_it_cannot_do_in_one_line(finetuned, flags, needle, capsys):
+    from tinytron.model._generate import main
+
+    tmp, run, _ = finetuned
+    big = tmp / "big_tokenizer.json"
+    if not big.exists():  # a tokenizer.json with more ids than the model has rows
+        from tokenizers import Tokenizer, models
+        vocab = {f"w{i}": i for i in range(299)} | {"<|endoftext|>": 299}
+        Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(big))
+    flags = [f.replace("{big}", str(big)) for f in flags]
+    args = [str(run), "--prompt", "why", "--max-new-tokens", "5", *flags]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err

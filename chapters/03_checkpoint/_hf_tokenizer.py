@@ -14,7 +14,8 @@ import tomllib
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["byte_symbols", "write_byte_tokenizer", "run_tokenizer", "write_run_config"]
+__all__ = ["byte_symbols", "write_byte_tokenizer", "run_tokenizer", "run_special_tokens",
+           "write_run_config"]
 
 BYTE_SPECIALS = ("<|endoftext|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 
@@ -71,6 +72,18 @@ def run_tokenizer(src) -> tuple[Optional[str], Optional[str]]:
                              "(pass --tokenizer-file)")
         return kind, str(file)
     return kind, None
+
+
+def run_special_tokens(src) -> tuple[Optional[str], Optional[str]]:
+    """(eod_token, pad_token) the run's [tokenizer] names; None where it names none."""
+    config = _checkpoint_root(Path(src)) / "config.toml"
+    if not config.is_file():
+        return None, None
+    try:
+        section = tomllib.loads(config.read_text()).get("tokenizer", {})
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{config}: not valid TOML ({e})") from None
+    return section.get("eod_token"), section.get("pad_token")
 
 
 def _toml(value) -> str:

@@ -103,12 +103,17 @@ class TokenizerSpec:
     kind: str = "byte"
     path: Optional[str] = None
     eod_token: str = "<|endoftext|>"
+    pad_token: Optional[str] = None
+
+
+EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
+PAD_CANDIDATES = ("<|pad|>", "<pad>", "[PAD]", "<|finetune_right_pad_id|>")
 
 
 class _HFTokenizer:
-    """A `tokenizers.Tokenizer` with Megatron's `eod` and `vocab_size` attributes."""
+    """A `tokenizers.Tokenizer` with Megatron's `eod`, `pad` and `vocab_size` attributes."""
 
-    def __init__(self, path: str, eod_token: str):
+    def __init__(self, path: str, eod_token: str, pad_token: Optional[str] = None):
         from tokenizers import Tokenizer
 
         try:
@@ -117,10 +122,18 @@ class _HFTokenizer:
             raise ValueError(f"{path}: not a tokenizers JSON file ({err})") from None
         eod = self._tok.token_to_id(eod_token)
         if eod is None:
-            raise ValueError(f"{path}: the tokenizer has no end-of-document token {eod_token!r}")
+            has = [t for t in EOD_CANDIDATES if self._tok.token_to_id(t) is not None]
+            raise ValueError(f"{path}: the tokenizer has no end-of-document token {eod_token!r}; "
+                             "name its own with --eod-token (tinytron-preprocess) or "
+                             "tokenizer.eod_token (tinytron-train)"
+                             + (f", e.g. {has[0]!r}" if has else ""))
         self.eod, self.vocab_size = eod, self._tok.get_vocab_size()
-        pad = self._tok.token_to_id("<|pad|>")
-        self.pad = -1 if pad is None else pad
+        pads = (pad_token,) if pad_token else PAD_CANDIDATES
+        found = [i for i in (self._tok.token_to_id(t) for t in pads) if i is not None]
+        if pad_token and not found:
+            raise ValueError(f"{path}: the tokenizer has no padding token {pad_token!r} "
+                             "(tokenizer.pad_token)")
+        self.pad = found[0] if found else -1  # -1: none (the datasets then pad with EOD)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -143,7 +156,7 @@ def build_tokenizer(spec: TokenizerSpec):
     if spec.kind == "hf":
         if not spec.path or not os.path.isfile(spec.path):
             raise ValueError(f"tokenizer file {spec.path!r} not found (--tokenizer-file)")
-        return _HFTokenizer(spec.path, spec.eod_token)
+        return _HFTokenizer(spec.path, spec.eod_token, spec.pad_token)
     raise ValueError(f"unknown tokenizer kind {spec.kind!r}; expected 'byte', 'hf' or 'bpe'")
 
 

@@ -287,7 +287,13 @@ def gather_full_state(models) -> dict[str, torch.Tensor]:
 # Export: every rank hands its chunks' full tensors (gathered over TP) to the first rank, which
 # writes `config.json`, one `model.safetensors` and, when given, the tokenizer files: the
 # `tokenizer.json` is copied and a `tokenizer_config.json` names its end and pad tokens, so that
-# `from_pretrained` gives a usable model.
+# `from_pretrained` gives a usable model. The copy drops the tokenizer's post-processor, the
+# part that makes a Llama tokenizer prepend `<s>`: tinytron, like Megatron's `text_to_ids`
+# (`megatron/core/tokenizers/text/libraries/huggingface_tokenizer.py:262-268`), tokenizes the
+# training data without special tokens, and a model is best prompted the way it was trained, so
+# `AutoTokenizer.from_pretrained(path)(text).input_ids` gives exactly the ids the data held.
+# `max_position_embeddings` is the model's own context (`ModelConfig.max_position_embeddings`),
+# not the length a fine-tune trained at.
 
 # %%
 def save_hf_llama(models, path: str | os.PathLike, *, tokenizer_file: str | None = None,
