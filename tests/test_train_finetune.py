@@ -114,20 +114,23 @@ def test_the_finetune_exports_to_a_llama_transformers_loads(finetuned):
 
 
 def test_skip_train_evaluates_the_checkpoint_on_valid_and_test_and_exits_zero(finetuned):
+    """README's command: load the run, write the evaluation elsewhere, train nothing."""
     tmp, run, _ = finetuned
-    tracker = (run / "latest_checkpointed_iteration.txt").read_text()
-    before = len(_records(run))
+    tracker, log = ((run / n).read_text() for n in ("latest_checkpointed_iteration.txt",
+                                                     "log.jsonl"))
     proc = _train("--config", str(run / "config.toml"), "--training.skip_train", "true",
-                  "--checkpoint.load", str(run), "--checkpoint.finetune", "false",
-                  "--data.split", '"60,20,20"', "--training.train_iters", "0",
-                  "--logging.progress_bar", "false")
+                  "--checkpoint.load", str(run), "--checkpoint.save", str(tmp / "eval"),
+                  "--checkpoint.finetune", "false", "--data.split", '"60,20,20"',
+                  "--training.train_iters", "none", "--logging.progress_bar", "false")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    new = _records(run)[before:]
+    new = _records(tmp / "eval")
     assert [r["type"] for r in new] == ["start", "validation", "validation"]
     assert [r.get("split", "validation") for r in new[1:]] == ["validation", "test"]
     assert all(r["iteration"] == 3 and r["validation"]["loss tokens per sample"] == ANSWER_TOKENS
                for r in new[1:])
     assert (run / "latest_checkpointed_iteration.txt").read_text() == tracker  # nothing saved
+    assert (run / "log.jsonl").read_text() == log
+    assert not list((tmp / "eval").glob("iter_*"))
     assert "final test at iteration 3" in proc.stdout
 
 
