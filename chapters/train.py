@@ -911,6 +911,7 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
             if skip:
                 final_validation(cfg, result, provide_data.test, forward_step, log_fn, dtype,
                                  split="test", always=True)
+        logger.flush_timers(result.state.iteration)  # the final save's time, in TensorBoard
     except TokenIdError as e:  # the data holds ids the model cannot: checked on the host
         raise DataRefused(f"data: {e}; the data was tokenized with a larger vocabulary than "
                           "model.vocab_size") from e

@@ -155,3 +155,18 @@ def test_generate_refuses_what_it_cannot_do_in_one_line(finetuned, flags, needle
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
+
+
+def test_without_the_bar_each_interval_is_megatrons_line_and_the_final_save_is_timed(finetuned):
+    """progress_bar false: one log line per log_interval (1 here) on stdout; the final save's
+    seconds are in TensorBoard at the last iteration (the save ran after the last record)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, run, out = finetuned
+    lines = [x for x in out.splitlines() if x.startswith(" iteration ")]
+    assert [int(x.split("/")[0].split()[-1]) for x in lines] == [1, 2, 3], out[-3000:]
+    assert all("lm loss:" in x and "loss tokens per sample: 6.000000E+00" in x for x in lines)
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    saves = [e.step for e in events.Scalars("save-checkpoint-time")]
+    assert saves == [3], saves

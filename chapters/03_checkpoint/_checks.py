@@ -24,6 +24,9 @@ def check_checkpoint_config(cfg, async_modes) -> None:
         raise ValueError(f"async_mode must be one of {async_modes}, got {cfg.async_mode!r}")
     if cfg.thread_count < 1:
         raise ValueError(f"thread_count must be >= 1, got {cfg.thread_count}")
+    if cfg.keep_latest_k < 0:
+        raise ValueError(f"keep_latest_k must be >= 0 (0 = keep every save), got "
+                         f"{cfg.keep_latest_k}")
 
 
 def _check_tiling(plans: list[SavePlan]) -> None:

@@ -272,6 +272,10 @@ class TimedScalars:
 # (`torch.utils.tensorboard.SummaryWriter`, which writes the standard event files), and the
 # progress bar. `add_timers` lets the trainer pass the timers and their names so that
 # `<name>-time` is written too (a collective: every rank must call the logger).
+# With `progress_bar = false` each record is printed instead as Megatron's log line
+# (`training.py:2627-2692`, chapter 01's `format_log_line`), so that a batch job's log shows
+# every `log_interval`; `flush_timers` writes the timers that ran after the last record — the
+# final save's — at the last iteration.
 
 # %%
 class MetricsLogger(TimedScalars):
@@ -285,6 +289,7 @@ class MetricsLogger(TimedScalars):
         self.is_writer = (dist.get_rank() if dist.is_initialized() else 0) == world - 1
         self.timers, self.timer_names = timers, list(timer_names)
         self.bar = ProgressBar(train_iters, stream) if config.progress_bar else None
+        self.stream = stream  # without the bar: Megatron's log line, on stdout by default
         self.writer, self.jsonl = None, None
         self._timed_through: Optional[int] = None   # the iteration the timers were last read at
         self._described: set[str] = set()            # tags whose unit is already written
@@ -310,6 +315,15 @@ class MetricsLogger(TimedScalars):
                 self._add_scalar(name, value, step)
         if self.bar is not None and "validation" not in record:
             self.bar.update(record, memory)
+        elif "validation" not in record and "losses" in record:  # a batch job's log shows it
+            from tinytron.main_loop.training_log import format_log_line
+            import sys
+            print(format_log_line(record), file=self.stream or sys.stdout, flush=True)
+
+    def flush_timers(self, iteration: int) -> None:
+        """The timers that ran after the last record (the final save) at `iteration` (collective)."""
+        if self.timers is not None and self.timer_names:
+            self._write_timers(iteration)
 
     def close(self) -> None:
         """Flush and close the files."""
