@@ -39,7 +39,9 @@ from tinytron.config import ConfigError, TrainConfig, load_config
 __all__ = ["main", "console_main", "run", "prepare_embedded_corpus", "build_tokenizer_for", "plot_loss_curve"]
 
 USAGE = ("usage: torchrun --nproc-per-node N -m tinytron.train --config FILE.toml "
-         "[--section.key value ...]")
+         "[--section.key value ...]\n"
+         "       WORLD_SIZE=N python -m tinytron.train --check --config FILE.toml [...]   "
+         "# check only: exit 0, or 2 and one line")
 EMBEDDED_CORPUS_FILES = 400  # the first 400 .py files of the standard library: ~5 MB of bytes
 
 
@@ -603,10 +605,38 @@ def resume_argv(argv: list[str], out_dir: str, cfg: TrainConfig) -> list[str]:
     return out
 
 
+def launch_command(args: list[str], world: int, env=os.environ) -> tuple[str, str]:
+    """(the command that launches `args` as this run was launched, a note on where to run it).
+
+    Under `scripts/slurm_train.sh` (it sets TINYTRON_SLURM_SCRIPT) the `sbatch` line; under
+    torchrun its node and rank counts (torchrun's LOCAL_WORLD_SIZE and WORLD_SIZE); else one
+    process, `tinytron-train`.
+    """
+    local = int(env.get("LOCAL_WORLD_SIZE", world))
+    nodes = max(1, world // max(local, 1))
+    script = env.get("TINYTRON_SLURM_SCRIPT")
+    if script and env.get("SLURM_JOB_ID"):
+        config, rest = _split_argv(args)
+        prefix = [f"GPUS_PER_NODE={local}"] if local != 8 else []
+        line = " ".join(prefix + [shlex.join(["sbatch", f"--nodes={nodes}", script,
+                                              config or "", *rest])])
+        return line, "(a new Slurm job, from the directory this one was submitted from)"
+    if "LOCAL_WORLD_SIZE" not in env and world == 1:
+        return shlex.join(["tinytron-train", *args]), ""
+    head = ["torchrun", f"--nproc-per-node={local}"]
+    if nodes > 1:  # the rendezvous endpoint is not visible to the ranks: name it as launched
+        head = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={local}",
+                "--rdzv-backend=c10d"]
+        line = shlex.join([*head, "-m", "tinytron.train", *args]).replace(
+            "--rdzv-backend=c10d", '--rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT"', 1)
+        return line, (f"(on each of the {nodes} nodes; RDZV_ENDPOINT = the host:port of the "
+                      "launch's --rdzv-endpoint)")
+    return shlex.join([*head, "-m", "tinytron.train", *args]), ""
+
+
 def _next_steps(argv: list[str], out_dir: str, cfg: TrainConfig) -> str:
     """The commands that resume, export and inspect this run."""
-    launch = shlex.join(["torchrun", f"--nproc-per-node={dist.get_world_size()}", "-m",
-                         "tinytron.train", *resume_argv(argv, out_dir, cfg)])  # quoted: pastes
+    launch, where_to = launch_command(resume_argv(argv, out_dir, cfg), dist.get_world_size())
     from tinytron.checkpoint.formats import read_tracker
 
     found = read_tracker(out_dir)
@@ -615,6 +645,7 @@ def _next_steps(argv: list[str], out_dir: str, cfg: TrainConfig) -> str:
     return "\n".join([
         f"resume ({where}):",
         f"  {launch}",
+        *([f"  {where_to}"] if where_to else []),
         "  (to train on to iteration N: add --training.train_iters N "
         "--scheduler.override_opt_param_scheduler true)",
         "export to Hugging Face:",
@@ -951,11 +982,16 @@ def main(argv: list[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_only = "--check" in argv  # check the config for WORLD_SIZE ranks, start nothing
+    argv = [a for a in argv if a != "--check"]
     try:
         cfg = resolve_config(argv, world)
         path = _split_argv(argv)[0]
     except ConfigError as e:
         return _report_error(e)
+    if check_only:
+        print(f"tinytron.train: the config is valid for world size {world}", flush=True)
+        return 0
     try:
         return run(cfg, argv, Path(path).stem if path else "run")
     except ConfigError as e:  # a checkpoint chapter 03 refused, found by every rank alike
