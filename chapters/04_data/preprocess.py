@@ -143,6 +143,15 @@ class _HFTokenizer:
 
 
 # %% [markdown]
+# The end-of-document token is not the same in every family: `<|endoftext|>` in GPT-2 and in
+# the BPEs trained here, `</s>` in Llama-2 and Mistral, `<|end_of_text|>` in Llama-3. It is
+# named, never guessed: `--eod-token` here, recorded by id in the sidecar, and the trainer reads
+# it back from there (or from `[tokenizer] eod_token`). When the token is missing, the error
+# names the flag and a candidate the tokenizer does hold, so a Llama user sees `--eod-token`
+# and `'</s>'` in one line. The pad token, which only the datasets' padding uses, is looked up
+# among the usual names (`<|pad|>`, `<pad>`, `[PAD]`); a tokenizer with none records pad -1 and
+# the datasets pad with EOD, whose loss is masked anyway.
+#
 # A spec becomes a tokenizer; a BPE is trained once, in the parent, and then read back as an
 # `hf` tokenizer file by every worker.
 

@@ -190,8 +190,7 @@ class ModelConfig(ShapeMethods):
     compile: bool = False
     """torch.compile each transformer layer (appendix C); how the layers run, not their shape."""
     max_position_embeddings: int | None = None
-    """The context the model was made for (Megatron --max-position-embeddings); None = seq_length.
-    An import keeps it so that a fine-tune at a shorter seq_length exports the model's own."""
+    """The context the model was made for (Megatron --max-position-embeddings); None = seq_length."""
 
     def __post_init__(self):
         check_fields(self)  # a str, float or None where the annotation says otherwise
