@@ -692,7 +692,8 @@ class RunLog:
         if kind == "validation" and self.state is not None:
             extra["consumed_train_samples"] = self.state.consumed_train_samples
         self.logger({**record, **extra})
-        if kind == "validation" and self.logger.is_writer and record["validation"]:
+        console = getattr(self.logger, "is_console", self.logger.is_writer)  # each node's
+        if kind == "validation" and console and record["validation"]:
             losses = record["validation"]
             text = " | ".join(f"{k} {v:.4f}" for k, v in losses.items())
             lm = losses.get("lm loss")
@@ -960,8 +961,10 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
             line = rerun_verdict(rel.rerun_config.result_rejected_tracker_filename, code)
             if line:
                 print(line)
-        print(f"stopped at iteration {result.state.iteration} "
-              f"(reason: {result.exit_reason or ('training.skip_train: evaluated only' if cfg.training.skip_train else 'train_iters reached')}), exit code {code}")
+        reason = result.exit_reason or ("training.skip_train: evaluated only"
+                                        if cfg.training.skip_train else "train_iters reached")
+        print(f"stopped at iteration {result.state.iteration} (reason: {reason}), "
+              f"exit code {code}")
         if _split_argv(argv)[0] is not None:  # a command line to continue (not a config
             print(_next_steps(argv, out_dir, cfg), flush=True)  # built in memory)
     return code

@@ -44,7 +44,8 @@ from tinytron.parallel import ParallelGrid, set_random_seed
 # megatron/training/training.py:10); `exit_duration_in_mins` counts from there.
 _TRAIN_START_TIME = time.time()
 
-__all__ = ["train_at_a_glance", "LoopHooks", "eval_batch", "TrainState", "StepResult", "ExitSignal", "TorchOptimizer", "gpt_forward_step", "sft_loss_func",
+__all__ = ["train_at_a_glance", "LoopHooks", "eval_batch", "TrainState", "StepResult", "ExitSignal", "TorchOptimizer", "gpt_forward_step",
+           "sft_loss_func",
            "zero_grad_buffers", "logical_and_across_model_parallel_group",
            "reduce_max_stat_across_model_parallel_group", "reduce_losses", "train_step",
            "evaluate", "save_with_param_sync", "checkpoint_and_decide_exit", "train",

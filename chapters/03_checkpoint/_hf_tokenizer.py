@@ -98,7 +98,8 @@ def _toml(value) -> str:
 def write_run_config(src, dst, model_config) -> Optional[str]:
     """`<dst>/config.toml`: [model] of the imported checkpoint and, when the Hugging Face folder
     has one, [tokenizer] for its tokenizer.json (copied beside the checkpoint) with its EOS as
-    the end-of-document token. A fine-tune passes it as `--config`; `to-hf` reads its [tokenizer]."""
+    the end-of-document token. A fine-tune passes it as `--config`; `to-hf` reads its
+    [tokenizer]."""
     import dataclasses
     import json
     import shutil
