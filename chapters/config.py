@@ -369,9 +369,9 @@ def _check_training_values(cfg: "TrainConfig") -> None:
             raise ConfigError(f"training.{key} must be >= {low}, got {getattr(t, key)}")
     for key in ("global_batch_size", "eval_global_batch_size", "train_iters", "train_samples",
                 "eval_interval", "save_interval", "exit_interval"):
-        value = getattr(t, key)
-        if value is not None and value < (0 if key in ("train_iters", "train_samples") else 1):
-            raise ConfigError(f"training.{key} must be >= 1 (or none), got {value}")
+        value, low = getattr(t, key), 1 if "batch" in key else 0  # an interval of 0 is off
+        if value is not None and value < low:
+            raise ConfigError(f"training.{key} must be >= {low} (or none), got {value}")
     opt = cfg.optimizer
     if opt is not None and opt.lr is not None and opt.min_lr > opt.lr:
         raise ConfigError(f"optimizer.min_lr ({opt.min_lr}) is larger than optimizer.lr "
