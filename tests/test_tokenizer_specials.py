@@ -79,3 +79,14 @@ def test_the_export_encodes_as_the_training_data_did(llama_like):
     assert (theirs.eos_token, theirs.pad_token) == ("</s>", "<pad>")
     hf = json.loads((tmp / "hf" / "config.json").read_text())
     assert (hf["eos_token_id"], hf["max_position_embeddings"]) == (2, 64)
+
+
+def test_preprocessing_a_chat_file_points_to_the_sft_mode(tmp_path, capsys):
+    from tinytron.data.preprocess import main
+
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    assert main(["--input", str(chat), "--json-keys", "messages", "--output-prefix",
+                 str(tmp_path / "c"), "--workers", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--data.sft true" in err[0], err

@@ -775,6 +775,12 @@ def _rerun_stops(result: StepResult, save) -> bool:
 # The builders — `wrap_with_ddp` (only the first chunk bucketed,
 # `training.py:1783-1787`), `megatron_optimizer_provider`, `megatron_scheduler_provider` — are
 # passed in, so the loop imports none of chapters 02 and 05 itself.
+#
+# With `skip_train` (Megatron's `--skip-train`, `megatron/training/training.py:1376`) `pretrain`
+# sets everything up and loads the checkpoint, then runs no iteration and saves nothing
+# (`:1401`): the caller evaluates what was loaded, as Megatron's `do_valid` and `do_test` blocks
+# do right after (`:1421-1466`). The schedule built for it is one iteration long; it is never
+# stepped.
 
 # %%
 class TrainingRun(NamedTuple):

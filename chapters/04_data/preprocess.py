@@ -249,7 +249,10 @@ def _json_text(line: str, key: str, path: str, lineno: int) -> str:
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
     if not isinstance(obj, dict) or not isinstance(obj.get(key), str):
-        raise ValueError(f"{path}:{lineno}: no string field {key!r}")
+        chat = isinstance(obj, dict) and isinstance(obj.get(key), list)
+        raise ValueError(f"{path}:{lineno}: no string field {key!r}" + (
+            " (it holds a list: a chat? SFT reads the JSONL itself: tinytron-train "
+            "--data.sft true --data.data_path FILE.jsonl)" if chat else ""))
     return obj[key]
 
 # %% [markdown]
