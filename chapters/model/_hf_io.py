@@ -6,6 +6,7 @@ name and layout mapping; the messages here name the tensor or key at fault.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -125,9 +126,14 @@ def export_tokenizer(out: Path, tokenizer_file, eos_token_id: int | None,
                          f"vocab_size {config.vocab_size}")
     # tinytron tokenizes with add_special_tokens=False (Megatron's text_to_ids does too): the
     # training data holds no BOS, so the export's tokenizer must not add one either
-    spec = json.loads(Path(tokenizer_file).read_text(encoding="utf-8"))
-    spec["post_processor"] = None
-    (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+    probe = [tok.encode("a b", add_special_tokens=add).ids for add in (True, False)]
+    if probe[0] == probe[1]:
+        shutil.copyfile(tokenizer_file, out / "tokenizer.json")
+    else:
+        spec = json.loads(Path(tokenizer_file).read_text(encoding="utf-8"))
+        spec["post_processor"] = None  # the part that adds <s> (and any other special token)
+        (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False),
+                                            encoding="utf-8")
     extra = {"tokenizer_class": "PreTrainedTokenizerFast",
              "model_max_length": config.max_position_embeddings or config.seq_length,
              "add_bos_token": False, "add_eos_token": False}

@@ -287,8 +287,8 @@ def gather_full_state(models) -> dict[str, torch.Tensor]:
 # Export: every rank hands its chunks' full tensors (gathered over TP) to the first rank, which
 # writes `config.json`, one `model.safetensors` and, when given, the tokenizer files: the
 # `tokenizer.json` is copied and a `tokenizer_config.json` names its end and pad tokens, so that
-# `from_pretrained` gives a usable model. The copy drops the tokenizer's post-processor, the
-# part that makes a Llama tokenizer prepend `<s>`: tinytron, like Megatron's `text_to_ids`
+# `from_pretrained` gives a usable model. When the tokenizer's post-processor adds special
+# tokens (the part that makes a Llama tokenizer prepend `<s>`) the copy leaves it out: tinytron, like Megatron's `text_to_ids`
 # (`megatron/core/tokenizers/text/libraries/huggingface_tokenizer.py:262-268`), tokenizes the
 # training data without special tokens, and a model is best prompted the way it was trained, so
 # `AutoTokenizer.from_pretrained(path)(text).input_ids` gives exactly the ids the data held.
