@@ -45,6 +45,7 @@ from tinytron.parallel import ParallelGrid, set_random_seed
 _TRAIN_START_TIME = time.time()
 
 __all__ = ["train_at_a_glance", "LoopHooks", "eval_batch", "TrainState", "StepResult", "ExitSignal", "TorchOptimizer", "gpt_forward_step",
+           "sft_loss_func",
            "zero_grad_buffers", "logical_and_across_model_parallel_group",
            "reduce_max_stat_across_model_parallel_group", "reduce_losses", "train_step",
            "evaluate", "save_with_param_sync", "checkpoint_and_decide_exit", "train",
@@ -176,19 +177,33 @@ class TrainState:
 # `gpt_forward_step` is Megatron's `forward_step` of `pretrain_gpt.py:183` over the book's
 # model: `get_batch` (chapter 04: read on TP rank 0, broadcast, CP slice, only the keys this
 # stage needs), the model with labels (the last stage returns per-token losses), and chapter
-# 00's `lm_loss_func` bound to the batch's loss mask.
+# 00's `lm_loss_func` bound to the batch's loss mask. With `sft=True` (the trainer's `[data] sft`,
+# Megatron's `--sft`) the batch is a packed chat row ([04 · SFT](../04_data/sft.py)): it carries
+# its block-causal attention mask and `cu_seqlens`, and `sft_loss_func` adds one more report,
+# the tokens that carried a loss per sample — the assistant's tokens only, which is how a run's
+# own log shows that no prompt token was trained on.
 
 # %%
-def gpt_forward_step(data_iterator, model, *, micro_batch_size: int, seq_length: int):
+def gpt_forward_step(data_iterator, model, *, micro_batch_size: int, seq_length: int,
+                     sft: bool = False):
     """Megatron's pretrain_gpt forward_step: get_batch, the model with labels, the loss func."""
     from tinytron.data.distribute import get_batch  # chapter 04; imported on use only
 
     grid = getattr(model, "grid", None) or ParallelGrid.single()  # GPTModel and DDP carry it
     batch = get_batch(data_iterator, grid, micro_batch_size=micro_batch_size,
-                      seq_length=seq_length, create_attention_mask=False,
+                      seq_length=seq_length, create_attention_mask=sft, is_sft=sft,
                       vocab_size=getattr(model, "module", model).config.vocab_size)
-    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
-    return output, partial(lm_loss_func, batch["loss_mask"])
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                   labels=batch["labels"])
+    return output, partial(sft_loss_func if sft else lm_loss_func, batch["loss_mask"])
+
+
+def sft_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Chapter 00's lm_loss_func, also reporting the tokens that carried a loss, per sample."""
+    loss_sum, num_tokens, report = lm_loss_func(loss_mask, output_tensor)
+    samples = torch.tensor(float(loss_mask.shape[0]), device=num_tokens.device)
+    report["loss tokens per sample"] = torch.stack([num_tokens.float(), samples])
+    return loss_sum, num_tokens, report
 
 # %% [markdown]
 # ## `train_step`, in Megatron's exact order
@@ -777,6 +792,12 @@ def _rerun_stops(result: StepResult, save) -> bool:
 # The builders — `wrap_with_ddp` (only the first chunk bucketed,
 # `training.py:1783-1787`), `megatron_optimizer_provider`, `megatron_scheduler_provider` — are
 # passed in, so the loop imports none of chapters 02 and 05 itself.
+#
+# With `skip_train` (Megatron's `--skip-train`, `megatron/training/training.py:1376`) `pretrain`
+# sets everything up and loads the checkpoint, then runs no iteration and saves nothing
+# (`:1401`): the caller evaluates what was loaded, as Megatron's `do_valid` and `do_test` blocks
+# do right after (`:1421-1466`). The schedule built for it is one iteration long; it is never
+# stepped.
 
 # %%
 class TrainingRun(NamedTuple):
@@ -802,9 +823,12 @@ def _setup(training, grid_provider, model_provider, ddp_config, optimizer_provid
     calc = build_num_microbatches_calculator(
         training.global_batch_size, training.micro_batch_size, grid.size("dp"),
         training.decrease_batch_size_if_needed, training.step_batch_size_schedule, seq_length)
-    iters = training.train_iters or train_iters_from_samples(calc, training.train_samples)
+    iters = (training.train_iters if training.train_iters is not None
+             else train_iters_from_samples(calc, training.train_samples))
     optimizer = optimizer_provider(model, grid)
-    scheduler = (scheduler_provider(optimizer, train_iters=iters,
+    # --skip-train steps nothing: a one-iteration schedule only holds what the load restores
+    sched_iters = max(iters, 1) if getattr(training, "skip_train", False) else iters
+    scheduler = (scheduler_provider(optimizer, train_iters=sched_iters,
                                     global_batch_size=calc.current_global_batch_size)
                  if scheduler_provider is not None else None)
     loaded = load_checkpoint_fn(model, optimizer, scheduler) if load_checkpoint_fn else None
@@ -844,8 +868,9 @@ def pretrain(training, *, model_provider, forward_step_func, data_iterators_prov
         fb = wrap_forward_backward_func(fb)
     use_handler = exit_signal is None and getattr(training, "exit_signal_handler", False)
     reason = None
+    skip_train = getattr(training, "skip_train", False)  # Megatron's --skip-train (:1376)
     with (ExitSignal() if use_handler else contextlib.nullcontext(exit_signal)) as sig:
-        if state.iteration < iters:
+        if state.iteration < iters and not skip_train:
             hooks = LoopHooks(
                 save_checkpoint_fn=save_checkpoint_fn,
                 finalize_async_save_fn=finalize_async_save_fn,
@@ -858,7 +883,8 @@ def pretrain(training, *, model_provider, forward_step_func, data_iterators_prov
                            calculator=calc, seq_length=seq_length, grid=grid,
                            forward_backward_func=fb, config=config, hooks=hooks)
     just_saved = bool(training.save_interval) and state.iteration % training.save_interval == 0
-    if save_checkpoint_fn is not None and reason is None and state.iteration and not just_saved:
+    if (save_checkpoint_fn is not None and reason is None and state.iteration and not just_saved
+            and not skip_train):
         save_with_param_sync(save_checkpoint_fn, state, model, optimizer, scheduler)
     if finalize_async_save_fn is not None:
         finalize_async_save_fn(blocking=True)

@@ -103,6 +103,8 @@ class DataConfig:
     """False = `--no-create-attention-mask-in-dataloader`."""
     mmap_bin_files: bool = True
     """False = `--no-mmap-bin-files`."""
+    sft: bool = False
+    """`--sft`: data paths are chat JSONL files, packed by the SFT dataset (prompt tokens: no loss)."""
     extra: dict = field(default_factory=dict)
     """Room for site-specific flags (ignored here)."""
 

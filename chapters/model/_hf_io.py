@@ -119,15 +119,28 @@ def export_tokenizer(out: Path, tokenizer_file, eos_token_id: int | None,
     except Exception as err:  # tokenizers raises a bare Exception for a malformed file
         raise ValueError(f"{tokenizer_file}: not a tokenizers JSON file ({err})") from None
     if eos_token_id is None:
-        eos_token_id = tok.token_to_id("<|endoftext|>")
+        eos_token_id = next((i for i in map(tok.token_to_id, ("<|endoftext|>", "</s>"))
+                             if i is not None), None)
     if tok.get_vocab_size() > config.vocab_size:
         raise ValueError(f"{tokenizer_file}: {tok.get_vocab_size()} ids do not fit the model's "
                          f"vocab_size {config.vocab_size}")
-    shutil.copyfile(tokenizer_file, out / "tokenizer.json")
-    extra = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.seq_length}
+    # tinytron tokenizes with add_special_tokens=False (Megatron's text_to_ids does too): the
+    # training data holds no BOS, so the export's tokenizer must not add one either
+    probe = [tok.encode("a b", add_special_tokens=add).ids for add in (True, False)]
+    if probe[0] == probe[1]:
+        shutil.copyfile(tokenizer_file, out / "tokenizer.json")
+    else:
+        spec = json.loads(Path(tokenizer_file).read_text(encoding="utf-8"))
+        spec["post_processor"] = None  # the part that adds <s> (and any other special token)
+        (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False),
+                                            encoding="utf-8")
+    extra = {"tokenizer_class": "PreTrainedTokenizerFast",
+             "model_max_length": config.max_position_embeddings or config.seq_length,
+             "add_bos_token": False, "add_eos_token": False}
     if eos_token_id is not None:
         extra["eos_token"] = tok.id_to_token(int(eos_token_id))
-    if tok.token_to_id("<|pad|>") is not None:
-        extra["pad_token"] = "<|pad|>"
+    pad = next((t for t in ("<|pad|>", "<pad>") if tok.token_to_id(t) is not None), None)
+    if pad is not None:
+        extra["pad_token"] = pad
     (out / "tokenizer_config.json").write_text(json.dumps(extra, indent=2) + "\n")
     return eos_token_id

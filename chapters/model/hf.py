@@ -119,7 +119,7 @@ def hf_config_dict(config: ModelConfig) -> dict:
         "num_hidden_layers": config.num_layers,
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_query_groups, "head_dim": config.head_dim,
-        "vocab_size": config.vocab_size, "max_position_embeddings": config.seq_length,
+        "vocab_size": config.vocab_size, "max_position_embeddings": config.max_position_embeddings or config.seq_length,
         "rms_norm_eps": config.norm_epsilon, "rope_theta": float(config.rotary_base),
         "rope_scaling": None, "tie_word_embeddings": config.tie_embeddings,
         "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
@@ -287,7 +287,13 @@ def gather_full_state(models) -> dict[str, torch.Tensor]:
 # Export: every rank hands its chunks' full tensors (gathered over TP) to the first rank, which
 # writes `config.json`, one `model.safetensors` and, when given, the tokenizer files: the
 # `tokenizer.json` is copied and a `tokenizer_config.json` names its end and pad tokens, so that
-# `from_pretrained` gives a usable model.
+# `from_pretrained` gives a usable model. When the tokenizer's post-processor adds special
+# tokens (the part that makes a Llama tokenizer prepend `<s>`) the copy leaves it out: tinytron, like Megatron's `text_to_ids`
+# (`megatron/core/tokenizers/text/libraries/huggingface_tokenizer.py:262-268`), tokenizes the
+# training data without special tokens, and a model is best prompted the way it was trained, so
+# `AutoTokenizer.from_pretrained(path)(text).input_ids` gives exactly the ids the data held.
+# `max_position_embeddings` is the model's own context (`ModelConfig.max_position_embeddings`),
+# not the length a fine-tune trained at.
 
 # %%
 def save_hf_llama(models, path: str | os.PathLike, *, tokenizer_file: str | None = None,
