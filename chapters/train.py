@@ -95,7 +95,7 @@ def load_plan(cfg: TrainConfig, name: str = "run"):
                                                saved_model_config)
 
     ckpt = cfg.extra.get("checkpoint") or CheckpointConfig()
-    save = output_dir(cfg, name)
+    save = None if cfg.never_save else output_dir(cfg, name)
     try:
         plan = plan_load(ckpt.load, save, ckpt.ckpt_step, ckpt.exit_on_missing_checkpoint)
         differ = (model_config_differences(saved_model_config(plan.directory), cfg.model)
@@ -641,8 +641,8 @@ def _checkpoint_hooks(cfg: TrainConfig, out_dir: str, grid, reliability, plan):
     from tinytron.checkpoint import CheckpointConfig, make_checkpoint_hooks
 
     config = cfg.extra.get("checkpoint") or CheckpointConfig()
-    config = dataclasses.replace(config, save=config.save or out_dir, load=plan.load,
-                                 ckpt_step=plan.ckpt_step)
+    config = dataclasses.replace(config, save=None if cfg.never_save else (config.save or out_dir),
+                                 load=plan.load, ckpt_step=plan.ckpt_step)
     if plan.continues_save:  # the run's own checkpoint: how to take `load`'s does not apply
         config = dataclasses.replace(config, finetune=False, no_load_optim=False,
                                      no_load_rng=False)
@@ -726,9 +726,24 @@ def _reporting_hooks(save, load, *, rank: int, out_dir: str, cfg: TrainConfig, c
 
 
 def output_dir(cfg: TrainConfig, name: str = "run") -> str:
-    """Where the run writes: [checkpoint] save, else runs/<name of the config file>."""
+    """Where the run writes: [checkpoint] save, else runs/<name of the config file>.
+
+    With `checkpoint.save = none` (or "") no checkpoint is written and the run's logs go to a
+    new directory of its own under the system's temporary directory (`scratch_dir`), so that
+    nothing of runs/<name> is read or written.
+    """
     ckpt = cfg.extra.get("checkpoint")
     return ckpt.save if ckpt is not None and ckpt.save else os.path.join("runs", name)
+
+
+def scratch_dir(name: str) -> str:
+    """A new directory for the logs of a run that saves nothing: made by rank 0, the same on all."""
+    import tempfile
+
+    path = [tempfile.mkdtemp(prefix=f"tinytron-{name}-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    os.makedirs(path[0], exist_ok=True)  # another node's ranks: their own temporary directory
+    return path[0]
 
 
 def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
@@ -743,12 +758,13 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
     world, rank = dist.get_world_size(), dist.get_rank()
     tp, pp, _, cp = cfg.parallel.sizes()
     grid = ParallelGrid(tp=tp, pp=pp, cp=cp)
-    out_dir = output_dir(cfg, name)
+    out_dir = scratch_dir(name) if cfg.never_save else output_dir(cfg, name)
     plan = load_plan(cfg, name)
     os.makedirs(out_dir, exist_ok=True)
     if rank == 0:
         print(f"tinytron.train: world {world} = tp {tp} · pp {pp} · cp {cp} · dp "
-              f"{cfg.data_parallel_size(world)} on {device.type}; writing to {out_dir}")
+              f"{cfg.data_parallel_size(world)} on {device.type}; writing to {out_dir}"
+              + (" (checkpoint.save none: no checkpoint is written)" if cfg.never_save else ""))
         print(memory_report_at_start(cfg, world, device), flush=True)
         print(step_time_report_at_start(cfg, world, device), flush=True)
         if plan.note:

@@ -34,7 +34,7 @@ from tinytron.main_loop._parts import (ExitSignal, TorchOptimizer, _duration_exc
                                        megatron_optimizer_provider, megatron_scheduler_provider,
                                        no_op, print_on_last_rank, wrap_with_ddp)
 from tinytron.main_loop.microbatches import (build_num_microbatches_calculator,
-                                             train_iters_from_samples)
+                                             samples_in_iterations, train_iters_from_samples)
 from tinytron.main_loop.schedules import ScheduleConfig, get_forward_backward_func
 from tinytron.main_loop.training_log import LogState
 from tinytron.overview.loss import lm_loss_func
@@ -566,7 +566,11 @@ def train(forward_step_func, model: list, optimizer, scheduler, train_data_itera
           hooks: LoopHooks | None = None) -> str | None:
     """Run iterations until train_iters or an exit condition; return the exit reason or None."""
     h = hooks or LoopHooks()
-    save = partial(save_with_param_sync, h.save_checkpoint_fn, state, model, optimizer, scheduler)
+    log_state, m, reason = LogState(), 0, None
+    # saves and evaluations stop the interval clock: ms/iteration and tokens/s time training only
+    save = log_state.paused(partial(save_with_param_sync, h.save_checkpoint_fn, state, model,
+                                    optimizer, scheduler))
+    evaluate_when_due = log_state.paused(_maybe_evaluate)
     finalize, log_fn = h.finalize_async_save_fn or no_op, h.log_fn or print_on_last_rank
     do_valid = valid_data_iterator is not None if do_valid is None else do_valid
     start_time = h.clock() if h.start_time is None else h.start_time
@@ -574,7 +578,6 @@ def train(forward_step_func, model: list, optimizer, scheduler, train_data_itera
                           h.clock, grid) if training.exit_duration_in_mins else None)
     evaluates = do_valid and training.eval_interval and training.eval_iters > 0
     eval_shape = eval_batch(training, grid.size("dp")) if evaluates else None  # checked now
-    log_state, m, reason = LogState(), 0, None
     for chunk in model:
         chunk.train()
     pre_hooks_off = _first_iteration_without_pre_hooks(model, config)
@@ -600,9 +603,9 @@ def train(forward_step_func, model: list, optimizer, scheduler, train_data_itera
         log_step(result, log_state, state, optimizer, training=training, train_iters=train_iters,
                  batch_size=batch, seq_length=seq_length, flops=flops, peak_flops=h.peak_flops,
                  log_fn=log_fn)
-        _maybe_evaluate(forward_step_func, valid_data_iterator, model, forward_backward_func,
-                        state, training, eval_shape=eval_shape, seq_length=seq_length,
-                        grid=grid, config=config, log_fn=log_fn, time_is_up=time_is_up)
+        evaluate_when_due(forward_step_func, valid_data_iterator, model, forward_backward_func,
+                          state, training, eval_shape=eval_shape, seq_length=seq_length,
+                          grid=grid, config=config, log_fn=log_fn, time_is_up=time_is_up)
         reason = checkpoint_and_decide_exit(state, training, save, start_time=start_time,
                                             clock=h.clock, grid=grid, exit_signal=h.exit_signal)
         if reason is not None:
@@ -787,8 +790,10 @@ def _setup(training, grid_provider, model_provider, ddp_config, optimizer_provid
         training.decrease_batch_size_if_needed, training.step_batch_size_schedule, seq_length)
     iters = training.train_iters or train_iters_from_samples(calc, training.train_samples)
     optimizer = optimizer_provider(model, grid)
-    scheduler = (scheduler_provider(optimizer, train_iters=iters,
-                                    global_batch_size=calc.current_global_batch_size)
+    scheduler = (scheduler_provider(optimizer, train_iters=iters,  # lengths in samples consumed
+                                    global_batch_size=calc.current_global_batch_size,
+                                    samples_of=partial(samples_in_iterations, calc),
+                                    train_samples=training.train_samples)
                  if scheduler_provider is not None else None)
     loaded = load_checkpoint_fn(model, optimizer, scheduler) if load_checkpoint_fn else None
     state = loaded if loaded is not None else TrainState()
