@@ -66,7 +66,8 @@ class TrainingConfig:
     global_batch_size: Optional[int] = None
     """Samples per optimizer step over all DP ranks; None = micro_batch_size · dp."""
     step_batch_size_schedule: Optional[str] = None
-    """Megatron's "THRESHOLD:BS ..." schedule, thresholds in tokens, e.g. "0:16 1M:32"."""
+    """Megatron's "THRESHOLD:BS ..." schedule, thresholds in tokens, e.g. "0:16 1M:32"; the LR
+    schedule's lengths are the samples their iterations consume under it."""
     decrease_batch_size_if_needed: bool = False
     """Round the global batch down to a multiple of micro_batch_size · dp instead of failing."""
     train_iters: Optional[int] = None

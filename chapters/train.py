@@ -725,6 +725,32 @@ def _reporting_hooks(save, load, *, rank: int, out_dir: str, cfg: TrainConfig, c
     return reporting_save, reporting_load
 
 
+_HELD_LOCKS: list = []  # this process's save-directory lock (rank 0), released when run() ends
+
+
+def hold_save_dir(out_dir: str):
+    """Rank 0 locks the save directory for the run's life; every rank refuses alike if taken."""
+    from tinytron.reliability._run_lock import lock_save_dir
+
+    held, refused = None, [None]
+    if dist.get_rank() == 0:
+        try:
+            held = lock_save_dir(out_dir)
+        except ValueError as e:
+            refused = [str(e)]
+    dist.broadcast_object_list(refused, src=0)
+    if refused[0] is not None:
+        raise ConfigError(refused[0])
+    return held
+
+
+def release_save_dir() -> None:
+    while _HELD_LOCKS:
+        lock = _HELD_LOCKS.pop()
+        if lock is not None:
+            lock.close()
+
+
 def output_dir(cfg: TrainConfig, name: str = "run") -> str:
     """Where the run writes: [checkpoint] save, else runs/<name of the config file>.
 
@@ -761,6 +787,8 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
     out_dir = scratch_dir(name) if cfg.never_save else output_dir(cfg, name)
     plan = load_plan(cfg, name)
     os.makedirs(out_dir, exist_ok=True)
+    if not cfg.never_save:  # chapter 08: one run at a time per save directory, or exit 2
+        _HELD_LOCKS.append(hold_save_dir(out_dir))
     if rank == 0:
         print(f"tinytron.train: world {world} = tp {tp} · pp {pp} · cp {cp} · dp "
               f"{cfg.data_parallel_size(world)} on {device.type}; writing to {out_dir}"
@@ -823,6 +851,8 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
                 exit_signal=handler, rerun_state_machine=rel.rsm, step_hooks=rel,
                 iterations_to_skip=rel.iterations_to_skip,
                 wrap_forward_backward_func=_graphed(cfg, rel.forward_backward_func))
+        if handler is not None and handler.received_signals:
+            handler.keep_absorbing()  # torchrun's copy of the Ctrl-C may still be on its way
         if result.exit_reason is None:
             final_validation(cfg, result, iterators.get("valid"), forward_step, log_fn, dtype)
     except TokenIdError as e:  # the data holds ids the model cannot: checked on the host
@@ -833,6 +863,7 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
         logger.close()
         close_checkpoint_groups()  # their threads and sockets: a second run() starts clean
         grid.destroy()
+        release_save_dir()  # the checkpoint is complete: the directory is free again
     code = rel.exit_code(result.exit_reason)
     if logger.is_writer and log_config.jsonl_path and os.path.isfile(log_config.jsonl_path):
         png = os.path.join(out_dir, "loss.png")
@@ -874,6 +905,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # a checkpoint chapter 03 refused, found by every rank alike
         return _report_error(e)
     finally:
+        release_save_dir()
         if dist.is_initialized():
             dist.destroy_process_group()
 

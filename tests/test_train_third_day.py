@@ -180,3 +180,196 @@ def test_the_guard_sees_a_config_that_would_use_the_repositorys_runs():
         os.chdir(cwd)
     seen, conftest._TOUCHED[:] = list(conftest._TOUCHED), []   # caught; this test is the demo
     assert seen == ["tinytron.train.output_dir -> runs/tiny"]
+
+
+# -- one run per save directory -------------------------------------------------------------------
+def test_a_second_run_into_a_held_save_directory_is_refused_and_a_killed_holder_frees_it(
+        tmp_path, capsys, data_prefix):  # noqa: F811
+    """Another process holds the save directory's lock: the run exits 2 with one line naming
+    the holder's host and pid, and writes nothing; SIGKILL the holder and the run goes."""
+    import signal
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom tinytron.reliability._run_lock import "
+         "lock_save_dir\nlock = lock_save_dir(sys.argv[1])\nprint('held', flush=True)\n"
+         "time.sleep(120)", str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = sorted(p.name for p in run.iterdir())
+        args = ["--data.data_path", data_prefix, "--checkpoint.save", str(run),
+                "--training.train_iters", "2", "--training.eval_interval", "none",
+                "--training.global_batch_size", "4"]
+        code, out = _main(capsys, *args)
+        assert code == 2
+        (line,) = [x for x in out.splitlines() if x.startswith("tinytron.train: error")]
+        assert f"checkpoint.save {run} is in use by another run" in line
+        assert f"pid {holder.pid}," in line and "host " in line, line
+        assert sorted(p.name for p in run.iterdir()) == before == ["tinytron.lock"]
+    finally:
+        holder.send_signal(signal.SIGKILL)   # the kernel releases a dead process's flock
+        holder.wait(timeout=30)
+    code, out = _main(capsys, *args)
+    assert code == 0, out[-3000:]
+    assert (run / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert "host " in (run / "tinytron.lock").read_text()   # this run's name, left behind
+
+
+# -- Ctrl-C under torchrun, as a terminal sends it ------------------------------------------------
+CTRL_C_SHAPE = ["--model.hidden_size", "64", "--model.ffn_hidden_size", "128",
+                "--model.num_layers", "2", "--model.seq_length", "64",
+                "--training.micro_batch_size", "2", "--training.global_batch_size", "8",
+                "--training.train_iters", "100000", "--training.log_interval", "1",
+                "--scheduler.lr_warmup_iters", "1", "--logging.progress_bar", "false",
+                "--data.split", '"90,10,0"']
+
+
+def _torchrun(workdir: Path, save: Path, data: str, *extra: str):
+    """The README's command (2 ranks, configs/tiny.toml) in its own session, console to a file."""
+    import subprocess
+    import sys
+
+    log = open(workdir / f"console{len(list(workdir.glob('console*')))}.txt", "w+")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "-m", "tinytron.train", "--config", TINY, "--checkpoint.save", str(save),
+           "--data.data_path", data, *CTRL_C_SHAPE, *extra]
+    proc = subprocess.Popen(cmd, cwd=workdir, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc.console = log
+    return proc
+
+
+def _ranks_of(pid: int) -> list[int]:
+    """The processes torchrun started (its children), from /proc."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _ctrl_c(proc) -> None:
+    """What a terminal's Ctrl-C delivers to a process group that holds torchrun and its ranks:
+    SIGINT to every rank and to torchrun, which forwards its own SIGINT to every rank once its
+    agent wakes. The ranks' copy goes first and torchrun's 0.3 s later, so that each rank sees
+    two (sent together, two pending SIGINTs can merge into one and hide a handler that stops
+    at the second)."""
+    import signal
+    import time
+
+    ranks = _ranks_of(proc.pid)
+    assert len(ranks) == 2, ranks
+    for pid in ranks:
+        os.kill(pid, signal.SIGINT)
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGINT)
+
+
+def _wait_for(predicate, proc, what: str, timeout: float = 120.0):
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        found = predicate()
+        if found:
+            return found
+        assert proc.poll() is None, (what, _console(proc)[-3000:])
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}: {_console(proc)[-3000:]}")
+
+
+def _console(proc) -> str:
+    proc.console.flush()
+    proc.console.seek(0)
+    return proc.console.read()
+
+
+def _launch_records(save: Path, launch: int) -> list[dict]:
+    path = save / "log.jsonl"
+    if not path.is_file():
+        return []
+    lines = path.read_text().splitlines()
+    return [r for r in map(json.loads, lines[:-1] if lines and not lines[-1] else lines)
+            if r.get("launch") == launch] if lines else []
+
+
+def _stopped_by_ctrl_c(proc, save: Path) -> int:
+    """The ranks saved and exited 0 (the run's own last line and tracker); the iteration."""
+    proc.wait(timeout=60)
+    out = _console(proc)
+    m = re.search(r"stopped at iteration (\d+) \(reason: signal\), exit code 0", out)
+    assert m, out[-4000:]
+    # no rank was interrupted or killed: torchrun lists a failed rank with its exitcode
+    assert "KeyboardInterrupt" not in out and "exitcode" not in out and "SIGKILL" not in out, \
+        out[-4000:]
+    tracker = int((save / "latest_checkpointed_iteration.txt").read_text())
+    assert tracker == int(m.group(1)), (tracker, m.group(1))
+    return tracker
+
+
+def _train_iterations(save: Path, launch: int) -> list[int]:
+    return [r["iteration"] for r in _launch_records(save, launch) if r.get("type") == "train"]
+
+
+def test_ctrl_c_under_torchrun_saves_in_training_evaluation_and_a_save(tmp_path, capsys,
+                                                                       data_prefix):  # noqa: F811
+    """Three launches of the README's torchrun command into one save directory, each stopped by
+    a terminal's Ctrl-C: during training, during a long evaluation, during a save. Each time the
+    ranks save the iteration reached and exit 0, and the next launch resumes from it. While the
+    first runs, a second run into its directory is refused (one line, nothing written)."""
+    from tinytron.checkpoint.convert import main as convert
+
+    save = tmp_path / "run"
+    # 1. during training; meanwhile a second run into the same directory is refused
+    proc = _torchrun(tmp_path, save, data_prefix, "--training.eval_interval", "none")
+    try:
+        _wait_for(lambda: len(_train_iterations(save, 0)) >= 3, proc, "iteration 3")
+        code, out = _main(capsys, "--data.data_path", data_prefix, "--checkpoint.save",
+                          str(save), "--training.train_iters", "2")
+        assert code == 2 and "is in use by another run" in out, out[-2000:]
+        _ctrl_c(proc)
+        first = _stopped_by_ctrl_c(proc, save)
+    finally:
+        proc.kill() if proc.poll() is None else None
+    assert first >= 3 and _train_iterations(save, 0)[-1] == first
+    assert [r["type"] for r in map(json.loads, (save / "log.jsonl").read_text().splitlines())
+            ].count("start") == 1    # the refused run wrote no record
+
+    # 2. during an evaluation of 1000 batches (minutes): abandoned, saved, exit 0
+    at = first + 2
+    proc = _torchrun(tmp_path, save, data_prefix, "--training.eval_interval", str(at),
+                     "--training.eval_iters", "1000")
+    try:
+        _wait_for(lambda: at in _train_iterations(save, 1), proc, f"iteration {at}")
+        import time
+        time.sleep(0.5)   # the record of iteration `at` is written; its evaluation has begun
+        _ctrl_c(proc)
+        second = _stopped_by_ctrl_c(proc, save)
+    finally:
+        proc.kill() if proc.poll() is None else None
+    records = _launch_records(save, 1)
+    assert records[0]["type"] == "start" and records[0]["iteration"] == first   # resumed
+    assert _train_iterations(save, 1) == list(range(first + 1, at + 1)) and second == at
+    assert not [r for r in records if r["type"] == "validation"]   # abandoned, not logged
+
+    # 3. during a save (a checkpoint every iteration; Ctrl-C while iter_*.tmp is written)
+    proc = _torchrun(tmp_path, save, data_prefix, "--training.eval_interval", "none",
+                     "--training.save_interval", "1", "--checkpoint.crc_checksums", "true")
+    try:
+        staging = _wait_for(lambda: [p for p in save.glob("iter_*.tmp")
+                                     if int(p.name[5:12]) > second + 1], proc, "a save")
+        _ctrl_c(proc)
+        third = _stopped_by_ctrl_c(proc, save)
+    finally:
+        proc.kill() if proc.poll() is None else None
+    assert _launch_records(save, 2)[0]["iteration"] == second   # resumed from launch 2's
+    assert third >= int(staging[0].name[5:12]) and third == _train_iterations(save, 2)[-1]
+    assert not list(save.glob("iter_*.tmp"))
+    assert convert(["to-hf", str(save), str(tmp_path / "hf")]) == 0   # the last one loads

@@ -411,7 +411,11 @@ def evaluate(forward_step_func, data_iterator, model: list, forward_backward_fun
 # The loop itself ends when `iteration == train_iters` (`train_samples` is converted to
 # iterations first); `pretrain` then saves a final checkpoint unless the last iteration was
 # just saved. A signal handler only records the signal: the iteration in flight finishes, so
-# the saved state is always a consistent end-of-step state.
+# the saved state is always a consistent end-of-step state. An *evaluation* in flight is
+# different: it changes no training state, so a signal (like the time limit, which Megatron
+# checks between evaluation batches, `training.py:3957-3967`) abandons it after the current
+# batch, and the save follows at once — a launcher that kills its ranks some seconds after
+# forwarding a Ctrl-C (`torchrun`: 30 s) would otherwise cut a long evaluation's save short.
 #
 # The three collectives these checks need are plumbing and live in the chapter's private
 # module `chapters/01_main_loop/_parts.py`: `ExitSignal`, the handler whose `received(grid)` is
@@ -421,6 +425,11 @@ def evaluate(forward_step_func, data_iterator, model: list, forward_backward_fun
 # hosts: if one rank stopped and the others did not, the next collective would hang.
 
 # %%
+def _signal_or_time_up(exit_signal, grid: ParallelGrid, time_is_up) -> bool:
+    """Whether to abandon an evaluation: a signal on any rank, or the duration limit."""
+    return exit_signal.received(grid) or (time_is_up is not None and time_is_up())
+
+
 def checkpoint_and_decide_exit(state: TrainState, training, save, *, start_time: float,
                                clock, grid: ParallelGrid, exit_signal=None) -> str | None:
     """Save when due; return why to stop ('signal', 'duration', 'exit_interval') or None."""
@@ -576,6 +585,8 @@ def train(forward_step_func, model: list, optimizer, scheduler, train_data_itera
     start_time = h.clock() if h.start_time is None else h.start_time
     time_is_up = (partial(_duration_exceeded, training.exit_duration_in_mins, start_time,
                           h.clock, grid) if training.exit_duration_in_mins else None)
+    if h.exit_signal is not None:  # a signal abandons an evaluation too (every rank agrees)
+        time_is_up = partial(_signal_or_time_up, h.exit_signal, grid, time_is_up)
     evaluates = do_valid and training.eval_interval and training.eval_iters > 0
     eval_shape = eval_batch(training, grid.size("dp")) if evaluates else None  # checked now
     for chunk in model:

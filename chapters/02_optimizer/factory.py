@@ -232,7 +232,7 @@ def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module, grid
 # its batch schedule, so the decay ends exactly where the run ends. A run given in samples
 # (`train_samples`) decays over `train_samples`, as Megatron's sample-based branch does
 # (`training.py:1845-1858`); its iteration count comes from the same walk (`update_train_iters`,
-# `training.py:1485-1502`). Megatron's iteration branch multiplies by `args.global_batch_size`,
+# `training.py:1485-1506`). Megatron's iteration branch multiplies by `args.global_batch_size`,
 # which a step schedule leaves at `micro_batch_size · dp` (`arguments.py:700-702`): its decay is
 # compressed the same way, and its sample-based branch is the one to follow.
 
