@@ -85,7 +85,7 @@ _AUDITED = {"open", "os.listdir", "os.scandir", "os.mkdir", "os.remove", "os.ren
 
 
 def touches_runs(path) -> bool:
-    """Whether a path (relative ones against the working directory) lies in the repository's runs/."""
+    """Whether a path (a relative one against the working directory) lies in the repo's runs/."""
     if isinstance(path, int) or path is None:
         return False
     try:

@@ -88,8 +88,8 @@ def test_a_batch_schedule_decays_the_learning_rate_over_the_samples_consumed(sch
     assert train[-1]["learning_rate"] == pytest.approx(opt.min_lr)
 
 
-def test_a_sample_based_run_under_a_batch_schedule_decays_over_train_samples(tmp_path, capsys,
-                                                                             data_prefix):  # noqa: F811
+def test_a_sample_based_run_under_a_batch_schedule_decays_over_train_samples(
+        tmp_path, capsys, data_prefix):  # noqa: F811
     """train_samples 144 walks the schedule to 10 iterations and decays over the 144 samples."""
     from tinytron.config import load_config
 
@@ -165,7 +165,7 @@ def test_save_none_writes_no_checkpoint_and_reads_none(tmp_path, capsys, monkeyp
 # -- the guard: no test touches the repository's runs/ -------------------------------------------
 def test_the_guard_sees_a_config_that_would_use_the_repositorys_runs():
     """tests/conftest.py fails any test whose trainer resolves, opens or changes runs/: here the
-    trainer's run directory for configs/tiny.toml without a save of its own, on a clean clone too."""
+    trainer's run directory for configs/tiny.toml without a save of its own (a clean clone too)."""
     from tests import conftest
     from tinytron.config import load_config
     from tinytron.train import output_dir
