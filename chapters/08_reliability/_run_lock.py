@@ -25,7 +25,10 @@ LOCK_NAME = "tinytron.lock"
 def lock_save_dir(directory: str, what: str = "checkpoint.save") -> IO:
     """The open, flock-ed lock file of `directory`; a one-line ValueError naming the holder."""
     path = os.path.join(directory, LOCK_NAME)
-    f = open(path, "a+")   # never truncates before the lock is ours: a holder's line stays
+    try:
+        f = open(path, "a+")   # never truncates before the lock is ours: a holder's line stays
+    except OSError as e:
+        raise ValueError(f"{what} {directory}: cannot write {path} ({e.strerror})") from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -34,6 +37,8 @@ def lock_save_dir(directory: str, what: str = "checkpoint.save") -> IO:
         f.close()
         raise ValueError(f"{what} {directory} is in use by another run ({holder}; lock "
                          f"{path}): wait for it to end, stop it, or save elsewhere") from None
+    except OSError:   # a file system without flock: the run goes on, unguarded
+        return f
     f.seek(0)
     f.truncate()
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime())
