@@ -81,7 +81,8 @@ class TrainingConfig:
     global_batch_size: Optional[int] = None
     """Samples per optimizer step over all DP ranks; None = micro_batch_size · dp."""
     step_batch_size_schedule: Optional[str] = None
-    """Megatron's "THRESHOLD:BS ..." schedule, thresholds in tokens, e.g. "0:16 1M:32"."""
+    """Megatron's "THRESHOLD:BS ..." schedule, thresholds in tokens, e.g. "0:16 1M:32"; the LR
+    schedule's lengths are the samples their iterations consume under it."""
     decrease_batch_size_if_needed: bool = False
     """Round the global batch down to a multiple of micro_batch_size · dp instead of failing."""
     train_iters: Optional[int] = None
@@ -278,6 +279,9 @@ class TrainConfig:
     data: Any = None
     extra: dict = field(default_factory=dict)
     """Sections registered by later chapters (checkpoint, logging, reliability), built as given."""
+    never_save: bool = False
+    """`[checkpoint] save` was given as none or "": no checkpoint is written (absent: the
+    trainer saves to runs/<config name>)."""
 
     @classmethod
     def from_dict(cls, raw: dict) -> "TrainConfig":
@@ -290,11 +294,15 @@ class TrainConfig:
         if "model" not in raw:
             raise ConfigError("the config has no [model] section")
         raw = _reliability_follows_training(_ddp_follows_optimizer(raw))
+        ckpt = raw.get("checkpoint")
+        never_save = isinstance(ckpt, dict) and "save" in ckpt and ckpt["save"] in (None, "")
+        if never_save:  # "" (TOML has no null) and none mean the same: never save
+            raw = {**raw, "checkpoint": {**ckpt, "save": None}}
         built = {name: _build_section(name, raw.get(name, {})) for name in SECTIONS
                  if name in raw or name != "model"}
         core = {k: built.pop(k) for k in ("model", "parallel", "training", "optimizer",
                                           "scheduler", "ddp", "data")}
-        return cls(**core, extra=built)
+        return cls(**core, extra=built, never_save=never_save)
 
     def data_parallel_size(self, world_size: int) -> int:
         """dp = world / (tp · pp · cp), or a ConfigError naming the numbers."""
@@ -378,6 +386,8 @@ class TrainConfig:
                     if key == "global_batch_size" and values.get("step_batch_size_schedule"):
                         continue  # filled in by resolve; the schedule sets the batch
                     lines.append(f"{key} = {_toml_value(value)}")
+            if section == "checkpoint" and self.never_save:
+                lines.append('save = ""')  # read back: never save (absent would mean runs/<name>)
             lines.append("")
         return "\n".join(lines)
 

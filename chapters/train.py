@@ -98,7 +98,7 @@ def load_plan(cfg: TrainConfig, name: str = "run"):
                                                saved_model_config)
 
     ckpt = cfg.extra.get("checkpoint") or CheckpointConfig()
-    save = output_dir(cfg, name)
+    save = None if cfg.never_save else output_dir(cfg, name)
     try:
         plan = plan_load(ckpt.load, save, ckpt.ckpt_step, ckpt.exit_on_missing_checkpoint)
         saved = saved_model_config(plan.directory) if plan.directory is not None else None
@@ -735,8 +735,8 @@ def _checkpoint_hooks(cfg: TrainConfig, out_dir: str, grid, reliability, plan):
     from tinytron.checkpoint import CheckpointConfig, make_checkpoint_hooks
 
     config = cfg.extra.get("checkpoint") or CheckpointConfig()
-    config = dataclasses.replace(config, save=config.save or out_dir, load=plan.load,
-                                 ckpt_step=plan.ckpt_step)
+    config = dataclasses.replace(config, save=None if cfg.never_save else (config.save or out_dir),
+                                 load=plan.load, ckpt_step=plan.ckpt_step)
     if plan.continues_save:  # the run's own checkpoint: how to take `load`'s does not apply
         config = dataclasses.replace(config, finetune=False, no_load_optim=False,
                                      no_load_rng=False)
@@ -822,10 +822,51 @@ def _reporting_hooks(save, load, *, rank: int, out_dir: str, cfg: TrainConfig, c
     return reporting_save, reporting_load
 
 
+_HELD_LOCKS: list = []  # this process's save-directory lock (rank 0), released when run() ends
+
+
+def hold_save_dir(out_dir: str):
+    """Rank 0 locks the save directory for the run's life; every rank refuses alike if taken."""
+    from tinytron.reliability._run_lock import lock_save_dir
+
+    held, refused = None, [None]
+    if dist.get_rank() == 0:
+        try:
+            held = lock_save_dir(out_dir)
+        except ValueError as e:
+            refused = [str(e)]
+    dist.broadcast_object_list(refused, src=0)
+    if refused[0] is not None:
+        raise ConfigError(refused[0])
+    return held
+
+
+def release_save_dir() -> None:
+    while _HELD_LOCKS:
+        lock = _HELD_LOCKS.pop()
+        if lock is not None:
+            lock.close()
+
+
 def output_dir(cfg: TrainConfig, name: str = "run") -> str:
-    """Where the run writes: [checkpoint] save, else runs/<name of the config file>."""
+    """Where the run writes: [checkpoint] save, else runs/<name of the config file>.
+
+    With `checkpoint.save = none` (or "") no checkpoint is written and the run's logs go to a
+    new directory of its own under the system's temporary directory (`scratch_dir`), so that
+    nothing of runs/<name> is read or written.
+    """
     ckpt = cfg.extra.get("checkpoint")
     return ckpt.save if ckpt is not None and ckpt.save else os.path.join("runs", name)
+
+
+def scratch_dir(name: str) -> str:
+    """A new directory for the logs of a run that saves nothing: made by rank 0, the same on all."""
+    import tempfile
+
+    path = [tempfile.mkdtemp(prefix=f"tinytron-{name}-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    os.makedirs(path[0], exist_ok=True)  # another node's ranks: their own temporary directory
+    return path[0]
 
 
 def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
@@ -840,13 +881,16 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
     world, rank = dist.get_world_size(), dist.get_rank()
     tp, pp, _, cp = cfg.parallel.sizes()
     grid = ParallelGrid(tp=tp, pp=pp, cp=cp)
-    out_dir = output_dir(cfg, name)
+    out_dir = scratch_dir(name) if cfg.never_save else output_dir(cfg, name)
     plan = load_plan(cfg, name)
     os.makedirs(out_dir, exist_ok=True)
+    if not cfg.never_save:  # chapter 08: one run at a time per save directory, or exit 2
+        _HELD_LOCKS.append(hold_save_dir(out_dir))
     step_report = step_time_report_at_start(cfg, world, device)  # every rank: CPU rates
     if rank == 0:
         print(f"tinytron.train: world {world} = tp {tp} · pp {pp} · cp {cp} · dp "
-              f"{cfg.data_parallel_size(world)} on {device.type}; writing to {out_dir}")
+              f"{cfg.data_parallel_size(world)} on {device.type}; writing to {out_dir}"
+              + (" (checkpoint.save none: no checkpoint is written)" if cfg.never_save else ""))
         print(memory_report_at_start(cfg, world, device), flush=True)
         print(step_report.text, flush=True)
         if plan.note:
@@ -907,6 +951,8 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
                 exit_signal=handler, rerun_state_machine=rel.rsm, step_hooks=rel,
                 iterations_to_skip=rel.iterations_to_skip,
                 wrap_forward_backward_func=_graphed(cfg, rel.forward_backward_func))
+        if handler is not None and handler.received_signals:
+            handler.keep_absorbing()  # torchrun's copy of the Ctrl-C may still be on its way
         if result.exit_reason is None:
             skip = cfg.training.skip_train  # evaluation only: valid, then test, whatever ran
             final_validation(cfg, result, iterators.get("valid"), forward_step, log_fn, dtype,
@@ -923,6 +969,7 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
         logger.close()
         close_checkpoint_groups()  # their threads and sockets: a second run() starts clean
         grid.destroy()
+        release_save_dir()  # the checkpoint is complete: the directory is free again
     code = rel.exit_code(result.exit_reason)
     if logger.is_writer and log_config.jsonl_path and os.path.isfile(log_config.jsonl_path):
         png = os.path.join(out_dir, "loss.png")
@@ -974,6 +1021,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # a checkpoint chapter 03 refused, found by every rank alike
         return _report_error(e)
     finally:
+        release_save_dir()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -282,13 +282,15 @@ def bpe_prefix(tmp_path_factory):
                        "--no-progress"])
 
 
-def test_bpe_data_under_the_byte_tokenizer_is_refused_before_any_group(bpe_prefix, capsys):
+def test_bpe_data_under_the_byte_tokenizer_is_refused_before_any_group(bpe_prefix, capsys,
+                                                                        tmp_path):
     from tinytron.data._sidecar import read_sidecar, sidecar_path
     from tinytron.train import main, resolve_config
 
     info = read_sidecar(bpe_prefix)
     assert (info["eod"], info["pad"]) == (0, 1)
-    args = [*SMALL, "--data.data_path", bpe_prefix, "--model.vocab_size", "512"]
+    args = [*SMALL, "--data.data_path", bpe_prefix, "--model.vocab_size", "512",
+            "--checkpoint.save", str(tmp_path / "run")]   # never the repository's runs/tiny
     assert main(args) == 2   # [tokenizer] left at byte: EOD 256, pad 257
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "eod 0 (data) vs 256" in err[0] and "pad 1 (data) vs 257" in err[0]

@@ -34,7 +34,7 @@ from tinytron.main_loop._parts import (ExitSignal, TorchOptimizer, _duration_exc
                                        megatron_optimizer_provider, megatron_scheduler_provider,
                                        no_op, print_on_last_rank, wrap_with_ddp)
 from tinytron.main_loop.microbatches import (build_num_microbatches_calculator,
-                                             train_iters_from_samples)
+                                             samples_in_iterations, train_iters_from_samples)
 from tinytron.main_loop.schedules import ScheduleConfig, get_forward_backward_func
 from tinytron.main_loop.training_log import LogState
 from tinytron.overview.loss import lm_loss_func
@@ -441,7 +441,11 @@ def evaluate(forward_step_func, data_iterator, model: list, forward_backward_fun
 # The loop itself ends when `iteration == train_iters` (`train_samples` is converted to
 # iterations first); `pretrain` then saves a final checkpoint unless the last iteration was
 # just saved. A signal handler only records the signal: the iteration in flight finishes, so
-# the saved state is always a consistent end-of-step state.
+# the saved state is always a consistent end-of-step state. An *evaluation* in flight is
+# different: it changes no training state, so a signal (like the time limit, which Megatron
+# checks between evaluation batches, `training.py:3957-3967`) abandons it after the current
+# batch, and the save follows at once — a launcher that kills its ranks some seconds after
+# forwarding a Ctrl-C (`torchrun`: 30 s) would otherwise cut a long evaluation's save short.
 #
 # The three collectives these checks need are plumbing and live in the chapter's private
 # module `chapters/01_main_loop/_parts.py`: `ExitSignal`, the handler whose `received(grid)` is
@@ -451,6 +455,11 @@ def evaluate(forward_step_func, data_iterator, model: list, forward_backward_fun
 # hosts: if one rank stopped and the others did not, the next collective would hang.
 
 # %%
+def _signal_or_time_up(exit_signal, grid: ParallelGrid, time_is_up) -> bool:
+    """Whether to abandon an evaluation: a signal on any rank, or the duration limit."""
+    return exit_signal.received(grid) or (time_is_up is not None and time_is_up())
+
+
 def checkpoint_and_decide_exit(state: TrainState, training, save, *, start_time: float,
                                clock, grid: ParallelGrid, exit_signal=None) -> str | None:
     """Save when due; return why to stop ('signal', 'duration', 'exit_interval') or None."""
@@ -596,15 +605,20 @@ def train(forward_step_func, model: list, optimizer, scheduler, train_data_itera
           hooks: LoopHooks | None = None) -> str | None:
     """Run iterations until train_iters or an exit condition; return the exit reason or None."""
     h = hooks or LoopHooks()
-    save = partial(save_with_param_sync, h.save_checkpoint_fn, state, model, optimizer, scheduler)
+    log_state, m, reason = LogState(), 0, None
+    # saves and evaluations stop the interval clock: ms/iteration and tokens/s time training only
+    save = log_state.paused(partial(save_with_param_sync, h.save_checkpoint_fn, state, model,
+                                    optimizer, scheduler))
+    evaluate_when_due = log_state.paused(_maybe_evaluate)
     finalize, log_fn = h.finalize_async_save_fn or no_op, h.log_fn or print_on_last_rank
     do_valid = valid_data_iterator is not None if do_valid is None else do_valid
     start_time = h.clock() if h.start_time is None else h.start_time
     time_is_up = (partial(_duration_exceeded, training.exit_duration_in_mins, start_time,
                           h.clock, grid) if training.exit_duration_in_mins else None)
+    if h.exit_signal is not None:  # a signal abandons an evaluation too (every rank agrees)
+        time_is_up = partial(_signal_or_time_up, h.exit_signal, grid, time_is_up)
     evaluates = do_valid and training.eval_interval and training.eval_iters > 0
     eval_shape = eval_batch(training, grid.size("dp")) if evaluates else None  # checked now
-    log_state, m, reason = LogState(), 0, None
     for chunk in model:
         chunk.train()
     pre_hooks_off = _first_iteration_without_pre_hooks(model, config)
@@ -630,9 +644,9 @@ def train(forward_step_func, model: list, optimizer, scheduler, train_data_itera
         log_step(result, log_state, state, optimizer, training=training, train_iters=train_iters,
                  batch_size=batch, seq_length=seq_length, flops=flops, peak_flops=h.peak_flops,
                  log_fn=log_fn)
-        _maybe_evaluate(forward_step_func, valid_data_iterator, model, forward_backward_func,
-                        state, training, eval_shape=eval_shape, seq_length=seq_length,
-                        grid=grid, config=config, log_fn=log_fn, time_is_up=time_is_up)
+        evaluate_when_due(forward_step_func, valid_data_iterator, model, forward_backward_func,
+                          state, training, eval_shape=eval_shape, seq_length=seq_length,
+                          grid=grid, config=config, log_fn=log_fn, time_is_up=time_is_up)
         reason = checkpoint_and_decide_exit(state, training, save, start_time=start_time,
                                             clock=h.clock, grid=grid, exit_signal=h.exit_signal)
         if reason is not None:
@@ -828,8 +842,10 @@ def _setup(training, grid_provider, model_provider, ddp_config, optimizer_provid
     optimizer = optimizer_provider(model, grid)
     # --skip-train steps nothing: a one-iteration schedule only holds what the load restores
     sched_iters = max(iters, 1) if getattr(training, "skip_train", False) else iters
-    scheduler = (scheduler_provider(optimizer, train_iters=sched_iters,
-                                    global_batch_size=calc.current_global_batch_size)
+    scheduler = (scheduler_provider(optimizer, train_iters=sched_iters,  # lengths in samples
+                                    global_batch_size=calc.current_global_batch_size,
+                                    samples_of=partial(samples_in_iterations, calc),
+                                    train_samples=training.train_samples)
                  if scheduler_provider is not None else None)
     loaded = load_checkpoint_fn(model, optimizer, scheduler) if load_checkpoint_fn else None
     state = loaded if loaded is not None else TrainState()
