@@ -1,10 +1,13 @@
-"""The ideal pipeline timeline: the schedule's own order, played out with unit costs, has exactly
-the bubble of Narayanan et al. (2021) and never deadlocks (01 schedule_timeline)."""
+"""The book's ideal timelines, drawn beside the recorded CPU traces: the pipeline schedule's own
+order played out with unit costs has exactly the bubble of Narayanan et al. (2021) (01
+schedule_timeline); the unit-cost DDP backward leaves all of the reduce-scatter after backward
+without overlap and only the queue's end with it (05 overlap_timeline)."""
 
 from __future__ import annotations
 
 import pytest
 
+from tinytron.buffers.overlap_timeline import ideal_overlap, timeline_summary
 from tinytron.main_loop.schedule_timeline import (bubble_formula, ideal_events, measured_bubble,
                                                   stage_order)
 
@@ -25,3 +28,14 @@ def test_stage_order_runs_each_chunk_forward_then_backward_once():
     assert stage_order(2, 3, 1, 0) == [("forward", 0, 0), ("forward", 0, 1), ("backward", 0, 0),
                                        ("forward", 0, 2), ("backward", 0, 1), ("backward", 0, 2)]
 
+
+
+def test_ideal_overlap_leaves_only_the_queue_end():
+    numels = [400, 260, 260, 260, 60]
+    off = timeline_summary(ideal_overlap(numels, False))
+    on = timeline_summary(ideal_overlap(numels, True))
+    assert set(off) == {0, -1} and set(on) == {0, 1, 2, 3, 4, -1}
+    assert off[-1]["synced"] - off[-1]["backward_end"] == pytest.approx(1.0)
+    left = on[-1]["synced"] - on[-1]["backward_end"]
+    assert 0 < left <= (260 + 60) / sum(numels)
+    assert all(on[b]["start"] == pytest.approx(on[b]["ready"]) for b in range(4))  # net keeps up
