@@ -13,7 +13,10 @@
 # the production `train_step` on the same model and batches and finds the same losses and
 # the same weights, bit for bit. Everything after it is that loop again, with what a real
 # run adds: pipeline schedules, skipped steps, evaluation, exits, and the hooks through which
-# chapters 03 and 08 plug in.
+# chapters 03 and 08 plug in. This is the chapter's first page on purpose: the pages after
+# it open up the parts the loop calls — [the batch arithmetic](microbatches.py), [the
+# pipeline schedules](schedules.py) and [their timelines](schedule_timeline.py), [the log
+# line](training_log.py), and [what the iteration holds in memory](resident_flowing.py).
 
 # %%
 from __future__ import annotations
@@ -105,14 +108,15 @@ def train_at_a_glance(forward_step_func, data_iterator, model, optimizer, schedu
 # What the production loop adds to these lines, and where on this page:
 #
 # - **The schedule.** The inner loop over micro-batches is `forward_backward_func`: the loop
-#   above is its no-pipelining case, and the previous pages' 1F1B and interleaved schedules
-#   replace it when the model is split into stages. The schedule also calls chapter 05's
+#   above is its no-pipelining case, and the 1F1B and interleaved schedules of the pages after
+#   this one ([schedules](schedules.py), [interleaved](interleaved.py)) replace it when the
+#   model is split into stages. The schedule also calls chapter 05's
 #   `finalize_model_grads` after the last backward, which is `finish_grad_sync` plus the
 #   tensor- and pipeline-parallel reductions that one chunk does not need.
 # - **Skipped steps.** `ok` is False after an fp16 overflow or a rejected grad norm; the
 #   learning rate stays, the samples still count as consumed (`train`, below).
 # - **Around the step**: a changing number of micro-batches (a batch-size schedule), the
-#   log record of the next page, evaluation every `eval_interval`, saving and exiting
+#   log record of [the log page](training_log.py), evaluation every `eval_interval`, saving and exiting
 #   (`checkpoint_and_decide_exit`), and the hooks of chapters 03 and 08, each told in a
 #   section of its own once the loop itself is understood.
 #
@@ -165,7 +169,7 @@ class TrainState:
 # | model chunk | `zero_grad_buffer()` (chapter 05's DDP), else `zero_grad()` | |
 # | optimizer | `zero_grad()`, `step()`, `scale_loss(loss)`, `param_groups` | `step()` → `(success, grad_norm, num_zeros)` |
 # | scheduler | `step(increment=samples)` | |
-# | schedule | `forward_backward_func(forward_step_func=…, …)` (previous pages) | one loss report per micro-batch on the last stage |
+# | schedule | `forward_backward_func(forward_step_func=…, …)` ([schedules](schedules.py)) | one loss report per micro-batch on the last stage |
 # | `forward_step_func` | `(data_iterator, model_chunk)` | `(output, loss_func)`, chapter 00's contract |
 #
 # Chapter 02's optimizers already return the triple. A plain `torch.optim` optimizer does not
@@ -495,7 +499,7 @@ def checkpoint_and_decide_exit(state: TrainState, training, save, *, start_time:
 # 4. `iteration += 1`; `consumed_train_samples += m·b·d` (skipped or not);
 #    `skipped_train_samples +=` what `decrease_batch_size_if_needed` dropped; the FLOPs of the
 #    batch are added to the running sum (`training.py:3585-3628`).
-# 5. `training_log` (next page): accumulate, and hand a record to `log_fn` every `log_interval`.
+# 5. `training_log` ([its page](training_log.py)): accumulate, and hand a record to `log_fn` every `log_interval`.
 # 6. Evaluate every `eval_interval` iterations.
 # 7. `checkpoint_and_decide_exit`.
 #
