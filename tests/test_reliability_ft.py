@@ -58,10 +58,11 @@ def test_config_errors_name_the_field():
 def test_main_thread_position_reports_where_the_main_thread_waits():
     import threading
 
-    seen = []
-    t = threading.Thread(target=lambda: (time.sleep(0.2), seen.append(main_thread_position())))
+    seen, looked = [], threading.Event()
+    t = threading.Thread(target=lambda: (seen.append(main_thread_position()), looked.set()))
     t.start()
-    time.sleep(1.0)   # the main thread is here while the thread looks
+    while not looked.is_set():  # the main thread stays in this frame until the thread has looked
+        time.sleep(0.01)        # (a fixed sleep lost the race on a loaded machine)
     t.join()
     where, in_collective = seen[0]
     assert "test_reliability_ft.py" in where and "test_main_thread_position" in where
