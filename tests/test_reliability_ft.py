@@ -58,11 +58,18 @@ def test_config_errors_name_the_field():
 def test_main_thread_position_reports_where_the_main_thread_waits():
     import threading
 
-    seen, looked = [], threading.Event()
-    t = threading.Thread(target=lambda: (seen.append(main_thread_position()), looked.set()))
+    seen, inside = [], []
+
+    def look():
+        while not inside:  # wait until the main thread is past start() and in this frame
+            time.sleep(0.001)
+        seen.append(main_thread_position())
+
+    t = threading.Thread(target=look)
     t.start()
-    while not looked.is_set():  # the main thread stays in this frame until the thread has looked
-        time.sleep(0.01)        # (a fixed sleep lost the race on a loaded machine)
+    inside.append(True)
+    while not seen:  # only C calls from here on: the main thread's innermost frame is this one
+        time.sleep(0.01)
     t.join()
     where, in_collective = seen[0]
     assert "test_reliability_ft.py" in where and "test_main_thread_position" in where
