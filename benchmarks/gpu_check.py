@@ -298,7 +298,7 @@ def _predictions(argv: list[str], last: dict) -> dict:
     from tinytron.memory.step_time import estimate_step
     from tinytron.train import resolve_config
 
-    cfg = resolve_config(argv, 1)
+    cfg = resolve_config([*argv, "--checkpoint.save", "none"], 1)  # read, never written
     mem = memory_config_from(cfg, 1, device="cuda")
     ledger = stage_ledgers(mem)[0]
     # appendix C's kernel law of this GPU (the H100's, named as such, on a dry run's CPU)

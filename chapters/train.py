@@ -82,7 +82,8 @@ def resolve_config(argv: list[str], world_size: int) -> TrainConfig:
     cfg = load_config(path, overrides).resolve(world_size)
     _check_trainer_rules(cfg)
     load_plan(cfg, Path(path).stem if path else "run")  # the checkpoint to resume, checked
-    check_save_dir(output_dir(cfg, Path(path).stem if path else "run"))
+    if not cfg.never_save:  # checkpoint.save none writes nothing anywhere: nothing to check
+        check_save_dir(output_dir(cfg, Path(path).stem if path else "run"))
     return cfg
 
 
