@@ -43,6 +43,14 @@ PROBE = b"""<script>(function () {
       var svg = root.querySelector("svg");
       d.setAttribute("data-tt-svg", svg ? "yes" : "no");
       d.setAttribute("data-tt-error", /Syntax error|Parse error/.test(root.textContent) ? "yes" : "no");
+      if (svg) {  // each label's text, a line break as a newline; the diagram's drawn height
+        var texts = [];
+        root.querySelectorAll(".nodeLabel, .edgeLabel, text").forEach(function (l) {
+          texts.push(l.innerHTML.replace(/<br\s*\/?>|<\/tspan>/gi, "\\n").replace(/<[^>]+>/g, ""));
+        });
+        d.setAttribute("data-tt-labels", texts.join(" | "));
+        d.setAttribute("data-tt-height", svg.getBoundingClientRect().height.toFixed(0));
+      }
       var label = svg && root.querySelector(".nodeLabel, .label, text");
       if (label && svg.viewBox.baseVal.width) {  // the label's font size as drawn on screen
         var scale = svg.getBoundingClientRect().width / svg.viewBox.baseVal.width;
@@ -59,7 +67,22 @@ PROBE = b"""<script>(function () {
         clipped.push(p.scrollWidth + ">" + p.clientWidth + ":" + p.textContent.trim().slice(0, 40));
     });
     document.body.setAttribute("data-tt-clipped", clipped.length + (clipped.length ? " " + clipped[0] : ""));
+    // Prose measure: the widest paragraph against a 100-character line of prose in its font.
+    var widest = null;
+    document.querySelectorAll(".md-content .md-typeset p").forEach(function (p) {
+      if (p.textContent.length > 120 && (!widest || p.clientWidth > widest.clientWidth)) widest = p;
+    });
+    if (widest) {
+      var line = document.createElement("span");
+      line.textContent = "the bucket holds every grad of the layer, and the last one to arrive starts its reduce-scatter early";
+      line.style.whiteSpace = "nowrap";
+      widest.appendChild(line);
+      var hundred = line.getBoundingClientRect().width;
+      widest.removeChild(line);
+      document.body.setAttribute("data-tt-prose", widest.clientWidth + "/" + hundred.toFixed(0));
+    }
     var pre = document.querySelector(".jupyter-wrapper .highlight-ipynb pre");
+    if (pre) document.body.setAttribute("data-tt-pre-ws", getComputedStyle(pre).whiteSpace);
     if (pre && pre.clientWidth) {
       var probe = document.createElement("span");
       probe.textContent = "x".repeat(110);

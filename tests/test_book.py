@@ -314,3 +314,15 @@ def test_rendered_page_folds_imports_and_keeps_code_in_the_toc(tmp_path):
     assert f'id="{toc[0]["children"][0]["id"]}"' in out  # the TOC links to the page's own heading
     # a page whose source and rendering disagree on the cells is left as it is, with a warning
     assert hooks.fold_code_cells(html, hooks._code_cell_sources(page)[:2], "page.py") == html
+
+
+def test_no_markdown_line_starts_with_a_plus():
+    """A prose line starting "+ " (a formula wrapped before its plus) renders as a bullet."""
+    found = []
+    for page in [*PAGES, CHAPTERS / "index.md"]:
+        fenced = False
+        for line in _prose(page).splitlines():
+            fenced ^= line.lstrip().startswith("```")
+            if not fenced and re.match(r"\s*\+ ", line):
+                found.append(f"{page.relative_to(ROOT)}: {line.strip()[:60]}")
+    assert not found, found
