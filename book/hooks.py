@@ -221,9 +221,64 @@ def _converted(path, **kwargs) -> str:
 _NB2HTML: list = []  # mkdocs-jupyter's own nb2html, kept before it is replaced
 
 
+# Each chapter keeps the engineering around its mechanism (argparse, validation, plumbing,
+# plotting) in private `_*.py` modules, and its pages name them: "the code you read is the
+# code that runs" holds on the site only if those can be read there too. Each becomes a page
+# of its source (`01_main_loop/_parts/`), outside the nav and the search index, and every code
+# span on a page that names one (`_parts.py`, `01_main_loop/_parts.py`, `chapters/...`) links it.
+def private_modules(docs_dir: Path) -> list[Path]:
+    """The private modules the site publishes: chapters/_*.py and chapters/*/_*.py."""
+    return sorted(p for p in [*docs_dir.glob("_*.py"), *docs_dir.glob("*/_*.py")]
+                  if not p.name.startswith("__"))
+
+
+def source_page(module: Path, docs_dir: Path) -> str:
+    """The markdown of a private module's source page."""
+    rel = module.relative_to(docs_dir).as_posix()
+    text = module.read_text(encoding="utf-8")
+    fence = "`" * max(3, 1 + max((len(m) for m in re.findall(r"`{3,}", text)), default=0))
+    doc = ast.get_docstring(ast.parse(text)) or ""
+    lead = doc.split("\n\n")[0].replace("\n", " ")
+    return (f"---\nsearch:\n  exclude: true\n---\n\n# `chapters/{rel}`\n\n"
+            f"{lead}\n\nThe private module's whole source ({len(text.splitlines())} lines), as the "
+            f"pages import and run it.\n\n{fence}python\n{text}\n{fence}\n")
+
+
+def _add_source_pages(files, config) -> None:
+    from mkdocs.structure.files import File, InclusionLevel
+
+    docs_dir = Path(config["docs_dir"])
+    for module in private_modules(docs_dir):
+        uri = module.relative_to(docs_dir).with_suffix(".md").as_posix()
+        if files.get_file_from_path(uri) is None:
+            files.append(File.generated(config, uri, content=source_page(module, docs_dir),
+                                        inclusion=InclusionLevel.NOT_IN_NAV))
+
+
+_MODULE_SPAN = re.compile(r"(?<!\">)(<code>)((?:\.\./|chapters/)?(?:[\w]+/)?(_[a-z]\w*)\.py)(</code>)")
+
+
+def link_private_modules(html: str, page, files) -> str:
+    """Link each code span naming a published private module to its source page."""
+    here = posixpath.dirname(page.file.src_uri)
+
+    def link(m: re.Match) -> str:
+        named = m.group(2).removeprefix("chapters/").removeprefix("../")
+        candidates = [named] if "/" in named else [posixpath.join(here, named), named]
+        for cand in candidates:
+            found = files.get_file_from_path(cand[:-3] + ".md")
+            if found is not None and found.inclusion.is_not_in_nav():
+                return (f'<a href="{found.url_relative_to(page.file)}">{m.group(1)}{m.group(2)}'
+                        f"{m.group(4)}</a>")
+        return m.group(0)
+    return _MODULE_SPAN.sub(link, html)
+
+
 def on_files(files, config, **kwargs):
-    """Start executing every notebook page in a pool (TINYTRON_SERIAL_BOOK=1: one at a time)."""
+    """Add the private modules' source pages; start executing every notebook page in a pool
+    (TINYTRON_SERIAL_BOOK=1: one at a time)."""
     global _POOL
+    _add_source_pages(files, config)
     plugin = config["plugins"].get("mkdocs-jupyter")
     if plugin is None or not plugin.config["execute"] or os.environ.get("TINYTRON_SERIAL_BOOK"):
         return files
@@ -296,6 +351,7 @@ def on_page_content(html, page, config, files):
         html = escape_mermaid(_JP_MERMAID.sub('class="tt-mermaid"', html))
     html = shared_notebook_css(html, page)
     html = link_citations(html, _CITED)
+    html = link_private_modules(html, page, files)
     if page.file.src_uri.endswith(".py"):  # markdown pages: mkdocs checks their links itself
         html = _link_pages(html, page, files)
         html = fold_code_cells(html, _code_cell_sources(Path(page.file.abs_src_path)),
@@ -569,6 +625,8 @@ def _link_pages(html: str, page, files) -> str:
         target = posixpath.normpath(posixpath.join(posixpath.dirname(page.file.src_uri), href))
         if target.endswith(".ipynb"):
             target = target[: -len(".ipynb")] + ".py"
+        if posixpath.basename(target).startswith("_") and target.endswith(".py"):
+            target = target[:-3] + ".md"  # a private module: its source page
         found = files.get_file_from_path(target)
         if found is None or found.inclusion.is_excluded():
             log.warning("%s links to '%s', which is not a page or file of the book",

@@ -326,3 +326,31 @@ def test_no_markdown_line_starts_with_a_plus():
             if not fenced and re.match(r"\s*\+ ", line):
                 found.append(f"{page.relative_to(ROOT)}: {line.strip()[:60]}")
     assert not found, found
+
+
+def test_private_modules_are_published_and_linked():
+    """Every `_*.py` module becomes a source page outside the nav, and a code span naming one
+    (bare, by chapter path or by repository path) links to it; an unknown name stays text."""
+    from mkdocs.config import load_config
+    from mkdocs.structure.files import File, Files
+    from mkdocs.structure.pages import Page
+
+    hooks = _hooks()
+    config = load_config(str(ROOT / "mkdocs.yml"))
+    config.plugins._current_plugin = None  # mkdocs sets it while an event runs
+    files = Files([File.generated(config, "01_main_loop/loop.md", content="# the page")])
+    hooks._add_source_pages(files, config)
+    modules = hooks.private_modules(CHAPTERS)
+    assert len(modules) > 50 and CHAPTERS / "_fields.py" in modules
+    for module in modules:
+        uri = module.relative_to(CHAPTERS).with_suffix(".md").as_posix()
+        published = files.get_file_from_path(uri)
+        assert published is not None and published.inclusion.is_not_in_nav(), uri
+        assert module.read_text(encoding="utf-8") in published.content_string, uri
+    page = Page(None, files.get_file_from_path("01_main_loop/loop.md"), config)
+    html = hooks.link_private_modules(
+        "<p><code>_parts.py</code>, <code>chapters/01_main_loop/_parts.py</code>, "
+        "<code>02_optimizer/_config.py</code>, <code>_no_such_module.py</code></p>", page, files)
+    assert html.count('<a href="../_parts/"><code>') == 2
+    assert '<a href="../../02_optimizer/_config/"><code>02_optimizer/_config.py</code></a>' in html
+    assert "<code>_no_such_module.py</code>" in html and html.count("<a ") == 3
