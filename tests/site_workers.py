@@ -4,7 +4,8 @@
 
 runs `mkdocs build --strict` into OUT/site (its console in OUT/build.log, its exit status in
 OUT/build.rc, written once the build has ended), then loads every page of the built site in
-headless Chromium at 1280 px and keeps each page's DOM under OUT/doms/, listed in OUT/doms.json
+headless Chromium at 1280 px (and one at a phone's 412 px, OUT/doms/phone.html) and keeps each
+page's DOM under OUT/doms/, listed in OUT/doms.json
 (written last: a list of [address, DOM file], or {"skip": reason} when no Chromium is found).
 
 tests/conftest.py starts this at collection and tests/test_site.py reads what it leaves, at the
@@ -95,6 +96,8 @@ PROBE = b"""<script>(function () {
   }, 100);
 })();</script>"""
 
+PHONE_PAGE = "01_main_loop/loop/"  # rendered once more at 412 px (tests/test_site.py)
+
 NO_CHROMIUM = "no Chromium found: install it with `apt-get install chromium` (scripts/setup.sh does)"
 
 
@@ -183,6 +186,9 @@ def render(out: Path) -> None:
             dom = browser(f"{address}/{rel}", "--dump-dom", "--window-size=1280,2000")
             (out / "doms" / f"{i:03d}.html").write_text(dom, encoding="utf-8")
             listed.append([rel, f"{i:03d}.html"])
+        # one page on a phone's screen: its code cells must scroll, not wrap
+        dom = browser(f"{address}/{PHONE_PAGE}", "--dump-dom", "--window-size=412,900")
+        (out / "doms" / "phone.html").write_text(dom, encoding="utf-8")
     finally:
         server.shutdown()
     _write(out / "doms.json", json.dumps(listed))

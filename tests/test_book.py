@@ -354,3 +354,20 @@ def test_private_modules_are_published_and_linked():
     assert html.count('<a href="../_parts/"><code>') == 2
     assert '<a href="../../02_optimizer/_config/"><code>02_optimizer/_config.py</code></a>' in html
     assert "<code>_no_such_module.py</code>" in html and html.count("<a ") == 3
+
+
+def test_every_page_has_one_number_and_a_short_title():
+    """The sidebar numbers every page one way (07.3, A.2, C.0) with a title of at most ~40
+    characters, and a page whose heading carries a number carries the same one."""
+    hooks = _hooks()
+    titles = hooks.page_titles(CHAPTERS)
+    assert sorted(titles) == sorted(p.relative_to(CHAPTERS).as_posix() for p in PAGES)
+    numbers = [number for number, _ in titles.values()]
+    assert len(set(numbers)) == len(numbers), "two pages share a number"
+    assert all(re.fullmatch(r"(?:0\d|[A-Z])\.\d+", n) for n in numbers), numbers
+    long = [t for _, t in titles.values() if len(t) > 40]
+    assert not long, f"sidebar titles over 40 characters: {long}"
+    for page, (number, _) in titles.items():
+        heading = hooks._heading(CHAPTERS / page)
+        if m := re.match(r"(\d\d\.\d+|[A-Z]\.\d+) ·", heading):
+            assert m.group(1) == number, f"{page} is headed {m.group(1)} and sits at {number}"

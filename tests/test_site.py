@@ -305,9 +305,9 @@ def test_prose_lines_are_at_most_100_characters(rendered_pages):
     assert measured >= len(chapter_pages()) // 2, f"only {measured} pages had prose measured"
 
 
-def test_code_scrolls_instead_of_wrapping_on_a_phone(served_site):
+def test_code_scrolls_instead_of_wrapping_on_a_phone(rendered_pages):
     """On a 412 px screen a code cell keeps Python's indentation: it scrolls, it does not wrap."""
-    dom = _browser(f"{served_site}/01_main_loop/loop/", "--dump-dom", "--window-size=412,900")
+    dom = (_RUN["out"] / "doms" / "phone.html").read_text(encoding="utf-8")
     ws = re.search(r'data-tt-pre-ws="([^"]*)"', dom)
     assert ws and ws.group(1) == "pre", f"code cells on a phone: white-space {ws and ws.group(1)}"
 
