@@ -339,6 +339,9 @@ def escape_mermaid(html: str) -> str:
 
 
 def on_page_content(html, page, config, files):
+    if page.file.abs_src_path is None:  # a private module's source page (on_files made it)
+        page.title = "chapters/" + page.file.src_uri[: -len(".md")] + ".py"
+        return html
     title = code_span_title(Path(page.file.abs_src_path))
     if title is not None:
         page.title = title  # the nav and the browser tab
@@ -351,14 +354,13 @@ def on_page_content(html, page, config, files):
         html = escape_mermaid(_JP_MERMAID.sub('class="tt-mermaid"', html))
     html = shared_notebook_css(html, page)
     html = link_citations(html, _CITED)
-    html = link_private_modules(html, page, files)
     if page.file.src_uri.endswith(".py"):  # markdown pages: mkdocs checks their links itself
         html = _link_pages(html, page, files)
         html = fold_code_cells(html, _code_cell_sources(Path(page.file.abs_src_path)),
                                page.file.src_uri)
         from mkdocs.structure.toc import get_toc
         page.toc = get_toc(heading_toc_tokens(html))
-    return html
+    return link_private_modules(html, page, files)
 
 
 def on_post_page(output, page, config):
