@@ -59,8 +59,8 @@ __all__ = ["Links", "StepOptions", "StepItem", "StepTime", "stage_flops", "stage
 # So the model of this page takes each transfer, finds its window by Megatron's rule, and
 # keeps only what sticks out:
 #
-# $$ t_\text{step} = t_\text{compute} + t_\text{bubble} + t_\text{optimizer}
-#    + \sum_\text{items} \max(0,\ t_\text{item} - t_\text{window}) $$
+# $$ t_\text{step} = t_\text{compute} + t_\text{bubble} + t_\text{optimizer} +
+#    \sum_\text{items} \max(0,\ t_\text{item} - t_\text{window}) $$
 #
 # where the max is applied bucket by bucket, layer by layer or micro-batch by micro-batch as
 # each rule says, not once for the whole transfer. The same numbers for every layout feed the
