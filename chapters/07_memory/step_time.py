@@ -557,8 +557,8 @@ if __name__ == "__main__":  # the worked examples of rules 1 and 2
 # when its micro-batch counter reaches the one where chunk $c$ begins on rank 0 — rank $r$
 # looks $r$ micro-batches ahead (`schedules.py:1283-1296`), so all ranks launch the same
 # chunk at the same wall-clock time. One communication stream runs them in order. Rank $r$
-# needs chunk $c$ when its first micro-batch of that chunk arrives: in the fill, after $c\,p
-# + r$ chunk-forwards of $f$ seconds. So later stages hide their gathers behind the fill
+# needs chunk $c$ when its first micro-batch of that chunk arrives: in the fill, after
+# $c\,p + r$ chunk-forwards of $f$ seconds. So later stages hide their gathers behind the fill
 # instead of adding them up along it; the step pays the largest wait of any rank.
 #
 # Worked: $p = 2$, two chunks, $f = 1$ ms, 3 ms per chunk's gather. Rank 0: chunk 0 ready at
