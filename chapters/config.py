@@ -81,7 +81,8 @@ class TrainingConfig:
     global_batch_size: Optional[int] = None
     """Samples per optimizer step over all DP ranks; None = micro_batch_size · dp."""
     step_batch_size_schedule: Optional[str] = None
-    """Megatron's "THRESHOLD:BS ..." schedule, thresholds in tokens, e.g. "0:16 1M:32"."""
+    """Megatron's "THRESHOLD:BS ..." schedule, thresholds in tokens, e.g. "0:16 1M:32"; the LR
+    schedule's lengths are the samples their iterations consume under it."""
     decrease_batch_size_if_needed: bool = False
     """Round the global batch down to a multiple of micro_batch_size · dp instead of failing."""
     train_iters: Optional[int] = None
@@ -115,6 +116,8 @@ class TrainingConfig:
     graph and replayed (chapter 08; CUDA only, refused on CPU; Megatron's --cuda-graph-impl)."""
     cuda_graph_warmup_steps: int = 3
     """Eager iterations before the full-iteration graph is captured (Megatron's default)."""
+    skip_train: bool = False
+    """Evaluate the loaded checkpoint on the valid and test splits and exit (Megatron's --skip-train)."""
 
 
 @dataclass
@@ -125,6 +128,10 @@ class TokenizerConfig:
     """"byte" (chapter 00's byte tokenizer, the embedded corpus) or "hf" (a tokenizer.json)."""
     tokenizer_model: Optional[str] = None
     """Path of the Hugging Face tokenizer.json when tokenizer_type is "hf"."""
+    eod_token: Optional[str] = None
+    """End-of-document token of an "hf" tokenizer ("</s>" for Llama-2); None = the data's sidecar's, else "<|endoftext|>"."""
+    pad_token: Optional[str] = None
+    """Padding token of an "hf" tokenizer; None = "<|pad|>" or "<pad>" when it has one, else none."""
 
     def __post_init__(self):
         if self.tokenizer_type not in ("byte", "hf"):
@@ -272,6 +279,9 @@ class TrainConfig:
     data: Any = None
     extra: dict = field(default_factory=dict)
     """Sections registered by later chapters (checkpoint, logging, reliability), built as given."""
+    never_save: bool = False
+    """`[checkpoint] save` was given as none or "": no checkpoint is written (absent: the
+    trainer saves to runs/<config name>)."""
 
     @classmethod
     def from_dict(cls, raw: dict) -> "TrainConfig":
@@ -284,11 +294,15 @@ class TrainConfig:
         if "model" not in raw:
             raise ConfigError("the config has no [model] section")
         raw = _reliability_follows_training(_ddp_follows_optimizer(raw))
+        ckpt = raw.get("checkpoint")
+        never_save = isinstance(ckpt, dict) and "save" in ckpt and ckpt["save"] in (None, "")
+        if never_save:  # "" (TOML has no null) and none mean the same: never save
+            raw = {**raw, "checkpoint": {**ckpt, "save": None}}
         built = {name: _build_section(name, raw.get(name, {})) for name in SECTIONS
                  if name in raw or name != "model"}
         core = {k: built.pop(k) for k in ("model", "parallel", "training", "optimizer",
                                           "scheduler", "ddp", "data")}
-        return cls(**core, extra=built)
+        return cls(**core, extra=built, never_save=never_save)
 
     def data_parallel_size(self, world_size: int) -> int:
         """dp = world / (tp · pp · cp), or a ConfigError naming the numbers."""
@@ -321,6 +335,7 @@ class TrainConfig:
                               f" > 2 with interleaving, got {pp} (arguments.py:984-988; or set "
                               "parallel.batch_p2p_comm = false)")
         t = self.training
+        _check_training_values(self)
         per_step = t.micro_batch_size * dp
         if t.step_batch_size_schedule is not None and t.global_batch_size is not None:
             raise ConfigError("set training.step_batch_size_schedule or training.global_batch_size, "
@@ -331,6 +346,18 @@ class TrainConfig:
             raise ConfigError(f"training.global_batch_size ({t.global_batch_size}) must be "
                               f"divisible by micro_batch_size·dp = {t.micro_batch_size}·{dp} "
                               f"= {per_step}")
+        if t.global_batch_size % per_step and t.eval_global_batch_size is None:
+            # decrease_batch_size_if_needed: evaluation follows the decreased batch, not the asked
+            t.eval_global_batch_size = t.global_batch_size // per_step * per_step
+            if t.eval_global_batch_size == 0:
+                raise ConfigError(f"training.global_batch_size ({t.global_batch_size}) is smaller "
+                                  f"than micro_batch_size·dp = {per_step}: decreasing it leaves "
+                                  "no sample")
+        if t.skip_train and t.train_iters is None and t.train_samples is None:
+            t.train_iters = 0  # evaluation only: the run's length is not needed
+        if t.train_iters == 0 and not t.skip_train:
+            raise ConfigError("training.train_iters must be >= 1; to evaluate a checkpoint "
+                              "without training set training.skip_train = true")
         if (t.train_iters is None) == (t.train_samples is None):
             raise ConfigError("set exactly one of training.train_iters and training.train_samples")
         num_microbatches = t.global_batch_size // per_step
@@ -359,8 +386,60 @@ class TrainConfig:
                     if key == "global_batch_size" and values.get("step_batch_size_schedule"):
                         continue  # filled in by resolve; the schedule sets the batch
                     lines.append(f"{key} = {_toml_value(value)}")
+            if section == "checkpoint" and self.never_save:
+                lines.append('save = ""')  # read back: never save (absent would mean runs/<name>)
             lines.append("")
         return "\n".join(lines)
+
+
+def _check_training_values(cfg: "TrainConfig") -> None:
+    """Values no run can use, each named before anything starts (one ConfigError line)."""
+    t = cfg.training
+    for key in ("micro_batch_size", "log_interval", "eval_iters"):
+        low = 0 if key == "eval_iters" else 1
+        if getattr(t, key) < low:
+            raise ConfigError(f"training.{key} must be >= {low}, got {getattr(t, key)}")
+    for key in ("global_batch_size", "eval_global_batch_size", "train_iters", "train_samples",
+                "eval_interval", "save_interval", "exit_interval"):
+        value, low = getattr(t, key), 1 if "batch" in key else 0  # an interval of 0 is off
+        if value is not None and value < low:
+            raise ConfigError(f"training.{key} must be >= {low} (or none), got {value}")
+    opt = cfg.optimizer
+    if opt is not None and opt.lr is not None and opt.min_lr > opt.lr:
+        raise ConfigError(f"optimizer.min_lr ({opt.min_lr}) is larger than optimizer.lr "
+                          f"({opt.lr}): the decay would raise the learning rate")
+    if t.step_batch_size_schedule is not None:
+        from tinytron.main_loop.microbatches import parse_step_batch_size_schedule
+        try:
+            parse_step_batch_size_schedule(str(t.step_batch_size_schedule),
+                                           cfg.model.seq_length)
+        except ValueError as e:
+            raise ConfigError(f"training.step_batch_size_schedule "
+                              f"{t.step_batch_size_schedule!r}: {e}") from e
+    data = cfg.data
+    if data is not None and getattr(data, "sft", False) and t.micro_batch_size != 1:
+        raise ConfigError(f"data.sft needs training.micro_batch_size 1, got {t.micro_batch_size}"
+                          " (a packed row's cu_seqlens differ from row to row; a longer "
+                          "model.seq_length packs more per micro-batch)")
+    _check_validation_split(cfg)
+
+
+def _check_validation_split(cfg: "TrainConfig") -> None:
+    """An eval_interval with a split that gives validation nothing would never validate."""
+    t, data = cfg.training, cfg.data
+    if t.skip_train or not (t.eval_interval and t.eval_iters) or data is None:
+        return
+    if not data.data_path or data.valid_data_path:
+        return  # the embedded corpus (the default split), or a validation path of its own
+    from tinytron.data.gpt_dataset import parse_and_normalize_split
+    try:
+        weights = parse_and_normalize_split(data.split)
+    except ValueError:
+        return  # [data] names it
+    if weights[1] == 0:
+        raise ConfigError(f"data.split {data.split!r} leaves no validation data but "
+                          f"training.eval_interval is {t.eval_interval}: give validation a "
+                          "share (e.g. \"98,2,0\") or set training.eval_interval none")
 
 
 def _ddp_follows_optimizer(raw: dict) -> dict:

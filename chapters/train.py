@@ -39,7 +39,9 @@ from tinytron.config import ConfigError, TrainConfig, load_config
 __all__ = ["main", "console_main", "run", "prepare_embedded_corpus", "build_tokenizer_for", "plot_loss_curve"]
 
 USAGE = ("usage: torchrun --nproc-per-node N -m tinytron.train --config FILE.toml "
-         "[--section.key value ...]")
+         "[--section.key value ...]\n"
+         "       WORLD_SIZE=N python -m tinytron.train --check --config FILE.toml [...]   "
+         "# check only: exit 0, or 2 and one line")
 EMBEDDED_CORPUS_FILES = 400  # the first 400 .py files of the standard library: ~5 MB of bytes
 
 
@@ -80,6 +82,7 @@ def resolve_config(argv: list[str], world_size: int) -> TrainConfig:
     cfg = load_config(path, overrides).resolve(world_size)
     _check_trainer_rules(cfg)
     load_plan(cfg, Path(path).stem if path else "run")  # the checkpoint to resume, checked
+    check_save_dir(output_dir(cfg, Path(path).stem if path else "run"))
     return cfg
 
 
@@ -95,13 +98,16 @@ def load_plan(cfg: TrainConfig, name: str = "run"):
                                                saved_model_config)
 
     ckpt = cfg.extra.get("checkpoint") or CheckpointConfig()
-    save = output_dir(cfg, name)
+    save = None if cfg.never_save else output_dir(cfg, name)
     try:
         plan = plan_load(ckpt.load, save, ckpt.ckpt_step, ckpt.exit_on_missing_checkpoint)
-        differ = (model_config_differences(saved_model_config(plan.directory), cfg.model)
-                  if plan.directory is not None else [])
+        saved = saved_model_config(plan.directory) if plan.directory is not None else None
+        differ = model_config_differences(saved, cfg.model)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    made_for = saved and (saved.get("max_position_embeddings") or saved.get("seq_length"))
+    if made_for and cfg.model.max_position_embeddings is None and made_for > cfg.model.seq_length:
+        cfg.model.max_position_embeddings = made_for  # the model's context, kept for the export
     if differ:
         raise ConfigError(f"checkpoint.load: {plan.directory} holds another model ("
                           f"{', '.join(differ)}; checkpoint vs this run's [model]): resume with "
@@ -112,21 +118,27 @@ def load_plan(cfg: TrainConfig, name: str = "run"):
 
 def _check_trainer_rules(cfg: TrainConfig) -> None:
     """What the trainer itself needs: data paths that exist, a vocabulary that fits, a layout it runs."""
-    for key in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        for word in getattr(cfg.data, key) or []:
-            if _is_number(word):
-                continue
-            for ext in (".bin", ".idx"):
-                if not os.path.isfile(str(word) + ext):
-                    raise ConfigError(f"data.{key}: {word}{ext} does not exist")
     tok = build_tokenizer_for(cfg)
-    _check_data_tokenizer(cfg, tok)
+    if cfg.data.sft:
+        _check_sft_data(cfg, tok)
+    else:
+        for key in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+            for word in getattr(cfg.data, key) or []:
+                if _is_number(word):
+                    continue
+                for ext in (".bin", ".idx"):
+                    if not os.path.isfile(str(word) + ext):
+                        raise ConfigError(f"data.{key}: {word}{ext} does not exist")
+        _check_data_tokenizer(cfg, tok)
     if tok.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the "
                           f"tokenizer's vocabulary ({tok.vocab_size})")
+    s, t = cfg.scheduler, cfg.training
+    _check_kernels_device(cfg)
+    if t.skip_train:  # no step is taken: the learning rate is not read (arguments.py:1226-1227)
+        return check_cuda_graph(cfg, torch.cuda.is_available())
     if cfg.optimizer.lr is None:
         raise ConfigError("optimizer.lr is required")
-    s, t = cfg.scheduler, cfg.training
     decay = s.lr_decay_iters or t.train_iters
     if t.train_iters is not None and decay is not None and s.lr_warmup_iters >= decay:
         raise ConfigError(f"scheduler.lr_warmup_iters ({s.lr_warmup_iters}) must be smaller "
@@ -134,6 +146,35 @@ def _check_trainer_rules(cfg: TrainConfig) -> None:
                           f"or training.train_iters); for a short run shorten the warm-up, e.g. "
                           f"--scheduler.lr_warmup_iters {max(0, min(decay - 1, decay // 10))}")
     check_cuda_graph(cfg, torch.cuda.is_available())
+
+
+def _check_kernels_device(cfg: TrainConfig) -> None:
+    """Appendix C's Triton kernels on a CPU run in Triton's interpreter: refused, not crawled."""
+    device = cfg.training.device
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if cfg.model.kernels == "triton" and on_cpu:
+        raise ConfigError("model.kernels = 'triton' on a CPU runs Triton's interpreter (minutes "
+                          "per iteration of the tiny model); use model.kernels = 'torch', or "
+                          "'auto' (Triton on CUDA, torch on a CPU)")
+
+
+def check_save_dir(save: str) -> None:
+    """The directory the run writes to: a directory (or creatable) and writable, or a ConfigError."""
+    path = Path(save)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"checkpoint.save: {save} exists and is not a directory")
+    probe = path
+    while not probe.exists():  # the nearest existing ancestor is where mkdir would write
+        probe = probe.parent
+    import tempfile
+
+    try:  # a file made and removed: permission bits alone miss read-only mounts and root
+        fd, name = tempfile.mkstemp(dir=probe, prefix=".tinytron-write-check-")
+        os.close(fd)
+        os.remove(name)
+    except OSError as e:
+        raise ConfigError(f"checkpoint.save: {save} is not writable ({probe}: "
+                          f"{e.strerror or e})") from e
 
 
 def check_cuda_graph(cfg: TrainConfig, cuda_available: bool) -> None:
@@ -213,6 +254,18 @@ def _check_data_tokenizer(cfg: TrainConfig, tok) -> None:
                     "tokenizer.tokenizer_model to the data's tokenizer")
 
 
+def _check_sft_data(cfg: TrainConfig, tok) -> None:
+    """`[data] sft`: chat JSONL files that exist, a tokenizer with the chat tokens (chapter 04)."""
+    from tinytron.data._sft_build import chat_tokenizer, sft_paths
+
+    t = cfg.extra.get("tokenizer")
+    try:
+        sft_paths(cfg.data)
+        chat_tokenizer(tok, t.tokenizer_model if t is not None else None)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
 def _is_number(word) -> bool:
     try:
         float(word)
@@ -228,9 +281,30 @@ def build_tokenizer_for(cfg: TrainConfig):
     t = cfg.extra.get("tokenizer")
     kind, path = (t.tokenizer_type, t.tokenizer_model) if t is not None else ("byte", None)
     try:
-        return build_tokenizer(TokenizerSpec(kind, path))
+        if kind != "hf":
+            return build_tokenizer(TokenizerSpec(kind, path))
+        eod = t.eod_token or _sidecar_eod_token(cfg, path) or "<|endoftext|>"
+        return build_tokenizer(TokenizerSpec(kind, path, eod, t.pad_token))
     except (ValueError, OSError) as e:
         raise ConfigError(f"tokenizer: {e}") from e
+
+
+def _sidecar_eod_token(cfg: TrainConfig, path: str):
+    """The end-of-document token the data was tokenized with (its sidecar's id), if recorded."""
+    from tinytron.data._sidecar import read_sidecar
+
+    for key in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        for word in getattr(cfg.data, key) or []:
+            if _is_number(word) or cfg.data.sft:
+                continue
+            info = read_sidecar(str(word))
+            if info and info.get("tokenizer_type") == "hf" and info.get("eod") is not None:
+                from tokenizers import Tokenizer
+                try:
+                    return Tokenizer.from_file(str(path)).id_to_token(int(info["eod"]))
+                except Exception:  # noqa: BLE001 - the build below names a bad file
+                    return None
+    return None
 
 
 # -- the world --------------------------------------------------------------------------------
@@ -277,7 +351,7 @@ def prepare_embedded_corpus(cache_dir: str, num_files: int = EMBEDDED_CORPUS_FIL
 def _data_config(cfg: TrainConfig, out_dir: str):
     """cfg.data, pointed at the embedded corpus when it names no data."""
     data = cfg.data
-    if not (data.data_path or data.train_data_path):
+    if not (data.data_path or data.train_data_path or data.sft):
         prefix = prepare_embedded_corpus(os.path.join(out_dir, "data"))
         data = dataclasses.replace(data, data_path=[prefix])
     if data.data_cache_path is None:
@@ -311,21 +385,34 @@ def data_iterators_provider(cfg: TrainConfig, data, tokenizer, reliability):
 
         train_iters = train_iters_of(cfg, grid.size("dp"))
         eval_runs = (train_iters // t.eval_interval + 1) if t.eval_interval else 0
+        if t.skip_train:  # one evaluation of each split, from its start (training.py:4132-4142)
+            eval_runs = 1
         # evaluation reads eval_global_batch_size samples a batch (training.py:4119)
+        eval_gbs = eval_batch(t, grid.size("dp"))[1]
         samples = [t.train_samples or train_iters * t.global_batch_size,
-                   eval_runs * t.eval_iters * eval_batch(t, grid.size("dp"))[1], 0]
-        datasets = build_train_valid_test_datasets(
-            data, cfg.model.seq_length, samples, lambda: is_dataset_built_on_rank(grid),
-            eod_id=tokenizer.eod, pad_id=tokenizer.pad if tokenizer.pad >= 0 else tokenizer.eod)
-        consumed = [state.consumed_train_samples, state.consumed_valid_samples, 0]
+                   eval_runs * t.eval_iters * eval_gbs, t.eval_iters * eval_gbs * t.skip_train]
+        if data.sft:  # chat JSONL read as Megatron's --sft reads it (chapter 04's SFTDataset)
+            from tinytron.data._sft_build import build_sft_datasets
+            datasets = build_sft_datasets(data, cfg.model.seq_length, samples,
+                                          lambda: is_dataset_built_on_rank(grid), tokenizer,
+                                          grid.size("cp"))
+        else:
+            datasets = build_train_valid_test_datasets(
+                data, cfg.model.seq_length, samples, lambda: is_dataset_built_on_rank(grid),
+                eod_id=tokenizer.eod,
+                pad_id=tokenizer.pad if tokenizer.pad >= 0 else tokenizer.eod)
+        consumed = ([0, 0, 0] if t.skip_train else
+                    [state.consumed_train_samples, state.consumed_valid_samples, 0])
         # virtual stages: one iterator per model chunk over the same samples, as Megatron builds
         # them (training.py:4256); the first chunk reads the tokens, the last the labels
         vpp = cfg.parallel.virtual_pipeline_model_parallel_size or 1
-        per_chunk = [build_data_iterators(data, datasets, consumed, t.micro_batch_size, grid)[:2]
+        per_chunk = [build_data_iterators(data, datasets, consumed, t.micro_batch_size, grid)
                      for _ in range(vpp)]
-        train = [reliability.data_iterator(tr) for tr, _ in per_chunk]
-        valid = [va for _, va in per_chunk]
+        train = [reliability.data_iterator(tr) for tr, _, _ in per_chunk]
+        valid = [va for _, va, _ in per_chunk]
+        provide.test = [te for _, _, te in per_chunk] if vpp > 1 else per_chunk[0][2]
         return (train[0], valid[0]) if vpp == 1 else (train, valid)
+    provide.test = None  # the test split's iterator, built for training.skip_train only
     return provide
 
 
@@ -356,6 +443,13 @@ def optimizer_provider(cfg: TrainConfig, reliability):
 
     build = megatron_optimizer_provider(dataclasses.replace(cfg.optimizer, bf16=cfg.training.bf16))
     return lambda model, grid: reliability.wrap_optimizer(build(model, grid))
+
+
+def _scheduler_config(cfg: TrainConfig):
+    """[scheduler]; evaluation only takes the checkpoint's schedule as it is (it steps nothing)."""
+    if cfg.training.skip_train:
+        return dataclasses.replace(cfg.scheduler, use_checkpoint_opt_param_scheduler=True)
+    return cfg.scheduler
 
 
 def _ddp_config(cfg: TrainConfig):
@@ -433,7 +527,7 @@ def plot_loss_curve(jsonl_path: str, png_path: str) -> bool:
     train, valid = [], []
     for line in Path(jsonl_path).read_text().splitlines():
         r = json.loads(line)
-        if "validation" in r:
+        if "validation" in r and r.get("split", "validation") == "validation":
             valid.append((r["iteration"], r["validation"].get("lm loss")))
         elif r.get("losses", {}).get("lm loss") is not None:
             train.append((r["iteration"], r["losses"]["lm loss"]))
@@ -481,10 +575,38 @@ def resume_argv(argv: list[str], out_dir: str, cfg: TrainConfig) -> list[str]:
     return out
 
 
+def launch_command(args: list[str], world: int, env=os.environ) -> tuple[str, str]:
+    """(the command that launches `args` as this run was launched, a note on where to run it).
+
+    Under `scripts/slurm_train.sh` (it sets TINYTRON_SLURM_SCRIPT) the `sbatch` line; under
+    torchrun its node and rank counts (torchrun's LOCAL_WORLD_SIZE and WORLD_SIZE); else one
+    process, `tinytron-train`.
+    """
+    local = int(env.get("LOCAL_WORLD_SIZE", world))
+    nodes = max(1, world // max(local, 1))
+    script = env.get("TINYTRON_SLURM_SCRIPT")
+    if script and env.get("SLURM_JOB_ID"):
+        config, rest = _split_argv(args)
+        prefix = [f"GPUS_PER_NODE={local}"] if local != 8 else []
+        line = " ".join(prefix + [shlex.join(["sbatch", f"--nodes={nodes}", script,
+                                              config or "", *rest])])
+        return line, "(a new Slurm job, from the directory this one was submitted from)"
+    if "LOCAL_WORLD_SIZE" not in env and world == 1:
+        return shlex.join(["tinytron-train", *args]), ""
+    head = ["torchrun", f"--nproc-per-node={local}"]
+    if nodes > 1:  # the rendezvous endpoint is not visible to the ranks: name it as launched
+        head = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={local}",
+                "--rdzv-backend=c10d"]
+        line = shlex.join([*head, "-m", "tinytron.train", *args]).replace(
+            "--rdzv-backend=c10d", '--rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT"', 1)
+        return line, (f"(on each of the {nodes} nodes; RDZV_ENDPOINT = the host:port of the "
+                      "launch's --rdzv-endpoint)")
+    return shlex.join([*head, "-m", "tinytron.train", *args]), ""
+
+
 def _next_steps(argv: list[str], out_dir: str, cfg: TrainConfig) -> str:
     """The commands that resume, export and inspect this run."""
-    launch = shlex.join(["torchrun", f"--nproc-per-node={dist.get_world_size()}", "-m",
-                         "tinytron.train", *resume_argv(argv, out_dir, cfg)])  # quoted: pastes
+    launch, where_to = launch_command(resume_argv(argv, out_dir, cfg), dist.get_world_size())
     from tinytron.checkpoint.formats import read_tracker
 
     found = read_tracker(out_dir)
@@ -493,6 +615,7 @@ def _next_steps(argv: list[str], out_dir: str, cfg: TrainConfig) -> str:
     return "\n".join([
         f"resume ({where}):",
         f"  {launch}",
+        *([f"  {where_to}"] if where_to else []),
         "  (to train on to iteration N: add --training.train_iters N "
         "--scheduler.override_opt_param_scheduler true)",
         "export to Hugging Face:",
@@ -539,31 +662,32 @@ class RunLog:
         if kind == "validation" and self.state is not None:
             extra["consumed_train_samples"] = self.state.consumed_train_samples
         self.logger({**record, **extra})
-        if kind == "validation" and self.logger.is_writer and record["validation"]:
+        console = getattr(self.logger, "is_console", self.logger.is_writer)  # each node's
+        if kind == "validation" and console and record["validation"]:
             losses = record["validation"]
             text = " | ".join(f"{k} {v:.4f}" for k, v in losses.items())
             lm = losses.get("lm loss")
             ppl = f" | ppl {math.exp(min(lm, 50.0)):.2f}" if lm is not None else ""
-            label = "final validation" if record.get("final") else "validation"
+            label = ("final " if record.get("final") else "") + record.get("split", "validation")
             print(f"{label} at iteration {record['iteration']}: {text}{ppl}", flush=True)
 
 
 def final_validation(cfg: TrainConfig, result, valid_iterator, forward_step_func, log_fn,
-                     dtype) -> bool:
+                     dtype, *, split: str = "validation", always: bool = False) -> bool:
     """Evaluate once more at the end of a run, as Megatron does (`training.py:1421-1422`).
 
     Skipped when the last iteration was just evaluated (the same loss twice) or when no
-    validation is configured; every rank takes part (the schedule's collectives).
+    validation is configured, unless `always` (training.skip_train: valid and test, once each,
+    `training.py:1430-1466`); every rank takes part (the schedule's collectives).
     """
-    from tinytron.main_loop._parts import any_rank
+    from tinytron.main_loop._parts import any_rank, eval_batch
     from tinytron.main_loop.loop import build_schedule_config, evaluate, get_forward_backward_func
 
     t, grid = cfg.training, result.grid
-    if not (t.eval_interval and t.eval_iters > 0) or result.state.iteration == 0:
+    if not always and (not t.eval_interval or result.state.iteration == 0
+                       or result.state.iteration % t.eval_interval == 0):
         return False
-    if result.state.iteration % t.eval_interval == 0 and result.state.iteration > 0:
-        return False
-    if not any_rank(valid_iterator is not None, grid):  # every rank, or none
+    if t.eval_iters < 1 or not any_rank(valid_iterator is not None, grid):  # every rank, or none
         return False
     config = build_schedule_config(
         result.model, result.optimizer, grid,
@@ -571,12 +695,12 @@ def final_validation(cfg: TrainConfig, result, valid_iterator, forward_step_func
         pipeline_dtype=dtype)
     fb = get_forward_backward_func(grid.size("pp"),
                                    cfg.parallel.virtual_pipeline_model_parallel_size)
-    dp = grid.size("dp")
     losses = evaluate(forward_step_func, valid_iterator, result.model, fb,
-                      num_microbatches=t.global_batch_size // (t.micro_batch_size * dp),
+                      num_microbatches=eval_batch(t, grid.size("dp"))[0],
                       micro_batch_size=t.micro_batch_size, seq_length=cfg.model.seq_length,
                       eval_iters=t.eval_iters, grid=grid, config=config)
-    log_fn({"iteration": result.state.iteration, "validation": losses, "final": True})
+    log_fn({"iteration": result.state.iteration, "validation": losses, "final": True,
+            **({"split": split} if split != "validation" else {})})
     return True
 
 
@@ -611,11 +735,13 @@ def _checkpoint_hooks(cfg: TrainConfig, out_dir: str, grid, reliability, plan):
     from tinytron.checkpoint import CheckpointConfig, make_checkpoint_hooks
 
     config = cfg.extra.get("checkpoint") or CheckpointConfig()
-    config = dataclasses.replace(config, save=config.save or out_dir, load=plan.load,
-                                 ckpt_step=plan.ckpt_step)
+    config = dataclasses.replace(config, save=None if cfg.never_save else (config.save or out_dir),
+                                 load=plan.load, ckpt_step=plan.ckpt_step)
     if plan.continues_save:  # the run's own checkpoint: how to take `load`'s does not apply
         config = dataclasses.replace(config, finetune=False, no_load_optim=False,
                                      no_load_rng=False)
+    if cfg.training.skip_train:  # nothing steps: the optimizer state is not read (:1662-1664)
+        config = dataclasses.replace(config, no_load_optim=True)
     hooks = make_checkpoint_hooks(config, grid, rerun_state_machine=reliability.rsm)
     save, load = reliability.checkpoint_hooks(hooks.save_checkpoint_fn, hooks.load_checkpoint_fn)
     return (save, load, hooks.finalize_async_save_fn, hooks.manager.comm.destroy, config,
@@ -671,7 +797,8 @@ def _reporting_hooks(save, load, *, rank: int, out_dir: str, cfg: TrainConfig, c
             run_log.start(state, plan.directory if state is not None else None,
                           dist.get_world_size())
         if rank == 0:
-            (Path(out_dir) / "config.toml").write_text(cfg.to_toml())
+            if not cfg.training.skip_train:  # an evaluation leaves the run's config as it was
+                (Path(out_dir) / "config.toml").write_text(cfg.to_toml())
             if state is None:
                 print(f"checkpoint: starting fresh at iteration 0: {plan.fresh_reason}")
             else:
@@ -695,10 +822,51 @@ def _reporting_hooks(save, load, *, rank: int, out_dir: str, cfg: TrainConfig, c
     return reporting_save, reporting_load
 
 
+_HELD_LOCKS: list = []  # this process's save-directory lock (rank 0), released when run() ends
+
+
+def hold_save_dir(out_dir: str):
+    """Rank 0 locks the save directory for the run's life; every rank refuses alike if taken."""
+    from tinytron.reliability._run_lock import lock_save_dir
+
+    held, refused = None, [None]
+    if dist.get_rank() == 0:
+        try:
+            held = lock_save_dir(out_dir)
+        except ValueError as e:
+            refused = [str(e)]
+    dist.broadcast_object_list(refused, src=0)
+    if refused[0] is not None:
+        raise ConfigError(refused[0])
+    return held
+
+
+def release_save_dir() -> None:
+    while _HELD_LOCKS:
+        lock = _HELD_LOCKS.pop()
+        if lock is not None:
+            lock.close()
+
+
 def output_dir(cfg: TrainConfig, name: str = "run") -> str:
-    """Where the run writes: [checkpoint] save, else runs/<name of the config file>."""
+    """Where the run writes: [checkpoint] save, else runs/<name of the config file>.
+
+    With `checkpoint.save = none` (or "") no checkpoint is written and the run's logs go to a
+    new directory of its own under the system's temporary directory (`scratch_dir`), so that
+    nothing of runs/<name> is read or written.
+    """
     ckpt = cfg.extra.get("checkpoint")
     return ckpt.save if ckpt is not None and ckpt.save else os.path.join("runs", name)
+
+
+def scratch_dir(name: str) -> str:
+    """A new directory for the logs of a run that saves nothing: made by rank 0, the same on all."""
+    import tempfile
+
+    path = [tempfile.mkdtemp(prefix=f"tinytron-{name}-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    os.makedirs(path[0], exist_ok=True)  # another node's ranks: their own temporary directory
+    return path[0]
 
 
 def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
@@ -713,13 +881,16 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
     world, rank = dist.get_world_size(), dist.get_rank()
     tp, pp, _, cp = cfg.parallel.sizes()
     grid = ParallelGrid(tp=tp, pp=pp, cp=cp)
-    out_dir = output_dir(cfg, name)
+    out_dir = scratch_dir(name) if cfg.never_save else output_dir(cfg, name)
     plan = load_plan(cfg, name)
     os.makedirs(out_dir, exist_ok=True)
+    if not cfg.never_save:  # chapter 08: one run at a time per save directory, or exit 2
+        _HELD_LOCKS.append(hold_save_dir(out_dir))
     step_report = step_time_report_at_start(cfg, world, device)  # every rank: CPU rates
     if rank == 0:
         print(f"tinytron.train: world {world} = tp {tp} · pp {pp} · cp {cp} · dp "
-              f"{cfg.data_parallel_size(world)} on {device.type}; writing to {out_dir}")
+              f"{cfg.data_parallel_size(world)} on {device.type}; writing to {out_dir}"
+              + (" (checkpoint.save none: no checkpoint is written)" if cfg.never_save else ""))
         print(memory_report_at_start(cfg, world, device), flush=True)
         print(step_report.text, flush=True)
         if plan.note:
@@ -748,7 +919,8 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
         except ValueError as e:  # chapter 04 names the dataset and what it lacks: a user error
             raise DataRefused(f"data: {e}") from e
         return iterators["train"], iterators["valid"]
-    forward_step = partial(gpt_forward_step, micro_batch_size=mbs, seq_length=seq)
+    forward_step = partial(gpt_forward_step, micro_batch_size=mbs, seq_length=seq,
+                           sft=cfg.data.sft)
     # MFU needs a peak: a GPU's datasheet peak. A CPU's measured matmul rate moves with the
     # shape, the threads and whatever else runs, and a run can beat it (101% was seen), so on
     # a CPU the logs give tokens/s and TFLOP/s (tflops_per_device in the JSONL), not MFU.
@@ -767,7 +939,8 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
                 forward_step_func=rel.forward_step_func(forward_step),
                 data_iterators_provider=provide_and_keep,
                 optimizer_provider=optimizer_provider(cfg, rel),
-                scheduler_provider=megatron_scheduler_provider(cfg.scheduler, cfg.optimizer),
+                scheduler_provider=megatron_scheduler_provider(_scheduler_config(cfg),
+                                                               cfg.optimizer),
                 grid_provider=lambda: grid, ddp_config=_ddp_config(cfg), seq_length=seq,
                 vpp_size=cfg.parallel.virtual_pipeline_model_parallel_size,
                 schedule_overrides={"pipeline_dtype": dtype, **cfg.parallel.p2p_schedule_options()},
@@ -778,8 +951,16 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
                 exit_signal=handler, rerun_state_machine=rel.rsm, step_hooks=rel,
                 iterations_to_skip=rel.iterations_to_skip,
                 wrap_forward_backward_func=_graphed(cfg, rel.forward_backward_func))
+        if handler is not None and handler.received_signals:
+            handler.keep_absorbing()  # torchrun's copy of the Ctrl-C may still be on its way
         if result.exit_reason is None:
-            final_validation(cfg, result, iterators.get("valid"), forward_step, log_fn, dtype)
+            skip = cfg.training.skip_train  # evaluation only: valid, then test, whatever ran
+            final_validation(cfg, result, iterators.get("valid"), forward_step, log_fn, dtype,
+                             always=skip)
+            if skip:
+                final_validation(cfg, result, provide_data.test, forward_step, log_fn, dtype,
+                                 split="test", always=True)
+        logger.flush_timers(result.state.iteration)  # the final save's time, in TensorBoard
     except TokenIdError as e:  # the data holds ids the model cannot: checked on the host
         raise DataRefused(f"data: {e}; the data was tokenized with a larger vocabulary than "
                           "model.vocab_size") from e
@@ -788,6 +969,7 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
         logger.close()
         close_checkpoint_groups()  # their threads and sockets: a second run() starts clean
         grid.destroy()
+        release_save_dir()  # the checkpoint is complete: the directory is free again
     code = rel.exit_code(result.exit_reason)
     if logger.is_writer and log_config.jsonl_path and os.path.isfile(log_config.jsonl_path):
         png = os.path.join(out_dir, "loss.png")
@@ -800,8 +982,10 @@ def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
         from tinytron.memory._step_report import step_report_at_end
         if (line := step_report_at_end(step_report, log_config.jsonl_path)) is not None:
             print(line)  # chapter 07's prediction beside this run's measured step
-        print(f"stopped at iteration {result.state.iteration} "
-              f"(reason: {result.exit_reason or 'train_iters reached'}), exit code {code}")
+        reason = result.exit_reason or ("training.skip_train: evaluated only"
+                                        if cfg.training.skip_train else "train_iters reached")
+        print(f"stopped at iteration {result.state.iteration} (reason: {reason}), "
+              f"exit code {code}")
         if _split_argv(argv)[0] is not None:  # a command line to continue (not a config
             print(_next_steps(argv, out_dir, cfg), flush=True)  # built in memory)
     return code
@@ -822,16 +1006,22 @@ def main(argv: list[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_only = "--check" in argv  # check the config for WORLD_SIZE ranks, start nothing
+    argv = [a for a in argv if a != "--check"]
     try:
         cfg = resolve_config(argv, world)
         path = _split_argv(argv)[0]
     except ConfigError as e:
         return _report_error(e)
+    if check_only:
+        print(f"tinytron.train: the config is valid for world size {world}", flush=True)
+        return 0
     try:
         return run(cfg, argv, Path(path).stem if path else "run")
     except ConfigError as e:  # a checkpoint chapter 03 refused, found by every rank alike
         return _report_error(e)
     finally:
+        release_save_dir()
         if dist.is_initialized():
             dist.destroy_process_group()
 

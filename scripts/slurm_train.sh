@@ -9,9 +9,14 @@
 # Arguments: the config file, then any --section.key value overrides. The world size is
 # nodes x GPUS_PER_NODE and dp = world / (tp · pp · cp); the trainer checks the layout before
 # any process group is built and exits with code 2 naming the numbers.
-# torchrun's --max-restarts relaunches every worker of the job after a failure (chapter 08's
-# exit codes: 16 = relaunch to disambiguate a rerun, 17 = a result failed validation, 18 = a
-# hang); each relaunch resumes from the latest checkpoint. SIGTERM 5 minutes before the time
+# torchrun's --max-restarts relaunches every worker of the job after any failure, whatever its
+# exit code (chapter 08's: 16 = relaunch to disambiguate a rerun, 17 = a result failed
+# validation, 18 = a hang); each relaunch resumes from the latest checkpoint. A config error
+# would fail the same way on every attempt, so the config is checked once before srun
+# (`tinytron.train --check`, exit 2 and one line): it is never restarted.
+# A relative config path is read from the directory sbatch was run in, else from the repository
+# (`sbatch` runs a copy of this script, so the repository is found through the installed
+# package); runs/ is written under the directory sbatch was run in. SIGTERM 5 minutes before the time
 # limit reaches the trainer through srun and torchrun: with exit_signal_handler it finishes
 # the iteration, saves and exits 0 (the next sbatch resumes). torchrun kills workers that are
 # still running TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds after it passed the signal on (30 by
@@ -37,8 +42,14 @@ MASTER_ADDR=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-$(hostname)}" | hea
 MASTER_PORT=${MASTER_PORT:-29500}
 MAX_RESTARTS=${MAX_RESTARTS:-3}
 
-cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
+PYTHON=${PYTHON:-python3}
+REPO=$("$PYTHON" -c 'import pathlib, tinytron; print(pathlib.Path(tinytron.__file__).resolve().parents[1])')
+cd "${SLURM_SUBMIT_DIR:-$PWD}"
+if [ ! -f "$CONFIG" ] && [ -f "$REPO/$CONFIG" ]; then CONFIG="$REPO/$CONFIG"; fi
+# the trainer prints the sbatch line that resumes the run
+export TINYTRON_SLURM_SCRIPT="$REPO/scripts/slurm_train.sh"
 echo "tinytron: $NNODES node(s) x $GPUS_PER_NODE GPU(s), rendezvous $MASTER_ADDR:$MASTER_PORT, config $CONFIG"
+WORLD_SIZE=$((NNODES * GPUS_PER_NODE)) "$PYTHON" -m tinytron.train --check --config "$CONFIG" "$@"
 
 # A failed NCCL collective raises instead of hanging; values the site already set win.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,74 @@ def _run_pages_once(items) -> None:
             item.add_marker(skip)
     site = [item for item in items if item.module is build[0].module]
     items[:] = [item for item in items if item.module is not build[0].module] + site
+
+
+# -- hermetic: no test reads or writes the repository's runs/ ---------------------------------
+# A user runs the README's main job (it writes runs/tiny), then the tests. A test that resolves
+# a config without its own checkpoint.save would resume, refuse or overwrite that run. Three
+# nets, checked around every test: the trainer's run directory (`tinytron.train.output_dir`,
+# wrapped once per session) must not resolve into runs/ even on a clean clone where runs/ does
+# not exist; no file under runs/ may be opened or listed in this process (an audit hook); and
+# runs/ must be unchanged after the test (what a torchrun subprocess writes).
+RUNS = ROOT / "runs"
+_TOUCHED: list[str] = []
+_AUDITED = {"open", "os.listdir", "os.scandir", "os.mkdir", "os.remove", "os.rename",
+            "os.rmdir", "shutil.rmtree", "os.truncate", "os.utime"}
+
+
+def touches_runs(path) -> bool:
+    """Whether a path (a relative one against the working directory) lies in the repo's runs/."""
+    if isinstance(path, int) or path is None:
+        return False
+    try:
+        full = os.path.abspath(os.fsdecode(os.fspath(path)))
+    except TypeError:
+        return False
+    return full == str(RUNS) or full.startswith(str(RUNS) + os.sep)
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event in _AUDITED and args and touches_runs(args[0]):
+        _TOUCHED.append(f"{event} {args[0]}")
+
+
+def _guard_output_dir() -> None:
+    import tinytron.train as train
+
+    resolve = train.output_dir
+
+    def output_dir(*args, **kwargs):
+        path = resolve(*args, **kwargs)
+        if touches_runs(path):
+            _TOUCHED.append(f"tinytron.train.output_dir -> {path}")
+        return path
+    train.output_dir = output_dir
+
+
+def _runs_snapshot() -> dict:
+    if not RUNS.exists():
+        return {}
+    return {str(p.relative_to(RUNS)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in RUNS.rglob("*")}
+
+
+def pytest_sessionstart(session):
+    _guard_output_dir()
+    sys.addaudithook(_audit)
+
+
+@pytest.fixture(autouse=True)
+def _leaves_runs_alone():
+    """Fails the test that resolved, opened or changed anything in the repository's runs/."""
+    before = _runs_snapshot()
+    del _TOUCHED[:]
+    yield
+    touched, _TOUCHED[:] = list(_TOUCHED), []
+    changed = sorted(set(before.items()) ^ set(_runs_snapshot().items()))
+    if touched or changed:
+        pytest.fail("the test touched the repository's runs/ (give every trainer run its own "
+                    f"checkpoint.save under tmp_path): {(touched + [c[0] for c in changed])[:5]}",
+                    pytrace=False)
 
 
 @pytest.hookimpl(trylast=True)  # after -k / -m have deselected what they deselect

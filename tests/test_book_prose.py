@@ -53,6 +53,7 @@ PAGES_AT_GOAL = {
     "02_optimizer/offload.py",
     "02_optimizer/scheduler.py",
     "02_optimizer/training.py",
+    "02_optimizer/zero_fsdp.py",
     "03_checkpoint/async_save.py",
     "03_checkpoint/formats.py",
     "03_checkpoint/legacy.py",

@@ -62,12 +62,18 @@ def test_bad_checkpoint_names_the_tensor(exported, damage, name):
         load_hf_llama(folder)
 
 
-def test_unsupported_config_is_refused(exported):
+@pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
+def test_unsupported_config_is_refused(exported, key):
+    """Llama-3.1's scaled RoPE is refused in transformers' 4.x key and in its 5.x key alike."""
     _, _, folder = exported
     hf = json.loads((folder / "config.json").read_text())
-    hf["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}
+    hf[key] = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0}
     (folder / "config.json").write_text(json.dumps(hf))
-    with pytest.raises(ValueError, match="rope_scaling"):
+    with pytest.raises(ValueError, match=f"{key}.rope_type='llama3' is not supported"):
+        load_hf_llama(folder)
+    hf[key] = {"type": "linear", "factor": 2.0}   # transformers' older spelling of the type
+    (folder / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match=f"{key}.rope_type='linear'"):
         load_hf_llama(folder)
     with pytest.raises(ValueError, match="config.json"):
         load_hf_llama(folder / "nowhere")
@@ -110,3 +116,63 @@ def test_multi_file_checkpoint_loads(exported):
     save_file({k: tensors[k] for k in names[1::2]}, folder / "model-00002-of-00002.safetensors")
     loaded, _ = load_hf_llama(folder)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), loaded.parameters()))
+
+
+def _llama_500k(transformers, tmp_path):
+    """A random transformers Llama with rope_theta 500000, saved by transformers itself."""
+    torch.manual_seed(1)
+    hf_config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, max_position_embeddings=64, rms_norm_eps=1e-5,
+        rope_theta=500000.0, tie_word_embeddings=False, attn_implementation="eager")
+    reference = transformers.LlamaForCausalLM(hf_config).eval()
+    reference.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    return reference
+
+
+def _as_transformers_4(folder):
+    """Rewrite config.json as transformers 4.x writes it: rope_theta on top, rope_scaling null."""
+    hf = json.loads((folder / "config.json").read_text())
+    theta = hf.pop("rope_parameters", {}).get("rope_theta", hf.get("rope_theta"))
+    hf.update(rope_theta=theta, rope_scaling=None, transformers_version="4.57.1")
+    (folder / "config.json").write_text(json.dumps(hf))
+
+
+@pytest.mark.parametrize("layout", ["transformers-5", "transformers-4"])
+def test_rope_theta_of_both_config_layouts_round_trips_through_the_converter(tmp_path, layout):
+    """from-hf keeps rope_theta (either layout): transformers' logits; to-hf writes it back."""
+    transformers = pytest.importorskip("transformers")
+    from tinytron.checkpoint.convert import main as convert
+
+    reference = _llama_500k(transformers, tmp_path)
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    if layout == "transformers-5":
+        if int(transformers.__version__.split(".")[0]) < 5:
+            pytest.skip("transformers < 5 writes the 4.x layout")
+        assert hf["rope_parameters"]["rope_theta"] == 500000.0 and "rope_theta" not in hf
+    else:
+        _as_transformers_4(tmp_path / "hf")
+    model, config = load_hf_llama(tmp_path / "hf")
+    assert config.rotary_base == 500000
+    tokens = torch.randint(0, 512, (2, 48))
+    with torch.no_grad():
+        expected = reference(tokens).logits
+        assert torch.allclose(model(tokens), expected, atol=2e-5, rtol=1e-4)
+    assert convert(["from-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
+    assert convert(["to-hf", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["rope_theta"] == written["rope_parameters"]["rope_theta"] == 500000.0
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out",
+                                                         attn_implementation="eager").eval()
+    assert back.config.rope_parameters["rope_theta"] == 500000.0
+    with torch.no_grad():
+        assert torch.allclose(back(tokens).logits, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_two_different_rope_bases_are_refused(exported):
+    _, _, folder = exported
+    hf = json.loads((folder / "config.json").read_text())
+    hf.update(rope_theta=10000.0, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    (folder / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match="RoPE's base twice"):
+        load_hf_llama(folder)

@@ -58,10 +58,18 @@ def test_config_errors_name_the_field():
 def test_main_thread_position_reports_where_the_main_thread_waits():
     import threading
 
-    seen = []
-    t = threading.Thread(target=lambda: (time.sleep(0.2), seen.append(main_thread_position())))
+    seen, inside = [], []
+
+    def look():
+        while not inside:  # wait until the main thread is past start() and in this frame
+            time.sleep(0.001)
+        seen.append(main_thread_position())
+
+    t = threading.Thread(target=look)
     t.start()
-    time.sleep(1.0)   # the main thread is here while the thread looks
+    inside.append(True)
+    while not seen:  # only C calls from here on: the main thread's innermost frame is this one
+        time.sleep(0.01)
     t.join()
     where, in_collective = seen[0]
     assert "test_reliability_ft.py" in where and "test_main_thread_position" in where

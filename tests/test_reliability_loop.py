@@ -94,16 +94,25 @@ def test_reliability_config_errors_name_the_field():
             ReliabilityConfig(**kwargs)
 
 
-def test_signal_handler_defers_the_first_signal_and_not_a_second_ctrl_c():
+def test_signal_handler_absorbs_ctrl_c_for_ten_seconds_and_not_after():
+    """One Ctrl-C reaches a rank twice (the terminal's and torchrun's): the second SIGINT within
+    absorb_s of the first is recorded, not fatal; one later than that stops at once."""
     import signal
+    import time
 
     from tinytron.reliability.restarts import DistributedSignalHandler
 
     before = signal.getsignal(signal.SIGTERM)
     with DistributedSignalHandler() as handler:
-        assert not handler.received()
+        assert not handler.received() and handler.absorb_s == 10.0
         os.kill(os.getpid(), signal.SIGINT)
         assert handler.received() and handler.received_signals == [signal.SIGINT]
+        os.kill(os.getpid(), signal.SIGINT)   # torchrun's copy of the same Ctrl-C
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert handler.received_signals == [signal.SIGINT, signal.SIGINT, signal.SIGTERM]
+    with DistributedSignalHandler(absorb_s=0.05) as handler:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGTERM) is before     # restored on exit

@@ -206,10 +206,10 @@ def test_an_iteration_directory_loads_and_the_resume_command_continues(first_run
     assert "exit code 17" in verdict[0] and str(tracker_file) in verdict[0], verdict
     assert "iteration=4 " in tracker_file.read_text()
     command = _resume_command(proc.stdout)
-    assert command[:4] == ["torchrun", "--nproc-per-node=1", "-m", "tinytron.train"], command
+    assert command[0] == "tinytron-train", command  # launched as one process: one process
     assert "--reliability.faults" not in command and command[-2:] == ["--checkpoint.load", str(b)]
     assert not any(str(a) in word for word in command), command
-    again = _train(*command[4:])
+    again = _train(*command[1:])
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"checkpoint: resumed from {b / 'iter_0000003'} at iteration 3;" in again.stdout
     assert _tracker(b) == "5" and _tracker(a) == "4" and _train_iterations(b)[-2:] == [4, 5]
@@ -282,13 +282,15 @@ def bpe_prefix(tmp_path_factory):
                        "--no-progress"])
 
 
-def test_bpe_data_under_the_byte_tokenizer_is_refused_before_any_group(bpe_prefix, capsys):
+def test_bpe_data_under_the_byte_tokenizer_is_refused_before_any_group(bpe_prefix, capsys,
+                                                                        tmp_path):
     from tinytron.data._sidecar import read_sidecar, sidecar_path
     from tinytron.train import main, resolve_config
 
     info = read_sidecar(bpe_prefix)
     assert (info["eod"], info["pad"]) == (0, 1)
-    args = [*SMALL, "--data.data_path", bpe_prefix, "--model.vocab_size", "512"]
+    args = [*SMALL, "--data.data_path", bpe_prefix, "--model.vocab_size", "512",
+            "--checkpoint.save", str(tmp_path / "run")]   # never the repository's runs/tiny
     assert main(args) == 2   # [tokenizer] left at byte: EOD 256, pad 257
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "eod 0 (data) vs 256" in err[0] and "pad 1 (data) vs 257" in err[0]

@@ -17,5 +17,6 @@ from tinytron.main_loop.training_log import (LogState, format_log_line,
 from tinytron.main_loop.loop import (StepResult, TorchOptimizer, TrainState, TrainingRun,
                                      evaluate, gpt_forward_step, pretrain, train, train_step)
 
-__pages__ = ["microbatches", "schedules", "interleaved", "schedule_timeline", "loop",
+# The loop comes first: the pages after it open up its parts (batches, schedules, log, memory).
+__pages__ = ["loop", "microbatches", "schedules", "interleaved", "schedule_timeline",
              "training_log", "memory_meter", "resident_flowing", "assembled"]

@@ -377,6 +377,22 @@ if __name__ == "__main__":
     assert len(gone) == 3 and off[0] == off[1] == {k: n for k, n in table.items() if k not in gone}
 
 # %% [markdown]
+# ## Where MoE, FP8 and Transformer Engine would enter this iteration
+#
+# tinytron implements none of the three; none changes the loop's shape, and each enters at
+# calls this page traced. This closes chapter 01 because this page is where the whole
+# iteration is in view:
+#
+# | feature | where it enters the iteration | what it changes there | Megatron at e03878b5f |
+# |---|---|---|---|
+# | MoE with expert parallelism | the MLP of each layer (inside `forward_step`) | a router picks top-$k$ experts per token; an all-to-all sends tokens to the EP ranks that hold them and back — two collectives per layer in forward, two in backward | `megatron/core/transformer/moe/moe_layer.py:213`, `megatron/core/transformer/moe/router.py:138`, `megatron/core/transformer/moe/token_dispatcher.py:354` |
+# | | the loss and the schedule | a load-balancing auxiliary loss, scaled by the schedule like the main loss | `megatron/core/pipeline_parallel/schedules.py:327-330` |
+# | | DDP and the optimizer (chapters 05, 02) | expert weights get buffers of their own, reduced over the expert-data-parallel group, not the whole DP group | `megatron/core/distributed/distributed_data_parallel.py:208` |
+# | FP8 | every linear layer's matmul in forward and backward | inputs and weights cast to FP8 with per-tensor (or block) scales; the delayed recipe keeps an amax history per tensor, wrapped around the whole block | `megatron/core/transformer/transformer_block.py:597`, `megatron/core/fp8_utils.py:614` |
+# | | the optimizer step and the param all-gather | fp32 masters stay; the distributed optimizer can write the new weights straight to FP8 shards and all-gather those | `megatron/core/optimizer/distrib_optimizer.py:2752`, `megatron/core/fp8_utils.py:484` |
+# | Transformer Engine | the layer spec (appendix B's model) | fused TE modules replace norm + linear, the attention kernel and the row-parallel linear; TE is also where FP8 runs | `megatron/core/extensions/transformer_engine.py:989`, `:1583`, `megatron/core/models/gpt/gpt_layer_specs.py:351` |
+
+# %% [markdown]
 # ## Summary
 #
 # - `tinytron.train` is wiring only: config → grid → model chunks → DDP → optimizer →

@@ -13,7 +13,10 @@
 # the production `train_step` on the same model and batches and finds the same losses and
 # the same weights, bit for bit. Everything after it is that loop again, with what a real
 # run adds: pipeline schedules, skipped steps, evaluation, exits, and the hooks through which
-# chapters 03 and 08 plug in.
+# chapters 03 and 08 plug in. This is the chapter's first page on purpose: the pages after
+# it open up the parts the loop calls — [the batch arithmetic](microbatches.py), [the
+# pipeline schedules](schedules.py) and [their timelines](schedule_timeline.py), [the log
+# line](training_log.py), and [what the iteration holds in memory](resident_flowing.py).
 
 # %%
 from __future__ import annotations
@@ -34,7 +37,7 @@ from tinytron.main_loop._parts import (ExitSignal, TorchOptimizer, _duration_exc
                                        megatron_optimizer_provider, megatron_scheduler_provider,
                                        no_op, print_on_last_rank, wrap_with_ddp)
 from tinytron.main_loop.microbatches import (build_num_microbatches_calculator,
-                                             train_iters_from_samples)
+                                             samples_in_iterations, train_iters_from_samples)
 from tinytron.main_loop.schedules import ScheduleConfig, get_forward_backward_func
 from tinytron.main_loop.training_log import LogState
 from tinytron.overview.loss import lm_loss_func
@@ -45,6 +48,7 @@ from tinytron.parallel import ParallelGrid, set_random_seed
 _TRAIN_START_TIME = time.time()
 
 __all__ = ["train_at_a_glance", "LoopHooks", "eval_batch", "TrainState", "StepResult", "ExitSignal", "TorchOptimizer", "gpt_forward_step",
+           "sft_loss_func",
            "zero_grad_buffers", "logical_and_across_model_parallel_group",
            "reduce_max_stat_across_model_parallel_group", "reduce_losses", "train_step",
            "evaluate", "save_with_param_sync", "checkpoint_and_decide_exit", "train",
@@ -104,14 +108,15 @@ def train_at_a_glance(forward_step_func, data_iterator, model, optimizer, schedu
 # What the production loop adds to these lines, and where on this page:
 #
 # - **The schedule.** The inner loop over micro-batches is `forward_backward_func`: the loop
-#   above is its no-pipelining case, and the previous pages' 1F1B and interleaved schedules
-#   replace it when the model is split into stages. The schedule also calls chapter 05's
+#   above is its no-pipelining case, and the 1F1B and interleaved schedules of the pages after
+#   this one ([schedules](schedules.py), [interleaved](interleaved.py)) replace it when the
+#   model is split into stages. The schedule also calls chapter 05's
 #   `finalize_model_grads` after the last backward, which is `finish_grad_sync` plus the
 #   tensor- and pipeline-parallel reductions that one chunk does not need.
 # - **Skipped steps.** `ok` is False after an fp16 overflow or a rejected grad norm; the
 #   learning rate stays, the samples still count as consumed (`train`, below).
 # - **Around the step**: a changing number of micro-batches (a batch-size schedule), the
-#   log record of the next page, evaluation every `eval_interval`, saving and exiting
+#   log record of [the log page](training_log.py), evaluation every `eval_interval`, saving and exiting
 #   (`checkpoint_and_decide_exit`), and the hooks of chapters 03 and 08, each told in a
 #   section of its own once the loop itself is understood.
 #
@@ -164,7 +169,7 @@ class TrainState:
 # | model chunk | `zero_grad_buffer()` (chapter 05's DDP), else `zero_grad()` | |
 # | optimizer | `zero_grad()`, `step()`, `scale_loss(loss)`, `param_groups` | `step()` → `(success, grad_norm, num_zeros)` |
 # | scheduler | `step(increment=samples)` | |
-# | schedule | `forward_backward_func(forward_step_func=…, …)` (previous pages) | one loss report per micro-batch on the last stage |
+# | schedule | `forward_backward_func(forward_step_func=…, …)` ([schedules](schedules.py)) | one loss report per micro-batch on the last stage |
 # | `forward_step_func` | `(data_iterator, model_chunk)` | `(output, loss_func)`, chapter 00's contract |
 #
 # Chapter 02's optimizers already return the triple. A plain `torch.optim` optimizer does not
@@ -176,19 +181,33 @@ class TrainState:
 # `gpt_forward_step` is Megatron's `forward_step` of `pretrain_gpt.py:183` over the book's
 # model: `get_batch` (chapter 04: read on TP rank 0, broadcast, CP slice, only the keys this
 # stage needs), the model with labels (the last stage returns per-token losses), and chapter
-# 00's `lm_loss_func` bound to the batch's loss mask.
+# 00's `lm_loss_func` bound to the batch's loss mask. With `sft=True` (the trainer's `[data] sft`,
+# Megatron's `--sft`) the batch is a packed chat row ([04 · SFT](../04_data/sft.py)): it carries
+# its block-causal attention mask and `cu_seqlens`, and `sft_loss_func` adds one more report,
+# the tokens that carried a loss per sample — the assistant's tokens only, which is how a run's
+# own log shows that no prompt token was trained on.
 
 # %%
-def gpt_forward_step(data_iterator, model, *, micro_batch_size: int, seq_length: int):
+def gpt_forward_step(data_iterator, model, *, micro_batch_size: int, seq_length: int,
+                     sft: bool = False):
     """Megatron's pretrain_gpt forward_step: get_batch, the model with labels, the loss func."""
     from tinytron.data.distribute import get_batch  # chapter 04; imported on use only
 
     grid = getattr(model, "grid", None) or ParallelGrid.single()  # GPTModel and DDP carry it
     batch = get_batch(data_iterator, grid, micro_batch_size=micro_batch_size,
-                      seq_length=seq_length, create_attention_mask=False,
+                      seq_length=seq_length, create_attention_mask=sft, is_sft=sft,
                       vocab_size=getattr(model, "module", model).config.vocab_size)
-    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
-    return output, partial(lm_loss_func, batch["loss_mask"])
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                   labels=batch["labels"])
+    return output, partial(sft_loss_func if sft else lm_loss_func, batch["loss_mask"])
+
+
+def sft_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Chapter 00's lm_loss_func, also reporting the tokens that carried a loss, per sample."""
+    loss_sum, num_tokens, report = lm_loss_func(loss_mask, output_tensor)
+    samples = torch.tensor(float(loss_mask.shape[0]), device=num_tokens.device)
+    report["loss tokens per sample"] = torch.stack([num_tokens.float(), samples])
+    return loss_sum, num_tokens, report
 
 # %% [markdown]
 # ## `train_step`, in Megatron's exact order
@@ -426,7 +445,11 @@ def evaluate(forward_step_func, data_iterator, model: list, forward_backward_fun
 # The loop itself ends when `iteration == train_iters` (`train_samples` is converted to
 # iterations first); `pretrain` then saves a final checkpoint unless the last iteration was
 # just saved. A signal handler only records the signal: the iteration in flight finishes, so
-# the saved state is always a consistent end-of-step state.
+# the saved state is always a consistent end-of-step state. An *evaluation* in flight is
+# different: it changes no training state, so a signal (like the time limit, which Megatron
+# checks between evaluation batches, `training.py:3957-3967`) abandons it after the current
+# batch, and the save follows at once — a launcher that kills its ranks some seconds after
+# forwarding a Ctrl-C (`torchrun`: 30 s) would otherwise cut a long evaluation's save short.
 #
 # The three collectives these checks need are plumbing and live in the chapter's private
 # module `chapters/01_main_loop/_parts.py`: `ExitSignal`, the handler whose `received(grid)` is
@@ -436,6 +459,11 @@ def evaluate(forward_step_func, data_iterator, model: list, forward_backward_fun
 # hosts: if one rank stopped and the others did not, the next collective would hang.
 
 # %%
+def _signal_or_time_up(exit_signal, grid: ParallelGrid, time_is_up) -> bool:
+    """Whether to abandon an evaluation: a signal on any rank, or the duration limit."""
+    return exit_signal.received(grid) or (time_is_up is not None and time_is_up())
+
+
 def checkpoint_and_decide_exit(state: TrainState, training, save, *, start_time: float,
                                clock, grid: ParallelGrid, exit_signal=None) -> str | None:
     """Save when due; return why to stop ('signal', 'duration', 'exit_interval') or None."""
@@ -471,14 +499,14 @@ def checkpoint_and_decide_exit(state: TrainState, training, save, *, start_time:
 # 4. `iteration += 1`; `consumed_train_samples += m·b·d` (skipped or not);
 #    `skipped_train_samples +=` what `decrease_batch_size_if_needed` dropped; the FLOPs of the
 #    batch are added to the running sum (`training.py:3585-3628`).
-# 5. `training_log` (next page): accumulate, and hand a record to `log_fn` every `log_interval`.
+# 5. `training_log` ([its page](training_log.py)): accumulate, and hand a record to `log_fn` every `log_interval`.
 # 6. Evaluate every `eval_interval` iterations.
 # 7. `checkpoint_and_decide_exit`.
 #
 # At the end: `finalize_async_save_fn(blocking=True)` drains any save still in flight.
 #
 # ```mermaid
-# flowchart LR
+# flowchart TB
 #   P["pretrain: seeds, model, optimizer,<br/>scheduler, load_checkpoint, data"] --> A["finalize_async_save_fn<br/>(non-blocking)"]
 #   A --> M["update m from<br/>consumed samples"] --> S["train_step"]
 #   S --> C["iteration += 1<br/>consumed += m·b·d"] --> G["training_log"]
@@ -581,15 +609,20 @@ def train(forward_step_func, model: list, optimizer, scheduler, train_data_itera
           hooks: LoopHooks | None = None) -> str | None:
     """Run iterations until train_iters or an exit condition; return the exit reason or None."""
     h = hooks or LoopHooks()
-    save = partial(save_with_param_sync, h.save_checkpoint_fn, state, model, optimizer, scheduler)
+    log_state, m, reason = LogState(), 0, None
+    # saves and evaluations stop the interval clock: ms/iteration and tokens/s time training only
+    save = log_state.paused(partial(save_with_param_sync, h.save_checkpoint_fn, state, model,
+                                    optimizer, scheduler))
+    evaluate_when_due = log_state.paused(_maybe_evaluate)
     finalize, log_fn = h.finalize_async_save_fn or no_op, h.log_fn or print_on_last_rank
     do_valid = valid_data_iterator is not None if do_valid is None else do_valid
     start_time = h.clock() if h.start_time is None else h.start_time
     time_is_up = (partial(_duration_exceeded, training.exit_duration_in_mins, start_time,
                           h.clock, grid) if training.exit_duration_in_mins else None)
+    if h.exit_signal is not None:  # a signal abandons an evaluation too (every rank agrees)
+        time_is_up = partial(_signal_or_time_up, h.exit_signal, grid, time_is_up)
     evaluates = do_valid and training.eval_interval and training.eval_iters > 0
     eval_shape = eval_batch(training, grid.size("dp")) if evaluates else None  # checked now
-    log_state, m, reason = LogState(), 0, None
     for chunk in model:
         chunk.train()
     pre_hooks_off = _first_iteration_without_pre_hooks(model, config)
@@ -615,9 +648,9 @@ def train(forward_step_func, model: list, optimizer, scheduler, train_data_itera
         log_step(result, log_state, state, optimizer, training=training, train_iters=train_iters,
                  batch_size=batch, seq_length=seq_length, flops=flops, peak_flops=h.peak_flops,
                  log_fn=log_fn)
-        _maybe_evaluate(forward_step_func, valid_data_iterator, model, forward_backward_func,
-                        state, training, eval_shape=eval_shape, seq_length=seq_length,
-                        grid=grid, config=config, log_fn=log_fn, time_is_up=time_is_up)
+        evaluate_when_due(forward_step_func, valid_data_iterator, model, forward_backward_func,
+                          state, training, eval_shape=eval_shape, seq_length=seq_length,
+                          grid=grid, config=config, log_fn=log_fn, time_is_up=time_is_up)
         reason = checkpoint_and_decide_exit(state, training, save, start_time=start_time,
                                             clock=h.clock, grid=grid, exit_signal=h.exit_signal)
         if reason is not None:
@@ -777,6 +810,12 @@ def _rerun_stops(result: StepResult, save) -> bool:
 # The builders — `wrap_with_ddp` (only the first chunk bucketed,
 # `training.py:1783-1787`), `megatron_optimizer_provider`, `megatron_scheduler_provider` — are
 # passed in, so the loop imports none of chapters 02 and 05 itself.
+#
+# With `skip_train` (Megatron's `--skip-train`, `megatron/training/training.py:1376`) `pretrain`
+# sets everything up and loads the checkpoint, then runs no iteration and saves nothing
+# (`:1401`): the caller evaluates what was loaded, as Megatron's `do_valid` and `do_test` blocks
+# do right after (`:1421-1466`). The schedule built for it is one iteration long; it is never
+# stepped.
 
 # %%
 class TrainingRun(NamedTuple):
@@ -802,10 +841,15 @@ def _setup(training, grid_provider, model_provider, ddp_config, optimizer_provid
     calc = build_num_microbatches_calculator(
         training.global_batch_size, training.micro_batch_size, grid.size("dp"),
         training.decrease_batch_size_if_needed, training.step_batch_size_schedule, seq_length)
-    iters = training.train_iters or train_iters_from_samples(calc, training.train_samples)
+    iters = (training.train_iters if training.train_iters is not None
+             else train_iters_from_samples(calc, training.train_samples))
     optimizer = optimizer_provider(model, grid)
-    scheduler = (scheduler_provider(optimizer, train_iters=iters,
-                                    global_batch_size=calc.current_global_batch_size)
+    # --skip-train steps nothing: a one-iteration schedule only holds what the load restores
+    sched_iters = max(iters, 1) if getattr(training, "skip_train", False) else iters
+    scheduler = (scheduler_provider(optimizer, train_iters=sched_iters,  # lengths in samples
+                                    global_batch_size=calc.current_global_batch_size,
+                                    samples_of=partial(samples_in_iterations, calc),
+                                    train_samples=training.train_samples)
                  if scheduler_provider is not None else None)
     loaded = load_checkpoint_fn(model, optimizer, scheduler) if load_checkpoint_fn else None
     state = loaded if loaded is not None else TrainState()
@@ -844,8 +888,9 @@ def pretrain(training, *, model_provider, forward_step_func, data_iterators_prov
         fb = wrap_forward_backward_func(fb)
     use_handler = exit_signal is None and getattr(training, "exit_signal_handler", False)
     reason = None
+    skip_train = getattr(training, "skip_train", False)  # Megatron's --skip-train (:1376)
     with (ExitSignal() if use_handler else contextlib.nullcontext(exit_signal)) as sig:
-        if state.iteration < iters:
+        if state.iteration < iters and not skip_train:
             hooks = LoopHooks(
                 save_checkpoint_fn=save_checkpoint_fn,
                 finalize_async_save_fn=finalize_async_save_fn,
@@ -858,7 +903,8 @@ def pretrain(training, *, model_provider, forward_step_func, data_iterators_prov
                            calculator=calc, seq_length=seq_length, grid=grid,
                            forward_backward_func=fb, config=config, hooks=hooks)
     just_saved = bool(training.save_interval) and state.iteration % training.save_interval == 0
-    if save_checkpoint_fn is not None and reason is None and state.iteration and not just_saved:
+    if (save_checkpoint_fn is not None and reason is None and state.iteration and not just_saved
+            and not skip_train):
         save_with_param_sync(save_checkpoint_fn, state, model, optimizer, scheduler)
     if finalize_async_save_fn is not None:
         finalize_async_save_fn(blocking=True)

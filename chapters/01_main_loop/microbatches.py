@@ -15,7 +15,8 @@ from tinytron.main_loop._microbatch_checks import check_schedule, positive_int, 
 __all__ = ["num_microbatches", "ConstantNumMicroBatchesCalculator",
            "StepBatchsizeNumMicroBatchesCalculator", "parse_numeric_value",
            "parse_step_batch_size_schedule",
-           "build_num_microbatches_calculator", "train_iters_from_samples"]
+           "build_num_microbatches_calculator", "train_iters_from_samples",
+           "samples_in_iterations"]
 
 # %% [markdown]
 # ## Three sizes and one division
@@ -273,6 +274,23 @@ def train_iters_from_samples(calculator, train_samples: int) -> int:
         consumed += calculator.batch_size_at(consumed)
         iters += 1
     return iters
+
+# %% [markdown]
+# The learning-rate schedule counts samples, so every length given in iterations must become
+# samples the same way: the samples the first $n$ iterations consume. With a constant batch
+# that is $n \cdot B$; with a step schedule it is the walk above, e.g. 10 iterations of
+# `"0:16 10K:32"` at 128 tokens a sample are $5 \cdot 16 + 5 \cdot 32 = 240$ samples, not
+# $10 \cdot 16 = 160$ (chapter 02's scheduler, [factory](../02_optimizer/factory.py)).
+
+# %%
+def samples_in_iterations(calculator, iterations: int) -> int:
+    """Samples the first `iterations` iterations consume under the calculator's batch sizes."""
+    if isinstance(calculator, ConstantNumMicroBatchesCalculator):
+        return iterations * calculator.current_global_batch_size
+    consumed = 0
+    for _ in range(max(0, iterations)):
+        consumed += calculator.batch_size_at(consumed)
+    return consumed
 
 # %% [markdown]
 # ## Demo: the running example, a shrunk cluster, and a growing batch

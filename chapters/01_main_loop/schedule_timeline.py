@@ -1,22 +1,26 @@
 # %% [markdown]
-# # 01 · Schedules, drawn from real runs: the timeline and the bubble
+# # 01 · Schedules, drawn: the ideal timeline and a recorded one
 #
-# The previous two pages built the schedules and checked *what* they compute. This page looks
-# at *when*: each schedule runs one training iteration on 2 and on 4 gloo ranks, every forward,
-# backward, send and receive is stamped by the `ScheduleRecorder`, and the picture below is
-# drawn from those stamps — not by hand. From the same stamps we measure the pipeline bubble
-# and put it next to the formula.
+# The schedule pages built 1F1B and interleaving and checked *what* they compute. This page
+# looks at *when*, twice. First the **ideal** timeline: each stage's real order of forwards
+# and backwards, taken from the schedule's own warmup count and table, played out with unit
+# costs ($t_f = 1$, $t_b = 2$, no message time) — its bubble is exactly the formula. Then a
+# **recorded** one: the same schedules run an iteration on 2 and 4 gloo ranks, every forward,
+# backward, send and receive stamped by the `ScheduleRecorder`. On this CPU the recorded
+# trace shows the *order* the schedule ran in — it is asserted equal to the ideal one — but
+# not its speed: the ranks share two cores, so its box lengths and gaps are mostly the
+# operating system's.
 #
-# You will build: `ScheduleEvent`, `ScheduleRecorder`, `measured_bubble`, `bubble_formula`,
-# `plot_timeline`.
+# You will build: `ScheduleEvent`, `ScheduleRecorder`, `stage_order`, `ideal_events`,
+# `measured_bubble`, `bubble_formula`, `plot_timeline`.
 
 # %%
 from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["ScheduleEvent", "ScheduleRecorder", "bubble_formula", "measured_bubble",
-           "plot_timeline"]
+__all__ = ["ScheduleEvent", "ScheduleRecorder", "bubble_formula", "ideal_events",
+           "measured_bubble", "plot_timeline", "stage_order"]
 
 # %% [markdown]
 # ## What the schedules record
@@ -89,11 +93,9 @@ class ScheduleRecorder:
 # | this page, PP 4 | 4 | 8 | 1 | $3/11 = 27.3\%$ |
 # | this page, PP 4 interleaved | 4 | 8 | 2 | $3/19 = 15.8\%$ |
 #
-# The measurement: for every stage, the time it spent in forward or backward compute, divided
-# by the span from the first forward anywhere to the last backward anywhere; the bubble is one
-# minus that, averaged over the stages. It includes what the formula leaves out: the messages
-# themselves, and unequal stages (the first holds the embedding, the last the output layer and
-# the loss).
+# The bubble of a timeline, ideal or recorded: for every stage, the time it spent in forward
+# or backward compute, divided by the span from the first forward anywhere to the last
+# backward anywhere; the bubble is one minus that, averaged over the stages.
 
 # %%
 def bubble_formula(pp: int, num_microbatches: int, num_chunks: int = 1) -> float:
@@ -113,7 +115,74 @@ def measured_bubble(events: list[ScheduleEvent]) -> float:
     return 1.0 - sum(busy) / (len(stages) * span)
 
 # %% [markdown]
-# ## Drawing a recorded iteration
+# ## The ideal timeline, from the schedule's own order
+#
+# Each stage runs its operations in a fixed order, and the schedule code fixes it: stage $r$
+# runs $w_r$ warmup forwards, then alternates one forward and one backward, then drains the
+# remaining backwards. $w_r = \min(p - r - 1, m)$ for 1F1B (`num_warmup_microbatches_1f1b`,
+# Megatron's `schedules.py:2227-2228`) and $2(p - r - 1) + (v - 1)\,g$ interleaved
+# (`get_pp_rank_microbatches`, `schedules.py:856`); the $k$-th forward is entry $k$ of
+# `get_schedule_table` (`schedules.py:916`), the $k$-th backward the same entry with the
+# chunks counted from the end. `stage_order` writes
+# that list down from the same functions the schedules call.
+#
+# `ideal_events` then plays the lists out with nothing but the data dependencies: a forward
+# of (chunk $c$, micro-batch $i$) on stage $r$ waits for the same forward on stage $r - 1$
+# (stage 0 waits for chunk $c - 1$ on the last stage); a backward waits for the same backward
+# on stage $r + 1$ (the last stage for chunk $c + 1$ on stage 0, and for its own forward of
+# the last chunk). Each operation starts when its stage is free and its input exists, and
+# lasts $t_f / v$ or $t_b / v$ — a chunk is $1/v$ of a stage. Messages take no time.
+
+# %%
+def stage_order(pp: int, m: int, v: int, rank: int) -> list[tuple[str, int, int]]:
+    """(kind, chunk, micro-batch) of stage `rank`'s forwards/backwards, in the schedule's order."""
+    from tinytron.main_loop.interleaved import get_pp_rank_microbatches, get_schedule_table
+    from tinytron.main_loop.schedules import num_warmup_microbatches_1f1b
+
+    if v == 1:
+        warmup, table = num_warmup_microbatches_1f1b(pp, rank, m), [(i, 0) for i in range(m)]
+    else:  # the default group size g = p, as in the demo below
+        warmup = get_pp_rank_microbatches(m, v, pp, pp, rank)[2]
+        table = get_schedule_table(m, v, pp)
+    fwd = [("forward", c, i) for i, c in table]
+    bwd = [("backward", v - 1 - c, i) for i, c in table]
+    order = fwd[:warmup]
+    for k in range(m * v - warmup):  # steady state: one forward, one backward
+        order += [fwd[warmup + k], bwd[k]]
+    return order + bwd[m * v - warmup:]
+
+
+def _needs(op: tuple, pp: int, v: int):
+    """The (stage, kind, chunk, micro-batch) whose output this operation consumes, if any."""
+    r, kind, c, i = op
+    if kind == "forward":
+        return (r - 1, kind, c, i) if r > 0 else (pp - 1, kind, c - 1, i) if c > 0 else None
+    if r < pp - 1:
+        return (r + 1, kind, c, i)
+    return (0, kind, c + 1, i) if c < v - 1 else (r, "forward", c, i)
+
+
+def ideal_events(pp: int, m: int, v: int = 1, t_f: float = 1.0, t_b: float = 2.0):
+    """The schedule's own order played out with unit costs and free messages."""
+    orders = [stage_order(pp, m, v, r) for r in range(pp)]
+    done, free, pos, events = {}, [0.0] * pp, [0] * pp, []
+    while any(pos[r] < len(orders[r]) for r in range(pp)):
+        moved = False
+        for r in range(pp):
+            while pos[r] < len(orders[r]):
+                kind, c, i = orders[r][pos[r]]
+                need = _needs((r, kind, c, i), pp, v)
+                if need is not None and need not in done:
+                    break  # wait for the other stage
+                start = max(free[r], done[need] if need else 0.0)
+                free[r] = done[(r, kind, c, i)] = start + (t_f if kind == "forward" else t_b) / v
+                events.append(ScheduleEvent(r, c, i, kind, start, free[r]))
+                pos[r], moved = pos[r] + 1, True
+        assert moved, "the schedule's order deadlocks"
+    return events
+
+# %% [markdown]
+# ## Drawing a timeline
 #
 # One row per stage, time to the right. Forwards are light, backwards dark, one color per
 # model chunk, each box labeled with its micro-batch; the thin gray bars under a row are that
@@ -121,12 +190,13 @@ def measured_bubble(events: list[ScheduleEvent]) -> float:
 # which is where the bubble shows up).
 
 # %%
-def plot_timeline(ax, events: list[ScheduleEvent], title: str = "") -> None:
-    """Draw one recorded iteration: a row per stage, boxes for forward/backward, bars for p2p."""
+def plot_timeline(ax, events: list[ScheduleEvent], title: str = "", scale: float = 1e3,
+                  unit: str = "ms") -> None:
+    """Draw one iteration: a row per stage, boxes for forward/backward, bars for p2p."""
     t0 = min(e.start for e in events)
     chunk_colors = [("#9ecae1", "#2171b5"), ("#fdae6b", "#d94801"), ("#a1d99b", "#238b45")]
     for e in events:
-        x, w = (e.start - t0) * 1e3, (e.end - e.start) * 1e3
+        x, w = (e.start - t0) * scale, (e.end - e.start) * scale
         if e.kind in ("send", "recv"):
             ax.broken_barh([(x, max(w, 0.02))], (e.stage + 0.36, 0.08), color="gray")
             continue
@@ -139,78 +209,113 @@ def plot_timeline(ax, events: list[ScheduleEvent], title: str = "") -> None:
     stages = sorted({e.stage for e in events})
     ax.set_yticks(stages, [f"stage {s}" for s in stages])
     ax.set_ylim(max(stages) + 0.6, -0.6)
-    ax.set_xlabel("ms")
+    ax.set_xlabel(unit)
     ax.set_title(title, fontsize=9)
 
 # %% [markdown]
-# ## Demo: four schedules, recorded
+# ## Demo 1: the ideal timelines and their bubble
 #
-# A small GPT ($h = 256$, $s = 128$, one sequence per micro-batch, $m = 8$), each layout
-# trained for two iterations and the second one drawn: 1F1B and interleaved ($v = 2$) on 2 ranks
-# (4 layers), then on 4 ranks (8 layers). The 4-rank world runs on however many cores this
-# machine has — on a 2-core laptop two stages share a core, which stretches the boxes but
-# not their order. Beside each picture: the bubble measured from the stamps and the formula.
+# Four layouts, $m = 8$: 1F1B and interleaved ($v = 2$) on 2 and on 4 stages, each played out
+# with $t_f = 1$, $t_b = 2$. The assert is the claim of the formula section: the bubble of
+# the schedule's real order equals $(p-1)/(v m + p - 1)$, to rounding.
 
 # %%
 if __name__ == "__main__":
     import matplotlib.pyplot as plt
 
+    layouts = [(2, 1), (2, 2), (4, 1), (4, 2)]  # (p, v), all with m = 8
+    M = 8
+    ideal = {(pp, v): ideal_events(pp, M, v) for pp, v in layouts}
+    for (pp, v), events in ideal.items():
+        got, formula = measured_bubble(events), bubble_formula(pp, M, v)
+        print(f"p = {pp}, v = {v}: ideal bubble {got:6.2%}, formula {formula:6.2%}")
+        assert abs(got - formula) < 1e-9
+    assert bubble_formula(2, 8) == 1 / 9 and bubble_formula(2, 8, 2) == 1 / 17
+
+# %% [markdown]
+# ## Demo 2: the same schedules, recorded on gloo ranks
+#
+# A small GPT ($h = 256$, $s = 128$, one sequence per micro-batch, $m = 8$), each layout
+# trained for two iterations and the second one recorded: 2 ranks with 4 layers, 4 ranks with
+# 8. Two asserts: every stage ran exactly the ideal timeline's order, and every micro-batch
+# went forward and backward once per chunk.
+
+# %%
+if __name__ == "__main__":
     from tinytron.launch import run_on_ranks
     from tinytron.main_loop._workers import timeline_cases
 
     # (pp, vpp, m, group size, layers): each world runs its cases one after the other
-    worlds = {2: [(2, None, 8, None, 4), (2, 2, 8, None, 4)],
-              4: [(4, None, 8, None, 8), (4, 2, 8, None, 8)]}
-    runs = []
+    worlds = {2: [(2, None, M, None, 4), (2, 2, M, None, 4)],
+              4: [(4, None, M, None, 8), (4, 2, M, None, 8)]}
+    recorded = {}
     for size, cases in worlds.items():
         per_rank = run_on_ranks(timeline_cases, size, cases, timeout=180)
-        for i, (pp, vpp, m, _, _) in enumerate(cases):
-            events = [e for rank_events in per_rank for e in rank_events[i]]
-            runs.append((pp, vpp or 1, m, events))
+        for i, (pp, vpp, _, _, _) in enumerate(cases):
+            recorded[(pp, vpp or 1)] = [e for rank_events in per_rank for e in rank_events[i]]
+    for (pp, v), events in recorded.items():
+        for stage in range(pp):
+            mine = [e for e in events if e.stage == stage]
+            ran = [(e.kind, e.chunk, e.microbatch) for e in sorted(mine, key=lambda e: e.start)
+                   if e.kind in ("forward", "backward")]
+            assert ran == stage_order(pp, M, v, stage)  # the order is the schedule's
+            for chunk in range(v):
+                fwd = [e.microbatch for e in mine if e.chunk == chunk and e.kind == "forward"]
+                assert sorted(fwd) == list(range(M))
+        print(f"p = {pp}, v = {v}: recorded bubble {measured_bubble(events):6.1%} "
+              f"(ideal {bubble_formula(pp, M, v):5.1%}), order = schedule's on every stage")
 
-    fig, axes = plt.subplots(len(runs), 1, figsize=(9, 1.1 * sum(r[0] for r in runs) + 1.5))
-    for ax, (pp, v, m, events) in zip(axes, runs):
-        name = "1F1B" if v == 1 else f"interleaved, v = {v}"
-        got, formula = measured_bubble(events), bubble_formula(pp, m, v)
-        print(f"p = {pp}, m = {m}, {name:16s}: measured bubble {got:5.1%}, formula {formula:5.1%}")
-        plot_timeline(ax, events, f"p = {pp}, m = {m}, {name}: bubble measured {got:.0%}, "
-                                  f"formula (p-1)/(vm+p-1) = {formula:.0%}")
+# %% [markdown]
+# ## The two side by side
+#
+# Left, the ideal timeline in units of $t_f$; right, the recorded one in milliseconds. The
+# boxes on the right are in the same order as on the left, stage by stage; their lengths and
+# the gaps between them are not the schedule's.
+
+# %%
+if __name__ == "__main__":
+    fig, axes = plt.subplots(len(layouts), 2, figsize=(12, 9), dpi=150,
+                             gridspec_kw={"width_ratios": [1, 1.3]})
+    for row, (pp, v) in zip(axes, layouts):
+        name = "1F1B" if v == 1 else f"interleaved v = {v}"
+        plot_timeline(row[0], ideal[(pp, v)], f"ideal, p = {pp}, {name}: bubble "
+                      f"{measured_bubble(ideal[(pp, v)]):.1%} = (p-1)/(vm+p-1)", 1.0, "t_f")
+        plot_timeline(row[1], recorded[(pp, v)], f"recorded on this CPU, p = {pp}, {name}: "
+                      f"same order, bubble {measured_bubble(recorded[(pp, v)]):.0%} "
+                      "(shared cores)")
+    fig.suptitle("Interleaving shrinks the ideal bubble (left); a CPU trace shows the order "
+                 "the schedule ran in, not its speed (right)", fontsize=10)
     fig.tight_layout()
     plt.show()
-
-    for pp, v, m, events in runs:
-        for stage in range(pp):
-            for chunk in range(v):
-                mine = [e for e in events if e.stage == stage and e.chunk == chunk]
-                fwd = [e.microbatch for e in mine if e.kind == "forward"]
-                bwd = [e.microbatch for e in mine if e.kind == "backward"]
-                assert fwd == bwd == list(range(m))  # m of each, backward in forward order
-        assert 0.0 < measured_bubble(events) < 0.9
-    assert bubble_formula(2, 8) == 1 / 9 and bubble_formula(2, 8, 2) == 1 / 17
 
 # %% [markdown]
 # ## Reading the pictures
 #
-# - **1F1B**: stage 0 starts with $p - 1$ forwards in a row (its warmup), the last stage
-#   alternates forward and backward from the start; the idle gaps sit in a triangle at the
-#   start of the lower stages and at the end of the upper ones. Their total is the bubble.
-# - **Interleaved**: the boxes are half as long (one chunk = half a stage), the two colors
-#   alternate in groups of $g = p$ micro-batches, and the triangles are about half as tall —
-#   at the price of twice as many gray p2p bars.
-# - The measured bubble is larger than the formula's, for reasons the formula leaves out on
-#   purpose: unequal stages (the output layer and the loss make the last chunk slower, so the
-#   others wait for it), the time of each message and of the Python around it (paid $v$ times
-#   more often when interleaving, and large next to these millisecond-sized boxes), and, on a
-#   small or busy machine, ranks that share a core and get descheduled — a gap with no message
-#   waiting in it is the operating system, not the schedule. On GPUs the messages cost real
-#   time too, which is what Megatron's `overlap_p2p_comm` hides.
+# - **1F1B, ideal**: stage 0 starts with $p - 1$ forwards in a row (its warmup), the last
+#   stage alternates forward and backward from the start; the idle gaps sit in a triangle at
+#   the start of the lower stages and at the end of the upper ones. Their total is
+#   $(p-1)(t_f + t_b)$ per stage: 11.1% of the iteration at $p = 2$, 27.3% at $p = 4$.
+# - **Interleaved, ideal**: the boxes are half as long (one chunk = half a stage), the two
+#   colors alternate in groups of $g = p$ micro-batches, and the triangles are half as tall:
+#   5.9% at $p = 2$, 15.8% at $p = 4$. Interleaving wins, as Narayanan et al. say — *when*
+#   a message costs nothing next to a chunk's compute.
+# - **Recorded on this CPU**: the same order, box for box — that is what the trace proves.
+#   The bubble it shows is larger than the formula and interleaving looks *worse* than 1F1B.
+#   That is not the schedule: two or four ranks share two cores (a rank that waits is
+#   descheduled, and one that computes is slowed by its neighbor's spin), every message and
+#   the Python around it costs about as much as these millisecond boxes, interleaving pays
+#   it $v$ times as often, and the first and last stages hold the embedding and the loss.
+#   A gap with no message in it is the operating system. On GPUs, where each stage owns its
+#   device and messages run on their own engine, the recorded picture approaches the left
+#   column; Megatron's `overlap_p2p_comm` hides what is left of the messages.
 #
 # The benchmark `benchmarks/bench_pipeline.py` measures the same bubble over repeated runs
 # and compares tokens/s of PP 2 with one rank.
 #
 # ## Summary
 #
-# - Every schedule records what it ran; the timeline is a direct picture of those records.
+# - The ideal timeline is the schedule's own order played out with unit costs; its bubble is
+#   the formula exactly. A recorded CPU timeline checks the order, not the speed.
 # - The bubble is $(p-1)/(m+p-1)$ of the iteration for 1F1B and $(p-1)/(v m+p-1)$ interleaved
 #   (Narayanan et al. 2021); more micro-batches or more chunks shrink it.
 #
@@ -225,7 +330,7 @@ if __name__ == "__main__":
 #
 # ## Exercises
 #
-# 1. Run the 2-rank 1F1B case with $m = 2, 4, 16$ and plot the measured bubble against
-#    $(p-1)/(m+p-1)$.
-# 2. Make the last stage's loss artificially slow (sleep in `loss_func`). Which stages idle,
-#    and does interleaving still help?
+# 1. Play out `ideal_events(2, m)` for $m = 2, 4, 16$ and check its bubble against
+#    $(p-1)/(m+p-1)$. Then set `t_b = t_f`: does the formula still hold?
+# 2. Give `ideal_events` a message cost (add it to every dependency that crosses stages).
+#    At what cost per message does interleaving ($v = 2$) stop beating 1F1B at $p = 4$?

@@ -34,7 +34,11 @@ __all__ = ["LogState", "training_log", "format_log_line", "flops_terms",
 #   loss); the printed value is the sum divided by the number of advanced iterations;
 # - counts of advanced, skipped and **NaN** iterations (a skipped iteration whose loss is
 #   $\pm\infty$ or NaN);
-# - the time since the last print, divided by the iterations since then: ms/iter.
+# - the time since the last print, divided by the iterations since then: ms/iter. An
+#   evaluation or a checkpoint save in the interval is **left out** of that time (`paused`):
+#   Megatron stops its `interval-time` timer around both (`training.py:3683` and `:3739` around
+#   evaluation, `:2792` and `:2857` around a save). Otherwise the line after an evaluation of
+#   a minute reports a minute per iteration, and the ETA and tokens/s with it.
 #
 # Throughput follows: tokens/s $= \sum \text{tokens} / t$, TFLOP/s per device
 # $= \sum \text{FLOPs} / (t \cdot 10^{12} \cdot \text{world size})$ (Megatron divides one
@@ -79,6 +83,16 @@ class LogState:
         self.losses, self.iterations, self.flops, self.tokens = {}, 0, 0, 0
         self.advanced_iterations = self.skipped_iterations = self.nan_iterations = 0
         self.last_time = now
+
+    def paused(self, fn):
+        """`fn`, with the time it takes left out of the interval (an evaluation, a save)."""
+        def timed_out_of_interval(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.last_time += time.perf_counter() - t0
+        return timed_out_of_interval
 
 
 def _accumulate(loss_dict: dict, state: LogState, skipped_iter: int) -> None:
@@ -439,8 +453,8 @@ if __name__ == "__main__":
 #
 # - The log line averages losses over advanced iterations only and counts skipped and NaN
 #   iterations separately; throughput is FLOPs and tokens over the wall time of the interval.
-# - Training FLOPs $= 3 \times$ forward matmuls: $T[L(2h(a+2g)d + 2adh + 6hf) + 2hV]
-#   + 4 P a d L$ forward, with $P$ the causal $(q, k)$ pairs; recompute adds forward work.
+# - Training FLOPs $= 3 \times$ forward matmuls: $T[L(2h(a+2g)d + 2adh + 6hf) + 2hV] +
+#   4 P a d L$ forward, with $P$ the causal $(q, k)$ pairs; recompute adds forward work.
 # - Megatron's formula equals ours term by term except the causal diagonal ($s^2/2$ vs
 #   $s(s+1)/2$ pairs).
 # - MFU divides by the dense bf16 datasheet peak (GPU); a measured matmul peak (CPU) serves

@@ -225,24 +225,46 @@ def get_megatron_optimizer(config: OptimizerConfig, model: torch.nn.Module, grid
 # %% [markdown]
 # ## The scheduler
 #
-# Every length the command line gives in iterations becomes a number of samples, once, here.
+# Every length the command line gives in iterations becomes a number of samples, once, here:
+# the samples those iterations consume. With a constant batch that is iterations × the global
+# batch size (Megatron's rule, `megatron/training/training.py:1832-1843`). With a batch-size
+# schedule the batch grows as the run goes, so the product with the *first* batch falls short:
+# 10 iterations of `"0:16 10K:32"` consume 240 samples, and a decay sized as $10 \cdot 16 = 160$
+# reaches `min_lr` at iteration 8 of 10. Chapter 01's loop passes `samples_of`, the walk over
+# its batch schedule, so the decay ends exactly where the run ends. A run given in samples
+# (`train_samples`) decays over `train_samples`, as Megatron's sample-based branch does
+# (`training.py:1845-1858`); its iteration count comes from the same walk (`update_train_iters`,
+# `training.py:1485-1506`). Megatron's iteration branch multiplies by `args.global_batch_size`,
+# which a step schedule leaves at `micro_batch_size · dp` (`arguments.py:700-702`): its decay is
+# compressed the same way, and its sample-based branch is the one to follow.
 
 # %%
 def get_optimizer_param_scheduler(config: SchedulerConfig, optimizer, opt_config: OptimizerConfig,
-                                  train_iters: int, global_batch_size: int) -> OptimizerParamScheduler:
-    """The scheduler with every length converted from iterations to samples."""
-    decay = (config.lr_decay_iters or train_iters) * global_batch_size
+                                  train_iters: int, global_batch_size: int, *, samples_of=None,
+                                  train_samples: int | None = None) -> OptimizerParamScheduler:
+    """The scheduler with every length converted from iterations to samples.
+
+    `samples_of(n)`: the samples the first n iterations consume (default n · global_batch_size;
+    under a batch-size schedule, its walk). A sample-based run decays over `train_samples`.
+    """
+    samples_of = samples_of or (lambda n: n * global_batch_size)
+    decay_iters = config.lr_decay_iters or train_iters
+    decay = (train_samples if train_samples and not config.lr_decay_iters
+             else samples_of(decay_iters))
     # a fraction stays a float sample count, as Megatron keeps it (training.py:1840)
     warmup = (config.lr_warmup_fraction * decay if config.lr_warmup_fraction is not None
-              else config.lr_warmup_iters * global_batch_size)
-    wsd = None if config.lr_wsd_decay_iters is None else config.lr_wsd_decay_iters * global_batch_size
+              else samples_of(config.lr_warmup_iters))
+    n_wsd = config.lr_wsd_decay_iters
+    wsd = (None if n_wsd is None else n_wsd * global_batch_size if n_wsd > decay_iters
+           else samples_of(decay_iters) - samples_of(decay_iters - n_wsd))  # the last n_wsd
     wd = opt_config.weight_decay
     return OptimizerParamScheduler(
         optimizer, init_lr=config.lr_warmup_init, max_lr=opt_config.lr, min_lr=opt_config.min_lr,
         lr_warmup_steps=warmup, lr_decay_steps=decay, lr_decay_style=config.lr_decay_style,
         start_wd=wd if config.start_weight_decay is None else config.start_weight_decay,
         end_wd=wd if config.end_weight_decay is None else config.end_weight_decay,
-        wd_incr_steps=train_iters * global_batch_size, wd_incr_style=config.weight_decay_incr_style,
+        wd_incr_steps=train_samples or samples_of(train_iters),
+        wd_incr_style=config.weight_decay_incr_style,
         use_checkpoint_opt_param_scheduler=config.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=config.override_opt_param_scheduler,
         wsd_decay_steps=wsd, lr_wsd_decay_style=config.lr_wsd_decay_style)

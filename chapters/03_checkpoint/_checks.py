@@ -26,6 +26,9 @@ def check_checkpoint_config(cfg, async_modes) -> None:
         raise ValueError(f"async_timeout_s must be > 0 seconds, got {cfg.async_timeout_s}")
     if cfg.thread_count < 1:
         raise ValueError(f"thread_count must be >= 1, got {cfg.thread_count}")
+    if cfg.keep_latest_k < 0:
+        raise ValueError(f"keep_latest_k must be >= 0 (0 = keep every save), got "
+                         f"{cfg.keep_latest_k}")
 
 
 def _check_tiling(plans: list[SavePlan]) -> None:

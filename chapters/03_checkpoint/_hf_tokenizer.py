@@ -14,7 +14,8 @@ import tomllib
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["byte_symbols", "write_byte_tokenizer", "run_tokenizer"]
+__all__ = ["byte_symbols", "write_byte_tokenizer", "run_tokenizer", "run_special_tokens",
+           "write_run_config"]
 
 BYTE_SPECIALS = ("<|endoftext|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 
@@ -71,3 +72,62 @@ def run_tokenizer(src) -> tuple[Optional[str], Optional[str]]:
                              "(pass --tokenizer-file)")
         return kind, str(file)
     return kind, None
+
+
+def run_special_tokens(src) -> tuple[Optional[str], Optional[str]]:
+    """(eod_token, pad_token) the run's [tokenizer] names; None where it names none."""
+    config = _checkpoint_root(Path(src)) / "config.toml"
+    if not config.is_file():
+        return None, None
+    try:
+        section = tomllib.loads(config.read_text()).get("tokenizer", {})
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{config}: not valid TOML ({e})") from None
+    return section.get("eod_token"), section.get("pad_token")
+
+
+def _toml(value) -> str:
+    """A TOML value for a ModelConfig field (str, bool, int, float, list of str)."""
+    import json
+
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value)  # numbers, strings and string lists read back the same in TOML
+
+
+def write_run_config(src, dst, model_config) -> Optional[str]:
+    """`<dst>/config.toml`: [model] of the imported checkpoint and, when the Hugging Face folder
+    has one, [tokenizer] for its tokenizer.json (copied beside the checkpoint) with its EOS as
+    the end-of-document token. A fine-tune passes it as `--config`; `to-hf` reads its
+    [tokenizer]."""
+    import dataclasses
+    import json
+    import shutil
+
+    lines = ["[model]"] + [f"{k} = {_toml(v)}" for k, v in dataclasses.asdict(model_config).items()
+                           if v is not None]
+    tokenizer = Path(src) / "tokenizer.json"
+    copied = None
+    if tokenizer.is_file():
+        copied = Path(dst) / "tokenizer.json"
+        shutil.copyfile(tokenizer, copied)
+        lines += ["", "[tokenizer]", 'tokenizer_type = "hf"',
+                  f"tokenizer_model = {json.dumps(str(copied.resolve()))}"]
+        eos = _special_token(Path(src) / "tokenizer_config.json", "eos_token")
+        if eos:
+            lines.append(f"eod_token = {json.dumps(eos)}")
+    (Path(dst) / "config.toml").write_text("\n".join(lines) + "\n")
+    return str(copied) if copied else None
+
+
+def _special_token(path: Path, key: str) -> Optional[str]:
+    """A special token named in tokenizer_config.json (a string or an AddedToken dict)."""
+    import json
+
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text()).get(key)
+    except ValueError:
+        return None
+    return value.get("content") if isinstance(value, dict) else value

@@ -14,7 +14,7 @@
 # how each format gets there — and that is where the code of this page goes.
 #
 # ```mermaid
-# flowchart LR
+# flowchart TB
 #   TD["torch_dist directory<br/>any TP x PP x DP"] -->|"load_model_weights<br/>DCP assembles full tensors"| M
 #   MC["Megatron torch_dist<br/>args Namespace, no model config"] -->|"infer_config from shapes<br/>+ heads from args (safe load)"| M
 #   LG["legacy mp_rank_TT_PPP/<br/>model_optim_rng.pt"] -->|"_legacy_full_state<br/>global layer names + unshard"| M
@@ -306,7 +306,8 @@ def checkpoint_to_hf(src, dst, tokenizer_file: str | None = None, **kwargs) -> M
     with the run's tokenizer (or `tokenizer_file`) when it is known."""
     import tempfile
 
-    from tinytron.checkpoint._hf_tokenizer import run_tokenizer, write_byte_tokenizer
+    from tinytron.checkpoint._hf_tokenizer import (run_special_tokens, run_tokenizer,
+                                                   write_byte_tokenizer)
     from tinytron.model.hf import save_hf_llama
 
     model = read_checkpoint_model(src, **kwargs)
@@ -315,8 +316,17 @@ def checkpoint_to_hf(src, dst, tokenizer_file: str | None = None, **kwargs) -> M
         eos = None
         if kind == "byte":
             found, eos = write_byte_tokenizer(Path(tmp) / "tokenizer.json"), 256
+        elif found is not None:  # the end-of-document token the run trained with ([tokenizer])
+            eos = _token_id(found, run_special_tokens(src)[0])
         save_hf_llama(model, dst, tokenizer_file=found, eos_token_id=eos)
     return model.config
+
+
+def _token_id(tokenizer_file, token):
+    """The id of `token` in a tokenizers JSON file (None for no token, or one it lacks)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_file)).token_to_id(token) if token else None
 
 
 def hf_to_checkpoint(src, dst, ckpt_format: str = "torch_dist") -> ModelConfig:
@@ -328,6 +338,8 @@ def hf_to_checkpoint(src, dst, ckpt_format: str = "torch_dist") -> ModelConfig:
     manager = CheckpointManager(CheckpointConfig(save=str(dst), ckpt_format=ckpt_format,
                                                  no_save_rng=True), model.grid)
     manager.save(_train_state_class()(), model)
+    from tinytron.checkpoint._hf_tokenizer import write_run_config
+    write_run_config(src, dst, config)  # [model] and [tokenizer] for the fine-tune's --config
     return config
 
 

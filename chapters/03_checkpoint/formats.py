@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -27,7 +28,8 @@ __all__ = ["TRACKER_FILENAME", "COMMON_FILENAME", "METADATA_FILENAME", "DCP_META
            "LEGACY_MODEL_FILENAME", "LEGACY_OPTIM_FILENAME", "CHECKSUM_FILENAME",
            "MEGATRON_METADATA", "CheckpointSaveError", "checkpoint_dir_name", "read_tracker",
            "write_tracker", "legacy_rank_dir", "detect_format", "resolve_checkpoint_dir",
-           "staging_dir", "prepare_staging", "commit_checkpoint", "atomic_write_bytes",
+           "staging_dir", "prepare_staging", "commit_checkpoint", "rotate_checkpoints",
+           "atomic_write_bytes",
            "fsync_dir", "fault_point", "FAULT_ENV", "unwrap_chunks", "checkpoint_sizes",
            "files_written"]
 
@@ -274,6 +276,33 @@ def commit_checkpoint(root: str | os.PathLike, iteration: int, release: bool = F
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+# %% [markdown]
+# Saves accumulate: each is a full copy of the weights and the optimizer state, so three saves
+# of a run fill three times its size. `[checkpoint] keep_latest_k` (torchtitan's name; Megatron
+# keeps every save) removes the oldest `iter_NNNNNNN` directories after a save, keeping the `k`
+# newest. It runs only after the commit above has moved the tracker to the new directory, so at
+# every moment the tracker names a complete checkpoint that is kept; a kill during the removal
+# leaves an extra old directory, never a missing one. Only names of the `iter_` + 7 digits form
+# are touched (no `release`, no `.tmp` staging directory, nothing else a user put there), and
+# the tracker's own iteration is kept whatever `k` says.
+
+# %%
+def rotate_checkpoints(root: str | os.PathLike, keep: int) -> list[Path]:
+    """Remove all but the `keep` newest iter_NNNNNNN directories (never the tracker's)."""
+    root = Path(root)
+    found = read_tracker(root)
+    saved = sorted(p for p in root.iterdir() if p.is_dir() and re.fullmatch(r"iter_\d{7}", p.name))
+    removed = []
+    for path in saved[:-keep] if keep > 0 else []:
+        if found is not None and not found[1] and path.name == checkpoint_dir_name(found[0]):
+            continue
+        shutil.rmtree(path)
+        removed.append(path)
+    if removed:
+        fsync_dir(root)
+    return removed
 
 
 # %% [markdown]

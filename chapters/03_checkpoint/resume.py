@@ -63,6 +63,7 @@ from tinytron.checkpoint._resume_plumbing import (CheckpointHooks, ManagerPlumbi
                                                   save_checkpoint)
 from tinytron.checkpoint.async_save import ASYNC_MODES, WRITER_TIMEOUT_S, AsyncSaver
 from tinytron.checkpoint.formats import (CheckpointSaveError, commit_checkpoint, detect_format,
+                                         rotate_checkpoints,
                                          prepare_staging, resolve_checkpoint_dir, staging_dir,
                                          unwrap_chunks)
 from tinytron.checkpoint.legacy import legacy_param_groups, read_legacy
@@ -141,6 +142,8 @@ class CheckpointConfig:
     """Writer threads per rank (files __R_0 … __R_{n-1}.distcp)."""
     data_parallel_random_init: bool = False
     """The DP ranks draw different streams: save every DP rank's RNG state (else DP rank 0's)."""
+    keep_latest_k: int = 0
+    """After each save keep only the k newest iter_* directories (torchtitan's name); 0 = keep all."""
 
     def __post_init__(self):
         check_checkpoint_config(self, ASYNC_MODES)   # one-line ValueErrors (_checks.py)
@@ -348,6 +351,8 @@ class CheckpointManager(ManagerPlumbing):
 
         def commit():   # runs later for an async save: bind the iteration now
             commit_checkpoint(root, iteration)
+            if self.config.keep_latest_k:  # only once the tracker names the new save
+                rotate_checkpoints(root, self.config.keep_latest_k)
 
         if self.config.ckpt_format == "torch":
             return self._save_legacy(staging, state, chunks, optimizer, scheduler, commit, t0)

@@ -200,7 +200,9 @@ def get_batch_on_this_cp_rank(batch: dict, grid: ParallelGrid) -> dict:
 #
 # `get_batch` (`pretrain_gpt.py:76`): middle pipeline stages return all-`None` at once (unless
 # SFT, whose attention needs `cu_seqlens`), everyone else does the TP broadcast and then the CP
-# slice. Sequence parallelism does not appear here at all: it splits the activations inside the
+# slice. An SFT middle stage receives only `cu_seqlens` and rebuilds its block-causal mask from
+# it (chapter 00's `block_causal_mask`): Megatron's kernels take `cu_seqlens` directly, the
+# book's attention takes the mask. Sequence parallelism does not appear here at all: it splits the activations inside the
 # model, after the embedding.
 #
 # Given a `vocab_size`, `get_batch` also checks every token and label id against it. An id the
@@ -233,6 +235,11 @@ def get_batch(data_iterator: Optional[Iterator], grid: ParallelGrid, *, micro_ba
                                       seq_length=seq_length,
                                       create_attention_mask=create_attention_mask,
                                       is_sft=is_sft, device=device, vocab_size=vocab_size)
+    if is_sft and create_attention_mask and batch["attention_mask"] is None:
+        # a middle stage's layers attend too: their block-causal mask, rebuilt from cu_seqlens
+        from tinytron.overview.sft import block_causal_mask
+
+        batch["attention_mask"] = block_causal_mask(batch["cu_seqlens"][0], seq_length)[None]
     return get_batch_on_this_cp_rank(batch, grid)
 
 

@@ -54,7 +54,7 @@ __all__ = ["DataConfig", "build_train_valid_test_datasets", "build_data_iterator
 # </div>
 #
 # ```mermaid
-# flowchart LR
+# flowchart TB
 #   C["DataConfig"] --> B["BlendedMegatronDatasetBuilder (rank 0 builds the cache)"]
 #   B --> D["train / valid / test datasets"]
 #   D --> L["DataLoader + sampler from consumed_samples"]
@@ -103,6 +103,8 @@ class DataConfig:
     """False = `--no-create-attention-mask-in-dataloader`."""
     mmap_bin_files: bool = True
     """False = `--no-mmap-bin-files`."""
+    sft: bool = False
+    """`--sft`: data paths are chat JSONL files, packed by the SFT dataset (prompt tokens: no loss)."""
     extra: dict = field(default_factory=dict)
     """Room for site-specific flags (ignored here)."""
 

@@ -82,7 +82,7 @@ __all__ = [
 # The whole command, from files to one `.bin/.idx` pair per JSON key:
 #
 # ```mermaid
-# flowchart LR
+# flowchart TB
 #   I["inputs: JSONL lines<br/>or text files"] --> D["documents, in order"]
 #   D --> W1["worker 1: encode + EOD"]
 #   D --> W2["worker 2: encode + EOD"]
@@ -103,12 +103,17 @@ class TokenizerSpec:
     kind: str = "byte"
     path: Optional[str] = None
     eod_token: str = "<|endoftext|>"
+    pad_token: Optional[str] = None
+
+
+EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
+PAD_CANDIDATES = ("<|pad|>", "<pad>", "[PAD]", "<|finetune_right_pad_id|>")
 
 
 class _HFTokenizer:
-    """A `tokenizers.Tokenizer` with Megatron's `eod` and `vocab_size` attributes."""
+    """A `tokenizers.Tokenizer` with Megatron's `eod`, `pad` and `vocab_size` attributes."""
 
-    def __init__(self, path: str, eod_token: str):
+    def __init__(self, path: str, eod_token: str, pad_token: Optional[str] = None):
         from tokenizers import Tokenizer
 
         try:
@@ -117,10 +122,18 @@ class _HFTokenizer:
             raise ValueError(f"{path}: not a tokenizers JSON file ({err})") from None
         eod = self._tok.token_to_id(eod_token)
         if eod is None:
-            raise ValueError(f"{path}: the tokenizer has no end-of-document token {eod_token!r}")
+            has = [t for t in EOD_CANDIDATES if self._tok.token_to_id(t) is not None]
+            raise ValueError(f"{path}: the tokenizer has no end-of-document token {eod_token!r}; "
+                             "name its own with --eod-token (tinytron-preprocess) or "
+                             "tokenizer.eod_token (tinytron-train)"
+                             + (f", e.g. {has[0]!r}" if has else ""))
         self.eod, self.vocab_size = eod, self._tok.get_vocab_size()
-        pad = self._tok.token_to_id("<|pad|>")
-        self.pad = -1 if pad is None else pad
+        pads = (pad_token,) if pad_token else PAD_CANDIDATES
+        found = [i for i in (self._tok.token_to_id(t) for t in pads) if i is not None]
+        if pad_token and not found:
+            raise ValueError(f"{path}: the tokenizer has no padding token {pad_token!r} "
+                             "(tokenizer.pad_token)")
+        self.pad = found[0] if found else -1  # -1: none (the datasets then pad with EOD)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -130,6 +143,15 @@ class _HFTokenizer:
 
 
 # %% [markdown]
+# The end-of-document token is not the same in every family: `<|endoftext|>` in GPT-2 and in
+# the BPEs trained here, `</s>` in Llama-2 and Mistral, `<|end_of_text|>` in Llama-3. It is
+# named, never guessed: `--eod-token` here, recorded by id in the sidecar, and the trainer reads
+# it back from there (or from `[tokenizer] eod_token`). When the token is missing, the error
+# names the flag and a candidate the tokenizer does hold, so a Llama user sees `--eod-token`
+# and `'</s>'` in one line. The pad token, which only the datasets' padding uses, is looked up
+# among the usual names (`<|pad|>`, `<pad>`, `[PAD]`); a tokenizer with none records pad -1 and
+# the datasets pad with EOD, whose loss is masked anyway.
+#
 # A spec becomes a tokenizer; a BPE is trained once, in the parent, and then read back as an
 # `hf` tokenizer file by every worker.
 
@@ -143,7 +165,7 @@ def build_tokenizer(spec: TokenizerSpec):
     if spec.kind == "hf":
         if not spec.path or not os.path.isfile(spec.path):
             raise ValueError(f"tokenizer file {spec.path!r} not found (--tokenizer-file)")
-        return _HFTokenizer(spec.path, spec.eod_token)
+        return _HFTokenizer(spec.path, spec.eod_token, spec.pad_token)
     raise ValueError(f"unknown tokenizer kind {spec.kind!r}; expected 'byte', 'hf' or 'bpe'")
 
 
@@ -227,7 +249,10 @@ def _json_text(line: str, key: str, path: str, lineno: int) -> str:
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
     if not isinstance(obj, dict) or not isinstance(obj.get(key), str):
-        raise ValueError(f"{path}:{lineno}: no string field {key!r}")
+        chat = isinstance(obj, dict) and isinstance(obj.get(key), list)
+        raise ValueError(f"{path}:{lineno}: no string field {key!r}" + (
+            " (it holds a list: a chat? SFT reads the JSONL itself: tinytron-train "
+            "--data.sft true --data.data_path FILE.jsonl)" if chat else ""))
     return obj[key]
 
 # %% [markdown]

@@ -209,11 +209,39 @@ if __name__ == "__main__":
     plt.show()
 
 # %% [markdown]
+# ## In the trainer: `[data] sft = true`
+#
+# Megatron makes SFT a mode of the same pretraining script: `--sft`
+# (`megatron/training/arguments.py:3383`) swaps `GPTDataset` for `SFTDataset`
+# (`pretrain_gpt.py:344-346`), and that dataset's low-level reader opens the JSONL file itself
+# (`megatron/training/datasets/sft_dataset.py:35-41`). tinytron's trainer does the same with this
+# page's class: `[data] sft = true` reads `data_path` as one chat JSONL file (or one per split
+# with `train/valid/test_data_path`), cuts its records into train, valid and test by
+# `[data] split` with the same rounding as a `.bin/.idx` prefix's documents, and packs each
+# record into one row when the sampler asks for it. The glue — checking the paths, adapting a
+# Hugging Face tokenizer to the packer's role ids — is in `tinytron.data._sft_build`.
+#
+# Why read the JSONL directly rather than preprocess it into `.bin/.idx`: the indexed format
+# holds a flat stream of token ids per document and nothing else, so the roles that decide which
+# tokens carry a loss would have to travel in a second, parallel file. The chats are small next
+# to a pretraining corpus and are tokenized again each time a row is read; that costs
+# microseconds per row here and keeps one source of truth for the mask.
+#
+# Chapter 01's `gpt_forward_step(..., sft=True)` asks `get_batch` for the row's block-causal
+# mask and `cu_seqlens`, and its `sft_loss_func` reports, beside the loss, the tokens that
+# carried one per sample. The JSONL log therefore shows, for every step, that only the
+# assistant's tokens were trained on: with answers of 5 bytes (6 tokens with `<|end|>`) and
+# prompts of any length, the logged value is 6 on every record (`tests/test_train_finetune.py`).
+# One row per micro-batch (`micro_batch_size = 1`): rows cannot be stacked, their `cu_seqlens`
+# differ; Megatron asks the same of packed sequences elsewhere (`arguments.py:562-563`).
+
+# %% [markdown]
 # ## Summary
 #
 # * One JSONL record is one packed row; its conversations are [chapter 00's](../00_overview/sft.py)
 #   segments.
 # * For CP each conversation is padded to a multiple of $2\cdot cp$ so `get_batch` can split it.
+# * The trainer runs it as `[data] sft = true`, reading the chat JSONL as Megatron's `--sft` does.
 #
 # ## How production does it
 #

@@ -18,7 +18,7 @@ class TinyNet(torch.nn.Module):
             torch.nn.Sequential(torch.nn.RMSNorm(hidden), torch.nn.Linear(hidden, ffn),
                                 torch.nn.GELU(), torch.nn.Linear(ffn, hidden))
             for _ in range(num_layers))
-        self.shared = torch.nn.Linear(hidden, hidden, bias=False)  # applied twice: golden counts
+        self.shared = torch.nn.Linear(hidden, hidden, bias=False)  # applied twice, one hook call
         self.final_norm = torch.nn.RMSNorm(hidden)
         self.output = torch.nn.Linear(hidden, vocab, bias=False)
 

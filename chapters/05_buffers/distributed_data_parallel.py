@@ -146,11 +146,16 @@ def default_bucket_size(config: DistributedDataParallelConfig, dp_size: int) -> 
 #
 # With `overlap_grad_reduce` the hook also calls `register_grad_ready(param)` on the param's
 # **bucket group** (`param_and_grad_buffer.py:800`). It counts only on the *last* micro-batch
-# (`no_sync()` clears `is_last_microbatch`, `distributed_data_parallel.py:480`). A parameter
-# may be used twice in one forward (a shared weight) and then fires twice, so the first step
-# only *records* the counts; from the second step on, the bucket's collective is launched the
-# moment the counts equal those "golden" counts. In the first step the launch happens in
-# `finish_grad_sync` instead.
+# (`no_sync()` clears `is_last_microbatch`, `distributed_data_parallel.py:480`). How many
+# calls make a parameter ready is not always one. A weight used twice in one forward is *not*
+# the case: autograd sums both uses into one gradient and accumulates it once, so its hook
+# fires once (demo 1 counts it on `TinyNet`'s shared layer). It fires once per backward pass
+# that accumulates into it — and a reentrant activation checkpoint, like Megatron's
+# `CheckpointFunction` (`tensor_parallel/random.py:555`) and chapter 06's, runs a backward of
+# its own for the recomputed region, so a weight used both inside and outside such a region
+# fires twice. Rather than predict this, the first step only *records* the counts; from the
+# second step on, the bucket's collective is launched the moment the counts equal those
+# "golden" counts. In the first step the launch happens in `finish_grad_sync` instead.
 #
 # The collective itself (`start_grad_sync`, `param_and_grad_buffer.py:556`):
 #
@@ -710,6 +715,27 @@ if __name__ == "__main__":
     assert w.main_grad.data_ptr() == ddp.buffers[0].grad_data[start:].data_ptr()
 
 # %% [markdown]
+# How often does a hook fire? `TinyNet` applies its `shared` layer twice in one forward:
+# one call. Put its first use inside a reentrant checkpoint (PyTorch's, which runs a nested
+# backward as Megatron's does) and the same weight is accumulated twice: two calls. That is
+# the count the golden counts exist for.
+
+# %%
+if __name__ == "__main__":
+    from torch.utils.checkpoint import checkpoint
+
+    calls = []
+    net.shared.weight.register_post_accumulate_grad_hook(lambda p: calls.append(p))
+    x = torch.randn(2, net.shared.in_features, requires_grad=True)
+    (net.shared(torch.tanh(net.shared(x)))).sum().backward()  # TinyNet's use: twice, one graph
+    once = len(calls)
+    y = checkpoint(net.shared, x, use_reentrant=True)  # the first use recomputed
+    net.shared(torch.tanh(y)).sum().backward()
+    print(f"hook calls of the shared weight: {once} in one graph, "
+          f"{len(calls) - once} with a reentrant checkpoint")
+    assert (once, len(calls) - once) == (1, 2)
+
+# %% [markdown]
 # ## Demo 2: a NaN stopped before the collective
 #
 # The same model with `check_for_nan_in_grad=True`, and one NaN written into this rank's
@@ -777,8 +803,9 @@ if __name__ == "__main__":
 #   frees `param.grad`, and (with overlap, on the last micro-batch) counts the parameter ready.
 # - A bucket whose parameters have all reported launches its collective at once: all-reduce
 #   for plain DDP, reduce-scatter for the distributed optimizer; `finish_grad_sync` waits.
-# - The first step learns how many times each parameter reports (golden counts); launches
-#   from the hooks start in the second step.
+# - The first step learns how many times each parameter reports (golden counts: once per
+#   backward pass that accumulates into it, twice under a reentrant checkpoint that shares
+#   it); launches from the hooks start in the second step.
 # - Grads are pre-scaled by `1/dp_cp` and summed (default), or averaged in the collective.
 # - Before the scaling and the collective, each bucket's *local* grads are checked (NaN/Inf, or
 #   whatever `set_grad_check` installs), so the rank that produced a bad value is the one that
@@ -804,8 +831,9 @@ if __name__ == "__main__":
 #
 # ## Exercises
 #
-# 1. Use the `shared` weight of `TinyNet` twice more in its forward. Why would launching a
-#    bucket on the first hook call be wrong, and which mechanism prevents it?
+# 1. Wrap the first use of `TinyNet`'s `shared` layer in a reentrant checkpoint and count
+#    its hook calls on the last micro-batch. Why would launching its bucket on the first call
+#    be wrong, and which mechanism prevents it? (Hint: demo 1's second count.)
 # 2. Shrink `bucket_size` to 20k in the timeline demo. What happens to the gap between
 #    backward's end and the synced grads, and why does it not shrink forever?
 # 3. Set `average_in_collective=True` and check that the grads do not change. When could

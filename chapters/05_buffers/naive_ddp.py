@@ -110,15 +110,17 @@ class NaiveDataParallel(torch.nn.Module):
 #
 # | cost | where it comes from | what the real DDP does instead |
 # |---|---|---|
-# | one collective per parameter: 291 for a 7B Llama | each call pays a fixed launch and ring latency $\alpha$, however small the tensor (a norm weight is 8 KB) | [one flat buffer cut into buckets](param_and_grad_buffer.py): a handful of large collectives |
+# | one collective per parameter: 97 on a rank of the running example | each call pays a fixed launch and ring latency $\alpha$, however small the tensor (a norm weight is 8 KB) | [one flat buffer cut into buckets](param_and_grad_buffer.py): a handful of large collectives |
 # | the backward waits for every all-reduce | the call blocks inside the hook | [async collectives on a side stream](distributed_data_parallel.py), waited for once in `finish_grad_sync` |
 # | `.grad` is a separate tensor per parameter, in the param's dtype | autograd allocates it | `main_grad`, an fp32 view of the buffer, where the grads of all micro-batches accumulate |
 #
 # A ring all-reduce of $n$ bytes over $d$ ranks takes about $2(d-1)\alpha + 2\frac{d-1}{d}
 # \frac{n}{\beta}$ for a per-step latency $\alpha$ and bandwidth $\beta$. The bandwidth term
-# depends only on the total bytes, the same for 291 calls or 4; the latency term is paid once
-# per call. With 291 calls at DP 64, that is $291 \cdot 2 \cdot 63 = 36{,}666$ latency steps
-# per iteration against $4 \cdot 126 = 504$ for four buckets.
+# depends only on the total bytes, however many calls carry them; the latency term is paid
+# once per call. One rank of the running example (stage 0 of TP 2, PP 2, at DP 64) holds 97
+# weight tensors; naively that is $97 \cdot 2 \cdot 63 = 12{,}222$ latency steps per
+# iteration, against $17 \cdot 126 = 2{,}142$ for the 17 buckets of Megatron's default size
+# (the demo below computes both).
 #
 # `collective_counts` below states that arithmetic for any list of parameter sizes: naive
 # DDP issues one call per parameter; a bucketed one issues one per bucket of `bucket_size`
@@ -164,29 +166,43 @@ if __name__ == "__main__":
     assert all(o["naive_collectives"] == o["num_params"] > o["ddp_collectives"] for o in out)
 
 # %% [markdown]
-# And the count at scale: the 7B Llama's 291 weight tensors (per layer two norms of 4096
-# elements, four attention and three MLP matrices; the embedding, final norm and head), one
-# call each against buckets of Megatron's default 40M elements.
+# And the count at scale, on the book's running example: the model of appendix B's
+# `llama_7b_config` (32 layers, $h = 4096$, a fused QKV with 8 query groups, a fused SwiGLU
+# fc1 of $2 \cdot 14{,}336$ rows, a 128,256-word vocabulary), one rank of stage 0 at TP 2
+# and PP 2: the embedding shard and 16 layers of two norms and four matrices, each matrix
+# halved by TP. One call each, against buckets of Megatron's default size at DP 64,
+# $\max(40\text{M}, 1\text{M} \cdot d) = 64\text{M}$ elements
+# (`distributed_data_parallel.py:69`), filled from the last layer back as backward produces
+# the gradients.
 
 # %%
 if __name__ == "__main__":
-    h, ffn, vocab, layers = 4096, 11008, 32000, 32
-    per_layer = [h, h * h, h * h, h * h, h * h, h, h * ffn, h * ffn, ffn * h]
-    numels = [vocab * h] + per_layer * layers + [h, vocab * h]
-    naive_calls, bucket_calls = collective_counts(numels, 40_000_000)
-    print(f"{len(numels)} tensors, {sum(numels) / 1e9:.2f}B params: {naive_calls} per-parameter "
-          f"all-reduces, {bucket_calls} bucketed ones")
+    from tinytron.model.config import llama_7b_config, parameter_breakdown
+
+    cfg, tp, dp = llama_7b_config(), 2, 64
+    parts, h = parameter_breakdown(cfg), cfg.hidden_size
+    layer = [h, parts["linear_qkv"] // tp, parts["linear_proj"] // tp, h,
+             parts["linear_fc1"] // tp, parts["linear_fc2"] // tp]
+    numels = [parts["embedding"] // tp] + layer * (cfg.num_layers // 2)  # stage 0 of PP 2
+    naive_calls, bucket_calls = collective_counts(numels[::-1], max(40_000_000, 1_000_000 * dp))
+    steps = {"naive": naive_calls * 2 * (dp - 1), "bucketed": bucket_calls * 2 * (dp - 1)}
+    print(f"{len(numels)} tensors, {sum(numels) / 1e9:.2f}B params on the rank: "
+          f"{naive_calls} per-parameter all-reduces ({steps['naive']:,} latency steps at "
+          f"DP {dp}), {bucket_calls} bucketed ones ({steps['bucketed']:,})")
     sizes = sorted(numels)
-    plt.figure(figsize=(7, 2.6))
+    plt.figure(figsize=(7, 2.6), dpi=150)
     plt.semilogy(range(len(sizes)), sizes, ".", ms=3)
-    plt.axhline(40_000_000, color="red", lw=1, label="one bucket (40M elements)")
-    plt.xlabel("weight tensor (sorted by size)")
+    plt.axhline(64_000_000, color="red", lw=1, label="one bucket (64M elements at DP 64)")
+    plt.xlabel("weight tensor on the rank (sorted by size)")
     plt.ylabel("elements")
-    plt.title("7B Llama: one collective per tensor, most of them small", fontsize=9)
+    plt.title("A third of the rank's tensors are 4,096-element norms: one call each pays "
+              "latency for almost no bytes", fontsize=8)
     plt.legend(fontsize=8)
     plt.tight_layout()
     plt.show()
-    assert naive_calls == 291 and bucket_calls < 200
+    assert (naive_calls, bucket_calls) == (97, 17)  # the numbers in the cost section above
+    assert (steps["naive"], steps["bucketed"]) == (12_222, 2_142)
+    assert sizes.count(h) == 32 and len(sizes) == 97  # 32 norms of 97 tensors
 
 # %% [markdown]
 # ## Summary

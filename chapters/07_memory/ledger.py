@@ -164,7 +164,7 @@ def plot_ledgers(ledgers: dict, ax=None, budget_bytes: float | None = None, unit
 # | grad buffer (fp32) | 8,030,519,296 B | 8,030,535,680 B |
 # | masters + Adam moments (this rank's 64th) | 376,430,592 B | 376,431,360 B |
 # | **resident** | **12,422,209,536 B** | **12,422,234,880 B** |
-# | activations at the peak | 28.25 GiB: 2 micro-batches in flight, in the first backward | 21.08 GiB: 1 in flight, in the logits chain |
+# | activations at the peak | 22.01 GiB: 2 micro-batches in flight, in the first backward | 17.85 GiB: 1 in flight, in the logits chain |
 #
 # Megatron's estimate puts 12,422,222,208 B on "weights and optimizer" for *the* most loaded
 # rank; the ledger is 12,672 B below it on the first stage and 12,672 B above it on the last
@@ -196,6 +196,9 @@ if __name__ == "__main__":
     assert first.resident - megatron["weight_and_optimizer"] == -12_672
     assert last.resident - megatron["weight_and_optimizer"] == 12_672
     assert last.device["activations"] > 0 and first.peak["max_in_flight"] == 2
+    # the table above, to the printed digit: 22.01 and 17.85 GiB of activations at the peak
+    assert [f"{led.device['activations'] / 2**30:.2f}" for led in (first, last)] == ["22.01",
+                                                                                    "17.85"]
 
 # %% [markdown]
 # ## Where Megatron's estimate and the ledger part ways
@@ -243,7 +246,10 @@ if __name__ == "__main__":
 #
 # Start from the 7B model on one GPU's share of a 256-GPU job with plain data parallelism
 # (every rank holds everything), then switch on one mechanism at a time. Each bar is the
-# ledger of the *most loaded* stage.
+# ledger of the *most loaded* stage. The dashed line is the budget of an "80 GB" device:
+# such a device reports its capacity in binary units, so the line sits at 80 GiB, the budget
+# page 07.7 passes too, not at $80 \cdot 10^9$ B $= 74.5$ GiB. From PP 2 on, the most loaded
+# rank fits under it.
 #
 # | switch | what it divides |
 # |---|---|
@@ -274,14 +280,16 @@ if __name__ == "__main__":
     for name, led in worst.items():
         print(f"{name:>20}: resident {led.resident / 2**30:6.1f} GiB, flowing "
               f"{led.flowing / 2**30:6.1f} GiB (stage {led.pp_rank})")
-    fig, ax = plt.subplots(figsize=(8, 3.6))
-    plot_ledgers(worst, ax, budget_bytes=80e9)
-    ax.set_title("7B, GBS 1024, 256 GPUs: the most loaded rank (dashed: 80 GB)", fontsize=9)
+    fig, ax = plt.subplots(figsize=(8, 3.6), dpi=150)
+    plot_ledgers(worst, ax, budget_bytes=80 * 2**30)
+    ax.set_title("Each switch divides a different term; from PP 2 on, the 7B rank fits an "
+                 "80 GiB device (dashed)", fontsize=8)
     fig.tight_layout()
     plt.show()
     totals = [led.total for led in worst.values()]
     assert totals[0] > totals[1] > totals[2] and totals[3] < totals[2]
     assert worst["+ DistOpt"].resident < worst["+ PP 2"].resident / 2
+    assert worst["+ SP"].total > 80 * 2**30 > worst["+ PP 2"].total  # the caption's claim
 
 # %% [markdown]
 # ## Resident and flowing, closed

@@ -297,23 +297,23 @@ def activation_peak(cfg: MemoryConfig, pp_rank: int, leave_out: tuple[str, ...] 
 # live activation bytes over the schedule of stage 0.
 #
 # What the cell prints, worked from the parts of 07.3 (flash attention, no dropout, selective
-# recompute; one micro-batch of stage 0's 16 layers and embedding keeps 13.876 GiB, of stage
-# 1's 16 layers and head 16.020 GiB):
+# recompute; one micro-batch of stage 0's 16 layers and embedding keeps 10.876 GiB, of stage
+# 1's 16 layers and head 12.926 GiB):
 #
 # | schedule, stage | in flight at most | peak | at | made of |
 # |---|---|---|---|---|
-# | 1F1B, stage 0 | 2 | 28.00 GiB | backward of micro-batch 0 | $2 \cdot 13.876$ + the backward's 0.25 GiB transient |
-# | 1F1B, stage 1 | 1 | 20.94 GiB | forward of micro-batch 0 | $16.020$ + the cross-entropy chain's 4.92 GiB |
-# | interleaved ($v = 2$), stage 0 | 5 | 35.00 GiB | backward of chunk 1, micro-batch 0 | 5 chunk-micro-batches of 6.94-6.97 GiB + 0.25 GiB |
-# | interleaved ($v = 2$), stage 1 | 3 | 27.98 GiB | forward of chunk 1, micro-batch 0 | 27.94 GiB of activations + 0.03 GiB of p2p buffers |
+# | 1F1B, stage 0 | 2 | 22.01 GiB | backward of micro-batch 0 | $2 \cdot 10.876$ + the backward's 0.26 GiB transient |
+# | 1F1B, stage 1 | 1 | 17.85 GiB | forward of micro-batch 0 | $12.926$ + the cross-entropy chain's 4.92 GiB |
+# | interleaved ($v = 2$), stage 0 | 5 | 27.45 GiB | backward of chunk 1, micro-batch 0 | 5 chunk-micro-batches of about 5.44 GiB + 0.26 GiB |
+# | interleaved ($v = 2$), stage 1 | 3 | 23.32 GiB | forward of chunk 1, micro-batch 0 | 23.29 GiB of activations + 0.03 GiB of p2p buffers |
 #
 # Two things follow. The first stage holds the most under 1F1B ($p - r = 2$ micro-batches
 # against 1), but the last stage's single micro-batch comes close, because its forward ends
 # in the fp32 logits chain: $4\,b\,s\,V/t$ bytes per fp32 copy of the logits, 1.96 GiB at
 # $V/t = 64{,}128$, and at its worst moment the chain holds about two and a half of them
 # (4.92 GiB). A fused cross-entropy (appendix C) removes most of that.
-# Interleaving buys a smaller bubble with memory: stage 0 goes from 28.00 to 35.00 GiB,
-# Megatron's factor $1 + (p-1)/(p v) = 1.25$ on its 28 GiB.
+# Interleaving buys a smaller bubble with memory: stage 0 goes from 22.01 to 27.45 GiB,
+# Megatron's factor $1 + (p-1)/(p v) = 1.25$ on its 22 GiB.
 #
 # The transient terms (0.156, 0.25 and 0.583 GiB on stage 0; 4.92 and 1.96 GiB on the last
 # stage) are the part of this page written down from the meter's readings, so their

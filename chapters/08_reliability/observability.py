@@ -272,8 +272,21 @@ class TimedScalars:
 # (`torch.utils.tensorboard.SummaryWriter`, which writes the standard event files), and the
 # progress bar. `add_timers` lets the trainer pass the timers and their names so that
 # `<name>-time` is written too (a collective: every rank must call the logger).
+# On a job of several nodes each node's last rank prints the console lines too (the files stay
+# the last rank's): torchrun shows each node only its own ranks' output, and a run whose progress
+# appears on the last node alone looks hung from the first. With `progress_bar = false` each
+# record is printed instead as Megatron's log line
+# (`training.py:2627-2692`, chapter 01's `format_log_line`), so that a batch job's log shows
+# every `log_interval`; `flush_timers` writes the timers that ran after the last record — the
+# final save's — at the last iteration.
 
 # %%
+def _last_local_rank_of_a_node(world: int) -> bool:
+    """On a job of several nodes, the last rank of each node: every node's console shows the run."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return (world > local and int(os.environ.get("LOCAL_RANK", 0)) == local - 1)
+
+
 class MetricsLogger(TimedScalars):
     """JSONL + TensorBoard + progress bar from training_log records (writes on the last rank)."""
 
@@ -283,8 +296,10 @@ class MetricsLogger(TimedScalars):
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.world_size = world
         self.is_writer = (dist.get_rank() if dist.is_initialized() else 0) == world - 1
+        self.is_console = self.is_writer or _last_local_rank_of_a_node(world)
         self.timers, self.timer_names = timers, list(timer_names)
         self.bar = ProgressBar(train_iters, stream) if config.progress_bar else None
+        self.stream = stream  # without the bar: Megatron's log line, on stdout by default
         self.writer, self.jsonl = None, None
         self._timed_through: Optional[int] = None   # the iteration the timers were last read at
         self._described: set[str] = set()            # tags whose unit is already written
@@ -300,7 +315,7 @@ class MetricsLogger(TimedScalars):
         memory = memory_report(self.device) if self.config.log_memory_to_tensorboard else None
         if self.timers is not None and self.timer_names and "validation" not in record:
             self._write_timers(record["iteration"])
-        if not self.is_writer:
+        if not self.is_console:
             return
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(dict(record, time=time.time(), memory=memory),
@@ -310,6 +325,15 @@ class MetricsLogger(TimedScalars):
                 self._add_scalar(name, value, step)
         if self.bar is not None and "validation" not in record:
             self.bar.update(record, memory)
+        elif "validation" not in record and "losses" in record:  # a batch job's log shows it
+            from tinytron.main_loop.training_log import format_log_line
+            import sys
+            print(format_log_line(record), file=self.stream or sys.stdout, flush=True)
+
+    def flush_timers(self, iteration: int) -> None:
+        """The timers that ran after the last record (the final save) at `iteration` (collective)."""
+        if self.timers is not None and self.timer_names:
+            self._write_timers(iteration)
 
     def close(self) -> None:
         """Flush and close the files."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Optional
@@ -46,8 +47,20 @@ __all__ = ["DistributedSignalHandler", "ReliabilityConfig", "Reliability", "reru
 # one?" with one all-reduce — the signal may reach only some ranks, and all must take the same
 # branch — and if so they save together and exit with 0: an orderly stop, not a failure
 # (`DistributedSignalHandler`, `megatron/training/dist_signal_handler.py:50`;
-# `checkpoint_and_decide_exit`, `megatron/training/training.py:2953`). A *second* Ctrl-C is
-# not deferred: it raises `KeyboardInterrupt` at once, for the person who really means it.
+# `checkpoint_and_decide_exit`, `megatron/training/training.py:2953`).
+#
+# **One Ctrl-C can arrive twice.** A terminal sends SIGINT to its whole foreground process
+# group: `torchrun` gets it, and so does every rank that shares that group (older launchers,
+# `kill -INT -- -PGID`); `torchrun` then forwards its own copy to every rank
+# (`_shutdown(death_sig)` in `torch/distributed/elastic/agent/server/api.py`) and sends
+# SIGKILL to any rank still alive 30 s later. A handler that stops at the second SIGINT loses
+# the save the first one asked for. So the rule here is time, not count: every SIGINT within
+# `absorb_s` = 10 s of the first is absorbed (the same keypress twice, or an impatient second
+# press); one later than that raises `KeyboardInterrupt` at once, for the person who really
+# means it — the last *complete* checkpoint stays, since a save cut short never moves the
+# tracker (chapter 03). An evaluation in progress is abandoned at the next batch when a
+# signal has arrived (chapter 01's `evaluate` asks the same all-reduced question), so the
+# save fits in `torchrun`'s 30 s however long the evaluation would have been.
 #
 # The handler has chapter 01's `ExitSignal` interface (`received(grid)`), so `pretrain(...,
 # exit_signal=handler)` uses it as is.
@@ -56,9 +69,10 @@ __all__ = ["DistributedSignalHandler", "ReliabilityConfig", "Reliability", "reru
 class DistributedSignalHandler:
     """Record SIGTERM/SIGINT; `received()` says whether any rank got one (collective)."""
 
-    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT), absorb_s: float = 10.0):
         self.signals, self._previous = tuple(signals), {}
         self.received_signals: list[int] = []
+        self.absorb_s, self._first_sigint = absorb_s, None
 
     def __enter__(self) -> "DistributedSignalHandler":
         if threading.current_thread() is threading.main_thread():  # Python's rule for handlers
@@ -72,9 +86,20 @@ class DistributedSignalHandler:
         self._previous = {}
         return False
 
+    def keep_absorbing(self) -> None:
+        """Stay installed for the rest of the process: the run is stopping on a signal, and
+        another copy of the same Ctrl-C (torchrun's, sent later) must not interrupt its end."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                signal.signal(sig, self._handler)
+
     def _handler(self, signum, frame) -> None:
-        if signum == signal.SIGINT and signal.SIGINT in self.received_signals:
-            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        now = time.monotonic()
+        if signum == signal.SIGINT:
+            if self._first_sigint is None:
+                self._first_sigint = now
+            elif now - self._first_sigint > self.absorb_s:
+                raise KeyboardInterrupt  # a Ctrl-C well after the first: stop now
         self.received_signals.append(signum)
 
     def signals_received(self, group=None) -> list[bool]:
@@ -130,6 +155,17 @@ class DistributedSignalHandler:
 #
 # An exit 0 (a signal: saved and stopped on purpose) ends the job; any non-zero exit or death
 # restarts it, up to `--max-restarts` times.
+#
+# **One run per save directory.** A relaunch must not start while the previous life still
+# writes: a Slurm requeue of a job whose old allocation is still alive, or the same command
+# started twice, would put two runs into one directory, each "starting fresh" or resuming the
+# other's half-written state, with their logs interleaved and both exiting 0. The trainer's
+# global rank 0 therefore holds an exclusive `flock` on `<save>/tinytron.lock` for the whole
+# run and writes its host, pid and start time into it; a second run finds the lock taken,
+# every one of its ranks exits 2 with one line that names the holder, and it has written
+# nothing. The kernel releases a `flock` when its holder dies, SIGKILL included, so the
+# relaunch after a crash never finds a stale lock (`tinytron.reliability._run_lock`; Megatron
+# has no such lock and relies on the scheduler to run one job per directory).
 #
 # ### One store, many lives: the keys of each attempt under its own prefix
 #

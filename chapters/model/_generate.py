@@ -147,11 +147,43 @@ def generate(model, prompt_ids: Sequence[int], max_new_tokens: int, *, temperatu
 
 
 def _tokenizer(src: str, tokenizer_file: Optional[str]):
-    from tinytron.checkpoint._hf_tokenizer import run_tokenizer
-    from tinytron.data.preprocess import TokenizerSpec, build_tokenizer
+    from tinytron.checkpoint._hf_tokenizer import run_special_tokens, run_tokenizer
+    from tinytron.data.preprocess import EOD_CANDIDATES, TokenizerSpec, build_tokenizer
 
     kind, path = ("hf", tokenizer_file) if tokenizer_file else run_tokenizer(src)
-    return build_tokenizer(TokenizerSpec(kind or "byte", path))
+    if kind != "hf":
+        return build_tokenizer(TokenizerSpec(kind or "byte", path))
+    eod, pad = run_special_tokens(src) if not tokenizer_file else (None, None)
+    if eod is None:  # no run config: the first end-of-document token the tokenizer holds
+        from tokenizers import Tokenizer
+        try:
+            vocab = Tokenizer.from_file(str(path)).get_vocab()
+        except Exception:  # noqa: BLE001 - build_tokenizer names the file below
+            vocab = {}
+        eod = next((t for t in EOD_CANDIDATES if t in vocab), EOD_CANDIDATES[0])
+    return build_tokenizer(TokenizerSpec("hf", path, eod, pad))
+
+
+def check_request(args, tok, model) -> int:
+    """The tokens that may be generated, or a ValueError naming the flag at fault."""
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.top_k < 0:
+        raise ValueError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1] (1 = off), got {args.top_p}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if tok.vocab_size > model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model only "
+                         f"{model.config.vocab_size}: not the tokenizer this model was trained "
+                         "with (--tokenizer-file)")
+    n = len(tok.encode(args.prompt))
+    if n >= model.config.seq_length:
+        raise ValueError(f"the prompt is {n} tokens, the model's seq_length "
+                         f"{model.config.seq_length}: no room for --max-new-tokens "
+                         f"{args.max_new_tokens}; shorten the prompt")
+    return min(args.max_new_tokens, model.config.seq_length - n)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -178,8 +210,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         tok = _tokenizer(args.checkpoint, args.tokenizer_file)
         model = read_checkpoint_model(args.checkpoint)
-        room = model.config.seq_length - len(tok.encode(args.prompt))
-        new = generate(model, tok.encode(args.prompt), min(args.max_new_tokens, max(room, 0)),
+        new = generate(model, tok.encode(args.prompt), check_request(args, tok, model),
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                        eod=tok.eod, seed=args.seed, vocab_size=tok.vocab_size)
     except (ValueError, OSError) as err:

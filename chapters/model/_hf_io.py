@@ -37,13 +37,52 @@ def check_hf_config(hf: dict) -> None:
                          f"{', '.join(_HF_REQUIRED)})")
     if hf.get("model_type", "llama") != "llama":
         raise ValueError(f"model_type must be 'llama', got {hf.get('model_type')!r}")
-    for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
-                    ("rope_scaling", None)):
+    for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if hf.get(key, ok) != ok:
             raise ValueError(f"config.json {key}={hf[key]!r} is not supported (need {ok!r})")
+    rope_theta(hf)  # the rotary settings, in either layout: refused here if not plain RoPE
     heads = hf["num_attention_heads"]
     if hf.get("head_dim", hf["hidden_size"] // heads) * heads != hf["hidden_size"]:
         raise ValueError(f"config.json head_dim={hf['head_dim']} != hidden_size / heads")
+
+
+def rope_theta(hf: dict) -> int:
+    """RoPE's base from config.json, in transformers' 4.x or 5.x layout; other rope types refused.
+
+    transformers < 5 writes `rope_theta` at the top level and a scaling as `rope_scaling`
+    (`{"rope_type": "llama3", ...}`, or the older `"type"`); transformers >= 5 writes both into
+    `rope_parameters` (`{"rope_theta": 500000.0, "rope_type": "default"}`). This model implements
+    plain RoPE only (rope type "default"), so any other type is a ValueError, as is a base that
+    the two layouts give differently, or one that is not a whole number (`rotary_base` is an
+    int, Megatron's `--rotary-base` too).
+    """
+    thetas, types = {}, {}
+    if "rope_theta" in hf:
+        thetas["rope_theta"] = hf["rope_theta"]
+    for key in ("rope_parameters", "rope_scaling"):
+        block = hf.get(key)
+        if block is None:
+            continue
+        if not isinstance(block, dict):
+            raise ValueError(f"config.json {key}={block!r} is not a JSON object")
+        if "rope_theta" in block:
+            thetas[f"{key}.rope_theta"] = block["rope_theta"]
+        kind = block.get("rope_type", block.get("type", "default"))
+        types[f"{key}.rope_type"] = kind
+    for where, kind in types.items():
+        if kind != "default":
+            raise ValueError(f"config.json {where}={kind!r} is not supported: this model "
+                             "implements plain RoPE only (rope type 'default'), so a scaled "
+                             "RoPE such as Llama-3.1's 'llama3' would give other logits")
+    values = {float(v) for v in thetas.values()}
+    if len(values) > 1:
+        raise ValueError("config.json gives RoPE's base twice, differently: " + ", ".join(
+            f"{k}={v!r}" for k, v in thetas.items()))
+    theta = values.pop() if values else 10000.0
+    if theta != int(theta) or theta <= 0:
+        raise ValueError(f"config.json rope_theta={theta!r} is not supported (a positive whole "
+                         "number: the model's rotary_base)")
+    return int(theta)
 
 
 def fetch(read, hf_name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -119,15 +158,28 @@ def export_tokenizer(out: Path, tokenizer_file, eos_token_id: int | None,
     except Exception as err:  # tokenizers raises a bare Exception for a malformed file
         raise ValueError(f"{tokenizer_file}: not a tokenizers JSON file ({err})") from None
     if eos_token_id is None:
-        eos_token_id = tok.token_to_id("<|endoftext|>")
+        eos_token_id = next((i for i in map(tok.token_to_id, ("<|endoftext|>", "</s>"))
+                             if i is not None), None)
     if tok.get_vocab_size() > config.vocab_size:
         raise ValueError(f"{tokenizer_file}: {tok.get_vocab_size()} ids do not fit the model's "
                          f"vocab_size {config.vocab_size}")
-    shutil.copyfile(tokenizer_file, out / "tokenizer.json")
-    extra = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.seq_length}
+    # tinytron tokenizes with add_special_tokens=False (Megatron's text_to_ids does too): the
+    # training data holds no BOS, so the export's tokenizer must not add one either
+    probe = [tok.encode("a b", add_special_tokens=add).ids for add in (True, False)]
+    if probe[0] == probe[1]:
+        shutil.copyfile(tokenizer_file, out / "tokenizer.json")
+    else:
+        spec = json.loads(Path(tokenizer_file).read_text(encoding="utf-8"))
+        spec["post_processor"] = None  # the part that adds <s> (and any other special token)
+        (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False),
+                                            encoding="utf-8")
+    extra = {"tokenizer_class": "PreTrainedTokenizerFast",
+             "model_max_length": config.max_position_embeddings or config.seq_length,
+             "add_bos_token": False, "add_eos_token": False}
     if eos_token_id is not None:
         extra["eos_token"] = tok.id_to_token(int(eos_token_id))
-    if tok.token_to_id("<|pad|>") is not None:
-        extra["pad_token"] = "<|pad|>"
+    pad = next((t for t in ("<|pad|>", "<pad>") if tok.token_to_id(t) is not None), None)
+    if pad is not None:
+        extra["pad_token"] = pad
     (out / "tokenizer_config.json").write_text(json.dumps(extra, indent=2) + "\n")
     return eos_token_id

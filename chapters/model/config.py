@@ -130,7 +130,10 @@ class ShapeMethods:
 # `tinytron.model._checks`; each message names the field to change. The last field, `compile`,
 # says how the layers run, not what they hold: a resume may switch it (chapter 03 compares the
 # architecture fields only), and it refuses appendix C's kernels and activation offloading
-# ([C.6](../kernels/inductor.py) says why).
+# ([C.6](../kernels/inductor.py) says why). After it, `max_position_embeddings` is the context
+# the model was made for, apart from the length a run trains at (Megatron keeps the two apart,
+# `--max-position-embeddings` beside `--seq-length`): an imported Llama made for 256 positions
+# and fine-tuned at 128 still exports `max_position_embeddings: 256`.
 
 # %%
 @document_fields
@@ -186,6 +189,8 @@ class ModelConfig(ShapeMethods):
     """Norms, SwiGLU, attention and loss: "torch", "triton" (appendix C) or "auto" (triton on CUDA)."""
     compile: bool = False
     """torch.compile each transformer layer (appendix C); how the layers run, not their shape."""
+    max_position_embeddings: int | None = None
+    """The context the model was made for (Megatron --max-position-embeddings); None = seq_length."""
 
     def __post_init__(self):
         check_fields(self)  # a str, float or None where the annotation says otherwise

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from tinytron.model._hf_io import Reader as _Reader
 from tinytron.model._hf_io import (check_checkpoint, check_hf_config, expected_hf_shapes,
-                                   read_config_json)
+                                   read_config_json, rope_theta)
 from tinytron.model._hf_io import export_tokenizer as _export_tokenizer
 from tinytron.model._hf_io import fetch as _fetch
 from tinytron.model.config import ModelConfig
@@ -94,6 +94,15 @@ __all__ = ["hf_config_dict", "config_from_hf", "to_hf_tensors", "from_hf_tensor"
 # (`tools/checkpoint/loader_mixtral_hf.py:77-98`, `set_attn_state`), with the HF names listed in
 # `tools/checkpoint/schema_hf.py:25`.
 #
+# **RoPE's base lives in two places.** transformers 4.x writes `rope_theta` at the top of
+# `config.json` and a scaled RoPE as `rope_scaling`; transformers 5 writes both into one
+# `rope_parameters` object (`{"rope_type": "default", "rope_theta": 500000.0}`). Reading only the
+# first layout imports a Llama-3 (base 500000) with the default 10000, and the logits of every
+# position past the first differ. `config_from_hf` reads both; the export writes both, so either
+# transformers reads it back. This model implements plain RoPE only, so any other rope type in
+# either place (Llama-3.1's `llama3` scaling, `linear`, `yarn`) is refused by name rather than
+# imported as a model that computes something else.
+#
 # **Shards.** Export gathers each weight's TP pieces (`unshard` with the parameter's
 # `ShardSpec`) and the pipeline stages' tensors to the first rank, which writes one file.
 # Import reads the file on every rank and keeps its own shard (`shard_of`): the full tensors of
@@ -119,9 +128,11 @@ def hf_config_dict(config: ModelConfig) -> dict:
         "num_hidden_layers": config.num_layers,
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": config.num_query_groups, "head_dim": config.head_dim,
-        "vocab_size": config.vocab_size, "max_position_embeddings": config.seq_length,
+        "vocab_size": config.vocab_size, "max_position_embeddings": config.max_position_embeddings or config.seq_length,
         "rms_norm_eps": config.norm_epsilon, "rope_theta": float(config.rotary_base),
-        "rope_scaling": None, "tie_word_embeddings": config.tie_embeddings,
+        # transformers >= 5 reads RoPE from here, < 5 from rope_theta above: both say the same
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(config.rotary_base)},
+        "tie_word_embeddings": config.tie_embeddings,
         "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
         "initializer_range": config.init_std, "torch_dtype": "float32",
     }
@@ -137,7 +148,7 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
                   ffn_hidden_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
                   seq_length=hf.get("max_position_embeddings", 4096),
                   norm_epsilon=hf.get("rms_norm_eps", 1e-6),
-                  rotary_base=int(hf.get("rope_theta", 10000)),
+                  rotary_base=rope_theta(hf),
                   tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
                   init_std=hf.get("initializer_range", 0.02))
     fields.update(overrides)
@@ -287,7 +298,13 @@ def gather_full_state(models) -> dict[str, torch.Tensor]:
 # Export: every rank hands its chunks' full tensors (gathered over TP) to the first rank, which
 # writes `config.json`, one `model.safetensors` and, when given, the tokenizer files: the
 # `tokenizer.json` is copied and a `tokenizer_config.json` names its end and pad tokens, so that
-# `from_pretrained` gives a usable model.
+# `from_pretrained` gives a usable model. When the tokenizer's post-processor adds special
+# tokens (the part that makes a Llama tokenizer prepend `<s>`) the copy leaves it out: tinytron, like Megatron's `text_to_ids`
+# (`megatron/core/tokenizers/text/libraries/huggingface_tokenizer.py:262-268`), tokenizes the
+# training data without special tokens, and a model is best prompted the way it was trained, so
+# `AutoTokenizer.from_pretrained(path)(text).input_ids` gives exactly the ids the data held.
+# `max_position_embeddings` is the model's own context (`ModelConfig.max_position_embeddings`),
+# not the length a fine-tune trained at.
 
 # %%
 def save_hf_llama(models, path: str | os.PathLike, *, tokenizer_file: str | None = None,
