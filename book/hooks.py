@@ -52,8 +52,98 @@ def build_nav(docs_dir: Path) -> list:
     return nav
 
 
+# One numbering for every page: its chapter (00 .. 08, or the appendix letter A, B, C) and its
+# place in the chapter's `__pages__`, from 1 (from 0 where the chapter's first page is headed
+# "X.0": a prologue, appendix C's roofline). The sidebar shows that number and a short title
+# (the heading without the number, the chapter's repeated "Memory:"-style prefix, or the part
+# after a dash or colon when the heading is long); the page's own heading gets the same number.
+SHORT_TITLE_CHARS = 36
+SHORT_TITLES = {  # where the rule above reads badly
+    "04_data/distribute.py": "get_batch across TP, CP and PP",
+    "08_reliability/restarts.py": "Restarts, torchrun and resuming",
+    "03_checkpoint/torch_dist.py": "torch_dist through torch DCP",
+    "00_overview/modes.py": "Pretrain, SFT and RL, one train step",
+    "02_optimizer/scheduler.py": "Learning-rate and weight-decay schedule",
+    "05_buffers/param_and_grad_buffer.py": "One contiguous buffer for all grads",
+    "05_buffers/distributed_data_parallel.py": "DDP hooks and bucket collectives",
+    "06_recompute_offload/checkpoint.py": "A checkpoint that replays the RNG",
+    "model/layers.py": "RMSNorm, RoPE and the init",
+}
+_NUMBER = re.compile(r"^(?:Appendix\s+)?(?:\d\d(?:\.\d+)?|[A-Z](?:\.\d+)?)\s*·\s*")
+_PART = re.compile(r"\s*\(\d+/\d+\)")  # "Recompute (1/4)": the number says it now
+
+
+def _heading(source: Path) -> str:
+    """The first level-1 heading of a jupytext page, code spans as their text."""
+    for line in source.read_text(encoding="utf-8").splitlines():
+        if line.startswith("# # "):
+            return re.sub(r"`+([^`]+)`+", r"\1", line[4:].strip())
+    return source.stem
+
+
+def chapter_label(folder: str, title: str) -> str:
+    """'07' for a numbered chapter folder, the letter for an appendix ('Appendix C · ...')."""
+    if m := re.match(r"(\d\d)_", folder):
+        return m.group(1)
+    m = re.match(r"Appendix\s+([A-Z])\b", title)
+    return m.group(1) if m else folder
+
+
+def _plain_word(text: str) -> bool:
+    """Whether a title's first word is an English word (capitalized), not a code name."""
+    word = text.split(" ")[0]
+    return word.replace("-", "").isalpha() and not word.startswith("tinytron")
+
+
+def short_title(heading: str, chapter_prefixes: set[str]) -> str:
+    """A sidebar title of at most SHORT_TITLE_CHARS characters, from a page's heading."""
+    text = _PART.sub("", _NUMBER.sub("", heading)).strip()
+    head, sep, rest = text.partition(": ")
+    if sep and head in chapter_prefixes:
+        text = rest[:1].upper() + rest[1:] if _plain_word(rest) else rest
+    for cut, shortest in ((" — ", 6), (": ", 6), (", ", 16)):  # "RMSNorm, RoPE and ..." stays
+        if len(text) > SHORT_TITLE_CHARS and len(text.split(cut)[0]) >= shortest:
+            text = text.split(cut)[0]
+    if len(text) > SHORT_TITLE_CHARS:
+        words = text[:SHORT_TITLE_CHARS - 1].rsplit(" ", 1)[0].split(" ")
+        while words[-1] in {"a", "and", "of", "on", "the", "to", "with", "into", "for"}:
+            words.pop()
+        text = " ".join(words) + "…"
+    return text
+
+
+def page_titles(docs_dir: Path) -> dict[str, tuple[str, str]]:
+    """(number, short title) of every page of the nav, by its path under docs_dir."""
+    titles: dict[str, tuple[str, str]] = {}
+    for section in build_nav(docs_dir)[1:]:
+        (title, pages), = section.items()
+        folder = pages[0].split("/")[0]
+        label = chapter_label(folder, title)
+        headings = [_heading(docs_dir / page) for page in pages]
+        heads = [_PART.sub("", _NUMBER.sub("", h)).partition(": ")[0] for h in headings]
+        prefixes = {h for h in heads if heads.count(h) > 1 and len(h.split()) <= 3}
+        first = _NUMBER.match(headings[0])
+        start = 0 if first and first.group(0).split("·")[0].strip().endswith(".0") else 1
+        for i, (page, heading) in enumerate(zip(pages, headings), start):
+            titles[page] = (f"{label}.{i}", SHORT_TITLES.get(page) or short_title(heading, prefixes))
+    return titles
+
+
+_TITLES: dict[str, tuple[str, str]] = {}
+
+
+def number_heading(html: str, number: str) -> str:
+    """Give a rendered page's first level-1 heading the page's number ("07.3 · ...")."""
+    def renumber(m: re.Match) -> str:
+        text = _PART.sub("", _NUMBER.sub("", m.group(2)), count=1)
+        return f"{m.group(1)}{number} · {text}"
+    return re.sub(r"(<h1\b[^>]*>)([^<]*)", renumber, html, count=1)
+
+
 def on_config(config, **kwargs):
     config["nav"] = build_nav(Path(config["docs_dir"]))
+    _TITLES.clear()
+    _TITLES.update(page_titles(Path(config["docs_dir"])))
     os.environ["TINYTRON_KERNEL_DIR"] = _kernel_dir()  # the page workers' kernels use it too
     _quiet_kernels()
     _CITED.clear()
@@ -75,6 +165,22 @@ def _quiet_kernels() -> None:
 
 
 _JUPYTER_DIR = Path(__file__).resolve().parent / "jupyter"
+
+
+# In a virtual environment over the system's packages (scripts/setup.sh's .venv), Jupyter looks
+# for nbconvert's "lab" template under the environment's prefix only, and it is installed under
+# the base interpreter's: every page failed with "No template sub-directory with name 'lab'".
+def _base_jupyter_path() -> None:
+    """Add the base interpreter's share/jupyter to Jupyter's data path inside a venv."""
+    import sys
+
+    base = os.path.join(sys.base_prefix, "share", "jupyter")
+    paths = [p for p in os.environ.get("JUPYTER_PATH", "").split(os.pathsep) if p]
+    if sys.prefix != sys.base_prefix and os.path.isdir(base) and base not in paths:
+        os.environ["JUPYTER_PATH"] = os.pathsep.join([*paths, base])
+
+
+_base_jupyter_path()
 
 
 def _kernel_dir() -> str:
@@ -115,9 +221,64 @@ def _converted(path, **kwargs) -> str:
 _NB2HTML: list = []  # mkdocs-jupyter's own nb2html, kept before it is replaced
 
 
+# Each chapter keeps the engineering around its mechanism (argparse, validation, plumbing,
+# plotting) in private `_*.py` modules, and its pages name them: "the code you read is the
+# code that runs" holds on the site only if those can be read there too. Each becomes a page
+# of its source (`01_main_loop/_parts/`), outside the nav and the search index, and every code
+# span on a page that names one (`_parts.py`, `01_main_loop/_parts.py`, `chapters/...`) links it.
+def private_modules(docs_dir: Path) -> list[Path]:
+    """The private modules the site publishes: chapters/_*.py and chapters/*/_*.py."""
+    return sorted(p for p in [*docs_dir.glob("_*.py"), *docs_dir.glob("*/_*.py")]
+                  if not p.name.startswith("__"))
+
+
+def source_page(module: Path, docs_dir: Path) -> str:
+    """The markdown of a private module's source page."""
+    rel = module.relative_to(docs_dir).as_posix()
+    text = module.read_text(encoding="utf-8")
+    fence = "`" * max(3, 1 + max((len(m) for m in re.findall(r"`{3,}", text)), default=0))
+    doc = ast.get_docstring(ast.parse(text)) or ""
+    lead = doc.split("\n\n")[0].replace("\n", " ")
+    return (f"---\nsearch:\n  exclude: true\n---\n\n# `chapters/{rel}`\n\n"
+            f"{lead}\n\nThe private module's whole source ({len(text.splitlines())} lines), as the "
+            f"pages import and run it.\n\n{fence}python\n{text}\n{fence}\n")
+
+
+def _add_source_pages(files, config) -> None:
+    from mkdocs.structure.files import File, InclusionLevel
+
+    docs_dir = Path(config["docs_dir"])
+    for module in private_modules(docs_dir):
+        uri = module.relative_to(docs_dir).with_suffix(".md").as_posix()
+        if files.get_file_from_path(uri) is None:
+            files.append(File.generated(config, uri, content=source_page(module, docs_dir),
+                                        inclusion=InclusionLevel.NOT_IN_NAV))
+
+
+_MODULE_SPAN = re.compile(r"(?<!\">)(<code>)((?:\.\./|chapters/)?(?:[\w]+/)?(_[a-z]\w*)\.py)(</code>)")
+
+
+def link_private_modules(html: str, page, files) -> str:
+    """Link each code span naming a published private module to its source page."""
+    here = posixpath.dirname(page.file.src_uri)
+
+    def link(m: re.Match) -> str:
+        named = m.group(2).removeprefix("chapters/").removeprefix("../")
+        candidates = [named] if "/" in named else [posixpath.join(here, named), named]
+        for cand in candidates:
+            found = files.get_file_from_path(cand[:-3] + ".md")
+            if found is not None and found.inclusion.is_not_in_nav():
+                return (f'<a href="{found.url_relative_to(page.file)}">{m.group(1)}{m.group(2)}'
+                        f"{m.group(4)}</a>")
+        return m.group(0)
+    return _MODULE_SPAN.sub(link, html)
+
+
 def on_files(files, config, **kwargs):
-    """Start executing every notebook page in a pool (TINYTRON_SERIAL_BOOK=1: one at a time)."""
+    """Add the private modules' source pages; start executing every notebook page in a pool
+    (TINYTRON_SERIAL_BOOK=1: one at a time)."""
     global _POOL
+    _add_source_pages(files, config)
     plugin = config["plugins"].get("mkdocs-jupyter")
     if plugin is None or not plugin.config["execute"] or os.environ.get("TINYTRON_SERIAL_BOOK"):
         return files
@@ -164,12 +325,34 @@ _CDN_MERMAID_SCRIPT = re.compile(
     r'<script type="module">(?:(?!</script>).)*?https://[^"]*mermaid(?:(?!</script>).)*</script>', re.S)
 
 
+# nbconvert writes a mermaid block's text into <pre class="mermaid"> unescaped, so the browser
+# parses a label's `<br/>` as an element and mermaid, which reads the text, glued the words on
+# either side ("bucketschapter 05"). Escaped, mermaid reads `<br/>` and breaks the line, as it
+# does on the markdown pages (superfences escapes it).
+_MERMAID_PRE = re.compile(r'(<pre class="mermaid">)(.*?)(</pre>)', re.S)
+
+
+def escape_mermaid(html: str) -> str:
+    """Escape the markup characters of every mermaid block's source on a notebook page."""
+    return _MERMAID_PRE.sub(lambda m: m.group(1) + m.group(2).replace("<", "&lt;")
+                            .replace(">", "&gt;") + m.group(3), html)
+
+
 def on_page_content(html, page, config, files):
+    if page.file.abs_src_path is None:  # a private module's source page (on_files made it)
+        page.title = "chapters/" + page.file.src_uri[: -len(".md")] + ".py"
+        return html
     title = code_span_title(Path(page.file.abs_src_path))
     if title is not None:
         page.title = title  # the nav and the browser tab
+    if page.file.src_uri in _TITLES:
+        number, short = _TITLES[page.file.src_uri]
+        page.title = f"{number} {short}"  # the nav, the previous/next links and the browser tab
+        html = number_heading(html, number)
     html = _CDN_MERMAID_SCRIPT.sub("", html)
-    html = _JP_MERMAID.sub('class="tt-mermaid"', html)
+    if _JP_MERMAID.search(html):
+        html = escape_mermaid(_JP_MERMAID.sub('class="tt-mermaid"', html))
+    html = shared_notebook_css(html, page)
     html = link_citations(html, _CITED)
     if page.file.src_uri.endswith(".py"):  # markdown pages: mkdocs checks their links itself
         html = _link_pages(html, page, files)
@@ -177,15 +360,63 @@ def on_page_content(html, page, config, files):
                                page.file.src_uri)
         from mkdocs.structure.toc import get_toc
         page.toc = get_toc(heading_toc_tokens(html))
-    return html
+    return link_private_modules(html, page, files)
 
 
 def on_post_page(output, page, config):
-    """Every entry of a page's table of contents links to a heading the page has."""
+    """Every entry of a page's table of contents links to a heading the page has; the page
+    links the shared notebook stylesheet and loads mermaid and MathJax only if it uses them."""
     missing = [link.id for link in _toc_links(page.toc) if f'id="{link.id}"' not in output]
     if missing:
         log.warning("%s: its table of contents links to headings it does not have: %s",
                     page.file.src_uri, missing[:3])
+    css = _PAGE_CSS.pop(page.file.src_uri, None)
+    if css is not None:
+        href = posixpath.relpath(css, posixpath.dirname(page.file.dest_uri))
+        output = output.replace("</head>", f'<link rel="stylesheet" href="{href}">\n</head>', 1)
+    return drop_unused_scripts(output)
+
+
+# Each notebook page carried the same 590 KB of JupyterLab styles inline (three quarters of the
+# site's HTML), and every page loaded mermaid (3.6 MB) and MathJax (2.1 MB), used by about half
+# of them. The styles go to one stylesheet, named by its content's hash, that every notebook
+# page links (a browser fetches it once); each script stays only on a page that uses it.
+# nbconvert's MathJax 2 block (an empty <script src=""> and a config no script reads) goes.
+_HEAD_STYLE = re.compile(r'<style type="text/css">\s*(.*?)</style>\s*', re.S)
+_MATHJAX2 = re.compile(r"<!-- Load mathjax -->.*?<!-- End of mathjax configuration -->\s*", re.S)
+_NOTEBOOK_CSS: dict[str, str] = {}   # site path of a shared stylesheet -> its text
+_PAGE_CSS: dict[str, str] = {}       # page source -> the shared stylesheet it links
+_MATH = re.compile(r'class="arithmatex"|(?<![\\$])\$[^$\s][^$\n]*\$|\\\(|\\\[|\$\$')
+
+
+def shared_notebook_css(html: str, page) -> str:
+    """Move the inline styles ahead of a notebook page's cells into one shared stylesheet."""
+    import hashlib
+
+    html = _MATHJAX2.sub("", html)
+    start = html.find('<div class="jupyter-wrapper">')
+    if start < 0:
+        return html
+    head = html[:start]
+    styles = _HEAD_STYLE.findall(head)
+    if not styles:
+        return html
+    text = "\n".join(styles)
+    path = f"assets/stylesheets/notebook.{hashlib.sha256(text.encode()).hexdigest()[:8]}.css"
+    _NOTEBOOK_CSS[path] = text
+    _PAGE_CSS[page.file.src_uri] = path
+    return _HEAD_STYLE.sub("", head) + html[start:]
+
+
+def drop_unused_scripts(output: str) -> str:
+    """Remove the mermaid script from a page with no diagram and MathJax from one with no math."""
+    body = output[output.find("<body"):]
+    body = re.sub(r"<script\b.*?</script>", "", body, flags=re.S)
+    if 'class="mermaid"' not in body:
+        output = re.sub(r'<script src="[^"]*/mermaid\.min\.js"></script>\s*', "", output)
+    if not _MATH.search(body):
+        output = re.sub(r'<script src="[^"]*/(?:mathjax-tex-svg|mathjax-config)\.js"></script>\s*',
+                        "", output)
     return output
 
 
@@ -396,6 +627,8 @@ def _link_pages(html: str, page, files) -> str:
         target = posixpath.normpath(posixpath.join(posixpath.dirname(page.file.src_uri), href))
         if target.endswith(".ipynb"):
             target = target[: -len(".ipynb")] + ".py"
+        if posixpath.basename(target).startswith("_") and target.endswith(".py"):
+            target = target[:-3] + ".md"  # a private module: its source page
         found = files.get_file_from_path(target)
         if found is None or found.inclusion.is_excluded():
             log.warning("%s links to '%s', which is not a page or file of the book",
@@ -406,8 +639,12 @@ def _link_pages(html: str, page, files) -> str:
 
 
 def on_post_build(config, **kwargs):
-    """Every link between pages of the built site reaches a page, and the heading it names."""
+    """Write the shared notebook stylesheets; every link between pages of the built site
+    reaches a page, and the heading it names."""
     site = Path(config["site_dir"])
+    for path, text in _NOTEBOOK_CSS.items():
+        (site / path).parent.mkdir(parents=True, exist_ok=True)
+        (site / path).write_text(text, encoding="utf-8")
     for html in sorted(site.rglob("*.html")):
         for problem in dead_links(site, html):
             log.warning("%s: %s", html.relative_to(site), problem)

@@ -4,7 +4,8 @@
 
 runs `mkdocs build --strict` into OUT/site (its console in OUT/build.log, its exit status in
 OUT/build.rc, written once the build has ended), then loads every page of the built site in
-headless Chromium at 1280 px and keeps each page's DOM under OUT/doms/, listed in OUT/doms.json
+headless Chromium at 1280 px (and one at a phone's 412 px, OUT/doms/phone.html) and keeps each
+page's DOM under OUT/doms/, listed in OUT/doms.json
 (written last: a list of [address, DOM file], or {"skip": reason} when no Chromium is found).
 
 tests/conftest.py starts this at collection and tests/test_site.py reads what it leaves, at the
@@ -43,6 +44,14 @@ PROBE = b"""<script>(function () {
       var svg = root.querySelector("svg");
       d.setAttribute("data-tt-svg", svg ? "yes" : "no");
       d.setAttribute("data-tt-error", /Syntax error|Parse error/.test(root.textContent) ? "yes" : "no");
+      if (svg) {  // each label's text, a line break as a newline; the diagram's drawn height
+        var texts = [];
+        root.querySelectorAll(".nodeLabel, .edgeLabel, text").forEach(function (l) {
+          texts.push(l.innerHTML.replace(/<br\s*\/?>|<\/tspan>/gi, "\\n").replace(/<[^>]+>/g, ""));
+        });
+        d.setAttribute("data-tt-labels", texts.join(" | "));
+        d.setAttribute("data-tt-height", svg.getBoundingClientRect().height.toFixed(0));
+      }
       var label = svg && root.querySelector(".nodeLabel, .label, text");
       if (label && svg.viewBox.baseVal.width) {  // the label's font size as drawn on screen
         var scale = svg.getBoundingClientRect().width / svg.viewBox.baseVal.width;
@@ -59,7 +68,22 @@ PROBE = b"""<script>(function () {
         clipped.push(p.scrollWidth + ">" + p.clientWidth + ":" + p.textContent.trim().slice(0, 40));
     });
     document.body.setAttribute("data-tt-clipped", clipped.length + (clipped.length ? " " + clipped[0] : ""));
+    // Prose measure: the widest paragraph against a 100-character line of prose in its font.
+    var widest = null;
+    document.querySelectorAll(".md-content .md-typeset p").forEach(function (p) {
+      if (p.textContent.length > 120 && (!widest || p.clientWidth > widest.clientWidth)) widest = p;
+    });
+    if (widest) {
+      var line = document.createElement("span");
+      line.textContent = "the bucket holds every grad of the layer, and the last one to arrive starts its reduce-scatter early";
+      line.style.whiteSpace = "nowrap";
+      widest.appendChild(line);
+      var hundred = line.getBoundingClientRect().width;
+      widest.removeChild(line);
+      document.body.setAttribute("data-tt-prose", widest.clientWidth + "/" + hundred.toFixed(0));
+    }
     var pre = document.querySelector(".jupyter-wrapper .highlight-ipynb pre");
+    if (pre) document.body.setAttribute("data-tt-pre-ws", getComputedStyle(pre).whiteSpace);
     if (pre && pre.clientWidth) {
       var probe = document.createElement("span");
       probe.textContent = "x".repeat(110);
@@ -71,6 +95,8 @@ PROBE = b"""<script>(function () {
     }
   }, 100);
 })();</script>"""
+
+PHONE_PAGE = "01_main_loop/loop/"  # rendered once more at 412 px (tests/test_site.py)
 
 NO_CHROMIUM = "no Chromium found: install it with `apt-get install chromium` (scripts/setup.sh does)"
 
@@ -160,6 +186,9 @@ def render(out: Path) -> None:
             dom = browser(f"{address}/{rel}", "--dump-dom", "--window-size=1280,2000")
             (out / "doms" / f"{i:03d}.html").write_text(dom, encoding="utf-8")
             listed.append([rel, f"{i:03d}.html"])
+        # one page on a phone's screen: its code cells must scroll, not wrap
+        dom = browser(f"{address}/{PHONE_PAGE}", "--dump-dom", "--window-size=412,900")
+        (out / "doms" / "phone.html").write_text(dom, encoding="utf-8")
     finally:
         server.shutdown()
     _write(out / "doms.json", json.dumps(listed))

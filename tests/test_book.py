@@ -314,3 +314,60 @@ def test_rendered_page_folds_imports_and_keeps_code_in_the_toc(tmp_path):
     assert f'id="{toc[0]["children"][0]["id"]}"' in out  # the TOC links to the page's own heading
     # a page whose source and rendering disagree on the cells is left as it is, with a warning
     assert hooks.fold_code_cells(html, hooks._code_cell_sources(page)[:2], "page.py") == html
+
+
+def test_no_markdown_line_starts_with_a_plus():
+    """A prose line starting "+ " (a formula wrapped before its plus) renders as a bullet."""
+    found = []
+    for page in [*PAGES, CHAPTERS / "index.md"]:
+        fenced = False
+        for line in _prose(page).splitlines():
+            fenced ^= line.lstrip().startswith("```")
+            if not fenced and re.match(r"\s*\+ ", line):
+                found.append(f"{page.relative_to(ROOT)}: {line.strip()[:60]}")
+    assert not found, found
+
+
+def test_private_modules_are_published_and_linked():
+    """Every `_*.py` module becomes a source page outside the nav, and a code span naming one
+    (bare, by chapter path or by repository path) links to it; an unknown name stays text."""
+    from mkdocs.config import load_config
+    from mkdocs.structure.files import File, Files
+    from mkdocs.structure.pages import Page
+
+    hooks = _hooks()
+    config = load_config(str(ROOT / "mkdocs.yml"))
+    config.plugins._current_plugin = None  # mkdocs sets it while an event runs
+    files = Files([File.generated(config, "01_main_loop/loop.md", content="# the page")])
+    hooks._add_source_pages(files, config)
+    modules = hooks.private_modules(CHAPTERS)
+    assert len(modules) > 50 and CHAPTERS / "_fields.py" in modules
+    for module in modules:
+        uri = module.relative_to(CHAPTERS).with_suffix(".md").as_posix()
+        published = files.get_file_from_path(uri)
+        assert published is not None and published.inclusion.is_not_in_nav(), uri
+        assert module.read_text(encoding="utf-8") in published.content_string, uri
+    page = Page(None, files.get_file_from_path("01_main_loop/loop.md"), config)
+    html = hooks.link_private_modules(
+        "<p><code>_parts.py</code>, <code>chapters/01_main_loop/_parts.py</code>, "
+        "<code>02_optimizer/_config.py</code>, <code>_no_such_module.py</code></p>", page, files)
+    assert html.count('<a href="../_parts/"><code>') == 2
+    assert '<a href="../../02_optimizer/_config/"><code>02_optimizer/_config.py</code></a>' in html
+    assert "<code>_no_such_module.py</code>" in html and html.count("<a ") == 3
+
+
+def test_every_page_has_one_number_and_a_short_title():
+    """The sidebar numbers every page one way (07.3, A.2, C.0) with a title of at most ~40
+    characters, and a page whose heading carries a number carries the same one."""
+    hooks = _hooks()
+    titles = hooks.page_titles(CHAPTERS)
+    assert sorted(titles) == sorted(p.relative_to(CHAPTERS).as_posix() for p in PAGES)
+    numbers = [number for number, _ in titles.values()]
+    assert len(set(numbers)) == len(numbers), "two pages share a number"
+    assert all(re.fullmatch(r"(?:0\d|[A-Z])\.\d+", n) for n in numbers), numbers
+    long = [t for _, t in titles.values() if len(t) > 40]
+    assert not long, f"sidebar titles over 40 characters: {long}"
+    for page, (number, _) in titles.items():
+        heading = hooks._heading(CHAPTERS / page)
+        if m := re.match(r"(\d\d\.\d+|[A-Z]\.\d+) ·", heading):
+            assert m.group(1) == number, f"{page} is headed {m.group(1)} and sits at {number}"

@@ -113,14 +113,17 @@ def test_running_example_terms_by_hand(capsys):
     # at 6 + 12/64 bytes each
     assert first["params"] == -12_672 and last["params"] == 12_672
     assert first["padding"] == first["bytes_per_param"] == first["optimizer"] == 0
-    # a layer's MLP: fc1 input (2 bytes x 2 unit: gathered) + SwiGLU's 4 f/t per token, against
-    # Megatron's (2 + 4 f/h) bytes per unit; 32 layer-micro-batches on stage 0
-    mlp = 2 * 2 * unit + 2 * 4 * (14336 // t) * s * b
-    assert first["MLP"] == 32 * (mlp - (2 + 4 * 14336 / 4096) * unit) == 8192 * MIB
+    # a layer's MLP: fc1 input (2 bytes x 1 unit: the SP slice, as Megatron's) + SwiGLU's 4 f/t
+    # per token, against Megatron's (2 + 4 f/h) bytes per unit; 32 layer-micro-batches on stage 0
+    mlp = 2 * unit + 2 * 4 * (14336 // t) * s * b
+    assert first["MLP"] == 32 * (mlp - (2 + 4 * 14336 / 4096) * unit) == 7168 * MIB
+    # the norms keep their bf16 input as Megatron's do, plus 1/rms (4 bytes per row) it leaves
+    # out; the linear_qkv input is the SP slice on both sides: no term
+    assert first["norms"] == 32 * 2 * 4 * s * b // t and first.get("linear_qkv input", 0) == 0
     # no dropout in the model, two 1-byte masks per layer in Megatron's formula
     assert first["dropout masks"] == -32 * 2 * unit
     diffs = [s["megatron_gap"]["difference"] / MIB for s in got["stages"]]
-    assert [round(d, 2) for d in diffs] == [12_257.57, 5_030.57]  # what the page quotes
+    assert [round(d, 2) for d in diffs] == [6_121.57, 1_862.57]  # what the page quotes
 
 
 @pytest.mark.parametrize("change", [

@@ -72,8 +72,8 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
 # token's sequence broadcast to all its tokens:
 #
 # $$r = e^{\log\pi - \log\pi_{old}}, \qquad
-#   L = -w\,\min\!\big(rA,\ \mathrm{clip}(r, 1-\epsilon_{lo}, 1+\epsilon_{hi})\,A\big)
-#       + \beta\,\mathrm{KL} - \lambda_{ent} H$$
+#   L = -w\,\min\!\big(rA,\ \mathrm{clip}(r, 1-\epsilon_{lo}, 1+\epsilon_{hi})\,A\big) +
+#       \beta\,\mathrm{KL} - \lambda_{ent} H$$
 #
 # $$\mathrm{KL} = e^{\log\pi_{ref} - \log\pi} - (\log\pi_{ref} - \log\pi) - 1
 #   \quad(\text{the "k3" estimator, always} \ge 0), \qquad H = -e^{\log\pi}\log\pi$$

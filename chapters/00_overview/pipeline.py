@@ -21,7 +21,7 @@ __all__ = ["one_step"]
 # ## The pipeline
 #
 # ```mermaid
-# flowchart LR
+# flowchart TB
 #   D["dataset<br/>seq_length+1 tokens"] --> B["batch<br/>tokens, labels,<br/>masks, positions"]
 #   B --> F["forward<br/>logits [b,s,V]"]
 #   F --> L["per-token CE [b,s]<br/>× loss mask"]
@@ -78,7 +78,7 @@ def one_step(model, optimizer, batch: dict, clip_grad: float = 1.0) -> dict:
 # sizes change, and each size is the subject of a later chapter:
 #
 # ```mermaid
-# flowchart LR
+# flowchart TB
 #   D["dataset<br/>1024 samples of 4097 tokens"] --> B["batch<br/>4,194,304 tokens per step"]
 #   B --> M["m = 1024 / (2 · 64) = 8<br/>micro-batches per rank (01)"]
 #   M --> F["forward, last stage<br/>logits [2, 4096, 64128] per TP rank"]

@@ -506,7 +506,7 @@ def checkpoint_and_decide_exit(state: TrainState, training, save, *, start_time:
 # At the end: `finalize_async_save_fn(blocking=True)` drains any save still in flight.
 #
 # ```mermaid
-# flowchart LR
+# flowchart TB
 #   P["pretrain: seeds, model, optimizer,<br/>scheduler, load_checkpoint, data"] --> A["finalize_async_save_fn<br/>(non-blocking)"]
 #   A --> M["update m from<br/>consumed samples"] --> S["train_step"]
 #   S --> C["iteration += 1<br/>consumed += m·b·d"] --> G["training_log"]

@@ -453,8 +453,8 @@ if __name__ == "__main__":
 #
 # - The log line averages losses over advanced iterations only and counts skipped and NaN
 #   iterations separately; throughput is FLOPs and tokens over the wall time of the interval.
-# - Training FLOPs $= 3 \times$ forward matmuls: $T[L(2h(a+2g)d + 2adh + 6hf) + 2hV]
-#   + 4 P a d L$ forward, with $P$ the causal $(q, k)$ pairs; recompute adds forward work.
+# - Training FLOPs $= 3 \times$ forward matmuls: $T[L(2h(a+2g)d + 2adh + 6hf) + 2hV] +
+#   4 P a d L$ forward, with $P$ the causal $(q, k)$ pairs; recompute adds forward work.
 # - Megatron's formula equals ours term by term except the causal diagonal ($s^2/2$ vs
 #   $s(s+1)/2$ pairs).
 # - MFU divides by the dense bf16 datasheet peak (GPU); a measured matmul peak (CPU) serves

@@ -102,7 +102,7 @@ if __name__ == "__main__":
                                                               "0.47"]  # the summary's numbers
 
 # %% [markdown]
-# The picture puts the five totals side by side; the dashed line is the 28.00 GiB of
+# The picture puts the five totals side by side; the dashed line is the 22.01 GiB of
 # activations the same rank holds at its peak ([07.5](../07_memory/ledger.py)), which no
 # scheme on this page touches. The last assert is the transient of ZeRO-3 and FSDP2 named
 # below: one of this rank's layers, gathered in bf16.
@@ -116,7 +116,7 @@ if __name__ == "__main__":
     parts = parameter_breakdown(cfg.model)
     layer = sum(parts[k] for k in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")) // 2
     layer += parts["layer_norms"]
-    assert f"{peak:.2f}" == "28.00" and (layer, round(2 * layer / 2**20)) == (109_060_096, 208)
+    assert f"{peak:.2f}" == "22.01" and (layer, round(2 * layer / 2**20)) == (109_060_096, 208)
     fig, ax = plt.subplots(figsize=(8, 2.8), dpi=150)
     left = [0.0] * len(ledger)
     for term, color in (("weights", "#4c72b0"), ("gradients", "#64b5cd"),

@@ -14,7 +14,7 @@
 # how each format gets there — and that is where the code of this page goes.
 #
 # ```mermaid
-# flowchart LR
+# flowchart TB
 #   TD["torch_dist directory<br/>any TP x PP x DP"] -->|"load_model_weights<br/>DCP assembles full tensors"| M
 #   MC["Megatron torch_dist<br/>args Namespace, no model config"] -->|"infer_config from shapes<br/>+ heads from args (safe load)"| M
 #   LG["legacy mp_rank_TT_PPP/<br/>model_optim_rng.pt"] -->|"_legacy_full_state<br/>global layer names + unshard"| M

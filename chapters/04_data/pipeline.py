@@ -54,7 +54,7 @@ __all__ = ["DataConfig", "build_train_valid_test_datasets", "build_data_iterator
 # </div>
 #
 # ```mermaid
-# flowchart LR
+# flowchart TB
 #   C["DataConfig"] --> B["BlendedMegatronDatasetBuilder (rank 0 builds the cache)"]
 #   B --> D["train / valid / test datasets"]
 #   D --> L["DataLoader + sampler from consumed_samples"]

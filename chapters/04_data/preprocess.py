@@ -82,7 +82,7 @@ __all__ = [
 # The whole command, from files to one `.bin/.idx` pair per JSON key:
 #
 # ```mermaid
-# flowchart LR
+# flowchart TB
 #   I["inputs: JSONL lines<br/>or text files"] --> D["documents, in order"]
 #   D --> W1["worker 1: encode + EOD"]
 #   D --> W2["worker 2: encode + EOD"]

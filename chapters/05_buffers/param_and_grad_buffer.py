@@ -13,7 +13,7 @@
 # With the distributed optimizer (ZeRO-1) it runs:
 #
 # ```mermaid
-# flowchart LR
+# flowchart TB
 #   Z["zero_grad_buffer<br/>grad_data = 0"] --> H["backward hooks<br/>write main_grad<br/>(views of grad_data)"]
 #   H --> RS["reduce-scatter per bucket<br/>(overlapped with backward)"]
 #   RS --> O["optimizer reads its shard<br/>bucket.grad_shard()"]

@@ -32,26 +32,27 @@ __all__ = ["layer_activation_terms", "layer_activation_bytes", "decoder_activati
 #
 # | region (offload name) | saved tensor | elements | bytes each |
 # |---|---|---|---|
-# | `attn_norm` | input, upcast to fp32 (RMSNorm computes in fp32) | $s' b h$ | 4 |
-# | | reciprocal RMS | $s' b$ | 4 |
-# | | normalized input (for the weight's gradient) | $s' b h$ | $e$ |
-# | `qkv_linear` | its input (the gathered sequence under SP) | $s b h$ | $e$ |
+# | `attn_norm` | its input, as Megatron's fused norm keeps it | $s' b h$ | $e$ |
+# | | reciprocal RMS (fp32, one per row) | $s' b$ | 4 |
+# | `qkv_linear` | its input, this rank's slice under SP (gathered again in backward) | $s' b h$ | $e$ |
 # | `core_attn` | $q$, $k$, $v$ (scaled, GQA-expanded to $a$ heads) | $3 s b h / t$ | $e$ |
 # | | softmax probabilities, dropped probabilities | $2 a s^2 b / t$ | $e$ |
 # | | dropout mask | $a s^2 b / t$ | $m$ |
 # | `attn_proj` | its input (attention output) | $s b h / t$ | $e$ |
 # | residual | dropout mask | $s' b h$ | $m$ |
-# | `mlp_norm` | as `attn_norm` | $s' b h$, $s' b$, $s' b h$ | 4, 4, $e$ |
-# | MLP | fc1 input, fc1 output, SiLU output, fc2 input | $s b h + 4 s b f / t$ | $e$ |
+# | `mlp_norm` | as `attn_norm` | $s' b h$, $s' b$ | $e$, 4 |
+# | MLP | fc1 input ($s' b h$), fc1 output, SiLU output, fc2 input | $s' b h + 4 s b f / t$ | $e$ |
 # | residual | dropout mask | $s' b h$ | $m$ |
 #
 # In Megatron's units — bf16, 1-byte masks, no SP, $t = 1$, $g = a$, $f = 4h$, a LayerNorm
 # instead of an RMSNorm — the same walk gives Korthikanti et al.'s
 # $s b h\,(34 + 5 a s / h)$ bytes per layer (their Table 2; Megatron's estimate,
 # `megatron/training/theoretical_memory_usage.py:289-291`, keeps only the $34$, written
-# $18 + 4 f / h$, because it assumes selective recompute; chapter 07). This model differs in the details that the table shows: the fp32 upcast in the
-# norms, SwiGLU's $2f$-wide fc1 output, and the fact that its column-parallel layers save the
-# *gathered* input under SP (Megatron saves the $s/t$ shard and gathers again in backward).
+# $18 + 4 f / h$, because it assumes selective recompute; chapter 07). The norms and the SP linears keep what Megatron's keep (the
+# norm its input and $1/\mathrm{rms}$, appendix B; the column-parallel linear its $s/t$ slice,
+# gathered again in backward, appendix A); this model differs in the details the table
+# shows: GQA's smaller $k$ and $v$ (not modelled in this table) and SwiGLU's $2f$-wide fc1
+# output and SiLU output.
 #
 # **The modes.** Selective `core_attn` replaces the attention rows by the checkpoint's inputs:
 # the RoPE'd $q$ ($s b h / t$), $k$ ($s b g d / t$) and $v$, a view that keeps the whole fused
@@ -72,8 +73,7 @@ def layer_activation_terms(config, tp: int = 1, micro_batch_size: int = 1, *,
     dropout = config.dropout > 0
 
     def norm():
-        return {"input (fp32)": (sl * b * h, 4), "reciprocal rms": (sl * b, 4),
-                "normed": (sl * b * h, e)}
+        return {"input": (sl * b * h, e), "reciprocal rms": (sl * b, 4)}
     core = {"q": (s * b * h // tp, e), "k": (s * b * h // tp, e), "v": (s * b * h // tp, e),
             "probabilities": (a * s * s * b // tp, e)}
     if dropout:
@@ -81,12 +81,12 @@ def layer_activation_terms(config, tp: int = 1, micro_batch_size: int = 1, *,
                      "dropout mask": (a * s * s * b // tp, m)})
     return {
         "attn_norm": norm(),
-        "qkv_linear": {"input": (s * b * h, e)},
+        "qkv_linear": {"input": (sl * b * h, e)},
         "core_attn": core,
         "attn_proj": {"input": (s * b * h // tp, e)},
         "attn_residual": {"dropout mask": (sl * b * h, m)} if dropout else {},
         "mlp_norm": norm(),
-        "mlp": {"fc1 input": (s * b * h, e), "fc1 output": (2 * s * b * f // tp, e),
+        "mlp": {"fc1 input": (sl * b * h, e), "fc1 output": (2 * s * b * f // tp, e),
                 "silu output": (s * b * f // tp, e), "fc2 input": (s * b * f // tp, e)},
         "mlp_residual": {"dropout mask": (sl * b * h, m)} if dropout else {},
     }
@@ -278,10 +278,10 @@ if __name__ == "__main__":
 # Why the two differ: this page is about what recompute and offload *remove*, and the case
 # where they matter most is the one Megatron's memory paper counts, materialized attention
 # with dropout, whose $s^2$ tensors (probabilities, dropped probabilities, dropout mask) are
-# 2.50 of a layer's 3.41 GiB; with $q$, $k$, $v$ the core-attention region is 2.59. Chapter
-# 07 answers another question, "does the run I am about to launch fit?", and the run on a GPU uses flash
-# attention without dropout, where selective `core_attn` saves only the log-sum-exp. The same
-# model therefore prints 54.5 GiB per stage here and far less in chapter 07; neither is wrong,
+# 2.50 of a layer's 3.22 GiB; with $q$, $k$, $v$ the core-attention region is 2.59.
+# Chapter 07 answers another question, "does the run I am about to launch fit?", and the run
+# on a GPU uses flash attention without dropout, where selective `core_attn` saves only the log-sum-exp. The same
+# model therefore prints 51.5 GiB per stage here and far less in chapter 07; neither is wrong,
 # they count different kernels. Exercise 1 below redoes this table under chapter 07's
 # assumptions.
 
@@ -322,21 +322,21 @@ if __name__ == "__main__":
     assert abs(per_region["core_attn"] / 1024 - 2.59) < 0.005  # the whole region
     square = [k for k in terms["core_attn"] if k not in ("q", "k", "v")]  # the s^2 tensors
     s2 = sum(terms["core_attn"][k][0] * terms["core_attn"][k][1] for k in square) / 2**30
-    assert abs(s2 - 2.50) < 0.005 and abs(sum(per_region.values()) / 1024 - 3.41) < 0.005
+    assert abs(s2 - 2.50) < 0.005 and abs(sum(per_region.values()) / 1024 - 3.22) < 0.005
 
 # %% [markdown]
 # | mode | per layer | 16-layer stage, one micro-batch |
 # |---|---|---|
-# | none | 3.41 GiB (2.59 of it core attention) | 54.5 GiB |
-# | selective `core_attn` | 0.90 GiB | 14.4 GiB |
+# | none | 3.22 GiB (2.59 of it core attention) | 51.5 GiB |
+# | selective `core_attn` | 0.71 GiB | 11.4 GiB |
 # | full, uniform $k = 1$ | 32 MiB (the layer input) | 0.50 GiB |
-# | offload, all five regions | 0.53 GiB left on the device | 8.5 GiB |
+# | offload, all five regions | 0.50 GiB left on the device | 8.0 GiB |
 #
 # Without recompute, materialized attention does not fit an 80 GB GPU even for one
 # micro-batch, and the first stage of a 1F1B schedule keeps two in flight (chapter 01).
 # Selective recompute is what makes it fit, for one extra attention forward; full recompute
-# buys another factor of 28 for one extra forward of everything. Offload gets below selective
-# without any extra compute, if the PCIe link can move about 2.9 GiB per layer in each
+# buys another factor of 23 for one extra forward of everything. Offload gets below selective
+# without any extra compute, if the PCIe link can move about 2.7 GiB per layer in each
 # direction while the layer computes. With flash attention (the usual case on a GPU) the
 # $s^2$ tensors are never stored — the kernel keeps a log-sum-exp per row and recomputes the
 # probabilities itself — so selective `core_attn` has nothing left to save, which is why

@@ -271,8 +271,9 @@ def checkpoint(function: Callable, distribute_saved_activations: bool, *args,
 # </div>
 #
 # For the norm before `linear_qkv` this saves the norm's internals *and* its output: per
-# layer $s b h$ elements of output, $s b h$ of normalized input and $s b$ of reciprocal RMS
-# (page 4 counts them). The price is one more norm forward in backward — a few percent of a
+# layer $s' b h$ elements of output (what `linear_qkv` keeps, $s' = s/t$ rows under SP) and
+# $s' b$ of reciprocal RMS (page 4 counts them); the norm's input stays, as the checkpoint's
+# input. The price is one more norm forward in backward — a few percent of a
 # layer's time.
 
 # %%

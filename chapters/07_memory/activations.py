@@ -38,25 +38,24 @@ __all__ = ["Saved", "Dims", "attention_kernel", "attention_kernel_why", "layer_s
 #
 # | module | saved tensor | bytes |
 # |---|---|---|
-# | RMSNorm (×2) | fp32 copy of the input, $1/\mathrm{rms}$, normalized input in $P$ | $4 s_r b h + 4 s_r b + P s_r b h$ |
-# | `linear_qkv`, `linear_fc1` | their input — **all-gathered** under SP | $P s_c b h$ each |
+# | RMSNorm (×2) | its input in $P$, one fp32 $1/\mathrm{rms}$ per row | $P s_r b h + 4 s_r b$ |
+# | `linear_qkv`, `linear_fc1` | their input, this rank's SP slice (gathered again in backward) | $P s_r b h$ each |
 # | RoPE | only the cos/sin tables, which the model builds once per sequence length and keeps | 0 |
 # | flash attention | q, k, the whole QKV output (v is a view of it), out, logsumexp | $P s_c b (a_t + g_t + (a_t + 2 g_t) + a_t) d + 4 b a_t s_c$ |
 # | SwiGLU | fc1 output ($2 f_t$), silu(gate), the product (fc2's input) | $P s_c b \cdot 4 f_t$ |
 # | dropout (×2, if $p > 0$) | the mask | $M s_r b h$ |
 #
-# Three things differ from the paper count (Korthikanti et al., Table 2) and from Megatron's
-# formula, and each is visible in the table:
+# The norms and the SP linears keep what Megatron's keep: the norm its input and $1/\mathrm{rms}$
+# ([B.2](../model/layers.py)), the column-parallel linear the $s_r$ slice it is given, which it
+# gathers again in backward ([A.2](../parallel/tensor_parallel.py),
+# `megatron/core/tensor_parallel/layers.py:486, 543-545`). What still differs from the paper
+# count (Korthikanti et al., Table 2) and from Megatron's formula is visible in the table:
 #
 # - **GQA** shrinks K and V: $g_t d$ instead of $h/t$.
-# - **SwiGLU** stores $4 f_t$ per token, not the $2 \cdot 4h/t$ of a GELU MLP; RMSNorm keeps an
-#   fp32 copy of its input (4 bytes, not 2).
-# - **SP saves less than it could here.** Appendix A's column-parallel layer all-gathers the
-#   sequence and hands the gathered tensor to the matmul, which saves it: the linear inputs stay
-#   $P s_c b h$ per rank. Megatron saves only the local $s_r$ slice and all-gathers it again in
-#   backward (`LinearWithGradAccumulationAndAsyncCommunication`,
-#   `megatron/core/tensor_parallel/layers.py`); SP here shrinks the norms, dropout masks and
-#   residuals only.
+# - **SwiGLU** stores $4 f_t$ per token (fc1's $2 f_t$ output, $\mathrm{silu}$ of the gate,
+#   the product), where the formula counts $2 f_t$ (a GELU MLP's input and output).
+# - **No dropout, no masks**: the formula counts two 1-byte residual dropout masks whatever the
+#   dropout rate; this model keeps them only when $p > 0$.
 #
 # **The kernel.** `scaled_dot_product_attention` picks a kernel per call, from the dtype, the
 # head layout, the mask, dropout, the device and the torch version, and `attention_kernel`
@@ -187,10 +186,9 @@ def dropout_mask_bytes(cfg: MemoryConfig, input_bytes: int) -> int:
 
 
 def _norm(module: str, x: Dims) -> list[Saved]:
-    """RMSNorm: fp32 copy of the input, 1/rms, the normalized input in the param dtype."""
+    """RMSNorm, as Megatron's fused norm: its input in the param dtype and one fp32 1/rms per row."""
     n = x.s_r * x.b
-    return [Saved(module, "fp32 input", n * x.h, 4), Saved(module, "1/rms", n, 4),
-            Saved(module, "normalized input", n * x.h, x.P)]
+    return [Saved(module, "input", n * x.h, x.P), Saved(module, "1/rms", n, 4)]
 
 # %% [markdown]
 # Core attention is where the kernel matters: the flash path saves $O(s)$ per head (and under CP
@@ -237,9 +235,8 @@ def _selective_core_attention(cfg: MemoryConfig, x: Dims) -> list[Saved]:
 
 
 # %% [markdown]
-# The layer, assembled. In fp32 RMSNorm's `x.float()` is the input itself: the "fp32 copy" of
-# the first norm of a chunk that received its input from the previous stage *is* the received
-# tensor, counted once as the stage input. RoPE saves nothing of its own: its tables are built
+# The layer, assembled. The first norm of a chunk that received its input from the previous
+# stage saves the received tensor itself, counted once as the stage input. RoPE saves nothing of its own: its tables are built
 # once per sequence length, in $P$, and cached by the model ([page B.3](../model/gpt.py)), so
 # they are resident, not per micro-batch.
 #
@@ -275,7 +272,7 @@ def _selective_core_attention(cfg: MemoryConfig, x: Dims) -> list[Saved]:
 def _mlp(x: Dims) -> list[Saved]:
     """SwiGLU MLP: fc1 input, fc1 output (gate and up), silu(gate), the product."""
     n = x.s_c * x.b
-    return [Saved("mlp", "linear_fc1 input", n * x.h, x.P),
+    return [Saved("mlp", "linear_fc1 input (this rank's SP slice)", x.s_r * x.b * x.h, x.P),
             Saved("mlp", "fc1 output (gate, up)", n * 2 * x.f_t, x.P),
             Saved("mlp", "silu(gate)", n * x.f_t, x.P),
             Saved("mlp", "silu(gate) * up (= linear_fc2 input)", n * x.f_t, x.P)]
@@ -307,10 +304,10 @@ def _selected(cfg: MemoryConfig, module: str, recompute: bool = True) -> bool:
 
 
 def _selective_norms(x: Dims, norms: list[Saved], linear_input: Saved, module: str):
-    """Output-discarding norm: its input stays; internals and (without SP) the output go."""
+    """Output-discarding norm: its input stays; its 1/rms and its output (the linear's input) go."""
     n = x.s_r * x.b * x.h
     keep = [Saved(module, "norm input (checkpoint input)", n, x.P)]
-    return keep, (linear_input if x.s_r != x.s_c else None)
+    return keep, None
 
 # %% [markdown]
 # `layer_saved` assembles one layer from these parts, then applies the recompute switches in
@@ -323,9 +320,9 @@ def layer_saved(cfg: MemoryConfig, input_is_received: bool = False,
     x = Dims.of(cfg)
     n = x.s_c * x.b
     norm1, norm2 = _norm("attn_norm", x), _norm("mlp_norm", x)
-    if input_is_received and x.P == 4:  # x.float() is the received tensor itself
+    if input_is_received:  # the norm's saved input is the received tensor itself
         norm1 = norm1[1:]
-    qkv_in = Saved("qkv_linear", "linear_qkv input", n * x.h, x.P)
+    qkv_in = Saved("qkv_linear", "linear_qkv input (this rank's SP slice)", x.s_r * x.b * x.h, x.P)
     mlp = _mlp(x)
     snapshots = 0
     if _selected(cfg, "layernorm", recompute):
@@ -355,7 +352,9 @@ def layer_saved(cfg: MemoryConfig, input_is_received: bool = False,
 # one more mask of the residual size.
 #
 # **Head** (last stage): the final norm, the output layer's input ($P s_c b h$, gathered under
-# SP), and the vocab-parallel cross-entropy's saved softmax in fp32 — $4 b s_c V/t$, the
+# SP: the head gathers the sequence and then multiplies, so unlike the layers' linears it keeps
+# the gathered tensor, $(t - 1) P s_r b h$ more than Megatron's output layer, 32 MiB in the
+# running example), and the vocab-parallel cross-entropy's saved softmax in fp32 — $4 b s_c V/t$, the
 # largest single activation of a small model — plus its target ids and mask, and the per-token
 # loss it returns.
 #
@@ -491,20 +490,36 @@ def chunk_saved(cfg: MemoryConfig, pp_rank: int, chunk: int) -> dict[str, list[S
 #
 # **The assumptions** are the running example's, stated once on the front page: flash
 # attention, no dropout, selective recompute of `core_attn` (`calculator.running_example`).
-# What the cell prints: one layer on one rank keeps **888.0 MiB** per micro-batch
-# ($b = 2$, $s = 4096$) — the two fp32 norm inputs (64 MiB each), the all-gathered linear
-# inputs (64 MiB each for QKV and fc1), the QKV output kept for the recompute (48 MiB), and
-# the SwiGLU chain, 448 MiB of fc1 output, `silu(gate)` and the product, the largest part.
-# Megatron's per-layer term $sbh(18 + 4f/h)/t$ gives 512.0 MiB: it counts bf16 norms, the
-# linear inputs at their SP slice and a smaller MLP. On stage 0's 16 layers and one
-# micro-batch the modes give 13.88 GiB with no recompute and with selective recompute alike
-# (flash saves no $s^2$ term, so selective recompute of core attention frees only the
-# logsumexp, 0.5 MiB per layer), 0.50 GiB with full recompute of every layer, and 8.01 GiB on
-# the device plus 5.75 GiB on the host with the five offloadable regions offloaded.
+# What the cell prints: one layer on one rank keeps **696.0 MiB** per micro-batch
+# ($b = 2$, $s = 4096$, and 32 KiB of $1/\mathrm{rms}$), where Megatron's per-layer term
+# $sbh(18 + 4f/h)/t$ gives 512.0 MiB. Term by term, in units of $sbh/t$ bytes (16 MiB here):
+#
+# | tensor | Megatron's formula | here | difference |
+# |---|---|---|---|
+# | the two norms' inputs | 2 + 2 | 2 + 2 (and $1/\mathrm{rms}$, 32 KiB) | +32 KiB: the formula leaves out the per-row statistic |
+# | `linear_qkv`, `linear_fc1` inputs (SP slices) | 2 + 2 | 2 + 2 | 0 |
+# | Q and K | 4 | 2 + 0.5 (k has $g = a/4$ heads) | GQA |
+# | V | 2 | 3: the whole QKV output (v is a view of it) | GQA and the fused QKV: together −8 MiB |
+# | `linear_proj` input | 2 | 2 | 0 |
+# | two dropout masks | 1 + 1 | 0 (dropout 0) | −32 MiB |
+# | MLP inside | $2f/h + 2f/h = 14$ | fc1 output $4f/h$, silu $2f/h$, product $2f/h$: 28 | SwiGLU: +224 MiB |
+#
+# $512 - 8 - 32 + 224 = 696$ MiB. The SwiGLU row is a difference of the formula, not of the
+# implementation alone: Megatron's own fused SwiGLU keeps fc1's $2f$ output and fc2's input,
+# $6f/h = 21$ units (+112 MiB over its formula); this model also keeps $\mathrm{silu}$ of the
+# gate for the backward (+112 MiB more, B.3). Before the norms and the SP linears kept what
+# Megatron's keep, the layer held 888.0 MiB: fp32 norm inputs and the normalized outputs
+# (+64 MiB per norm) and the gathered linear inputs (+32 MiB each).
+#
+# On stage 0's 16 layers and one micro-batch the modes give 10.88 GiB with no recompute and
+# with selective recompute alike (flash saves no $s^2$ term, so selective recompute of core
+# attention frees only the logsumexp, 0.5 MiB per layer), 0.50 GiB with full recompute of
+# every layer, and 7.51 GiB on the device plus 3.25 GiB on the host with the five offloadable
+# regions offloaded.
 #
 # Chapter 06's 7B table assumes Megatron's materialized attention with dropout 0.1 instead.
 # Under this ledger's rule for PyTorch's math kernel on CUDA (fp32 scores, bool mask) that
-# layer keeps 5,632.0 MiB without recompute and 920.0 MiB with selective recompute: there,
+# layer keeps 5,440.0 MiB without recompute and 728.0 MiB with selective recompute: there,
 # and only there, selective recompute is what makes a stage fit.
 
 # %%
@@ -550,7 +565,8 @@ if __name__ == "__main__":
     plt.show()
     for name in modes:
         print(f"{name:>16}: device {device[name]:6.2f} GiB, host {host[name]:5.2f} GiB")
-    assert ours > megatron_layer  # the all-gathered linear inputs and the fp32 norm copies
+    rstd = 2 * 2048 * b * 4  # the two norms' 1/rms (SP slice of 2048 rows per sample)
+    assert ours - rstd == megatron_layer - 8 * 2**20 - 32 * 2**20 + 224 * 2**20  # GQA, masks, SwiGLU
     assert attention_kernel(big) == "flash" and attention_kernel(fp32) == "math"  # 32 / 8 heads
     order = ["full, uniform 1", "offload all 5", "selective", "none"]
     assert [device[n] for n in order] == sorted(device.values())

@@ -21,19 +21,19 @@
 # | grad buffer (fp32) | 7,658.5 MiB | 7,658.5 MiB |
 # | fp32 masters, $1/64$ | 119.7 MiB | 119.7 MiB |
 # | Adam moments, $1/64$ | 239.3 MiB | 239.3 MiB |
-# | activations at the peak | 28,673.6 MiB | 21,446.6 MiB |
-# | **total on the device** | **40,520.4 MiB** | **33,293.4 MiB** |
+# | activations at the peak | 22,537.6 MiB | 18,278.6 MiB |
+# | **total on the device** | **34,384.4 MiB** | **30,125.4 MiB** |
 # | where the peak is | backward of micro-batch 0, 2 in flight | forward of micro-batch 0, 1 in flight |
 #
 # Megatron's estimate for the same layout is 11,846.75 MiB of weights and optimizer state and
-# 16,416.06 MiB of activations, 28,262.81 MiB for every stage: 12,257.57 MiB less than the
-# ledger on stage 0 and 5,030.57 MiB less on stage 1. The command prints that difference
+# 16,416.06 MiB of activations, 28,262.81 MiB for every stage: 6,121.57 MiB less than the
+# ledger on stage 0 and 1,862.57 MiB less on stage 1. The command prints that difference
 # taken apart (the section "Where the ledger and Megatron's estimate part ways" below). The
 # resident parts agree to 12,672 B (07.2 explains the difference: where the final norm is
 # counted). The activations do not: Megatron charges 512 MiB per layer and micro-batch, this
-# ledger 888 MiB (07.3: the fp32 norm inputs, the all-gathered linear inputs that SP does not
-# shrink, the whole SwiGLU chain), for the same 32 layer-micro-batches on stage 0 — 16
-# layers, 2 micro-batches in flight. Both fit an 80 GiB device; only the ledger says by how
+# ledger 696 MiB (07.3, term by term: the norms and the SP linears keep what Megatron's keep;
+# GQA and no dropout masks take 40 MiB off, the SwiGLU chain adds 224 MiB), for the same 32
+# layer-micro-batches on stage 0 — 16 layers, 2 micro-batches in flight. Both fit an 80 GiB device; only the ledger says by how
 # much. Before any number the command also says what it assumed — the world size and where
 # it came from, the device, the dtypes, the micro-batches per step and in flight — because a
 # ledger computed for the wrong world size or device looks just as precise as a right one.
@@ -279,8 +279,8 @@ def search_options(cfg: MemoryConfig):
 # - **The micro-batch divides the global batch per DP rank**: $m$ must be an integer.
 #
 # For the 7B model on 256 GPUs with a global batch of 1,024 that space holds 2,514 candidate
-# layouts, and 2,182 of them fit 80 GiB: a 7B model at this scale is not memory-bound, and the
-# question the search answers is which layout is fastest. At 40 GiB, 1,722 still fit. Every
+# layouts, and 2,124 of them fit 80 GiB: a 7B model at this scale is not memory-bound, and the
+# question the search answers is which layout is fastest. At 40 GiB, 1,651 still fit. Every
 # candidate keeps SP on with TP, since SP only removes bytes.
 
 # %%
@@ -386,7 +386,7 @@ def search_layouts(base: MemoryConfig, gpus: int, gpu_memory: int, global_batch_
 # %% [markdown]
 # ## Where the ledger and Megatron's estimate part ways, term by term
 #
-# On the running example the ledger says 40,520.4 MiB on stage 0 and 33,293.4 MiB on stage
+# On the running example the ledger says 34,384.4 MiB on stage 0 and 30,125.4 MiB on stage
 # 1; Megatron's `report_theoretical_memory` (`megatron/training/theoretical_memory_usage.py:428`
 # at e03878b5f) says 11,846.75 + 16,416.06 = 28,262.81 MiB for every stage. A number without
 # its reason is no use to someone sizing a job, so the command prints the difference taken
@@ -399,7 +399,7 @@ def search_layouts(base: MemoryConfig, gpus: int, gpu_memory: int, global_batch_
 # | padding of the buffers | none | the distributed optimizer's param and grad buffers padded to 64-element starts and $\mathrm{lcm}(d_{cp}, 128)$ bucket ends (07.2) |
 # | bytes per parameter | $2 + 4$ for weights and grads (mixed precision) | the config's dtypes: $4 + 4$ for an fp32 model |
 # | optimizer states | $12$ bytes per parameter, or $12/d$ with the distributed optimizer ($d$ without CP) | the owned shard over $d \cdot c$, the optimizer's own moments, no master copy for an fp32 model, nothing for what is offloaded |
-# | a layer's norms, linear_qkv input, attention, MLP, dropout masks | Korthikanti et al.'s Table 2: $s b h (18 + 4 f/h)/t$ with SP and selective recompute, else $s b h (10 + 24/t) \cdot 1.05$ | appendix B's model tensor by tensor (07.3): fp32 norm inputs, gathered linear inputs, GQA, the SwiGLU chain, no masks without dropout |
+# | a layer's norms, linear_qkv input, attention, MLP, dropout masks | Korthikanti et al.'s Table 2: $s b h (18 + 4 f/h)/t$ with SP and selective recompute, else $s b h (10 + 24/t) \cdot 1.05$ | appendix B's model tensor by tensor (07.3): Megatron's norms and SP linear inputs (plus $1/\mathrm{rms}$), GQA, the SwiGLU chain, no masks without dropout |
 # | layer-micro-batches in flight | $L$ layers times $\min(1, m/p)$ or the interleaving penalty, the first stage's count, for every stage | the replayed schedule's in-flight set at the peak (07.4) |
 # | embedding | token ids and a 1-byte dropout mask, $p$ micro-batches | local ids and the out-of-range mask of the micro-batches in flight |
 # | received activations, send buffers | none | the stage input each in-flight micro-batch keeps, the message a send still holds |
@@ -425,7 +425,7 @@ _LABELS = {  # the printed order
     "padding": "padding of the param and grad buffers",
     "bytes_per_param": "weights + grads: the config's dtypes vs 2 + 4 B",
     "optimizer": "optimizer states: owned shard, moments, offload",
-    "norms": "layers' norms: fp32 input, 1/rms, output", "linear_qkv input": "layers' "
+    "norms": "layers' norms: input, 1/rms", "linear_qkv input": "layers' "
     "linear_qkv input", "attention": "layers' attention: q, k, v (GQA), output",
     "MLP": "layers' MLP: fc1 input and the SwiGLU chain", "dropout masks": "layers' dropout masks",
     "recompute checkpoints": "recompute: run inputs, RNG snapshots",
@@ -570,29 +570,30 @@ if __name__ == "__main__":
     assert gap1["terms"]["in_flight"] == -8192 * _MIB and gap0["terms"]["in_flight"] == 0
 
 # %% [markdown]
-# Read the stage-0 column first. Its 12,257.57 MiB are almost all "what a layer keeps":
-# per layer and micro-batch ($s b h / t$ = 16 Mi elements at TP 2) the ledger holds 192.03 MiB
-# of norm tensors where Megatron counts 64 (an fp32 copy of each input, $1/\mathrm{rms}$ and
-# the bf16 output, against two bf16 inputs), 64 MiB of linear_qkv input against 32 (this
-# column-parallel layer saves the gathered sequence, Megatron's saves the $s/t$ slice and
-# gathers it again in backward), 120 MiB of attention against 128 (GQA's 8 KV groups make k and
-# v smaller than Megatron's $h$-wide ones), 512 MiB of MLP against 256 (fc1's input plus
-# SwiGLU's gate, up, silu and product, $4 f_t$ bf16 elements per token — Megatron's $4 f/h$
-# term counts two, a GELU MLP's input and output), and no dropout masks against Megatron's
-# 32 MiB (the model has no dropout; the formula always charges two 1-byte masks). That is
-# 888.03 MiB against 512 MiB, times 32 layer-micro-batches: +12,033 MiB. Both sides agree on
-# those 32 — 2 micro-batches of 16 layers — so the in-flight line is zero. The rest is small: the backward's 256.50 MiB
-# transient, and the embedding's 31.92 MiB that Megatron charges for a 1-byte dropout mask the
+# Read the stage-0 column first. Its 6,121.57 MiB are almost all "what a layer keeps": per
+# layer and micro-batch ($s b h / t$ = 16 Mi elements at TP 2) the two norms keep their bf16
+# inputs as Megatron's do, plus the $1/\mathrm{rms}$ rows the formula leaves out (32 KiB);
+# the linear_qkv input is the same $s/t$ slice on both sides (the column-parallel layer
+# gathers it again in backward, A.2), so that line is gone; attention holds 120 MiB against
+# 128 (GQA's 8 KV groups make k and v smaller than Megatron's $h$-wide ones), the MLP 512 MiB
+# against 256 (fc1's input plus SwiGLU's gate, up, silu and product, $4 f_t$ bf16 elements
+# per token — Megatron's $4 f/h$ term counts two, a GELU MLP's input and output), and no
+# dropout masks against Megatron's 32 MiB (the model has no dropout; the formula always
+# charges two 1-byte masks). That is 696.03 MiB against 512 MiB, times 32 layer-micro-batches:
+# +5,889 MiB. Both sides agree on those 32 — 2 micro-batches of 16 layers — so the in-flight
+# line is zero. The rest is small: the backward's 264.50 MiB transient (fc2's backward,
+# 07.4), and the embedding's 31.92 MiB that Megatron charges for a 1-byte dropout mask the
 # model does not have.
 #
 # Stage 1 is where the two disagree in kind. Megatron's formula is the first stage's and is
 # reported for every stage, so it charges stage 1 for 32 layer-micro-batches; stage 1 holds one
 # micro-batch of its 16 layers at its peak, so the in-flight line gives back 8,192 MiB (16
 # times 512). In exchange the formula has no head for $p > 1$: the fp32 cross-entropy
-# softmax, $4 b s V/t$ = 2,004 MiB, the final norm, output-layer input and targets (160.12
-# MiB) and, largest, the 5,042 MiB transient of the cross-entropy chain (bf16 logits, their
+# softmax, $4 b s V/t$ = 2,004 MiB, the final norm, output-layer input and targets (96.12
+# MiB; the output layer's input is the gathered sequence, 64 MiB, where Megatron's
+# column-parallel output layer keeps the 32 MiB slice) and, largest, the 5,042 MiB transient of the cross-entropy chain (bf16 logits, their
 # fp32 copy, the shifted logits and their exponential, 07.4) — the moment stage 1 peaks in.
-# The stage input it received (32 MiB) is kept too. Net: +5,030.57 MiB. The ledger's numbers
+# The stage input it received (32 MiB) is kept too. Net: +1,862.57 MiB. The ledger's numbers
 # are themselves a model, checked against two meters on a CPU in 07.6; what this table shows
 # is where the two models differ and by how much, not which one a GPU would confirm.
 #
@@ -915,25 +916,26 @@ if __name__ == "__main__":
 #
 # | layout | peak | step | compute | CP | DP | interference |
 # |---|---|---|---|---|---|---|
-# | TP1·PP1·CP1·DP256 mbs1 m4 no-recompute DistOpt | 73.1 GiB | 1.50 s | 1.48 | | 0.01 | 0.01 |
-# | TP2(SP)·PP1·CP1·DP128 mbs2 m4 no-recompute DistOpt | 56.1 GiB | 1.51 s | 1.48 | | 0.01 | 0.01 |
-# | TP4(SP)·PP1·CP1·DP64 mbs4 m4 no-recompute DistOpt | 49.7 GiB | 1.51 s | 1.49 | | 0.01 | 0.01 |
-# | TP1·PP1·CP2·DP128 mbs2 m4 no-recompute DistOpt | 72.8 GiB | 1.51 s | 1.48 | 0.01 | 0.01 | 0.01 |
-# | TP2(SP)·PP1·CP2·DP64 mbs4 m4 no-recompute DistOpt | 55.9 GiB | 1.52 s | 1.48 | 0.01 | 0.01 | 0.01 |
-# | TP2(SP)·PP1·CP1·DP128 mbs1 m8 no-recompute DistOpt | 38.7 GiB | 1.52 s | 1.49 | | 0.01 | 0.01 |
-# | TP4(SP)·PP1·CP2·DP32 mbs8 m4 no-recompute DistOpt | 49.4 GiB | 1.52 s | 1.49 | 0.01 | 0.01 | 0.01 |
-# | TP2(SP)·PP1·CP2·DP64 mbs2 m8 no-recompute DistOpt | 38.8 GiB | 1.53 s | 1.49 | 0.01 | 0.01 | 0.01 |
+# | TP2(SP)·PP1·CP1·DP128 mbs4 m2 no-recompute DistOpt | 78.8 GiB | 1.50 s | 1.47 | | 0.01 | 0.01 |
+# | TP1·PP1·CP1·DP256 mbs1 m4 no-recompute DistOpt | 69.0 GiB | 1.50 s | 1.48 | | 0.01 | 0.01 |
+# | TP4(SP)·PP1·CP1·DP64 mbs8 m2 no-recompute DistOpt | 68.4 GiB | 1.51 s | 1.48 | | 0.01 | 0.01 |
+# | TP2(SP)·PP1·CP1·DP128 mbs2 m4 no-recompute DistOpt | 50.0 GiB | 1.51 s | 1.48 | | 0.01 | 0.01 |
+# | TP4(SP)·PP1·CP1·DP64 mbs4 m4 no-recompute DistOpt | 39.6 GiB | 1.51 s | 1.49 | | 0.01 | 0.01 |
+# | TP2(SP)·PP1·CP1·DP128 mbs1 m8 no-recompute DistOpt | 35.7 GiB | 1.52 s | 1.49 | | 0.01 | 0.01 |
+# | TP2(SP)·PP1·CP2·DP64 mbs2 m8 no-recompute DistOpt | 71.3 GiB | 1.53 s | 1.49 | 0.01 | 0.01 | 0.01 |
+# | TP4(SP)·PP1·CP1·DP64 mbs4 m4 no-recompute | 60.3 GiB | 1.54 s | 1.49 | | 0.02 | 0.02 |
 #
 # Against the running example's 1.86 s, the best of them saves the 0.17 s bubble and the
-# recompute. Every one uses the distributed optimizer: without it each rank holds all
-# 18 bytes per parameter (07.2). The TP2 layout without it would need 62.9 GiB of resident
-# state (3.75e9 parameters per TP-2 rank without a pipeline) plus a 34.8 GiB activation
-# peak (all 32 layers of one micro-batch): 97.7 GiB, not 80.
+# recompute. Seven of the eight use the distributed optimizer: without it each rank holds all
+# 18 bytes per parameter (07.2), which only TP 4 makes small enough here (the last row). The
+# TP2 layout without it would need 62.9 GiB of resident state (3.75e9 parameters per TP-2
+# rank without a pipeline) plus a 28.7 GiB activation peak (all 32 layers of one micro-batch
+# of 2): 91.6 GiB, not 80.
 #
 # The same eight layouts drawn: each one's peak against the budget, with its estimated step
 # time. All eight fit. With the DP traffic hidden by Megatron's overlap rules and TP's by
 # `tp_comm_overlap`, the layouts without a pipeline win (no bubble, and no single-bucket
-# all-gather on a later stage), and the eight lie within 2% of each other: compute is
+# all-gather on a later stage), and the eight lie within 3% of each other: compute is
 # almost all of each step, and what separates them is how well each layout's GEMMs fill
 # the H100's waves. The search chooses among near-equals, and the estimate's own error
 # (07.9 holds it against Megatron's published runs, within about 10%) is larger than the

@@ -234,7 +234,7 @@ if __name__ == "__main__":
 # | weights, grad buffer, masters, moments, host copies, fp32 grad copies | 168 each | 0 | 0 | | |
 # | resident total | 168 | 0 | 0 | 88.6% | 0.03% |
 # | kept activations (per chunk, one micro-batch) | 176 | 0 | 0 | | |
-# | peak activations (one `forward_backward`) | 168 | 2.5% | 0.35% | 90.2% | 47.3% |
+# | peak activations (one `forward_backward`) | 168 | 2.6% | 0.95% | 90.2% | 39.6% |
 #
 # The state terms agree **to the byte** on every rank, including the DP ranks that own fewer
 # elements of a padded bucket and the host copies of CPU offload. The kept activations agree
@@ -269,7 +269,7 @@ if __name__ == "__main__":
 #   checked against chapter 01's meter; the CPU generator's RNG snapshots are left out of
 #   both sides, because the meter cannot see them. On its own this is not independent.
 # - **Peak activations — fitted.** The transient terms of 07.4 were written down from the
-#   meter's readings, so the 2.5% above is a fit on the instrument it is checked against.
+#   meter's readings, so the 2.6% above is a fit on the instrument it is checked against.
 #
 # **A second instrument.** PyTorch ships its own tracker,
 # `torch.distributed._tools.mem_tracker.MemTracker` (present in torch 2.13, and it runs on

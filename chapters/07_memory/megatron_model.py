@@ -132,8 +132,8 @@ def megatron_args(args=None, **overrides) -> SimpleNamespace:
 # replicated weights (norms, routers), plus experts over `etp · ep`. A second $hV/t$ is added
 # only when the embeddings are untied **and** $p = 1$ (`:237-239`).
 #
-# **Bytes per parameter** (`:265-268`): 18 without the distributed optimizer — 2 (bf16 weight)
-# + 4 (fp32 grad) + 4 (fp32 master) + 4 + 4 (Adam moments) — and $6 + 12/d$ with it, where $d$
+# **Bytes per parameter** (`:265-268`): 18 without the distributed optimizer — 2 (bf16 weight) +
+# 4 (fp32 grad) + 4 (fp32 master) + 4 + 4 (Adam moments) — and $6 + 12/d$ with it, where $d$
 # is `data_parallel_size` (expert weights use the expert data-parallel size
 # `world / (etp · ep · p)`, an integer division). When `etp · ep · p` exceeds the world that
 # size is 0: without the distributed optimizer Megatron still returns its number (18 bytes per

@@ -34,13 +34,14 @@ __all__ = ["schedule_ops", "p2p_buffers", "activation_peak"]
 #
 # | moment | what is alive on top of the kept tensors |
 # |---|---|
-# | end of a layer's forward | fc2's output and the new residual; in bf16 also the layer input and the mid-layer residual |
+# | end of a layer's forward | fc2's output and the new residual (the layer input and the mid-layer residual are alive too, but the norms keep them) |
 # | TP collective after fc2 | fc2's partial sum over the whole local sequence and the collective's output |
 # | math attention | $q k^\top$ and its masked copy, q, k, v cast to fp32 — before the layer's MLP half is kept |
 # | cross-entropy forward | bf16 logits, their fp32 copy, the shifted logits, their exponential: 14 bytes per logit (12 in fp32), 4 of which stay as the softmax; at TP 1 one `log_softmax` output replaces the last two and becomes the softmax in place: 10 bytes (8 in fp32) |
+# | fc2 backward | the incoming grad (gathered over the sequence under SP), fc2's input grad and its weight grad, with the SwiGLU chain still kept |
 # | SwiGLU backward | the incoming grad and the grads of gate, up and fc1's output, once the product and silu are freed |
 # | attention backward | the grads of the output, q, and the (gathered) k and v |
-# | fc1 / output-layer backward | the weight gradient (`.grad`, until DDP's hook adds it to `main_grad` and frees it) |
+# | fc1 / output-layer backward | the weight gradient (`.grad`, until DDP's hook adds it to `main_grad` and frees it); under SP also fc1's input, gathered again from the kept slice (A.2) |
 # | end of the first chunk's backward | the embedding's weight gradient, $P\,V h / t$; tied on one stage, the output layer's as well and their sum, $3\,P\,V h$ |
 #
 # With one stage holding both ends of tied embeddings, the output layer's weight gradient waits
@@ -52,8 +53,8 @@ __all__ = ["schedule_ops", "p2p_buffers", "activation_peak"]
 # are already counted (as kept stage inputs, and as the incoming grad of each backward
 # event).
 #
-# Measured on the 42-case grid of page 07.6, this replay is within 2.5% of the measured peak
-# (median 0.35%, 07.6's table; the CPU math-attention cases within 1.6%); what remains is the
+# Measured on the 42-case grid of page 07.6, this replay is within 2.6% of the measured peak
+# (median 0.95%, 07.6's table, the CPU math-attention cases included); what remains is the
 # timing of small buffers inside one operation.
 #
 # **Moments that hide under a larger one.** A replay that takes the maximum only shows its
@@ -121,8 +122,8 @@ def _forward_transient(cfg: MemoryConfig, x: Dims, head: bool) -> int:
     """Bytes alive in a chunk's forward on top of what it keeps, at its largest moment."""
     unit = x.P * x.s_r * x.b * x.h  # one residual-stream tensor
     rope = 0  # RoPE's tables are the model's cache (page B.3), not a forward temporary
-    # bf16: the layer's input and the mid-layer residual are alive (fp32 norms save them)
-    resid = 0 if x.P == 4 else 2 * unit
+    # the layer's input and the mid-layer residual are alive, but the norms keep both (B.2)
+    resid = 0
     end_of_layer = resid + 2 * unit + rope  # fc2's output and the new residual
     t = cfg.tensor_model_parallel_size
     # TP: fc2's partial sum (the whole local sequence) and the collective's output
@@ -161,6 +162,13 @@ def _backward_transient(cfg: MemoryConfig, x: Dims, head: bool, tied_here: bool,
         attn = unit + (4 if cfg.device == "cpu" else x.P) * x.b * x.a_t * x.s_c * x.s
     # fc1's backward: its input grad and its weight grad, once the MLP's saved tensors are gone
     fc1 = unit + x.P * x.s_c * x.b * x.h + x.P * 2 * x.f_t * x.h - 2 * x.P * x.s_c * x.b * x.f_t
+    sp = cfg.model.sequence_parallel and cfg.tensor_model_parallel_size > 1
+    if sp:
+        fc1 += x.P * x.s_c * x.b * x.h  # the input slice gathered again for the weight gradient
+    # fc2's backward: the grad in (gathered over the sequence under SP), fc2's input grad and
+    # its weight grad, before the SwiGLU chain is freed
+    fc2 = unit + (x.P * x.s_c * x.b * x.h if sp else 0) + x.P * x.s_c * x.b * x.f_t \
+        + x.P * x.h * x.f_t
     # one stage holding embedding and head with tied weights: the output layer's weight grad
     # waits in .grad through the layers' backward until the embedding adds its own
     held = table_grad if tied_here else 0
@@ -169,7 +177,7 @@ def _backward_transient(cfg: MemoryConfig, x: Dims, head: bool, tied_here: bool,
     # a recompute re-creates its run's (or module's) saved tensors before their backward; the
     # block method's run is the chunk's first layers, so the later layers kept normally have
     # had their backward (and freed what they kept) by the time it is re-created
-    events = [e + held - freed + r for e in (mlp, attn, fc1)
+    events = [e + held - freed + r for e in (mlp, attn, fc1, fc2)
               for r in ((recomputed - later_kept, 0) if later_kept else (recomputed,))]
     if head:  # softmax.clone() as the gradient; then the output layer's weight gradient, with
         logits = x.b * x.s_c * x.v_t  # the softmax freed and the logits' grad in P bytes
@@ -289,23 +297,23 @@ def activation_peak(cfg: MemoryConfig, pp_rank: int, leave_out: tuple[str, ...] 
 # live activation bytes over the schedule of stage 0.
 #
 # What the cell prints, worked from the parts of 07.3 (flash attention, no dropout, selective
-# recompute; one micro-batch of stage 0's 16 layers and embedding keeps 13.876 GiB, of stage
-# 1's 16 layers and head 16.020 GiB):
+# recompute; one micro-batch of stage 0's 16 layers and embedding keeps 10.876 GiB, of stage
+# 1's 16 layers and head 12.926 GiB):
 #
 # | schedule, stage | in flight at most | peak | at | made of |
 # |---|---|---|---|---|
-# | 1F1B, stage 0 | 2 | 28.00 GiB | backward of micro-batch 0 | $2 \cdot 13.876$ + the backward's 0.25 GiB transient |
-# | 1F1B, stage 1 | 1 | 20.94 GiB | forward of micro-batch 0 | $16.020$ + the cross-entropy chain's 4.92 GiB |
-# | interleaved ($v = 2$), stage 0 | 5 | 35.00 GiB | backward of chunk 1, micro-batch 0 | 5 chunk-micro-batches of 6.94-6.97 GiB + 0.25 GiB |
-# | interleaved ($v = 2$), stage 1 | 3 | 27.98 GiB | forward of chunk 1, micro-batch 0 | 27.94 GiB of activations + 0.03 GiB of p2p buffers |
+# | 1F1B, stage 0 | 2 | 22.01 GiB | backward of micro-batch 0 | $2 \cdot 10.876$ + the backward's 0.26 GiB transient |
+# | 1F1B, stage 1 | 1 | 17.85 GiB | forward of micro-batch 0 | $12.926$ + the cross-entropy chain's 4.92 GiB |
+# | interleaved ($v = 2$), stage 0 | 5 | 27.45 GiB | backward of chunk 1, micro-batch 0 | 5 chunk-micro-batches of about 5.44 GiB + 0.26 GiB |
+# | interleaved ($v = 2$), stage 1 | 3 | 23.32 GiB | forward of chunk 1, micro-batch 0 | 23.29 GiB of activations + 0.03 GiB of p2p buffers |
 #
 # Two things follow. The first stage holds the most under 1F1B ($p - r = 2$ micro-batches
 # against 1), but the last stage's single micro-batch comes close, because its forward ends
 # in the fp32 logits chain: $4\,b\,s\,V/t$ bytes per fp32 copy of the logits, 1.96 GiB at
 # $V/t = 64{,}128$, and at its worst moment the chain holds about two and a half of them
 # (4.92 GiB). A fused cross-entropy (appendix C) removes most of that.
-# Interleaving buys a smaller bubble with memory: stage 0 goes from 28.00 to 35.00 GiB,
-# Megatron's factor $1 + (p-1)/(p v) = 1.25$ on its 28 GiB.
+# Interleaving buys a smaller bubble with memory: stage 0 goes from 22.01 to 27.45 GiB,
+# Megatron's factor $1 + (p-1)/(p v) = 1.25$ on its 22 GiB.
 #
 # The transient terms (0.156, 0.25 and 0.583 GiB on stage 0; 4.92 and 1.96 GiB on the last
 # stage) are the part of this page written down from the meter's readings, so their

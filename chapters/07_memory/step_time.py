@@ -59,8 +59,8 @@ __all__ = ["Links", "StepOptions", "StepItem", "StepTime", "stage_flops", "stage
 # So the model of this page takes each transfer, finds its window by Megatron's rule, and
 # keeps only what sticks out:
 #
-# $$ t_\text{step} = t_\text{compute} + t_\text{bubble} + t_\text{optimizer}
-#    + \sum_\text{items} \max(0,\ t_\text{item} - t_\text{window}) $$
+# $$ t_\text{step} = t_\text{compute} + t_\text{bubble} + t_\text{optimizer} +
+#    \sum_\text{items} \max(0,\ t_\text{item} - t_\text{window}) $$
 #
 # where the max is applied bucket by bucket, layer by layer or micro-batch by micro-batch as
 # each rule says, not once for the whole transfer. The same numbers for every layout feed the
@@ -557,8 +557,8 @@ if __name__ == "__main__":  # the worked examples of rules 1 and 2
 # when its micro-batch counter reaches the one where chunk $c$ begins on rank 0 — rank $r$
 # looks $r$ micro-batches ahead (`schedules.py:1283-1296`), so all ranks launch the same
 # chunk at the same wall-clock time. One communication stream runs them in order. Rank $r$
-# needs chunk $c$ when its first micro-batch of that chunk arrives: in the fill, after $c\,p
-# + r$ chunk-forwards of $f$ seconds. So later stages hide their gathers behind the fill
+# needs chunk $c$ when its first micro-batch of that chunk arrives: in the fill, after
+# $c\,p + r$ chunk-forwards of $f$ seconds. So later stages hide their gathers behind the fill
 # instead of adding them up along it; the step pays the largest wait of any rank.
 #
 # Worked: $p = 2$, two chunks, $f = 1$ ms, 3 ms per chunk's gather. Rank 0: chunk 0 ready at

@@ -157,8 +157,8 @@ def plot_roofline(ops: list[dict], gpu: GPU = H100_SXM, ax=None):
 # inputs are read while the main loop runs, so they only count when they take longer.
 #
 # $$ t_\text{GEMM} = \max\Big(\text{waves} \cdot \frac{2 \cdot 128 \cdot 256 \cdot K}
-#    {\eta_\text{tc} P / \text{SMs}},\ \frac{2(MK + KN)}{\eta_\text{mem} B}\Big)
-#    + \frac{2MN}{\eta_\text{mem} B} $$
+#    {\eta_\text{tc} P / \text{SMs}},\ \frac{2(MK + KN)}{\eta_\text{mem} B}\Big) +
+#    \frac{2MN}{\eta_\text{mem} B} $$
 #
 # **Streaming kernels** (norms, the activation, residual adds, the loss's softmax, the
 # optimizer) take their bytes at $\eta_\text{mem} B$. **Flash attention** takes its matmul

@@ -58,9 +58,52 @@ class RMSNorm(nn.Module):
         self.weight.shard_spec = ShardSpec((hidden_size,), dim=None, init="ones")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
+
+
+# %% [markdown]
+# **What the norm keeps for backward.** Left to autograd, the four lines of that formula
+# would save the fp32 copy of the input (for the square and the product), $1/\mathrm{rms}$ and
+# the normalized input in the input's dtype: $4 + P$ bytes per element. Megatron's fused norm
+# keeps the input as it came, in bf16, and one fp32 $1/\mathrm{rms}$ per row: Transformer
+# Engine's RMSNorm (Megatron's `TENorm`) saves its input and the per-row `rstdevs` its fused
+# forward returns, Apex's `FusedRMSNormAffineFunction` its input, the weight and `invvar`; both
+# rebuild the normalized input in backward. `_RMSNormFunction` does the same: $P$ bytes per element plus
+# 4 per row. Its backward recomputes $x_{32}$ and the normalized input from the saved $x$ and
+# $1/\mathrm{rms}$ and then applies, op for op and in the same order, the formulas autograd's
+# own backward nodes use (`MulBackward0`, `ToCopyBackward0`, `RsqrtBackward0`,
+# `MeanBackward1`, `PowBackward0`), so the gradients are the ones the plain formula gives,
+# bit for bit (the tests compare the two).
+
+# %%
+class _RMSNormFunction(torch.autograd.Function):
+    """w * (x / rms(x)) saving x (its own dtype) and 1/rms (fp32, one per row), as Megatron's norm."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
         x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (x32 * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        x32 = x.float()
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            normed = (x32 * rstd).to(x.dtype)
+            grad_w = (normed.mul_(grad) if normed.dtype == grad.dtype
+                      else grad * normed).to(weight.dtype).sum_to_size(weight.shape)
+            del normed
+        if not ctx.needs_input_grad[0]:
+            return None, grad_w, None
+        grad_normed = (grad * weight).to(x.dtype).float()
+        grad_rstd = (grad_normed * x32).sum_to_size(rstd.shape)
+        grad_mean = (-0.5 * grad_rstd) * rstd.pow(3) / x32.shape[-1]  # d rsqrt(m)/dm = -rsqrt(m)^3/2
+        # autograd's order: (g_n * rstd) + (g_mean * 2 x); products commute, so in place is exact
+        grad_x = grad_normed.mul_(rstd).add_((2.0 * x32).mul_(grad_mean))
+        return grad_x.to(x.dtype), grad_w, None
 
 
 # %% [markdown]
@@ -242,6 +285,10 @@ if __name__ == "__main__":
     with torch.no_grad():
         gap = float((norm(10 * x) - norm(x)).abs().max())
     print(f"RMSNorm(10 x) - RMSNorm(x), max: {gap:.1e}")
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        norm(torch.randn(3, d).bfloat16().requires_grad_())
+    print("RMSNorm keeps for backward:", [(tuple(t.shape), str(t.dtype)) for t in kept])
 
     spec = ShardSpec((6, 4), dim=0, chunks=2)
     full = init_full_tensor(spec, seed=1234, name="decoder.layers.0.mlp.linear_fc1.weight")
@@ -263,13 +310,16 @@ if __name__ == "__main__":
 
     assert abs(score(5, 2) - score(103, 100)) < 1e-4, "RoPE scores depend on m - n only"
     assert gap < 1e-5
+    # its bf16 input, the weight and one fp32 1/rms per row, as Megatron's fused norm
+    assert [t.dtype for t in kept] == [torch.bfloat16, torch.float32, torch.float32]
     assert torch.equal(unshard(halves, spec), full)
     assert torch.equal(halves[0], torch.cat([full[0:2], full[3:5]]))
 
 # %% [markdown]
 # ## Summary
 #
-# - RMSNorm normalizes in fp32 and casts back before the weight, like Hugging Face's Llama.
+# - RMSNorm normalizes in fp32 and casts back before the weight, like Hugging Face's Llama; it
+#   keeps only its input and $1/\mathrm{rms}$ for backward, like Megatron's fused norm.
 # - RoPE here is rotate-half, the convention of Megatron and Hugging Face Llama: no q/k
 #   permutation is needed to load a Hugging Face checkpoint.
 # - Every parameter is drawn in full from a `(seed, global name)` generator and sliced, so the

@@ -52,3 +52,35 @@ def reduce_scatter_dim(x: torch.Tensor, grid, axis: str, dim: int) -> torch.Tens
     out = torch.empty((x0.shape[0] // size, *x0.shape[1:]), dtype=x.dtype, device=x.device)
     _reduce_scatter_flat(out, x0, group=grid.group(axis))
     return out.movedim(0, dim)
+
+
+def all_gather_dim_async(x: torch.Tensor, grid, axis: str, dim: int):
+    """Start `all_gather_dim` without waiting; returns wait(), which gives the gathered tensor."""
+    size = grid.size(axis)
+    if size == 1:
+        return lambda: x
+    x0 = x.movedim(dim, 0).contiguous()
+    out = torch.empty((size * x0.shape[0], *x0.shape[1:]), dtype=x.dtype, device=x.device)
+    handle = _all_gather_flat(out, x0, group=grid.group(axis), async_op=True)
+
+    def wait() -> torch.Tensor:
+        handle.wait()
+        return out.movedim(0, dim)
+    return wait
+
+
+def reduce_scatter_dim_async(x: torch.Tensor, grid, axis: str, dim: int):
+    """Start `reduce_scatter_dim` without waiting; returns wait(), which gives my summed slice."""
+    size = grid.size(axis)
+    if size == 1:
+        return lambda: x
+    if x.shape[dim] % size:
+        raise ValueError(f"dim {dim} of shape {tuple(x.shape)} is not divisible by {axis} size {size}")
+    x0 = x.movedim(dim, 0).contiguous()
+    out = torch.empty((x0.shape[0] // size, *x0.shape[1:]), dtype=x.dtype, device=x.device)
+    handle = _reduce_scatter_flat(out, x0, group=grid.group(axis), async_op=True)
+
+    def wait() -> torch.Tensor:
+        handle.wait()
+        return out.movedim(0, dim)
+    return wait

@@ -13,14 +13,16 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from tinytron.parallel._comm import all_gather_dim, all_reduce, reduce_scatter_dim, split_dim
+from tinytron.parallel._comm import (all_gather_dim, all_gather_dim_async, all_reduce,
+                                     reduce_scatter_dim, reduce_scatter_dim_async, split_dim)
 from tinytron.parallel.grid import ParallelGrid
 
 __all__ = [
     "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region", "gather_from_tp_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "set_tensor_parallel_attributes",
-    "normal_init", "shard_tensor", "gather_shards", "ColumnParallelLinear", "RowParallelLinear",
+    "normal_init", "shard_tensor", "gather_shards", "linear_with_sequence_parallel_gather",
+    "ColumnParallelLinear", "RowParallelLinear",
 ]
 
 # %% [markdown]
@@ -247,7 +249,7 @@ def _check_divisible(name: str, value: int, grid: ParallelGrid) -> int:
 # `ColumnParallelLinear` (`layers.py:778`) splits the output features: its weight is
 # $[o/t, i]$ (`partition_dim=0`) and its bias $[o/t]$. Its input enters through
 # `copy_to_tp_region`, or, under sequence parallelism, through
-# `gather_from_sequence_parallel_region` (input $[s/t, b, i]$ → $[s, b, i]$). `gather_output=True`
+# an all-gather of the sequence (input $[s/t, b, i]$ → $[s, b, i]$, below). `gather_output=True`
 # returns the full $o$ features (the dense-equivalent output).
 #
 # `RowParallelLinear` (`layers.py:1142`) splits the input features: weight $[o, i/t]$
@@ -259,13 +261,65 @@ def _check_divisible(name: str, value: int, grid: ParallelGrid) -> int:
 # <div class="admonition note">
 # <p class="admonition-title">tinytron differs here</p>
 # <p>Both linears return just the output tensor; Megatron's return <code>(output, bias)</code> so
-# that the caller can fuse the bias add into the next op. Megatron also re-gathers the SP input
-# in backward instead of saving it
-# (<code>LinearWithGradAccumulationAndAsyncCommunication</code>, <code>layers.py:464</code>);
-# here autograd keeps the gathered input, which costs $t\times$ the memory of that one tensor
-# but keeps the code plain. Example: at $s = 4096$, $b = 1$, $h = 4096$ in bf16 and $t = 4$, the
-# gathered input of one column-parallel layer is 32 MiB where the SP shard is 8 MiB.</p>
+# that the caller can fuse the bias add into the next op.</p>
 # </div>
+#
+# ## Under SP, save the slice and gather again in backward
+#
+# The column-parallel linear's weight gradient needs the whole input, $[s, b, i]$. Left to
+# autograd, `gather_from_sequence_parallel_region` followed by `F.linear` keeps the gathered
+# tensor until backward: $t$ times this rank's slice, in every linear after a norm (QKV and
+# fc1 in each layer). Megatron keeps only the local $[s/t, b, i]$ slice and runs the all-gather
+# a second time in backward (`LinearWithGradAccumulationAndAsyncCommunication`,
+# `megatron/core/tensor_parallel/layers.py:464`: the forward saves the ungathered input at
+# `:486` and gathers into a scratch buffer at `:499-505`; the backward re-gathers it
+# asynchronously at `:543-545`). The backward also overlaps its communication: the re-gather
+# runs while the input-gradient GEMM does (`:552`, waited at `:556`), and the input
+# gradient's reduce-scatter (`:576-578`) while the weight-gradient GEMM does (`:651`, waited
+# at `:655`).
+#
+# `linear_with_sequence_parallel_gather` is that function, and `ColumnParallelLinear` calls it
+# under SP. It saves this rank's slice of $X$ and $W$; its backward starts the all-gather of the
+# slice, computes $\partial X = G W$, waits, starts the reduce-scatter of $\partial X$,
+# computes $\partial W = G^\top X$, and waits again. Each GEMM is the call autograd's
+# `MmBackward0` makes for `F.linear` (same operands, same transposes), so the gradients equal
+# those of the gather-then-`F.linear` form bit for bit; the tests compare them. At $s = 4096$,
+# $b = 1$, $h = 4096$ in bf16 and $t = 4$ each of the two linears of a layer now keeps 8 MiB
+# instead of 32; the price is one more all-gather per linear in backward, hidden behind a GEMM
+# on a GPU.
+
+# %%
+class _LinearGatheredInput(torch.autograd.Function):
+    """all_gather_seq(X) W^T + b, saving the local X slice; backward gathers it again."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, grid, dim):
+        ctx.grid, ctx.dim, ctx.has_bias = grid, dim, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(all_gather_dim(x, grid, "tp", dim), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        gathered = all_gather_dim_async(x, ctx.grid, "tp", ctx.dim)  # runs under the next GEMM
+        g2d = grad.reshape(-1, grad.shape[-1])
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            full = g2d.mm(weight).view(*grad.shape[:-1], weight.shape[1])
+            grad_x = reduce_scatter_dim_async(full, ctx.grid, "tp", ctx.dim)
+        total = gathered()
+        grad_w = g2d.t().mm(total.reshape(-1, total.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_b = g2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return (grad_x() if grad_x is not None else None), grad_w, grad_b, None, None
+
+
+def linear_with_sequence_parallel_gather(x: torch.Tensor, weight: torch.Tensor,
+                                         bias: torch.Tensor | None, grid: ParallelGrid,
+                                         sequence_dim: int = 0) -> torch.Tensor:
+    """F.linear of the TP-gathered sequence, keeping only this rank's slice for backward."""
+    if grid.size("tp") == 1:
+        return F.linear(x, weight, bias)
+    return _LinearGatheredInput.apply(x, weight, bias, grid, sequence_dim)
 
 # %%
 class ColumnParallelLinear(torch.nn.Module):
@@ -292,10 +346,10 @@ class ColumnParallelLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.grid, self.sequence_dim)
+            y = linear_with_sequence_parallel_gather(x, self.weight, self.bias, self.grid,
+                                                     self.sequence_dim)
         else:
-            x = copy_to_tp_region(x, self.grid)
-        y = F.linear(x, self.weight, self.bias)
+            y = F.linear(copy_to_tp_region(x, self.grid), self.weight, self.bias)
         return gather_from_tp_region(y, self.grid) if self.gather_output else y
 
     def extra_repr(self) -> str:
