@@ -640,4 +640,5 @@ if __name__ == "__main__":
     assert manager.pool.bytes_allocated == to_host, "the second micro-batch reused every buffer"
     groups = manager.last.groups
     assert all(g.offloaded == (g.layer != 3) for g in groups), "only the margin layer stayed"
-    assert all(len(g.slots) == 2 for g in groups if g.name == "attn_norm"), "rsqrt stayed"
+    # the norm keeps its input and one fp32 1/rms a row: only the input is large enough to move
+    assert all(len(g.slots) == 1 for g in groups if g.name == "attn_norm"), "1/rms stayed"
