@@ -13,21 +13,21 @@ import pytest
 
 from tests.conftest import ROOT
 
-ARGS = ["--config", "configs/tiny.toml", "--checkpoint.load", "runs/tiny"]
+ARGS = ["--config", "configs/tiny.toml", "--checkpoint.load", "/ckpt/tiny"]
 
 
 @pytest.mark.parametrize("env, world, expected", [
-    ({}, 1, "tinytron-train --config configs/tiny.toml --checkpoint.load runs/tiny"),
+    ({}, 1, "tinytron-train --config configs/tiny.toml --checkpoint.load /ckpt/tiny"),
     ({"LOCAL_WORLD_SIZE": "2"}, 2,
      "torchrun --nproc-per-node=2 -m tinytron.train --config configs/tiny.toml "
-     "--checkpoint.load runs/tiny"),
+     "--checkpoint.load /ckpt/tiny"),
     ({"LOCAL_WORLD_SIZE": "1"}, 2,
      'torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT"'
-     " -m tinytron.train --config configs/tiny.toml --checkpoint.load runs/tiny"),
+     " -m tinytron.train --config configs/tiny.toml --checkpoint.load /ckpt/tiny"),
     ({"LOCAL_WORLD_SIZE": "8", "SLURM_JOB_ID": "7", "TINYTRON_SLURM_SCRIPT": "/r/slurm.sh"}, 32,
-     "sbatch --nodes=4 /r/slurm.sh configs/tiny.toml --checkpoint.load runs/tiny"),
+     "sbatch --nodes=4 /r/slurm.sh configs/tiny.toml --checkpoint.load /ckpt/tiny"),
     ({"LOCAL_WORLD_SIZE": "4", "SLURM_JOB_ID": "7", "TINYTRON_SLURM_SCRIPT": "/r/slurm.sh"}, 8,
-     "GPUS_PER_NODE=4 sbatch --nodes=2 /r/slurm.sh configs/tiny.toml --checkpoint.load runs/tiny"),
+     "GPUS_PER_NODE=4 sbatch --nodes=2 /r/slurm.sh configs/tiny.toml --checkpoint.load /ckpt/tiny"),
 ])
 def test_the_resume_command_repeats_the_launch(env, world, expected):
     from tinytron.train import launch_command
