@@ -3,7 +3,7 @@
 - a batch-size schedule: the learning rate decays over the samples the run consumes;
 - ms/iteration and tokens/s leave evaluations and saves out (Megatron's interval timer);
 - `checkpoint.save none` (or "") writes no checkpoint and reads none;
-- no test touches the repository's runs/ (tests/conftest.py's guard).
+- no test touches the repository's own run directory (tests/conftest.py's guard).
 
 Every run is the trainer's own entry point (`tinytron.train.main`, one process, in this process),
 and every check reads what the run wrote: its log.jsonl and its console.
@@ -139,7 +139,7 @@ def test_ms_per_iteration_leaves_out_evaluation_and_saving(scheduled_run):
 @pytest.mark.parametrize("save", ["none", '""'])
 def test_save_none_writes_no_checkpoint_and_reads_none(tmp_path, capsys, monkeypatch, save,
                                                        data_prefix):  # noqa: F811
-    """runs/tiny (where tiny.toml saves) holds a checkpoint: a run with save none neither
+    """The working directory's own run folder for tiny.toml holds a checkpoint: save none neither
     resumes it nor writes there; its logs go to a new directory; no checkpoint anywhere."""
     work, scratch = tmp_path / "work", tmp_path / "tmp"
     (work / "runs" / "tiny" / "iter_0000005").mkdir(parents=True)
@@ -153,7 +153,7 @@ def test_save_none_writes_no_checkpoint_and_reads_none(tmp_path, capsys, monkeyp
                       "--training.eval_interval", "none", "--training.global_batch_size", "4")
     assert code == 0, out[-3000:]
     assert "starting fresh" in out and "no checkpoint is written" in out
-    assert sorted(p.relative_to(work) for p in work.rglob("*")) == before  # runs/ untouched
+    assert sorted(p.relative_to(work) for p in work.rglob("*")) == before  # the planted run folder untouched
     (logs,) = scratch.iterdir()
     assert [r["iteration"] for r in _records(logs / "log.jsonl", "train")] == [1, 2]
     written = sorted(p for p in tmp_path.rglob("*") if p.name.startswith("iter_")
@@ -163,24 +163,20 @@ def test_save_none_writes_no_checkpoint_and_reads_none(tmp_path, capsys, monkeyp
     assert 'save = ""' in (logs / "config.toml").read_text()   # read back: still never save
 
 
-# -- the guard: no test touches the repository's runs/ -------------------------------------------
-def test_the_guard_sees_a_config_that_would_use_the_repositorys_runs():
-    """tests/conftest.py fails any test whose trainer resolves, opens or changes runs/: here the
-    trainer's run directory for configs/tiny.toml without a save of its own (a clean clone too)."""
+# -- the guard: no test touches the repository's run directory -------------------------------------------
+def test_the_guard_tells_the_repositorys_runs_from_a_run_directory_of_its_own(tmp_path,
+                                                                             monkeypatch):
+    """tests/conftest.py fails any test whose trainer resolves, opens or changes the
+    repository's run folder; a run directory resolved under another working directory is not that."""
     from tests import conftest
     from tinytron.config import load_config
     from tinytron.train import output_dir
 
-    assert touches_runs(ROOT / "runs" / "tiny") and touches_runs(ROOT / "runs")
+    assert touches_runs(conftest.RUNS / "tiny") and touches_runs(conftest.RUNS)
     assert not touches_runs(ROOT / "runs_elsewhere") and not touches_runs(3)
-    cwd = os.getcwd()
-    os.chdir(ROOT)
-    try:
-        output_dir(load_config(TINY), "tiny")   # what a test without checkpoint.save resolves
-    finally:
-        os.chdir(cwd)
-    seen, conftest._TOUCHED[:] = list(conftest._TOUCHED), []   # caught; this test is the demo
-    assert seen == ["tinytron.train.output_dir -> runs/tiny"]
+    monkeypatch.chdir(tmp_path)   # configs/tiny.toml without a save of its own, resolved here
+    resolved = output_dir(load_config(TINY), "tiny")
+    assert not touches_runs(resolved) and conftest._TOUCHED == []
 
 
 # -- one run per save directory -------------------------------------------------------------------
