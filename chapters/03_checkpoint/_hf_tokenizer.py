@@ -55,19 +55,27 @@ def _checkpoint_root(src: Path) -> Path:
     return src.parent if src.name.startswith("iter_") or src.name == "release" else src
 
 
-def run_tokenizer(src) -> tuple[Optional[str], Optional[str]]:
-    """(kind, tokenizer file) from the run's config.toml beside `src`; (None, None) without one."""
+def _run_tokenizer_section(src) -> Optional[dict]:
+    """The [tokenizer] table of the run's config.toml beside `src`; None without a config."""
     config = _checkpoint_root(Path(src)) / "config.toml"
     if not config.is_file():
-        return None, None
+        return None
     try:
-        section = tomllib.loads(config.read_text()).get("tokenizer", {})
+        return tomllib.loads(config.read_text()).get("tokenizer", {})
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{config}: not valid TOML ({e})") from None
+
+
+def run_tokenizer(src) -> tuple[Optional[str], Optional[str]]:
+    """(kind, tokenizer file) from the run's config.toml beside `src`; (None, None) without one."""
+    section = _run_tokenizer_section(src)
+    if section is None:
+        return None, None
     kind = section.get("tokenizer_type", "byte")
     if kind == "hf":
         file = section.get("tokenizer_model")
         if not file or not Path(file).is_file():
+            config = _checkpoint_root(Path(src)) / "config.toml"
             raise ValueError(f"{config}: [tokenizer] tokenizer_model {file!r} is not a file here "
                              "(pass --tokenizer-file)")
         return kind, str(file)
@@ -76,13 +84,7 @@ def run_tokenizer(src) -> tuple[Optional[str], Optional[str]]:
 
 def run_special_tokens(src) -> tuple[Optional[str], Optional[str]]:
     """(eod_token, pad_token) the run's [tokenizer] names; None where it names none."""
-    config = _checkpoint_root(Path(src)) / "config.toml"
-    if not config.is_file():
-        return None, None
-    try:
-        section = tomllib.loads(config.read_text()).get("tokenizer", {})
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{config}: not valid TOML ({e})") from None
+    section = _run_tokenizer_section(src) or {}
     return section.get("eod_token"), section.get("pad_token")
 
 
