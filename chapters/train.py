@@ -123,13 +123,10 @@ def _check_trainer_rules(cfg: TrainConfig) -> None:
     if cfg.data.sft:
         _check_sft_data(cfg, tok)
     else:
-        for key in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-            for word in getattr(cfg.data, key) or []:
-                if _is_number(word):
-                    continue
-                for ext in (".bin", ".idx"):
-                    if not os.path.isfile(str(word) + ext):
-                        raise ConfigError(f"data.{key}: {word}{ext} does not exist")
+        for key, prefix in _data_prefixes(cfg):
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(prefix + ext):
+                    raise ConfigError(f"data.{key}: {prefix}{ext} does not exist")
         _check_data_tokenizer(cfg, tok)
     if tok.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the "
@@ -237,22 +234,19 @@ def _check_data_tokenizer(cfg: TrainConfig, tok) -> None:
     t = cfg.extra.get("tokenizer")
     kind, path = (t.tokenizer_type, t.tokenizer_model) if t is not None else ("byte", None)
     expected = describe_tokenizer(kind, path, tok)
-    for key in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        for word in getattr(cfg.data, key) or []:
-            if _is_number(word):
-                continue
-            try:
-                info = read_sidecar(str(word))
-            except ValueError as e:
-                raise ConfigError(f"data.{key}: {e}") from e
-            differ = sidecar_mismatch(info, expected) if info is not None else []
-            if differ:
-                made = info["tokenizer_type"] + (f" {info['tokenizer_file']}"
-                                                 if info.get("tokenizer_file") else "")
-                raise ConfigError(
-                    f"data.{key}: {word} was tokenized with {made}, not this run's [tokenizer] "
-                    f"({'; '.join(differ)}): set tokenizer.tokenizer_type and "
-                    "tokenizer.tokenizer_model to the data's tokenizer")
+    for key, word in _data_prefixes(cfg):
+        try:
+            info = read_sidecar(word)
+        except ValueError as e:
+            raise ConfigError(f"data.{key}: {e}") from e
+        differ = sidecar_mismatch(info, expected) if info is not None else []
+        if differ:
+            made = info["tokenizer_type"] + (f" {info['tokenizer_file']}"
+                                             if info.get("tokenizer_file") else "")
+            raise ConfigError(
+                f"data.{key}: {word} was tokenized with {made}, not this run's [tokenizer] "
+                f"({'; '.join(differ)}): set tokenizer.tokenizer_type and "
+                "tokenizer.tokenizer_model to the data's tokenizer")
 
 
 def _check_sft_data(cfg: TrainConfig, tok) -> None:
@@ -265,6 +259,14 @@ def _check_sft_data(cfg: TrainConfig, tok) -> None:
         chat_tokenizer(tok, t.tokenizer_model if t is not None else None)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+
+
+def _data_prefixes(cfg: TrainConfig):
+    """(key, prefix) of every .bin/.idx prefix [data] names (the blend weights skipped)."""
+    for key in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        for word in getattr(cfg.data, key) or []:
+            if not _is_number(word):
+                yield key, str(word)
 
 
 def _is_number(word) -> bool:
@@ -294,17 +296,16 @@ def _sidecar_eod_token(cfg: TrainConfig, path: str):
     """The end-of-document token the data was tokenized with (its sidecar's id), if recorded."""
     from tinytron.data._sidecar import read_sidecar
 
-    for key in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        for word in getattr(cfg.data, key) or []:
-            if _is_number(word) or cfg.data.sft:
-                continue
-            info = read_sidecar(str(word))
-            if info and info.get("tokenizer_type") == "hf" and info.get("eod") is not None:
-                from tokenizers import Tokenizer
-                try:
-                    return Tokenizer.from_file(str(path)).id_to_token(int(info["eod"]))
-                except Exception:  # noqa: BLE001 - the build below names a bad file
-                    return None
+    if cfg.data.sft:  # chat JSONL has no sidecar
+        return None
+    for _, prefix in _data_prefixes(cfg):
+        info = read_sidecar(prefix)
+        if info and info.get("tokenizer_type") == "hf" and info.get("eod") is not None:
+            from tokenizers import Tokenizer
+            try:
+                return Tokenizer.from_file(str(path)).id_to_token(int(info["eod"]))
+            except Exception:  # noqa: BLE001 - the build below names a bad file
+                return None
     return None
 
 
