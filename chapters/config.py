@@ -416,17 +416,23 @@ def _check_training_values(cfg: "TrainConfig") -> None:
         except ValueError as e:
             raise ConfigError(f"training.step_batch_size_schedule "
                               f"{t.step_batch_size_schedule!r}: {e}") from e
-    data = cfg.data
-    if data is not None and getattr(data, "sft", False) and t.micro_batch_size != 1:
+    if cfg.data is not None and getattr(cfg.data, "sft", False):
+        _check_sft_layout(cfg)
+    _check_validation_split(cfg)
+
+
+def _check_sft_layout(cfg: "TrainConfig") -> None:
+    """[data] sft: one packed row per micro-batch, and no pipeline middle stage."""
+    t = cfg.training
+    if t.micro_batch_size != 1:
         raise ConfigError(f"data.sft needs training.micro_batch_size 1, got {t.micro_batch_size}"
                           " (a packed row's cu_seqlens differ from row to row; a longer "
                           "model.seq_length packs more per micro-batch)")
     pp = cfg.parallel.pipeline_model_parallel_size if cfg.parallel is not None else 1
-    if data is not None and getattr(data, "sft", False) and pp > 2:
+    if pp > 2:
         raise ConfigError(f"data.sft with parallel.pipeline_model_parallel_size {pp}: a middle "
                           "stage would attend without its block-causal mask; use at most 2 "
                           "pipeline stages for SFT")
-    _check_validation_split(cfg)
 
 
 def _check_validation_split(cfg: "TrainConfig") -> None:

@@ -52,6 +52,19 @@ def test_a_bad_value_is_one_config_error_naming_it(case, data_prefix, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_sft_over_a_middle_pipeline_stage_is_refused(data_prefix, tmp_path):
+    """A middle stage would attend without its block-causal mask: refused for 4 stages."""
+    from tinytron.config import ConfigError
+    from tinytron.train import resolve_config
+
+    with pytest.raises(ConfigError, match="data.sft with parallel.pipeline_model_parallel_size 4"):
+        resolve_config([*BASE, "--data.data_path", data_prefix, "--checkpoint.save",
+                        str(tmp_path / "run"), "--data.sft", "true",
+                        "--training.micro_batch_size", "1",
+                        "--parallel.pipeline_model_parallel_size", "4"], 4)
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a CPU run")
 def test_triton_kernels_on_a_cpu_are_refused_not_interpreted(tmp_path):
     from tinytron.config import ConfigError
