@@ -44,11 +44,10 @@ def run_options(cfg) -> StepOptions:
 
     ckpt = cfg.extra.get("checkpoint") or CheckpointConfig()
     every = cfg.training.save_interval
-    vpp = cfg.parallel.virtual_pipeline_model_parallel_size or 1
     return StepOptions(
         overlap_grad_reduce=cfg.ddp.overlap_grad_reduce,
         overlap_param_gather=cfg.ddp.overlap_param_gather,
-        overlap_p2p_comm=bool(cfg.parallel.overlap_p2p_comm) and vpp > 1,
+        overlap_p2p_comm=cfg.parallel.p2p_schedule_options()["overlap_p2p_comm"],  # as run
         checkpoint="none" if not every else ("staged" if ckpt.async_save else "blocking"),
         save_interval=every or 1)
 
