@@ -79,14 +79,10 @@ def sharding_ledger(num_params: int, dp: int) -> dict[str, dict[str, int]]:
 if __name__ == "__main__":
     import matplotlib.pyplot as plt
 
-    from tinytron.memory.states import MemoryConfig, state_ledger
-    from tinytron.model.config import count_parameters_per_rank, llama_7b_config
+    from tinytron.memory import running_example, state_ledger
+    from tinytron.model.config import count_parameters_per_rank
 
-    cfg = MemoryConfig(llama_7b_config(sequence_parallel=True,
-                                       recompute_granularity="selective"),
-                       tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                       data_parallel_size=64, micro_batch_size=2, num_microbatches=8,
-                       use_distributed_optimizer=True)
+    cfg = running_example()  # TP2 (SP) · PP2 · DP64, micro-batch 2, DistOpt (chapter 07)
     n = count_parameters_per_rank(cfg.model, tp=2, pp=2, pp_rank=0)
     ledger = sharding_ledger(n, 64)
     for scheme, row in ledger.items():
