@@ -146,6 +146,7 @@ def on_config(config, **kwargs):
     _TITLES.update(page_titles(Path(config["docs_dir"])))
     os.environ["TINYTRON_KERNEL_DIR"] = _kernel_dir()  # the page workers' kernels use it too
     _quiet_kernels()
+    _sharp_figures()
     _CITED.clear()
     _CITED.update(cited_megatron_paths(Path(config["docs_dir"])))
     return config
@@ -165,6 +166,15 @@ def _quiet_kernels() -> None:
 
 
 _JUPYTER_DIR = Path(__file__).resolve().parent / "jupyter"
+
+
+# Matplotlib's inline figures default to 100 dots per inch, which a high-density screen shows
+# blurred and a 7-point label as a smudge. The page kernels read book/matplotlibrc (150 dpi): a
+# figure keeps its size on the page (the column scales it) and gains 1.5x the pixels. A reader's
+# own notebook or a page run as a script keeps the reader's settings.
+def _sharp_figures() -> None:
+    """Point the page kernels' matplotlib at book/matplotlibrc unless the builder chose one."""
+    os.environ.setdefault("MATPLOTLIBRC", str(_JUPYTER_DIR.parent / "matplotlibrc"))
 
 
 # In a virtual environment over the system's packages (scripts/setup.sh's .venv), Jupyter looks
