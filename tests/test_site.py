@@ -197,18 +197,11 @@ def test_mermaid_labels_keep_their_line_breaks(rendered_pages):
     assert checked > 50, f"only {checked} mermaid line breaks checked"
 
 
-# Diagrams still drawn under 9 px at 1280 px (7.5, 8.3 and 6.5 px): wide layouts to redraw.
-SMALL_DIAGRAMS_LEFT = {"03_checkpoint/legacy/", "08_reliability/fault_injection/",
-                       "08_reliability/fault_tolerance/"}
-
-
 def test_mermaid_diagrams_are_legible(rendered_pages):
     """No diagram squeezed into a strip: every one draws its labels at 9 px or more at 1280 px
     (00's pipeline and 01's loop, long chains laid left to right, were 59-67 px tall with 6 px
     text)."""
     for rel, _, dom in rendered_pages:
-        if rel in SMALL_DIAGRAMS_LEFT:
-            continue
         for height, font in re.findall(r'data-tt-height="(\d+)"[^>]*?data-tt-font-px="([\d.]+)"', dom):
             assert float(font) >= 9, (
                 f"/{rel}: a mermaid diagram drawn {height} px tall with {font} px labels")

@@ -92,7 +92,7 @@ CHECKPOINT_VERSION = 3.0
 # The worked example, for one quantity (the same happens to `param`, `exp_avg` and `exp_avg_sq`):
 #
 # ```mermaid
-# flowchart LR
+# flowchart TB
 #   subgraph SAVE["save at dp = 2"]
 #     R0["DP rank 0 shard<br/>elements 0..128"] --> G["gather on DP rank 0<br/>256 elements"]
 #     R1["DP rank 1 shard<br/>elements 128..256"] --> G
@@ -207,14 +207,14 @@ def legacy_param_groups(entry: dict) -> list | None:
 #   participant D as DP ranks 1..63
 #   participant Z as DP rank 0
 #   participant FS as iter_0001000.tmp/
-#   Note over D,Z: all_gather_object over DP<br/>RNG states, step counts, state keys
+#   Note over D,Z: all_gather_object over DP:<br/>RNG states, step counts,<br/>state keys
 #   loop every bucket, every quantity
 #     D->>Z: gather the fp32 shard vectors
 #   end
 #   Note over D: done, nothing to write
 #   Z->>FS: mkdir mp_rank_TT_PPP/
-#   Z->>FS: model_optim_rng.pt: args, model, optimizer hyperparameters, rng_state
-#   Z->>FS: distrib_optim.pt: the world tensors
+#   Z->>FS: model_optim_rng.pt:<br/>args, model, optimizer<br/>hyperparameters, rng_state
+#   Z->>FS: distrib_optim.pt:<br/>the world tensors
 #   Note over D,Z: every rank of the world: first_error<br/>then global rank 0 commits
 # ```
 

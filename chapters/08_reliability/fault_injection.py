@@ -153,24 +153,24 @@ def restart_attempt() -> int:
 #
 # ```mermaid
 # flowchart TD
-#   S["fault specs, e.g. nan@3:rank=1:diagnostic=persistent_error"] --> K{"rank == this rank and<br/>attempt None or == restart_attempt()?"}
-#   K -- no --> D[dropped at construction]
-#   K -- yes --> P[planned for this process]
-#   P --> I{"iteration == current iteration?"}
-#   I -- no --> N[value passes untouched]
+#   S["fault specs, e.g.<br/>nan@3:rank=1:<br/>diagnostic=persistent_error"] --> K{"rank == this rank and<br/>attempt None or<br/>== restart_attempt()?"}
+#   K -- no --> D["dropped at<br/>construction"]
+#   K -- yes --> P["planned for<br/>this process"]
+#   P --> I{"iteration ==<br/>current<br/>iteration?"}
+#   I -- no --> N["value passes<br/>untouched"]
 #   I -- yes --> T{kind}
-#   T -- "nan, inf, spike" --> G{diagnostic}
-#   G -- transient_error --> G1{"pass == INITIAL_RUN?"}
-#   G -- persistent_error --> G2{"node == faulty node?<br/>(node= or first node it fired on)"}
-#   G -- "correct_result (every pass, every node)" --> C1["corrupt the value"]
+#   T -- "nan, inf,<br/>spike" --> G{diagnostic}
+#   G -- transient_error --> G1{"pass ==<br/>INITIAL_RUN?"}
+#   G -- persistent_error --> G2{"node ==<br/>faulty node?<br/>(node= or the first<br/>node it fired on)"}
+#   G -- "correct_result<br/>(every pass,<br/>every node)" --> C1["corrupt<br/>the value"]
 #   G1 -- yes --> C1
 #   G1 -- no --> N
 #   G2 -- yes --> C1
 #   G2 -- no --> N
-#   T -- "kill, freeze" --> SIG["SIGKILL or SIGSTOP to itself"]
-#   T -- hang --> H[main thread sleeps forever]
-#   T -- raise --> R[RuntimeError in the step]
-#   T -- kill_in_save --> A["arm TINYTRON_CHECKPOINT_FAULT for this save only"]
+#   T -- "kill, freeze" --> SIG["SIGKILL or<br/>SIGSTOP<br/>to itself"]
+#   T -- hang --> H["main thread<br/>sleeps<br/>forever"]
+#   T -- raise --> R["RuntimeError<br/>in the step"]
+#   T -- kill_in_save --> A["arm<br/>TINYTRON_CHECKPOINT_FAULT<br/>for this save only"]
 # ```
 #
 # The injector is two whole parts: `ValueFaults` holds the plan and corrupts a value

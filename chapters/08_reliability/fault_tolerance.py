@@ -233,29 +233,29 @@ def _progress(report: dict) -> tuple[int, int, int]:
 #
 # ```mermaid
 # sequenceDiagram
-#   participant M0 as rank 0 main thread
-#   participant T0 as rank 0 monitor thread
+#   participant M0 as rank 0 main
+#   participant T0 as rank 0 monitor
 #   participant S as job's TCPStore
-#   participant T1 as rank 1 monitor thread
-#   participant M1 as rank 1 main thread
-#   M0->>T0: on_training_step_start(3), section "step" opens (a dict in memory)
-#   M1->>T1: on_training_step_start(3), section "step" opens
-#   Note over M1: injected hang, the main thread never returns
-#   Note over M0: all_reduce of step 3 waits for rank 1
+#   participant T1 as rank 1 monitor
+#   participant M1 as rank 1 main
+#   M0->>T0: step_start(3):<br/>section "step" opens
+#   M1->>T1: step_start(3):<br/>section "step" opens
+#   Note over M1: injected hang:<br/>never returns
+#   Note over M0: all_reduce of<br/>step 3 waits<br/>for rank 1
 #   loop every heartbeat_interval
-#     T0->>S: set rank0 = beat+1, step, in_collective=true
-#     T1->>S: set rank1 = beat+1, step, where=at_step_start, in_collective=false
-#     S-->>T0: every rank's report, ages by T0's own clock
-#     S-->>T1: every rank's report, ages by T1's own clock
+#     T0->>S: set rank0:<br/>beat+1, step,<br/>in_collective
+#     T1->>S: set rank1:<br/>beat+1, step,<br/>at_step_start
+#     S-->>T0: every report,<br/>aged by<br/>T0's clock
+#     S-->>T1: every report,<br/>aged by<br/>T1's clock
 #   end
-#   Note over T0,T1: beats stay fresh, but step 3 is open longer than step_timeout
-#   Note over T0: find_hung_ranks: rank 1 is late outside any collective (culprit), rank 0 is in all_reduce (waiting)
-#   T0->>S: compare_set("verdict", "", "rank 1 hung in section 'step'...")
-#   Note over S: the first monitor to write the verdict wins
+#   Note over T0,T1: beats stay fresh, but step 3<br/>is open longer than step_timeout
+#   Note over T0: find_hung_ranks:<br/>rank 1 late outside<br/>any collective (culprit),<br/>rank 0 in all_reduce<br/>(waiting)
+#   T0->>S: compare_set(<br/>"verdict", "",<br/>"rank 1 hung ...")
+#   Note over S: the first<br/>verdict wins
 #   S-->>T1: the same verdict
 #   T0->>M0: os._exit(18)
 #   T1->>M1: os._exit(18)
-#   Note over M0,M1: every rank exits with EXIT_CODE_HANG_DETECTED, the launcher restarts the job
+#   Note over M0,M1: every rank exits with EXIT_CODE_HANG_DETECTED (18),<br/>the launcher restarts the job
 # ```
 #
 # A frozen rank (`SIGSTOP`) is the other branch of the same loop: its monitor thread stops too,
