@@ -256,6 +256,16 @@ def test_pages_are_light_and_linked_in_order(site_dir):
     assert len(sheets) == 1, f"notebook pages link {len(sheets)} shared stylesheets: {sheets}"
 
 
+def test_the_search_index_holds_the_prose_and_not_the_code_cells(site_dir):
+    """The index the theme loads on a first visit: the prose of every page (a phrase of 01's
+    loop page is found), no code cell's body (a line that appears only in code is not)."""
+    index = site_dir / "search" / "search_index.json"
+    text = index.read_text(encoding="utf-8")
+    assert index.stat().st_size < 2_500_000, f"the search index weighs {index.stat().st_size} B"
+    assert "finalize_model_grads" in text
+    assert "def train_at_a_glance(" not in text
+
+
 def test_private_modules_are_readable_on_the_site(site_dir):
     """Each `_*.py` module has a source page, and a page that names `_parts.py` links to it."""
     for module in [*ROOT.glob("chapters/_*.py"), *ROOT.glob("chapters/*/_*.py")]:
