@@ -248,4 +248,15 @@ if __name__ == "__main__":
 #    fp32 master params up (the hybrid optimizer is the *inner* optimizer, over fp32 pieces).
 #    How many GB move per GPU per step? At 25 GB/s, how long is that compared with a 1 s step,
 #    and how does the answer change at DP 8?
+#
+#    <details><summary>Answer</summary>A GPU of the first stage holds $n$ = 2,007,629,824
+#    parameters; its shard is $n/64$ = 31,369,216. Grads down and masters up are $4 + 4 = 8$ bytes
+#    each: 0.25 GB per step, 10 ms at 25 GB/s, 1% of a 1 s step. At DP 8 the shard is 8 times
+#    larger: 2.0 GB and 80 ms, 8% of the step.</details>
+#
 # 2. Why does a *prefix* split make sense when grads arrive in reverse layer order?
+#
+#    <details><summary>Hint</summary>`split_by_fraction` takes params from the front of the
+#    groups, the first layers, whose grads backward finishes last. Follow `step()`: which copies
+#    and which optimizer run while the CPU waits on its per-param events, and what the device
+#    can do with the params whose grads were ready early.</details>
