@@ -458,6 +458,7 @@ if __name__ == "__main__":
 #    `_adam_foreach` makes 8 calls: `mul_` (decay), `lerp_`, `mul_`, `addcmul_`, `sqrt`, `div_`,
 #    `add_`, `addcdiv_`. One bucket, so 8 launches per step. A per-tensor loop issues the same 8
 #    per tensor: $8 \cdot 300 = 2400$ launches. With $\lambda = 0$ it is 7 and 2100.</details>
+#
 # 2. Show that with $\lambda=0$ Adam and AdamW coincide, and that with $\lambda>0$ AdamW's decay
 #    does not pass through $\sqrt{v}$. Which parameters does that hurt in L2 Adam?
 #
@@ -465,6 +466,7 @@ if __name__ == "__main__":
 #    `decoupled_weight_decay` sits under `if wd != 0`. In L2 Adam the term $\lambda\theta$ enters
 #    $m$ and $v$, so it is divided by $\sqrt{\hat v}$: think of parameters whose gradients are
 #    large (large $v$) and what happens to their decay.</details>
+#
 # 3. Why does a Lion step move every coordinate by exactly $\eta$ when $\lambda=0$? What does
 #    that suggest about Lion's learning rate compared to AdamW's?
 #

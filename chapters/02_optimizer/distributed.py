@@ -776,6 +776,7 @@ if __name__ == "__main__":
 #    2016 elements on rank 0 and 32 on rank 1, each `qkv` 992 on rank 2 and 2080 on rank 3,
 #    and the embedding a piece on every rank. An update that needs the whole matrix, as Muon's
 #    Newton–Schulz does, cannot be computed from a 1-D slice.</details>
+#
 # 2. In the running example, at which DP size does the sharded optimizer state (0.38 GB at
 #    DP 64) become larger than the bf16 params? What does that say about small DP groups?
 #
@@ -783,6 +784,7 @@ if __name__ == "__main__":
 #    $n$ = 2,007,629,824: 4.82 GB of state against 4.02 GB of params at DP 5; at DP 6 the two are
 #    equal (4 bytes apart, from rounding up the owned range); at DP 7, 3.44 GB. Below about 6
 #    ranks the optimizer state, not the weights, is the larger resident cost.</details>
+#
 # 3. Why is `found_inf` reduced over all ranks here, while the plain optimizer reduces it over
 #    the model-parallel group only?
 #

@@ -342,6 +342,7 @@ if __name__ == "__main__":
 #    `HybridDeviceOptimizer` needs from its optimizer class: one instance per parameter on the
 #    host and another on the device, each stepping part of the params independently. Which rules
 #    of this chapter are elementwise and cheap on a CPU, and which need a whole matrix?</details>
+#
 # 2. With `fp16=True` and `loss_scale=1.0`, which scaler is built, and what does that mean for
 #    gradients below $6\cdot10^{-8}$?
 #

@@ -230,6 +230,7 @@ if __name__ == "__main__":
 #    `dp=4` and sum each rank's share: the rank dealt the embedding carries it alone, whatever
 #    follows. LPT can only balance the rest around it; see the shard-aligned layout in
 #    `layer_wise_optimizer.py` cited above.</details>
+#
 # 2. Why must the sort order be identical on every rank (Megatron breaks numel ties by buffer
 #    position)? What happens on the first step if two ranks disagree?
 #

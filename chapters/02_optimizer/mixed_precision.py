@@ -651,12 +651,14 @@ if __name__ == "__main__":
 #    growth tracker moves), $S/2$ (inf: tracker 0, backoff), $S/4$ (inf again). The tracker is
 #    refilled only after `growth_interval` clean steps, so a run of overflows keeps halving
 #    until the scale fits.</details>
+#
 # 2. Why must `found_inf` be all-reduced before the scaler update rather than after the step?
 #    What happens if one TP rank skips and the other does not?
 #
 #    <details><summary>Hint</summary>`prepare_grads` decides whether to skip from the reduced
 #    flag, and `update` changes the scale from it. Picture the two halves of one TP-split weight
 #    after a step that only one half took, and the two scales the ranks would carry on with.</details>
+#
 # 3. A row-parallel layer's bias is replicated across TP. Where would its gradient be counted
 #    twice if `param_counts_in_norm` ignored the TP rank?
 #

@@ -433,15 +433,17 @@ def qk_clip_(qkv_weights: list[torch.Tensor], max_logits: torch.Tensor, num_quer
 # %% [markdown]
 # ## Demo 1: what Newton–Schulz does to the singular values
 #
-# On the run this page was written with, every output singular value lay in $[0.978, 1.144]$
-# (the ill-conditioned input is the widest), and the scalar map took $0.001$ to $0.475$ and
-# $0.01 \dots 1$ to within 3% of 1. The test matrices (`_spread_matrix`) are built in
-# `tinytron.optimizer._muon_demo`.
-#
 # A random 64×96 matrix, an ill-conditioned one (singular values from 1 down to $10^{-2}$), and a
 # tall one (transposed internally). After five quintic steps every singular value lies in roughly
 # $(0.7, 1.2)$. The scalar map printed last shows the limit: after the Frobenius normalization a
 # singular value of $10^{-3}$ only reaches ~0.5 in five steps — directions that weak stay weaker.
+# The test matrices (`_spread_matrix`) are built in `tinytron.optimizer._muon_demo`.
+#
+# <details><summary>Megatron detail: one run's numbers</summary>
+# On the run this page was written with, every output singular value lay in $[0.978, 1.144]$
+# (the ill-conditioned input is the widest), and the scalar map took $0.001$ to $0.475$ and
+# $0.01 \dots 1$ to within 3% of 1.
+# </details>
 
 # %%
 if __name__ == "__main__":
@@ -499,12 +501,14 @@ if __name__ == "__main__":
 # %% [markdown]
 # ## Demo 3: MuonClip brings every head under the threshold
 #
-# (In the run this page was written with: the four heads' maxima went from 753, 585, 7.4, 8.0
-# to 30.0, 23.3, 7.4, 8.0, with $\eta = 0.040$ for group 0 and 1 for group 1.)
-#
 # A fused QKV weight with large entries, so the logits are far above $\tau = 30$. After the
 # clip, on the same input, every group's largest logit is $\le \tau$ (the worst head sits exactly
 # at $\tau$), groups that were below are untouched, and V rows never change.
+#
+# <details><summary>Megatron detail: one run's numbers</summary>
+# In the run this page was written with, the four heads' maxima went from 753, 585, 7.4, 8.0
+# to 30.0, 23.3, 7.4, 8.0, with $\eta = 0.040$ for group 0 and 1 for group 1.
+# </details>
 
 # %%
 if __name__ == "__main__":
@@ -553,6 +557,7 @@ if __name__ == "__main__":
 #    grid of $10^5$ points in float64. Below $\sigma \approx 0.0026$ the map stays under 1; above it
 #    the output oscillates around 1 and exceeds it on 33 short intervals up to $\sigma \approx 0.994$.
 #    The largest value is 1.145, at $\sigma \approx 0.004$; $\sigma = 1$ lands at 0.978.</details>
+#
 # 2. Run `blockwise` and `duplicated` on a 2-way row split of a random matrix: which singular
 #    values does `blockwise` get wrong, and why does it still train well?
 #
@@ -560,6 +565,7 @@ if __name__ == "__main__":
 #    `newton_schulz` on each shard alone, so each shard's rows come out orthonormal, not the full
 #    matrix's. Compare the singular values of the concatenated result with those of `duplicated`,
 #    and ask whether an update needs exact singular values to point downhill.</details>
+#
 # 3. Why does QK-clip scale Q by $\eta^\alpha$ and K by $\eta^{1-\alpha}$ instead of scaling only
 #    Q by $\eta$? (Hint: GQA shares a K head across several Q heads.)
 #

@@ -141,12 +141,16 @@ class HostCopies:
 # step ([saving in the background](../03_checkpoint/async_save.py)) orders only the compute
 # stream, so an upload that ignored the compute stream could land in a checkpoint that should
 # hold the pre-step values. Megatron's H2D stream waits the same way
-# (`megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py:120`). Without that wait the
+# (`megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py:120`).
+#
+# <details><summary>Megatron detail: why the wait was missing unnoticed, and its test</summary>
+# Without that wait the
 # uploads were still safe, but only by accident: each one is issued after the host waited for
 # its grad's D2H event, which queues behind the compute stream; an upload not preceded by such
 # a host wait would lose the order. `tests/test_checkpoint_staged.py` checks the rule on a CPU
 # and, on a GPU, that a staged save beside the offloaded step writes the synchronous save's
 # bytes.
+# </details>
 
 # %%
 class HybridDeviceOptimizer(HostCopies, SubOptimizerState, torch.optim.Optimizer):

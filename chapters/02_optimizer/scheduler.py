@@ -351,6 +351,7 @@ if __name__ == "__main__":
 #    <details><summary>Hint</summary>`step(increment)` adds the samples of one iteration to
 #    `num_steps`. During a ramp an early iteration holds fewer samples than a late one: count
 #    how many samples an iteration-counted warmup of $W$ iterations really spans.</details>
+#
 # 2. With `inverse-square-root`, at which sample count does the lr reach `min_lr` for
 #    `max_lr=1e-3, min_lr=1e-4, W=800`? Check with the class.
 #
@@ -358,6 +359,7 @@ if __name__ == "__main__":
 #    = 80{,}000$. With `lr_decay_steps` $\ge$ 80,000 the class returns $1.0000063 \cdot 10^{-4}$ at
 #    $n$ = 79,999 and exactly `min_lr` from 80,000 on. A shorter `lr_decay_steps` reaches `min_lr`
 #    earlier, at its cliff.</details>
+#
 # 3. Why must a WSD run be able to *change* `lr_decay_steps` on resume (think of deciding late
 #    when to anneal), and which flag allows it?
 #
