@@ -525,6 +525,7 @@ if __name__ == "__main__":
 #    `fault_point("before_tracker")`: the rename has happened, the tracker has not moved. Then
 #    ask what `resolve_checkpoint_dir` loads, and what the next save of that iteration does to
 #    the directory already at its name.</details>
+#
 # 2. With DP 64 the legacy format moves 24.1 GB through one process per position. How long is
 #    that at 2 GB/s of gloo bandwidth, and what does `torch_dist` replace it with?
 #
