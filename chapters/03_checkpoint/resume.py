@@ -80,8 +80,6 @@ __all__ = ["CheckpointConfig", "TrainStateFallback", "get_rng_state", "set_rng_s
            "check_model_config", "CheckpointManager", "CheckpointHooks", "make_checkpoint_hooks",
            "save_checkpoint", "load_checkpoint", "ARCH_FIELDS"]
 
-logger = logging.getLogger("tinytron.checkpoint")
-
 # %% [markdown]
 # ## The options
 #
@@ -90,8 +88,7 @@ logger = logging.getLogger("tinytron.checkpoint")
 # training flag, here only for what it changes in a checkpoint: every DP rank's RNG state is
 # saved, not just DP rank 0's (`checkpointing.py:382-391`).
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
+# <details><summary>Megatron detail: three options of tinytron's own</summary>
 # Three options are tinytron's own: `async_mode`, how the background writer takes its snapshot,
 # and `async_timeout_s`, how long a save waits for that writer before it fails
 # ([saving in the background](async_save.py)); and `crc_checksums`, a `checksums.json` with
@@ -100,8 +97,7 @@ logger = logging.getLogger("tinytron.checkpoint")
 # `verify_integrity` (off by default, `training_config.py:596`), which writes a SHA-256
 # manifest `integrity.json` after `metadata.json` (`serialization.py:409-424`); tinytron does
 # not implement that one.
-#
-# </div>
+# </details>
 
 # %%
 @dataclass
@@ -266,13 +262,11 @@ def check_model_config(saved: dict | None, config, where) -> None:
 # legacy format carries none (`:809-816`). `_rerun_state` and `_rerun_object`
 # (`_resume_plumbing.py`) build the two parts.
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
+# <details><summary>Megatron detail: the per-rank rerun content</summary>
 # The per-rank part is chapter 08's `state_dict()`, not Megatron's dict
 # (`rerun_state_machine.py:858-871`): tinytron's machine keeps its flags in its own layout, so
 # the object has Megatron's key and shape, `(world,)` at `(rank,)`, but its own content.
-#
-# </div>
+# </details>
 
 # %% [markdown]
 # A `torch_dist` save is one DCP request, and `_save_request` lists what goes into it: the
@@ -325,6 +319,25 @@ def _save_request(manager, staging, state, chunks, optimizer, scheduler) -> Save
 # per-(PP, TP) objects, the legacy save (every rank writes its file, the first error is agreed
 # on, rank 0 commits) and `finalize`, which hands over to the [background saver](async_save.py)
 # and logs the blocking and background seconds of a completed save.
+#
+# A synchronous `torch_dist` save runs the request's three phases at once (plan, write,
+# finalize) and records the seconds training was blocked.
+
+# %%
+def _save_sync(manager, request: SaveRequest, commit, iteration: int, t0: float) -> dict:
+    """Plan, write and finalize `request` now; raise CheckpointSaveError on failure."""
+    request.plan()
+    error = request.finalize(request.write(), commit)
+    if error:
+        raise CheckpointSaveError(error)
+    stats = {"label": f"iteration {iteration}", "blocking_s": time.perf_counter() - t0}
+    manager.stats.append(stats)
+    return stats
+
+
+# %% [markdown]
+# The manager itself: `save` prepares the staging directory, binds the commit, and hands the
+# state to the legacy writer, the background saver or the synchronous save above.
 
 # %%
 class CheckpointManager(ManagerPlumbing):
@@ -359,13 +372,7 @@ class CheckpointManager(ManagerPlumbing):
         request = _save_request(self, staging, state, chunks, optimizer, scheduler)
         if self.config.async_save:
             return self.saver.schedule(request, commit, label=f"iteration {iteration}")
-        request.plan()
-        error = request.finalize(request.write(), commit)
-        if error:
-            raise CheckpointSaveError(error)
-        stats = {"label": f"iteration {iteration}", "blocking_s": time.perf_counter() - t0}
-        self.stats.append(stats)
-        return stats
+        return _save_sync(self, request, commit, iteration, t0)
 
     def load(self, model, optimizer=None, scheduler=None, root: str | None = None):
         """Resume from `root` (default config.load): a TrainState, or None when there is nothing."""
@@ -548,6 +555,9 @@ def _read(manager, directory, chunks, optimizer, scheduler, load_optim, finetune
 # does, and a failed load leaves the run as it was.
 
 # %%
+logger = logging.getLogger("tinytron.checkpoint")
+
+
 def _load(manager, model, optimizer, scheduler, root):
     """CheckpointManager.load."""
     cfg = manager.config
@@ -692,4 +702,17 @@ if __name__ == "__main__":
 #
 # 1. Turn `no_load_rng` on in the demo: which of the compared quantities still agree after the
 #    resume, and which do not?
+#
+#    <details><summary>Hint</summary>The demo compares the losses, the parameters and optimizer
+#    state, the random draws and the consumed samples. With `no_load_rng`, `_read` leaves the
+#    RNG states out and `set_rng_state` is never called: ask which of the four depend on the
+#    generators' state after the resume, and whether the tiny model draws any random number in
+#    its forward.</details>
+#
 # 2. Resume with `finetune=True`: what does the loop start from, and what does the optimizer?
+#
+#    <details><summary>Answer</summary>In `_load`, `finetune` turns `load_optim` off and drops the
+#    scheduler. The loop gets a fresh `TrainState` (iteration 0, no consumed samples) that keeps
+#    only `num_floating_point_operations_so_far`. The optimizer state is not read, so
+#    `rederive_masters` starts the fp32 masters from the loaded weights, with fresh moments.</details>
+
