@@ -99,6 +99,27 @@ def _groups_with_grads(optimizer: torch.optim.Optimizer):
 # module `tinytron.optimizer._checks`.
 
 # %%
+def _sgd_momentum(state: dict, params, grads, group) -> list[torch.Tensor]:
+    """Update the momentum buffers held in `state`; return the direction to step along."""
+    mu = group["momentum"]
+    bufs = []
+    for p, g in zip(params, grads):
+        buf_state = state[p]
+        if "momentum_buffer" not in buf_state:
+            buf_state["momentum_buffer"] = g.detach().clone()
+        else:
+            buf_state["momentum_buffer"].mul_(mu).add_(g)
+        bufs.append(buf_state["momentum_buffer"])
+    if group["nesterov"]:
+        return torch._foreach_add(grads, bufs, alpha=mu)
+    return bufs
+
+
+# %% [markdown]
+# The class checks its arguments and, each step, adds the L2 term, asks the helper above for the
+# momentum direction and takes one `_foreach_add_` step along it.
+
+# %%
 class SGD(torch.optim.Optimizer):
     """SGD with L2 weight decay, momentum and optional Nesterov, equal to torch.optim.SGD."""
 
@@ -121,24 +142,9 @@ class SGD(torch.optim.Optimizer):
             if group["weight_decay"] != 0:
                 grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
             if group["momentum"] != 0:
-                grads = self._momentum(params, grads, group)
+                grads = _sgd_momentum(self.state, params, grads, group)
             torch._foreach_add_(params, grads, alpha=-group["lr"])
         return loss
-
-    def _momentum(self, params, grads, group) -> list[torch.Tensor]:
-        """Update the momentum buffers; return the direction to step along."""
-        mu = group["momentum"]
-        bufs = []
-        for p, g in zip(params, grads):
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = g.detach().clone()
-            else:
-                state["momentum_buffer"].mul_(mu).add_(g)
-            bufs.append(state["momentum_buffer"])
-        if group["nesterov"]:
-            return torch._foreach_add(grads, bufs, alpha=mu)
-        return bufs
 
 
 # %% [markdown]
@@ -236,8 +242,7 @@ class AdamW(Adam):
 # Worked example ($\eta=0.1$, $\lambda=0$, $\beta=(0.9, 0.99)$, $m=1$, $g=-20$): the
 # interpolation is $0.9 - 2 = -1.1$, so $\theta$ *grows* by 0.1, and $m \leftarrow 0.99 - 0.2 = 0.79$.
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here, in the last bit</p>
-#
+# <details><summary>Megatron detail: Lion's decay rounds differently, in the last bit</summary>
 # Megatron does not write Lion itself: it builds `emerging_optimizers`' Lion
 # (`megatron/core/optimizer/__init__.py:599-609`), whose decoupled decay *adds*
 # $-\eta\lambda\,\theta$ to $\theta$ where the loop below *multiplies* $\theta$ by
@@ -246,8 +251,7 @@ class AdamW(Adam):
 # fp32 values ($\eta = 0.01$, $\lambda = 0.1$): at most $4.8 \cdot 10^{-7}$, one ulp at
 # $|\theta| \approx 4$. `tests/test_optimizer.py` writes that arithmetic out and allows 3 ulp of
 # the larger of $|\theta|$ before and after (a value can pass near zero on the way).
-#
-# </div>
+# </details>
 
 # %%
 class Lion(torch.optim.Optimizer):
@@ -449,7 +453,23 @@ if __name__ == "__main__":
 #
 # 1. Count the `torch._foreach_*` calls per AdamW step for a model with 300 params on one
 #    device and one dtype. How many kernel launches would a per-tensor loop issue?
+#
+#    <details><summary>Answer</summary>With $\lambda \ne 0$ (AdamW's default 0.01),
+#    `_adam_foreach` makes 8 calls: `mul_` (decay), `lerp_`, `mul_`, `addcmul_`, `sqrt`, `div_`,
+#    `add_`, `addcdiv_`. One bucket, so 8 launches per step. A per-tensor loop issues the same 8
+#    per tensor: $8 \cdot 300 = 2400$ launches. With $\lambda = 0$ it is 7 and 2100.</details>
+#
 # 2. Show that with $\lambda=0$ Adam and AdamW coincide, and that with $\lambda>0$ AdamW's decay
 #    does not pass through $\sqrt{v}$. Which parameters does that hurt in L2 Adam?
+#
+#    <details><summary>Hint</summary>In `_adam_foreach` the only branch on
+#    `decoupled_weight_decay` sits under `if wd != 0`. In L2 Adam the term $\lambda\theta$ enters
+#    $m$ and $v$, so it is divided by $\sqrt{\hat v}$: think of parameters whose gradients are
+#    large (large $v$) and what happens to their decay.</details>
+#
 # 3. Why does a Lion step move every coordinate by exactly $\eta$ when $\lambda=0$? What does
 #    that suggest about Lion's learning rate compared to AdamW's?
+#
+#    <details><summary>Hint</summary>Look at `torch._foreach_sign_(update)` in `Lion.step`: each
+#    entry of the update is $-1$, $0$ or $+1$ before it is scaled by $\eta$. Compare with AdamW,
+#    whose later steps are $\eta\,\hat m/\sqrt{\hat v}$, usually well below $\eta$ in size.</details>

@@ -61,6 +61,11 @@ def owners_by_size(numels: list[int], dp: int) -> list[int]:
     return owner
 
 
+# %% [markdown]
+# The optimizer around it: each rank builds its inner optimizer over the parameters it owns
+# only, and a step is the three moves above, one collective per parameter.
+
+# %%
 class NaiveZeRO1:
     """ZeRO-1 over whole parameters: mean grads everywhere, step my params, broadcast each param."""
 
@@ -166,6 +171,11 @@ def bytes_per_param(dp: int, sharded: bool = True) -> float:
     return 2 + 4 + 12 / (dp if sharded else 1)
 
 
+# %% [markdown]
+# Who owns what, as rows: for every DP rank and bucket, each piece with its range inside the
+# parameter and inside the buffer.
+
+# %%
 def ownership_table(buffer: ParamAndGradBuffer, names: dict | None = None) -> list[tuple]:
     """(dp_rank, bucket, param name, param range, buffer range) for every owned piece."""
     names = names or {}
@@ -179,6 +189,11 @@ def ownership_table(buffer: ParamAndGradBuffer, names: dict | None = None) -> li
     return rows
 
 
+# %% [markdown]
+# The same pieces as a picture: one bar per DP rank along the buffer, colored by parameter,
+# with the padding in gray and the bucket starts in red.
+
+# %%
 def plot_ownership_map(buffer: ParamAndGradBuffer, ax=None, title: str = ""):
     """One row per DP rank: the pieces of each param that rank steps, colored by param."""
     import matplotlib.pyplot as plt
@@ -339,6 +354,52 @@ class ShardedCopies:
 # parameter without a piece in this rank's ranges is absent from this rank's inner optimizer,
 # which therefore holds Adam state for $1/dp$ of the model. Its state dicts are the functions of
 # the next section.
+#
+# First that construction, as a function of the optimizer: walk the groups, keep only the
+# params with a piece here, and put an fp32 master of the piece in each one's place.
+
+# %%
+def _build_piece_masters(opt) -> None:
+    """Replace each model param in the groups by fp32 copies (views, for fp32) of my pieces."""
+    opt.piece_of = {piece.param: (piece, buf) for buf in opt.buffers
+                    for b in buf.buckets for piece in b.shard_param_ranges()}
+    opt.model_param_names, opt.pieces = {}, []
+    for group, names in zip(opt.optimizer.param_groups, opt.group_names):
+        kept, kept_names = [], []
+        for name, p in zip(names, group["params"]):
+            opt.model_param_names[p] = name
+            if p not in opt.piece_of:
+                continue  # no piece of this param in my shards: absent from my inner optimizer
+            piece, buf = opt.piece_of[p]
+            flat = p.detach().view(-1)[piece.param_start:piece.param_end]
+            # fp32 params: the shard *is* the master, a view (distrib_optimizer.py:442-446).
+            main = torch.nn.Parameter(flat if p.dtype == torch.float32 else flat.clone().float())
+            copy_param_attributes(main, p)
+            kept.append(main)
+            kept_names.append(name)
+            opt.pairs.append((p, main))
+            opt.pieces.append((piece, buf))
+            opt.names.append(name)
+        group["params"], group["param_names"] = kept, kept_names
+
+
+# %% [markdown]
+# With `fused_adamw`, [appendix C](../kernels/fused_adamw.py)'s kernel replaces the inner step: one
+# launch that updates the masters and writes the bf16 params, given each piece's place in the
+# buffers.
+
+# %%
+def _flat_adamw(opt) -> FlatAdamW:
+    """The AdamW step and the bf16 write-back as one Triton launch over the shard."""
+    return FlatAdamW(opt.optimizer.param_groups, opt.optimizer.state,
+                     [(main, buf.grad_data, buf.param_data, piece.buffer_start)
+                      for (_, main), (piece, buf) in zip(opt.pairs, opt.pieces)])
+
+
+# %% [markdown]
+# And the optimizer: it finds the buffers of its DDP wrappers, lets the mixed-precision
+# constructor build the masters (through the function above), and keeps the three state-dict
+# forms of the next section.
 
 # %%
 class DistributedOptimizer(ShardedCopies, MixedPrecisionOptimizer):
@@ -362,33 +423,11 @@ class DistributedOptimizer(ShardedCopies, MixedPrecisionOptimizer):
                          log_num_zeros_in_grad=log_num_zeros_in_grad,
                          grad_norm_skip_threshold=grad_norm_skip_threshold)
         # Appendix C: the AdamW step and the bf16 write-back as one Triton launch over the shard.
-        self.fused_adamw = None if not fused_adamw else FlatAdamW(
-            self.optimizer.param_groups, self.optimizer.state,
-            [(main, buf.grad_data, buf.param_data, piece.buffer_start)
-             for (_, main), (piece, buf) in zip(self.pairs, self.pieces)])
+        self.fused_adamw = None if not fused_adamw else _flat_adamw(self)
 
     def _build_main_params(self) -> None:
         """Replace each model param in the groups by fp32 copies (views, for fp32) of my pieces."""
-        self.piece_of = {piece.param: (piece, buf) for buf in self.buffers
-                         for b in buf.buckets for piece in b.shard_param_ranges()}
-        self.model_param_names, self.pieces = {}, []
-        for group, names in zip(self.optimizer.param_groups, self.group_names):
-            kept, kept_names = [], []
-            for name, p in zip(names, group["params"]):
-                self.model_param_names[p] = name
-                if p not in self.piece_of:
-                    continue  # no piece of this param in my shards: absent from my inner optimizer
-                piece, buf = self.piece_of[p]
-                flat = p.detach().view(-1)[piece.param_start:piece.param_end]
-                # fp32 params: the shard *is* the master, a view (distrib_optimizer.py:442-446).
-                main = torch.nn.Parameter(flat if p.dtype == torch.float32 else flat.clone().float())
-                copy_param_attributes(main, p)
-                kept.append(main)
-                kept_names.append(name)
-                self.pairs.append((p, main))
-                self.pieces.append((piece, buf))
-                self.names.append(name)
-            group["params"], group["param_names"] = kept, kept_names
+        _build_piece_masters(self)
 
     def state_dict(self) -> dict:
         """Layout-independent state: full tensors per param name, assembled from every DP shard."""
@@ -423,7 +462,10 @@ class DistributedOptimizer(ShardedCopies, MixedPrecisionOptimizer):
 # With virtual stages and `align_param_gather` the interleaved schedule launches those
 # gathers itself, chunk $c + 1$ as chunk $c$ starts
 # ([chapter 01's interleaved schedule](../01_main_loop/interleaved.py)), and the pre-hooks only
-# wait. `tests/test_main_loop_param_sync.py` runs PP 2 × VPP 3 × DP 2 that way: after the first
+# wait.
+#
+# <details><summary>Megatron detail: how the chunked layout is tested</summary>
+# `tests/test_main_loop_param_sync.py` runs PP 2 × VPP 3 × DP 2 that way: after the first
 # step every bucket's gather of every chunk comes from the schedule, none from a pre-hook, and
 # three steps give the plain optimizer's weights bit for bit (fp32, no clipping: the same sums,
 # an elementwise update). With clipping the norm is summed in another order (shards over the
@@ -432,6 +474,7 @@ class DistributedOptimizer(ShardedCopies, MixedPrecisionOptimizer):
 # `tests/test_train_megatron_core.py` compares that layout with megatron-core's own
 # DistributedOptimizer, both overlapping the gathers. The recipe is
 # `configs/pp2_vpp2_dp2_distopt.toml`.
+# </details>
 
 # %% [markdown]
 # ### The state dict, gathered
@@ -453,6 +496,11 @@ def _state_keys(opt) -> list[str]:
     return sorted(set().union(*everyone))
 
 
+# %% [markdown]
+# One quantity of one bucket: each rank fills its shard-sized slice from its pieces, and an
+# all-gather puts the bucket together.
+
+# %%
 def _gather_bucket(opt, bucket, key: str, main_of: dict) -> torch.Tensor:
     """The full bucket of one quantity (fp32 param or a state key) from all DP shards."""
     local = torch.zeros(bucket.shard_size, dtype=torch.float32, device=bucket.grad_data.device)
@@ -470,6 +518,11 @@ def _gather_bucket(opt, bucket, key: str, main_of: dict) -> torch.Tensor:
     return full
 
 
+# %% [markdown]
+# The step counters are integers, one per parameter: a MAX all-reduce picks each from whichever
+# rank owns a piece of it.
+
+# %%
 def _gather_steps(opt, bucket, main_of: dict) -> list[int] | None:
     """Each bucket param's integer step counter, taken from whichever rank owns a piece."""
     steps = torch.full((len(bucket.params),), -1.0, dtype=torch.float64,
@@ -718,7 +771,23 @@ if __name__ == "__main__":
 #
 # 1. In the ownership map, which parameter is split between two ranks? What would go wrong if
 #    the optimizer assumed whole parameters (think of Muon).
+#
+#    <details><summary>Answer</summary>More than one: `ownership_table` gives each layer's `fc2`
+#    2016 elements on rank 0 and 32 on rank 1, each `qkv` 992 on rank 2 and 2080 on rank 3,
+#    and the embedding a piece on every rank. An update that needs the whole matrix, as Muon's
+#    Newton–Schulz does, cannot be computed from a 1-D slice.</details>
+#
 # 2. In the running example, at which DP size does the sharded optimizer state (0.38 GB at
 #    DP 64) become larger than the bf16 params? What does that say about small DP groups?
+#
+#    <details><summary>Answer</summary>$12n/dp > 2n$ when $dp < 6$. With `optimizer_ledger` and
+#    $n$ = 2,007,629,824: 4.82 GB of state against 4.02 GB of params at DP 5; at DP 6 the two are
+#    equal (4 bytes apart, from rounding up the owned range); at DP 7, 3.44 GB. Below about 6
+#    ranks the optimizer state, not the weights, is the larger resident cost.</details>
+#
 # 3. Why is `found_inf` reduced over all ranks here, while the plain optimizer reduces it over
 #    the model-parallel group only?
+#
+#    <details><summary>Hint</summary>Compare `ShardedCopies.grad_stats_group` with
+#    `MasterCopies.grad_stats_group`: after DDP's all-reduce every DP rank of the plain optimizer
+#    holds the same full grads, while each DP rank here unscales only its own shard.</details>

@@ -103,13 +103,39 @@ class AllGatherOwned:
 
 
 # %% [markdown]
-# The optimizer is [the mixed-precision wrapper](mixed_precision.py) over only the params this
-# rank owns; the norm is reduced over every rank, and the step ends by sharing the results. Its state dict is
-# the layout-independent one of the mixed-precision page, merged over the ranks, so it loads
-# into any optimizer of this chapter.
+# The state dict is the layout-independent one of the mixed-precision page, merged over the
+# ranks, so it loads into any optimizer of this chapter. On load every model param is refreshed
+# from the saved fp32 values, owned or not, before each rank takes its own entries.
 
 # %%
-class LayerWiseDistributedOptimizer(AllGatherOwned, MixedPrecisionOptimizer):
+class OwnedStateDict:
+    """Mixin for LayerWiseDistributedOptimizer: every rank's owned entries, merged by name."""
+
+    def state_dict(self) -> dict:
+        """Layout-independent: every rank's owned entries, merged (full tensors by name)."""
+        sd = super().state_dict()
+        if self.dp_size > 1:
+            parts = [None] * self.dp_size
+            dist.all_gather_object(parts, sd["params"], group=self.dp_group)
+            sd["params"] = {k: v for part in parts for k, v in part.items()}
+        return sd
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        """Take my owned entries; refresh every model param from the saved fp32 values."""
+        for name, p in self.all_named:
+            if name not in sd["params"]:
+                raise ValueError(f"optimizer state has no entry for param {name!r}")
+            p.copy_(sd["params"][name]["fp32_param"])
+        super().load_state_dict(sd)
+
+
+# %% [markdown]
+# The optimizer is [the mixed-precision wrapper](mixed_precision.py) over only the params this
+# rank owns; the norm is reduced over every rank, and the step ends by sharing the results.
+
+# %%
+class LayerWiseDistributedOptimizer(AllGatherOwned, OwnedStateDict, MixedPrecisionOptimizer):
     """Each DP rank steps the whole params it owns (ping-pong by size), then all-gathers them."""
 
     def __init__(self, build_optimizer: Callable, named_params: Iterable, grid, *,
@@ -137,24 +163,6 @@ class LayerWiseDistributedOptimizer(AllGatherOwned, MixedPrecisionOptimizer):
         """Step my params, write them back, then share every rank's results."""
         super().step_with_ready_grads()
         self.allgather_params()
-
-    def state_dict(self) -> dict:
-        """Layout-independent: every rank's owned entries, merged (full tensors by name)."""
-        sd = super().state_dict()
-        if self.dp_size > 1:
-            parts = [None] * self.dp_size
-            dist.all_gather_object(parts, sd["params"], group=self.dp_group)
-            sd["params"] = {k: v for part in parts for k, v in part.items()}
-        return sd
-
-    @torch.no_grad()
-    def load_state_dict(self, sd: dict) -> None:
-        """Take my owned entries; refresh every model param from the saved fp32 values."""
-        for name, p in self.all_named:
-            if name not in sd["params"]:
-                raise ValueError(f"optimizer state has no entry for param {name!r}")
-            p.copy_(sd["params"][name]["fp32_param"])
-        super().load_state_dict(sd)
 
 
 # %% [markdown]
@@ -217,5 +225,15 @@ if __name__ == "__main__":
 #
 # 1. With 4 ranks and a model whose embedding is 10× larger than any other matrix, how uneven is
 #    the ping-pong deal? How does Megatron's LPT packing with a shared-embedding bucket help?
+#
+#    <details><summary>Hint</summary>Run `ping_pong_owners` on sizes like $[10, 1, 1, \dots]$ at
+#    `dp=4` and sum each rank's share: the rank dealt the embedding carries it alone, whatever
+#    follows. LPT can only balance the rest around it; see the shard-aligned layout in
+#    `layer_wise_optimizer.py` cited above.</details>
+#
 # 2. Why must the sort order be identical on every rank (Megatron breaks numel ties by buffer
 #    position)? What happens on the first step if two ranks disagree?
+#
+#    <details><summary>Hint</summary>Every rank computes `owners` on its own, with no message.
+#    Follow `AllGatherOwned.allgather_params`: each rank packs what it thinks it owns and reads
+#    the others' slices by the owners it computed.</details>

@@ -259,6 +259,32 @@ def count_zeros_fp32(params: Iterable[torch.Tensor], tp_rank: int = 0, group=Non
 # `GradPreparation` (unscale, agree on overflow, the global norm and the clip) and `StepOrder`
 # (the step itself). `MixedPrecisionOptimizer` combines them with the state dict of the next
 # section.
+#
+# Two helpers come first: the master copy of one param, and a map from each master to the
+# state dict of the optimizer that steps it (a chained optimizer has one state per child).
+
+# %%
+def _make_main_param(p: torch.Tensor) -> torch.Tensor:
+    """An fp32 master copy for a half-precision param; fp32 params are their own master."""
+    if p.dtype == torch.float32:
+        return p
+    if p.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"params must be fp32, bf16 or fp16, got {p.dtype}")
+    main = torch.nn.Parameter(p.detach().clone().float())
+    copy_param_attributes(main, p)
+    p.main_param = main
+    return main
+
+
+def _state_owners(optimizer) -> dict:
+    """id(main param) -> the state dict of the (possibly chained) optimizer that steps it."""
+    leaves = getattr(optimizer, "chained_optimizers", [optimizer])
+    return {id(p): opt.state for opt in leaves for g in opt.param_groups for p in g["params"]}
+
+
+# %% [markdown]
+# The class puts a master in place of every param in the inner optimizer's groups and remembers
+# the pairs; the scheduler reaches the groups through it.
 
 # %%
 class MasterWeights:
@@ -277,31 +303,15 @@ class MasterWeights:
                                                            range(len(g["params"]))])
                             for gi, g in enumerate(optimizer.param_groups)]
         self._build_main_params()
-        self._state_of = self._state_owners()
+        self._state_of = _state_owners(self.optimizer)
 
     def _build_main_params(self) -> None:
         """Put a master param in place of every model param in the inner optimizer's groups."""
         for group, names in zip(self.optimizer.param_groups, self.group_names):
             for i, p in enumerate(group["params"]):
-                group["params"][i] = self._make_main_param(p)
+                group["params"][i] = _make_main_param(p)
                 self.pairs.append((p, group["params"][i]))
                 self.names.append(names[i])
-
-    def _make_main_param(self, p: torch.Tensor) -> torch.Tensor:
-        """An fp32 master copy for a half-precision param; fp32 params are their own master."""
-        if p.dtype == torch.float32:
-            return p
-        if p.dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"params must be fp32, bf16 or fp16, got {p.dtype}")
-        main = torch.nn.Parameter(p.detach().clone().float())
-        copy_param_attributes(main, p)
-        p.main_param = main
-        return main
-
-    def _state_owners(self) -> dict:
-        """id(main param) -> the state dict of the (possibly chained) optimizer that steps it."""
-        leaves = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        return {id(p): opt.state for opt in leaves for g in opt.param_groups for p in g["params"]}
 
     def main_params(self) -> list[torch.Tensor]:
         """The fp32 tensors the inner optimizer steps."""
@@ -373,6 +383,27 @@ class MasterCopies:
 # the clip. Worked example: scale $2^{16}$, a true gradient of $3 \cdot 10^{-6}$ arrives as
 # $0.197$ (a normal fp16 number with all 11 significant bits, where $3 \cdot 10^{-6}$ itself would
 # be a subnormal with about 6) and is unscaled in fp32 back to $3 \cdot 10^{-6}$.
+#
+# The unscale and the agreement on overflow, as one function: every grad is divided by the
+# scale in the same pass that looks for inf/NaN, and the flag is maxed over the ranks.
+
+# %%
+def _unscale_and_agree(grads: list[torch.Tensor], inv_scale: float, device: torch.device,
+                       reduce: bool, group) -> bool:
+    """Unscale grads in place; True when any rank saw an inf/NaN."""
+    found = torch.zeros(1, device=device)
+    if grads:
+        inv = torch.full((1,), inv_scale, device=found.device)
+        # fused check-and-unscale (one pass; has a CPU kernel since torch 2.3)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+    if reduce:
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+    return bool(found.item() > 0)
+
+
+# %% [markdown]
+# The mixin around it: copy the grads in, unscale, update the scaler; then the global norm and
+# the clip.
 
 # %%
 class GradPreparation:
@@ -385,14 +416,8 @@ class GradPreparation:
         if self.grad_scaler is None:
             return False
         grads = [m.grad for m in self.main_params() if m.grad is not None]
-        found = torch.zeros(1, device=self._device())
-        if grads:
-            inv = torch.full((1,), self.grad_scaler.inv_scale, device=found.device)
-            # fused check-and-unscale (one pass; has a CPU kernel since torch 2.3)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
-        if self._reduce():
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.grad_stats_group())
-        found_inf = bool(found.item() > 0)
+        found_inf = _unscale_and_agree(grads, self.grad_scaler.inv_scale, self._device(),
+                                       self._reduce(), self.grad_stats_group())
         self.grad_scaler.update(found_inf)
         return found_inf
 
@@ -479,8 +504,7 @@ class StepOrder:
 # model param, so that a resumed run's bf16 weights are exactly the rounded masters, as they
 # were when the checkpoint was written.
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
+# <details><summary>Megatron detail: its state dict is keyed by index</summary>
 # Megatron's mixed-precision state dict is the inner PyTorch optimizer's, keyed by parameter
 # *index*, with the fp32 masters saved beside it as `fp32_from_fp16_params`
 # (`Float16OptimizerWithFloat16Params.state_dict`, `optimizer.py:817-826`), and its
@@ -488,8 +512,7 @@ class StepOrder:
 # chapter, so that any of them loads any other's checkpoint at any DP size. The code is plumbing
 # (`LayoutFreeStateDict` in the private module `tinytron.optimizer._state_dict`,
 # `chapters/02_optimizer/_state_dict.py`).
-#
-# </div>
+# </details>
 
 # %%
 class MixedPrecisionOptimizer(MasterCopies, GradPreparation, StepOrder, LayoutFreeStateDict,
@@ -622,7 +645,24 @@ if __name__ == "__main__":
 #
 # 1. With `hysteresis=2`, write down the scale after the sequence inf, clean, inf, inf. Why is
 #    the tracker not reset on backoff?
+#
+#    <details><summary>Answer</summary>From scale $S$ with a long growth interval,
+#    `DynamicGradScaler.update` gives $S$ (inf: hysteresis tracker 2 → 1), $S$ (clean: only the
+#    growth tracker moves), $S/2$ (inf: tracker 0, backoff), $S/4$ (inf again). The tracker is
+#    refilled only after `growth_interval` clean steps, so a run of overflows keeps halving
+#    until the scale fits.</details>
+#
 # 2. Why must `found_inf` be all-reduced before the scaler update rather than after the step?
 #    What happens if one TP rank skips and the other does not?
+#
+#    <details><summary>Hint</summary>`prepare_grads` decides whether to skip from the reduced
+#    flag, and `update` changes the scale from it. Picture the two halves of one TP-split weight
+#    after a step that only one half took, and the two scales the ranks would carry on with.</details>
+#
 # 3. A row-parallel layer's bias is replicated across TP. Where would its gradient be counted
 #    twice if `param_counts_in_norm` ignored the TP rank?
+#
+#    <details><summary>Hint</summary>`get_grad_norm` sums squares on every rank of the
+#    grad-stats group. A replicated bias has the same full gradient on each TP rank; see how
+#    `param_counts_in_norm` uses the TP rank, and Megatron's
+#    `get_main_grads_for_grad_norm`.</details>

@@ -238,6 +238,27 @@ class QKVSplit:
 # update is the *orthogonalized* buffer, so its size is set by the scale factor, not by how
 # small $0.05\,g$ is. The constructor's argument checks are in the chapter's private module
 # `tinytron.optimizer._checks`.
+#
+# The Newton–Schulz settings are checked and packed once, into the keyword arguments every
+# `orthogonalize` call of the step passes on.
+
+# %%
+def _muon_ortho_kw(num_ns_steps: int, coefficient_type: str, scale_mode: str,
+                   extra_scale_factor: float, fp32_matmul_prec: str, tp_mode: str,
+                   tp_group) -> dict:
+    """Validate the coefficient type, step count and scale mode; return orthogonalize's kwargs."""
+    ns_coefficients(coefficient_type, num_ns_steps)   # validates both
+    muon_scale_factor(2, 1, scale_mode)                # validates the mode
+    # "medium" lets the NS matmuls run in bf16 (Megatron's default); "highest" keeps fp32.
+    return dict(steps=num_ns_steps, coefficient_type=coefficient_type,
+                scale_mode=scale_mode, extra_scale_factor=extra_scale_factor,
+                matmul_dtype=torch.bfloat16 if fp32_matmul_prec == "medium"
+                else torch.float32, tp_mode=tp_mode, tp_group=tp_group)
+
+
+# %% [markdown]
+# The optimizer itself: the constructor refuses anything but 2-D matrices, and the step is the
+# loop described above, one parameter at a time.
 
 # %%
 class Muon(QKVSplit, torch.optim.Optimizer):
@@ -250,8 +271,8 @@ class Muon(QKVSplit, torch.optim.Optimizer):
                  extra_scale_factor: float = 1.0, fp32_matmul_prec: str = "medium",
                  tp_mode: str = "blockwise", tp_group=None):
         check_muon_args(momentum, fp32_matmul_prec)       # one-line ValueErrors (_checks.py)
-        ns_coefficients(coefficient_type, num_ns_steps)   # validates both
-        muon_scale_factor(2, 1, scale_mode)                # validates the mode
+        ortho_kw = _muon_ortho_kw(num_ns_steps, coefficient_type, scale_mode,
+                                  extra_scale_factor, fp32_matmul_prec, tp_mode, tp_group)
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov,
                                       weight_decay=weight_decay))
         for p in (p for g in self.param_groups for p in g["params"]):
@@ -259,11 +280,7 @@ class Muon(QKVSplit, torch.optim.Optimizer):
                 raise ValueError(f"Muon handles 2-D matrices only, got shape {tuple(p.shape)}")
         self.split_qkv, self.qkv_split_shapes = split_qkv, qkv_split_shapes
         self.tp_mode, self.tp_group = tp_mode, tp_group
-        # "medium" lets the NS matmuls run in bf16 (Megatron's default); "highest" keeps fp32.
-        self.ortho_kw = dict(steps=num_ns_steps, coefficient_type=coefficient_type,
-                             scale_mode=scale_mode, extra_scale_factor=extra_scale_factor,
-                             matmul_dtype=torch.bfloat16 if fp32_matmul_prec == "medium"
-                             else torch.float32, tp_mode=tp_mode, tp_group=tp_group)
+        self.ortho_kw = ortho_kw
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
@@ -365,6 +382,11 @@ def attention_max_logits(q: torch.Tensor, k: torch.Tensor, softmax_scale: float,
     return logits.amax(dim=(0, 2, 3))
 
 
+# %% [markdown]
+# A step has several microbatches, and the clip needs the largest logit seen in any of them:
+# the tracker keeps an elementwise running max per head until the clip resets it.
+
+# %%
 class MaxLogitTracker:
     """Running elementwise max of per-head max logits over the microbatches of one step."""
 
@@ -382,6 +404,12 @@ class MaxLogitTracker:
         self.current_max_attn_logits = None
 
 
+# %% [markdown]
+# The clip itself, after the optimizer step: all-reduce the maxima over data parallel, take each
+# query group's maximum, and scale that group's Q rows by $\eta_g^{\alpha}$ and K rows by
+# $\eta_g^{1-\alpha}$ in the model weight and its master copy.
+
+# %%
 @torch.no_grad()
 def qk_clip_(qkv_weights: list[torch.Tensor], max_logits: torch.Tensor, num_query_groups: int,
              head_dim: int, threshold: float = 100.0, alpha: float = 0.5, dp_group=None) -> torch.Tensor:
@@ -405,15 +433,17 @@ def qk_clip_(qkv_weights: list[torch.Tensor], max_logits: torch.Tensor, num_quer
 # %% [markdown]
 # ## Demo 1: what Newton–Schulz does to the singular values
 #
-# On the run this page was written with, every output singular value lay in $[0.978, 1.144]$
-# (the ill-conditioned input is the widest), and the scalar map took $0.001$ to $0.475$ and
-# $0.01 \dots 1$ to within 3% of 1. The test matrices (`_spread_matrix`) are built in
-# `tinytron.optimizer._muon_demo`.
-#
 # A random 64×96 matrix, an ill-conditioned one (singular values from 1 down to $10^{-2}$), and a
 # tall one (transposed internally). After five quintic steps every singular value lies in roughly
 # $(0.7, 1.2)$. The scalar map printed last shows the limit: after the Frobenius normalization a
 # singular value of $10^{-3}$ only reaches ~0.5 in five steps — directions that weak stay weaker.
+# The test matrices (`_spread_matrix`) are built in `tinytron.optimizer._muon_demo`.
+#
+# <details><summary>Megatron detail: one run's numbers</summary>
+# On the run this page was written with, every output singular value lay in $[0.978, 1.144]$
+# (the ill-conditioned input is the widest), and the scalar map took $0.001$ to $0.475$ and
+# $0.01 \dots 1$ to within 3% of 1.
+# </details>
 
 # %%
 if __name__ == "__main__":
@@ -471,12 +501,14 @@ if __name__ == "__main__":
 # %% [markdown]
 # ## Demo 3: MuonClip brings every head under the threshold
 #
-# (In the run this page was written with: the four heads' maxima went from 753, 585, 7.4, 8.0
-# to 30.0, 23.3, 7.4, 8.0, with $\eta = 0.040$ for group 0 and 1 for group 1.)
-#
 # A fused QKV weight with large entries, so the logits are far above $\tau = 30$. After the
 # clip, on the same input, every group's largest logit is $\le \tau$ (the worst head sits exactly
 # at $\tau$), groups that were below are untouched, and V rows never change.
+#
+# <details><summary>Megatron detail: one run's numbers</summary>
+# In the run this page was written with, the four heads' maxima went from 753, 585, 7.4, 8.0
+# to 30.0, 23.3, 7.4, 8.0, with $\eta = 0.040$ for group 0 and 1 for group 1.
+# </details>
 
 # %%
 if __name__ == "__main__":
@@ -520,7 +552,24 @@ if __name__ == "__main__":
 # ## Exercises
 #
 # 1. Plot $\sigma \mapsto$ the five-step quintic map on $[0, 1]$. Where does it overshoot 1?
+#
+#    <details><summary>Answer</summary>Apply `ns_coefficients("quintic", 5)` as in Demo 1 to a
+#    grid of $10^5$ points in float64. Below $\sigma \approx 0.0026$ the map stays under 1; above it
+#    the output oscillates around 1 and exceeds it on 33 short intervals up to $\sigma \approx 0.994$.
+#    The largest value is 1.145, at $\sigma \approx 0.004$; $\sigma = 1$ lands at 0.978.</details>
+#
 # 2. Run `blockwise` and `duplicated` on a 2-way row split of a random matrix: which singular
 #    values does `blockwise` get wrong, and why does it still train well?
+#
+#    <details><summary>Hint</summary>`orthogonalize_tp` with `tp_mode="blockwise"` runs
+#    `newton_schulz` on each shard alone, so each shard's rows come out orthonormal, not the full
+#    matrix's. Compare the singular values of the concatenated result with those of `duplicated`,
+#    and ask whether an update needs exact singular values to point downhill.</details>
+#
 # 3. Why does QK-clip scale Q by $\eta^\alpha$ and K by $\eta^{1-\alpha}$ instead of scaling only
 #    Q by $\eta$? (Hint: GQA shares a K head across several Q heads.)
+#
+#    <details><summary>Hint</summary>In `qk_clip_` the factor is per query group, and one K head
+#    serves all the Q heads of its group. The logit scales by $\eta^\alpha\eta^{1-\alpha} = \eta$
+#    either way; think about how far each of Q and K moves from its trained value when $\alpha$
+#    is 0, 0.5 or 1.</details>

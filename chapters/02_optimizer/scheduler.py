@@ -131,17 +131,32 @@ class Schedules:
 # the weight decay it writes into the groups is computed from the constructor's values; the
 # next `step()` uses the restored ones.
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
+# <details><summary>Megatron detail: an error instead of an assert</summary>
 # Where constructor and checkpoint disagree without either flag, Megatron asserts; tinytron
 # raises a `ValueError` that names the field and both values, and says which flag to set.
-#
-# </div>
+# </details>
 #
 # Worked example: a run saved at `num_steps = 4096` with `max_lr = 3e-4` is resumed with
 # `max_lr = 1e-4` on the command line. By default (`use_checkpoint_opt_param_scheduler`) the
 # resumed run keeps 3e-4; with `override_opt_param_scheduler` it switches to 1e-4 at the
 # saved position; with neither it stops with the error.
+#
+# First the ten names themselves, and a reader for checkpoints that stored a value under an
+# older name.
+
+# %%
+_SAVED_KEYS = ("max_lr", "lr_warmup_steps", "num_steps", "lr_decay_style", "lr_decay_steps",
+               "min_lr", "start_wd", "end_wd", "wd_incr_style", "wd_incr_steps")
+
+
+def _pick(sd: dict, *keys):
+    """The value of the first of `keys` that `sd` holds (old checkpoints use old names)."""
+    return next(sd[k] for k in keys if k in sd)
+
+
+# %% [markdown]
+# The mixin: `state_dict` saves the ten values, `_check_and_set` is the rule for one field, and
+# `load_state_dict` applies it field by field before stepping to the saved position.
 
 # %%
 class ReloadRules:
@@ -149,9 +164,7 @@ class ReloadRules:
 
     def state_dict(self) -> dict:
         """The ten values a checkpoint keeps."""
-        return {k: getattr(self, k) for k in (
-            "max_lr", "lr_warmup_steps", "num_steps", "lr_decay_style", "lr_decay_steps",
-            "min_lr", "start_wd", "end_wd", "wd_incr_style", "wd_incr_steps")}
+        return {k: getattr(self, k) for k in _SAVED_KEYS}
 
     def _check_and_set(self, cls_value, sd_value, name: str):
         """Megatron's reload policy for one hyperparameter."""
@@ -165,21 +178,19 @@ class ReloadRules:
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore from a checkpoint (legacy key names accepted) and step to its position."""
-        def pick(*keys):
-            return next(sd[k] for k in keys if k in sd)
-
-        self.max_lr = self._check_and_set(self.max_lr, pick("start_lr", "max_lr"), "max_lr")
+        self.max_lr = self._check_and_set(self.max_lr, _pick(sd, "start_lr", "max_lr"), "max_lr")
         self.min_lr = self._check_and_set(self.min_lr, sd["min_lr"], "min_lr")
         self.lr_warmup_steps = self._check_and_set(
-            self.lr_warmup_steps, pick("warmup_iter", "warmup_steps", "lr_warmup_steps"),
+            self.lr_warmup_steps, _pick(sd, "warmup_iter", "warmup_steps", "lr_warmup_steps"),
             "lr_warmup_steps")
         self.lr_decay_steps = self._check_and_set(
-            self.lr_decay_steps, pick("end_iter", "decay_steps", "lr_decay_steps"), "lr_decay_steps")
+            self.lr_decay_steps, _pick(sd, "end_iter", "decay_steps", "lr_decay_steps"),
+            "lr_decay_steps")
         self.lr_decay_style = self._check_and_set(
-            self.lr_decay_style, pick("decay_style", "lr_decay_style"), "lr_decay_style")
+            self.lr_decay_style, _pick(sd, "decay_style", "lr_decay_style"), "lr_decay_style")
         # Megatron's order (optimizer_param_scheduler.py, load_state_dict): step by the saved
         # count *without* resetting num_steps (a fresh scheduler is at 0), then the wd fields
-        self.step(pick("num_iters", "num_steps"))
+        self.step(_pick(sd, "num_iters", "num_steps"))
         if "start_wd" in sd:
             for key in ("start_wd", "end_wd", "wd_incr_steps", "wd_incr_style"):
                 setattr(self, key, self._check_and_set(getattr(self, key), sd[key], key))
@@ -287,7 +298,12 @@ if __name__ == "__main__":
     plt.tight_layout()
     plt.show()
 
-    # the worked example, and a decoupled group with its own max/min
+# %% [markdown]
+# The worked example in numbers: warmup 100 samples, cosine decay to 1000, and a decoupled group
+# that peaks at 2e-3 and decays to 0.
+
+# %%
+if __name__ == "__main__":
     groups = [{}, {"max_lr": 2e-3, "min_lr": 0.0}]
     s = OptimizerParamScheduler(_Groups(groups), 0.0, 1e-3, 1e-4, 100, 1000, "cosine",
                                 0.0, 0.0, 1000, "constant")
@@ -299,7 +315,12 @@ if __name__ == "__main__":
     assert math.isclose(values[50][0], 5e-4) and math.isclose(values[550][0], 5.5e-4)
     assert values[1001] == (1e-4, 0.0) and math.isclose(values[550][1], 1e-3)
 
-    # save at n=1001, reload into a fresh scheduler: same position, same lr
+# %% [markdown]
+# Save at $n = 1001$ and reload into a fresh scheduler: it comes back at the same position with
+# the same learning rate.
+
+# %%
+if __name__ == "__main__":
     fresh = OptimizerParamScheduler(_Groups([{}, {"max_lr": 2e-3, "min_lr": 0.0}]), 0.0, 1e-3, 1e-4,
                                     100, 1000, "cosine", 0.0, 0.0, 1000, "constant")
     fresh.load_state_dict(s.state_dict())
@@ -326,7 +347,22 @@ if __name__ == "__main__":
 #
 # 1. Megatron counts samples. What goes wrong in an iteration-counted schedule if the global
 #    batch size is ramped up during training (`--rampup-batch-size`)?
+#
+#    <details><summary>Hint</summary>`step(increment)` adds the samples of one iteration to
+#    `num_steps`. During a ramp an early iteration holds fewer samples than a late one: count
+#    how many samples an iteration-counted warmup of $W$ iterations really spans.</details>
+#
 # 2. With `inverse-square-root`, at which sample count does the lr reach `min_lr` for
 #    `max_lr=1e-3, min_lr=1e-4, W=800`? Check with the class.
+#
+#    <details><summary>Answer</summary>$10^{-3}\sqrt{800/n} = 10^{-4}$ gives $n = 800 \cdot 100
+#    = 80{,}000$. With `lr_decay_steps` $\ge$ 80,000 the class returns $1.0000063 \cdot 10^{-4}$ at
+#    $n$ = 79,999 and exactly `min_lr` from 80,000 on. A shorter `lr_decay_steps` reaches `min_lr`
+#    earlier, at its cliff.</details>
+#
 # 3. Why must a WSD run be able to *change* `lr_decay_steps` on resume (think of deciding late
 #    when to anneal), and which flag allows it?
+#
+#    <details><summary>Hint</summary>Follow `lr_decay_steps` through `ReloadRules.load_state_dict`
+#    and `_check_and_set`: which of the two flags lets the constructor's value win over the
+#    checkpoint's?</details>

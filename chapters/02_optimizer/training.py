@@ -138,6 +138,11 @@ def track_max_logits(model: GPTModel) -> dict:
     return trackers
 
 
+# %% [markdown]
+# After the step, each layer's tracker holds the largest logit of every head over the step's
+# forwards; the clip rescales that layer's Q and K rows and empties the tracker.
+
+# %%
 def clip_qk_model(model: GPTModel, trackers: dict, threshold: float, alpha: float = 0.5) -> float:
     """QK-clip every layer (model weight + fp32 master) after the step; return the max logit seen."""
     worst = 0.0
@@ -151,6 +156,11 @@ def clip_qk_model(model: GPTModel, trackers: dict, threshold: float, alpha: floa
     return worst
 
 
+# %% [markdown]
+# The loop of the demo below: Muon at a high learning rate, and the clip after every step when
+# a threshold is given (an infinite threshold only records the logits).
+
+# %%
 def train_with_qk_clip(threshold: float | None, lr: float = 3e-2, steps: int = 60) -> list[float]:
     """Muon at a high lr on the tiny GPT; QK-clip after every step when threshold is set."""
     torch.manual_seed(0)
@@ -205,11 +215,15 @@ if __name__ == "__main__":
 # %% [markdown]
 # ## Demo: QK-clip keeps the attention logits bounded
 #
-# Muon at a deliberately high learning rate lets the largest attention logit grow quickly
-# (758 after 60 steps on the run this page was written with, against 24 with the clip). With
+# Muon at a deliberately high learning rate lets the largest attention logit grow quickly. With
 # QK-clip at $\tau = 15$ the logit seen in each forward stays near $\tau$: the clip after every
 # step brings each offending group back to exactly $\tau$ on that batch, and one step of growth
 # is all the next batch can show.
+#
+# <details><summary>Megatron detail: one run's numbers</summary>
+# The largest logit reached 758 after 60 steps on the run this page was written with, against
+# 24 with the clip.
+# </details>
 
 # %%
 if __name__ == "__main__":
@@ -245,5 +259,19 @@ if __name__ == "__main__":
 # ## Exercises
 #
 # 1. Double every learning rate. Which recipe degrades first, and why?
+#
+#    <details><summary>Hint</summary>Change `recipes` in the demo and rerun it. Lion and Muon
+#    take steps whose size is set by the lr alone (a sign, an orthogonalized matrix), while
+#    AdamW's shrink as $\hat m/\sqrt{\hat v}$ falls; compare how far each moves a weight per step.</details>
+#
 # 2. Turn off the QKV split for Muon (`qkv_split_shapes=None`). Does the curve change?
+#
+#    <details><summary>Hint</summary>Look at `QKVSplit.orthogonalize` on the Muon page: with the
+#    split, Q, K and V each get their singular values pushed to 1 on their own; without it, one
+#    Newton–Schulz runs on the fused `[Q; K; V]` matrix. Run `train_tiny("muon", ...)` both ways.</details>
+#
 # 3. Replace the scheduler's `cosine` by `WSD` with a 20% anneal. When does the loss drop?
+#
+#    <details><summary>Hint</summary>On the scheduler page, WSD holds `max_lr` until
+#    `lr_decay_steps - wsd_decay_steps` and only then anneals. Plot the lr of `train_tiny`'s
+#    scheduler next to the loss and look at the last 20% of the steps.</details>

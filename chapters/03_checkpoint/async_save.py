@@ -87,8 +87,7 @@ WRITER_TIMEOUT_S = 600.0   # Megatron's default collective timeout, 10 minutes
 #
 # At most one save is in flight: scheduling a second one first finalizes the first, blocking.
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
+# <details><summary>Megatron detail: several saves in flight</summary>
 # Megatron's queue holds several saves in flight: `AsyncCallsQueue` keeps them in a deque
 # (`megatron/core/dist_checkpointing/strategies/async_utils.py:612`, the deque `:622`),
 # `schedule_async_request` appends a new one without waiting for the others (`:665`), and
@@ -98,8 +97,7 @@ WRITER_TIMEOUT_S = 600.0   # Megatron's default collective timeout, 10 minutes
 # save interval longer than a background write, as in the demos here, the two behave the
 # same; with saves closer together than a write takes, Megatron's training continues while
 # tinytron's blocks until the earlier save is complete.
-#
-# </div>
+# </details>
 #
 # A writer that fails or dies (SIGKILL, a full disk) is a failed save on every rank: the
 # staging directory is never renamed and the tracker keeps naming the previous checkpoint.
@@ -107,13 +105,11 @@ WRITER_TIMEOUT_S = 600.0   # Megatron's default collective timeout, 10 minutes
 #
 # ## The staged copy
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
+# <details><summary>Megatron detail: Megatron blocks for the copy</summary>
 # Megatron blocks training until the device-to-host copy is done (`async_utils.py:273`);
 # tinytron starts the copy when the save is scheduled and waits for what is left of it only
 # just before the next `optimizer.step`, the first moment that overwrites a parameter.
-#
-# </div>
+# </details>
 #
 # A copy that training waits for costs its full time. In the running example a rank's share of
 # a fully parallel save is ≈ 2.0e9 × 14 B / 64 ≈ 0.44 GB (its 1/64 of the bf16 weights, the
@@ -150,14 +146,17 @@ WRITER_TIMEOUT_S = 600.0   # Megatron's default collective timeout, 10 minutes
 # `training/training.py:2788-2789`), and so does chapter 01's loop (`save_with_param_sync`):
 # after it the forward has nothing left to write.
 #
+# <details><summary>Megatron detail: the staged copy, measured on this book's CPU</summary>
 # Measured on this book's 2-core machine, shared and loaded when it ran (load average 15–27;
 # `benchmarks/results/checkpoint_staging.json`, medians of 5): for the 100M-parameter model a
 # staged `thread`-mode save blocked training 0.055 s, against 0.31 s when the copy is taken
 # before `save` returns, 0.37 s with `fork`, and 7.0 s for a synchronous save (0.008, 0.044,
 # 0.053 of it). Hidden is not free on a CPU: the 1.2 GB copy and then the write share the two
 # cores with the forward and backward, which ran 2.0× slower beside them (1.6× beside the
-# write alone, 2.3× beside a forked writer and its copy-on-write faults). On a GPU the copy
-# runs on the copy engine, beside the kernels.
+# write alone, 2.3× beside a forked writer and its copy-on-write faults).
+# </details>
+#
+# On a GPU the copy runs on the copy engine, beside the kernels.
 
 # %%
 def stage_tensors(tensors: list[ShardedTensor], mode: str) -> list[ShardedTensor]:
@@ -179,6 +178,11 @@ def stage_tensors(tensors: list[ShardedTensor], mode: str) -> list[ShardedTensor
     return out
 
 
+# %% [markdown]
+# In `process` mode the child process runs `_forked_write`: it writes, leaves the outcome in a
+# file for the parent, and exits without running any of the parent's exit handlers.
+
+# %%
 def _forked_write(request: SaveRequest, outcome_path: str) -> None:
     """Body of the forked writer: write, leave the outcome in a file, exit at once."""
     code = 0
@@ -193,6 +197,11 @@ def _forked_write(request: SaveRequest, outcome_path: str) -> None:
         os._exit(code)   # no atexit handlers, no process-group teardown in the child
 
 
+# %% [markdown]
+# Two small helpers for the parent: wait a bounded time for the child's exit status, and the
+# one-line error of a writer that did not finish in time.
+
+# %%
 def _reap_within(pid: int, timeout_s: float) -> int | None:
     """The child's exit status, or None if it still runs after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
@@ -235,6 +244,52 @@ def _timed_out(request: SaveRequest, timeout_s: float, who: str) -> dict:
 # the next step give up after `async_timeout_s` (600 s, Megatron's default collective
 # timeout, `megatron/training/config/common_config.py:77`): a forked writer is killed, a
 # thread abandoned, and the save fails on every rank in one line naming what timed out.
+#
+# In `thread` mode the writer's thread first waits for the staged copies (if any), then
+# writes; a staging that failed becomes the outcome.
+
+# %%
+def _thread_write(w: _Writer) -> None:
+    """Body of the writer thread: wait for the host copies, then write."""
+    if w.staging is not None:
+        if not w.staging.error:   # a staging that timed out is not waited for again
+            w.staging.wait()
+        if w.staging.error:
+            w.outcome = {"error": w.staging.error}
+            return
+    w.outcome = w.request.write()
+
+
+# %% [markdown]
+# In `process` mode, the parent's side of a forked write: reap the child within the bound (or
+# kill it), then read the outcome it left, or report how it died.
+
+# %%
+def _process_outcome(w: _Writer, timeout_s: float) -> dict:
+    """A forked writer's outcome; waits at most `timeout_s` for it (then an error outcome)."""
+    if w.status is None:
+        w.status = _reap_within(w.pid, timeout_s)
+    if w.status is None:   # still writing: end it, or it writes on into the staging dir
+        os.kill(w.pid, signal.SIGKILL)
+        w.status = os.waitpid(w.pid, 0)[1]
+        os.remove(w.outcome_path)
+        return _timed_out(w.request, timeout_s, f"process {w.pid} (killed)")
+    try:
+        with open(w.outcome_path, "rb") as f:
+            w.outcome = pickle.load(f)
+    except (OSError, EOFError, pickle.UnpicklingError):
+        code = os.waitstatus_to_exitcode(w.status)
+        w.outcome = {"error": f"writer process for {w.request.directory} died "
+                              f"(exit code {code})"}
+    finally:
+        if os.path.exists(w.outcome_path):
+            os.remove(w.outcome_path)
+    return w.outcome
+
+
+# %% [markdown]
+# The writer: it forks or starts a thread, answers `done` without blocking, and gives its
+# outcome with `result`.
 
 # %%
 class _Writer:
@@ -249,17 +304,8 @@ class _Writer:
             if self.pid == 0:
                 _forked_write(request, self.outcome_path)
         else:
-            self.thread = threading.Thread(target=self._run_thread, daemon=True)
+            self.thread = threading.Thread(target=_thread_write, args=(self,), daemon=True)
             self.thread.start()
-
-    def _run_thread(self) -> None:
-        if self.staging is not None:
-            if not self.staging.error:   # a staging that timed out is not waited for again
-                self.staging.wait()
-            if self.staging.error:
-                self.outcome = {"error": self.staging.error}
-                return
-        self.outcome = self.request.write()
 
     def done(self) -> bool:
         """True when the write finished (or failed)."""
@@ -277,24 +323,7 @@ class _Writer:
             self.thread.join(timeout_s)
             alive = self.thread.is_alive()
             return _timed_out(self.request, timeout_s, "thread") if alive else self.outcome
-        if self.status is None:
-            self.status = _reap_within(self.pid, timeout_s)
-        if self.status is None:   # still writing: end it, or it writes on into the staging dir
-            os.kill(self.pid, signal.SIGKILL)
-            self.status = os.waitpid(self.pid, 0)[1]
-            os.remove(self.outcome_path)
-            return _timed_out(self.request, timeout_s, f"process {self.pid} (killed)")
-        try:
-            with open(self.outcome_path, "rb") as f:
-                self.outcome = pickle.load(f)
-        except (OSError, EOFError, pickle.UnpicklingError):
-            code = os.waitstatus_to_exitcode(self.status)
-            self.outcome = {"error": f"writer process for {self.request.directory} died "
-                                     f"(exit code {code})"}
-        finally:
-            if os.path.exists(self.outcome_path):
-                os.remove(self.outcome_path)
-        return self.outcome
+        return _process_outcome(self, timeout_s)
 
 
 # %% [markdown]
@@ -315,6 +344,23 @@ class _Writer:
 # ranks are done, the results are gathered and the tracker says 100.
 
 # %%
+def _start_copy(request: SaveRequest, staged: bool, rank: int, pool: PinnedPool,
+                mode: str) -> HostStaging | None:
+    """Point the request at its host copies: staged in the background, or taken now."""
+    staging = None
+    if staged:
+        staging = HostStaging(request.tensors, rank, pool)
+        request.tensors = staging.staged   # empty yet: planning reads only shapes
+        staging.start()
+    else:
+        request.tensors = stage_tensors(request.tensors, mode)
+    return staging
+
+
+# %% [markdown]
+# What the queue remembers about the save in flight.
+
+# %%
 @dataclass
 class _Pending:
     """The save in flight: its request, its host copies (if staged), its writer once started."""
@@ -326,6 +372,11 @@ class _Pending:
     writer: _Writer | None = None
 
 
+# %% [markdown]
+# The queue: `schedule` finalizes a save still in flight, starts the copy, plans (the
+# collective part), and starts the writer unless it must wait for the copies to fork.
+
+# %%
 class _SaveQueue:
     """AsyncSaver's first part: the save in flight, and `schedule`, which starts one."""
 
@@ -349,13 +400,8 @@ class _SaveQueue:
         if self.pending is not None:
             self.finalize(blocking=True)
         t0 = time.perf_counter()
-        staging = None
-        if self._staged(request.tensors):
-            staging = HostStaging(request.tensors, self.comm.rank, self.pool)
-            request.tensors = staging.staged   # empty yet: planning reads only shapes
-            staging.start()
-        else:
-            request.tensors = stage_tensors(request.tensors, self.mode)
+        staging = _start_copy(request, self._staged(request.tensors), self.comm.rank, self.pool,
+                              self.mode)
         request.plan()
         pending = _Pending(request, on_complete, staging)
         if staging is None or self.mode == "thread":
@@ -474,13 +520,17 @@ class AsyncSaver(_SaveQueue, _StagingWait):
 # overwrites them. The assertions check that the async save blocks for less time than the sync
 # one, and that both checkpoints hold bit-identical tensors of their iteration. The demo does
 # not assert a ratio: on a shared CPU it varies from run to run, and the printed numbers are one
-# run's. What was measured goes in `benchmarks/`: for a 100M-parameter model (a 1.2 GB
+# run's. What was measured goes in `benchmarks/`.
+#
+# <details><summary>Megatron detail: the benchmark's numbers</summary>
+# For a 100M-parameter model (a 1.2 GB
 # checkpoint), `benchmarks/results/checkpoint.json` (`bench_checkpoint.py --repeats 3`, 2 CPUs
 # under a load average of 13.7) records medians of 2.59 s blocked by a sync save and 0.11 s by
 # an async save in `process` mode, about 24 times shorter, and 0.92 s in `thread` mode (which
 # copies every tensor before it returns); `benchmarks/results/checkpoint_staging.json` (5 runs)
 # records blocking / sync ratios of 0.053 for `process` mode and 0.008 for the staged `thread`
 # mode of the next demo.
+# </details>
 
 # %%
 def save_timeline(events: list[tuple], ax=None):
@@ -506,6 +556,11 @@ def save_timeline(events: list[tuple], ax=None):
     return ax
 
 
+# %% [markdown]
+# The run itself is a worker of the package (`_workers.async_timeline_demo`); it returns the
+# events the timeline draws and the numbers the assertions check.
+
+# %%
 if __name__ == "__main__":
     import tempfile
 
@@ -600,4 +655,16 @@ if __name__ == "__main__":
 # 1. In `process` mode, what does copy-on-write cost the *training* process while the writer is
 #    still running? Measure the time of the first training step after `schedule` against a
 #    step without a save in flight.
+#
+#    <details><summary>Hint</summary>After `os.fork` parent and child share pages until one of
+#    them writes. The optimizer step overwrites every parameter and moment page while the child
+#    still reads them, so the kernel copies each page at that moment. `save_timeline` of the first
+#    demo already shows the first step after `schedule`; time it against a later one.</details>
+#
 # 2. Why must the DCP planning collective run in the training process and not in the writer?
+#
+#    <details><summary>Hint</summary>`_forked_write` runs no collective, and a forked child does not
+#    share the parent's process groups in a usable state. Ask which process can take part in a
+#    collective with the other ranks, and what `request.plan()` in `_SaveQueue.schedule` needs
+#    from all of them.</details>
+

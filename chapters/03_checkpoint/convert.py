@@ -141,6 +141,12 @@ class MegatronObject:
         return f"MegatronObject{self.args}"
 
 
+# %% [markdown]
+# The allow-list: the few standard classes an `args` holds, and Megatron's own classes by name,
+# each rebuilt as a `MegatronObject`. `read_common` loads with it, and names the class when a
+# file needs one that is not on it.
+
+# %%
 _MEGATRON_CLASSES = [  # megatron/core/safe_globals.py:26-46 at e03878b5f, Megatron's own
     "megatron.core.transformer.enums.AttnBackend", "megatron.core.transformer.enums.CudaGraphModule",
     "megatron.core.transformer.enums.CudaGraphScope",
@@ -288,9 +294,13 @@ def read_checkpoint_model(path, num_attention_heads: int | None = None,
 # `from-hf` writes a tracker at iteration 0, so pointed at a training run's directory it would
 # turn that run's next resume into a restart from the converted weights. It refuses any
 # directory that is not empty (one line naming the tracker's iteration when there is one)
-# unless `--force` says that is intended. Megatron's converter has no such check: its saver
+# unless `--force` says that is intended.
+#
+# <details><summary>Megatron detail: no such check</summary>
+# Megatron's converter has no such check: its saver
 # opens the target with `os.makedirs(save_dir, exist_ok=True)` and writes into it
 # (`tools/checkpoint/dist_checkpoint_io.py:238`).
+# </details>
 
 # %% [markdown]
 # An export is usable only with its tokenizer: `AutoTokenizer.from_pretrained` on the folder
@@ -322,6 +332,10 @@ def checkpoint_to_hf(src, dst, tokenizer_file: str | None = None, **kwargs) -> M
     return model.config
 
 
+# %% [markdown]
+# The end-of-document id of a tokenizer file, looked up by its token.
+
+# %%
 def _token_id(tokenizer_file, token):
     """The id of `token` in a tokenizers JSON file (None for no token, or one it lacks)."""
     from tokenizers import Tokenizer
@@ -329,6 +343,11 @@ def _token_id(tokenizer_file, token):
     return Tokenizer.from_file(str(tokenizer_file)).token_to_id(token) if token else None
 
 
+# %% [markdown]
+# The other direction: load the Hugging Face folder into a tinytron model, save it at iteration
+# 0 without RNG states, and write the run config a fine-tune reads.
+
+# %%
 def hf_to_checkpoint(src, dst, ckpt_format: str = "torch_dist") -> ModelConfig:
     """Convert a Hugging Face Llama folder to a tinytron checkpoint root at iteration 0."""
     from tinytron.checkpoint.resume import CheckpointConfig, CheckpointManager, _train_state_class
@@ -431,5 +450,16 @@ if __name__ == "__main__":
 #
 # 1. Extend `read_checkpoint_model` to a Megatron legacy checkpoint, whose `args` is a
 #    Namespace: which of its fields give the `ModelConfig`?
+#
+#    <details><summary>Hint</summary>Start from `megatron_args_fields`, which already reads the
+#    heads, the query groups, the norm epsilon, the RoPE base and the sequence length from an
+#    `args` Namespace. The rest (hidden size, layers, vocabulary, FFN size) can come from the
+#    tensor shapes, as for `torch_dist`.</details>
 # 2. A 70B model does not fit in one process. Which part of the converter would you make
 #    layer-by-layer, and what does DCP's partial load (asking for one layer's boxes) give you?
+#
+#    <details><summary>Hint</summary>`read_checkpoint_model` builds the whole model before
+#    `save_hf_llama` writes it. A stacked key $[L, \dots]$ can be read one layer at a time by
+#    asking for the box at offset $(i, 0, \dots)$ of size $(1, \dots)$, as `TensorLayout.boxes`
+#    does; think about writing the Hugging Face shards layer by layer too.</details>
+

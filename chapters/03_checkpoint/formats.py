@@ -69,6 +69,11 @@ class CheckpointSaveError(RuntimeError):
     """A save that did not complete; the message names the path and the cause."""
 
 
+# %% [markdown]
+# The names: a directory per iteration, the tracker read back as an iteration or `release`,
+# and the legacy per-rank folder.
+
+# %%
 def checkpoint_dir_name(iteration: int, release: bool = False) -> str:
     """`iter_0001000`, or `release`."""
     if release:
@@ -129,6 +134,11 @@ def detect_format(directory: str | os.PathLike) -> str:
                      "(an interrupted save never gets this far)")
 
 
+# %% [markdown]
+# `resolve_checkpoint_dir` follows the tracker (or an explicit iteration) to the directory,
+# and refuses a tracker that names a directory that is gone.
+
+# %%
 def resolve_checkpoint_dir(root: str | os.PathLike, iteration: int | None = None
                            ) -> tuple[Path, int, bool] | None:
     """(directory, iteration, release) to load: the tracker's, or `iteration`; None if empty."""
@@ -242,6 +252,11 @@ def fault_point(name: str, rank: int | None = None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+# %% [markdown]
+# The staging directory sits next to the final one, with `.tmp` appended; rank 0 empties it
+# before a save, since a killed save may have left one behind.
+
+# %%
 def staging_dir(root: str | os.PathLike, iteration: int, release: bool = False) -> Path:
     """Where a save of `iteration` is written before it becomes visible."""
     return Path(root) / (checkpoint_dir_name(iteration, release) + ".tmp")
@@ -256,6 +271,11 @@ def prepare_staging(root: str | os.PathLike, iteration: int, release: bool = Fal
     return staging
 
 
+# %% [markdown]
+# The commit: sync the staging directory, move a previous save of the same iteration aside,
+# rename staging into place, sync the root, and only then rewrite the tracker.
+
+# %%
 def commit_checkpoint(root: str | os.PathLike, iteration: int, release: bool = False) -> Path:
     """Rename the staging directory into place, then move the tracker. Rank 0, after all ranks."""
     root = Path(root)
@@ -405,6 +425,12 @@ def checkpoint_sizes(config, tp: int, pp: int, dp: int, param_bytes: int = 2) ->
     }
 
 
+# %% [markdown]
+# Which files a rank writes: in the legacy format only DP rank 0 of each (TP, PP) position
+# writes, two files; in `torch_dist` every rank writes one `.distcp`, and global rank 0 adds the
+# common and metadata files.
+
+# %%
 def files_written(tp: int, pp: int, dp: int, fmt: str, tp_rank: int = 0, pp_rank: int = 0,
                   dp_rank: int = 0) -> list[str]:
     """The files one rank writes into the iteration directory, in either format."""
@@ -494,5 +520,16 @@ if __name__ == "__main__":
 #
 # 1. Where in `commit_checkpoint` would a crash leave *two* complete directories and a tracker
 #    naming the older one? Is that a problem?
+#
+#    <details><summary>Hint</summary>Follow `commit_checkpoint` line by line and stop at
+#    `fault_point("before_tracker")`: the rename has happened, the tracker has not moved. Then
+#    ask what `resolve_checkpoint_dir` loads, and what the next save of that iteration does to
+#    the directory already at its name.</details>
+#
 # 2. With DP 64 the legacy format moves 24.1 GB through one process per position. How long is
 #    that at 2 GB/s of gloo bandwidth, and what does `torch_dist` replace it with?
+#
+#    <details><summary>Answer</summary>`checkpoint_sizes` gives 24,091,607,040 bytes per
+#    `distrib_optim.pt`: 12.0 s at 2 GB/s, on each of the 4 writers. In `torch_dist` all 256
+#    ranks write their own shard in parallel, 376,431,360 bytes each (0.38 GB): 0.19 s at the
+#    same rate, with no gather over DP.</details>

@@ -45,20 +45,20 @@ CHECKPOINT_VERSION = 3.0
 # Everything here is plain Python, lists and tensors, so `torch.load(..., weights_only=True)`
 # reads it without unpickling arbitrary objects.
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
+# <details><summary>Megatron detail: the optimizer entry for the other optimizers</summary>
 # For the optimizers other than the DistributedOptimizer the entry is chapter 02's own
 # `state_dict()`, not the one of Megatron's `Float16OptimizerWithFloat16Params` (`optimizer`,
 # `grad_scaler`, `fp32_from_fp16_params`): tinytron's mixed-precision optimizer keeps its
 # state in its own layout. `distrib_optim.pt` below is Megatron's structure.
+# </details>
 #
-# </div>
-#
+# <details><summary>Megatron detail: its safe globals</summary>
 # Megatron reads with `weights_only=True` too (PyTorch's default since 2.6,
 # `checkpointing.py:1381`), but its `args` is an `argparse.Namespace`, so it registers that and
 # a few of its own classes as safe globals when `megatron.core` is imported
 # (`megatron/core/safe_globals.py:26-52`,
 # `megatron/core/__init__.py:54`); tinytron stores `args` as a dict and needs no allow-list.
+# </details>
 #
 # ## `distrib_optim.pt`: the optimizer state, gathered over DP
 #
@@ -72,13 +72,11 @@ CHECKPOINT_VERSION = 3.0
 # `{buffer_index: {(param_dtype, grad_dtype): {"param": …, "exp_avg": …, "exp_avg_sq": …,
 # "numel_unpadded": n}}, "buckets_coalesced": True}` (`distrib_optimizer.py:1249-1353`).
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
+# <details><summary>Megatron detail: one more key per world tensor</summary>
 # tinytron adds one key to each entry, `bucket_numel_unpadded`, the unpadded size of every
 # bucket, so that a load with another bucket size is refused by name instead of cutting the
 # world tensor in the wrong places.
-#
-# </div>
+# </details>
 #
 # Worked example (chapter 05's buffer): params `c[30]` at 0, `b[100]` at 64, bucket of 164
 # elements padded to 256 for $dp = 2$. Rank 0 owns `[0, 128)`, rank 1 `[128, 256)`; the gather
@@ -167,6 +165,12 @@ def distributed_optimizer_world_tensors(optimizer, comm: CheckpointGroups) -> di
     return out if comm.grid.rank("dp_cp") == 0 else None
 
 
+# %% [markdown]
+# The rest of the optimizer goes into `model_optim_rng.pt`: the hyperparameters in Megatron's
+# nesting, the scaler, and the step counts merged over DP, with Megatron's single `step` being
+# the largest.
+
+# %%
 def _distopt_common(optimizer, comm: CheckpointGroups) -> dict:
     """Megatron's entry ({'optimizer': {'param_groups'}, 'grad_scaler'}) and each param's step."""
     from tinytron.optimizer.mixed_precision import _group_hparams
@@ -188,6 +192,10 @@ def _distopt_common(optimizer, comm: CheckpointGroups) -> dict:
             "steps": merged}
 
 
+# %% [markdown]
+# A reader for that entry, which accepts Megatron's nesting and the flat form of chapter 02.
+
+# %%
 def legacy_param_groups(entry: dict) -> list | None:
     """The param groups of a legacy `optimizer` entry (Megatron's nesting, or the flat one)."""
     return entry.get("optimizer", {}).get("param_groups", entry.get("param_groups"))
@@ -269,6 +277,11 @@ def _load_file(path: Path) -> dict:
         raise ValueError(f"{path}: cannot be read ({type(e).__name__}: {e})") from e
 
 
+# %% [markdown]
+# The legacy format stores whole TP and PP shards, so a run with other TP or PP sizes is
+# refused with both sizes named.
+
+# %%
 def _check_layout(sd: dict, grid, path: Path) -> None:
     """The legacy format cannot reshard TP or PP: refuse with both sizes named."""
     args = sd.get("args", {})
@@ -281,6 +294,11 @@ def _check_layout(sd: dict, grid, path: Path) -> None:
                 "convert with tinytron-convert)")
 
 
+# %% [markdown]
+# Then the model: every chunk's keys and shapes are checked against the file, and the pairs to
+# copy are collected, still without touching the model.
+
+# %%
 def _model_pairs(sd: dict, chunks, path: Path) -> list:
     """(param or buffer, saved tensor) for every entry of every chunk, keys and shapes checked."""
     pairs = []
@@ -465,4 +483,14 @@ if __name__ == "__main__":
 #
 # 1. At DP 64 DP rank 0 receives 63 shard vectors per bucket and quantity. Which memory peak
 #    does that cause on the 7B example, and how does Megatron's per-bucket loop bound it?
+#
+#    <details><summary>Hint</summary>Count what `distributed_optimizer_world_tensors` holds on DP
+#    rank 0 at once: the world tensors built so far (for a whole position, the 24.1 GB that
+#    `checkpoint_sizes` gives as `legacy_optim_file`) plus the $dp$ shard vectors of the one bucket
+#    and quantity being gathered. Compare with gathering every bucket before concatenating.</details>
+#
 # 2. Change the DDP bucket size between save and load. Which check fires, and why must it?
+#
+#    <details><summary>Hint</summary>Look for `bucket_numel_unpadded` in the loading cells: DP rank 0
+#    compares the saved bucket sizes with this run's before any scatter. The world tensor has no
+#    padding, so the bucket boundaries are the only way to cut it back into shards.</details>

@@ -62,16 +62,14 @@ OPTIMIZER_PREFIX = "optimizer.state"
 # | rows 2–3 | (2, 0) | (2, 4) | 8 … 15 |
 # | start of row 4 | (4, 0) | (1, 1) | 16 |
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
+# <details><summary>Megatron detail: no gather on DP rank 0</summary>
 # Megatron's `fully_reshardable` save gathers the DistributedOptimizer's buffers on DP rank 0
 # and writes them from there (`distrib_optimizer.py:1421-1426`, the docstring of
 # `sharded_state_dict`). tinytron writes the same keys and global shapes, but every DP rank
 # writes its own range as rectangles, with no gather: at DP 64 no rank holds 64 ranges at
 # once. A reader asks for boxes, as every DCP reader does, and reads both the same way; only
 # the chunk list in `.metadata` differs.
-#
-# </div>
+# </details>
 
 # %%
 def flat_range_boxes(shape, start: int, end: int) -> list[tuple[tuple, tuple]]:
@@ -130,6 +128,11 @@ class OptimizerPiece:
     end: int
 
 
+# %% [markdown]
+# `optimizer_pieces` lists them for each kind of optimizer, and says whether the optimizer is
+# sharded over DP (then every rank writes its own pieces) or replicated (then DP rank 0 does).
+
+# %%
 def optimizer_pieces(optimizer) -> tuple[list[OptimizerPiece], bool]:
     """(pieces, sharded over DP) for tinytron's optimizers or a plain torch.optim optimizer."""
     kind = type(optimizer).__name__
@@ -146,6 +149,11 @@ def optimizer_pieces(optimizer) -> tuple[list[OptimizerPiece], bool]:
                      "optimizers or a torch.optim.Optimizer")
 
 
+# %% [markdown]
+# The names of the state tensors, gathered from every rank: a rank whose parameters have not
+# been stepped has none, and must still write zeros under the same names.
+
+# %%
 def optimizer_state_keys(optimizer, pieces, comm: CheckpointGroups) -> list[str]:
     """Names of the per-element state tensors (all but `step`), agreed by every rank."""
     local = set()
@@ -160,6 +168,11 @@ def optimizer_state_keys(optimizer, pieces, comm: CheckpointGroups) -> list[str]
     return sorted(set().union(*comm.all_gather_object(sorted(local))))
 
 
+# %% [markdown]
+# The integer step counts travel beside the tensors, one per model key, the largest over the
+# ranks.
+
+# %%
 def optimizer_steps(optimizer, pieces, layouts, comm: CheckpointGroups) -> dict:
     """{sharded key: step count} merged over all ranks (a piece's step is its param's)."""
     steps = {}
@@ -195,6 +208,11 @@ def _local_flat_start(offset, shape) -> int:
     return flat
 
 
+# %% [markdown]
+# One piece of one quantity: each rectangle of its flat range, mapped through the layout, is a
+# contiguous slice of the piece's 1-D tensor, viewed in the rectangle's shape.
+
+# %%
 def _piece_tensors(piece: OptimizerPiece, layout: TensorLayout, key: str, data: torch.Tensor,
                    is_main: bool) -> list[ShardedTensor]:
     """The model-space chunks of one piece's 1-D `data` for optimizer quantity `key`."""
@@ -210,6 +228,11 @@ def _piece_tensors(piece: OptimizerPiece, layout: TensorLayout, key: str, data: 
     return out
 
 
+# %% [markdown]
+# Every piece and every quantity: the live state when saving (zeros for a parameter not yet
+# stepped), the staging buffers when loading.
+
+# %%
 def optimizer_sharded_state_dict(optimizer, layouts: dict, grid, keys: list[str],
                                  staging: dict | None = None) -> list[ShardedTensor]:
     """ShardedTensors of every piece for `keys` (+ 'param' for separate masters); no communication.
@@ -326,6 +349,11 @@ def chunks_by_rank(directory, key: str) -> tuple[list, tuple]:
     return out, plane
 
 
+# %% [markdown]
+# `plot_reshard` draws two such lists on the same plane, one color per writing rank, and
+# labels the rows that two ranks share.
+
+# %%
 def plot_reshard(before, after, shape, titles=("before", "after"), layers: int = 1):
     """Two panels of the same 2-D plane, rectangles colored by the writing rank."""
     import matplotlib.pyplot as plt
@@ -413,5 +441,16 @@ if __name__ == "__main__":
 #
 # 1. Prove the bound: how many rectangles can a flat range of a 3-D tensor need, and which
 #    range attains it?
+#
+#    <details><summary>Answer</summary>At most $2(n-1)+1 = 5$ for $n = 3$: a partial row and a
+#    partial plane on the way up to a plane boundary, whole planes, then a partial plane and a
+#    partial row on the way down. On a $[3, 3, 3]$ tensor, `flat_range_boxes((3, 3, 3), 1, 22)`
+#    returns five: sizes $(1,1,2)$, $(1,2,3)$, $(1,3,3)$, $(1,1,3)$, $(1,1,1)$.</details>
+#
 # 2. Megatron's `dp_reshardable` keys embed the bucket index. Construct a DP change that moves a
 #    bucket boundary (hint: the default bucket size depends on DP above 40 ranks).
+#
+#    <details><summary>Hint</summary>In Megatron the default bucket holds $\max(40\text{M}, 1\text{M} \cdot dp)$
+#    elements (see the DDP config on chapter 05's pages). Take a model of a few hundred million
+#    parameters and compare the bucket boundaries at DP 32 and DP 64.</details>
+

@@ -80,87 +80,6 @@ __all__ = ["CheckpointConfig", "TrainStateFallback", "get_rng_state", "set_rng_s
            "check_model_config", "CheckpointManager", "CheckpointHooks", "make_checkpoint_hooks",
            "save_checkpoint", "load_checkpoint", "ARCH_FIELDS"]
 
-logger = logging.getLogger("tinytron.checkpoint")
-
-# %% [markdown]
-# ## The options
-#
-# Megatron's names and defaults (`megatron/training/config/training_config.py`, the
-# checkpoint options), the ones tinytron implements. `data_parallel_random_init` is Megatron's
-# training flag, here only for what it changes in a checkpoint: every DP rank's RNG state is
-# saved, not just DP rank 0's (`checkpointing.py:382-391`).
-#
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
-# Three options are tinytron's own: `async_mode`, how the background writer takes its snapshot,
-# and `async_timeout_s`, how long a save waits for that writer before it fails
-# ([saving in the background](async_save.py)); and `crc_checksums`, a `checksums.json` with
-# every file's CRC-32 that a load then checks. It is off by default, so that a default save is
-# file for file what Megatron-Core writes. Megatron has a flag of its own for this,
-# `verify_integrity` (off by default, `training_config.py:596`), which writes a SHA-256
-# manifest `integrity.json` after `metadata.json` (`serialization.py:409-424`); tinytron does
-# not implement that one.
-#
-# </div>
-
-# %%
-@dataclass
-class CheckpointConfig:
-    """Checkpoint options (Megatron's names where Megatron has them)."""
-
-    save: str | None = None
-    """Root directory to save to (None = never save)."""
-    load: str | None = None
-    """Root directory to resume from (None = start fresh)."""
-    ckpt_format: str = "torch_dist"
-    """'torch_dist' (sharded, reshardable) or 'torch' (legacy, one file per TP/PP rank)."""
-    async_save: bool = False
-    """Write in the background; only with torch_dist."""
-    async_mode: str = "process"
-    """'process' (fork: copy-on-write snapshot) or 'thread' (clone, then write from a thread)."""
-    async_timeout_s: float = WRITER_TIMEOUT_S
-    """tinytron's own: the longest wait for a background writer, then the save fails."""
-    no_save_optim: bool = False
-    """Do not save the optimizer state."""
-    no_save_rng: bool = False
-    """Do not save the RNG states."""
-    no_load_optim: bool = False
-    """Do not load the optimizer state (fp32 masters are re-derived from the weights)."""
-    no_load_rng: bool = False
-    """Do not restore the RNG states."""
-    finetune: bool = False
-    """Load weights only: iteration, progress, optimizer and RNG start fresh."""
-    ckpt_step: int | None = None
-    """Load this iteration instead of the tracker's."""
-    exit_on_missing_checkpoint: bool = False
-    """Raise when `load` is set but holds no checkpoint (default: start fresh)."""
-    crc_checksums: bool = False
-    """tinytron's own: write checksums.json (a CRC-32 of every file); a load checks it when present."""
-    ckpt_fully_parallel_save: bool = True
-    """Spread the DP-replicated tensors over the DP ranks (Megatron's default); False: DP rank 0."""
-    thread_count: int = 1
-    """Writer threads per rank (files __R_0 … __R_{n-1}.distcp)."""
-    data_parallel_random_init: bool = False
-    """The DP ranks draw different streams: save every DP rank's RNG state (else DP rank 0's)."""
-    keep_latest_k: int = 0
-    """After each save keep only the k newest iter_* directories (torchtitan's name); 0 = keep all."""
-
-    def __post_init__(self):
-        check_checkpoint_config(self, ASYNC_MODES)   # one-line ValueErrors (_checks.py)
-
-
-# %% [markdown]
-# The range checks of these options (a format that is neither `torch_dist` nor `torch`, an
-# async save of the legacy format, which Megatron refuses too, `checkpointing.py:598`, an unknown
-# `async_mode`, `thread_count < 1`) are one-line `ValueError`s naming the option, in the
-# chapter's private module `tinytron.checkpoint._checks`
-# (`chapters/03_checkpoint/_checks.py`).
-#
-# A load hands the loop back its `TrainState` (chapter 01): iteration, consumed and skipped
-# samples, FLOPs so far. This package is importable without the loop, so a stand-in with the
-# same fields and the same `state_dict()`, `TrainStateFallback`
-# (`_resume_plumbing.py`), takes its place when the loop is not there.
-
 # %% [markdown]
 # ## Every random number generator
 #
@@ -266,13 +185,11 @@ def check_model_config(saved: dict | None, config, where) -> None:
 # legacy format carries none (`:809-816`). `_rerun_state` and `_rerun_object`
 # (`_resume_plumbing.py`) build the two parts.
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
+# <details><summary>Megatron detail: the per-rank rerun content</summary>
 # The per-rank part is chapter 08's `state_dict()`, not Megatron's dict
 # (`rerun_state_machine.py:858-871`): tinytron's machine keeps its flags in its own layout, so
 # the object has Megatron's key and shape, `(world,)` at `(rank,)`, but its own content.
-#
-# </div>
+# </details>
 
 # %% [markdown]
 # A `torch_dist` save is one DCP request, and `_save_request` lists what goes into it: the
@@ -325,6 +242,25 @@ def _save_request(manager, staging, state, chunks, optimizer, scheduler) -> Save
 # per-(PP, TP) objects, the legacy save (every rank writes its file, the first error is agreed
 # on, rank 0 commits) and `finalize`, which hands over to the [background saver](async_save.py)
 # and logs the blocking and background seconds of a completed save.
+#
+# A synchronous `torch_dist` save runs the request's three phases at once (plan, write,
+# finalize) and records the seconds training was blocked.
+
+# %%
+def _save_sync(manager, request: SaveRequest, commit, iteration: int, t0: float) -> dict:
+    """Plan, write and finalize `request` now; raise CheckpointSaveError on failure."""
+    request.plan()
+    error = request.finalize(request.write(), commit)
+    if error:
+        raise CheckpointSaveError(error)
+    stats = {"label": f"iteration {iteration}", "blocking_s": time.perf_counter() - t0}
+    manager.stats.append(stats)
+    return stats
+
+
+# %% [markdown]
+# The manager itself: `save` prepares the staging directory, binds the commit, and hands the
+# state to the legacy writer, the background saver or the synchronous save above.
 
 # %%
 class CheckpointManager(ManagerPlumbing):
@@ -359,13 +295,7 @@ class CheckpointManager(ManagerPlumbing):
         request = _save_request(self, staging, state, chunks, optimizer, scheduler)
         if self.config.async_save:
             return self.saver.schedule(request, commit, label=f"iteration {iteration}")
-        request.plan()
-        error = request.finalize(request.write(), commit)
-        if error:
-            raise CheckpointSaveError(error)
-        stats = {"label": f"iteration {iteration}", "blocking_s": time.perf_counter() - t0}
-        self.stats.append(stats)
-        return stats
+        return _save_sync(self, request, commit, iteration, t0)
 
     def load(self, model, optimizer=None, scheduler=None, root: str | None = None):
         """Resume from `root` (default config.load): a TrainState, or None when there is nothing."""
@@ -548,6 +478,9 @@ def _read(manager, directory, chunks, optimizer, scheduler, load_optim, finetune
 # does, and a failed load leaves the run as it was.
 
 # %%
+logger = logging.getLogger("tinytron.checkpoint")
+
+
 def _load(manager, model, optimizer, scheduler, root):
     """CheckpointManager.load."""
     cfg = manager.config
@@ -584,6 +517,85 @@ def _load(manager, model, optimizer, scheduler, root):
         logger.info("loaded %s (iteration %d)", directory, iteration)
     return state
 
+
+# %% [markdown]
+# ## The options
+#
+# Every choice made above (the format, async or not, what to skip on save and on load, which
+# iteration to read) comes from one record of options, read by the manager and the load.
+# Megatron's names and defaults (`megatron/training/config/training_config.py`, the
+# checkpoint options), the ones tinytron implements. `data_parallel_random_init` is Megatron's
+# training flag, here only for what it changes in a checkpoint: every DP rank's RNG state is
+# saved, not just DP rank 0's (`checkpointing.py:382-391`).
+#
+# <details><summary>Megatron detail: three options of tinytron's own</summary>
+# Three options are tinytron's own: `async_mode`, how the background writer takes its snapshot,
+# and `async_timeout_s`, how long a save waits for that writer before it fails
+# ([saving in the background](async_save.py)); and `crc_checksums`, a `checksums.json` with
+# every file's CRC-32 that a load then checks. It is off by default, so that a default save is
+# file for file what Megatron-Core writes. Megatron has a flag of its own for this,
+# `verify_integrity` (off by default, `training_config.py:596`), which writes a SHA-256
+# manifest `integrity.json` after `metadata.json` (`serialization.py:409-424`); tinytron does
+# not implement that one.
+# </details>
+
+# %%
+@dataclass
+class CheckpointConfig:
+    """Checkpoint options (Megatron's names where Megatron has them)."""
+
+    save: str | None = None
+    """Root directory to save to (None = never save)."""
+    load: str | None = None
+    """Root directory to resume from (None = start fresh)."""
+    ckpt_format: str = "torch_dist"
+    """'torch_dist' (sharded, reshardable) or 'torch' (legacy, one file per TP/PP rank)."""
+    async_save: bool = False
+    """Write in the background; only with torch_dist."""
+    async_mode: str = "process"
+    """'process' (fork: copy-on-write snapshot) or 'thread' (clone, then write from a thread)."""
+    async_timeout_s: float = WRITER_TIMEOUT_S
+    """tinytron's own: the longest wait for a background writer, then the save fails."""
+    no_save_optim: bool = False
+    """Do not save the optimizer state."""
+    no_save_rng: bool = False
+    """Do not save the RNG states."""
+    no_load_optim: bool = False
+    """Do not load the optimizer state (fp32 masters are re-derived from the weights)."""
+    no_load_rng: bool = False
+    """Do not restore the RNG states."""
+    finetune: bool = False
+    """Load weights only: iteration, progress, optimizer and RNG start fresh."""
+    ckpt_step: int | None = None
+    """Load this iteration instead of the tracker's."""
+    exit_on_missing_checkpoint: bool = False
+    """Raise when `load` is set but holds no checkpoint (default: start fresh)."""
+    crc_checksums: bool = False
+    """tinytron's own: write checksums.json (a CRC-32 of every file); a load checks it when present."""
+    ckpt_fully_parallel_save: bool = True
+    """Spread the DP-replicated tensors over the DP ranks (Megatron's default); False: DP rank 0."""
+    thread_count: int = 1
+    """Writer threads per rank (files __R_0 … __R_{n-1}.distcp)."""
+    data_parallel_random_init: bool = False
+    """The DP ranks draw different streams: save every DP rank's RNG state (else DP rank 0's)."""
+    keep_latest_k: int = 0
+    """After each save keep only the k newest iter_* directories (torchtitan's name); 0 = keep all."""
+
+    def __post_init__(self):
+        check_checkpoint_config(self, ASYNC_MODES)   # one-line ValueErrors (_checks.py)
+
+
+# %% [markdown]
+# The range checks of these options (a format that is neither `torch_dist` nor `torch`, an
+# async save of the legacy format, which Megatron refuses too, `checkpointing.py:598`, an unknown
+# `async_mode`, `thread_count < 1`) are one-line `ValueError`s naming the option, in the
+# chapter's private module `tinytron.checkpoint._checks`
+# (`chapters/03_checkpoint/_checks.py`).
+#
+# A load hands the loop back its `TrainState` (chapter 01): iteration, consumed and skipped
+# samples, FLOPs so far. This package is importable without the loop, so a stand-in with the
+# same fields and the same `state_dict()`, `TrainStateFallback`
+# (`_resume_plumbing.py`), takes its place when the loop is not there.
 
 # %% [markdown]
 # ## The plain API and the loop's hooks
@@ -692,4 +704,17 @@ if __name__ == "__main__":
 #
 # 1. Turn `no_load_rng` on in the demo: which of the compared quantities still agree after the
 #    resume, and which do not?
+#
+#    <details><summary>Hint</summary>The demo compares the losses, the parameters and optimizer
+#    state, the random draws and the consumed samples. With `no_load_rng`, `_read` leaves the
+#    RNG states out and `set_rng_state` is never called: ask which of the four depend on the
+#    generators' state after the resume, and whether the tiny model draws any random number in
+#    its forward.</details>
+#
 # 2. Resume with `finetune=True`: what does the loop start from, and what does the optimizer?
+#
+#    <details><summary>Answer</summary>In `_load`, `finetune` turns `load_optim` off and drops the
+#    scheduler. The loop gets a fresh `TrainState` (iteration 0, no consumed samples) that keeps
+#    only `num_floating_point_operations_so_far`. The optimizer state is not read, so
+#    `rederive_masters` starts the fp32 masters from the loaded weights, with fresh moments.</details>
+

@@ -87,6 +87,11 @@ class ShardedTensor:
     """Only main replicas are written; every replica is read."""
 
 
+# %% [markdown]
+# Small objects that are not tensors (the RNG states, Megatron's `_extra_state`) are stored
+# once per offset of a small grid, under a key that spells out the offset and the shape.
+
+# %%
 @dataclass
 class ShardedObject:
     """A picklable object stored once per offset of a small grid (e.g. RNG per (pp, tp))."""
@@ -104,6 +109,12 @@ class ShardedObject:
                 f"{'.'.join(map(str, self.global_shape))}")
 
 
+# %% [markdown]
+# The key of a parameter: layer parameters lose their layer index (it becomes the offset on the
+# stacked layer axis), and the two layer norms take the names of the TE layers that hold them
+# in Megatron.
+
+# %%
 _RENAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
             "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 _LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
@@ -131,6 +142,32 @@ def sharded_key(global_name: str) -> tuple[str, int | None]:
 # local tensor is $[128, 64]$ (64 gate rows, 64 up rows); `boxes((0, 0), (128, 64))` gives
 # `(0, 0), (64, 64)` → global `(3, 64, 0)` and `(64, 0), (64, 64)` → global `(3, 192, 0)`,
 # both of global shape $[L, 256, 64]$.
+#
+# The part that needs care is the TP axis: a local box is cut where the local tensor passes
+# from one piece (gate, up) to the next, and each part is moved to where this TP rank's rows of
+# that piece sit in the global tensor.
+
+# %%
+def _tp_parts(layout: TensorLayout, offset: tuple, size: tuple) -> list[tuple]:
+    """[(local_offset, size, global_offset)] of a local box, cut at the pieces of the TP axis."""
+    d, c = layout.dim, layout.chunks
+    block = layout.full_shape[d] // (layout.tp * c)   # local rows of one piece
+    start, end, parts = offset[d], offset[d] + size[d], []
+    while start < end:
+        k = start // block
+        stop = min(end, (k + 1) * block)
+        g = k * (layout.full_shape[d] // c) + layout.tp_rank * block + (start - k * block)
+        lo = offset[:d] + (start,) + offset[d + 1:]
+        sz = size[:d] + (stop - start,) + size[d + 1:]
+        go = offset[:d] + (g,) + offset[d + 1:]
+        parts.append((lo, sz, go))
+        start = stop
+    return parts
+
+
+# %% [markdown]
+# The layout itself: what it knows about one parameter, and `boxes`, which adds the layer axis
+# to the parts.
 
 # %%
 @dataclass
@@ -153,24 +190,9 @@ class TensorLayout:
         if self.dim is None or self.tp == 1:
             parts = [(offset, size, offset)]
         else:
-            parts = self._split(offset, size)
+            parts = _tp_parts(self, offset, size)
         if self.layer is not None:
             parts = [(lo, (1,) + sz, (self.layer,) + go) for lo, sz, go in parts]
-        return parts
-
-    def _split(self, offset, size):
-        d, c = self.dim, self.chunks
-        block = self.full_shape[d] // (self.tp * c)   # local rows of one piece
-        start, end, parts = offset[d], offset[d] + size[d], []
-        while start < end:
-            k = start // block
-            stop = min(end, (k + 1) * block)
-            g = k * (self.full_shape[d] // c) + self.tp_rank * block + (start - k * block)
-            lo = offset[:d] + (start,) + offset[d + 1:]
-            sz = size[:d] + (stop - start,) + size[d + 1:]
-            go = offset[:d] + (g,) + offset[d + 1:]
-            parts.append((lo, sz, go))
-            start = stop
         return parts
 
 
@@ -206,6 +228,11 @@ def param_layouts(model, grid) -> dict:
     return out
 
 
+# %% [markdown]
+# Each layout then cuts the parameter (or any tensor of the same shape, such as an Adam moment)
+# into `ShardedTensor` views, one per box, marked main on DP rank 0 unless the copy is a replica.
+
+# %%
 def model_sharded_state_dict(model, grid, tensors=None) -> list[ShardedTensor]:
     """The model's chunks as ShardedTensors (views of `tensors[p]`, default the params)."""
     dp_main = grid.rank("dp_cp") == 0
@@ -221,6 +248,11 @@ def model_sharded_state_dict(model, grid, tensors=None) -> list[ShardedTensor]:
     return items
 
 
+# %% [markdown]
+# And Megatron's `_extra_state` entries, one `None` per linear layer and layer, written by
+# DP rank 0 of TP rank 0.
+
+# %%
 def extra_state_objects(model, grid) -> list[ShardedObject]:
     """Megatron's empty `_extra_state` object of each linear layer, one per layer."""
     main = grid.rank("dp_cp") == 0 and grid.rank("tp") == 0
@@ -334,4 +366,16 @@ if __name__ == "__main__":
 #
 # 1. Which key would a Mixture-of-Experts layer need for its expert weights so that the expert
 #    parallel size can change between save and load?
+#
+#    <details><summary>Hint</summary>Follow what `sharded_key` and `TensorLayout` do with the layer
+#    index: it leaves the key and becomes an offset on a stacked axis. Ask what plays that part for
+#    an expert when each EP rank holds a different subset of the experts, and look at how
+#    Megatron's MoE layers build their sharded state dict in `megatron/core/transformer/moe/`.</details>
+#
 # 2. Why can `linear_fc1`'s TP chunk not be stored as one contiguous chunk of $[2f, h]$?
+#
+#    <details><summary>Answer</summary>The global rows are all gate rows, then all up rows. TP rank
+#    $r$ of $t$ holds gate rows $[rf/t, (r+1)f/t)$ and up rows $[f + rf/t, f + (r+1)f/t)$. In the
+#    worked example ($f = 128$, $t = 2$, rank 1) that is rows 64–128 and 192–256: two boxes with
+#    rows of rank 0 between them, which is why `boxes` returns two.</details>
+

@@ -76,16 +76,14 @@ __all__ = ["SaveRequest", "distribute_main_replicas", "read_sharded", "read_comm
 #   W1 --> F
 # ```
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
+# <details><summary>Megatron detail: common.pt in the write phase, and optional checksums</summary>
 # Megatron writes `common.pt` in the training process, before the sharded save starts
 # (`megatron/core/dist_checkpointing/serialization.py:399`); tinytron moves it to the write
 # phase, so that an async save writes it in the background with the rest. And with
 # `crc_checksums` the write stream also computes a CRC-32 of every byte written: DCP stores no
 # checksums, and `torch.load` does not notice a flipped byte inside a tensor. The option is
 # tinytron's own and off by default, so that a default save is file for file Megatron-Core's.
-#
-# </div>
+# </details>
 #
 # Worked example, the tiny model at TP 1: 15 chunks (the untied model's 9 keys, 6 of them
 # stacked with one chunk per layer) and 8 `_extra_state` objects become one `__0_0.distcp` of
@@ -353,6 +351,25 @@ class SaveRequest:
 # rank reads its share).
 # Then DCP's loader reads the chunks; an error inside it is reported with the file that was
 # being read.
+#
+# The planner asks DCP for one box per `ShardedTensor`; each request is first checked against
+# the index, by key and global shape.
+
+# %%
+def _tensor_meta(md: dict, t: ShardedTensor, where: Path) -> TensorStorageMetadata:
+    """The index entry of one requested tensor; ValueError if its key or global shape differ."""
+    meta = md.get(t.key)
+    if not isinstance(meta, TensorStorageMetadata):
+        raise ValueError(f"{where}: the checkpoint has no tensor {t.key!r}")
+    if tuple(meta.size) != tuple(t.global_shape):
+        raise ValueError(f"{where}: {t.key!r} has global shape {tuple(meta.size)} in "
+                         f"the checkpoint, the model needs {tuple(t.global_shape)}")
+    return meta
+
+
+# %% [markdown]
+# DCP's default load planner with our boxes: `resolve_tensor` hands DCP the destination view of
+# each read, and objects are unpickled as they arrive.
 
 # %%
 class _LoadPlanner(DefaultLoadPlanner):
@@ -366,12 +383,7 @@ class _LoadPlanner(DefaultLoadPlanner):
     def create_local_plan(self) -> LoadPlan:
         md, items = self.metadata.state_dict_metadata, []
         for t in self.tensors:
-            meta = md.get(t.key)
-            if not isinstance(meta, TensorStorageMetadata):
-                raise ValueError(f"{self.where}: the checkpoint has no tensor {t.key!r}")
-            if tuple(meta.size) != tuple(t.global_shape):
-                raise ValueError(f"{self.where}: {t.key!r} has global shape {tuple(meta.size)} in "
-                                 f"the checkpoint, the model needs {tuple(t.global_shape)}")
+            meta = _tensor_meta(md, t, self.where)
             self.dest[(t.key, tuple(t.global_offset))] = t.data
             box = ChunkStorageMetadata(torch.Size(t.global_offset), torch.Size(t.data.shape))
             items += create_read_items_for_chunk_list(t.key, meta, [box])
@@ -463,6 +475,11 @@ def read_sharded(directory: Path, tensors: list[ShardedTensor], objects: list[Sh
     return planner.loaded
 
 
+# %% [markdown]
+# `read_common` reads the rest of the directory, `common.pt`, with the same care: a missing or
+# unreadable file is a `ValueError` naming it.
+
+# %%
 def read_common(directory: Path) -> dict:
     """common.pt of a torch_dist directory (weights_only), or ValueError naming it."""
     path = Path(directory) / COMMON_FILENAME
@@ -481,15 +498,19 @@ def read_common(directory: Path) -> dict:
 # writes a `torch_dist` directory exactly like Megatron-Core's
 # `dist_checkpointing.save(model.sharded_state_dict(), path)` — an empty `common.pt`, the tensors,
 # `.metadata`, `metadata.json`, the same four file names (a test compares them with megatron-core
-# 0.16.1's save; its default of two writer threads per rank, `__0_0.distcp` and `__0_1.distcp`, is
-# `thread_count=2` here, while Megatron at e03878b5f writes one,
-# `megatron/core/dist_checkpointing/strategies/torch.py:600`) — or, with `format="torch"`, one
+# 0.16.1's save) — or, with `format="torch"`, one
 # legacy `model_optim_rng.pt` per (TP, PP) position. `load_model_weights(path, model)` reads
 # either format (a root with a tracker or an iteration directory) into a model on **any** layout
 # for `torch_dist`. Call both on every rank of the model. Two helpers are bookkeeping, in
 # `_dcp_files.py`: `_model_dir` (the path itself when it is an iteration
 # directory, else the one its tracker names) and `_layout_args` (the model config and the
 # layout, the `args` a legacy file carries).
+#
+# <details><summary>Megatron detail: one or two files per rank</summary>
+# megatron-core 0.16.1's default of two writer threads per rank, `__0_0.distcp` and
+# `__0_1.distcp`, is `thread_count=2` here, while Megatron at e03878b5f writes one,
+# `megatron/core/dist_checkpointing/strategies/torch.py:600`.
+# </details>
 
 # %%
 def save_model_weights(model, path, grid=None, format: str = "torch_dist",
@@ -570,6 +591,13 @@ if __name__ == "__main__":
 
     config = tiny_config(tie_embeddings=False)
     model = GPTModel(config)
+
+# %% [markdown]
+# The save, the index, the plain `torch.save` copy, the reload into a fresh model and the
+# flipped byte all happen in one temporary directory.
+
+# %%
+if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp:
         save_model_weights(model, tmp)
         print("files:", sorted(os.listdir(tmp)))
@@ -629,4 +657,16 @@ if __name__ == "__main__":
 #
 # 1. Make two ranks both write TP rank 0's norm and read the error DCP's global-plan validation
 #    gives. Which Megatron check corresponds to it?
+#
+#    <details><summary>Hint</summary>`is_main` on a `ShardedTensor` decides who writes a chunk;
+#    set it on two ranks for the same box and let DCP's global plan reject the overlap. On
+#    Megatron's side, look at the sharding-integrity validation in `validation.py`, cited
+#    above.</details>
+#
 # 2. With `thread_count=2`, how are the chunks split between `__R_0.distcp` and `__R_1.distcp`?
+#
+#    <details><summary>Answer</summary>`dcp.FileSystemWriter` splits the rank's write items with
+#    `_split_by_size_and_type` (`torch/distributed/checkpoint/filesystem.py`): the objects go to the
+#    two files in turn, and the tensors, largest first, each go to the file with fewer bytes so
+#    far. The two files end up about the same size.</details>
+
