@@ -315,7 +315,7 @@ def activation_peak(cfg: MemoryConfig, pp_rank: int, leave_out: tuple[str, ...] 
 # |---|---|---|---|---|
 # | 1F1B, stage 0 | 2 | 22.01 GiB | backward of micro-batch 0 | $2 \cdot 10.876$ + the backward's 0.26 GiB transient |
 # | 1F1B, stage 1 | 1 | 17.85 GiB | forward of micro-batch 0 | $12.926$ + the cross-entropy chain's 4.92 GiB |
-# | interleaved ($v = 2$), stage 0 | 5 | 27.45 GiB | backward of chunk 1, micro-batch 0 | 5 chunk-micro-batches of about 5.44 GiB + 0.26 GiB |
+# | interleaved ($v = 2$), stage 0 | 5 | 27.45 GiB | backward of chunk 1, micro-batch 1 | 5 chunk-micro-batches of about 5.44 GiB + 0.26 GiB |
 # | interleaved ($v = 2$), stage 1 | 3 | 23.32 GiB | forward of chunk 1, micro-batch 0 | 23.29 GiB of activations + 0.03 GiB of p2p buffers |
 #
 # Two things follow. The first stage holds the most under 1F1B ($p - r = 2$ micro-batches

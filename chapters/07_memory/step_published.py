@@ -382,6 +382,5 @@ if __name__ == "__main__":
 #
 #    <details><summary>Answer</summary>`Links(law=LAWS["A100"], network=25e9)`: a 1.94 s
 #    step instead of 0.78 s, 203.8 TFLOP/s per GPU instead of 504.6, or 65% of the A100's
-#    312 TFLOP/s. Compute is 1.87 s of it; the slower NICs expose only 9.4 ms of
-#    reduce-scatter and 26.6 ms of all-gather, because the longer compute gives the transfers
-#    longer windows.</details>
+#    312 TFLOP/s. Compute is 1.87 s of it; the slower NICs expose 9.4 ms of reduce-scatter
+#    and 26.6 ms of all-gather (4.7 and 19.9 ms on the H100 row).</details>
