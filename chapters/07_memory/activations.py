@@ -165,6 +165,11 @@ class Dims:
                    f_t=m.ffn_hidden_size // t, v_t=m.vocab_size // t, P=cfg.param_bytes)
 
 
+# %% [markdown]
+# Which kernel runs: the one the config names, or else the one torch would pick for this
+# layer's call, with the reason, so that a surprising pick can be read rather than guessed.
+
+# %%
 def attention_kernel(cfg: MemoryConfig) -> str:
     """The SDPA kernel that runs: flash, efficient, cudnn or math (see `attention_kernel_why`)."""
     return attention_kernel_why(cfg)[0]
@@ -180,6 +185,11 @@ def attention_kernel_why(cfg: MemoryConfig) -> tuple[str, str]:
                                 masked=cfg.context_parallel_size > 1))
 
 
+# %% [markdown]
+# Two small rules the rows below share: how wide a dropout mask is on each device, and what
+# a norm keeps for its backward.
+
+# %%
 def dropout_mask_bytes(cfg: MemoryConfig, input_bytes: int) -> int:
     """Bytes per element of the mask `F.dropout` keeps: a bool on CUDA, the input's dtype on CPU."""
     return 1 if cfg.device == "cuda" else input_bytes
@@ -507,9 +517,12 @@ def chunk_saved(cfg: MemoryConfig, pp_rank: int, chunk: int) -> dict[str, list[S
 # $512 - 8 - 32 + 224 = 696$ MiB. The SwiGLU row is a difference of the formula, not of the
 # implementation alone: Megatron's own fused SwiGLU keeps fc1's $2f$ output and fc2's input,
 # $6f/h = 21$ units (+112 MiB over its formula); this model also keeps $\mathrm{silu}$ of the
-# gate for the backward (+112 MiB more, B.3). Before the norms and the SP linears kept what
-# Megatron's keep, the layer held 888.0 MiB: fp32 norm inputs and the normalized outputs
-# (+64 MiB per norm) and the gathered linear inputs (+32 MiB each).
+# gate for the backward (+112 MiB more, B.3).
+#
+# <details><summary>Megatron detail: the layer before the norms matched</summary>
+# Before the norms and the SP linears kept what Megatron's keep, the layer held 888.0 MiB:
+# fp32 norm inputs and the normalized outputs (+64 MiB per norm) and the gathered linear
+# inputs (+32 MiB each).</details>
 #
 # On stage 0's 16 layers and one micro-batch the modes give 10.88 GiB with no recompute and
 # with selective recompute alike (flash saves no $s^2$ term, so selective recompute of core
@@ -524,8 +537,6 @@ def chunk_saved(cfg: MemoryConfig, pp_rank: int, chunk: int) -> dict[str, list[S
 
 # %%
 if __name__ == "__main__":
-    import matplotlib.pyplot as plt
-
     from tinytron.model.config import llama_7b_config
 
     big = MemoryConfig(llama_7b_config(sequence_parallel=True, recompute_granularity="selective"),
@@ -543,6 +554,18 @@ if __name__ == "__main__":
     print("attention kernel: %s (%s)" % attention_kernel_why(big))
     fp32 = big.replace(bf16=False, grad_reduce_in_fp32=True)
     print("the same layer in fp32: %s (%s)" % attention_kernel_why(fp32))
+
+    rstd = 2 * 2048 * b * 4  # the two norms' 1/rms (SP slice of 2048 rows per sample)
+    assert ours - rstd == megatron_layer - 8 * 2**20 - 32 * 2**20 + 224 * 2**20  # GQA, masks, SwiGLU
+    assert attention_kernel(big) == "flash" and attention_kernel(fp32) == "math"  # 32 / 8 heads
+
+# %% [markdown]
+# Then the 16 layers of stage 0 under each recompute mode, and with all five offload regions:
+# device bytes, and the host bytes offload adds.
+
+# %%
+if __name__ == "__main__":
+    import matplotlib.pyplot as plt
 
     plain = big.model.replace(recompute_granularity=None)
     modes = {"none": plain, "selective": big.model,
@@ -565,9 +588,6 @@ if __name__ == "__main__":
     plt.show()
     for name in modes:
         print(f"{name:>16}: device {device[name]:6.2f} GiB, host {host[name]:5.2f} GiB")
-    rstd = 2 * 2048 * b * 4  # the two norms' 1/rms (SP slice of 2048 rows per sample)
-    assert ours - rstd == megatron_layer - 8 * 2**20 - 32 * 2**20 + 224 * 2**20  # GQA, masks, SwiGLU
-    assert attention_kernel(big) == "flash" and attention_kernel(fp32) == "math"  # 32 / 8 heads
     order = ["full, uniform 1", "offload all 5", "selective", "none"]
     assert [device[n] for n in order] == sorted(device.values())
 
@@ -598,5 +618,17 @@ if __name__ == "__main__":
 #
 # 1. Make `ColumnParallelLinear` save only its local slice under SP and all-gather it in
 #    backward. Which rows of the table change, and by how much at TP 8?
+#
+#    <details><summary>Answer</summary>The model already does this (B.3): the rows are the
+#    `linear_qkv` and `linear_fc1` inputs. Gathered, each is $sbh$ elements in bf16, 64 MiB at
+#    any $t$; the local slice is $64/t$ MiB, 8 MiB at TP 8. So 56 MiB less per linear, 112 MiB
+#    per layer (at TP 2 the same rule gives the 32 MiB each of the note above).</details>
 # 2. Which offload region frees the most device memory per layer of the running example, and
 #    why does `attn_proj` alone free nothing?
+#
+#    <details><summary>Answer</summary>`core_attn`: 88 MiB of the layer's 696 MiB (q 32, k 8
+#    and the whole 48 MiB QKV output, which leaves with v since v is a view of it; only 48 MiB
+#    is copied to the host). `attn_norm`, `qkv_linear` and `mlp_norm` free 32 MiB each.
+#    `attn_proj` saves core attention's output, which the attention kernel saves too: the
+#    storage leaves only when both holders are offloaded (`_offloaded`), which is why the
+#    config refuses `attn_proj` without `core_attn`. Together they free 120 MiB.</details>

@@ -144,6 +144,12 @@ def resolve_device(configured: str, flag: str | None = None) -> tuple[str, str]:
                    "would run on the CPU; --device picks another")
 
 
+# %% [markdown]
+# Then the translation itself: the layout sizes, the micro-batches per step from the global
+# batch, and the precision and optimizer switches under the ledger's names. The running
+# example is the same translation written out once.
+
+# %%
 def memory_config_from(train, world_size: int, device: str | None = None) -> MemoryConfig:
     """A MemoryConfig from the trainer's TrainConfig (tinytron.config) and a world size."""
     from tinytron.config import ConfigError
@@ -227,6 +233,11 @@ class Hardware:
                      gpus_per_node=self.gpus_per_node)
 
 
+# %% [markdown]
+# `step_time` runs 07.8's model with the search's switches and sums its items into the parts
+# the search prints; what the parts leave over is the compute time NCCL takes from the SMs.
+
+# %%
 def step_time(cfg: MemoryConfig, hw: Hardware = Hardware(),
               buffer_elements: int | None = None) -> dict[str, float]:
     """Seconds per iteration by part: compute, bubble, and the exposed tp, cp, dp, pp, optimizer."""
@@ -300,6 +311,11 @@ def _divides_model(model, tp: int) -> bool:
                                      model.ffn_hidden_size, model.vocab_size))
 
 
+# %% [markdown]
+# `candidate_layouts` applies those filters and yields each layout that passes, once per
+# micro-batch size, interleaving, optimizer and recompute choice.
+
+# %%
 def candidate_layouts(base: MemoryConfig, gpus: int, global_batch_size: int,
                       hw: Hardware = Hardware()) -> Iterator[MemoryConfig]:
     """Every layout of the search space that can be cut and fills `gpus` ranks exactly."""
@@ -487,20 +503,29 @@ def peak_parts(cfg: MemoryConfig, pp_rank: int) -> dict:
 # difference to within floating-point rounding: the test holds them to a byte.
 
 # %%
-def megatron_gap(cfg: MemoryConfig, pp_rank: int, dp_rank: int = 0) -> dict:
-    """Ledger − Megatron on one stage: the totals, and named terms (bytes) that add up to it."""
-    led = rank_ledger(cfg, pp_rank, dp_rank)
-    meg = megatron_theoretical_memory(megatron_args_from(cfg), cfg.num_microbatches)
+def _resident_terms(cfg: MemoryConfig, pp_rank: int, led: RankLedger, meg: dict) -> dict:
+    """The four resident terms of the gap: parameters, padding, bytes per parameter, optimizer."""
     bpp = 6 + 12 / cfg.data_parallel_size if cfg.use_distributed_optimizer else 18
     layouts = buffer_layouts(cfg, pp_rank)
     n = sum(p.count for params, _ in layouts for p in params)
     padded = sum(layout.numel for _, layout in layouts)
     d = led.device
-    terms = {"params": n * bpp - meg["weight_and_optimizer"],
-             "padding": (d["weights"] - cfg.param_bytes * n) + cfg.grad_bytes * (padded - n),
-             "bytes_per_param": (cfg.param_bytes + cfg.grad_bytes - 6) * n,
-             "optimizer": d["master_params"] + d["optimizer_state"] + d["fp32_grad_copies"]
-             - (bpp - 6) * n}
+    return {"params": n * bpp - meg["weight_and_optimizer"],
+            "padding": (d["weights"] - cfg.param_bytes * n) + cfg.grad_bytes * (padded - n),
+            "bytes_per_param": (cfg.param_bytes + cfg.grad_bytes - 6) * n,
+            "optimizer": d["master_params"] + d["optimizer_state"] + d["fp32_grad_copies"]
+            - (bpp - 6) * n}
+
+# %% [markdown]
+# `megatron_gap` starts from those four, then sorts the tensors of the chunks in flight at the
+# peak into the activation terms and subtracts Megatron's piece for each.
+
+# %%
+def megatron_gap(cfg: MemoryConfig, pp_rank: int, dp_rank: int = 0) -> dict:
+    """Ledger − Megatron on one stage: the totals, and named terms (bytes) that add up to it."""
+    led = rank_ledger(cfg, pp_rank, dp_rank)
+    meg = megatron_theoretical_memory(megatron_args_from(cfg), cfg.num_microbatches)
+    terms = _resident_terms(cfg, pp_rank, led, meg)
     parts, pieces = peak_parts(cfg, pp_rank), _megatron_pieces(cfg)
     ranges = stage_layer_ranges(cfg.model.num_layers, cfg.pipeline_model_parallel_size,
                                 cfg.num_chunks, pp_rank)
@@ -590,12 +615,15 @@ if __name__ == "__main__":
 # micro-batch of its 16 layers at its peak, so the in-flight line gives back 8,192 MiB (16
 # times 512). In exchange the formula has no head for $p > 1$: the fp32 cross-entropy
 # softmax, $4 b s V/t$ = 2,004 MiB, the final norm, output-layer input and targets (96.12
-# MiB; the output layer's input is the gathered sequence, 64 MiB, where Megatron's
-# column-parallel output layer keeps the 32 MiB slice) and, largest, the 5,042 MiB transient of the cross-entropy chain (bf16 logits, their
+# MiB) and, largest, the 5,042 MiB transient of the cross-entropy chain (bf16 logits, their
 # fp32 copy, the shifted logits and their exponential, 07.4) — the moment stage 1 peaks in.
 # The stage input it received (32 MiB) is kept too. Net: +1,862.57 MiB. The ledger's numbers
 # are themselves a model, checked against two meters on a CPU in 07.6; what this table shows
 # is where the two models differ and by how much, not which one a GPU would confirm.
+#
+# <details><summary>Megatron detail: the output layer's input</summary>
+# Of the head's 96.12 MiB, the output layer's input is the gathered sequence, 64 MiB, where
+# Megatron's column-parallel output layer keeps the 32 MiB slice.</details>
 #
 # The README's CPU job shows the other kind of term. `tinytron-memory --config
 # configs/tiny.toml` (no `--world-size`: one rank, and it says so; `device = "auto"` on a
@@ -692,6 +720,11 @@ def _bar(led: RankLedger, scale: float, width: int = 60) -> str:
     return "".join(_LETTERS[k] * round(v / scale) for k, v in led.device.items())[:width + 5]
 
 
+# %% [markdown]
+# `format_ledgers` writes the printed page: the layout, the assumptions, each stage's terms
+# and bar, Megatron's two numbers, and the gap table.
+
+# %%
 def format_ledgers(cfg: MemoryConfig, dp_rank: int = 0, why: dict | None = None) -> str:
     """The assumptions, the first and last stage's ledgers, Megatron's estimate and the gap."""
     ledgers = stage_ledgers(cfg, dp_rank)
@@ -715,6 +748,10 @@ def format_ledgers(cfg: MemoryConfig, dp_rank: int = 0, why: dict | None = None)
     return "\n".join(lines + format_gap(cfg, dp_rank))
 
 
+# %% [markdown]
+# `_ledger_json` carries the same content for programs, every term in bytes.
+
+# %%
 def _ledger_json(cfg: MemoryConfig, dp_rank: int, why: dict | None = None) -> dict:
     """Machine-readable: every stage's terms in bytes, Megatron's estimate, the gap by term."""
     meg = megatron_theoretical_memory(megatron_args_from(cfg), cfg.num_microbatches)
@@ -798,6 +835,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# %% [markdown]
+# `_config_from_args` builds the `MemoryConfig` the flags name, the example or a TOML file
+# with overrides, and records where the world size, the device and the batch came from.
+
+# %%
 def _config_from_args(args, overrides: list[str]) -> tuple[MemoryConfig, dict]:
     """The MemoryConfig the command works on (the example, or the TOML file plus overrides),
     and where its world size, device and batch came from."""
@@ -837,6 +879,31 @@ def _config_from_args(args, overrides: list[str]) -> tuple[MemoryConfig, dict]:
 # can call `main([...])` and read the same stdout, stderr and exit status a user sees.
 
 # %%
+def _print_search(cfg: MemoryConfig, why: dict, args) -> None:
+    """`--search`: the fastest layouts that fit, as a table or (with --json) for programs."""
+    budget = args.gpu_memory or "80GiB"
+    gpus = args.gpus or cfg.world_size
+    gbs = args.global_batch_size or cfg.micro_batch_size * cfg.data_parallel_size \
+        * cfg.num_microbatches
+    t0 = time.perf_counter()
+    found = search_layouts(cfg, gpus, parse_bytes(budget), gbs, top=args.top or 10)
+    if args.json:  # the ranked layouts alone, for programs
+        print(json.dumps([{"layout": f["layout"], "peak_bytes": f["peak_bytes"],
+                           "step_time": step_time_json(f["config"])} for f in found]))
+        return
+    print(assumption_lines(cfg, why)[1].split(";")[0] + f"; {gpus} GPUs ("
+          + ("--gpus" if args.gpus else "the world size") + ")")
+    print(f"{len(found)} fastest layouts of {gpus} GPUs that fit {budget} "
+          f"(global batch {gbs}); searched in {time.perf_counter() - t0:.2f} s")
+    for i, f in enumerate(found, 1):
+        print(f"{i:>3}. {f['layout']:<55} peak {f['peak_bytes'] / 2**30:6.1f} GiB   "
+              f"step ~{f['time']['total']:.2f} s")
+
+# %% [markdown]
+# `_run` checks that the search-only flags come with `--search`, then either searches or
+# prints the ledger (and draws it with `--plot`).
+
+# %%
 def _run(argv: Sequence[str] | None) -> None:
     """Parse, build, print (or search); raises ValueError with a one-line message."""
     args, overrides = _parser().parse_known_args(argv)
@@ -847,23 +914,7 @@ def _run(argv: Sequence[str] | None) -> None:
     if search_only and not args.search:
         raise ValueError(f"{', '.join(search_only)} only apply with --search")
     if args.search:
-        budget = args.gpu_memory or "80GiB"
-        gpus = args.gpus or cfg.world_size
-        gbs = args.global_batch_size or cfg.micro_batch_size * cfg.data_parallel_size \
-            * cfg.num_microbatches
-        t0 = time.perf_counter()
-        found = search_layouts(cfg, gpus, parse_bytes(budget), gbs, top=args.top or 10)
-        if args.json:  # the ranked layouts alone, for programs
-            print(json.dumps([{"layout": f["layout"], "peak_bytes": f["peak_bytes"],
-                               "step_time": step_time_json(f["config"])} for f in found]))
-            return
-        print(assumption_lines(cfg, why)[1].split(";")[0] + f"; {gpus} GPUs ("
-              + ("--gpus" if args.gpus else "the world size") + ")")
-        print(f"{len(found)} fastest layouts of {gpus} GPUs that fit {budget} "
-              f"(global batch {gbs}); searched in {time.perf_counter() - t0:.2f} s")
-        for i, f in enumerate(found, 1):
-            print(f"{i:>3}. {f['layout']:<55} peak {f['peak_bytes'] / 2**30:6.1f} GiB   "
-                  f"step ~{f['time']['total']:.2f} s")
+        _print_search(cfg, why, args)
         return
     if not 0 <= args.dp_rank < cfg.data_parallel_size * cfg.context_parallel_size:
         raise ValueError(f"--dp-rank must be in [0, "
@@ -879,7 +930,11 @@ def _run(argv: Sequence[str] | None) -> None:
         ax.figure.tight_layout()
         ax.figure.savefig(args.plot, dpi=120)
 
+# %% [markdown]
+# `main` is the console script: any `ValueError` or `OSError` becomes one line on stderr and
+# exit status 2.
 
+# %%
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `tinytron-memory`: 0, or 2 with a one-line error naming the field."""
     try:
@@ -990,5 +1045,19 @@ if __name__ == "__main__":
 #
 # 1. Give the search 40 GiB instead of 80 GiB: which mechanism appears in every layout that
 #    still fits?
+#
+#    <details><summary>Answer</summary>Model parallelism: all 1,651 layouts that fit 40 GiB
+#    cut the weights with TP or PP (at 80 GiB, 19 of the 2,124 are pure DP). Plain DP 256,
+#    even with the distributed optimizer, peaks at 69.0 GiB. The fastest left is
+#    TP4(SP)·PP1·CP1·DP64 mbs4 m4 without recompute and with the distributed optimizer:
+#    39.6 GiB, about 1.51 s.</details>
 # 2. Set `Hardware.network_bandwidth` to 25 GB/s. Does the best layout change, and why?
 #    (07.8's rules: which window does the reduce-scatter no longer fit?)
+#
+#    <details><summary>Answer</summary>No: the first five keep their order, each about
+#    0.02 s slower (exposed DP 0.012 → 0.023 s, interference 0.012 → 0.024 s); the best is
+#    still TP2(SP)·PP1·CP1·DP128 mbs4 m2, 1.52 s. Without a pipeline the reduce-scatter runs
+#    bucket by bucket behind the backward, and only the last bucket's, which has no backward
+#    left to hide behind, is exposed; halving the bandwidth doubles it. A layout with one
+#    sequence per micro-batch has a shorter backward to hide behind: TP2 mbs1 m8 exposes
+#    0.047 s and drops from sixth to seventh.</details>

@@ -72,6 +72,12 @@ class RankLedger:
         return sum(self.device.values())
 
 
+# %% [markdown]
+# A rank's ledger is the two earlier pages side by side: 07.2's resident terms for its
+# pipeline and DP rank, and 07.4's replayed peak for its pipeline rank. `stage_ledgers` takes
+# the two ends of the pipeline, where the embedding and the head make the stages differ.
+
+# %%
 def rank_ledger(cfg: MemoryConfig, pp_rank: int = 0, dp_rank: int = 0) -> RankLedger:
     """The exact ledger of pipeline rank `pp_rank`, DP (x CP) rank `dp_rank`."""
     states = state_ledger(cfg, pp_rank, dp_rank)
@@ -168,9 +174,10 @@ def plot_ledgers(ledgers: dict, ax=None, budget_bytes: float | None = None, unit
 #
 # Megatron's estimate puts 12,422,222,208 B on "weights and optimizer" for *the* most loaded
 # rank; the ledger is 12,672 B below it on the first stage and 12,672 B above it on the last
-# (Megatron spreads the final norm evenly over the stages and ignores the padding). The activations differ much more: the ledger finds what this
-# model keeps — fp32 norm inputs, full-sequence linear inputs, a $4 f_t$ SwiGLU — and adds the
-# last stage's logits, which Megatron leaves out for $p > 1$.
+# (Megatron spreads the final norm evenly over the stages and ignores the padding). The
+# activations differ much more: the ledger finds what this model keeps — a $4 f_t$ SwiGLU,
+# GQA's smaller K and V, no dropout masks (07.3's table) — and adds the last stage's logits,
+# which Megatron leaves out for $p > 1$.
 
 # %%
 if __name__ == "__main__":
@@ -317,5 +324,16 @@ if __name__ == "__main__":
 #
 # 1. Where does the last stage's peak happen in the running example, and which single change
 #    (a fused cross-entropy that never materializes fp32 logits) would lower it most?
+#
+#    <details><summary>Answer</summary>In the forward of micro-batch 0, inside the logits
+#    chain: its one micro-batch keeps 12.93 GiB (1.96 GiB of it the fp32 softmax the head keeps
+#    for backward) and the chain adds 4.92 GiB, 17.85 GiB in all. A fused cross-entropy removes
+#    the chain and, if it never keeps fp32 logits either, the softmax: up to about 6.9 GiB,
+#    leaving stage 0's 22.01 GiB further ahead.</details>
 # 2. Switch the running example to interleaving with $v = 2$. Which stage becomes the most
 #    loaded, and by how much?
+#
+#    <details><summary>Answer</summary>Stage 0 stays the most loaded: its activations go from
+#    22.01 to 27.45 GiB (5 half-stage chunks in flight, Megatron's factor 1.25), its total from
+#    33.58 to 39.02 GiB. Stage 1 grows too, from 29.42 to 34.89 GiB, with 3 chunks in flight
+#    and its peak still in the logits chain.</details>

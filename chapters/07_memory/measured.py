@@ -83,6 +83,11 @@ VALIDATION_GRID: list[dict] = [
      "m": 2},
 ]
 
+# %% [markdown]
+# The page itself runs six of those cases, one per family of layouts, and compares these
+# resident terms one by one.
+
+# %%
 DEMO_GRID: list[dict] = [{"distopt": True}, {"tp": 2, "sp": True}, {"cp": 2},
                          {"pp": 2, "m": 3}, {"pp": 2, "vpp": 2, "m": 4, "num_layers": 4},
                          {"dropout": 0.1, "offload": 0.5}]
@@ -115,6 +120,12 @@ def _label(case: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in case.items()) or "dp4"
 
 
+# %% [markdown]
+# `compare` puts each rank's measurement beside the two predictions: every state term, the
+# resident total (where Megatron has a number), the optimizer's new bytes, each chunk's kept
+# activations and the schedule's peak (Megatron's only for stage 0).
+
+# %%
 def compare(results: list[dict], predictor=predict) -> list[dict]:
     """Rows of (case, rank, term, measured, predicted, megatron) for every measured term."""
     rows = []
@@ -144,6 +155,11 @@ def compare(results: list[dict], predictor=predict) -> list[dict]:
     return rows
 
 
+# %% [markdown]
+# The summary per term is the largest and the median relative error, for the ledger and for
+# Megatron where it has a number.
+
+# %%
 def _rel(pred, meas) -> float:
     """Relative error of a prediction (0 when both are 0)."""
     return 0.0 if pred == meas else (pred - meas) / meas if meas else float("inf")
@@ -286,13 +302,17 @@ if __name__ == "__main__":
 # | forward and backward peak vs the meter | 32 / 32 | 710,464 and 636,224 (DP 4) |
 #
 # **Where they disagreed, and why.** A tracker *started after the model was built* does not
-# agree: it attributes storages that already existed to whatever first touches them. On DP 4
-# it counted 213,632 B of weights when the modules first ran, the RoPE tables passed into
-# the layers as inputs (2,048 B then, when the model cached half-width tables), and the
+# agree: it attributes storages that already existed to whatever first touches them. Started
+# before the model, the tracker has seen every storage and the two instruments agree exactly.
+#
+# <details><summary>Megatron detail: what a late tracker counted</summary>
+# On DP 4 it counted 213,632 B of weights when the modules first ran, the RoPE tables passed
+# into the layers as inputs (2,048 B then, when the model cached half-width tables), and the
 # 427,264 B fp32 grad buffer once the backward's in-place accumulation wrote into it — all of
 # it still reported alive after the backward, where the meter (which counts only what is
-# allocated inside it) reported 0. Started before the
-# model, the tracker has seen every storage and the two instruments agree exactly. What
+# allocated inside it) reported 0.</details>
+#
+# What
 # neither can see is the same for both: memory allocated inside one C++ operator that never
 # surfaces as a tensor, and on CUDA the allocator's rounding, caching and fragmentation. Both
 # count tensor bytes; neither is GPU memory.
@@ -337,5 +357,17 @@ if __name__ == "__main__":
 # ## Exercises
 #
 # 1. Add a case with `mbs=4`: which ledger term grows linearly with it, and which does not?
+#
+#    <details><summary>Answer</summary>The activations: on the DP 4 case one micro-batch
+#    keeps 422,464 B at $b = 1$ and 1,689,856 B at $b = 4$, and the peak goes from 627,264 to
+#    2,509,056 B, exactly 4 times. The resident terms (weights 213,632, grad buffer 427,264,
+#    masters 427,264, moments 854,528 B) do not move: they depend on the parameters, not the
+#    batch.</details>
 # 2. Change appendix A's column-parallel layer to save only its local SP slice (exercise 1 of
 #    page 07.3) and rerun the grid: which rows stop agreeing until the ledger is updated?
+#
+#    <details><summary>Hint</summary>The layer now does this, and 07.3's table already
+#    counts `linear_qkv` and `linear_fc1` inputs as "this rank's SP slice" (`_mlp` and the
+#    attention rows). Only activation rows can move, kept and peak, and only in the 9 cases
+#    with `sp` and `tp > 1`: each such input shrinks by $(t-1)/t$. The state rows never
+#    look at activations.</details>

@@ -80,7 +80,12 @@ _DEFAULTS = dict(
     hybrid_override_pattern=None,
 )
 
+# %% [markdown]
+# `megatron_args` merges what the caller gives over those defaults, then derives the values
+# `validate_args` would derive: `kv_channels`, the FFN width, the data-parallel size or the
+# world, and the padded vocabulary.
 
+# %%
 def megatron_args(args=None, **overrides) -> SimpleNamespace:
     """A copy of `args` (object or dict) plus overrides, with Megatron's defaults filled in."""
     given = dict(args or {}) if args is None or isinstance(args, dict) else dict(vars(args))
@@ -322,16 +327,14 @@ def compute_activation_memory_without_sp(a, num_microbatches=None) -> float:
 # `hybrid_override_pattern` onto that name (`megatron/training/arguments.py:736-747`), so
 # either name marks a hybrid model here too.
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
+# <details><summary>Megatron detail: where tinytron raises instead</summary>
 # For a hybrid model Megatron prints one line and returns `None` (`:429-431`); this function
 # raises a `ValueError` naming `hybrid_layer_pattern`, because its callers (the ledger, the
 # calculator) index the result and a `None` would surface far from its cause. tinytron
 # builds no hybrid model, so no caller in the book reaches it. With the distributed optimizer
 # and `etp · ep · p` larger than the world, Megatron divides by a zero expert DP size; this
 # function raises instead (without the distributed optimizer both return the same number).
-#
-# </div>
+# </details>
 
 # %%
 def megatron_theoretical_memory(args=None, num_microbatches=None, **overrides) -> dict:
@@ -361,8 +364,6 @@ def megatron_theoretical_memory(args=None, num_microbatches=None, **overrides) -
 
 # %%
 if __name__ == "__main__":
-    import matplotlib.pyplot as plt
-
     llama7b = dict(num_layers=32, hidden_size=4096, num_attention_heads=32,
                    group_query_attention=True, num_query_groups=8, ffn_hidden_size=14336,
                    swiglu=True, normalization="RMSNorm", padded_vocab_size=128256,
@@ -378,6 +379,16 @@ if __name__ == "__main__":
     untied = megatron_param_counts(megatron_args(llama7b, untie_embeddings_and_output_weights=True))
     print(f"parameters: {counts['total']:,.0f} tied, {untied['total']:,.0f} untied")
 
+    assert ours["weight_and_optimizer"] == 12_422_222_208
+    assert ours["activation"] == 17_213_489_152
+    assert counts["total"] == 7_504_924_672
+
+# %% [markdown]
+# Now one switch at a time. Full recompute and "no recompute" land in the same branch, and so
+# does selective recompute without SP: only SP with selective recompute reaches the first formula.
+
+# %%
+if __name__ == "__main__":
     variants = {"SP + selective": {}, "no recompute": dict(recompute_granularity=None),
                 "full recompute": dict(recompute_granularity="full"),
                 "selective, no SP": dict(sequence_parallel=False),
@@ -388,6 +399,20 @@ if __name__ == "__main__":
     for name, r in rows.items():
         print(f"{name:>17}: weights+opt {r['weight_and_optimizer_mib']:>9,.1f} MiB   activation "
               f"{r['activation_mib']:>9,.1f} MiB   via {r['branch']}")
+
+    assert rows["full recompute"]["activation"] == rows["no recompute"]["activation"], \
+        "full recompute is not modelled: it lands in the same branch as no recompute"
+    assert rows["selective, no SP"]["branch"] == "compute_activation_memory_without_sp"
+
+# %% [markdown]
+# The same six rows as bars: the recompute, SP and VPP switches move only the activation bar;
+# dropping the distributed optimizer nearly triples the weight bar (18 bytes a parameter
+# instead of 6.1875).
+
+# %%
+if __name__ == "__main__":
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 2.8))
     names = list(rows)
     ax.barh(names, [rows[n]["weight_and_optimizer"] / 2**30 for n in names],
@@ -399,13 +424,6 @@ if __name__ == "__main__":
     ax.legend(fontsize=8)
     fig.tight_layout()
     plt.show()
-
-    assert ours["weight_and_optimizer"] == 12_422_222_208
-    assert ours["activation"] == 17_213_489_152
-    assert counts["total"] == 7_504_924_672
-    assert rows["full recompute"]["activation"] == rows["no recompute"]["activation"], \
-        "full recompute is not modelled: it lands in the same branch as no recompute"
-    assert rows["selective, no SP"]["branch"] == "compute_activation_memory_without_sp"
 
 # %% [markdown]
 # ## What the estimate leaves out
@@ -439,6 +457,25 @@ if __name__ == "__main__":
 #
 # 1. Compute the estimate for the same model at TP 8 · PP 1 · DP 32. Which term grows, and why
 #    does the second formula's $10\,sbh$ not shrink with $t$?
+#
+#    <details><summary>Answer</summary>Weights and optimizer drop to 5,704.85 MiB and
+#    activations to 4,617.01 MiB (SP + selective, first formula). The term that grows is the
+#    output layer and cross-entropy, $4sbh(1 + V/h)$ = 4,336,910,336 B (517 MiB after $/t$),
+#    counted only when $p = 1$. With SP off the second formula answers 14,341.49 MiB: its
+#    $10\,sbh$ per layer (10,240 MiB over 32 layers) is the norms, dropout masks and residuals
+#    outside the TP region, which every TP rank holds whole without SP; only $24\,sbh/t$
+#    (3,072 MiB at $t = 8$) is split.</details>
 # 2. Switch to LayerNorm (`normalization="LayerNorm"`): by how many bytes does the weight term
 #    change? Compare with the bracketed numbers of the facts in chapter B.1.
+#
+#    <details><summary>Answer</summary>A LayerNorm has a bias, so each norm holds $2h$
+#    instead of $h$: 65 norms add 266,240 parameters (7,505,190,912 in all). The first stage
+#    holds $(8{,}192 \cdot 32 + 4{,}096)/2$ = 133,120 more replicated parameters, at
+#    6.1875 bytes each: the weight term grows by 823,680 B (0.79 MiB). Chapter B.1 derives
+#    the same count from a weight and a bias per norm.</details>
 # 3. Find a configuration where `min(1, m/p)` is below 1. What does the pipeline do in that case?
+#
+#    <details><summary>Answer</summary>Any $m < p$: PP 4 · DP 32 with $m = 2$ gives
+#    $2/4 = 0.5$, and the activation term halves, 8,623,554,560 B against 17,247,109,120 B at
+#    $m = 8$. The pipeline never fills: the first stage can hold at most the $m$ micro-batches
+#    that exist, and the stages wait on each other for most of the step (a large bubble).</details>

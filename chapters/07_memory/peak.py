@@ -58,19 +58,24 @@ __all__ = ["schedule_ops", "p2p_buffers", "activation_peak"]
 # timing of small buffers inside one operation.
 #
 # **Moments that hide under a larger one.** A replay that takes the maximum only shows its
-# errors where the maximum falls. At TP 1 the cross-entropy used to build the shifted logits
-# and their exponential side by side, and on most of the grid that forward chain was the peak;
-# [page A.3's](../parallel/vocab_parallel.py) single-rank loss now writes one `log_softmax`
-# output, 4 bytes per logit less, and the peak moved into the backward on several layouts,
-# where three moments had been written
-# down too small or too large. The end of a backward with the table tied on one stage holds
-# the output layer's weight gradient, the embedding's and their sum, which autograd writes
-# into a third tensor (a CP 4 case measured 196,956 B against 189,312 predicted). The block
-# method checkpoints a chunk's *first* layers, so their re-run comes after the later layers'
-# backward has freed what those kept; counting both at once put a case 10.6% too high. And a
-# re-run forks the RNG: with dropout on a CPU the tracker's three streams are snapshotted and
-# restored as new tensors, six 5,056-byte states beside the re-created activations (selective
-# core-attention and MLP recompute with dropout: 732,052 B measured, 689,408 predicted before).
+# errors where the maximum falls. At TP 1 [page A.3's](../parallel/vocab_parallel.py)
+# single-rank loss writes one `log_softmax` output, so on several layouts the peak sits in the
+# backward, and three moments there are easy to get wrong. The end of a backward with the
+# table tied on one stage holds the output layer's weight gradient, the embedding's and their
+# sum, which autograd writes into a third tensor. The block method checkpoints a chunk's
+# *first* layers, so their re-run comes after the later layers' backward has freed what those
+# kept. And a re-run forks the RNG: with dropout on a CPU the tracker's three streams are
+# snapshotted and restored as new tensors, six 5,056-byte states beside the re-created
+# activations.
+#
+# <details><summary>Megatron detail: how the three moments were found</summary>
+# The TP 1 cross-entropy used to build the shifted logits and their exponential side by side,
+# and on most of the grid that forward chain was the peak; the single `log_softmax` output,
+# 4 bytes per logit less, moved the peak into the backward on several layouts, where these
+# three moments had been written down too small or too large. The tied sum: a CP 4 case
+# measured 196,956 B against 189,312 predicted. The block re-run: counting both at once put
+# a case 10.6% too high. The RNG fork: selective core-attention and MLP recompute with
+# dropout measured 732,052 B, 689,408 predicted before.</details>
 
 # %%
 def schedule_ops(cfg: MemoryConfig, pp_rank: int,
@@ -252,6 +257,12 @@ def p2p_buffers(cfg: MemoryConfig, pp_rank: int) -> int:
     return unit
 
 
+# %% [markdown]
+# The replay proper: each `F` adds its chunk's kept bytes and runs its forward transient on
+# top; each `B` runs its backward transient, then lets go of what the chunk kept. The largest
+# sum seen, and what it was made of, is the peak.
+
+# %%
 def activation_peak(cfg: MemoryConfig, pp_rank: int, leave_out: tuple[str, ...] = ()) -> dict:
     """Replay the schedule: the most activation bytes live at once on this rank, and when.
 
@@ -304,7 +315,7 @@ def activation_peak(cfg: MemoryConfig, pp_rank: int, leave_out: tuple[str, ...] 
 # |---|---|---|---|---|
 # | 1F1B, stage 0 | 2 | 22.01 GiB | backward of micro-batch 0 | $2 \cdot 10.876$ + the backward's 0.26 GiB transient |
 # | 1F1B, stage 1 | 1 | 17.85 GiB | forward of micro-batch 0 | $12.926$ + the cross-entropy chain's 4.92 GiB |
-# | interleaved ($v = 2$), stage 0 | 5 | 27.45 GiB | backward of chunk 1, micro-batch 0 | 5 chunk-micro-batches of about 5.44 GiB + 0.26 GiB |
+# | interleaved ($v = 2$), stage 0 | 5 | 27.45 GiB | backward of chunk 1, micro-batch 1 | 5 chunk-micro-batches of about 5.44 GiB + 0.26 GiB |
 # | interleaved ($v = 2$), stage 1 | 3 | 23.32 GiB | forward of chunk 1, micro-batch 0 | 23.29 GiB of activations + 0.03 GiB of p2p buffers |
 #
 # Two things follow. The first stage holds the most under 1F1B ($p - r = 2$ micro-batches
@@ -372,4 +383,17 @@ if __name__ == "__main__":
 #
 # 1. Replay the running example with $m = 1$: which stage holds the most, and why does
 #    Megatron's $\min(1, m/p)$ factor get this case right?
+#
+#    <details><summary>Answer</summary>Stage 1, now: stage 0 holds one micro-batch,
+#    $10.876 + 0.258$ = 11.13 GiB, while stage 1 keeps its 17.85 GiB (12.926 kept + the 4.92 GiB
+#    logits chain). With $m = 1 < p$ no stage can have more than one micro-batch in flight,
+#    and $\min(1, 1/2)$ halves the first stage's two micro-batches to one, which is what the
+#    replay finds. The formula speaks only for the first stage, so it does not see that the last
+#    one is now the larger.</details>
 # 2. Double the micro-batch size and halve $m$: what happens to each stage's peak?
+#
+#    <details><summary>Answer</summary>Each about doubles: with $b = 4$, $m = 4$ stage 0
+#    peaks at 44.00 GiB ($2 \cdot 21.751$ + 0.50 GiB transient) and stage 1 at 35.70 GiB
+#    (25.853 + a 9.85 GiB logits chain). Every kept and transient term is linear in $b$, and
+#    $m = 4 \ge p$ still gives 2 and 1 micro-batches in flight, so halving $m$ saves nothing
+#    here; it only lengthens the bubble's share of the step.</details>

@@ -6,8 +6,8 @@
 # master weights and moments of chapter 02, split by the distributed optimizer and, with CPU
 # offload, between device and host. Counted to the byte, per pipeline rank and per DP rank.
 #
-# You will build: `MemoryConfig`, `chunk_params`, `buffer_layouts`, `owned_elements` and
-# `state_ledger`.
+# You will build: `chunk_params`, `buffer_layouts`, `owned_elements`, `state_ledger` and
+# `MemoryConfig`, the layout they all read.
 
 # %%
 from __future__ import annotations
@@ -27,123 +27,10 @@ __all__ = ["MemoryConfig", "ParamSpec", "chunk_params", "buffer_layouts", "owned
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 # %% [markdown]
-# ## The inputs
-#
-# Everything the ledger needs is in the trainer's config (`[model]`, `[parallel]`,
-# `[training]`, `[optimizer]`, `[ddp]`), gathered in one dataclass under Megatron's names. The
-# recompute and activation-offload switches stay where chapter 06 put them, in the model
-# config (`recompute_granularity`, `recompute_method`, `recompute_num_layers`,
-# `recompute_modules`, `fine_grained_activation_offloading`, `offload_modules`).
-# Two choices follow Megatron rather than the dataclass defaults:
-#
-# - with bf16 the gradient buffer is fp32 (`grad_reduce_in_fp32`), as Megatron forces for bf16
-#   (`--accumulate-allreduce-grads-in-fp32`, `megatron/training/arguments.py`);
-# - the DP size of the buffers and of the distributed optimizer is **DP × CP**: context-parallel
-#   ranks hold the same weights and reduce their grads together (`dp_cp` in appendix A's grid;
-#   Megatron's `get_data_parallel_group(with_context_parallel=True)`).
-
-# %% [markdown]
-# First, what the ledger derives from the fields, in a small base class of its own: the
-# recompute switches read through from the model config, the model chunks per pipeline rank,
-# the world size, and the bytes of one parameter and of one gradient element.
-
-# %%
-class _Derived:
-    """The quantities MemoryConfig derives from its fields (a base class, not a config)."""
-
-    # Recompute and activation offload are the model's switches (chapter 06, appendix B).
-    @property
-    def recompute_granularity(self) -> str | None:
-        """None, "selective" or "full" (the model config's)."""
-        return self.model.recompute_granularity
-
-    @property
-    def recompute_method(self) -> str | None:
-        """"uniform" or "block" with full recompute."""
-        return self.model.recompute_method
-
-    @property
-    def recompute_num_layers(self) -> int | None:
-        """Layers per checkpointed run (uniform) or checkpointed layers per stage (block)."""
-        return self.model.recompute_num_layers
-
-    @property
-    def recompute_modules(self) -> list[str]:
-        """What selective recompute checkpoints (default Megatron's ["core_attn"])."""
-        return self.model.recompute_modules or ["core_attn"]
-
-    @property
-    def num_chunks(self) -> int:
-        """Model chunks per pipeline rank (virtual stages; 1 without interleaving)."""
-        return self.virtual_pipeline_model_parallel_size or 1
-
-    @property
-    def world_size(self) -> int:
-        """tp · pp · cp · dp."""
-        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-                * self.context_parallel_size * self.data_parallel_size)
-
-    @property
-    def param_bytes(self) -> int:
-        """Bytes of one model parameter (2 in bf16, 4 in fp32)."""
-        return 2 if self.bf16 else 4
-
-    @property
-    def grad_bytes(self) -> int:
-        """Bytes of one main_grad element."""
-        return 4 if (self.grad_reduce_in_fp32 or not self.bf16) else 2
-
-    def replace(self, **changes) -> "MemoryConfig":
-        """A copy with some fields changed (checked again)."""
-        return dataclasses.replace(self, **changes)
-
-
-# %% [markdown]
-# Then the fields themselves.
-
-# %%
-@dataclass
-class MemoryConfig(_Derived):
-    """One training layout, everything the memory ledger needs (Megatron's names)."""
-
-    model: ModelConfig
-    """The model shape (appendix B); sequence_parallel and dropout live there."""
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: int | None = None
-    context_parallel_size: int = 1
-    data_parallel_size: int = 1
-    """DP without CP, as in Megatron: world = tp · pp · cp · dp."""
-    micro_batch_size: int = 1
-    num_microbatches: int = 1
-    """Micro-batches per step on each DP rank (global batch / (mbs · dp))."""
-    bf16: bool = True
-    """bf16 params (2 bytes) with fp32 masters; False = fp32 params, their own masters."""
-    grad_reduce_in_fp32: bool = True
-    """fp32 main_grad buffer (forced on with bf16, as Megatron does)."""
-    use_distributed_optimizer: bool = False
-    overlap_grad_reduce: bool = False
-    """Only changes the bucket size (one bucket without overlap)."""
-    bucket_size: int | None = None
-    pad_buckets_for_high_nccl_busbw: bool = False
-    optimizer: str = "adam"
-    """adam (2 moments), sgd (momentum) or lion (1 moment)."""
-    optimizer_cpu_offload: bool = False
-    optimizer_offload_fraction: float = 1.0
-    attention_kernel: str = "auto"
-    """"flash"/"efficient"/"cudnn" (keep q, k, v, out, logsumexp), "math" (the s x s scores),
-    "auto" (what torch picks for the layer: 07.3's `attention_kernel`)."""
-    device: str = "cuda"
-    """Where it runs: decides the auto kernel and the dropout-mask width (CPU: the param dtype)."""
-
-    def __post_init__(self):
-        check_memory_config(self)  # one-line errors naming the field (_checks.py)
-
-# %% [markdown]
-# The fields are checked in `chapters/07_memory/_checks.py` (`check_memory_config`): every size a
-# positive int, the optimizer, kernel and device one of their choices, the offload fraction in
-# $[0, 1]$, and appendix B's `check_layout` on the model (heads divisible by TP, layers by the
-# pipeline's stages). Each failure is one line naming the field.
+# Every function on this page takes one layout, `cfg`: a `MemoryConfig`, the training setup under
+# Megatron's names (model, TP, PP, CP, DP, micro-batches, optimizer switches). Its fields are
+# listed after the mechanism, just before the demo. One thing to know now: $d_{cp}$ below is
+# DP × CP, the ranks that hold the same weights and reduce their grads together.
 
 # %% [markdown]
 # ## Which parameters a rank holds, in the order DDP sees them
@@ -180,6 +67,12 @@ class ParamSpec:
         return self.count
 
 
+# %% [markdown]
+# A layer contributes six parameters, its four matrices cut by TP; a chunk is the embedding
+# (first chunk of the first stage), its layers, then the final norm and the output layer (last
+# chunk of the last stage).
+
+# %%
 def _layer_params(config: ModelConfig, tp: int, index: int) -> list[ParamSpec]:
     """The six parameters of decoder layer `index` (local index in its chunk)."""
     h, d, f = config.hidden_size, config.head_dim, config.ffn_hidden_size
@@ -267,6 +160,12 @@ class BufferLayout:
         return self.bucket_indices[-1][1] if self.bucket_indices else 0
 
 
+# %% [markdown]
+# `lay_out` walks the parameters in reverse, rounds each start up (rule 1), closes a bucket when
+# it is full or when the shared embedding must stand alone (rule 3), and pads each bucket's end
+# (rule 2).
+
+# %%
 def lay_out(params: list[ParamSpec], bucket_size: int | None, dp_size: int, *,
             distributed_optimizer: bool, pad_for_high_nccl_busbw: bool = False) -> BufferLayout:
     """Megatron's buffer layout of `params` (rules 1-3 with the distributed optimizer)."""
@@ -404,6 +303,11 @@ def _optimizer_order(params: list[ParamSpec], owned: list[int]) -> list[int]:
     return groups[0] + groups[1]
 
 
+# %% [markdown]
+# Per chunk, `_optimizer_terms` turns the owned elements into device and host bytes;
+# `state_ledger` adds the weights and the grad buffer and sums over the rank's chunks.
+
+# %%
 def _optimizer_terms(cfg: MemoryConfig, params, owned) -> dict[str, int]:
     """Device and host bytes of masters, moments and offload copies for one chunk."""
     elements = sum(owned)
@@ -438,6 +342,133 @@ def state_ledger(cfg: MemoryConfig, pp_rank: int = 0, dp_rank: int = 0) -> dict[
             out[key] = out.get(key, 0) + value
     return out
 
+
+# %% [markdown]
+# ## The inputs
+#
+# Everything the ledger needs is in the trainer's config (`[model]`, `[parallel]`,
+# `[training]`, `[optimizer]`, `[ddp]`), gathered in one dataclass under Megatron's names. The
+# recompute and activation-offload switches stay where chapter 06 put them, in the model
+# config (`recompute_granularity`, `recompute_method`, `recompute_num_layers`,
+# `recompute_modules`, `fine_grained_activation_offloading`, `offload_modules`).
+# Two choices follow Megatron rather than the dataclass defaults:
+#
+# - with bf16 the gradient buffer is fp32 (`grad_reduce_in_fp32`), as Megatron forces for bf16
+#   (`--accumulate-allreduce-grads-in-fp32`, `megatron/training/arguments.py`);
+# - the DP size of the buffers and of the distributed optimizer is **DP × CP**: context-parallel
+#   ranks hold the same weights and reduce their grads together (`dp_cp` in appendix A's grid;
+#   Megatron's `get_data_parallel_group(with_context_parallel=True)`).
+
+# %% [markdown]
+# What the ledger derives from the fields sits in two small base classes. First the recompute
+# switches, read through from the model config.
+
+# %%
+class _ModelSwitches:
+    """The recompute switches MemoryConfig reads through from its model config."""
+
+    # Recompute and activation offload are the model's switches (chapter 06, appendix B).
+    @property
+    def recompute_granularity(self) -> str | None:
+        """None, "selective" or "full" (the model config's)."""
+        return self.model.recompute_granularity
+
+    @property
+    def recompute_method(self) -> str | None:
+        """"uniform" or "block" with full recompute."""
+        return self.model.recompute_method
+
+    @property
+    def recompute_num_layers(self) -> int | None:
+        """Layers per checkpointed run (uniform) or checkpointed layers per stage (block)."""
+        return self.model.recompute_num_layers
+
+    @property
+    def recompute_modules(self) -> list[str]:
+        """What selective recompute checkpoints (default Megatron's ["core_attn"])."""
+        return self.model.recompute_modules or ["core_attn"]
+
+
+# %% [markdown]
+# Then what follows from the layout itself: the model chunks per pipeline rank, the world
+# size, and the bytes of one parameter and of one gradient element.
+
+# %%
+class _Derived(_ModelSwitches):
+    """The quantities MemoryConfig derives from its fields (a base class, not a config)."""
+
+    @property
+    def num_chunks(self) -> int:
+        """Model chunks per pipeline rank (virtual stages; 1 without interleaving)."""
+        return self.virtual_pipeline_model_parallel_size or 1
+
+    @property
+    def world_size(self) -> int:
+        """tp · pp · cp · dp."""
+        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                * self.context_parallel_size * self.data_parallel_size)
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of one model parameter (2 in bf16, 4 in fp32)."""
+        return 2 if self.bf16 else 4
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of one main_grad element."""
+        return 4 if (self.grad_reduce_in_fp32 or not self.bf16) else 2
+
+    def replace(self, **changes) -> "MemoryConfig":
+        """A copy with some fields changed (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+
+# %% [markdown]
+# Then the fields themselves.
+
+# %%
+@dataclass
+class MemoryConfig(_Derived):
+    """One training layout, everything the memory ledger needs (Megatron's names)."""
+
+    model: ModelConfig
+    """The model shape (appendix B); sequence_parallel and dropout live there."""
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    context_parallel_size: int = 1
+    data_parallel_size: int = 1
+    """DP without CP, as in Megatron: world = tp · pp · cp · dp."""
+    micro_batch_size: int = 1
+    num_microbatches: int = 1
+    """Micro-batches per step on each DP rank (global batch / (mbs · dp))."""
+    bf16: bool = True
+    """bf16 params (2 bytes) with fp32 masters; False = fp32 params, their own masters."""
+    grad_reduce_in_fp32: bool = True
+    """fp32 main_grad buffer (forced on with bf16, as Megatron does)."""
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    """Only changes the bucket size (one bucket without overlap)."""
+    bucket_size: int | None = None
+    pad_buckets_for_high_nccl_busbw: bool = False
+    optimizer: str = "adam"
+    """adam (2 moments), sgd (momentum) or lion (1 moment)."""
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
+    attention_kernel: str = "auto"
+    """"flash"/"efficient"/"cudnn" (keep q, k, v, out, logsumexp), "math" (the s x s scores),
+    "auto" (what torch picks for the layer: 07.3's `attention_kernel`)."""
+    device: str = "cuda"
+    """Where it runs: decides the auto kernel and the dropout-mask width (CPU: the param dtype)."""
+
+    def __post_init__(self):
+        check_memory_config(self)  # one-line errors naming the field (_checks.py)
+
+# %% [markdown]
+# The fields are checked in `chapters/07_memory/_checks.py` (`check_memory_config`): every size a
+# positive int, the optimizer, kernel and device one of their choices, the offload fraction in
+# $[0, 1]$, and appendix B's `check_layout` on the model (heads divisible by TP, layers by the
+# pipeline's stages). Each failure is one line naming the field.
 
 # %% [markdown]
 # ## Demo: the tiny model at DP 4, and the running example per GPU

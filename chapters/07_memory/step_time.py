@@ -157,7 +157,12 @@ class Links:
             return self.nvlink
         return min(self.nvlink, max(1, per_node) * self.network)
 
+# %% [markdown]
+# The rates are one input; the run's switches are the other. `StepOptions` holds the overlap
+# switches under Megatron's names and the checkpoint's schedule, so that one layout can be
+# timed with each switch on and off.
 
+# %%
 @dataclass(frozen=True)
 class StepOptions:
     """The overlap switches of one run (Megatron's names) and the checkpoint's schedule."""
@@ -273,7 +278,12 @@ def layer_gemms(cfg: MemoryConfig) -> list[tuple[str, int, int, int]]:
             ("fc1", tokens, 2 * m.ffn_hidden_size // t, m.hidden_size),
             ("fc2", tokens, m.hidden_size, m.ffn_hidden_size // t)]
 
+# %% [markdown]
+# Under `tp_comm_overlap` a GEMM runs in pieces, and each piece pays the law's wave
+# quantization on its own rows; a GEMM's backward is two GEMMs, the input gradient (in
+# pieces too) and the weight gradient.
 
+# %%
 def _pieces(name: str, t: int) -> tuple[int, int]:
     """(forward, input-gradient) pieces of a GEMM under Transformer Engine's TP overlap."""
     if name in ("qkv", "fc1"):  # all-gather by ring exchange, t pieces; dgrad in bulk
@@ -288,7 +298,11 @@ def _gemm_fwd_bwd(m: int, n: int, k: int, law: KernelLaw,
     return (f * gemm_seconds(max(1, m // f), n, k, law),
             d * gemm_seconds(max(1, m // d), k, n, law) + gemm_seconds(n, k, m, law))
 
+# %% [markdown]
+# A stage's micro-batch is then its layers' GEMMs, attention and streaming kernels, the
+# recompute's repeated forward, and on the last stage the logits and the loss.
 
+# %%
 def stage_kernel_seconds(cfg: MemoryConfig, pp_rank: int, law: KernelLaw,
                          tp_comm_overlap: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of one micro-batch on a rank of stage `pp_rank`, by kernel."""
@@ -456,11 +470,15 @@ def _layout_buckets(cfg: MemoryConfig, pp_rank: int) -> list[dict]:
 # ## Rule 1: the reduce-scatter hides only behind the last micro-batch's backward
 #
 # With several micro-batches per step, the gradients of micro-batches $1..m-1$ are only
-# accumulated: the schedule runs them inside `no_sync()`
-# (`megatron/core/pipeline_parallel/schedules.py:741-742` without a pipeline; in 1F1B
+# accumulated: the schedule runs them inside `no_sync()` and turns grad sync back on just
+# before the last backward.
+#
+# <details><summary>Megatron detail: where grad sync is switched</summary>
+# `megatron/core/pipeline_parallel/schedules.py:741-742` without a pipeline; in 1F1B
 # `:2384` and `:2411` turn grad sync back on just before the last backward, and `:2428`,
-# after the cool-down, launches whatever reductions are still pending), and a bucket's
-# gradient hook counts a parameter
+# after the cool-down, launches whatever reductions are still pending.</details>
+#
+# A bucket's gradient hook counts a parameter
 # as ready only when `is_last_microbatch` is set
 # (`megatron/core/distributed/param_and_grad_buffer.py:813`; `no_sync` clears it,
 # `megatron/core/distributed/distributed_data_parallel.py:480-490`). When every parameter of
@@ -782,7 +800,12 @@ def offload_table(cfg: MemoryConfig, links: Links = Links()) -> list[dict]:
                     "backward": backward, "hides": copy <= forward and copy <= backward})
     return out
 
+# %% [markdown]
+# The search over module sets, and the exposed time of whatever set a run configures: per
+# layer, what the copy out exceeds the forward by plus what the copy back exceeds the
+# backward by, for every offloaded layer and micro-batch.
 
+# %%
 def best_offload_modules(cfg: MemoryConfig, links: Links = Links()) -> list[str]:
     """The valid module set with the most bytes whose copies hide in one layer's compute."""
     forward, backward = layer_seconds(cfg, links)
@@ -897,6 +920,26 @@ class StepTime:
 # the pipeline's fill, since every stage's first forward lies on it.
 
 # %%
+def _stage_gather(cfg: MemoryConfig, links: Links, options: StepOptions, buckets: list[dict],
+                  forward: float, s: int, num_stages: int, dp: int, bw: float,
+                  aligned: bool) -> tuple[float, float, list]:
+    """One stage's parameter all-gather: (exposed, seconds, spans), by rule 2 or aligned."""
+    order = buckets[::-1]
+    ag = [collective_seconds("all_gather", b["numel"] * cfg.param_bytes, dp, bw,
+                             links.latency) for b in order]
+    exposed, spans = all_gather_exposed(ag, [b["share"] * forward for b in order],
+                                        options.overlap_param_gather)
+    if aligned:
+        per_chunk = [sum(a for a, b in zip(ag, order) if b["chunk"] == c)
+                     for c in range(cfg.num_chunks)]
+        exposed = aligned_gather_exposed(per_chunk, forward / cfg.num_chunks, num_stages, s)
+    return exposed, sum(ag), spans
+
+# %% [markdown]
+# `_dp_items` runs both rules stage by stage and keeps, per item, the longest transfer and
+# what each stage leaves exposed.
+
+# %%
 def _dp_items(cfg: MemoryConfig, links: Links, options: StepOptions,
               stages: list[tuple[float, float]]) -> list[StepItem]:
     """The gradient reduce-scatter (or all-reduce) and the parameter all-gather."""
@@ -919,18 +962,10 @@ def _dp_items(cfg: MemoryConfig, links: Links, options: StepOptions,
         rs_seconds = max(rs_seconds, sum(times))
         rs_spans = rs_spans or spans
         if distopt:
-            order = buckets[::-1]
-            ag = [collective_seconds("all_gather", b["numel"] * cfg.param_bytes, dp, bw,
-                                     links.latency) for b in order]
-            exposed, spans = all_gather_exposed(ag, [b["share"] * forward for b in order],
-                                                options.overlap_param_gather)
-            if aligned:
-                per_chunk = [sum(a for a, b in zip(ag, order) if b["chunk"] == c)
-                             for c in range(cfg.num_chunks)]
-                exposed = aligned_gather_exposed(per_chunk, forward / cfg.num_chunks,
-                                                 len(stages), s)
+            exposed, seconds, spans = _stage_gather(cfg, links, options, buckets, forward, s,
+                                                    len(stages), dp, bw, aligned)
             ag_stage.append(exposed)
-            ag_seconds = max(ag_seconds, sum(ag))
+            ag_seconds = max(ag_seconds, seconds)
             ag_spans = ag_spans or spans
     items = [StepItem(f"DP grad {kind.replace('_', '-')}", rs_seconds, stages[0][1],
                       max(rs_stage), rs_spans, rs_stage)]
@@ -966,7 +1001,11 @@ def _model_parallel_items(cfg: MemoryConfig, links: Links, options: StepOptions,
                       * tau if cfg.pipeline_model_parallel_size > 1 else 0.0, 0.0, pipe["p2p"])]
     return pipe, items
 
+# %% [markdown]
+# TP's traffic per layer and micro-batch: all-reduce-sized exchanges on the compute stream,
+# or, with `tp_comm_overlap`, only what each exchange exceeds its GEMM piece by.
 
+# %%
 def tp_layer_seconds(cfg: MemoryConfig, links: Links,
                      options: StepOptions) -> tuple[float, float]:
     """(seconds, exposed seconds) of one layer's TP traffic for one micro-batch."""
@@ -984,7 +1023,11 @@ def tp_layer_seconds(cfg: MemoryConfig, links: Links,
         exposed += (ops // 2 - 1) * max(0.0, gather - forward) + max(0.0, gather - dgrad)
     return seconds, exposed
 
+# %% [markdown]
+# The optimizer step streams its state once: per stepped element the grad, the fp32 master
+# and moments read and written, and the bf16 weight written back.
 
+# %%
 def optimizer_seconds(cfg: MemoryConfig, links: Links = Links()) -> float:
     """One optimizer step of a first-stage rank, streaming its state once at `memory` bandwidth."""
     from tinytron.memory.states import _MOMENTS, state_ledger
@@ -1147,11 +1190,11 @@ if __name__ == "__main__":
 #   again (3 ms). Together 20 ms, more than the reduce-scatter leaves exposed.
 # - **The checkpoint's copy** is 9 ms per save per rank: blocking, 0.02 ms per step at one save
 #   every 500 steps; staged, nothing. The write (440 MB at 1 GB/s) hides easily in 500 steps.
-# - **Offloading all five modules** moves 336 MiB per layer and micro-batch each way; at
-#   50 GB/s that is 7.0 ms against a layer forward of 3.5 ms: twice too slow, and two of the
+# - **Offloading all five modules** moves 176 MiB per layer and micro-batch each way; at
+#   50 GB/s that is 3.7 ms against a layer forward of 3.5 ms: just too slow, and four of the
 #   five modules fit (below). These are the bytes chapter 07's ledger counts for tinytron's
-#   modules; counting what fused norm and flash-attention kernels save, the five regions are
-#   176 MiB (chapter 06's [offload page](../06_recompute_offload/offload.py) counts that case).
+#   modules, now that its norms keep what Megatron's keep (chapter 06's
+#   [offload page](../06_recompute_offload/offload.py) counts the same regions).
 #
 # In total the model gives 1.94 s per step, of which 0.12 s is exposed transfer — TP's
 # collectives (76 ms, on the compute stream: the example's config leaves `tp_comm_overlap`
@@ -1216,7 +1259,8 @@ if __name__ == "__main__":
 # The same search answers for any layout and link: a longer sequence makes a layer's
 # compute grow faster than its saved bytes (attention is quadratic in the sequence, the
 # saved tensors linear), so more modules fit; a larger TP divides both by the same factor
-# and changes nothing; a slower link — PCIe Gen4 — leaves `qkv_linear` and `core_attn`.
+# and changes nothing; a slower link — PCIe Gen4 — leaves `attn_norm` and `core_attn`
+# (80 MiB; `qkv_linear` in place of `attn_norm` moves the same bytes).
 # Chapter 06 keeps `offload_modules` empty by default, as Megatron does; when a run turns
 # offload on for a GPU, this set is the one that costs no time.
 
@@ -1269,26 +1313,57 @@ if __name__ == "__main__":
 #   overlap), `megatron/core/dist_checkpointing/strategies/async_utils.py` (the blocking copy
 #   before the fork), `megatron/core/pipeline_parallel/fine_grained_activation_offload.py`.
 #   Megatron has no step-time model; its timers (chapter 08) measure the phases.
-# - Where tinytron differs, said here once: the staged checkpoint copy of rule 4 is
-#   tinytron's (chapter 03), Megatron blocks for the copy before it forks its writer; the
-#   played 1F1B schedule and the closed form are this book's, Megatron's schedules only run;
-#   and the rules are read from Megatron's code as it is at `e03878b5f`, including its
-#   choice of one bucket on later pipeline stages, which the model shows costs the
-#   running example's all-gather most of its overlap.
 # - torchtitan stages the checkpoint's copy (`maybe_wait_for_staging`) and leaves the layout
 #   to the user; NeMo's auto-configurator ranks layouts by short profiling runs.
 # - Holistic Trace Analysis reads the same Chrome traces as chapter 08 and reports exposed
 #   communication per rank — the measured side of this page's model.
 #
+# <details><summary>Megatron detail: where tinytron differs</summary>
+# The staged checkpoint copy of rule 4 is tinytron's (chapter 03), Megatron blocks for the
+# copy before it forks its writer; the played 1F1B schedule and the closed form are this
+# book's, Megatron's schedules only run; and the rules are read from Megatron's code as it is
+# at `e03878b5f`, including its choice of one bucket on later pipeline stages, which the
+# model shows costs the running example's all-gather most of its overlap.</details>
+#
 # ## Exercises
 #
 # 1. Halve `Links.network`. Which window does the reduce-scatter miss first, and what does
 #    `bucket_size` do to the exposed part?
+#
+#    <details><summary>Answer</summary>At 25 GB/s stage 0's reduce-scatter takes 79 ms
+#    against its 117 ms last backward and exposes 14.1 ms instead of 6.3: the window it misses
+#    is the last bucket's, the embedding's, which has no backward left behind it. Stage 1's
+#    one bucket still hides in its 252 ms of slack. The step grows from 1.935 to 1.978 s.
+#    Buckets of 10 M elements bring the reduce-scatter down to 12.1 ms but expose 13.2 ms of
+#    stage 0's all-gather instead of 7.1 (1.982 s); 400 M leave 26.9 ms exposed (1.995 s).
+#    The default, 40 M, is the best of the three.</details>
 # 2. Give every pipeline stage the first stage's buckets (`bucket_size` on all ranks): how
 #    much of stage 1's all-gather hides, and what does that cost the reduce-scatter?
+#
+#    <details><summary>Answer</summary>With `bucket_size_for` giving stage 1 stage 0's size
+#    (18 buckets on each), stage 1's all-gather exposes 0.55 ms instead of 17.2: nearly all of
+#    it hides, and the DP all-gather item drops from 20.4 to 3.7 ms. The reduce-scatter costs
+#    nothing: stage 1's buckets still hide in stage 0's backward (0 ms exposed). Only the
+#    interference term grows, 3.95 to 5.97 ms, with the extra hidden traffic. The step: 1.935
+#    to 1.921 s.</details>
 # 3. Turn on interleaving (`virtual_pipeline_model_parallel_size=2`) with
 #    `overlap_p2p_comm`: how much of the p2p and of the bubble goes away?
+#
+#    <details><summary>Answer</summary>The bubble halves, 174 to 87 ms ($v = 2$ divides it).
+#    The p2p first doubles, 10.7 to 21.5 ms exposed (twice the sends, still blocking); with
+#    `overlap_p2p_comm` 5.4 ms of it stays, the warm-up and cool-down sends, which block
+#    anyway. The DP items gain too (all-gather 20.4 to 11.2 ms, reduce-scatter 6.3 to
+#    1.2 ms). The step: 1.935 s, then 1.846 s with interleaving, 1.830 s with both.</details>
 # 4. Replace `Links.pcie` by 25 GB/s (PCIe Gen4) and then 100 GB/s: what does
 #    `best_offload_modules` return, and what does the ledger (07.5) say each choice saves?
+#
+#    <details><summary>Answer</summary>At 25 GB/s `attn_norm` and `core_attn` (80 MiB a
+#    layer); at 50 GB/s the four of the demo (144 MiB); at 100 GB/s all five (176 MiB). On
+#    stage 0 the ledger's peak activations go from 22.01 GiB to 18.26, 16.26 and 15.26 GiB:
+#    3.75, 5.75 and 6.75 GiB saved.</details>
 # 5. Stage the checkpoint (`StepOptions(checkpoint="staged")`) and set `save_interval` to 1:
 #    which of the copy and the write is exposed now, and by how much?
+#
+#    <details><summary>Answer</summary>Neither: the 8.8 ms copy hides in the next step's
+#    1.643 s of compute and the 439 ms write in the 1.935 s step, so the step stays 1.935 s.
+#    Blocking at the same interval would pay the whole copy every step: 1.944 s.</details>
