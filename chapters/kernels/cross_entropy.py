@@ -386,6 +386,7 @@ if __name__ == "__main__":
 #    1.05 GB in bf16 on a rank of the running example, at the peak of the last stage. Anyone else
 #    who still reads the logits (a metric, a second loss, a hook) then reads gradients instead,
 #    silently.</details>
+#
 # 2. Add label smoothing: which extra per-row quantity must the forward kernel return, and
 #    which extra all-reduce does the vocab-parallel form need?
 #
@@ -395,6 +396,7 @@ if __name__ == "__main__":
 #    then be added across the TP group. Then read the label-smoothing branch of
 #    `megatron/core/tensor_parallel/cross_entropy.py` and check which quantities it reduces across
 #    the group.</details>
+#
 # 3. Fuse the output layer: loop over vocabulary chunks of the weight, compute each logit
 #    chunk with a matmul, and update the online log-sum-exp. What must the backward recompute?
 #

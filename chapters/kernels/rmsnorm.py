@@ -471,6 +471,7 @@ if __name__ == "__main__":
 #    it back and writes $y$ (4, as `rms_norm_bytes` counts). The fused kernel reads $x$ and the
 #    residual and writes the new residual and $y$: 8. It saves the 2-byte re-read of the new
 #    residual, a fifth of the traffic.</details>
+#
 # 2. Replace the two-stage weight reduction with `tl.atomic_add`. What changes in the result
 #    from run to run, and why does that matter for chapter 08's reproducibility checks?
 #
@@ -478,6 +479,7 @@ if __name__ == "__main__":
 #    order in which the programs add into $dw$ depends on which finishes first, so the last bits
 #    of $dw$ change from run to run. Look at how `_RMSNorm.backward` sums `dw_partial` in a fixed
 #    order, and at what chapter 08 compares bit for bit.</details>
+#
 # 3. At which hidden size does one row no longer fit one program's registers, and what would
 #    a two-pass (sum, then normalize) kernel cost in extra reads?
 #

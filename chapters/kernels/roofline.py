@@ -316,6 +316,7 @@ if __name__ == "__main__":
 #    1,229, 1,024, 1,792 and 1,593 FLOP/byte, 3.5 to 6.1 times the ridge of 295. At $s = 512$,
 #    $M = 512$: 396, 372, 441 and 428 FLOP/byte, only 1.3 to 1.5 times the ridge, so the weights'
 #    bytes start to matter.</details>
+#
 # 2. Where does the bias-dropout-add of a model with dropout land, and how many bytes does
 #    Megatron's fused version save per element?
 #

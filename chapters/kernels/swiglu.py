@@ -283,6 +283,7 @@ if __name__ == "__main__":
 #    the epilogue it is never written or read back, only $[N, f]$ is written. But
 #    `_SwiGLU.backward` needs the gate and up halves; without them the backward must recompute
 #    fc1's output (a matmul) or keep it anyway.</details>
+#
 # 2. Store the saved fc1 output in fp8 (Megatron's `fp8_input_store`): how much memory does
 #    that save per layer of the running example, and what does it cost in accuracy?
 #
@@ -291,6 +292,7 @@ if __name__ == "__main__":
 #    flight, 1.88 GB for a stage's 16 layers. The cost: fp8 (e4m3) keeps 4 significant bits
 #    against bf16's 8, and a range of about $\pm 448$, so the gradients computed from the stored
 #    input carry that coarser rounding.</details>
+#
 # 3. Megatron's `bias_swiglu` adds a bias before the activation. Add one to the kernels and
 #    return its gradient (a column sum, like RMSNorm's weight).
 #
