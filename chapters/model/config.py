@@ -309,6 +309,10 @@ def parameter_breakdown(config: ModelConfig) -> dict[str, int]:
     }
 
 
+# %% [markdown]
+# The model's total adds the layers and the embedding once; a tied output layer adds nothing.
+
+# %%
 def count_parameters(config: ModelConfig) -> int:
     """Total parameters of the model, each tied weight counted once."""
     parts = parameter_breakdown(config)
@@ -318,6 +322,12 @@ def count_parameters(config: ModelConfig) -> int:
             + parts["output_layer"])
 
 
+# %% [markdown]
+# Per rank, the matrices divide by $t$, the norms do not, and the stages take their layers from
+# `stage_layer_ranges`. The last stage also holds the output layer, or the tied duplicate when $p
+# > 1$.
+
+# %%
 def count_parameters_per_rank(config: ModelConfig, tp: int = 1, pp: int = 1, pp_rank: int = 0,
                               num_virtual_stages: int = 1) -> int:
     """Parameters one rank of (tp, pp) allocates, including the last stage's tied duplicate."""
@@ -356,6 +366,11 @@ if __name__ == "__main__":
     per_rank = [count_parameters_per_rank(big, tp=2, pp=2, pp_rank=r) for r in range(2)]
     print(f"TP2 x PP2, per rank: first stage {per_rank[0]:,}, last stage {per_rank[1]:,}")
 
+# %% [markdown]
+# Where the parameters live: the MLP holds most of them, the norms almost none.
+
+# %%
+if __name__ == "__main__":
     layers = big.num_layers
     labels = ["attention", "MLP", "norms", "embedding"]
     sizes = [layers * (parts["linear_qkv"] + parts["linear_proj"]),
@@ -367,6 +382,12 @@ if __name__ == "__main__":
     fig.tight_layout()
     plt.show()
 
+# %% [markdown]
+# The totals and per-rank numbers must be those of the tables above. Then `check_layout` must
+# refuse, by field name, layouts that cannot cut the model evenly.
+
+# %%
+if __name__ == "__main__":
     assert tied == 7_504_924_672 and untied == 8_030_261_248
     assert per_rank == [2_007_629_824, 2_007_633_920]
     assert padded_vocab_size(50257, tp=2) == 50432 and padded_vocab_size(32000, tp=2) == 32000
@@ -411,7 +432,24 @@ if __name__ == "__main__":
 #
 # 1. Allow $g < t$ by replicating key/value heads as Megatron does: which checks and which counts
 #    change?
+#
+#    <details><summary>Hint</summary>Start from the check in `check_layout` that names
+#    `num_query_groups`. With replication each TP rank holds one key/value head shared by $t/g$
+#    ranks, so the $2gdh$ of `linear_qkv` no longer divides by $t$ in `count_parameters_per_rank`:
+#    a rank holds $2dh$ of it, and the replicas' gradients must be summed.</details>
+#
 # 2. Pad the vocabulary with `padded_vocab_size` for $V = 32000$, $t = 3$: how many rows are
 #    padding, and what does it cost in parameters at $h = 4096$?
+#
+#    <details><summary>Answer</summary>The rule rounds up to a multiple of $128 \cdot 3 = 384$:
+#    `padded_vocab_size(32000, tp=3)` = 32,256, so 256 rows are padding. At $h = 4096$ that is
+#    $256 \cdot 4096 = 1{,}048{,}576$ parameters in the embedding, twice that with an untied
+#    output layer.</details>
+#
 # 3. Derive the count of a LayerNorm model (a weight and a bias per norm) and compare with the
 #    bracketed numbers of [chapter 07](../07_memory/megatron_model.py).
+#
+#    <details><summary>Answer</summary>Each norm gains a bias: $4h$ per layer instead of $2h$, and
+#    $2h$ for the final norm. The running example then counts
+#    $7{,}504{,}924{,}672 + 32 \cdot 2 \cdot 4096 + 4096 = 7{,}505{,}190{,}912$ tied, 266,240
+#    more. Chapter 07's formula carries the same change as its $n = 2$ for LayerNorm.</details>
