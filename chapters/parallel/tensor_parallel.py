@@ -94,6 +94,12 @@ class _Reduce(torch.autograd.Function):
         return g, None
 
 
+# %% [markdown]
+# `_Copy` and `_Reduce` are the pair of plain tensor parallelism: the identity one way, the all-
+# reduce the other. The next two are a mirrored pair too: keep my slice forward and all-gather the
+# gradient, or all-gather forward and reduce-scatter (or split) the gradient.
+
+# %%
 class _Split(torch.autograd.Function):
     """Forward keeps my slice of `dim`; backward all-gathers the slices back."""
 
@@ -122,6 +128,11 @@ class _Gather(torch.autograd.Function):
         return split_dim(g, ctx.grid, "tp", ctx.dim), None, None, None
 
 
+# %% [markdown]
+# Sequence parallelism's exit: sum the partial outputs and keep my slice of the sequence in one
+# reduce-scatter; the gradient comes back by all-gather.
+
+# %%
 class _ReduceScatter(torch.autograd.Function):
     """Forward reduce-scatters along `dim`; backward all-gathers the grad."""
 
@@ -213,6 +224,11 @@ def normal_init(std: float = 0.02, seed: int = 0) -> Callable[[torch.Tensor], No
     return init
 
 
+# %% [markdown]
+# Loading and exporting full weights needs the two directions of one cut: my slice of a full
+# tensor, and the full tensor from every rank's slice.
+
+# %%
 def shard_tensor(full: torch.Tensor, grid: ParallelGrid, partition_dim: int) -> torch.Tensor:
     """This TP rank's slice of a full tensor along `partition_dim` (for loading full weights)."""
     size = grid.size("tp")
@@ -228,6 +244,11 @@ def gather_shards(shard: torch.Tensor, grid: ParallelGrid, partition_dim: int) -
         return all_gather_dim(shard.detach(), grid, "tp", partition_dim)
 
 
+# %% [markdown]
+# The layers below build their weight from these: the full fp32 tensor on the CPU, initialized,
+# then only this rank's slice kept as the parameter.
+
+# %%
 def _make_sharded_weight(shape, partition_dim, grid, init_method, device, dtype):
     """Create the full weight on CPU in fp32 with `init_method`, keep my TP slice as a Parameter."""
     full = torch.empty(shape, dtype=torch.float32)
@@ -442,7 +463,27 @@ if __name__ == "__main__":
 #
 # 1. Count the bytes each rank sends per MLP block with and without SP for $s=4096$, $b=1$,
 #    $h=4096$, bf16, $t=8$.
+#
+#    <details><summary>Answer</summary>The block's activation is $[s, b, h]$ =
+#    $4096 \cdot 4096 \cdot 2$ B = 33.6 MB. With ring collectives an all-reduce sends $2(t-1)/t$
+#    of it per rank, an all-gather or a reduce-scatter $(t-1)/t$. Without SP the forward has one
+#    all-reduce after fc2: 58.7 MB per rank. With SP it has one all-gather before fc1 and one
+#    reduce-scatter after fc2, 29.4 MB each: the same 58.7 MB. The backward mirrors the forward,
+#    58.7 MB again either way. SP saves activation memory, not bytes on the wire.</details>
+#
 # 2. Put the row-parallel bias before the reduction and watch the parity check fail by a factor.
+#
+#    <details><summary>Hint</summary>Each of the $t$ ranks would add the full bias to its partial
+#    sum, and the all-reduce (or reduce-scatter) adds the $t$ copies: the output carries
+#    $t \cdot b$ instead of $b$. Move the bias add in `RowParallelLinear.forward` and read the
+#    demo's gap.</details>
+#
 # 3. When is `tensor_parallel_output_grad=False` the right backward for
 #    `gather_from_sequence_parallel_region`? Build a case where the reduce-scatter would
 #    multiply the gradient by $t$.
+#
+#    <details><summary>Hint</summary>The reduce-scatter in the backward is right when each rank's
+#    gathered copy feeds a different computation (its own columns of the next weight), so the
+#    gradients are partial sums. When every rank uses the gathered tensor identically, as a
+#    replicated computation after the gather, each rank's gradient is already the full one, and
+#    summing $t$ equal copies multiplies it by $t$; then only the split is right.</details>
