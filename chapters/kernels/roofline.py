@@ -320,9 +320,9 @@ if __name__ == "__main__":
 # 2. Where does the bias-dropout-add of a model with dropout land, and how many bytes does
 #    Megatron's fused version save per element?
 #
-#    <details><summary>Hint</summary>Count it as `step_operations` does: a few FLOPs per element,
-#    so it lands next to the norms, far left of the ridge. For the bytes, list the loads and
-#    stores of the eager chain (add the bias, dropout with its mask, add the residual: each op
-#    writes a tensor the next reads) against one kernel that reads the input and the residual and
-#    writes the output and the mask. Megatron's version is
-#    `megatron/core/fusions/fused_bias_dropout.py`.</details>
+#    <details><summary>Hint</summary>Count it as <code>step_operations</code> does: a few FLOPs
+#    per element, so it lands next to the norms, far left of the ridge. For the bytes, list the
+#    loads and stores of the eager chain (add the bias, dropout with its mask, add the residual:
+#    each op writes a tensor the next reads) against one kernel that reads the input and the
+#    residual and writes the output and the mask. Megatron's version is
+#    <code>megatron/core/fusions/fused_bias_dropout.py</code>.</details>

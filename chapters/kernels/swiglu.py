@@ -279,10 +279,10 @@ if __name__ == "__main__":
 # 1. Fuse the activation into fc1's epilogue: which bytes disappear, and what must the
 #    backward then recompute?
 #
-#    <details><summary>Hint</summary>Follow the fc1 output $[N, 2f]$ in `swiglu_bytes`: fused into
-#    the epilogue it is never written or read back, only $[N, f]$ is written. But
-#    `_SwiGLU.backward` needs the gate and up halves; without them the backward must recompute
-#    fc1's output (a matmul) or keep it anyway.</details>
+#    <details><summary>Hint</summary>Follow the fc1 output $[N, 2f]$ in <code>swiglu_bytes</code>:
+#    fused into the epilogue it is never written or read back, only $[N, f]$ is written. But
+#    <code>_SwiGLU.backward</code> needs the gate and up halves; without them the backward must
+#    recompute fc1's output (a matmul) or keep it anyway.</details>
 #
 # 2. Store the saved fc1 output in fp8 (Megatron's `fp8_input_store`): how much memory does
 #    that save per layer of the running example, and what does it cost in accuracy?
@@ -298,5 +298,6 @@ if __name__ == "__main__":
 #
 #    <details><summary>Hint</summary>The forward loads one bias block per column block and adds it
 #    before the sigmoid. The bias gradient is $d\,\text{gate}$ and $d\,\text{up}$ summed over
-#    rows: write per-program partials as `_RMSNorm.backward` does with `dw_partial`, then sum
-#    them. Megatron's version is `megatron/core/fusions/fused_bias_swiglu.py`.</details>
+#    rows: write per-program partials as <code>_RMSNorm.backward</code> does with
+#    <code>dw_partial</code>, then sum them. Megatron's version is
+#    <code>megatron/core/fusions/fused_bias_swiglu.py</code>.</details>

@@ -433,18 +433,19 @@ if __name__ == "__main__":
 # 1. Allow $g < t$ by replicating key/value heads as Megatron does: which checks and which counts
 #    change?
 #
-#    <details><summary>Hint</summary>Start from the check in `check_layout` that names
-#    `num_query_groups`. With replication each TP rank holds one key/value head shared by $t/g$
-#    ranks, so the $2gdh$ of `linear_qkv` no longer divides by $t$ in `count_parameters_per_rank`:
-#    a rank holds $2dh$ of it, and the replicas' gradients must be summed.</details>
+#    <details><summary>Hint</summary>Start from the check in <code>check_layout</code> that names
+#    <code>num_query_groups</code>. With replication each TP rank holds one key/value head shared
+#    by $t/g$ ranks, so the $2gdh$ of <code>linear_qkv</code> no longer divides by $t$ in
+#    <code>count_parameters_per_rank</code>: a rank holds $2dh$ of it, and the replicas' gradients
+#    must be summed.</details>
 #
 # 2. Pad the vocabulary with `padded_vocab_size` for $V = 32000$, $t = 3$: how many rows are
 #    padding, and what does it cost in parameters at $h = 4096$?
 #
 #    <details><summary>Answer</summary>The rule rounds up to a multiple of $128 \cdot 3 = 384$:
-#    `padded_vocab_size(32000, tp=3)` = 32,256, so 256 rows are padding. At $h = 4096$ that is
-#    $256 \cdot 4096 = 1{,}048{,}576$ parameters in the embedding, twice that with an untied
-#    output layer.</details>
+#    <code>padded_vocab_size(32000, tp=3)</code> = 32,256, so 256 rows are padding. At $h = 4096$
+#    that is $256 \cdot 4096 = 1{,}048{,}576$ parameters in the embedding, twice that with an
+#    untied output layer.</details>
 #
 # 3. Derive the count of a LayerNorm model (a weight and a bias per norm) and compare with the
 #    bracketed numbers of [chapter 07](../07_memory/megatron_model.py).

@@ -363,21 +363,22 @@ if __name__ == "__main__":
 #    that makes it equal to rotate-half.
 #
 #    <details><summary>Hint</summary>Interleaved RoPE rotates channels $(2i, 2i+1)$ of a head by
-#    $m\theta_i$; rotate-half (`apply_rope`) rotates $(i, i + d/2)$. Reorder each head's $d$ rows
-#    of `q_proj` (and `k_proj`) so that row $2i$ goes to $i$ and row $2i+1$ to $i + d/2$; check
-#    with `score` from the demo that both forms give the same $q \cdot k$.</details>
+#    $m\theta_i$; rotate-half (<code>apply_rope</code>) rotates $(i, i + d/2)$. Reorder each
+#    head's $d$ rows of <code>q_proj</code> (and <code>k_proj</code>) so that row $2i$ goes to $i$
+#    and row $2i+1$ to $i + d/2$; check with <code>score</code> from the demo that both forms give
+#    the same $q \cdot k$.</details>
 #
 # 2. Show that RMSNorm's fp32 statistics matter: compare a bf16-only version on $h = 4096$.
 #
-#    <details><summary>Hint</summary>Compute the mean of squares in bf16 (no `.float()`) and
-#    compare both versions with an fp64 reference on rows of 4,096 values. A bf16 sum keeps 8
-#    significant bits, so once the running sum is a few hundred times larger than each square, the
-#    small squares round away; page C.1's demo shows a kernel that sums the squares in bf16
-#    breaking its error bound.</details>
+#    <details><summary>Hint</summary>Compute the mean of squares in bf16 (no
+#    <code>.float()</code>) and compare both versions with an fp64 reference on rows of 4,096
+#    values. A bf16 sum keeps 8 significant bits, so once the running sum is a few hundred times
+#    larger than each square, the small squares round away; page C.1's demo shows a kernel that
+#    sums the squares in bf16 breaking its error bound.</details>
 #
 # 3. Why must the init seed depend on the *global* layer index and not on the local one?
 #
 #    <details><summary>Hint</summary>With PP 2, stage 1's local layer 0 is the model's layer 8.
 #    Seeded by local names, both stages would draw the same weights for their layer 0, and the
 #    model would differ from the one-process model of the same seed. Look at
-#    `global_parameter_name` in `init_parameters` (page B.2).</details>
+#    <code>global_parameter_name</code> in <code>init_parameters</code> (page B.2).</details>

@@ -362,10 +362,11 @@ if __name__ == "__main__":
 # 2. `ring_attention` sends K and V as two messages per hop; stack them into one and measure
 #    the difference on 4 ranks.
 #
-#    <details><summary>Hint</summary>`torch.stack([k, v])` before `_RingShift.apply` and unbind
-#    after: one `batch_isend_irecv` pair per hop instead of two, so $cp - 1$ fewer message
-#    latencies per direction, the same bytes. On gloo and small blocks the latency dominates; time
-#    `ring_attention` over many calls on 4 processes with `run_on_ranks`.</details>
+#    <details><summary>Hint</summary><code>torch.stack([k, v])</code> before
+#    <code>_RingShift.apply</code> and unbind after: one <code>batch_isend_irecv</code> pair per
+#    hop instead of two, so $cp - 1$ fewer message latencies per direction, the same bytes. On
+#    gloo and small blocks the latency dominates; time <code>ring_attention</code> over many calls
+#    on 4 processes with <code>run_on_ranks</code>.</details>
 #
 # 3. Show that with the zig-zag layout every off-diagonal ring step is exactly half visible (no
 #    step can be skipped), then count the steps rank 0 could skip at $cp = 4$ with contiguous

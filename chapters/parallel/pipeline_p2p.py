@@ -353,16 +353,18 @@ if __name__ == "__main__":
 #    backwards) and check the accumulated gradients.
 #
 #    <details><summary>Hint</summary>Each stage keeps both micro-batches' inputs and outputs until
-#    the backwards: run `recv_forward`, forward, `send_forward` twice, then `recv_backward`,
-#    backward, `send_backward` twice in the same order. The summed gradients must equal those of
-#    one process on the two micro-batches (divide the loss by 2 in both).</details>
+#    the backwards: run <code>recv_forward</code>, forward, <code>send_forward</code> twice, then
+#    <code>recv_backward</code>, backward, <code>send_backward</code> twice in the same order. The
+#    summed gradients must equal those of one process on the two micro-batches (divide the loss by
+#    2 in both).</details>
 #
 # 2. Why does the receive buffer for gradients not need `requires_grad`?
 #
-#    <details><summary>Hint</summary>Look at the two `_empty` calls in `communicate`: the
-#    activation from the previous stage is a leaf this stage differentiates against, its `.grad`
-#    is what `send_backward` sends back. A received gradient is only an input to `backward(grad)`;
-#    nothing is ever differentiated with respect to it.</details>
+#    <details><summary>Hint</summary>Look at the two <code>_empty</code> calls in
+#    <code>communicate</code>: the activation from the previous stage is a leaf this stage
+#    differentiates against, its <code>.grad</code> is what <code>send_backward</code> sends back.
+#    A received gradient is only an input to <code>backward(grad)</code>; nothing is ever
+#    differentiated with respect to it.</details>
 #
 # 3. With two stages, post every single operation of both directions on the pipeline group
 #    alone. Which sequence of exchanges in the overlapped interleaved schedule could leave a

@@ -443,11 +443,11 @@ if __name__ == "__main__":
 # 1. Nest `fork("model-parallel-rng")` inside `fork("data-parallel-rng")` and show the result
 #    equals doing the two forks one after the other.
 #
-#    <details><summary>Hint</summary>Draw `torch.rand(3)` inside each fork, once nested and once
-#    in sequence, from two trackers built with the same seeds, and compare the draws and
-#    `get_states()` afterwards. Each stream keeps its own progress, so which stream a draw came
-#    from matters, not how the forks were nested; the worked example of the fork checks the same
-#    for one stream forked twice.</details>
+#    <details><summary>Hint</summary>Draw <code>torch.rand(3)</code> inside each fork, once nested
+#    and once in sequence, from two trackers built with the same seeds, and compare the draws and
+#    <code>get_states()</code> afterwards. Each stream keeps its own progress, so which stream a
+#    draw came from matters, not how the forks were nested; the worked example of the fork checks
+#    the same for one stream forked twice.</details>
 #
 # 2. Why is the data-parallel stream the *same* on every DP replica? (Hint: dropout masks there
 #    are on replicated activations of different samples — does it matter?)
@@ -455,5 +455,6 @@ if __name__ == "__main__":
 #    <details><summary>Hint</summary>Each DP replica holds different samples, so one stream on
 #    different data still gives masks that are independent of the data; nothing is lost, and no
 #    replica needs its own seed. Seeds must differ only where the tensors are pieces of one
-#    activation, as the heads on the TP ranks are. Look at the seeds `model_parallel_seed` gives
-#    the three streams, and which of them include the TP rank.</details>
+#    activation, as the heads on the TP ranks are. Look at the seeds
+#    <code>model_parallel_seed</code> gives the three streams, and which of them include the TP
+#    rank.</details>

@@ -475,8 +475,8 @@ if __name__ == "__main__":
 #
 #    <details><summary>Hint</summary>Each of the $t$ ranks would add the full bias to its partial
 #    sum, and the all-reduce (or reduce-scatter) adds the $t$ copies: the output carries
-#    $t \cdot b$ instead of $b$. Move the bias add in `RowParallelLinear.forward` and read the
-#    demo's gap.</details>
+#    $t \cdot b$ instead of $b$. Move the bias add in <code>RowParallelLinear.forward</code> and
+#    read the demo's gap.</details>
 #
 # 3. When is `tensor_parallel_output_grad=False` the right backward for
 #    `gather_from_sequence_parallel_region`? Build a case where the reduce-scatter would

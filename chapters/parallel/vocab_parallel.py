@@ -262,9 +262,10 @@ if __name__ == "__main__":
 # 1. Merge the target-logit and sum-exp all-reduces into one (stack them) and check parity.
 #
 #    <details><summary>Hint</summary>Both are sums over the TP group of per-row fp32 values, so
-#    `torch.stack([exp_z.sum(-1), target])` goes through one `all_reduce` and `unbind` after; the
-#    max must stay a separate all-reduce because it comes first and uses another operation. Page
-#    C.3's `_VocabParallelCE` does exactly this with its `pair`.</details>
+#    <code>torch.stack([exp_z.sum(-1), target])</code> goes through one <code>all_reduce</code>
+#    and <code>unbind</code> after; the max must stay a separate all-reduce because it comes first
+#    and uses another operation. Page C.3's <code>_VocabParallelCE</code> does exactly this with
+#    its <code>pair</code>.</details>
 #
 # 2. Add label smoothing $\epsilon$: the loss gains $-\frac{\epsilon}{V}\sum_j \log p_j$ — which
 #    extra all-reduce does it need?
