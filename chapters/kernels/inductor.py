@@ -204,15 +204,14 @@ if __name__ == "__main__":
 # (`cpp_fused__unsafe_view_add_mean_mul_pow_rsqrt_2`), the SwiGLU product and the last residual
 # add; the four matmuls and SDPA stay library calls.
 #
-# <div class="admonition note">
-# <p class="admonition-title">tinytron differs here</p>
+# <details><summary>Megatron detail: compiling functions, not layers</summary>
 # <p>Megatron applies <code>torch.compile</code> to small functions, not to layers:
 # <code>jit_fuser</code> is <code>torch.compile</code> on torch 2.2 and later
 # (<code>megatron/core/jit.py:21</code>) and decorates elementwise pieces such as the bias-SwiGLU
 # (<code>megatron/core/fusions/fused_bias_swiglu.py:15</code>); its norms come from Transformer
 # Engine. tinytron compiles whole layers, and refuses <code>compile</code> together with
 # <code>kernels = "triton"</code>: one switch decides who writes the fused kernels.</p>
-# </div>
+# </details>
 
 # %% [markdown]
 # ## The GPU report

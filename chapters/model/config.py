@@ -199,14 +199,13 @@ class ModelConfig(ShapeMethods):
 
 
 # %% [markdown]
-# <div class="admonition note">
-# <p class="admonition-title">tinytron differs here</p>
+# <details><summary>Megatron detail: one dropout, whole groups</summary>
 # <p>Megatron's <code>TransformerConfig</code> has separate <code>hidden_dropout</code> and
 # <code>attention_dropout</code>; here one <code>dropout</code> drives both. Megatron also accepts
 # fewer key/value groups than TP ranks and replicates them
 # (<code>transformer_config.py:1214-1224</code>); this book requires $t \mid g$, so every TP
 # rank owns whole groups and the count below stays a plain division.</p>
-# </div>
+# </details>
 #
 # Two configs serve the whole book: `tiny_config`, small enough that every layout of the tests
 # runs on two CPU cores in seconds, and `llama_7b_config`, the running example whose counts

@@ -731,8 +731,7 @@ class GPTModel(ChunkParts, StageFlags, StageInput, RopeTables, OutputHead, nn.Mo
 # Every parameter is drawn as its *full* tensor from (seed, global name) and then sharded, so
 # the same seed gives the same model on any layout; and a pipeline rank builds its chunks.
 #
-# <div class="admonition note">
-# <p class="admonition-title">tinytron differs here</p>
+# <details><summary>Megatron detail: the init is layout-free</summary>
 # <p>Megatron's default GPU init draws each TP shard on its own rank under the
 # <code>model-parallel-rng</code> fork (<code>_initialize_affine_weight_gpu</code>,
 # <code>megatron/core/tensor_parallel/layers.py:137-148</code>), so its weights depend on the
@@ -741,7 +740,7 @@ class GPTModel(ChunkParts, StageFlags, StageInput, RopeTables, OutputHead, nn.Mo
 # which is what lets every layout test compare with one process. The checks of the model's
 # inputs (<code>check_ids</code>, <code>check_attention_mask</code>) live in
 # <code>tinytron.model._checks</code> and are re-exported here.</p>
-# </div>
+# </details>
 
 # %%
 @torch.no_grad()

@@ -407,15 +407,14 @@ def load_hf_llama(path: str | os.PathLike, grid: ParallelGrid | None = None, *,
 
 
 # %% [markdown]
-# <div class="admonition note">
-# <p class="admonition-title">tinytron differs here</p>
+# <details><summary>Megatron detail: offline conversion</summary>
 # <p>Megatron converts offline: its loader builds the whole Hugging Face model with
 # <code>transformers</code> (<code>tools/checkpoint/loader_mixtral_hf.py:139</code>) and sends full
 # tensors through a queue to a saver that writes Megatron's own checkpoint
 # (<code>:283-335</code>). tinytron reads and writes the <code>safetensors</code> files directly,
 # without <code>transformers</code>, on every rank of the training layout, and keeps only each
 # rank's shard; there is no intermediate checkpoint.</p>
-# </div>
+# </details>
 
 # %% [markdown]
 # ## Demo: a round trip, and a checkpoint that does not fit

@@ -184,15 +184,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # uses the global layer index (`decoder.layers.17.…` on whichever stage holds layer 17), so a
 # pipeline split does not rename anything.
 #
-# <div class="admonition note">
-# <p class="admonition-title">tinytron differs here</p>
+# <details><summary>Megatron detail: seeding per name</summary>
 # <p>Megatron's <code>--use-cpu-initialization</code> also draws the master weight and splits it
 # (<code>megatron/core/tensor_parallel/layers.py:152</code>), but from one global RNG stream
 # whose order depends on the layout, and its default GPU path draws each shard on its own rank
 # (<code>:137-148</code>). Seeding per name removes that dependence: layer 17's
 # <code>linear_fc1</code> gets the same $[2f, h]$ matrix at TP 1, TP 8 or on any pipeline
 # stage.</p>
-# </div>
+# </details>
 #
 # The cost is that each rank draws the full tensors of its own layers: for the 7B example at
 # TP 8 a rank draws 8× its shard, 7.5 B normal numbers — about two minutes on one busy CPU

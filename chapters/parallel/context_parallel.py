@@ -184,14 +184,13 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout_p)
 
 # %% [markdown]
-# <div class="admonition note">
-# <p class="admonition-title">tinytron differs here</p>
+# <details><summary>Megatron detail: the zig-zag in the kernel</summary>
 # <p>Megatron hands CP attention to Transformer Engine, which builds the zig-zag mask inside its
 # kernel (<code>cp_comm_type</code>, <code>transformer_config.py:891-895</code>). tinytron runs
 # PyTorch's SDPA on the gathered keys with an explicit boolean mask of global positions, so the
 # page can show the mask; it holds all of $K, V$ at once, which the default <code>"p2p"</code>
 # ring avoids (next section).</p>
-# </div>
+# </details>
 
 # %% [markdown]
 # ## The ring variant

@@ -316,15 +316,14 @@ class ParallelGrid(GridQueries, GridServices):
 
 
 # %% [markdown]
-# <div class="admonition note">
-# <p class="admonition-title">tinytron differs here</p>
+# <details><summary>Megatron detail: groups in module globals</summary>
 # <p>Megatron's <code>initialize_model_parallel</code> keeps every group in module globals
 # (<code>_TENSOR_MODEL_PARALLEL_GROUP</code> and the rest, <code>parallel_state.py:547</code>)
 # and skips none; tinytron keeps them in one object, so two layouts can live in one process,
 # and it has no expert axes (<code>ep</code> is dropped from the order string, size 1). The
 # size checks and the order-string parser live in <code>tinytron.parallel._checks</code>, with
 # the same messages.</p>
-# </div>
+# </details>
 
 # %% [markdown]
 # ## Demo: the 16-rank example, printed by the code

@@ -267,8 +267,7 @@ class RNGStatesTracker(NamedStreams):
             default.graphsafe_set_state(original)
 
 # %% [markdown]
-# <div class="admonition note">
-# <p class="admonition-title">tinytron differs here</p>
+# <details><summary>Megatron detail: state objects, not copies</summary>
 # <p>Megatron's <code>get_states</code> returns the tracker's own state objects and
 # <code>set_states</code> keeps the dictionary it is given (<code>random.py:258-270</code>);
 # tinytron returns state tensors and writes them into its own generators, so a snapshot taken
@@ -281,7 +280,7 @@ class RNGStatesTracker(NamedStreams):
 # since the pointer swap does the same draws without the two state copies per fork. There is no
 # warning when the CPU generator moves inside a fork (<code>:313-320</code>); and a tracker is
 # built for a device type, so the same code runs on a CPU-only machine.</p>
-# </div>
+# </details>
 
 # %% [markdown]
 # Megatron reaches its tracker through a process-wide getter (`get_cuda_rng_tracker`,

@@ -279,11 +279,10 @@ def _check_divisible(name: str, value: int, grid: ParallelGrid) -> int:
 # $[s/t, b, o]$ summed). The bias is added **after** the reduction (added before, it would be
 # summed $t$ times), so it is replicated and flagged `sequence_parallel` under SP.
 #
-# <div class="admonition note">
-# <p class="admonition-title">tinytron differs here</p>
+# <details><summary>Megatron detail: the (output, bias) return</summary>
 # <p>Both linears return just the output tensor; Megatron's return <code>(output, bias)</code> so
 # that the caller can fuse the bias add into the next op.</p>
-# </div>
+# </details>
 #
 # ## Under SP, save the slice and gather again in backward
 #
