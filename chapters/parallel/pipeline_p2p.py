@@ -197,10 +197,17 @@ def _post_each(grid: ParallelGrid, tensors: dict) -> dict:
 # %% [markdown]
 # ## The named helpers
 #
-# The names are Megatron's (`P2PCommunicator.recv_forward` `:424`, `recv_backward` `:455`,
+# The names are Megatron's, the methods of its `P2PCommunicator`.
+#
+# <details><summary>Megatron detail: the methods, line by line</summary>
+#
+# `P2PCommunicator.recv_forward` `:424`, `recv_backward` `:455`,
 # `send_forward` `:486`, `send_backward` `:507`, `send_forward_recv_backward` `:527`,
 # `send_backward_recv_forward` `:560`, `send_forward_recv_forward` `:593`,
-# `send_backward_recv_backward` `:619`, `send_forward_backward_recv_forward_backward` `:645`).
+# `send_backward_recv_backward` `:619`, `send_forward_backward_recv_forward_backward` `:645`.
+#
+# </details>
+#
 # The first six are no-ops (or return `None`) on the stage with no neighbor in that direction;
 # the last three are the interleaved schedule's, which decides itself whether to receive.
 # Each takes `batch_p2p_comm`, which Megatron reads from its config inside `_communicate`:

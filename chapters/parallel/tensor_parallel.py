@@ -290,13 +290,20 @@ def _check_divisible(name: str, value: int, grid: ParallelGrid) -> int:
 # autograd, `gather_from_sequence_parallel_region` followed by `F.linear` keeps the gathered
 # tensor until backward: $t$ times this rank's slice, in every linear after a norm (QKV and
 # fc1 in each layer). Megatron keeps only the local $[s/t, b, i]$ slice and runs the all-gather
-# a second time in backward (`LinearWithGradAccumulationAndAsyncCommunication`,
+# a second time in backward. The backward also overlaps its communication: the re-gather runs
+# while the input-gradient GEMM does, and the input gradient's reduce-scatter while the
+# weight-gradient GEMM does.
+#
+# <details><summary>Megatron detail: where, line by line</summary>
+#
+# `LinearWithGradAccumulationAndAsyncCommunication`,
 # `megatron/core/tensor_parallel/layers.py:464`: the forward saves the ungathered input at
 # `:486` and gathers into a scratch buffer at `:499-505`; the backward re-gathers it
-# asynchronously at `:543-545`). The backward also overlaps its communication: the re-gather
-# runs while the input-gradient GEMM does (`:552`, waited at `:556`), and the input
-# gradient's reduce-scatter (`:576-578`) while the weight-gradient GEMM does (`:651`, waited
-# at `:655`).
+# asynchronously at `:543-545`. The re-gather runs beside the input-gradient GEMM (`:552`,
+# waited at `:556`), the input gradient's reduce-scatter (`:576-578`) beside the weight-gradient
+# GEMM (`:651`, waited at `:655`).
+#
+# </details>
 #
 # `linear_with_sequence_parallel_gather` is that function, and `ColumnParallelLinear` calls it
 # under SP. It saves this rank's slice of $X$ and $W$; its backward starts the all-gather of the
