@@ -268,8 +268,13 @@ def cross_entropy_saved_bytes(num_tokens: int, vocab_local: int, dtype: torch.dt
 # $z - M$, $e^{z - M}$, each 2.1 GB) never exist with the kernel. The benchmark measures the
 # peak: on the CPU at 256 tokens × 4,096 columns of bf16 logits (2 MiB), forward plus backward
 # peaks at 2.0 MiB with the kernels (the gradient) and 8.0 MiB with appendix A's one-rank
-# loss, 4.0× (`python benchmarks/bench_kernels.py --device cpu`; the chain, before A.3 took
-# one `log_softmax` pass on one rank, peaked at 12.0 MiB there).
+# loss, 4.0× (`python benchmarks/bench_kernels.py --device cpu`).
+#
+# <details><summary>Measured: appendix A's loss before its one-rank pass</summary>
+#
+# The chain, before A.3 took one `log_softmax` pass on one rank, peaked at 12.0 MiB there.
+#
+# </details>
 
 # %% [markdown]
 # ## Demo: one rank, then two ranks on gloo

@@ -659,14 +659,48 @@ class OutputHead:
 
 
 # %% [markdown]
-# Finally the class itself. Its constructor checks the layout, keeps the grid, the stage's role
-# and the hooks chapter 06 fills in, builds the parts and draws the init; its forward runs them
-# in Megatron's argument order: check, the stage's input, the RoPE tables of this rank's
-# positions, the layers (or [chapter 06's](../06_recompute_offload/recompute.py) recompute
-# loop), and the head on the last stage.
+# The forward runs the parts in Megatron's argument order: check, the stage's input, the RoPE
+# tables of this rank's positions, the layers (or
+# [chapter 06's](../06_recompute_offload/recompute.py) recompute loop), and the head on the last
+# stage.
 
 # %%
-class GPTModel(ChunkParts, StageFlags, StageInput, RopeTables, OutputHead, nn.Module):
+class StageForward:
+    """GPTModel's forward: input, RoPE tables, layers, head; reads what the other parts build."""
+
+    def forward(self, input_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [b, s, V/t], per-token fp32 loss [b, s] (labels given), or hidden [s, b, h].
+
+        The argument order and names are Megatron's (`GPTModel.forward(input_ids, position_ids,
+        attention_mask, ..., labels=)`, `megatron/core/models/gpt/gpt_model.py`).
+        """
+        self._check_activation_policy()
+        if attention_mask is not None and _on_host(attention_mask):
+            check_attention_mask(attention_mask)
+        hidden = self._stage_input(input_ids)
+        cos, sin = self._rope_tables(hidden, position_ids)
+        dropout_on = self.config.dropout > 0 and self.training
+        with _fork(self.rng_tracker, dropout_on and self.config.sequence_parallel):
+            if self.layer_runner is not None:
+                hidden = self.layer_runner(self.decoder.layers, hidden, cos, sin, attention_mask)
+            else:
+                for layer in self.decoder.layers:
+                    hidden = layer(hidden, cos, sin, attention_mask)
+        if not self.post_process:
+            return hidden
+        return self._head(hidden, labels)
+
+
+# %% [markdown]
+# Finally the class itself. Its constructor checks the layout, keeps the grid, the stage's role
+# and the hooks chapter 06 fills in, builds the parts and draws the init.
+
+# %%
+class GPTModel(ChunkParts, StageFlags, StageInput, RopeTables, OutputHead, StageForward,
+               nn.Module):
     """One pipeline chunk of the Llama-style GPT (the whole model when pp = 1).
 
     Example::
@@ -700,31 +734,6 @@ class GPTModel(ChunkParts, StageFlags, StageInput, RopeTables, OutputHead, nn.Mo
         self.to(device=device, dtype=dtype)  # e.g. bf16 params; the init is drawn in fp32
         if initialize:  # a loader that overwrites every weight skips the draw
             init_parameters(self)
-
-    def forward(self, input_ids: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [b, s, V/t], per-token fp32 loss [b, s] (labels given), or hidden [s, b, h].
-
-        The argument order and names are Megatron's (`GPTModel.forward(input_ids, position_ids,
-        attention_mask, ..., labels=)`, `megatron/core/models/gpt/gpt_model.py`).
-        """
-        self._check_activation_policy()
-        if attention_mask is not None and _on_host(attention_mask):
-            check_attention_mask(attention_mask)
-        hidden = self._stage_input(input_ids)
-        cos, sin = self._rope_tables(hidden, position_ids)
-        dropout_on = self.config.dropout > 0 and self.training
-        with _fork(self.rng_tracker, dropout_on and self.config.sequence_parallel):
-            if self.layer_runner is not None:
-                hidden = self.layer_runner(self.decoder.layers, hidden, cos, sin, attention_mask)
-            else:
-                for layer in self.decoder.layers:
-                    hidden = layer(hidden, cos, sin, attention_mask)
-        if not self.post_process:
-            return hidden
-        return self._head(hidden, labels)
 
 
 # %% [markdown]
