@@ -286,10 +286,16 @@ def stage_layer_ranges(num_layers: int, pp: int = 1, num_virtual_stages: int = 1
 # its own when untied, and *also* when tied but $p > 1$: the last stage then keeps a duplicate
 # of the embedding table (`language_module.py:191-300`; its gradient is summed with the first
 # stage's over the embedding group). For TP 2 × PP 2 the first stage holds 2,007,629,824
-# parameters and the last 2,007,633,920. Megatron's memory model reports 2,007,631,872 for its
+# parameters and the last 2,007,633,920.
+#
+# <details><summary>Megatron detail: its most loaded shard</summary>
+#
+# Megatron's memory model reports 2,007,631,872 for its
 # "most loaded shard" because it spreads the final norm evenly over the stages
 # (`theoretical_memory_usage.py:219-239`) — an approximation; the count below is what a rank
 # really allocates, and the tests compare it with `sum(p.numel())` of the built model.
+#
+# </details>
 
 # %%
 def parameter_breakdown(config: ModelConfig) -> dict[str, int]:
