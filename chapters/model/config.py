@@ -58,8 +58,14 @@ __all__ = [
 #
 # Tensor parallelism over $t$ ranks gives each rank whole heads, whole key/value groups, a slice
 # of the MLP width and a slice of the vocabulary, so $t$ must divide $a$, $g$, $f$ and $V$.
+#
+# <details><summary>Megatron detail: where it checks the heads</summary>
+#
 # Megatron checks the heads at `transformer_config.py:1202` and the groups at `:1214-1224`
 # (it also lets $g < t$ by replicating key/value heads; this book keeps $t \mid g$).
+#
+# </details>
+#
 # Context parallelism over $c$ ranks cuts the sequence into $2c$ chunks
 # ([appendix A](../parallel/context_parallel.py)), so
 # $2c \mid s$; sequence parallelism then splits each rank's $s / c$ tokens over $t$ ranks.

@@ -183,9 +183,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 # counts it). The numbers agree with the chain to fp32 rounding (the sum is taken in another
 # order), not bit for bit. A label outside the vocabulary gets the loss the chain gives it at
 # any TP size, $\log \sum_j e^{z_j - m}$, which needs the max again (one read-only pass).
+#
+# <details><summary>Megatron detail: no one-rank special case</summary>
+#
 # Megatron has no such special case: its `VocabParallelCrossEntropy` runs the chain at TP 1
 # too (`megatron/core/tensor_parallel/cross_entropy.py:32-116`); PyTorch's `F.cross_entropy`
 # is this `log_softmax` plus a gather.
+#
+# </details>
 
 # %%
 def _one_rank_forward(ctx, logits, labels):
