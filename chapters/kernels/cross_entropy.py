@@ -153,6 +153,12 @@ def _tiles(n_rows: int, n_cols: int) -> tuple[int, int, int]:
     return rows, block, triton.cdiv(n_rows, rows)
 
 
+# %% [markdown]
+# The autograd function runs the forward kernel for each row's local max, local sum and target
+# logit, then combines the ranks with one max all-reduce and one sum all-reduce. It keeps the
+# logits and one log-sum-exp per row; the backward kernel recomputes the softmax from them.
+
+# %%
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, grid):
@@ -262,8 +268,13 @@ def cross_entropy_saved_bytes(num_tokens: int, vocab_local: int, dtype: torch.dt
 # $z - M$, $e^{z - M}$, each 2.1 GB) never exist with the kernel. The benchmark measures the
 # peak: on the CPU at 256 tokens × 4,096 columns of bf16 logits (2 MiB), forward plus backward
 # peaks at 2.0 MiB with the kernels (the gradient) and 8.0 MiB with appendix A's one-rank
-# loss, 4.0× (`python benchmarks/bench_kernels.py --device cpu`; the chain, before A.3 took
-# one `log_softmax` pass on one rank, peaked at 12.0 MiB there).
+# loss, 4.0× (`python benchmarks/bench_kernels.py --device cpu`).
+#
+# <details><summary>Measured: appendix A's loss before its one-rank pass</summary>
+#
+# The chain, before A.3 took one `log_softmax` pass on one rank, peaked at 12.0 MiB there.
+#
+# </details>
 
 # %% [markdown]
 # ## Demo: one rank, then two ranks on gloo
@@ -283,6 +294,12 @@ if __name__ == "__main__":
     print(f"worked example: loss {loss.item():.3f}, grad {[round(v, 3) for v in z.grad[0].tolist()]}")
     assert abs(loss.item() - 0.440) < 1e-3 and abs(z.grad.sum().item()) < 1e-6
 
+# %% [markdown]
+# Next, fp32 and bf16 logits over a ragged vocabulary against appendix A's loss on
+# `logits.float()`.
+
+# %%
+if __name__ == "__main__":
     def one_rank_gaps(dtype, num_tokens=10, vocab=200):
         """Relative gaps of the loss and the logits' gradient, kernel vs appendix A."""
         gen = torch.Generator().manual_seed(1)
@@ -302,6 +319,11 @@ if __name__ == "__main__":
     print("fp32 (loss, grad) relative gap:", [f"{g:.1e}" for g in gaps32])
     print("bf16 (loss, grad) relative gap:", [f"{g:.1e}" for g in gaps16])
 
+# %% [markdown]
+# Then the bytes both paths move per logit, and what each keeps for the backward.
+
+# %%
+if __name__ == "__main__":
     n, v = 32, 256
     logits = torch.randn(n, v, dtype=torch.bfloat16, requires_grad=True)
     labels = torch.randint(0, v, (n,))
@@ -363,7 +385,28 @@ if __name__ == "__main__":
 #
 # 1. Write the gradient into the logits' own storage (the logits are not needed after the
 #    backward). What does that save, and what breaks if someone else still holds the logits?
+#
+#    <details><summary>Answer</summary>It saves the <code>empty_like</code> gradient buffer of
+#    <code>_VocabParallelCE.backward</code>: a second $[N, V/t]$ tensor,
+#    $8192 \times 64128 \times 2$ B = 1.05 GB in bf16 on a rank of the running example, at the
+#    peak of the last stage. Anyone else who still reads the logits (a metric, a second loss, a
+#    hook) then reads gradients instead, silently.</details>
+#
 # 2. Add label smoothing: which extra per-row quantity must the forward kernel return, and
 #    which extra all-reduce does the vocab-parallel form need?
+#
+#    <details><summary>Hint</summary>With smoothing $\varepsilon$ the loss adds
+#    $-\tfrac{\varepsilon}{V}\sum_j \log p_j$, which needs the row's sum of logits. Each rank sums
+#    its own slice in the same pass as the max and the sum of exponentials; the slices' sums must
+#    then be added across the TP group. Then read the label-smoothing branch of
+#    <code>megatron/core/tensor_parallel/cross_entropy.py</code> and check which quantities it
+#    reduces across the group.</details>
+#
 # 3. Fuse the output layer: loop over vocabulary chunks of the weight, compute each logit
 #    chunk with a matmul, and update the online log-sum-exp. What must the backward recompute?
+#
+#    <details><summary>Hint</summary>The point is never to store the $[N, V/t]$ logits. The
+#    backward then has no logits to read: it must recompute each chunk with the same matmul, turn
+#    it into softmax minus one-hot with the saved log-sum-exp (as <code>_ce_bwd_kernel</code>
+#    does), and use it at once for the gradients of the hidden states and of the weight
+#    chunk.</details>

@@ -485,6 +485,12 @@ if __name__ == "__main__":
     fig.tight_layout()
     plt.show()
 
+# %% [markdown]
+# The worked example through the kernel: a head of 16 with one non-zero channel, so the output is
+# the hand-computed 3.493.
+
+# %%
+if __name__ == "__main__":
     q = torch.zeros(1, 1, 4, 16)
     q[..., 0] = 1.0
     k, v = torch.zeros(1, 1, 4, 16), torch.zeros(1, 1, 4, 16)
@@ -492,6 +498,12 @@ if __name__ == "__main__":
     worked = flash_attention(q, k, v, causal=False, scale=1.0)[0, 0, 0, 0].item()
     print(f"worked example: o = {worked:.3f}")
 
+# %% [markdown]
+# Parity with `scaled_dot_product_attention` in fp32: GQA ratios 1, 2 and 4, lengths that are not
+# multiples of the tile, causal and not, fp32 and bf16 inputs.
+
+# %%
+if __name__ == "__main__":
     def gaps(dtype, b, heads, kv_heads, s, d, causal):
         """Relative gaps (o, dq, dk, dv): the kernel in `dtype` against SDPA in fp32."""
         gen = torch.Generator().manual_seed(s)
@@ -513,6 +525,12 @@ if __name__ == "__main__":
         print(f"{str(c[0]):>14} b{c[1]} heads {c[2]}/{c[3]} s {c[4]} d {c[5]} causal {c[6]}: "
               f"(o, dq, dk, dv) {[f'{x:.0e}' for x in g]}")
 
+# %% [markdown]
+# Last, what each form keeps for the backward and what the eager form moves per score; the asserts
+# state the demo's claims.
+
+# %%
+if __name__ == "__main__":
     b, h, s, d = 1, 2, 64, 16
     qkv = [torch.randn(b, h, s, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
     _, kept_eager = saved_tensor_bytes(attention_eager, *qkv)
@@ -555,7 +573,28 @@ if __name__ == "__main__":
 #
 # 1. Split the forward loop into the blocks strictly below the diagonal (no mask) and the
 #    diagonal blocks (masked): how many `where`s does that save at $s = 4096$?
+#
+#    <details><summary>Answer</summary>The compiled forward uses $64 \times 32$ tiles
+#    (<code>_tiles</code>). <code>tile_schedule(4096, 64, 32)</code> visits 4,160 tiles per
+#    (batch, head): 128 cross the diagonal and 4,032 lie strictly below it. Each visited tile runs
+#    one <code>where</code> over its $64 \times 32$ scores, so the split saves 4,032 of 4,160
+#    (97%) per (batch, head), or 129,024 per layer of the running example ($b = 2$, 16 heads per
+#    rank).</details>
+#
 # 2. Accumulate dQ with `tl.atomic_add` inside the dK/dV kernel. Measure the FLOPs saved and
 #    show that two runs no longer give bit-identical gradients.
+#
+#    <details><summary>Hint</summary>Today the dQ kernel recomputes $S = QK^T$ and $P$ for its own
+#    tiles, the same work the dK/dV kernel already did. With atomics, each dK/dV program adds its
+#    $dS\,K$ share into dQ, so that recompute goes away. But the order of the adds then depends on
+#    which program finishes first, and fp32 addition is not associative: compare two runs' dQ with
+#    <code>torch.equal</code>.</details>
+#
 # 3. Add appendix B's packed-document mask (attention restarts at each end-of-document): which
 #    per-row numbers must the kernel load, and which tiles can it skip entirely?
+#
+#    <details><summary>Hint</summary>Per row, the start of its document (or a document id); a key
+#    is valid when it is in the same document and, causally, not later. A tile whose key block
+#    ends before the first document start of its query block can be skipped, like the tiles above
+#    the diagonal in <code>tile_schedule</code>; only tiles that cross a document boundary need
+#    the mask.</details>

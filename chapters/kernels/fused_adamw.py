@@ -115,6 +115,11 @@ def build_chunk_table(segments: list[tuple[int, int, int, int]], chunk: int,
     return torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1, 4)
 
 
+# %% [markdown]
+# `fused_adamw_` checks the buffers and the hyperparameter row, then launches one program per row
+# of the chunk table.
+
+# %%
 def fused_adamw_(chunks: torch.Tensor, hparams: list[float], master: torch.Tensor,
                  exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad_buffer: torch.Tensor,
                  param_buffer: torch.Tensor, chunk: int) -> None:
@@ -136,6 +141,11 @@ def fused_adamw_(chunks: torch.Tensor, hparams: list[float], master: torch.Tenso
                                           num_warps=adamw_warps(chunk))
 
 
+# %% [markdown]
+# Beside the kernel sit the eager multi-tensor step it replaces, the parity reference of the demo,
+# and the bytes the kernel moves, for the roofline below.
+
+# %%
 def adamw_reference_(params, grads, exp_avgs, exp_avg_sqs, step: int, lr: float,
                      betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01) -> None:
     """The multi-tensor step the kernel replaces (chapter 02's _adam_foreach, AdamW form)."""
@@ -218,6 +228,24 @@ def step_hparams(group: dict, step: int) -> list[float]:
 
 
 # %% [markdown]
+# The masters move into one flat fp32 buffer in the order of the pieces, and each master is
+# re-pointed at its slice. The moments get buffers of the same size, zeroed.
+
+# %%
+def _flat_buffers(mains: list[torch.Tensor], slices: list[tuple[int, int]],
+                  flat: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(master, exp_avg, exp_avg_sq) of `flat` fp32 elements; each master becomes its view."""
+    device = mains[0].device if mains else torch.device("cpu")
+    master = torch.empty(flat, dtype=torch.float32, device=device)
+    exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+    with torch.no_grad():
+        for main, (a, b) in zip(mains, slices):
+            master[a:b].copy_(main.detach().reshape(-1))
+            main.data = master[a:b].view_as(main)
+    return master, exp_avg, exp_avg_sq
+
+
+# %% [markdown]
 # `FlatAdamW` ties these together. At construction it checks every piece (the checks, with
 # their messages, are in the page's private module `chapters/kernels/_checks.py`: an fp32 master,
 # an fp32 grad buffer, a param buffer, a piece inside its buffer and in an AdamW param group),
@@ -247,14 +275,8 @@ class FlatAdamW:
             self.slices.append((flat, flat + main.numel()))
             self.grad_ptrs.append(grad_buffer.data_ptr() + 4 * buffer_start)
             flat += main.numel()
-        device = self.mains[0].device if self.mains else torch.device("cpu")
-        self.master = torch.empty(flat, dtype=torch.float32, device=device)
-        self.exp_avg, self.exp_avg_sq = torch.zeros_like(self.master), torch.zeros_like(self.master)
-        with torch.no_grad():
-            for main, (a, b) in zip(self.mains, self.slices):
-                self.master[a:b].copy_(main.detach().reshape(-1))
-                main.data = self.master[a:b].view_as(main)
-        self.launches = [(g, p, group, build_chunk_table(segs, self.chunk, device),
+        self.master, self.exp_avg, self.exp_avg_sq = _flat_buffers(self.mains, self.slices, flat)
+        self.launches = [(g, p, group, build_chunk_table(segs, self.chunk, self.master.device),
                           [seg[3] for seg in segs]) for g, p, group, segs in rows.values()]
 
     @torch.no_grad()
@@ -412,7 +434,30 @@ if __name__ == "__main__":
 #
 # 1. Add the gradient unscaling and the clip coefficient to the kernel (one more scalar each):
 #    how many passes over the shard does chapter 02's step then save?
+#
+#    <details><summary>Hint</summary>List chapter 02's passes over the fp32 gradient before the
+#    update: the unscale multiplies it in place, the clip first reads it for the norm, then
+#    multiplies it in place. Each in-place multiply reads and writes 8 bytes per element. Which of
+#    them can become a scalar the kernel applies to $g$ as it loads it, and which must still run
+#    before the step, because the coefficient depends on it?</details>
+#
 # 2. Keep `exp_avg_sq` in bf16 (precision-aware optimizer): bytes per element, and what happens
 #    to the update when $v$ is tiny?
+#
+#    <details><summary>Answer</summary><code>adamw_bytes</code> counts $7 \cdot 4 + 2 = 30$ bytes
+#    per element with bf16 params; $v$ read and written in bf16 saves 4, so 26 (and 2 bytes of
+#    memory per element). bf16 keeps fp32's exponent range, so a tiny $v$ does not underflow, but
+#    it keeps 8 significant bits: with $\beta_2 = 0.999$, $\beta_2 v$ rounds back to $v$ whenever
+#    $(1 - \beta_2) g^2$ is small against it, so $v$ stops decaying and the step
+#    $m / (\sqrt{v} + \epsilon)$ stays too small; stochastic rounding or an fp32 $v$ avoid
+#    it.</details>
+#
 # 3. Why must the chunk size be a power of two, and what does a chunk much larger than the
 #    typical piece cost?
+#
+#    <details><summary>Hint</summary>The kernel's offsets are <code>tl.arange(0, CHUNK)</code>,
+#    and Triton's <code>arange</code> takes only a power of two. <code>build_chunk_table</code>
+#    cuts each piece on its own, so the last chunk of every piece is partly masked: a
+#    4,096-element norm weight fills four 1,024 chunks exactly, but with a chunk of 65,536 it
+#    would be one program with 94% of its lanes masked. Count the masked lanes and the programs
+#    per piece.</details>

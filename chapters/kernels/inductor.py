@@ -192,27 +192,32 @@ if __name__ == "__main__":
 # C.1 sizes the warps to the row and refuses rows wider than 8192; inductor's loop works for
 # any width and pays a second read, which the cache absorbs when the chunk fits. Whether the
 # extra read costs anything on an H200 is `gpu_check.sh`'s measurement, not this page's claim.
+#
+# <details><summary>Measured: the compiled step on this book's CPU</summary>
+#
 # On this 2-core CPU, one thread, the whole step at `bench_train.py`'s shape (h 256, 4 layers,
 # s 256) takes 0.92× eager's CPU time with every layer compiled, and 0.95× that of the
 # independent plain-PyTorch loop (eager tinytron: 1.05×); at `configs/tiny.toml`'s shape 0.91×
 # and 0.98× (eager 1.06×). The compile is left out: about 90 s the first time on the loaded
 # machine, a few seconds once inductor's on-disk cache holds the graphs
 # (`python benchmarks/bench_compile.py [--shape tiny]`, `benchmarks/results/compile*.json`).
+#
+# </details>
+#
 # Inductor also fuses across op boundaries that a hand-written kernel does not cross. Compiled
 # whole, one layer of the tiny config (h = 64) runs five generated kernels in its forward: the
 # first norm, RoPE on queries and keys, the residual add together with the second norm
 # (`cpp_fused__unsafe_view_add_mean_mul_pow_rsqrt_2`), the SwiGLU product and the last residual
 # add; the four matmuls and SDPA stay library calls.
 #
-# <div class="admonition note">
-# <p class="admonition-title">tinytron differs here</p>
+# <details><summary>Megatron detail: compiling functions, not layers</summary>
 # <p>Megatron applies <code>torch.compile</code> to small functions, not to layers:
 # <code>jit_fuser</code> is <code>torch.compile</code> on torch 2.2 and later
 # (<code>megatron/core/jit.py:21</code>) and decorates elementwise pieces such as the bias-SwiGLU
 # (<code>megatron/core/fusions/fused_bias_swiglu.py:15</code>); its norms come from Transformer
 # Engine. tinytron compiles whole layers, and refuses <code>compile</code> together with
 # <code>kernels = "triton"</code>: one switch decides who writes the fused kernels.</p>
-# </div>
+# </details>
 
 # %% [markdown]
 # ## The GPU report
@@ -260,8 +265,27 @@ def write_triton_report(path: str, device: str = "cuda", rows: int = 4096,
 #
 # 1. Compile appendix B's SwiGLU product (`silu(gate) * up` on the two halves of fc1's output)
 #    and read its Triton: how many loads and stores does it make per element, against C.2's?
+#
+#    <details><summary>Hint</summary>Pass the product to <code>inductor_triton_source</code> and
+#    count the <code>tl.load</code> and <code>tl.store</code> lines of each kernel. C.2's forward
+#    makes two loads (gate and up, $f$ apart) and one store per output element, 6 bytes in bf16
+#    (<code>swiglu_bytes</code>); check whether inductor fuses the <code>chunk</code>, the
+#    <code>silu</code> and the product into one kernel the same way.</details>
+#
 # 2. Compile a whole `TransformerLayer` and run a backward through it. How many kernels does
 #    the backward graph have, and which forward values does the partitioner recompute there
 #    rather than save?
+#
+#    <details><summary>Hint</summary>Compile with a backend that prints the partitioned graphs, or
+#    read the backward's kernels with <code>inductor_kernels</code> on a GPU. The min-cut
+#    partitioner recomputes cheap elementwise values (the norm's scaled output, the SwiGLU
+#    activation) from tensors it saves anyway, as C.1 and C.2 do by hand, and saves the matmul
+#    outputs.</details>
+#
 # 3. Set `emulate_precision_casts = True` and compile the norm again: which lines of the C++
 #    kernel change?
+#
+#    <details><summary>Hint</summary>Diff the two C++ sources from <code>inductor_kernels</code>.
+#    Look for the casts: with the flag on, inductor rounds intermediate values to the input's
+#    dtype where eager PyTorch would, so extra conversions to bf16 and back appear between the
+#    multiply and the reduction.</details>

@@ -180,6 +180,12 @@ def row_tiles(h: int) -> tuple[int, int]:
     return rows_per_program(block), block
 
 
+# %% [markdown]
+# The autograd function launches the two kernels. The forward keeps $x$, the weight and one fp32
+# `rstd` per row for the backward; the backward makes the upstream gradient contiguous and sums
+# the weight-gradient partials of all programs.
+
+# %%
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -356,6 +362,12 @@ if __name__ == "__main__":
     print("fp32 max |triton - torch| / max |torch| (y, dx, dw):", [f"{g:.1e}" for g in gaps32])
     print("bf16 max |triton - torch| / max |torch| (y, dx, dw):", [f"{g:.1e}" for g in gaps16])
 
+# %% [markdown]
+# Then the bytes. The dispatch-mode counter records every op the eager code runs; `rms_norm_bytes`
+# gives the kernel's loads and stores. Last, what autograd keeps for the backward, for both paths.
+
+# %%
+if __name__ == "__main__":
     n_rows, hidden = 64, 256
     x = torch.randn(n_rows, hidden, dtype=torch.bfloat16, requires_grad=True)
     w = torch.ones(hidden, dtype=torch.bfloat16, requires_grad=True)
@@ -376,6 +388,12 @@ if __name__ == "__main__":
     print(f"saved for backward: eager {saved_eager / elements:.2f} B/element, "
           f"kernel {saved_kernel / elements:.2f} B/element")
 
+# %% [markdown]
+# An input the kernel cannot take is refused with a message, not computed wrong. Then the claims
+# of the demo, in numbers.
+
+# %%
+if __name__ == "__main__":
     try:
         rms_norm(torch.randn(8, 6).t(), torch.ones(8))
         raise AssertionError("a transposed input must be refused")
@@ -447,7 +465,27 @@ if __name__ == "__main__":
 #
 # 1. Fuse the residual add into the forward: read $x$ and the residual, write the new residual
 #    and $y$. How many bytes per element does that save over two kernels?
+#
+#    <details><summary>Answer</summary>In bf16, two kernels move 10 bytes per element in the
+#    forward: the add reads $x$ and the residual and writes the new residual (6), the norm reads
+#    it back and writes $y$ (4, as <code>rms_norm_bytes</code> counts). The fused kernel reads $x$
+#    and the residual and writes the new residual and $y$: 8. It saves the 2-byte re-read of the
+#    new residual, a fifth of the traffic.</details>
+#
 # 2. Replace the two-stage weight reduction with `tl.atomic_add`. What changes in the result
 #    from run to run, and why does that matter for chapter 08's reproducibility checks?
+#
+#    <details><summary>Hint</summary>Floating-point addition is not associative. With atomics the
+#    order in which the programs add into $dw$ depends on which finishes first, so the last bits
+#    of $dw$ change from run to run. Look at how <code>_RMSNorm.backward</code> sums
+#    <code>dw_partial</code> in a fixed order, and at what chapter 08 compares bit for
+#    bit.</details>
+#
 # 3. At which hidden size does one row no longer fit one program's registers, and what would
 #    a two-pass (sum, then normalize) kernel cost in extra reads?
+#
+#    <details><summary>Answer</summary>Above <code>MAX_ROW_LANES</code> = 8,192: 16 warps of 32
+#    threads holding 16 fp32 values each, $16 \cdot 32 \cdot 16 = 8192$ lanes;
+#    <code>_check_rms_inputs</code> refuses a wider row. A two-pass kernel reads $x$ twice, once
+#    for the sum of squares and once to normalize: in bf16 the forward goes from 4 to 6 bytes per
+#    element, 50% more.</details>

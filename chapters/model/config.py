@@ -58,8 +58,14 @@ __all__ = [
 #
 # Tensor parallelism over $t$ ranks gives each rank whole heads, whole key/value groups, a slice
 # of the MLP width and a slice of the vocabulary, so $t$ must divide $a$, $g$, $f$ and $V$.
+#
+# <details><summary>Megatron detail: where it checks the heads</summary>
+#
 # Megatron checks the heads at `transformer_config.py:1202` and the groups at `:1214-1224`
 # (it also lets $g < t$ by replicating key/value heads; this book keeps $t \mid g$).
+#
+# </details>
+#
 # Context parallelism over $c$ ranks cuts the sequence into $2c$ chunks
 # ([appendix A](../parallel/context_parallel.py)), so
 # $2c \mid s$; sequence parallelism then splits each rank's $s / c$ tokens over $t$ ranks.
@@ -199,14 +205,13 @@ class ModelConfig(ShapeMethods):
 
 
 # %% [markdown]
-# <div class="admonition note">
-# <p class="admonition-title">tinytron differs here</p>
+# <details><summary>Megatron detail: one dropout, whole groups</summary>
 # <p>Megatron's <code>TransformerConfig</code> has separate <code>hidden_dropout</code> and
 # <code>attention_dropout</code>; here one <code>dropout</code> drives both. Megatron also accepts
 # fewer key/value groups than TP ranks and replicates them
 # (<code>transformer_config.py:1214-1224</code>); this book requires $t \mid g$, so every TP
 # rank owns whole groups and the count below stays a plain division.</p>
-# </div>
+# </details>
 #
 # Two configs serve the whole book: `tiny_config`, small enough that every layout of the tests
 # runs on two CPU cores in seconds, and `llama_7b_config`, the running example whose counts
@@ -287,10 +292,16 @@ def stage_layer_ranges(num_layers: int, pp: int = 1, num_virtual_stages: int = 1
 # its own when untied, and *also* when tied but $p > 1$: the last stage then keeps a duplicate
 # of the embedding table (`language_module.py:191-300`; its gradient is summed with the first
 # stage's over the embedding group). For TP 2 × PP 2 the first stage holds 2,007,629,824
-# parameters and the last 2,007,633,920. Megatron's memory model reports 2,007,631,872 for its
+# parameters and the last 2,007,633,920.
+#
+# <details><summary>Megatron detail: its most loaded shard</summary>
+#
+# Megatron's memory model reports 2,007,631,872 for its
 # "most loaded shard" because it spreads the final norm evenly over the stages
 # (`theoretical_memory_usage.py:219-239`) — an approximation; the count below is what a rank
 # really allocates, and the tests compare it with `sum(p.numel())` of the built model.
+#
+# </details>
 
 # %%
 def parameter_breakdown(config: ModelConfig) -> dict[str, int]:
@@ -309,6 +320,10 @@ def parameter_breakdown(config: ModelConfig) -> dict[str, int]:
     }
 
 
+# %% [markdown]
+# The model's total adds the layers and the embedding once; a tied output layer adds nothing.
+
+# %%
 def count_parameters(config: ModelConfig) -> int:
     """Total parameters of the model, each tied weight counted once."""
     parts = parameter_breakdown(config)
@@ -318,6 +333,12 @@ def count_parameters(config: ModelConfig) -> int:
             + parts["output_layer"])
 
 
+# %% [markdown]
+# Per rank, the matrices divide by $t$, the norms do not, and the stages take their layers from
+# `stage_layer_ranges`. The last stage also holds the output layer, or the tied duplicate when $p
+# > 1$.
+
+# %%
 def count_parameters_per_rank(config: ModelConfig, tp: int = 1, pp: int = 1, pp_rank: int = 0,
                               num_virtual_stages: int = 1) -> int:
     """Parameters one rank of (tp, pp) allocates, including the last stage's tied duplicate."""
@@ -356,6 +377,11 @@ if __name__ == "__main__":
     per_rank = [count_parameters_per_rank(big, tp=2, pp=2, pp_rank=r) for r in range(2)]
     print(f"TP2 x PP2, per rank: first stage {per_rank[0]:,}, last stage {per_rank[1]:,}")
 
+# %% [markdown]
+# Where the parameters live: the MLP holds most of them, the norms almost none.
+
+# %%
+if __name__ == "__main__":
     layers = big.num_layers
     labels = ["attention", "MLP", "norms", "embedding"]
     sizes = [layers * (parts["linear_qkv"] + parts["linear_proj"]),
@@ -367,6 +393,12 @@ if __name__ == "__main__":
     fig.tight_layout()
     plt.show()
 
+# %% [markdown]
+# The totals and per-rank numbers must be those of the tables above. Then `check_layout` must
+# refuse, by field name, layouts that cannot cut the model evenly.
+
+# %%
+if __name__ == "__main__":
     assert tied == 7_504_924_672 and untied == 8_030_261_248
     assert per_rank == [2_007_629_824, 2_007_633_920]
     assert padded_vocab_size(50257, tp=2) == 50432 and padded_vocab_size(32000, tp=2) == 32000
@@ -411,7 +443,25 @@ if __name__ == "__main__":
 #
 # 1. Allow $g < t$ by replicating key/value heads as Megatron does: which checks and which counts
 #    change?
+#
+#    <details><summary>Hint</summary>Start from the check in <code>check_layout</code> that names
+#    <code>num_query_groups</code>. With replication each TP rank holds one key/value head shared
+#    by $t/g$ ranks, so the $2gdh$ of <code>linear_qkv</code> no longer divides by $t$ in
+#    <code>count_parameters_per_rank</code>: a rank holds $2dh$ of it, and the replicas' gradients
+#    must be summed.</details>
+#
 # 2. Pad the vocabulary with `padded_vocab_size` for $V = 32000$, $t = 3$: how many rows are
 #    padding, and what does it cost in parameters at $h = 4096$?
+#
+#    <details><summary>Answer</summary>The rule rounds up to a multiple of $128 \cdot 3 = 384$:
+#    <code>padded_vocab_size(32000, tp=3)</code> = 32,256, so 256 rows are padding. At $h = 4096$
+#    that is $256 \cdot 4096 = 1{,}048{,}576$ parameters in the embedding, twice that with an
+#    untied output layer.</details>
+#
 # 3. Derive the count of a LayerNorm model (a weight and a bias per norm) and compare with the
 #    bracketed numbers of [chapter 07](../07_memory/megatron_model.py).
+#
+#    <details><summary>Answer</summary>Each norm gains a bias: $4h$ per layer instead of $2h$, and
+#    $2h$ for the final norm. The running example then counts
+#    $7{,}504{,}924{,}672 + 32 \cdot 2 \cdot 4096 + 4096 = 7{,}505{,}190{,}912$ tied, 266,240
+#    more. Chapter 07's formula carries the same change as its $n = 2$ for LayerNorm.</details>

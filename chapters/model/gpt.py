@@ -119,7 +119,8 @@ __all__ = [
 # positions $[0, 1, 6, 7]$ and the gathered keys at $[0, 1, 6, 7, 2, 3, 4, 5]$, so the query
 # at 6 may attend to key columns 0, 1, 2, 4, 5, 6, 7 (positions 0, 1, 6, 2, 3, 4, 5) and not to
 # column 3 (position 7): a causal mask, with its columns in the order the keys arrived (the
-# demo checks this row).
+# demo checks this row). Under CP the gathered keys arrive in rank order (chunks 0, 2c-1, 1,
+# 2c-2, ...): the mask, not the tensors, is put in that order.
 
 # %%
 class CoreAttention:
@@ -133,8 +134,6 @@ class CoreAttention:
             # appendix C's flash kernel: causal, no extra mask, no dropout (else SDPA below)
             out = flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True)
             return out.permute(2, 0, 1, 3).flatten(2)
-        # Under CP the gathered keys arrive in rank order (chunks 0, 2c-1, 1, 2c-2, ...): the
-        # mask, not the tensors, is put in that order.
         k = gather_kv_for_context_parallel(k, self.grid, seq_dim=2)
         v = gather_kv_for_context_parallel(v, self.grid, seq_dim=2)
         allowed = self._allowed(q.shape[2], k.shape[2], attention_mask, q.device)
@@ -181,7 +180,35 @@ def _fork(tracker, enabled: bool = True):
     return tracker.fork()
 
 
-class SelfAttention(CoreAttention, nn.Module):
+# %% [markdown]
+# The projection views the fused QKV output group by group: in each group, $a/g$ query heads,
+# then one key head and one value head. RoPE turns queries and keys; the values pass as they are.
+
+# %%
+class QKVProjection:
+    """project_qkv for SelfAttention; reads linear_qkv, config, heads_per_group, local_groups."""
+
+    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [s, b, a/t, d], k and v [s, b, g/t, d], RoPE applied; B.5's KV cache calls it too."""
+        qkv = self.linear_qkv(x)  # [s, b, g/t * (a/g + 2) * d]
+        s, b = qkv.shape[:2]
+        d, per = self.config.head_dim, self.heads_per_group
+        qkv = qkv.view(s, b, self.local_groups, per + 2, d)
+        q, k, v = qkv.split([per, 1, 1], dim=3)  # views; the backward is one concatenation
+        k, v = k.squeeze(3), v.squeeze(3)  # [s, b, g/t, d]
+        # RoPE reads the query view as [s, b, g/t, a/g, d] and writes a new contiguous tensor,
+        # so the heads are flattened for free (no copy of the strided query rows first)
+        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)).view(s, b, -1, d)
+        return q, apply_rope(k, cos, sin), v
+
+
+# %% [markdown]
+# `SelfAttention` builds the two layers with shard specs instead of an init (`init_parameters`
+# draws every weight later), and its forward runs the three steps: project, attend, project
+# back.
+
+# %%
+class SelfAttention(CoreAttention, QKVProjection, nn.Module):
     """GQA self-attention: fused column-parallel QKV, RoPE, SDPA, row-parallel output projection."""
 
     def __init__(self, config: ModelConfig, grid: ParallelGrid, rng_tracker=None):
@@ -210,19 +237,6 @@ class SelfAttention(CoreAttention, nn.Module):
         else:
             context = self.attend_wrapper(self._attend, q, k, v, attention_mask)
         return self.linear_proj(context)
-
-    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q [s, b, a/t, d], k and v [s, b, g/t, d], RoPE applied; B.5's KV cache calls it too."""
-        qkv = self.linear_qkv(x)  # [s, b, g/t * (a/g + 2) * d]
-        s, b = qkv.shape[:2]
-        d, per = self.config.head_dim, self.heads_per_group
-        qkv = qkv.view(s, b, self.local_groups, per + 2, d)
-        q, k, v = qkv.split([per, 1, 1], dim=3)  # views; the backward is one concatenation
-        k, v = k.squeeze(3), v.squeeze(3)  # [s, b, g/t, d]
-        # RoPE reads the query view as [s, b, g/t, a/g, d] and writes a new contiguous tensor,
-        # so the heads are flattened for free (no copy of the strided query rows first)
-        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2)).view(s, b, -1, d)
-        return q, apply_rope(k, cos, sin), v
 
 
 # %% [markdown]
@@ -272,6 +286,11 @@ def _rms_norm(config: ModelConfig, hidden_size: int, eps: float) -> RMSNorm:
     return KernelRMSNorm(hidden_size, eps, config.sequence_parallel, config.kernels)
 
 
+# %% [markdown]
+# The MLP: a column-parallel fc1 that holds the gate and up rows of each rank together, the SwiGLU
+# product, and a row-parallel fc2.
+
+# %%
 class SwiGLUMLP(nn.Module):
     """silu(gate) * up with a column-parallel fc1 [gate; up] and a row-parallel fc2."""
 
@@ -640,14 +659,48 @@ class OutputHead:
 
 
 # %% [markdown]
-# Finally the class itself. Its constructor checks the layout, keeps the grid, the stage's role
-# and the hooks chapter 06 fills in, builds the parts and draws the init; its forward runs them
-# in Megatron's argument order: check, the stage's input, the RoPE tables of this rank's
-# positions, the layers (or [chapter 06's](../06_recompute_offload/recompute.py) recompute
-# loop), and the head on the last stage.
+# The forward runs the parts in Megatron's argument order: check, the stage's input, the RoPE
+# tables of this rank's positions, the layers (or
+# [chapter 06's](../06_recompute_offload/recompute.py) recompute loop), and the head on the last
+# stage.
 
 # %%
-class GPTModel(ChunkParts, StageFlags, StageInput, RopeTables, OutputHead, nn.Module):
+class StageForward:
+    """GPTModel's forward: input, RoPE tables, layers, head; reads what the other parts build."""
+
+    def forward(self, input_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [b, s, V/t], per-token fp32 loss [b, s] (labels given), or hidden [s, b, h].
+
+        The argument order and names are Megatron's (`GPTModel.forward(input_ids, position_ids,
+        attention_mask, ..., labels=)`, `megatron/core/models/gpt/gpt_model.py`).
+        """
+        self._check_activation_policy()
+        if attention_mask is not None and _on_host(attention_mask):
+            check_attention_mask(attention_mask)
+        hidden = self._stage_input(input_ids)
+        cos, sin = self._rope_tables(hidden, position_ids)
+        dropout_on = self.config.dropout > 0 and self.training
+        with _fork(self.rng_tracker, dropout_on and self.config.sequence_parallel):
+            if self.layer_runner is not None:
+                hidden = self.layer_runner(self.decoder.layers, hidden, cos, sin, attention_mask)
+            else:
+                for layer in self.decoder.layers:
+                    hidden = layer(hidden, cos, sin, attention_mask)
+        if not self.post_process:
+            return hidden
+        return self._head(hidden, labels)
+
+
+# %% [markdown]
+# Finally the class itself. Its constructor checks the layout, keeps the grid, the stage's role
+# and the hooks chapter 06 fills in, builds the parts and draws the init.
+
+# %%
+class GPTModel(ChunkParts, StageFlags, StageInput, RopeTables, OutputHead, StageForward,
+               nn.Module):
     """One pipeline chunk of the Llama-style GPT (the whole model when pp = 1).
 
     Example::
@@ -682,38 +735,12 @@ class GPTModel(ChunkParts, StageFlags, StageInput, RopeTables, OutputHead, nn.Mo
         if initialize:  # a loader that overwrites every weight skips the draw
             init_parameters(self)
 
-    def forward(self, input_ids: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [b, s, V/t], per-token fp32 loss [b, s] (labels given), or hidden [s, b, h].
-
-        The argument order and names are Megatron's (`GPTModel.forward(input_ids, position_ids,
-        attention_mask, ..., labels=)`, `megatron/core/models/gpt/gpt_model.py`).
-        """
-        self._check_activation_policy()
-        if attention_mask is not None and _on_host(attention_mask):
-            check_attention_mask(attention_mask)
-        hidden = self._stage_input(input_ids)
-        cos, sin = self._rope_tables(hidden, position_ids)
-        dropout_on = self.config.dropout > 0 and self.training
-        with _fork(self.rng_tracker, dropout_on and self.config.sequence_parallel):
-            if self.layer_runner is not None:
-                hidden = self.layer_runner(self.decoder.layers, hidden, cos, sin, attention_mask)
-            else:
-                for layer in self.decoder.layers:
-                    hidden = layer(hidden, cos, sin, attention_mask)
-        if not self.post_process:
-            return hidden
-        return self._head(hidden, labels)
-
 
 # %% [markdown]
 # Every parameter is drawn as its *full* tensor from (seed, global name) and then sharded, so
 # the same seed gives the same model on any layout; and a pipeline rank builds its chunks.
 #
-# <div class="admonition note">
-# <p class="admonition-title">tinytron differs here</p>
+# <details><summary>Megatron detail: the init is layout-free</summary>
 # <p>Megatron's default GPU init draws each TP shard on its own rank under the
 # <code>model-parallel-rng</code> fork (<code>_initialize_affine_weight_gpu</code>,
 # <code>megatron/core/tensor_parallel/layers.py:137-148</code>), so its weights depend on the
@@ -722,7 +749,7 @@ class GPTModel(ChunkParts, StageFlags, StageInput, RopeTables, OutputHead, nn.Mo
 # which is what lets every layout test compare with one process. The checks of the model's
 # inputs (<code>check_ids</code>, <code>check_attention_mask</code>) live in
 # <code>tinytron.model._checks</code> and are re-exported here.</p>
-# </div>
+# </details>
 
 # %%
 @torch.no_grad()
@@ -738,6 +765,11 @@ def init_parameters(model: GPTModel) -> None:
         param.copy_(shard_of(full, spec, grid.rank("tp"), grid.size("tp")))
 
 
+# %% [markdown]
+# A pipeline rank needs two more things: the shape of the activation its stages send and receive,
+# and its model chunks, one per virtual stage.
+
+# %%
 def stage_tensor_shape(config: ModelConfig, grid: ParallelGrid,
                        micro_batch_size: int) -> tuple[int, int, int]:
     """Shape [s/(c t if SP else c), b, h] of the activation sent between pipeline stages."""
@@ -790,6 +822,11 @@ if __name__ == "__main__":
     num_params = sum(p.numel() for p in model.parameters())
     print(f"parameters: {num_params:,} (count_parameters: {count_parameters(config):,})")
 
+# %% [markdown]
+# A few dozen Adam steps on a repeating sequence: the loss starts near $\ln V$ and falls.
+
+# %%
+if __name__ == "__main__":
     g = torch.Generator().manual_seed(0)
     period = torch.randint(0, config.vocab_size, (16,), generator=g)
     seq = period.repeat(5)[: config.seq_length + 1].expand(4, -1)  # 4 rows of a period-16 text
@@ -812,6 +849,12 @@ if __name__ == "__main__":
     plt.tight_layout()
     plt.show()
 
+# %% [markdown]
+# Then two ranks run the same model with TP 2 and sequence parallelism, against the single process
+# on the same batch; last, the row of core attention's worked example.
+
+# %%
+if __name__ == "__main__":
     gaps = run_on_ranks(_workers.layout_parity, 2, 2, 1, True, True, timeout=120)[0]
     print("TP2 + SP vs one process (packed batch):",
           {k: f"{v:.1e}" for k, v in gaps.items() if k.endswith("gap")})
@@ -855,7 +898,27 @@ if __name__ == "__main__":
 #
 # 1. Replace the CP all-gather of K and V by a ring: each step sends one K/V block to the next
 #    rank and merges partial softmax results (log-sum-exp). What memory does it save at $c = 8$?
+#
+#    <details><summary>Hint</summary>Count blocks of $s/c$ tokens of K and V. The all-gather in
+#    <code>_attend</code> builds all $c = 8$ of them, and SDPA keeps them for the backward; a ring
+#    holds the local block and the one in flight, 2 of 8, and keeps only the local one, running
+#    the ring again in the backward. Appendix A's <code>ring_attention</code> (page A.3) is the
+#    merge to start from.</details>
+#
 # 2. With $g = 2$ and $t = 4$ this model refuses to build. Make it replicate each key/value
 #    head over $t / g$ ranks as Megatron does, and keep the parity tests green.
+#
+#    <details><summary>Hint</summary>Three places change: the check in <code>check_layout</code>,
+#    the <code>ShardSpec</code> of <code>linear_qkv</code> (the key/value rows are copied, not
+#    split, for $t > g$), and <code>local_groups</code> in <code>SelfAttention</code>, which
+#    becomes one group shared by $t/g$ ranks. The gradients of a replicated head must then be
+#    summed over those ranks, as the tied embedding's are over the embedding group.</details>
+#
 # 3. Measure how much activation memory sequence parallelism saves on the tiny model with
 #    `torch.autograd.graph.saved_tensors_hooks`.
+#
+#    <details><summary>Hint</summary>Run the forward of <code>_workers.layout_parity</code>'s
+#    model under a pack hook that adds up <code>t.numel() * t.element_size()</code> per distinct
+#    storage, with <code>sequence_parallel</code> on and off at TP 2. Sequence parallelism splits
+#    what the norms, the dropouts and the residual adds save by $t$; the attention and MLP inputs
+#    after the all-gather stay whole.</details>

@@ -138,6 +138,11 @@ def hf_config_dict(config: ModelConfig) -> dict:
     }
 
 
+# %% [markdown]
+# The way back reads a Hugging Face config.json into a `ModelConfig`, after refusing what this
+# model cannot be (biases, other activations or RoPE scalings).
+
+# %%
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     """A ModelConfig from a Hugging Face Llama config.json dict; unsupported features raise."""
     check_hf_config(hf)
@@ -218,6 +223,12 @@ def _expected_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ..
             pre + "mlp.down_proj.weight": (h, f)}
 
 
+# %% [markdown]
+# With those two, `from_hf_tensor` builds each full tensor of this model from the checkpoint: the
+# embedding, the output layer and the final norm by name, the fused QKV and fc1 by concatenating
+# the Hugging Face pieces group by group.
+
+# %%
 def from_hf_tensor(config: ModelConfig, name: str, read) -> torch.Tensor:
     """The full tensor of this model's parameter `name`, built from checkpoint reader `read`."""
     h, v = config.hidden_size, config.vocab_size
@@ -306,6 +317,35 @@ def gather_full_state(models) -> dict[str, torch.Tensor]:
 # `max_position_embeddings` is the model's own context (`ModelConfig.max_position_embeddings`),
 # not the length a fine-tune trained at.
 
+# %% [markdown]
+# The first rank writes the folder from the full tensors: renamed and split into Hugging Face's
+# pieces, checked complete, then `config.json` (with the end token when there is a tokenizer)
+# and one `model.safetensors`.
+
+# %%
+def _write_hf_folder(config: ModelConfig, state: dict, path, tokenizer_file: str | None,
+                     eos_token_id: int | None) -> None:
+    """config.json + model.safetensors (+ tokenizer files) of the full `state`, on one rank."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, full in state.items():
+        tensors.update(to_hf_tensors(config, name, full))
+    missing = set(expected_hf_shapes(config, _expected_shapes)) - set(tensors)
+    assert not missing, f"export lost tensors {sorted(missing)[:3]}"
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    hf = hf_config_dict(config)
+    hf["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    if tokenizer_file is not None:
+        eos_token_id = _export_tokenizer(out, tokenizer_file, eos_token_id, config)
+    if eos_token_id is not None:
+        hf["eos_token_id"] = int(eos_token_id)
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
 # %%
 def save_hf_llama(models, path: str | os.PathLike, *, tokenizer_file: str | None = None,
                   eos_token_id: int | None = None) -> None:
@@ -321,8 +361,6 @@ def save_hf_llama(models, path: str | os.PathLike, *, tokenizer_file: str | None
         save_hf_llama(model, "out/hf", tokenizer_file="data/corpus_tokenizer.json")
         model, config = load_hf_llama("out/hf")   # or transformers' from_pretrained("out/hf")
     """
-    from safetensors.torch import save_file
-
     chunks = _as_list(models)
     grid, config = chunks[0].grid, chunks[0].config
     state = gather_full_state(chunks)
@@ -331,22 +369,7 @@ def save_hf_llama(models, path: str | os.PathLike, *, tokenizer_file: str | None
         dist.all_gather_object(parts, state, group=grid.group("pp"))
         state = {k: v for part in parts for k, v in part.items()}
     if grid.global_rank == 0:
-        tensors = {}
-        for name, full in state.items():
-            tensors.update(to_hf_tensors(config, name, full))
-        missing = set(expected_hf_shapes(config, _expected_shapes)) - set(tensors)
-        assert not missing, f"export lost tensors {sorted(missing)[:3]}"
-        out = Path(path)
-        out.mkdir(parents=True, exist_ok=True)
-        hf = hf_config_dict(config)
-        hf["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
-        if tokenizer_file is not None:
-            eos_token_id = _export_tokenizer(out, tokenizer_file, eos_token_id, config)
-        if eos_token_id is not None:
-            hf["eos_token_id"] = int(eos_token_id)
-        (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
-                  metadata={"format": "pt"})
+        _write_hf_folder(config, state, path, tokenizer_file, eos_token_id)
     if dist.is_available() and dist.is_initialized() and grid.world_size > 1:
         dist.barrier()
 
@@ -384,15 +407,14 @@ def load_hf_llama(path: str | os.PathLike, grid: ParallelGrid | None = None, *,
 
 
 # %% [markdown]
-# <div class="admonition note">
-# <p class="admonition-title">tinytron differs here</p>
+# <details><summary>Megatron detail: offline conversion</summary>
 # <p>Megatron converts offline: its loader builds the whole Hugging Face model with
 # <code>transformers</code> (<code>tools/checkpoint/loader_mixtral_hf.py:139</code>) and sends full
 # tensors through a queue to a saver that writes Megatron's own checkpoint
 # (<code>:283-335</code>). tinytron reads and writes the <code>safetensors</code> files directly,
 # without <code>transformers</code>, on every rank of the training layout, and keeps only each
 # rank's shard; there is no intermediate checkpoint.</p>
-# </div>
+# </details>
 
 # %% [markdown]
 # ## Demo: a round trip, and a checkpoint that does not fit
@@ -462,6 +484,26 @@ if __name__ == "__main__":
 #
 # 1. Write the sharded Hugging Face format (`model-0000k-of-0000n.safetensors` plus
 #    `model.safetensors.index.json`) so that no rank ever holds more than one layer in full.
+#
+#    <details><summary>Hint</summary>Today <code>gather_full_state</code> gathers every tensor
+#    before <code>_write_hf_folder</code> writes one file. Instead loop over layers: gather one
+#    layer's full tensors, convert them with <code>to_hf_tensors</code>, write them as file $k$,
+#    free them, and record each tensor's file in the index's <code>weight_map</code>. Import
+#    already reads every <code>*.safetensors</code> file of the folder.</details>
+#
 # 2. Load a checkpoint whose vocabulary does not divide by $t$ by padding the embedding rows
 #    (`padded_vocab_size`), and strip the padding again on export.
+#
+#    <details><summary>Hint</summary><code>from_hf_tensor</code> fetches the embedding and
+#    <code>lm_head</code> with the shape $(V, h)$: on import, allocate $(V_\text{padded}, h)$,
+#    copy the $V$ rows in and leave the padding rows at zero (no token ever selects them), with
+#    <code>config_from_hf</code> taking the padded size. On export, <code>to_hf_tensors</code>
+#    cuts the rows back to the original $V$, which config.json must keep.</details>
+#
 # 3. Export in bf16 and measure how far the logits move from the fp32 model.
+#
+#    <details><summary>Hint</summary>Build the model with <code>dtype=torch.bfloat16</code> (or
+#    cast the state before <code>_write_hf_folder</code>; config.json's <code>torch_dtype</code>
+#    follows the tensors), load it back with <code>load_hf_llama</code>, and compare logits on the
+#    same batch. Expect the gap of rounding every weight to 8 significant bits, at most $2^{-8}$
+#    relative per weight, grown through the layers.</details>

@@ -184,15 +184,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # uses the global layer index (`decoder.layers.17.…` on whichever stage holds layer 17), so a
 # pipeline split does not rename anything.
 #
-# <div class="admonition note">
-# <p class="admonition-title">tinytron differs here</p>
+# <details><summary>Megatron detail: seeding per name</summary>
 # <p>Megatron's <code>--use-cpu-initialization</code> also draws the master weight and splits it
 # (<code>megatron/core/tensor_parallel/layers.py:152</code>), but from one global RNG stream
 # whose order depends on the layout, and its default GPU path draws each shard on its own rank
 # (<code>:137-148</code>). Seeding per name removes that dependence: layer 17's
 # <code>linear_fc1</code> gets the same $[2f, h]$ matrix at TP 1, TP 8 or on any pipeline
 # stage.</p>
-# </div>
+# </details>
 #
 # The cost is that each rank draws the full tensors of its own layers: for the 7B example at
 # TP 8 a rank draws 8× its shard, 7.5 B normal numbers — about two minutes on one busy CPU
@@ -237,6 +236,11 @@ def unshard(pieces: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
     return torch.cat(blocks, dim=spec.dim)
 
 
+# %% [markdown]
+# The init draws each full tensor from a generator seeded by the run's seed and the parameter's
+# global name, hashed, so a weight's values do not depend on which rank draws it or in what order.
+
+# %%
 def _name_seed(seed: int, name: str) -> int:
     """A 63-bit seed that depends only on (seed, name) — stable across runs and machines."""
     digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
@@ -280,6 +284,12 @@ if __name__ == "__main__":
     print("x = [1, 0, 0, 0] at position 1 ->", apply_rope(torch.tensor([[[1.0, 0, 0, 0]]]),
                                                           cos, sin).flatten().tolist())
 
+# %% [markdown]
+# RMSNorm divides by the row's own scale, so scaling the input by 10 changes nothing; and it keeps
+# its bf16 input, the weight and one fp32 number per row for the backward.
+
+# %%
+if __name__ == "__main__":
     norm = RMSNorm(d, eps=1e-12)  # a tiny eps: the scale-invariance is then exact to rounding
     x = torch.randn(3, d)
     with torch.no_grad():
@@ -290,12 +300,23 @@ if __name__ == "__main__":
         norm(torch.randn(3, d).bfloat16().requires_grad_())
     print("RMSNorm keeps for backward:", [(tuple(t.shape), str(t.dtype)) for t in kept])
 
+# %% [markdown]
+# A `ShardSpec` with two chunks: TP rank 0 of a stacked fc1 holds the first half of the gate rows
+# and the first half of the up rows.
+
+# %%
+if __name__ == "__main__":
     spec = ShardSpec((6, 4), dim=0, chunks=2)
     full = init_full_tensor(spec, seed=1234, name="decoder.layers.0.mlp.linear_fc1.weight")
     halves = [shard_of(full, spec, r, 2) for r in range(2)]
     print("fc1 (gate rows 0-2, up rows 3-5) on TP rank 0 holds rows [0, 1, 3, 4]:",
           tuple(halves[0].shape))
 
+# %% [markdown]
+# Last, RoPE's pairs over 64 positions, then the asserts of the demo's claims.
+
+# %%
+if __name__ == "__main__":
     positions = torch.arange(64)
     cos, _ = rope_cos_sin(positions, 16)
     plt.figure(figsize=(6, 2.5))
@@ -339,5 +360,24 @@ if __name__ == "__main__":
 #
 # 1. Implement the adjacent-pair (interleaved) RoPE and find the row permutation of `q_proj`
 #    that makes it equal to rotate-half.
+#
+#    <details><summary>Hint</summary>Interleaved RoPE rotates channels $(2i, 2i+1)$ of a head by
+#    $m\theta_i$; rotate-half (<code>apply_rope</code>) rotates $(i, i + d/2)$. Reorder each
+#    head's $d$ rows of <code>q_proj</code> (and <code>k_proj</code>) so that row $2i$ goes to $i$
+#    and row $2i+1$ to $i + d/2$; check with <code>score</code> from the demo that both forms give
+#    the same $q \cdot k$.</details>
+#
 # 2. Show that RMSNorm's fp32 statistics matter: compare a bf16-only version on $h = 4096$.
+#
+#    <details><summary>Hint</summary>Compute the mean of squares in bf16 (no
+#    <code>.float()</code>) and compare both versions with an fp64 reference on rows of 4,096
+#    values. A bf16 sum keeps 8 significant bits, so once the running sum is a few hundred times
+#    larger than each square, the small squares round away; page C.1's demo shows a kernel that
+#    sums the squares in bf16 breaking its error bound.</details>
+#
 # 3. Why must the init seed depend on the *global* layer index and not on the local one?
+#
+#    <details><summary>Hint</summary>With PP 2, stage 1's local layer 0 is the model's layer 8.
+#    Seeded by local names, both stages would draw the same weights for their layer 0, and the
+#    model would differ from the one-process model of the same seed. Look at
+#    <code>global_parameter_name</code> in <code>init_parameters</code> (page B.2).</details>

@@ -64,6 +64,11 @@ def cp_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in cp_chunk_ids(cp_size, cp_rank)])
 
 
+# %% [markdown]
+# With the positions known, a rank cuts its share out of any tensor along the sequence, and out of
+# a whole batch at once: every tensor with a sequence dim, not the metadata.
+
+# %%
 def split_for_context_parallel(t: torch.Tensor, grid: ParallelGrid, seq_dim: int = 1) -> torch.Tensor:
     """This CP rank's two chunks of `t` along `seq_dim`, concatenated (a copy)."""
     cp = grid.size("cp")
@@ -84,6 +89,11 @@ def slice_batch_for_context_parallel(batch: dict, grid: ParallelGrid) -> dict:
             for key, val in batch.items()}
 
 
+# %% [markdown]
+# The way back, for logging and tests: the inverse permutation, and an all-gather that returns the
+# whole sequence in natural order.
+
+# %%
 def restore_sequence_order(t_gathered: torch.Tensor, cp_size: int, seq_dim: int = 1) -> torch.Tensor:
     """Undo the zig-zag: a rank-order concatenation of every CP rank's tokens -> natural order."""
     seq_len = t_gathered.shape[seq_dim]
@@ -174,14 +184,13 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout_p)
 
 # %% [markdown]
-# <div class="admonition note">
-# <p class="admonition-title">tinytron differs here</p>
+# <details><summary>Megatron detail: the zig-zag in the kernel</summary>
 # <p>Megatron hands CP attention to Transformer Engine, which builds the zig-zag mask inside its
 # kernel (<code>cp_comm_type</code>, <code>transformer_config.py:891-895</code>). tinytron runs
 # PyTorch's SDPA on the gathered keys with an explicit boolean mask of global positions, so the
 # page can show the mask; it holds all of $K, V$ at once, which the default <code>"p2p"</code>
 # ring avoids (next section).</p>
-# </div>
+# </details>
 
 # %% [markdown]
 # ## The ring variant
@@ -228,6 +237,12 @@ class _RingShift(torch.autograd.Function):
         return _RingShift._exchange(g, ctx.grid, False), None
 
 
+# %% [markdown]
+# Each ring step attends the local queries to one K/V block with a mask built from global
+# positions, and returns the block's output and log-sum-exp; `ring_attention` merges them step by
+# step with the formula above.
+
+# %%
 def _block_attention(q, k, v, q_pos, k_pos, scale):
     """Attention of q to one K/V block with a global-position causal mask; returns (out, lse)."""
     scores = (q @ k.transpose(-1, -2)) * scale
@@ -336,8 +351,30 @@ if __name__ == "__main__":
 #
 # 1. Compute the causal work per rank for $cp = 4$, $s = 16$ with contiguous chunks and with the
 #    zig-zag; what is the speed-up of the slowest rank?
+#
+#    <details><summary>Answer</summary>Count the (query, key) pairs with key $\le$ query.
+#    Contiguous chunks of 4 give ranks 0 to 3 $1+2+3+4 = 10$, 26, 42 and 58 pairs. With the
+#    zig-zag, rank $r$ holds chunks $r$ and $7 - r$ of 2 tokens, and chunk $c$ has $4c + 3$ pairs,
+#    so every rank gets $4r + 3 + 4(7-r) + 3 = 34$. The slowest rank goes from 58 to 34:
+#    $58/34 = 1.71\times$ faster, and all 136 pairs are spread evenly.</details>
+#
 # 2. `ring_attention` sends K and V as two messages per hop; stack them into one and measure
 #    the difference on 4 ranks.
+#
+#    <details><summary>Hint</summary><code>torch.stack([k, v])</code> before
+#    <code>_RingShift.apply</code> and unbind after: one <code>batch_isend_irecv</code> pair per
+#    hop instead of two, so $cp - 1$ fewer message latencies per direction, the same bytes. On
+#    gloo and small blocks the latency dominates; time <code>ring_attention</code> over many calls
+#    on 4 processes with <code>run_on_ranks</code>.</details>
+#
 # 3. Show that with the zig-zag layout every off-diagonal ring step is exactly half visible (no
 #    step can be skipped), then count the steps rank 0 could skip at $cp = 4$ with contiguous
 #    chunks.
+#
+#    <details><summary>Answer</summary>In the zig-zag each rank holds one early chunk $r$ and one
+#    late chunk $2cp-1-r$. Against another rank's block, of the four (query chunk, key chunk)
+#    pairs two lie wholly in the past and two wholly in the future, so exactly half the pairs are
+#    visible: at $s = 64$, $cp = 4$, every off-diagonal step sees 0.5 of its scores (the own block
+#    0.53), and none can be skipped. With contiguous chunks rank 0 holds the first quarter: the
+#    blocks of ranks 1, 2 and 3 are all in its future, so it could skip all 3 of its off-diagonal
+#    steps.</details>

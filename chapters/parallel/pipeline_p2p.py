@@ -70,6 +70,12 @@ def _empty(shape: Sequence[int], dtype, device, requires_grad: bool) -> torch.Te
     return torch.empty(tuple(shape), dtype=dtype, device=device, requires_grad=requires_grad)
 
 
+# %% [markdown]
+# `communicate` is the one exchange every helper below calls: it allocates the receive buffers,
+# posts the sends and receives that were asked for, and waits, unless an overlapping schedule
+# takes the handles.
+
+# %%
 def communicate(grid: ParallelGrid, *, send_next: torch.Tensor | None = None,
                 send_prev: torch.Tensor | None = None, recv_prev_shape: Sequence[int] | None = None,
                 recv_next_shape: Sequence[int] | None = None, dtype: torch.dtype = torch.float32,
@@ -103,6 +109,11 @@ def communicate(grid: ParallelGrid, *, send_next: torch.Tensor | None = None,
     return from_prev, from_next
 
 
+# %% [markdown]
+# The batched path posts all of an exchange's operations in one `batch_isend_irecv`, always in the
+# same order of directions, and waits for all of them.
+
+# %%
 def _batched(grid: ParallelGrid, tensors: dict) -> None:
     """One batch_isend_irecv on the pp group, in the fixed order; see "Matching" above."""
     prev_rank, next_rank = _neighbors(grid)
@@ -186,10 +197,17 @@ def _post_each(grid: ParallelGrid, tensors: dict) -> dict:
 # %% [markdown]
 # ## The named helpers
 #
-# The names are Megatron's (`P2PCommunicator.recv_forward` `:424`, `recv_backward` `:455`,
+# The names are Megatron's, the methods of its `P2PCommunicator`.
+#
+# <details><summary>Megatron detail: the methods, line by line</summary>
+#
+# `P2PCommunicator.recv_forward` `:424`, `recv_backward` `:455`,
 # `send_forward` `:486`, `send_backward` `:507`, `send_forward_recv_backward` `:527`,
 # `send_backward_recv_forward` `:560`, `send_forward_recv_forward` `:593`,
-# `send_backward_recv_backward` `:619`, `send_forward_backward_recv_forward_backward` `:645`).
+# `send_backward_recv_backward` `:619`, `send_forward_backward_recv_forward_backward` `:645`.
+#
+# </details>
+#
 # The first six are no-ops (or return `None`) on the stage with no neighbor in that direction;
 # the last three are the interleaved schedule's, which decides itself whether to receive.
 # Each takes `batch_p2p_comm`, which Megatron reads from its config inside `_communicate`:
@@ -225,6 +243,11 @@ def send_backward(input_grad: torch.Tensor, grid: ParallelGrid, *,
         communicate(grid, send_prev=input_grad, batch_p2p_comm=batch_p2p_comm)
 
 
+# %% [markdown]
+# The two combined ones of the 1F1B steady state send one way and receive the other way in one
+# exchange, so neither rank's send waits for the other's receive.
+
+# %%
 def send_forward_recv_backward(output: torch.Tensor, shape: Sequence[int], grid: ParallelGrid,
                                dtype=torch.float32, *,
                                batch_p2p_comm: bool = True) -> torch.Tensor | None:
@@ -335,7 +358,27 @@ if __name__ == "__main__":
 #
 # 1. Send two micro-batches through the 3-stage demo in GPipe order (all forwards, then all
 #    backwards) and check the accumulated gradients.
+#
+#    <details><summary>Hint</summary>Each stage keeps both micro-batches' inputs and outputs until
+#    the backwards: run <code>recv_forward</code>, forward, <code>send_forward</code> twice, then
+#    <code>recv_backward</code>, backward, <code>send_backward</code> twice in the same order. The
+#    summed gradients must equal those of one process on the two micro-batches (divide the loss by
+#    2 in both).</details>
+#
 # 2. Why does the receive buffer for gradients not need `requires_grad`?
+#
+#    <details><summary>Hint</summary>Look at the two <code>_empty</code> calls in
+#    <code>communicate</code>: the activation from the previous stage is a leaf this stage
+#    differentiates against, its <code>.grad</code> is what <code>send_backward</code> sends back.
+#    A received gradient is only an input to <code>backward(grad)</code>; nothing is ever
+#    differentiated with respect to it.</details>
+#
 # 3. With two stages, post every single operation of both directions on the pipeline group
 #    alone. Which sequence of exchanges in the overlapped interleaved schedule could leave a
 #    send on each rank waiting behind a receive that the other rank posts after its own send?
+#
+#    <details><summary>Hint</summary>With two ranks, "next" and "previous" are the same peer, and
+#    on one group the operations between two ranks are matched in the order they were posted.
+#    Write down, per rank, the order in which the overlapped schedule posts its forward and
+#    backward sends and receives, and look for the step where rank 0's first posted operation to
+#    rank 1 is a send of one direction while rank 1's first is a send of the other.</details>

@@ -94,6 +94,12 @@ class _Reduce(torch.autograd.Function):
         return g, None
 
 
+# %% [markdown]
+# `_Copy` and `_Reduce` are the pair of plain tensor parallelism: the identity one way, the all-
+# reduce the other. The next two are a mirrored pair too: keep my slice forward and all-gather the
+# gradient, or all-gather forward and reduce-scatter (or split) the gradient.
+
+# %%
 class _Split(torch.autograd.Function):
     """Forward keeps my slice of `dim`; backward all-gathers the slices back."""
 
@@ -122,6 +128,11 @@ class _Gather(torch.autograd.Function):
         return split_dim(g, ctx.grid, "tp", ctx.dim), None, None, None
 
 
+# %% [markdown]
+# Sequence parallelism's exit: sum the partial outputs and keep my slice of the sequence in one
+# reduce-scatter; the gradient comes back by all-gather.
+
+# %%
 class _ReduceScatter(torch.autograd.Function):
     """Forward reduce-scatters along `dim`; backward all-gathers the grad."""
 
@@ -213,6 +224,11 @@ def normal_init(std: float = 0.02, seed: int = 0) -> Callable[[torch.Tensor], No
     return init
 
 
+# %% [markdown]
+# Loading and exporting full weights needs the two directions of one cut: my slice of a full
+# tensor, and the full tensor from every rank's slice.
+
+# %%
 def shard_tensor(full: torch.Tensor, grid: ParallelGrid, partition_dim: int) -> torch.Tensor:
     """This TP rank's slice of a full tensor along `partition_dim` (for loading full weights)."""
     size = grid.size("tp")
@@ -228,6 +244,11 @@ def gather_shards(shard: torch.Tensor, grid: ParallelGrid, partition_dim: int) -
         return all_gather_dim(shard.detach(), grid, "tp", partition_dim)
 
 
+# %% [markdown]
+# The layers below build their weight from these: the full fp32 tensor on the CPU, initialized,
+# then only this rank's slice kept as the parameter.
+
+# %%
 def _make_sharded_weight(shape, partition_dim, grid, init_method, device, dtype):
     """Create the full weight on CPU in fp32 with `init_method`, keep my TP slice as a Parameter."""
     full = torch.empty(shape, dtype=torch.float32)
@@ -258,11 +279,10 @@ def _check_divisible(name: str, value: int, grid: ParallelGrid) -> int:
 # $[s/t, b, o]$ summed). The bias is added **after** the reduction (added before, it would be
 # summed $t$ times), so it is replicated and flagged `sequence_parallel` under SP.
 #
-# <div class="admonition note">
-# <p class="admonition-title">tinytron differs here</p>
+# <details><summary>Megatron detail: the (output, bias) return</summary>
 # <p>Both linears return just the output tensor; Megatron's return <code>(output, bias)</code> so
 # that the caller can fuse the bias add into the next op.</p>
-# </div>
+# </details>
 #
 # ## Under SP, save the slice and gather again in backward
 #
@@ -270,13 +290,20 @@ def _check_divisible(name: str, value: int, grid: ParallelGrid) -> int:
 # autograd, `gather_from_sequence_parallel_region` followed by `F.linear` keeps the gathered
 # tensor until backward: $t$ times this rank's slice, in every linear after a norm (QKV and
 # fc1 in each layer). Megatron keeps only the local $[s/t, b, i]$ slice and runs the all-gather
-# a second time in backward (`LinearWithGradAccumulationAndAsyncCommunication`,
+# a second time in backward. The backward also overlaps its communication: the re-gather runs
+# while the input-gradient GEMM does, and the input gradient's reduce-scatter while the
+# weight-gradient GEMM does.
+#
+# <details><summary>Megatron detail: where, line by line</summary>
+#
+# `LinearWithGradAccumulationAndAsyncCommunication`,
 # `megatron/core/tensor_parallel/layers.py:464`: the forward saves the ungathered input at
 # `:486` and gathers into a scratch buffer at `:499-505`; the backward re-gathers it
-# asynchronously at `:543-545`). The backward also overlaps its communication: the re-gather
-# runs while the input-gradient GEMM does (`:552`, waited at `:556`), and the input
-# gradient's reduce-scatter (`:576-578`) while the weight-gradient GEMM does (`:651`, waited
-# at `:655`).
+# asynchronously at `:543-545`. The re-gather runs beside the input-gradient GEMM (`:552`,
+# waited at `:556`), the input gradient's reduce-scatter (`:576-578`) beside the weight-gradient
+# GEMM (`:651`, waited at `:655`).
+#
+# </details>
 #
 # `linear_with_sequence_parallel_gather` is that function, and `ColumnParallelLinear` calls it
 # under SP. It saves this rank's slice of $X$ and $W$; its backward starts the all-gather of the
@@ -442,7 +469,27 @@ if __name__ == "__main__":
 #
 # 1. Count the bytes each rank sends per MLP block with and without SP for $s=4096$, $b=1$,
 #    $h=4096$, bf16, $t=8$.
+#
+#    <details><summary>Answer</summary>The block's activation is $[s, b, h]$ =
+#    $4096 \cdot 4096 \cdot 2$ B = 33.6 MB. With ring collectives an all-reduce sends $2(t-1)/t$
+#    of it per rank, an all-gather or a reduce-scatter $(t-1)/t$. Without SP the forward has one
+#    all-reduce after fc2: 58.7 MB per rank. With SP it has one all-gather before fc1 and one
+#    reduce-scatter after fc2, 29.4 MB each: the same 58.7 MB. The backward mirrors the forward,
+#    58.7 MB again either way. SP saves activation memory, not bytes on the wire.</details>
+#
 # 2. Put the row-parallel bias before the reduction and watch the parity check fail by a factor.
+#
+#    <details><summary>Hint</summary>Each of the $t$ ranks would add the full bias to its partial
+#    sum, and the all-reduce (or reduce-scatter) adds the $t$ copies: the output carries
+#    $t \cdot b$ instead of $b$. Move the bias add in <code>RowParallelLinear.forward</code> and
+#    read the demo's gap.</details>
+#
 # 3. When is `tensor_parallel_output_grad=False` the right backward for
 #    `gather_from_sequence_parallel_region`? Build a case where the reduce-scatter would
 #    multiply the gradient by $t$.
+#
+#    <details><summary>Hint</summary>The reduce-scatter in the backward is right when each rank's
+#    gathered copy feeds a different computation (its own columns of the next weight), so the
+#    gradients are partial sums. When every rank uses the gathered tensor identically, as a
+#    replicated computation after the gather, each rank's gradient is already the full one, and
+#    summing $t$ equal copies multiplies it by $t$; then only the split is right.</details>
