@@ -243,6 +243,7 @@ class AdamW(Adam):
 # interpolation is $0.9 - 2 = -1.1$, so $\theta$ *grows* by 0.1, and $m \leftarrow 0.99 - 0.2 = 0.79$.
 #
 # <details><summary>Megatron detail: Lion's decay rounds differently, in the last bit</summary>
+#
 # Megatron does not write Lion itself: it builds `emerging_optimizers`' Lion
 # (`megatron/core/optimizer/__init__.py:599-609`), whose decoupled decay *adds*
 # $-\eta\lambda\,\theta$ to $\theta$ where the loop below *multiplies* $\theta$ by
@@ -251,6 +252,7 @@ class AdamW(Adam):
 # fp32 values ($\eta = 0.01$, $\lambda = 0.1$): at most $4.8 \cdot 10^{-7}$, one ulp at
 # $|\theta| \approx 4$. `tests/test_optimizer.py` writes that arithmetic out and allows 3 ulp of
 # the larger of $|\theta|$ before and after (a value can pass near zero on the way).
+#
 # </details>
 
 # %%
@@ -454,22 +456,34 @@ if __name__ == "__main__":
 # 1. Count the `torch._foreach_*` calls per AdamW step for a model with 300 params on one
 #    device and one dtype. How many kernel launches would a per-tensor loop issue?
 #
-#    <details><summary>Answer</summary>With $\lambda \ne 0$ (AdamW's default 0.01),
+#    <details><summary>Answer</summary>
+#
+#    With $\lambda \ne 0$ (AdamW's default 0.01),
 #    `_adam_foreach` makes 8 calls: `mul_` (decay), `lerp_`, `mul_`, `addcmul_`, `sqrt`, `div_`,
 #    `add_`, `addcdiv_`. One bucket, so 8 launches per step. A per-tensor loop issues the same 8
-#    per tensor: $8 \cdot 300 = 2400$ launches. With $\lambda = 0$ it is 7 and 2100.</details>
+#    per tensor: $8 \cdot 300 = 2400$ launches. With $\lambda = 0$ it is 7 and 2100.
+#
+#    </details>
 #
 # 2. Show that with $\lambda=0$ Adam and AdamW coincide, and that with $\lambda>0$ AdamW's decay
 #    does not pass through $\sqrt{v}$. Which parameters does that hurt in L2 Adam?
 #
-#    <details><summary>Hint</summary>In `_adam_foreach` the only branch on
+#    <details><summary>Hint</summary>
+#
+#    In `_adam_foreach` the only branch on
 #    `decoupled_weight_decay` sits under `if wd != 0`. In L2 Adam the term $\lambda\theta$ enters
 #    $m$ and $v$, so it is divided by $\sqrt{\hat v}$: think of parameters whose gradients are
-#    large (large $v$) and what happens to their decay.</details>
+#    large (large $v$) and what happens to their decay.
+#
+#    </details>
 #
 # 3. Why does a Lion step move every coordinate by exactly $\eta$ when $\lambda=0$? What does
 #    that suggest about Lion's learning rate compared to AdamW's?
 #
-#    <details><summary>Hint</summary>Look at `torch._foreach_sign_(update)` in `Lion.step`: each
+#    <details><summary>Hint</summary>
+#
+#    Look at `torch._foreach_sign_(update)` in `Lion.step`: each
 #    entry of the update is $-1$, $0$ or $+1$ before it is scaled by $\eta$. Compare with AdamW,
-#    whose later steps are $\eta\,\hat m/\sqrt{\hat v}$, usually well below $\eta$ in size.</details>
+#    whose later steps are $\eta\,\hat m/\sqrt{\hat v}$, usually well below $\eta$ in size.
+#
+#    </details>

@@ -465,6 +465,7 @@ class DistributedOptimizer(ShardedCopies, MixedPrecisionOptimizer):
 # wait.
 #
 # <details><summary>Megatron detail: how the chunked layout is tested</summary>
+#
 # `tests/test_main_loop_param_sync.py` runs PP 2 × VPP 3 × DP 2 that way: after the first
 # step every bucket's gather of every chunk comes from the schedule, none from a pre-hook, and
 # three steps give the plain optimizer's weights bit for bit (fp32, no clipping: the same sums,
@@ -474,6 +475,7 @@ class DistributedOptimizer(ShardedCopies, MixedPrecisionOptimizer):
 # `tests/test_train_megatron_core.py` compares that layout with megatron-core's own
 # DistributedOptimizer, both overlapping the gathers. The recipe is
 # `configs/pp2_vpp2_dp2_distopt.toml`.
+#
 # </details>
 
 # %% [markdown]
@@ -772,22 +774,34 @@ if __name__ == "__main__":
 # 1. In the ownership map, which parameter is split between two ranks? What would go wrong if
 #    the optimizer assumed whole parameters (think of Muon).
 #
-#    <details><summary>Answer</summary>More than one: `ownership_table` gives each layer's `fc2`
+#    <details><summary>Answer</summary>
+#
+#    More than one: `ownership_table` gives each layer's `fc2`
 #    2016 elements on rank 0 and 32 on rank 1, each `qkv` 992 on rank 2 and 2080 on rank 3,
 #    and the embedding a piece on every rank. An update that needs the whole matrix, as Muon's
-#    Newton–Schulz does, cannot be computed from a 1-D slice.</details>
+#    Newton–Schulz does, cannot be computed from a 1-D slice.
+#
+#    </details>
 #
 # 2. In the running example, at which DP size does the sharded optimizer state (0.38 GB at
 #    DP 64) become larger than the bf16 params? What does that say about small DP groups?
 #
-#    <details><summary>Answer</summary>$12n/dp > 2n$ when $dp < 6$. With `optimizer_ledger` and
+#    <details><summary>Answer</summary>
+#
+#    $12n/dp > 2n$ when $dp < 6$. With `optimizer_ledger` and
 #    $n$ = 2,007,629,824: 4.82 GB of state against 4.02 GB of params at DP 5; at DP 6 the two are
 #    equal (4 bytes apart, from rounding up the owned range); at DP 7, 3.44 GB. Below about 6
-#    ranks the optimizer state, not the weights, is the larger resident cost.</details>
+#    ranks the optimizer state, not the weights, is the larger resident cost.
+#
+#    </details>
 #
 # 3. Why is `found_inf` reduced over all ranks here, while the plain optimizer reduces it over
 #    the model-parallel group only?
 #
-#    <details><summary>Hint</summary>Compare `ShardedCopies.grad_stats_group` with
+#    <details><summary>Hint</summary>
+#
+#    Compare `ShardedCopies.grad_stats_group` with
 #    `MasterCopies.grad_stats_group`: after DDP's all-reduce every DP rank of the plain optimizer
-#    holds the same full grads, while each DP rank here unscales only its own shard.</details>
+#    holds the same full grads, while each DP rank here unscales only its own shard.
+#
+#    </details>

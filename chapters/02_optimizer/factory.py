@@ -338,15 +338,23 @@ if __name__ == "__main__":
 #
 # 1. Why does Megatron refuse CPU offload for anything but AdamW?
 #
-#    <details><summary>Hint</summary>See what [the offload page](offload.py)'s
+#    <details><summary>Hint</summary>
+#
+#    See what [the offload page](offload.py)'s
 #    `HybridDeviceOptimizer` needs from its optimizer class: one instance per parameter on the
 #    host and another on the device, each stepping part of the params independently. Which rules
-#    of this chapter are elementwise and cheap on a CPU, and which need a whole matrix?</details>
+#    of this chapter are elementwise and cheap on a CPU, and which need a whole matrix?
+#
+#    </details>
 #
 # 2. With `fp16=True` and `loss_scale=1.0`, which scaler is built, and what does that mean for
 #    gradients below $6\cdot10^{-8}$?
 #
-#    <details><summary>Answer</summary>`loss_scale` is tested before `fp16`, so the factory builds
+#    <details><summary>Answer</summary>
+#
+#    `loss_scale` is tested before `fp16`, so the factory builds
 #    `ConstantGradScaler(1.0)`: the loss is not scaled at all. fp16's smallest subnormal is
 #    $2^{-24} \approx 5.96\cdot10^{-8}$, so a gradient below it is rounded to 0 or to that single
-#    value in the backward, and those updates are lost before the optimizer sees them.</details>
+#    value in the backward, and those updates are lost before the optimizer sees them.
+#
+#    </details>

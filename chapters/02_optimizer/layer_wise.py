@@ -226,14 +226,22 @@ if __name__ == "__main__":
 # 1. With 4 ranks and a model whose embedding is 10× larger than any other matrix, how uneven is
 #    the ping-pong deal? How does Megatron's LPT packing with a shared-embedding bucket help?
 #
-#    <details><summary>Hint</summary>Run `ping_pong_owners` on sizes like $[10, 1, 1, \dots]$ at
+#    <details><summary>Hint</summary>
+#
+#    Run `ping_pong_owners` on sizes like $[10, 1, 1, \dots]$ at
 #    `dp=4` and sum each rank's share: the rank dealt the embedding carries it alone, whatever
 #    follows. LPT can only balance the rest around it; see the shard-aligned layout in
-#    `layer_wise_optimizer.py` cited above.</details>
+#    `layer_wise_optimizer.py` cited above.
+#
+#    </details>
 #
 # 2. Why must the sort order be identical on every rank (Megatron breaks numel ties by buffer
 #    position)? What happens on the first step if two ranks disagree?
 #
-#    <details><summary>Hint</summary>Every rank computes `owners` on its own, with no message.
+#    <details><summary>Hint</summary>
+#
+#    Every rank computes `owners` on its own, with no message.
 #    Follow `AllGatherOwned.allgather_params`: each rank packs what it thinks it owns and reads
-#    the others' slices by the owners it computed.</details>
+#    the others' slices by the owners it computed.
+#
+#    </details>

@@ -505,6 +505,7 @@ class StepOrder:
 # were when the checkpoint was written.
 #
 # <details><summary>Megatron detail: its state dict is keyed by index</summary>
+#
 # Megatron's mixed-precision state dict is the inner PyTorch optimizer's, keyed by parameter
 # *index*, with the fp32 masters saved beside it as `fp32_from_fp16_params`
 # (`Float16OptimizerWithFloat16Params.state_dict`, `optimizer.py:817-826`), and its
@@ -512,6 +513,7 @@ class StepOrder:
 # chapter, so that any of them loads any other's checkpoint at any DP size. The code is plumbing
 # (`LayoutFreeStateDict` in the private module `tinytron.optimizer._state_dict`,
 # `chapters/02_optimizer/_state_dict.py`).
+#
 # </details>
 
 # %%
@@ -646,23 +648,35 @@ if __name__ == "__main__":
 # 1. With `hysteresis=2`, write down the scale after the sequence inf, clean, inf, inf. Why is
 #    the tracker not reset on backoff?
 #
-#    <details><summary>Answer</summary>From scale $S$ with a long growth interval,
+#    <details><summary>Answer</summary>
+#
+#    From scale $S$ with a long growth interval,
 #    `DynamicGradScaler.update` gives $S$ (inf: hysteresis tracker 2 → 1), $S$ (clean: only the
 #    growth tracker moves), $S/2$ (inf: tracker 0, backoff), $S/4$ (inf again). The tracker is
 #    refilled only after `growth_interval` clean steps, so a run of overflows keeps halving
-#    until the scale fits.</details>
+#    until the scale fits.
+#
+#    </details>
 #
 # 2. Why must `found_inf` be all-reduced before the scaler update rather than after the step?
 #    What happens if one TP rank skips and the other does not?
 #
-#    <details><summary>Hint</summary>`prepare_grads` decides whether to skip from the reduced
+#    <details><summary>Hint</summary>
+#
+#    `prepare_grads` decides whether to skip from the reduced
 #    flag, and `update` changes the scale from it. Picture the two halves of one TP-split weight
-#    after a step that only one half took, and the two scales the ranks would carry on with.</details>
+#    after a step that only one half took, and the two scales the ranks would carry on with.
+#
+#    </details>
 #
 # 3. A row-parallel layer's bias is replicated across TP. Where would its gradient be counted
 #    twice if `param_counts_in_norm` ignored the TP rank?
 #
-#    <details><summary>Hint</summary>`get_grad_norm` sums squares on every rank of the
+#    <details><summary>Hint</summary>
+#
+#    `get_grad_norm` sums squares on every rank of the
 #    grad-stats group. A replicated bias has the same full gradient on each TP rank; see how
 #    `param_counts_in_norm` uses the TP rank, and Megatron's
-#    `get_main_grads_for_grad_norm`.</details>
+#    `get_main_grads_for_grad_norm`.
+#
+#    </details>

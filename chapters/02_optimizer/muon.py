@@ -440,9 +440,11 @@ def qk_clip_(qkv_weights: list[torch.Tensor], max_logits: torch.Tensor, num_quer
 # The test matrices (`_spread_matrix`) are built in `tinytron.optimizer._muon_demo`.
 #
 # <details><summary>Megatron detail: one run's numbers</summary>
+#
 # On the run this page was written with, every output singular value lay in $[0.978, 1.144]$
 # (the ill-conditioned input is the widest), and the scalar map took $0.001$ to $0.475$ and
 # $0.01 \dots 1$ to within 3% of 1.
+#
 # </details>
 
 # %%
@@ -506,8 +508,10 @@ if __name__ == "__main__":
 # at $\tau$), groups that were below are untouched, and V rows never change.
 #
 # <details><summary>Megatron detail: one run's numbers</summary>
+#
 # In the run this page was written with, the four heads' maxima went from 753, 585, 7.4, 8.0
 # to 30.0, 23.3, 7.4, 8.0, with $\eta = 0.040$ for group 0 and 1 for group 1.
+#
 # </details>
 
 # %%
@@ -553,23 +557,35 @@ if __name__ == "__main__":
 #
 # 1. Plot $\sigma \mapsto$ the five-step quintic map on $[0, 1]$. Where does it overshoot 1?
 #
-#    <details><summary>Answer</summary>Apply `ns_coefficients("quintic", 5)` as in Demo 1 to a
+#    <details><summary>Answer</summary>
+#
+#    Apply `ns_coefficients("quintic", 5)` as in Demo 1 to a
 #    grid of $10^5$ points in float64. Below $\sigma \approx 0.0026$ the map stays under 1; above it
 #    the output oscillates around 1 and exceeds it on 33 short intervals up to $\sigma \approx 0.994$.
-#    The largest value is 1.145, at $\sigma \approx 0.004$; $\sigma = 1$ lands at 0.978.</details>
+#    The largest value is 1.145, at $\sigma \approx 0.004$; $\sigma = 1$ lands at 0.978.
+#
+#    </details>
 #
 # 2. Run `blockwise` and `duplicated` on a 2-way row split of a random matrix: which singular
 #    values does `blockwise` get wrong, and why does it still train well?
 #
-#    <details><summary>Hint</summary>`orthogonalize_tp` with `tp_mode="blockwise"` runs
+#    <details><summary>Hint</summary>
+#
+#    `orthogonalize_tp` with `tp_mode="blockwise"` runs
 #    `newton_schulz` on each shard alone, so each shard's rows come out orthonormal, not the full
 #    matrix's. Compare the singular values of the concatenated result with those of `duplicated`,
-#    and ask whether an update needs exact singular values to point downhill.</details>
+#    and ask whether an update needs exact singular values to point downhill.
+#
+#    </details>
 #
 # 3. Why does QK-clip scale Q by $\eta^\alpha$ and K by $\eta^{1-\alpha}$ instead of scaling only
 #    Q by $\eta$? (Hint: GQA shares a K head across several Q heads.)
 #
-#    <details><summary>Hint</summary>In `qk_clip_` the factor is per query group, and one K head
+#    <details><summary>Hint</summary>
+#
+#    In `qk_clip_` the factor is per query group, and one K head
 #    serves all the Q heads of its group. The logit scales by $\eta^\alpha\eta^{1-\alpha} = \eta$
 #    either way; think about how far each of Q and K moves from its trained value when $\alpha$
-#    is 0, 0.5 or 1.</details>
+#    is 0, 0.5 or 1.
+#
+#    </details>

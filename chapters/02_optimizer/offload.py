@@ -144,12 +144,14 @@ class HostCopies:
 # (`megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py:120`).
 #
 # <details><summary>Megatron detail: why the wait was missing unnoticed, and its test</summary>
+#
 # Without that wait the
 # uploads were still safe, but only by accident: each one is issued after the host waited for
 # its grad's D2H event, which queues behind the compute stream; an upload not preceded by such
 # a host wait would lose the order. `tests/test_checkpoint_staged.py` checks the rule on a CPU
 # and, on a GPU, that a staged save beside the offloaded step writes the synchronous save's
 # bytes.
+#
 # </details>
 
 # %%
@@ -253,14 +255,22 @@ if __name__ == "__main__":
 #    How many GB move per GPU per step? At 25 GB/s, how long is that compared with a 1 s step,
 #    and how does the answer change at DP 8?
 #
-#    <details><summary>Answer</summary>A GPU of the first stage holds $n$ = 2,007,629,824
+#    <details><summary>Answer</summary>
+#
+#    A GPU of the first stage holds $n$ = 2,007,629,824
 #    parameters; its shard is $n/64$ = 31,369,216. Grads down and masters up are $4 + 4 = 8$ bytes
 #    each: 0.25 GB per step, 10 ms at 25 GB/s, 1% of a 1 s step. At DP 8 the shard is 8 times
-#    larger: 2.0 GB and 80 ms, 8% of the step.</details>
+#    larger: 2.0 GB and 80 ms, 8% of the step.
+#
+#    </details>
 #
 # 2. Why does a *prefix* split make sense when grads arrive in reverse layer order?
 #
-#    <details><summary>Hint</summary>`split_by_fraction` takes params from the front of the
+#    <details><summary>Hint</summary>
+#
+#    `split_by_fraction` takes params from the front of the
 #    groups, the first layers, whose grads backward finishes last. Follow `step()`: which copies
 #    and which optimizer run while the CPU waits on its per-param events, and what the device
-#    can do with the params whose grads were ready early.</details>
+#    can do with the params whose grads were ready early.
+#
+#    </details>

@@ -132,8 +132,10 @@ class Schedules:
 # next `step()` uses the restored ones.
 #
 # <details><summary>Megatron detail: an error instead of an assert</summary>
+#
 # Where constructor and checkpoint disagree without either flag, Megatron asserts; tinytron
 # raises a `ValueError` that names the field and both values, and says which flag to set.
+#
 # </details>
 #
 # Worked example: a run saved at `num_steps = 4096` with `max_lr = 3e-4` is resumed with
@@ -348,21 +350,33 @@ if __name__ == "__main__":
 # 1. Megatron counts samples. What goes wrong in an iteration-counted schedule if the global
 #    batch size is ramped up during training (`--rampup-batch-size`)?
 #
-#    <details><summary>Hint</summary>`step(increment)` adds the samples of one iteration to
+#    <details><summary>Hint</summary>
+#
+#    `step(increment)` adds the samples of one iteration to
 #    `num_steps`. During a ramp an early iteration holds fewer samples than a late one: count
-#    how many samples an iteration-counted warmup of $W$ iterations really spans.</details>
+#    how many samples an iteration-counted warmup of $W$ iterations really spans.
+#
+#    </details>
 #
 # 2. With `inverse-square-root`, at which sample count does the lr reach `min_lr` for
 #    `max_lr=1e-3, min_lr=1e-4, W=800`? Check with the class.
 #
-#    <details><summary>Answer</summary>$10^{-3}\sqrt{800/n} = 10^{-4}$ gives $n = 800 \cdot 100
+#    <details><summary>Answer</summary>
+#
+#    $10^{-3}\sqrt{800/n} = 10^{-4}$ gives $n = 800 \cdot 100
 #    = 80{,}000$. With `lr_decay_steps` $\ge$ 80,000 the class returns $1.0000063 \cdot 10^{-4}$ at
 #    $n$ = 79,999 and exactly `min_lr` from 80,000 on. A shorter `lr_decay_steps` reaches `min_lr`
-#    earlier, at its cliff.</details>
+#    earlier, at its cliff.
+#
+#    </details>
 #
 # 3. Why must a WSD run be able to *change* `lr_decay_steps` on resume (think of deciding late
 #    when to anneal), and which flag allows it?
 #
-#    <details><summary>Hint</summary>Follow `lr_decay_steps` through `ReloadRules.load_state_dict`
+#    <details><summary>Hint</summary>
+#
+#    Follow `lr_decay_steps` through `ReloadRules.load_state_dict`
 #    and `_check_and_set`: which of the two flags lets the constructor's value win over the
-#    checkpoint's?</details>
+#    checkpoint's?
+#
+#    </details>

@@ -221,8 +221,10 @@ if __name__ == "__main__":
 # is all the next batch can show.
 #
 # <details><summary>Megatron detail: one run's numbers</summary>
+#
 # The largest logit reached 758 after 60 steps on the run this page was written with, against
 # 24 with the clip.
+#
 # </details>
 
 # %%
@@ -260,18 +262,30 @@ if __name__ == "__main__":
 #
 # 1. Double every learning rate. Which recipe degrades first, and why?
 #
-#    <details><summary>Hint</summary>Change `recipes` in the demo and rerun it. Lion and Muon
+#    <details><summary>Hint</summary>
+#
+#    Change `recipes` in the demo and rerun it. Lion and Muon
 #    take steps whose size is set by the lr alone (a sign, an orthogonalized matrix), while
-#    AdamW's shrink as $\hat m/\sqrt{\hat v}$ falls; compare how far each moves a weight per step.</details>
+#    AdamW's shrink as $\hat m/\sqrt{\hat v}$ falls; compare how far each moves a weight per step.
+#
+#    </details>
 #
 # 2. Turn off the QKV split for Muon (`qkv_split_shapes=None`). Does the curve change?
 #
-#    <details><summary>Hint</summary>Look at `QKVSplit.orthogonalize` on the Muon page: with the
+#    <details><summary>Hint</summary>
+#
+#    Look at `QKVSplit.orthogonalize` on the Muon page: with the
 #    split, Q, K and V each get their singular values pushed to 1 on their own; without it, one
-#    Newton–Schulz runs on the fused `[Q; K; V]` matrix. Run `train_tiny("muon", ...)` both ways.</details>
+#    Newton–Schulz runs on the fused `[Q; K; V]` matrix. Run `train_tiny("muon", ...)` both ways.
+#
+#    </details>
 #
 # 3. Replace the scheduler's `cosine` by `WSD` with a 20% anneal. When does the loss drop?
 #
-#    <details><summary>Hint</summary>On the scheduler page, WSD holds `max_lr` until
+#    <details><summary>Hint</summary>
+#
+#    On the scheduler page, WSD holds `max_lr` until
 #    `lr_decay_steps - wsd_decay_steps` and only then anneals. Plot the lr of `train_tiny`'s
-#    scheduler next to the loss and look at the last 20% of the steps.</details>
+#    scheduler next to the loss and look at the last 20% of the steps.
+#
+#    </details>

@@ -179,12 +179,20 @@ if __name__ == "__main__":
 # 1. At what DP size does ZeRO-2 save more than 1 GiB over the DistributedOptimizer on this
 #    rank? (Hint: the saving is $4N(1 - 1/d)$.)
 #
-#    <details><summary>Answer</summary>At every $d \ge 2$: $4N/2$ is already 3.7 GiB; the
-#    saving only grows toward $4N$ = 7.48 GiB.</details>
+#    <details><summary>Answer</summary>
+#
+#    At every $d \ge 2$: $4N/2$ is already 3.7 GiB; the
+#    saving only grows toward $4N$ = 7.48 GiB.
+#
+#    </details>
 #
 # 2. With $m = 8$ micro-batches, how many bytes of gradients does one rank send per step
 #    under the DistributedOptimizer, and under ZeRO-2 reduced every micro-batch?
 #
-#    <details><summary>Answer</summary>A ring reduce-scatter sends $(d-1)/d$ of the buffer:
+#    <details><summary>Answer</summary>
+#
+#    A ring reduce-scatter sends $(d-1)/d$ of the buffer:
 #    $4N \cdot 63/64 \approx 7.9$ GB once per step; eight times that, about 63 GB, with
-#    ZeRO-2.</details>
+#    ZeRO-2.
+#
+#    </details>

@@ -88,6 +88,7 @@ WRITER_TIMEOUT_S = 600.0   # Megatron's default collective timeout, 10 minutes
 # At most one save is in flight: scheduling a second one first finalizes the first, blocking.
 #
 # <details><summary>Megatron detail: several saves in flight</summary>
+#
 # Megatron's queue holds several saves in flight: `AsyncCallsQueue` keeps them in a deque
 # (`megatron/core/dist_checkpointing/strategies/async_utils.py:612`, the deque `:622`),
 # `schedule_async_request` appends a new one without waiting for the others (`:665`), and
@@ -97,6 +98,7 @@ WRITER_TIMEOUT_S = 600.0   # Megatron's default collective timeout, 10 minutes
 # save interval longer than a background write, as in the demos here, the two behave the
 # same; with saves closer together than a write takes, Megatron's training continues while
 # tinytron's blocks until the earlier save is complete.
+#
 # </details>
 #
 # A writer that fails or dies (SIGKILL, a full disk) is a failed save on every rank: the
@@ -106,9 +108,11 @@ WRITER_TIMEOUT_S = 600.0   # Megatron's default collective timeout, 10 minutes
 # ## The staged copy
 #
 # <details><summary>Megatron detail: Megatron blocks for the copy</summary>
+#
 # Megatron blocks training until the device-to-host copy is done (`async_utils.py:273`);
 # tinytron starts the copy when the save is scheduled and waits for what is left of it only
 # just before the next `optimizer.step`, the first moment that overwrites a parameter.
+#
 # </details>
 #
 # A copy that training waits for costs its full time. In the running example a rank's share of
@@ -147,6 +151,7 @@ WRITER_TIMEOUT_S = 600.0   # Megatron's default collective timeout, 10 minutes
 # after it the forward has nothing left to write.
 #
 # <details><summary>Megatron detail: the staged copy, measured on this book's CPU</summary>
+#
 # Measured on this book's 2-core machine, shared and loaded when it ran (load average 15–27;
 # `benchmarks/results/checkpoint_staging.json`, medians of 5): for the 100M-parameter model a
 # staged `thread`-mode save blocked training 0.055 s, against 0.31 s when the copy is taken
@@ -154,6 +159,7 @@ WRITER_TIMEOUT_S = 600.0   # Megatron's default collective timeout, 10 minutes
 # 0.053 of it). Hidden is not free on a CPU: the 1.2 GB copy and then the write share the two
 # cores with the forward and backward, which ran 2.0× slower beside them (1.6× beside the
 # write alone, 2.3× beside a forked writer and its copy-on-write faults).
+#
 # </details>
 #
 # On a GPU the copy runs on the copy engine, beside the kernels.
@@ -523,6 +529,7 @@ class AsyncSaver(_SaveQueue, _StagingWait):
 # run's. What was measured goes in `benchmarks/`.
 #
 # <details><summary>Megatron detail: the benchmark's numbers</summary>
+#
 # For a 100M-parameter model (a 1.2 GB
 # checkpoint), `benchmarks/results/checkpoint.json` (`bench_checkpoint.py --repeats 3`, 2 CPUs
 # under a load average of 13.7) records medians of 2.59 s blocked by a sync save and 0.11 s by
@@ -530,6 +537,7 @@ class AsyncSaver(_SaveQueue, _StagingWait):
 # copies every tensor before it returns); `benchmarks/results/checkpoint_staging.json` (5 runs)
 # records blocking / sync ratios of 0.053 for `process` mode and 0.008 for the staged `thread`
 # mode of the next demo.
+#
 # </details>
 
 # %%
@@ -656,15 +664,23 @@ if __name__ == "__main__":
 #    still running? Measure the time of the first training step after `schedule` against a
 #    step without a save in flight.
 #
-#    <details><summary>Hint</summary>After `os.fork` parent and child share pages until one of
+#    <details><summary>Hint</summary>
+#
+#    After `os.fork` parent and child share pages until one of
 #    them writes. The optimizer step overwrites every parameter and moment page while the child
 #    still reads them, so the kernel copies each page at that moment. `save_timeline` of the first
-#    demo already shows the first step after `schedule`; time it against a later one.</details>
+#    demo already shows the first step after `schedule`; time it against a later one.
+#
+#    </details>
 #
 # 2. Why must the DCP planning collective run in the training process and not in the writer?
 #
-#    <details><summary>Hint</summary>`_forked_write` runs no collective, and a forked child does not
+#    <details><summary>Hint</summary>
+#
+#    `_forked_write` runs no collective, and a forked child does not
 #    share the parent's process groups in a usable state. Ask which process can take part in a
 #    collective with the other ranks, and what `request.plan()` in `_SaveQueue.schedule` needs
-#    from all of them.</details>
+#    from all of them.
+#
+#    </details>
 

@@ -297,9 +297,11 @@ def read_checkpoint_model(path, num_attention_heads: int | None = None,
 # unless `--force` says that is intended.
 #
 # <details><summary>Megatron detail: no such check</summary>
+#
 # Megatron's converter has no such check: its saver
 # opens the target with `os.makedirs(save_dir, exist_ok=True)` and writes into it
 # (`tools/checkpoint/dist_checkpoint_io.py:238`).
+#
 # </details>
 
 # %% [markdown]
@@ -451,15 +453,24 @@ if __name__ == "__main__":
 # 1. Extend `read_checkpoint_model` to a Megatron legacy checkpoint, whose `args` is a
 #    Namespace: which of its fields give the `ModelConfig`?
 #
-#    <details><summary>Hint</summary>Start from `megatron_args_fields`, which already reads the
+#    <details><summary>Hint</summary>
+#
+#    Start from `megatron_args_fields`, which already reads the
 #    heads, the query groups, the norm epsilon, the RoPE base and the sequence length from an
 #    `args` Namespace. The rest (hidden size, layers, vocabulary, FFN size) can come from the
-#    tensor shapes, as for `torch_dist`.</details>
+#    tensor shapes, as for `torch_dist`.
+#
+#    </details>
+#
 # 2. A 70B model does not fit in one process. Which part of the converter would you make
 #    layer-by-layer, and what does DCP's partial load (asking for one layer's boxes) give you?
 #
-#    <details><summary>Hint</summary>`read_checkpoint_model` builds the whole model before
+#    <details><summary>Hint</summary>
+#
+#    `read_checkpoint_model` builds the whole model before
 #    `save_hf_llama` writes it. A stacked key $[L, \dots]$ can be read one layer at a time by
 #    asking for the box at offset $(i, 0, \dots)$ of size $(1, \dots)$, as `TensorLayout.boxes`
-#    does; think about writing the Hugging Face shards layer by layer too.</details>
+#    does; think about writing the Hugging Face shards layer by layer too.
+#
+#    </details>
 

@@ -521,15 +521,23 @@ if __name__ == "__main__":
 # 1. Where in `commit_checkpoint` would a crash leave *two* complete directories and a tracker
 #    naming the older one? Is that a problem?
 #
-#    <details><summary>Hint</summary>Follow `commit_checkpoint` line by line and stop at
+#    <details><summary>Hint</summary>
+#
+#    Follow `commit_checkpoint` line by line and stop at
 #    `fault_point("before_tracker")`: the rename has happened, the tracker has not moved. Then
 #    ask what `resolve_checkpoint_dir` loads, and what the next save of that iteration does to
-#    the directory already at its name.</details>
+#    the directory already at its name.
+#
+#    </details>
 #
 # 2. With DP 64 the legacy format moves 24.1 GB through one process per position. How long is
 #    that at 2 GB/s of gloo bandwidth, and what does `torch_dist` replace it with?
 #
-#    <details><summary>Answer</summary>`checkpoint_sizes` gives 24,091,607,040 bytes per
+#    <details><summary>Answer</summary>
+#
+#    `checkpoint_sizes` gives 24,091,607,040 bytes per
 #    `distrib_optim.pt`: 12.0 s at 2 GB/s, on each of the 4 writers. In `torch_dist` all 256
 #    ranks write their own shard in parallel, 376,431,360 bytes each (0.38 GB): 0.19 s at the
-#    same rate, with no gather over DP.</details>
+#    same rate, with no gather over DP.
+#
+#    </details>

@@ -46,18 +46,22 @@ CHECKPOINT_VERSION = 3.0
 # reads it without unpickling arbitrary objects.
 #
 # <details><summary>Megatron detail: the optimizer entry for the other optimizers</summary>
+#
 # For the optimizers other than the DistributedOptimizer the entry is chapter 02's own
 # `state_dict()`, not the one of Megatron's `Float16OptimizerWithFloat16Params` (`optimizer`,
 # `grad_scaler`, `fp32_from_fp16_params`): tinytron's mixed-precision optimizer keeps its
 # state in its own layout. `distrib_optim.pt` below is Megatron's structure.
+#
 # </details>
 #
 # <details><summary>Megatron detail: its safe globals</summary>
+#
 # Megatron reads with `weights_only=True` too (PyTorch's default since 2.6,
 # `checkpointing.py:1381`), but its `args` is an `argparse.Namespace`, so it registers that and
 # a few of its own classes as safe globals when `megatron.core` is imported
 # (`megatron/core/safe_globals.py:26-52`,
 # `megatron/core/__init__.py:54`); tinytron stores `args` as a dict and needs no allow-list.
+#
 # </details>
 #
 # ## `distrib_optim.pt`: the optimizer state, gathered over DP
@@ -73,9 +77,11 @@ CHECKPOINT_VERSION = 3.0
 # "numel_unpadded": n}}, "buckets_coalesced": True}` (`distrib_optimizer.py:1249-1353`).
 #
 # <details><summary>Megatron detail: one more key per world tensor</summary>
+#
 # tinytron adds one key to each entry, `bucket_numel_unpadded`, the unpadded size of every
 # bucket, so that a load with another bucket size is refused by name instead of cutting the
 # world tensor in the wrong places.
+#
 # </details>
 #
 # Worked example (chapter 05's buffer): params `c[30]` at 0, `b[100]` at 64, bucket of 164
@@ -484,13 +490,21 @@ if __name__ == "__main__":
 # 1. At DP 64 DP rank 0 receives 63 shard vectors per bucket and quantity. Which memory peak
 #    does that cause on the 7B example, and how does Megatron's per-bucket loop bound it?
 #
-#    <details><summary>Hint</summary>Count what `distributed_optimizer_world_tensors` holds on DP
+#    <details><summary>Hint</summary>
+#
+#    Count what `distributed_optimizer_world_tensors` holds on DP
 #    rank 0 at once: the world tensors built so far (for a whole position, the 24.1 GB that
 #    `checkpoint_sizes` gives as `legacy_optim_file`) plus the $dp$ shard vectors of the one bucket
-#    and quantity being gathered. Compare with gathering every bucket before concatenating.</details>
+#    and quantity being gathered. Compare with gathering every bucket before concatenating.
+#
+#    </details>
 #
 # 2. Change the DDP bucket size between save and load. Which check fires, and why must it?
 #
-#    <details><summary>Hint</summary>Look for `bucket_numel_unpadded` in the loading cells: DP rank 0
+#    <details><summary>Hint</summary>
+#
+#    Look for `bucket_numel_unpadded` in the loading cells: DP rank 0
 #    compares the saved bucket sizes with this run's before any scatter. The world tensor has no
-#    padding, so the bucket boundaries are the only way to cut it back into shards.</details>
+#    padding, so the bucket boundaries are the only way to cut it back into shards.
+#
+#    </details>

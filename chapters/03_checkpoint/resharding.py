@@ -63,12 +63,14 @@ OPTIMIZER_PREFIX = "optimizer.state"
 # | start of row 4 | (4, 0) | (1, 1) | 16 |
 #
 # <details><summary>Megatron detail: no gather on DP rank 0</summary>
+#
 # Megatron's `fully_reshardable` save gathers the DistributedOptimizer's buffers on DP rank 0
 # and writes them from there (`distrib_optimizer.py:1421-1426`, the docstring of
 # `sharded_state_dict`). tinytron writes the same keys and global shapes, but every DP rank
 # writes its own range as rectangles, with no gather: at DP 64 no rank holds 64 ranges at
 # once. A reader asks for boxes, as every DCP reader does, and reads both the same way; only
 # the chunk list in `.metadata` differs.
+#
 # </details>
 
 # %%
@@ -442,15 +444,23 @@ if __name__ == "__main__":
 # 1. Prove the bound: how many rectangles can a flat range of a 3-D tensor need, and which
 #    range attains it?
 #
-#    <details><summary>Answer</summary>At most $2(n-1)+1 = 5$ for $n = 3$: a partial row and a
+#    <details><summary>Answer</summary>
+#
+#    At most $2(n-1)+1 = 5$ for $n = 3$: a partial row and a
 #    partial plane on the way up to a plane boundary, whole planes, then a partial plane and a
 #    partial row on the way down. On a $[3, 3, 3]$ tensor, `flat_range_boxes((3, 3, 3), 1, 22)`
-#    returns five: sizes $(1,1,2)$, $(1,2,3)$, $(1,3,3)$, $(1,1,3)$, $(1,1,1)$.</details>
+#    returns five: sizes $(1,1,2)$, $(1,2,3)$, $(1,3,3)$, $(1,1,3)$, $(1,1,1)$.
+#
+#    </details>
 #
 # 2. Megatron's `dp_reshardable` keys embed the bucket index. Construct a DP change that moves a
 #    bucket boundary (hint: the default bucket size depends on DP above 40 ranks).
 #
-#    <details><summary>Hint</summary>In Megatron the default bucket holds $\max(40\text{M}, 1\text{M} \cdot dp)$
+#    <details><summary>Hint</summary>
+#
+#    In Megatron the default bucket holds $\max(40\text{M}, 1\text{M} \cdot dp)$
 #    elements (see the DDP config on chapter 05's pages). Take a model of a few hundred million
-#    parameters and compare the bucket boundaries at DP 32 and DP 64.</details>
+#    parameters and compare the bucket boundaries at DP 32 and DP 64.
+#
+#    </details>
 

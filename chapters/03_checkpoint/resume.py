@@ -186,9 +186,11 @@ def check_model_config(saved: dict | None, config, where) -> None:
 # (`_resume_plumbing.py`) build the two parts.
 #
 # <details><summary>Megatron detail: the per-rank rerun content</summary>
+#
 # The per-rank part is chapter 08's `state_dict()`, not Megatron's dict
 # (`rerun_state_machine.py:858-871`): tinytron's machine keeps its flags in its own layout, so
 # the object has Megatron's key and shape, `(world,)` at `(rank,)`, but its own content.
+#
 # </details>
 
 # %% [markdown]
@@ -529,6 +531,7 @@ def _load(manager, model, optimizer, scheduler, root):
 # saved, not just DP rank 0's (`checkpointing.py:382-391`).
 #
 # <details><summary>Megatron detail: three options of tinytron's own</summary>
+#
 # Three options are tinytron's own: `async_mode`, how the background writer takes its snapshot,
 # and `async_timeout_s`, how long a save waits for that writer before it fails
 # ([saving in the background](async_save.py)); and `crc_checksums`, a `checksums.json` with
@@ -537,6 +540,7 @@ def _load(manager, model, optimizer, scheduler, root):
 # `verify_integrity` (off by default, `training_config.py:596`), which writes a SHA-256
 # manifest `integrity.json` after `metadata.json` (`serialization.py:409-424`); tinytron does
 # not implement that one.
+#
 # </details>
 
 # %%
@@ -705,16 +709,24 @@ if __name__ == "__main__":
 # 1. Turn `no_load_rng` on in the demo: which of the compared quantities still agree after the
 #    resume, and which do not?
 #
-#    <details><summary>Hint</summary>The demo compares the losses, the parameters and optimizer
+#    <details><summary>Hint</summary>
+#
+#    The demo compares the losses, the parameters and optimizer
 #    state, the random draws and the consumed samples. With `no_load_rng`, `_read` leaves the
 #    RNG states out and `set_rng_state` is never called: ask which of the four depend on the
 #    generators' state after the resume, and whether the tiny model draws any random number in
-#    its forward.</details>
+#    its forward.
+#
+#    </details>
 #
 # 2. Resume with `finetune=True`: what does the loop start from, and what does the optimizer?
 #
-#    <details><summary>Answer</summary>In `_load`, `finetune` turns `load_optim` off and drops the
+#    <details><summary>Answer</summary>
+#
+#    In `_load`, `finetune` turns `load_optim` off and drops the
 #    scheduler. The loop gets a fresh `TrainState` (iteration 0, no consumed samples) that keeps
 #    only `num_floating_point_operations_so_far`. The optimizer state is not read, so
-#    `rederive_masters` starts the fp32 masters from the loaded weights, with fresh moments.</details>
+#    `rederive_masters` starts the fp32 masters from the loaded weights, with fresh moments.
+#
+#    </details>
 

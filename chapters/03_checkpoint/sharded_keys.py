@@ -367,15 +367,23 @@ if __name__ == "__main__":
 # 1. Which key would a Mixture-of-Experts layer need for its expert weights so that the expert
 #    parallel size can change between save and load?
 #
-#    <details><summary>Hint</summary>Follow what `sharded_key` and `TensorLayout` do with the layer
+#    <details><summary>Hint</summary>
+#
+#    Follow what `sharded_key` and `TensorLayout` do with the layer
 #    index: it leaves the key and becomes an offset on a stacked axis. Ask what plays that part for
 #    an expert when each EP rank holds a different subset of the experts, and look at how
-#    Megatron's MoE layers build their sharded state dict in `megatron/core/transformer/moe/`.</details>
+#    Megatron's MoE layers build their sharded state dict in `megatron/core/transformer/moe/`.
+#
+#    </details>
 #
 # 2. Why can `linear_fc1`'s TP chunk not be stored as one contiguous chunk of $[2f, h]$?
 #
-#    <details><summary>Answer</summary>The global rows are all gate rows, then all up rows. TP rank
+#    <details><summary>Answer</summary>
+#
+#    The global rows are all gate rows, then all up rows. TP rank
 #    $r$ of $t$ holds gate rows $[rf/t, (r+1)f/t)$ and up rows $[f + rf/t, f + (r+1)f/t)$. In the
 #    worked example ($f = 128$, $t = 2$, rank 1) that is rows 64–128 and 192–256: two boxes with
-#    rows of rank 0 between them, which is why `boxes` returns two.</details>
+#    rows of rank 0 between them, which is why `boxes` returns two.
+#
+#    </details>
 

@@ -77,12 +77,14 @@ __all__ = ["SaveRequest", "distribute_main_replicas", "read_sharded", "read_comm
 # ```
 #
 # <details><summary>Megatron detail: common.pt in the write phase, and optional checksums</summary>
+#
 # Megatron writes `common.pt` in the training process, before the sharded save starts
 # (`megatron/core/dist_checkpointing/serialization.py:399`); tinytron moves it to the write
 # phase, so that an async save writes it in the background with the rest. And with
 # `crc_checksums` the write stream also computes a CRC-32 of every byte written: DCP stores no
 # checksums, and `torch.load` does not notice a flipped byte inside a tensor. The option is
 # tinytron's own and off by default, so that a default save is file for file Megatron-Core's.
+#
 # </details>
 #
 # Worked example, the tiny model at TP 1: 15 chunks (the untied model's 9 keys, 6 of them
@@ -507,9 +509,11 @@ def read_common(directory: Path) -> dict:
 # layout, the `args` a legacy file carries).
 #
 # <details><summary>Megatron detail: one or two files per rank</summary>
+#
 # megatron-core 0.16.1's default of two writer threads per rank, `__0_0.distcp` and
 # `__0_1.distcp`, is `thread_count=2` here, while Megatron at e03878b5f writes one,
 # `megatron/core/dist_checkpointing/strategies/torch.py:600`.
+#
 # </details>
 
 # %%
@@ -658,15 +662,23 @@ if __name__ == "__main__":
 # 1. Make two ranks both write TP rank 0's norm and read the error DCP's global-plan validation
 #    gives. Which Megatron check corresponds to it?
 #
-#    <details><summary>Hint</summary>`is_main` on a `ShardedTensor` decides who writes a chunk;
+#    <details><summary>Hint</summary>
+#
+#    `is_main` on a `ShardedTensor` decides who writes a chunk;
 #    set it on two ranks for the same box and let DCP's global plan reject the overlap. On
 #    Megatron's side, look at the sharding-integrity validation in `validation.py`, cited
-#    above.</details>
+#    above.
+#
+#    </details>
 #
 # 2. With `thread_count=2`, how are the chunks split between `__R_0.distcp` and `__R_1.distcp`?
 #
-#    <details><summary>Answer</summary>`dcp.FileSystemWriter` splits the rank's write items with
+#    <details><summary>Answer</summary>
+#
+#    `dcp.FileSystemWriter` splits the rank's write items with
 #    `_split_by_size_and_type` (`torch/distributed/checkpoint/filesystem.py`): the objects go to the
 #    two files in turn, and the tensors, largest first, each go to the file with fewer bytes so
-#    far. The two files end up about the same size.</details>
+#    far. The two files end up about the same size.
+#
+#    </details>
 

@@ -520,9 +520,12 @@ def chunk_saved(cfg: MemoryConfig, pp_rank: int, chunk: int) -> dict[str, list[S
 # gate for the backward (+112 MiB more, B.3).
 #
 # <details><summary>Megatron detail: the layer before the norms matched</summary>
+#
 # Before the norms and the SP linears kept what Megatron's keep, the layer held 888.0 MiB:
 # fp32 norm inputs and the normalized outputs (+64 MiB per norm) and the gathered linear
-# inputs (+32 MiB each).</details>
+# inputs (+32 MiB each).
+#
+# </details>
 #
 # On stage 0's 16 layers and one micro-batch the modes give 10.88 GiB with no recompute and
 # with selective recompute alike (flash saves no $s^2$ term, so selective recompute of core
@@ -619,16 +622,25 @@ if __name__ == "__main__":
 # 1. Make `ColumnParallelLinear` save only its local slice under SP and all-gather it in
 #    backward. Which rows of the table change, and by how much at TP 8?
 #
-#    <details><summary>Answer</summary>The model already does this (B.3): the rows are the
+#    <details><summary>Answer</summary>
+#
+#    The model already does this (B.3): the rows are the
 #    `linear_qkv` and `linear_fc1` inputs. Gathered, each is $sbh$ elements in bf16, 64 MiB at
 #    any $t$; the local slice is $64/t$ MiB, 8 MiB at TP 8. So 56 MiB less per linear, 112 MiB
-#    per layer (at TP 2 the same rule gives the 32 MiB each of the note above).</details>
+#    per layer (at TP 2 the same rule gives the 32 MiB each of the note above).
+#
+#    </details>
+#
 # 2. Which offload region frees the most device memory per layer of the running example, and
 #    why does `attn_proj` alone free nothing?
 #
-#    <details><summary>Answer</summary>`core_attn`: 88 MiB of the layer's 696 MiB (q 32, k 8
+#    <details><summary>Answer</summary>
+#
+#    `core_attn`: 88 MiB of the layer's 696 MiB (q 32, k 8
 #    and the whole 48 MiB QKV output, which leaves with v since v is a view of it; only 48 MiB
 #    is copied to the host). `attn_norm`, `qkv_linear` and `mlp_norm` free 32 MiB each.
 #    `attn_proj` saves core attention's output, which the attention kernel saves too: the
 #    storage leaves only when both holders are offloaded (`_offloaded`), which is why the
-#    config refuses `attn_proj` without `core_attn`. Together they free 120 MiB.</details>
+#    config refuses `attn_proj` without `core_attn`. Together they free 120 MiB.
+#
+#    </details>

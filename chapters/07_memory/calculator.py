@@ -622,8 +622,11 @@ if __name__ == "__main__":
 # is where the two models differ and by how much, not which one a GPU would confirm.
 #
 # <details><summary>Megatron detail: the output layer's input</summary>
+#
 # Of the head's 96.12 MiB, the output layer's input is the gathered sequence, 64 MiB, where
-# Megatron's column-parallel output layer keeps the 32 MiB slice.</details>
+# Megatron's column-parallel output layer keeps the 32 MiB slice.
+#
+# </details>
 #
 # The README's CPU job shows the other kind of term. `tinytron-memory --config
 # configs/tiny.toml` (no `--world-size`: one rank, and it says so; `device = "auto"` on a
@@ -1046,18 +1049,27 @@ if __name__ == "__main__":
 # 1. Give the search 40 GiB instead of 80 GiB: which mechanism appears in every layout that
 #    still fits?
 #
-#    <details><summary>Answer</summary>Model parallelism: all 1,651 layouts that fit 40 GiB
+#    <details><summary>Answer</summary>
+#
+#    Model parallelism: all 1,651 layouts that fit 40 GiB
 #    cut the weights with TP or PP (at 80 GiB, 19 of the 2,124 are pure DP). Plain DP 256,
 #    even with the distributed optimizer, peaks at 69.0 GiB. The fastest left is
 #    TP4(SP)·PP1·CP1·DP64 mbs4 m4 without recompute and with the distributed optimizer:
-#    39.6 GiB, about 1.51 s.</details>
+#    39.6 GiB, about 1.51 s.
+#
+#    </details>
+#
 # 2. Set `Hardware.network_bandwidth` to 25 GB/s. Does the best layout change, and why?
 #    (07.8's rules: which window does the reduce-scatter no longer fit?)
 #
-#    <details><summary>Answer</summary>No: the first five keep their order, each about
+#    <details><summary>Answer</summary>
+#
+#    No: the first five keep their order, each about
 #    0.02 s slower (exposed DP 0.012 → 0.023 s, interference 0.012 → 0.024 s); the best is
 #    still TP2(SP)·PP1·CP1·DP128 mbs4 m2, 1.52 s. Without a pipeline the reduce-scatter runs
 #    bucket by bucket behind the backward, and only the last bucket's, which has no backward
 #    left to hide behind, is exposed; halving the bandwidth doubles it. A layout with one
 #    sequence per micro-batch has a shorter backward to hide behind: TP2 mbs1 m8 exposes
-#    0.047 s and drops from sixth to seventh.</details>
+#    0.047 s and drops from sixth to seventh.
+#
+#    </details>

@@ -325,15 +325,24 @@ if __name__ == "__main__":
 # 1. Where does the last stage's peak happen in the running example, and which single change
 #    (a fused cross-entropy that never materializes fp32 logits) would lower it most?
 #
-#    <details><summary>Answer</summary>In the forward of micro-batch 0, inside the logits
+#    <details><summary>Answer</summary>
+#
+#    In the forward of micro-batch 0, inside the logits
 #    chain: its one micro-batch keeps 12.93 GiB (1.96 GiB of it the fp32 softmax the head keeps
 #    for backward) and the chain adds 4.92 GiB, 17.85 GiB in all. A fused cross-entropy removes
 #    the chain and, if it never keeps fp32 logits either, the softmax: up to about 6.9 GiB,
-#    leaving stage 0's 22.01 GiB further ahead.</details>
+#    leaving stage 0's 22.01 GiB further ahead.
+#
+#    </details>
+#
 # 2. Switch the running example to interleaving with $v = 2$. Which stage becomes the most
 #    loaded, and by how much?
 #
-#    <details><summary>Answer</summary>Stage 0 stays the most loaded: its activations go from
+#    <details><summary>Answer</summary>
+#
+#    Stage 0 stays the most loaded: its activations go from
 #    22.01 to 27.45 GiB (5 half-stage chunks in flight, Megatron's factor 1.25), its total from
 #    33.58 to 39.02 GiB. Stage 1 grows too, from 29.42 to 34.89 GiB, with 3 chunks in flight
-#    and its peak still in the logits chain.</details>
+#    and its peak still in the logits chain.
+#
+#    </details>

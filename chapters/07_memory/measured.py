@@ -306,11 +306,14 @@ if __name__ == "__main__":
 # before the model, the tracker has seen every storage and the two instruments agree exactly.
 #
 # <details><summary>Megatron detail: what a late tracker counted</summary>
+#
 # On DP 4 it counted 213,632 B of weights when the modules first ran, the RoPE tables passed
 # into the layers as inputs (2,048 B then, when the model cached half-width tables), and the
 # 427,264 B fp32 grad buffer once the backward's in-place accumulation wrote into it — all of
 # it still reported alive after the backward, where the meter (which counts only what is
-# allocated inside it) reported 0.</details>
+# allocated inside it) reported 0.
+#
+# </details>
 #
 # What
 # neither can see is the same for both: memory allocated inside one C++ operator that never
@@ -358,16 +361,25 @@ if __name__ == "__main__":
 #
 # 1. Add a case with `mbs=4`: which ledger term grows linearly with it, and which does not?
 #
-#    <details><summary>Answer</summary>The activations: on the DP 4 case one micro-batch
+#    <details><summary>Answer</summary>
+#
+#    The activations: on the DP 4 case one micro-batch
 #    keeps 422,464 B at $b = 1$ and 1,689,856 B at $b = 4$, and the peak goes from 627,264 to
 #    2,509,056 B, exactly 4 times. The resident terms (weights 213,632, grad buffer 427,264,
 #    masters 427,264, moments 854,528 B) do not move: they depend on the parameters, not the
-#    batch.</details>
+#    batch.
+#
+#    </details>
+#
 # 2. Change appendix A's column-parallel layer to save only its local SP slice (exercise 1 of
 #    page 07.3) and rerun the grid: which rows stop agreeing until the ledger is updated?
 #
-#    <details><summary>Hint</summary>The layer now does this, and 07.3's table already
+#    <details><summary>Hint</summary>
+#
+#    The layer now does this, and 07.3's table already
 #    counts `linear_qkv` and `linear_fc1` inputs as "this rank's SP slice" (`_mlp` and the
 #    attention rows). Only activation rows can move, kept and peak, and only in the 9 cases
 #    with `sp` and `tp > 1`: each such input shrinks by $(t-1)/t$. The state rows never
-#    look at activations.</details>
+#    look at activations.
+#
+#    </details>

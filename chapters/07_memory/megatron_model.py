@@ -328,12 +328,14 @@ def compute_activation_memory_without_sp(a, num_microbatches=None) -> float:
 # either name marks a hybrid model here too.
 #
 # <details><summary>Megatron detail: where tinytron raises instead</summary>
+#
 # For a hybrid model Megatron prints one line and returns `None` (`:429-431`); this function
 # raises a `ValueError` naming `hybrid_layer_pattern`, because its callers (the ledger, the
 # calculator) index the result and a `None` would surface far from its cause. tinytron
 # builds no hybrid model, so no caller in the book reaches it. With the distributed optimizer
 # and `etp · ep · p` larger than the world, Megatron divides by a zero expert DP size; this
 # function raises instead (without the distributed optimizer both return the same number).
+#
 # </details>
 
 # %%
@@ -458,24 +460,38 @@ if __name__ == "__main__":
 # 1. Compute the estimate for the same model at TP 8 · PP 1 · DP 32. Which term grows, and why
 #    does the second formula's $10\,sbh$ not shrink with $t$?
 #
-#    <details><summary>Answer</summary>Weights and optimizer drop to 5,704.85 MiB and
+#    <details><summary>Answer</summary>
+#
+#    Weights and optimizer drop to 5,704.85 MiB and
 #    activations to 4,617.01 MiB (SP + selective, first formula). The term that grows is the
 #    output layer and cross-entropy, $4sbh(1 + V/h)$ = 4,336,910,336 B (517 MiB after $/t$),
 #    counted only when $p = 1$. With SP off the second formula answers 14,341.49 MiB: its
 #    $10\,sbh$ per layer (10,240 MiB over 32 layers) is the norms, dropout masks and residuals
 #    outside the TP region, which every TP rank holds whole without SP; only $24\,sbh/t$
-#    (3,072 MiB at $t = 8$) is split.</details>
+#    (3,072 MiB at $t = 8$) is split.
+#
+#    </details>
+#
 # 2. Switch to LayerNorm (`normalization="LayerNorm"`): by how many bytes does the weight term
 #    change? Compare with the bracketed numbers of the facts in chapter B.1.
 #
-#    <details><summary>Answer</summary>A LayerNorm has a bias, so each norm holds $2h$
+#    <details><summary>Answer</summary>
+#
+#    A LayerNorm has a bias, so each norm holds $2h$
 #    instead of $h$: 65 norms add 266,240 parameters (7,505,190,912 in all). The first stage
 #    holds $(8{,}192 \cdot 32 + 4{,}096)/2$ = 133,120 more replicated parameters, at
 #    6.1875 bytes each: the weight term grows by 823,680 B (0.79 MiB). Chapter B.1 derives
-#    the same count from a weight and a bias per norm.</details>
+#    the same count from a weight and a bias per norm.
+#
+#    </details>
+#
 # 3. Find a configuration where `min(1, m/p)` is below 1. What does the pipeline do in that case?
 #
-#    <details><summary>Answer</summary>Any $m < p$: PP 4 · DP 32 with $m = 2$ gives
+#    <details><summary>Answer</summary>
+#
+#    Any $m < p$: PP 4 · DP 32 with $m = 2$ gives
 #    $2/4 = 0.5$, and the activation term halves, 8,623,554,560 B against 17,247,109,120 B at
 #    $m = 8$. The pipeline never fills: the first stage can hold at most the $m$ micro-batches
-#    that exist, and the stages wait on each other for most of the step (a large bubble).</details>
+#    that exist, and the stages wait on each other for most of the step (a large bubble).
+#
+#    </details>

@@ -69,13 +69,16 @@ __all__ = ["schedule_ops", "p2p_buffers", "activation_peak"]
 # activations.
 #
 # <details><summary>Megatron detail: how the three moments were found</summary>
+#
 # The TP 1 cross-entropy used to build the shifted logits and their exponential side by side,
 # and on most of the grid that forward chain was the peak; the single `log_softmax` output,
 # 4 bytes per logit less, moved the peak into the backward on several layouts, where these
 # three moments had been written down too small or too large. The tied sum: a CP 4 case
 # measured 196,956 B against 189,312 predicted. The block re-run: counting both at once put
 # a case 10.6% too high. The RNG fork: selective core-attention and MLP recompute with
-# dropout measured 732,052 B, 689,408 predicted before.</details>
+# dropout measured 732,052 B, 689,408 predicted before.
+#
+# </details>
 
 # %%
 def schedule_ops(cfg: MemoryConfig, pp_rank: int,
@@ -384,16 +387,25 @@ if __name__ == "__main__":
 # 1. Replay the running example with $m = 1$: which stage holds the most, and why does
 #    Megatron's $\min(1, m/p)$ factor get this case right?
 #
-#    <details><summary>Answer</summary>Stage 1, now: stage 0 holds one micro-batch,
+#    <details><summary>Answer</summary>
+#
+#    Stage 1, now: stage 0 holds one micro-batch,
 #    $10.876 + 0.258$ = 11.13 GiB, while stage 1 keeps its 17.85 GiB (12.926 kept + the 4.92 GiB
 #    logits chain). With $m = 1 < p$ no stage can have more than one micro-batch in flight,
 #    and $\min(1, 1/2)$ halves the first stage's two micro-batches to one, which is what the
 #    replay finds. The formula speaks only for the first stage, so it does not see that the last
-#    one is now the larger.</details>
+#    one is now the larger.
+#
+#    </details>
+#
 # 2. Double the micro-batch size and halve $m$: what happens to each stage's peak?
 #
-#    <details><summary>Answer</summary>Each about doubles: with $b = 4$, $m = 4$ stage 0
+#    <details><summary>Answer</summary>
+#
+#    Each about doubles: with $b = 4$, $m = 4$ stage 0
 #    peaks at 44.00 GiB ($2 \cdot 21.751$ + 0.50 GiB transient) and stage 1 at 35.70 GiB
 #    (25.853 + a 9.85 GiB logits chain). Every kept and transient term is linear in $b$, and
 #    $m = 4 \ge p$ still gives 2 and 1 micro-batches in flight, so halving $m$ saves nothing
-#    here; it only lengthens the bubble's share of the step.</details>
+#    here; it only lengthens the bubble's share of the step.
+#
+#    </details>

@@ -333,8 +333,11 @@ if __name__ == "__main__":
 # the saved list of traced steps shows, so the error's second digit is noise.
 #
 # <details><summary>Megatron detail: an earlier run of the check</summary>
+#
 # The same model on an earlier run of the benchmark was 23% low on DP2 and 11% low on
-# PP2.</details>
+# PP2.
+#
+# </details>
 #
 # Where the DP2 prediction is low, the trace says why. The model's idle time (10 ms) is a
 # third of the measured one (35 ms): on this machine the two ranks share two cores with
@@ -371,16 +374,25 @@ if __name__ == "__main__":
 # 1. Predict the 462B row with `virtual_stages=None` and with 7: how much of the
 #    difference is bubble, and how much is p2p?
 #
-#    <details><summary>Answer</summary>1F1B: 15.66 s a step, 366.9 TFLOP/s; $v = 7$:
+#    <details><summary>Answer</summary>
+#
+#    1F1B: 15.66 s a step, 366.9 TFLOP/s; $v = 7$:
 #    11.51 s, 499.0 TFLOP/s, a 4.15 s difference. The bubble gives 2.03 s of it (2.371 to
 #    0.339 s); p2p goes the other way, 59 to 95 ms exposed, since seven chunks send seven
 #    times. The rest, 2.18 s, is the DP all-gather: 2,209 ms exposed under 1F1B, where a later
 #    stage's one bucket must arrive whole before its first forward, against 32 ms
-#    interleaved.</details>
+#    interleaved.
+#
+#    </details>
+#
 # 2. Replace the H100's law by the A100's (`LAWS["A100"]` in appendix C) and the links by
 #    200 Gb/s NICs (`network=25e9`): what does the 16B row predict?
 #
-#    <details><summary>Answer</summary>`Links(law=LAWS["A100"], network=25e9)`: a 1.94 s
+#    <details><summary>Answer</summary>
+#
+#    `Links(law=LAWS["A100"], network=25e9)`: a 1.94 s
 #    step instead of 0.78 s, 203.8 TFLOP/s per GPU instead of 504.6, or 65% of the A100's
 #    312 TFLOP/s. Compute is 1.87 s of it; the slower NICs expose 9.4 ms of reduce-scatter
-#    and 26.6 ms of all-gather (4.7 and 19.9 ms on the H100 row).</details>
+#    and 26.6 ms of all-gather (4.7 and 19.9 ms on the H100 row).
+#
+#    </details>

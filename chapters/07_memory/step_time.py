@@ -474,9 +474,12 @@ def _layout_buckets(cfg: MemoryConfig, pp_rank: int) -> list[dict]:
 # before the last backward.
 #
 # <details><summary>Megatron detail: where grad sync is switched</summary>
+#
 # `megatron/core/pipeline_parallel/schedules.py:741-742` without a pipeline; in 1F1B
 # `:2384` and `:2411` turn grad sync back on just before the last backward, and `:2428`,
-# after the cool-down, launches whatever reductions are still pending.</details>
+# after the cool-down, launches whatever reductions are still pending.
+#
+# </details>
 #
 # A bucket's gradient hook counts a parameter
 # as ready only when `is_last_microbatch` is set
@@ -1319,51 +1322,78 @@ if __name__ == "__main__":
 #   communication per rank — the measured side of this page's model.
 #
 # <details><summary>Megatron detail: where tinytron differs</summary>
+#
 # The staged checkpoint copy of rule 4 is tinytron's (chapter 03), Megatron blocks for the
 # copy before it forks its writer; the played 1F1B schedule and the closed form are this
 # book's, Megatron's schedules only run; and the rules are read from Megatron's code as it is
 # at `e03878b5f`, including its choice of one bucket on later pipeline stages, which the
-# model shows costs the running example's all-gather most of its overlap.</details>
+# model shows costs the running example's all-gather most of its overlap.
+#
+# </details>
 #
 # ## Exercises
 #
 # 1. Halve `Links.network`. Which window does the reduce-scatter miss first, and what does
 #    `bucket_size` do to the exposed part?
 #
-#    <details><summary>Answer</summary>At 25 GB/s stage 0's reduce-scatter takes 79 ms
+#    <details><summary>Answer</summary>
+#
+#    At 25 GB/s stage 0's reduce-scatter takes 79 ms
 #    against its 117 ms last backward and exposes 14.1 ms instead of 6.3: the window it misses
 #    is the last bucket's, the embedding's, which has no backward left behind it. Stage 1's
 #    one bucket still hides in its 252 ms of slack. The step grows from 1.935 to 1.978 s.
 #    Buckets of 10 M elements bring the reduce-scatter down to 12.1 ms but expose 13.2 ms of
 #    stage 0's all-gather instead of 7.1 (1.982 s); 400 M leave 26.9 ms exposed (1.995 s).
-#    The default, 40 M, is the best of the three.</details>
+#    The default, 40 M, is the best of the three.
+#
+#    </details>
+#
 # 2. Give every pipeline stage the first stage's buckets (`bucket_size` on all ranks): how
 #    much of stage 1's all-gather hides, and what does that cost the reduce-scatter?
 #
-#    <details><summary>Answer</summary>With `bucket_size_for` giving stage 1 stage 0's size
+#    <details><summary>Answer</summary>
+#
+#    With `bucket_size_for` giving stage 1 stage 0's size
 #    (18 buckets on each), stage 1's all-gather exposes 0.55 ms instead of 17.2: nearly all of
 #    it hides, and the DP all-gather item drops from 20.4 to 3.7 ms. The reduce-scatter costs
 #    nothing: stage 1's buckets still hide in stage 0's backward (0 ms exposed). Only the
 #    interference term grows, 3.95 to 5.97 ms, with the extra hidden traffic. The step: 1.935
-#    to 1.921 s.</details>
+#    to 1.921 s.
+#
+#    </details>
+#
 # 3. Turn on interleaving (`virtual_pipeline_model_parallel_size=2`) with
 #    `overlap_p2p_comm`: how much of the p2p and of the bubble goes away?
 #
-#    <details><summary>Answer</summary>The bubble halves, 174 to 87 ms ($v = 2$ divides it).
+#    <details><summary>Answer</summary>
+#
+#    The bubble halves, 174 to 87 ms ($v = 2$ divides it).
 #    The p2p first doubles, 10.7 to 21.5 ms exposed (twice the sends, still blocking); with
 #    `overlap_p2p_comm` 5.4 ms of it stays, the warm-up and cool-down sends, which block
 #    anyway. The DP items gain too (all-gather 20.4 to 11.2 ms, reduce-scatter 6.3 to
-#    1.2 ms). The step: 1.935 s, then 1.846 s with interleaving, 1.830 s with both.</details>
+#    1.2 ms). The step: 1.935 s, then 1.846 s with interleaving, 1.830 s with both.
+#
+#    </details>
+#
 # 4. Replace `Links.pcie` by 25 GB/s (PCIe Gen4) and then 100 GB/s: what does
 #    `best_offload_modules` return, and what does the ledger (07.5) say each choice saves?
 #
-#    <details><summary>Answer</summary>At 25 GB/s `attn_norm` and `core_attn` (80 MiB a
+#    <details><summary>Answer</summary>
+#
+#    At 25 GB/s `attn_norm` and `core_attn` (80 MiB a
 #    layer); at 50 GB/s the four of the demo (144 MiB); at 100 GB/s all five (176 MiB). On
 #    stage 0 the ledger's peak activations go from 22.01 GiB to 18.26, 16.26 and 15.26 GiB:
-#    3.75, 5.75 and 6.75 GiB saved.</details>
+#    3.75, 5.75 and 6.75 GiB saved.
+#
+#    </details>
+#
 # 5. Stage the checkpoint (`StepOptions(checkpoint="staged")`) and set `save_interval` to 1:
 #    which of the copy and the write is exposed now, and by how much?
 #
-#    <details><summary>Answer</summary>Neither: the 8.8 ms copy hides in the next step's
+#    <details><summary>Answer</summary>
+#
+#    Neither: the 8.8 ms copy hides in the next step's
 #    1.643 s of compute and the 439 ms write in the 1.935 s step, so the step stays 1.935 s.
-#    Blocking at the same interval would pay the whole copy every step: 1.944 s.</details>
+#    Blocking at the same interval would pay the whole copy every step: 1.944 s.
+#
+#    </details>

@@ -386,27 +386,39 @@ if __name__ == "__main__":
 # 1. Write the gradient into the logits' own storage (the logits are not needed after the
 #    backward). What does that save, and what breaks if someone else still holds the logits?
 #
-#    <details><summary>Answer</summary>It saves the <code>empty_like</code> gradient buffer of
+#    <details><summary>Answer</summary>
+#
+#    It saves the <code>empty_like</code> gradient buffer of
 #    <code>_VocabParallelCE.backward</code>: a second $[N, V/t]$ tensor,
 #    $8192 \times 64128 \times 2$ B = 1.05 GB in bf16 on a rank of the running example, at the
 #    peak of the last stage. Anyone else who still reads the logits (a metric, a second loss, a
-#    hook) then reads gradients instead, silently.</details>
+#    hook) then reads gradients instead, silently.
+#
+#    </details>
 #
 # 2. Add label smoothing: which extra per-row quantity must the forward kernel return, and
 #    which extra all-reduce does the vocab-parallel form need?
 #
-#    <details><summary>Hint</summary>With smoothing $\varepsilon$ the loss adds
+#    <details><summary>Hint</summary>
+#
+#    With smoothing $\varepsilon$ the loss adds
 #    $-\tfrac{\varepsilon}{V}\sum_j \log p_j$, which needs the row's sum of logits. Each rank sums
 #    its own slice in the same pass as the max and the sum of exponentials; the slices' sums must
 #    then be added across the TP group. Then read the label-smoothing branch of
 #    <code>megatron/core/tensor_parallel/cross_entropy.py</code> and check which quantities it
-#    reduces across the group.</details>
+#    reduces across the group.
+#
+#    </details>
 #
 # 3. Fuse the output layer: loop over vocabulary chunks of the weight, compute each logit
 #    chunk with a matmul, and update the online log-sum-exp. What must the backward recompute?
 #
-#    <details><summary>Hint</summary>The point is never to store the $[N, V/t]$ logits. The
+#    <details><summary>Hint</summary>
+#
+#    The point is never to store the $[N, V/t]$ logits. The
 #    backward then has no logits to read: it must recompute each chunk with the same matmul, turn
 #    it into softmax minus one-hot with the saved log-sum-exp (as <code>_ce_bwd_kernel</code>
 #    does), and use it at once for the gradients of the hidden states and of the weight
-#    chunk.</details>
+#    chunk.
+#
+#    </details>

@@ -574,27 +574,39 @@ if __name__ == "__main__":
 # 1. Split the forward loop into the blocks strictly below the diagonal (no mask) and the
 #    diagonal blocks (masked): how many `where`s does that save at $s = 4096$?
 #
-#    <details><summary>Answer</summary>The compiled forward uses $64 \times 32$ tiles
+#    <details><summary>Answer</summary>
+#
+#    The compiled forward uses $64 \times 32$ tiles
 #    (<code>_tiles</code>). <code>tile_schedule(4096, 64, 32)</code> visits 4,160 tiles per
 #    (batch, head): 128 cross the diagonal and 4,032 lie strictly below it. Each visited tile runs
 #    one <code>where</code> over its $64 \times 32$ scores, so the split saves 4,032 of 4,160
 #    (97%) per (batch, head), or 129,024 per layer of the running example ($b = 2$, 16 heads per
-#    rank).</details>
+#    rank).
+#
+#    </details>
 #
 # 2. Accumulate dQ with `tl.atomic_add` inside the dK/dV kernel. Measure the FLOPs saved and
 #    show that two runs no longer give bit-identical gradients.
 #
-#    <details><summary>Hint</summary>Today the dQ kernel recomputes $S = QK^T$ and $P$ for its own
+#    <details><summary>Hint</summary>
+#
+#    Today the dQ kernel recomputes $S = QK^T$ and $P$ for its own
 #    tiles, the same work the dK/dV kernel already did. With atomics, each dK/dV program adds its
 #    $dS\,K$ share into dQ, so that recompute goes away. But the order of the adds then depends on
 #    which program finishes first, and fp32 addition is not associative: compare two runs' dQ with
-#    <code>torch.equal</code>.</details>
+#    <code>torch.equal</code>.
+#
+#    </details>
 #
 # 3. Add appendix B's packed-document mask (attention restarts at each end-of-document): which
 #    per-row numbers must the kernel load, and which tiles can it skip entirely?
 #
-#    <details><summary>Hint</summary>Per row, the start of its document (or a document id); a key
+#    <details><summary>Hint</summary>
+#
+#    Per row, the start of its document (or a document id); a key
 #    is valid when it is in the same document and, causally, not later. A tile whose key block
 #    ends before the first document start of its query block can be skipped, like the tiles above
 #    the diagonal in <code>tile_schedule</code>; only tiles that cross a document boundary need
-#    the mask.</details>
+#    the mask.
+#
+#    </details>

@@ -435,29 +435,41 @@ if __name__ == "__main__":
 # 1. Add the gradient unscaling and the clip coefficient to the kernel (one more scalar each):
 #    how many passes over the shard does chapter 02's step then save?
 #
-#    <details><summary>Hint</summary>List chapter 02's passes over the fp32 gradient before the
+#    <details><summary>Hint</summary>
+#
+#    List chapter 02's passes over the fp32 gradient before the
 #    update: the unscale multiplies it in place, the clip first reads it for the norm, then
 #    multiplies it in place. Each in-place multiply reads and writes 8 bytes per element. Which of
 #    them can become a scalar the kernel applies to $g$ as it loads it, and which must still run
-#    before the step, because the coefficient depends on it?</details>
+#    before the step, because the coefficient depends on it?
+#
+#    </details>
 #
 # 2. Keep `exp_avg_sq` in bf16 (precision-aware optimizer): bytes per element, and what happens
 #    to the update when $v$ is tiny?
 #
-#    <details><summary>Answer</summary><code>adamw_bytes</code> counts $7 \cdot 4 + 2 = 30$ bytes
+#    <details><summary>Answer</summary>
+#
+#    <code>adamw_bytes</code> counts $7 \cdot 4 + 2 = 30$ bytes
 #    per element with bf16 params; $v$ read and written in bf16 saves 4, so 26 (and 2 bytes of
 #    memory per element). bf16 keeps fp32's exponent range, so a tiny $v$ does not underflow, but
 #    it keeps 8 significant bits: with $\beta_2 = 0.999$, $\beta_2 v$ rounds back to $v$ whenever
 #    $(1 - \beta_2) g^2$ is small against it, so $v$ stops decaying and the step
 #    $m / (\sqrt{v} + \epsilon)$ stays too small; stochastic rounding or an fp32 $v$ avoid
-#    it.</details>
+#    it.
+#
+#    </details>
 #
 # 3. Why must the chunk size be a power of two, and what does a chunk much larger than the
 #    typical piece cost?
 #
-#    <details><summary>Hint</summary>The kernel's offsets are <code>tl.arange(0, CHUNK)</code>,
+#    <details><summary>Hint</summary>
+#
+#    The kernel's offsets are <code>tl.arange(0, CHUNK)</code>,
 #    and Triton's <code>arange</code> takes only a power of two. <code>build_chunk_table</code>
 #    cuts each piece on its own, so the last chunk of every piece is partly masked: a
 #    4,096-element norm weight fills four 1,024 chunks exactly, but with a chunk of 65,536 it
 #    would be one program with 94% of its lanes masked. Count the masked lanes and the programs
-#    per piece.</details>
+#    per piece.
+#
+#    </details>

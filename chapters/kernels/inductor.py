@@ -211,12 +211,14 @@ if __name__ == "__main__":
 # add; the four matmuls and SDPA stay library calls.
 #
 # <details><summary>Megatron detail: compiling functions, not layers</summary>
+#
 # <p>Megatron applies <code>torch.compile</code> to small functions, not to layers:
 # <code>jit_fuser</code> is <code>torch.compile</code> on torch 2.2 and later
 # (<code>megatron/core/jit.py:21</code>) and decorates elementwise pieces such as the bias-SwiGLU
 # (<code>megatron/core/fusions/fused_bias_swiglu.py:15</code>); its norms come from Transformer
 # Engine. tinytron compiles whole layers, and refuses <code>compile</code> together with
 # <code>kernels = "triton"</code>: one switch decides who writes the fused kernels.</p>
+#
 # </details>
 
 # %% [markdown]
@@ -266,26 +268,38 @@ def write_triton_report(path: str, device: str = "cuda", rows: int = 4096,
 # 1. Compile appendix B's SwiGLU product (`silu(gate) * up` on the two halves of fc1's output)
 #    and read its Triton: how many loads and stores does it make per element, against C.2's?
 #
-#    <details><summary>Hint</summary>Pass the product to <code>inductor_triton_source</code> and
+#    <details><summary>Hint</summary>
+#
+#    Pass the product to <code>inductor_triton_source</code> and
 #    count the <code>tl.load</code> and <code>tl.store</code> lines of each kernel. C.2's forward
 #    makes two loads (gate and up, $f$ apart) and one store per output element, 6 bytes in bf16
 #    (<code>swiglu_bytes</code>); check whether inductor fuses the <code>chunk</code>, the
-#    <code>silu</code> and the product into one kernel the same way.</details>
+#    <code>silu</code> and the product into one kernel the same way.
+#
+#    </details>
 #
 # 2. Compile a whole `TransformerLayer` and run a backward through it. How many kernels does
 #    the backward graph have, and which forward values does the partitioner recompute there
 #    rather than save?
 #
-#    <details><summary>Hint</summary>Compile with a backend that prints the partitioned graphs, or
+#    <details><summary>Hint</summary>
+#
+#    Compile with a backend that prints the partitioned graphs, or
 #    read the backward's kernels with <code>inductor_kernels</code> on a GPU. The min-cut
 #    partitioner recomputes cheap elementwise values (the norm's scaled output, the SwiGLU
 #    activation) from tensors it saves anyway, as C.1 and C.2 do by hand, and saves the matmul
-#    outputs.</details>
+#    outputs.
+#
+#    </details>
 #
 # 3. Set `emulate_precision_casts = True` and compile the norm again: which lines of the C++
 #    kernel change?
 #
-#    <details><summary>Hint</summary>Diff the two C++ sources from <code>inductor_kernels</code>.
+#    <details><summary>Hint</summary>
+#
+#    Diff the two C++ sources from <code>inductor_kernels</code>.
 #    Look for the casts: with the flag on, inductor rounds intermediate values to the input's
 #    dtype where eager PyTorch would, so extra conversions to bf16 and back appear between the
-#    multiply and the reduction.</details>
+#    multiply and the reduction.
+#
+#    </details>

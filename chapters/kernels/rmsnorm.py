@@ -466,26 +466,38 @@ if __name__ == "__main__":
 # 1. Fuse the residual add into the forward: read $x$ and the residual, write the new residual
 #    and $y$. How many bytes per element does that save over two kernels?
 #
-#    <details><summary>Answer</summary>In bf16, two kernels move 10 bytes per element in the
+#    <details><summary>Answer</summary>
+#
+#    In bf16, two kernels move 10 bytes per element in the
 #    forward: the add reads $x$ and the residual and writes the new residual (6), the norm reads
 #    it back and writes $y$ (4, as <code>rms_norm_bytes</code> counts). The fused kernel reads $x$
 #    and the residual and writes the new residual and $y$: 8. It saves the 2-byte re-read of the
-#    new residual, a fifth of the traffic.</details>
+#    new residual, a fifth of the traffic.
+#
+#    </details>
 #
 # 2. Replace the two-stage weight reduction with `tl.atomic_add`. What changes in the result
 #    from run to run, and why does that matter for chapter 08's reproducibility checks?
 #
-#    <details><summary>Hint</summary>Floating-point addition is not associative. With atomics the
+#    <details><summary>Hint</summary>
+#
+#    Floating-point addition is not associative. With atomics the
 #    order in which the programs add into $dw$ depends on which finishes first, so the last bits
 #    of $dw$ change from run to run. Look at how <code>_RMSNorm.backward</code> sums
 #    <code>dw_partial</code> in a fixed order, and at what chapter 08 compares bit for
-#    bit.</details>
+#    bit.
+#
+#    </details>
 #
 # 3. At which hidden size does one row no longer fit one program's registers, and what would
 #    a two-pass (sum, then normalize) kernel cost in extra reads?
 #
-#    <details><summary>Answer</summary>Above <code>MAX_ROW_LANES</code> = 8,192: 16 warps of 32
+#    <details><summary>Answer</summary>
+#
+#    Above <code>MAX_ROW_LANES</code> = 8,192: 16 warps of 32
 #    threads holding 16 fp32 values each, $16 \cdot 32 \cdot 16 = 8192$ lanes;
 #    <code>_check_rms_inputs</code> refuses a wider row. A two-pass kernel reads $x$ twice, once
 #    for the sum of squares and once to normalize: in bf16 the forward goes from 4 to 6 bytes per
-#    element, 50% more.</details>
+#    element, 50% more.
+#
+#    </details>

@@ -309,20 +309,28 @@ if __name__ == "__main__":
 # 1. Put the four matmuls of a layer (QKV, projection, fc1, fc2) on the plot. How far right of
 #    the ridge are they at micro-batch 1, and at $s = 512$?
 #
-#    <details><summary>Answer</summary>A bf16 GEMM of $M \times K$ by $K \times N$ does $2MNK$
+#    <details><summary>Answer</summary>
+#
+#    A bf16 GEMM of $M \times K$ by $K \times N$ does $2MNK$
 #    FLOPs on $2(MK + KN + MN)$ bytes, so its intensity is $MNK / (MK + KN + MN)$. Per TP rank
 #    ($t = 2$): QKV is $K = 4096$, $N = 3072$; the projection $K = 2048$, $N = 4096$; fc1
 #    $K = 4096$, $N = 14336$; fc2 $K = 7168$, $N = 4096$. At micro-batch 1, $M = 4096$ tokens:
 #    1,229, 1,024, 1,792 and 1,593 FLOP/byte, 3.5 to 6.1 times the ridge of 295. At $s = 512$,
 #    $M = 512$: 396, 372, 441 and 428 FLOP/byte, only 1.3 to 1.5 times the ridge, so the weights'
-#    bytes start to matter.</details>
+#    bytes start to matter.
+#
+#    </details>
 #
 # 2. Where does the bias-dropout-add of a model with dropout land, and how many bytes does
 #    Megatron's fused version save per element?
 #
-#    <details><summary>Hint</summary>Count it as <code>step_operations</code> does: a few FLOPs
+#    <details><summary>Hint</summary>
+#
+#    Count it as <code>step_operations</code> does: a few FLOPs
 #    per element, so it lands next to the norms, far left of the ridge. For the bytes, list the
 #    loads and stores of the eager chain (add the bias, dropout with its mask, add the residual:
 #    each op writes a tensor the next reads) against one kernel that reads the input and the
 #    residual and writes the output and the mask. Megatron's version is
-#    <code>megatron/core/fusions/fused_bias_dropout.py</code>.</details>
+#    <code>megatron/core/fusions/fused_bias_dropout.py</code>.
+#
+#    </details>

@@ -279,25 +279,37 @@ if __name__ == "__main__":
 # 1. Fuse the activation into fc1's epilogue: which bytes disappear, and what must the
 #    backward then recompute?
 #
-#    <details><summary>Hint</summary>Follow the fc1 output $[N, 2f]$ in <code>swiglu_bytes</code>:
+#    <details><summary>Hint</summary>
+#
+#    Follow the fc1 output $[N, 2f]$ in <code>swiglu_bytes</code>:
 #    fused into the epilogue it is never written or read back, only $[N, f]$ is written. But
 #    <code>_SwiGLU.backward</code> needs the gate and up halves; without them the backward must
-#    recompute fc1's output (a matmul) or keep it anyway.</details>
+#    recompute fc1's output (a matmul) or keep it anyway.
+#
+#    </details>
 #
 # 2. Store the saved fc1 output in fp8 (Megatron's `fp8_input_store`): how much memory does
 #    that save per layer of the running example, and what does it cost in accuracy?
 #
-#    <details><summary>Answer</summary>The saved fc1 output is $[N, 2f/t] = 8192 \times 14336$ per
+#    <details><summary>Answer</summary>
+#
+#    The saved fc1 output is $[N, 2f/t] = 8192 \times 14336$ per
 #    TP rank, 117.4 M elements. One byte instead of two saves 117 MB per layer per micro-batch in
 #    flight, 1.88 GB for a stage's 16 layers. The cost: fp8 (e4m3) keeps 4 significant bits
 #    against bf16's 8, and a range of about $\pm 448$, so the gradients computed from the stored
-#    input carry that coarser rounding.</details>
+#    input carry that coarser rounding.
+#
+#    </details>
 #
 # 3. Megatron's `bias_swiglu` adds a bias before the activation. Add one to the kernels and
 #    return its gradient (a column sum, like RMSNorm's weight).
 #
-#    <details><summary>Hint</summary>The forward loads one bias block per column block and adds it
+#    <details><summary>Hint</summary>
+#
+#    The forward loads one bias block per column block and adds it
 #    before the sigmoid. The bias gradient is $d\,\text{gate}$ and $d\,\text{up}$ summed over
 #    rows: write per-program partials as <code>_RMSNorm.backward</code> does with
 #    <code>dw_partial</code>, then sum them. Megatron's version is
-#    <code>megatron/core/fusions/fused_bias_swiglu.py</code>.</details>
+#    <code>megatron/core/fusions/fused_bias_swiglu.py</code>.
+#
+#    </details>

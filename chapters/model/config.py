@@ -206,11 +206,13 @@ class ModelConfig(ShapeMethods):
 
 # %% [markdown]
 # <details><summary>Megatron detail: one dropout, whole groups</summary>
+#
 # <p>Megatron's <code>TransformerConfig</code> has separate <code>hidden_dropout</code> and
 # <code>attention_dropout</code>; here one <code>dropout</code> drives both. Megatron also accepts
 # fewer key/value groups than TP ranks and replicates them
 # (<code>transformer_config.py:1214-1224</code>); this book requires $t \mid g$, so every TP
 # rank owns whole groups and the count below stays a plain division.</p>
+#
 # </details>
 #
 # Two configs serve the whole book: `tiny_config`, small enough that every layout of the tests
@@ -444,24 +446,36 @@ if __name__ == "__main__":
 # 1. Allow $g < t$ by replicating key/value heads as Megatron does: which checks and which counts
 #    change?
 #
-#    <details><summary>Hint</summary>Start from the check in <code>check_layout</code> that names
+#    <details><summary>Hint</summary>
+#
+#    Start from the check in <code>check_layout</code> that names
 #    <code>num_query_groups</code>. With replication each TP rank holds one key/value head shared
 #    by $t/g$ ranks, so the $2gdh$ of <code>linear_qkv</code> no longer divides by $t$ in
 #    <code>count_parameters_per_rank</code>: a rank holds $2dh$ of it, and the replicas' gradients
-#    must be summed.</details>
+#    must be summed.
+#
+#    </details>
 #
 # 2. Pad the vocabulary with `padded_vocab_size` for $V = 32000$, $t = 3$: how many rows are
 #    padding, and what does it cost in parameters at $h = 4096$?
 #
-#    <details><summary>Answer</summary>The rule rounds up to a multiple of $128 \cdot 3 = 384$:
+#    <details><summary>Answer</summary>
+#
+#    The rule rounds up to a multiple of $128 \cdot 3 = 384$:
 #    <code>padded_vocab_size(32000, tp=3)</code> = 32,256, so 256 rows are padding. At $h = 4096$
 #    that is $256 \cdot 4096 = 1{,}048{,}576$ parameters in the embedding, twice that with an
-#    untied output layer.</details>
+#    untied output layer.
+#
+#    </details>
 #
 # 3. Derive the count of a LayerNorm model (a weight and a bias per norm) and compare with the
 #    bracketed numbers of [chapter 07](../07_memory/megatron_model.py).
 #
-#    <details><summary>Answer</summary>Each norm gains a bias: $4h$ per layer instead of $2h$, and
+#    <details><summary>Answer</summary>
+#
+#    Each norm gains a bias: $4h$ per layer instead of $2h$, and
 #    $2h$ for the final norm. The running example then counts
 #    $7{,}504{,}924{,}672 + 32 \cdot 2 \cdot 4096 + 4096 = 7{,}505{,}190{,}912$ tied, 266,240
-#    more. Chapter 07's formula carries the same change as its $n = 2$ for LayerNorm.</details>
+#    more. Chapter 07's formula carries the same change as its $n = 2$ for LayerNorm.
+#
+#    </details>

@@ -741,6 +741,7 @@ class GPTModel(ChunkParts, StageFlags, StageInput, RopeTables, OutputHead, Stage
 # the same seed gives the same model on any layout; and a pipeline rank builds its chunks.
 #
 # <details><summary>Megatron detail: the init is layout-free</summary>
+#
 # <p>Megatron's default GPU init draws each TP shard on its own rank under the
 # <code>model-parallel-rng</code> fork (<code>_initialize_affine_weight_gpu</code>,
 # <code>megatron/core/tensor_parallel/layers.py:137-148</code>), so its weights depend on the
@@ -749,6 +750,7 @@ class GPTModel(ChunkParts, StageFlags, StageInput, RopeTables, OutputHead, Stage
 # which is what lets every layout test compare with one process. The checks of the model's
 # inputs (<code>check_ids</code>, <code>check_attention_mask</code>) live in
 # <code>tinytron.model._checks</code> and are re-exported here.</p>
+#
 # </details>
 
 # %%
@@ -899,26 +901,38 @@ if __name__ == "__main__":
 # 1. Replace the CP all-gather of K and V by a ring: each step sends one K/V block to the next
 #    rank and merges partial softmax results (log-sum-exp). What memory does it save at $c = 8$?
 #
-#    <details><summary>Hint</summary>Count blocks of $s/c$ tokens of K and V. The all-gather in
+#    <details><summary>Hint</summary>
+#
+#    Count blocks of $s/c$ tokens of K and V. The all-gather in
 #    <code>_attend</code> builds all $c = 8$ of them, and SDPA keeps them for the backward; a ring
 #    holds the local block and the one in flight, 2 of 8, and keeps only the local one, running
 #    the ring again in the backward. Appendix A's <code>ring_attention</code> (page A.3) is the
-#    merge to start from.</details>
+#    merge to start from.
+#
+#    </details>
 #
 # 2. With $g = 2$ and $t = 4$ this model refuses to build. Make it replicate each key/value
 #    head over $t / g$ ranks as Megatron does, and keep the parity tests green.
 #
-#    <details><summary>Hint</summary>Three places change: the check in <code>check_layout</code>,
+#    <details><summary>Hint</summary>
+#
+#    Three places change: the check in <code>check_layout</code>,
 #    the <code>ShardSpec</code> of <code>linear_qkv</code> (the key/value rows are copied, not
 #    split, for $t > g$), and <code>local_groups</code> in <code>SelfAttention</code>, which
 #    becomes one group shared by $t/g$ ranks. The gradients of a replicated head must then be
-#    summed over those ranks, as the tied embedding's are over the embedding group.</details>
+#    summed over those ranks, as the tied embedding's are over the embedding group.
+#
+#    </details>
 #
 # 3. Measure how much activation memory sequence parallelism saves on the tiny model with
 #    `torch.autograd.graph.saved_tensors_hooks`.
 #
-#    <details><summary>Hint</summary>Run the forward of <code>_workers.layout_parity</code>'s
+#    <details><summary>Hint</summary>
+#
+#    Run the forward of <code>_workers.layout_parity</code>'s
 #    model under a pack hook that adds up <code>t.numel() * t.element_size()</code> per distinct
 #    storage, with <code>sequence_parallel</code> on and off at TP 2. Sequence parallelism splits
 #    what the norms, the dropouts and the residual adds save by $t$; the attention and MLP inputs
-#    after the all-gather stay whole.</details>
+#    after the all-gather stay whole.
+#
+#    </details>

@@ -408,12 +408,14 @@ def load_hf_llama(path: str | os.PathLike, grid: ParallelGrid | None = None, *,
 
 # %% [markdown]
 # <details><summary>Megatron detail: offline conversion</summary>
+#
 # <p>Megatron converts offline: its loader builds the whole Hugging Face model with
 # <code>transformers</code> (<code>tools/checkpoint/loader_mixtral_hf.py:139</code>) and sends full
 # tensors through a queue to a saver that writes Megatron's own checkpoint
 # (<code>:283-335</code>). tinytron reads and writes the <code>safetensors</code> files directly,
 # without <code>transformers</code>, on every rank of the training layout, and keeps only each
 # rank's shard; there is no intermediate checkpoint.</p>
+#
 # </details>
 
 # %% [markdown]
@@ -485,25 +487,37 @@ if __name__ == "__main__":
 # 1. Write the sharded Hugging Face format (`model-0000k-of-0000n.safetensors` plus
 #    `model.safetensors.index.json`) so that no rank ever holds more than one layer in full.
 #
-#    <details><summary>Hint</summary>Today <code>gather_full_state</code> gathers every tensor
+#    <details><summary>Hint</summary>
+#
+#    Today <code>gather_full_state</code> gathers every tensor
 #    before <code>_write_hf_folder</code> writes one file. Instead loop over layers: gather one
 #    layer's full tensors, convert them with <code>to_hf_tensors</code>, write them as file $k$,
 #    free them, and record each tensor's file in the index's <code>weight_map</code>. Import
-#    already reads every <code>*.safetensors</code> file of the folder.</details>
+#    already reads every <code>*.safetensors</code> file of the folder.
+#
+#    </details>
 #
 # 2. Load a checkpoint whose vocabulary does not divide by $t$ by padding the embedding rows
 #    (`padded_vocab_size`), and strip the padding again on export.
 #
-#    <details><summary>Hint</summary><code>from_hf_tensor</code> fetches the embedding and
+#    <details><summary>Hint</summary>
+#
+#    <code>from_hf_tensor</code> fetches the embedding and
 #    <code>lm_head</code> with the shape $(V, h)$: on import, allocate $(V_\text{padded}, h)$,
 #    copy the $V$ rows in and leave the padding rows at zero (no token ever selects them), with
 #    <code>config_from_hf</code> taking the padded size. On export, <code>to_hf_tensors</code>
-#    cuts the rows back to the original $V$, which config.json must keep.</details>
+#    cuts the rows back to the original $V$, which config.json must keep.
+#
+#    </details>
 #
 # 3. Export in bf16 and measure how far the logits move from the fp32 model.
 #
-#    <details><summary>Hint</summary>Build the model with <code>dtype=torch.bfloat16</code> (or
+#    <details><summary>Hint</summary>
+#
+#    Build the model with <code>dtype=torch.bfloat16</code> (or
 #    cast the state before <code>_write_hf_folder</code>; config.json's <code>torch_dtype</code>
 #    follows the tensors), load it back with <code>load_hf_llama</code>, and compare logits on the
 #    same batch. Expect the gap of rounding every weight to 8 significant bits, at most $2^{-8}$
-#    relative per weight, grown through the layers.</details>
+#    relative per weight, grown through the layers.
+#
+#    </details>

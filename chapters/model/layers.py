@@ -185,12 +185,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # pipeline split does not rename anything.
 #
 # <details><summary>Megatron detail: seeding per name</summary>
+#
 # <p>Megatron's <code>--use-cpu-initialization</code> also draws the master weight and splits it
 # (<code>megatron/core/tensor_parallel/layers.py:152</code>), but from one global RNG stream
 # whose order depends on the layout, and its default GPU path draws each shard on its own rank
 # (<code>:137-148</code>). Seeding per name removes that dependence: layer 17's
 # <code>linear_fc1</code> gets the same $[2f, h]$ matrix at TP 1, TP 8 or on any pipeline
 # stage.</p>
+#
 # </details>
 #
 # The cost is that each rank draws the full tensors of its own layers: for the 7B example at
@@ -361,23 +363,35 @@ if __name__ == "__main__":
 # 1. Implement the adjacent-pair (interleaved) RoPE and find the row permutation of `q_proj`
 #    that makes it equal to rotate-half.
 #
-#    <details><summary>Hint</summary>Interleaved RoPE rotates channels $(2i, 2i+1)$ of a head by
+#    <details><summary>Hint</summary>
+#
+#    Interleaved RoPE rotates channels $(2i, 2i+1)$ of a head by
 #    $m\theta_i$; rotate-half (<code>apply_rope</code>) rotates $(i, i + d/2)$. Reorder each
 #    head's $d$ rows of <code>q_proj</code> (and <code>k_proj</code>) so that row $2i$ goes to $i$
 #    and row $2i+1$ to $i + d/2$; check with <code>score</code> from the demo that both forms give
-#    the same $q \cdot k$.</details>
+#    the same $q \cdot k$.
+#
+#    </details>
 #
 # 2. Show that RMSNorm's fp32 statistics matter: compare a bf16-only version on $h = 4096$.
 #
-#    <details><summary>Hint</summary>Compute the mean of squares in bf16 (no
+#    <details><summary>Hint</summary>
+#
+#    Compute the mean of squares in bf16 (no
 #    <code>.float()</code>) and compare both versions with an fp64 reference on rows of 4,096
 #    values. A bf16 sum keeps 8 significant bits, so once the running sum is a few hundred times
 #    larger than each square, the small squares round away; page C.1's demo shows a kernel that
-#    sums the squares in bf16 breaking its error bound.</details>
+#    sums the squares in bf16 breaking its error bound.
+#
+#    </details>
 #
 # 3. Why must the init seed depend on the *global* layer index and not on the local one?
 #
-#    <details><summary>Hint</summary>With PP 2, stage 1's local layer 0 is the model's layer 8.
+#    <details><summary>Hint</summary>
+#
+#    With PP 2, stage 1's local layer 0 is the model's layer 8.
 #    Seeded by local names, both stages would draw the same weights for their layer 0, and the
 #    model would differ from the one-process model of the same seed. Look at
-#    <code>global_parameter_name</code> in <code>init_parameters</code> (page B.2).</details>
+#    <code>global_parameter_name</code> in <code>init_parameters</code> (page B.2).
+#
+#    </details>

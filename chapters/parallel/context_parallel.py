@@ -185,11 +185,13 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 # %% [markdown]
 # <details><summary>Megatron detail: the zig-zag in the kernel</summary>
+#
 # <p>Megatron hands CP attention to Transformer Engine, which builds the zig-zag mask inside its
 # kernel (<code>cp_comm_type</code>, <code>transformer_config.py:891-895</code>). tinytron runs
 # PyTorch's SDPA on the gathered keys with an explicit boolean mask of global positions, so the
 # page can show the mask; it holds all of $K, V$ at once, which the default <code>"p2p"</code>
 # ring avoids (next section).</p>
+#
 # </details>
 
 # %% [markdown]
@@ -352,29 +354,41 @@ if __name__ == "__main__":
 # 1. Compute the causal work per rank for $cp = 4$, $s = 16$ with contiguous chunks and with the
 #    zig-zag; what is the speed-up of the slowest rank?
 #
-#    <details><summary>Answer</summary>Count the (query, key) pairs with key $\le$ query.
+#    <details><summary>Answer</summary>
+#
+#    Count the (query, key) pairs with key $\le$ query.
 #    Contiguous chunks of 4 give ranks 0 to 3 $1+2+3+4 = 10$, 26, 42 and 58 pairs. With the
 #    zig-zag, rank $r$ holds chunks $r$ and $7 - r$ of 2 tokens, and chunk $c$ has $4c + 3$ pairs,
 #    so every rank gets $4r + 3 + 4(7-r) + 3 = 34$. The slowest rank goes from 58 to 34:
-#    $58/34 = 1.71\times$ faster, and all 136 pairs are spread evenly.</details>
+#    $58/34 = 1.71\times$ faster, and all 136 pairs are spread evenly.
+#
+#    </details>
 #
 # 2. `ring_attention` sends K and V as two messages per hop; stack them into one and measure
 #    the difference on 4 ranks.
 #
-#    <details><summary>Hint</summary><code>torch.stack([k, v])</code> before
+#    <details><summary>Hint</summary>
+#
+#    <code>torch.stack([k, v])</code> before
 #    <code>_RingShift.apply</code> and unbind after: one <code>batch_isend_irecv</code> pair per
 #    hop instead of two, so $cp - 1$ fewer message latencies per direction, the same bytes. On
 #    gloo and small blocks the latency dominates; time <code>ring_attention</code> over many calls
-#    on 4 processes with <code>run_on_ranks</code>.</details>
+#    on 4 processes with <code>run_on_ranks</code>.
+#
+#    </details>
 #
 # 3. Show that with the zig-zag layout every off-diagonal ring step is exactly half visible (no
 #    step can be skipped), then count the steps rank 0 could skip at $cp = 4$ with contiguous
 #    chunks.
 #
-#    <details><summary>Answer</summary>In the zig-zag each rank holds one early chunk $r$ and one
+#    <details><summary>Answer</summary>
+#
+#    In the zig-zag each rank holds one early chunk $r$ and one
 #    late chunk $2cp-1-r$. Against another rank's block, of the four (query chunk, key chunk)
 #    pairs two lie wholly in the past and two wholly in the future, so exactly half the pairs are
 #    visible: at $s = 64$, $cp = 4$, every off-diagonal step sees 0.5 of its scores (the own block
 #    0.53), and none can be skipped. With contiguous chunks rank 0 holds the first quarter: the
 #    blocks of ranks 1, 2 and 3 are all in its future, so it could skip all 3 of its off-diagonal
-#    steps.</details>
+#    steps.
+#
+#    </details>

@@ -317,12 +317,14 @@ class ParallelGrid(GridQueries, GridServices):
 
 # %% [markdown]
 # <details><summary>Megatron detail: groups in module globals</summary>
+#
 # <p>Megatron's <code>initialize_model_parallel</code> keeps every group in module globals
 # (<code>_TENSOR_MODEL_PARALLEL_GROUP</code> and the rest, <code>parallel_state.py:547</code>)
 # and skips none; tinytron keeps them in one object, so two layouts can live in one process,
 # and it has no expert axes (<code>ep</code> is dropped from the order string, size 1). The
 # size checks and the order-string parser live in <code>tinytron.parallel._checks</code>, with
 # the same messages.</p>
+#
 # </details>
 
 # %% [markdown]
@@ -405,26 +407,38 @@ if __name__ == "__main__":
 #
 # 1. Build the layout for `order="tp-pp-dp-cp"` on 16 ranks and find which group changed.
 #
-#    <details><summary>Answer</summary>On the worked example (tp 2, pp 4, dp 2),
+#    <details><summary>Answer</summary>
+#
+#    On the worked example (tp 2, pp 4, dp 2),
 #    <code>rank_layout(16, tp=2, pp=4, order="tp-pp-dp-cp")</code>: <code>tp</code> stays
 #    $[0, 1], [2, 3], \dots$, but pp now runs second fastest, so the <code>pp</code> groups become
 #    $[0, 2, 4, 6], [1, 3, 5, 7], \dots$ instead of $[0, 4, 8, 12], \dots$, and <code>dp</code>
 #    becomes $[0, 8], [1, 9], \dots$ instead of $[0, 2], \dots$. With them change
 #    <code>dp_cp</code> (cp is 1), <code>mp</code> ($[0, \dots, 7]$ and $[8, \dots, 15]$) and
-#    <code>embd</code> ($[0, 6]$ instead of $[0, 12]$).</details>
+#    <code>embd</code> ($[0, 6]$ instead of $[0, 12]$).
+#
+#    </details>
 #
 # 2. Why must every rank call `new_group` for groups it is not part of?
 #
-#    <details><summary>Hint</summary><code>torch.distributed.new_group</code> is itself a
+#    <details><summary>Hint</summary>
+#
+#    <code>torch.distributed.new_group</code> is itself a
 #    collective over the default group: every process must call it, with the same ranks, in the
 #    same order, or the processes disagree on which group is which and hang. Look at the loop that
 #    walks every group of every axis in <code>ParallelGrid</code>'s constructor, and at Megatron's
-#    <code>parallel_state.py</code>, which does the same.</details>
+#    <code>parallel_state.py</code>, which does the same.
+#
+#    </details>
 #
 # 3. Give the `dp_cp` group of rank 5 for tp 2, cp 2, dp 2, pp 2 by hand, then check it.
 #
-#    <details><summary>Answer</summary>In the default order tp-cp-ep-dp-pp the strides are tp 1,
+#    <details><summary>Answer</summary>
+#
+#    In the default order tp-cp-ep-dp-pp the strides are tp 1,
 #    cp 2, dp 4, pp 8, so rank $5 = 1 + 0 \cdot 2 + 1 \cdot 4 + 0 \cdot 8$ has tp 1, cp 0, dp 1,
 #    pp 0. The <code>dp_cp</code> group fixes tp = 1 and pp = 0 and lets cp and dp run:
 #    $1 + 2\,\text{cp} + 4\,\text{dp}$ = $[1, 3, 5, 7]$, which <code>rank_layout(16, tp=2, cp=2,
-#    pp=2).group_of("dp_cp", 5)</code> returns.</details>
+#    pp=2).group_of("dp_cp", 5)</code> returns.
+#
+#    </details>

@@ -359,26 +359,38 @@ if __name__ == "__main__":
 # 1. Send two micro-batches through the 3-stage demo in GPipe order (all forwards, then all
 #    backwards) and check the accumulated gradients.
 #
-#    <details><summary>Hint</summary>Each stage keeps both micro-batches' inputs and outputs until
+#    <details><summary>Hint</summary>
+#
+#    Each stage keeps both micro-batches' inputs and outputs until
 #    the backwards: run <code>recv_forward</code>, forward, <code>send_forward</code> twice, then
 #    <code>recv_backward</code>, backward, <code>send_backward</code> twice in the same order. The
 #    summed gradients must equal those of one process on the two micro-batches (divide the loss by
-#    2 in both).</details>
+#    2 in both).
+#
+#    </details>
 #
 # 2. Why does the receive buffer for gradients not need `requires_grad`?
 #
-#    <details><summary>Hint</summary>Look at the two <code>_empty</code> calls in
+#    <details><summary>Hint</summary>
+#
+#    Look at the two <code>_empty</code> calls in
 #    <code>communicate</code>: the activation from the previous stage is a leaf this stage
 #    differentiates against, its <code>.grad</code> is what <code>send_backward</code> sends back.
 #    A received gradient is only an input to <code>backward(grad)</code>; nothing is ever
-#    differentiated with respect to it.</details>
+#    differentiated with respect to it.
+#
+#    </details>
 #
 # 3. With two stages, post every single operation of both directions on the pipeline group
 #    alone. Which sequence of exchanges in the overlapped interleaved schedule could leave a
 #    send on each rank waiting behind a receive that the other rank posts after its own send?
 #
-#    <details><summary>Hint</summary>With two ranks, "next" and "previous" are the same peer, and
+#    <details><summary>Hint</summary>
+#
+#    With two ranks, "next" and "previous" are the same peer, and
 #    on one group the operations between two ranks are matched in the order they were posted.
 #    Write down, per rank, the order in which the overlapped schedule posts its forward and
 #    backward sends and receives, and look for the step where rank 0's first posted operation to
-#    rank 1 is a send of one direction while rank 1's first is a send of the other.</details>
+#    rank 1 is a send of one direction while rank 1's first is a send of the other.
+#
+#    </details>

@@ -268,6 +268,7 @@ class RNGStatesTracker(NamedStreams):
 
 # %% [markdown]
 # <details><summary>Megatron detail: state objects, not copies</summary>
+#
 # <p>Megatron's <code>get_states</code> returns the tracker's own state objects and
 # <code>set_states</code> keeps the dictionary it is given (<code>random.py:258-270</code>);
 # tinytron returns state tensors and writes them into its own generators, so a snapshot taken
@@ -280,6 +281,7 @@ class RNGStatesTracker(NamedStreams):
 # since the pointer swap does the same draws without the two state copies per fork. There is no
 # warning when the CPU generator moves inside a fork (<code>:313-320</code>); and a tracker is
 # built for a device type, so the same code runs on a CPU-only machine.</p>
+#
 # </details>
 
 # %% [markdown]
@@ -442,18 +444,26 @@ if __name__ == "__main__":
 # 1. Nest `fork("model-parallel-rng")` inside `fork("data-parallel-rng")` and show the result
 #    equals doing the two forks one after the other.
 #
-#    <details><summary>Hint</summary>Draw <code>torch.rand(3)</code> inside each fork, once nested
+#    <details><summary>Hint</summary>
+#
+#    Draw <code>torch.rand(3)</code> inside each fork, once nested
 #    and once in sequence, from two trackers built with the same seeds, and compare the draws and
 #    <code>get_states()</code> afterwards. Each stream keeps its own progress, so which stream a
 #    draw came from matters, not how the forks were nested; the worked example of the fork checks
-#    the same for one stream forked twice.</details>
+#    the same for one stream forked twice.
+#
+#    </details>
 #
 # 2. Why is the data-parallel stream the *same* on every DP replica? (Hint: dropout masks there
 #    are on replicated activations of different samples — does it matter?)
 #
-#    <details><summary>Hint</summary>Each DP replica holds different samples, so one stream on
+#    <details><summary>Hint</summary>
+#
+#    Each DP replica holds different samples, so one stream on
 #    different data still gives masks that are independent of the data; nothing is lost, and no
 #    replica needs its own seed. Seeds must differ only where the tensors are pieces of one
 #    activation, as the heads on the TP ranks are. Look at the seeds
 #    <code>model_parallel_seed</code> gives the three streams, and which of them include the TP
-#    rank.</details>
+#    rank.
+#
+#    </details>

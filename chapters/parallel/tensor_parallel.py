@@ -280,8 +280,10 @@ def _check_divisible(name: str, value: int, grid: ParallelGrid) -> int:
 # summed $t$ times), so it is replicated and flagged `sequence_parallel` under SP.
 #
 # <details><summary>Megatron detail: the (output, bias) return</summary>
+#
 # <p>Both linears return just the output tensor; Megatron's return <code>(output, bias)</code> so
 # that the caller can fuse the bias add into the next op.</p>
+#
 # </details>
 #
 # ## Under SP, save the slice and gather again in backward
@@ -470,26 +472,38 @@ if __name__ == "__main__":
 # 1. Count the bytes each rank sends per MLP block with and without SP for $s=4096$, $b=1$,
 #    $h=4096$, bf16, $t=8$.
 #
-#    <details><summary>Answer</summary>The block's activation is $[s, b, h]$ =
+#    <details><summary>Answer</summary>
+#
+#    The block's activation is $[s, b, h]$ =
 #    $4096 \cdot 4096 \cdot 2$ B = 33.6 MB. With ring collectives an all-reduce sends $2(t-1)/t$
 #    of it per rank, an all-gather or a reduce-scatter $(t-1)/t$. Without SP the forward has one
 #    all-reduce after fc2: 58.7 MB per rank. With SP it has one all-gather before fc1 and one
 #    reduce-scatter after fc2, 29.4 MB each: the same 58.7 MB. The backward mirrors the forward,
-#    58.7 MB again either way. SP saves activation memory, not bytes on the wire.</details>
+#    58.7 MB again either way. SP saves activation memory, not bytes on the wire.
+#
+#    </details>
 #
 # 2. Put the row-parallel bias before the reduction and watch the parity check fail by a factor.
 #
-#    <details><summary>Hint</summary>Each of the $t$ ranks would add the full bias to its partial
+#    <details><summary>Hint</summary>
+#
+#    Each of the $t$ ranks would add the full bias to its partial
 #    sum, and the all-reduce (or reduce-scatter) adds the $t$ copies: the output carries
 #    $t \cdot b$ instead of $b$. Move the bias add in <code>RowParallelLinear.forward</code> and
-#    read the demo's gap.</details>
+#    read the demo's gap.
+#
+#    </details>
 #
 # 3. When is `tensor_parallel_output_grad=False` the right backward for
 #    `gather_from_sequence_parallel_region`? Build a case where the reduce-scatter would
 #    multiply the gradient by $t$.
 #
-#    <details><summary>Hint</summary>The reduce-scatter in the backward is right when each rank's
+#    <details><summary>Hint</summary>
+#
+#    The reduce-scatter in the backward is right when each rank's
 #    gathered copy feeds a different computation (its own columns of the next weight), so the
 #    gradients are partial sums. When every rank uses the gathered tensor identically, as a
 #    replicated computation after the gather, each rank's gradient is already the full one, and
-#    summing $t$ equal copies multiplies it by $t$; then only the split is right.</details>
+#    summing $t$ equal copies multiplies it by $t$; then only the split is right.
+#
+#    </details>

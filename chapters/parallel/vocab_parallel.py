@@ -266,24 +266,36 @@ if __name__ == "__main__":
 #
 # 1. Merge the target-logit and sum-exp all-reduces into one (stack them) and check parity.
 #
-#    <details><summary>Hint</summary>Both are sums over the TP group of per-row fp32 values, so
+#    <details><summary>Hint</summary>
+#
+#    Both are sums over the TP group of per-row fp32 values, so
 #    <code>torch.stack([exp_z.sum(-1), target])</code> goes through one <code>all_reduce</code>
 #    and <code>unbind</code> after; the max must stay a separate all-reduce because it comes first
 #    and uses another operation. Page C.3's <code>_VocabParallelCE</code> does exactly this with
-#    its <code>pair</code>.</details>
+#    its <code>pair</code>.
+#
+#    </details>
 #
 # 2. Add label smoothing $\epsilon$: the loss gains $-\frac{\epsilon}{V}\sum_j \log p_j$ — which
 #    extra all-reduce does it need?
 #
-#    <details><summary>Hint</summary>$\sum_j \log p_j = \sum_j z_j - V \log \sum_j e^{z_j}$, and
+#    <details><summary>Hint</summary>
+#
+#    $\sum_j \log p_j = \sum_j z_j - V \log \sum_j e^{z_j}$, and
 #    the log-sum-exp is already global. What is missing is each row's sum of logits over the whole
 #    vocabulary: every rank sums its slice, and one more sum all-reduce (which can be stacked with
-#    the other two sums) adds them.</details>
+#    the other two sums) adds them.
+#
+#    </details>
 #
 # 3. Why must the max be global? Try a rank-local max and find logits where the result changes.
 #
-#    <details><summary>Hint</summary>Each rank's $\sum e^{z - m_r}$ is then in its own scale
+#    <details><summary>Hint</summary>
+#
+#    Each rank's $\sum e^{z - m_r}$ is then in its own scale
 #    $e^{-m_r}$, and adding them across ranks mixes scales. Two ranks with one logit each, $0$ and
 #    $10$: local maxes give $1 + 1 = 2$ where $e^{-10} + 1$ is right, so the loss is off by about
 #    $\ln 2$. A local max works only with each rank's sum rescaled by $e^{m_r - m}$, as page C.3's
-#    kernel does, which needs the global max anyway.</details>
+#    kernel does, which needs the global max anyway.
+#
+#    </details>
