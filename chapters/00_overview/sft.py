@@ -292,8 +292,9 @@ if __name__ == "__main__":
 #
 #    <details><summary>Hint</summary>The count depends on the random lengths, so measure it:
 #    `_fit_conversations` is the only function to change. Best fit puts each conversation in the
-#    open row with the least room left that still holds it; it never needs more rows than in
-#    order, and gains most when lengths are a sizable fraction of `seq_length`.</details>
+#    open row with the least room left that still holds it, where in order closes a row at the
+#    first conversation that does not fit; the gap is widest when lengths are a sizable fraction
+#    of `seq_length`.</details>
 #
 # 3. Why must the first token of every conversation be a non-target?
 #
