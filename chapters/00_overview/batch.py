@@ -39,6 +39,25 @@ __all__ = [
 # fills rows, and four chat markers (`<|system|>`, `<|user|>`, `<|assistant|>`, `<|end|>`) are
 # used by [the SFT page](sft.py). [Chapter 04](../04_data/preprocess.py) has the real tokenizers
 # (BPE through `tokenizers`).
+#
+# Decoding is the only part with a twist: bytes must be decoded in runs, because one UTF-8
+# character can span several bytes, while a special id is printed by name. The helper below does
+# that; the tokenizer class after it only supplies the names.
+
+# %% tags=["hide-input"]
+def _decode_runs(ids, names: dict[int, str]) -> str:
+    """Byte ids decoded as UTF-8 in runs; ids >= 256 shown by their name (or `<id>`)."""
+    out, run = [], bytearray()
+    for i in (int(x) for x in ids):
+        if i < 256:
+            run.append(i)
+            continue
+        out.append(run.decode("utf-8", errors="replace"))
+        run = bytearray()
+        out.append(names.get(i, f"<{i}>"))
+    out.append(run.decode("utf-8", errors="replace"))
+    return "".join(out)
+
 
 # %% tags=["hide-input"]
 @dataclass(frozen=True)
@@ -73,16 +92,7 @@ class ByteTokenizer:
         names = {self.eod: "<eod>", self.pad: "<pad>", self.system: "<|system|>",
                  self.user: "<|user|>", self.assistant: "<|assistant|>",
                  self.end_of_turn: "<|end|>"}
-        out, run = [], bytearray()
-        for i in (int(x) for x in ids):
-            if i < 256:
-                run.append(i)
-                continue
-            out.append(run.decode("utf-8", errors="replace"))
-            run = bytearray()
-            out.append(names.get(i, f"<{i}>"))
-        out.append(run.decode("utf-8", errors="replace"))
-        return "".join(out)
+        return _decode_runs(ids, names)
 
 
 # %% [markdown]
@@ -144,8 +154,12 @@ def shift_labels(text: torch.Tensor, pad_id: int | None = None):
 # - **position ids** `[s]`: `arange(s)`; with `reset_position_ids` they restart at 0 right
 #   after every EOD.
 #
-# All three switches default to `False` in Megatron. Megatron walks over the EOD positions in a
-# Python loop; we compute the same tensors in closed form. Let $d_i$ be the number of EODs at
+# All three switches default to `False` in Megatron.
+#
+# <details><summary>Megatron detail: a loop, not a closed form</summary>Megatron walks over the
+# EOD positions in a Python loop; we compute the same tensors in closed form.</details>
+#
+# The closed form: let $d_i$ be the number of EODs at
 # positions $< i$ (the document index of token $i$). Then, with resets on,
 # masked$(q,k) = k > q \lor d_k \ne d_q$, and the position of token $i$ is $i$ minus the index right
 # after the last EOD before it.
@@ -170,6 +184,12 @@ def _reset_positions(tokens_bs: torch.Tensor, eod_token: int) -> torch.Tensor:
     return idx - doc_start
 
 
+# %% [markdown]
+# With $d$ and the restarted positions in hand, the function itself is a few tensor operations:
+# the loss mask from the EOD test, the positions, and the causal triangle widened by the
+# document test when `reset_attention_mask` is on.
+
+# %% tags=["hide-input"]
 def get_ltor_masks_and_position_ids(tokens: torch.Tensor, eod_token: int,
                                     reset_position_ids: bool = False,
                                     reset_attention_mask: bool = False,
@@ -328,5 +348,22 @@ if __name__ == "__main__":
 # ## Exercises
 #
 # 1. Why is the loss at an EOD *input* masked and not the loss at an EOD *label*?
+#
+#    <details><summary>Hint</summary>Ask what each position is asked to predict. At an EOD label
+#    the model learns to end a document, which it must do at generation time. At an EOD input it
+#    would have to guess the first token of an unrelated next document. See `eod_mask_loss` in
+#    `get_ltor_masks_and_position_ids` above.</details>
+#
 # 2. With `reset_attention_mask=False` but `reset_position_ids=True`, what does the model see?
+#
+#    <details><summary>Hint</summary>Draw the demo's picture with only the position switch on:
+#    the full lower triangle comes back, so each document still attends to the ones before it,
+#    but its positions restart at 0 as if it were alone. Compare the attention rows and the
+#    position row that `plot_masks` draws.</details>
+#
 # 3. Build the `[s, s]` mask for a 4096-token sample: how many bytes is it, per micro-batch of 8?
+#
+#    <details><summary>Answer</summary>The mask is `torch.bool`, one byte per entry:
+#    $4096^2$ = 16,777,216 B = 16 MiB per sample, and $8 \times$ that, 134,217,728 B = 128 MiB,
+#    for the `[8, 1, 4096, 4096]` batch; one reason long-sequence runs leave
+#    `create_attention_mask` off and let the kernel apply the causal mask.</details>

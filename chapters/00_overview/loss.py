@@ -134,6 +134,11 @@ def forward_backward(model, microbatches: list[dict], forward_step=pretrain_forw
     return reports, total_tokens
 
 
+# %% [markdown]
+# The reports are not averaged as they come: each is a `[sum, count]` pair, and only the totals
+# are divided, so the logged loss is the global token mean whatever the micro-batch sizes.
+
+# %% tags=["hide-input"]
 def reduce_reports(reports: list[dict]) -> dict[str, float]:
     """Sum the [sum, count] pairs of every micro-batch and divide: the logged global token mean."""
     out = {}
@@ -143,6 +148,11 @@ def reduce_reports(reports: list[dict]) -> dict[str, float]:
     return out
 
 
+# %% [markdown]
+# `train_step` puts the pieces in Megatron's order: zero the gradients, run every micro-batch,
+# clip, step, and report the logged loss, the gradient norm and how far the weights moved.
+
+# %% tags=["hide-input"]
 def train_step(model, optimizer, microbatches: list[dict], forward_step=pretrain_forward_step, *,
                calculate_per_token_loss: bool = False, clip_grad: float = 1.0) -> dict:
     """zero grads, forward-backward, clip, optimizer step; returns losses, grad norm, update norm."""
@@ -180,6 +190,11 @@ def _demo_gradients(model, microbatches, calculate_per_token_loss):
     return _grads(model)
 
 
+# %% [markdown]
+# Both masks run through the three ways of computing the gradient; the printed numbers are the
+# relative distance of the default and of the per-token gradient from the global token mean.
+
+# %% tags=["hide-input"]
 if __name__ == "__main__":
     from tinytron.overview._tiny_model import build_demo_model
 
@@ -204,6 +219,12 @@ if __name__ == "__main__":
         assert d2 < 1e-5                                   # per-token mode: always the global mean
         assert (d1 > 1e-2) if keep[0] != keep[1] else (d1 < 1e-5)
 
+# %% [markdown]
+# The same difference as a picture: the gradient weight of each of the eight loss tokens under
+# the masks that keep 2 and 6 tokens.
+
+# %% tags=["hide-input"]
+if __name__ == "__main__":
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 2.4))
@@ -220,6 +241,11 @@ if __name__ == "__main__":
     assert token_weights([2, 6], False) == [[0.25] * 2, [1 / 12] * 6]
     assert token_weights([4, 4], False) == token_weights([4, 4], True)
 
+# %% [markdown]
+# Last, one full `train_step` on the 4-and-4 micro-batches: eight loss tokens, and the weights move.
+
+# %% tags=["hide-input"]
+if __name__ == "__main__":
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     stats = train_step(model, opt, mbs)
     print("train_step:", {k: round(v, 4) if isinstance(v, float) else v for k, v in stats.items()})
@@ -249,4 +275,16 @@ if __name__ == "__main__":
 #
 # 1. With data parallelism of 2, where would the default normalization divide by 2, and where
 #    would the per-token mode need an all-reduce of `num_tokens`?
+#
+#    <details><summary>Hint</summary>The default divides inside each rank (by $N_j$ and $M$) and
+#    then averages the two ranks' gradients in the data-parallel all-reduce: that average is the
+#    division by 2. The per-token mode back-propagates raw sums, so the divisor must be the token
+#    count of both ranks together; look at how `finalize_model_grads` gathers it before it
+#    divides (`megatron/core/distributed/finalize_model_grads.py:546-560`).</details>
+#
 # 2. Construct masks for which the default normalization *up-weights* a single padded-out sample.
+#
+#    <details><summary>Answer</summary>Keep 1 token in micro-batch 1 (the rest is padding) and 7
+#    in micro-batch 2. `token_weights([1, 7], False)` gives the lone token $\frac{1}{2}$ and each
+#    of the others $\frac{1}{14}$; per token all eight get $\frac{1}{8}$. The padded-out sample
+#    counts 4 times as much as under the global mean.</details>

@@ -128,6 +128,13 @@ if __name__ == "__main__":
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     out = one_step(model, opt, batch)
 
+# %% [markdown]
+# Each printed line below is one box of the picture, in order: the tokens and the labels
+# shifted by one, the logits, the per-token loss and its mask, the reduced loss, the gradient
+# norm before clipping, and how far the weights moved.
+
+# %% tags=["hide-input"]
+if __name__ == "__main__":
     print(f"model            : {name}")
     print("1 tokens         :", [tok.decode(r) for r in batch["tokens"]])
     print("  labels         :", [tok.decode(r) for r in batch["labels"]])
@@ -139,6 +146,13 @@ if __name__ == "__main__":
     print(f"5 grad norm      : {out['grad_norm']:.4f} (clipped to 1.0)")
     print(f"6 update         : norm {out['update_norm']:.4f}, largest |dw| {out['max_update']:.2e} (lr 1e-3)")
 
+# %% [markdown]
+# The checks: the loss sits near $\ln 262$, it averages over exactly the unmasked tokens, no
+# weight moved by more than the learning rate, and the reusable `train_step` of the loss page
+# computes the same loss and gradient norm on a twin of the model.
+
+# %% tags=["hide-input"]
+if __name__ == "__main__":
     assert abs(out["loss"] - math.log(262)) < 0.5                # near-uniform at initialization
     assert out["num_tokens"] == int(batch["loss_mask"].sum())
     assert out["max_update"] <= 1e-3 * 1.01                      # Adam's first step: |dw| <= lr
@@ -183,4 +197,15 @@ if __name__ == "__main__":
 # ## Exercises
 #
 # 1. Set `clip_grad` to 0.01. Does the first AdamW update change? Why not, and what about SGD?
+#
+#    <details><summary>Answer</summary>Barely. Adam's first step is $\eta\, \hat m/(\sqrt{\hat v}+\epsilon)
+#    = \eta\, g/(|g|+\epsilon)$, so any rescaling of $g$ cancels except against $\epsilon = 10^{-8}$:
+#    the update norm goes from 0.3012 to 0.2958 (only weights whose gradient is near $\epsilon$
+#    move less) and the largest step stays $10^{-3}$. SGD moves by $\eta g$, so clipping to 0.01
+#    instead of 1.0 makes its update norm 100 times smaller: $10^{-5}$ instead of $10^{-3}$.</details>
+#
 # 2. Turn `eod_mask_loss` off: how many more tokens does the loss average over, and which ones?
+#
+#    <details><summary>Answer</summary>One: 32 tokens instead of 31. The mask drops the position
+#    whose input is `<eod>` (row 1, position 7), the one that would learn to predict `a`, the first
+#    byte of the next document. The `<eod>` label itself (position 6) is kept either way.</details>

@@ -228,12 +228,12 @@ if __name__ == "__main__":
     files = checkpoint_files(run_dir)
     print("checkpoints:", files)
 
-    def lr_at(i, lr_max=3e-3, lr_min=3e-4, warmup=2, total=8):
-        if i <= warmup:
-            return lr_max * i / warmup
-        progress = (i - warmup) / (total - warmup)
-        return lr_min + (lr_max - lr_min) * 0.5 * (1 + math.cos(math.pi * progress))
+# %% [markdown]
+# The two losses and the learning rate against the iteration: warm-up for two iterations,
+# then the cosine down to $\eta_{min}$ at iteration 8.
 
+# %%
+if __name__ == "__main__":
     fig, ax = plt.subplots(figsize=(6, 3))
     ax.plot([r["iteration"] for r in train], [r["losses"]["lm loss"] for r in train], "o-",
             label="train lm loss")
@@ -247,6 +247,18 @@ if __name__ == "__main__":
     fig.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     plt.show()
+
+# %% [markdown]
+# The checks, one per claim above: which iterations logged and evaluated, the learning rate by
+# the formula, tokens per iteration, consumed samples, the checkpoint files and the saved config.
+
+# %%
+if __name__ == "__main__":
+    def lr_at(i, lr_max=3e-3, lr_min=3e-4, warmup=2, total=8):
+        if i <= warmup:
+            return lr_max * i / warmup
+        progress = (i - warmup) / (total - warmup)
+        return lr_min + (lr_max - lr_min) * 0.5 * (1 + math.cos(math.pi * progress))
 
     assert [r["iteration"] for r in train] == [1, 2, 4, 6, 8]     # one record per logged iteration
     assert [r["iteration"] for r in valid] == [4, 8]               # eval_interval 4
@@ -425,8 +437,29 @@ if __name__ == "__main__":
 #
 # 1. Run `configs/tp2_pp2.toml` on 4 ranks. Which lines of the console change, and why does
 #    the memory report now print two stages with different activation totals?
+#
+#    <details><summary>Hint</summary>Look for the lines that name the layout (TP, PP, DP sizes
+#    and $m$) and the per-stage ones. Under 1F1B stage $r$ holds up to $p - r$ micro-batches'
+#    activations (the schedules page), so with $p = 2$ stage 0 keeps two and stage 1
+#    one; the stages also hold different layers (embedding on the first, head and loss on the
+#    last).</details>
+#
 # 2. Interrupt a run with Ctrl-C after iteration 5 (the config sets `exit_signal_handler`).
 #    Which checkpoint does the printed resume command start from, and which samples does it
 #    read first?
+#
+#    <details><summary>Answer</summary>The handler only records the signal: the iteration in
+#    flight finishes, then `checkpoint_and_decide_exit` sees it, saves and exits. Stopped after
+#    iteration 5, that is `iter_0000005`, with `consumed_train_samples` $= 5 \cdot 32 = 160$;
+#    the resumed run builds its data iterator after the load, so its first batch is samples
+#    160-191. (A Ctrl-C that lands during iteration 6 saves `iter_0000006` and resumes at
+#    sample 192.)</details>
+#
 # 3. Add `--training.save_interval 1` and open TensorBoard: how does `save-checkpoint-time`
 #    compare with `forward-backward-time`, and what changes with `--checkpoint.async_save true`?
+#
+#    <details><summary>Hint</summary>This is a measurement on your machine. With a synchronous
+#    save every iteration the save's time adds to each step; with `async_save` the save returns
+#    early and its work goes on in the background, finished by `before_optimizer_step_fn` and
+#    `finalize_async_save_fn` in a later iteration (the loop page, and chapter 03's page on
+#    saving in the background).</details>

@@ -66,9 +66,12 @@ __all__ = ["get_schedule_table", "get_pp_rank_microbatches", "check_interleaving
 # and comes back to chunk 1 of rank 0. If rank 0 had fewer than $p$ micro-batches to push
 # through chunk 0 in the meantime it would idle, waiting for it. Hence the constraints the
 # interleaved function checks before it starts: $p \le g \le m$, and a last group
-# $m \bmod g$ that is either empty or at least $p$ long (Megatron raises a `ValueError` and a
-# `RuntimeError`; tinytron raises `ValueError` for both, naming the numbers). With the default
-# $g = p$ that is simply "$m$ divisible by $p$".
+# $m \bmod g$ that is either empty or at least $p$ long. With the default $g = p$ that is
+# simply "$m$ divisible by $p$".
+#
+# <details><summary>Megatron detail: two exception types</summary>Megatron raises a
+# `ValueError` and a `RuntimeError`; tinytron raises `ValueError` for both, naming the
+# numbers.</details>
 #
 # ```mermaid
 # flowchart LR
@@ -169,20 +172,10 @@ def get_pp_rank_microbatches(num_microbatches: int, num_model_chunks: int,
 # cooldown (`schedules.py:2409-2430`).
 
 # %%
-class _Interleaved:
-    """Tables, per-chunk FIFOs and the forward/backward helpers of one rank's interleaved run."""
+class _TableWalk:
+    """Reading one rank's schedule table: which micro-batch and chunk virtual step k runs.
 
-    def __init__(self, steps, comm, num_chunks, m, config, forward_only, g):
-        self.steps, self.comm, self.m, self.v = steps, comm, m, num_chunks
-        self.config, self.forward_only = config, forward_only
-        self.table = get_schedule_table(m, self.v, g)
-        self.total, self.all_warmup, self.warmup, self.remaining = get_pp_rank_microbatches(
-            m, self.v, g, comm.size, comm.rank, forward_only)
-        self.inputs = [[] for _ in range(num_chunks)]
-        self.outputs = [[] for _ in range(num_chunks)]
-        self.grads = [[] for _ in range(num_chunks)]
-        self.synced = set()
-        self.sync = _GradSync(config)
+    Needs `table`, `total`, `m`, `v`, `warmup` and `forward_only`, set by `_Interleaved`."""
 
     def microbatch(self, k: int) -> int:
         return self.table[k % self.total][0]
@@ -197,6 +190,37 @@ class _Interleaved:
     def is_first_microbatch_of_chunk(self, k: int) -> bool:
         return k < self.total and self.table[k][0] == 0
 
+    def released(self, k: int, c: int) -> int:
+        """How many entries of chunk c's input list backward (or forward-only) already popped."""
+        chunks = [row[1] for row in self.table]
+        if self.forward_only:
+            return chunks[:k].count(c)
+        if k < self.warmup:
+            return 0
+        return chunks[:k - self.warmup].count(self.v - 1 - c)
+
+
+# %% [markdown]
+# The run itself holds the table, the three FIFO lists per chunk and the grad-sync state, and
+# answers the two questions of the first bullet: does a message arrive after step $k$, and
+# for which chunk.
+
+# %%
+class _Interleaved(_TableWalk):
+    """Tables, per-chunk FIFOs and the forward/backward helpers of one rank's interleaved run."""
+
+    def __init__(self, steps, comm, num_chunks, m, config, forward_only, g):
+        self.steps, self.comm, self.m, self.v = steps, comm, m, num_chunks
+        self.config, self.forward_only = config, forward_only
+        self.table = get_schedule_table(m, self.v, g)
+        self.total, self.all_warmup, self.warmup, self.remaining = get_pp_rank_microbatches(
+            m, self.v, g, comm.size, comm.rank, forward_only)
+        self.inputs = [[] for _ in range(num_chunks)]
+        self.outputs = [[] for _ in range(num_chunks)]
+        self.grads = [[] for _ in range(num_chunks)]
+        self.synced = set()
+        self.sync = _GradSync(config)
+
     def recv_source(self, k: int, forward: bool) -> tuple[bool, int]:
         """(receive?, chunk it feeds) for the message after virtual step k."""
         comm, p = self.comm, self.comm.size
@@ -207,15 +231,6 @@ class _Interleaved:
         c = self.chunk(max(src, 0), forward)
         recv = src >= 0 and c != (self.v - 1 if forward else 0)
         return recv, c + (1 if forward else -1)
-
-    def released(self, k: int, c: int) -> int:
-        """How many entries of chunk c's input list backward (or forward-only) already popped."""
-        chunks = [row[1] for row in self.table]
-        if self.forward_only:
-            return chunks[:k].count(c)
-        if k < self.warmup:
-            return 0
-        return chunks[:k - self.warmup].count(self.v - 1 - c)
 
     def is_last_chunk(self, c: int) -> bool:
         return c == self.v - 1 and self.comm.last
@@ -243,9 +258,12 @@ class _Interleaved:
 # when rank 0's step $k + r$ does. Looking $r$ steps ahead, every rank launches chunk $c + 1$'s
 # all-gather at the moment rank 0 starts chunk $c$: the collectives start together rather than
 # staggered by the pipeline (Megatron's comment: unaligned asynchronous communication slows
-# the compute down). Megatron passes chunk $c$'s `model[c].parameters()` to its callable, and
-# its `start_param_sync(*unused, ...)` ignores them; chapter 05's takes none, so tinytron
-# passes none. With a single chunk only chunk 0 is launched (Megatron indexes chunk 1 anyway).
+# the compute down). With a single chunk only chunk 0 is launched.
+#
+# <details><summary>Megatron detail: the callable's arguments</summary>Megatron passes chunk
+# $c$'s `model[c].parameters()` to its callable, and its `start_param_sync(*unused, ...)`
+# ignores them; chapter 05's takes none, so tinytron passes none. With a single chunk Megatron
+# indexes chunk 1 anyway.</details>
 
 # %%
 def _launch_first_param_syncs(run: _Interleaved) -> None:
@@ -431,16 +449,20 @@ def _sync_remaining_grads(run: _Interleaved) -> None:
 # NCCL a batch and a single operation travel on different communicators
 # ([appendix A](../parallel/pipeline_p2p.py)), so a gradient sent by a batch of the warmup
 # and received by a posted `irecv` would never arrive. Gloo matches both by peer and hides
-# the mix: with batched warmup and cooldown around a posted steady state, 6 of the 48
-# messages of one PP 2 iteration (two pipelines, 4 micro-batches) went out one way and in
-# the other while every CPU test passed. `tests/test_main_loop_p2p_methods.py` records each
-# message's method at both ends through torch's own functions.
+# the mix.
 #
-# Megatron refuses the plain variant with two pipeline ranks, where the batch of one exchange
-# holds two messages between the same two ranks (`arguments.py:984-988`); tinytron's config
-# refuses it too unless `parallel.batch_p2p_comm = false`, though the fixed posting order of
-# [appendix A](../parallel/pipeline_p2p.py) makes the batch safe over gloo, which is why the
-# plain variant runs on this page's examples.
+# <details><summary>Megatron detail: what gloo hid</summary>With batched warmup and cooldown
+# around a posted steady state, 6 of the 48 messages of one PP 2 iteration (two pipelines, 4
+# micro-batches) went out one way and in the other while every CPU test passed.
+# `tests/test_main_loop_p2p_methods.py` records each message's method at both ends through
+# torch's own functions.</details>
+#
+# <details><summary>Megatron detail: the plain variant on two ranks</summary>Megatron refuses
+# the plain variant with two pipeline ranks, where the batch of one exchange holds two
+# messages between the same two ranks (`arguments.py:984-988`); tinytron's config refuses it
+# too unless `parallel.batch_p2p_comm = false`, though the fixed posting order of appendix A
+# makes the batch safe over gloo, which is why the plain variant runs on this page's
+# examples.</details>
 
 # %%
 class _Pending:
@@ -496,6 +518,12 @@ def _warmup_overlapped(run: _Interleaved, pending: _Pending) -> None:
                 run.grads[run.v - 1].append(dy)
 
 
+# %% [markdown]
+# In the steady state each virtual step posts twice: after its forward (the output forward,
+# the next input's receive) and after its backward (the input gradient back, the next
+# gradient's receive), each time waiting only for the receive the next half reads.
+
+# %%
 def _steady_overlapped(run: _Interleaved, pending: _Pending) -> None:
     dealloc = run.config.deallocate_pipeline_outputs
     for k in range(run.remaining):
@@ -583,6 +611,10 @@ def _sync_funcs_off(config: ScheduleConfig, forward_only: bool):
             config.grad_sync_func, config.param_sync_func = held
 
 
+# %% [markdown]
+# The schedule itself, in the order just told.
+
+# %%
 def forward_backward_pipelining_with_interleaving(
         *, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
         micro_batch_size: int, grid: ParallelGrid, forward_only: bool = False,
@@ -711,5 +743,21 @@ if __name__ == "__main__":
 #
 # 1. Run Megatron's example with $g = 5$ (one group). How do the warmup counts and the peak
 #    memory on rank 0 change?
+#
+#    <details><summary>Answer</summary>$w_r = 2(p - r - 1) + (v - 1)g$ with $p = 2$, $v = 2$,
+#    $m = 5$: $g = 3$ gives 5 and 3, $g = 5$ gives 7 and 5 (`get_pp_rank_microbatches`), out of
+#    $m v = 10$ steps. Rank 0 then holds up to $w_0 + 1 = 8$ chunk activations instead of 6, a
+#    third more, and its steady state shrinks from 5 rounds to 3.</details>
+#
 # 2. Why does the leading rank receive nothing during its first $p - 1$ virtual steps?
+#
+#    <details><summary>Hint</summary>What arrives at the leading rank was sent by the other end
+#    of the pipeline, and a micro-batch needs $p - 1$ slots to cross it. Read `recv_source`:
+#    `src = k - (p - 1)` is negative for the first $p - 1$ steps.</details>
+#
 # 3. Derive the memory factor $1 + \frac{p-1}{p v}$ from the warmup count with $g = p$.
+#
+#    <details><summary>Answer</summary>With $g = p$, rank 0 warms up $w_0 = 2(p-1) + (v-1)p$
+#    forwards and holds at most $w_0 + 1 = vp + p - 1$ chunk activations, each $1/v$ of a
+#    stage: $p + \frac{p-1}{v}$ stage activations. 1F1B holds $p$ on rank 0. The ratio is
+#    $1 + \frac{p-1}{p v}$; for $p = 2$, $v = 2$ that is 5 chunk activations, 2.5 stages, 1.25.</details>

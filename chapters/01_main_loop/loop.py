@@ -225,7 +225,10 @@ def sft_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 #    the checkpoint's `before_optimizer_step` hook: it is the first write to the parameters
 #    since the last save, so a save whose copy to host is still running in the background
 #    must finish it here (chapter 03, [saving in the background](../03_checkpoint/async_save.py)).
-#    Megatron has no such hook: its async save copies to host before the save returns.
+#
+#    <details><summary>Megatron detail: no such hook</summary>Megatron has no such hook: its
+#    async save copies to host before the save returns.</details>
+#
 # 4. `update_successful` is **ANDed** and `grad_norm`, `num_zeros` are **MAXed** over the
 #    model-parallel group (`training.py:2303-2306`): a pipeline stage without trainable
 #    parameters reports `None`, and every rank must take the same branch next. The MAX of
@@ -264,6 +267,12 @@ def zero_grad_buffers(model: list) -> None:
             chunk.zero_grad(set_to_none=True)
 
 
+# %% [markdown]
+# Steps 3-4 need every rank of the model-parallel group to agree. Two small collectives do it:
+# a MIN over "my step succeeded" (an AND), and a MAX over a statistic in which a rank without
+# parameters reports nothing.
+
+# %%
 def logical_and_across_model_parallel_group(value: bool, grid: ParallelGrid) -> bool:
     """True only if every rank of my model-parallel group says True."""
     if grid.size("mp") == 1:
@@ -283,6 +292,11 @@ def reduce_max_stat_across_model_parallel_group(value, grid: ParallelGrid):
     return None if t.item() == -1.0 else t.item()
 
 
+# %% [markdown]
+# Step 6 turns the last stage's `[sum, count]` reports into the logged loss: sum over the
+# micro-batches, all-reduce over DP×CP, divide once.
+
+# %%
 def reduce_losses(losses_reduced: list[dict], grid: ParallelGrid) -> dict:
     """{key: global token mean} from per-micro-batch [sum, count] reports (legacy: mean)."""
     out = {}
@@ -365,10 +379,13 @@ def train_step(forward_step_func, data_iterator, model: list, optimizer, schedul
 # hands back fresh tensors when it runs eagerly, but chapter 08's full-iteration CUDA graph
 # returns, at every replay, the *same* tensors it produced at capture, overwritten in place:
 # keeping references and averaging at the end would average the last batch `eval_iters`
-# times (losses 1, 2, 3, 4 read back as 4.0 instead of 2.5). Megatron consumes each call at
-# once too: it all-reduces and adds every batch into running totals inside the loop
-# (`megatron/training/training.py:3919-3953`). The copy keeps the single all-reduce at the end,
-# so an eager evaluation adds the same numbers in the same order as before.
+# times (losses 1, 2, 3, 4 read back as 4.0 instead of 2.5).
+#
+# <details><summary>Megatron detail: running totals instead of copies</summary>Megatron
+# consumes each call at once too: it all-reduces and adds every batch into running totals
+# inside the loop (`megatron/training/training.py:3919-3953`). The copy keeps the single
+# all-reduce at the end, so an eager evaluation adds the same numbers in the same order as
+# before.</details>
 
 # %%
 def _set_pre_hooks(model: list, enabled: bool, param_sync: bool = True) -> bool:
@@ -392,6 +409,11 @@ def _own_reports(reports: list[dict]) -> list[dict]:
             for r in reports]
 
 
+# %% [markdown]
+# `evaluate` itself: eval mode and the pre-hooks off around a `torch.no_grad()` loop of
+# forward-only schedules, a copy of each call's reports, and one reduction at the end.
+
+# %%
 def evaluate(forward_step_func, data_iterator, model: list, forward_backward_func, *,
              num_microbatches: int, micro_batch_size: int, seq_length: int, eval_iters: int,
              grid: ParallelGrid, config: ScheduleConfig, state: TrainState | None = None,
@@ -558,6 +580,11 @@ class LoopHooks:
     """When the program started by that clock (pretrain: MIN over ranks); None: now."""
 
 
+# %% [markdown]
+# Two helpers keep the loop body short: step 2 (a new $m$ may only be larger, and is saved at)
+# and step 4 (the counters of one more iteration, skipped or not).
+
+# %%
 def _advance_microbatches(calculator, state: TrainState, previous: int, save) -> int:
     """Update m for the consumed samples; it may only grow; save when it changes."""
     calculator.update(state.consumed_train_samples, consistency_check=False)
@@ -699,8 +726,8 @@ def _restore_pre_hooks(model: list, config: ScheduleConfig, held) -> bool:
 #   the rest ([saving in the background](../03_checkpoint/async_save.py));
 # - `before_optimizer_step_fn`, which `train_step` calls just before `optimizer.step()`: the
 #   step is the first write to the parameters since the last save, so a save whose copy to
-#   host is still running must finish it there. Megatron has no such hook: its async save
-#   copies to host before the save returns;
+#   host is still running must finish it there (Megatron needs no such hook, see the
+#   Megatron detail under `train_step` above);
 # - `load_checkpoint_fn`, called once by `pretrain` before the data iterators are built.
 #
 # Every save goes through `save_with_param_sync`: with the distributed optimizer's
@@ -939,6 +966,13 @@ if __name__ == "__main__":
                   forward_step_func=partial(gpt_forward_step, micro_batch_size=2, seq_length=32),
                   data_iterators_provider=partial(synthetic_iterators, cfg, micro_batch_size=2),
                   seq_length=32)
+
+# %% [markdown]
+# The two runs: plain AdamW without DDP, then the book's DDP, optimizer and cosine scheduler,
+# with a save hook that only records the iteration it was called at.
+
+# %%
+if __name__ == "__main__":
     plain_logs, book_logs, saves = [], [], []
     plain = pretrain(training, optimizer_provider=lambda model, grid: TorchOptimizer(
         torch.optim.AdamW(model[0].parameters(), lr=3e-3, weight_decay=0.0, foreach=True)),
@@ -950,6 +984,13 @@ if __name__ == "__main__":
                         SchedulerConfig(lr_decay_style="cosine"), opt_config),
                     save_checkpoint_fn=lambda s, *parts: saves.append(s.iteration),
                     log_fn=book_logs.append, **common)
+
+# %% [markdown]
+# Their logs side by side, and the checks: eight iterations of 8 samples, saves at 4 and 8,
+# a falling loss, and the same first loss in both runs.
+
+# %%
+if __name__ == "__main__":
     plain_by_iter = {p["iteration"]: p for p in plain_logs if "losses" in p}
     for b in book_logs:
         if "validation" in b:
@@ -1027,7 +1068,25 @@ if __name__ == "__main__":
 #
 # 1. A run with `exit_interval = 100` and `save_interval = 250` is stopped at iteration 100.
 #    Which checkpoints exist, and at which iteration does the resumed run save next?
+#
+#    <details><summary>Answer</summary>One, at iteration 100: `checkpoint_and_decide_exit`
+#    finds $100 \bmod 250 \ne 0$ (no interval save), then $100 \bmod 100 = 0$, so it saves and
+#    returns `"exit_interval"`; `pretrain` adds no final save after an exit. The resumed run
+#    saves next at 200, where `exit_interval` fires again (save, exit); the first save by
+#    `save_interval` comes at 250, in the run after that.</details>
+#
 # 2. Why must the scheduler advance by samples and not by 1 when a step schedule doubles the
 #    global batch at some point?
+#
+#    <details><summary>Hint</summary>The warm-up and decay lengths are counted in samples.
+#    After the doubling one iteration reads twice the samples; look at
+#    `scheduler.step(increment=num_microbatches * micro_batch_size * grid.size("dp"))` in
+#    `train_step` and ask where the learning rate would be, in samples, if it advanced by 1.</details>
+#
 # 3. On which ranks is `grad_norm` `None` before the MAX reduction, in a PP 4 run whose last
 #    stage holds only the output layer and that layer is frozen?
+#
+#    <details><summary>Hint</summary>A rank whose optimizer has no trainable parameter has no
+#    norm to report: that is every rank of the last stage (each of its TP and DP ranks). See
+#    how `reduce_max_stat_across_model_parallel_group` sends $-1$ for `None`, so that after the
+#    MAX every rank holds the largest norm the other stages reported.</details>

@@ -189,13 +189,37 @@ class _Readings:
 # One more reading, for a measurement right after a collective. Gloo runs a collective on its
 # own worker thread, and that thread lets go of the collective's tensors a moment *after* the
 # caller has woken up: read at once, a temporary the caller already dropped is sometimes
-# still alive and sometimes not (measured after a TP2 forward: 2 KiB at b = 4, s = 128, the
-# size of one [b, s] fp32 row like those the vocab-parallel loss all-reduces; it is gone
-# 200 ms later). `settled()` reads until the count stops changing, so a measurement does not
-# depend on which thread the scheduler ran first.
+# still alive and sometimes not. `settled()` reads until the count stops changing, so a
+# measurement does not depend on which thread the scheduler ran first.
+#
+# <details><summary>Megatron detail: what the gloo thread held</summary>Measured after a TP2
+# forward: 2 KiB at b = 4, s = 128, the size of one [b, s] fp32 row like those the
+# vocab-parallel loss all-reduces; it is gone 200 ms later.</details>
 
 # %%
-class LiveBytesMeter(_Readings, TorchDispatchMode):
+class _Settling:
+    """settled() of LiveBytesMeter: a reading taken once the live bytes stop changing."""
+
+    def settled(self, quiet_s: float = 0.05, timeout_s: float = 2.0) -> int:
+        """Live bytes once they have not changed for quiet_s (CUDA: current, at once)."""
+        if self._uses_allocator:
+            return self.current
+        deadline, last = time.perf_counter() + timeout_s, self.current
+        while time.perf_counter() < deadline:
+            time.sleep(quiet_s)
+            now = self.current
+            if now == last:
+                return now
+            last = now
+        return last
+
+
+# %% [markdown]
+# The meter puts the halves together: its own state, the block's entry and exit, and the
+# per-operator hook; the readings and `settled` come from the two classes above.
+
+# %%
+class LiveBytesMeter(_Readings, _Settling, TorchDispatchMode):
     """Live bytes of tensor storages allocated in this block (CPU: by storage; CUDA: allocator)."""
 
     def __init__(self, device: torch.device | str | None = None, record_every_op: bool = True):
@@ -236,20 +260,6 @@ class LiveBytesMeter(_Readings, TorchDispatchMode):
         if self.record_every_op:
             self.timeline.append((time.perf_counter() - self._t0, self.table.bytes(), ""))
         return out
-
-    def settled(self, quiet_s: float = 0.05, timeout_s: float = 2.0) -> int:
-        """Live bytes once they have not changed for quiet_s (CUDA: current, at once)."""
-        if self._uses_allocator:
-            return self.current
-        deadline, last = time.perf_counter() + timeout_s, self.current
-        while time.perf_counter() < deadline:
-            time.sleep(quiet_s)
-            now = self.current
-            if now == last:
-                return now
-            last = now
-        return last
-
 
 # %% [markdown]
 # A second, independent ruler for activations alone: autograd's saved-tensor hooks see every
@@ -293,6 +303,10 @@ def _demo_mlp(h: int = 256, b: int = 64, seed: int = 0):
     return model, torch.randn(b, h)
 
 
+# %% [markdown]
+# The three moments, each printed next to its independent count.
+
+# %%
 if __name__ == "__main__":
     import matplotlib.pyplot as plt
 
@@ -319,6 +333,11 @@ if __name__ == "__main__":
     assert after_backward == param_bytes  # one .grad per parameter, nothing else alive
     assert meter.peak > after_forward
 
+# %% [markdown]
+# The whole timeline, one step per operator call, with the four marks as dashed lines.
+
+# %%
+if __name__ == "__main__":
     t, live, labels = zip(*meter.timeline)
     fig, ax = plt.subplots(figsize=(7, 2.8))
     ax.step(range(len(live)), [v / 2**20 for v in live], where="post")
@@ -348,5 +367,17 @@ if __name__ == "__main__":
 # - The meter costs one Python call per operator: fine for a book-sized model, too slow for a
 #   production step. It is a measuring instrument, not something to leave on.
 #
-# **Exercises.** (1) Replace GELU with `torch.nn.GELU(approximate="tanh")` and predict the change
-# in saved bytes. (2) Wrap the forward in `torch.no_grad()`: what does the meter read after it?
+# ## Exercises
+#
+# 1. Replace GELU with `torch.nn.GELU(approximate="tanh")` and predict the change in saved
+#    bytes.
+#
+#    <details><summary>Answer</summary>None: `saved_tensor_bytes` reads 1,048,576 B (1 MiB)
+#    both ways. Either GELU saves its input for the backward, and the tanh form only changes
+#    the arithmetic, not what is kept.</details>
+#
+# 2. Wrap the forward in `torch.no_grad()`: what does the meter read after it?
+#
+#    <details><summary>Answer</summary>65,536 B: only the output, $64 \cdot 256 \cdot 4$.
+#    Nothing is saved for a backward, so each intermediate dies as soon as the next layer has
+#    read it; the peak is 524,288 B, two $64 \times 1024$ fp32 tensors alive at once.</details>

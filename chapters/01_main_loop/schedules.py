@@ -95,71 +95,6 @@ __all__ = ["ScheduleConfig", "ScheduleEvent", "ScheduleRecorder", "tensor_shape"
 #   a0 -. "send act 0" .-> b0
 #   b1 -. "send grad 0" .-> a2
 # ```
-#
-# ## The knobs
-#
-# `ScheduleConfig` carries the fields of Megatron's `ModelParallelConfig` that the schedules
-# read, with the same names. The callbacks are set by the training loop
-# (`megatron/training/training.py:3227-3245`): `grad_scale_func` is the optimizer's
-# `scale_loss` (fp16 loss scaling); with `overlap_grad_reduce`, `no_sync_func` is the DDP
-# wrapper's `no_sync` (one per chunk) and, with `align_grad_reduce` (on by default), also
-# `grad_sync_func` its `start_grad_sync`; `finalize_model_grads_func` is chapter 05's
-# `finalize_model_grads(model_chunks, grid, num_tokens)` (tinytron passes the grid where
-# Megatron passes its process-group collection). With `overlap_param_gather` and
-# `align_param_gather`, `param_sync_func` is each chunk's `start_param_sync`: only the
-# interleaved schedule calls it (next page). This page's schedules never do, as Megatron's
-# do not: every read of `config.param_sync_func` in `schedules.py` lies inside
-# `forward_backward_pipelining_with_interleaving` (`:1059-1067, 1161-1163, 1283-1296,
-# 2043-2045`), none in `forward_backward_no_pipelining` (`:634`) or
-# `forward_backward_pipelining_without_interleaving` (`:2089`); with one chunk the forward
-# pre-hooks of chapter 05 dispatch its all-gathers. `batch_p2p_comm` says how every pipeline
-# message of a schedule call is posted: one `batch_isend_irecv` per exchange (Megatron's
-# default) or single `isend`/`irecv`; one schedule never mixes the two, because under NCCL
-# they travel on different communicators ([appendix A](../parallel/pipeline_p2p.py)). Left
-# at `None` it is the negation of `overlap_p2p_comm`, as Megatron's training arguments set it
-# (`megatron/training/argument_utils.py:302`). The `recorder` is tinytron's
-# (`ScheduleRecorder`, defined with the pictures it feeds on the timeline page): every
-# forward, backward, send and receive is stamped with `time.perf_counter()`, a clock shared by
-# the processes of one machine. How it records without a line in the schedules is told below,
-# after the schedules themselves.
-
-# %%
-@dataclass
-class ScheduleConfig:
-    """What the schedules read (Megatron's ModelParallelConfig names) plus a recorder."""
-
-    pipeline_dtype: torch.dtype = torch.float32
-    """dtype of the activations and gradients sent between stages."""
-    deallocate_pipeline_outputs: bool = True
-    """Shrink a stage's output to one element once it is sent (only its grad_fn is needed)."""
-    microbatch_group_size_per_vp_stage: int | None = None
-    """Interleaved schedule: micro-batches per chunk before moving to the next; None means p."""
-    overlap_p2p_comm: bool = False
-    """Interleaved schedule: post the p2p messages async, wait where needed (its page)."""
-    batch_p2p_comm: bool | None = None
-    """Post each exchange as one batch_isend_irecv (True) or as single isend/irecv (False), for
-    every message of the schedule; None: `not overlap_p2p_comm`. Both True is a ValueError."""
-    calculate_per_token_loss: bool = True
-    """Back-propagate loss sums; finalize_model_grads divides by the global token count."""
-    no_sync_func: Callable | list | None = None
-    """Context manager (or one per chunk) that holds back the grad collectives."""
-    grad_sync_func: Callable | list | None = None
-    """Launches the grad collectives (or one per chunk); called with no arguments."""
-    param_sync_func: Callable | list | None = None
-    """Launches the param all-gathers (or one per chunk); interleaved schedule only; no args."""
-    finalize_model_grads_func: Callable | None = None
-    """Called as f(model_chunks, grid, num_tokens or None) after the last backward."""
-    grad_scale_func: Callable | None = None
-    """Scales the loss before backward (fp16 loss scaling)."""
-    recorder: ScheduleRecorder | None = None
-    """When given, every forward/backward/send/recv is recorded in it."""
-    hidden_size: int | None = None
-    """Width of the pipeline messages; None reads it from the model chunk's config."""
-    sequence_parallel: bool | None = None
-    """Messages are split over TP along the sequence; None reads it from the chunk's config."""
-
-    def __post_init__(self):
-        checks.batch_p2p(self)  # the combination Megatron forbids fails here, and again per call
 
 # %% [markdown]
 # ## One forward step and the loss contract
@@ -179,6 +114,10 @@ class ScheduleConfig:
 # schedules refuse (a missing width, a sequence that does not split, a wrong number of chunks
 # or micro-batches) are checked in `chapters/01_main_loop/_schedule_checks.py`, each with a
 # one-line `ValueError` that names the numbers.
+#
+# Every schedule reads its switches from a `config`, a `ScheduleConfig` with the names of
+# Megatron's `ModelParallelConfig`; its fields are listed after the schedules, once each has
+# been seen at work.
 
 # %%
 def _unwrap(chunk):
@@ -200,6 +139,11 @@ def tensor_shape(model_chunk, seq_length: int, micro_batch_size: int, grid: Para
     return (seq_length // split, micro_batch_size, hidden)
 
 
+# %% [markdown]
+# `forward_step` itself: set the received input, run the user's step, and on the last stage
+# turn the loss contract into the scalar to back-propagate.
+
+# %%
 def forward_step(forward_step_func, data_iterator, model_chunk, num_microbatches: int,
                  input_tensor, forward_data_store: list, config: ScheduleConfig,
                  is_last_stage: bool, cp_size: int = 1):
@@ -370,10 +314,13 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model,
 # both sides. Here the backwards go oldest first, the order 1F1B will use, so the gradients
 # accumulate in the same order and come out bit for bit the same. Newest first (as GPipe's
 # figure draws it) has the same bubble but adds the micro-batches' gradients in another order:
-# on this page's model the results then differ in the last bits (measured: up to
-# $4 \cdot 10^{-9}$ on a gradient of the tiny GPT at $m = 6$). On the last stage the
+# on this page's model the results then differ in the last bits. On the last stage the
 # "output" is the loss and needs no incoming gradient (`recv_backward` returns `None` there);
 # on the first there is no input to differentiate, so nothing goes back.
+#
+# <details><summary>Megatron detail: how far newest-first drifts</summary>Measured: up to
+# $4 \cdot 10^{-9}$ on a gradient of the tiny GPT at $m = 6$ when the backwards run newest
+# first.</details>
 #
 # It is correct and it is what every pipeline schedule must reproduce. Its cost is memory:
 # before the first backward, each stage holds the activations of all $m$ micro-batches.
@@ -556,6 +503,11 @@ class _StageP2P:
             y, dx, recv_prev, recv_next, self.shape, self.grid, self.dtype, **self.method)
 
 
+# %% [markdown]
+# One schedule call builds its communicator from the message shape and its steps, and lets
+# the recorder wrap both.
+
+# %%
 def _comm_and_steps(forward_step_func, iterators, chunks, num_microbatches, seq_length,
                     micro_batch_size, grid, config):
     """The stage's communicator and steps, both wrapped when the config has a recorder."""
@@ -633,6 +585,74 @@ def forward_backward_pipelining_without_interleaving(
     return steps.store
 
 # %% [markdown]
+# ## The knobs
+#
+# Every schedule above read its switches from `config`. `ScheduleConfig` carries the fields
+# of Megatron's `ModelParallelConfig` that the schedules read, with the same names. The callbacks are set by the training loop
+# (`megatron/training/training.py:3227-3245`): `grad_scale_func` is the optimizer's
+# `scale_loss` (fp16 loss scaling); with `overlap_grad_reduce`, `no_sync_func` is the DDP
+# wrapper's `no_sync` (one per chunk) and, with `align_grad_reduce` (on by default), also
+# `grad_sync_func` its `start_grad_sync`; `finalize_model_grads_func` is chapter 05's
+# `finalize_model_grads(model_chunks, grid, num_tokens)`. With `overlap_param_gather` and
+# `align_param_gather`, `param_sync_func` is each chunk's `start_param_sync`: only the
+# interleaved schedule calls it (next page); with one chunk the forward pre-hooks of chapter
+# 05 dispatch its all-gathers.
+#
+# <details><summary>Megatron detail: the grid, and who reads param_sync_func</summary>tinytron
+# passes the grid where Megatron passes its process-group collection. This page's schedules
+# never call `param_sync_func`, as Megatron's do not: every read of `config.param_sync_func` in
+# `schedules.py` lies inside `forward_backward_pipelining_with_interleaving` (`:1059-1067,
+# 1161-1163, 1283-1296, 2043-2045`), none in `forward_backward_no_pipelining` (`:634`) or
+# `forward_backward_pipelining_without_interleaving` (`:2089`).</details>
+#
+# `batch_p2p_comm` says how every pipeline message of a schedule call is posted: one `batch_isend_irecv` per exchange (Megatron's
+# default) or single `isend`/`irecv`; one schedule never mixes the two, because under NCCL
+# they travel on different communicators ([appendix A](../parallel/pipeline_p2p.py)). Left
+# at `None` it is the negation of `overlap_p2p_comm`, as Megatron's training arguments set it
+# (`megatron/training/argument_utils.py:302`). The `recorder` is tinytron's
+# (`ScheduleRecorder`, defined with the pictures it feeds on the timeline page): every
+# forward, backward, send and receive is stamped with `time.perf_counter()`, a clock shared by
+# the processes of one machine. How it records without a line in the schedules is told next.
+
+# %%
+@dataclass
+class ScheduleConfig:
+    """What the schedules read (Megatron's ModelParallelConfig names) plus a recorder."""
+
+    pipeline_dtype: torch.dtype = torch.float32
+    """dtype of the activations and gradients sent between stages."""
+    deallocate_pipeline_outputs: bool = True
+    """Shrink a stage's output to one element once it is sent (only its grad_fn is needed)."""
+    microbatch_group_size_per_vp_stage: int | None = None
+    """Interleaved schedule: micro-batches per chunk before moving to the next; None means p."""
+    overlap_p2p_comm: bool = False
+    """Interleaved schedule: post the p2p messages async, wait where needed (its page)."""
+    batch_p2p_comm: bool | None = None
+    """Post each exchange as one batch_isend_irecv (True) or as single isend/irecv (False), for
+    every message of the schedule; None: `not overlap_p2p_comm`. Both True is a ValueError."""
+    calculate_per_token_loss: bool = True
+    """Back-propagate loss sums; finalize_model_grads divides by the global token count."""
+    no_sync_func: Callable | list | None = None
+    """Context manager (or one per chunk) that holds back the grad collectives."""
+    grad_sync_func: Callable | list | None = None
+    """Launches the grad collectives (or one per chunk); called with no arguments."""
+    param_sync_func: Callable | list | None = None
+    """Launches the param all-gathers (or one per chunk); interleaved schedule only; no args."""
+    finalize_model_grads_func: Callable | None = None
+    """Called as f(model_chunks, grid, num_tokens or None) after the last backward."""
+    grad_scale_func: Callable | None = None
+    """Scales the loss before backward (fp16 loss scaling)."""
+    recorder: ScheduleRecorder | None = None
+    """When given, every forward/backward/send/recv is recorded in it."""
+    hidden_size: int | None = None
+    """Width of the pipeline messages; None reads it from the model chunk's config."""
+    sequence_parallel: bool | None = None
+    """Messages are split over TP along the sequence; None reads it from the chunk's config."""
+
+    def __post_init__(self):
+        checks.batch_p2p(self)  # the combination Megatron forbids fails here, and again per call
+
+# %% [markdown]
 # ## Recording, beside the schedule
 #
 # The timeline page draws these schedules from what they did, yet no line above records
@@ -700,6 +720,12 @@ if __name__ == "__main__":
               f"{off['peak_at_marks'] / 2**20:.2f} MiB kept "
               f"(one message = {on['message_bytes'] / 2**10:.0f} KiB)")
 
+# %% [markdown]
+# The live bytes of the $m = 4$ step, after each forward and backward: dotted with the sent
+# outputs kept, solid with them pseudo-freed.
+
+# %%
+if __name__ == "__main__":
     fig, axes = plt.subplots(2, 1, figsize=(8, 3.6), sharey=True)
     for r, (res, ax) in enumerate(zip(stages, axes)):
         for key, style in (("off", ":"), ("on", "-")):
@@ -715,6 +741,12 @@ if __name__ == "__main__":
     fig.tight_layout()
     plt.show()
 
+# %% [markdown]
+# The claims: the orders of the table, the same bits as one process and as the two naive
+# schedules, at most $p - r$ micro-batches alive, and at least one message saved on stage 0.
+
+# %%
+if __name__ == "__main__":
     assert orders[0] == "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 B7"
     assert orders[1] == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7"
     assert all(r["case"]["bitwise"][0] for r in stages)  # same op order: same bits
@@ -739,9 +771,12 @@ if __name__ == "__main__":
 #   process running the micro-batches in turn: bit for bit with pipelining alone (tests: PP 2
 #   and PP 4, and no pipelining); with TP 2 × PP 2 and DP 2 × PP 2 the sums are split
 #   differently (over TP shards, over two DP halves), and the tests hold them within $10^{-6}$
-#   of one process; the largest gaps measured over the tests' cases (2-3 steps each) are
-#   $8.3 \cdot 10^{-8}$ (TP 2 × PP 2) and $2 \cdot 10^{-8}$ (DP 2 × PP 2, with and without
-#   interleaving).
+#   of one process.
+#
+#   <details><summary>Megatron detail: the measured gaps</summary>The largest gaps measured
+#   over the tests' cases (2-3 steps each) are $8.3 \cdot 10^{-8}$ (TP 2 × PP 2) and
+#   $2 \cdot 10^{-8}$ (DP 2 × PP 2, with and without interleaving).</details>
+#
 # - The recorder is a wrapper around the communicator and the steps, not code in the schedule.
 #
 # ## How production does it
@@ -763,6 +798,23 @@ if __name__ == "__main__":
 #    the bare 1F1B's on stage 0 and 4.7× on stage 1 (measured in
 #    `tests/test_main_loop_naive.py`), where $m / (p - r)$ predicts 3 and 6. What makes up
 #    the difference on stage 1?
+#
+#    <details><summary>Hint</summary>The ratio is of whole peaks, and both peaks hold bytes
+#    that are there once whatever $m$: the gradients the first backward allocates, and the
+#    temporaries of the forward or backward running at the peak (on stage 1, the head's logits
+#    and the loss's work tensors). Subtract what a one-micro-batch step peaks at, and compare
+#    what is left with $m / (p - r)$.</details>
+#
 # 2. Why does the last stage never need `deallocate_output_tensor` to save memory?
+#
+#    <details><summary>Hint</summary>Look at what the last stage's `forward_step` returns and
+#    whether it is ever sent: its output is the loss, a one-element scalar, and with $w_r = 0$
+#    its backward follows its forward in the same round.</details>
+#
 # 3. With a `grad_sync_func`, stages other than 0 launch their grad collectives after the
 #    cooldown instead of during the last backward. When is that better?
+#
+#    <details><summary>Hint</summary>Compare what else the stage does during its last backward
+#    and after its cooldown: the first is on the critical path of the pipeline, the second is
+#    the drain, where the stage waits for stage 0 anyway. See `schedules.py:2405-2430` and ask
+#    when a collective is slow enough to delay the backward it overlaps.</details>

@@ -45,9 +45,12 @@ __all__ = ["LogState", "training_log", "format_log_line", "flops_terms",
 # batch's FLOPs by the time per iteration, the same number while the batch is constant), and
 # MFU = achieved FLOP/s per device / the device's peak. At the first iteration the line is
 # printed without resetting the accumulators (it shows start-up cost; `:2387`), unless that
-# first iteration is itself on an interval boundary: with `log_interval = 1`, or after a resume
-# at a multiple of it, Megatron's rule would count that iteration again in the next line (a
-# resumed run's second line would then differ from the uninterrupted run's), so there we reset.
+# first iteration is itself on an interval boundary; there we reset.
+#
+# <details><summary>Megatron detail: the first line on a boundary</summary>With
+# `log_interval = 1`, or after a resume at a multiple of it, Megatron's rule would count that
+# iteration again in the next line (a resumed run's second line would then differ from the
+# uninterrupted run's), so there we reset and Megatron does not.</details>
 #
 # The accumulated losses stay tensors until the line is printed, so the loop never waits for
 # the device in between.
@@ -95,6 +98,11 @@ class LogState:
         return timed_out_of_interval
 
 
+# %% [markdown]
+# Accumulating is the first box of the diagram: an advanced iteration adds its losses, still as
+# tensors; a skipped one only counts, and counts once more if its loss was not finite.
+
+# %%
 def _accumulate(loss_dict: dict, state: LogState, skipped_iter: int) -> None:
     """Add an advanced iteration's losses; count a skipped one, and whether its loss was NaN."""
     if not skipped_iter:
@@ -146,6 +154,11 @@ def training_log(loss_dict: dict, state: LogState, *, iteration: int, train_iter
     return record
 
 
+# %% [markdown]
+# The record is a dict, for a JSONL file or a dashboard; `format_log_line` prints it the way
+# Megatron's log line reads, field by field.
+
+# %%
 def format_log_line(r: dict) -> str:
     """One Megatron-style line from a training_log record."""
     parts = [f"iteration {r['iteration']:8d}/{r['train_iters']:8d}",
@@ -257,8 +270,11 @@ def num_floating_point_operations(config, batch_size: int, **kwargs) -> int:
 # So the two differ in one place: causal attention has $s(s+1)/2$ pairs per head, not $s^2/2$;
 # the $s/2$ diagonal pairs per sequence are missing from Megatron's count, a difference of
 # $6 a d s L B$ FLOPs per iteration — relatively $1/s$ of the attention term. Neither counts
-# recomputation (Megatron logs model FLOPs). Older Megatron versions ignored SwiGLU and GQA in
-# this formula (NVIDIA/Megatron-LM#682); at `e03878b5f` both are in.
+# recomputation (Megatron logs model FLOPs).
+#
+# <details><summary>Megatron detail: older versions</summary>Older Megatron versions ignored
+# SwiGLU and GQA in this formula (NVIDIA/Megatron-LM#682); at `e03878b5f` both are
+# in.</details>
 
 # %%
 def megatron_flops_terms(config, batch_size: int, *, seq_length: int | None = None) -> dict:
@@ -390,6 +406,12 @@ if __name__ == "__main__":
     assert abs(sum(llama3.values()) / 8192 / 1e9 - 51.5) < 0.1
     assert abs(744e12 / 14_451 / 1e9 - 51.5) < 0.05  # NeMo's published pair, same count
 
+# %% [markdown]
+# Step 2: the tiny model's forward and backward under PyTorch's FLOP counter, with the math
+# attention kernel so that every score is a matmul the counter sees.
+
+# %%
+if __name__ == "__main__":
     cfg = tiny_config()
     model = GPTModel(cfg)
     x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
@@ -404,6 +426,12 @@ if __name__ == "__main__":
           f"formula {formula:,}")
     assert fwd + bwd == formula and bwd == 2 * fwd
 
+# %% [markdown]
+# Step 3: four real iterations of batch 8 fed to `training_log` with `log_interval = 2`, so the
+# first line (start-up cost) and two interval lines are printed.
+
+# %%
+if __name__ == "__main__":
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     peak = peak_flops_per_device("cpu")
     state, flops = LogState(), num_floating_point_operations(cfg, 8)
@@ -476,7 +504,24 @@ if __name__ == "__main__":
 #
 # 1. How much does `selective` recompute add to the running example's hardware FLOPs? And
 #    `full`?
+#
+#    <details><summary>Answer</summary>`flops_terms(llama_7b_config(), 1024, recompute=...)`:
+#    selective re-runs the core attention's forward, $4.50 \cdot 10^{15}$ FLOPs, 2.2% on top of
+#    the $2.02 \cdot 10^{17}$ model FLOPs; full re-runs every layer's forward,
+#    $6.31 \cdot 10^{16}$, 31.2% (the 1.31× above). MFU counts neither.</details>
+#
 # 2. Untie the embedding of the running example: what changes in `flops_terms`, and in the
 #    parameter count?
+#
+#    <details><summary>Answer</summary>Nothing in `flops_terms`: the input embedding is a
+#    lookup (0 FLOPs) and the logits matmul is paid once either way. The parameters grow by
+#    one $V \times h$ table, $128\,256 \cdot 4096$ = 525,336,576 (0.53 B), so
+#    "6 × parameters" would now over-count by $6 T V h$.</details>
+#
 # 3. At which sequence length does causal attention cost as much as the MLP in the running
 #    example?
+#
+#    <details><summary>Answer</summary>Per token and layer, the scores and values cost
+#    $2 (s+1)\, a d$ forward (causal pairs $s(s+1)/2$ per sequence), the MLP $6 h f$. They are
+#    equal at $s + 1 = 3 h f / (a d) = 3 \cdot 14336 = 43\,008$, i.e. $s$ = 43,007, where
+#    `flops_terms` gives both exactly $1.4546 \cdot 10^{15}$ for one sequence.</details>
