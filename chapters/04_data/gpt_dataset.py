@@ -138,79 +138,6 @@ def split_indices(bookends: Optional[tuple], num_elements: int) -> Optional[np.n
     return np.arange(beg, end, dtype=np.int32)
 
 # %% [markdown]
-# ## The config
-#
-# Names and defaults follow `GPTDatasetConfig` (`gpt_dataset.py:25`) and its parent
-# `BlendedMegatronDatasetConfig`. Instead of a tokenizer object the config takes the two ids the
-# dataset needs, `eod_id` and `pad_id` (Megatron's `-1` sentinel when the tokenizer has no pad).
-# Two integers rather than a tokenizer object keep the config a plain dataclass that pickles
-# to `DataLoader` workers and prints in the cache description; they are also all the dataset
-# uses a tokenizer for.
-# Every field that changes which windows come out, or in what order, is also a field of the
-# cache key below; the mask options (`reset_position_ids` and the rest) change only what is
-# computed from a window, so they are not.
-
-# %%
-@document_fields
-@dataclass
-class GPTDatasetConfig:
-    """Everything that decides which samples a GPTDataset yields."""
-
-    sequence_length: int
-    """Tokens per sample input (the sample reads sequence_length + 1)."""
-    random_seed: int = 1234
-    """Seed of the document and shuffle permutations."""
-    blend: Optional[tuple] = None
-    """(prefixes, weights or None) for one distribution split into train/valid/test."""
-    blend_per_split: Optional[list] = None
-    """One (prefixes, weights) per split, instead of `blend` + `split`."""
-    split: Optional[str] = "969,30,1"
-    """Train/valid/test weights."""
-    path_to_cache: Optional[str] = None
-    """Where index .npy files go (default: <prefix>/cache/GPTDataset_indices)."""
-    mmap_bin_files: bool = True
-    """Memory-map the .bin (else seek + read)."""
-    mid_level_dataset_surplus: float = 0.005
-    """Extra fraction of samples each blended component builds."""
-    eod_id: int = 0
-    """End-of-document token id."""
-    pad_id: int = PAD_SENTINEL
-    """Pad token id (-1 when the tokenizer has none)."""
-    reset_position_ids: bool = False
-    """Restart positions after each EOD."""
-    reset_attention_mask: bool = False
-    """Block attention across EODs."""
-    eod_mask_loss: bool = False
-    """Zero the loss at EOD inputs."""
-    create_attention_mask: bool = True
-    """Return the [1, s, s] boolean mask (True = masked)."""
-    drop_last_partial_validation_sequence: bool = True
-    """Drop the last partial valid sample (else pad it)."""
-    add_extra_token_to_sequence: bool = True
-    """Read seq_length + 1 tokens so labels need no padding."""
-    split_matrix: Optional[list] = field(init=False, default=None)
-    """Book-ends derived from `split`."""
-
-    def __post_init__(self):
-        check_fields(self)  # sequence_length="512" or eod_id="0" stop here, not 13 frames down
-        check_range(self, "sequence_length", 2)
-        check_range(self, "mid_level_dataset_surplus", 0)
-        if self.blend is not None and self.blend_per_split is not None:
-            raise ValueError("give either blend (with split) or blend_per_split, not both")
-        if self.blend is not None:
-            self.blend = checked_blend(self.blend, "blend")
-        if self.blend_per_split is not None:
-            if not isinstance(self.blend_per_split, (list, tuple)) or len(self.blend_per_split) != 3:
-                raise ValueError("blend_per_split must list 3 blends (train, valid, test; None for "
-                                 f"none), got {self.blend_per_split!r}")
-            self.blend_per_split = [None if b is None else checked_blend(b, f"blend_per_split[{i}]")
-                                    for i, b in enumerate(self.blend_per_split)]
-        if self.blend_per_split is None:
-            self.split_matrix = convert_split_vector_to_split_matrix(
-                parse_and_normalize_split(self.split))
-
-
-# %% [markdown]
 # A blend is a pair: the dataset prefixes and their weights (or None for equal shares by size).
 # It is checked here, once, so that a wrong shape names the field instead of failing inside the
 # builder.
@@ -235,6 +162,25 @@ def checked_blend(blend, name: str = "blend") -> tuple:
         raise ValueError(f"{name}[1] must be non-negative numbers with a positive sum, got {weights!r}")
     return prefixes, [float(w) for w in weights]
 
+
+# %% [markdown]
+# The config holds either one blend cut by `split` or one blend per split, never both. This
+# check runs when a config is made, and puts each blend through `checked_blend` with its name.
+
+# %%
+def _check_blends(cfg) -> None:
+    """Either `blend` or `blend_per_split` (3 blends or None), each checked; normalized in place."""
+    if cfg.blend is not None and cfg.blend_per_split is not None:
+        raise ValueError("give either blend (with split) or blend_per_split, not both")
+    if cfg.blend is not None:
+        cfg.blend = checked_blend(cfg.blend, "blend")
+    if cfg.blend_per_split is not None:
+        if not isinstance(cfg.blend_per_split, (list, tuple)) or len(cfg.blend_per_split) != 3:
+            raise ValueError("blend_per_split must list 3 blends (train, valid, test; None for "
+                             f"none), got {cfg.blend_per_split!r}")
+        cfg.blend_per_split = [None if b is None else checked_blend(b, f"blend_per_split[{i}]")
+                               for i, b in enumerate(cfg.blend_per_split)]
+
 # %% [markdown]
 # ## How many epochs, and the separate final epoch
 #
@@ -255,8 +201,10 @@ def checked_blend(blend, name: str = "blend") -> tuple:
 # inputs are tokens $0..L-1$ and the labels tokens $1..L$ of the same window, with no label
 # missing at the end. Consecutive windows share that one token (the last label of one is the
 # first input of the next), so $S$ windows cover $S L + 1$ tokens, not $S (L + 1)$. An empty
-# split asked for samples would need infinitely many epochs; Megatron's loop never ends there,
-# tinytron stops with a one-line error naming the dataset and the split.
+# split asked for samples would need infinitely many epochs; tinytron stops with a one-line
+# error naming the dataset and the split.
+#
+# <details><summary>Megatron detail: an empty split</summary>Megatron's loop never ends there.</details>
 
 # %%
 def get_num_epochs(tokens_per_epoch: int, num_samples: Optional[int], seq_length: int,
@@ -424,12 +372,31 @@ def build_sample_index_loop(sizes, document_index, seq_length: int, num_epochs: 
 # lengths, one `cumsum` and one division; per sample one fill, one in-place `cumsum`, and a
 # scatter-add at the sequence ends, with no Python-level loop and few temporaries. On the
 # benchmark's 1.07 million samples it takes 4–6.5 ms of CPU time where Megatron's compiled
-# walk takes 5.7–7.3 ms (the summary has the measurement). An earlier form of this page
-# spread the positions with `np.repeat` and then gathered each sample's first token and wrote
-# the two columns one by one: `np.repeat` alone took 3.4 ms and the whole function 2–3× the
-# C++. A compiled helper of our own (Megatron compiles `helpers.cpp` with pybind11 on first
-# use) would need a compiler on every machine that opens a dataset, and would have little
-# left to win: the walk is a small part of the build (the summary again).
+# walk takes 5.7–7.3 ms (the summary has the measurement). A compiled helper of our own
+# (Megatron compiles `helpers.cpp` with pybind11 on first use) would need a compiler on every
+# machine that opens a dataset, and would have little left to win: the walk is a small part of
+# the build (the summary again).
+#
+# <details><summary>Megatron detail: an earlier, slower form</summary>An earlier form of this
+# page spread the positions with `np.repeat` and then gathered each sample's first token and
+# wrote the two columns one by one: `np.repeat` alone took 3.4 ms and the whole function 2–3×
+# the C++.</details>
+#
+# First the running sum itself: a step per sample, the jumps added at the samples where
+# sequences end, one spare slot for the jumps past the last sample, one `cumsum`.
+
+# %%
+def _running_sum(n: int, step, at: np.ndarray, jumps, dtype) -> np.ndarray:
+    """cumsum over n samples of `step` per sample after the first plus `jumps` at samples `at`."""
+    d = np.full(n + 1, step, dtype=dtype)  # slot n: the spare for steps past the last sample
+    d[0] = 0
+    np.add.at(d, at, jumps)  # repeated samples add up
+    return np.cumsum(d, out=d)[:n]
+
+
+# %% [markdown]
+# Then the table: $f_j$ for every sequence end, and the two columns as one packed `uint64` sum
+# (or two `int64` sums when the numbers do not fit 32 bits).
 
 # %%
 def build_sample_index(sizes, document_index, seq_length: int, num_epochs: int,
@@ -465,14 +432,6 @@ def build_sample_index(sizes, document_index, seq_length: int, num_epochs: int,
         out[-1] = (num_docs - 1, last_length - add_extra_token)
     out[0] = (0, 0)
     return out
-
-
-def _running_sum(n: int, step, at: np.ndarray, jumps, dtype) -> np.ndarray:
-    """cumsum over n samples of `step` per sample after the first plus `jumps` at samples `at`."""
-    d = np.full(n + 1, step, dtype=dtype)  # slot n: the spare for steps past the last sample
-    d[0] = 0
-    np.add.at(d, at, jumps)  # repeated samples add up
-    return np.cumsum(d, out=d)[:n]
 
 # %% [markdown]
 # Checked against the loop above (`tests/test_data_gpt.py`, random corpora with empty
@@ -556,6 +515,70 @@ def build_document_sample_shuffle_indices(sizes: np.ndarray, documents: np.ndarr
 # byte for byte and the md5 stays, so the cache built on the first is used on the second.
 
 # %% [markdown]
+# ## The config
+#
+# Names and defaults follow `GPTDatasetConfig` (`gpt_dataset.py:25`) and its parent
+# `BlendedMegatronDatasetConfig`. Instead of a tokenizer object the config takes the two ids the
+# dataset needs, `eod_id` and `pad_id` (Megatron's `-1` sentinel when the tokenizer has no pad).
+# Two integers rather than a tokenizer object keep the config a plain dataclass that pickles
+# to `DataLoader` workers and prints in the cache description; they are also all the dataset
+# uses a tokenizer for.
+# Every field that changes which windows come out, or in what order, is also a field of the
+# cache key above; the mask options (`reset_position_ids` and the rest) change only what is
+# computed from a window, so they are not.
+
+# %%
+@document_fields
+@dataclass
+class GPTDatasetConfig:
+    """Everything that decides which samples a GPTDataset yields."""
+
+    sequence_length: int
+    """Tokens per sample input (the sample reads sequence_length + 1)."""
+    random_seed: int = 1234
+    """Seed of the document and shuffle permutations."""
+    blend: Optional[tuple] = None
+    """(prefixes, weights or None) for one distribution split into train/valid/test."""
+    blend_per_split: Optional[list] = None
+    """One (prefixes, weights) per split, instead of `blend` + `split`."""
+    split: Optional[str] = "969,30,1"
+    """Train/valid/test weights."""
+    path_to_cache: Optional[str] = None
+    """Where index .npy files go (default: <prefix>/cache/GPTDataset_indices)."""
+    mmap_bin_files: bool = True
+    """Memory-map the .bin (else seek + read)."""
+    mid_level_dataset_surplus: float = 0.005
+    """Extra fraction of samples each blended component builds."""
+    eod_id: int = 0
+    """End-of-document token id."""
+    pad_id: int = PAD_SENTINEL
+    """Pad token id (-1 when the tokenizer has none)."""
+    reset_position_ids: bool = False
+    """Restart positions after each EOD."""
+    reset_attention_mask: bool = False
+    """Block attention across EODs."""
+    eod_mask_loss: bool = False
+    """Zero the loss at EOD inputs."""
+    create_attention_mask: bool = True
+    """Return the [1, s, s] boolean mask (True = masked)."""
+    drop_last_partial_validation_sequence: bool = True
+    """Drop the last partial valid sample (else pad it)."""
+    add_extra_token_to_sequence: bool = True
+    """Read seq_length + 1 tokens so labels need no padding."""
+    split_matrix: Optional[list] = field(init=False, default=None)
+    """Book-ends derived from `split`."""
+
+    def __post_init__(self):
+        check_fields(self)  # sequence_length="512" or eod_id="0" stop here, not 13 frames down
+        check_range(self, "sequence_length", 2)
+        check_range(self, "mid_level_dataset_surplus", 0)
+        _check_blends(self)
+        if self.blend_per_split is None:
+            self.split_matrix = convert_split_vector_to_split_matrix(
+                parse_and_normalize_split(self.split))
+
+
+# %% [markdown]
 # ## GPTDataset
 #
 # A sample is read by following the three tables: `j = shuffle[i]`; rows `j` and `j+1` of the
@@ -576,9 +599,43 @@ def build_document_sample_shuffle_indices(sizes: np.ndarray, documents: np.ndarr
 # not the 4 asked for: the training loop asks for only the first $S$. Pickling drops the token
 # views, so a `DataLoader` worker re-opens the memory map in its own process instead of
 # receiving a copy of the corpus through a pipe.
+#
+# The call that builds the tables for one split, that pickling, and the one-line description a
+# dataset prints come first, as a mixin.
 
 # %%
-class GPTDataset(torch.utils.data.Dataset):
+class _GPTDatasetPlumbing:
+    """Mixin for GPTDataset: build the tables, pickle without the token views, print a summary."""
+
+    def _build(self):
+        """The three tables for this split (the last valid sample kept partial if asked)."""
+        drop = (self.config.drop_last_partial_validation_sequence
+                if self.index_split == Split.valid else True)
+        return build_document_sample_shuffle_indices(
+            self.dataset.sequence_lengths, self.indices, self.num_samples,
+            self.config.sequence_length, self.config.random_seed, self.extra, drop,
+            what=f"dataset {self.dataset_path!r} split {self.index_split.name!r}")
+
+    def __getstate__(self):
+        """Pickle without the token views; the IndexedDataset re-opens its files."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_tokens", "_offsets")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        _attach_tokens(self)
+
+    def __repr__(self) -> str:
+        tokens = int(np.asarray(self.dataset.sequence_lengths)[self.indices].sum(dtype=np.int64))
+        return (f"GPTDataset(path={self.dataset_path!r}, split={self.index_split.name}, "
+                f"sequences={len(self.indices)}, tokens={tokens}, samples={len(self)}, "
+                f"sequence_length={self.config.sequence_length})")
+
+
+# %% [markdown]
+# The class: describe, load or build, attach; then the two reads.
+
+# %%
+class GPTDataset(_GPTDatasetPlumbing, torch.utils.data.Dataset):
     """Megatron's GPTDataset: a split of an IndexedDataset as shuffled seq_length+1 windows.
 
     Example (most code builds it through `build_train_valid_test_datasets` instead)::
@@ -601,15 +658,6 @@ class GPTDataset(torch.utils.data.Dataset):
         self.document_index, self.sample_index, self.shuffle_index = load_or_build(self, self._build)
         _attach_tokens(self)
 
-    def _build(self):
-        """The three tables for this split (the last valid sample kept partial if asked)."""
-        drop = (self.config.drop_last_partial_validation_sequence
-                if self.index_split == Split.valid else True)
-        return build_document_sample_shuffle_indices(
-            self.dataset.sequence_lengths, self.indices, self.num_samples,
-            self.config.sequence_length, self.config.random_seed, self.extra, drop,
-            what=f"dataset {self.dataset_path!r} split {self.index_split.name!r}")
-
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1
 
@@ -620,20 +668,6 @@ class GPTDataset(torch.utils.data.Dataset):
     def __getitem__(self, idx: Optional[int]) -> dict:
         """tokens, labels, loss_mask, position_ids (+ attention_mask) of sample idx."""
         return _sample(self, idx)
-
-    def __getstate__(self):
-        """Pickle without the token views; the IndexedDataset re-opens its files."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("_tokens", "_offsets")}
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        _attach_tokens(self)
-
-    def __repr__(self) -> str:
-        tokens = int(np.asarray(self.dataset.sequence_lengths)[self.indices].sum(dtype=np.int64))
-        return (f"GPTDataset(path={self.dataset_path!r}, split={self.index_split.name}, "
-                f"sequences={len(self.indices)}, tokens={tokens}, samples={len(self)}, "
-                f"sequence_length={self.config.sequence_length})")
 
 
 # %% [markdown]
@@ -722,6 +756,12 @@ def _sample(ds: GPTDataset, idx: Optional[int]) -> dict:
     return sample
 
 
+# %% [markdown]
+# The masks and positions, from chapter 00. When no option depends on where the EODs are, they
+# are the same for every window: the first sample computes them and later ones copy the loss
+# mask (the one that `mask_padding` may change) and share the rest.
+
+# %%
 def _masks(ds: GPTDataset, tokens: torch.Tensor):
     """Chapter 00's masks and positions, computed once when they do not depend on EODs."""
     cfg = ds.config
@@ -810,6 +850,13 @@ if __name__ == "__main__":
     print("shuffle index: ", ds.shuffle_index.tolist())
     for i in range(3):
         print(f"sample {i}:", ds.query_tokens(i).tolist())
+
+# %% [markdown]
+# The picture of these three tables, then the checks: Megatron's loop, this page's loop, the
+# worked examples, every window against the reference reader, and the cache.
+
+# %%
+if __name__ == "__main__":
     plot_index_tables(ds_ix.sequence_lengths, ds.document_index, ds.sample_index, ds.shuffle_index, 4,
                       tokens_per_epoch=30)
     plt.show()
@@ -840,19 +887,23 @@ if __name__ == "__main__":
 # * Document index: sequence ids × epochs, shuffled (the last epoch apart under the 80% rule).
 # * Sample index: sample $i$ starts at token $iL$ of that stream; two running sums, packed
 #   into one `cumsum`, build it, tested against the loop that walks it sample by sample.
-# * Measured (`OMP_NUM_THREADS=1 python benchmarks/bench_data.py --rounds 9`: 100M tokens,
-#   1.07M samples of 1,024, CPU time against megatron-core 0.16.1, identical arrays, five runs
-#   on a shared 2-core machine at load 5–8): the whole build, nine rounds alternating in one
-#   process, takes 0.94× Megatron's time (median; 0.76–0.96×); built once per fresh process, as
-#   a training run builds it, 0.94× (median of 25 pairs, noisier: 0.83–1.20× per run). The
-#   sample index is 4–6.5 ms against 5.7–7.3 ms for the compiled `build_sample_idx`; the rest,
-#   about 85% of either build, is the two `RandomState` shuffles, the same numpy calls on both
-#   sides. Shuffling an `int64` copy to reach numpy's faster loop for 8-byte items (the same
-#   permutation) gave nothing in the median: the loop is faster, but twice the bytes move.
+# * The whole build takes about Megatron's time (0.94× in the median); about 85% of either
+#   build is the two `RandomState` shuffles.
+#   <details><summary>Megatron detail: the measurement</summary>Measured with
+#   `OMP_NUM_THREADS=1 python benchmarks/bench_data.py --rounds 9`: 100M tokens, 1.07M samples
+#   of 1,024, CPU time against megatron-core 0.16.1, identical arrays, five runs on a shared
+#   2-core machine at load 5–8. The whole build, nine rounds alternating in one process, takes
+#   0.94× Megatron's time (median; 0.76–0.96×); built once per fresh process, as a training run
+#   builds it, 0.94× (median of 25 pairs, noisier: 0.83–1.20× per run). The sample index is
+#   4–6.5 ms against 5.7–7.3 ms for the compiled `build_sample_idx`; the rest, about 85% of
+#   either build, is the two `RandomState` shuffles, the same numpy calls on both sides.
+#   Shuffling an `int64` copy to reach numpy's faster loop for 8-byte items (the same
+#   permutation) gave nothing in the median: the loop is faster, but twice the bytes move.</details>
 # * Shuffle index: a permutation of samples from the same RNG stream, drawn after the documents.
 # * Cached on disk under a key that includes the data's own identity.
-#   That identity is tinytron's addition: Megatron's key (`megatron_dataset.py:57-71`) holds
-#   the path and the config, so rewriting a prefix in place keeps its stale tables.
+#   <details><summary>Megatron detail: the cache key</summary>That identity is tinytron's
+#   addition: Megatron's key (`megatron_dataset.py:57-71`) holds the path and the config, so
+#   rewriting a prefix in place keeps its stale tables.</details>
 # * The class only describes, loads or builds, and reads; the cache's bookkeeping lives in
 #   `tinytron.data._dataset_cache`.
 #
@@ -867,7 +918,25 @@ if __name__ == "__main__":
 # ## Exercises
 #
 # 1. Change one sequence's length in the tiny corpus, re-run: which cache files are rebuilt?
+#    <details><summary>Hint</summary>The `.idx` holds the lengths, so its BLAKE2 hash and with it
+#    the description's md5 change (`data_identity`, `describe`). Every file name starts with
+#    that md5: all four files (the description and the three tables) are written anew, and the
+#    old ones are never read again.</details>
 # 2. Show that with `add_extra_token_to_sequence=False` consecutive samples no longer overlap.
+#    <details><summary>Hint</summary>Build the dataset with the flag off and compare
+#    `query_tokens(i)` of windows $i$ and $i + 1$ in sample-index order (not shuffled order):
+#    each now reads $L$ tokens, not $L + 1$, and the next starts right after it
+#    (`build_sample_index` with `add_extra_token=0`).</details>
 # 3. Set $S$ so that the final epoch holds exactly 80% of an epoch's samples: separate or not?
+#    <details><summary>Answer</summary>Not separate: the rule is a strict `from_last <
+#    int(0.80 * per_epoch)`. With $T = 16$, $L = 3$ an epoch holds $(16 - 1)//3 = 5$ samples and
+#    80% of that is 4; $S = 9$ gives $E = 2$ and $S_{last} = 9 - 5 = 4$, so
+#    `needs_separate_final_epoch(2, 16, 9, 3)` is `(False, 5)`; $S = 8$ ($S_{last} = 3$) is
+#    `(True, 5)`.</details>
 # 4. In the three-document example ask for $S = 3$ instead of 4: how many epochs, which
 #    document index, and why is the shuffle index now a single permutation?
+#    <details><summary>Answer</summary>$3 \cdot 3 + 1 = 10 \le 12$ tokens, so $E = 1$. The
+#    document index is one shuffle, `[0, 1, 2]`, with $(12 - 1)//3 = 3$ windows, rows
+#    `(0,0) (0,3) (1,1) (2,1)`. With one epoch there is no final epoch to keep apart
+#    (`needs_separate_final_epoch` returns `(False, 0)`), so the shuffle index is one
+#    permutation of the 3 windows: `[1, 2, 0]`.</details>
