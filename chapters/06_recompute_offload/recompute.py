@@ -374,5 +374,5 @@ if __name__ == "__main__":
 # 2. Why does `block` suit the first pipeline stage of a 1F1B schedule better than the last?
 #    <details><summary>Hint</summary>Count the micro-batches whose activations a stage holds at
 #    the peak of 1F1B ([chapter 01](../01_main_loop/schedules.py)): the first stage holds one
-#    per pipeline stage, the last only one. `block` lets each stage choose its own $k$; the
-#    first needs it most.</details>
+#    per pipeline stage, the last only one. Then ask which stage is short of memory, and how
+#    few of its layers `block` can recompute while the rest run at full speed.</details>
