@@ -156,15 +156,18 @@ def build_exhaustive_blending_indices(sizes: Sequence[int]):
 # (`_get_size_per_split_per_dataset`, `blended_megatron_dataset_builder.py:553`). The blend's size
 # is the sum of the targets, which can exceed $N$ by up to one per dataset.
 #
-# Extreme weights are where blends used to break: with $0.001/0.999$ the small component can
-# be asked for more samples than one pass over it holds, and a blend that built each component
-# for a single epoch then indexed past its end (`IndexError`, Megatron-LM issue #705). Here, as
-# in Megatron at e03878b5f, each component is built for the number of samples it will be asked
+# Extreme weights: with $0.001/0.999$ the small component can be asked for more samples than
+# one pass over it holds. Each component is built for the number of samples it will be asked
 # for, so a small dataset simply repeats for as many epochs as it needs (the test builds one
 # that needs more than one pass). A split that holds *no* sequences but is asked for samples
-# is different: no number of epochs helps, Megatron's epoch loop spins forever, and here it
-# raises a `ValueError` naming the dataset and the split. The blend also checks, before training starts,
-# that no component is asked for more samples than it built.
+# is different: no number of epochs helps, and here it raises a `ValueError` naming the
+# dataset and the split. The blend also checks, before training starts, that no component is
+# asked for more samples than it built.
+#
+# <details><summary>Megatron detail: where blends used to break</summary>A blend that built
+# each component for a single epoch then indexed past its end (`IndexError`, Megatron-LM
+# issue #705). Megatron at e03878b5f builds each component for the samples it will be asked
+# for, as here; on an empty split its epoch loop spins forever.</details>
 
 # %%
 def get_size_per_split_per_dataset(weights: Sequence[float], sizes: Sequence[Optional[int]],
