@@ -65,6 +65,7 @@ PAGES_AT_GOAL = {
     "04_data/blended.py",
     "04_data/distribute.py",
     "04_data/gpt_dataset.py",
+    "04_data/index_tables.py",
     "04_data/indexed.py",
     "04_data/pipeline.py",
     "04_data/preprocess.py",

@@ -72,6 +72,11 @@ def normalize(weights: Sequence[float]) -> list[float]:
     return (w / w.sum()).tolist()
 
 
+# %% [markdown]
+# One step of the rule, for any set of candidates: the largest $w_i k - c_i$, the first on ties.
+# Both the weighted and the exhaustive blends below call it.
+
+# %%
 def _greedy_pick(w: list, counts: list, candidates, kk: float) -> int:
     """The candidate with the largest w_i * kk - count_i; the first one on ties (strict >)."""
     best, best_err = -1, -math.inf
@@ -82,6 +87,11 @@ def _greedy_pick(w: list, counts: list, candidates, kk: float) -> int:
     return best
 
 
+# %% [markdown]
+# The weighted blend: one pick per position. Two datasets, the common case, take an unrolled
+# loop that makes the same picks about four times faster.
+
+# %%
 def build_blending_indices(weights: Sequence[float], size: int):
     """(dataset_index int16, dataset_sample_index int64) for `size` positions, greedy rule."""
     w = [float(x) for x in weights]
@@ -146,15 +156,18 @@ def build_exhaustive_blending_indices(sizes: Sequence[int]):
 # (`_get_size_per_split_per_dataset`, `blended_megatron_dataset_builder.py:553`). The blend's size
 # is the sum of the targets, which can exceed $N$ by up to one per dataset.
 #
-# Extreme weights are where blends used to break: with $0.001/0.999$ the small component can
-# be asked for more samples than one pass over it holds, and a blend that built each component
-# for a single epoch then indexed past its end (`IndexError`, Megatron-LM issue #705). Here, as
-# in Megatron at e03878b5f, each component is built for the number of samples it will be asked
+# Extreme weights: with $0.001/0.999$ the small component can be asked for more samples than
+# one pass over it holds. Each component is built for the number of samples it will be asked
 # for, so a small dataset simply repeats for as many epochs as it needs (the test builds one
 # that needs more than one pass). A split that holds *no* sequences but is asked for samples
-# is different: no number of epochs helps, Megatron's epoch loop spins forever, and here it
-# raises a `ValueError` naming the dataset and the split. The blend also checks, before training starts,
-# that no component is asked for more samples than it built.
+# is different: no number of epochs helps, and here it raises a `ValueError` naming the
+# dataset and the split. The blend also checks, before training starts, that no component is
+# asked for more samples than it built.
+#
+# <details><summary>Megatron detail: where blends used to break</summary>A blend that built
+# each component for a single epoch then indexed past its end (`IndexError`, Megatron-LM
+# issue #705). Megatron at e03878b5f builds each component for the samples it will be asked
+# for, as here; on an empty split its epoch loop spins forever.</details>
 
 # %%
 def get_size_per_split_per_dataset(weights: Sequence[float], sizes: Sequence[Optional[int]],
@@ -244,18 +257,45 @@ class BlendedDataset(torch.utils.data.Dataset):
 # Every rank must meet the *same* barriers, data or not, or the world hangs: a rank without
 # data still calls `_generic` once per dataset it would have built, with nothing to make.
 #
-# Per prefix, the split's sequences become a `GPTDataset`. A split that holds no sequences
-# but is asked for samples is refused here.
-#
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
-# Megatron's epoch loop over an empty split never ends: no number of epochs yields a sample.
-# tinytron raises a `ValueError` naming the dataset, the split and the sample count.
-#
-# </div>
+# The rank rule comes first: `_generic` makes one dataset on rank 0, meets the barrier, then
+# makes it on the other ranks that hold data; every rank calls it the same number of times.
 
 # %%
-class RankOrderedBuilds:
+def _dist() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+class RankZeroFirst:
+    """Mixin for BlendedMegatronDatasetBuilder: rank 0 builds, barrier, then the other ranks."""
+
+    def _built_here(self) -> bool:
+        return not _dist() or self.is_built_on_rank()
+
+    def _generic(self, make: Callable, count: int = 1):
+        """Rank 0 builds first, barrier, then the other ranks (they hit the cache)."""
+        if not _dist():
+            return make()
+        out = None
+        rank = torch.distributed.get_rank()
+        if rank == 0 and self.is_built_on_rank():
+            out = make()
+        for _ in range(count):
+            torch.distributed.barrier()
+        if rank != 0 and self.is_built_on_rank():
+            out = make()
+        return out
+
+
+# %% [markdown]
+# Per prefix, the split's sequences become a `GPTDataset`. A split that holds no sequences
+# but is asked for samples is refused here: tinytron raises a `ValueError` naming the dataset,
+# the split and the sample count.
+#
+# <details><summary>Megatron detail: an empty split</summary>Megatron's epoch loop over an
+# empty split never ends: no number of epochs yields a sample.</details>
+
+# %%
+class RankOrderedBuilds(RankZeroFirst):
     """Mixin for BlendedMegatronDatasetBuilder: one prefix's splits, rank 0 first, then the rest."""
 
     def _build_splits(self, prefix: str, split, sizes) -> list:
@@ -279,60 +319,16 @@ class RankOrderedBuilds:
                 lambda ids=ids, i=i, sp=sp: self.cls(indexed, prefix, ids, sizes[i], sp, self.config)))
         return out
 
-    def _built_here(self) -> bool:
-        return not _dist() or self.is_built_on_rank()
-
-    def _generic(self, make: Callable, count: int = 1):
-        """Rank 0 builds first, barrier, then the other ranks (they hit the cache)."""
-        if not _dist():
-            return make()
-        out = None
-        rank = torch.distributed.get_rank()
-        if rank == 0 and self.is_built_on_rank():
-            out = make()
-        for _ in range(count):
-            torch.distributed.barrier()
-        if rank != 0 and self.is_built_on_rank():
-            out = make()
-        return out
-
-
-def _dist() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
 
 # %% [markdown]
-# The builder: `build` walks the splits (with `blend_per_split`, one blend per split, a single
-# prefix taken as is); `_build_blend` does one distribution. A single unweighted prefix is its
-# own dataset; several prefixes each build their splits with the surplus, and a
-# `BlendedDataset` per split mixes them. Without weights the blend is exhaustive, and its size
-# is capped by what the components hold.
+# One distribution, `_build_blend`: a single unweighted prefix is its own dataset; several
+# prefixes each build their splits with the surplus, and a `BlendedDataset` per split mixes
+# them. Without weights the blend is exhaustive, and its size is capped by what the
+# components hold.
 
 # %%
-class BlendedMegatronDatasetBuilder(RankOrderedBuilds):
-    """Build the train/valid/test datasets of a config (blended_megatron_dataset_builder.py:29)."""
-
-    def __init__(self, cls, sizes: Sequence[Optional[int]], is_built_on_rank: Callable[[], bool],
-                 config: GPTDatasetConfig):
-        if len(sizes) != 3:
-            raise ValueError(f"sizes must list train, valid and test sample counts, got {sizes}")
-        if config.blend is None and config.blend_per_split is None:
-            raise ValueError("config needs blend or blend_per_split")
-        self.cls, self.sizes, self.is_built_on_rank, self.config = cls, list(sizes), is_built_on_rank, config
-
-    def build(self) -> list:
-        """[train, valid, test] datasets (None where a split is empty or not built here)."""
-        if self.config.blend_per_split is None:
-            return self._build_blend(self.config.blend, self.config.split_matrix, self.sizes)
-        out = []
-        for i, blend in enumerate(self.config.blend_per_split):
-            split, sizes = [None] * 3, [0] * 3
-            split[i], sizes[i] = (0.0, 1.0), self.sizes[i]
-            if blend is not None and len(blend[0]) == 1:  # one prefix: its weight is ignored
-                out.append(self._build_splits(blend[0][0], split, sizes)[i])  # (:251-255)
-                continue
-            out.append(None if blend is None else self._build_blend(blend, split, sizes)[i])
-        return out
+class BlendBuilds(RankOrderedBuilds):
+    """Mixin for BlendedMegatronDatasetBuilder: the three splits of one distribution."""
 
     def _build_blend(self, blend, split, sizes) -> list:
         """One distribution: a single prefix directly, several as BlendedDatasets."""
@@ -361,6 +357,37 @@ class BlendedMegatronDatasetBuilder(RankOrderedBuilds):
                 size_i = (sum(t[i] for t in target) if weights is not None
                           else None if sizes[i] is None else min(sizes[i], sum(w_i)))
                 out.append(self._generic(lambda: BlendedDataset(parts, w_i, size_i, self.config)))
+        return out
+
+
+# %% [markdown]
+# The builder: `build` walks the splits (with `blend_per_split`, one blend per split, a single
+# prefix taken as is) and hands each distribution to `_build_blend`.
+
+# %%
+class BlendedMegatronDatasetBuilder(BlendBuilds):
+    """Build the train/valid/test datasets of a config (blended_megatron_dataset_builder.py:29)."""
+
+    def __init__(self, cls, sizes: Sequence[Optional[int]], is_built_on_rank: Callable[[], bool],
+                 config: GPTDatasetConfig):
+        if len(sizes) != 3:
+            raise ValueError(f"sizes must list train, valid and test sample counts, got {sizes}")
+        if config.blend is None and config.blend_per_split is None:
+            raise ValueError("config needs blend or blend_per_split")
+        self.cls, self.sizes, self.is_built_on_rank, self.config = cls, list(sizes), is_built_on_rank, config
+
+    def build(self) -> list:
+        """[train, valid, test] datasets (None where a split is empty or not built here)."""
+        if self.config.blend_per_split is None:
+            return self._build_blend(self.config.blend, self.config.split_matrix, self.sizes)
+        out = []
+        for i, blend in enumerate(self.config.blend_per_split):
+            split, sizes = [None] * 3, [0] * 3
+            split[i], sizes[i] = (0.0, 1.0), self.sizes[i]
+            if blend is not None and len(blend[0]) == 1:  # one prefix: its weight is ignored
+                out.append(self._build_splits(blend[0][0], split, sizes)[i])  # (:251-255)
+                continue
+            out.append(None if blend is None else self._build_blend(blend, split, sizes)[i])
         return out
 
 
@@ -405,6 +432,12 @@ if __name__ == "__main__":
     plt.show()
     assert np.abs(err).max() <= 1.0
 
+# %% [markdown]
+# The extreme blend: two small corpora written here, `big` and `small`, blended 0.999/0.001
+# by the builder.
+
+# %%
+if __name__ == "__main__":
     tmp = tempfile.mkdtemp()
     rng = np.random.default_rng(0)
     prefixes = []
@@ -446,8 +479,24 @@ if __name__ == "__main__":
 # ## Exercises
 #
 # 1. Plot `count − w·k` for a random (multinomial) mixture of the same weights and compare.
+#    <details><summary>Hint</summary>Draw the picks with `np.random.default_rng(0).choice(3,
+#    2000, p=w)` and compute `err` as the demo does; `plot_blend_ratios` draws both orders. The
+#    greedy error stays at or below one sample; the random one grows like $\sqrt{k}$.</details>
 # 2. Why does position $k = 0$ use $\max(k, 1) = 1$? What would change with $k$ itself?
+#    <details><summary>Answer</summary>With $k = 0$ every error $w_i \cdot 0 - 0$ is 0, a tie
+#    that the lowest index wins whatever the weights. With $\max(k, 1)$ the first pick goes to
+#    the largest weight. For $w = (0.25, 0.75)$ the rule gives `BABBABBBABBB`; with $k$ itself
+#    the twelve picks are `ABBBABBBABBB`: the 25% dataset opens the blend.</details>
 # 3. Find weights for which the 0.5% surplus is not enough for a 10-sample split.
+#    <details><summary>Answer</summary>There are none. Below 200 used samples the surplus
+#    $\lceil c (1 + 0.005) \rceil$ is $c + 1$: one spare sample per component, and the greedy
+#    rule never puts a dataset a whole sample ahead of its weight. A search over every weight
+#    pair and triple on a 0.01 grid (`build_blending_indices` against
+#    `get_size_per_split_per_dataset`) finds no component asked for more than it built.</details>
 # 4. Resume a run from a checkpoint with one more dataset in `--data-path`. Which cached tables
 #    are reused, which are rebuilt, and does the resumed run see the samples the old one would
 #    have?
+#    <details><summary>Hint</summary>Follow the keys: every weight changes when one is added,
+#    so each component's sample count (`get_size_per_split_per_dataset`) and with it its
+#    `GPTDataset` key change, and so does the blend's own key (`_blend_cache.describe`). Then
+#    compare `build_blending_indices` for the old and new weights from position 0.</details>

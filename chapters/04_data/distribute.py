@@ -42,13 +42,11 @@ __all__ = ["BATCH_KEYS", "stage_keys", "broadcast_from_tp_rank0", "get_batch_on_
 # 16 MB: the mask is 99% of the bytes, which is why Megatron can leave it out of the batch
 # (`create_attention_mask_in_dataloader`) and let the attention kernel apply causality itself.
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+# tinytron sends the mask as uint8 and casts it back on arrival: gloo cannot broadcast bool
+# tensors. The values are the same; on NCCL the wire carries one byte per element either way.
 #
-# Megatron broadcasts the attention mask as `torch.bool` (`megatron/core/utils.py:2150`);
-# gloo cannot broadcast bool tensors, so tinytron sends it as uint8 and casts it back on
-# arrival. The values are the same; on NCCL the wire carries one byte per element either way.
-#
-# </div>
+# <details><summary>Megatron detail: the mask's dtype</summary>Megatron broadcasts the attention
+# mask as `torch.bool` (`megatron/core/utils.py:2150`).</details>
 #
 # | stage | tokens | position_ids | labels | loss_mask | attention_mask | cu_seqlens, max_seqlen (SFT) |
 # |---|---|---|---|---|---|---|
@@ -211,10 +209,12 @@ def get_batch_on_this_cp_rank(batch: dict, grid: ParallelGrid) -> dict:
 # it, *before* the copy to the device: there the ids are host memory and reading their minimum
 # and maximum costs no device synchronization, where the same check after the copy would stall
 # a GPU's stream on every micro-batch. The other TP ranks, waiting in the broadcast, fail with
-# the broken group when rank 0 raises (torchrun then stops the job). Megatron's `get_batch`
-# (`pretrain_gpt.py:76`) checks no ids. Chapter 01's `gpt_forward_step` passes the model's
-# `vocab_size`; the tokenizer's own size is checked once at the start against the data's
-# [tokenizer sidecar](preprocess.py).
+# the broken group when rank 0 raises (torchrun then stops the job). Chapter 01's
+# `gpt_forward_step` passes the model's `vocab_size`; the tokenizer's own size is checked once
+# at the start against the data's [tokenizer sidecar](preprocess.py).
+#
+# <details><summary>Megatron detail: no id check</summary>Megatron's `get_batch`
+# (`pretrain_gpt.py:76`) checks no ids.</details>
 
 # %%
 def get_batch(data_iterator: Optional[Iterator], grid: ParallelGrid, *, micro_batch_size: int,
@@ -294,4 +294,12 @@ if __name__ == "__main__":
 #
 # 1. Packed SFT sends `cu_seqlens` after a length prefix. Why can the receivers not allocate it
 #    up front like the other tensors, and what would a receiver do without the prefix?
+#    <details><summary>Hint</summary>The other tensors are `[mbs, seq_length]`, known on every
+#    rank before anything arrives. The number of segment boundaries depends on how many
+#    documents the packer put in the row, which only TP rank 0 has seen: see `_broadcast_varlen`
+#    and what a broadcast needs the receiver's buffer to be.</details>
 # 2. What goes wrong if a TP rank other than 0 also calls `next()` on its own iterator?
+#    <details><summary>Hint</summary>See the contract above `get_batch_on_this_tp_rank` and
+#    `is_dataset_built_on_rank` on the [pipeline page](pipeline.py): most non-zero TP ranks
+#    have no iterator at all, and one that has one would consume samples meant for later steps,
+#    so its stream drifts from rank 0's and from what `consumed_samples` says.</details>

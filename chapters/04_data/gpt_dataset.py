@@ -68,7 +68,7 @@ import torch
 from tinytron._fields import check_fields, check_range, document_fields
 from tinytron.data._dataset_cache import (_is_rank_zero, _save_atomic,  # noqa: F401 (re-exported)
                                           data_identity, describe, load_or_build)
-from tinytron.data.indexed import IndexedDataset, get_bin_path, get_idx_path
+from tinytron.data.indexed import IndexedDataset
 from tinytron.overview.batch import PAD_SENTINEL, get_ltor_masks_and_position_ids, mask_padding
 
 __all__ = [
@@ -76,7 +76,7 @@ __all__ = [
     "GPTDatasetConfig", "checked_blend", "get_num_epochs", "needs_separate_final_epoch",
     "build_document_index", "build_sample_index", "build_sample_index_loop", "build_shuffle_index",
     "shuffle_index_dtype", "build_document_sample_shuffle_indices",
-    "data_identity", "GPTDataset", "plot_index_tables",
+    "data_identity", "GPTDataset",
 ]
 
 # %% [markdown]
@@ -138,79 +138,6 @@ def split_indices(bookends: Optional[tuple], num_elements: int) -> Optional[np.n
     return np.arange(beg, end, dtype=np.int32)
 
 # %% [markdown]
-# ## The config
-#
-# Names and defaults follow `GPTDatasetConfig` (`gpt_dataset.py:25`) and its parent
-# `BlendedMegatronDatasetConfig`. Instead of a tokenizer object the config takes the two ids the
-# dataset needs, `eod_id` and `pad_id` (Megatron's `-1` sentinel when the tokenizer has no pad).
-# Two integers rather than a tokenizer object keep the config a plain dataclass that pickles
-# to `DataLoader` workers and prints in the cache description; they are also all the dataset
-# uses a tokenizer for.
-# Every field that changes which windows come out, or in what order, is also a field of the
-# cache key below; the mask options (`reset_position_ids` and the rest) change only what is
-# computed from a window, so they are not.
-
-# %%
-@document_fields
-@dataclass
-class GPTDatasetConfig:
-    """Everything that decides which samples a GPTDataset yields."""
-
-    sequence_length: int
-    """Tokens per sample input (the sample reads sequence_length + 1)."""
-    random_seed: int = 1234
-    """Seed of the document and shuffle permutations."""
-    blend: Optional[tuple] = None
-    """(prefixes, weights or None) for one distribution split into train/valid/test."""
-    blend_per_split: Optional[list] = None
-    """One (prefixes, weights) per split, instead of `blend` + `split`."""
-    split: Optional[str] = "969,30,1"
-    """Train/valid/test weights."""
-    path_to_cache: Optional[str] = None
-    """Where index .npy files go (default: <prefix>/cache/GPTDataset_indices)."""
-    mmap_bin_files: bool = True
-    """Memory-map the .bin (else seek + read)."""
-    mid_level_dataset_surplus: float = 0.005
-    """Extra fraction of samples each blended component builds."""
-    eod_id: int = 0
-    """End-of-document token id."""
-    pad_id: int = PAD_SENTINEL
-    """Pad token id (-1 when the tokenizer has none)."""
-    reset_position_ids: bool = False
-    """Restart positions after each EOD."""
-    reset_attention_mask: bool = False
-    """Block attention across EODs."""
-    eod_mask_loss: bool = False
-    """Zero the loss at EOD inputs."""
-    create_attention_mask: bool = True
-    """Return the [1, s, s] boolean mask (True = masked)."""
-    drop_last_partial_validation_sequence: bool = True
-    """Drop the last partial valid sample (else pad it)."""
-    add_extra_token_to_sequence: bool = True
-    """Read seq_length + 1 tokens so labels need no padding."""
-    split_matrix: Optional[list] = field(init=False, default=None)
-    """Book-ends derived from `split`."""
-
-    def __post_init__(self):
-        check_fields(self)  # sequence_length="512" or eod_id="0" stop here, not 13 frames down
-        check_range(self, "sequence_length", 2)
-        check_range(self, "mid_level_dataset_surplus", 0)
-        if self.blend is not None and self.blend_per_split is not None:
-            raise ValueError("give either blend (with split) or blend_per_split, not both")
-        if self.blend is not None:
-            self.blend = checked_blend(self.blend, "blend")
-        if self.blend_per_split is not None:
-            if not isinstance(self.blend_per_split, (list, tuple)) or len(self.blend_per_split) != 3:
-                raise ValueError("blend_per_split must list 3 blends (train, valid, test; None for "
-                                 f"none), got {self.blend_per_split!r}")
-            self.blend_per_split = [None if b is None else checked_blend(b, f"blend_per_split[{i}]")
-                                    for i, b in enumerate(self.blend_per_split)]
-        if self.blend_per_split is None:
-            self.split_matrix = convert_split_vector_to_split_matrix(
-                parse_and_normalize_split(self.split))
-
-
-# %% [markdown]
 # A blend is a pair: the dataset prefixes and their weights (or None for equal shares by size).
 # It is checked here, once, so that a wrong shape names the field instead of failing inside the
 # builder.
@@ -235,6 +162,25 @@ def checked_blend(blend, name: str = "blend") -> tuple:
         raise ValueError(f"{name}[1] must be non-negative numbers with a positive sum, got {weights!r}")
     return prefixes, [float(w) for w in weights]
 
+
+# %% [markdown]
+# The config holds either one blend cut by `split` or one blend per split, never both. This
+# check runs when a config is made, and puts each blend through `checked_blend` with its name.
+
+# %%
+def _check_blends(cfg) -> None:
+    """Either `blend` or `blend_per_split` (3 blends or None), each checked; normalized in place."""
+    if cfg.blend is not None and cfg.blend_per_split is not None:
+        raise ValueError("give either blend (with split) or blend_per_split, not both")
+    if cfg.blend is not None:
+        cfg.blend = checked_blend(cfg.blend, "blend")
+    if cfg.blend_per_split is not None:
+        if not isinstance(cfg.blend_per_split, (list, tuple)) or len(cfg.blend_per_split) != 3:
+            raise ValueError("blend_per_split must list 3 blends (train, valid, test; None for "
+                             f"none), got {cfg.blend_per_split!r}")
+        cfg.blend_per_split = [None if b is None else checked_blend(b, f"blend_per_split[{i}]")
+                               for i, b in enumerate(cfg.blend_per_split)]
+
 # %% [markdown]
 # ## How many epochs, and the separate final epoch
 #
@@ -255,8 +201,10 @@ def checked_blend(blend, name: str = "blend") -> tuple:
 # inputs are tokens $0..L-1$ and the labels tokens $1..L$ of the same window, with no label
 # missing at the end. Consecutive windows share that one token (the last label of one is the
 # first input of the next), so $S$ windows cover $S L + 1$ tokens, not $S (L + 1)$. An empty
-# split asked for samples would need infinitely many epochs; Megatron's loop never ends there,
-# tinytron stops with a one-line error naming the dataset and the split.
+# split asked for samples would need infinitely many epochs; tinytron stops with a one-line
+# error naming the dataset and the split.
+#
+# <details><summary>Megatron detail: an empty split</summary>Megatron's loop never ends there.</details>
 
 # %%
 def get_num_epochs(tokens_per_epoch: int, num_samples: Optional[int], seq_length: int,
@@ -424,12 +372,31 @@ def build_sample_index_loop(sizes, document_index, seq_length: int, num_epochs: 
 # lengths, one `cumsum` and one division; per sample one fill, one in-place `cumsum`, and a
 # scatter-add at the sequence ends, with no Python-level loop and few temporaries. On the
 # benchmark's 1.07 million samples it takes 4–6.5 ms of CPU time where Megatron's compiled
-# walk takes 5.7–7.3 ms (the summary has the measurement). An earlier form of this page
-# spread the positions with `np.repeat` and then gathered each sample's first token and wrote
-# the two columns one by one: `np.repeat` alone took 3.4 ms and the whole function 2–3× the
-# C++. A compiled helper of our own (Megatron compiles `helpers.cpp` with pybind11 on first
-# use) would need a compiler on every machine that opens a dataset, and would have little
-# left to win: the walk is a small part of the build (the summary again).
+# walk takes 5.7–7.3 ms (the [next page's](index_tables.py) summary has the measurement). A
+# compiled helper of our own (Megatron compiles `helpers.cpp` with pybind11 on first use) would
+# need a compiler on every machine that opens a dataset, and would have little left to win:
+# the walk is a small part of the build (that summary again).
+#
+# <details><summary>Megatron detail: an earlier, slower form</summary>An earlier form of this
+# page spread the positions with `np.repeat` and then gathered each sample's first token and
+# wrote the two columns one by one: `np.repeat` alone took 3.4 ms and the whole function 2–3×
+# the C++.</details>
+#
+# First the running sum itself: a step per sample, the jumps added at the samples where
+# sequences end, one spare slot for the jumps past the last sample, one `cumsum`.
+
+# %%
+def _running_sum(n: int, step, at: np.ndarray, jumps, dtype) -> np.ndarray:
+    """cumsum over n samples of `step` per sample after the first plus `jumps` at samples `at`."""
+    d = np.full(n + 1, step, dtype=dtype)  # slot n: the spare for steps past the last sample
+    d[0] = 0
+    np.add.at(d, at, jumps)  # repeated samples add up
+    return np.cumsum(d, out=d)[:n]
+
+
+# %% [markdown]
+# Then the table: $f_j$ for every sequence end, and the two columns as one packed `uint64` sum
+# (or two `int64` sums when the numbers do not fit 32 bits).
 
 # %%
 def build_sample_index(sizes, document_index, seq_length: int, num_epochs: int,
@@ -465,14 +432,6 @@ def build_sample_index(sizes, document_index, seq_length: int, num_epochs: int,
         out[-1] = (num_docs - 1, last_length - add_extra_token)
     out[0] = (0, 0)
     return out
-
-
-def _running_sum(n: int, step, at: np.ndarray, jumps, dtype) -> np.ndarray:
-    """cumsum over n samples of `step` per sample after the first plus `jumps` at samples `at`."""
-    d = np.full(n + 1, step, dtype=dtype)  # slot n: the spare for steps past the last sample
-    d[0] = 0
-    np.add.at(d, at, jumps)  # repeated samples add up
-    return np.cumsum(d, out=d)[:n]
 
 # %% [markdown]
 # Checked against the loop above (`tests/test_data_gpt.py`, random corpora with empty
@@ -556,6 +515,70 @@ def build_document_sample_shuffle_indices(sizes: np.ndarray, documents: np.ndarr
 # byte for byte and the md5 stays, so the cache built on the first is used on the second.
 
 # %% [markdown]
+# ## The config
+#
+# Names and defaults follow `GPTDatasetConfig` (`gpt_dataset.py:25`) and its parent
+# `BlendedMegatronDatasetConfig`. Instead of a tokenizer object the config takes the two ids the
+# dataset needs, `eod_id` and `pad_id` (Megatron's `-1` sentinel when the tokenizer has no pad).
+# Two integers rather than a tokenizer object keep the config a plain dataclass that pickles
+# to `DataLoader` workers and prints in the cache description; they are also all the dataset
+# uses a tokenizer for.
+# Every field that changes which windows come out, or in what order, is also a field of the
+# cache key above; the mask options (`reset_position_ids` and the rest) change only what is
+# computed from a window, so they are not.
+
+# %%
+@document_fields
+@dataclass
+class GPTDatasetConfig:
+    """Everything that decides which samples a GPTDataset yields."""
+
+    sequence_length: int
+    """Tokens per sample input (the sample reads sequence_length + 1)."""
+    random_seed: int = 1234
+    """Seed of the document and shuffle permutations."""
+    blend: Optional[tuple] = None
+    """(prefixes, weights or None) for one distribution split into train/valid/test."""
+    blend_per_split: Optional[list] = None
+    """One (prefixes, weights) per split, instead of `blend` + `split`."""
+    split: Optional[str] = "969,30,1"
+    """Train/valid/test weights."""
+    path_to_cache: Optional[str] = None
+    """Where index .npy files go (default: <prefix>/cache/GPTDataset_indices)."""
+    mmap_bin_files: bool = True
+    """Memory-map the .bin (else seek + read)."""
+    mid_level_dataset_surplus: float = 0.005
+    """Extra fraction of samples each blended component builds."""
+    eod_id: int = 0
+    """End-of-document token id."""
+    pad_id: int = PAD_SENTINEL
+    """Pad token id (-1 when the tokenizer has none)."""
+    reset_position_ids: bool = False
+    """Restart positions after each EOD."""
+    reset_attention_mask: bool = False
+    """Block attention across EODs."""
+    eod_mask_loss: bool = False
+    """Zero the loss at EOD inputs."""
+    create_attention_mask: bool = True
+    """Return the [1, s, s] boolean mask (True = masked)."""
+    drop_last_partial_validation_sequence: bool = True
+    """Drop the last partial valid sample (else pad it)."""
+    add_extra_token_to_sequence: bool = True
+    """Read seq_length + 1 tokens so labels need no padding."""
+    split_matrix: Optional[list] = field(init=False, default=None)
+    """Book-ends derived from `split`."""
+
+    def __post_init__(self):
+        check_fields(self)  # sequence_length="512" or eod_id="0" stop here, not 13 frames down
+        check_range(self, "sequence_length", 2)
+        check_range(self, "mid_level_dataset_surplus", 0)
+        _check_blends(self)
+        if self.blend_per_split is None:
+            self.split_matrix = convert_split_vector_to_split_matrix(
+                parse_and_normalize_split(self.split))
+
+
+# %% [markdown]
 # ## GPTDataset
 #
 # A sample is read by following the three tables: `j = shuffle[i]`; rows `j` and `j+1` of the
@@ -576,9 +599,43 @@ def build_document_sample_shuffle_indices(sizes: np.ndarray, documents: np.ndarr
 # not the 4 asked for: the training loop asks for only the first $S$. Pickling drops the token
 # views, so a `DataLoader` worker re-opens the memory map in its own process instead of
 # receiving a copy of the corpus through a pipe.
+#
+# The call that builds the tables for one split, that pickling, and the one-line description a
+# dataset prints come first, as a mixin.
 
 # %%
-class GPTDataset(torch.utils.data.Dataset):
+class _GPTDatasetPlumbing:
+    """Mixin for GPTDataset: build the tables, pickle without the token views, print a summary."""
+
+    def _build(self):
+        """The three tables for this split (the last valid sample kept partial if asked)."""
+        drop = (self.config.drop_last_partial_validation_sequence
+                if self.index_split == Split.valid else True)
+        return build_document_sample_shuffle_indices(
+            self.dataset.sequence_lengths, self.indices, self.num_samples,
+            self.config.sequence_length, self.config.random_seed, self.extra, drop,
+            what=f"dataset {self.dataset_path!r} split {self.index_split.name!r}")
+
+    def __getstate__(self):
+        """Pickle without the token views; the IndexedDataset re-opens its files."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_tokens", "_offsets")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        _attach_tokens(self)
+
+    def __repr__(self) -> str:
+        tokens = int(np.asarray(self.dataset.sequence_lengths)[self.indices].sum(dtype=np.int64))
+        return (f"GPTDataset(path={self.dataset_path!r}, split={self.index_split.name}, "
+                f"sequences={len(self.indices)}, tokens={tokens}, samples={len(self)}, "
+                f"sequence_length={self.config.sequence_length})")
+
+
+# %% [markdown]
+# The class: describe, load or build, attach; then the two reads.
+
+# %%
+class GPTDataset(_GPTDatasetPlumbing, torch.utils.data.Dataset):
     """Megatron's GPTDataset: a split of an IndexedDataset as shuffled seq_length+1 windows.
 
     Example (most code builds it through `build_train_valid_test_datasets` instead)::
@@ -601,15 +658,6 @@ class GPTDataset(torch.utils.data.Dataset):
         self.document_index, self.sample_index, self.shuffle_index = load_or_build(self, self._build)
         _attach_tokens(self)
 
-    def _build(self):
-        """The three tables for this split (the last valid sample kept partial if asked)."""
-        drop = (self.config.drop_last_partial_validation_sequence
-                if self.index_split == Split.valid else True)
-        return build_document_sample_shuffle_indices(
-            self.dataset.sequence_lengths, self.indices, self.num_samples,
-            self.config.sequence_length, self.config.random_seed, self.extra, drop,
-            what=f"dataset {self.dataset_path!r} split {self.index_split.name!r}")
-
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1
 
@@ -620,20 +668,6 @@ class GPTDataset(torch.utils.data.Dataset):
     def __getitem__(self, idx: Optional[int]) -> dict:
         """tokens, labels, loss_mask, position_ids (+ attention_mask) of sample idx."""
         return _sample(self, idx)
-
-    def __getstate__(self):
-        """Pickle without the token views; the IndexedDataset re-opens its files."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("_tokens", "_offsets")}
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        _attach_tokens(self)
-
-    def __repr__(self) -> str:
-        tokens = int(np.asarray(self.dataset.sequence_lengths)[self.indices].sum(dtype=np.int64))
-        return (f"GPTDataset(path={self.dataset_path!r}, split={self.index_split.name}, "
-                f"sequences={len(self.indices)}, tokens={tokens}, samples={len(self)}, "
-                f"sequence_length={self.config.sequence_length})")
 
 
 # %% [markdown]
@@ -722,6 +756,12 @@ def _sample(ds: GPTDataset, idx: Optional[int]) -> dict:
     return sample
 
 
+# %% [markdown]
+# The masks and positions, from chapter 00. When no option depends on where the EODs are, they
+# are the same for every window: the first sample computes them and later ones copy the loss
+# mask (the one that `mask_padding` may change) and share the rest.
+
+# %%
 def _masks(ds: GPTDataset, tokens: torch.Tensor):
     """Chapter 00's masks and positions, computed once when they do not depend on EODs."""
     cfg = ds.config
@@ -738,136 +778,8 @@ def _masks(ds: GPTDataset, tokens: torch.Tensor):
     return out
 
 # %% [markdown]
-# ## Drawing the three tables
+# ## Next
 #
-# The picture of the demo's corpus: the top row is the document index as a token stream (one
-# color per sequence, dashed lines at the epoch ends), the rows below are the windows of the
-# sample index, each labeled `s{i}→#{k}`: window $i$ is read at step $k$ of the shuffle
-# index. Windows overlap by one token, a window that crosses a color is a window that crosses a
-# document boundary, and the step numbers jump around: that is the shuffle.
-
-# %% tags=["hide-input"]
-def plot_index_tables(sizes, document_index, sample_index, shuffle_index, seq_length: int,
-                      tokens_per_epoch: Optional[int] = None):
-    """The token stream colored by sequence, sample windows below it, and the shuffle order."""
-    import matplotlib.pyplot as plt
-
-    lengths = np.asarray(sizes)[document_index]
-    cum = np.concatenate([[0], np.cumsum(lengths)])
-    fig, ax = plt.subplots(figsize=(10, 3.2))
-    cmap = plt.get_cmap("tab10")
-    for j, (lo, n) in enumerate(zip(cum[:-1], lengths)):
-        ax.barh(2, n, left=lo, color=cmap(int(document_index[j]) % 10), edgecolor="k")
-        ax.text(lo + n / 2, 2, f"seq {document_index[j]}", ha="center", va="center", fontsize=8)
-    for i in range(len(sample_index) - 1):
-        start = cum[sample_index[i][0]] + sample_index[i][1]
-        ax.barh(1 - 0.35 * (i % 2), seq_length + 1, left=start, height=0.3, color="0.8", edgecolor="k")
-        order = int(np.flatnonzero(np.asarray(shuffle_index) == i)[0])
-        ax.text(start + (seq_length + 1) / 2, 1 - 0.35 * (i % 2), f"s{i}→#{order}",
-                ha="center", va="center", fontsize=7)
-    if tokens_per_epoch:
-        for e in range(1, int(cum[-1] // tokens_per_epoch) + 1):
-            ax.axvline(e * tokens_per_epoch, color="k", ls="--", lw=1)
-            ax.text(e * tokens_per_epoch - 0.5, 1.45, f"end of epoch {e}", ha="right", fontsize=7)
-    ax.set_yticks([2, 0.8], ["document index\n(shuffled seqs)", "sample index\n(window → read at step #)"])
-    ax.set_xlabel("token position in the concatenated stream")
-    ax.set_title(f"three index tables, seq_length={seq_length}")
-    fig.tight_layout()
-    return fig
-
-# %% [markdown]
-# ## Demo: a tiny corpus, its three tables, and Megatron's loop
-#
-# Five sequences of 7, 3, 9, 5 and 6 tokens (30 per epoch), whose tokens say where they come
-# from (sequence $s$ holds $100s, 100s+1, ...$), windows of 4 tokens and 8 samples: two epochs.
-# The printed sample windows can be checked by eye — a window that jumps from 6 to 100 crossed
-# from sequence 0 into sequence 1. Then the asserts: the sample index equals the transcription
-# of Megatron's C++ loop and this page's own loop, the worked examples of this page give the
-# arrays worked by hand, every window equals the reference reader's, and a second dataset with
-# the same key is a cache hit with the same shuffle.
-
-# %%
-if __name__ == "__main__":
-    import tempfile
-
-    import matplotlib.pyplot as plt
-
-    from tinytron.data._reference import reference_sample_idx, reference_sample_tokens
-    from tinytron.data.indexed import IndexedDatasetBuilder
-
-    tmp = tempfile.mkdtemp()
-    prefix = os.path.join(tmp, "tiny")
-    b = IndexedDatasetBuilder(get_bin_path(prefix), dtype=np.uint16)
-    for s, n in enumerate([7, 3, 9, 5, 6]):
-        b.add_item(np.arange(n) + 100 * s)  # sequence s holds 100s, 100s+1, ...
-        b.end_document()
-    b.finalize(get_idx_path(prefix))
-    ds_ix = IndexedDataset(prefix)
-    cfg = GPTDatasetConfig(sequence_length=4, split="100,0,0", path_to_cache=os.path.join(tmp, "c"))
-    ds = GPTDataset(ds_ix, prefix, np.arange(5, dtype=np.int32), 8, Split.train, cfg)
-    print("document index:", ds.document_index.tolist())
-    print("sample index:  ", ds.sample_index.tolist())
-    print("shuffle index: ", ds.shuffle_index.tolist())
-    for i in range(3):
-        print(f"sample {i}:", ds.query_tokens(i).tolist())
-    plot_index_tables(ds_ix.sequence_lengths, ds.document_index, ds.sample_index, ds.shuffle_index, 4,
-                      tokens_per_epoch=30)
-    plt.show()
-    ref = reference_sample_idx(ds_ix.sequence_lengths, ds.document_index, 4, 2, 30)  # E = 2 epochs
-    assert np.array_equal(ref, ds.sample_index)
-    worked = build_sample_index(np.array([4, 3, 5]), np.arange(3), 3, 1, 12)  # the prose example
-    assert worked.tolist() == [[0, 0], [0, 3], [1, 2], [2, 2]]
-    loop = build_sample_index_loop(np.array([4, 3, 5]), np.arange(3), 3, 1, 12)
-    assert np.array_equal(loop, worked)  # the loop first, the running sums after: one table
-    loop = build_sample_index_loop(ds_ix.sequence_lengths, ds.document_index, 4, 2, 30)
-    assert np.array_equal(loop, ds.sample_index)
-    three = build_document_sample_shuffle_indices(np.array([5, 3, 4]), np.arange(3, dtype=np.int32),
-                                                  4, 3, seed=1234)  # the 3-document example
-    assert [t.tolist() for t in three] == [
-        [0, 1, 2, 1, 2, 0], [[0, 0], [0, 3], [1, 1], [2, 1], [3, 0], [4, 0], [4, 3], [5, 2]],
-        [2, 1, 0, 3, 5, 4, 6]]
-    assert get_num_epochs(12, 4, 3) == 2 and needs_separate_final_epoch(2, 12, 4, 3) == (True, 3)
-    assert all(np.array_equal(ds.query_tokens(i), reference_sample_tokens(
-        ds_ix, ds.document_index, ds.sample_index, ds.shuffle_index, i, 4)) for i in range(len(ds)))
-    again = GPTDataset(ds_ix, prefix, np.arange(5, dtype=np.int32), 8, Split.train, cfg)
-    assert again.cache_hit and np.array_equal(again.shuffle_index, ds.shuffle_index)
-    sample = ds[0]
-    assert torch.equal(sample["labels"][:-1], sample["tokens"][1:])
-
-# %% [markdown]
-# ## Summary
-#
-# * Document index: sequence ids × epochs, shuffled (the last epoch apart under the 80% rule).
-# * Sample index: sample $i$ starts at token $iL$ of that stream; two running sums, packed
-#   into one `cumsum`, build it, tested against the loop that walks it sample by sample.
-# * Measured (`OMP_NUM_THREADS=1 python benchmarks/bench_data.py --rounds 9`: 100M tokens,
-#   1.07M samples of 1,024, CPU time against megatron-core 0.16.1, identical arrays, five runs
-#   on a shared 2-core machine at load 5–8): the whole build, nine rounds alternating in one
-#   process, takes 0.94× Megatron's time (median; 0.76–0.96×); built once per fresh process, as
-#   a training run builds it, 0.94× (median of 25 pairs, noisier: 0.83–1.20× per run). The
-#   sample index is 4–6.5 ms against 5.7–7.3 ms for the compiled `build_sample_idx`; the rest,
-#   about 85% of either build, is the two `RandomState` shuffles, the same numpy calls on both
-#   sides. Shuffling an `int64` copy to reach numpy's faster loop for 8-byte items (the same
-#   permutation) gave nothing in the median: the loop is faster, but twice the bytes move.
-# * Shuffle index: a permutation of samples from the same RNG stream, drawn after the documents.
-# * Cached on disk under a key that includes the data's own identity.
-#   That identity is tinytron's addition: Megatron's key (`megatron_dataset.py:57-71`) holds
-#   the path and the config, so rewriting a prefix in place keeps its stale tables.
-# * The class only describes, loads or builds, and reads; the cache's bookkeeping lives in
-#   `tinytron.data._dataset_cache`.
-#
-# ## How production does it
-#
-# * Megatron: `megatron/core/datasets/gpt_dataset.py` (`GPTDataset` `:101`, lookup `:298`, build
-#   `:381`), `helpers.cpp:145` (`build_sample_idx`, compiled with pybind11 on first use),
-#   `megatron_dataset.py:57-71` (the cache description).
-# * torchtitan streams Hugging Face datasets and packs on the fly instead: no index files, but no
-#   exact resume by sample count either.
-#
-# ## Exercises
-#
-# 1. Change one sequence's length in the tiny corpus, re-run: which cache files are rebuilt?
-# 2. Show that with `add_extra_token_to_sequence=False` consecutive samples no longer overlap.
-# 3. Set $S$ so that the final epoch holds exactly 80% of an epoch's samples: separate or not?
-# 4. In the three-document example ask for $S = 3$ instead of 4: how many epochs, which
-#    document index, and why is the shuffle index now a single permutation?
+# The three tables are built, cached and read. The [next page](index_tables.py) draws them for a
+# tiny corpus, checks them against Megatron's loop and the worked examples of this page, and
+# closes the topic with its summary and exercises.

@@ -105,6 +105,12 @@ class DType:
         return cls.codes[code]
 
 
+# %% [markdown]
+# Three one-line helpers follow: the dtype rule of the paragraph above, and the two file names
+# of a prefix. Every later cell names the files through them, so `P` never appears with a
+# hand-written suffix.
+
+# %%
 def optimal_dtype(vocab_size: Optional[int]):
     """uint16 when every token id fits below 65500, else int32 (indexed_dataset.py:107)."""
     return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
@@ -181,16 +187,13 @@ def _parse_header(idx_path: str, raw: memoryview) -> tuple:
 #
 # Preprocessing a large corpus takes hours, and jobs get killed. What matters is what a killed
 # job leaves behind: a later training run opens whatever pair it finds under the prefix.
+# tinytron writes `P.bin.partial` and `P.idx.partial`, flushes both to disk, and only then
+# renames them into place.
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
-# Megatron's builder writes straight into `P.bin` and writes `P.idx` in `finalize`
-# (`indexed_dataset.py:937`). A job killed in between leaves a `.bin` with no index, or a
-# half-written `.idx` next to a full `.bin`, or, when a run overwrites an old prefix, the old
-# `.idx` next to a new `.bin`. tinytron writes `P.bin.partial` and `P.idx.partial`, flushes both
-# to disk, and only then renames them into place.
-#
-# </div>
+# <details><summary>Megatron detail: the builder writes in place</summary>Megatron's builder
+# writes straight into `P.bin` and writes `P.idx` in `finalize` (`indexed_dataset.py:937`). A job
+# killed in between leaves a `.bin` with no index, or a half-written `.idx` next to a full `.bin`,
+# or, when a run overwrites an old prefix, the old `.idx` next to a new `.bin`.</details>
 #
 # The old index (if any) is removed before the first rename, so at every instant the prefix is
 # one of three states, and only complete pairs open:
@@ -247,26 +250,48 @@ class IndexMerge:
 
 
 # %% [markdown]
+# Documents come in two shapes. A GPT corpus ends each document after one sequence
+# (`end_document` after one `add_item`); a sentence-split corpus hands over a whole document's
+# tokens with its sequence lengths at once (`add_document`). Both only move the document table.
+
+# %%
+class DocumentAppends(IndexMerge):
+    """Mixin for IndexedDatasetBuilder: close documents, or append a whole one."""
+
+    def add_document(self, tokens, lengths: list[int], modes=None) -> None:
+        """Append several sequences that form one document."""
+        arr = as_tokens(tokens, self.dtype)
+        if sum(lengths) != arr.size:
+            raise ValueError(f"lengths {lengths} sum to {sum(lengths)}, not {arr.size} tokens")
+        self.data_file.write(arr.tobytes(order="C"))
+        self.sequence_lengths.extend(int(n) for n in lengths)
+        self.document_indices.append(len(self.sequence_lengths))
+        if self.multimodal:
+            self.sequence_modes.extend(modes if modes is not None else [0] * len(lengths))
+
+    def end_document(self) -> None:
+        """Close the current document (after one or more add_item)."""
+        self.document_indices.append(len(self.sequence_lengths))
+
+
+# %% [markdown]
 # The builder itself appends: each `add_item` writes one sequence's tokens and remembers its
 # length, `end_document` records where the document ends, and `finalize` writes the index and
 # calls `move_pair_into_place`.
 #
-# It also refuses a token id its dtype cannot hold.
-#
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
-# Megatron's builder casts with numpy, which wraps around: in a `uint16` file 70 000 becomes
-# 4 464 and -1 becomes 65 535, and the corpus is wrong without a word. Here `add_item([70000])`
+# It also refuses a token id its dtype cannot hold: `add_item([70000])` on a `uint16` file
 # raises a `ValueError` naming the id and the dtype.
 #
-# </div>
+# <details><summary>Megatron detail: ids that do not fit wrap around</summary>Megatron's
+# builder casts with numpy, which wraps around: in a `uint16` file 70 000 becomes 4 464 and -1
+# becomes 65 535, and the corpus is wrong without a word.</details>
 #
 # That check, and every check of the reader below, is in the chapter's private module
 # `tinytron.data._index_checks` (`chapters/04_data/_index_checks.py`), so that the classes
 # read as what they do.
 
 # %%
-class IndexedDatasetBuilder(IndexMerge):
+class IndexedDatasetBuilder(DocumentAppends):
     """Append sequences to `P.bin`; `finalize` writes `P.idx` (indexed_dataset.py:937).
 
     Example::
@@ -296,21 +321,6 @@ class IndexedDatasetBuilder(IndexMerge):
         self.sequence_lengths.append(int(arr.size))
         if self.multimodal:
             self.sequence_modes.append(mode)
-
-    def add_document(self, tokens, lengths: list[int], modes=None) -> None:
-        """Append several sequences that form one document."""
-        arr = as_tokens(tokens, self.dtype)
-        if sum(lengths) != arr.size:
-            raise ValueError(f"lengths {lengths} sum to {sum(lengths)}, not {arr.size} tokens")
-        self.data_file.write(arr.tobytes(order="C"))
-        self.sequence_lengths.extend(int(n) for n in lengths)
-        self.document_indices.append(len(self.sequence_lengths))
-        if self.multimodal:
-            self.sequence_modes.extend(modes if modes is not None else [0] * len(lengths))
-
-    def end_document(self) -> None:
-        """Close the current document (after one or more add_item)."""
-        self.document_indices.append(len(self.sequence_lengths))
 
     def finalize(self, idx_path: str) -> None:
         """Write the index, then move both files into place (the .idx last)."""
@@ -342,7 +352,31 @@ class IndexedDatasetBuilder(IndexMerge):
 # (`indexed_dataset.py:843`); without the map (`mmap=False`) it is one seek and one read.
 
 # %%
-class SequenceReads:
+class CorpusShape:
+    """Mixin for IndexedDataset: the counts, and every token as one array."""
+
+    def __len__(self) -> int:
+        return len(self.sequence_lengths)
+
+    @property
+    def document_count(self) -> int:
+        """The number of documents D."""
+        return len(self.document_indices) - 1
+
+    @property
+    def token_array(self) -> np.ndarray:
+        """All tokens of the .bin as one flat (memory-mapped) array."""
+        if self._tokens is None:
+            return np.fromfile(self._bin_path, dtype=self.dtype)
+        return self._tokens
+
+
+# %% [markdown]
+# The counts above are the index's; the reads below are the arithmetic of the worked example,
+# with a plain file read in place of the slice when the files are not mapped.
+
+# %%
+class SequenceReads(CorpusShape):
     """Mixin for IndexedDataset: sequences as slices of the mapped tokens (or file reads)."""
 
     def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
@@ -368,35 +402,17 @@ class SequenceReads:
             return [self.get(i) for i in range(*idx.indices(len(self)))]
         return self.get(int(idx))
 
-    def __len__(self) -> int:
-        return len(self.sequence_lengths)
-
-    @property
-    def document_count(self) -> int:
-        """The number of documents D."""
-        return len(self.document_indices) - 1
-
-    @property
-    def token_array(self) -> np.ndarray:
-        """All tokens of the .bin as one flat (memory-mapped) array."""
-        if self._tokens is None:
-            return np.fromfile(self._bin_path, dtype=self.dtype)
-        return self._tokens
-
 
 # %% [markdown]
 # ## Opening: errors that say what is wrong
 #
 # A corrupt pair must fail when it is opened, with the file and the problem in the message,
-# not later as a wrong sample or a crash deep inside training.
+# not later as a wrong sample or a crash deep inside training. tinytron checks, on open,
+# everything that is cheap to check, and raises `IndexedDatasetError` naming the file.
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
-# Megatron only asserts the magic and version (`indexed_dataset.py:266-269`) and that
-# `len(lengths) == document_indices[-1]` (`:673`). tinytron checks, on open, everything that
-# is cheap to check, and raises `IndexedDatasetError` naming the file.
-#
-# </div>
+# <details><summary>Megatron detail: two asserts</summary>Megatron only asserts the magic and
+# version (`indexed_dataset.py:266-269`) and that `len(lengths) == document_indices[-1]`
+# (`:673`).</details>
 #
 # | check | what it catches | message starts (after the file name) |
 # |---|---|---|
@@ -415,28 +431,8 @@ class SequenceReads:
 _CHECK_BLOCK = 1 << 22  # sequences per block of the pointer check
 
 
-class IndexedDataset(SequenceReads):
-    """A memory-mapped `.bin`/`.idx` pair: `ds[i]`, `ds.get(i, offset, length)`.
-
-    Example::
-
-        ds = IndexedDataset("data/corpus_text_document")   # the prefix, without .bin/.idx
-        ds        # IndexedDataset('data/corpus_text_document', documents=..., tokens=..., ...)
-        ds[0]     # the first sequence's token ids (a read-only numpy view)
-    """
-
-    def __init__(self, path_prefix: str, multimodal: bool = False, mmap: bool = True,
-                 dtype_code: Optional[int] = None):
-        self.path_prefix = str(path_prefix)
-        self.multimodal, self.mmap = multimodal, mmap
-        idx_path, bin_path = get_idx_path(path_prefix), get_bin_path(path_prefix)
-        check_files(idx_path, bin_path, _FIXED_HEADER_BYTES)
-        self._idx_map = np.memmap(idx_path, mode="r", dtype=np.uint8)
-        raw = memoryview(self._idx_map)
-        self.dtype, n, d = _parse_header(idx_path, raw)
-        check_dtype(idx_path, self.dtype, dtype_code, DType)
-        self._load_tables(idx_path, raw, n, d)
-        self._open_bin(bin_path)
+class TableLoading(SequenceReads):
+    """Mixin for IndexedDataset: the checked views of the index tables and of the `.bin`."""
 
     def _load_tables(self, idx_path, raw, n, d) -> None:
         """Zero-copy views of the three tables, after checking the file is long enough."""
@@ -459,6 +455,36 @@ class IndexedDataset(SequenceReads):
         self._tokens = (np.memmap(bin_path, mode="r", dtype=self.dtype) if self.mmap and actual
                         else np.zeros(0, self.dtype) if self.mmap else None)
         self._token_offsets = self.sequence_pointers // itemsize
+
+
+# %% [markdown]
+# The dataset opens in that order: the header, the caller's dtype, the tables, then the `.bin`.
+# Each step runs only when the one before found nothing wrong, so the first error names the
+# first thing broken.
+
+# %%
+class IndexedDataset(TableLoading):
+    """A memory-mapped `.bin`/`.idx` pair: `ds[i]`, `ds.get(i, offset, length)`.
+
+    Example::
+
+        ds = IndexedDataset("data/corpus_text_document")   # the prefix, without .bin/.idx
+        ds        # IndexedDataset('data/corpus_text_document', documents=..., tokens=..., ...)
+        ds[0]     # the first sequence's token ids (a read-only numpy view)
+    """
+
+    def __init__(self, path_prefix: str, multimodal: bool = False, mmap: bool = True,
+                 dtype_code: Optional[int] = None):
+        self.path_prefix = str(path_prefix)
+        self.multimodal, self.mmap = multimodal, mmap
+        idx_path, bin_path = get_idx_path(path_prefix), get_bin_path(path_prefix)
+        check_files(idx_path, bin_path, _FIXED_HEADER_BYTES)
+        self._idx_map = np.memmap(idx_path, mode="r", dtype=np.uint8)
+        raw = memoryview(self._idx_map)
+        self.dtype, n, d = _parse_header(idx_path, raw)
+        check_dtype(idx_path, self.dtype, dtype_code, DType)
+        self._load_tables(idx_path, raw, n, d)
+        self._open_bin(bin_path)
 
     def __repr__(self) -> str:
         return (f"IndexedDataset({self.path_prefix!r}, documents={self.document_count}, "
@@ -573,7 +599,21 @@ if __name__ == "__main__":
 # ## Exercises
 #
 # 1. Add the multimodal `sequence_modes` table to the demo and check the file grows by $N$ bytes.
+#    <details><summary>Answer</summary>One int8 mode per sequence after the document indices:
+#    $N = 3$ more bytes, so `write_index_bytes` gives 97 bytes instead of 94. Open it with
+#    `IndexedDataset(prefix, multimodal=True)`; without the flag the size check calls it oversized.</details>
 # 2. Time opening a 100k-sequence index with and without the pointer check; is it worth it?
+#    <details><summary>Hint</summary>Time `IndexedDataset(prefix)` with `check_tables` replaced
+#    by a no-op. The check is one vectorised cumulative sum over $N$ int32 lengths, once per open;
+#    compare it with what one wrong pointer costs: a silently wrong sample in every epoch.</details>
 # 3. Why must the old `.idx` be removed *before* the new `.bin` is renamed into place?
+#    <details><summary>Hint</summary>Walk the table of kill moments in `move_pair_into_place`
+#    with the two lines swapped: between the `.bin` rename and the `.idx` rename the prefix
+#    would hold the new `.bin` beside the old `.idx`, a pair that opens (if the sizes happen to
+#    agree) and reads wrong tokens.</details>
 # 4. A corpus of 2 billion sequences: how large is its `.idx`, and would the pointer check's
 #    temporary fit in memory without the blocks?
+#    <details><summary>Answer</summary>With one sequence per document, $D + 1 = N + 1$ and the
+#    index is $34 + 12N + 8(N + 1)$ = 40,000,000,042 bytes, 40 GB (37.3 GiB). Without blocks
+#    each int64 temporary of the check (the byte lengths, their cumulative sum) is $8N$ = 16 GB,
+#    and it holds several at once; with blocks of $2^{22}$ sequences each is 32 MiB.</details>

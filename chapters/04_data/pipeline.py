@@ -29,107 +29,6 @@ __all__ = ["DataConfig", "build_train_valid_test_datasets", "build_data_iterator
            "index_bytes", "batch_bytes"]
 
 # %% [markdown]
-# ## One config
-#
-# The fields are Megatron's data flags (`megatron/training/arguments.py`, data group) with their
-# defaults; `data_path` takes the `w1 p1 w2 p2` syntax — as a list, or as one string split on
-# whitespace the way Megatron's command line splits it (`"0.3 wiki 0.7 code"`) — or the per-split
-# paths replace it. The sequence length and batch sizes belong to the model and the schedule
-# and are passed in.
-#
-# The flags fall into four groups, each read by one page of this chapter: *where the tokens
-# are* (`data_path` or the per-split paths, `split`, `mmap_bin_files`: [the blend](blended.py)
-# and [the reader](indexed.py)); *how samples are cut* (`reset_position_ids`,
-# `reset_attention_mask`, `eod_mask_loss`, `create_attention_mask_in_dataloader`:
-# [the GPT dataset](gpt_dataset.py)); *in which order they are read* (`seed`,
-# `dataloader_type`: [the samplers](samplers.py)); and *plumbing* (`data_cache_path`,
-# `num_workers`, `mid_level_dataset_surplus`).
-#
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
-# Megatron's argparse converts and checks each flag on the command line; a config built in
-# Python skips that. So every field is checked on construction: `num_workers="2"` or a split of
-# `"a,b"` fails here, naming the field, instead of when the datasets are built.
-#
-# </div>
-#
-# ```mermaid
-# flowchart TB
-#   C["DataConfig"] --> B["BlendedMegatronDatasetBuilder (rank 0 builds the cache)"]
-#   B --> D["train / valid / test datasets"]
-#   D --> L["DataLoader + sampler from consumed_samples"]
-#   L --> I["iterator on TP rank 0"]
-#   I --> G["get_batch: TP broadcast, CP slice"]
-# ```
-
-# %% [markdown]
-# A path argument arrives as a list, or as one string that the command line would split; the
-# normalization (`path_list`) and the `--data-path` parser sit in the chapter's private module
-# `tinytron.data._data_path`. Then the config itself:
-
-# %%
-@document_fields
-@dataclass
-class DataConfig:
-    """Megatron's data flags."""
-
-    data_path: Optional[list] = None
-    """`--data-path`: prefixes, or `w1 p1 w2 p2 ...` (a list, or one whitespace-separated string)."""
-    train_data_path: Optional[list] = None
-    """`--train-data-path` (with valid/test, replaces data_path + split)."""
-    valid_data_path: Optional[list] = None
-    """`--valid-data-path`."""
-    test_data_path: Optional[list] = None
-    """`--test-data-path`."""
-    split: str = "969, 30, 1"
-    """`--split`: train, valid, test weights."""
-    data_cache_path: Optional[str] = None
-    """`--data-cache-path`: where index files are cached."""
-    dataloader_type: str = "single"
-    """`--dataloader-type`: single (sequential) or cyclic (random)."""
-    num_workers: int = 2
-    """`--num-workers` of the DataLoader."""
-    seed: int = 1234
-    """`--seed`: the dataset shuffles."""
-    mid_level_dataset_surplus: float = 0.005
-    """`--mid-level-dataset-surplus`."""
-    reset_position_ids: bool = False
-    """`--reset-position-ids`."""
-    reset_attention_mask: bool = False
-    """`--reset-attention-mask`."""
-    eod_mask_loss: bool = False
-    """`--eod-mask-loss`."""
-    create_attention_mask_in_dataloader: bool = True
-    """False = `--no-create-attention-mask-in-dataloader`."""
-    mmap_bin_files: bool = True
-    """False = `--no-mmap-bin-files`."""
-    sft: bool = False
-    """`--sft`: data paths are chat JSONL files, packed by the SFT dataset (prompt tokens: no loss)."""
-    extra: dict = field(default_factory=dict)
-    """Room for site-specific flags (ignored here)."""
-
-    def __post_init__(self):
-        for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-            setattr(self, name, path_list(name, getattr(self, name)))
-        check_fields(self)
-        check_choice(self, "dataloader_type", ("single", "cyclic"))
-        check_range(self, "num_workers", 0)
-        check_range(self, "mid_level_dataset_surplus", 0)
-        parse_and_normalize_split(self.split)  # "a,b" fails now, not when datasets are built
-
-    def blend(self):
-        """(blend, blend_per_split) for GPTDatasetConfig."""
-        per_split = [self.train_data_path, self.valid_data_path, self.test_data_path]
-        if any(p for p in per_split):
-            if self.data_path:
-                raise ValueError("give data_path or train/valid/test_data_path, not both")
-            return None, [parse_data_path(p) if p else None for p in per_split]
-        if not self.data_path:
-            raise ValueError("DataConfig needs data_path (or train/valid/test_data_path)")
-        return parse_data_path(self.data_path), None
-
-
-# %% [markdown]
 # ## Building where Megatron builds
 #
 # Datasets exist only on the ranks that read data: tensor-parallel rank 0 of the first and the
@@ -249,7 +148,115 @@ if __name__ == "__main__":
 # 387.6 GB (int32 tokens), the `.idx` 1.94 GB, and the three GPTDataset tables 0.39, 0.19 and
 # 0.09 GB. The tables are small next to the corpus, but they are built once, on global rank 0,
 # and every other rank waits at the barrier while they are: the reason they are cached.
+
+# %% [markdown]
+# ## One config
 #
+# The fields are Megatron's data flags (`megatron/training/arguments.py`, data group) with their
+# defaults; `data_path` takes the `w1 p1 w2 p2` syntax — as a list, or as one string split on
+# whitespace the way Megatron's command line splits it (`"0.3 wiki 0.7 code"`) — or the per-split
+# paths replace it. The sequence length and batch sizes belong to the model and the schedule
+# and are passed in.
+#
+# The flags fall into four groups, each read by one page of this chapter: *where the tokens
+# are* (`data_path` or the per-split paths, `split`, `mmap_bin_files`: [the blend](blended.py)
+# and [the reader](indexed.py)); *how samples are cut* (`reset_position_ids`,
+# `reset_attention_mask`, `eod_mask_loss`, `create_attention_mask_in_dataloader`:
+# [the GPT dataset](gpt_dataset.py)); *in which order they are read* (`seed`,
+# `dataloader_type`: [the samplers](samplers.py)); and *plumbing* (`data_cache_path`,
+# `num_workers`, `mid_level_dataset_surplus`).
+#
+# Every field is checked on construction: `num_workers="2"` or a split of `"a,b"` fails here,
+# naming the field, instead of when the datasets are built.
+#
+# <details><summary>Megatron detail: argparse checks</summary>Megatron's argparse converts and
+# checks each flag on the command line; a config built in Python skips that, hence the checks
+# here.</details>
+#
+# ```mermaid
+# flowchart TB
+#   C["DataConfig"] --> B["BlendedMegatronDatasetBuilder (rank 0 builds the cache)"]
+#   B --> D["train / valid / test datasets"]
+#   D --> L["DataLoader + sampler from consumed_samples"]
+#   L --> I["iterator on TP rank 0"]
+#   I --> G["get_batch: TP broadcast, CP slice"]
+# ```
+
+# %% [markdown]
+# A path argument arrives as a list, or as one string that the command line would split; the
+# normalization (`path_list`) and the `--data-path` parser sit in the chapter's private module
+# `tinytron.data._data_path`. The checks come first, as a mixin:
+
+# %%
+class DataConfigChecks:
+    """Mixin for DataConfig: the checks on construction, and the blend the paths describe."""
+
+    def __post_init__(self):
+        for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+            setattr(self, name, path_list(name, getattr(self, name)))
+        check_fields(self)
+        check_choice(self, "dataloader_type", ("single", "cyclic"))
+        check_range(self, "num_workers", 0)
+        check_range(self, "mid_level_dataset_surplus", 0)
+        parse_and_normalize_split(self.split)  # "a,b" fails now, not when datasets are built
+
+    def blend(self):
+        """(blend, blend_per_split) for GPTDatasetConfig."""
+        per_split = [self.train_data_path, self.valid_data_path, self.test_data_path]
+        if any(p for p in per_split):
+            if self.data_path:
+                raise ValueError("give data_path or train/valid/test_data_path, not both")
+            return None, [parse_data_path(p) if p else None for p in per_split]
+        if not self.data_path:
+            raise ValueError("DataConfig needs data_path (or train/valid/test_data_path)")
+        return parse_data_path(self.data_path), None
+
+
+# %% [markdown]
+# The fields, with Megatron's flag names and defaults:
+
+# %%
+@document_fields
+@dataclass
+class DataConfig(DataConfigChecks):
+    """Megatron's data flags."""
+    data_path: Optional[list] = None
+    """`--data-path`: prefixes, or `w1 p1 w2 p2 ...` (a list, or one whitespace-separated string)."""
+    train_data_path: Optional[list] = None
+    """`--train-data-path` (with valid/test, replaces data_path + split)."""
+    valid_data_path: Optional[list] = None
+    """`--valid-data-path`."""
+    test_data_path: Optional[list] = None
+    """`--test-data-path`."""
+    split: str = "969, 30, 1"
+    """`--split`: train, valid, test weights."""
+    data_cache_path: Optional[str] = None
+    """`--data-cache-path`: where index files are cached."""
+    dataloader_type: str = "single"
+    """`--dataloader-type`: single (sequential) or cyclic (random)."""
+    num_workers: int = 2
+    """`--num-workers` of the DataLoader."""
+    seed: int = 1234
+    """`--seed`: the dataset shuffles."""
+    mid_level_dataset_surplus: float = 0.005
+    """`--mid-level-dataset-surplus`."""
+    reset_position_ids: bool = False
+    """`--reset-position-ids`."""
+    reset_attention_mask: bool = False
+    """`--reset-attention-mask`."""
+    eod_mask_loss: bool = False
+    """`--eod-mask-loss`."""
+    create_attention_mask_in_dataloader: bool = True
+    """False = `--no-create-attention-mask-in-dataloader`."""
+    mmap_bin_files: bool = True
+    """False = `--no-mmap-bin-files`."""
+    sft: bool = False
+    """`--sft`: data paths are chat JSONL files, packed by the SFT dataset (prompt tokens: no loss)."""
+    extra: dict = field(default_factory=dict)
+    """Room for site-specific flags (ignored here)."""
+
+
+# %% [markdown]
 # ## The two calls a trainer makes
 #
 # `build_train_valid_test_datasets` turns the config and those sample counts into the three
@@ -285,6 +292,11 @@ def build_train_valid_test_datasets(cfg: DataConfig, seq_length: int,
     return BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), is_built_on_rank, gcfg).build()
 
 
+# %% [markdown]
+# The second call: one loader per dataset, each from its own `consumed_samples`, and an
+# iterator over it (a cyclic one for the random sampler, which restarts every epoch).
+
+# %%
 def build_data_iterators(cfg: DataConfig, datasets: Sequence, consumed_samples: Sequence[int],
                          micro_batch_size: int, grid) -> list:
     """Iterators over each dataset for this DP rank, resumed at its consumed_samples.
@@ -437,6 +449,19 @@ if __name__ == "__main__":
 # ## Exercises
 #
 # 1. Switch `dataloader_type` to `cyclic` and resume at `consumed_samples = 12`: which rows?
+#    <details><summary>Answer</summary>The demo's train blend holds $28 + 12 = 40$ samples, a
+#    step is $4 \cdot 1 = 4$, so `active` is 40: epoch 0, offset 12, three steps in. The rank's
+#    bucket of 40 is permuted by `randperm` seeded 0 and the first 12 entries skipped: the
+#    batch holds train samples 20, 25, 24 and 1, the fourth micro-batch of the uninterrupted
+#    cyclic run (which starts 4, 16, 21, 5).</details>
 # 2. Point `data_path` at your own JSONL after `tinytron-preprocess --input my.jsonl ...`.
+#    <details><summary>Hint</summary>The command prints the prefix it wrote,
+#    `<output-prefix>_text_document`; that prefix, without `.bin`/`.idx`, is what `data_path`
+#    takes, and its last line gives the `eod_id` and `pad_id` to pass.</details>
 # 3. At TP 2 × PP 4 half the ranks build no dataset. How many times is each sample read from
 #    disk per step at TP 8 × PP 8 × DP 16, and does that matter next to the step time?
+#    <details><summary>Answer</summary>Twice: in each of the 16 replicas only TP rank 0 of the
+#    first and of the last stage read (`builds_datasets`), 32 of the 1,024 ranks. For the
+#    running example (GBS 1024, 4,097 int32 tokens a sample) that is
+#    $1024 \cdot 2 \cdot 4097 \cdot 4$ = 33.6 MB per step, from the page cache or disk, next to a
+#    step of about 2 s: negligible.</details>

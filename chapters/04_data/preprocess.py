@@ -110,6 +110,12 @@ EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end
 PAD_CANDIDATES = ("<|pad|>", "<pad>", "[PAD]", "<|finetune_right_pad_id|>")
 
 
+# %% [markdown]
+# A Hugging Face tokenizer file gets the three attributes the rest of the chapter reads: `eod`
+# and `pad` found by name among the candidates above, and `vocab_size`. A missing EOD is an
+# error that names the flag to pass.
+
+# %%
 class _HFTokenizer:
     """A `tokenizers.Tokenizer` with Megatron's `eod`, `pad` and `vocab_size` attributes."""
 
@@ -201,9 +207,11 @@ def train_bpe_tokenizer(texts: Iterator[str], vocab_size: int, out_path: str,
 # Text must be UTF-8. A byte that is not stops the command with the file and the byte offset
 # (for JSONL: the file, the line and the offset), because replacing it silently changes the
 # data; `--encoding-errors replace` turns such bytes into U+FFFD when that is what you want.
-# Megatron's tool reads JSONL with Python's default decoding and fails with a bare
-# `UnicodeDecodeError`. The built-in stdlib corpus replaces by default: four of its test files
-# are deliberately Latin-1 or KOI8-R.
+# The built-in stdlib corpus replaces by default: four of its test files are deliberately
+# Latin-1 or KOI8-R.
+#
+# <details><summary>Megatron detail: a bare decode error</summary>Megatron's tool reads JSONL
+# with Python's default decoding and fails with a bare `UnicodeDecodeError`.</details>
 
 # %%
 def stdlib_corpus(max_files: Optional[int] = None) -> list[str]:
@@ -233,6 +241,12 @@ def iter_documents(inputs: Sequence[str], json_key: str = "text") -> Iterator[tu
             yield "file", path
 
 
+# %% [markdown]
+# The two checks of a JSONL line, each with an error that names the file and the line: the
+# bytes must be UTF-8, and the line must be a JSON object with a string under the key. A list
+# there is most likely a chat, which the SFT dataset reads instead.
+
+# %%
 def _decode_line(raw: bytes, path: str, lineno: int, offset: int) -> str:
     """One JSONL line as text, or a ValueError naming the file, line and byte offset."""
     try:
@@ -312,6 +326,12 @@ def _encode(doc: tuple[str, str]) -> tuple[np.ndarray, int]:
     return np.asarray(ids, dtype=_WORKER["dtype"]), len(text.encode("utf-8"))
 
 
+# %% [markdown]
+# One partition is one builder. With several workers the documents go to a pool and come back
+# through `imap` in input order; with one, the same `_encode` runs in this process. Either way
+# the parent alone appends.
+
+# %%
 def _write_partition(docs: Sequence, prefix: str, spec, append_eod, dtype, workers: int,
                      progress, errors: str = "strict") -> int:
     """Tokenize docs into prefix.bin/.idx; return the number of documents written."""
@@ -352,8 +372,11 @@ def _write_partition(docs: Sequence, prefix: str, spec, append_eod, dtype, worke
 # bytes stay exactly Megatron's, the command writes `<prefix>.tokenizer_info.json` (the
 # tokenizer's type, the SHA-256 of its file, the vocabulary size, EOD and pad), and the trainer
 # compares it with its `[tokenizer]` before any process group exists. Data without a sidecar
-# (made by Megatron's tool) still loads. This is tinytron's addition: Megatron relies on the
-# training run's tokenizer flags matching the ones given to `tools/preprocess_data.py`.
+# (made by Megatron's tool) still loads.
+#
+# <details><summary>Megatron detail: no sidecar</summary>The sidecar is tinytron's addition:
+# Megatron relies on the training run's tokenizer flags matching the ones given to
+# `tools/preprocess_data.py`.</details>
 
 # %% [markdown]
 # ## Partitions and merging
@@ -391,6 +414,18 @@ def merge_datasets(prefixes: Sequence[str], output_prefix: str) -> IndexedDatase
         write_sidecar(output_prefix, known[0][1])
     return IndexedDataset(output_prefix)
 
+
+# %% [markdown]
+# The progress bar counts input bytes, not documents: a text file and a JSONL line differ by
+# orders of magnitude in size, and bytes are what the workers' time follows.
+
+# %%
+def _progress_bar(docs):
+    """A tqdm bar over input bytes (tqdm is in the `data` extra)."""
+    from tqdm import tqdm
+
+    total = sum(os.path.getsize(p) if kind == "file" else len(p.encode("utf-8")) for kind, p in docs)
+    return tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr)
 
 
 # %% [markdown]
@@ -434,14 +469,6 @@ def preprocess(inputs: Optional[Sequence[str]], output_prefix: str, spec: Tokeni
         bar.close()
     write_sidecar(final, describe_tokenizer(spec.kind, spec.path, tok))
     return final
-
-
-def _progress_bar(docs):
-    """A tqdm bar over input bytes (tqdm is in the `data` extra)."""
-    from tqdm import tqdm
-
-    total = sum(os.path.getsize(p) if kind == "file" else len(p.encode("utf-8")) for kind, p in docs)
-    return tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr)
 
 # %% [markdown]
 # ## The command line
@@ -517,5 +544,15 @@ if __name__ == "__main__":
 # ## Exercises
 #
 # 1. Time the stdlib corpus with 1 and 2 workers. Where does the time go?
+#    <details><summary>Hint</summary>Profile `_encode` (reading, decoding, `tok.encode`) against
+#    the parent's `builder.add_item` and the pickling of each returned array. Only `_encode`
+#    runs in parallel; the parent's writes and the pool's start-up do not shrink with workers.</details>
 # 2. Train BPEs of 1k, 4k and 16k ids and plot tokens per byte.
+#    <details><summary>Hint</summary>Call `run` with `--tokenizer-type bpe --vocab-size V` as
+#    the demo does for 600, and divide `sequence_lengths.sum()` by the input bytes. The byte
+#    tokenizer is 1 token per byte; each larger vocabulary lowers the ratio, by less each time.</details>
 # 3. Kill a run mid-way (Ctrl-C): which files are left, and does the prefix open?
+#    <details><summary>Hint</summary>See `move_pair_into_place` on the
+#    [indexed page](indexed.py): before `finalize` only `….bin.partial` exists (plus finished
+#    `.partN` pairs with several partitions), so `IndexedDataset(prefix)` raises
+#    `FileNotFoundError` for the `.idx`, and no sidecar was written.</details>

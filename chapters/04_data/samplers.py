@@ -91,18 +91,44 @@ class MegatronPretrainingSampler:
 # each rank re-creates its epoch-0 permutation and skips its first $4 / 2 = 2$ entries. At
 # `consumed_samples = 8` it is epoch 1, offset 0: a new permutation, seeded by 1.
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+# Without sharding, tinytron strides only the first `active` entries of the permutation: every
+# rank yields the same number of micro-batches.
 #
-# Without sharding, Megatron strides the *whole* permutation of `(total // mbs)·mbs` indices,
-# so when that is not a multiple of `mbs·dp` some ranks get one more micro-batch than others in
-# the last step of an epoch (their `consumed_samples` then disagree). tinytron strides only the
-# first `active` entries: every rank yields the same number of micro-batches, and all earlier
-# batches are identical to Megatron's.
+# <details><summary>Megatron detail: the strided permutation</summary>Without sharding,
+# Megatron strides the *whole* permutation of `(total // mbs)·mbs` indices, so when that is not
+# a multiple of `mbs·dp` some ranks get one more micro-batch than others in the last step of an
+# epoch (their `consumed_samples` then disagree). All earlier batches are identical to
+# Megatron's.</details>
 #
-# </div>
+# First the order of one epoch, for one rank: the rank's bucket permuted (with sharding), or
+# its stride of the global permutation (without), minus what was already consumed.
 
 # %%
-class MegatronPretrainingRandomSampler:
+class EpochOrder:
+    """Mixin for MegatronPretrainingRandomSampler: one rank's sample order in one epoch."""
+
+    def _epoch_order(self, offset: int) -> list[int]:
+        """This rank's remaining sample indices of the current epoch."""
+        g = torch.Generator()
+        g.manual_seed(self.epoch)
+        if self.data_sharding:
+            steps = self.total_samples // self.micro_batch_times_data_parallel_size
+            bucket = steps * self.micro_batch_size
+            start = self.data_parallel_rank * bucket
+            perm = torch.randperm(bucket, generator=g).tolist()
+            return [start + x for x in perm[offset // self.data_parallel_size:]]
+        full = (self.total_samples // self.micro_batch_size) * self.micro_batch_size
+        active = self.total_samples - self.last_batch_size
+        perm = torch.randperm(full, generator=g).tolist()[:active]
+        return perm[offset:][self.data_parallel_rank::self.data_parallel_size]
+
+
+# %% [markdown]
+# The sampler turns `consumed_samples` into the epoch and the offset, refuses an offset that
+# is not a whole number of steps, and counts up as it yields.
+
+# %%
+class MegatronPretrainingRandomSampler(EpochOrder):
     """Epoch-seeded random micro-batches for one DP rank; tracks consumed_samples itself."""
 
     def __init__(self, dataset, total_samples: int, consumed_samples: int, micro_batch_size: int,
@@ -119,21 +145,6 @@ class MegatronPretrainingRandomSampler:
 
     def __len__(self) -> int:
         return self.total_samples
-
-    def _epoch_order(self, offset: int) -> list[int]:
-        """This rank's remaining sample indices of the current epoch."""
-        g = torch.Generator()
-        g.manual_seed(self.epoch)
-        if self.data_sharding:
-            steps = self.total_samples // self.micro_batch_times_data_parallel_size
-            bucket = steps * self.micro_batch_size
-            start = self.data_parallel_rank * bucket
-            perm = torch.randperm(bucket, generator=g).tolist()
-            return [start + x for x in perm[offset // self.data_parallel_size:]]
-        full = (self.total_samples // self.micro_batch_size) * self.micro_batch_size
-        active = self.total_samples - self.last_batch_size
-        perm = torch.randperm(full, generator=g).tolist()[:active]
-        return perm[offset:][self.data_parallel_rank::self.data_parallel_size]
 
     def __iter__(self) -> Iterator[list[int]]:
         active = self.total_samples - self.last_batch_size
@@ -235,4 +246,12 @@ if __name__ == "__main__":
 #
 # 1. Resume the sequential sampler with a *different* DP size. Which samples does the global
 #    batch hold? Is that still exact?
+#    <details><summary>Hint</summary>Write out the formula above for both DP sizes from the same
+#    `consumed_samples`: a step covers the consecutive indices `consumed` to `consumed + mbs·dp`
+#    whatever the split over ranks. With the same global batch size the same samples are read,
+#    only cut among the ranks differently.</details>
 # 2. Why must the random sampler's offset be a multiple of `mbs·dp`?
+#    <details><summary>Hint</summary>Look at `_epoch_order`: with sharding each rank skips
+#    `offset // dp` entries of its own bucket, which counts whole micro-batches per rank only
+#    when the offset is a whole number of steps; anything else would skip a different number of
+#    samples on different ranks.</details>

@@ -41,13 +41,12 @@ __all__ = ["read_chat_jsonl", "pad_segments_for_context_parallel", "SFTDataset"]
 # it were alone in its row. Worked example: conversations of 7 and 5 tokens in a 16-token row,
 # `cu_seqlens = [0, 7, 12, 16]`, positions `0..6, 0..4, 0..3`; the last segment is padding.
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+# A record that does not fit in one row is a `ValueError` naming the record, or, with
+# `truncate=True`, the conversations that do not fit are dropped whole (a half conversation
+# teaches a wrong ending).
 #
-# When a record does not fit in one row Megatron cuts it on the right, mid-conversation. Here
-# that is a `ValueError` naming the record, or, with `truncate=True`, the conversations that do
-# not fit are dropped whole (a half conversation teaches a wrong ending).
-#
-# </div>
+# <details><summary>Megatron detail: a record too long</summary>When a record does not fit in
+# one row Megatron cuts it on the right, mid-conversation.</details>
 #
 # The records come from a JSONL file, one chat per line; `read_chat_jsonl`, in the chapter's
 # private module `tinytron.data._chat_jsonl`, reads it and names the line of a malformed record.
@@ -68,15 +67,16 @@ __all__ = ["read_chat_jsonl", "pad_segments_for_context_parallel", "SFTDataset"]
 # `cu_seqlens = [0, 7, 12, 16]` becomes `[0, 8, 16]` — one pad after the first conversation, three
 # after the second, and the trailing pad segment is used up.
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+# tinytron pads the packed row, so that [chapter 00's](../00_overview/sft.py) packer stays the
+# one place that builds a row. The trained tokens, their labels and their positions are the
+# same as Megatron's; what differs is only where the pad tokens are taken from (the row's
+# trailing padding, so a row that is already full cannot be padded and raises).
 #
-# Megatron pads each conversation as it tokenizes it; tinytron pads the packed row, so that
-# [chapter 00's](../00_overview/sft.py) packer stays the one place that builds a row. The
-# trained tokens, their labels and their positions are the same; what differs is only where the
-# pad tokens are taken from (the row's trailing padding, so a row that is already full cannot
-# be padded and raises).
+# <details><summary>Megatron detail: where the pads come from</summary>Megatron pads each
+# conversation as it tokenizes it.</details>
 #
-# </div>
+# The row's last segment is either a conversation or the trailing padding; only a
+# conversation gets pads, so the padding is recognised first.
 
 # %%
 def _is_pad_tail(row: dict, lo: int, hi: int) -> bool:
@@ -86,6 +86,11 @@ def _is_pad_tail(row: dict, lo: int, hi: int) -> bool:
     return bool((row["tokens"][lo:hi] == 0).all() and (row["loss_mask"][lo:hi] == 0).all())
 
 
+# %% [markdown]
+# Then each conversation is copied with its pads after it, positions continuing, and what is
+# left of `seq_length` becomes the new trailing padding.
+
+# %%
 def pad_segments_for_context_parallel(row: dict, multiple: int, seq_length: int) -> dict:
     """Insert pads so every conversation segment is a multiple of `multiple` tokens."""
     if multiple == 1:
@@ -253,4 +258,12 @@ if __name__ == "__main__":
 # ## Exercises
 #
 # 1. How many tokens does CP padding waste for cp = 4 on your chat data?
+#    <details><summary>Hint</summary>With cp = 4 each conversation is padded to a multiple of
+#    $2 \cdot 4 = 8$: it wastes $-n \bmod 8$ tokens, 0 to 7, about 3.5 on average. Sum that over
+#    the `cu_seqlens` segments of your rows, or compare `cu_seqlens` before and after
+#    `pad_segments_for_context_parallel(row, 8, seq_length)`.</details>
 # 2. Change `__getitem__` to pack greedily across records. What breaks for exact resume?
+#    <details><summary>Hint</summary>Today sample `i` is a function of `i` alone (record
+#    `indices[i % len(indices)]`), which is what lets the samplers resume from
+#    `consumed_samples`. With greedy packing, which records row `i` holds depends on every row
+#    before it.</details>

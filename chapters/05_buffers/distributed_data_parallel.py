@@ -46,76 +46,17 @@ __all__ = ["DistributedDataParallelConfig", "BucketGroup", "DistributedDataParal
 # (the output head and final norm, whose grads come first in the backward) is already on the
 # wire while the blocks' backward computes.
 #
-# ## The configuration
-#
-# The field names and defaults are Megatron's `DistributedDataParallelConfig`
-# (`megatron/core/distributed/distributed_data_parallel_config.py:12`). Note that
-# `grad_reduce_in_fp32` defaults to `False` there; Megatron's training script turns it on for
-# bf16 models unless `--grad-reduce-in-bf16` is given (`megatron/training/arguments.py:1181`).
-#
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
-# `calculate_per_token_loss` lives on Megatron's `TransformerConfig`; tinytron puts it here
-# because it only changes how DDP scales gradients.
-#
-# </div>
-#
-# The checks that refuse combinations tinytron cannot run
-# (a second optimizer instance, `overlap_param_gather` without the distributed optimizer, …)
-# live in the chapter's private module `tinytron.buffers._checks` (`chapters/05_buffers/_checks.py`);
-# each names the field it refuses.
-
-# %%
-@document_fields
-@dataclass
-class DistributedDataParallelConfig:
-    """Megatron's DDP options that tinytron implements (same names, same defaults)."""
-
-    grad_reduce_in_fp32: bool = False
-    """Accumulate and reduce grads in fp32 (main_grad is fp32 even for bf16 params)."""
-    overlap_grad_reduce: bool = False
-    """Launch each bucket's grad collective from the backward hooks as soon as it is complete."""
-    align_grad_reduce: bool = True
-    """With overlap_grad_reduce and PP > 1, stages after the first launch after the cooldown."""
-    overlap_param_gather: bool = False
-    """Defer the param all-gather to forward pre-hooks (distributed optimizer only)."""
-    align_param_gather: bool = False
-    """The schedule dispatches all param all-gathers itself; pre-hooks only wait."""
-    use_distributed_optimizer: bool = False
-    """Reduce-scatter grads (each DP rank owns one shard) and keep a param buffer to all-gather."""
-    num_distributed_optimizer_instances: int = 1
-    """Number of distributed-optimizer replicas; tinytron supports 1."""
-    check_for_nan_in_grad: bool = False
-    """Raise before the collective if a bucket's local grad norm is NaN or Inf."""
-    bucket_size: int | None = None
-    """Elements per bucket; None -> max(40M, 1M*dp) with overlap, one bucket without."""
-    pad_buckets_for_high_nccl_busbw: bool = False
-    """Pad bucket ends to lcm(dp, 128, 2**16) instead of lcm(dp, 128)."""
-    average_in_collective: bool = False
-    """Average with ReduceOp.AVG instead of pre-scaling grads by 1/dp_cp and summing."""
-    calculate_per_token_loss: bool = False
-    """Grads are neither pre-scaled nor averaged; finalize_model_grads divides by the token count."""
-
-    def __post_init__(self):
-        check_ddp_config(self)  # a clear one-line ValueError naming the field (_checks.py)
-
-
-# %% [markdown]
 # **The bucket size.** Without overlap there is nothing to hide a collective behind, so one
 # bucket (the fewest, largest calls) wins. With overlap Megatron's default is
 # $\max(40\text{M}, 1\text{M} \cdot dp)$ elements: at large DP each rank's chunk of a ring
 # collective is the bucket divided by $dp$, and the floor keeps that chunk big enough to stay
 # bandwidth-bound. At DP 64 the default is 64M elements, 256 MB of fp32 grads, a chunk of 1M
-# elements per rank.
+# elements per rank. The $dp$ in that formula is the data-parallel size *without* context
+# parallelism, as in Megatron's DDP (`distributed_data_parallel.py:69`).
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
-# The $dp$ in that formula is the data-parallel size *without* context parallelism, as in
-# Megatron's DDP (`distributed_data_parallel.py:69`). Megatron's training script instead passes
-# $\max(40\text{M}, 1\text{M} \cdot dp_{cp})$ in (`megatron/training/training.py:1772-1775`);
-# tinytron follows the DDP class.
-#
-# </div>
+# <details><summary>Megatron detail: the training script's dp</summary>Megatron's training
+# script instead passes $\max(40\text{M}, 1\text{M} \cdot dp_{cp})$ in
+# (`megatron/training/training.py:1772-1775`); tinytron follows the DDP class.</details>
 
 # %%
 def default_bucket_size(config: DistributedDataParallelConfig, dp_size: int) -> int | None:
@@ -133,16 +74,13 @@ def default_bucket_size(config: DistributedDataParallelConfig, dp_size: int) -> 
 # Each trainable parameter gets a **backward post-hook** that fires after autograd has written
 # `param.grad` (`distributed_data_parallel.py:449`). The hook adds `param.grad` into
 # `param.main_grad` (fp32 accumulation across micro-batches) and sets `param.grad = None`, so
-# only one copy of each gradient stays in memory.
+# only one copy of each gradient stays in memory. tinytron registers it with
+# `Tensor.register_post_accumulate_grad_hook`.
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
-# Megatron registers the hook on the parameter's `AccumulateGrad` node
-# (`distributed_data_parallel.py:368-373`); tinytron uses
-# `Tensor.register_post_accumulate_grad_hook`, which fires at the same moment and needs no
-# reference to an autograd node.
-#
-# </div>
+# <details><summary>Megatron detail: the AccumulateGrad node</summary>Megatron registers the
+# hook on the parameter's `AccumulateGrad` node (`distributed_data_parallel.py:368-373`);
+# `register_post_accumulate_grad_hook` fires at the same moment and needs no reference to an
+# autograd node.</details>
 #
 # With `overlap_grad_reduce` the hook also calls `register_grad_ready(param)` on the param's
 # **bucket group** (`param_and_grad_buffer.py:800`). It counts only on the *last* micro-batch
@@ -176,15 +114,11 @@ def default_bucket_size(config: DistributedDataParallelConfig, dp_size: int) -> 
 #
 # **Bucket groups.** Megatron issues collectives per *bucket group*, coalescing the buckets of
 # a group into one NCCL call (`partition_buckets`, `param_and_grad_buffer.py:1512`). By default
-# each group holds one bucket.
+# each group holds one bucket, the only grouping tinytron builds.
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
-# tinytron builds only that default, one bucket per group, and no coalescing manager; its
-# `BucketGroup` keeps a list of buckets so that grouping more of them would change only how
-# the groups are formed.
-#
-# </div>
+# <details><summary>Megatron detail: no coalescing manager</summary>tinytron builds only the
+# default, one bucket per group, and no coalescing manager; its `BucketGroup` keeps a list of
+# buckets so that grouping more of them would change only how the groups are formed.</details>
 #
 # **Where the collective runs.** On GPU every launch happens on a CUDA side stream that first
 # waits for the compute stream (so it sees the grads backward just wrote), and `wait()` makes the
@@ -192,14 +126,11 @@ def default_bucket_size(config: DistributedDataParallelConfig, dp_size: int) -> 
 # running. On CPU, gloo runs each async collective on its own worker thread: the same code, the
 # same `Work.wait()` semantics.
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
-# Torch emulates `reduce_scatter_tensor` on gloo with an all-reduce into a temporary copy, so
-# on gloo tinytron all-reduces the bucket in place and keeps its shard: the shard is identical
-# (the rest of the bucket then holds the mean too, but no code may rely on it), and the test
-# suite also runs torch's emulation to prove it. On NCCL it is Megatron's reduce-scatter.
-#
-# </div>
+# <details><summary>Megatron detail: reduce-scatter on gloo</summary>Torch emulates
+# `reduce_scatter_tensor` on gloo with an all-reduce into a temporary copy, so on gloo tinytron
+# all-reduces the bucket in place and keeps its shard: the shard is identical (the rest of the
+# bucket then holds the mean too, but no code may rely on it), and the test suite also runs
+# torch's emulation to prove it. On NCCL it is Megatron's reduce-scatter.</details>
 #
 # ```mermaid
 # sequenceDiagram
@@ -227,8 +158,8 @@ def default_bucket_size(config: DistributedDataParallelConfig, dp_size: int) -> 
 # did: in the first step (the counts are still being learned) and whenever overlap is off.
 
 # %%
-class GradReduction:
-    """A bucket group's grad collectives: launch (scaled, async with overlap) and wait."""
+class GradLaunch:
+    """A bucket group's grad collectives: the launch (scaled, async with overlap)."""
 
     def start_grad_sync(self) -> None:
         """Scale each bucket and launch its all-reduce / reduce-scatter (async with overlap)."""
@@ -258,6 +189,16 @@ class GradReduction:
         elif self.timeline is not None:
             for b in self.buckets:
                 self.timeline.watch(b.bucket_id, self.grad_reduce_handle)
+
+
+# %% [markdown]
+# The wait: at the end of the backward every launched collective is waited for. A group whose
+# collective no hook launched (the first step, or overlap off) launches it here; one that
+# never got all its grads is an error that says how many parameters reported.
+
+# %%
+class GradReduction(GradLaunch):
+    """A bucket group's grad collectives: launch (scaled, async with overlap) and wait."""
 
     def finish_grad_sync(self) -> None:
         """Make this step's grad collectives complete (launch them first if nothing did)."""
@@ -346,8 +287,8 @@ class GradCheck:
 # starts gathering 1; the middle layers' pre-hooks then find 1 under way or done and start 0.
 
 # %%
-class ParamGather:
-    """A bucket group's param all-gather: dispatch it, and wait for it before the forward."""
+class ParamDispatch:
+    """A bucket group's param all-gather: the dispatch."""
 
     def start_param_sync(self, force_sync: bool = False) -> None:
         """All-gather each bucket's param shards into its param buffer (async with overlap)."""
@@ -371,6 +312,15 @@ class ParamGather:
             for b in self.buckets:
                 self.timeline.watch(b.bucket_id, self.param_gather_handle, "gather_complete")
         self.param_gather_dispatched = True
+
+
+# %% [markdown]
+# The wait, from the forward pre-hook: dispatch if nobody did, wait, then start the next
+# group's gather (unless the schedule dispatches the gathers itself).
+
+# %%
+class ParamGather(ParamDispatch):
+    """A bucket group's param all-gather: dispatch it, and wait for it before the forward."""
 
     def finish_param_sync(self, skip_next_bucket_dispatch: bool = False) -> None:
         """Wait for this group's all-gather (dispatching it if needed), then start the next one."""
@@ -396,7 +346,34 @@ class ParamGather:
 # equal the golden ones launches the collective.
 
 # %%
-class BucketGroup(GradReduction, GradCheck, ParamGather):
+class ReadyCount:
+    """A bucket group's grad-ready counting, and the reset that learns the golden counts."""
+
+    def reset(self) -> None:
+        """Prepare for the next step; after the first step, keep its counts as the golden ones."""
+        if self.is_first_batch and self.grad_ready_counts:
+            assert len(self.grad_ready_counts) == len(self.params)
+            self.golden_grad_ready_counts = self.grad_ready_counts
+            self.is_first_batch = False
+        self.grad_ready_counts = {}
+        self.is_last_microbatch = True
+        self.grad_reduce_finished = False
+
+    def register_grad_ready(self, param) -> None:
+        """Count ``param`` as ready (last micro-batch only); launch once all counts are golden."""
+        assert self.config.overlap_grad_reduce
+        if not self.is_last_microbatch:
+            return
+        self.grad_ready_counts[param] = self.grad_ready_counts.get(param, 0) + 1
+        if not self.is_first_batch and self.grad_ready_counts == self.golden_grad_ready_counts:
+            self.start_grad_sync()
+
+
+# %% [markdown]
+# The group itself: the four jobs, and every attribute they share, set in one place.
+
+# %%
+class BucketGroup(ReadyCount, GradReduction, GradCheck, ParamGather):
     """Buckets whose collectives are launched together, with grad-ready counting."""
 
     def __init__(self, buckets, config: DistributedDataParallelConfig, group, group_size: int,
@@ -422,25 +399,6 @@ class BucketGroup(GradReduction, GradCheck, ParamGather):
             for b in self.buckets:
                 self.timeline.record(event, b.bucket_id)
 
-    def reset(self) -> None:
-        """Prepare for the next step; after the first step, keep its counts as the golden ones."""
-        if self.is_first_batch and self.grad_ready_counts:
-            assert len(self.grad_ready_counts) == len(self.params)
-            self.golden_grad_ready_counts = self.grad_ready_counts
-            self.is_first_batch = False
-        self.grad_ready_counts = {}
-        self.is_last_microbatch = True
-        self.grad_reduce_finished = False
-
-    def register_grad_ready(self, param) -> None:
-        """Count ``param`` as ready (last micro-batch only); launch once all counts are golden."""
-        assert self.config.overlap_grad_reduce
-        if not self.is_last_microbatch:
-            return
-        self.grad_ready_counts[param] = self.grad_ready_counts.get(param, 0) + 1
-        if not self.is_first_batch and self.grad_ready_counts == self.golden_grad_ready_counts:
-            self.start_grad_sync()
-
 
 # %% [markdown]
 # ## Reduced before stepped
@@ -455,13 +413,9 @@ class BucketGroup(GradReduction, GradCheck, ParamGather):
 # `zero_grad_buffer`. [Chapter 02's optimizers](../02_optimizer/mixed_precision.py) refuse to step
 # while it is set.
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
-# Megatron has no such flag: its `train_step` always calls `finalize_model_grads` before the
-# step, so the mistake cannot happen there. tinytron's pages and tests write loops by hand, so
-# the optimizer checks.
-#
-# </div>
+# <details><summary>Megatron detail: no such flag</summary>Megatron's `train_step` always calls
+# `finalize_model_grads` before the step, so the mistake cannot happen there. tinytron's pages
+# and tests write loops by hand, so the optimizer checks.</details>
 
 # %%
 class GradSyncState:
@@ -541,8 +495,8 @@ class SyncHooks:
 # installs [the bucket check](#checking-each-bucket-before-its-collective) on all of them.
 
 # %%
-class LoopCalls:
-    """What a training loop calls on DistributedDataParallel, each over every bucket group."""
+class GradLoopCalls:
+    """The grad side of what a training loop calls on DistributedDataParallel."""
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -565,6 +519,15 @@ class LoopCalls:
         for g in self.bucket_groups:
             g.finish_grad_sync()
         self.grad_sync.pending = False
+
+
+# %% [markdown]
+# Then the param side and the step boundary: the all-gather after the optimizer step, the
+# zeroing before the next step, and the hook for the bucket check.
+
+# %%
+class LoopCalls(GradLoopCalls):
+    """What a training loop calls on DistributedDataParallel, each over every bucket group."""
 
     def start_param_sync(self, force_sync: bool = False) -> None:
         """All-gather the updated params of every bucket (async with overlap_param_gather)."""
@@ -596,6 +559,37 @@ class LoopCalls:
 # traffic is off the critical path. The methods other chapters need besides the sync (the
 # loss-scale multiply, the rank-0 broadcast, the state dicts) are a mixin in the private
 # module `tinytron.buffers._ddp_surface` (`chapters/05_buffers/_ddp_surface.py`).
+#
+# Two steps of the constructor are plain functions: the buffers, one per key, and the bucket
+# groups, one per bucket, chained in forward order.
+
+# %%
+def _make_buffers(params, config, dp_size: int, dp_rank: int, bucket_size, scaling: float,
+                  names: dict) -> list[ParamAndGradBuffer]:
+    """One ParamAndGradBuffer per (param dtype, grad dtype) of ``params``."""
+    buffers: list[ParamAndGradBuffer] = []
+    for key, group_params in group_params_for_buffers(params, config.grad_reduce_in_fp32).items():
+        buffers.append(ParamAndGradBuffer(
+            group_params, param_dtype=key.param_dtype, grad_dtype=key.grad_dtype,
+            dp_size=dp_size, dp_rank=dp_rank, bucket_size=bucket_size,
+            use_distributed_optimizer=config.use_distributed_optimizer,
+            pad_for_high_nccl_busbw=config.pad_buckets_for_high_nccl_busbw,
+            gradient_scaling_factor=scaling, param_names=names))
+    return buffers
+
+
+def _make_bucket_groups(buffers, config, group, group_size: int, stream,
+                        timeline) -> list[BucketGroup]:
+    """One BucketGroup per bucket, each pointing at the next one in forward order."""
+    groups = [BucketGroup([b], config, group, group_size, stream, timeline)
+              for buf in buffers for b in buf.buckets]
+    for i in range(1, len(groups)):  # forward order = reverse bucket order
+        groups[i].next_param_gather_bucket_group = groups[i - 1]
+    return groups
+
+
+# %% [markdown]
+# The wrapper:
 
 # %%
 class DistributedDataParallel(SyncHooks, LoopCalls, ModuleSurface, torch.nn.Module):
@@ -630,20 +624,11 @@ class DistributedDataParallel(SyncHooks, LoopCalls, ModuleSurface, torch.nn.Modu
         scaling = 1.0 if config.calculate_per_token_loss or config.average_in_collective \
             else 1.0 / self.dp_size
         # Megatron keeps the list under the name `buffers` (shadowing nn.Module.buffers()).
-        self.buffers: list[ParamAndGradBuffer] = []
-        for key, group_params in group_params_for_buffers(params, config.grad_reduce_in_fp32).items():
-            self.buffers.append(ParamAndGradBuffer(
-                group_params, param_dtype=key.param_dtype, grad_dtype=key.grad_dtype,
-                dp_size=self.dp_size, dp_rank=self.dp_rank, bucket_size=self.bucket_size,
-                use_distributed_optimizer=config.use_distributed_optimizer,
-                pad_for_high_nccl_busbw=config.pad_buckets_for_high_nccl_busbw,
-                gradient_scaling_factor=scaling, param_names=names))
+        self.buffers = _make_buffers(params, config, self.dp_size, self.dp_rank, self.bucket_size,
+                                     scaling, names)
         self.comm_stream = CommStream(params[0].device)
-        self.bucket_groups = [BucketGroup([b], config, self.dp_group, self.dp_size,
-                                          self.comm_stream, timeline)
-                              for buf in self.buffers for b in buf.buckets]
-        for i in range(1, len(self.bucket_groups)):  # forward order = reverse bucket order
-            self.bucket_groups[i].next_param_gather_bucket_group = self.bucket_groups[i - 1]
+        self.bucket_groups = _make_bucket_groups(self.buffers, config, self.dp_group, self.dp_size,
+                                                 self.comm_stream, timeline)
         self.param_to_bucket_group = {p: g for g in self.bucket_groups for p in g.params}
         # Shared with every param, so that any optimizer over them can refuse unreduced grads.
         self.grad_sync = GradSyncState()
@@ -658,6 +643,59 @@ class DistributedDataParallel(SyncHooks, LoopCalls, ModuleSurface, torch.nn.Modu
     def forward(self, *args, **kwargs):
         """Run the wrapped module."""
         return self.module(*args, **kwargs)
+
+
+# %% [markdown]
+# ## The configuration
+#
+# Every switch the hooks, the bucket groups and the wrapper above read is one field of the
+# config. The field names and defaults are Megatron's `DistributedDataParallelConfig`
+# (`megatron/core/distributed/distributed_data_parallel_config.py:12`). Note that
+# `grad_reduce_in_fp32` defaults to `False` there; Megatron's training script turns it on for
+# bf16 models unless `--grad-reduce-in-bf16` is given (`megatron/training/arguments.py:1181`).
+#
+# <details><summary>Megatron detail: calculate_per_token_loss</summary>It lives on Megatron's
+# `TransformerConfig`; tinytron puts it here because it only changes how DDP scales
+# gradients.</details>
+#
+# The checks that refuse combinations tinytron cannot run
+# (a second optimizer instance, `overlap_param_gather` without the distributed optimizer, …)
+# live in the chapter's private module `tinytron.buffers._checks` (`chapters/05_buffers/_checks.py`);
+# each names the field it refuses.
+
+# %%
+@document_fields
+@dataclass
+class DistributedDataParallelConfig:
+    """Megatron's DDP options that tinytron implements (same names, same defaults)."""
+
+    grad_reduce_in_fp32: bool = False
+    """Accumulate and reduce grads in fp32 (main_grad is fp32 even for bf16 params)."""
+    overlap_grad_reduce: bool = False
+    """Launch each bucket's grad collective from the backward hooks as soon as it is complete."""
+    align_grad_reduce: bool = True
+    """With overlap_grad_reduce and PP > 1, stages after the first launch after the cooldown."""
+    overlap_param_gather: bool = False
+    """Defer the param all-gather to forward pre-hooks (distributed optimizer only)."""
+    align_param_gather: bool = False
+    """The schedule dispatches all param all-gathers itself; pre-hooks only wait."""
+    use_distributed_optimizer: bool = False
+    """Reduce-scatter grads (each DP rank owns one shard) and keep a param buffer to all-gather."""
+    num_distributed_optimizer_instances: int = 1
+    """Number of distributed-optimizer replicas; tinytron supports 1."""
+    check_for_nan_in_grad: bool = False
+    """Raise before the collective if a bucket's local grad norm is NaN or Inf."""
+    bucket_size: int | None = None
+    """Elements per bucket; None -> max(40M, 1M*dp) with overlap, one bucket without."""
+    pad_buckets_for_high_nccl_busbw: bool = False
+    """Pad bucket ends to lcm(dp, 128, 2**16) instead of lcm(dp, 128)."""
+    average_in_collective: bool = False
+    """Average with ReduceOp.AVG instead of pre-scaling grads by 1/dp_cp and summing."""
+    calculate_per_token_loss: bool = False
+    """Grads are neither pre-scaled nor averaged; finalize_model_grads divides by the token count."""
+
+    def __post_init__(self):
+        check_ddp_config(self)  # a clear one-line ValueError naming the field (_checks.py)
 
 
 # %% [markdown]
@@ -834,7 +872,19 @@ if __name__ == "__main__":
 # 1. Wrap the first use of `TinyNet`'s `shared` layer in a reentrant checkpoint and count
 #    its hook calls on the last micro-batch. Why would launching its bucket on the first call
 #    be wrong, and which mechanism prevents it? (Hint: demo 1's second count.)
+#    <details><summary>Hint</summary>Demo 1 counts two calls. After the first, `main_grad`
+#    holds only one of the two contributions, and a collective launched then reduces half a
+#    gradient. Look at `ReadyCount`: the first step records the counts, `reset` keeps them as
+#    the golden ones, and `register_grad_ready` launches only when all counts match.</details>
 # 2. Shrink `bucket_size` to 20k in the timeline demo. What happens to the gap between
 #    backward's end and the synced grads, and why does it not shrink forever?
+#    <details><summary>Hint</summary>Only the last bucket's collective is left after the
+#    backward ends, and a smaller bucket is a shorter one. But every call pays the latency
+#    term $2(d-1)\alpha$ of [the naive page](naive_ddp.py)'s cost formula: with many tiny
+#    buckets the calls queue up on the one side stream and the latency dominates.</details>
 # 3. Set `average_in_collective=True` and check that the grads do not change. When could
 #    pre-scaling by `1/dp` be better than averaging in bf16?
+#    <details><summary>Hint</summary>See the **Scaling** paragraph: the sum of unscaled grads
+#    can overflow a narrow format before the collective divides (fp16's 65,504), and
+#    `ReduceOp.AVG` is not offered by every backend. Compare the two with
+#    `grad_reduce_in_fp32=False` and large grads.</details>

@@ -45,6 +45,12 @@ def timeline_summary(events) -> dict:
     return out
 
 
+# %% [markdown]
+# The backward picture: one row per bucket, the grads arriving as ticks, the bucket ready at
+# the orange dot, its collective as a bar, and two lines, the end of the backward and the
+# moment the grads are synced.
+
+# %% tags=["hide-input"]
 def plot_timeline(runs, axes=None, scale: float = 1e3,
                   unit: str = "ms since backward started"):
     """One panel per (title, events) run: grads (dots), collective (bar), backward end (line)."""
@@ -73,6 +79,11 @@ def plot_timeline(runs, axes=None, scale: float = 1e3,
     return axes
 
 
+# %% [markdown]
+# The forward picture: each bucket's all-gather in flight, and the moment the first module
+# that needs it starts. A marker after its bar is a gather that was hidden.
+
+# %% tags=["hide-input"]
 def plot_param_gather(events, ax=None):
     """Per bucket: all-gather in flight (bar) and the forward's first use of it (marker)."""
     import matplotlib.pyplot as plt
@@ -245,5 +256,13 @@ if __name__ == "__main__":
 #
 # 1. Make the buckets 10x smaller. Does the wait after backward get shorter, and what does the
 #    per-collective latency do to the total?
+#    <details><summary>Hint</summary>In `ideal_overlap` the wait after the backward is the
+#    last bucket's share of $t_{comm}$, so it shrinks with the bucket. The ideal model has no
+#    per-call cost; add the latency term $2(d-1)\alpha$ of [the naive page](naive_ddp.py) per
+#    collective and the total grows with the number of buckets.</details>
 # 2. In the all-gather picture, why is the embedding's bucket always the first one dispatched,
 #    and what would happen if the model registered its output layer before its embedding?
+#    <details><summary>Hint</summary>The first pre-hook to run belongs to the first module of
+#    the forward, and `finish_param_sync` dispatches its group's gather, then the next one in
+#    forward order, which `compute_param_layout` derives from the *registration* order
+#    reversed. Work out which bucket the forward's first module would then sit in.</details>

@@ -164,6 +164,12 @@ class ParamLayout:
         return self.bucket_indices[-1][1] if self.bucket_indices else 0
 
 
+# %% [markdown]
+# The layout walks the parameters from the last registered to the first, aligns each start
+# (with the distributed optimizer), and closes a bucket once it holds `bucket_size` elements,
+# or before and after a tied embedding.
+
+# %%
 def compute_param_layout(params, bucket_size: int | None, dp_size: int, *,
                          use_distributed_optimizer: bool,
                          pad_for_high_nccl_busbw: bool = False) -> ParamLayout:
@@ -368,12 +374,37 @@ class BufferViews:
 
 
 # %% [markdown]
-# The buffer itself allocates, lays out, attaches, and cuts into buckets; the rest is what the
-# DDP wrapper calls each step (`reset` to zero, `scale_gradients` for the loss scale) and
-# names for printing.
+# What the DDP wrapper calls each step, `reset` to zero and `scale_gradients` for the loss
+# scale, touches the whole grad buffer at once; names are for printing.
 
 # %%
-class ParamAndGradBuffer(BufferViews):
+class BufferOps(BufferViews):
+    """Mixin for ParamAndGradBuffer: whole-buffer operations, and names for printing."""
+
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply the whole grad buffer by ``factor`` in place."""
+        self.grad_data.mul_(factor)
+
+    def reset(self) -> None:
+        """Zero the grad buffer (every main_grad with it)."""
+        self.grad_data.zero_()
+
+    def name(self, p) -> str:
+        """A readable name for ``p`` (its module path when known)."""
+        if p in self.param_names:
+            return self.param_names[p]
+        return f"param{next(i for i, q in enumerate(self.params) if q is p)}"
+
+    def __repr__(self) -> str:
+        return (f"ParamAndGradBuffer({self.param_dtype}->{self.grad_dtype}, numel={self.numel}, "
+                f"{len(self.buckets)} buckets, dp={self.dp_size})")
+
+
+# %% [markdown]
+# The buffer itself allocates, lays out, attaches, and cuts into buckets.
+
+# %%
+class ParamAndGradBuffer(BufferOps):
     """Flat grad (and param) storage for params of one (param dtype, grad dtype), cut into buckets."""
 
     def __init__(self, params, *, param_dtype: torch.dtype, grad_dtype: torch.dtype,
@@ -404,24 +435,6 @@ class ParamAndGradBuffer(BufferViews):
         self._attach_views()
         self.buckets = self._make_buckets(gradient_scaling_factor)
         self.param_to_bucket = {p: b for b in self.buckets for p in b.params}
-
-    def scale_gradients(self, factor: float) -> None:
-        """Multiply the whole grad buffer by ``factor`` in place."""
-        self.grad_data.mul_(factor)
-
-    def reset(self) -> None:
-        """Zero the grad buffer (every main_grad with it)."""
-        self.grad_data.zero_()
-
-    def name(self, p) -> str:
-        """A readable name for ``p`` (its module path when known)."""
-        if p in self.param_names:
-            return self.param_names[p]
-        return f"param{next(i for i, q in enumerate(self.params) if q is p)}"
-
-    def __repr__(self) -> str:
-        return (f"ParamAndGradBuffer({self.param_dtype}->{self.grad_dtype}, numel={self.numel}, "
-                f"{len(self.buckets)} buckets, dp={self.dp_size})")
 
 
 # %% [markdown]
@@ -540,12 +553,22 @@ def stage_param_shapes(config, tp: int, pp: int, pp_rank: int) -> list[tuple[str
     return shapes
 
 
+# %% [markdown]
+# The ring rule of the paragraph above, as a function: $\frac{d-1}{d}$ of the buffer for a
+# reduce-scatter or an all-gather, twice that for an all-reduce.
+
+# %%
 def collective_bytes(numel: int, itemsize: int, dp: int, op: str) -> float:
     """Bytes one rank sends per ring collective over dp ranks on a buffer of numel elements."""
     share = (dp - 1) / dp * numel * itemsize
     return {"reduce_scatter": share, "all_gather": share, "all_reduce": 2 * share}[op]
 
 
+# %% [markdown]
+# The first stage's shapes as meta tensors, the tied embedding marked, laid out with the
+# default bucket size at DP 64:
+
+# %%
 if __name__ == "__main__":
     from tinytron.buffers.distributed_data_parallel import (DistributedDataParallelConfig,
                                                             default_bucket_size)
@@ -606,6 +629,20 @@ if __name__ == "__main__":
 #
 # 1. Lay out ten 95×95 weights with `bucket_size=18000` and `dp=4` with and without the
 #    distributed optimizer; how many buckets and how much padding in each case?
+#    <details><summary>Answer</summary>Five buckets of two weights either way (one weight,
+#    9,025 elements, is under 18,000; two reach it). Without the distributed optimizer nothing
+#    is padded: 90,250 elements. With it each second weight starts at 9,088 (64-aligned), so a
+#    bucket holds 18,113 elements and is padded to $142 \cdot 128$ = 18,176: 90,880 elements,
+#    630 of them padding.</details>
 # 2. Turn on `pad_for_high_nccl_busbw` for the toy stack. How much bigger does the buffer get?
+#    <details><summary>Answer</summary>Every bucket end is then padded to
+#    $\mathrm{lcm}(4, 128, 2^{16}) = 65{,}536$ elements. The toy stack's 18,080 parameters in 5
+#    buckets take 18,560 elements without it and $5 \cdot 65{,}536$ = 327,680 with it, 17.7×
+#    larger: the flag is for buckets of tens of millions of elements, where it costs little.</details>
 # 3. Why must a tied embedding have its own bucket for the first and last pipeline stage to
 #    agree on which DP rank owns which element?
+#    <details><summary>Hint</summary>The two stages hold different parameters around their copy
+#    of the embedding, so its offset inside a shared bucket would differ, and with it which
+#    shard, of which DP rank, each of its elements falls in. Alone in a bucket starting at a
+#    padded boundary, its shards are the same on both stages (`own_bucket` in
+#    `compute_param_layout`).</details>

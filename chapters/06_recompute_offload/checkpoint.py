@@ -140,11 +140,15 @@ def fork_rng(tracker: RNGStatesTracker | None = None) -> Iterator[None]:
 # embedding dropout: the
 # embedding's $[b, s, h]$ output transposed to $[s, b, h]$ is then already contiguous, so
 # `.contiguous()` hands back the view itself. There the slice is kept apart, which frees the
-# base once the caller drops the view. Megatron meets the same view and removes it one level
-# up: `TransformerBlock.forward` makes its input viewless before any layer runs
-# (`make_viewless_tensor`, `megatron/core/transformer/transformer_block.py:575-590`), and its
-# checkpoint asserts that it is (`safely_set_viewless_tensor_data`,
-# `megatron/core/utils.py:754`); tinytron differs by handling it here. Under sequence
+# base once the caller drops the view.
+#
+# <details><summary>Megatron detail: viewless inputs</summary>Megatron meets the same view and
+# removes it one level up: `TransformerBlock.forward` makes its input viewless before any
+# layer runs (`make_viewless_tensor`, `megatron/core/transformer/transformer_block.py:575-590`),
+# and its checkpoint asserts that it is (`safely_set_viewless_tensor_data`,
+# `megatron/core/utils.py:754`); tinytron handles it in the checkpoint instead.</details>
+#
+# Under sequence
 # parallelism the input is already split ($[s/t, b, h]$, different on every rank), so the flag
 # is refused (`ModelConfig` raises).
 
@@ -180,6 +184,34 @@ def _gather_flat_chunks(chunk: torch.Tensor, shape, grid: ParallelGrid) -> torch
     dist.all_gather(parts, chunk.contiguous(), group=grid.group("tp"))
     return torch.cat(parts).view(shape)
 
+
+# %% [markdown]
+# The two halves of the distribution, and the leaf the recompute starts from. Forward keeps
+# only this rank's slice (in the input itself, or apart when the input is a view); backward
+# gathers the full tensor back into the same object.
+
+# %%
+def _keep_first_slice(args, tensors: list, grid: ParallelGrid) -> None:
+    """Keep only this TP rank's slice of args[0]: in the input itself, or in tensors[0]."""
+    mine = _my_flat_chunk(args[0], grid)
+    if args[0]._base is None:   # the input itself now holds only this rank's slice
+        args[0].data = mine
+    else:   # a view's base would keep the full storage alive: keep the slice apart
+        tensors[0] = mine
+
+
+def _regather_first(tensors: list, ctx) -> None:
+    """The full first input back into the same tensor, requiring grad as the original did."""
+    tensors[0].data = _gather_flat_chunks(tensors[0].data, ctx.first_shape, ctx.options.grid)
+    if ctx.first_requires_grad and not tensors[0].requires_grad:
+        tensors[0].requires_grad_()   # the slice kept apart from a view
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """A leaf sharing t's data, requiring grad exactly when t did."""
+    return t.detach().requires_grad_(t.requires_grad)
+
+
 # %% [markdown]
 # The function itself follows. `forward` keeps the RNG snapshot and the inputs (the first one
 # as this rank's slice when it distributes); `backward` is the three steps listed above, with
@@ -200,11 +232,7 @@ class CheckpointFunction(torch.autograd.Function):
         ctx.first_shape, tensors = None, [a for a in args if torch.is_tensor(a)]
         if options.distributes() and ctx.is_tensor[0]:
             ctx.first_shape, ctx.first_requires_grad = args[0].shape, args[0].requires_grad
-            mine = _my_flat_chunk(args[0], options.grid)
-            if args[0]._base is None:   # the input itself now holds only this rank's slice
-                args[0].data = mine
-            else:   # a view's base would keep the full storage alive: keep the slice apart
-                tensors[0] = mine
+            _keep_first_slice(args, tensors, options.grid)
         ctx.save_for_backward(*tensors)
         return outputs
 
@@ -214,10 +242,7 @@ class CheckpointFunction(torch.autograd.Function):
             raise RuntimeError("checkpointed blocks need .backward(), not torch.autograd.grad()")
         tensors = list(ctx.saved_tensors)
         if ctx.first_shape is not None:   # the full input back into the same tensor
-            tensors[0].data = _gather_flat_chunks(tensors[0].data, ctx.first_shape,
-                                                  ctx.options.grid)
-            if ctx.first_requires_grad and not tensors[0].requires_grad:
-                tensors[0].requires_grad_()   # the slice kept apart from a view
+            _regather_first(tensors, ctx)
         inputs = [_detached(tensors.pop(0)) if t else other
                   for t, other in zip(ctx.is_tensor, ctx.others)]
         tracker = ctx.options.tracker
@@ -232,11 +257,10 @@ class CheckpointFunction(torch.autograd.Function):
         return (None, None) + tuple(x.grad if torch.is_tensor(x) else None for x in inputs)
 
 
-def _detached(t: torch.Tensor) -> torch.Tensor:
-    """A leaf sharing t's data, requiring grad exactly when t did."""
-    return t.detach().requires_grad_(t.requires_grad)
+# %% [markdown]
+# And Megatron's call, which packs the options:
 
-
+# %%
 def checkpoint(function: Callable, distribute_saved_activations: bool, *args,
                tracker: RNGStatesTracker | None = None, grid: ParallelGrid | None = None,
                preserve_rng_state: bool = True):
@@ -258,17 +282,14 @@ def checkpoint(function: Callable, distribute_saved_activations: bool, *args,
 # replay) and hands the result to the original storage, so every saved reference to the
 # output sees the data again without knowing it was ever gone (`_recompute`, `:742`).
 #
-# One copy of the output must remain, not two. Megatron re-points the old storage at the
-# recomputed data with a small C++ extension (`random.py:28-75, 790-797`): zero bytes copied.
+# One copy of the output must remain, not two. tinytron copies the recomputed values into the
+# old storage and then points the recomputed tensor at that storage (`new.data = old`, which
+# bumps no version counter), so the recomputed storage is freed as the hook returns — one copy
+# from then on, two only during the copy itself.
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
-# tinytron stays in Python: it copies the recomputed values into the old storage and then
-# points the recomputed tensor at that storage (`new.data = old`, which bumps no version
-# counter), so the recomputed storage is freed as the hook returns — one copy from then on,
-# two only during the copy itself.
-#
-# </div>
+# <details><summary>Megatron detail: zero bytes copied</summary>Megatron re-points the old
+# storage at the recomputed data with a small C++ extension (`random.py:28-75, 790-797`): zero
+# bytes copied. tinytron stays in Python.</details>
 #
 # For the norm before `linear_qkv` this saves the norm's internals *and* its output: per
 # layer $s' b h$ elements of output (what `linear_qkv` keeps, $s' = s/t$ rows under SP) and
@@ -298,6 +319,11 @@ class _CheckpointWithoutOutputFunction(torch.autograd.Function):
         return (None, None) + tuple(x.grad if torch.is_tensor(x) else None for x in inputs)
 
 
+# %% [markdown]
+# The user-facing object: `checkpoint` runs the block, `discard_output_and_register_recompute`
+# frees the output once the consumer has saved it, and `_recompute`, the hook, refills it.
+
+# %%
 class CheckpointWithoutOutput:
     """Checkpoint a block, free its output after the consumer saved it, refill it in backward."""
 
@@ -368,6 +394,11 @@ def dropout_masks(preserve_rng_state: bool, seed: int = 0) -> tuple[torch.Tensor
     return masks[0], masks[1], x.grad, torch.get_rng_state()
 
 
+# %% [markdown]
+# Both runs, and a third with no checkpoint at all for the generator's final state; then the
+# three masks side by side.
+
+# %%
 if __name__ == "__main__":
     import matplotlib.pyplot as plt
 
@@ -457,5 +488,12 @@ if __name__ == "__main__":
 #
 # 1. Put the forward inside `tracker.fork()` (as sequence parallelism does) and check that the
 #    replay is still exact. Why does the snapshot not need the tracker's copy, stale on a CPU?
+#    <details><summary>Hint</summary>Reread the subtlety after `fork_rng`: inside the fork the
+#    stream *is* the default generator, so `capture_rng_states` records its current position in
+#    `snapshot.cpu`, and the recompute, outside any fork, draws from the default generator.</details>
 # 2. Measure the saved bytes of `checkpoint(..., distribute_saved_activations=True)` on two TP
 #    ranks with `saved_tensor_bytes` (chapter 01).
+#    <details><summary>Hint</summary>Expect the stored input to halve: $s \cdot b \cdot h$
+#    elements become $s b h / t$ per rank, 32 MiB to 16 MiB in the example above. Run it on two
+#    ranks with `run_on_ranks` (as chapter 05's demos do) and a `ParallelGrid` of TP 2, and read
+#    the bytes after the forward, before the backward gathers them back.</details>

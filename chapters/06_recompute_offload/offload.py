@@ -63,13 +63,15 @@ __all__ = ["HostBufferPool", "OffloadGroup", "ChunkOffloadHandler", "OffloadMana
 # backward tells the handler where it is: the commit marker fires just *before* its group's
 # backward (time to wait for the reload), the start marker just *after* (time to prefetch).
 #
-# Megatron's markers are two identity autograd functions (`:1108`, `:1188`) applied to the
-# region's input and output. Here they are gradient hooks on those same two tensors
-# (`tensor.register_hook`), which leave the graph untouched. The difference is visible in the
-# last bit: the layer input feeds both the norm and the residual add, and an identity node in
-# front of the norm makes autograd sum the norm's two gradient contributions before adding
-# the residual's, instead of in the order the plain graph uses — a different rounding,
-# gradients one ulp apart. With hooks, offload leaves every gradient bitwise unchanged.
+# The markers are gradient hooks on the region's input and output (`tensor.register_hook`),
+# which leave the graph untouched: with hooks, offload leaves every gradient bitwise unchanged.
+#
+# <details><summary>Megatron detail: identity markers</summary>Megatron's markers are two
+# identity autograd functions (`:1108`, `:1188`) applied to the region's input and output. The
+# difference is visible in the last bit: the layer input feeds both the norm and the residual
+# add, and an identity node in front of the norm makes autograd sum the norm's two gradient
+# contributions before adding the residual's, instead of in the order the plain graph uses — a
+# different rounding, gradients one ulp apart.</details>
 #
 # **Which modules.** `offload_modules` names regions of a layer: `attn_norm` (input
 # layernorm), `qkv_linear`, `core_attn` (softmax attention), `attn_proj`, `mlp_norm`
@@ -87,15 +89,22 @@ __all__ = ["HostBufferPool", "OffloadGroup", "ChunkOffloadHandler", "OffloadMana
 #
 # **The offload margin.** On the last pipeline stage a chunk's backward starts right after
 # its forward, and the first groups it needs are the last layer's: nothing could have
-# prefetched them. Megatron's warm-up iteration finds those groups and marks them not to be
-# offloaded (`post_warmup_callback`, `:523`; `should_bulk_offload`, `:962`). Here the handler
-# knows the chunk's layers in advance, so no warm-up is needed: a chunk with `post_process`
-# keeps its last layer's groups on the device.
+# prefetched them. The handler knows the chunk's layers in advance: a chunk with
+# `post_process` keeps its last layer's groups on the device.
+#
+# <details><summary>Megatron detail: the warm-up iteration</summary>Megatron's warm-up
+# iteration finds those groups and marks them not to be offloaded (`post_warmup_callback`,
+# `:523`; `should_bulk_offload`, `:962`). Knowing the layers in advance, tinytron needs no
+# warm-up.</details>
 #
 # **Prefetch one layer ahead.** When the backward enters the last group of layer $i$, the
 # handler starts reloading every group of layer $i-1$; the copies then overlap with the rest
-# of layer $i$'s backward, its MLP included. Megatron prefetches one *group* ahead; a layer
-# gives the copies more compute to hide behind for at most one layer of extra memory.
+# of layer $i$'s backward, its MLP included: a layer gives the copies more compute to hide
+# behind, for at most one layer of extra memory.
+#
+# <details><summary>Megatron detail: one group ahead</summary>Megatron prefetches one
+# *group* ahead.</details>
+#
 # When a chunk's backward is done, the handler starts the last layer of the next chunk in the
 # queue (`pre_reload_last_layer`, `:954`).
 #
@@ -204,8 +213,8 @@ class OffloadGroup:
 # `commit_group` turns the hooks off and starts the D2H copies of everything the group holds.
 
 # %%
-class _ChunkForward:
-    """Forward-side methods of ChunkOffloadHandler (open, pack, commit)."""
+class _ChunkPack:
+    """Forward-side methods of ChunkOffloadHandler: open a group, pack into it, close the hooks."""
 
     def __init__(self, manager, last_layer: int, keep_last_layer: bool,
                  min_size: int):
@@ -242,6 +251,15 @@ class _ChunkForward:
             self._hooks.__exit__(None, None, None)
             self._hooks = None
 
+
+# %% [markdown]
+# The commit: the hooks off, then each slot copied into a pooled host buffer in its memory
+# order, on the D2H stream, with one event for the whole group. The margin layer is skipped.
+
+# %%
+class _ChunkForward(_ChunkPack):
+    """Forward-side methods of ChunkOffloadHandler (open, pack, commit)."""
+
     def commit_group(self, group: OffloadGroup) -> None:
         """Close the group and copy its tensors to host buffers on the D2H stream."""
         self.close_hooks()
@@ -271,8 +289,8 @@ class _ChunkForward:
 # previous layer, and when this chunk is done, the last layer of the next chunk.
 
 # %%
-class ChunkOffloadHandler(_ChunkForward):
-    """The offload groups of one micro-batch's forward through one model chunk."""
+class _ChunkCopyBack(_ChunkForward):
+    """Backward-side methods of ChunkOffloadHandler: reload a group, wait for it."""
 
     def reload_group(self, group: OffloadGroup) -> None:
         """Start copying an offloaded group back to the device on the H2D stream."""
@@ -303,6 +321,15 @@ class ChunkOffloadHandler(_ChunkForward):
                     t.record_stream(torch.cuda.current_stream())
             group.reload_event = None
 
+
+# %% [markdown]
+# The unpack hook, autograd's side of a tag: the slot's tensor, reloaded first if it is still
+# on the host, and dropped after its last use.
+
+# %%
+class _ChunkReload(_ChunkCopyBack):
+    """Backward-side methods of ChunkOffloadHandler: reload, wait, unpack."""
+
     def unpack(self, packed):
         """The saved tensor for autograd; a tag's slot is released after its last use."""
         if not isinstance(packed, _Tag):
@@ -317,6 +344,15 @@ class ChunkOffloadHandler(_ChunkForward):
         if group.uses[packed.slot] == 0:
             group.slots[packed.slot] = None
         return t
+
+
+# %% [markdown]
+# What to reload ahead of time: the groups of the layer below, and, when the chunk is done,
+# the next chunk's last layer.
+
+# %%
+class ChunkOffloadHandler(_ChunkReload):
+    """The offload groups of one micro-batch's forward through one model chunk."""
 
     def prefetch_before(self, group: OffloadGroup) -> None:
         """After a group's backward: reload the previous layer, or the next chunk's last layer."""
@@ -358,9 +394,36 @@ def _mark_commit(out: torch.Tensor, handler: ChunkOffloadHandler, group: Offload
 # start of every training forward of a model chunk, and queues finished chunks in the order
 # their backwards will run — first in, first out, as in the 1F1B and no-pipelining schedules
 # (an interleaved schedule only loses the cross-chunk prefetch when the guess is wrong).
+#
+# First the queue's bookkeeping: a chunk leaves it when its backward starts, the next one's
+# last layer is reloaded when a backward ends, and each committed group's bytes are counted.
 
 # %%
-class OffloadManager:
+class _ChunkQueue:
+    """Mixin for OffloadManager: the queue of chunks waiting for their backward, and the counts."""
+
+    def backward_began(self, handler: ChunkOffloadHandler) -> None:
+        """A chunk's backward has started: it leaves the queue."""
+        if handler in self.waiting:
+            self.waiting.remove(handler)
+
+    def prefetch_next_chunk(self, handler: ChunkOffloadHandler) -> None:
+        """A chunk's backward is done: start reloading the next chunk's last layer."""
+        self.backward_began(handler)
+        if self.waiting:
+            nxt = self.waiting[0]
+            nxt.reload_layer(nxt.last_layer)
+
+    def count(self, group: OffloadGroup) -> None:
+        """Add a committed group's bytes to the per-module summary."""
+        self.offloaded_bytes[group.name] = self.offloaded_bytes.get(group.name, 0) + group.offloaded_bytes
+
+
+# %% [markdown]
+# The manager itself: a handler opened at each training forward of a chunk, queued at its end.
+
+# %%
+class OffloadManager(_ChunkQueue):
     """Side streams, the host pool, and the chunk handlers of one rank."""
 
     def __init__(self, device: torch.device | str = "cpu"):
@@ -389,22 +452,6 @@ class OffloadManager:
             self.waiting.append(self.current)
             self.last = self.current
         self.current = None
-
-    def backward_began(self, handler: ChunkOffloadHandler) -> None:
-        """A chunk's backward has started: it leaves the queue."""
-        if handler in self.waiting:
-            self.waiting.remove(handler)
-
-    def prefetch_next_chunk(self, handler: ChunkOffloadHandler) -> None:
-        """A chunk's backward is done: start reloading the next chunk's last layer."""
-        self.backward_began(handler)
-        if self.waiting:
-            nxt = self.waiting[0]
-            nxt.reload_layer(nxt.last_layer)
-
-    def count(self, group: OffloadGroup) -> None:
-        """Add a committed group's bytes to the per-module summary."""
-        self.offloaded_bytes[group.name] = self.offloaded_bytes.get(group.name, 0) + group.offloaded_bytes
 
 # %% [markdown]
 # ## Installing the groups on a model
