@@ -747,12 +747,17 @@ class DeterminismStats:
 # %% [markdown]
 # ### What the console says about a spike check
 #
+# A user who switched the check on wants to know when it starts to judge, and whether a spike
+# in the warm-up slipped through. The machine prints four kinds of line, each prefixed
+# `reliability:`:
+#
+# <details><summary>Megatron detail: what Megatron prints</summary>
 # The threshold is silent in Megatron until it is set ("Max value for loss: …", `:762`), and
 # a rejection is one `logger.error` line without the threshold (`:604-610`). A user who
 # switched the check on cannot tell from that when it starts to judge, nor whether a spike
 # in the warm-up slipped through. tinytron keeps Megatron's arithmetic — the same values
-# counted, the same frozen max, so a threshold means the same number in both — and prints
-# four kinds of line, each prefixed `reliability:`:
+# counted, the same frozen max, so a threshold means the same number in both — and adds the
+# lines below.</details>
 #
 # | when | where | says |
 # |---|---|---|
