@@ -583,8 +583,8 @@ if __name__ == "__main__":
 # 2. With `--calc-ft-timeouts`, why is the step timeout only updated after 16 steps, and why
 #    is the checkpoint timeout not updated when saves are asynchronous?
 #
-#    <details><summary>Hint</summary>Look at `_maybe_update_timeouts` (`:244`) and at what
-#    the first steps contain that later ones do not (warm-up, first allocations, the first
-#    collectives). For the second half: how long does the `checkpoint` section last when the
+#    <details><summary>Hint</summary>Look at `_maybe_update_timeouts` in Megatron's
+#    `ft_integration.py`, and at what the first steps contain that later ones do not (warm-up,
+#    first allocations, the first collectives). For the second half: how long does the `checkpoint` section last when the
 #    save only hands its tensors to a background writer, and what would a timeout computed
 #    from that do to the next synchronous save?</details>

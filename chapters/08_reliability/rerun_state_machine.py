@@ -838,28 +838,27 @@ class SpikeLines:
 # even in steady state, so that successive checkpoints have the same structure.
 #
 # <details><summary>Megatron detail: the iteration number and the checkpoint key</summary>
-# Megatron writes `current_iteration + 1` (`:1035`) because
-# its counter starts at −1 and counts from 0 (`:196`); tinytron's counts from 1 and writes it
-# as it is — the same number, the one the training log shows and `training.py:3474` skips as
-# `iteration + 1`. Megatron's per-rank state is
-# a `ShardedObject` keyed `rerun_state_machine_state`, shape `(world,)`, offset `(rank,)`,
-# written even in steady state so that successive checkpoints have the same structure.</details>
+# Megatron writes `current_iteration + 1` (`:1035`) because its counter starts at −1 and
+# counts from 0 (`:196`); tinytron's counts from 1 and writes it as it is — the same number,
+# the one the training log shows and `training.py:3474` skips as `iteration + 1`. Megatron's
+# per-rank state is a `ShardedObject` keyed `rerun_state_machine_state`, shape `(world,)`,
+# offset `(rank,)`, written even in steady state so that successive checkpoints have the
+# same structure.</details>
 #
 # With a rerun pending it also carries the step's buffered micro-batches. The relaunch replays
 # them in the rerun (`replay_from`), so the second opinion sees the rejected step's very data.
 #
 # <details><summary>Megatron detail: the relaunch replays the saved data</summary>
-# Megatron writes
-# them into the exit-16 checkpoint (`data_iterator_checkpoints`, `:818-829, 853`), but loads
-# them back only in the `NOT_RUNNING_YET` branch of the *next* step (`:304-310`), right
-# before `advance()` empties the buffer (`:311-314`); its rerun from the checkpoint
-# (`WILL_RERUN_FROM_CHECKPOINT`, `:372-374`) reads the data loader, repositioned by the
-# checkpoint's consumed-sample count — the same data only if the loader's order depends on
-# nothing but that count.
-# tinytron's relaunch replays the saved micro-batches in the rerun (`replay_from`) and reads past
-# them in the repositioned loader, so the second opinion sees the rejected step's very data
-# even when the order comes from worker timing or an unseeded shuffle (the test uses a loader
-# whose order is new in every launch). Megatron's rerun from the checkpoint reads the loader
+# Megatron writes them into the exit-16 checkpoint (`data_iterator_checkpoints`,
+# `:818-829, 853`), but loads them back only in the `NOT_RUNNING_YET` branch of the *next*
+# step (`:304-310`), right before `advance()` empties the buffer (`:311-314`); its rerun from
+# the checkpoint (`WILL_RERUN_FROM_CHECKPOINT`, `:372-374`) reads the data loader,
+# repositioned by the checkpoint's consumed-sample count — the same data only if the loader's
+# order depends on nothing but that count. tinytron's relaunch replays the saved
+# micro-batches in the rerun (`replay_from`) and reads past them in the repositioned loader,
+# so the second opinion sees the rejected step's very data even when the order comes from
+# worker timing or an unseeded shuffle (the test uses a loader whose order is new in every
+# launch). Megatron's rerun from the checkpoint reads the loader
 # (`megatron/core/rerun_state_machine.py:372-374`).</details>
 #
 # In numbers: with $m = 4$ micro-batches of $4 \times 2\,048$ int64 token ids, the ids alone

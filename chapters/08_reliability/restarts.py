@@ -178,8 +178,8 @@ class DistributedSignalHandler(_AnyRankReceived):
 # nothing. The kernel releases a `flock` when its holder dies, SIGKILL included, so the
 # relaunch after a crash never finds a stale lock (`tinytron.reliability._run_lock`).
 #
-# <details><summary>Megatron detail: no lock</summary>Megatron
-# has no such lock and relies on the scheduler to run one job per directory.</details>
+# <details><summary>Megatron detail: no lock</summary>Megatron has no such lock and relies
+# on the scheduler to run one job per directory.</details>
 #
 # ### One store, many lives: the keys of each attempt under its own prefix
 #
@@ -205,11 +205,11 @@ class DistributedSignalHandler(_AnyRankReceived):
 # `ParallelGrid` lands under the same attempt.
 #
 # <details><summary>Megatron detail: the launcher's keys unprefixed</summary>Megatron itself
-# passes `store=None` at
-# launch (`megatron/training/initialize.py:315-317`), that is, the launcher's keys as they are.
-# Every torchrun restart attempt here gets its own `PrefixStore`, so a relaunched world never reads
-# the keys its failed predecessor left in torchrun's shared store; Megatron keeps the
-# launcher's keys unprefixed and relies on a fresh store per launch.</details>
+# passes `store=None` at launch (`megatron/training/initialize.py:315-317`), that is, the
+# launcher's keys as they are. Every torchrun restart attempt here gets its own
+# `PrefixStore`, so a relaunched world never reads the keys its failed predecessor left in
+# torchrun's shared store; Megatron keeps the launcher's keys unprefixed and relies on a fresh
+# store per launch.</details>
 #
 # One case stays open: an elastic job whose membership changes restarts its workers without counting a
 # restart, so the count repeats; tinytron's launches fix the number of nodes.
@@ -684,11 +684,11 @@ class Reliability(StepHooks, CheckpointHooks, RerunStateFiles, ScheduleChecks, B
 #   "same" training diverges after the restart; leaks accumulate over many restarts.
 #
 # <details><summary>Megatron detail: a leak this page's test met</summary>Chapter 05's DDP
-# registers a hook on every parameter, the hook
-# points back to the DDP object, and the cycle runs through autograd's C++ side where the
-# garbage collector cannot see it — so the failed attempt's process groups stayed open and
-# the peer waited in its all-reduce for the gloo subgroup timeout (30 minutes). The launch
-# script clears the parameters' hooks when an attempt fails (`_run._release`).</details>
+# registers a hook on every parameter, the hook points back to the DDP object, and the cycle
+# runs through autograd's C++ side where the garbage collector cannot see it — so the failed
+# attempt's process groups stayed open and the peer waited in its all-reduce for the gloo
+# subgroup timeout (30 minutes). The launch script clears the parameters' hooks when an
+# attempt fails (`_run._release`).</details>
 
 # %%
 def inprocess_restart(fn, *, store, rank: int, world_size: int, max_restarts: int = 1,
