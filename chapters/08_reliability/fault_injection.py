@@ -64,6 +64,11 @@ PROCESS_FAULTS = ("kill", "hang", "freeze", "raise", "kill_in_save")
 CHECKPOINT_FAULT_ENV = "TINYTRON_CHECKPOINT_FAULT"  # read by chapter 03's fault_point
 
 
+# %% [markdown]
+# One planned fault is a frozen record of the spec's fields; a wrong kind, iteration,
+# diagnostic or target is refused when the record is made.
+
+# %%
 @dataclass(frozen=True)
 class Fault:
     """One planned fault."""
@@ -173,13 +178,36 @@ def restart_attempt() -> int:
 #   T -- kill_in_save --> A["arm<br/>TINYTRON_CHECKPOINT_FAULT<br/>for this save only"]
 # ```
 #
-# The injector is two whole parts: `ValueFaults` holds the plan and corrupts a value
-# (a loss or a gradient) when a planned fault strikes, and `ProcessFaults` turns the process
-# faults into the real thing; the class `FaultInjector` below them is the two together. A
+# The injector is three whole parts: `Stories` decides which passes a value fault strikes,
+# `ValueFaults` holds the plan and corrupts a value (a loss or a gradient) when a planned
+# fault strikes, and `ProcessFaults` turns the process faults into the real thing; the class
+# `FaultInjector` below them is the three together. A
 # worked example: the plan `nan@3:rank=1` with the default `transient_error` on a two-rank job
 # corrupts rank 1's loss in iteration 3's first pass only; the rerun in place computes the true
 # loss, the comparison reports a mismatch, and the job exits 17 with the tracker naming
 # iteration 3 as transient.
+#
+# First the heart of the three stories: whether a planned value fault corrupts *this* pass.
+
+# %%
+class Stories:
+    """Which passes a value fault corrupts, by the story its diagnostic tells."""
+
+    def _strikes(self, f: Fault, rsm: RerunStateMachine) -> bool:
+        """Does fault f corrupt this pass, given the story its diagnostic tells?"""
+        if f.diagnostic == RerunDiagnostic.TRANSIENT_ERROR.value:
+            return rsm.state == RerunState.INITIAL_RUN
+        if f.diagnostic == RerunDiagnostic.CORRECT_RESULT.value:
+            return True
+        node = rsm.identity_func()
+        faulty = self._faulty_node.setdefault(f, f.node or node[0])
+        return node[0] == faulty
+
+
+# %% [markdown]
+# Then the plan, filtered to this rank and attempt, and `corrupt`, which applies the faults
+# that strike: a spike scales the value, a NaN or Inf multiplies a loss or is written into a
+# gradient in place.
 
 # %%
 class ValueFaults:
@@ -199,16 +227,6 @@ class ValueFaults:
     def _value_faults(self, iteration: int, target: str):
         return [f for f in self.faults
                 if f.kind in VALUE_FAULTS and f.iteration == iteration and f.target == target]
-
-    def _strikes(self, f: Fault, rsm: RerunStateMachine) -> bool:
-        """Does fault f corrupt this pass, given the story its diagnostic tells?"""
-        if f.diagnostic == RerunDiagnostic.TRANSIENT_ERROR.value:
-            return rsm.state == RerunState.INITIAL_RUN
-        if f.diagnostic == RerunDiagnostic.CORRECT_RESULT.value:
-            return True
-        node = rsm.identity_func()
-        faulty = self._faulty_node.setdefault(f, f.node or node[0])
-        return node[0] == faulty
 
     def corrupt(self, value: torch.Tensor, target: str, rsm: RerunStateMachine) -> torch.Tensor:
         """The value as this rank's (possibly faulty) hardware computes it."""
@@ -272,7 +290,11 @@ class ProcessFaults:
                 os.environ[CHECKPOINT_FAULT_ENV] = previous
 
 
-class FaultInjector(ProcessFaults, ValueFaults):
+# %% [markdown]
+# The injector is the parts together.
+
+# %%
+class FaultInjector(ProcessFaults, ValueFaults, Stories):
     """Applies the planned faults of this rank and restart attempt."""
 
 
@@ -316,6 +338,11 @@ def _demo_train(injector: FaultInjector, node: str, ckpt=None, iters: int = 4):
     return 0, ckpt, rsm
 
 
+# %% [markdown]
+# And a stand-in for one rank of a job, to be run in a child process: it plans `kill@2` for
+# attempt 0 only.
+
+# %%
 def _demo_child(attempt: int) -> None:
     """A 'rank' that plans kill@2 for attempt 0 and prints each step it completes."""
     inj = FaultInjector(["kill@2:rank=0:attempt=0"], rank=0, attempt=attempt)
@@ -395,5 +422,17 @@ if __name__ == "__main__":
 #
 # 1. Megatron's simulated faults strike after a random *delay*, this injector at an
 #    *iteration*. What does each make easy to test, and what does each miss?
+#
+#    <details><summary>Hint</summary>An iteration makes a test repeatable: the fault lands in
+#    a known step, on a known pass, so the assert can name the exit code and the tracker line.
+#    A delay lands anywhere: inside a save, an evaluation, a collective, the start-up. Compare
+#    `at_step_start` and `around_save` with the daemon thread of
+#    `megatron/training/ft_integration.py:300`.</details>
+#
 # 2. Why does a `persistent_error` fault need to remember the node where it first fired
 #    instead of striking on "rank 1" wherever rank 1 runs?
+#
+#    <details><summary>Hint</summary>A relaunch keeps the rank numbers but may land on other
+#    machines. The story is a bad GPU, so the fault must follow the hardware: read
+#    `Stories._strikes` and what the second rerun compares in the previous page's
+#    `_second_rerun_verdict`.</details>

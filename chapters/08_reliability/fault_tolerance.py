@@ -158,21 +158,19 @@ def main_thread_position() -> tuple[str, bool]:
 # %% [markdown]
 # The verdict: frozen ranks first, then — if the live ranks are not level — the ones behind;
 # only when they are level, the ranks whose main thread is outside a collective.
+#
+# The middle of that rule on its own: among the live ranks, who is busy (the culprits), who
+# waits, and how the waiting ones wait.
 
 # %%
-def find_hung_ranks(reports: dict[int, dict], ages: dict[int, tuple[float, float]],
-                    config: FaultToleranceConfig) -> Optional[str]:
-    """A verdict naming the hung rank(s) and section, or None if every rank is within time.
+def _progress(report: dict) -> tuple[int, int, int]:
+    """How far a rank got: (iteration, sections opened, progress marks within them)."""
+    return report["iteration"], report.get("section_seq", 0), report.get("marks", 0)
 
-    `reports[r]` is rank r's last published state; `ages[r] = (seconds since its beat last
-    changed, seconds since its section last changed)`, both by the observer's clock.
-    """
-    frozen = [r for r, (beat_age, _) in ages.items() if beat_age > config.heartbeat_timeout]
-    late = [r for r, (_, sec_age) in ages.items()
-            if r not in frozen and sec_age > config.timeout(reports[r]["section"])]
-    if not frozen and not late:
-        return None
-    # Someone is over time. If the live ranks are not all at the same point, the ones behind
+
+def _blame(reports: dict[int, dict], frozen: list[int]) -> tuple[list, list, str]:
+    """(busy ranks, waiting ranks, how they wait) among the live ranks."""
+    # If the live ranks are not all at the same point, the ones behind
     # are what the others wait for, wherever each main thread happens to block (NCCL returns
     # from a collective at once; the wait shows up later, in a host sync).
     alive = [r for r in reports if r not in frozen]
@@ -191,6 +189,27 @@ def find_hung_ranks(reports: dict[int, dict], ages: dict[int, tuple[float, float
         busy = [r for r in alive if not reports[r]["in_collective"]]
         waiting = [r for r in alive if reports[r]["in_collective"]]
         how = "waiting for it in a collective"
+    return busy, waiting, how
+
+
+# %% [markdown]
+# The verdict itself: nobody over time means no verdict; otherwise one line per frozen rank,
+# one per busy rank (or, when nobody is busy, per late rank), and who waits for them.
+
+# %%
+def find_hung_ranks(reports: dict[int, dict], ages: dict[int, tuple[float, float]],
+                    config: FaultToleranceConfig) -> Optional[str]:
+    """A verdict naming the hung rank(s) and section, or None if every rank is within time.
+
+    `reports[r]` is rank r's last published state; `ages[r] = (seconds since its beat last
+    changed, seconds since its section last changed)`, both by the observer's clock.
+    """
+    frozen = [r for r, (beat_age, _) in ages.items() if beat_age > config.heartbeat_timeout]
+    late = [r for r, (_, sec_age) in ages.items()
+            if r not in frozen and sec_age > config.timeout(reports[r]["section"])]
+    if not frozen and not late:
+        return None
+    busy, waiting, how = _blame(reports, frozen)   # someone is over time: who is to blame
     lines = []
     for r in frozen:
         rep = reports[r]
@@ -205,11 +224,6 @@ def find_hung_ranks(reports: dict[int, dict], ages: dict[int, tuple[float, float
     if waiting and (busy or frozen):
         lines.append(f"{how}: ranks {waiting}")
     return "hang detected: " + "; ".join(lines)
-
-
-def _progress(report: dict) -> tuple[int, int, int]:
-    """How far a rank got: (iteration, sections opened, progress marks within them)."""
-    return report["iteration"], report.get("section_seq", 0), report.get("marks", 0)
 
 
 # %% [markdown]
@@ -264,11 +278,12 @@ def _progress(report: dict) -> tuple[int, int, int]:
 # The client first: a store connection of its own, and the state that the main thread writes
 # and the monitor thread reads, guarded by one lock.
 #
-# The monitor is four whole parts, each a small class: `MonitorState` (its fields and the
-# lock), `LoopHooks` (what the training loop calls), `MonitorThread` (the background loop)
-# and `JobEnd` (agreeing the verdict and leaving); `RankMonitor` after them is the four
-# together. The main thread only ever touches `LoopHooks`, the thread only `MonitorThread` and
-# `JobEnd`, and the two meet in `MonitorState` under its lock.
+# The monitor is six whole parts, each a small class: `MonitorState` (its fields and the
+# lock), `Sections` and `LoopHooks` (what the training loop calls), `Reports` and
+# `MonitorThread` (the background loop) and `JobEnd` (agreeing the verdict and leaving);
+# `RankMonitor` after them is the six together. The main thread only ever touches `Sections`
+# and `LoopHooks`, the thread only `Reports`, `MonitorThread` and `JobEnd`, and the two meet
+# in `MonitorState` under its lock.
 
 # %%
 def connect_store(prefix: str, timeout_s: float):
@@ -306,17 +321,12 @@ class MonitorState:
 # section, a new `section_seq`) and records how long the closed section lasted: the loop
 # never waits on the network for fault tolerance.
 
-# %%
-class LoopHooks:
-    """What the training loop calls: open and close sections, mark progress, shut down."""
+#
+# First the one move underneath them all, `_open`, and the checkpoint section built on it.
 
-    def start(self) -> "RankMonitor":
-        """Open the setup section and start beating."""
-        self._open("setup")
-        self._thread = threading.Thread(target=self._run, name="tinytron-rank-monitor",
-                                        daemon=True)
-        self._thread.start()
-        return self
+# %%
+class Sections:
+    """Open a section (closing the previous one and timing it); the checkpoint section."""
 
     def _open(self, section: Optional[str]) -> None:
         with self._lock:
@@ -326,22 +336,6 @@ class LoopHooks:
                                               self.clock() - since)
             self._mine.update(section=section, section_seq=self._mine["section_seq"] + 1,
                               opened=self.clock())
-
-    def on_training_step_start(self, iteration: int) -> None:
-        """Close setup (first step); open the step section once past the warm-up."""
-        self._steps_seen += 1
-        with self._lock:
-            self._mine["iteration"] = iteration
-        self._open("step" if self._steps_seen > self.config.num_warmup_iters else None)
-
-    def on_training_step_end(self) -> None:
-        """Close the step section."""
-        self._open(None)
-
-    def mark(self) -> None:
-        """A progress point inside a section (the loop calls it around each micro-batch)."""
-        with self._lock:
-            self._mine["marks"] += 1
 
     def on_checkpointing_start(self) -> None:
         """Open the checkpoint section."""
@@ -362,6 +356,39 @@ class LoopHooks:
         finally:
             self._open(None)
 
+
+# %% [markdown]
+# Then the loop's side: start the monitor, bracket each step (the `step` section only after
+# the warm-up), mark progress, and stop.
+
+# %%
+class LoopHooks:
+    """What the training loop calls: start, bracket steps, mark progress, shut down."""
+
+    def start(self) -> "RankMonitor":
+        """Open the setup section and start beating."""
+        self._open("setup")
+        self._thread = threading.Thread(target=self._run, name="tinytron-rank-monitor",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def on_training_step_start(self, iteration: int) -> None:
+        """Close setup (first step); open the step section once past the warm-up."""
+        self._steps_seen += 1
+        with self._lock:
+            self._mine["iteration"] = iteration
+        self._open("step" if self._steps_seen > self.config.num_warmup_iters else None)
+
+    def on_training_step_end(self) -> None:
+        """Close the step section."""
+        self._open(None)
+
+    def mark(self) -> None:
+        """A progress point inside a section (the loop calls it around each micro-batch)."""
+        with self._lock:
+            self._mine["marks"] += 1
+
     def shutdown(self) -> None:
         """Stop beating (end of training)."""
         self._stop.set()
@@ -376,8 +403,8 @@ class LoopHooks:
 # store, ends the loop; so does losing the store for longer than `heartbeat_timeout`.
 
 # %%
-class MonitorThread:
-    """The background thread: publish this rank's report, age every rank's, decide."""
+class Reports:
+    """Publish this rank's report; read and age every rank's, and judge."""
 
     def _publish(self) -> None:
         where, in_collective = main_thread_position()
@@ -402,6 +429,15 @@ class MonitorThread:
                 seen.update(sec=rep["section_seq"], sec_t=now)
             reports[r], ages[r] = rep, (now - seen["beat_t"], now - seen["sec_t"])
         return find_hung_ranks(reports, ages, self.config)
+
+
+# %% [markdown]
+# The loop of the thread around those two. A failing store is forgiven for
+# `heartbeat_timeout` seconds; past that, losing it is the verdict.
+
+# %%
+class MonitorThread:
+    """The background thread: every beat, publish, observe, and end the job on a verdict."""
 
     def _run(self) -> None:
         last_contact = self.clock()
@@ -457,7 +493,7 @@ class JobEnd:
         self.exit_fn(EXIT_CODE_HANG_DETECTED)
 
 
-class RankMonitor(JobEnd, MonitorThread, LoopHooks, MonitorState):
+class RankMonitor(JobEnd, MonitorThread, Reports, LoopHooks, Sections, MonitorState):
     """Per-rank heartbeats and section timeouts; ends the job when a rank hangs."""
 
 # %% [markdown]
@@ -493,6 +529,12 @@ if __name__ == "__main__":
     assert "at_step_start" in verdict and "waiting for it in a collective: ranks [0]" in verdict
     assert all(f"code {EXIT_CODE_HANG_DETECTED}" in m for m in codes.values())
 
+# %% [markdown]
+# The other branch, without a job: two reports by hand, rank 1's beat 31 s old against a
+# 30 s heartbeat timeout, rank 0 waiting in an all-reduce.
+
+# %%
+if __name__ == "__main__":
     cfg = FaultToleranceConfig(step_timeout=10, heartbeat_timeout=30)
     frozen = find_hung_ranks({0: {"section": "step", "iteration": 9, "in_collective": True,
                                   "where": "distributed_c10d.py:2800 in all_reduce"},
@@ -531,5 +573,18 @@ if __name__ == "__main__":
 #
 # 1. A rank spins in pure Python without releasing the GIL. Which of this page's signals still
 #    work, and which does Megatron's separate monitor process add?
+#
+#    <details><summary>Hint</summary>Every signal of this page comes from `MonitorThread`, a
+#    thread of the same process: it needs the GIL to beat. Ask what the *other* ranks'
+#    monitors then see of this rank's beat (`find_hung_ranks`, the frozen branch), and who
+#    can still end this rank. A monitor in its own process keeps its own GIL, and can signal
+#    the stuck rank from outside.</details>
+#
 # 2. With `--calc-ft-timeouts`, why is the step timeout only updated after 16 steps, and why
 #    is the checkpoint timeout not updated when saves are asynchronous?
+#
+#    <details><summary>Hint</summary>Look at `_maybe_update_timeouts` in Megatron's
+#    `ft_integration.py`, and at what the first steps contain that later ones do not (warm-up,
+#    first allocations, the first collectives). For the second half: how long does the `checkpoint` section last when the
+#    save only hands its tensors to a background writer, and what would a timeout computed
+#    from that do to the next synchronous save?</details>

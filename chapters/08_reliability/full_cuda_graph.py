@@ -46,17 +46,14 @@ __all__ = ["FullCudaGraphUnavailable", "StaticBufferLoader", "FullCudaGraphWrapp
 # | gradients in place | `zero_grad(set_to_none=True)` would free the addresses the graph writes | DDP's contiguous grad buffer (chapter 05), zeroed in place between replays |
 # | collectives | NCCL kernels can be captured; gloo (CPU) cannot | CUDA + NCCL only |
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
+# <details><summary>Megatron detail: which generators are registered</summary>
 # Megatron registers every RNG tracker state with the graph
 # (`megatron/core/full_cuda_graph.py:213-214`), the tracker being the process-wide one. Here the
 # wrapper registers the streams of the tracker it is given (`rng_tracker=`, by default the
 # process-wide CUDA tracker of appendix A, the one the model's dropout forks into), plus any
 # extra `generators=`. Registration happens at capture, not at construction, so a tracker
 # reseeded between the two is the one registered; one reseeded *after* the capture holds new
-# generator objects, and the graph must be captured again (`reset_cuda_graph`).
-#
-# </div>
+# generator objects, and the graph must be captured again (`reset_cuda_graph`).</details>
 #
 # Per call (`megatron/core/full_cuda_graph.py:184`): read **all** the iteration's micro-batches
 # from the real iterator first and copy them into the static buffers on a side stream
@@ -110,6 +107,12 @@ def get_graph_pool(use_single_mempool: bool = True):
     return _GRAPH_POOL
 
 
+# %% [markdown]
+# A batch may be a tensor, a dict or a list of them. The first copy allocates the static
+# tensors on the device; every later one writes into them, and a batch of another shape or
+# dtype is refused.
+
+# %%
 def copy_into_static(src: Any, dst: Any = None, device: str | torch.device = "cuda") -> Any:
     """Copy a (nested) batch into `dst` in place; without `dst`, allocate it (same structure)."""
     if isinstance(src, torch.Tensor):
@@ -174,10 +177,11 @@ class StaticBufferLoader:
 # capture into, and silently running eagerly would make the speed-up claims of a
 # configuration meaningless.
 #
-# The wrapper is three whole parts: `GraphSetup` (the settings and the data read that must
-# happen outside the graph), `GraphSlots` (the per-stage graphs, kept on the class, below) and
-# `CaptureReplay` (the per-stage counter that decides eager, capture or replay);
-# `FullCudaGraphWrapper` is the three together. A check of the data that reads values (the
+# The wrapper is six whole parts: `GraphSetup` (the settings), `DataRead` (the data read
+# that must happen outside the graph), `GraphSlots` and `SameCall` (the per-stage graphs,
+# kept on the class, below, and the check that a replay is for the call captured), `Capture`
+# (an eager warm-up call and the capture) and `CaptureReplay` (the per-stage counter that
+# decides eager, capture or replay); `FullCudaGraphWrapper` is the six together. A check of the data that reads values (the
 # trainer's token-id check against the vocabulary, chapter 04) cannot live inside the graph:
 # it would run once, at capture, and its read would stall the capture. `check_batch=` runs it
 # on each host batch before the copy, at every call.
@@ -187,7 +191,7 @@ class StaticBufferLoader:
 
 # %%
 class GraphSetup:
-    """The wrapper's settings and the data read that precedes a capture or a replay."""
+    """The wrapper's settings and the generators a capture registers."""
 
     def __init__(self, forward_backward_func: Callable, cuda_graph_warmup_steps: int = 3,
                  use_single_mempool: bool = True, generators: tuple = (),
@@ -213,6 +217,16 @@ class GraphSetup:
         """The tracker's streams (the model's dropout draws from them), then any extra ones."""
         tracker = self.rng_tracker if self.rng_tracker is not None else get_rng_tracker("cuda")
         return list(tracker.generators().values()) + list(self.generators)
+
+
+# %% [markdown]
+# The data read, at every call and outside the graph: all the iteration's micro-batches are
+# pulled from the real iterator (one list per virtual-pipeline chunk), checked on the host,
+# copied into the static buffers, and the schedule gets an iterator over those.
+
+# %%
+class DataRead:
+    """The read of an iteration's micro-batches into the static buffers."""
 
     def data_read(self, data_iterator, num_microbatches: int, stage: str):
         """Pull the iteration's micro-batches now; an iterator over their static copies."""
@@ -265,6 +279,26 @@ class GraphSlots:
             GraphSlots._loader = StaticBufferLoader("cuda")
         return GraphSlots._loader
 
+    @classmethod
+    def reset_cuda_graph(cls, stage: Optional[str] = None) -> None:
+        """Drop the graph(s) and their static inputs; count warm-up again (`:244`)."""
+        for s in ([stage] if stage else list(cls.graphs)):
+            cls.graphs[s], cls.results[s], cls.calls[s] = None, None, 0
+            cls.captured_for[s] = None
+            if GraphSlots._loader is not None:
+                for key in [k for k in GraphSlots._loader.buffers
+                            if k == s or k.startswith(s + "/")]:
+                    GraphSlots._loader.buffers[key] = []
+
+
+# %% [markdown]
+# At capture the wrapper remembers the model chunks (weakly) and the micro-batch count; a
+# replay for anything else is refused, naming `reset_cuda_graph`.
+
+# %%
+class SameCall:
+    """What a graph was captured for, and the refusal of a replay for anything else."""
+
     def _remember(self, stage: str, kwargs) -> None:
         model = kwargs["model"] if isinstance(kwargs["model"], list) else [kwargs["model"]]
         self.captured_for[stage] = ([weakref.ref(m) for m in model], kwargs["num_microbatches"])
@@ -279,17 +313,6 @@ class GraphSlots:
                 f"{count} micro-batches (now {kwargs['num_microbatches']}); call "
                 "FullCudaGraphWrapper.reset_cuda_graph() before wrapping another model")
 
-    @classmethod
-    def reset_cuda_graph(cls, stage: Optional[str] = None) -> None:
-        """Drop the graph(s) and their static inputs; count warm-up again (`:244`)."""
-        for s in ([stage] if stage else list(cls.graphs)):
-            cls.graphs[s], cls.results[s], cls.calls[s] = None, None, 0
-            cls.captured_for[s] = None
-            if GraphSlots._loader is not None:
-                for key in [k for k in GraphSlots._loader.buffers
-                            if k == s or k.startswith(s + "/")]:
-                    GraphSlots._loader.buffers[key] = []
-
 
 # %% [markdown]
 # Each call counts per stage: before call number `warmup` it runs eagerly (on the capture
@@ -300,36 +323,26 @@ class GraphSlots:
 #
 # Returning the capture's own tensors is the contract (Megatron's
 # `megatron/core/full_cuda_graph.py:232-234` returns its stored result the same way), and it
-# binds every caller. Chapter 01's `evaluate` once kept each batch's reports and averaged them
+# binds every caller: consume each call's result before the next.
+#
+# <details><summary>Megatron detail: how chapter 01's evaluate met the contract</summary>
+# Chapter 01's `evaluate` once kept each batch's reports and averaged them
 # after the last batch: under replay every kept report was the same tensor, so validation
 # averaged the last batch `eval_iters` times (losses 1, 2, 3, 4 read 4.0, not 2.5). It now
 # copies each call's reports before the next call, as Megatron reduces each batch inside its
 # loop; `tests/test_cuda_graph_rng.py` checks on CPU that an evaluation through results
-# returned this way equals the eager one, bit for bit.
+# returned this way equals the eager one, bit for bit.</details>
+#
+# First the two ways a call runs the schedule: eagerly on the capture stream, or captured
+# between barriers and synchronizations into the shared pool.
 
 # %%
-class CaptureReplay:
-    """Per stage: eager warm-up calls, one capture, then replays of the captured graph."""
+class Capture:
+    """An eager warm-up call on the capture stream; the capture itself."""
 
     def _barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier(group=self.barrier_group)
-
-    def __call__(self, *args, **kwargs):
-        """Same signature as the schedule; eager for the warm-up calls, then a replayed graph."""
-        stage = "validation" if kwargs.get("forward_only") else "training"
-        kwargs["data_iterator"] = self.data_read(kwargs["data_iterator"],
-                                                 kwargs["num_microbatches"], stage)
-        if self.calls[stage] == self.warmup and self.graphs[stage] is None:
-            self._capture(stage, args, kwargs)
-        if self.graphs[stage] is not None:
-            self._check_same_call(stage, kwargs)
-            self.graphs[stage].replay()
-            result = self.results[stage]
-        else:
-            result = self._eager(args, kwargs)
-        self.calls[stage] += 1
-        return result
 
     def _eager(self, args, kwargs):
         # Warm-up runs on the capture stream, as PyTorch asks for whole-network capture: the
@@ -357,7 +370,31 @@ class CaptureReplay:
         self.graphs[stage] = graph
 
 
-class FullCudaGraphWrapper(CaptureReplay, GraphSetup, GraphSlots):
+# %% [markdown]
+# Then the call: read the data, capture at call number `warmup`, replay from then on.
+
+# %%
+class CaptureReplay:
+    """Per stage: eager warm-up calls, one capture, then replays of the captured graph."""
+
+    def __call__(self, *args, **kwargs):
+        """Same signature as the schedule; eager for the warm-up calls, then a replayed graph."""
+        stage = "validation" if kwargs.get("forward_only") else "training"
+        kwargs["data_iterator"] = self.data_read(kwargs["data_iterator"],
+                                                 kwargs["num_microbatches"], stage)
+        if self.calls[stage] == self.warmup and self.graphs[stage] is None:
+            self._capture(stage, args, kwargs)
+        if self.graphs[stage] is not None:
+            self._check_same_call(stage, kwargs)
+            self.graphs[stage].replay()
+            result = self.results[stage]
+        else:
+            result = self._eager(args, kwargs)
+        self.calls[stage] += 1
+        return result
+
+
+class FullCudaGraphWrapper(CaptureReplay, Capture, GraphSetup, DataRead, GraphSlots, SameCall):
     """Capture forward-backward of a whole iteration once; replay it every later iteration."""
 
 
@@ -443,5 +480,18 @@ if __name__ == "__main__":
 #
 # 1. Why must the data be copied *before* the schedule runs rather than read inside it, as the
 #    eager schedule does?
+#
+#    <details><summary>Hint</summary>A replay runs no Python: a `next(data_iterator)` inside
+#    the schedule would run once, at capture, and every replay would read that one batch's
+#    tensors. Reading from a loader also means host work and host-to-device copies, which a
+#    capture cannot hold. See `DataRead.data_read` and the static-input row of the
+#    table.</details>
+#
 # 2. The number of micro-batches grows with a batch-size ramp-up (chapter 01). What must happen
 #    to the graph when it changes, and what does it cost?
+#
+#    <details><summary>Hint</summary>The count is baked into the capture, and
+#    `SameCall._check_same_call` refuses a replay for another one. Follow
+#    `reset_cuda_graph("training")`: the graph and its static inputs go, the call count
+#    starts again at 0, so each new count pays `cuda_graph_warmup_steps` eager iterations and
+#    one capture.</details>

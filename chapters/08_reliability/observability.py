@@ -197,8 +197,7 @@ from tinytron.reliability._logging_io import (ProgressBar, _fmt_seconds,  # noqa
 # `timers.py:318-336`). Without the reset every value would be the sum since the start of the
 # run, and `save-checkpoint-time` would repeat the last save's total at every record.
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
+# <details><summary>Megatron detail: the divisor and tinytron's extra tags</summary>
 # Megatron divides by `log_interval`; tinytron by the iterations since the previous record
 # (the first record covers one iteration, where Megatron would divide its one iteration by the
 # interval). `save-checkpoint-time` is tinytron's: Megatron prints the save timer on the
@@ -208,9 +207,7 @@ from tinytron.reliability._logging_io import (ProgressBar, _fmt_seconds,  # noqa
 # in Megatron), so it shows at the next record: a save at iteration 2 with `log_interval = 1` is
 # the point at step 3. `tokens-per-second` (the whole job's) and `mfu` are tinytron's tags
 # too: Megatron prints neither to TensorBoard. `mfu` is written only where the device's peak
-# is known, so a CPU run has no `mfu` tag (see chapter 01's `training_log`).
-#
-# </div>
+# is known, so a CPU run has no `mfu` tag (see chapter 01's `training_log`).</details>
 
 # %%
 SCALAR_UNITS = {
@@ -279,6 +276,9 @@ class TimedScalars:
 # (`training.py:2627-2692`, chapter 01's `format_log_line`), so that a batch job's log shows
 # every `log_interval`; `flush_timers` writes the timers that ran after the last record — the
 # final save's — at the last iteration.
+#
+# First where the output goes: which ranks print, the two files only the writing rank opens,
+# and their flush and close.
 
 # %%
 def _last_local_rank_of_a_node(world: int) -> bool:
@@ -287,7 +287,36 @@ def _last_local_rank_of_a_node(world: int) -> bool:
     return (world > local and int(os.environ.get("LOCAL_RANK", 0)) == local - 1)
 
 
-class MetricsLogger(TimedScalars):
+class LoggerSinks:
+    """The logger's TensorBoard writer and JSONL file: opened on the writing rank, closed."""
+
+    def _open_sinks(self, config: LoggingConfig) -> None:
+        if self.is_writer and config.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(log_dir=config.tensorboard_dir, max_queue=100)
+        if self.is_writer and config.jsonl_path:
+            os.makedirs(os.path.dirname(os.path.abspath(config.jsonl_path)), exist_ok=True)
+            self.jsonl = open(config.jsonl_path, "a", buffering=1)  # line-buffered: tail -f
+
+    def flush_timers(self, iteration: int) -> None:
+        """The timers that ran after the last record (the final save) at `iteration` (collective)."""
+        if self.timers is not None and self.timer_names:
+            self._write_timers(iteration)
+
+    def close(self) -> None:
+        """Flush and close the files."""
+        if self.writer is not None:
+            self.writer.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+
+
+# %% [markdown]
+# The logger: what each rank is, and per record the timers (every rank), then the JSONL line,
+# the scalars and the bar or log line (the console ranks).
+
+# %%
+class MetricsLogger(LoggerSinks, TimedScalars):
     """JSONL + TensorBoard + progress bar from training_log records (writes on the last rank)."""
 
     def __init__(self, config: LoggingConfig, train_iters: int, device=None,
@@ -303,12 +332,7 @@ class MetricsLogger(TimedScalars):
         self.writer, self.jsonl = None, None
         self._timed_through: Optional[int] = None   # the iteration the timers were last read at
         self._described: set[str] = set()            # tags whose unit is already written
-        if self.is_writer and config.tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(log_dir=config.tensorboard_dir, max_queue=100)
-        if self.is_writer and config.jsonl_path:
-            os.makedirs(os.path.dirname(os.path.abspath(config.jsonl_path)), exist_ok=True)
-            self.jsonl = open(config.jsonl_path, "a", buffering=1)  # line-buffered: tail -f
+        self._open_sinks(config)
 
     def __call__(self, record: dict) -> None:
         """Log one record (call on every rank: the timer report is a collective)."""
@@ -329,20 +353,6 @@ class MetricsLogger(TimedScalars):
             from tinytron.main_loop.training_log import format_log_line
             import sys
             print(format_log_line(record), file=self.stream or sys.stdout, flush=True)
-
-    def flush_timers(self, iteration: int) -> None:
-        """The timers that ran after the last record (the final save) at `iteration` (collective)."""
-        if self.timers is not None and self.timer_names:
-            self._write_timers(iteration)
-
-    def close(self) -> None:
-        """Flush and close the files."""
-        if self.writer is not None:
-            self.writer.close()
-        if self.jsonl is not None:
-            self.jsonl.close()
-
-
 
 
 # %% [markdown]
@@ -394,6 +404,12 @@ if __name__ == "__main__":
     print(console.getvalue().strip().splitlines()[-1])
     print(format_memory_report(memory_report("cpu"), "(after 12 iterations)"))
 
+# %% [markdown]
+# Read back: the JSONL lines and the TensorBoard scalars hold the same losses, at the first
+# iteration and then every 2, with the samples twin and the memory tags beside them.
+
+# %%
+if __name__ == "__main__":
     lines = [json.loads(x) for x in open(cfg.jsonl_path)]
     scalars = read_tensorboard_scalars(cfg.tensorboard_dir)
     print(f"JSONL: {len(lines)} lines; TensorBoard tags: {sorted(scalars)[:6]} ...")
@@ -406,6 +422,11 @@ if __name__ == "__main__":
             "mem-rss-bytes", "lm loss validation"} <= set(scalars)
     assert scalars["lm loss"][-1][1] < scalars["lm loss"][0][1]      # it learned something
 
+# %% [markdown]
+# And the curves, drawn from the event file:
+
+# %%
+if __name__ == "__main__":
     fig, ax = plt.subplots(1, 2, figsize=(7.5, 2.4))
     ax[0].plot(*zip(*scalars["lm loss"]), "o-")
     ax[0].set(xlabel="iteration", title="lm loss (read back from TensorBoard)")
@@ -440,5 +461,18 @@ if __name__ == "__main__":
 #
 # 1. Why does Megatron log against consumed samples as well as iterations? Construct two runs
 #    whose loss-vs-iteration curves differ but whose loss-vs-samples curves match.
+#
+#    <details><summary>Hint</summary>An iteration is not a fixed amount of data: the global
+#    batch can change (batch-size ramp-up, a resumed run with another batch size), and a
+#    skipped iteration still consumes its samples. Compare one run at global batch $B$ with
+#    one that ramps up to $B$: look at what `megatron_scalars` writes as `lm loss vs
+#    samples`.</details>
+#
 # 2. On a GPU, `mem-reserved-bytes` stays far above `mem-allocated-bytes` after the first
 #    iteration. What is the difference made of, and when would `empty_cache` help?
+#
+#    <details><summary>Hint</summary>Reserved is what PyTorch's caching allocator holds from
+#    the driver; allocated is what live tensors use. The gap is freed blocks kept for reuse
+#    (activations of the last step) and fragments of them. `empty_cache` returns unused
+#    cached blocks to the driver: it helps only when something outside the allocator (NCCL,
+#    another process) needs that memory, never the step's own peak.</details>

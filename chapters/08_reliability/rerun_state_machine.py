@@ -67,15 +67,12 @@ __all__ = [
 # (0), a NaN against a number is a mismatch ($\infty$)
 # (`megatron/core/rerun_state_machine.py:1398`).
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
+# <details><summary>Megatron detail: opposite signs</summary>
 # Two cases of `_compare_floats` (`:1406-1417`): $+\infty$ against $-\infty$, and
 # $a = -b \ne 0$. Megatron's formula gives NaN for the first ($\infty/\text{NaN}$), and
-# `NaN > tolerance` is false, so opposite infinities read as *reproducible*; the second divides
+# `NaN > tolerance` is false, so opposite infinities read as reproducible; the second divides
 # by zero and raises `ZeroDivisionError` in the middle of a rerun. tinytron calls both a
-# mismatch ($\infty$): a value that changed sign was not reproduced.
-#
-# </div>
+# mismatch ($\infty$): a value that changed sign was not reproduced.</details>
 #
 # A worked example in small numbers. A bucket's gradient norm is 2.000 in the initial run and
 # 2.002 in the rerun: $|2 \cdot (2.000 - 2.002) / 4.002| = 0.0009995$, under the 0.001
@@ -100,6 +97,12 @@ COMPARISON_MISMATCH = math.inf
 REPORTING_INTERVAL_ITERATIONS = 2  # determinism stats are printed every 2 iterations
 
 
+# %% [markdown]
+# The words the machine speaks: what a rerun concluded (`RerunDiagnostic`), which of its three
+# modes it runs in (`RerunMode`), and where it stands within one iteration (`RerunState`, the
+# states of the diagram further down, with Megatron's values).
+
+# %%
 class RerunDiagnostic(str, enum.Enum):
     """What a rerun concluded about a rejected result."""
     CORRECT_RESULT = "correct_result"
@@ -124,6 +127,11 @@ class RerunState(enum.IntEnum):
     RERUNNING_AGAIN_FROM_CHECKPOINT = 5
 
 
+# %% [markdown]
+# Every event the tracker file records carries one of six status words: the rejection of the
+# initial run, then whether the first and the second rerun reproduced it.
+
+# %%
 class RerunValidationStatus(str, enum.Enum):
     """The status word written to the tracker file."""
     RERUN_DISABLED = "rerun_disabled"
@@ -134,8 +142,18 @@ class RerunValidationStatus(str, enum.Enum):
     SECOND_RERUN_REPRODUCIBLE = "second_rerun_reproducible"
 
 
+# %% [markdown]
+# The comparison itself, with the rule of the table above: equal or both NaN is a match (0),
+# a NaN or an infinity against anything else is a mismatch ($\infty$), and otherwise the
+# relative difference $|2(a-b)/(a+b)|$.
+
+# %%
 def _to_float(x: Any) -> float:
     return float(x.detach()) if isinstance(x, torch.Tensor) else float(x)
+
+
+def _detach(result):
+    return result.detach().clone() if isinstance(result, torch.Tensor) else result
 
 
 def compare_floats(a: Any, b: Any) -> float:
@@ -192,9 +210,39 @@ class Call:
 # step drops the four and reads batch 4. For a relaunch (below, "The tracker file and the
 # checkpoint payload") the four go into the exit-16 checkpoint: `state_dict()` hands them out,
 # `replay_from()` takes them back in the new process.
+#
+# First the four moves on that list, in a small base class: `rewind`, `advance`, and the two
+# halves of a relaunch.
 
 # %%
-class RerunDataIterator:
+class _SavedStep:
+    """The step's saved micro-batches: rewind, advance, and hand over to a relaunch."""
+
+    def rewind(self) -> None:
+        """Replay this step's micro-batches from the first."""
+        self.replaying, self.replay_pos = True, 0
+
+    def advance(self) -> None:
+        """A new step: forget the saved micro-batches and read fresh ones."""
+        self.replaying, self.replay_pos, self.saved_microbatches = False, 0, []
+
+    def state_dict(self) -> dict:
+        """The step's micro-batches, for the exit-16 checkpoint."""
+        return {"saved_microbatches": list(self.saved_microbatches)}
+
+    def replay_from(self, state: dict) -> None:
+        """After a relaunch: replay the saved step and read past it in the repositioned loader."""
+        self.saved_microbatches = list(state["saved_microbatches"])
+        self.replaying, self.replay_pos = True, 0
+        self.drain = len(self.saved_microbatches)
+
+
+# %% [markdown]
+# Then the iterator: a step reads from the loader and keeps what it read; a rerun reads the
+# kept batches back (and, after a relaunch, reads past them in the loader, `drain`).
+
+# %%
+class RerunDataIterator(_SavedStep):
     """Wraps a data iterator so that the current step's micro-batches can be replayed.
 
     With `machine` given, micro-batches are kept only while its mode is not `disabled`.
@@ -226,24 +274,6 @@ class RerunDataIterator:
         if self.machine is None or self.machine.mode != RerunMode.DISABLED:
             self.saved_microbatches.append(batch)
         return batch
-
-    def rewind(self) -> None:
-        """Replay this step's micro-batches from the first."""
-        self.replaying, self.replay_pos = True, 0
-
-    def advance(self) -> None:
-        """A new step: forget the saved micro-batches and read fresh ones."""
-        self.replaying, self.replay_pos, self.saved_microbatches = False, 0, []
-
-    def state_dict(self) -> dict:
-        """The step's micro-batches, for the exit-16 checkpoint."""
-        return {"saved_microbatches": list(self.saved_microbatches)}
-
-    def replay_from(self, state: dict) -> None:
-        """After a relaunch: replay the saved step and read past it in the repositioned loader."""
-        self.saved_microbatches = list(state["saved_microbatches"])
-        self.replaying, self.replay_pos = True, 0
-        self.drain = len(self.saved_microbatches)
 
 
 # %% [markdown]
@@ -294,10 +324,11 @@ def default_identity() -> tuple[str, int]:
 # at once, as it always did (`validate_result`, `:463`).
 #
 # The machine is put together from whole parts, each a small class with one job: its state
-# (`MachineState`), the tools it uses to replay a step (`Replay`), the transitions
-# (`Transitions`), the exit decision (`ExitDecision`), the judging of a value (`Judging`), the
-# two verdicts (`Verdicts`), the spike threshold and the determinism statistics (`Spikes`), and
-# what it writes down (`Records`). `RerunStateMachine` at the end of the page is all of them.
+# (`MachineState`), the tools it uses to replay a step (`Replay`), the ways a pass begins
+# (`PassStarts`), the transitions (`Transitions`), the exit decision (`ExitDecision`), the
+# judging of a value (`NoRerun`, `Judging`), the two verdicts (`Verdicts`), the spike
+# threshold (`Spikes`), the determinism statistics (`DeterminismStats`), and what it writes
+# down (`Tracker`, `Records`). `RerunStateMachine` at the end of the page is all of them.
 
 # %%
 class MachineState:
@@ -338,21 +369,21 @@ class MachineState:
         self.rerun_requested = self.checkpoint_requested = False
         self.restart_again_requested = self.continue_requested = False
 
+
+# %% [markdown]
+# The tools of a replay: the process's rank, one all-reduce that ORs the flags of every rank,
+# the RNG states saved before the first pass and restored before each rerun (Python's,
+# NumPy's, torch's, CUDA's, and any other state the caller registers), and the iterators that
+# can rewind to the step's first micro-batch.
+
+# %%
+class Replay:
+    """The rank, one OR over ranks, the RNG states of a replay, the replayable iterators."""
+
     @property
     def rank(self) -> int:
         """This process's rank in the world (0 without a process group)."""
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-# %% [markdown]
-# The tools of a replay: one all-reduce that ORs the flags of every rank, the RNG states saved
-# before the first pass and restored before each rerun (Python's, NumPy's, torch's, CUDA's, and
-# any other state the caller registers), and the iterators that can rewind to the step's first
-# micro-batch.
-
-# %%
-class Replay:
-    """One OR over ranks, the RNG states of a replay, the replayable iterators."""
 
     def _reduce_any(self, *flags: bool) -> list[bool]:
         """Logical OR of each flag over every rank of the group (one all-reduce)."""
@@ -405,6 +436,47 @@ class Replay:
 #
 # The job leaves without an optimizer step; relaunched, it resumes from the previous
 # checkpoint and runs iteration 3 on a GPU that is now fine.
+#
+# Three ways a pass can begin, each its own method: a fresh iteration (save the RNG states,
+# `advance()` the data), a rerun in the same process (restore, `rewind()`), and the rerun of a
+# relaunch (replay the micro-batches the exit-16 checkpoint carried).
+
+# %%
+class PassStarts:
+    """How a pass begins: a fresh iteration, a rewound rerun, or a relaunched one."""
+
+    def _begin_iteration(self, its) -> bool:
+        if self.mode != RerunMode.DISABLED:
+            self._save_state()
+            for d in its:
+                d.advance()
+            self._clear_flags()
+        self.current_iteration += 1
+        self.state = RerunState.INITIAL_RUN
+        return True
+
+    def _rewind(self, its, next_state: RerunState, result: bool) -> bool:
+        self._restore_state()
+        for d in its:
+            d.rewind()
+        self.state = next_state
+        return result
+
+    def _resume_rejected_step(self, its) -> bool:
+        self.current_iteration += 1  # the checkpoint holds the iterations *before* this one
+        saved, self.data_iterator_checkpoints = self.data_iterator_checkpoints, None
+        if saved is not None:   # the very micro-batches the rejected step read
+            if len(saved) != len(its):
+                raise RuntimeError(f"the checkpoint holds {len(saved)} data iterators' "
+                                   f"micro-batches, this run has {len(its)}")
+            for d, state in zip(its, saved):
+                d.replay_from(state)
+        self.state = RerunState.RERUNNING_FROM_CHECKPOINT
+        return True
+
+
+# %% [markdown]
+# The transitions proper: the branch of each state, in the diagram's order.
 
 # %%
 class Transitions:
@@ -416,14 +488,7 @@ class Transitions:
         its = [] if self.mode == RerunMode.DISABLED else self._iterators(data_iterator)
         s = self.state
         if s == RerunState.NOT_RUNNING_YET:
-            if self.mode != RerunMode.DISABLED:
-                self._save_state()
-                for d in its:
-                    d.advance()
-                self._clear_flags()
-            self.current_iteration += 1
-            self.state = RerunState.INITIAL_RUN
-            return True
+            return self._begin_iteration(its)
         if s == RerunState.INITIAL_RUN:
             if self.mode == RerunMode.DISABLED or not self._reduce_any(self.rerun_requested)[0]:
                 self.state = RerunState.NOT_RUNNING_YET
@@ -442,16 +507,7 @@ class Transitions:
             nxt = RerunState.WILL_RERUN_FROM_CHECKPOINT if ckpt else RerunState.RERUNNING_IN_PLACE
             return self._rewind(its, nxt, False)
         if s == RerunState.WILL_RERUN_FROM_CHECKPOINT:
-            self.current_iteration += 1  # the checkpoint holds the iterations *before* this one
-            saved, self.data_iterator_checkpoints = self.data_iterator_checkpoints, None
-            if saved is not None:   # the very micro-batches the rejected step read
-                if len(saved) != len(its):
-                    raise RuntimeError(f"the checkpoint holds {len(saved)} data iterators' "
-                                       f"micro-batches, this run has {len(its)}")
-                for d, state in zip(its, saved):
-                    d.replay_from(state)
-            self.state = RerunState.RERUNNING_FROM_CHECKPOINT
-            return True
+            return self._resume_rejected_step(its)
         if s == RerunState.RERUNNING_FROM_CHECKPOINT:
             again, cont = self._reduce_any(self.restart_again_requested, self.continue_requested)
             if again:
@@ -460,13 +516,6 @@ class Transitions:
                 self.state = RerunState.NOT_RUNNING_YET
             return False
         raise RuntimeError(f"should_run_forward_backward called in state {s.name}")
-
-    def _rewind(self, its, next_state: RerunState, result: bool) -> bool:
-        self._restore_state()
-        for d in its:
-            d.rewind()
-        self.state = next_state
-        return result
 
 
 # %% [markdown]
@@ -499,6 +548,31 @@ class ExitDecision:
 # counted per message, and its value); in a rerun, only that same call is compared with the
 # recorded value. Nothing is judged before the process has completed one step
 # (`first_iteration_complete`).
+#
+# In `disabled` mode there is nothing to rerun: a rejected value is written to the tracker
+# file, and then a fatal check raises at once while a non-fatal one only says so.
+
+# %%
+class NoRerun:
+    """`validate_result` in `disabled` mode: track, then raise (fatal) or say (non-fatal)."""
+
+    def _judge_without_rerun(self, result, rejection_func, message: str, fatal: bool) -> None:
+        self.spike_console.last_large = None
+        if bool(rejection_func(result)):
+            self._track(RerunValidationStatus.RERUN_DISABLED, result, message)
+            if not fatal:
+                self.spike_console.detail = self._describe_rejection(result, message, False)
+                self._say_rejection("rerun_mode is disabled: not rerun, training continues")
+            if fatal:
+                node, device = self.identity_func()
+                raise RuntimeError(f"Rank {self.rank}, node {node}, device {device}, "
+                                   f"iteration {self.current_iteration}: unexpected result "
+                                   f"{_to_float(result)} (message='{message}')")
+
+
+# %% [markdown]
+# With reruns on, each call is numbered per message; the initial run records its first
+# rejection, and a rerun compares only that same call.
 
 # %%
 class Judging:
@@ -510,18 +584,7 @@ class Judging:
                         tolerance: float = 0.0, fatal: bool = True) -> None:
         """Check `result`; on rejection, drive the rerun that diagnoses it."""
         if self.mode == RerunMode.DISABLED:
-            self.spike_console.last_large = None
-            if bool(rejection_func(result)):
-                self._track(RerunValidationStatus.RERUN_DISABLED, result, message)
-                if not fatal:
-                    self.spike_console.detail = self._describe_rejection(result, message, False)
-                    self._say_rejection("rerun_mode is disabled: not rerun, training continues")
-                if fatal:
-                    node, device = self.identity_func()
-                    raise RuntimeError(f"Rank {self.rank}, node {node}, device {device}, "
-                                       f"iteration {self.current_iteration}: unexpected result "
-                                       f"{_to_float(result)} (message='{message}')")
-            return
+            return self._judge_without_rerun(result, rejection_func, message, fatal)
         if self.state == RerunState.NOT_RUNNING_YET:
             raise RuntimeError("validate_result called outside of a forward-backward pass")
         compare = comparison_func or compare_floats
@@ -609,17 +672,10 @@ class Verdicts:
 # iteration 5 000 passes; 120 is rejected, rerun in place once, and training carries on with
 # the rerun's gradients (the check is non-fatal). Only a value that grows tenfold trips it,
 # which is why it catches a blow-up and not the ordinary noise of a falling loss.
-#
-# In `report_determinism_stats` mode every step is rerun in place and every validated value is
-# compared with its first-pass twin: the differences are collected per message and, every
-# `REPORTING_INTERVAL_ITERATIONS`, gathered from all ranks of the machine's group to rank 0,
-# which prints them; the other ranks then start their collection afresh (Megatron's
-# `gather_object` of its `QuickStats`, `:995-1020`). A nondeterministic kernel on rank 3 shows
-# in the report even though rank 0's own values were bitwise stable.
 
 # %%
 class Spikes:
-    """`is_unexpectedly_large`, what the console hears about it, and the determinism statistics."""
+    """`is_unexpectedly_large` and its warm-up."""
 
     def is_unexpectedly_large(self, result: Any, threshold: float, context: str,
                               num_samples: int = 100, resample: bool = False) -> bool:
@@ -656,6 +712,19 @@ class Spikes:
                 f"{factor:g} x {peak:.6g} = {factor * peak:.6g} (the largest of the first "
                 f"{num_samples} {context} values)")
 
+
+# %% [markdown]
+# In `report_determinism_stats` mode every step is rerun in place and every validated value is
+# compared with its first-pass twin: the differences are collected per message and, every
+# `REPORTING_INTERVAL_ITERATIONS`, gathered from all ranks of the machine's group to rank 0,
+# which prints them; the other ranks then start their collection afresh (Megatron's
+# `gather_object` of its `QuickStats`, `:995-1020`). A nondeterministic kernel on rank 3 shows
+# in the report even though rank 0's own values were bitwise stable.
+
+# %%
+class DeterminismStats:
+    """`report_determinism_stats`: collect each rerun's differences, print them every 2 steps."""
+
     def _record_determinism(self, call: Call, result, compare) -> None:
         if self.state == RerunState.INITIAL_RUN:
             self.rerun_requested = True
@@ -678,12 +747,17 @@ class Spikes:
 # %% [markdown]
 # ### What the console says about a spike check
 #
+# A user who switched the check on wants to know when it starts to judge, and whether a spike
+# in the warm-up slipped through. The machine prints four kinds of line, each prefixed
+# `reliability:`:
+#
+# <details><summary>Megatron detail: what Megatron prints</summary>
 # The threshold is silent in Megatron until it is set ("Max value for loss: …", `:762`), and
 # a rejection is one `logger.error` line without the threshold (`:604-610`). A user who
 # switched the check on cannot tell from that when it starts to judge, nor whether a spike
 # in the warm-up slipped through. tinytron keeps Megatron's arithmetic — the same values
-# counted, the same frozen max, so a threshold means the same number in both — and prints
-# four kinds of line, each prefixed `reliability:`:
+# counted, the same frozen max, so a threshold means the same number in both — and adds the
+# lines below.</details>
 #
 # | when | where | says |
 # |---|---|---|
@@ -760,30 +834,32 @@ class SpikeLines:
 # Every event appends one line `ts=… node=… device=… jobID=… rank=… iteration=… status=…
 # result=… message='…'` (`_log_validation_error_to_file`, `:1022`); the next page reads it back
 # to skip bad iterations. Its `iteration=` is the 1-based number of the iteration being run,
-# the one whose step was rejected: Megatron writes `current_iteration + 1` (`:1035`) because
-# its counter starts at −1 and counts from 0 (`:196`); tinytron's counts from 1 and writes it
-# as it is — the same number, the one the training log shows and `training.py:3474` skips as
-# `iteration + 1`. The machine's state goes into every checkpoint, per rank (Megatron:
-# a `ShardedObject` keyed `rerun_state_machine_state`, shape `(world,)`, offset `(rank,)`,
-# written even in steady state so that successive checkpoints have the same structure).
+# the one whose step was rejected. The machine's state goes into every checkpoint, per rank,
+# even in steady state, so that successive checkpoints have the same structure.
 #
-# With a rerun pending it also carries the step's buffered micro-batches. Megatron writes
-# them into the exit-16 checkpoint (`data_iterator_checkpoints`, `:818-829, 853`), but loads
-# them back only in the `NOT_RUNNING_YET` branch of the *next* step (`:304-310`), right
-# before `advance()` empties the buffer (`:311-314`); its rerun from the checkpoint
-# (`WILL_RERUN_FROM_CHECKPOINT`, `:372-374`) reads the data loader, repositioned by the
-# checkpoint's consumed-sample count — the same data only if the loader's order depends on
-# nothing but that count.
+# <details><summary>Megatron detail: the iteration number and the checkpoint key</summary>
+# Megatron writes `current_iteration + 1` (`:1035`) because its counter starts at −1 and
+# counts from 0 (`:196`); tinytron's counts from 1 and writes it as it is — the same number,
+# the one the training log shows and `training.py:3474` skips as `iteration + 1`. Megatron's
+# per-rank state is a `ShardedObject` keyed `rerun_state_machine_state`, shape `(world,)`,
+# offset `(rank,)`, written even in steady state so that successive checkpoints have the
+# same structure.</details>
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
+# With a rerun pending it also carries the step's buffered micro-batches. The relaunch replays
+# them in the rerun (`replay_from`), so the second opinion sees the rejected step's very data.
 #
-# The relaunch *replays* the saved micro-batches in the rerun (`replay_from`) and reads past
-# them in the repositioned loader, so the second opinion sees the rejected step's very data
-# even when the order comes from worker timing or an unseeded shuffle (the test uses a loader
-# whose order is new in every launch). Megatron's rerun from the checkpoint reads the loader
-# (`megatron/core/rerun_state_machine.py:372-374`).
-#
-# </div>
+# <details><summary>Megatron detail: the relaunch replays the saved data</summary>
+# Megatron writes them into the exit-16 checkpoint (`data_iterator_checkpoints`,
+# `:818-829, 853`), but loads them back only in the `NOT_RUNNING_YET` branch of the *next*
+# step (`:304-310`), right before `advance()` empties the buffer (`:311-314`); its rerun from
+# the checkpoint (`WILL_RERUN_FROM_CHECKPOINT`, `:372-374`) reads the data loader,
+# repositioned by the checkpoint's consumed-sample count — the same data only if the loader's
+# order depends on nothing but that count. tinytron's relaunch replays the saved
+# micro-batches in the rerun (`replay_from`) and reads past them in the repositioned loader,
+# so the second opinion sees the rejected step's very data even when the order comes from
+# worker timing or an unseeded shuffle (the test uses a loader whose order is new in every
+# launch). Megatron's rerun from the checkpoint reads the loader
+# (`megatron/core/rerun_state_machine.py:372-374`).</details>
 #
 # In numbers: with $m = 4$ micro-batches of $4 \times 2\,048$ int64 token ids, the ids alone
 # are $4 \cdot 4 \cdot 2\,048 \cdot 8 = 262\,144$ bytes per data-parallel rank,
@@ -791,8 +867,8 @@ class SpikeLines:
 # `data_iterators = None` and the same keys.
 
 # %%
-class Records:
-    """The tracker line and the checkpoint payload."""
+class Tracker:
+    """The tracker line."""
 
     def _track(self, status: RerunValidationStatus, result, message: str) -> None:
         if self.tracker_path is None:
@@ -805,6 +881,15 @@ class Records:
                 f"result={_to_float(result)} message='{message}'\n")
         with open(self.tracker_path, "a") as f:
             f.write(line)
+
+
+# %% [markdown]
+# The checkpoint payload: the same keys in every state, the step's micro-batches only when the
+# machine is about to exit with 16, and nothing restored into a run whose mode is `disabled`.
+
+# %%
+class Records:
+    """The checkpoint payload."""
 
     def state_dict(self, data_iterator=None) -> dict:
         """This rank's machine state, for the checkpoint (same keys in every state); with a
@@ -833,10 +918,6 @@ class Records:
         self.data_iterator_checkpoints = sd.get("data_iterators")  # replayed by the next pass
 
 
-def _detach(result):
-    return result.detach().clone() if isinstance(result, torch.Tensor) else result
-
-
 # %% [markdown]
 # ## The whole machine
 #
@@ -848,8 +929,9 @@ def _detach(result):
 # only grouped, and `help(RerunStateMachine)` still lists them all on the one class.
 
 # %%
-class RerunStateMachine(Transitions, ExitDecision, Judging, Verdicts, Spikes, SpikeLines,
-                        Records, Replay, MachineState):
+class RerunStateMachine(Transitions, PassStarts, ExitDecision, Judging, NoRerun, Verdicts,
+                        Spikes, DeterminismStats, SpikeLines, Tracker, Records, Replay,
+                        MachineState):
     """Validate results; rerun a step in place or from a checkpoint to diagnose a rejection."""
 
 
@@ -888,6 +970,13 @@ if __name__ == "__main__":
     assert (code, ckpt, rsm.diagnosis) == (17, None, RerunDiagnostic.TRANSIENT_ERROR)
     assert statuses(tracker) == ["initial_run", "first_rerun_not_reproducible"]
 
+# %% [markdown]
+# The transient fault ended at the first rerun: exit 17, no checkpoint. A bad GPU needs the
+# second opinion. Node-A exits with 16, is handed the job again and exits 16 again (a rerun on
+# the suspect proves nothing); node-B then disagrees with it.
+
+# %%
+if __name__ == "__main__":
     # 2. A persistent fault: node-A's GPU gets iteration 3 wrong every time.
     node_of_this_launch = {"node": "node-A"}
 
@@ -907,6 +996,12 @@ if __name__ == "__main__":
     assert codes == [16, 16, 17] and rsm.diagnosis == RerunDiagnostic.PERSISTENT_ERROR
     assert statuses(tracker)[-1] == "second_rerun_not_reproducible"
 
+# %% [markdown]
+# Bad data gives the same NaN on any GPU: node-B agrees with node-A, the verdict is a correct
+# result, and the tracker file names the iteration the next launch should skip.
+
+# %%
+if __name__ == "__main__":
     # 3. A correct result: the data of iteration 3 gives NaN on any GPU.
     def bad_data(loss, rsm):
         return loss * nan if rsm.current_iteration == 3 else loss
@@ -919,6 +1014,12 @@ if __name__ == "__main__":
     assert [code1, code2] == [16, 17] and rsm.diagnosis == RerunDiagnostic.CORRECT_RESULT
     assert get_skipped_iterations_from_tracker_file(tracker) == [3]  # defined on the next page
 
+# %% [markdown]
+# Last, the premise of it all: a rerun replays the same data and the same dropout masks. In
+# `report_determinism_stats` mode every step is rerun, and every difference is zero.
+
+# %%
+if __name__ == "__main__":
     # 4. Reruns replay data and dropout exactly: determinism stats see only zeros.
     code, _, log, rsm = demo_launch("node-A", None, lambda loss, rsm: loss,
                                      mode="report_determinism_stats")
@@ -954,5 +1055,18 @@ if __name__ == "__main__":
 #
 # 1. Why must the checkpoint written at exit 16 hold the RNG state of the *start* of the
 #    step, and what would a relaunched rerun compare if it held the end-of-step state?
+#
+#    <details><summary>Hint</summary>Look at the `RERUNNING_IN_PLACE` branch of
+#    `Transitions`: on its way to `WILL_RERUN_FROM_CHECKPOINT` it still calls `_rewind`, which
+#    restores the RNG states `_save_state` took before the first pass, so the save that follows
+#    writes those. With the end-of-step state the relaunched pass would draw other dropout
+#    masks, and the comparison (tolerance 0 for the loss) would measure dropout, not the
+#    GPU.</details>
+#
 # 2. `compare_floats(inf, -inf)` here returns inf (a mismatch). What does a formula
 #    $|2(a-b)/(a+b)|$ give, and why would that be read as a match?
+#
+#    <details><summary>Answer</summary>$a - b = \infty$ but $a + b = \infty - \infty =$ NaN,
+#    so the formula gives $|\infty / \text{NaN}| =$ NaN. The verdict asks `diff > tolerance`,
+#    and every comparison with NaN is false, so `NaN > 0` reads as "not different": the
+#    reproduced value, a match.</details>

@@ -64,9 +64,36 @@ __all__ = ["DistributedSignalHandler", "ReliabilityConfig", "Reliability", "reru
 #
 # The handler has chapter 01's `ExitSignal` interface (`received(grid)`), so `pretrain(...,
 # exit_signal=handler)` uses it as is.
+#
+# The question every rank asks after an iteration comes first: one all-gather of a one-int
+# flag, "did I receive a signal?", and `received()` is true when any rank's flag is.
 
 # %%
-class DistributedSignalHandler:
+class _AnyRankReceived:
+    """The collective question: did any rank receive a signal?"""
+
+    def signals_received(self, group=None) -> list[bool]:
+        """Every rank's flag, all-gathered (Megatron's return value)."""
+        flag = torch.tensor([int(bool(self.received_signals))], dtype=torch.int32)
+        if not (dist.is_available() and dist.is_initialized()):
+            return [bool(flag.item())]
+        if dist.get_backend(group) == "nccl":
+            flag = flag.cuda()
+        out = [torch.zeros_like(flag) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, flag, group=group)
+        return [bool(t.item()) for t in out]
+
+    def received(self, grid=None) -> bool:
+        """Whether any rank received a signal (chapter 01's exit_signal protocol)."""
+        return any(self.signals_received())
+
+
+# %% [markdown]
+# The handler itself installs on entry, restores the previous handlers on exit, and only
+# appends to `received_signals`, except for a SIGINT more than `absorb_s` after the first.
+
+# %%
+class DistributedSignalHandler(_AnyRankReceived):
     """Record SIGTERM/SIGINT; `received()` says whether any rank got one (collective)."""
 
     def __init__(self, signals=(signal.SIGTERM, signal.SIGINT), absorb_s: float = 10.0):
@@ -101,21 +128,6 @@ class DistributedSignalHandler:
             elif now - self._first_sigint > self.absorb_s:
                 raise KeyboardInterrupt  # a Ctrl-C well after the first: stop now
         self.received_signals.append(signum)
-
-    def signals_received(self, group=None) -> list[bool]:
-        """Every rank's flag, all-gathered (Megatron's return value)."""
-        flag = torch.tensor([int(bool(self.received_signals))], dtype=torch.int32)
-        if not (dist.is_available() and dist.is_initialized()):
-            return [bool(flag.item())]
-        if dist.get_backend(group) == "nccl":
-            flag = flag.cuda()
-        out = [torch.zeros_like(flag) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(out, flag, group=group)
-        return [bool(t.item()) for t in out]
-
-    def received(self, grid=None) -> bool:
-        """Whether any rank received a signal (chapter 01's exit_signal protocol)."""
-        return any(self.signals_received())
 
 
 # %% [markdown]
@@ -164,8 +176,10 @@ class DistributedSignalHandler:
 # run and writes its host, pid and start time into it; a second run finds the lock taken,
 # every one of its ranks exits 2 with one line that names the holder, and it has written
 # nothing. The kernel releases a `flock` when its holder dies, SIGKILL included, so the
-# relaunch after a crash never finds a stale lock (`tinytron.reliability._run_lock`; Megatron
-# has no such lock and relies on the scheduler to run one job per directory).
+# relaunch after a crash never finds a stale lock (`tinytron.reliability._run_lock`).
+#
+# <details><summary>Megatron detail: no lock</summary>Megatron has no such lock and relies
+# on the scheduler to run one job per directory.</details>
 #
 # ### One store, many lives: the keys of each attempt under its own prefix
 #
@@ -188,16 +202,14 @@ class DistributedSignalHandler:
 # torchrun gives (the same `env://` rendezvous `init_process_group` would do), wraps it in
 # `PrefixStore("tinytron/attempt/<TORCHELASTIC_RESTART_COUNT>/", …)` and builds the world on
 # it. `new_group` prefixes each subgroup's keys onto the world's store, so every group of the
-# `ParallelGrid` lands under the same attempt. Megatron itself passes `store=None` at
-# launch (`megatron/training/initialize.py:315-317`), that is, the launcher's keys as they are.
+# `ParallelGrid` lands under the same attempt.
 #
-# <div class="admonition note"><p class="admonition-title">tinytron differs here</p>
-#
-# Every torchrun restart attempt gets its own `PrefixStore`, so a relaunched world never reads
-# the keys its failed predecessor left in torchrun's shared store; Megatron keeps the
-# launcher's keys unprefixed and relies on a fresh store per launch.
-#
-# </div>
+# <details><summary>Megatron detail: the launcher's keys unprefixed</summary>Megatron itself
+# passes `store=None` at launch (`megatron/training/initialize.py:315-317`), that is, the
+# launcher's keys as they are. Every torchrun restart attempt here gets its own
+# `PrefixStore`, so a relaunched world never reads the keys its failed predecessor left in
+# torchrun's shared store; Megatron keeps the launcher's keys unprefixed and relies on a fresh
+# store per launch.</details>
 #
 # One case stays open: an elastic job whose membership changes restarts its workers without counting a
 # restart, so the count repeats; tinytron's launches fix the number of nodes.
@@ -352,10 +364,14 @@ class ReliabilityConfig(ReliabilityParts, ReliabilityFields):
 #   Note over R0,R1: the step ends, every rank reruns it in place, rank 1 judges its own value
 # ```
 #
-# `Reliability` below is five whole parts, in the order the loop meets them: `SafetyNets`
-# (building the nets), `DataAndLoss`, `ScheduleChecks`, `CheckpointHooks` and `StepHooks`; the
-# class `Reliability` after the last is all five. Each part wraps one of the callables chapter
-# 01's `train()` already takes, so the loop itself is not edited to gain the nets.
+# `Reliability` below is seven whole parts, in the order the loop meets them: `SafetyNets`
+# (building the nets), `DataAndLoss`, `BucketChecks` and `ScheduleChecks`, `RerunStateFiles`
+# and `CheckpointHooks`, and `StepHooks`; the class `Reliability` after the last is all seven.
+# Each hook wraps one of the callables chapter 01's `train()` already takes, so the loop
+# itself is not edited to gain the nets.
+#
+# Two small helpers first: where a rank keeps the machine's state for a given checkpoint, and
+# a wrapper that times every call of a loop part.
 
 # %%
 def rerun_state_path(save_dir: str, iteration: int, rank: int) -> str:
@@ -374,6 +390,12 @@ def _timed(fn, timers: Timers, name: str, level: int):
     return wrapped
 
 
+# %% [markdown]
+# The first part builds the nets from the section: the rerun machine (its tracker file in the
+# save directory), the injector, the timers, the signal handler and the rank monitor if asked
+# for, and the iterations the tracker says to skip.
+
+# %%
 class SafetyNets:
     """One rank's safety nets: rerun machine, fault injector, timers, signal handler, monitor."""
 
@@ -442,6 +464,44 @@ class DataAndLoss:
 # checks), which chapter 05 calls in each bucket group's `start_grad_sync`; the check is
 # removed when the pass ends. `optimizer.step` is timed in place.
 
+# First the check itself, as chapter 05 calls it for one bucket group: the injector's fault
+# into the faulty bucket, then the norms of the group's local buckets to the rerun machine.
+# A chunk without buckets gives its `.grad` tensors instead.
+
+# %%
+class BucketChecks:
+    """The gradient-norm check of one bucket group, and the injector's gradient faults."""
+
+    def _check_buckets(self, buckets, faulty=None) -> None:
+        """Chapter 05's grad check: one group's local buckets, before their collective."""
+        for b in buckets:
+            if b is faulty:   # bad memory in one bucket of this rank
+                self._corrupt_grad(b.grad_data)
+        config = self.rerun_config
+        if not (config.check_for_nan_in_loss_and_grad or config.check_for_large_grads):
+            return            # both off: no norms to compute (Megatron skips check_grads)
+        where = [f" for bucket #{b.bucket_id} in backward pass before data-parallel "
+                 "communication collective" for b in buckets]   # Megatron's words
+        check_grad_norms(self.rsm, bucket_grad_norms(b.grad_data for b in buckets), config,
+                         where=where)
+
+    def _corrupt_grad(self, grad: torch.Tensor) -> None:
+        """The injector's grad faults, written into the gradient in place."""
+        bad = self._corrupt(grad, "grad")
+        if bad is not grad:   # a spike returns a scaled copy
+            with torch.no_grad():
+                grad.copy_(bad)
+
+
+def _grads(chunk) -> list:
+    """The .grad tensors of a chunk that has no grad buckets."""
+    return [p.grad for p in chunk.parameters() if p.grad is not None]
+
+
+# %% [markdown]
+# Then the schedule wrapped: the check installed on every DDP chunk for the pass and removed
+# after it, the bucketless chunks checked once the schedule returns.
+
 # %%
 class ScheduleChecks:
     """The bucket checks installed for each training pass; the optimizer step timed."""
@@ -471,35 +531,10 @@ class ScheduleChecks:
             return out
         return wrapped
 
-    def _check_buckets(self, buckets, faulty=None) -> None:
-        """Chapter 05's grad check: one group's local buckets, before their collective."""
-        for b in buckets:
-            if b is faulty:   # bad memory in one bucket of this rank
-                self._corrupt_grad(b.grad_data)
-        config = self.rerun_config
-        if not (config.check_for_nan_in_loss_and_grad or config.check_for_large_grads):
-            return            # both off: no norms to compute (Megatron skips check_grads)
-        where = [f" for bucket #{b.bucket_id} in backward pass before data-parallel "
-                 "communication collective" for b in buckets]   # Megatron's words
-        check_grad_norms(self.rsm, bucket_grad_norms(b.grad_data for b in buckets), config,
-                         where=where)
-
-    def _corrupt_grad(self, grad: torch.Tensor) -> None:
-        """The injector's grad faults, written into the gradient in place."""
-        bad = self._corrupt(grad, "grad")
-        if bad is not grad:   # a spike returns a scaled copy
-            with torch.no_grad():
-                grad.copy_(bad)
-
     def wrap_optimizer(self, optimizer):
         """Time optimizer.step() in place (the object itself is kept: checkpoints inspect it)."""
         optimizer.step = _timed(optimizer.step, self.timers, "optimizer", 1)
         return optimizer
-
-
-def _grads(chunk) -> list:
-    """The .grad tensors of a chunk that has no grad buckets."""
-    return [p.grad for p in chunk.parameters() if p.grad is not None]
 
 
 # %% [markdown]
@@ -514,27 +549,14 @@ def _grads(chunk) -> list:
 # DP from the grid of the model chunks they are handed and write them beside the state; a
 # relaunch of a 2-rank TP2 job as DP2 has the same world size and still trains on instead of
 # rerunning a step whose per-rank state belongs to another layout.
+#
+# The two file operations first: write this rank's machine state for an iteration (nothing in
+# steady state; a temporary file renamed, so a half-written state is never read), and read it
+# back if it exists, belongs to this layout, and names no iteration the tracker skips.
 
 # %%
-class CheckpointHooks:
-    """The rerun machine's state written before a save commits and read back after a load."""
-
-    def checkpoint_hooks(self, save_checkpoint_fn, load_checkpoint_fn):
-        """(save, load) hooks that also carry the rerun machine, timers, sections and faults."""
-        def save(state, model, optimizer, scheduler):
-            section = self.monitor.section("checkpoint") if self.monitor else _null()
-            with section, self.injector.around_save(state.iteration):
-                self._save_rerun_state(state.iteration, job_sharding(model, self.world_size))
-                _timed(save_checkpoint_fn, self.timers, "save-checkpoint", 0)(
-                    state, model, optimizer, scheduler)
-
-        def load(model, optimizer, scheduler):
-            state = _timed(load_checkpoint_fn, self.timers, "load-checkpoint", 0)(
-                model, optimizer, scheduler)
-            self._load_rerun_state(0 if state is None else state.iteration,
-                                   job_sharding(model, self.world_size))
-            return state
-        return save, load
+class RerunStateFiles:
+    """The rerun machine's state, per rank and iteration, beside chapter 03's checkpoint."""
 
     def _save_rerun_state(self, iteration: int, sharding: Optional[dict] = None) -> None:
         if self.save_dir is None or self.rsm.state == RerunState.NOT_RUNNING_YET:
@@ -558,6 +580,32 @@ class CheckpointHooks:
             if same_sharding(saved, sharding or job_sharding(None, self.world_size)):
                 self.rsm.load_state_dict(saved["machine"])
         self.rsm.current_iteration = iteration   # the loop's count wins (training.py:3205)
+
+
+# %% [markdown]
+# The hooks wrap chapter 03's save and load around those two: the save inside the monitor's
+# `checkpoint` section and the injector's save faults, the machine's state written first.
+
+# %%
+class CheckpointHooks:
+    """The rerun machine's state written before a save commits and read back after a load."""
+
+    def checkpoint_hooks(self, save_checkpoint_fn, load_checkpoint_fn):
+        """(save, load) hooks that also carry the rerun machine, timers, sections and faults."""
+        def save(state, model, optimizer, scheduler):
+            section = self.monitor.section("checkpoint") if self.monitor else _null()
+            with section, self.injector.around_save(state.iteration):
+                self._save_rerun_state(state.iteration, job_sharding(model, self.world_size))
+                _timed(save_checkpoint_fn, self.timers, "save-checkpoint", 0)(
+                    state, model, optimizer, scheduler)
+
+        def load(model, optimizer, scheduler):
+            state = _timed(load_checkpoint_fn, self.timers, "load-checkpoint", 0)(
+                model, optimizer, scheduler)
+            self._load_rerun_state(0 if state is None else state.iteration,
+                                   job_sharding(model, self.world_size))
+            return state
+        return save, load
 
 
 class _null:
@@ -598,7 +646,8 @@ class StepHooks:
             self.monitor.shutdown()
 
 
-class Reliability(StepHooks, CheckpointHooks, ScheduleChecks, DataAndLoss, SafetyNets):
+class Reliability(StepHooks, CheckpointHooks, RerunStateFiles, ScheduleChecks, BucketChecks,
+                  DataAndLoss, SafetyNets):
     """One rank's safety nets, and the wrapped loop parts that install them."""
 
 
@@ -632,12 +681,14 @@ class Reliability(StepHooks, CheckpointHooks, ScheduleChecks, DataAndLoss, Safet
 #   process recovers;
 # - every piece of global state (RNG trackers, the rerun machine, caches, data-loader
 #   workers, memory pools, signal handlers) must be torn down and rebuilt exactly, or the
-#   "same" training diverges after the restart; leaks accumulate over many restarts. A real
-#   one bit this page's test: chapter 05's DDP registers a hook on every parameter, the hook
-#   points back to the DDP object, and the cycle runs through autograd's C++ side where the
-#   garbage collector cannot see it — so the failed attempt's process groups stayed open and
-#   the peer waited in its all-reduce for the gloo subgroup timeout (30 minutes). The launch
-#   script clears the parameters' hooks when an attempt fails (`_run._release`).
+#   "same" training diverges after the restart; leaks accumulate over many restarts.
+#
+# <details><summary>Megatron detail: a leak this page's test met</summary>Chapter 05's DDP
+# registers a hook on every parameter, the hook points back to the DDP object, and the cycle
+# runs through autograd's C++ side where the garbage collector cannot see it — so the failed
+# attempt's process groups stayed open and the peer waited in its all-reduce for the gloo
+# subgroup timeout (30 minutes). The launch script clears the parameters' hooks when an
+# attempt fails (`_run._release`).</details>
 
 # %%
 def inprocess_restart(fn, *, store, rank: int, world_size: int, max_restarts: int = 1,
@@ -745,5 +796,17 @@ if __name__ == "__main__":
 #
 # 1. A SIGTERM reaches rank 5 only, while rank 5 is inside a checkpoint save. Walk through
 #    what each rank does until the job exits.
+#
+#    <details><summary>Hint</summary>`_handler` only appends to `received_signals`, so the
+#    save runs to its end. Then follow chapter 01's `checkpoint_and_decide_exit` after the
+#    next iteration: every rank joins the all-gather of `signals_received`, every rank sees
+#    rank 5's flag, and all of them save that iteration and return "signal", an exit 0.</details>
+#
 # 2. Why must the machine's state be written *before* chapter 03 moves the tracker, and what
 #    would a relaunch do if it were written after and the process died in between?
+#
+#    <details><summary>Hint</summary>Read `_load_rerun_state`: a missing
+#    `rerun_state/iter_…/rank_….pt` means "steady", so the relaunch would load the checkpoint
+#    the tracker names and train on with a fresh machine. The pending rerun from the checkpoint
+#    is lost, and the rejected step is that process's first iteration, which is not
+#    validated (`first_iteration_complete`).</details>

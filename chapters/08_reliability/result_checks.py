@@ -277,6 +277,25 @@ def check_loss(rsm: RerunStateMachine, loss: torch.Tensor, config: RerunConfig) 
         rsm.validate_result(loss, spiky, "Spiky loss", tolerance=0.0, fatal=False)
 
 
+def checked_loss_func(loss_func: Callable, rsm: RerunStateMachine, config: RerunConfig,
+                      corrupt: Callable[[torch.Tensor, str], torch.Tensor] | None = None):
+    """Wrap a `(output) -> (loss, num_tokens, report)` loss function with the loss checks."""
+    def wrapped(output_tensor):
+        loss, num_tokens, report = loss_func(output_tensor)
+        if corrupt is not None:
+            loss = corrupt(loss, "loss")
+            report = {k: torch.stack([loss.detach(), v[1]]) if k == "lm loss" else v
+                      for k, v in report.items()}
+        check_loss(rsm, loss, config)
+        return loss, num_tokens, report
+    return wrapped
+
+
+# %% [markdown]
+# The gradient side: one fp32 norm per bucket, and on each norm the NaN and Inf checks
+# (tolerance 0.001, fatal) and the large-gradient check (non-fatal).
+
+# %%
 def bucket_grad_norms(grads: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """The L2 norm (fp32) of each bucket's gradient data."""
     return [g.detach().float().norm(p=2) for g in grads]
@@ -297,20 +316,6 @@ def check_grad_norms(rsm: RerunStateMachine, norms: Iterable[torch.Tensor],
                                 fatal=False)
 
 
-def checked_loss_func(loss_func: Callable, rsm: RerunStateMachine, config: RerunConfig,
-                      corrupt: Callable[[torch.Tensor, str], torch.Tensor] | None = None):
-    """Wrap a `(output) -> (loss, num_tokens, report)` loss function with the loss checks."""
-    def wrapped(output_tensor):
-        loss, num_tokens, report = loss_func(output_tensor)
-        if corrupt is not None:
-            loss = corrupt(loss, "loss")
-            report = {k: torch.stack([loss.detach(), v[1]]) if k == "lm loss" else v
-                      for k, v in report.items()}
-        check_loss(rsm, loss, config)
-        return loss, num_tokens, report
-    return wrapped
-
-
 # %% [markdown]
 # ## Skipping an iteration on the next launch
 #
@@ -326,6 +331,8 @@ def checked_loss_func(loss_func: Callable, rsm: RerunStateMachine, config: Rerun
 # `rerun_disabled`, `first_rerun_reproducible` or `second_rerun_reproducible` per
 # `(rank, iteration)`; two or more → skip, unless more than one rank reported that iteration
 # within one job (a bad batch shows up on one DP rank; a diverging model on all of them).
+#
+# First the reader: one regular expression per tracker line, each event a dict.
 
 # %%
 _TRACKER_LINE = re.compile(r"node=(?P<node>\S+) device=(?P<device>\S+) jobID=(?P<job>\S+) "
@@ -353,6 +360,11 @@ def parse_tracker_file(path: str | None) -> list[dict[str, Any]]:
     return events
 
 
+# %% [markdown]
+# The rule on those events, and the step that takes a skipped iteration's place: it reads the
+# step's micro-batches and computes nothing.
+
+# %%
 def get_skipped_iterations_from_tracker_file(path: str | None) -> list[int]:
     """Iterations rejected twice on one rank with a reproducible verdict, by no other rank."""
     counts: dict[tuple[int, int], int] = defaultdict(int)
@@ -403,6 +415,11 @@ if __name__ == "__main__":
     assert not any(flags[:100])                       # warm-up: never rejects
     assert not rsm.is_unexpectedly_large(torch.tensor(math.nan), 10, "loss")  # NaN: not its job
 
+# %% [markdown]
+# The curve, the threshold and the one rejected value:
+
+# %%
+if __name__ == "__main__":
     fig, ax = plt.subplots(figsize=(6.4, 2.6))
     ax.semilogy(steps, curve, lw=1, label="loss")
     ax.axhline(threshold, color="tab:red", ls="--", lw=1, label="10 × max of first 100")
@@ -413,6 +430,12 @@ if __name__ == "__main__":
     fig.tight_layout()
     plt.show()
 
+# %% [markdown]
+# The injector at rate 4 fires once, waits for its verdict while forcing the comparison the
+# verdict needs, and is armed again afterwards.
+
+# %%
+if __name__ == "__main__":
     inj = RerunErrorInjector(4, "persistent_error", seed=1234)
     draws = [inj.maybe_inject(rank=0) for _ in range(20)]
     first = draws.index(True)
@@ -426,6 +449,11 @@ if __name__ == "__main__":
     print(f"after the verdict: next injection at validation #{again.index(True) + 1}")
     assert sum(again) == 1
 
+# %% [markdown]
+# Last, the skip rule on a hand-written tracker file.
+
+# %%
+if __name__ == "__main__":
     # The tracker rule: twice on rank 1 -> skip 7; iteration 9 seen by two ranks -> keep.
     path = tempfile.mktemp(suffix=".txt")
     with open(path, "w") as f:
@@ -460,6 +488,17 @@ if __name__ == "__main__":
 #
 # 1. With DP 64 and a NaN in one rank's batch, why would a check *after* the gradient
 #    all-reduce make every rank report it — and what would the skip rule then do?
+#
+#    <details><summary>Hint</summary>The all-reduce sums the 64 ranks' gradients, and a sum
+#    with one NaN is NaN on every rank. Then read the last line of
+#    `get_skipped_iterations_from_tracker_file`: an iteration reported by more than one rank of
+#    a job is read as a diverging model, not a bad batch.</details>
+#
 # 2. A loss that legitimately rises 10× after a data-blend change trips the spike check. Which
 #    argument of `is_unexpectedly_large` lets you re-learn the threshold, and when would you
 #    call it?
+#
+#    <details><summary>Hint</summary>Look at `resample` in `Spikes.is_unexpectedly_large` on the
+#    previous page: it sets the context's count back to 0, so the next `num_samples` values
+#    are learned again and only warned about (the max starts from the old one and can only
+#    rise). Pass it once, at the first step on the new blend.</details>

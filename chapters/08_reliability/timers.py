@@ -109,9 +109,41 @@ class DummyTimer:
 # The real stopwatch keeps two sums: `elapsed` since the last reset (what a report reads and
 # clears) and `active_time` since creation (never cleared). Reading a running timer stops it,
 # reads it and starts it again, so a report may come in the middle of a phase.
+#
+# The readings first, as a small base class: reset, read (and maybe reset) the elapsed sum,
+# read the active time.
 
 # %%
-class Timer:
+class _Readings:
+    """The two sums of a stopwatch, read and reset."""
+
+    def reset(self) -> None:
+        """Zero the elapsed time (not the active time)."""
+        self._elapsed, self._started = 0.0, False
+
+    def elapsed(self, reset: bool = True, barrier: bool = False) -> float:
+        """Seconds so far; a running timer is read and keeps running."""
+        running = self._started
+        if running:
+            self.stop(barrier=barrier)
+        value = self._elapsed
+        if reset:
+            self.reset()
+        if running:
+            self.start(barrier=barrier)
+        return value
+
+    def active_time(self) -> float:
+        """Seconds accumulated since creation."""
+        return self._active_time
+
+
+# %% [markdown]
+# Then the stopwatch: `start` and `stop` synchronize first (a barrier if asked, the CUDA
+# device if there is one), so the interval covers the kernels and not only their launch.
+
+# %%
+class Timer(_Readings):
     """A named stopwatch: accumulates elapsed seconds between start and stop."""
 
     def __init__(self, name: str, group=None):
@@ -144,26 +176,6 @@ class Timer:
         self._active_time += interval
         self._started = False
 
-    def reset(self) -> None:
-        """Zero the elapsed time (not the active time)."""
-        self._elapsed, self._started = 0.0, False
-
-    def elapsed(self, reset: bool = True, barrier: bool = False) -> float:
-        """Seconds so far; a running timer is read and keeps running."""
-        running = self._started
-        if running:
-            self.stop(barrier=barrier)
-        value = self._elapsed
-        if reset:
-            self.reset()
-        if running:
-            self.start(barrier=barrier)
-        return value
-
-    def active_time(self) -> float:
-        """Seconds accumulated since creation."""
-        return self._active_time
-
 
 # %% [markdown]
 # ## The registry and the cross-rank report
@@ -174,10 +186,11 @@ class Timer:
 # `<name>-time` (`write`, `:452`). `stragglers` adds what `minmax` hides: *which* rank was
 # fastest and slowest.
 #
-# `Timers` is three whole parts, each a small class: `TimerRegistry` hands out timers by name
-# and level, `CrossRankTimes` gathers every rank's seconds in one all-gather, and
-# `TimerReports` turns them into Megatron's text and TensorBoard scalars; the class `Timers`
-# after the last part is the three together.
+# `Timers` is five whole parts, each a small class: `TimerRegistry` hands out timers by name
+# and level, `CrossRankTimes` gathers every rank's seconds in one all-gather, `Stragglers`
+# names the fastest and slowest rank, `TimerReports` writes Megatron's text and
+# `TimerOutputs` prints it and sends TensorBoard scalars; the class `Timers` after the last
+# part is the five together.
 #
 # A worked example in small numbers: two ranks, `forward-backward` took 0.812 s on rank 0 and
 # 1.130 s on rank 1. The all-gather builds the $2 \times 1$ table `[[0.812], [1.130]]`;
@@ -256,6 +269,15 @@ class CrossRankTimes:
                              ran.max().item() * 1000.0 / normalizer)
         return out
 
+
+# %% [markdown]
+# The same table read for names instead of numbers: which rank was fastest and which slowest
+# for each timer, again over the ranks that ran it.
+
+# %%
+class Stragglers:
+    """{name: (fastest rank, its ms, slowest rank, its ms)} from the same all-gather."""
+
     def stragglers(self, names: list[str], normalizer: float = 1.0, reset: bool = True
                    ) -> dict[str, tuple[int, float, int, float]]:
         """{name: (fastest rank, its ms, slowest rank, its ms)} over the ranks that ran it."""
@@ -292,7 +314,7 @@ class CrossRankTimes:
 
 # %%
 class TimerReports:
-    """Megatron's report text, printed on one rank, and the TensorBoard scalars."""
+    """Megatron's report text."""
 
     def log_string(self, names: list[str], normalizer: float = 1.0, reset: bool = True,
                    barrier: bool = False) -> Optional[str]:
@@ -313,6 +335,15 @@ class TimerReports:
                        for n, (lo, hi) in mm.items())
         return head + body
 
+
+# %% [markdown]
+# Where the text and the numbers go: printed on one rank (the last by default), and the max
+# of each timer to TensorBoard.
+
+# %%
+class TimerOutputs:
+    """The report printed on one rank; the max of each timer sent to TensorBoard."""
+
     def log(self, names: list[str], normalizer: float = 1.0, reset: bool = True,
             barrier: bool = False, rank: Optional[int] = None) -> Optional[str]:
         """Print the report on `rank` (default: the last rank); return it everywhere."""
@@ -332,7 +363,11 @@ class TimerReports:
                 writer.add_scalar(f"{name}-time", hi, iteration)
 
 
-class Timers(TimerReports, CrossRankTimes, TimerRegistry):
+# %% [markdown]
+# The registry, the all-gather and the reports, together:
+
+# %%
+class Timers(TimerOutputs, TimerReports, Stragglers, CrossRankTimes, TimerRegistry):
     """Named timers with levels; min/max across ranks in ms."""
 
 
@@ -366,6 +401,12 @@ if __name__ == "__main__":
     assert results[0]["stragglers"]["forward-compute"][2] == 1   # the slowest rank is rank 1
     assert results[0]["min_max"] == results[1]["min_max"]         # every rank gets the same report
 
+# %% [markdown]
+# The per-rank times of each timer, drawn under the hierarchy's levels: the straggler's
+# `forward-compute` bar is the long one.
+
+# %%
+if __name__ == "__main__":
     fig, ax = plt.subplots(figsize=(6.4, 2.8))
     y = torch.arange(len(names), dtype=torch.float64)
     for r in range(table.shape[0]):
@@ -401,5 +442,17 @@ if __name__ == "__main__":
 #
 # 1. Why does `forward-backward` without `barrier=True` on a pipeline's first stage include
 #    time spent waiting for the last stage?
+#
+#    <details><summary>Hint</summary>The first stage's timer starts as soon as that rank gets
+#    there, and its schedule then waits in receives for the later stages, the last one
+#    possibly still finishing the previous step's work. Look at `Timer._sync`: a barrier in
+#    `start()` lines the ranks up first, so that wait falls outside the timed phase.</details>
+#
 # 2. One rank asks for `["forward-backward", "optimizer"]`, another for
 #    `["optimizer", "forward-backward"]`. What does the report show, and why does it not hang?
+#
+#    <details><summary>Hint</summary>`all_ranks_seconds` all-gathers one row of
+#    `len(names)` floats per rank: both rows have two entries, so the collective matches and
+#    returns. But column 0 holds one rank's `forward-backward` and the other's `optimizer`,
+#    and the report labels it with the caller's first name: the min and max mix two
+#    timers.</details>

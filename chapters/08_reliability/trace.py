@@ -167,6 +167,12 @@ if __name__ == "__main__":
     assert phases["backward-compute"] > phases["batch-generator"]
     assert any(e["name"] == "aten::mm" for e in events)
 
+# %% [markdown]
+# The traced iteration, drawn from the file: the iteration on top, the four phases, and the
+# operators under them.
+
+# %%
+if __name__ == "__main__":
     fig, ax = plt.subplots(figsize=(8, 2.6))
     draw_trace(events, ax, max_depth=4, min_ms=0.002 * iteration["dur_ms"])
     ax.set_title("one training iteration (torch.profiler Chrome trace, main thread)", fontsize=9)
@@ -195,5 +201,17 @@ if __name__ == "__main__":
 # ## Exercises
 #
 # 1. Trace iterations 1 and 10 and compare `optimizer`: why is the first AdamW step slower?
+#
+#    <details><summary>Hint</summary>AdamW keeps two moments per parameter, and it creates
+#    them lazily: look in the first step's `optimizer` range for the allocations and fills of
+#    `exp_avg` and `exp_avg_sq` (`aten::zeros_like`, `aten::empty`) that later steps do not
+#    have.</details>
+#
 # 2. With chapter 05's overlapped DDP on two gloo ranks, find the all-reduce events in the
 #    trace and check whether they start before `backward-compute` ends.
+#
+#    <details><summary>Hint</summary>Run `profile_iteration` inside each rank, with `step`
+#    built on chapter 05's DDP, then filter `load_trace`'s events by a name containing
+#    `allreduce` or `all_reduce` and compare their `start_ms` with the end of `backward-compute`
+#    (`start_ms + dur_ms`). An overlapped bucket starts while the backward of the earlier
+#    layers still runs.</details>
