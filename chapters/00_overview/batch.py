@@ -156,8 +156,12 @@ def shift_labels(text: torch.Tensor, pad_id: int | None = None):
 #
 # All three switches default to `False` in Megatron.
 #
-# <details><summary>Megatron detail: a loop, not a closed form</summary>Megatron walks over the
-# EOD positions in a Python loop; we compute the same tensors in closed form.</details>
+# <details><summary>Megatron detail: a loop, not a closed form</summary>
+#
+# Megatron walks over the
+# EOD positions in a Python loop; we compute the same tensors in closed form.
+#
+# </details>
 #
 # The closed form: let $d_i$ be the number of EODs at
 # positions $< i$ (the document index of token $i$). Then, with resets on,
@@ -349,21 +353,33 @@ if __name__ == "__main__":
 #
 # 1. Why is the loss at an EOD *input* masked and not the loss at an EOD *label*?
 #
-#    <details><summary>Hint</summary>Ask what each position is asked to predict. At an EOD label
+#    <details><summary>Hint</summary>
+#
+#    Ask what each position is asked to predict. At an EOD label
 #    the model learns to end a document, which it must do at generation time. At an EOD input it
 #    would have to guess the first token of an unrelated next document. See `eod_mask_loss` in
-#    `get_ltor_masks_and_position_ids` above.</details>
+#    `get_ltor_masks_and_position_ids` above.
+#
+#    </details>
 #
 # 2. With `reset_attention_mask=False` but `reset_position_ids=True`, what does the model see?
 #
-#    <details><summary>Hint</summary>Draw the demo's picture with only the position switch on:
+#    <details><summary>Hint</summary>
+#
+#    Draw the demo's picture with only the position switch on:
 #    the full lower triangle comes back, so each document still attends to the ones before it,
 #    but its positions restart at 0 as if it were alone. Compare the attention rows and the
-#    position row that `plot_masks` draws.</details>
+#    position row that `plot_masks` draws.
+#
+#    </details>
 #
 # 3. Build the `[s, s]` mask for a 4096-token sample: how many bytes is it, per micro-batch of 8?
 #
-#    <details><summary>Answer</summary>The mask is `torch.bool`, one byte per entry:
+#    <details><summary>Answer</summary>
+#
+#    The mask is `torch.bool`, one byte per entry:
 #    $4096^2$ = 16,777,216 B = 16 MiB per sample, and $8 \times$ that, 134,217,728 B = 128 MiB,
 #    for the `[8, 1, 4096, 4096]` batch; one reason long-sequence runs leave
-#    `create_attention_mask` off and let the kernel apply the causal mask.</details>
+#    `create_attention_mask` off and let the kernel apply the causal mask.
+#
+#    </details>

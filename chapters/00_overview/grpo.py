@@ -304,15 +304,23 @@ if __name__ == "__main__":
 # 1. Show that with $\log\pi = \log\pi_{old}$ (the first step after a rollout) the gradient of the
 #    clipped term equals the plain policy gradient $-A\,\nabla\log\pi$.
 #
-#    <details><summary>Answer</summary>At $\log\pi = \log\pi_{old}$ the ratio is $r = 1$, strictly
+#    <details><summary>Answer</summary>
+#
+#    At $\log\pi = \log\pi_{old}$ the ratio is $r = 1$, strictly
 #    inside $(1-\epsilon_{lo}, 1+\epsilon_{hi})$, so the clip is the identity there and both
 #    arguments of the min are $rA$. The term is $-w\,rA$, and $\nabla r = r\,\nabla\log\pi =
 #    \nabla\log\pi$ at $r = 1$, so its gradient is $-wA\,\nabla\log\pi$: the plain policy
-#    gradient, with $w = 1$ when no inference log-probs are given.</details>
+#    gradient, with $w = 1$ when no inference log-probs are given.
+#
+#    </details>
 #
 # 2. Why is the k3 estimator non-negative for every sample, while $\log\pi - \log\pi_{ref}$ is not?
 #
-#    <details><summary>Answer</summary>Write $x = \log\pi_{ref} - \log\pi$. Then k3 is
+#    <details><summary>Answer</summary>
+#
+#    Write $x = \log\pi_{ref} - \log\pi$. Then k3 is
 #    $e^x - x - 1$, and $e^x \ge 1 + x$ for every real $x$ (the exponential lies above its tangent
 #    at 0), with equality only at $x = 0$. The plain difference $-x$ takes either sign per sampled
-#    token; only its mean under $\pi$, the KL divergence, is non-negative.</details>
+#    token; only its mean under $\pi$, the KL divergence, is non-negative.
+#
+#    </details>

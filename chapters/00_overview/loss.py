@@ -276,15 +276,23 @@ if __name__ == "__main__":
 # 1. With data parallelism of 2, where would the default normalization divide by 2, and where
 #    would the per-token mode need an all-reduce of `num_tokens`?
 #
-#    <details><summary>Hint</summary>The default divides inside each rank (by $N_j$ and $M$) and
+#    <details><summary>Hint</summary>
+#
+#    The default divides inside each rank (by $N_j$ and $M$) and
 #    then averages the two ranks' gradients in the data-parallel all-reduce: that average is the
 #    division by 2. The per-token mode back-propagates raw sums, so the divisor must be the token
 #    count of both ranks together; look at how `finalize_model_grads` gathers it before it
-#    divides (`megatron/core/distributed/finalize_model_grads.py:546-560`).</details>
+#    divides (`megatron/core/distributed/finalize_model_grads.py:546-560`).
+#
+#    </details>
 #
 # 2. Construct masks for which the default normalization *up-weights* a single padded-out sample.
 #
-#    <details><summary>Answer</summary>Keep 1 token in micro-batch 1 (the rest is padding) and 7
+#    <details><summary>Answer</summary>
+#
+#    Keep 1 token in micro-batch 1 (the rest is padding) and 7
 #    in micro-batch 2. `token_weights([1, 7], False)` gives the lone token $\frac{1}{2}$ and each
 #    of the others $\frac{1}{14}$; per token all eight get $\frac{1}{8}$. The padded-out sample
-#    counts 4 times as much as under the global mean.</details>
+#    counts 4 times as much as under the global mean.
+#
+#    </details>

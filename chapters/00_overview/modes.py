@@ -283,15 +283,23 @@ if __name__ == "__main__":
 # 1. Skip the SFT phase. What is the mean reward of the first rollouts, and why does GRPO then
 #    learn almost nothing? (Look at the advantages of a group whose rewards are all 0.)
 #
-#    <details><summary>Answer</summary>0.0. After the 50 pretraining steps alone, the first
+#    <details><summary>Answer</summary>
+#
+#    0.0. After the 50 pretraining steps alone, the first
 #    collection (seed 1, groups of 8) has reward 0 in all 25 groups: the model has never seen the
 #    chat format, so no completion is the digit followed by `<|end|>`. `group_advantages` of an
 #    all-zero group is 0 for every member, so all 200 advantages are 0 and only the KL term is
-#    left, which is 0 (and flat) while the model still equals its reference.</details>
+#    left, which is 0 (and flat) while the model still equals its reference.
+#
+#    </details>
 #
 # 2. Set `kl_beta = 0` and run 50 RL iterations: does the SFT loss on the chats rise?
 #
-#    <details><summary>Hint</summary>Measure it: evaluate `pretrain_forward_step` on the
+#    <details><summary>Hint</summary>
+#
+#    Measure it: evaluate `pretrain_forward_step` on the
 #    `sft_microbatches` before and after the RL phase, with `GRPOConfig(kl_beta=0, ...)`. Without
 #    the k3 term nothing pulls the policy back to the SFT reference; the reward only concerns the
-#    two generated tokens, so the measurement tells whether the rest of the chat drifts.</details>
+#    two generated tokens, so the measurement tells whether the rest of the chat drifts.
+#
+#    </details>

@@ -198,14 +198,22 @@ if __name__ == "__main__":
 #
 # 1. Set `clip_grad` to 0.01. Does the first AdamW update change? Why not, and what about SGD?
 #
-#    <details><summary>Answer</summary>Barely. Adam's first step is $\eta\, \hat m/(\sqrt{\hat v}+\epsilon)
+#    <details><summary>Answer</summary>
+#
+#    Barely. Adam's first step is $\eta\, \hat m/(\sqrt{\hat v}+\epsilon)
 #    = \eta\, g/(|g|+\epsilon)$, so any rescaling of $g$ cancels except against $\epsilon = 10^{-8}$:
 #    the update norm goes from 0.3012 to 0.2958 (only weights whose gradient is near $\epsilon$
 #    move less) and the largest step stays $10^{-3}$. SGD moves by $\eta g$, so clipping to 0.01
-#    instead of 1.0 makes its update norm 100 times smaller: $10^{-5}$ instead of $10^{-3}$.</details>
+#    instead of 1.0 makes its update norm 100 times smaller: $10^{-5}$ instead of $10^{-3}$.
+#
+#    </details>
 #
 # 2. Turn `eod_mask_loss` off: how many more tokens does the loss average over, and which ones?
 #
-#    <details><summary>Answer</summary>One: 32 tokens instead of 31. The mask drops the position
+#    <details><summary>Answer</summary>
+#
+#    One: 32 tokens instead of 31. The mask drops the position
 #    whose input is `<eod>` (row 1, position 7), the one that would learn to predict `a`, the first
-#    byte of the next document. The `<eod>` label itself (position 6) is kept either way.</details>
+#    byte of the next document. The `<eod>` label itself (position 6) is kept either way.
+#
+#    </details>

@@ -106,11 +106,15 @@ def tokenize_conversation(conversation: list[dict], tok: ByteTokenizer):
 # A conversation longer than `seq_length` raises `ValueError` unless `truncate=True` is passed,
 # in which case it is cut on the right to `seq_length` tokens and placed alone in its row.
 #
-# <details><summary>Megatron detail: padding and truncation</summary>Two differences from
+# <details><summary>Megatron detail: padding and truncation</summary>
+#
+# Two differences from
 # Megatron, both documented here: Megatron folds the trailing padding into the last
 # conversation's segment (we give it its own, so real tokens never see pads), and Megatron
 # silently truncates an overlong pack on the right. Here a conversation longer than
-# `seq_length` raises `ValueError` unless `truncate=True` is passed.</details>
+# `seq_length` raises `ValueError` unless `truncate=True` is passed.
+#
+# </details>
 
 # %% tags=["hide-input"]
 def block_causal_mask(cu_seqlens: torch.Tensor, seq_length: int) -> torch.Tensor:
@@ -281,24 +285,36 @@ if __name__ == "__main__":
 # 1. Fold the padding into the last segment as Megatron does. Which assertion of the demo still
 #    holds, and which token now attends to pads?
 #
-#    <details><summary>Answer</summary>`cu_seqlens` becomes `[0, 8, 19, 32]`, so the first
+#    <details><summary>Answer</summary>
+#
+#    `cu_seqlens` becomes `[0, 8, 19, 32]`, so the first
 #    assertion fails; the other two (no attention across segments, trained only on
 #    `yo<|end|>2<|end|>!<|end|>`) still hold. No real token attends to a pad: the causal triangle
 #    already forbids looking right. What changes is the other way round: the five pad queries
 #    (positions 27-31) now see the last conversation's eight keys (19-26), 40 more allowed
-#    entries, all with loss mask 0.</details>
+#    entries, all with loss mask 0.
+#
+#    </details>
 #
 # 2. Pack with "best fit" instead of "in order": how many rows do 1000 random chats need each way?
 #
-#    <details><summary>Hint</summary>The count depends on the random lengths, so measure it:
+#    <details><summary>Hint</summary>
+#
+#    The count depends on the random lengths, so measure it:
 #    `_fit_conversations` is the only function to change. Best fit puts each conversation in the
 #    open row with the least room left that still holds it, where in order closes a row at the
 #    first conversation that does not fit; the gap is widest when lengths are a sizable fraction
-#    of `seq_length`.</details>
+#    of `seq_length`.
+#
+#    </details>
 #
 # 3. Why must the first token of every conversation be a non-target?
 #
-#    <details><summary>Hint</summary>Follow the shift in `_build_row`: `labels = targets[1:]`, so
+#    <details><summary>Hint</summary>
+#
+#    Follow the shift in `_build_row`: `labels = targets[1:]`, so
 #    the label of a conversation's last input is the next conversation's first target. If it
 #    counted, the loss would ask one conversation to predict the start of an unrelated
-#    one.</details>
+#    one.
+#
+#    </details>

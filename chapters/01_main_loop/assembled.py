@@ -438,28 +438,40 @@ if __name__ == "__main__":
 # 1. Run `configs/tp2_pp2.toml` on 4 ranks. Which lines of the console change, and why does
 #    the memory report now print two stages with different activation totals?
 #
-#    <details><summary>Hint</summary>Look for the lines that name the layout (TP, PP, DP sizes
+#    <details><summary>Hint</summary>
+#
+#    Look for the lines that name the layout (TP, PP, DP sizes
 #    and $m$) and the per-stage ones. Under 1F1B stage $r$ holds up to $p - r$ micro-batches'
 #    activations (the schedules page), so with $p = 2$ stage 0 keeps two and stage 1
 #    one; the stages also hold different layers (embedding on the first, head and loss on the
-#    last).</details>
+#    last).
+#
+#    </details>
 #
 # 2. Interrupt a run with Ctrl-C after iteration 5 (the config sets `exit_signal_handler`).
 #    Which checkpoint does the printed resume command start from, and which samples does it
 #    read first?
 #
-#    <details><summary>Answer</summary>The handler only records the signal: the iteration in
+#    <details><summary>Answer</summary>
+#
+#    The handler only records the signal: the iteration in
 #    flight finishes, then `checkpoint_and_decide_exit` sees it, saves and exits. Stopped after
 #    iteration 5, that is `iter_0000005`, with `consumed_train_samples` $= 5 \cdot 32 = 160$;
 #    the resumed run builds its data iterator after the load, so its first batch is samples
 #    160-191. (A Ctrl-C that lands during iteration 6 saves `iter_0000006` and resumes at
-#    sample 192.)</details>
+#    sample 192.)
+#
+#    </details>
 #
 # 3. Add `--training.save_interval 1` and open TensorBoard: how does `save-checkpoint-time`
 #    compare with `forward-backward-time`, and what changes with `--checkpoint.async_save true`?
 #
-#    <details><summary>Hint</summary>This is a measurement on your machine. With a synchronous
+#    <details><summary>Hint</summary>
+#
+#    This is a measurement on your machine. With a synchronous
 #    save every iteration the save's time adds to each step; with `async_save` the save returns
 #    early and its work goes on in the background, finished by `before_optimizer_step_fn` and
 #    `finalize_async_save_fn` in a later iteration (the loop page, and chapter 03's page on
-#    saving in the background).</details>
+#    saving in the background).
+#
+#    </details>

@@ -69,9 +69,13 @@ __all__ = ["get_schedule_table", "get_pp_rank_microbatches", "check_interleaving
 # $m \bmod g$ that is either empty or at least $p$ long. With the default $g = p$ that is
 # simply "$m$ divisible by $p$".
 #
-# <details><summary>Megatron detail: two exception types</summary>Megatron raises a
+# <details><summary>Megatron detail: two exception types</summary>
+#
+# Megatron raises a
 # `ValueError` and a `RuntimeError`; tinytron raises `ValueError` for both, naming the
-# numbers.</details>
+# numbers.
+#
+# </details>
 #
 # ```mermaid
 # flowchart LR
@@ -260,10 +264,14 @@ class _Interleaved(_TableWalk):
 # staggered by the pipeline (Megatron's comment: unaligned asynchronous communication slows
 # the compute down). With a single chunk only chunk 0 is launched.
 #
-# <details><summary>Megatron detail: the callable's arguments</summary>Megatron passes chunk
+# <details><summary>Megatron detail: the callable's arguments</summary>
+#
+# Megatron passes chunk
 # $c$'s `model[c].parameters()` to its callable, and its `start_param_sync(*unused, ...)`
 # ignores them; chapter 05's takes none, so tinytron passes none. With a single chunk Megatron
-# indexes chunk 1 anyway.</details>
+# indexes chunk 1 anyway.
+#
+# </details>
 
 # %%
 def _launch_first_param_syncs(run: _Interleaved) -> None:
@@ -451,18 +459,26 @@ def _sync_remaining_grads(run: _Interleaved) -> None:
 # and received by a posted `irecv` would never arrive. Gloo matches both by peer and hides
 # the mix.
 #
-# <details><summary>Megatron detail: what gloo hid</summary>With batched warmup and cooldown
+# <details><summary>Megatron detail: what gloo hid</summary>
+#
+# With batched warmup and cooldown
 # around a posted steady state, 6 of the 48 messages of one PP 2 iteration (two pipelines, 4
 # micro-batches) went out one way and in the other while every CPU test passed.
 # `tests/test_main_loop_p2p_methods.py` records each message's method at both ends through
-# torch's own functions.</details>
+# torch's own functions.
 #
-# <details><summary>Megatron detail: the plain variant on two ranks</summary>Megatron refuses
+# </details>
+#
+# <details><summary>Megatron detail: the plain variant on two ranks</summary>
+#
+# Megatron refuses
 # the plain variant with two pipeline ranks, where the batch of one exchange holds two
 # messages between the same two ranks (`arguments.py:984-988`); tinytron's config refuses it
 # too unless `parallel.batch_p2p_comm = false`, though the fixed posting order of appendix A
 # makes the batch safe over gloo, which is why the plain variant runs on this page's
-# examples.</details>
+# examples.
+#
+# </details>
 
 # %%
 class _Pending:
@@ -744,20 +760,32 @@ if __name__ == "__main__":
 # 1. Run Megatron's example with $g = 5$ (one group). How do the warmup counts and the peak
 #    memory on rank 0 change?
 #
-#    <details><summary>Answer</summary>$w_r = 2(p - r - 1) + (v - 1)g$ with $p = 2$, $v = 2$,
+#    <details><summary>Answer</summary>
+#
+#    $w_r = 2(p - r - 1) + (v - 1)g$ with $p = 2$, $v = 2$,
 #    $m = 5$: $g = 3$ gives 5 and 3, $g = 5$ gives 7 and 5 (`get_pp_rank_microbatches`), out of
 #    $m v = 10$ steps. Rank 0 then holds up to $w_0 + 1 = 8$ chunk activations instead of 6, a
-#    third more, and its steady state shrinks from 5 rounds to 3.</details>
+#    third more, and its steady state shrinks from 5 rounds to 3.
+#
+#    </details>
 #
 # 2. Why does the leading rank receive nothing during its first $p - 1$ virtual steps?
 #
-#    <details><summary>Hint</summary>What arrives at the leading rank was sent by the other end
+#    <details><summary>Hint</summary>
+#
+#    What arrives at the leading rank was sent by the other end
 #    of the pipeline, and a micro-batch needs $p - 1$ slots to cross it. Read `recv_source`:
-#    `src = k - (p - 1)` is negative for the first $p - 1$ steps.</details>
+#    `src = k - (p - 1)` is negative for the first $p - 1$ steps.
+#
+#    </details>
 #
 # 3. Derive the memory factor $1 + \frac{p-1}{p v}$ from the warmup count with $g = p$.
 #
-#    <details><summary>Answer</summary>With $g = p$, rank 0 warms up $w_0 = 2(p-1) + (v-1)p$
+#    <details><summary>Answer</summary>
+#
+#    With $g = p$, rank 0 warms up $w_0 = 2(p-1) + (v-1)p$
 #    forwards and holds at most $w_0 + 1 = vp + p - 1$ chunk activations, each $1/v$ of a
 #    stage: $p + \frac{p-1}{v}$ stage activations. 1F1B holds $p$ on rank 0. The ratio is
-#    $1 + \frac{p-1}{p v}$; for $p = 2$, $v = 2$ that is 5 chunk activations, 2.5 stages, 1.25.</details>
+#    $1 + \frac{p-1}{p v}$; for $p = 2$, $v = 2$ that is 5 chunk activations, 2.5 stages, 1.25.
+#
+#    </details>

@@ -226,8 +226,12 @@ def sft_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 #    since the last save, so a save whose copy to host is still running in the background
 #    must finish it here (chapter 03, [saving in the background](../03_checkpoint/async_save.py)).
 #
-#    <details><summary>Megatron detail: no such hook</summary>Megatron has no such hook: its
-#    async save copies to host before the save returns.</details>
+#    <details><summary>Megatron detail: no such hook</summary>
+#
+#    Megatron has no such hook: its
+#    async save copies to host before the save returns.
+#
+#    </details>
 #
 # 4. `update_successful` is **ANDed** and `grad_norm`, `num_zeros` are **MAXed** over the
 #    model-parallel group (`training.py:2303-2306`): a pipeline stage without trainable
@@ -381,11 +385,15 @@ def train_step(forward_step_func, data_iterator, model: list, optimizer, schedul
 # keeping references and averaging at the end would average the last batch `eval_iters`
 # times (losses 1, 2, 3, 4 read back as 4.0 instead of 2.5).
 #
-# <details><summary>Megatron detail: running totals instead of copies</summary>Megatron
+# <details><summary>Megatron detail: running totals instead of copies</summary>
+#
+# Megatron
 # consumes each call at once too: it all-reduces and adds every batch into running totals
 # inside the loop (`megatron/training/training.py:3919-3953`). The copy keeps the single
 # all-reduce at the end, so an eager evaluation adds the same numbers in the same order as
-# before.</details>
+# before.
+#
+# </details>
 
 # %%
 def _set_pre_hooks(model: list, enabled: bool, param_sync: bool = True) -> bool:
@@ -1069,24 +1077,36 @@ if __name__ == "__main__":
 # 1. A run with `exit_interval = 100` and `save_interval = 250` is stopped at iteration 100.
 #    Which checkpoints exist, and at which iteration does the resumed run save next?
 #
-#    <details><summary>Answer</summary>One, at iteration 100: `checkpoint_and_decide_exit`
+#    <details><summary>Answer</summary>
+#
+#    One, at iteration 100: `checkpoint_and_decide_exit`
 #    finds $100 \bmod 250 \ne 0$ (no interval save), then $100 \bmod 100 = 0$, so it saves and
 #    returns `"exit_interval"`; `pretrain` adds no final save after an exit. The resumed run
 #    saves next at 200, where `exit_interval` fires again (save, exit); the first save by
-#    `save_interval` comes at 250, in the run after that.</details>
+#    `save_interval` comes at 250, in the run after that.
+#
+#    </details>
 #
 # 2. Why must the scheduler advance by samples and not by 1 when a step schedule doubles the
 #    global batch at some point?
 #
-#    <details><summary>Hint</summary>The warm-up and decay lengths are counted in samples.
+#    <details><summary>Hint</summary>
+#
+#    The warm-up and decay lengths are counted in samples.
 #    After the doubling one iteration reads twice the samples; look at
 #    `scheduler.step(increment=num_microbatches * micro_batch_size * grid.size("dp"))` in
-#    `train_step` and ask where the learning rate would be, in samples, if it advanced by 1.</details>
+#    `train_step` and ask where the learning rate would be, in samples, if it advanced by 1.
+#
+#    </details>
 #
 # 3. On which ranks is `grad_norm` `None` before the MAX reduction, in a PP 4 run whose last
 #    stage holds only the output layer and that layer is frozen?
 #
-#    <details><summary>Hint</summary>A rank whose optimizer has no trainable parameter has no
+#    <details><summary>Hint</summary>
+#
+#    A rank whose optimizer has no trainable parameter has no
 #    norm to report: that is every rank of the last stage (each of its TP and DP ranks). See
 #    how `reduce_max_stat_across_model_parallel_group` sends $-1$ for `None`, so that after the
-#    MAX every rank holds the largest norm the other stages reported.</details>
+#    MAX every rank holds the largest norm the other stages reported.
+#
+#    </details>

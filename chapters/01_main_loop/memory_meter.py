@@ -192,9 +192,13 @@ class _Readings:
 # still alive and sometimes not. `settled()` reads until the count stops changing, so a
 # measurement does not depend on which thread the scheduler ran first.
 #
-# <details><summary>Megatron detail: what the gloo thread held</summary>Measured after a TP2
+# <details><summary>Megatron detail: what the gloo thread held</summary>
+#
+# Measured after a TP2
 # forward: 2 KiB at b = 4, s = 128, the size of one [b, s] fp32 row like those the
-# vocab-parallel loss all-reduces; it is gone 200 ms later.</details>
+# vocab-parallel loss all-reduces; it is gone 200 ms later.
+#
+# </details>
 
 # %%
 class _Settling:
@@ -372,12 +376,20 @@ if __name__ == "__main__":
 # 1. Replace GELU with `torch.nn.GELU(approximate="tanh")` and predict the change in saved
 #    bytes.
 #
-#    <details><summary>Answer</summary>None: `saved_tensor_bytes` reads 1,048,576 B (1 MiB)
+#    <details><summary>Answer</summary>
+#
+#    None: `saved_tensor_bytes` reads 1,048,576 B (1 MiB)
 #    both ways. Either GELU saves its input for the backward, and the tanh form only changes
-#    the arithmetic, not what is kept.</details>
+#    the arithmetic, not what is kept.
+#
+#    </details>
 #
 # 2. Wrap the forward in `torch.no_grad()`: what does the meter read after it?
 #
-#    <details><summary>Answer</summary>65,536 B: only the output, $64 \cdot 256 \cdot 4$.
+#    <details><summary>Answer</summary>
+#
+#    65,536 B: only the output, $64 \cdot 256 \cdot 4$.
 #    Nothing is saved for a backward, so each intermediate dies as soon as the next layer has
-#    read it; the peak is 524,288 B, two $64 \times 1024$ fp32 tensors alive at once.</details>
+#    read it; the peak is 524,288 B, two $64 \times 1024$ fp32 tensors alive at once.
+#
+#    </details>

@@ -368,23 +368,35 @@ if __name__ == "__main__":
 # 1. With the running example, what is $m$ on DP 48 with `decrease_batch_size_if_needed`, and
 #    how many samples are skipped over 10 000 steps?
 #
-#    <details><summary>Answer</summary>$1024 / (2 \cdot 48) = 10.67$, so $m = 10$: each step
+#    <details><summary>Answer</summary>
+#
+#    $1024 / (2 \cdot 48) = 10.67$, so $m = 10$: each step
 #    runs $10 \cdot 2 \cdot 48 = 960$ samples and skips 64 (`ConstantNumMicroBatchesCalculator`
-#    says the same). Over 10 000 steps that is 640,000 samples skipped.</details>
+#    says the same). Over 10 000 steps that is 640,000 samples skipped.
+#
+#    </details>
 #
 # 2. Write the step schedule that doubles the batch from 256 to 2048 every 100 B tokens, and
 #    compute `train_iters_from_samples` for 2 T tokens at $s = 4096$.
 #
-#    <details><summary>Answer</summary>`"0:256 100B:512 200B:1024 300B:2048"`, thresholds in
+#    <details><summary>Answer</summary>
+#
+#    `"0:256 100B:512 200B:1024 300B:2048"`, thresholds in
 #    samples 0, 24,414,062, 48,828,125 and 73,242,187. 2 T tokens are
 #    $2 \cdot 10^{12} / 4096$ = 488,281,250 samples, and the walk of `train_iters_from_samples`
 #    gives 369,550 iterations: about 95 k at 256, 48 k at 512, 24 k at 1024 and 203 k at
-#    2048.</details>
+#    2048.
+#
+#    </details>
 #
 # 3. Why would a schedule that shrinks break a resumed run's data order?
 #
-#    <details><summary>Hint</summary>Follow the consumed-sample counter: the sampler resumes at
+#    <details><summary>Hint</summary>
+#
+#    Follow the consumed-sample counter: the sampler resumes at
 #    `consumed_train_samples`, and the learning-rate schedule and the checkpoint saved at the
 #    change assume each step read at least as many samples as the last. See the assertion the
 #    loop makes (`megatron/training/training.py:3443-3446`) and what `_advance_microbatches`
-#    does at a change of $m$.</details>
+#    does at a change of $m$.
+#
+#    </details>

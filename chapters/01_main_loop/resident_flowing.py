@@ -194,22 +194,34 @@ if __name__ == "__main__":
 # 1. Run the 1F1B worker with 8 micro-batches instead of 4. Which stage's peak changes, and
 #    why does the other's not?
 #
-#    <details><summary>Hint</summary>1F1B bounds the micro-batches in flight on stage $r$ by
+#    <details><summary>Hint</summary>
+#
+#    1F1B bounds the micro-batches in flight on stage $r$ by
 #    $p - r$ whatever $m$ is, so the activations alone change neither peak. Look for what
 #    does grow with $m$ (what one stage keeps per micro-batch until the step ends, such as the
-#    last stage's loss reports) and measure it before predicting.</details>
+#    last stage's loss reports) and measure it before predicting.
+#
+#    </details>
 #
 # 2. Switch the demo to bf16 parameters with `grad_reduce_in_fp32`: predict the resident bytes
 #    per parameter first.
 #
-#    <details><summary>Answer</summary>18 B: 2 B of bf16 parameters, 4 B of fp32 gradients,
+#    <details><summary>Answer</summary>
+#
+#    18 B: 2 B of bf16 parameters, 4 B of fp32 gradients,
 #    and 12 B of optimizer state, since bf16 weights need an fp32 master copy beside Adam's two
 #    moments. `resident_bytes_per_param(2, 4, 1)` gives 18, against 16 for the fp32 demo: the
-#    master copy costs more than the halved weights save.</details>
+#    master copy costs more than the halved weights save.
+#
+#    </details>
 #
 # 3. With the distributed optimizer on DP 2 (two more ranks), which part of the resident band
 #    halves?
 #
-#    <details><summary>Answer</summary>Only the optimizer state: Adam's 8 B per parameter
+#    <details><summary>Answer</summary>
+#
+#    Only the optimizer state: Adam's 8 B per parameter
 #    become 4 B, while the parameters and the full-size gradient buffer stay on every rank.
-#    `resident_bytes_per_param(4, 4, 2)` gives 12 B instead of 16.</details>
+#    `resident_bytes_per_param(4, 4, 2)` gives 12 B instead of 16.
+#
+#    </details>

@@ -338,15 +338,23 @@ if __name__ == "__main__":
 # 1. Play out `ideal_events(2, m)` for $m = 2, 4, 16$ and check its bubble against
 #    $(p-1)/(m+p-1)$. Then set `t_b = t_f`: does the formula still hold?
 #
-#    <details><summary>Answer</summary>`measured_bubble` gives $1/3$, $1/5$ and $1/17$
+#    <details><summary>Answer</summary>
+#
+#    `measured_bubble` gives $1/3$, $1/5$ and $1/17$
 #    (33.3%, 20.0%, 5.9%), which are $(p-1)/(m+p-1)$ for $p = 2$. With `t_b = t_f` the three
 #    numbers are the same: the bubble is $p - 1$ forward slots and $p - 1$ backward slots out
-#    of $m + p - 1$ of each, so the ratio $t_b / t_f$ cancels.</details>
+#    of $m + p - 1$ of each, so the ratio $t_b / t_f$ cancels.
+#
+#    </details>
 #
 # 2. Give `ideal_events` a message cost (add it to every dependency that crosses stages).
 #    At what cost per message does interleaving ($v = 2$) stop beating 1F1B at $p = 4$?
 #
-#    <details><summary>Hint</summary>Add the cost where `ideal_events` takes `done[need]` for a
+#    <details><summary>Hint</summary>
+#
+#    Add the cost where `ideal_events` takes `done[need]` for a
 #    `need` on another stage. Interleaving sends $v$ times as many messages, each on the
 #    critical path, while its bubble gain shrinks with $m$; sweep the cost for the demo's $m$
-#    and compare `measured_bubble` of the two timelines (or their end times).</details>
+#    and compare `measured_bubble` of the two timelines (or their end times).
+#
+#    </details>

@@ -318,9 +318,13 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model,
 # "output" is the loss and needs no incoming gradient (`recv_backward` returns `None` there);
 # on the first there is no input to differentiate, so nothing goes back.
 #
-# <details><summary>Megatron detail: how far newest-first drifts</summary>Measured: up to
+# <details><summary>Megatron detail: how far newest-first drifts</summary>
+#
+# Measured: up to
 # $4 \cdot 10^{-9}$ on a gradient of the tiny GPT at $m = 6$ when the backwards run newest
-# first.</details>
+# first.
+#
+# </details>
 #
 # It is correct and it is what every pipeline schedule must reproduce. Its cost is memory:
 # before the first backward, each stage holds the activations of all $m$ micro-batches.
@@ -598,12 +602,16 @@ def forward_backward_pipelining_without_interleaving(
 # interleaved schedule calls it (next page); with one chunk the forward pre-hooks of chapter
 # 05 dispatch its all-gathers.
 #
-# <details><summary>Megatron detail: the grid, and who reads param_sync_func</summary>tinytron
+# <details><summary>Megatron detail: the grid, and who reads param_sync_func</summary>
+#
+# tinytron
 # passes the grid where Megatron passes its process-group collection. This page's schedules
 # never call `param_sync_func`, as Megatron's do not: every read of `config.param_sync_func` in
 # `schedules.py` lies inside `forward_backward_pipelining_with_interleaving` (`:1059-1067,
 # 1161-1163, 1283-1296, 2043-2045`), none in `forward_backward_no_pipelining` (`:634`) or
-# `forward_backward_pipelining_without_interleaving` (`:2089`).</details>
+# `forward_backward_pipelining_without_interleaving` (`:2089`).
+#
+# </details>
 #
 # `batch_p2p_comm` says how every pipeline message of a schedule call is posted: one `batch_isend_irecv` per exchange (Megatron's
 # default) or single `isend`/`irecv`; one schedule never mixes the two, because under NCCL
@@ -773,9 +781,13 @@ if __name__ == "__main__":
 #   differently (over TP shards, over two DP halves), and the tests hold them within $10^{-6}$
 #   of one process.
 #
-#   <details><summary>Megatron detail: the measured gaps</summary>The largest gaps measured
+#   <details><summary>Megatron detail: the measured gaps</summary>
+#
+#   The largest gaps measured
 #   over the tests' cases (2-3 steps each) are $8.3 \cdot 10^{-8}$ (TP 2 × PP 2) and
-#   $2 \cdot 10^{-8}$ (DP 2 × PP 2, with and without interleaving).</details>
+#   $2 \cdot 10^{-8}$ (DP 2 × PP 2, with and without interleaving).
+#
+#   </details>
 #
 # - The recorder is a wrapper around the communicator and the steps, not code in the schedule.
 #
@@ -799,22 +811,34 @@ if __name__ == "__main__":
 #    `tests/test_main_loop_naive.py`), where $m / (p - r)$ predicts 3 and 6. What makes up
 #    the difference on stage 1?
 #
-#    <details><summary>Hint</summary>The ratio is of whole peaks, and both peaks hold bytes
+#    <details><summary>Hint</summary>
+#
+#    The ratio is of whole peaks, and both peaks hold bytes
 #    that are there once whatever $m$: the gradients the first backward allocates, and the
 #    temporaries of the forward or backward running at the peak (on stage 1, the head's logits
 #    and the loss's work tensors). Subtract what a one-micro-batch step peaks at, and compare
-#    what is left with $m / (p - r)$.</details>
+#    what is left with $m / (p - r)$.
+#
+#    </details>
 #
 # 2. Why does the last stage never need `deallocate_output_tensor` to save memory?
 #
-#    <details><summary>Hint</summary>Look at what the last stage's `forward_step` returns and
+#    <details><summary>Hint</summary>
+#
+#    Look at what the last stage's `forward_step` returns and
 #    whether it is ever sent: its output is the loss, a one-element scalar, and with $w_r = 0$
-#    its backward follows its forward in the same round.</details>
+#    its backward follows its forward in the same round.
+#
+#    </details>
 #
 # 3. With a `grad_sync_func`, stages other than 0 launch their grad collectives after the
 #    cooldown instead of during the last backward. When is that better?
 #
-#    <details><summary>Hint</summary>Compare what else the stage does during its last backward
+#    <details><summary>Hint</summary>
+#
+#    Compare what else the stage does during its last backward
 #    and after its cooldown: the first is on the critical path of the pipeline, the second is
 #    the drain, where the stage waits for stage 0 anyway. See `schedules.py:2405-2430` and ask
-#    when a collective is slow enough to delay the backward it overlaps.</details>
+#    when a collective is slow enough to delay the backward it overlaps.
+#
+#    </details>

@@ -47,10 +47,14 @@ __all__ = ["LogState", "training_log", "format_log_line", "flops_terms",
 # printed without resetting the accumulators (it shows start-up cost; `:2387`), unless that
 # first iteration is itself on an interval boundary; there we reset.
 #
-# <details><summary>Megatron detail: the first line on a boundary</summary>With
+# <details><summary>Megatron detail: the first line on a boundary</summary>
+#
+# With
 # `log_interval = 1`, or after a resume at a multiple of it, Megatron's rule would count that
 # iteration again in the next line (a resumed run's second line would then differ from the
-# uninterrupted run's), so there we reset and Megatron does not.</details>
+# uninterrupted run's), so there we reset and Megatron does not.
+#
+# </details>
 #
 # The accumulated losses stay tensors until the line is printed, so the loop never waits for
 # the device in between.
@@ -272,9 +276,13 @@ def num_floating_point_operations(config, batch_size: int, **kwargs) -> int:
 # $6 a d s L B$ FLOPs per iteration — relatively $1/s$ of the attention term. Neither counts
 # recomputation (Megatron logs model FLOPs).
 #
-# <details><summary>Megatron detail: older versions</summary>Older Megatron versions ignored
+# <details><summary>Megatron detail: older versions</summary>
+#
+# Older Megatron versions ignored
 # SwiGLU and GQA in this formula (NVIDIA/Megatron-LM#682); at `e03878b5f` both are
-# in.</details>
+# in.
+#
+# </details>
 
 # %%
 def megatron_flops_terms(config, batch_size: int, *, seq_length: int | None = None) -> dict:
@@ -505,23 +513,35 @@ if __name__ == "__main__":
 # 1. How much does `selective` recompute add to the running example's hardware FLOPs? And
 #    `full`?
 #
-#    <details><summary>Answer</summary>`flops_terms(llama_7b_config(), 1024, recompute=...)`:
+#    <details><summary>Answer</summary>
+#
+#    `flops_terms(llama_7b_config(), 1024, recompute=...)`:
 #    selective re-runs the core attention's forward, $4.50 \cdot 10^{15}$ FLOPs, 2.2% on top of
 #    the $2.02 \cdot 10^{17}$ model FLOPs; full re-runs every layer's forward,
-#    $6.31 \cdot 10^{16}$, 31.2% (the 1.31× above). MFU counts neither.</details>
+#    $6.31 \cdot 10^{16}$, 31.2% (the 1.31× above). MFU counts neither.
+#
+#    </details>
 #
 # 2. Untie the embedding of the running example: what changes in `flops_terms`, and in the
 #    parameter count?
 #
-#    <details><summary>Answer</summary>Nothing in `flops_terms`: the input embedding is a
+#    <details><summary>Answer</summary>
+#
+#    Nothing in `flops_terms`: the input embedding is a
 #    lookup (0 FLOPs) and the logits matmul is paid once either way. The parameters grow by
 #    one $V \times h$ table, $128\,256 \cdot 4096$ = 525,336,576 (0.53 B), so
-#    "6 × parameters" would now over-count by $6 T V h$.</details>
+#    "6 × parameters" would now over-count by $6 T V h$.
+#
+#    </details>
 #
 # 3. At which sequence length does causal attention cost as much as the MLP in the running
 #    example?
 #
-#    <details><summary>Answer</summary>Per token and layer, the scores and values cost
+#    <details><summary>Answer</summary>
+#
+#    Per token and layer, the scores and values cost
 #    $2 (s+1)\, a d$ forward (causal pairs $s(s+1)/2$ per sequence), the MLP $6 h f$. They are
 #    equal at $s + 1 = 3 h f / (a d) = 3 \cdot 14336 = 43\,008$, i.e. $s$ = 43,007, where
-#    `flops_terms` gives both exactly $1.4546 \cdot 10^{15}$ for one sequence.</details>
+#    `flops_terms` gives both exactly $1.4546 \cdot 10^{15}$ for one sequence.
+#
+#    </details>

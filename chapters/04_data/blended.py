@@ -164,10 +164,14 @@ def build_exhaustive_blending_indices(sizes: Sequence[int]):
 # dataset and the split. The blend also checks, before training starts, that no component is
 # asked for more samples than it built.
 #
-# <details><summary>Megatron detail: where blends used to break</summary>A blend that built
+# <details><summary>Megatron detail: where blends used to break</summary>
+#
+# A blend that built
 # each component for a single epoch then indexed past its end (`IndexError`, Megatron-LM
 # issue #705). Megatron at e03878b5f builds each component for the samples it will be asked
-# for, as here; on an empty split its epoch loop spins forever.</details>
+# for, as here; on an empty split its epoch loop spins forever.
+#
+# </details>
 
 # %%
 def get_size_per_split_per_dataset(weights: Sequence[float], sizes: Sequence[Optional[int]],
@@ -291,8 +295,12 @@ class RankZeroFirst:
 # but is asked for samples is refused here: tinytron raises a `ValueError` naming the dataset,
 # the split and the sample count.
 #
-# <details><summary>Megatron detail: an empty split</summary>Megatron's epoch loop over an
-# empty split never ends: no number of epochs yields a sample.</details>
+# <details><summary>Megatron detail: an empty split</summary>
+#
+# Megatron's epoch loop over an
+# empty split never ends: no number of epochs yields a sample.
+#
+# </details>
 
 # %%
 class RankOrderedBuilds(RankZeroFirst):
@@ -479,24 +487,43 @@ if __name__ == "__main__":
 # ## Exercises
 #
 # 1. Plot `count − w·k` for a random (multinomial) mixture of the same weights and compare.
-#    <details><summary>Hint</summary>Draw the picks with `np.random.default_rng(0).choice(3,
+#    <details><summary>Hint</summary>
+#
+#    Draw the picks with `np.random.default_rng(0).choice(3,
 #    2000, p=w)` and compute `err` as the demo does; `plot_blend_ratios` draws both orders. The
-#    greedy error stays at or below one sample; the random one grows like $\sqrt{k}$.</details>
+#    greedy error stays at or below one sample; the random one grows like $\sqrt{k}$.
+#
+#    </details>
+#
 # 2. Why does position $k = 0$ use $\max(k, 1) = 1$? What would change with $k$ itself?
-#    <details><summary>Answer</summary>With $k = 0$ every error $w_i \cdot 0 - 0$ is 0, a tie
+#    <details><summary>Answer</summary>
+#
+#    With $k = 0$ every error $w_i \cdot 0 - 0$ is 0, a tie
 #    that the lowest index wins whatever the weights. With $\max(k, 1)$ the first pick goes to
 #    the largest weight. For $w = (0.25, 0.75)$ the rule gives `BABBABBBABBB`; with $k$ itself
-#    the twelve picks are `ABBBABBBABBB`: the 25% dataset opens the blend.</details>
+#    the twelve picks are `ABBBABBBABBB`: the 25% dataset opens the blend.
+#
+#    </details>
+#
 # 3. Find weights for which the 0.5% surplus is not enough for a 10-sample split.
-#    <details><summary>Answer</summary>There are none. Below 200 used samples the surplus
+#    <details><summary>Answer</summary>
+#
+#    There are none. Below 200 used samples the surplus
 #    $\lceil c (1 + 0.005) \rceil$ is $c + 1$: one spare sample per component, and the greedy
 #    rule never puts a dataset a whole sample ahead of its weight. A search over every weight
 #    pair and triple on a 0.01 grid (`build_blending_indices` against
-#    `get_size_per_split_per_dataset`) finds no component asked for more than it built.</details>
+#    `get_size_per_split_per_dataset`) finds no component asked for more than it built.
+#
+#    </details>
+#
 # 4. Resume a run from a checkpoint with one more dataset in `--data-path`. Which cached tables
 #    are reused, which are rebuilt, and does the resumed run see the samples the old one would
 #    have?
-#    <details><summary>Hint</summary>Follow the keys: every weight changes when one is added,
+#    <details><summary>Hint</summary>
+#
+#    Follow the keys: every weight changes when one is added,
 #    so each component's sample count (`get_size_per_split_per_dataset`) and with it its
 #    `GPTDataset` key change, and so does the blend's own key (`_blend_cache.describe`). Then
-#    compare `build_blending_indices` for the old and new weights from position 0.</details>
+#    compare `build_blending_indices` for the old and new weights from position 0.
+#
+#    </details>

@@ -45,8 +45,12 @@ __all__ = ["BATCH_KEYS", "stage_keys", "broadcast_from_tp_rank0", "get_batch_on_
 # tinytron sends the mask as uint8 and casts it back on arrival: gloo cannot broadcast bool
 # tensors. The values are the same; on NCCL the wire carries one byte per element either way.
 #
-# <details><summary>Megatron detail: the mask's dtype</summary>Megatron broadcasts the attention
-# mask as `torch.bool` (`megatron/core/utils.py:2150`).</details>
+# <details><summary>Megatron detail: the mask's dtype</summary>
+#
+# Megatron broadcasts the attention
+# mask as `torch.bool` (`megatron/core/utils.py:2150`).
+#
+# </details>
 #
 # | stage | tokens | position_ids | labels | loss_mask | attention_mask | cu_seqlens, max_seqlen (SFT) |
 # |---|---|---|---|---|---|---|
@@ -213,8 +217,12 @@ def get_batch_on_this_cp_rank(batch: dict, grid: ParallelGrid) -> dict:
 # `gpt_forward_step` passes the model's `vocab_size`; the tokenizer's own size is checked once
 # at the start against the data's [tokenizer sidecar](preprocess.py).
 #
-# <details><summary>Megatron detail: no id check</summary>Megatron's `get_batch`
-# (`pretrain_gpt.py:76`) checks no ids.</details>
+# <details><summary>Megatron detail: no id check</summary>
+#
+# Megatron's `get_batch`
+# (`pretrain_gpt.py:76`) checks no ids.
+#
+# </details>
 
 # %%
 def get_batch(data_iterator: Optional[Iterator], grid: ParallelGrid, *, micro_batch_size: int,
@@ -294,12 +302,21 @@ if __name__ == "__main__":
 #
 # 1. Packed SFT sends `cu_seqlens` after a length prefix. Why can the receivers not allocate it
 #    up front like the other tensors, and what would a receiver do without the prefix?
-#    <details><summary>Hint</summary>The other tensors are `[mbs, seq_length]`, known on every
+#    <details><summary>Hint</summary>
+#
+#    The other tensors are `[mbs, seq_length]`, known on every
 #    rank before anything arrives. The number of segment boundaries depends on how many
 #    documents the packer put in the row, which only TP rank 0 has seen: see `_broadcast_varlen`
-#    and what a broadcast needs the receiver's buffer to be.</details>
+#    and what a broadcast needs the receiver's buffer to be.
+#
+#    </details>
+#
 # 2. What goes wrong if a TP rank other than 0 also calls `next()` on its own iterator?
-#    <details><summary>Hint</summary>See the contract above `get_batch_on_this_tp_rank` and
+#    <details><summary>Hint</summary>
+#
+#    See the contract above `get_batch_on_this_tp_rank` and
 #    `is_dataset_built_on_rank` on the [pipeline page](pipeline.py): most non-zero TP ranks
 #    have no iterator at all, and one that has one would consume samples meant for later steps,
-#    so its stream drifts from rank 0's and from what `consumed_samples` says.</details>
+#    so its stream drifts from rank 0's and from what `consumed_samples` says.
+#
+#    </details>

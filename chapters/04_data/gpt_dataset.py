@@ -204,7 +204,11 @@ def _check_blends(cfg) -> None:
 # split asked for samples would need infinitely many epochs; tinytron stops with a one-line
 # error naming the dataset and the split.
 #
-# <details><summary>Megatron detail: an empty split</summary>Megatron's loop never ends there.</details>
+# <details><summary>Megatron detail: an empty split</summary>
+#
+# Megatron's loop never ends there.
+#
+# </details>
 
 # %%
 def get_num_epochs(tokens_per_epoch: int, num_samples: Optional[int], seq_length: int,
@@ -377,10 +381,14 @@ def build_sample_index_loop(sizes, document_index, seq_length: int, num_epochs: 
 # need a compiler on every machine that opens a dataset, and would have little left to win:
 # the walk is a small part of the build (that summary again).
 #
-# <details><summary>Megatron detail: an earlier, slower form</summary>An earlier form of this
+# <details><summary>Megatron detail: an earlier, slower form</summary>
+#
+# An earlier form of this
 # page spread the positions with `np.repeat` and then gathered each sample's first token and
 # wrote the two columns one by one: `np.repeat` alone took 3.4 ms and the whole function 2–3×
-# the C++.</details>
+# the C++.
+#
+# </details>
 #
 # First the running sum itself: a step per sample, the jumps added at the samples where
 # sequences end, one spare slot for the jumps past the last sample, one `cumsum`.

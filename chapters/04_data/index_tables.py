@@ -135,7 +135,9 @@ if __name__ == "__main__":
 #   into one `cumsum`, build it, tested against the loop that walks it sample by sample.
 # * The whole build takes about Megatron's time (0.94× in the median); about 85% of either
 #   build is the two `RandomState` shuffles.
-#   <details><summary>Megatron detail: the measurement</summary>Measured with
+#   <details><summary>Megatron detail: the measurement</summary>
+#
+#   Measured with
 #   `OMP_NUM_THREADS=1 python benchmarks/bench_data.py --rounds 9`: 100M tokens, 1.07M samples
 #   of 1,024, CPU time against megatron-core 0.16.1, identical arrays, five runs on a shared
 #   2-core machine at load 5–8. The whole build, nine rounds alternating in one process, takes
@@ -144,12 +146,20 @@ if __name__ == "__main__":
 #   4–6.5 ms against 5.7–7.3 ms for the compiled `build_sample_idx`; the rest, about 85% of
 #   either build, is the two `RandomState` shuffles, the same numpy calls on both sides.
 #   Shuffling an `int64` copy to reach numpy's faster loop for 8-byte items (the same
-#   permutation) gave nothing in the median: the loop is faster, but twice the bytes move.</details>
+#   permutation) gave nothing in the median: the loop is faster, but twice the bytes move.
+#
+#   </details>
+#
 # * Shuffle index: a permutation of samples from the same RNG stream, drawn after the documents.
 # * Cached on disk under a key that includes the data's own identity.
-#   <details><summary>Megatron detail: the cache key</summary>That identity is tinytron's
+#   <details><summary>Megatron detail: the cache key</summary>
+#
+#   That identity is tinytron's
 #   addition: Megatron's key (`megatron_dataset.py:57-71`) holds the path and the config, so
-#   rewriting a prefix in place keeps its stale tables.</details>
+#   rewriting a prefix in place keeps its stale tables.
+#
+#   </details>
+#
 # * The class only describes, loads or builds, and reads; the cache's bookkeeping lives in
 #   `tinytron.data._dataset_cache`.
 #
@@ -164,25 +174,44 @@ if __name__ == "__main__":
 # ## Exercises
 #
 # 1. Change one sequence's length in the tiny corpus, re-run: which cache files are rebuilt?
-#    <details><summary>Hint</summary>The `.idx` holds the lengths, so its BLAKE2 hash and with it
+#    <details><summary>Hint</summary>
+#
+#    The `.idx` holds the lengths, so its BLAKE2 hash and with it
 #    the description's md5 change (`data_identity`, `describe`). Every file name starts with
 #    that md5: all four files (the description and the three tables) are written anew, and the
-#    old ones are never read again.</details>
+#    old ones are never read again.
+#
+#    </details>
+#
 # 2. Show that with `add_extra_token_to_sequence=False` consecutive samples no longer overlap.
-#    <details><summary>Hint</summary>Build the dataset with the flag off and compare
+#    <details><summary>Hint</summary>
+#
+#    Build the dataset with the flag off and compare
 #    `query_tokens(i)` of windows $i$ and $i + 1$ in sample-index order (not shuffled order):
 #    each now reads $L$ tokens, not $L + 1$, and the next starts right after it
-#    (`build_sample_index` with `add_extra_token=0`).</details>
+#    (`build_sample_index` with `add_extra_token=0`).
+#
+#    </details>
+#
 # 3. Set $S$ so that the final epoch holds exactly 80% of an epoch's samples: separate or not?
-#    <details><summary>Answer</summary>Not separate: the rule is a strict `from_last <
+#    <details><summary>Answer</summary>
+#
+#    Not separate: the rule is a strict `from_last <
 #    int(0.80 * per_epoch)`. With $T = 16$, $L = 3$ an epoch holds $(16 - 1)//3 = 5$ samples and
 #    80% of that is 4; $S = 9$ gives $E = 2$ and $S_{last} = 9 - 5 = 4$, so
 #    `needs_separate_final_epoch(2, 16, 9, 3)` is `(False, 5)`; $S = 8$ ($S_{last} = 3$) is
-#    `(True, 5)`.</details>
+#    `(True, 5)`.
+#
+#    </details>
+#
 # 4. In the three-document example ask for $S = 3$ instead of 4: how many epochs, which
 #    document index, and why is the shuffle index now a single permutation?
-#    <details><summary>Answer</summary>$3 \cdot 3 + 1 = 10 \le 12$ tokens, so $E = 1$. The
+#    <details><summary>Answer</summary>
+#
+#    $3 \cdot 3 + 1 = 10 \le 12$ tokens, so $E = 1$. The
 #    document index is one shuffle, `[0, 1, 2]`, with $(12 - 1)//3 = 3$ windows, rows
 #    `(0,0) (0,3) (1,1) (2,1)`. With one epoch there is no final epoch to keep apart
 #    (`needs_separate_final_epoch` returns `(False, 0)`), so the shuffle index is one
-#    permutation of the 3 windows: `[1, 2, 0]`.</details>
+#    permutation of the 3 windows: `[1, 2, 0]`.
+#
+#    </details>

@@ -190,10 +190,14 @@ def _parse_header(idx_path: str, raw: memoryview) -> tuple:
 # tinytron writes `P.bin.partial` and `P.idx.partial`, flushes both to disk, and only then
 # renames them into place.
 #
-# <details><summary>Megatron detail: the builder writes in place</summary>Megatron's builder
+# <details><summary>Megatron detail: the builder writes in place</summary>
+#
+# Megatron's builder
 # writes straight into `P.bin` and writes `P.idx` in `finalize` (`indexed_dataset.py:937`). A job
 # killed in between leaves a `.bin` with no index, or a half-written `.idx` next to a full `.bin`,
-# or, when a run overwrites an old prefix, the old `.idx` next to a new `.bin`.</details>
+# or, when a run overwrites an old prefix, the old `.idx` next to a new `.bin`.
+#
+# </details>
 #
 # The old index (if any) is removed before the first rename, so at every instant the prefix is
 # one of three states, and only complete pairs open:
@@ -282,9 +286,13 @@ class DocumentAppends(IndexMerge):
 # It also refuses a token id its dtype cannot hold: `add_item([70000])` on a `uint16` file
 # raises a `ValueError` naming the id and the dtype.
 #
-# <details><summary>Megatron detail: ids that do not fit wrap around</summary>Megatron's
+# <details><summary>Megatron detail: ids that do not fit wrap around</summary>
+#
+# Megatron's
 # builder casts with numpy, which wraps around: in a `uint16` file 70 000 becomes 4 464 and -1
-# becomes 65 535, and the corpus is wrong without a word.</details>
+# becomes 65 535, and the corpus is wrong without a word.
+#
+# </details>
 #
 # That check, and every check of the reader below, is in the chapter's private module
 # `tinytron.data._index_checks` (`chapters/04_data/_index_checks.py`), so that the classes
@@ -410,9 +418,13 @@ class SequenceReads(CorpusShape):
 # not later as a wrong sample or a crash deep inside training. tinytron checks, on open,
 # everything that is cheap to check, and raises `IndexedDatasetError` naming the file.
 #
-# <details><summary>Megatron detail: two asserts</summary>Megatron only asserts the magic and
+# <details><summary>Megatron detail: two asserts</summary>
+#
+# Megatron only asserts the magic and
 # version (`indexed_dataset.py:266-269`) and that `len(lengths) == document_indices[-1]`
-# (`:673`).</details>
+# (`:673`).
+#
+# </details>
 #
 # | check | what it catches | message starts (after the file name) |
 # |---|---|---|
@@ -599,21 +611,40 @@ if __name__ == "__main__":
 # ## Exercises
 #
 # 1. Add the multimodal `sequence_modes` table to the demo and check the file grows by $N$ bytes.
-#    <details><summary>Answer</summary>One int8 mode per sequence after the document indices:
+#    <details><summary>Answer</summary>
+#
+#    One int8 mode per sequence after the document indices:
 #    $N = 3$ more bytes, so `write_index_bytes` gives 97 bytes instead of 94. Open it with
-#    `IndexedDataset(prefix, multimodal=True)`; without the flag the size check calls it oversized.</details>
+#    `IndexedDataset(prefix, multimodal=True)`; without the flag the size check calls it oversized.
+#
+#    </details>
+#
 # 2. Time opening a 100k-sequence index with and without the pointer check; is it worth it?
-#    <details><summary>Hint</summary>Time `IndexedDataset(prefix)` with `check_tables` replaced
+#    <details><summary>Hint</summary>
+#
+#    Time `IndexedDataset(prefix)` with `check_tables` replaced
 #    by a no-op. The check is one vectorised cumulative sum over $N$ int32 lengths, once per open;
-#    compare it with what one wrong pointer costs: a silently wrong sample in every epoch.</details>
+#    compare it with what one wrong pointer costs: a silently wrong sample in every epoch.
+#
+#    </details>
+#
 # 3. Why must the old `.idx` be removed *before* the new `.bin` is renamed into place?
-#    <details><summary>Hint</summary>Walk the table of kill moments in `move_pair_into_place`
+#    <details><summary>Hint</summary>
+#
+#    Walk the table of kill moments in `move_pair_into_place`
 #    with the two lines swapped: between the `.bin` rename and the `.idx` rename the prefix
 #    would hold the new `.bin` beside the old `.idx`, a pair that opens (if the sizes happen to
-#    agree) and reads wrong tokens.</details>
+#    agree) and reads wrong tokens.
+#
+#    </details>
+#
 # 4. A corpus of 2 billion sequences: how large is its `.idx`, and would the pointer check's
 #    temporary fit in memory without the blocks?
-#    <details><summary>Answer</summary>With one sequence per document, $D + 1 = N + 1$ and the
+#    <details><summary>Answer</summary>
+#
+#    With one sequence per document, $D + 1 = N + 1$ and the
 #    index is $34 + 12N + 8(N + 1)$ = 40,000,000,042 bytes, 40 GB (37.3 GiB). Without blocks
 #    each int64 temporary of the check (the byte lengths, their cumulative sum) is $8N$ = 16 GB,
-#    and it holds several at once; with blocks of $2^{22}$ sequences each is 32 MiB.</details>
+#    and it holds several at once; with blocks of $2^{22}$ sequences each is 32 MiB.
+#
+#    </details>

@@ -169,9 +169,13 @@ if __name__ == "__main__":
 # Every field is checked on construction: `num_workers="2"` or a split of `"a,b"` fails here,
 # naming the field, instead of when the datasets are built.
 #
-# <details><summary>Megatron detail: argparse checks</summary>Megatron's argparse converts and
+# <details><summary>Megatron detail: argparse checks</summary>
+#
+# Megatron's argparse converts and
 # checks each flag on the command line; a config built in Python skips that, hence the checks
-# here.</details>
+# here.
+#
+# </details>
 #
 # ```mermaid
 # flowchart TB
@@ -449,19 +453,33 @@ if __name__ == "__main__":
 # ## Exercises
 #
 # 1. Switch `dataloader_type` to `cyclic` and resume at `consumed_samples = 12`: which rows?
-#    <details><summary>Answer</summary>The demo's train blend holds $28 + 12 = 40$ samples, a
+#    <details><summary>Answer</summary>
+#
+#    The demo's train blend holds $28 + 12 = 40$ samples, a
 #    step is $4 \cdot 1 = 4$, so `active` is 40: epoch 0, offset 12, three steps in. The rank's
 #    bucket of 40 is permuted by `randperm` seeded 0 and the first 12 entries skipped: the
 #    batch holds train samples 20, 25, 24 and 1, the fourth micro-batch of the uninterrupted
-#    cyclic run (which starts 4, 16, 21, 5).</details>
+#    cyclic run (which starts 4, 16, 21, 5).
+#
+#    </details>
+#
 # 2. Point `data_path` at your own JSONL after `tinytron-preprocess --input my.jsonl ...`.
-#    <details><summary>Hint</summary>The command prints the prefix it wrote,
+#    <details><summary>Hint</summary>
+#
+#    The command prints the prefix it wrote,
 #    `<output-prefix>_text_document`; that prefix, without `.bin`/`.idx`, is what `data_path`
-#    takes, and its last line gives the `eod_id` and `pad_id` to pass.</details>
+#    takes, and its last line gives the `eod_id` and `pad_id` to pass.
+#
+#    </details>
+#
 # 3. At TP 2 × PP 4 half the ranks build no dataset. How many times is each sample read from
 #    disk per step at TP 8 × PP 8 × DP 16, and does that matter next to the step time?
-#    <details><summary>Answer</summary>Twice: in each of the 16 replicas only TP rank 0 of the
+#    <details><summary>Answer</summary>
+#
+#    Twice: in each of the 16 replicas only TP rank 0 of the
 #    first and of the last stage read (`builds_datasets`), 32 of the 1,024 ranks. For the
 #    running example (GBS 1024, 4,097 int32 tokens a sample) that is
 #    $1024 \cdot 2 \cdot 4097 \cdot 4$ = 33.6 MB per step, from the page cache or disk, next to a
-#    step of about 2 s: negligible.</details>
+#    step of about 2 s: negligible.
+#
+#    </details>

@@ -210,8 +210,12 @@ def train_bpe_tokenizer(texts: Iterator[str], vocab_size: int, out_path: str,
 # The built-in stdlib corpus replaces by default: four of its test files are deliberately
 # Latin-1 or KOI8-R.
 #
-# <details><summary>Megatron detail: a bare decode error</summary>Megatron's tool reads JSONL
-# with Python's default decoding and fails with a bare `UnicodeDecodeError`.</details>
+# <details><summary>Megatron detail: a bare decode error</summary>
+#
+# Megatron's tool reads JSONL
+# with Python's default decoding and fails with a bare `UnicodeDecodeError`.
+#
+# </details>
 
 # %%
 def stdlib_corpus(max_files: Optional[int] = None) -> list[str]:
@@ -374,9 +378,13 @@ def _write_partition(docs: Sequence, prefix: str, spec, append_eod, dtype, worke
 # compares it with its `[tokenizer]` before any process group exists. Data without a sidecar
 # (made by Megatron's tool) still loads.
 #
-# <details><summary>Megatron detail: no sidecar</summary>The sidecar is tinytron's addition:
+# <details><summary>Megatron detail: no sidecar</summary>
+#
+# The sidecar is tinytron's addition:
 # Megatron relies on the training run's tokenizer flags matching the ones given to
-# `tools/preprocess_data.py`.</details>
+# `tools/preprocess_data.py`.
+#
+# </details>
 
 # %% [markdown]
 # ## Partitions and merging
@@ -544,15 +552,29 @@ if __name__ == "__main__":
 # ## Exercises
 #
 # 1. Time the stdlib corpus with 1 and 2 workers. Where does the time go?
-#    <details><summary>Hint</summary>Profile `_encode` (reading, decoding, `tok.encode`) against
+#    <details><summary>Hint</summary>
+#
+#    Profile `_encode` (reading, decoding, `tok.encode`) against
 #    the parent's `builder.add_item` and the pickling of each returned array. Only `_encode`
-#    runs in parallel; the parent's writes and the pool's start-up do not shrink with workers.</details>
+#    runs in parallel; the parent's writes and the pool's start-up do not shrink with workers.
+#
+#    </details>
+#
 # 2. Train BPEs of 1k, 4k and 16k ids and plot tokens per byte.
-#    <details><summary>Hint</summary>Call `run` with `--tokenizer-type bpe --vocab-size V` as
+#    <details><summary>Hint</summary>
+#
+#    Call `run` with `--tokenizer-type bpe --vocab-size V` as
 #    the demo does for 600, and divide `sequence_lengths.sum()` by the input bytes. The byte
-#    tokenizer is 1 token per byte; each larger vocabulary lowers the ratio, by less each time.</details>
+#    tokenizer is 1 token per byte; each larger vocabulary lowers the ratio, by less each time.
+#
+#    </details>
+#
 # 3. Kill a run mid-way (Ctrl-C): which files are left, and does the prefix open?
-#    <details><summary>Hint</summary>See `move_pair_into_place` on the
+#    <details><summary>Hint</summary>
+#
+#    See `move_pair_into_place` on the
 #    [indexed page](indexed.py): before `finalize` only `….bin.partial` exists (plus finished
 #    `.partN` pairs with several partitions), so `IndexedDataset(prefix)` raises
-#    `FileNotFoundError` for the `.idx`, and no sidecar was written.</details>
+#    `FileNotFoundError` for the `.idx`, and no sidecar was written.
+#
+#    </details>

@@ -94,11 +94,15 @@ class MegatronPretrainingSampler:
 # Without sharding, tinytron strides only the first `active` entries of the permutation: every
 # rank yields the same number of micro-batches.
 #
-# <details><summary>Megatron detail: the strided permutation</summary>Without sharding,
+# <details><summary>Megatron detail: the strided permutation</summary>
+#
+# Without sharding,
 # Megatron strides the *whole* permutation of `(total // mbs)·mbs` indices, so when that is not
 # a multiple of `mbs·dp` some ranks get one more micro-batch than others in the last step of an
 # epoch (their `consumed_samples` then disagree). All earlier batches are identical to
-# Megatron's.</details>
+# Megatron's.
+#
+# </details>
 #
 # First the order of one epoch, for one rank: the rank's bucket permuted (with sharding), or
 # its stride of the global permutation (without), minus what was already consumed.
@@ -246,12 +250,21 @@ if __name__ == "__main__":
 #
 # 1. Resume the sequential sampler with a *different* DP size. Which samples does the global
 #    batch hold? Is that still exact?
-#    <details><summary>Hint</summary>Write out the formula above for both DP sizes from the same
+#    <details><summary>Hint</summary>
+#
+#    Write out the formula above for both DP sizes from the same
 #    `consumed_samples`: a step covers the consecutive indices `consumed` to `consumed + mbs·dp`
 #    whatever the split over ranks. With the same global batch size the same samples are read,
-#    only cut among the ranks differently.</details>
+#    only cut among the ranks differently.
+#
+#    </details>
+#
 # 2. Why must the random sampler's offset be a multiple of `mbs·dp`?
-#    <details><summary>Hint</summary>Look at `_epoch_order`: with sharding each rank skips
+#    <details><summary>Hint</summary>
+#
+#    Look at `_epoch_order`: with sharding each rank skips
 #    `offset // dp` entries of its own bucket, which counts whole micro-batches per rank only
 #    when the offset is a whole number of steps; anything else would skip a different number of
-#    samples on different ranks.</details>
+#    samples on different ranks.
+#
+#    </details>

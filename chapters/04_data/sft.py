@@ -45,8 +45,12 @@ __all__ = ["read_chat_jsonl", "pad_segments_for_context_parallel", "SFTDataset"]
 # `truncate=True`, the conversations that do not fit are dropped whole (a half conversation
 # teaches a wrong ending).
 #
-# <details><summary>Megatron detail: a record too long</summary>When a record does not fit in
-# one row Megatron cuts it on the right, mid-conversation.</details>
+# <details><summary>Megatron detail: a record too long</summary>
+#
+# When a record does not fit in
+# one row Megatron cuts it on the right, mid-conversation.
+#
+# </details>
 #
 # The records come from a JSONL file, one chat per line; `read_chat_jsonl`, in the chapter's
 # private module `tinytron.data._chat_jsonl`, reads it and names the line of a malformed record.
@@ -72,8 +76,12 @@ __all__ = ["read_chat_jsonl", "pad_segments_for_context_parallel", "SFTDataset"]
 # same as Megatron's; what differs is only where the pad tokens are taken from (the row's
 # trailing padding, so a row that is already full cannot be padded and raises).
 #
-# <details><summary>Megatron detail: where the pads come from</summary>Megatron pads each
-# conversation as it tokenizes it.</details>
+# <details><summary>Megatron detail: where the pads come from</summary>
+#
+# Megatron pads each
+# conversation as it tokenizes it.
+#
+# </details>
 #
 # The row's last segment is either a conversation or the trailing padding; only a
 # conversation gets pads, so the padding is recognised first.
@@ -258,12 +266,21 @@ if __name__ == "__main__":
 # ## Exercises
 #
 # 1. How many tokens does CP padding waste for cp = 4 on your chat data?
-#    <details><summary>Hint</summary>With cp = 4 each conversation is padded to a multiple of
+#    <details><summary>Hint</summary>
+#
+#    With cp = 4 each conversation is padded to a multiple of
 #    $2 \cdot 4 = 8$: it wastes $-n \bmod 8$ tokens, 0 to 7, about 3.5 on average. Sum that over
 #    the `cu_seqlens` segments of your rows, or compare `cu_seqlens` before and after
-#    `pad_segments_for_context_parallel(row, 8, seq_length)`.</details>
+#    `pad_segments_for_context_parallel(row, 8, seq_length)`.
+#
+#    </details>
+#
 # 2. Change `__getitem__` to pack greedily across records. What breaks for exact resume?
-#    <details><summary>Hint</summary>Today sample `i` is a function of `i` alone (record
+#    <details><summary>Hint</summary>
+#
+#    Today sample `i` is a function of `i` alone (record
 #    `indices[i % len(indices)]`), which is what lets the samplers resume from
 #    `consumed_samples`. With greedy packing, which records row `i` holds depends on every row
-#    before it.</details>
+#    before it.
+#
+#    </details>

@@ -54,9 +54,13 @@ __all__ = ["DistributedDataParallelConfig", "BucketGroup", "DistributedDataParal
 # elements per rank. The $dp$ in that formula is the data-parallel size *without* context
 # parallelism, as in Megatron's DDP (`distributed_data_parallel.py:69`).
 #
-# <details><summary>Megatron detail: the training script's dp</summary>Megatron's training
+# <details><summary>Megatron detail: the training script's dp</summary>
+#
+# Megatron's training
 # script instead passes $\max(40\text{M}, 1\text{M} \cdot dp_{cp})$ in
-# (`megatron/training/training.py:1772-1775`); tinytron follows the DDP class.</details>
+# (`megatron/training/training.py:1772-1775`); tinytron follows the DDP class.
+#
+# </details>
 
 # %%
 def default_bucket_size(config: DistributedDataParallelConfig, dp_size: int) -> int | None:
@@ -77,10 +81,14 @@ def default_bucket_size(config: DistributedDataParallelConfig, dp_size: int) -> 
 # only one copy of each gradient stays in memory. tinytron registers it with
 # `Tensor.register_post_accumulate_grad_hook`.
 #
-# <details><summary>Megatron detail: the AccumulateGrad node</summary>Megatron registers the
+# <details><summary>Megatron detail: the AccumulateGrad node</summary>
+#
+# Megatron registers the
 # hook on the parameter's `AccumulateGrad` node (`distributed_data_parallel.py:368-373`);
 # `register_post_accumulate_grad_hook` fires at the same moment and needs no reference to an
-# autograd node.</details>
+# autograd node.
+#
+# </details>
 #
 # With `overlap_grad_reduce` the hook also calls `register_grad_ready(param)` on the param's
 # **bucket group** (`param_and_grad_buffer.py:800`). It counts only on the *last* micro-batch
@@ -116,9 +124,13 @@ def default_bucket_size(config: DistributedDataParallelConfig, dp_size: int) -> 
 # a group into one NCCL call (`partition_buckets`, `param_and_grad_buffer.py:1512`). By default
 # each group holds one bucket, the only grouping tinytron builds.
 #
-# <details><summary>Megatron detail: no coalescing manager</summary>tinytron builds only the
+# <details><summary>Megatron detail: no coalescing manager</summary>
+#
+# tinytron builds only the
 # default, one bucket per group, and no coalescing manager; its `BucketGroup` keeps a list of
-# buckets so that grouping more of them would change only how the groups are formed.</details>
+# buckets so that grouping more of them would change only how the groups are formed.
+#
+# </details>
 #
 # **Where the collective runs.** On GPU every launch happens on a CUDA side stream that first
 # waits for the compute stream (so it sees the grads backward just wrote), and `wait()` makes the
@@ -126,11 +138,15 @@ def default_bucket_size(config: DistributedDataParallelConfig, dp_size: int) -> 
 # running. On CPU, gloo runs each async collective on its own worker thread: the same code, the
 # same `Work.wait()` semantics.
 #
-# <details><summary>Megatron detail: reduce-scatter on gloo</summary>Torch emulates
+# <details><summary>Megatron detail: reduce-scatter on gloo</summary>
+#
+# Torch emulates
 # `reduce_scatter_tensor` on gloo with an all-reduce into a temporary copy, so on gloo tinytron
 # all-reduces the bucket in place and keeps its shard: the shard is identical (the rest of the
 # bucket then holds the mean too, but no code may rely on it), and the test suite also runs
-# torch's emulation to prove it. On NCCL it is Megatron's reduce-scatter.</details>
+# torch's emulation to prove it. On NCCL it is Megatron's reduce-scatter.
+#
+# </details>
 #
 # ```mermaid
 # sequenceDiagram
@@ -413,9 +429,13 @@ class BucketGroup(ReadyCount, GradReduction, GradCheck, ParamGather):
 # `zero_grad_buffer`. [Chapter 02's optimizers](../02_optimizer/mixed_precision.py) refuse to step
 # while it is set.
 #
-# <details><summary>Megatron detail: no such flag</summary>Megatron's `train_step` always calls
+# <details><summary>Megatron detail: no such flag</summary>
+#
+# Megatron's `train_step` always calls
 # `finalize_model_grads` before the step, so the mistake cannot happen there. tinytron's pages
-# and tests write loops by hand, so the optimizer checks.</details>
+# and tests write loops by hand, so the optimizer checks.
+#
+# </details>
 
 # %%
 class GradSyncState:
@@ -654,9 +674,13 @@ class DistributedDataParallel(SyncHooks, LoopCalls, ModuleSurface, torch.nn.Modu
 # `grad_reduce_in_fp32` defaults to `False` there; Megatron's training script turns it on for
 # bf16 models unless `--grad-reduce-in-bf16` is given (`megatron/training/arguments.py:1181`).
 #
-# <details><summary>Megatron detail: calculate_per_token_loss</summary>It lives on Megatron's
+# <details><summary>Megatron detail: calculate_per_token_loss</summary>
+#
+# It lives on Megatron's
 # `TransformerConfig`; tinytron puts it here because it only changes how DDP scales
-# gradients.</details>
+# gradients.
+#
+# </details>
 #
 # The checks that refuse combinations tinytron cannot run
 # (a second optimizer instance, `overlap_param_gather` without the distributed optimizer, …)
@@ -872,19 +896,33 @@ if __name__ == "__main__":
 # 1. Wrap the first use of `TinyNet`'s `shared` layer in a reentrant checkpoint and count
 #    its hook calls on the last micro-batch. Why would launching its bucket on the first call
 #    be wrong, and which mechanism prevents it? (Hint: demo 1's second count.)
-#    <details><summary>Hint</summary>Demo 1 counts two calls. After the first, `main_grad`
+#    <details><summary>Hint</summary>
+#
+#    Demo 1 counts two calls. After the first, `main_grad`
 #    holds only one of the two contributions, and a collective launched then reduces half a
 #    gradient. Look at `ReadyCount`: the first step records the counts, `reset` keeps them as
-#    the golden ones, and `register_grad_ready` launches only when all counts match.</details>
+#    the golden ones, and `register_grad_ready` launches only when all counts match.
+#
+#    </details>
+#
 # 2. Shrink `bucket_size` to 20k in the timeline demo. What happens to the gap between
 #    backward's end and the synced grads, and why does it not shrink forever?
-#    <details><summary>Hint</summary>Only the last bucket's collective is left after the
+#    <details><summary>Hint</summary>
+#
+#    Only the last bucket's collective is left after the
 #    backward ends, and a smaller bucket is a shorter one. But every call pays the latency
 #    term $2(d-1)\alpha$ of [the naive page](naive_ddp.py)'s cost formula: with many tiny
-#    buckets the calls queue up on the one side stream and the latency dominates.</details>
+#    buckets the calls queue up on the one side stream and the latency dominates.
+#
+#    </details>
+#
 # 3. Set `average_in_collective=True` and check that the grads do not change. When could
 #    pre-scaling by `1/dp` be better than averaging in bf16?
-#    <details><summary>Hint</summary>See the **Scaling** paragraph: the sum of unscaled grads
+#    <details><summary>Hint</summary>
+#
+#    See the **Scaling** paragraph: the sum of unscaled grads
 #    can overflow a narrow format before the collective divides (fp16's 65,504), and
 #    `ReduceOp.AVG` is not offered by every backend. Compare the two with
-#    `grad_reduce_in_fp32=False` and large grads.</details>
+#    `grad_reduce_in_fp32=False` and large grads.
+#
+#    </details>

@@ -235,20 +235,34 @@ if __name__ == "__main__":
 #
 # 1. Remove `sequence_parallel = True` from the gain in the demo. Which assertion fails and
 #    by what factor is the gradient off?
-#    <details><summary>Answer</summary>The stage-1 check
+#    <details><summary>Answer</summary>
+#
+#    The stage-1 check
 #    `torch.allclose(r["after"]["gain"], ref["gain"])` fails: the gain is no longer TP-summed,
 #    so each TP rank keeps the gradient of its own half of the sequence. There is no single
 #    factor. For the gain's first element (the demo prints it) rank 0 holds $-2.1541$ and rank
 #    1 holds $0.5674$ (before the division by 6), against the true sum $-1.5868$: 1.36× on rank
-#    0, and $-0.36$× on rank 1, where even the sign is wrong.</details>
+#    0, and $-0.36$× on rank 1, where even the sign is wrong.
+#
+#    </details>
+#
 # 2. Why does Megatron broadcast `num_tokens` from the last stage instead of letting every
 #    stage count tokens itself?
-#    <details><summary>Hint</summary>Which stages receive `labels` and `loss_mask` from
+#    <details><summary>Hint</summary>
+#
+#    Which stages receive `labels` and `loss_mask` from
 #    `get_batch`? See the stage table on [the `get_batch` page](../04_data/distribute.py): only
-#    the last stage computes the loss, so only it knows which tokens count.</details>
+#    the last stage computes the loss, so only it knows which tokens count.
+#
+#    </details>
+#
 # 3. With the distributed optimizer only a shard of each bucket is valid after step 1. Why is
 #    the TP all-reduce of the full `main_grad` still correct for the shard this rank owns?
-#    <details><summary>Hint</summary>An all-reduce is element by element. Every TP rank has
+#    <details><summary>Hint</summary>
+#
+#    An all-reduce is element by element. Every TP rank has
 #    the same buffer layout and the same DP rank, so it owns the same shard; each element of
 #    that shard is summed only with valid elements. The stale elements outside the shard
-#    become stale sums, which nobody reads.</details>
+#    become stale sums, which nobody reads.
+#
+#    </details>

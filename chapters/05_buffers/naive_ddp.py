@@ -227,20 +227,34 @@ if __name__ == "__main__":
 # 1. Move the all-reduce out of the hook into a loop over the parameters after `backward()`.
 #    Is it still correct? What did the hook version offer that the loop does not (think of a
 #    non-blocking call)?
-#    <details><summary>Hint</summary>The average is the same whenever it is taken, as long as
+#    <details><summary>Hint</summary>
+#
+#    The average is the same whenever it is taken, as long as
 #    it follows the last micro-batch's backward. What changes is *when* each collective can
 #    start: the hook fires as soon as one parameter's gradient is final, while most of the
-#    backward is still to run; a loop afterwards can only start when all of it is done.</details>
+#    backward is still to run; a loop afterwards can only start when all of it is done.
+#
+#    </details>
+#
 # 2. Make the all-reduce non-blocking (`async_op=True`) and wait for all handles after the
 #    backward. What is now missing to overlap communication with the backward, and why do
 #    small tensors still hurt?
-#    <details><summary>Hint</summary>Compare with `start_grad_sync` and `finish_grad_sync` on
+#    <details><summary>Hint</summary>
+#
+#    Compare with `start_grad_sync` and `finish_grad_sync` on
 #    the [DDP page](distributed_data_parallel.py): the buffer gives each bucket one contiguous
 #    tensor to reduce, and the wait happens once, before the optimizer. Small tensors still
-#    pay the latency term $2(d-1)\alpha$ of the cost formula above, once per call.</details>
+#    pay the latency term $2(d-1)\alpha$ of the cost formula above, once per call.
+#
+#    </details>
+#
 # 3. With bf16 `.grad`, why is dividing by $d$ before the SUM not enough to make the result
 #    exact, and where does the real DDP accumulate instead?
-#    <details><summary>Hint</summary>Scaling avoids overflow, not rounding: every addition of the
+#    <details><summary>Hint</summary>
+#
+#    Scaling avoids overflow, not rounding: every addition of the
 #    ring's sum, and of the micro-batches accumulated into `.grad`, rounds to bf16's 8-bit
 #    mantissa. Look at `main_grad` in the cost table: an fp32 view of the grad buffer
-#    ([next page](param_and_grad_buffer.py)) where the micro-batches accumulate.</details>
+#    ([next page](param_and_grad_buffer.py)) where the micro-batches accumulate.
+#
+#    </details>

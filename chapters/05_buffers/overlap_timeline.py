@@ -256,13 +256,22 @@ if __name__ == "__main__":
 #
 # 1. Make the buckets 10x smaller. Does the wait after backward get shorter, and what does the
 #    per-collective latency do to the total?
-#    <details><summary>Hint</summary>In `ideal_overlap` the wait after the backward is the
+#    <details><summary>Hint</summary>
+#
+#    In `ideal_overlap` the wait after the backward is the
 #    last bucket's share of $t_{comm}$, so it shrinks with the bucket. The ideal model has no
 #    per-call cost; add the latency term $2(d-1)\alpha$ of [the naive page](naive_ddp.py) per
-#    collective and the total grows with the number of buckets.</details>
+#    collective and the total grows with the number of buckets.
+#
+#    </details>
+#
 # 2. In the all-gather picture, why is the embedding's bucket always the first one dispatched,
 #    and what would happen if the model registered its output layer before its embedding?
-#    <details><summary>Hint</summary>The first pre-hook to run belongs to the first module of
+#    <details><summary>Hint</summary>
+#
+#    The first pre-hook to run belongs to the first module of
 #    the forward, and `finish_param_sync` dispatches its group's gather, then the next one in
 #    forward order, which `compute_param_layout` derives from the *registration* order
-#    reversed. Work out which bucket the forward's first module would then sit in.</details>
+#    reversed. Work out which bucket the forward's first module would then sit in.
+#
+#    </details>

@@ -629,20 +629,34 @@ if __name__ == "__main__":
 #
 # 1. Lay out ten 95×95 weights with `bucket_size=18000` and `dp=4` with and without the
 #    distributed optimizer; how many buckets and how much padding in each case?
-#    <details><summary>Answer</summary>Five buckets of two weights either way (one weight,
+#    <details><summary>Answer</summary>
+#
+#    Five buckets of two weights either way (one weight,
 #    9,025 elements, is under 18,000; two reach it). Without the distributed optimizer nothing
 #    is padded: 90,250 elements. With it each second weight starts at 9,088 (64-aligned), so a
 #    bucket holds 18,113 elements and is padded to $142 \cdot 128$ = 18,176: 90,880 elements,
-#    630 of them padding.</details>
+#    630 of them padding.
+#
+#    </details>
+#
 # 2. Turn on `pad_for_high_nccl_busbw` for the toy stack. How much bigger does the buffer get?
-#    <details><summary>Answer</summary>Every bucket end is then padded to
+#    <details><summary>Answer</summary>
+#
+#    Every bucket end is then padded to
 #    $\mathrm{lcm}(4, 128, 2^{16}) = 65{,}536$ elements. The toy stack's 18,080 parameters in 5
 #    buckets take 18,560 elements without it and $5 \cdot 65{,}536$ = 327,680 with it, 17.7×
-#    larger: the flag is for buckets of tens of millions of elements, where it costs little.</details>
+#    larger: the flag is for buckets of tens of millions of elements, where it costs little.
+#
+#    </details>
+#
 # 3. Why must a tied embedding have its own bucket for the first and last pipeline stage to
 #    agree on which DP rank owns which element?
-#    <details><summary>Hint</summary>The two stages hold different parameters around their copy
+#    <details><summary>Hint</summary>
+#
+#    The two stages hold different parameters around their copy
 #    of the embedding, so its offset inside a shared bucket would differ, and with it which
 #    shard, of which DP rank, each of its elements falls in. Alone in a bucket starting at a
 #    padded boundary, its shards are the same on both stages (`own_bucket` in
-#    `compute_param_layout`).</details>
+#    `compute_param_layout`).
+#
+#    </details>

@@ -363,16 +363,25 @@ if __name__ == "__main__":
 #
 # 1. Redo the running-example table with flash attention (drop the three $a s^2 b/t$ terms,
 #    add a log-sum-exp of $a s b / t$ fp32 elements). Which mode is worth its cost now?
-#    <details><summary>Answer</summary>From `layer_activation_terms` with those changes: no
+#    <details><summary>Answer</summary>
+#
+#    From `layer_activation_terms` with those changes: no
 #    recompute keeps 0.72 GiB per layer, 11.5 GiB per 16-layer stage (the log-sum-exp is
 #    0.5 MiB). Selective `core_attn` keeps 0.71 GiB, 11.4 GiB: 0.13 GiB saved for an extra
 #    attention forward, not worth it. Full recompute still keeps 0.50 GiB a stage, for one
 #    extra forward of everything: worth it only when 11.5 GiB per micro-batch in flight does
-#    not fit.</details>
+#    not fit.
+#
+#    </details>
+#
 # 2. Megatron's column-parallel layers save their $s/t$ input shard under SP and gather again
 #    in backward. How much would that save per layer in the running example?
-#    <details><summary>Answer</summary>Against keeping the gathered input: each
+#    <details><summary>Answer</summary>
+#
+#    Against keeping the gathered input: each
 #    column-parallel linear (`linear_qkv` and `linear_fc1`) keeps $s b h / t$ instead of
 #    $s b h$ elements, $(1 - 1/2) \cdot 4096 \cdot 2 \cdot 4096 \cdot 2$ B = 32 MiB less; 64 MiB per
 #    layer, 1 GiB per 16-layer stage. The table above already counts the shard ($s' b h$), as
-#    this model keeps it too.</details>
+#    this model keeps it too.
+#
+#    </details>

@@ -142,11 +142,15 @@ def fork_rng(tracker: RNGStatesTracker | None = None) -> Iterator[None]:
 # `.contiguous()` hands back the view itself. There the slice is kept apart, which frees the
 # base once the caller drops the view.
 #
-# <details><summary>Megatron detail: viewless inputs</summary>Megatron meets the same view and
+# <details><summary>Megatron detail: viewless inputs</summary>
+#
+# Megatron meets the same view and
 # removes it one level up: `TransformerBlock.forward` makes its input viewless before any
 # layer runs (`make_viewless_tensor`, `megatron/core/transformer/transformer_block.py:575-590`),
 # and its checkpoint asserts that it is (`safely_set_viewless_tensor_data`,
-# `megatron/core/utils.py:754`); tinytron handles it in the checkpoint instead.</details>
+# `megatron/core/utils.py:754`); tinytron handles it in the checkpoint instead.
+#
+# </details>
 #
 # Under sequence
 # parallelism the input is already split ($[s/t, b, h]$, different on every rank), so the flag
@@ -287,9 +291,13 @@ def checkpoint(function: Callable, distribute_saved_activations: bool, *args,
 # bumps no version counter), so the recomputed storage is freed as the hook returns — one copy
 # from then on, two only during the copy itself.
 #
-# <details><summary>Megatron detail: zero bytes copied</summary>Megatron re-points the old
+# <details><summary>Megatron detail: zero bytes copied</summary>
+#
+# Megatron re-points the old
 # storage at the recomputed data with a small C++ extension (`random.py:28-75, 790-797`): zero
-# bytes copied. tinytron stays in Python.</details>
+# bytes copied. tinytron stays in Python.
+#
+# </details>
 #
 # For the norm before `linear_qkv` this saves the norm's internals *and* its output: per
 # layer $s' b h$ elements of output (what `linear_qkv` keeps, $s' = s/t$ rows under SP) and
@@ -488,12 +496,21 @@ if __name__ == "__main__":
 #
 # 1. Put the forward inside `tracker.fork()` (as sequence parallelism does) and check that the
 #    replay is still exact. Why does the snapshot not need the tracker's copy, stale on a CPU?
-#    <details><summary>Hint</summary>Reread the subtlety after `fork_rng`: inside the fork the
+#    <details><summary>Hint</summary>
+#
+#    Reread the subtlety after `fork_rng`: inside the fork the
 #    stream *is* the default generator, so `capture_rng_states` records its current position in
-#    `snapshot.cpu`, and the recompute, outside any fork, draws from the default generator.</details>
+#    `snapshot.cpu`, and the recompute, outside any fork, draws from the default generator.
+#
+#    </details>
+#
 # 2. Measure the saved bytes of `checkpoint(..., distribute_saved_activations=True)` on two TP
 #    ranks with `saved_tensor_bytes` (chapter 01).
-#    <details><summary>Hint</summary>Expect the stored input to halve: $s \cdot b \cdot h$
+#    <details><summary>Hint</summary>
+#
+#    Expect the stored input to halve: $s \cdot b \cdot h$
 #    elements become $s b h / t$ per rank, 32 MiB to 16 MiB in the example above. Run it on two
 #    ranks with `run_on_ranks` (as chapter 05's demos do) and a `ParallelGrid` of TP 2, and read
-#    the bytes after the forward, before the backward gathers them back.</details>
+#    the bytes after the forward, before the backward gathers them back.
+#
+#    </details>

@@ -66,12 +66,16 @@ __all__ = ["HostBufferPool", "OffloadGroup", "ChunkOffloadHandler", "OffloadMana
 # The markers are gradient hooks on the region's input and output (`tensor.register_hook`),
 # which leave the graph untouched: with hooks, offload leaves every gradient bitwise unchanged.
 #
-# <details><summary>Megatron detail: identity markers</summary>Megatron's markers are two
+# <details><summary>Megatron detail: identity markers</summary>
+#
+# Megatron's markers are two
 # identity autograd functions (`:1108`, `:1188`) applied to the region's input and output. The
 # difference is visible in the last bit: the layer input feeds both the norm and the residual
 # add, and an identity node in front of the norm makes autograd sum the norm's two gradient
 # contributions before adding the residual's, instead of in the order the plain graph uses — a
-# different rounding, gradients one ulp apart.</details>
+# different rounding, gradients one ulp apart.
+#
+# </details>
 #
 # **Which modules.** `offload_modules` names regions of a layer: `attn_norm` (input
 # layernorm), `qkv_linear`, `core_attn` (softmax attention), `attn_proj`, `mlp_norm`
@@ -92,18 +96,26 @@ __all__ = ["HostBufferPool", "OffloadGroup", "ChunkOffloadHandler", "OffloadMana
 # prefetched them. The handler knows the chunk's layers in advance: a chunk with
 # `post_process` keeps its last layer's groups on the device.
 #
-# <details><summary>Megatron detail: the warm-up iteration</summary>Megatron's warm-up
+# <details><summary>Megatron detail: the warm-up iteration</summary>
+#
+# Megatron's warm-up
 # iteration finds those groups and marks them not to be offloaded (`post_warmup_callback`,
 # `:523`; `should_bulk_offload`, `:962`). Knowing the layers in advance, tinytron needs no
-# warm-up.</details>
+# warm-up.
+#
+# </details>
 #
 # **Prefetch one layer ahead.** When the backward enters the last group of layer $i$, the
 # handler starts reloading every group of layer $i-1$; the copies then overlap with the rest
 # of layer $i$'s backward, its MLP included: a layer gives the copies more compute to hide
 # behind, for at most one layer of extra memory.
 #
-# <details><summary>Megatron detail: one group ahead</summary>Megatron prefetches one
-# *group* ahead.</details>
+# <details><summary>Megatron detail: one group ahead</summary>
+#
+# Megatron prefetches one
+# *group* ahead.
+#
+# </details>
 #
 # When a chunk's backward is done, the handler starts the last layer of the next chunk in the
 # queue (`pre_reload_last_layer`, `:954`).

@@ -366,13 +366,22 @@ if __name__ == "__main__":
 #
 # 1. With 6 layers per stage and `uniform`, which $k$ minimizes the *peak* (stored inputs plus
 #    one recomputed run)? Check with page 4's meter.
-#    <details><summary>Answer</summary>$k = 1$. The peak is $\lceil 6/k \rceil$ stored inputs
+#    <details><summary>Answer</summary>
+#
+#    $k = 1$. The peak is $\lceil 6/k \rceil$ stored inputs
 #    plus $k$ layers' full activations during one run's recompute. With the running example's
 #    32 MiB per input and 3.4 GiB per layer: $k = 1$ gives $6 \cdot 32$ MiB + 3.4 GiB ≈ 3.6 GiB,
 #    $k = 2$ about 6.9 GiB, $k = 3$ about 10.3 GiB, $k = 6$ about 20.4 GiB. A layer's activations
-#    are a hundred times its input, so fewer stored inputs never pay for a longer run.</details>
+#    are a hundred times its input, so fewer stored inputs never pay for a longer run.
+#
+#    </details>
+#
 # 2. Why does `block` suit the first pipeline stage of a 1F1B schedule better than the last?
-#    <details><summary>Hint</summary>Count the micro-batches whose activations a stage holds at
+#    <details><summary>Hint</summary>
+#
+#    Count the micro-batches whose activations a stage holds at
 #    the peak of 1F1B ([chapter 01](../01_main_loop/schedules.py)): the first stage holds one
 #    per pipeline stage, the last only one. Then ask which stage is short of memory, and how
-#    few of its layers `block` can recompute while the rest run at full speed.</details>
+#    few of its layers `block` can recompute while the rest run at full speed.
+#
+#    </details>

@@ -423,16 +423,24 @@ if __name__ == "__main__":
 # 1. Megatron's simulated faults strike after a random *delay*, this injector at an
 #    *iteration*. What does each make easy to test, and what does each miss?
 #
-#    <details><summary>Hint</summary>An iteration makes a test repeatable: the fault lands in
+#    <details><summary>Hint</summary>
+#
+#    An iteration makes a test repeatable: the fault lands in
 #    a known step, on a known pass, so the assert can name the exit code and the tracker line.
 #    A delay lands anywhere: inside a save, an evaluation, a collective, the start-up. Compare
 #    `at_step_start` and `around_save` with the daemon thread of
-#    `megatron/training/ft_integration.py:300`.</details>
+#    `megatron/training/ft_integration.py:300`.
+#
+#    </details>
 #
 # 2. Why does a `persistent_error` fault need to remember the node where it first fired
 #    instead of striking on "rank 1" wherever rank 1 runs?
 #
-#    <details><summary>Hint</summary>A relaunch keeps the rank numbers but may land on other
+#    <details><summary>Hint</summary>
+#
+#    A relaunch keeps the rank numbers but may land on other
 #    machines. The story is a bad GPU, so the fault must follow the hardware: read
 #    `Stories._strikes` and what the second rerun compares in the previous page's
-#    `_second_rerun_verdict`.</details>
+#    `_second_rerun_verdict`.
+#
+#    </details>

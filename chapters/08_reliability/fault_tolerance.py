@@ -574,17 +574,25 @@ if __name__ == "__main__":
 # 1. A rank spins in pure Python without releasing the GIL. Which of this page's signals still
 #    work, and which does Megatron's separate monitor process add?
 #
-#    <details><summary>Hint</summary>Every signal of this page comes from `MonitorThread`, a
+#    <details><summary>Hint</summary>
+#
+#    Every signal of this page comes from `MonitorThread`, a
 #    thread of the same process: it needs the GIL to beat. Ask what the *other* ranks'
 #    monitors then see of this rank's beat (`find_hung_ranks`, the frozen branch), and who
 #    can still end this rank. A monitor in its own process keeps its own GIL, and can signal
-#    the stuck rank from outside.</details>
+#    the stuck rank from outside.
+#
+#    </details>
 #
 # 2. With `--calc-ft-timeouts`, why is the step timeout only updated after 16 steps, and why
 #    is the checkpoint timeout not updated when saves are asynchronous?
 #
-#    <details><summary>Hint</summary>Look at `_maybe_update_timeouts` in Megatron's
+#    <details><summary>Hint</summary>
+#
+#    Look at `_maybe_update_timeouts` in Megatron's
 #    `ft_integration.py`, and at what the first steps contain that later ones do not (warm-up,
 #    first allocations, the first collectives). For the second half: how long does the `checkpoint` section last when the
 #    save only hands its tensors to a background writer, and what would a timeout computed
-#    from that do to the next synchronous save?</details>
+#    from that do to the next synchronous save?
+#
+#    </details>

@@ -47,13 +47,16 @@ __all__ = ["FullCudaGraphUnavailable", "StaticBufferLoader", "FullCudaGraphWrapp
 # | collectives | NCCL kernels can be captured; gloo (CPU) cannot | CUDA + NCCL only |
 #
 # <details><summary>Megatron detail: which generators are registered</summary>
+#
 # Megatron registers every RNG tracker state with the graph
 # (`megatron/core/full_cuda_graph.py:213-214`), the tracker being the process-wide one. Here the
 # wrapper registers the streams of the tracker it is given (`rng_tracker=`, by default the
 # process-wide CUDA tracker of appendix A, the one the model's dropout forks into), plus any
 # extra `generators=`. Registration happens at capture, not at construction, so a tracker
 # reseeded between the two is the one registered; one reseeded *after* the capture holds new
-# generator objects, and the graph must be captured again (`reset_cuda_graph`).</details>
+# generator objects, and the graph must be captured again (`reset_cuda_graph`).
+#
+# </details>
 #
 # Per call (`megatron/core/full_cuda_graph.py:184`): read **all** the iteration's micro-batches
 # from the real iterator first and copy them into the static buffers on a side stream
@@ -326,12 +329,15 @@ class SameCall:
 # binds every caller: consume each call's result before the next.
 #
 # <details><summary>Megatron detail: how chapter 01's evaluate met the contract</summary>
+#
 # Chapter 01's `evaluate` once kept each batch's reports and averaged them
 # after the last batch: under replay every kept report was the same tensor, so validation
 # averaged the last batch `eval_iters` times (losses 1, 2, 3, 4 read 4.0, not 2.5). It now
 # copies each call's reports before the next call, as Megatron reduces each batch inside its
 # loop; `tests/test_cuda_graph_rng.py` checks on CPU that an evaluation through results
-# returned this way equals the eager one, bit for bit.</details>
+# returned this way equals the eager one, bit for bit.
+#
+# </details>
 #
 # First the two ways a call runs the schedule: eagerly on the capture stream, or captured
 # between barriers and synchronizations into the shared pool.
@@ -481,17 +487,25 @@ if __name__ == "__main__":
 # 1. Why must the data be copied *before* the schedule runs rather than read inside it, as the
 #    eager schedule does?
 #
-#    <details><summary>Hint</summary>A replay runs no Python: a `next(data_iterator)` inside
+#    <details><summary>Hint</summary>
+#
+#    A replay runs no Python: a `next(data_iterator)` inside
 #    the schedule would run once, at capture, and every replay would read that one batch's
 #    tensors. Reading from a loader also means host work and host-to-device copies, which a
 #    capture cannot hold. See `DataRead.data_read` and the static-input row of the
-#    table.</details>
+#    table.
+#
+#    </details>
 #
 # 2. The number of micro-batches grows with a batch-size ramp-up (chapter 01). What must happen
 #    to the graph when it changes, and what does it cost?
 #
-#    <details><summary>Hint</summary>The count is baked into the capture, and
+#    <details><summary>Hint</summary>
+#
+#    The count is baked into the capture, and
 #    `SameCall._check_same_call` refuses a replay for another one. Follow
 #    `reset_cuda_graph("training")`: the graph and its static inputs go, the call count
 #    starts again at 0, so each new count pays `cuda_graph_warmup_steps` eager iterations and
-#    one capture.</details>
+#    one capture.
+#
+#    </details>

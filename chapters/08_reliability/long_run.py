@@ -237,17 +237,25 @@ if __name__ == "__main__":
 # 1. With chapter 03's asynchronous save the blocking time drops from 5 s to 0.5 s. What
 #    happens to $\tau^*$ and to the goodput at 16 384 GPUs?
 #
-#    <details><summary>Answer</summary>$\tau^* = \sqrt{2\delta M}$ shrinks by $\sqrt{10}$:
+#    <details><summary>Answer</summary>
+#
+#    $\tau^* = \sqrt{2\delta M}$ shrinks by $\sqrt{10}$:
 #    with $M = 3.09$ h and 1-minute hang detection, from 167 iterations (5.6 min) to 53
 #    (1.8 min). The goodput at $\tau^*$ rises from 93.63% to 95.68%: the save overhead
 #    $\delta/\tau$ falls from 1.50% to 0.47%, the recomputed half-interval shrinks too, and
-#    what stays is the dead time $D + R + L = 376$ s per failure.</details>
+#    what stays is the dead time $D + R + L = 376$ s per failure.
+#
+#    </details>
 #
 # 2. Megatron's non-persistent (local) checkpoints are cheap to write but lost with the node.
 #    Extend `goodput` with two intervals, local and persistent, and a probability that a
 #    failure takes the local copy with it.
 #
-#    <details><summary>Hint</summary>Pay both save overheads, $\delta_l/\tau_l + \delta_p/\tau_p$.
+#    <details><summary>Hint</summary>
+#
+#    Pay both save overheads, $\delta_l/\tau_l + \delta_p/\tau_p$.
 #    Per failure, the recomputed work is $\tau_l/2$ with probability $1-p$ (the local copy
 #    survives) and $\tau_p/2$ with probability $p$; the load time may differ too. Start from
-#    `RunProfile.lost_per_failure_s` and the last term of `goodput`.</details>
+#    `RunProfile.lost_per_failure_s` and the last term of `goodput`.
+#
+#    </details>

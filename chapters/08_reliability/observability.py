@@ -198,6 +198,7 @@ from tinytron.reliability._logging_io import (ProgressBar, _fmt_seconds,  # noqa
 # run, and `save-checkpoint-time` would repeat the last save's total at every record.
 #
 # <details><summary>Megatron detail: the divisor and tinytron's extra tags</summary>
+#
 # Megatron divides by `log_interval`; tinytron by the iterations since the previous record
 # (the first record covers one iteration, where Megatron would divide its one iteration by the
 # interval). `save-checkpoint-time` is tinytron's: Megatron prints the save timer on the
@@ -207,7 +208,9 @@ from tinytron.reliability._logging_io import (ProgressBar, _fmt_seconds,  # noqa
 # in Megatron), so it shows at the next record: a save at iteration 2 with `log_interval = 1` is
 # the point at step 3. `tokens-per-second` (the whole job's) and `mfu` are tinytron's tags
 # too: Megatron prints neither to TensorBoard. `mfu` is written only where the device's peak
-# is known, so a CPU run has no `mfu` tag (see chapter 01's `training_log`).</details>
+# is known, so a CPU run has no `mfu` tag (see chapter 01's `training_log`).
+#
+# </details>
 
 # %%
 SCALAR_UNITS = {
@@ -462,17 +465,25 @@ if __name__ == "__main__":
 # 1. Why does Megatron log against consumed samples as well as iterations? Construct two runs
 #    whose loss-vs-iteration curves differ but whose loss-vs-samples curves match.
 #
-#    <details><summary>Hint</summary>An iteration is not a fixed amount of data: the global
+#    <details><summary>Hint</summary>
+#
+#    An iteration is not a fixed amount of data: the global
 #    batch can change (batch-size ramp-up, a resumed run with another batch size), and a
 #    skipped iteration still consumes its samples. Compare one run at global batch $B$ with
 #    one that ramps up to $B$: look at what `megatron_scalars` writes as `lm loss vs
-#    samples`.</details>
+#    samples`.
+#
+#    </details>
 #
 # 2. On a GPU, `mem-reserved-bytes` stays far above `mem-allocated-bytes` after the first
 #    iteration. What is the difference made of, and when would `empty_cache` help?
 #
-#    <details><summary>Hint</summary>Reserved is what PyTorch's caching allocator holds from
+#    <details><summary>Hint</summary>
+#
+#    Reserved is what PyTorch's caching allocator holds from
 #    the driver; allocated is what live tensors use. The gap is freed blocks kept for reuse
 #    (activations of the last step) and fragments of them. `empty_cache` returns unused
 #    cached blocks to the driver: it helps only when something outside the allocator (NCCL,
-#    another process) needs that memory, never the step's own peak.</details>
+#    another process) needs that memory, never the step's own peak.
+#
+#    </details>

@@ -68,11 +68,14 @@ __all__ = [
 # (`megatron/core/rerun_state_machine.py:1398`).
 #
 # <details><summary>Megatron detail: opposite signs</summary>
+#
 # Two cases of `_compare_floats` (`:1406-1417`): $+\infty$ against $-\infty$, and
 # $a = -b \ne 0$. Megatron's formula gives NaN for the first ($\infty/\text{NaN}$), and
 # `NaN > tolerance` is false, so opposite infinities read as reproducible; the second divides
 # by zero and raises `ZeroDivisionError` in the middle of a rerun. tinytron calls both a
-# mismatch ($\infty$): a value that changed sign was not reproduced.</details>
+# mismatch ($\infty$): a value that changed sign was not reproduced.
+#
+# </details>
 #
 # A worked example in small numbers. A bucket's gradient norm is 2.000 in the initial run and
 # 2.002 in the rerun: $|2 \cdot (2.000 - 2.002) / 4.002| = 0.0009995$, under the 0.001
@@ -752,12 +755,15 @@ class DeterminismStats:
 # `reliability:`:
 #
 # <details><summary>Megatron detail: what Megatron prints</summary>
+#
 # The threshold is silent in Megatron until it is set ("Max value for loss: …", `:762`), and
 # a rejection is one `logger.error` line without the threshold (`:604-610`). A user who
 # switched the check on cannot tell from that when it starts to judge, nor whether a spike
 # in the warm-up slipped through. tinytron keeps Megatron's arithmetic — the same values
 # counted, the same frozen max, so a threshold means the same number in both — and adds the
-# lines below.</details>
+# lines below.
+#
+# </details>
 #
 # | when | where | says |
 # |---|---|---|
@@ -838,17 +844,21 @@ class SpikeLines:
 # even in steady state, so that successive checkpoints have the same structure.
 #
 # <details><summary>Megatron detail: the iteration number and the checkpoint key</summary>
+#
 # Megatron writes `current_iteration + 1` (`:1035`) because its counter starts at −1 and
 # counts from 0 (`:196`); tinytron's counts from 1 and writes it as it is — the same number,
 # the one the training log shows and `training.py:3474` skips as `iteration + 1`. Megatron's
 # per-rank state is a `ShardedObject` keyed `rerun_state_machine_state`, shape `(world,)`,
 # offset `(rank,)`, written even in steady state so that successive checkpoints have the
-# same structure.</details>
+# same structure.
+#
+# </details>
 #
 # With a rerun pending it also carries the step's buffered micro-batches. The relaunch replays
 # them in the rerun (`replay_from`), so the second opinion sees the rejected step's very data.
 #
 # <details><summary>Megatron detail: the relaunch replays the saved data</summary>
+#
 # Megatron writes them into the exit-16 checkpoint (`data_iterator_checkpoints`,
 # `:818-829, 853`), but loads them back only in the `NOT_RUNNING_YET` branch of the *next*
 # step (`:304-310`), right before `advance()` empties the buffer (`:311-314`); its rerun from
@@ -859,7 +869,9 @@ class SpikeLines:
 # so the second opinion sees the rejected step's very data even when the order comes from
 # worker timing or an unseeded shuffle (the test uses a loader whose order is new in every
 # launch). Megatron's rerun from the checkpoint reads the loader
-# (`megatron/core/rerun_state_machine.py:372-374`).</details>
+# (`megatron/core/rerun_state_machine.py:372-374`).
+#
+# </details>
 #
 # In numbers: with $m = 4$ micro-batches of $4 \times 2\,048$ int64 token ids, the ids alone
 # are $4 \cdot 4 \cdot 2\,048 \cdot 8 = 262\,144$ bytes per data-parallel rank,
@@ -1056,17 +1068,25 @@ if __name__ == "__main__":
 # 1. Why must the checkpoint written at exit 16 hold the RNG state of the *start* of the
 #    step, and what would a relaunched rerun compare if it held the end-of-step state?
 #
-#    <details><summary>Hint</summary>Look at the `RERUNNING_IN_PLACE` branch of
+#    <details><summary>Hint</summary>
+#
+#    Look at the `RERUNNING_IN_PLACE` branch of
 #    `Transitions`: on its way to `WILL_RERUN_FROM_CHECKPOINT` it still calls `_rewind`, which
 #    restores the RNG states `_save_state` took before the first pass, so the save that follows
 #    writes those. With the end-of-step state the relaunched pass would draw other dropout
 #    masks, and the comparison (tolerance 0 for the loss) would measure dropout, not the
-#    GPU.</details>
+#    GPU.
+#
+#    </details>
 #
 # 2. `compare_floats(inf, -inf)` here returns inf (a mismatch). What does a formula
 #    $|2(a-b)/(a+b)|$ give, and why would that be read as a match?
 #
-#    <details><summary>Answer</summary>$a - b = \infty$ but $a + b = \infty - \infty =$ NaN,
+#    <details><summary>Answer</summary>
+#
+#    $a - b = \infty$ but $a + b = \infty - \infty =$ NaN,
 #    so the formula gives $|\infty / \text{NaN}| =$ NaN. The verdict asks `diff > tolerance`,
 #    and every comparison with NaN is false, so `NaN > 0` reads as "not different": the
-#    reproduced value, a match.</details>
+#    reproduced value, a match.
+#
+#    </details>

@@ -178,8 +178,12 @@ class DistributedSignalHandler(_AnyRankReceived):
 # nothing. The kernel releases a `flock` when its holder dies, SIGKILL included, so the
 # relaunch after a crash never finds a stale lock (`tinytron.reliability._run_lock`).
 #
-# <details><summary>Megatron detail: no lock</summary>Megatron has no such lock and relies
-# on the scheduler to run one job per directory.</details>
+# <details><summary>Megatron detail: no lock</summary>
+#
+# Megatron has no such lock and relies
+# on the scheduler to run one job per directory.
+#
+# </details>
 #
 # ### One store, many lives: the keys of each attempt under its own prefix
 #
@@ -204,12 +208,16 @@ class DistributedSignalHandler(_AnyRankReceived):
 # it. `new_group` prefixes each subgroup's keys onto the world's store, so every group of the
 # `ParallelGrid` lands under the same attempt.
 #
-# <details><summary>Megatron detail: the launcher's keys unprefixed</summary>Megatron itself
+# <details><summary>Megatron detail: the launcher's keys unprefixed</summary>
+#
+# Megatron itself
 # passes `store=None` at launch (`megatron/training/initialize.py:315-317`), that is, the
 # launcher's keys as they are. Every torchrun restart attempt here gets its own
 # `PrefixStore`, so a relaunched world never reads the keys its failed predecessor left in
 # torchrun's shared store; Megatron keeps the launcher's keys unprefixed and relies on a fresh
-# store per launch.</details>
+# store per launch.
+#
+# </details>
 #
 # One case stays open: an elastic job whose membership changes restarts its workers without counting a
 # restart, so the count repeats; tinytron's launches fix the number of nodes.
@@ -683,12 +691,16 @@ class Reliability(StepHooks, CheckpointHooks, RerunStateFiles, ScheduleChecks, B
 #   workers, memory pools, signal handlers) must be torn down and rebuilt exactly, or the
 #   "same" training diverges after the restart; leaks accumulate over many restarts.
 #
-# <details><summary>Megatron detail: a leak this page's test met</summary>Chapter 05's DDP
+# <details><summary>Megatron detail: a leak this page's test met</summary>
+#
+# Chapter 05's DDP
 # registers a hook on every parameter, the hook points back to the DDP object, and the cycle
 # runs through autograd's C++ side where the garbage collector cannot see it — so the failed
 # attempt's process groups stayed open and the peer waited in its all-reduce for the gloo
 # subgroup timeout (30 minutes). The launch script clears the parameters' hooks when an
-# attempt fails (`_run._release`).</details>
+# attempt fails (`_run._release`).
+#
+# </details>
 
 # %%
 def inprocess_restart(fn, *, store, rank: int, world_size: int, max_restarts: int = 1,
@@ -797,16 +809,24 @@ if __name__ == "__main__":
 # 1. A SIGTERM reaches rank 5 only, while rank 5 is inside a checkpoint save. Walk through
 #    what each rank does until the job exits.
 #
-#    <details><summary>Hint</summary>`_handler` only appends to `received_signals`, so the
+#    <details><summary>Hint</summary>
+#
+#    `_handler` only appends to `received_signals`, so the
 #    save runs to its end. Then follow chapter 01's `checkpoint_and_decide_exit` after the
 #    next iteration: every rank joins the all-gather of `signals_received`, every rank sees
-#    rank 5's flag, and all of them save that iteration and return "signal", an exit 0.</details>
+#    rank 5's flag, and all of them save that iteration and return "signal", an exit 0.
+#
+#    </details>
 #
 # 2. Why must the machine's state be written *before* chapter 03 moves the tracker, and what
 #    would a relaunch do if it were written after and the process died in between?
 #
-#    <details><summary>Hint</summary>Read `_load_rerun_state`: a missing
+#    <details><summary>Hint</summary>
+#
+#    Read `_load_rerun_state`: a missing
 #    `rerun_state/iter_…/rank_….pt` means "steady", so the relaunch would load the checkpoint
 #    the tracker names and train on with a fresh machine. The pending rerun from the checkpoint
 #    is lost, and the rejected step is that process's first iteration, which is not
-#    validated (`first_iteration_complete`).</details>
+#    validated (`first_iteration_complete`).
+#
+#    </details>

@@ -489,16 +489,24 @@ if __name__ == "__main__":
 # 1. With DP 64 and a NaN in one rank's batch, why would a check *after* the gradient
 #    all-reduce make every rank report it — and what would the skip rule then do?
 #
-#    <details><summary>Hint</summary>The all-reduce sums the 64 ranks' gradients, and a sum
+#    <details><summary>Hint</summary>
+#
+#    The all-reduce sums the 64 ranks' gradients, and a sum
 #    with one NaN is NaN on every rank. Then read the last line of
 #    `get_skipped_iterations_from_tracker_file`: an iteration reported by more than one rank of
-#    a job is read as a diverging model, not a bad batch.</details>
+#    a job is read as a diverging model, not a bad batch.
+#
+#    </details>
 #
 # 2. A loss that legitimately rises 10× after a data-blend change trips the spike check. Which
 #    argument of `is_unexpectedly_large` lets you re-learn the threshold, and when would you
 #    call it?
 #
-#    <details><summary>Hint</summary>Look at `resample` in `Spikes.is_unexpectedly_large` on the
+#    <details><summary>Hint</summary>
+#
+#    Look at `resample` in `Spikes.is_unexpectedly_large` on the
 #    previous page: it sets the context's count back to 0, so the next `num_samples` values
 #    are learned again and only warned about (the max starts from the old one and can only
-#    rise). Pass it once, at the first step on the new blend.</details>
+#    rise). Pass it once, at the first step on the new blend.
+#
+#    </details>

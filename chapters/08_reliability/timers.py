@@ -443,16 +443,24 @@ if __name__ == "__main__":
 # 1. Why does `forward-backward` without `barrier=True` on a pipeline's first stage include
 #    time spent waiting for the last stage?
 #
-#    <details><summary>Hint</summary>The first stage's timer starts as soon as that rank gets
+#    <details><summary>Hint</summary>
+#
+#    The first stage's timer starts as soon as that rank gets
 #    there, and its schedule then waits in receives for the later stages, the last one
 #    possibly still finishing the previous step's work. Look at `Timer._sync`: a barrier in
-#    `start()` lines the ranks up first, so that wait falls outside the timed phase.</details>
+#    `start()` lines the ranks up first, so that wait falls outside the timed phase.
+#
+#    </details>
 #
 # 2. One rank asks for `["forward-backward", "optimizer"]`, another for
 #    `["optimizer", "forward-backward"]`. What does the report show, and why does it not hang?
 #
-#    <details><summary>Hint</summary>`all_ranks_seconds` all-gathers one row of
+#    <details><summary>Hint</summary>
+#
+#    `all_ranks_seconds` all-gathers one row of
 #    `len(names)` floats per rank: both rows have two entries, so the collective matches and
 #    returns. But column 0 holds one rank's `forward-backward` and the other's `optimizer`,
 #    and the report labels it with the caller's first name: the min and max mix two
-#    timers.</details>
+#    timers.
+#
+#    </details>

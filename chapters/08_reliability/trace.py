@@ -202,16 +202,24 @@ if __name__ == "__main__":
 #
 # 1. Trace iterations 1 and 10 and compare `optimizer`: why is the first AdamW step slower?
 #
-#    <details><summary>Hint</summary>AdamW keeps two moments per parameter, and it creates
+#    <details><summary>Hint</summary>
+#
+#    AdamW keeps two moments per parameter, and it creates
 #    them lazily: look in the first step's `optimizer` range for the allocations and fills of
 #    `exp_avg` and `exp_avg_sq` (`aten::zeros_like`, `aten::empty`) that later steps do not
-#    have.</details>
+#    have.
+#
+#    </details>
 #
 # 2. With chapter 05's overlapped DDP on two gloo ranks, find the all-reduce events in the
 #    trace and check whether they start before `backward-compute` ends.
 #
-#    <details><summary>Hint</summary>Run `profile_iteration` inside each rank, with `step`
+#    <details><summary>Hint</summary>
+#
+#    Run `profile_iteration` inside each rank, with `step`
 #    built on chapter 05's DDP, then filter `load_trace`'s events by a name containing
 #    `allreduce` or `all_reduce` and compare their `start_ms` with the end of `backward-compute`
 #    (`start_ms + dur_ms`). An overlapped bucket starts while the backward of the earlier
-#    layers still runs.</details>
+#    layers still runs.
+#
+#    </details>
