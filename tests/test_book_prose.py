@@ -156,6 +156,45 @@ def test_prose_per_page_meets_its_threshold():
     assert not low, "pages below their prose/code threshold:\n" + "\n".join(low)
 
 
+# A code cell a reader takes in at once: at most 40 lines. These are single definitions with no
+# clean seam (a dataclass of documented fields, a schedule whose phases share closures, one Triton
+# kernel); each is named here with its length, and the list only shrinks.
+CELL_LINES_MAX = 40
+LONG_CELLS_LEFT = {
+    ("01_main_loop/loop.py", "def train("), ("01_main_loop/loop.py", "def pretrain("),
+    ("01_main_loop/memory_meter.py", "class LiveBytesMeter"),
+    ("01_main_loop/schedules.py", "def forward_backward_1f1b_bare("),
+    ("01_main_loop/schedules.py", "def forward_backward_pipelining_without_interleaving("),
+    ("03_checkpoint/resume.py", "class CheckpointConfig"),
+    ("04_data/gpt_dataset.py", "class GPTDatasetConfig"),
+    ("05_buffers/distributed_data_parallel.py", "class DistributedDataParallel"),
+    ("kernels/flash_attention.py", "def _attn_fwd_kernel("),
+    ("model/config.py", "class ModelConfig"),
+    ("parallel/rng.py", "class DefaultGenerator"), ("parallel/rng.py", "class NamedStreams"),
+}
+
+
+def long_code_cells() -> set[tuple[str, str]]:
+    """(page, the cell's first definition line) of every code cell over CELL_LINES_MAX lines."""
+    found = set()
+    for page in _pages():
+        for cell in jupytext.read(page).cells:
+            lines = cell.source.splitlines()
+            if cell.cell_type == "code" and len(lines) > CELL_LINES_MAX:
+                head = next((line for line in lines if line.startswith(("def ", "class "))), "")
+                named = next((k for _, k in LONG_CELLS_LEFT if head.startswith(k)), head)
+                found.add((str(page.relative_to(CHAPTERS)), named))
+    return found
+
+
+def test_code_cells_are_at_most_40_lines():
+    found = long_code_cells()
+    new = sorted(found - LONG_CELLS_LEFT)
+    assert not new, f"code cells over {CELL_LINES_MAX} lines (split them, prose between): {new}"
+    gone = sorted(LONG_CELLS_LEFT - found)
+    assert not gone, f"LONG_CELLS_LEFT names cells now within {CELL_LINES_MAX} lines: {gone}"
+
+
 def test_the_counter_counts_markdown_against_code(tmp_path):
     page = tmp_path / "page.py"
     page.write_text("# %% [markdown]\n# # Title\n#\n# Two lines.\n\n"

@@ -183,9 +183,10 @@ def error_table(rows: list[dict]) -> dict[str, dict]:
 # ## The picture
 #
 # Predicted over measured, one dot per (case, rank, term): the ledger's dots sit on 1, and
-# Megatron's estimate (crosses) is off by factors — on these small models the fp32 norm
-# inputs, the full-sequence linear inputs and above all the head's fp32 logits (which the
-# estimate leaves out when $p > 1$) are a large share of the activations.
+# Megatron's estimate (crosses) is off by factors — on these small models the terms its
+# formula does not count are a large share of the activations: above all the head's fp32
+# logits (left out when $p > 1$), then SwiGLU's wider MLP and, in the fp32 cases, activations
+# of 4 bytes where the formula counts 2.
 
 # %%
 def plot_comparison(rows: list[dict], ax=None):
@@ -262,8 +263,8 @@ if __name__ == "__main__":
 #
 # Megatron's estimate is close on resident memory for bf16 + Adam layouts (it has no notion of
 # fp32 training, offload or padding, hence its maximum) and off by large factors on
-# activations here: small hidden sizes make the terms it leaves out — fp32 norm copies, the
-# last stage's logits — dominate. On the running example (page 07.5) the resident part agrees
+# activations here: small hidden sizes make the terms it leaves out — the last stage's logits,
+# SwiGLU's wider MLP — dominate. On the running example (page 07.5) the resident part agrees
 # to 12,672 bytes and the activations differ by the same terms, at 7B scale.
 #
 # ## What this agreement is worth: by construction, fitted, measured twice
