@@ -368,22 +368,26 @@ def on_page_content(html, page, config, files):
         html = _link_pages(html, page, files)
         html = fold_code_cells(html, _code_cell_sources(Path(page.file.abs_src_path)),
                                page.file.src_uri)
-        html = code_out_of_search(html)
         from mkdocs.structure.toc import get_toc
         page.toc = get_toc(heading_toc_tokens(html))
-    return link_private_modules(html, page, files)
+    return code_out_of_search(link_private_modules(html, page, files))
 
 
 # The search index: every page's code cells were 43% of its 3.5 MB, and the theme's worker loads
 # the index on a reader's first visit. A code cell's text stays on the page and is found by the
 # browser's own find; the search finds the prose, the headings and the code spans in them, which
 # name every function a page builds.
-_CODE_INPUT = re.compile(r'<div class="highlight-ipynb hl-python">')
+# So are the hidden copy of each cell's source that its copy button reads, the button's
+# "Copied!", a demo's printed output and a diagram's source (numbers and graph syntax).
+_NOT_SEARCHED = re.compile(
+    r'<(div class="highlight-ipynb hl-python"|div class="jp-OutputArea jp-Cell-outputArea"'
+    r'|pre class="mermaid"|div class="zeroclipboard-container"'
+    r'|div class="clipboard-copy-txt" id="[^"]*")>')
 
 
 def code_out_of_search(html: str) -> str:
-    """Mark every code cell's source on a notebook page as left out of the search index."""
-    return _CODE_INPUT.sub('<div class="highlight-ipynb hl-python" data-search-exclude>', html)
+    """Mark code cells' sources, their outputs and mermaid sources as left out of the search."""
+    return _NOT_SEARCHED.sub(r'<\1 data-search-exclude>', html)
 
 
 def on_post_page(output, page, config):

@@ -17,6 +17,16 @@
 #   index and a token offset in that sequence);
 # * the **shuffle index**: in which order the windows are handed out.
 #
+# A sample is three lookups, the last table first:
+#
+# ```mermaid
+# flowchart TB
+#   I["sample i"] -->|"shuffle_index[i]"| J["window j"]
+#   J -->|"sample_index[j], sample_index[j + 1]"| P["(position, offset) where it starts<br/>and where it ends"]
+#   P -->|"document_index[position]"| D["which sequences of the .bin,<br/>and where in them"]
+#   D -->|"read and concatenate"| W["seq_length + 1 tokens"]
+# ```
+#
 # ### Three documents, worked by hand
 #
 # Take a split of 3 sequences of lengths 5, 3 and 4 ($T = 12$ tokens per epoch), windows of

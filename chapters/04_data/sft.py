@@ -84,7 +84,7 @@ __all__ = ["read_chat_jsonl", "pad_segments_for_context_parallel", "SFTDataset"]
 # </details>
 #
 # The row's last segment is either a conversation or the trailing padding; only a
-# conversation gets pads, so the padding is recognised first.
+# conversation gets pads, so the padding is recognized first.
 
 # %%
 def _is_pad_tail(row: dict, lo: int, hi: int) -> bool:

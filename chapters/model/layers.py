@@ -380,7 +380,7 @@ if __name__ == "__main__":
 #    Compute the mean of squares in bf16 (no
 #    <code>.float()</code>) and compare both versions with an fp64 reference on rows of 4,096
 #    values. A bf16 sum keeps 8 significant bits, so once the running sum is a few hundred times
-#    larger than each square, the small squares round away; page C.1's demo shows a kernel that
+#    larger than each square, the small squares round away; [page C.1](../kernels/rmsnorm.py)'s demo shows a kernel that
 #    sums the squares in bf16 breaking its error bound.
 #
 #    </details>
@@ -392,6 +392,6 @@ if __name__ == "__main__":
 #    With PP 2, stage 1's local layer 0 is the model's layer 8.
 #    Seeded by local names, both stages would draw the same weights for their layer 0, and the
 #    model would differ from the one-process model of the same seed. Look at
-#    <code>global_parameter_name</code> in <code>init_parameters</code> (page B.2).
+#    <code>global_parameter_name</code> in <code>init_parameters</code> ([page B.2](gpt.py)).
 #
 #    </details>

@@ -295,7 +295,7 @@ if __name__ == "__main__":
 #    Each rank's $\sum e^{z - m_r}$ is then in its own scale
 #    $e^{-m_r}$, and adding them across ranks mixes scales. Two ranks with one logit each, $0$ and
 #    $10$: local maxes give $1 + 1 = 2$ where $e^{-10} + 1$ is right, so the loss is off by about
-#    $\ln 2$. A local max works only with each rank's sum rescaled by $e^{m_r - m}$, as page C.3's
+#    $\ln 2$. A local max works only with each rank's sum rescaled by $e^{m_r - m}$, as [page C.3](../kernels/cross_entropy.py)'s
 #    kernel does, which needs the global max anyway.
 #
 #    </details>
