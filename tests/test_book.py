@@ -371,3 +371,19 @@ def test_every_page_has_one_number_and_a_short_title():
         heading = hooks._heading(CHAPTERS / page)
         if m := re.match(r"(\d\d\.\d+|[A-Z]\.\d+) ·", heading):
             assert m.group(1) == number, f"{page} is headed {m.group(1)} and sits at {number}"
+
+
+# A numbered link names the page it points to: "[07.8](07_memory/step_time.py)" must be the page
+# the nav numbers 07.8, so splitting or reordering a chapter cannot leave a stale number behind.
+_NUMBERED_LINK = re.compile(r"\[(?:pages? |appendix )?((?:\d\d|[A-C])\.\d+)\b[^]]*\]\(([^)#\s]+\.py)(?:#[^)]*)?\)")
+
+
+def test_numbered_links_name_the_page_they_point_to():
+    numbers = {page: number for page, (number, _) in _hooks().page_titles(CHAPTERS).items()}
+    wrong = []
+    for source in [*PAGES, CHAPTERS / "index.md"]:
+        for number, target in _NUMBERED_LINK.findall(_prose(source)):
+            page = os.path.normpath(os.path.join(str(source.parent.relative_to(CHAPTERS)), target))
+            if page in numbers and numbers[page] != number:
+                wrong.append(f"{source.relative_to(CHAPTERS)}: [{number}]({target}) is page {numbers[page]}")
+    assert not wrong, "numbered links that name another page's number:\n" + "\n".join(wrong)

@@ -906,7 +906,7 @@ if __name__ == "__main__":
 #    Count blocks of $s/c$ tokens of K and V. The all-gather in
 #    <code>_attend</code> builds all $c = 8$ of them, and SDPA keeps them for the backward; a ring
 #    holds the local block and the one in flight, 2 of 8, and keeps only the local one, running
-#    the ring again in the backward. Appendix A's <code>ring_attention</code> ([page A.3](../parallel/context_parallel.py)) is the
+#    the ring again in the backward. Appendix A's <code>ring_attention</code> ([page A.4](../parallel/context_parallel.py)) is the
 #    merge to start from.
 #
 #    </details>

@@ -392,6 +392,6 @@ if __name__ == "__main__":
 #    With PP 2, stage 1's local layer 0 is the model's layer 8.
 #    Seeded by local names, both stages would draw the same weights for their layer 0, and the
 #    model would differ from the one-process model of the same seed. Look at
-#    <code>global_parameter_name</code> in <code>init_parameters</code> ([page B.2](gpt.py)).
+#    <code>global_parameter_name</code> in <code>init_parameters</code> ([page B.3](gpt.py)).
 #
 #    </details>
