@@ -11,6 +11,7 @@ book's figure is printed beside the table.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -193,6 +194,50 @@ def test_code_cells_are_at_most_40_lines():
     assert not new, f"code cells over {CELL_LINES_MAX} lines (split them, prose between): {new}"
     gone = sorted(LONG_CELLS_LEFT - found)
     assert not gone, f"LONG_CELLS_LEFT names cells now within {CELL_LINES_MAX} lines: {gone}"
+
+
+# A page a reader finishes in one sitting: at most ~2,500 words of prose in view (a folded answer,
+# hint or "Megatron detail" box is read on demand and not counted), and 3,000 with every box open.
+# A longer page is split where its mechanism has a seam. The pages named here are over, with
+# their words in view when the limit came; the set only shrinks.
+PAGE_WORDS_MAX, PAGE_WORDS_OPEN_MAX = 2500, 3000
+LONG_PAGES_LEFT = {
+    "07_memory/step_time.py",  # 6,724
+    "07_memory/calculator.py",  # 4,599
+    "04_data/gpt_dataset.py",  # 3,591
+    "01_main_loop/loop.py",  # 3,575
+    "08_reliability/rerun_state_machine.py",  # 3,300
+    "08_reliability/restarts.py",  # 2,959
+    "05_buffers/distributed_data_parallel.py",  # 2,891
+    "01_main_loop/schedules.py",  # 2,884
+    "model/gpt.py",  # 2,831
+    "02_optimizer/distributed.py",  # 2,765
+    "01_main_loop/assembled.py",  # 2,657
+    "01_main_loop/interleaved.py",  # 2,648
+    "03_checkpoint/resume.py",  # 2,642
+    "03_checkpoint/async_save.py",  # 2,579
+    "07_memory/activations.py",  # 2,519
+}
+
+
+def prose_words(page: Path) -> tuple[int, int]:
+    """(words in view, words with every folded box open) of a page's markdown cells."""
+    markdown = "\n".join(c.source for c in jupytext.read(page).cells if c.cell_type == "markdown")
+    folded = re.sub(r"<details.*?</details>", " ", markdown, flags=re.S)
+    return len(folded.split()), len(markdown.split())
+
+
+def test_pages_are_at_most_2500_words():
+    over = {}
+    for page in _pages():
+        shown, opened = prose_words(page)
+        if shown > PAGE_WORDS_MAX or opened > PAGE_WORDS_OPEN_MAX:
+            over[str(page.relative_to(CHAPTERS))] = (shown, opened)
+    new = sorted(f"{name}: {shown} words in view, {opened} open" for name, (shown, opened)
+                 in over.items() if name not in LONG_PAGES_LEFT)
+    assert not new, f"pages over {PAGE_WORDS_MAX} words (split them where the mechanism has a seam): {new}"
+    gone = sorted(LONG_PAGES_LEFT - set(over))
+    assert not gone, f"LONG_PAGES_LEFT names pages now within the limit: {gone}"
 
 
 def test_the_counter_counts_markdown_against_code(tmp_path):
