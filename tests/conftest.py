@@ -151,4 +151,4 @@ _BUILDS: list = []  # the module whose book build was started at collection
 def pytest_sessionfinish(session, exitstatus):
     """A build still running when the session ends (-x, Ctrl-C, a failure) is stopped."""
     for module in _BUILDS:
-        module.stop_book_build()
+        module.stop_book_build(session_end=True)

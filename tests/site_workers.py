@@ -1,12 +1,16 @@
 """Subprocess entry point of the site tests: the strict book build, then its browser pass.
 
-    python -m tests.site_workers OUT
+    python -m tests.site_workers OUT [--session PID]
 
 runs `mkdocs build --strict` into OUT/site (its console in OUT/build.log, its exit status in
 OUT/build.rc, written once the build has ended), then loads every page of the built site in
 headless Chromium at 1280 px (and one at a phone's 412 px, OUT/doms/phone.html) and keeps each
 page's DOM under OUT/doms/, listed in OUT/doms.json
 (written last: a list of [address, DOM file], or {"skip": reason} when no Chromium is found).
+
+With `--session PID` it watches the pytest process PID and, once that has ended, removes OUT
+and stops itself with everything it started: a session stopped early (-x, Ctrl-C, a crash)
+leaves no build behind, however its workers ended.
 
 tests/conftest.py starts this at collection and tests/test_site.py reads what it leaves, at the
 end of the suite. Both halves run beside the other tests: the build's kernels and the browser
@@ -21,10 +25,12 @@ import http.server
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from tests.conftest import ROOT, chapter_pages
@@ -201,10 +207,28 @@ def _write(path: Path, text: str) -> None:
     part.rename(path)
 
 
-def main(out: Path) -> None:
+def watch(session: int, out: Path) -> None:
+    """Once the pytest process `session` has ended, remove `out` and stop this process group."""
+    def loop():
+        while True:
+            time.sleep(2)
+            try:
+                os.kill(session, 0)
+            except ProcessLookupError:
+                shutil.rmtree(out, ignore_errors=True)
+                os.killpg(os.getpgrp(), signal.SIGKILL)  # the build, its kernels, the browser
+            except PermissionError:
+                pass  # alive, another user's
+    threading.Thread(target=loop, daemon=True).start()
+
+
+def main(out: Path, session: int | None = None) -> None:
+    _write(out / "driver.pid", str(os.getpid()))
+    if session is not None:
+        watch(session, out)
     if build(out) == 0:
         render(out)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), int(sys.argv[3]) if sys.argv[2:3] == ["--session"] else None)

@@ -40,40 +40,75 @@ def start_book_build() -> None:
     when the build test is selected and moves this module's tests to the end of the session, so
     both run beside the rest of the suite. The build and its checks are unchanged; only when they
     run moves.
+
+    Under pytest-xdist (the README's `-n 2`) every worker collects, and one build serves them
+    all: the first worker to create the run's directory (named by xdist's id of the test run)
+    starts it, and whichever worker runs this module reads it. The build watches the pytest
+    controller and ends with it.
     """
     if _RUN:
         return
-    out = Path(tempfile.mkdtemp(prefix="tinytron-site-"))
-    with open(out / "driver.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.site_workers", str(out)], cwd=ROOT,
-                                stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # its kernels, their ranks, the browser
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_id is None:
+        out, first, session = Path(tempfile.mkdtemp(prefix="tinytron-site-")), True, os.getpid()
+    else:
+        out, session = Path(tempfile.gettempdir()) / f"tinytron-site-{run_id}", os.getppid()
+        try:
+            out.mkdir()
+            first = True
+        except FileExistsError:
+            first = False
+    proc = None
+    if first:
+        with open(out / "driver.log", "w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "tests.site_workers", str(out),
+                                     "--session", str(session)], cwd=ROOT, stdout=log,
+                                    stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # its kernels, their ranks, the browser
     _RUN.update(proc=proc, out=out)
 
 
-def stop_book_build() -> None:
-    """End a run still going (the session stopped early) and remove its output."""
-    proc = _RUN.get("proc")
-    if proc is not None and proc.poll() is None:
+def _driver_alive() -> bool:
+    """Whether the build's driver still runs (started here, or by another xdist worker)."""
+    if _RUN["proc"] is not None:
+        return _RUN["proc"].poll() is None
+    pid = _RUN["out"] / "driver.pid"
+    if not pid.exists():
+        return True  # just started: it writes its pid first
+    try:
+        os.kill(int(pid.read_text()), 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop_book_build(session_end: bool = False) -> None:
+    """End a run still going and remove its output (at the end of the site tests, or of a
+    session stopped early). At the end of an xdist worker's session the build may still serve
+    another worker's site tests: it is left to them, and to its watch on the controller."""
+    if not _RUN or (session_end and os.environ.get("PYTEST_XDIST_TESTRUNUID")):
+        return
+    if _driver_alive():
+        pid = _RUN["proc"].pid if _RUN["proc"] is not None else \
+            int((_RUN["out"] / "driver.pid").read_text())
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
             pass
-        proc.wait()
-    if _RUN:
-        shutil.rmtree(_RUN["out"], ignore_errors=True)
+        if _RUN["proc"] is not None:
+            _RUN["proc"].wait()
+    shutil.rmtree(_RUN["out"], ignore_errors=True)
     _RUN.clear()
 
 
 def _wait_for(name: str, timeout_s: float) -> Path:
     """The run's file `name`, once written; fails naming what did not finish in time."""
-    path, proc = _RUN["out"] / name, _RUN["proc"]
+    path = _RUN["out"] / name
     deadline = time.monotonic() + timeout_s
     while not path.exists():
-        if proc.poll() is not None and not path.exists():  # it may have ended just after writing
+        if not _driver_alive() and not path.exists():  # it may have ended just after writing
             driver = (_RUN["out"] / "driver.log").read_text(errors="replace")
-            pytest.fail(f"the site run ended (exit {proc.returncode}) without writing {name}:\n"
-                        f"{driver[-5000:]}")
+            pytest.fail(f"the site run ended without writing {name}:\n{driver[-5000:]}")
         if time.monotonic() > deadline:
             stop_book_build()
             pytest.fail(f"the site run did not write {name} within {timeout_s} s")
