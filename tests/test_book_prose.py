@@ -170,7 +170,6 @@ LONG_CELLS_LEFT = {
     ("04_data/gpt_dataset.py", "class GPTDatasetConfig"),
     ("05_buffers/distributed_data_parallel.py", "class DistributedDataParallel"),
     ("kernels/flash_attention.py", "def _attn_fwd_kernel("),
-    ("model/config.py", "class ModelConfig"),
     ("parallel/rng.py", "class DefaultGenerator"), ("parallel/rng.py", "class NamedStreams"),
 }
 
