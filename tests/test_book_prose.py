@@ -169,8 +169,6 @@ LONG_CELLS_LEFT = {
     ("03_checkpoint/resume.py", "class CheckpointConfig"),
     ("04_data/gpt_dataset.py", "class GPTDatasetConfig"),
     ("05_buffers/distributed_data_parallel.py", "class DistributedDataParallel"),
-    ("kernels/flash_attention.py", "def _attn_fwd_kernel("),
-    ("parallel/rng.py", "class DefaultGenerator"), ("parallel/rng.py", "class NamedStreams"),
 }
 
 
