@@ -39,7 +39,10 @@ def _field_docs(cls) -> dict[str, str]:
 
 def document_fields(cls):
     """Class decorator: append every field's name, type, default and docstring to __doc__."""
-    docs = _field_docs(cls)
+    docs = {}
+    for klass in reversed(cls.__mro__):  # a dataclass base's fields are documented in its source
+        if dataclasses.is_dataclass(klass):
+            docs.update(_field_docs(klass))
     if not docs:
         return cls
     lines = []

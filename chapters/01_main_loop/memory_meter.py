@@ -104,7 +104,9 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 # One entry per storage allocated inside the block: its identity, a weak reference (so the
 # table does not keep it alive) and its size. A storage on another device type is not ours
 # to count; `sweep` forgets the storages that have died since the last call, and the live
-# bytes are the sum of what is left.
+# bytes are the sum of what is left. `add_outputs` takes one operator's outputs and adds those
+# whose storage is new: an output that shares an input's storage (a view, an in-place op)
+# allocated nothing and is skipped.
 
 # %%
 class _StorageTable:
@@ -119,6 +121,14 @@ class _StorageTable:
         if key is None or key[3].type != self.device.type or key[0] in self.live:
             return
         self.live[key[0]] = (key[1], key[2])
+
+    def add_outputs(self, out, args) -> None:
+        """Add each output storage of one operator that none of its inputs `args` holds."""
+        inputs = {k[0] for k in map(_storage_key, _tensors(args)) if k is not None}
+        for t in _tensors(out):
+            key = _storage_key(t)
+            if key is not None and key[0] not in inputs:
+                self.add(t)
 
     def sweep(self) -> None:
         dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
@@ -182,9 +192,7 @@ class _Readings:
 #
 # On CUDA entering and leaving the block is all the meter does: synchronize, reset the
 # allocator's peak, take the baseline. On a CPU the work happens in `__torch_dispatch__`, once
-# per operator: run it, sweep the table, then add each output storage that is new. An
-# output that shares an input's storage (a view, an in-place op) allocated nothing and is
-# skipped.
+# per operator: run it, sweep the table, then add the outputs' new storages to it.
 #
 # One more reading, for a measurement right after a collective. Gloo runs a collective on its
 # own worker thread, and that thread lets go of the collective's tensors a moment *after* the
@@ -255,11 +263,7 @@ class LiveBytesMeter(_Readings, _Settling, TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.table.sweep()
-        inputs = {k[0] for k in map(_storage_key, _tensors((args, kwargs))) if k is not None}
-        for t in _tensors(out):
-            key = _storage_key(t)
-            if key is not None and key[0] not in inputs:
-                self.table.add(t)
+        self.table.add_outputs(out, (args, kwargs))
         self._cpu_peak = max(self._cpu_peak, self.table.bytes())
         if self.record_every_op:
             self.timeline.append((time.perf_counter() - self._t0, self.table.bytes(), ""))

@@ -78,10 +78,9 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seq_len, num_heads, nu
     hi = tl.minimum((start_m + 1) * BLOCK_M, seq_len) if CAUSAL else seq_len
     for start_n in range(0, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        k = tl.load(k_base + cols[:, None] * HEAD_DIM + dims[None, :],
-                    mask=cols[:, None] < seq_len, other=0.0)
-        v = tl.load(v_base + cols[:, None] * HEAD_DIM + dims[None, :],
-                    mask=cols[:, None] < seq_len, other=0.0)
+        kv_offs, kv_in = cols[:, None] * HEAD_DIM + dims[None, :], cols[:, None] < seq_len
+        k = tl.load(k_base + kv_offs, mask=kv_in, other=0.0)
+        v = tl.load(v_base + kv_offs, mask=kv_in, other=0.0)
         x = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), UPCAST,
                 PRECISION) * scale
         valid = cols[None, :] < seq_len

@@ -1,13 +1,13 @@
 # %% [markdown]
 # # B.1 · Model: the config and its exact parameter count
 #
-# The one dataclass that describes the Llama-style GPT every chapter trains, the checks that
+# The dataclass that describes the Llama-style GPT every chapter trains, the checks that
 # reject a shape no layout can hold, and a parameter count that is exact to the last weight,
 # for the whole model and for any one rank of a TP × PP layout.
 #
-# You will build: `ModelConfig` (with `check_layout`), `tiny_config`, `llama_7b_config`,
-# `stage_layer_ranges`, `parameter_breakdown`, `count_parameters` and
-# `count_parameters_per_rank`.
+# You will build: `ModelConfig` (with `check_layout` and its field group `DecoderFields`),
+# `tiny_config`, `llama_7b_config`, `stage_layer_ranges`, `parameter_breakdown`,
+# `count_parameters` and `count_parameters_per_rank`.
 
 # %%
 from __future__ import annotations
@@ -25,6 +25,7 @@ from tinytron.parallel.vocab_parallel import padded_vocab_size
 
 __all__ = [
     "ModelConfig",
+    "DecoderFields",
     "tiny_config",
     "llama_7b_config",
     "padded_vocab_size",
@@ -140,12 +141,15 @@ class ShapeMethods:
 # the model was made for, apart from the length a run trains at (Megatron keeps the two apart,
 # `--max-position-embeddings` beside `--seq-length`): an imported Llama made for 256 positions
 # and fine-tuned at 128 still exports `max_position_embeddings: 256`.
+#
+# The fields come in two groups. The first, `DecoderFields`, is the decoder itself: the seven
+# sizes, then the norm, RoPE, tying, dropout and init.
 
 # %%
 @document_fields
 @dataclass
-class ModelConfig(ShapeMethods):
-    """Shape and hyper-parameters of the Llama-style decoder (Megatron's names)."""
+class DecoderFields:
+    """ModelConfig's first fields, the decoder itself: sizes, norm, RoPE, tying, dropout, init."""
 
     hidden_size: int
     """Width h of the residual stream."""
@@ -173,6 +177,20 @@ class ModelConfig(ShapeMethods):
     """Std of the normal init; fc2 and proj use init_std / sqrt(2 L) (Megatron's scaled init)."""
     seed: int = 1234
     """Seed of the parameter init; the same seed gives the same full weights on any layout."""
+
+
+# %% [markdown]
+# `ModelConfig` adds how a run executes that decoder (sequence parallelism, recompute, offload,
+# kernels, compile) and, last, `max_position_embeddings`; construction checks them all. The
+# fields keep one order, the group above first, which is the order of the constructor's
+# arguments.
+
+# %%
+@document_fields
+@dataclass
+class ModelConfig(DecoderFields, ShapeMethods):
+    """Shape and hyper-parameters of the Llama-style decoder (Megatron's names)."""
+
     sequence_parallel: bool = False
     """Split norms, dropout and residuals along the sequence over the TP ranks."""
     recompute_granularity: str | None = None

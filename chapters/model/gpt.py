@@ -89,16 +89,20 @@ __all__ = [
 # `repeat_interleave` at `dot_product_attention.py:169`). The mask is causal; an optional
 # `attention_mask` adds Megatron's boolean mask with **True = masked** (`[b, 1, s_q, s_k]`,
 # e.g. [chapter 00's](../00_overview/batch.py) reset-at-end-of-document mask for packed
-# sequences), combined with the
-# causal mask so that a token never attends forward. Hugging Face masks use the opposite
-# convention (1 = keep): passed here, such a mask hides every key from every query, and
-# attention over nothing still returns finite numbers. `GPTModel.forward` therefore refuses a
-# mask under which some query sees no key at all, and ids outside `[0, vocab_size)` in
-# `input_ids` or `labels` (`check_attention_mask`, `check_ids`) — when these tensors are in
-# host memory, where the check is a read of a few kilobytes. On a GPU the same check would stop
-# the host until the device has caught up (a host sync in every forward), so the model leaves
-# device tensors to the code that made the batch: it checks them on the host before the copy
-# (chapter 04's `get_batch` with `vocab_size=`, `check_token_ids`).
+# sequences), so a token never attends forward. `GPTModel.forward` refuses a mask under which
+# some query sees no key, and ids outside `[0, vocab_size)` (`check_attention_mask`,
+# `check_ids`), when these tensors are in host memory.
+#
+# <details><summary>Why these checks, and why only on the host</summary>
+#
+# Hugging Face masks use the opposite convention (1 = keep): passed here, such a mask hides
+# every key from every query, and attention over nothing still returns finite numbers. On the
+# host the check reads a few kilobytes; on a GPU it would stop the host until the device caught
+# up (a host sync in every forward), so device tensors are checked by the code that made the
+# batch, on the host before the copy (chapter 04's `get_batch` with `vocab_size=`,
+# `check_token_ids`).
+#
+# </details>
 #
 # **Context parallel.** A CP rank holds sequence chunks $r$ and $2c - 1 - r$ of every sample
 # ([appendix A](../parallel/context_parallel.py)). Its queries need the keys and values of every
@@ -117,10 +121,8 @@ __all__ = [
 # PyTorch's scaled dot-product attention with the causal mask combined with any given mask.
 # `_allowed` builds that combined mask. Example, $c = 2$, $s = 8$, CP rank 0: its queries sit at
 # positions $[0, 1, 6, 7]$ and the gathered keys at $[0, 1, 6, 7, 2, 3, 4, 5]$, so the query
-# at 6 may attend to key columns 0, 1, 2, 4, 5, 6, 7 (positions 0, 1, 6, 2, 3, 4, 5) and not to
-# column 3 (position 7): a causal mask, with its columns in the order the keys arrived (the
-# demo checks this row). Under CP the gathered keys arrive in rank order (chunks 0, 2c-1, 1,
-# 2c-2, ...): the mask, not the tensors, is put in that order.
+# at 6 may attend to key columns 0, 1, 2, 4, 5, 6, 7 and not to column 3 (position 7): a causal
+# mask, with its columns in the order the keys arrived (the demo checks this row).
 
 # %%
 class CoreAttention:
@@ -163,10 +165,8 @@ class CoreAttention:
 
 
 # %% [markdown]
-# The attention module proper owns the two weights: the fused `linear_qkv` (column-parallel) and
-# `linear_proj` (row-parallel). Its forward views the QKV output group by group, applies RoPE to
-# queries and keys, and hands the heads to core attention, or to the wrapper chapter 06
-# installs around it.
+# Two helpers: `_no_init` leaves a new weight as allocated, and `_fork` enters the RNG
+# tracker's TP fork only when dropout draws.
 
 # %%
 def _no_init(weight: torch.Tensor) -> None:
@@ -203,9 +203,10 @@ class QKVProjection:
 
 
 # %% [markdown]
-# `SelfAttention` builds the two layers with shard specs instead of an init (`init_parameters`
-# draws every weight later), and its forward runs the three steps: project, attend, project
-# back.
+# `SelfAttention` owns the two weights, the fused `linear_qkv` (column-parallel) and
+# `linear_proj` (row-parallel), built with shard specs instead of an init (`init_parameters`
+# draws every weight later). Its forward projects, attends (or lets chapter 06's
+# `attend_wrapper` attend), and projects back.
 
 # %%
 class SelfAttention(CoreAttention, QKVProjection, nn.Module):
@@ -318,20 +319,24 @@ class SwiGLUMLP(nn.Module):
 
 # %% [markdown]
 # The product is a small autograd function rather than `silu(gate) * up` on two `chunk`
-# views, for its backward. Autograd's version computes the gate's and the up half's gradients
-# as two $[s, b, f/t]$ tensors and then concatenates them into the $[s, b, 2f/t]$ gradient
-# of fc1's output: a copy of the MLP's widest tensor in every layer's backward, with both
-# halves and the concatenation alive at once. `_SwiGLUProduct` allocates that gradient once
-# and writes each half in place: $g_{up} = g \cdot \mathrm{silu}(gate)$, then
+# views, for its backward. Autograd's version computes the two halves' gradients as two
+# $[s, b, f/t]$ tensors and concatenates them into fc1's $[s, b, 2f/t]$ gradient: a copy of
+# the MLP's widest tensor in every layer's backward. `_SwiGLUProduct` allocates that gradient
+# once and writes each half in place: $g_{up} = g \cdot \mathrm{silu}(gate)$, then
 # $g \cdot up$ into the gate half and through `silu_backward` there. Those are the calls
 # autograd's `MulBackward0` and `SiluBackward0` make, so the gradients are equal bit for bit
-# (the tests compare against `F.silu(gate) * up`), and the forward saves what autograd saved
-# for the two ops — fc1's output and $\mathrm{silu}(gate)$ — so chapter 06's and 07's ledgers
-# count the same tensors. Megatron's fused `SwiGLUFunction`
-# (`megatron/core/fusions/fused_bias_swiglu.py:147`) saves only fc1's output, recomputes the
-# sigmoid in the backward and still concatenates (`swiglu_back`, `:55-69`); under
-# `torch.compile` the plain expression is kept (appendix C's `swiglu_reference`), since dynamo
-# cannot trace `out=` into views.
+# (the tests compare against `F.silu(gate) * up`).
+#
+# <details><summary>Megatron detail: what the product saves, and Megatron's fused SwiGLU</summary>
+#
+# The forward saves what autograd saved for the two ops — fc1's output and
+# $\mathrm{silu}(gate)$ — so chapter 06's and 07's ledgers count the same tensors. Megatron's
+# fused `SwiGLUFunction` (`megatron/core/fusions/fused_bias_swiglu.py:147`) saves only fc1's
+# output, recomputes the sigmoid in the backward and still concatenates (`swiglu_back`,
+# `:55-69`). Under `torch.compile` the plain expression is kept (appendix C's
+# `swiglu_reference`), since dynamo cannot trace `out=` into views.
+#
+# </details>
 
 # %%
 class _SwiGLUProduct(torch.autograd.Function):
@@ -411,12 +416,9 @@ class TransformerLayer(nn.Module):
 # parallelism (Megatron's `get_tensor_shapes`, `megatron/core/pipeline_parallel/schedules.py:2057`).
 #
 # **Activation recompute and offload** ([chapter 06](../06_recompute_offload/recompute.py)) plug in
-# from outside, since a chapter may
-# import the model but not the reverse: `GPTModel.layer_runner` replaces the decoder loop
-# (full recompute) and `SelfAttention.attend_wrapper` wraps core attention (selective recompute,
-# offload). `tinytron.recompute.apply_recompute(model)` installs both from the config's
-# `recompute_*` and offload fields; a model whose config asks for them refuses to train
-# until it has been called.
+# from outside: `tinytron.recompute.apply_recompute(model)` sets `GPTModel.layer_runner` (the
+# decoder loop, full recompute) and `SelfAttention.attend_wrapper` (selective recompute,
+# offload); a model whose config asks for them refuses to train until it has been called.
 
 # %%
 def global_parameter_name(name: str, layer_offset: int) -> str:
@@ -427,12 +429,11 @@ def global_parameter_name(name: str, layer_offset: int) -> str:
 
 # %% [markdown]
 # The output layer is a module of its own, called like every other layer, not a bare matrix the
-# head reads: anything that must happen *before a layer's weights are used* is a forward
-# pre-hook, and a weight read outside a call slips past it. [Chapter 05's](../05_buffers/distributed_data_parallel.py)
-# overlapped param all-gather is such a hook; an output matrix read directly was used while its
-# all-gather was still writing it, and the losses changed from run to run. (When the table is
-# tied on one stage there is no output layer: the embedding's call, earlier in the same
-# forward, has already waited for it.)
+# head reads: what must happen *before a layer's weights are used* is a forward pre-hook, such
+# as [chapter 05's](../05_buffers/distributed_data_parallel.py) overlapped param all-gather, and
+# a weight read outside a call slips past it (read directly, the output matrix was used while
+# its all-gather still wrote it, and the losses changed from run to run). Tied on one stage,
+# the embedding's earlier call has already waited for the table.
 
 # %%
 class OutputLayer(nn.Module):
@@ -485,14 +486,19 @@ class ChunkParts:
 # Two kinds of flags go on the weights here. **`is_embedding_or_output_parameter`** marks the
 # word embeddings on the first stage and the output layer's weight on the last: chapter 02's
 # [parameter groups](../02_optimizer/algorithms.py) give these, and only these, the
-# `decoupled_lr` / `decoupled_min_lr` schedule, and its Muon split keeps them on Adam. Megatron
-# sets the same flag in `LanguageModule.setup_embeddings_and_output_layer`
+# `decoupled_lr` / `decoupled_min_lr` schedule, and its Muon split keeps them on Adam. Tied on
+# one stage, one table carries the flag; tied across stages the last stage's copy carries it
+# too, so both copies step with the same lr and stay equal. Example: `decoupled_lr=1e-4` with
+# `lr=3e-4` on one stage, tied: two groups, the `[V, h]` table at 1e-4 and every other weight
+# at 3e-4.
+#
+# <details><summary>Megatron detail: where it sets the flag</summary>
+#
+# `LanguageModule.setup_embeddings_and_output_layer` sets it
 # (`megatron/core/models/common/language_module/language_module.py:213` for the embedding on a
-# `pre_process` chunk, `:219` for an output layer that has a weight of its own). Tied on one
-# stage there is no output layer, so one table carries the flag; tied across stages the
-# last stage's copy carries it too, so both copies step with the same lr and stay equal.
-# Example: `decoupled_lr=1e-4` with `lr=3e-4` on one stage, tied: two groups, the
-# `[V, h]` table at 1e-4 and every other weight at 3e-4.
+# `pre_process` chunk, `:219` for an output layer that has a weight of its own).
+#
+# </details>
 #
 # A table tied across two stages also carries the flags that tell the grad sync and the grad
 # norm about it; a later stage receives its input instead of embedding tokens.
@@ -570,16 +576,13 @@ class StageInput:
 
 # %% [markdown]
 # The positions of this rank's tokens (its CP chunks when $c > 1$) become the RoPE tables:
-# [page B.2](layers.py)'s `rope_cos_sin`, in the activations' dtype, and built
-# **once per sequence length**: the default positions $0 \dots s-1$ (or this CP rank's chunks)
-# are the same in every step, so their tables are cached on the model, shaped $[s, 1, d]$ to
-# broadcast over the batch, and every layer reads the same two small tensors (Megatron caches
-# its `RotaryEmbedding` output per length the same way, an `lru_cache` on `forward`,
-# `megatron/core/models/common/embeddings/rotary_pos_embedding.py:177`). Explicit
-# `position_ids` that restart per document are data, so their tables are built per batch —
-# unless they are host tensors equal to the default, which costs a comparison of host memory;
-# on a GPU that comparison would be a host sync, so device-resident positions always get
-# per-batch tables.
+# [page B.2](layers.py)'s `rope_cos_sin`, in the activations' dtype. The default positions
+# $0 \dots s-1$ (or this CP rank's chunks) are the same in every step, so their tables are
+# built **once per sequence length** and cached, shaped $[s, 1, d]$ to broadcast over the
+# batch (Megatron caches its `RotaryEmbedding` output per length too, an `lru_cache` on
+# `forward`, `megatron/core/models/common/embeddings/rotary_pos_embedding.py:177`). Explicit
+# `position_ids` that restart per document are data, built per batch, unless they are host
+# tensors equal to the default (on a GPU that comparison would be a host sync).
 
 # %%
 class RopeTables:
@@ -802,10 +805,8 @@ def build_stage_models(config: ModelConfig, grid: ParallelGrid | None = None,
 # ## Demo: the tiny model, trained for a moment, and its TP 2 twin
 #
 # The tiny config ($h = 64$, 2 layers, 4 query heads in 2 groups, $f = 128$, $V = 512$,
-# $s = 64$): its parameters are exactly `count_parameters`; at init the loss is close to
-# $\ln V = 6.24$ (the logits are almost flat); a few dozen Adam steps on a repeating sequence
-# drive it down. Then two ranks run the same model with TP 2 and sequence parallelism and
-# compare logits, loss and every gradient with the single-process model on the same batch.
+# $s = 64$): its parameters are exactly `count_parameters`, and at init the loss is close to
+# $\ln V = 6.24$ (the logits are almost flat).
 
 # %%
 if __name__ == "__main__":
@@ -852,8 +853,9 @@ if __name__ == "__main__":
     plt.show()
 
 # %% [markdown]
-# Then two ranks run the same model with TP 2 and sequence parallelism, against the single process
-# on the same batch; last, the row of core attention's worked example.
+# Then two ranks run the same model with TP 2 and sequence parallelism and compare logits, loss
+# and every gradient with the single process on the same batch; last, the row of core
+# attention's worked example.
 
 # %%
 if __name__ == "__main__":

@@ -119,11 +119,12 @@ class DefaultGenerator:
         self.device = torch.device(device)
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device}")
+        self.on_cuda = self.device.type == "cuda"
 
     @property
     def graph_safe(self) -> bool:
         """True on CUDA: forks swap state objects (capturable), not state tensors."""
-        return self.device.type == "cuda"
+        return self.on_cuda
 
     def _index(self) -> int:
         torch.cuda.init()  # default_generators is filled on CUDA's lazy init
@@ -131,22 +132,18 @@ class DefaultGenerator:
 
     def default_generator(self) -> torch.Generator:
         """The device's default generator object (what dropout draws from)."""
-        if self.device.type == "cuda":
-            return torch.cuda.default_generators[self._index()]
-        return torch.default_generator
+        return torch.cuda.default_generators[self._index()] if self.on_cuda else torch.default_generator
 
     def new_generator(self, seed: int) -> torch.Generator:
         """A fresh generator on this device, seeded: the state `manual_seed(seed)` would give."""
-        where = torch.device("cuda", self._index()) if self.device.type == "cuda" else "cpu"
+        where = torch.device("cuda", self._index()) if self.on_cuda else "cpu"
         return torch.Generator(device=where).manual_seed(seed)
 
     def _get(self) -> torch.Tensor:
-        if self.device.type == "cuda":
-            return torch.cuda.get_rng_state(self.device)
-        return torch.get_rng_state()
+        return torch.cuda.get_rng_state(self.device) if self.on_cuda else torch.get_rng_state()
 
     def _set(self, state: torch.Tensor) -> None:
-        if self.device.type == "cuda":
+        if self.on_cuda:
             torch.cuda.set_rng_state(state, self.device)
         else:
             torch.set_rng_state(state)
@@ -175,6 +172,8 @@ class DefaultGenerator:
 #
 # The class is three short parts: the streams and their states (`add`, `get_states`,
 # `set_states`, `generators`), the fork by copying (CPU) and the fork by pointing (CUDA).
+# `get_states` clones each state, an ordinary allocation, so that chapter 06's CPU meter counts
+# a snapshot the caller holds.
 
 # %%
 class NamedStreams(DefaultGenerator):
@@ -205,13 +204,11 @@ class NamedStreams(DefaultGenerator):
 
     def get_states(self) -> dict[str, torch.Tensor]:
         """A copy of every named state as a tensor (save it to rewind later)."""
-        # cloned: an ordinary allocation, so chapter 06's CPU meter counts a snapshot it holds
         return {name: gen.get_state().clone() for name, gen in self._generators.items()}
 
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
         """Make the named states equal `states` (from get_states), in the same generator objects."""
-        for name in [n for n in self._generators if n not in states]:
-            del self._generators[name]
+        self._generators = {n: g for n, g in self._generators.items() if n in states}
         for name, state in states.items():
             self._store(name, state)
 
