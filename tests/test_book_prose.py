@@ -91,7 +91,8 @@ PAGES_AT_GOAL = {
     "06_recompute_offload/offload.py", "06_recompute_offload/recompute.py",
     "08_reliability/fault_injection.py", "08_reliability/fault_tolerance.py",
     "08_reliability/full_cuda_graph.py", "08_reliability/long_run.py",
-    "08_reliability/observability.py", "08_reliability/rerun_state_machine.py",
+    "08_reliability/observability.py", "08_reliability/rerun_diagnoses.py",
+    "08_reliability/rerun_state_machine.py",
     "08_reliability/restarts.py", "08_reliability/result_checks.py", "08_reliability/timers.py",
     "08_reliability/trace.py",
     "07_memory/activations.py",
@@ -165,7 +166,6 @@ LONG_CELLS_LEFT = {
     ("01_main_loop/loop.py", "def train("), ("01_main_loop/loop.py", "def pretrain("),
     ("01_main_loop/schedules.py", "def forward_backward_1f1b_bare("),
     ("01_main_loop/schedules.py", "def forward_backward_pipelining_without_interleaving("),
-    ("03_checkpoint/resume.py", "class CheckpointConfig"),
     ("04_data/gpt_dataset.py", "class GPTDatasetConfig"),
     ("05_buffers/distributed_data_parallel.py", "class DistributedDataParallel"),
 }
@@ -202,15 +202,11 @@ LONG_PAGES_LEFT = {
     "07_memory/calculator.py",  # 4,599
     "04_data/gpt_dataset.py",  # 3,591
     "01_main_loop/loop.py",  # 3,575
-    "08_reliability/rerun_state_machine.py",  # 3,300
-    "08_reliability/restarts.py",  # 2,959
     "05_buffers/distributed_data_parallel.py",  # 2,891
     "01_main_loop/schedules.py",  # 2,884
     "02_optimizer/distributed.py",  # 2,765
     "01_main_loop/assembled.py",  # 2,657
     "01_main_loop/interleaved.py",  # 2,648
-    "03_checkpoint/resume.py",  # 2,642
-    "03_checkpoint/async_save.py",  # 2,579
     "07_memory/activations.py",  # 2,519
 }
 

@@ -10,7 +10,8 @@ import torch
 
 from tinytron.reliability.fault_injection import (CHECKPOINT_FAULT_ENV, Fault, FaultInjector,
                                                   parse_fault)
-from tinytron.reliability.rerun_state_machine import RerunState, RerunStateMachine
+from tinytron.reliability.rerun_diagnoses import RerunStateMachine
+from tinytron.reliability.rerun_state_machine import RerunState
 
 
 def test_parse_fault_round_trip_and_errors():

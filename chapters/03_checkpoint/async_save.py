@@ -107,14 +107,6 @@ WRITER_TIMEOUT_S = 600.0   # Megatron's default collective timeout, 10 minutes
 #
 # ## The staged copy
 #
-# <details><summary>Megatron detail: Megatron blocks for the copy</summary>
-#
-# Megatron blocks training until the device-to-host copy is done (`async_utils.py:273`);
-# tinytron starts the copy when the save is scheduled and waits for what is left of it only
-# just before the next `optimizer.step`, the first moment that overwrites a parameter.
-#
-# </details>
-#
 # A copy that training waits for costs its full time. In the running example a rank's share of
 # a fully parallel save is ≈ 2.0e9 × 14 B / 64 ≈ 0.44 GB (its 1/64 of the bf16 weights, the
 # fp32 masters and both Adam moments), ≈ 9 ms at PCIe Gen5's ≈ 50 GB/s: small next to a 2 s
@@ -144,11 +136,16 @@ WRITER_TIMEOUT_S = 600.0   # Megatron's default collective timeout, 10 minutes
 # inside the copy, so the thread runs beside the forward). A CPU `fork` needs no copy at all
 # and is left as it is. The buffers are
 # allocated before the planning collective, so the plan describes exactly the tensors the
-# writer will write, and the copies overlap the plan too. One precondition: with
-# `overlap_param_gather` the next forward's pre-hooks write gathered parameters (chapter 05).
-# Megatron finishes that all-gather before every save (`force_param_sync`,
+# writer will write, and the copies overlap the plan too.
+#
+# <details><summary>One precondition: no parameter all-gather in flight</summary>
+#
+# With `overlap_param_gather` the next forward's pre-hooks write gathered parameters (chapter
+# 05). Megatron finishes that all-gather before every save (`force_param_sync`,
 # `training/training.py:2788-2789`), and so does chapter 01's loop (`save_with_param_sync`):
 # after it the forward has nothing left to write.
+#
+# </details>
 #
 # <details><summary>Megatron detail: the staged copy, measured on this book's CPU</summary>
 #
@@ -239,10 +236,16 @@ def _timed_out(request: SaveRequest, timeout_s: float, who: str) -> dict:
 # So `configs/tiny.toml` with the distributed optimizer, `process` mode and
 # `OMP_NUM_THREADS=2` printed "iteration 2 queued" and never wrote the checkpoint. The child
 # now calls `torch.set_num_threads(1)` first: with one thread ATen runs every loop inline and
-# never enters libgomp, and one thread copies as fast as the disk writes. A `spawn` child
-# would start clean but see none of the parent's memory: every tensor copied into shared
-# memory first (the copy this mode exists to avoid) and torch imported per save, unless the
-# worker persists, as Megatron's `PersistentAsyncCaller` does (`async_utils.py:349`).
+# never enters libgomp, and one thread copies as fast as the disk writes.
+#
+# <details><summary>Why not a <code>spawn</code> child</summary>
+#
+# A `spawn` child would start clean but see none of the parent's memory: every tensor copied
+# into shared memory first (the copy this mode exists to avoid) and torch imported per save,
+# unless the worker persists, as Megatron's `PersistentAsyncCaller` does
+# (`async_utils.py:349`).
+#
+# </details>
 #
 # **Every wait on the writer is bounded.** Megatron's are not (`process.join()`,
 # `async_utils.py:336`), and without a bound a stuck writer (a hung mount) hangs the exit
@@ -424,10 +427,8 @@ class _SaveQueue:
 # %% [markdown]
 # ## The wait before the next optimizer step
 #
-# A staged save leaves `schedule` with its copies still running. Nothing the next forward and
-# backward do writes a parameter or an optimizer state (they write activations and
-# gradients, which a checkpoint does not hold); the first writer is the next
-# `optimizer.step`. So the loop calls `before_optimizer_step()` just before it, and only there
+# A staged save leaves `schedule` with its copies still running, and the first thing that
+# writes what they copy is the next `optimizer.step`. So the loop calls `before_optimizer_step()` just before it, and only there
 # does training wait for what is left of the copies — torchtitan's `maybe_wait_for_staging`
 # has this place in its loop. On a CPU the wait joins the staging thread. On a GPU the host
 # does not block at all: the current stream waits for the side stream's event, so the

@@ -31,11 +31,10 @@
 #     E -- no --> A["apply: weights, optimizer,<br/>scheduler, RNG, TrainState"]
 # ```
 #
-# The bookkeeping around this (the loop's counters when the loop is not importable, the
-# dictionaries of `common.pt`, the legacy save, the async finalize, the one-call API) lives in
-# the chapter's private module `tinytron.checkpoint._resume_plumbing`
-# (`chapters/03_checkpoint/_resume_plumbing.py`, named `_resume_plumbing.py` below); the page
-# keeps what decides the outcome of a resume.
+# The bookkeeping (the loop's counters, the dictionaries of `common.pt`, the legacy save, the
+# async finalize, the one-call API) lives in the private module
+# `tinytron.checkpoint._resume_plumbing` (`chapters/03_checkpoint/_resume_plumbing.py`, named
+# `_resume_plumbing.py` below); the page keeps what decides the outcome of a resume.
 #
 # You will build: `CheckpointConfig`, `get_rng_state`, `set_rng_state`, `check_model_config`,
 # `CheckpointManager` (`save`, `load`, `finalize`), `make_checkpoint_hooks`.
@@ -48,6 +47,7 @@ import time
 import random
 import warnings
 from dataclasses import dataclass
+from functools import partialmethod
 from pathlib import Path
 
 import numpy as np
@@ -63,9 +63,8 @@ from tinytron.checkpoint._resume_plumbing import (CheckpointHooks, ManagerPlumbi
                                                   save_checkpoint)
 from tinytron.checkpoint.async_save import ASYNC_MODES, WRITER_TIMEOUT_S, AsyncSaver
 from tinytron.checkpoint.formats import (CheckpointSaveError, commit_checkpoint, detect_format,
-                                         rotate_checkpoints,
-                                         prepare_staging, resolve_checkpoint_dir, staging_dir,
-                                         unwrap_chunks)
+                                         rotate_checkpoints, prepare_staging,
+                                         resolve_checkpoint_dir, staging_dir, unwrap_chunks)
 from tinytron.checkpoint.legacy import legacy_param_groups, read_legacy
 from tinytron.checkpoint.resharding import (checkpoint_quantities, optimizer_pieces,
                                             optimizer_sharded_state_dict, optimizer_state_keys,
@@ -94,14 +93,19 @@ __all__ = ["CheckpointConfig", "TrainStateFallback", "get_rng_state", "set_rng_s
 # DP ranks of a position share their streams, and the list holds DP rank 0's state alone;
 # with `data_parallel_random_init` the states of all DP ranks are gathered into it
 # (`checkpointing.py:382-391`), and on load a rank takes its own DP entry (entry 0 if DP
-# changed, or without the flag, `:1993-1996`). The gather runs over DP alone, not DP × CP:
-# with CP 2 × DP 2 the list has 2 entries, written by CP rank 0's DP group, and both CP ranks
-# of DP rank $d$ restore entry $d$. When TP or PP changed the streams mean something else —
+# changed, or without the flag, `:1993-1996`). When TP or PP changed the streams mean something else —
 # a TP rank's model-parallel seed is `seed + 2718 + tp_rank` — so, as in Megatron
 # (`checkpointing.py:1693-1706`), they are **not** restored and a warning says so.
 #
 # NumPy's state holds an array; it is stored as a list so that the checkpoint stays loadable
 # with `torch.load(weights_only=True)`.
+#
+# <details><summary>Megatron detail: the RNG list under context parallelism</summary>
+#
+# The gather runs over DP alone, not DP × CP: with CP 2 × DP 2 the list has 2 entries, written
+# by CP rank 0's DP group, and both CP ranks of DP rank $d$ restore entry $d$.
+#
+# </details>
 
 # %%
 def get_rng_state(tracker=None) -> dict:
@@ -238,12 +242,16 @@ def _save_request(manager, staging, state, chunks, optimizer, scheduler) -> Save
 # binds the iteration now: an async save of iteration 100 may be committed during iteration
 # 103, and it must still write `100` into the tracker.
 #
+# <details><summary>The manager's bookkeeping: <code>ManagerPlumbing</code></summary>
+#
 # The rest of the manager is bookkeeping, in the mixin `ManagerPlumbing`
 # (`_resume_plumbing.py`): finding the RNG tracker and gathering the
 # RNG states (every DP rank's under `data_parallel_random_init`, else a one-entry list), the
 # per-(PP, TP) objects, the legacy save (every rank writes its file, the first error is agreed
 # on, rank 0 commits) and `finalize`, which hands over to the [background saver](async_save.py)
 # and logs the blocking and background seconds of a completed save.
+#
+# </details>
 #
 # A synchronous `torch_dist` save runs the request's three phases at once (plan, write,
 # finalize) and records the seconds training was blocked.
@@ -380,10 +388,16 @@ def _read_dist(manager, directory, common, chunks, optimizer, load_optim, load_r
 # (`optimizer_param_scheduler.py:390`), which writes its lr and weight decay into every param
 # group, over the values the optimizer just restored. With `override_opt_param_scheduler` and
 # a new `max_lr`, the first resumed step runs at the new schedule's lr, not the saved one.
+# Nothing here can refuse halfway: the scheduler's own checks ran during the read.
+#
+# <details><summary>How the scheduler is checked before anything is applied</summary>
+#
 # The scheduler's own checks (a changed `max_lr` without override, say) ran already during
 # the read, on a copy (`_check_scheduler`, `_resume_plumbing.py`: the
 # saved state is loaded into a shallow copy of the scheduler that drives copies of the param
 # groups), so nothing here can refuse halfway.
+#
+# </details>
 #
 # A worked example of that order: the run saved at lr 3e-4 after warmup; the relaunch sets
 # `override_opt_param_scheduler` with `max_lr = 1e-4`. The optimizer's `load_state_dict` first
@@ -547,7 +561,6 @@ def _load(manager, model, optimizer, scheduler, root):
 @dataclass
 class CheckpointConfig:
     """Checkpoint options (Megatron's names where Megatron has them)."""
-
     save: str | None = None
     """Root directory to save to (None = never save)."""
     load: str | None = None
@@ -584,9 +597,7 @@ class CheckpointConfig:
     """The DP ranks draw different streams: save every DP rank's RNG state (else DP rank 0's)."""
     keep_latest_k: int = 0
     """After each save keep only the k newest iter_* directories (torchtitan's name); 0 = keep all."""
-
-    def __post_init__(self):
-        check_checkpoint_config(self, ASYNC_MODES)   # one-line ValueErrors (_checks.py)
+    __post_init__ = partialmethod(check_checkpoint_config, async_modes=ASYNC_MODES)  # ValueErrors
 
 
 # %% [markdown]

@@ -2,8 +2,8 @@
 
 from tinytron.reliability.rerun_state_machine import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION, EXIT_CODE_RESUME_TO_DISAMBIGUATE, RerunDataIterator,
-    RerunDiagnostic, RerunMode, RerunState, RerunStateMachine, RerunValidationStatus,
-    compare_floats)
+    RerunDiagnostic, RerunMode, RerunState, RerunValidationStatus, compare_floats)
+from tinytron.reliability.rerun_diagnoses import RerunStateMachine
 from tinytron.reliability.result_checks import (RerunConfig, RerunErrorInjector,
                                                 build_rerun_state_machine, check_grad_norms,
                                                 check_loss, checked_loss_func,
@@ -18,7 +18,7 @@ from tinytron.reliability.observability import (LoggingConfig, MetricsLogger, Pr
                                                 memory_report, read_tensorboard_scalars)
 from tinytron.reliability.full_cuda_graph import FullCudaGraphUnavailable, FullCudaGraphWrapper
 
-__pages__ = ["long_run", "rerun_state_machine", "result_checks", "fault_injection",
+__pages__ = ["long_run", "rerun_state_machine", "rerun_diagnoses", "result_checks", "fault_injection",
              "fault_tolerance", "restarts", "timers", "observability", "trace", "full_cuda_graph"]
 
 __all__ = ["EXIT_CODE_FAILED_ON_RESULT_VALIDATION", "EXIT_CODE_RESUME_TO_DISAMBIGUATE",

@@ -1,7 +1,7 @@
 """The rerun state machine's argument checks, rank gathering and checkpoint fields (not a page).
 
-The page `rerun_state_machine.py` keeps the mechanism: the states, the transitions, the
-verdicts and the tracker line. What is here only checks arguments, moves a dict between ranks,
+The pages `rerun_state_machine.py` and `rerun_diagnoses.py` keep the mechanism: the states,
+the transitions, the verdicts and the tracker line. What is here only checks arguments, moves a dict between ranks,
 copies plain fields in and out of a checkpoint, or prints a line the page decided to print.
 """
 

@@ -8,7 +8,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from tinytron.reliability.rerun_state_machine import RerunDataIterator, RerunStateMachine
+from tinytron.reliability.rerun_diagnoses import RerunStateMachine
+from tinytron.reliability.rerun_state_machine import RerunDataIterator
 
 
 # -- the rerun page's demo: a miniature train loop driven by the machine ------------------

@@ -20,8 +20,8 @@ from typing import Callable, Optional
 
 import torch
 
-from tinytron.reliability.rerun_state_machine import (RerunDiagnostic, RerunState,
-                                                      RerunStateMachine, default_identity)
+from tinytron.reliability.rerun_diagnoses import RerunStateMachine
+from tinytron.reliability.rerun_state_machine import RerunDiagnostic, RerunState, default_identity
 
 __all__ = ["VALUE_FAULTS", "PROCESS_FAULTS", "Fault", "parse_fault", "restart_attempt",
            "FaultInjector", "CHECKPOINT_FAULT_ENV"]
@@ -440,7 +440,7 @@ if __name__ == "__main__":
 #
 #    A relaunch keeps the rank numbers but may land on other
 #    machines. The story is a bad GPU, so the fault must follow the hardware: read
-#    `Stories._strikes` and what the second rerun compares in the previous page's
-#    `_second_rerun_verdict`.
+#    `Stories._strikes` and what the second rerun compares in
+#    [08.2](rerun_state_machine.py)'s `_second_rerun_verdict`.
 #
 #    </details>

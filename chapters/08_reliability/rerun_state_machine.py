@@ -7,9 +7,10 @@
 # the computation (bad data or a diverging model; a person has to look). Megatron tells them
 # apart with one idea: *run the same iteration again* — first in place on the same GPU, then,
 # if it reproduces, from a checkpoint on a different GPU — and compare. This page builds that
-# machine: its modes, states and decisions, the checks on the loss and the gradients, the
-# data iterator that can replay a step, the tracker file and the exit codes a job scheduler
-# acts on.
+# machine's modes, states, transitions and verdicts, the data iterator that can replay a step,
+# and the exit codes a job scheduler acts on; [08.3](rerun_diagnoses.py) adds what it
+# remembers across steps and launches (the spike threshold, the tracker file, the checkpoint
+# payload), assembles `RerunStateMachine` and runs three faults to their diagnoses.
 #
 # Why a machine at all, and not `if math.isnan(loss): sys.exit(1)`? Because the exit is the
 # expensive part. A month-long job on 1 024 GPUs that stops on every NaN loses its queue slot
@@ -23,12 +24,10 @@
 # %%
 from __future__ import annotations
 
-import datetime
 import enum
 import math
 import os
 import random
-import re
 import socket
 from collections import defaultdict
 from dataclasses import dataclass
@@ -38,16 +37,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tinytron.reliability._rerun_plumbing import (SpikeConsole, checked_mode, checkpoint_fields,
-                                                  gather_to_first_rank, is_last_rank,
-                                                  load_plain_fields, rejection_detail,
-                                                  replayable_iterators, say, switch_name)
+from tinytron.reliability._rerun_plumbing import (SpikeConsole, checked_mode,
+                                                  replayable_iterators)
 
 __all__ = [
     "EXIT_CODE_RESUME_TO_DISAMBIGUATE", "EXIT_CODE_FAILED_ON_RESULT_VALIDATION",
     "RerunDiagnostic", "RerunMode", "RerunState", "RerunValidationStatus", "COMPARISON_MATCH",
     "COMPARISON_MISMATCH", "compare_floats", "Caller", "Call", "RerunDataIterator",
-    "RerunStateMachine", "default_identity",
+    "default_identity", "MachineState", "Replay", "PassStarts", "Transitions", "ExitDecision",
+    "NoRerun", "Judging", "Verdicts",
 ]
 
 # %% [markdown]
@@ -210,9 +208,9 @@ class Call:
 # The iterator holds the step's micro-batches in a list and, when rewound, hands them out again
 # in order. With $m = 4$ micro-batches a step reads batches 0-3 from the loader and keeps them;
 # a rerun reads `saved[0]` … `saved[3]` and the loader is not touched; `advance()` at the next
-# step drops the four and reads batch 4. For a relaunch (below, "The tracker file and the
-# checkpoint payload") the four go into the exit-16 checkpoint: `state_dict()` hands them out,
-# `replay_from()` takes them back in the new process.
+# step drops the four and reads batch 4. For a relaunch (the checkpoint payload of
+# [08.3](rerun_diagnoses.py)) the four go into the exit-16 checkpoint: `state_dict()` hands
+# them out, `replay_from()` takes them back in the new process.
 #
 # First the four moves on that list, in a small base class: `rewind`, `advance`, and the two
 # halves of a relaunch.
@@ -331,7 +329,9 @@ def default_identity() -> tuple[str, int]:
 # (`PassStarts`), the transitions (`Transitions`), the exit decision (`ExitDecision`), the
 # judging of a value (`NoRerun`, `Judging`), the two verdicts (`Verdicts`), the spike
 # threshold (`Spikes`), the determinism statistics (`DeterminismStats`), and what it writes
-# down (`Tracker`, `Records`). `RerunStateMachine` at the end of the page is all of them.
+# down (`Tracker`, `Records`). The last four are [08.3](rerun_diagnoses.py)'s, where
+# `RerunStateMachine` puts all of them together; the methods of this page call theirs
+# (`_track`, `_maybe_report_stats`) by name.
 
 # %%
 class MachineState:
@@ -424,8 +424,8 @@ class Replay:
 # whether to run the forward-backward pass (again); a rerun first restores the RNG states and
 # rewinds the data, so the pass sees exactly what the first one saw.
 #
-# A trace, the transient fault of the demo below (iteration 3, two micro-batches, NaN on the
-# first pass only):
+# A trace, the transient fault of [08.3](rerun_diagnoses.py)'s first demo (iteration 3, two
+# micro-batches, NaN on the first pass only):
 #
 # 1. `NOT_RUNNING_YET`: save the RNG states, `advance()` the data, go to `INITIAL_RUN`, return
 #    True. The pass runs; the first micro-batch's loss is NaN, so `validate_result` records
@@ -662,406 +662,57 @@ class Verdicts:
 
 
 # %% [markdown]
-# ## Spikes against a running threshold
+# ## Demo: the comparison and the replay
 #
-# `is_unexpectedly_large` (`:697`) is a rejection function with memory: for the first
-# `num_samples = 100` values of a context ("loss", "grads") it only records the largest
-# magnitude; afterwards it rejects $|v| \ge 10 \cdot \max$. NaN and Inf return False (their
-# own checks catch them). The max is frozen after the warm-up: a loss that falls from 10 to
-# 2 still has its spike threshold at 100. The state is checkpointed with the machine.
-#
-# Worked example: the loss of the first 100 iterations peaks at 10.4, so with
-# `SPIKY_LOSS_FACTOR = 10` (`pretrain_gpt.py:150-178`) the threshold is 104. A loss of 50 at
-# iteration 5 000 passes; 120 is rejected, rerun in place once, and training carries on with
-# the rerun's gradients (the check is non-fatal). Only a value that grows tenfold trips it,
-# which is why it catches a blow-up and not the ordinary noise of a falling loss.
-
-# %%
-class Spikes:
-    """`is_unexpectedly_large` and its warm-up."""
-
-    def is_unexpectedly_large(self, result: Any, threshold: float, context: str,
-                              num_samples: int = 100, resample: bool = False) -> bool:
-        """True once `|result|` reaches `threshold` x the max of the first `num_samples` values."""
-        value = abs(_to_float(result))
-        if math.isnan(value) or math.isinf(value):
-            return False
-        if resample or context not in self.large_value_counts:
-            self.large_value_counts[context] = 0
-        console = self.spike_console
-        console.calls[context] += 1
-        console.settings[context] = (num_samples, threshold)
-        if self.large_value_counts[context] < num_samples:
-            self._learn(context, value, threshold, num_samples)
-            return False
-        if value >= self.max_values[context] * threshold:
-            console.last_large = (context, value, self.max_values[context], threshold)
-            return True
-        return False
-
-    def _learn(self, context: str, value: float, factor: float, num_samples: int) -> None:
-        """One warm-up value: the running max takes it (Megatron's rule), never silently."""
-        before, seen = self.max_values.get(context, 0.0), self.large_value_counts[context]
-        if before > 0 and value >= factor * before:   # armed, this would have been rejected
-            say(f"iteration {self.current_iteration}, rank {self.rank}: {context} {value:.6g} "
-                f">= {factor:g} x its running max {before:.6g}, but {switch_name(context)} is "
-                f"not armed yet ({seen} of {num_samples} values learned): not rejected, and "
-                f"the threshold it arms with rises to {factor * value:.6g}")
-        self.large_value_counts[context] = seen + 1
-        self.max_values[context] = max(before, value)
-        if seen + 1 == num_samples and is_last_rank():   # Megatron logs the max here (:762)
-            peak = self.max_values[context]
-            say(f"{switch_name(context)} armed in iteration {self.current_iteration}: threshold "
-                f"{factor:g} x {peak:.6g} = {factor * peak:.6g} (the largest of the first "
-                f"{num_samples} {context} values)")
-
-
-# %% [markdown]
-# In `report_determinism_stats` mode every step is rerun in place and every validated value is
-# compared with its first-pass twin: the differences are collected per message and, every
-# `REPORTING_INTERVAL_ITERATIONS`, gathered from all ranks of the machine's group to rank 0,
-# which prints them; the other ranks then start their collection afresh (Megatron's
-# `gather_object` of its `QuickStats`, `:995-1020`). A nondeterministic kernel on rank 3 shows
-# in the report even though rank 0's own values were bitwise stable.
-
-# %%
-class DeterminismStats:
-    """`report_determinism_stats`: collect each rerun's differences, print them every 2 steps."""
-
-    def _record_determinism(self, call: Call, result, compare) -> None:
-        if self.state == RerunState.INITIAL_RUN:
-            self.rerun_requested = True
-            self.saved_results[call] = _detach(result)
-        elif self.state == RerunState.RERUNNING_IN_PLACE:
-            diff = compare(self.saved_results[call], result)
-            self.determinism_diffs[call.caller.message].append(diff)
-
-    def _maybe_report_stats(self) -> None:
-        if self.current_iteration % REPORTING_INTERVAL_ITERATIONS != 0:
-            return
-        if not gather_to_first_rank(self.determinism_diffs, self.group, self.rank):
-            return   # not the printing rank (what it sent is cleared)
-        for message, diffs in self.determinism_diffs.items():
-            nonzero = sorted(d for d in diffs if d > 0)
-            print(f"determinism [{message}]: {len(diffs)} samples, "
-                  f"{len(diffs) - len(nonzero)} identical, max {max(diffs, default=0):.3e}")
-
-
-# %% [markdown]
-# ### What the console says about a spike check
-#
-# A user who switched the check on wants to know when it starts to judge, and whether a spike
-# in the warm-up slipped through. The machine prints four kinds of line, each prefixed
-# `reliability:`:
-#
-# <details><summary>Megatron detail: what Megatron prints</summary>
-#
-# The threshold is silent in Megatron until it is set ("Max value for loss: …", `:762`), and
-# a rejection is one `logger.error` line without the threshold (`:604-610`). A user who
-# switched the check on cannot tell from that when it starts to judge, nor whether a spike
-# in the warm-up slipped through. tinytron keeps Megatron's arithmetic — the same values
-# counted, the same frozen max, so a threshold means the same number in both — and adds the
-# lines below.
-#
-# </details>
-#
-# | when | where | says |
-# |---|---|---|
-# | after the first validated iteration, once per process | last rank | not armed yet; the iteration of the first value it judges |
-# | a warm-up value $\ge$ factor × the running max | the rank that saw it | not rejected, and the threshold it raises |
-# | the `num_samples`-th value | last rank | armed: factor × max = threshold |
-# | a rejection, once its rerun in place has compared | the rank that rejected | iteration, value, factor × max, the verdict |
-#
-# **When the check arms.** It counts one value per validated call: one loss per micro-batch,
-# one norm per gradient bucket; nothing in a process's first iteration (it is not validated,
-# `:591-594`) and nothing in a rerun. A relaunch learns again: the machine's state is restored
-# from a checkpoint only when a rerun is pending (`:885-887`). The loss is the micro-batch's
-# *summed* loss, as `pretrain_gpt.py:144` computes it. With $m$ micro-batches per rank per
-# iteration, a fresh run's 101st loss, the first one judged, falls in iteration
-# $1 + \lceil 101/m \rceil$: iteration 27 at $m = 4$, iteration 8 at $m = 16$. The forecast
-# line computes it from the values still to learn, $r$, and the values of the iteration just
-# done, $m$: the first judged value is in iteration $k + \lceil (r + 1)/m \rceil$, and is
-# value $r + 1 - (\lceil (r + 1)/m \rceil - 1)\,m$ of the $m$ there. At $m = 16$, after
-# iteration 2: $r = 84$, iteration $2 + \lceil 85/16 \rceil = 8$, value $85 - 5 \cdot 16 = 5$
-# — a spike in one of that iteration's first four micro-batches is still learned.
-#
-# **The rejection's line** waits for the rerun in place, so that it can carry the verdict:
-# the rejecting rank knows the value, the factor and the frozen max when it rejects, and the
-# rerun's value one pass later. From a real run of the trainer (16 micro-batches per
-# iteration, the fault injector multiplying iteration 9's losses by $10^6$):
-#
-# ```text
-# reliability: iteration 9, rank 0: Spiky loss: 3.01874e+08 >= 10 x 375349 = 3.75349e+06
-#   (check_for_spiky_loss: 10 x the largest of the first 100 loss values); the rerun in place
-#   gave 301.874: not reproduced, a transient error; training continues with the rerun's gradients
-# ```
-#
-# Its max, 375 349, is the 1000× spike of iteration 4, learned during the warm-up; the
-# largest ordinary summed loss before it was 398.8 (64 tokens at about 6.2 each), so without
-# that spike the threshold would have been about 4 000. A fatal check prints nothing here: its
-# step ends the job, and the trainer's exit line says what was found. The sentences are put
-# together in the chapter's `_rerun_plumbing.py`; this class decides when each is due.
-
-# %%
-class SpikeLines:
-    """The spike check's console lines: the forecast, and a rejection with its verdict."""
-
-    def _announce_warm_up(self) -> None:
-        """After a step: once per context, say that it is not armed yet and from when it is."""
-        console = self.spike_console
-        calls, console.calls = dict(console.calls), type(console.calls)(int)
-        for context, m in calls.items():
-            num_samples, factor = console.settings[context]
-            left = num_samples - self.large_value_counts.get(context, 0)
-            if context in console.announced or left <= 0:
-                continue
-            console.announced.add(context)
-            if is_last_rank():
-                ahead = math.ceil((left + 1) / m)   # iterations until the first judged value
-                nth = left + 1 - (ahead - 1) * m     # its place among that iteration's m
-                say(f"{switch_name(context)} is not armed yet: it learns its threshold "
-                    f"({factor:g} x the largest of the first {num_samples} {context} values "
-                    f"of each rank, {left} still to learn at {m} per iteration) and judges "
-                    f"its first value in iteration {self.current_iteration + ahead} (value "
-                    f"{nth} of {m} there); a spike before then is only warned about, and "
-                    f"raises the threshold")
-
-    def _describe_rejection(self, result, message: str, injected: bool) -> str:
-        return rejection_detail(self.spike_console, message, _to_float(result), injected)
-
-    def _say_rejection(self, outcome: str) -> None:
-        say(f"iteration {self.current_iteration}, rank {self.rank}: "
-            f"{self.spike_console.detail}; {outcome}")
-
-
-# %% [markdown]
-# ## The tracker file and the checkpoint payload
-#
-# Every event appends one line `ts=… node=… device=… jobID=… rank=… iteration=… status=…
-# result=… message='…'` (`_log_validation_error_to_file`, `:1022`); the next page reads it back
-# to skip bad iterations. Its `iteration=` is the 1-based number of the iteration being run,
-# the one whose step was rejected. The machine's state goes into every checkpoint, per rank,
-# even in steady state, so that successive checkpoints have the same structure.
-#
-# <details><summary>Megatron detail: the iteration number and the checkpoint key</summary>
-#
-# Megatron writes `current_iteration + 1` (`:1035`) because its counter starts at −1 and
-# counts from 0 (`:196`); tinytron's counts from 1 and writes it as it is — the same number,
-# the one the training log shows and `training.py:3474` skips as `iteration + 1`. Megatron's
-# per-rank state is a `ShardedObject` keyed `rerun_state_machine_state`, shape `(world,)`,
-# offset `(rank,)`, written even in steady state so that successive checkpoints have the
-# same structure.
-#
-# </details>
-#
-# With a rerun pending it also carries the step's buffered micro-batches. The relaunch replays
-# them in the rerun (`replay_from`), so the second opinion sees the rejected step's very data.
-#
-# <details><summary>Megatron detail: the relaunch replays the saved data</summary>
-#
-# Megatron writes them into the exit-16 checkpoint (`data_iterator_checkpoints`,
-# `:818-829, 853`), but loads them back only in the `NOT_RUNNING_YET` branch of the *next*
-# step (`:304-310`), right before `advance()` empties the buffer (`:311-314`); its rerun from
-# the checkpoint (`WILL_RERUN_FROM_CHECKPOINT`, `:372-374`) reads the data loader,
-# repositioned by the checkpoint's consumed-sample count — the same data only if the loader's
-# order depends on nothing but that count. tinytron's relaunch replays the saved
-# micro-batches in the rerun (`replay_from`) and reads past them in the repositioned loader,
-# so the second opinion sees the rejected step's very data even when the order comes from
-# worker timing or an unseeded shuffle (the test uses a loader whose order is new in every
-# launch). Megatron's rerun from the checkpoint reads the loader
-# (`megatron/core/rerun_state_machine.py:372-374`).
-#
-# </details>
-#
-# In numbers: with $m = 4$ micro-batches of $4 \times 2\,048$ int64 token ids, the ids alone
-# are $4 \cdot 4 \cdot 2\,048 \cdot 8 = 262\,144$ bytes per data-parallel rank,
-# written once, only into the exit-16 checkpoint; every other checkpoint carries
-# `data_iterators = None` and the same keys.
-
-# %%
-class Tracker:
-    """The tracker line."""
-
-    def _track(self, status: RerunValidationStatus, result, message: str) -> None:
-        if self.tracker_path is None:
-            return
-        node, device = self.identity_func()
-        ts = datetime.datetime.now().isoformat()
-        line = (f"ts={ts} node={node} device={device} "
-                f"jobID={os.environ.get('SLURM_JOBID', 'N/A')} rank={self.rank} "
-                f"iteration={self.current_iteration} status={status.value} "
-                f"result={_to_float(result)} message='{message}'\n")
-        with open(self.tracker_path, "a") as f:
-            f.write(line)
-
-
-# %% [markdown]
-# The checkpoint payload: the same keys in every state, the step's micro-batches only when the
-# machine is about to exit with 16, and nothing restored into a run whose mode is `disabled`.
-
-# %%
-class Records:
-    """The checkpoint payload."""
-
-    def state_dict(self, data_iterator=None) -> dict:
-        """This rank's machine state, for the checkpoint (same keys in every state); with a
-        rerun pending, the step's micro-batches of `data_iterator` too."""
-        fvc = self.failed_validation_call
-        # steady state: nothing to replay, so any iterator is accepted and none is read, as
-        # Megatron does (rerun_state_machine.py:823-824); otherwise it must be replayable
-        steady = self.state == RerunState.NOT_RUNNING_YET
-        its = [] if data_iterator is None or steady else self._iterators(data_iterator)
-        data = ([d.state_dict() for d in its]   # the step's micro-batches, only with exit 16
-                if its and self.state == RerunState.WILL_RERUN_FROM_CHECKPOINT else None)
-        return checkpoint_fields(
-            self, data,
-            None if fvc is None else [fvc.caller.message, fvc.caller.rank, fvc.sequence],
-            None if self.initial_result is None else _to_float(self.initial_result))
-
-    def load_state_dict(self, sd: dict) -> None:
-        """Restore `state_dict()`; ignored when this run, or the saved one, is disabled."""
-        if self.mode == RerunMode.DISABLED or sd["mode"] == RerunMode.DISABLED.value:
-            return
-        self.mode, self.state = RerunMode(sd["mode"]), RerunState(sd["state"])
-        load_plain_fields(self, sd)   # iteration, flags, injector, suspect, spike thresholds
-        fvc = sd["failed_validation_call"]
-        self.failed_validation_call = None if fvc is None else Call(Caller(fvc[0], fvc[1]), fvc[2])
-        self.initial_result = sd["initial_result"]
-        self.data_iterator_checkpoints = sd.get("data_iterators")  # replayed by the next pass
-
-
-# %% [markdown]
-# ## The whole machine
-#
-# The parts share nothing but the fields `MachineState.__init__` sets, so the order of the
-# bases only decides where Python looks first; `MachineState` comes last because it is the one
-# with the constructor. A reader looking for a method finds it in the part named after its job.
-# Megatron's `RerunStateMachine` is one class body of almost a thousand lines
-# (`megatron/core/rerun_state_machine.py:128-1108`); the public methods keep its names here,
-# only grouped, and `help(RerunStateMachine)` still lists them all on the one class.
-
-# %%
-class RerunStateMachine(Transitions, PassStarts, ExitDecision, Judging, NoRerun, Verdicts,
-                        Spikes, DeterminismStats, SpikeLines, Tracker, Records, Replay,
-                        MachineState):
-    """Validate results; rerun a step in place or from a checkpoint to diagnose a rejection."""
-
-
-# %% [markdown]
-# ## Demo: three faults, three diagnoses
-#
-# A deterministic two-layer model with dropout trains on fixed micro-batches. A `corrupt`
-# function plays the hardware: it turns the loss of iteration 3 into NaN — on the first pass
-# only (a transient bit flip), on every pass of "node-A" (a bad GPU), or on every pass anywhere
-# (the data itself). Each "launch" (`demo_launch`, a 20-line train loop in the chapter's
-# `_workers.py` with the `while should_run_forward_backward` body shown above) builds a
-# fresh machine, optionally loads the checkpoint dict the previous launch wrote, and runs on
-# the node we choose.
+# The machine's verdicts rest on two things this page built, and both are checked here in the
+# small numbers of the text. First the comparison: 2.000 against 2.002 is a relative difference
+# of 0.0009995, within a gradient norm's tolerance of 0.001 but not the loss's 0; two NaNs
+# match; a NaN against a number, or a value that changed sign, does not.
 
 # %%
 if __name__ == "__main__":
-    import tempfile
-
-    from tinytron.reliability._workers import demo_launch
-    from tinytron.reliability.result_checks import get_skipped_iterations_from_tracker_file
-
-    nan = float("nan")
-    tmp = tempfile.mkdtemp()
-
-    def statuses(path):
-        return [re.search(r"status=(\S+)", line)[1] for line in open(path)]
-
-    # 1. A transient fault: NaN on the first pass of iteration 3 only.
-    def transient(loss, rsm):
-        hit = rsm.current_iteration == 3 and rsm.state == RerunState.INITIAL_RUN
-        return loss * nan if hit else loss
-
-    tracker = f"{tmp}/transient.txt"
-    code, ckpt, log, rsm = demo_launch("node-A", tracker, transient)
-    print("transient:", [(it, st, round(v, 4)) for it, st, v in log if it == 3])
-    assert (code, ckpt, rsm.diagnosis) == (17, None, RerunDiagnostic.TRANSIENT_ERROR)
-    assert statuses(tracker) == ["initial_run", "first_rerun_not_reproducible"]
+    d = compare_floats(2.000, 2.002)
+    print(f"compare_floats(2.000, 2.002) = {d:.7f}: a gradient-norm match {d <= 0.001}, "
+          f"a loss match {d <= 0.0}")
+    assert abs(d - 0.0009995) < 1e-7 and d <= 0.001 and d > 0.0
+    nan, inf = float("nan"), float("inf")
+    assert compare_floats(nan, nan) == COMPARISON_MATCH
+    assert compare_floats(nan, 3.1412) == COMPARISON_MISMATCH
+    assert compare_floats(inf, -inf) == COMPARISON_MISMATCH == compare_floats(1.0, -1.0)
 
 # %% [markdown]
-# The transient fault ended at the first rerun: exit 17, no checkpoint. A bad GPU needs the
-# second opinion. Node-A exits with 16, is handed the job again and exits 16 again (a rerun on
-# the suspect proves nothing); node-B then disagrees with it.
+# Then the replay, with $m = 4$ micro-batches per step: the step reads batches 0-3 from the
+# loader and keeps them, a rerun gets the same four back without touching the loader, and the
+# next step drops them and reads batch 4.
 
 # %%
 if __name__ == "__main__":
-    # 2. A persistent fault: node-A's GPU gets iteration 3 wrong every time.
-    node_of_this_launch = {"node": "node-A"}
-
-    def bad_gpu(loss, rsm):
-        hit = rsm.current_iteration == 3 and rsm.identity_func()[0] == "node-A"
-        return loss * nan if hit else loss
-
-    tracker = f"{tmp}/persistent.txt"
-    codes = []
-    code, ckpt, _, _ = demo_launch("node-A", tracker, bad_gpu)
-    codes.append(code)
-    code, _, _, _ = demo_launch("node-A", tracker, bad_gpu, ckpt)  # rescheduled on the same GPU
-    codes.append(code)
-    code, _, log, rsm = demo_launch("node-B", tracker, bad_gpu, ckpt)
-    codes.append(code)
-    print("persistent: exit codes", codes, "->", rsm.diagnosis.value)
-    assert codes == [16, 16, 17] and rsm.diagnosis == RerunDiagnostic.PERSISTENT_ERROR
-    assert statuses(tracker)[-1] == "second_rerun_not_reproducible"
-
-# %% [markdown]
-# Bad data gives the same NaN on any GPU: node-B agrees with node-A, the verdict is a correct
-# result, and the tracker file names the iteration the next launch should skip.
-
-# %%
-if __name__ == "__main__":
-    # 3. A correct result: the data of iteration 3 gives NaN on any GPU.
-    def bad_data(loss, rsm):
-        return loss * nan if rsm.current_iteration == 3 else loss
-
-    tracker = f"{tmp}/correct.txt"
-    code1, ckpt, _, _ = demo_launch("node-A", tracker, bad_data)
-    code2, _, _, rsm = demo_launch("node-B", tracker, bad_data, ckpt)
-    print("correct result: exit codes", [code1, code2], "->", rsm.diagnosis.value,
-          "| skip on relaunch:", get_skipped_iterations_from_tracker_file(tracker))
-    assert [code1, code2] == [16, 17] and rsm.diagnosis == RerunDiagnostic.CORRECT_RESULT
-    assert get_skipped_iterations_from_tracker_file(tracker) == [3]  # defined on the next page
-
-# %% [markdown]
-# Last, the premise of it all: a rerun replays the same data and the same dropout masks. In
-# `report_determinism_stats` mode every step is rerun, and every difference is zero.
-
-# %%
-if __name__ == "__main__":
-    # 4. Reruns replay data and dropout exactly: determinism stats see only zeros.
-    code, _, log, rsm = demo_launch("node-A", None, lambda loss, rsm: loss,
-                                     mode="report_determinism_stats")
-    diffs = rsm.determinism_diffs["loss is NaN"]
-    print(f"determinism: {len(diffs)} rerun comparisons, max relative difference {max(diffs)}")
-    assert code == 0 and len(diffs) == 2 * 4 and max(diffs) == 0.0
+    loader = iter(range(100))
+    it = RerunDataIterator(loader)
+    first = [next(it) for _ in range(4)]
+    it.rewind()
+    rerun = [next(it) for _ in range(4)]
+    it.advance()
+    print("step:", first, "| rerun:", rerun, "| next step starts at", next(it))
+    assert first == rerun == [0, 1, 2, 3] and it.saved_microbatches == [4]
 
 # %% [markdown]
 # ## Summary
 #
-# - One loop around forward-backward turns a rejected loss or gradient norm into a diagnosis:
-#   rerun in place (transient if it differs), then from a checkpoint elsewhere (persistent if it
-#   differs, correct result if it agrees).
+# - A rejected loss or gradient norm is rerun in place (transient if it differs), then from a
+#   checkpoint on another GPU (persistent if it differs, a correct result if it agrees).
 # - Decisions are global (an OR over ranks), reruns replay the same micro-batches and RNG
 #   states, and the k-th validation call of a pass is matched with the k-th of the rerun.
 # - Exit code 16 means "relaunch from the checkpoint just written", 17 "stop and read the
-#   tracker file"; the tracker file also tells the next launch which iterations to skip.
+#   tracker file".
 #
 # ## How production does it
 #
 # - `megatron/core/rerun_state_machine.py`: enums `:59-113`, `should_run_forward_backward`
 #   `:271`, `should_checkpoint_and_exit` `:399`, `validate_result` `:463`,
-#   `is_unexpectedly_large` `:697`, `state_dict` `:767`, tracker `:1022/1042`,
-#   `RerunDataIterator` `:1110`, `RerunErrorInjector` `:1264`, `_compare_floats` `:1398`.
-# - Callers: `pretrain_gpt.py:150-178` (loss checks: NaN/Inf fatal, spiky loss non-fatal with
-#   `SPIKY_LOSS_FACTOR = 10`), `megatron/core/distributed/param_and_grad_buffer.py:313`
-#   (per-bucket grad-norm checks, tolerance 0.001), `megatron/training/training.py:2178,2271`
-#   (`train_step`), `:3545` (save and exit), `megatron/training/checkpointing.py:563,1758`.
-# - Next page: the fault injector drives these checks and the process-level faults (kill,
-#   hang) inside a real run.
+#   `RerunDataIterator` `:1110`, `_compare_floats` `:1398`.
+# - The loop around it: `megatron/training/training.py:2178,2271` (`train_step`).
+# - Next page: [08.3](rerun_diagnoses.py) completes the machine and runs it.
 #
 # ## Exercises
 #

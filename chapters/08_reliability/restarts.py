@@ -49,24 +49,29 @@ __all__ = ["DistributedSignalHandler", "ReliabilityConfig", "Reliability", "reru
 # (`DistributedSignalHandler`, `megatron/training/dist_signal_handler.py:50`;
 # `checkpoint_and_decide_exit`, `megatron/training/training.py:2953`).
 #
-# **One Ctrl-C can arrive twice.** A terminal sends SIGINT to its whole foreground process
-# group: `torchrun` gets it, and so does every rank that shares that group (older launchers,
-# `kill -INT -- -PGID`); `torchrun` then forwards its own copy to every rank
-# (`_shutdown(death_sig)` in `torch/distributed/elastic/agent/server/api.py`) and sends
-# SIGKILL to any rank still alive 30 s later. A handler that stops at the second SIGINT loses
-# the save the first one asked for. So the rule here is time, not count: every SIGINT within
-# `absorb_s` = 10 s of the first is absorbed (the same keypress twice, or an impatient second
-# press); one later than that raises `KeyboardInterrupt` at once, for the person who really
-# means it — the last *complete* checkpoint stays, since a save cut short never moves the
-# tracker (chapter 03). An evaluation in progress is abandoned at the next batch when a
-# signal has arrived (chapter 01's `evaluate` asks the same all-reduced question), so the
-# save fits in `torchrun`'s 30 s however long the evaluation would have been.
+# **One Ctrl-C can arrive twice**, from the terminal and again from `torchrun`, which then
+# sends SIGKILL to any rank still alive 30 s later. A handler that stops at the second SIGINT
+# loses the save the first one asked for. So the rule here is time, not count: every SIGINT
+# within `absorb_s` = 10 s of the first is absorbed; one later than that raises
+# `KeyboardInterrupt` at once, for the person who really means it — the last *complete*
+# checkpoint stays, since a save cut short never moves the tracker (chapter 03).
+#
+# <details><summary>Where the second SIGINT comes from, and the evaluation in progress</summary>
+#
+# A terminal sends SIGINT to its whole foreground process group: `torchrun` gets it, and so
+# does every rank that shares that group (older launchers, `kill -INT -- -PGID`); `torchrun`
+# then forwards its own copy to every rank (`_shutdown(death_sig)` in
+# `torch/distributed/elastic/agent/server/api.py`). An evaluation in progress is abandoned at
+# the next batch when a signal has arrived (chapter 01's `evaluate` asks the same all-reduced
+# question), so the save fits in `torchrun`'s 30 s however long the evaluation would have been.
+#
+# </details>
 #
 # The handler has chapter 01's `ExitSignal` interface (`received(grid)`), so `pretrain(...,
 # exit_signal=handler)` uses it as is.
 #
-# The question every rank asks after an iteration comes first: one all-gather of a one-int
-# flag, "did I receive a signal?", and `received()` is true when any rank's flag is.
+# First the question every rank asks after an iteration: one all-gather of a one-int flag;
+# `received()` is true when any rank's flag is.
 
 # %%
 class _AnyRankReceived:
@@ -135,9 +140,8 @@ class DistributedSignalHandler(_AnyRankReceived):
 #
 # `torchrun --nproc-per-node N --max-restarts R` runs an agent per node that watches its
 # workers. When one exits non-zero or dies — `SIGKILL`, a segfault, the rank monitor's exit
-# after a hang — the agent stops *all* workers of the job (on every node, through the
-# rendezvous), waits for the nodes to rendezvous again, and starts a fresh set of workers, up
-# to `R` times. Each new worker sees `TORCHELASTIC_RESTART_COUNT` (0, 1, …) and starts the
+# after a hang — the agent stops *all* workers of the job, on every node, and starts a fresh
+# set, up to `R` times. Each new worker sees `TORCHELASTIC_RESTART_COUNT` (0, 1, …) and starts the
 # training script from the top: build everything, then `load_checkpoint_fn` reads chapter 03's
 # tracker (`latest_checkpointed_iteration.txt`), which names the last **complete** checkpoint
 # — a save killed half-way never moved it — and training continues from there.
@@ -158,48 +162,52 @@ class DistributedSignalHandler(_AnyRankReceived):
 #   A->>W0: start a fresh worker, TORCHELASTIC_RESTART_COUNT=1
 #   A->>W1: start a fresh worker, TORCHELASTIC_RESTART_COUNT=1
 #   Note over W0,W1: the script runs from the top: groups, model, optimizer
-#   W0->>D: load_checkpoint_fn reads latest_checkpointed_iteration.txt (every rank does)
+#   W0->>D: load_checkpoint_fn reads the tracker (every rank does)
 #   D-->>W0: 4 (the half-written iteration 6 is never named)
-#   D-->>W0: iteration 4: weights, fp32 masters, moments, scheduler, RNG, consumed samples
-#   D-->>W1: the same, from rank 1's shards
-#   Note over W0,W1: train from iteration 5, where 5 and 6 are computed again with the same losses
+#   D-->>W0: iteration 4: the whole training state
+#   Note over W0,W1: train from iteration 5, with the same losses as before
 # ```
 #
 # An exit 0 (a signal: saved and stopped on purpose) ends the job; any non-zero exit or death
 # restarts it, up to `--max-restarts` times.
 #
-# **One run per save directory.** A relaunch must not start while the previous life still
-# writes: a Slurm requeue of a job whose old allocation is still alive, or the same command
-# started twice, would put two runs into one directory, each "starting fresh" or resuming the
-# other's half-written state, with their logs interleaved and both exiting 0. The trainer's
-# global rank 0 therefore holds an exclusive `flock` on `<save>/tinytron.lock` for the whole
-# run and writes its host, pid and start time into it; a second run finds the lock taken,
-# every one of its ranks exits 2 with one line that names the holder, and it has written
-# nothing. The kernel releases a `flock` when its holder dies, SIGKILL included, so the
-# relaunch after a crash never finds a stale lock (`tinytron.reliability._run_lock`).
+# **One run per save directory.** The trainer's rank 0 holds an exclusive `flock` on
+# `<save>/tinytron.lock` for the whole run; a second run started on the same directory exits
+# 2 on every rank with one line that names the holder, having written nothing.
 #
-# <details><summary>Megatron detail: no lock</summary>
+# <details><summary>Why the lock, and why it is never stale (Megatron has none)</summary>
 #
-# Megatron has no such lock and relies
-# on the scheduler to run one job per directory.
+# A Slurm requeue of a job whose old allocation is still alive, or the same command started
+# twice, would put two runs into one directory, each "starting fresh" or resuming the other's
+# half-written state, with their logs interleaved and both exiting 0. The lock file holds the
+# holder's host, pid and start time. The kernel releases a `flock` when its holder dies,
+# SIGKILL included, so the relaunch after a crash never finds a stale lock
+# (`tinytron.reliability._run_lock`). Megatron has no such lock and relies on the scheduler
+# to run one job per directory.
 #
 # </details>
 #
 # ### One store, many lives: the keys of each attempt under its own prefix
 #
-# The workers find each other through a `TCPStore`. The torchrun agent shares its own
-# rendezvous store with them (`TORCHELASTIC_USE_AGENT_STORE=True`; `MASTER_PORT` then names
-# the agent's store, not one that rank 0 hosts) — the c10d rendezvous does unless
-# `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` is set, the static one (`--master-port`) always — and
-# that store outlives the workers: it is the same object in every attempt, whichever way
-# torchrun is launched (`--nproc-per-node` alone, which picks c10d on one node,
-# `--master-port`, `--standalone`, `--rdzv-backend c10d`).
+# The workers find each other through a `TCPStore` that the torchrun agent shares with them,
+# and that store outlives the workers: it is the same object in every attempt.
 # `init_process_group("env://")` puts the world's keys under `default_pg/`, with no attempt in
 # the name, so a restarted rank asks for its peers' addresses and gets the *previous*
-# attempt's at once — gloo's `connectFullMesh` dials ports that died with the old workers
-# ("Connection refused") or waits on a peer that is dialing somewhere else; NCCL's bootstrap
-# would read the old rank 0's unique id the same way. Every subgroup made afterwards
-# (`new_group` names them "1", "2", … again in each process) collides the same way.
+# attempt's at once — gloo dials ports that died with the old workers ("Connection refused");
+# NCCL's bootstrap would read the old rank 0's unique id the same way.
+#
+# <details><summary>Which launches share the store, and the subgroups</summary>
+#
+# The agent shares its rendezvous store with the workers (`TORCHELASTIC_USE_AGENT_STORE=True`;
+# `MASTER_PORT` then names the agent's store, not one that rank 0 hosts) — the c10d rendezvous
+# does unless `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` is set, the static one (`--master-port`)
+# always — whichever way torchrun is launched (`--nproc-per-node` alone, which picks c10d on
+# one node, `--master-port`, `--standalone`, `--rdzv-backend c10d`). gloo's `connectFullMesh`
+# either gets "Connection refused" or waits on a peer that is dialing somewhere else. Every
+# subgroup made afterwards (`new_group` names them "1", "2", … again in each process) collides
+# the same way.
+#
+# </details>
 #
 # The cure is the one Megatron applies to its in-process restarts (`training.py:1088-1090`):
 # the attempt's number in front of every key. `init_torchrun_process_group` reads the store
@@ -210,12 +218,8 @@ class DistributedSignalHandler(_AnyRankReceived):
 #
 # <details><summary>Megatron detail: the launcher's keys unprefixed</summary>
 #
-# Megatron itself
-# passes `store=None` at launch (`megatron/training/initialize.py:315-317`), that is, the
-# launcher's keys as they are. Every torchrun restart attempt here gets its own
-# `PrefixStore`, so a relaunched world never reads the keys its failed predecessor left in
-# torchrun's shared store; Megatron keeps the launcher's keys unprefixed and relies on a fresh
-# store per launch.
+# Megatron itself passes `store=None` at launch (`megatron/training/initialize.py:315-317`):
+# it keeps the launcher's keys unprefixed and relies on a fresh store per launch.
 #
 # </details>
 #
@@ -246,14 +250,12 @@ def init_torchrun_process_group(backend: str, timeout) -> None:
 # process-group set-up, the checkpoint load, and the iterations since the last save, which
 # must be computed again. The next page puts numbers on each term.
 #
-# "Equal to an uninterrupted run" is a strong claim and a useful test: it holds only if the
-# checkpoint carries *everything* the next iteration depends on — weights, fp32 masters,
-# optimizer moments and step counts, the scheduler, the RNG states, the consumed samples (so
-# the sampler serves the same next batch) — and nothing depends on the process's history.
+# "Equal to an uninterrupted run" holds only if the checkpoint carries *everything* the next
+# iteration depends on ([chapter 03's resume](../03_checkpoint/resume.py)) and nothing
+# depends on the process's history.
 #
-# The config is two whole parts: `ReliabilityFields`, the section's own fields and checks on
-# top of `RerunConfig`'s, and `ReliabilityParts`, the methods that build each part's config
-# from the section; `ReliabilityConfig` is the dataclass of both.
+# The config is two parts: `ReliabilityFields`, the section's fields and checks on top of
+# `RerunConfig`'s, and `ReliabilityParts`, which builds each part's config from them.
 
 # %%
 @dataclass
@@ -348,14 +350,10 @@ class ReliabilityConfig(ReliabilityParts, ReliabilityFields):
 # The gradient check runs where Megatron runs it: on each bucket's *local* gradients, inside
 # chapter 05's `start_grad_sync`, before the bucket is scaled and reduced
 # (`param_and_grad_buffer.py:313-348`, called at `:599-603`). A NaN that one rank's GPU
-# writes into its gradients is reported by that rank alone; a check after the data-parallel
-# all-reduce would find it on every rank and could not say where it came from. The wrapped
-# schedule installs the check on every DDP chunk (`set_grad_check`) for the length of each
-# training pass, the in-place reruns included, and removes it afterwards, so evaluation
-# (`forward_only`) runs none — Megatron disables the machine during `evaluate`
-# (`training.py:3847`). The injector's gradient faults strike inside that check, in the
-# faulty rank's first local bucket, just before its norm is taken. A chunk without grad
-# buckets (no chapter 05 DDP) is checked after the schedule, on its `.grad` tensors.
+# writes into its gradients is reported by that rank alone; after the data-parallel
+# all-reduce every rank would find it. The check is installed for each training pass, the
+# in-place reruns included, and removed afterwards, so evaluation runs none — Megatron
+# disables the machine during `evaluate` (`training.py:3847`).
 #
 # ```mermaid
 # sequenceDiagram
@@ -372,10 +370,8 @@ class ReliabilityConfig(ReliabilityParts, ReliabilityFields):
 #   Note over R0,R1: the step ends, every rank reruns it in place, rank 1 judges its own value
 # ```
 #
-# `Reliability` below is seven whole parts, in the order the loop meets them: `SafetyNets`
-# (building the nets), `DataAndLoss`, `BucketChecks` and `ScheduleChecks`, `RerunStateFiles`
-# and `CheckpointHooks`, and `StepHooks`; the class `Reliability` after the last is all seven.
-# Each hook wraps one of the callables chapter 01's `train()` already takes, so the loop
+# `Reliability` below is seven parts, in the order the loop meets them, from `SafetyNets` to
+# `StepHooks`. Each hook wraps a callable chapter 01's `train()` already takes, so the loop
 # itself is not edited to gain the nets.
 #
 # Two small helpers first: where a rank keeps the machine's state for a given checkpoint, and
@@ -553,10 +549,9 @@ class ScheduleChecks:
 #
 # "The layout changed" is Megatron's test (`megatron/training/checkpointing.py:1757-1778`):
 # the world size, (TP, PP) and DP must all equal the saved ones, or the job prints "Job
-# sharding has changed: Rerun state will be ignored" and trains on. The hooks read TP, PP and
-# DP from the grid of the model chunks they are handed and write them beside the state; a
-# relaunch of a 2-rank TP2 job as DP2 has the same world size and still trains on instead of
-# rerunning a step whose per-rank state belongs to another layout.
+# sharding has changed: Rerun state will be ignored" and trains on. The hooks write TP, PP
+# and DP, read from the model chunks' grid, beside the state: a 2-rank TP2 job relaunched as
+# DP2 has the same world size and still trains on.
 #
 # The two file operations first: write this rank's machine state for an iteration (nothing in
 # steady state; a temporary file renamed, so a half-written state is never read), and read it
@@ -665,13 +660,20 @@ class Reliability(StepHooks, CheckpointHooks, RerunStateFiles, ScheduleChecks, B
 # A relaunch by `torchrun` costs process start, imports, process-group set-up and the CUDA
 # context — tens of seconds to minutes at scale — even when the failure was a recoverable
 # error in one rank. Megatron's `--inprocess-restart` (`megatron/training/inprocess_restart.py`)
-# keeps the processes: NVIDIA's `nvidia_resiliency_ext.inprocess.Wrapper` catches the error,
-# **aborts** the communicators (NCCL's `ncclCommAbort` unblocks ranks stuck in a collective;
-# Transformer Engine and the async checkpoint worker are reset too), runs a CUDA health check,
-# waits at a store barrier for the surviving ranks — optionally swapping in warm spares
-# (`--inprocess-active-world-size`) — and calls `pretrain` again, which reloads the last
-# checkpoint. Each attempt prefixes the `TCPStore` keys with its number so that stale keys of
-# the previous attempt are never read (`training.py:1088-1090`).
+# keeps the processes: it catches the error, **aborts** the communicators, waits at a store
+# barrier for the surviving ranks and calls `pretrain` again, which reloads the last
+# checkpoint.
+#
+# <details><summary>Megatron detail: what the wrapper does</summary>
+#
+# NVIDIA's `nvidia_resiliency_ext.inprocess.Wrapper` catches the error; NCCL's
+# `ncclCommAbort` unblocks ranks stuck in a collective; Transformer Engine and the async
+# checkpoint worker are reset too; a CUDA health check runs before the barrier, which can
+# swap in warm spares (`--inprocess-active-world-size`). Each attempt prefixes the `TCPStore`
+# keys with its number so that stale keys of the previous attempt are never read
+# (`training.py:1088-1090`).
+#
+# </details>
 #
 # `inprocess_restart` below is that loop for gloo: each attempt gets a fresh process group
 # over `PrefixStore("inprocess/<attempt>/", store)`; a rank whose attempt raises a recoverable
@@ -746,11 +748,10 @@ def inprocess_restart(fn, *, store, rank: int, world_size: int, max_restarts: in
 #
 # First the signal handler alone: `SIGTERM` sent to this very process is recorded, not fatal.
 # Then chapter 01's `pretrain` with chapter 03's checkpoints and every hook of this page
-# (`tinytron.reliability._run`, one rank, in this process): iteration 3's loss is NaN on
-# "node-A" only. The first launch reruns it in place, reproduces it, writes a checkpoint with
-# the machine's state and exits 16; the relaunch on "node-B" loads that checkpoint, reruns
-# iteration 3 from it, gets a finite loss and exits 17 — a persistent fault of node-A's GPU.
-# The tests do the same under `torchrun` with two ranks, plus kills, hangs and signals.
+# (`tinytron.reliability._run`, one rank): iteration 3's loss is NaN on "node-A" only. The
+# first launch reproduces it in place, saves the machine's state and exits 16; the relaunch
+# on "node-B" gets a finite loss and exits 17 — a persistent fault of node-A's GPU. The tests
+# do the same under `torchrun` with two ranks, plus kills, hangs and signals.
 
 # %%
 if __name__ == "__main__":
@@ -786,13 +787,11 @@ if __name__ == "__main__":
 # - Signals are recorded, agreed on by all ranks after the iteration, and answered with a
 #   save and exit 0.
 # - `torchrun --max-restarts` restarts every worker after a crash or a detected hang; each
-#   resumes from the tracker's last complete checkpoint, and because the checkpoint holds all
-#   of the training state the losses continue bit for bit.
+#   resumes from the last complete checkpoint, and the losses continue bit for bit.
 # - `Reliability` installs the rerun machine, the checks, the faults, the heartbeats and the
-#   timers through the loop's own hooks; the machine's state rides along with the checkpoint
-#   that exit 16 asks for.
-# - An in-process restart skips the relaunch for errors that reach Python on a backend that
-#   can be torn down; hangs, frozen hosts and CUDA errors still need a new process.
+#   timers through the loop's own hooks; the machine's state rides with the exit-16 checkpoint.
+# - An in-process restart skips the relaunch for errors that reach Python; hangs, frozen hosts
+#   and CUDA errors still need a new process.
 #
 # ## How production does it
 #
@@ -811,10 +810,9 @@ if __name__ == "__main__":
 #
 #    <details><summary>Hint</summary>
 #
-#    `_handler` only appends to `received_signals`, so the
-#    save runs to its end. Then follow chapter 01's `checkpoint_and_decide_exit` after the
-#    next iteration: every rank joins the all-gather of `signals_received`, every rank sees
-#    rank 5's flag, and all of them save that iteration and return "signal", an exit 0.
+#    `_handler` only appends to `received_signals`, so the save runs to its end. After the
+#    next iteration every rank joins the all-gather of `signals_received` (chapter 01's
+#    `checkpoint_and_decide_exit`), sees rank 5's flag, saves and exits 0.
 #
 #    </details>
 #

@@ -1,8 +1,8 @@
 # %% [markdown]
 # # 08 · Result checks: what is validated, where, and what the next launch skips
 #
-# The rerun state machine of the previous page judges whatever it is handed. This page decides
-# *what* it is handed, with Megatron's settings: the loss of every micro-batch (NaN, Inf, a
+# The rerun state machine of [08.2](rerun_state_machine.py) and [08.3](rerun_diagnoses.py)
+# judges whatever it is handed. This page decides *what* it is handed, with Megatron's settings: the loss of every micro-batch (NaN, Inf, a
 # spike), the norm of every gradient bucket before it is reduced (NaN, Inf, unexpectedly large),
 # the configuration that switches each check, Megatron's own random error injector, and the
 # bookkeeping that lets a relaunched job skip an iteration whose data is bad.
@@ -20,9 +20,10 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from tinytron.reliability.rerun_diagnoses import RerunStateMachine
 from tinytron.reliability.rerun_state_machine import (COMPARISON_MATCH, COMPARISON_MISMATCH,
                                                       RerunDiagnostic, RerunMode, RerunState,
-                                                      RerunStateMachine, default_identity)
+                                                      default_identity)
 
 __all__ = ["SPIKY_LOSS_FACTOR", "LARGE_GRAD_FACTOR", "RerunConfig", "RerunErrorInjector",
            "build_rerun_state_machine", "check_loss", "check_grad_norms", "bucket_grad_norms",
@@ -64,7 +65,7 @@ __all__ = ["SPIKY_LOSS_FACTOR", "LARGE_GRAD_FACTOR", "RerunConfig", "RerunErrorI
 # validated iteration, that the check is not armed yet and the iteration of the first value it
 # will judge; a warm-up value at or above 10 × the running max, with the threshold it raises;
 # the iteration it arms in; and each rejection, in its iteration, with the value, the
-# threshold and the rerun's verdict ([the machine's page](rerun_state_machine.py) lists the
+# threshold and the rerun's verdict ([the diagnoses page](rerun_diagnoses.py) lists the
 # four lines). The warm-up value is still not rejected: a loss that falls for its first
 # hundred values is the usual case, but a gradient norm may rise tenfold legitimately while
 # the learning rate warms up, and a check that refused to learn from it would reject every
