@@ -216,7 +216,6 @@ LONG_PAGES_LEFT = {
     "01_main_loop/interleaved.py",  # 2,648
     "03_checkpoint/resume.py",  # 2,642
     "03_checkpoint/async_save.py",  # 2,579
-    "07_memory/activations.py",  # 2,519
 }
 
 
