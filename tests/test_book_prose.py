@@ -101,6 +101,8 @@ PAGES_AT_GOAL = {
     "07_memory/megatron_model.py",
     "07_memory/peak.py",
     "07_memory/states.py",
+    "07_memory/step_compute.py",
+    "07_memory/step_overlap.py",
     "07_memory/step_time.py",
     "model/generate.py",
     "parallel/pipeline_p2p.py",
@@ -202,7 +204,6 @@ def test_code_cells_are_at_most_40_lines():
 # their words in view when the limit came; the set only shrinks.
 PAGE_WORDS_MAX, PAGE_WORDS_OPEN_MAX = 2500, 3000
 LONG_PAGES_LEFT = {
-    "07_memory/step_time.py",  # 6,724
     "07_memory/calculator.py",  # 4,599
     "04_data/gpt_dataset.py",  # 3,591
     "01_main_loop/loop.py",  # 3,575

@@ -1,4 +1,4 @@
-"""The trainer's step-time reports, from 07.8's model: at the start of a run, and at its end.
+"""The trainer's step-time reports, from 07.10's model: at the start of a run, and at its end.
 
 Not a page. `step_report_at_start` predicts the step of the run it is called for, with every
 overlap switch that run uses, and with rates that describe the machine it runs on:

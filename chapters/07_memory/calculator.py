@@ -189,7 +189,7 @@ def running_example() -> MemoryConfig:
 # ## An estimated step time
 #
 # To rank the layouts that fit, the search needs a time per iteration: the overlap-aware
-# model of the next page (07.8, `tinytron.memory.step_time.estimate_step`). Compute is
+# model of pages 07.8 to 07.10 (`tinytron.memory.step_time.estimate_step`). Compute is
 # every kernel of a micro-batch timed by appendix C's law from the device's datasheet (H100
 # SXM by default); the pipeline bubble follows from the stages' compute; each TP, DP and PP
 # transfer is charged only for what its window — by Megatron's rules, bucket by bucket —
@@ -201,9 +201,9 @@ def running_example() -> MemoryConfig:
 #
 # For the running example it estimates 1.86 s per step — 1.65 s of compute, a 0.17 s
 # bubble, 0.04 s of DP and PP transfers their windows cannot hide — the same model and
-# assumptions as 07.8 quotes, except `tp_comm_overlap`, which the search turns on and the
-# example's config file leaves off (07.8: 1.94 s with TP's traffic on the compute stream). These are
-# estimates from stated constants, not measurements; 07.9 holds the same model against
+# assumptions as 07.10 quotes, except `tp_comm_overlap`, which the search turns on and the
+# example's config file leaves off (07.10: 1.94 s with TP's traffic on the compute stream). These are
+# estimates from stated constants, not measurements; 07.11 holds the same model against
 # Megatron's published H100 throughput. `search_layouts` ranks the layouts that fit by the
 # total, and between two equal totals prefers the one with the smaller peak: the one with
 # more memory to spare. Change a constant of `Hardware` (a slower network, the A100's law)
@@ -234,7 +234,7 @@ class Hardware:
 
 
 # %% [markdown]
-# `step_time` runs 07.8's model with the search's switches and sums its items into the parts
+# `step_time` runs 07.10's model with the search's switches and sums its items into the parts
 # the search prints; what the parts leave over is the compute time NCCL takes from the SMs.
 
 # %%
@@ -775,12 +775,12 @@ def _ledger_json(cfg: MemoryConfig, dp_rank: int, why: dict | None = None) -> di
             "step_time": step_time_json(cfg)}
 
 # %% [markdown]
-# The step time in the JSON is 07.8's model under the search's switches, item by item, so
+# The step time in the JSON is 07.10's model under the search's switches, item by item, so
 # the ledger and the time of a layout travel together.
 
 # %%
 def step_time_json(cfg: MemoryConfig, hw: Hardware = Hardware()) -> dict:
-    """07.8's step time of a layout under the search's switches: seconds and exposed items."""
+    """07.10's step time of a layout under the search's switches: seconds and exposed items."""
     try:
         step = estimate_step(cfg.replace(overlap_grad_reduce=True), hw.links(),
                              search_options(cfg))
@@ -806,7 +806,7 @@ def step_time_json(cfg: MemoryConfig, hw: Hardware = Hardware()) -> dict:
 # per stage its `pp_rank`, the `device` and `host` terms in bytes, the `total` and
 # `megatron_gap` (the `difference` and every named term in bytes, zeros included), and
 # Megatron's `weight_and_optimizer`, `activation` and the formula `branch` it took.
-# It also carries `step_time`: 07.8's model of the layout under the search's switches, in
+# It also carries `step_time`: 07.10's model of the layout under the search's switches, in
 # seconds — the total, compute, bubble, optimizer and exposed parts, and every item with
 # its seconds alone and what of it stays exposed — so a program reading the ledger reads
 # the time with it. `--search --json` prints the ranked layouts the same way: each one's
@@ -996,7 +996,7 @@ if __name__ == "__main__":
 # all-gather on a later stage), and the eight lie within 3% of each other: compute is
 # almost all of each step, and what separates them is how well each layout's GEMMs fill
 # the H100's waves. The search chooses among near-equals, and the estimate's own error
-# (07.9 holds it against Megatron's published runs, within about 10%) is larger than the
+# (07.11 holds it against Megatron's published runs, within about 10%) is larger than the
 # gaps. That is why production tools confirm the top few candidates with
 # short profiling runs instead of trusting the model's ranking.
 
@@ -1060,7 +1060,7 @@ if __name__ == "__main__":
 #    </details>
 #
 # 2. Set `Hardware.network_bandwidth` to 25 GB/s. Does the best layout change, and why?
-#    (07.8's rules: which window does the reduce-scatter no longer fit?)
+#    (07.9's rules: which window does the reduce-scatter no longer fit?)
 #
 #    <details><summary>Answer</summary>
 #

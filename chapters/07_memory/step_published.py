@@ -1,8 +1,9 @@
 # %% [markdown]
-# # 07.9 · Memory: the step-time model against clocks — Megatron's published runs and this CPU
+# # 07.11 · Memory: the step-time model against clocks — Megatron's published runs and this CPU
 #
-# Page 07.8 builds a step out of kernels and transfers, each timed by a stated law. A model
-# of time is worth what it predicts on runs it was not fitted to, so this page holds it
+# Pages [07.8](step_compute.py) to [07.10](step_time.py) build a step out of kernels and
+# transfers, each timed by a stated law. A model of time is worth what it predicts on runs
+# it was not fitted to, so this page holds it
 # against two clocks. First the one table of whole-iteration throughput Megatron-LM
 # publishes for its own code: the weak-scaling runs of its README at `e03878b5f`
 # (`images/model_table.png`, H100, GPT models from 1.7 B to 462 B parameters), every row
