@@ -1,12 +1,12 @@
 # %% [markdown]
-# # 07.10 · Memory: the step in time — offload, and what stays exposed
+# # 07.11 · Memory: the step in time — offload, and what stays exposed
 #
-# [07.8](step_compute.py) timed the compute and [07.9](step_overlap.py) gave four transfers
+# [07.9](step_compute.py) timed the compute and [07.10](step_overlap.py) gave four transfers
 # their windows by Megatron's rules. This page adds the fifth, offload, against one layer's
 # compute, and puts the step together: `estimate_step` applies the five rules to every stage
 # and keeps, per item, what sticks out. The running example then reads item by item, and the
 # same model picks the offload modules that cost no time. The next page
-# ([07.11](step_published.py)) holds the model against Megatron's published H100 throughput
+# ([07.12](step_published.py)) holds the model against Megatron's published H100 throughput
 # and against real runs of the trainer on this machine.
 #
 # You will build: `offload_table`, `best_offload_modules`, `StepTime`, `tp_layer_seconds`,
@@ -227,7 +227,7 @@ class StepTime:
 # launch gaps, the scalar all-reduces of the step (gradient norm, found-inf, the logged loss:
 # microseconds on a GPU network), stragglers (a step waits for the slowest rank), and
 # contention between a transfer and the compute beyond the `interference` input. Each is
-# small on a healthy GPU cluster; 07.11's CPU check shows what they add on a crowded CPU.
+# small on a healthy GPU cluster; 07.12's CPU check shows what they add on a crowded CPU.
 
 # %% [markdown]
 # The DP rules per stage: the reduce-scatter of stage $s$ has its last backward plus the
@@ -396,8 +396,8 @@ def estimate_step(cfg: MemoryConfig, links: Links = Links(),
 # The model on the running example with Megatron's switches on (`overlap_grad_reduce`,
 # `overlap_param_gather`, a blocking save every 500 steps, all three as the running example's
 # `configs/llama7b_tp2_pp2_dp64.toml` sets them). First the four rows of the
-# back-of-envelope [07.8](step_compute.py) started from, recomputed: each transfer, its
-# window by the rules of [07.9](step_overlap.py), and what stays exposed.
+# back-of-envelope [07.9](step_compute.py) started from, recomputed: each transfer, its
+# window by the rules of [07.10](step_overlap.py), and what stays exposed.
 # Each row is one transfer of one stage; "time" is the transfer alone on its link, "window"
 # is what the rule lets it hide behind (for stage 1's reduce-scatter: its own last backward
 # plus stage 0's, the slack), "exposed" is what the step pays. Below the table the whole
@@ -460,7 +460,7 @@ if __name__ == "__main__":
 # collectives (76 ms, on the compute stream: the example's config leaves `tp_comm_overlap`
 # off), the all-gather (20 ms), the p2p (11 ms) and the reduce-scatter's last bucket (6 ms)
 # — and 0.17 s pipeline bubble. With `tp_comm_overlap` the TP traffic hides inside its GEMMs,
-# which run in two pieces each and slow by 0.2%: 1.86 s, the number 07.7's search quotes.
+# which run in two pieces each and slow by 0.2%: 1.86 s, the number 07.8's search quotes.
 
 # %%
 if __name__ == "__main__":
@@ -559,7 +559,7 @@ if __name__ == "__main__":
 # appendix C's kernel law of that GPU and the run's own options: on one GPU nothing is
 # exposed, so the error is how far the law's GEMM, attention and bandwidth fractions are from
 # what the kernels achieved. With two or more GPUs, `bash scripts/gpu_check.sh 2` also traces
-# the DP 2 and PP 2 runs of 07.11's CPU check over NCCL. `chapters/_gpu_results.py` renders
+# the DP 2 and PP 2 runs of 07.12's CPU check over NCCL. `chapters/_gpu_results.py` renders
 # the tables from `benchmarks/results/gpu/<device>.json`.
 
 # %%
@@ -574,12 +574,12 @@ if __name__ == "__main__":
 # - Offload hides when one layer's copies fit in one layer's forward (copy out) and backward
 #   (copy back); the forward binds. On a 50 GB/s PCIe link `attn_norm`, `qkv_linear`,
 #   `core_attn` and `attn_proj` hide; all five modules need a little more.
-# - `estimate_step` applies the five rules (four on [07.9](step_overlap.py), offload here)
+# - `estimate_step` applies the five rules (four on [07.10](step_overlap.py), offload here)
 #   to every stage: compute + bubble + optimizer + what each transfer cannot hide.
 # - For the running example the rules leave 0.12 s of 1.94 s exposed, most of it TP's
 #   traffic on the compute stream; among DP items the later stage's one-bucket all-gather
 #   exposes more than the reduce-scatter.
-# - The layouts' ranking (07.7's search) changes with the rules: without a pipeline there is
+# - The layouts' ranking (07.8's search) changes with the rules: without a pipeline there is
 #   no bubble and no one-bucket all-gather, so PP1 layouts that fit come first.
 #
 # ## How production does it
