@@ -387,7 +387,7 @@ if __name__ == "__main__":
     ax.invert_yaxis()
     ax.axvline(0, color="k", lw=0.8)
     ax.set_xlabel("ledger − Megatron, MiB (running example, DP rank 0)")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     plt.show()
     assert abs(sum(gap0["terms"][k] for k in keys) - gap0["difference"]) < 2 * _MIB * len(_LABELS)

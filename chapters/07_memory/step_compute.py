@@ -1,8 +1,9 @@
 # %% [markdown]
 # # 07.9 · Memory: the step in time — compute, kernel by kernel
 #
-# The ledger of the earlier pages says whether a layout *fits*; this page and the next two say
-# how long its iteration takes, and why. A step is compute plus every transfer that compute
+# The ledger of the earlier pages says whether a layout *fits*, and [07.8](calculator.py)'s
+# search ranks the layouts that fit by a step time; this page and the next two build that
+# time: how long an iteration takes, and why. A step is compute plus every transfer that compute
 # could not hide: the gradient reduce-scatter inside the backward (chapter 05), the parameter
 # all-gather inside the next forward (chapters 02 and 05), the pipeline's point-to-point sends
 # (appendix A), the checkpoint's copy to host and its write to disk (chapter 03), the
