@@ -26,7 +26,8 @@ CHAPTERS = ROOT / "chapters"
 DEFAULT_THRESHOLD = 0.5
 CHAPTER_THRESHOLDS = {"04_data": 0.6}
 PAGE_THRESHOLDS = {"03_checkpoint/resume.py": 0.6,   # pages held higher than their chapter
-                   "07_memory/calculator.py": 0.6}
+                   "07_memory/calculator.py": 0.6,
+                   "07_memory/config_ledger.py": 0.6}
 
 # Pages brought to their threshold; each is held there from then on (paths under chapters/).
 PAGES_AT_GOAL = {
@@ -97,11 +98,14 @@ PAGES_AT_GOAL = {
     "08_reliability/trace.py",
     "07_memory/activations.py",
     "07_memory/calculator.py",
+    "07_memory/config_ledger.py",
     "07_memory/ledger.py",
     "07_memory/measured.py",
     "07_memory/megatron_model.py",
     "07_memory/peak.py",
     "07_memory/states.py",
+    "07_memory/step_compute.py",
+    "07_memory/step_overlap.py",
     "07_memory/step_time.py",
     "model/generate.py",
     "parallel/pipeline_p2p.py",
@@ -198,8 +202,6 @@ def test_code_cells_are_at_most_40_lines():
 # their words in view when the limit came; the set only shrinks.
 PAGE_WORDS_MAX, PAGE_WORDS_OPEN_MAX = 2500, 3000
 LONG_PAGES_LEFT = {
-    "07_memory/step_time.py",  # 6,724
-    "07_memory/calculator.py",  # 4,599
     "04_data/gpt_dataset.py",  # 3,591
     "01_main_loop/loop.py",  # 3,575
     "05_buffers/distributed_data_parallel.py",  # 2,891
@@ -207,7 +209,6 @@ LONG_PAGES_LEFT = {
     "02_optimizer/distributed.py",  # 2,765
     "01_main_loop/assembled.py",  # 2,657
     "01_main_loop/interleaved.py",  # 2,648
-    "07_memory/activations.py",  # 2,519
 }
 
 

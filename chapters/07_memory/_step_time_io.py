@@ -1,4 +1,4 @@
-"""Plumbing of the step-time page (07.8): its time axis, the drawing, the saved CPU check.
+"""Plumbing of the step-time pages (07.11, 07.12): its time axis, the drawing, the saved CPU check.
 
 Not a page. `step_timeline` lays one iteration of the model out as lanes for the drawing;
 `plot_timeline` draws lanes; `trace_lanes` turns a traced iteration of the CPU check into

@@ -533,10 +533,14 @@ def chunk_saved(cfg: MemoryConfig, pp_rank: int, chunk: int) -> dict[str, list[S
 # every layer, and 7.51 GiB on the device plus 3.25 GiB on the host with the five offloadable
 # regions offloaded.
 #
+# <details><summary>Megatron detail: chapter 06's table, with materialized attention</summary>
+#
 # Chapter 06's 7B table assumes Megatron's materialized attention with dropout 0.1 instead.
 # Under this ledger's rule for PyTorch's math kernel on CUDA (fp32 scores, bool mask) that
 # layer keeps 5,440.0 MiB without recompute and 728.0 MiB with selective recompute: there,
 # and only there, selective recompute is what makes a stage fit.
+#
+# </details>
 
 # %%
 if __name__ == "__main__":
