@@ -168,7 +168,6 @@ LONG_CELLS_LEFT = {
     ("01_main_loop/schedules.py", "def forward_backward_1f1b_bare("),
     ("01_main_loop/schedules.py", "def forward_backward_pipelining_without_interleaving("),
     ("03_checkpoint/resume.py", "class CheckpointConfig"),
-    ("05_buffers/distributed_data_parallel.py", "class DistributedDataParallel"),
     ("kernels/flash_attention.py", "def _attn_fwd_kernel("),
     ("model/config.py", "class ModelConfig"),
     ("parallel/rng.py", "class DefaultGenerator"), ("parallel/rng.py", "class NamedStreams"),
@@ -207,7 +206,6 @@ LONG_PAGES_LEFT = {
     "01_main_loop/loop.py",  # 3,575
     "08_reliability/rerun_state_machine.py",  # 3,300
     "08_reliability/restarts.py",  # 2,959
-    "05_buffers/distributed_data_parallel.py",  # 2,891
     "01_main_loop/schedules.py",  # 2,884
     "model/gpt.py",  # 2,831
     "02_optimizer/distributed.py",  # 2,765
