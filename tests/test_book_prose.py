@@ -208,7 +208,6 @@ LONG_PAGES_LEFT = {
     "08_reliability/restarts.py",  # 2,959
     "01_main_loop/schedules.py",  # 2,884
     "model/gpt.py",  # 2,831
-    "02_optimizer/distributed.py",  # 2,765
     "01_main_loop/assembled.py",  # 2,657
     "01_main_loop/interleaved.py",  # 2,648
     "03_checkpoint/resume.py",  # 2,642
