@@ -40,8 +40,8 @@ import numpy as np
 from tinytron.data._reference import (reference_blending_indices, reference_sample_idx,
                                       reference_sample_tokens)
 from tinytron.data.blended import build_blending_indices
-from tinytron.data.gpt_dataset import (GPTDataset, GPTDatasetConfig, Split,
-                                       build_document_sample_shuffle_indices, build_document_index,
+from tinytron.data.gpt_dataset import GPTDataset, GPTDatasetConfig, Split
+from tinytron.data.gpt_indices import (build_document_sample_shuffle_indices, build_document_index,
                                        build_sample_index, build_shuffle_index,
                                        get_num_epochs, needs_separate_final_epoch)
 from tinytron.data.indexed import IndexedDataset, get_bin_path, get_idx_path, write_index_bytes

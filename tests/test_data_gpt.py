@@ -11,11 +11,11 @@ import torch
 
 from tinytron.data._reference import reference_sample_idx, reference_sample_tokens
 from tinytron.data.gpt_dataset import (GPTDataset, GPTDatasetConfig, Split,
-                                       build_document_index, build_document_sample_shuffle_indices,
-                                       build_sample_index, build_sample_index_loop,
-                                       convert_split_vector_to_split_matrix, get_num_epochs,
-                                       needs_separate_final_epoch, parse_and_normalize_split,
-                                       shuffle_index_dtype, split_indices)
+                                       convert_split_vector_to_split_matrix,
+                                       parse_and_normalize_split, split_indices)
+from tinytron.data.gpt_indices import (build_document_index, build_document_sample_shuffle_indices,
+                                       build_sample_index, build_sample_index_loop, get_num_epochs,
+                                       needs_separate_final_epoch, shuffle_index_dtype)
 from tinytron.data.indexed import IndexedDataset, IndexedDatasetBuilder, get_bin_path, get_idx_path
 
 

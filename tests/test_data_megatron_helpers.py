@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tinytron.data.blended import build_blending_indices, build_exhaustive_blending_indices
-from tinytron.data.gpt_dataset import build_document_index, build_sample_index, get_num_epochs
+from tinytron.data.gpt_indices import build_document_index, build_sample_index, get_num_epochs
 
 HELPERS_DIR = os.environ.get("TINYTRON_MEGATRON_HELPERS")
 

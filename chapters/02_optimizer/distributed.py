@@ -33,9 +33,8 @@ __all__ = ["NaiveZeRO1", "owners_by_size", "DistributedOptimizer", "merge_sharde
 # The idea of ZeRO stage 1 (Rajbhandari et al., *ZeRO: Memory Optimizations Toward Training
 # Trillion Parameter Models*, 2020) fits in one sentence: every data-parallel rank keeps the
 # whole model and computes every gradient, but each parameter's fp32 master and Adam moments
-# live on exactly one rank, the one that updates it. The simplest way to split is by whole
-# parameters, and it is worth building before the real one, because it shows what the real one
-# has to fix.
+# live on exactly one rank, the one that updates it. The simplest split is by whole
+# parameters, worth building first because it shows what the real one has to fix.
 #
 # The step, on every rank:
 #
@@ -120,7 +119,7 @@ class NaiveZeRO1:
 #
 # After chapter 05's reduce-scatter, DP rank $r$ holds the averaged gradient for the range
 # $[rS, (r+1)S)$ of every bucket, $S = \text{bucket numel}/dp$, and nothing valid elsewhere. The
-# ranges ignore parameter boundaries: a parameter can be split between two ranks. For every
+# ranges cut through parameters: one can be split between two ranks. For every
 # parameter piece inside its range the optimizer keeps four ranges (Megatron's
 # `_build_model_gbuf_param_range_map`, `megatron/core/optimizer/distrib_optimizer.py:123`):
 # where the piece is in the whole buffer, in the bucket, in my shard, and in the flattened
@@ -137,13 +136,10 @@ class NaiveZeRO1:
 # $12/dp$ (fp32 master, `exp_avg`, `exp_avg_sq`) bytes, against 18 without sharding: at $dp=8$
 # that is 7.5 bytes, 2.4× less.
 #
-# All of these bytes are **resident memory**: allocated once before the first step and alive
-# for the whole run, only overwritten. Activations, by contrast, *flow*: each micro-batch's
-# forward makes them and its backward frees them
-# ([chapter 01 measures both](../01_main_loop/resident_flowing.py)). The fp32 master weights and
-# the Adam moments are the resident part this chapter owns, 12 of the 18 bytes, and the part
-# the DistributedOptimizer shards; the param and grad buffers are
-# [chapter 05's](../05_buffers/param_and_grad_buffer.py).
+# All of these bytes are **resident**, alive for the whole run, unlike the activations that
+# each micro-batch makes and frees
+# ([chapter 01 measures both](../01_main_loop/resident_flowing.py)). The fp32 masters and Adam
+# moments, 12 of the 18 bytes, are the part this optimizer shards.
 #
 # The step (`DistributedOptimizer`, `distrib_optimizer.py:102`; copies `:2661`, `:2707`;
 # `step_with_ready_grads:3013`):
@@ -266,15 +262,14 @@ if __name__ == "__main__":
 # It is the mixed-precision optimizer of [the previous page](mixed_precision.py) with three
 # parts replaced:
 # the master params are fp32 copies of the **owned pieces** (1-D slices) and replace the model
-# params in the inner optimizer's groups (a piece of an fp32 param is its own master: the slice
-# is a view of the param, as Megatron's `shard_model_param` is, `distrib_optimizer.py:442-446`,
-# so an fp32 model costs no second copy, and the write-back skips it); the grad of a piece is the matching slice of
-# `main_grad`; the write-back goes into the bf16 `param_data` at the piece's buffer range,
-# followed by the all-gather (synchronous here, or left to the next forward's pre-hooks with
-# `overlap_param_gather`). A parameter without a piece on this rank is simply absent from this
-# rank's inner optimizer. Megatron accepts only Adam as the inner optimizer
-# (`distrib_optimizer.py:663-669`); any *elementwise* rule works the same way, but Muon needs
-# whole matrices and has its own layer-wise distribution ([the next page](layer_wise.py)).
+# params in the inner optimizer's groups (a piece of an fp32 param is its own master, a view,
+# as Megatron's `shard_model_param` is, `distrib_optimizer.py:442-446`); the grad of a piece
+# is the matching slice of `main_grad`; the write-back goes into the bf16 `param_data` at the
+# piece's buffer range, followed by the all-gather (synchronous here, or left to the next
+# forward's pre-hooks with `overlap_param_gather`). Megatron accepts only Adam as the inner
+# optimizer (`distrib_optimizer.py:663-669`); any *elementwise* rule works the same way, but
+# Muon needs whole matrices and has its own layer-wise distribution
+# ([the next page](layer_wise.py)).
 #
 # **Fused AdamW.** With `fused_adamw=True` (config `kernels = "triton"`) the pieces' masters and
 # moments become views of flat fp32 buffers, and the AdamW step plus the bf16 write-back into
@@ -283,27 +278,25 @@ if __name__ == "__main__":
 # unchanged.
 #
 #
-# **State dict.** The saved form is [the previous page's](mixed_precision.py) layout-independent one — per parameter
-# name, *full* tensors (`fp32_param`, `exp_avg`, `exp_avg_sq`, `step`). To build it each DP rank
-# fills a bucket-shard-sized vector with its pieces and one all-gather per bucket and quantity
-# reassembles the bucket; loading simply takes each rank's slice of the full tensors. So a
-# checkpoint written at DP 4 loads at DP 2 or into the plain optimizer, and the reverse.
-# Gathering full tensors on every rank does not scale to large models, so there is also a
-# *sharded* form without any communication: `sharded_state_dict()` returns only my pieces, each
-# tagged with its flat `range` inside the parameter and the parameter's full `shape` (the idea of
-# Megatron's sharded checkpoint formats, `sharded_param_state_dp_zero` … `_fs_model_space`,
-# `distrib_optimizer.py:1601-1946`);
+# **State dict.** The saved form is [the previous page's](mixed_precision.py)
+# layout-independent one: per parameter name, *full* tensors (`fp32_param`, `exp_avg`,
+# `exp_avg_sq`, `step`). Each DP rank fills a bucket-shard-sized vector with its pieces and one
+# all-gather per bucket and quantity reassembles the bucket; loading takes each rank's slice.
+# So a checkpoint written at DP 4 loads at DP 2 or into the plain optimizer, and the reverse.
+# Gathering full tensors does not scale, so there is also a *sharded* form without
+# communication: `sharded_state_dict()` returns only my pieces, each tagged with its flat
+# `range` inside the parameter and the parameter's full `shape` (the idea of Megatron's sharded
+# formats, `sharded_param_state_dp_zero` … `_fs_model_space`, `distrib_optimizer.py:1601-1946`);
 # `merge_sharded_state_dicts` turns the pieces of all ranks back into the full form.
 
 # %% [markdown]
 # The checks that refuse an inner optimizer this layout cannot serve (Muon, or a fused AdamW
-# over anything but AdamW) and a DDP that does not shard are in the chapter's private module
-# `tinytron.optimizer._checks` (`chapters/02_optimizer/_checks.py`).
+# over anything but AdamW) and a DDP that does not shard are in
+# `chapters/02_optimizer/_checks.py`.
 #
 # **The three replaced parts**, as one small class: the grad of a piece is a slice of the
 # reduce-scattered buffer; the write-back goes into the param buffer; the step ends with the
-# all-gather. The norm and `found_inf` are reduced over every rank, because the shards are
-# disjoint. Example: a `[4, 8]` weight whose buffer range is split at element 20 between two
+# all-gather. Example: a `[4, 8]` weight whose buffer range is split at element 20 between two
 # ranks. Rank 0's piece is `param_start, param_end = 0, 20`: its grad is
 # `main_grad.view(-1)[0:20]`, its master a 20-element fp32 vector; rank 1's is `[20, 32)`. The
 # norm of the whole weight's gradient is $\sqrt{n_0^2 + n_1^2}$ from the two ranks' partial
@@ -446,23 +439,27 @@ class DistributedOptimizer(ShardedCopies, MixedPrecisionOptimizer):
 # ### Several model chunks
 #
 # With virtual pipeline stages a rank holds $v$ model chunks, each wrapped in its own DDP with
-# its own buffers ([chapter 01's `wrap_with_ddp`](../01_main_loop/loop.py): only the first one
-# bucketed, `training.py:1783-1787`). Megatron does not build one optimizer per chunk: it
-# passes the whole model list to `get_megatron_optimizer` (`training.py:1979`), and the
-# DistributedOptimizer chains the chunks' buffers into one list
-# (`distrib_optimizer.py:685`). The constructor above does the same when it is given a list of
-# DDP wrappers: `buffers` is every chunk's buffers in chunk order, each bucket of each is
-# split into $dp$ ranges exactly as before, and the inner optimizer holds the pieces of all
-# chunks. So one norm, one clip and one step cover the whole stage, and the buffer index counts
-# across chunks — the order in which the legacy `distrib_optim.pt` stores its world tensors
-# ([chapter 03](../03_checkpoint/legacy.py)).
+# its own buffers. Given a list of DDP wrappers, the constructor above builds one optimizer
+# over all their buffers, as Megatron's does: one norm, one clip and one step for the whole
+# stage; only each chunk's all-gather is its own.
 #
-# Only the end of the step is per chunk: each chunk's all-gather runs synchronously at the
-# end of the step, or, with `overlap_param_gather`, is left to that chunk's next forward.
-# With virtual stages and `align_param_gather` the interleaved schedule launches those
-# gathers itself, chunk $c + 1$ as chunk $c$ starts
+# <details><summary>Megatron detail: the chunks' buffers, chained</summary>
+#
+# Each chunk has its own DDP ([chapter 01's `wrap_with_ddp`](../01_main_loop/loop.py): only the
+# first one bucketed, `training.py:1783-1787`). Megatron passes the whole model list to
+# `get_megatron_optimizer` (`training.py:1979`), and the DistributedOptimizer chains the
+# chunks' buffers into one list (`distrib_optimizer.py:685`). Here too `buffers` is every
+# chunk's buffers in chunk order, each bucket split into $dp$ ranges as before, and the buffer
+# index counts across chunks — the order in which the legacy `distrib_optim.pt` stores its
+# world tensors ([chapter 03](../03_checkpoint/legacy.py)).
+#
+# Each chunk's all-gather runs synchronously at the end of the step, or, with
+# `overlap_param_gather`, is left to that chunk's next forward. With `align_param_gather` the
+# interleaved schedule launches those gathers itself, chunk $c + 1$ as chunk $c$ starts
 # ([chapter 01's interleaved schedule](../01_main_loop/interleaved.py)), and the pre-hooks only
 # wait.
+#
+# </details>
 #
 # <details><summary>Megatron detail: how the chunked layout is tested</summary>
 #
@@ -641,9 +638,9 @@ def merge_sharded_state_dicts(parts: list[dict]) -> dict:
 # 4. `optimizer.step()` — unscale, clip with the global norm, Adam on the shard, write back,
 #    all-gather.
 #
-# Skipping step 3 used to go unnoticed: each rank would step on its own local gradients. The
-# optimizer now refuses to step until this iteration's grad sync has finished. Demo 2 below
-# runs exactly this function on two ranks.
+# Skipping step 3 would let each rank step on its own local gradients, so the optimizer
+# refuses to step until this iteration's grad sync has finished. Demo 2 runs this function on
+# two ranks.
 
 # %%
 def data_parallel_step(ddp, optimizer, micro_batches, loss_fn) -> tuple[float, bool, float | None]:
@@ -698,10 +695,10 @@ if __name__ == "__main__":
 # %% [markdown]
 # ## Demo 2: DP 2 gives the same model as the plain optimizer
 #
-# Two ranks in a real gloo world; each trains a small MLP through
+# Two gloo ranks; each trains a small MLP through
 # [chapter 05's DDP](../05_buffers/distributed_data_parallel.py) with the DistributedOptimizer on
 # its half of every batch, one `data_parallel_step` per step, with gradient clipping and a
-# dynamic loss scaler, and an inf injected into one step. Next to it, in the same process, the plain
+# dynamic loss scaler, and an inf injected into one step. Beside it, the plain
 # mixed-precision optimizer trains the same MLP on the whole batch. After 6 steps the fp32
 # params agree to rounding, the same step was skipped on both, and the state dict gathered
 # from the shards equals the plain optimizer's.
@@ -724,11 +721,10 @@ if __name__ == "__main__":
 # The [naive version](#first-whole-parameters) and the real one side by side on two gloo ranks,
 # fp32, no clipping, five AdamW steps on each rank's half of the same batches
 # (`tinytron.optimizer._naive.naive_zero1_vs_distopt`). The weights agree to rounding. The
-# state splits 512 against 360 elements in both: here one weight is more than half of the
-# model, and the real layout's 64-element alignment padding is as large as the small tensors,
-# so the two ranks' buffer ranges (equal by construction, padding included) hold the same real
-# elements as the greedy split. At the 7B scale the padding is below 0.01% of a bucket and the
-# ranges are even where whole parameters are not.
+# state splits 512 against 360 elements in both: one weight is more than half of this model,
+# and the 64-element alignment padding is as large as the small tensors, so the equal buffer
+# ranges hold the same real elements as the greedy split. At the 7B scale the padding is below
+# 0.01% of a bucket and the ranges are even where whole parameters are not.
 
 # %%
 if __name__ == "__main__":
@@ -762,9 +758,14 @@ if __name__ == "__main__":
 #
 # ## How production does it
 #
-# - Megatron: `megatron/core/optimizer/distrib_optimizer.py` (range maps `:123-323`, param
-#   groups `:324`, `__init__:609`, grad/param copies `:2661/:2707`, `step_with_ready_grads:3013`);
-#   the buffers and collectives in `megatron/core/distributed/param_and_grad_buffer.py`.
+# - Megatron: `megatron/core/optimizer/distrib_optimizer.py`; the buffers and collectives in
+#   `megatron/core/distributed/param_and_grad_buffer.py`.
+#   <details><summary>Megatron detail: where each piece is</summary>
+#
+#   In `distrib_optimizer.py`: range maps `:123-323`, param groups `:324`, `__init__:609`,
+#   grad/param copies `:2661/:2707`, `step_with_ready_grads:3013`.
+#
+#   </details>
 # - PyTorch FSDP2 (`torch.distributed.fsdp.fully_shard`) shards per parameter (dim-0 DTensor
 #   shards) instead of per bucket range, and also shards the params themselves (ZeRO-3);
 #   torchtitan uses it.

@@ -2,8 +2,8 @@
 
 from importlib import import_module
 
-__pages__ = ["indexed", "preprocess", "gpt_dataset", "index_tables", "blended", "samplers",
-             "distribute", "sft", "pipeline"]
+__pages__ = ["indexed", "preprocess", "gpt_indices", "gpt_dataset", "index_tables", "blended",
+             "samplers", "distribute", "sft", "pipeline"]
 
 # Megatron's names, importable from the package; loaded on first use so that the light
 # modules (the preprocessing CLI, the .idx reader) do not pay for the rest.

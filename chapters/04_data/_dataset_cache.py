@@ -1,6 +1,6 @@
 """Where GPTDataset's three index tables are cached, and under which key.
 
-The tables themselves are built on the page `chapters/04_data/gpt_dataset.py`; this module
+The tables themselves are built on the page `chapters/04_data/gpt_indices.py`; this module
 holds the bookkeeping around them: the description whose md5 names the cache files (Megatron's
 `megatron/core/datasets/megatron_dataset.py:57-71`, plus the data's own identity), the file
 names, the atomic writes, and the rule that only global rank 0 builds. `data_identity`,

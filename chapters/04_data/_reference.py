@@ -2,7 +2,7 @@
 
 Each function transcribes the control flow of the C++ in `megatron/core/datasets/helpers.cpp`
 (at e03878b5f) one step at a time, with no vectorization, so the fast numpy versions in
-`tinytron.data.gpt_dataset` and `tinytron.data.blended` can be checked against it:
+`tinytron.data.gpt_indices` and `tinytron.data.blended` can be checked against it:
 `build_sample_idx` (`helpers.cpp:145`), `build_blending_indices` (`:77`),
 `build_exhaustive_blending_indices` (`:22`), and a per-sample token lookup (`gpt_dataset.py:298`).
 """

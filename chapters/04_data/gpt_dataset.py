@@ -1,73 +1,29 @@
 # %% [markdown]
-# # 04 · Data: GPTDataset and its three index tables
+# # 04 · Data: GPTDataset, its splits, cache and samples
 #
-# How Megatron turns a pile of variable-length sequences into a fixed, shuffled list of
-# `seq_length + 1`-token windows — the same windows in the same order as Megatron, built with a
-# few numpy calls instead of a C++ extension, cached on disk and keyed on the data itself.
-#
-# Why three tables instead of one list of windows: a corpus of a trillion tokens read as
-# 4,097-token windows is about 244 million samples, and each must be found in constant time, in
-# a shuffled order that every data-parallel rank agrees on, and again after a restart at sample
-# 1,000,000 without replaying the first million. Materializing the windows would copy the
-# corpus; instead three small integer arrays say where each window lives in the `.bin`, and a
-# sample is a lookup. They are:
-#
-# * the **document index**: which sequence comes next in the stream, epoch after epoch, shuffled;
-# * the **sample index**: where in that stream each window starts (a position in the document
-#   index and a token offset in that sequence);
-# * the **shuffle index**: in which order the windows are handed out.
-#
-# A sample is three lookups, the last table first:
+# [04.3](gpt_indices.py) built the three index tables — document, sample and shuffle — that turn
+# a split of the corpus into shuffled `seq_length + 1`-token windows. This page wraps them in
+# Megatron's `GPTDataset`: it cuts the corpus into train, validation and test splits by
+# sequence, builds the tables once per split and caches them on disk under a key that notices
+# new data, and reads sample `i` as the dict of tokens, labels, loss mask and positions that
+# Megatron's own dataset returns for the same index.
 #
 # ```mermaid
-# flowchart TB
-#   I["sample i"] -->|"shuffle_index[i]"| J["window j"]
-#   J -->|"sample_index[j], sample_index[j + 1]"| P["(position, offset) where it starts<br/>and where it ends"]
-#   P -->|"document_index[position]"| D["which sequences of the .bin,<br/>and where in them"]
-#   D -->|"read and concatenate"| W["seq_length + 1 tokens"]
+# flowchart LR
+#   C["GPTDatasetConfig<br/>split, seed, seq_length"] --> S["split_indices:<br/>the split's sequence ids"]
+#   S --> K["describe: the cache key<br/>config + data identity"]
+#   K -->|"files there"| M["np.load, memory-mapped"]
+#   K -->|"none, rank 0"| B["build the three tables,<br/>save under the key"]
+#   M --> G["dataset[i]: three lookups,<br/>tokens, labels, masks"]
+#   B --> G
 # ```
-#
-# ### Three documents, worked by hand
-#
-# Take a split of 3 sequences of lengths 5, 3 and 4 ($T = 12$ tokens per epoch), windows of
-# $L = 3$ tokens (each reads $L + 1 = 4$) and $S = 4$ samples asked for, seed 1234.
-#
-# *Epochs.* Four samples read $4 \cdot 3 + 1 = 13$ tokens, more than 12, so $E = 2$ passes. Of
-# the second pass only one sample is needed: the first pass gives $(12 - 1)//3 = 3$ samples, so
-# $S_{last} = 4 - 3 = 1 < \lfloor 0.8 \cdot 3 \rfloor = 2$, and the second epoch is shuffled
-# apart from the first (the 80% rule below).
-#
-# *Document index.* Each epoch is `[0, 1, 2]` shuffled by `RandomState(1234)`, the first epoch
-# and then the second from the same stream: `[0, 1, 2 | 1, 2, 0]`. In that order the lengths are
-# 5, 3, 4, 3, 4, 5, so position $j$ starts at token $c_j$ = 0, 5, 8, 12, 15, 19 (and 24 ends).
-#
-# *Sample index.* Both epochs hold 24 tokens, so $(24 - 1)//3 = 7$ windows, starting at tokens
-# 0, 3, 6, ..., 21 — more than the 4 asked for, because the tables cover whole epochs. Token 6
-# lies in position 1 (5 ≤ 6 < 8) at offset 1, token 21 in position 5 at offset 2:
-#
-# | row | start token | (position, offset) | | row | start token | (position, offset) |
-# |---|---|---|---|---|---|---|
-# | 0 | 0 | (0, 0) | | 4 | 12 | (3, 0) |
-# | 1 | 3 | (0, 3) | | 5 | 15 | (4, 0) |
-# | 2 | 6 | (1, 1) | | 6 | 18 | (4, 3) |
-# | 3 | 9 | (2, 1) | | 7 | 21 | (5, 2) |
-#
-# *Shuffle index.* The 3 windows of the first epoch are shuffled among themselves, the 4 of the
-# separate last epoch among themselves, from the same stream after the document shuffles:
-# `[2, 1, 0 | 3, 5, 4, 6]`. So step 0 reads window 2, rows 2 and 3: the last 2 tokens of
-# sequence 1 (offsets 1, 2) and the first 2 of sequence 2 — 4 tokens, the inputs of the first
-# 3 and the labels of the last 3. The first $S = 4$ steps read windows 2, 1, 0 and 3, all of the
-# first epoch but one: the partial epoch does not leak into the first steps. The demo below
-# checks every one of these numbers.
 
 # %%
 from __future__ import annotations
 
-import math
 import numbers
 import os
 import re
-import sys
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
@@ -78,15 +34,13 @@ import torch
 from tinytron._fields import check_fields, check_range, document_fields
 from tinytron.data._dataset_cache import (_is_rank_zero, _save_atomic,  # noqa: F401 (re-exported)
                                           data_identity, describe, load_or_build)
+from tinytron.data.gpt_indices import build_document_sample_shuffle_indices
 from tinytron.data.indexed import IndexedDataset
 from tinytron.overview.batch import PAD_SENTINEL, get_ltor_masks_and_position_ids, mask_padding
 
 __all__ = [
     "Split", "parse_and_normalize_split", "convert_split_vector_to_split_matrix", "split_indices",
-    "GPTDatasetConfig", "checked_blend", "get_num_epochs", "needs_separate_final_epoch",
-    "build_document_index", "build_sample_index", "build_sample_index_loop", "build_shuffle_index",
-    "shuffle_index_dtype", "build_document_sample_shuffle_indices",
-    "data_identity", "GPTDataset",
+    "GPTDatasetConfig", "checked_blend", "data_identity", "GPTDataset",
 ]
 
 # %% [markdown]
@@ -130,7 +84,14 @@ def parse_and_normalize_split(split: str) -> list[float]:
     total = float(np.sum(np.array(parts, dtype=np.float64)))
     return (np.array(parts, dtype=np.float64) / total).tolist()
 
+# %% [markdown]
+# The weights become book-ends by a running sum, and book-ends become sequence ids by rounding
+# $lo \cdot n$ and $hi \cdot n$. Two neighboring splits round the same number for their shared
+# end, so no sequence is lost between them or counted in both. With `969,30,1` and 1,000
+# sequences the book-ends are $(0, .969), (.969, .999), (.999, 1)$ and the ids are 0..968,
+# 969..998 and 999; with `100,0,0` the second and third book-ends are empty, and `None`.
 
+# %%
 def convert_split_vector_to_split_matrix(vector: list[float]) -> list[Optional[tuple]]:
     """Cumulative book-ends per split; None for an empty split."""
     ends = [0.0]
@@ -174,8 +135,9 @@ def checked_blend(blend, name: str = "blend") -> tuple:
 
 
 # %% [markdown]
-# The config holds either one blend cut by `split` or one blend per split, never both. This
-# check runs when a config is made, and puts each blend through `checked_blend` with its name.
+# The config holds either one blend cut by `split` or one blend per split, never both. These
+# checks run when a config is made: the field types and ranges, each blend through
+# `checked_blend` with its name, and `split` turned into its book-ends.
 
 # %%
 def _check_blends(cfg) -> None:
@@ -191,305 +153,15 @@ def _check_blends(cfg) -> None:
         cfg.blend_per_split = [None if b is None else checked_blend(b, f"blend_per_split[{i}]")
                                for i, b in enumerate(cfg.blend_per_split)]
 
-# %% [markdown]
-# ## How many epochs, and the separate final epoch
-#
-# A split holds $T$ tokens. $S$ samples of $L$ tokens, plus the one extra token the last sample
-# reads, need $E$ passes over the data: the smallest $E \ge 1$ with $E\cdot T \ge S\cdot L + 1$
-# (`_get_num_epochs`, `gpt_dataset.py:617`, a loop there, a ceiling here).
-#
-# If the last epoch is only partly used, shuffling all $E$ epochs together would let its
-# sequences land anywhere and over-represent the documents of that partial pass early on. So
-# when the samples drawn from the final epoch are fewer than 80% of a full epoch's samples,
-# that epoch is shuffled separately and appended (`gpt_dataset.py:453-494`).
-#
-# Worked example: $T = 100$, $L = 10$, $S = 12$: $E = 2$ ($200 \ge 121$);
-# $S_{prev} = (100 - 1)//10 = 9$, $S_{last} = 3$, $S_{epoch} = 9$; $3 < \lfloor 0.8\cdot 9\rfloor = 7$
-# so the second epoch is kept apart.
-#
-# Why $+1$: with `add_extra_token_to_sequence` each window reads $L + 1$ tokens, so that the
-# inputs are tokens $0..L-1$ and the labels tokens $1..L$ of the same window, with no label
-# missing at the end. Consecutive windows share that one token (the last label of one is the
-# first input of the next), so $S$ windows cover $S L + 1$ tokens, not $S (L + 1)$. An empty
-# split asked for samples would need infinitely many epochs; tinytron stops with a one-line
-# error naming the dataset and the split.
-#
-# <details><summary>Megatron detail: an empty split</summary>
-#
-# Megatron's loop never ends there.
-#
-# </details>
 
-# %%
-def get_num_epochs(tokens_per_epoch: int, num_samples: Optional[int], seq_length: int,
-                   extra: int = 1, what: str = "dataset") -> int:
-    """Smallest E >= 1 with E * tokens_per_epoch >= num_samples * seq_length + extra."""
-    if num_samples is None:
-        return 1
-    needed = num_samples * seq_length + extra
-    if tokens_per_epoch <= extra and num_samples > 0:
-        # Megatron's epoch loop never ends here (an empty split asked for samples).
-        raise ValueError(f"{what} holds {tokens_per_epoch} tokens but {num_samples} samples of "
-                         f"{seq_length} tokens were requested: the split is empty")
-    return max(1, -(-needed // tokens_per_epoch))
-
-
-def needs_separate_final_epoch(num_epochs: int, tokens_per_epoch: int, num_samples: int,
-                               seq_length: int, extra: int = 1) -> tuple[bool, int]:
-    """(separate?, samples before the final epoch) by the 80% rule."""
-    if num_epochs == 1:
-        return False, 0
-    before_last = ((num_epochs - 1) * tokens_per_epoch - extra) // seq_length
-    from_last = num_samples - before_last
-    per_epoch = (tokens_per_epoch - extra) // seq_length
-    assert 0 <= from_last <= per_epoch + 1
-    return from_last < int(0.80 * per_epoch), before_last
-
-# %% [markdown]
-# ## The document index and the shuffle index
-#
-# The document index is the split's sequence ids repeated $E$ times and shuffled with
-# `numpy.random.RandomState(seed)`; the shuffle index is `arange(num_samples)` shuffled with the
-# *same* generator, continuing its stream. The order of the draws is part of the format: first
-# the document shuffle(s) (first $E-1$ epochs, then the last one when separate), then the sample
-# shuffle(s) (`_build_document_index`, `:640`; `_build_shuffle_index`, `:674`). A permutation of
-# $n$ items drawn by `RandomState.shuffle` depends only on $n$ and the stream, not on the dtype.
-#
-# That is why `shuffle_index_dtype` can pick the narrower type freely: a trillion-token corpus
-# of 4,097-token windows has about 244 million samples, so a `uint32` shuffle index is about
-# 0.98 GB where `int64` would be 1.95 GB, in every process that maps it, and only above
-# $2^{32} - 2$ samples is `int64` needed (`gpt_dataset.py:693`).
-#
-# Why shuffle twice: the document shuffle mixes *which text* is next to which, so a window that
-# spans a boundary joins two unrelated documents rather than two chapters of one book; the
-# sample shuffle mixes *when* each window is seen, so consecutive steps are not consecutive
-# text. Either alone leaves a pattern: documents shuffled but samples in order feed the model
-# one document's windows in a row; samples shuffled but documents in order make every
-# boundary window join the same two neighbors, epoch after epoch. Why numpy's legacy
-# `RandomState` and not `default_rng`: the order of the draws and the generator are part of
-# the format — the same seed must give the same arrays as Megatron's, bit for bit, or a run
-# resumed from a Megatron checkpoint would see different data.
-
-# %%
-def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
-                         separate_final_epoch: bool) -> np.ndarray:
-    """The sequence ids tiled num_epochs times, shuffled (int32)."""
-    if not separate_final_epoch or num_epochs == 1:
-        doc_index = np.tile(np.asarray(documents, dtype=np.int32), num_epochs)
-        rng.shuffle(doc_index)
-        return doc_index
-    first = build_document_index(documents, num_epochs - 1, rng, False)
-    last = build_document_index(documents, 1, rng, False)
-    return np.concatenate((first, last))
-
-
-def shuffle_index_dtype(total_size: int):
-    """uint32, or int64 from 2**32 - 2 samples on (gpt_dataset.py:693)."""
-    return np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
-
-
-def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.RandomState) -> np.ndarray:
-    """arange(total_size) with [0, num_samples) and [num_samples, total) shuffled separately."""
-    dtype = shuffle_index_dtype(total_size)
-    first = np.arange(num_samples, dtype=dtype)
-    rng.shuffle(first)
-    if num_samples == total_size:
-        return first
-    last = np.arange(num_samples, total_size, dtype=dtype)
-    rng.shuffle(last)
-    return np.concatenate((first, last))
-
-# %% [markdown]
-# ## The sample index: the loop first
-#
-# Megatron's C++ (`helpers.cpp:145`) walks the shuffled sequences with a token budget of
-# $L+1$ per sample and records where each sample starts: `(position in the document index,
-# token offset in that sequence)`. Because every sample re-uses the last token of the previous
-# one (the label of its last input), sample $k$ simply starts at token $kL$ of the
-# concatenated stream. What the C++ records is the sequence holding the *boundary token*, the
-# last token that sample $k-1$ reads: token $kL$ with the extra token, token $kL - 1$ without
-# it; and the offset $kL - c_j$, where $c_j$ is the first token of position $j$.
-#
-# Worked example: lengths in document-index order `4, 3, 5` ($c = 0, 4, 7, 12$), $L = 3$:
-# $(12-1)//3 = 3$ samples starting at tokens $0, 3, 6, 9$ → rows `(0,0) (0,3) (1,2) (2,2)`.
-# Sample 1 reads tokens 3..6: the last token of sequence 0 and all of sequence 1.
-#
-# Two corner rules of the C++ are kept: row 0 is always `(0, 0)` (even when the first sequence
-# is empty), and a partial last sample (validation only, when not dropped) ends at
-# `(last position, len - 1)`. Without the extra token a sample that ends exactly at a sequence
-# end is recorded as `(j, len_j)` rather than `(j+1, 0)`, because the boundary token is then
-# the last token of $j$. An empty sequence never holds a boundary, so the walk steps over it.
-#
-# The loop below is that rule said once per sample: move on to the next sequence while the
-# current one ends at or before the boundary, then record. It is the definition the fast
-# version is tested against (identical arrays, in the tests and in the demo), and it is too
-# slow to use: a Python step per sample and per sequence, about 0.11 s of CPU time per 50,000
-# samples on one thread (measured on a prefix of `benchmarks/bench_data.py`'s corpus), so
-# seconds for its million samples against the version below's milliseconds, and most of an
-# hour at a billion. The C++ is this same walk, compiled.
-
-# %%
-def _num_samples(total: int, seq_length: int, drop_last: bool, extra: int) -> int:
-    """Samples in the whole stream; a kept partial one rounds up through a float32 as the C++."""
-    if drop_last:
-        return (total - extra) // seq_length
-    return math.ceil(float(np.float32(total - extra)) / seq_length)
-
-
-def build_sample_index_loop(sizes, document_index, seq_length: int, num_epochs: int,
-                            tokens_per_epoch: int, drop_last_partial_sequence: bool = True,
-                            add_extra_token: int = 1) -> np.ndarray:
-    """Naive first: the sample index one sample at a time (int64; build_sample_index's oracle)."""
-    total = num_epochs * tokens_per_epoch
-    num_samples = _num_samples(total, seq_length, drop_last_partial_sequence, add_extra_token)
-    last, shift = len(document_index) - 1, 1 - add_extra_token
-    rows, j, start = [], 0, 0  # j: position in the document index, start: its first token
-    for k in range(num_samples + 1):
-        boundary = k * seq_length - shift  # the last token sample k - 1 reads
-        while j < last and start + int(sizes[document_index[j]]) <= boundary:
-            start += int(sizes[document_index[j]])
-            j += 1
-        rows.append((j, k * seq_length - start))
-    rows[0] = (0, 0)
-    if num_samples * seq_length - shift > total - 1:  # the kept partial sample
-        rows[-1] = (last, int(sizes[document_index[last]]) - add_extra_token)
-    return np.array(rows, dtype=np.int64).reshape(-1, 2)
-
-# %% [markdown]
-# ### The same walk as two running sums
-#
-# Follow the two columns from sample to sample. The position goes up by one each time a
-# sequence ends at or before the boundary; the offset goes up by $L$ every sample and comes
-# down by the length of each sequence left behind. So both columns are running sums
-# (`np.cumsum`) of a step array, and the only question is *at which sample* each sequence's
-# step falls: sequence $j$ ends at token $e_j = c_{j+1}$, and the first sample whose boundary
-# $kL - s$ ($s = 1$ without the extra token, else 0) reaches it is
-# $f_j = \lceil (e_j + s) / L \rceil$, one integer division for all sequences at once.
-#
-# In the example, $e = 4, 7$ (the last sequence's end needs no step) give $f = 2, 3$. Position
-# steps `[0, 0, 1, 1]` sum to `[0, 0, 1, 2]`; offset steps `[0, 3, 3-4, 3-3]` sum to
-# `[0, 3, 2, 2]`: the four rows again. Several sequences can end before the same boundary (an
-# empty one, or two shorter than $L$ in a row), so their steps are added with `np.add.at`,
-# which sums repeated indices where plain `d[f] += x` would keep only one; a step that falls
-# past the last sample goes to one spare slot at the end, cut off afterwards.
-#
-# The two sums become one. While the table is `int32` (positions and lengths below $2^{31}$,
-# the usual case) each row is 8 bytes, the size of one `uint64`. Put the position step in the
-# low 32 bits and the offset step in the high 32 bits of one `uint64` step and run one
-# `cumsum`: unsigned sums wrap around modulo $2^{64}$, so the total is exactly
-# $\text{position} + 2^{32}\cdot\text{offset}$ modulo $2^{64}$, whatever the partial sums
-# carried on the way, and viewing the result as pairs of `int32` reads the two columns with
-# no copy (on a big-endian machine the two halves swap, and the code swaps with them).
-# Otherwise the two sums run separately in `int64`.
-#
-# Why this form, and pure numpy rather than a compiled helper: per sequence it is a gather of
-# lengths, one `cumsum` and one division; per sample one fill, one in-place `cumsum`, and a
-# scatter-add at the sequence ends, with no Python-level loop and few temporaries. On the
-# benchmark's 1.07 million samples it takes 4–6.5 ms of CPU time where Megatron's compiled
-# walk takes 5.7–7.3 ms (the [next page's](index_tables.py) summary has the measurement). A
-# compiled helper of our own (Megatron compiles `helpers.cpp` with pybind11 on first use) would
-# need a compiler on every machine that opens a dataset, and would have little left to win:
-# the walk is a small part of the build (that summary again).
-#
-# <details><summary>Megatron detail: an earlier, slower form</summary>
-#
-# An earlier form of this
-# page spread the positions with `np.repeat` and then gathered each sample's first token and
-# wrote the two columns one by one: `np.repeat` alone took 3.4 ms and the whole function 2–3×
-# the C++.
-#
-# </details>
-#
-# First the running sum itself: a step per sample, the jumps added at the samples where
-# sequences end, one spare slot for the jumps past the last sample, one `cumsum`.
-
-# %%
-def _running_sum(n: int, step, at: np.ndarray, jumps, dtype) -> np.ndarray:
-    """cumsum over n samples of `step` per sample after the first plus `jumps` at samples `at`."""
-    d = np.full(n + 1, step, dtype=dtype)  # slot n: the spare for steps past the last sample
-    d[0] = 0
-    np.add.at(d, at, jumps)  # repeated samples add up
-    return np.cumsum(d, out=d)[:n]
-
-
-# %% [markdown]
-# Then the table: $f_j$ for every sequence end, and the two columns as one packed `uint64` sum
-# (or two `int64` sums when the numbers do not fit 32 bits).
-
-# %%
-def build_sample_index(sizes, document_index, seq_length: int, num_epochs: int,
-                       tokens_per_epoch: int, drop_last_partial_sequence: bool = True,
-                       add_extra_token: int = 1) -> np.ndarray:
-    """[(doc position, offset)] of every sample start: helpers.cpp build_sample_idx, vectorized."""
-    total = num_epochs * tokens_per_epoch
-    num_samples = _num_samples(total, seq_length, drop_last_partial_sequence, add_extra_token)
-    sizes = np.asarray(sizes)
-    num_docs, n, shift = len(document_index), num_samples + 1, 1 - add_extra_token
-    lengths = np.take(sizes, document_index).astype(np.int64)  # (cumsum(dtype=) casts slowly)
-    last_length = int(lengths[-1])
-    first = np.cumsum(lengths)  # each sequence's end ...
-    assert first[-1] == total, (first[-1], total)
-    first += shift + seq_length - 1
-    first //= seq_length  # ... then f_j, the first sample whose boundary lies past it
-    np.minimum(first, n, out=first)  # steps past the last sample land in the spare slot n
-    at = first[:-1]
-    if max(num_docs, int(sizes.max()) if len(sizes) else 0) > np.iinfo(np.int32).max:
-        out = np.empty((n, 2), dtype=np.int64)
-        out[:, 0] = _running_sum(n, 0, at, 1, np.int64)
-        out[:, 1] = _running_sum(n, seq_length, at, -lengths[:-1], np.int64)
-    else:  # one uint64 sum: the position in one 32-bit half, the offset in the other
-        pos, off = np.uint64(0), np.uint64(32)  # int32 pairs read the low half first ...
-        if sys.byteorder == "big":
-            pos, off = off, pos  # ... on a little-endian machine
-        steps = lengths.view(np.uint64)  # in place: one array fewer to allocate and fill
-        steps <<= off
-        np.subtract(np.uint64(1) << pos, steps, out=steps)  # +1 position, -length offset
-        packed = _running_sum(n, np.uint64(seq_length) << off, at, steps[:-1], np.uint64)
-        out = packed.view(np.int32).reshape(n, 2)
-    if num_samples * seq_length - shift > total - 1:  # the kept partial sample: the last row
-        out[-1] = (num_docs - 1, last_length - add_extra_token)
-    out[0] = (0, 0)
-    return out
-
-# %% [markdown]
-# Checked against the loop above (`tests/test_data_gpt.py`, random corpora with empty
-# sequences, both extra-token settings and the kept partial sample), against a step-by-step
-# Python transcription of the C++ (`_reference.py`), against Megatron's own compiled
-# `helpers.cpp` (`tests/test_data_megatron_helpers.py`: identical arrays in hundreds of random
-# corpora, and in `benchmarks/bench_data.py` at a million samples), and end to end against
-# Megatron's own `GPTDataset` and `BlendedDataset` (`tests/test_data_megatron_compat.py`: the
-# same tokens, labels, masks and positions for every sample of every split, blends included).
-
-# %% [markdown]
-# The three builders together, in the order that fixes the random stream: count the epochs,
-# decide on the separate final epoch, then one `RandomState(seed)` draws the document
-# shuffle(s) first and the sample shuffle(s) after, with the sample index (which draws nothing)
-# built between them (`_build_document_sample_shuffle_indices`, `gpt_dataset.py:381`). Swap
-# two of these calls and every table is still a valid permutation — and none of them is
-# Megatron's any more, which only the parity tests would notice. For the three-document example
-# this function returns exactly the arrays of the tables at the top of the page.
-
-# %%
-def build_document_sample_shuffle_indices(sizes: np.ndarray, documents: np.ndarray,
-                                          num_samples: Optional[int], seq_length: int,
-                                          seed: int = 1234, add_extra_token: int = 1,
-                                          drop_last_partial_sequence: bool = True,
-                                          what: str = "dataset"):
-    """The three tables of gpt_dataset.py:381, in Megatron's RNG stream order."""
-    tokens_per_epoch = int(np.asarray(sizes)[documents].sum(dtype=np.int64))
-    num_epochs = get_num_epochs(tokens_per_epoch, num_samples, seq_length, add_extra_token, what)
-    if tokens_per_epoch <= add_extra_token:
-        raise ValueError(f"{what} holds {tokens_per_epoch} tokens: too few for one sample")
-    separate, before_last = (needs_separate_final_epoch(num_epochs, tokens_per_epoch, num_samples,
-                                                        seq_length, add_extra_token)
-                             if num_samples is not None else (False, 0))
-    rng = np.random.RandomState(seed)
-    document_index = build_document_index(documents, num_epochs, rng, separate)
-    sample_index = build_sample_index(np.asarray(sizes), document_index, seq_length, num_epochs,
-                                      tokens_per_epoch, drop_last_partial_sequence, add_extra_token)
-    n = sample_index.shape[0] - 1
-    shuffle_index = build_shuffle_index(before_last if separate else n, n, rng)
-    return document_index, sample_index, shuffle_index
+def _check_config(cfg) -> None:
+    """GPTDatasetConfig.__post_init__: types, ranges, blends; split_matrix from split."""
+    check_fields(cfg)  # sequence_length="512" or eod_id="0" stop here, not 13 frames down
+    check_range(cfg, "sequence_length", 2)
+    check_range(cfg, "mid_level_dataset_surplus", 0)
+    _check_blends(cfg)
+    if cfg.blend_per_split is None:
+        cfg.split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(cfg.split))
 
 # %% [markdown]
 # ## A cache key that notices new data
@@ -523,8 +195,8 @@ def build_document_sample_shuffle_indices(sizes: np.ndarray, documents: np.ndarr
 # names and the rank-0 rule — is in `tinytron.data._dataset_cache`; the class below calls its
 # `describe` and `load_or_build`, and `data_identity` is importable from this page.
 #
-# What the key looks like, for the 3-document corpus of the worked example below: the
-# description is a JSON object of 14 fields, among them `"num_samples": 4`,
+# What the key looks like, for the 3-document corpus of [04.3's](gpt_indices.py) worked
+# example: the description is a JSON object of 14 fields, among them `"num_samples": 4`,
 # `"sequence_length": 3`, `"random_seed": 1234`, `"index_split": "train"`, `"num_indices": 3`
 # and `"data": {"idx_blake2b": ..., "idx_size": ..., "bin_size": ...}`; its md5 (32 hex digits)
 # starts every file name, as in `<md5>-GPTDataset-train-sample_index.npy`. Ask for 5 samples
@@ -583,18 +255,17 @@ class GPTDatasetConfig:
     """Drop the last partial valid sample (else pad it)."""
     add_extra_token_to_sequence: bool = True
     """Read seq_length + 1 tokens so labels need no padding."""
-    split_matrix: Optional[list] = field(init=False, default=None)
-    """Book-ends derived from `split`."""
+    split_matrix: Optional[list] = field(init=False, default=None)  # the book-ends of `split`
 
-    def __post_init__(self):
-        check_fields(self)  # sequence_length="512" or eod_id="0" stop here, not 13 frames down
-        check_range(self, "sequence_length", 2)
-        check_range(self, "mid_level_dataset_surplus", 0)
-        _check_blends(self)
-        if self.blend_per_split is None:
-            self.split_matrix = convert_split_vector_to_split_matrix(
-                parse_and_normalize_split(self.split))
+    __post_init__ = _check_config  # types, ranges, blends; split_matrix from split
 
+# %% [markdown]
+# A config is checked once, when it is made, by `_check_config` above: a string where an
+# integer belongs (`sequence_length="512"`, read from a YAML file without a type), a
+# `sequence_length` below 2, a negative surplus or a blend of the wrong shape stops there with
+# the field named, instead of as an index error deep inside the builder. After the check,
+# `split_matrix` holds the book-ends of `split`, or stays `None` when `blend_per_split` names
+# the three splits' data itself.
 
 # %% [markdown]
 # ## GPTDataset
@@ -702,7 +373,14 @@ def _attach_tokens(ds: GPTDataset) -> None:
     ds._offsets = ds.dataset._token_offsets if ds._tokens is not None else None
     ds._cached_masks = None
 
+# %% [markdown]
+# The window itself. When both ends lie in one sequence (the common case, for sequences longer
+# than a window) it is one slice of the flat view, with no copy until the cast to `int64`;
+# otherwise it is the tail of the first sequence, the middle ones whole and the head of the
+# last. A dataset opened with `mmap_bin_files=False` has no flat view, and `_read` asks the
+# `IndexedDataset`'s file reader instead: one seek and read per piece.
 
+# %%
 def _window_tokens(ds: GPTDataset, idx: int) -> np.ndarray:
     """The seq_length + extra token ids of sample idx of `ds` (int64; pad id where short)."""
     j = int(ds.shuffle_index[idx])
@@ -796,8 +474,78 @@ def _masks(ds: GPTDataset, tokens: torch.Tensor):
     return out
 
 # %% [markdown]
+# ## Demo: the three documents as a dataset
+#
+# [04.3's](gpt_indices.py) worked example on disk: sequences of 5, 3 and 4 tokens whose tokens
+# say where they come from (sequence $s$ holds $10s, 10s+1, \dots$), windows of 3, 4 samples
+# asked for, seed 1234. The asserts are this page's claims: 7 samples, not 4; sample 0 is
+# window 2, the last two tokens of sequence 1 and the first two of sequence 2, shifted by one
+# into tokens and labels; the description has 14 fields; the same key is a cache hit, and
+# asking for 5 samples is a new key, so a new set of files.
+
+# %%
+if __name__ == "__main__":
+    import json
+    import tempfile
+
+    from tinytron.data.indexed import IndexedDatasetBuilder, get_bin_path, get_idx_path
+
+    tmp = tempfile.mkdtemp()
+    prefix = os.path.join(tmp, "three")
+    builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=np.uint16)
+    for s, n in enumerate([5, 3, 4]):
+        builder.add_item(np.arange(n) + 10 * s)
+        builder.end_document()
+    builder.finalize(get_idx_path(prefix))
+    indexed = IndexedDataset(prefix)
+    cfg = GPTDatasetConfig(sequence_length=3, split="100,0,0", path_to_cache=os.path.join(tmp, "c"))
+    ids = split_indices(cfg.split_matrix[0], len(indexed))
+    ds = GPTDataset(indexed, prefix, ids, 4, Split.train, cfg)
+    print(ds)
+    sample = ds[0]
+    print({k: v.tolist() for k, v in sample.items() if k != "attention_mask"})
+    assert len(ds) == 7 and ds.query_tokens(0).tolist() == [11, 12, 20, 21]
+    assert sample["tokens"].tolist() == [11, 12, 20] and sample["labels"].tolist() == [12, 20, 21]
+    assert len(json.loads(ds.unique_description)) == 14 and len(ds.unique_description_hash) == 32
+    again = GPTDataset(indexed, prefix, ids, 4, Split.train, cfg)
+    five = GPTDataset(indexed, prefix, ids, 5, Split.train, cfg)
+    assert again.cache_hit and not ds.cache_hit and not five.cache_hit
+    assert again.unique_description_hash == ds.unique_description_hash
+    assert five.unique_description_hash != ds.unique_description_hash
+
+# %% [markdown]
+# The printed sample is the worked window, with `sequence_length = 3` tokens and as many
+# labels; the loss mask is all ones (no EOD is masked, no pad is present) and the positions
+# run 0, 1, 2. The dataset reports 7 samples because its tables cover two whole epochs; the
+# training loop reads only the first 4 of the shuffle, all but one from the first epoch.
+
+# %% [markdown]
+# ## What matches Megatron, and what does not
+#
+# Everything a training step sees is Megatron's: for the same `.bin`/`.idx`, config and seed,
+# every split holds the same sequence ids, every sample the same tokens, labels, loss mask,
+# positions and attention mask, in the same order (`tests/test_data_megatron_compat.py` checks
+# every sample of every split against Megatron's own `GPTDataset`, blends included). What
+# differs is around that:
+#
+# * the config takes `eod_id` and `pad_id` instead of a tokenizer object;
+# * the cache key adds the data's identity, so re-preprocessing into the same prefix rebuilds
+#   the tables where Megatron would reuse stale ones, and the file names differ from Megatron's
+#   (a Megatron cache is not read, and tinytron's is not read by Megatron);
+# * the tables are built with numpy, not with the compiled `helpers.cpp`;
+# * an empty split asked for samples and a `split` with a minus sign stop with an error that
+#   names them, where Megatron loops forever or reads `-1` as `1`;
+# * there is no `defer_npy_index_mmap` mode: the tables are always memory-mapped at once.
+
+# %% [markdown]
 # ## Next
 #
+# In short: a split is a range of sequence ids; its three tables are built once, by rank 0,
+# and memory-mapped by every process under an md5 of the config and the data; a sample is the
+# three lookups of [04.3](gpt_indices.py), one slice of the `.bin` in the common case, and
+# the shift into tokens and labels with chapter 00's masks.
+#
+#
 # The three tables are built, cached and read. The [next page](index_tables.py) draws them for a
-# tiny corpus, checks them against Megatron's loop and the worked examples of this page, and
-# closes the topic with its summary and exercises.
+# tiny corpus, checks them against Megatron's loop and the worked examples of
+# [04.3](gpt_indices.py), and closes the topic with its summary and exercises.

@@ -1,10 +1,10 @@
 # %% [markdown]
 # # 04 · Data: the three index tables, drawn and checked
 #
-# The [previous page](gpt_dataset.py) built GPTDataset's document, sample and shuffle indices.
-# This page draws them for a corpus small enough to read by eye, and checks every number of
-# the previous page's worked examples against Megatron's loop, this chapter's own loop and a
-# reference reader. You will build the drawing, `plot_index_tables`, and run the checks.
+# [04.3](gpt_indices.py) built GPTDataset's document, sample and shuffle indices, and the
+# [previous page](gpt_dataset.py) cached them and read samples through them. This page draws
+# them for a corpus small enough to read by eye, and checks every number of [04.3's](gpt_indices.py)
+# worked examples against Megatron's loop, this chapter's own loop and a reference reader. You will build the drawing, `plot_index_tables`, and run the checks.
 
 # %%
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from tinytron.data.gpt_dataset import (GPTDataset, GPTDatasetConfig, Split, build_sample_index,
-                                       build_sample_index_loop,
-                                       build_document_sample_shuffle_indices, get_num_epochs,
+from tinytron.data.gpt_dataset import GPTDataset, GPTDatasetConfig, Split
+from tinytron.data.gpt_indices import (build_document_sample_shuffle_indices, build_sample_index,
+                                       build_sample_index_loop, get_num_epochs,
                                        needs_separate_final_epoch)
 from tinytron.data.indexed import IndexedDataset, get_bin_path, get_idx_path
 
@@ -68,7 +68,7 @@ def plot_index_tables(sizes, document_index, sample_index, shuffle_index, seq_le
 # from (sequence $s$ holds $100s, 100s+1, ...$), windows of 4 tokens and 8 samples: two epochs.
 # The printed sample windows can be checked by eye — a window that jumps from 6 to 100 crossed
 # from sequence 0 into sequence 1. Then the asserts: the sample index equals the transcription
-# of Megatron's C++ loop and the previous page's own loop, the worked examples of that page
+# of Megatron's C++ loop and [04.3's](gpt_indices.py) own loop, the worked examples of that page
 # give the arrays worked by hand, every window equals the reference reader's, and a second
 # dataset with the same key is a cache hit with the same shuffle.
 
@@ -98,7 +98,7 @@ if __name__ == "__main__":
         print(f"sample {i}:", ds.query_tokens(i).tolist())
 
 # %% [markdown]
-# The picture of these three tables, then the checks: Megatron's loop, the previous page's loop, the
+# The picture of these three tables, then the checks: Megatron's loop, [04.3's](gpt_indices.py) loop, the
 # worked examples, every window against the reference reader, and the cache.
 
 # %%

@@ -19,8 +19,8 @@ from tinytron._fields import check_choice, check_fields, check_range, document_f
 from tinytron.data._data_path import path_list
 from tinytron.data._pipeline_plot import plot_dataset_ranks
 from tinytron.data.blended import BlendedMegatronDatasetBuilder, parse_data_path
-from tinytron.data.gpt_dataset import (GPTDataset, GPTDatasetConfig, get_num_epochs,
-                                       parse_and_normalize_split, shuffle_index_dtype)
+from tinytron.data.gpt_dataset import GPTDataset, GPTDatasetConfig, parse_and_normalize_split
+from tinytron.data.gpt_indices import get_num_epochs, shuffle_index_dtype
 from tinytron.data.samplers import build_pretraining_data_loader, cyclic_iter
 from tinytron.overview.batch import PAD_SENTINEL
 

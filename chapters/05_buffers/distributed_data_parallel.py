@@ -51,12 +51,12 @@ __all__ = ["DistributedDataParallelConfig", "BucketGroup", "DistributedDataParal
 # $\max(40\text{M}, 1\text{M} \cdot dp)$ elements: at large DP each rank's chunk of a ring
 # collective is the bucket divided by $dp$, and the floor keeps that chunk big enough to stay
 # bandwidth-bound. At DP 64 the default is 64M elements, 256 MB of fp32 grads, a chunk of 1M
-# elements per rank. The $dp$ in that formula is the data-parallel size *without* context
-# parallelism, as in Megatron's DDP (`distributed_data_parallel.py:69`).
+# elements per rank.
 #
 # <details><summary>Megatron detail: the training script's dp</summary>
 #
-# Megatron's training
+# The $dp$ in that formula is the data-parallel size *without* context parallelism, as in
+# Megatron's DDP (`distributed_data_parallel.py:69`). Megatron's training
 # script instead passes $\max(40\text{M}, 1\text{M} \cdot dp_{cp})$ in
 # (`megatron/training/training.py:1772-1775`); tinytron follows the DDP class.
 #
@@ -91,17 +91,14 @@ def default_bucket_size(config: DistributedDataParallelConfig, dp_size: int) -> 
 # </details>
 #
 # With `overlap_grad_reduce` the hook also calls `register_grad_ready(param)` on the param's
-# **bucket group** (`param_and_grad_buffer.py:800`). It counts only on the *last* micro-batch
-# (`no_sync()` clears `is_last_microbatch`, `distributed_data_parallel.py:480`). How many
-# calls make a parameter ready is not always one. A weight used twice in one forward is *not*
-# the case: autograd sums both uses into one gradient and accumulates it once, so its hook
-# fires once (demo 1 counts it on `TinyNet`'s shared layer). It fires once per backward pass
-# that accumulates into it — and a reentrant activation checkpoint, like Megatron's
-# `CheckpointFunction` (`tensor_parallel/random.py:555`) and chapter 06's, runs a backward of
-# its own for the recomputed region, so a weight used both inside and outside such a region
-# fires twice. Rather than predict this, the first step only *records* the counts; from the
-# second step on, the bucket's collective is launched the moment the counts equal those
-# "golden" counts. In the first step the launch happens in `finish_grad_sync` instead.
+# **bucket group** (`param_and_grad_buffer.py:800`), on the *last* micro-batch only (`no_sync()`
+# clears `is_last_microbatch`, `distributed_data_parallel.py:480`). One call does not always make
+# a parameter ready. For a weight used twice in one forward it does: autograd sums both uses and
+# accumulates once (demo 1 counts it). But a reentrant activation checkpoint, like Megatron's
+# `CheckpointFunction` (`tensor_parallel/random.py:555`) and chapter 06's, runs a backward of its
+# own for the recomputed region, so a weight used inside and outside it accumulates twice. So the
+# first step only *records* the counts and launches in `finish_grad_sync`; from the second step
+# on, a bucket launches the moment its counts equal those "golden" counts.
 #
 # The collective itself (`start_grad_sync`, `param_and_grad_buffer.py:556`):
 #
@@ -113,30 +110,26 @@ def default_bucket_size(config: DistributedDataParallelConfig, dp_size: int) -> 
 #
 # **Scaling.** The goal is the mean over the $d$ DP×CP ranks,
 # $\bar g = \frac{1}{d}\sum_{r=0}^{d-1} g_r$ (`distributed_data_parallel.py:169-204`).
-# Default: factor `1/dp_cp` before a SUM. Pre-scaling works on every backend, and for fp16 grads it keeps the sum inside fp16's range: fp16's largest
-# value is 65,504, so 64 ranks' grads of 2,000 each would overflow as a sum (128,000) but not as
-# a sum of $2000/64$. (bf16 has fp32's exponent range, about $3.4 \cdot 10^{38}$: for bf16 the
-# reason is the backend, not overflow.) `average_in_collective=True`: factor 1 and
-# `ReduceOp.AVG`. With `calculate_per_token_loss`: factor 1 and SUM; `finalize_model_grads`
-# later divides by the global number of tokens.
+# Default: factor `1/dp_cp` before a SUM, which works on every backend and keeps an fp16 sum in
+# range: 64 ranks' grads of 2,000 sum to 128,000, past fp16's largest value 65,504 (bf16 has
+# fp32's range; there the reason is the backend). `average_in_collective=True`: factor 1 and
+# `ReduceOp.AVG`. `calculate_per_token_loss`: factor 1 and SUM; `finalize_model_grads` later
+# divides by the global token count.
 #
-# **Bucket groups.** Megatron issues collectives per *bucket group*, coalescing the buckets of
-# a group into one NCCL call (`partition_buckets`, `param_and_grad_buffer.py:1512`). By default
-# each group holds one bucket, the only grouping tinytron builds.
+# <details><summary>Megatron detail: bucket groups</summary>
 #
-# <details><summary>Megatron detail: no coalescing manager</summary>
-#
-# tinytron builds only the
-# default, one bucket per group, and no coalescing manager; its `BucketGroup` keeps a list of
-# buckets so that grouping more of them would change only how the groups are formed.
+# Megatron issues collectives per *bucket group*, coalescing the buckets of a group into one
+# NCCL call (`partition_buckets`, `param_and_grad_buffer.py:1512`). By default each group holds
+# one bucket, the only grouping tinytron builds, with no coalescing manager; its `BucketGroup`
+# keeps a list of buckets so that grouping more of them would change only how the groups are
+# formed.
 #
 # </details>
 #
 # **Where the collective runs.** On GPU every launch happens on a CUDA side stream that first
-# waits for the compute stream (so it sees the grads backward just wrote), and `wait()` makes the
-# compute stream wait for it in turn; NCCL then moves the bytes while backward kernels keep
-# running. On CPU, gloo runs each async collective on its own worker thread: the same code, the
-# same `Work.wait()` semantics.
+# waits for the compute stream (to see the grads backward just wrote), and `wait()` makes the
+# compute stream wait for it in turn; NCCL moves the bytes while backward kernels run. On CPU,
+# gloo runs each async collective on a worker thread, with the same `Work.wait()` semantics.
 #
 # <details><summary>Megatron detail: reduce-scatter on gloo</summary>
 #
@@ -166,8 +159,7 @@ def default_bucket_size(config: DistributedDataParallelConfig, dp_size: int) -> 
 #
 # A bucket group reduces its buckets' grads after the backward, checks them first, and
 # gathers their params before the next forward. Each job is a small class below; `BucketGroup`
-# then combines the three with the state they share (its `__init__` lists every attribute they
-# read: `buckets`, `config`, `group`, `stream`, the counts and the handles).
+# combines them, and its `__init__` sets every attribute they share.
 #
 # **Reducing the grads.** `start_grad_sync` scales each bucket and launches its collective;
 # `finish_grad_sync` waits for it at the end of the backward, or launches it there when no hook
@@ -208,9 +200,8 @@ class GradLaunch:
 
 
 # %% [markdown]
-# The wait: at the end of the backward every launched collective is waited for. A group whose
-# collective no hook launched (the first step, or overlap off) launches it here; one that
-# never got all its grads is an error that says how many parameters reported.
+# The wait, with the launch when no hook did it; a group that never got all its grads is an
+# error that says how many parameters reported.
 
 # %%
 class GradReduction(GradLaunch):
@@ -242,27 +233,24 @@ class GradReduction(GradLaunch):
 # %% [markdown]
 # ### Checking each bucket before its collective
 #
-# A NaN or Inf in a gradient usually comes from one place: one rank's batch, or one GPU's bad
-# memory or arithmetic. The grad collective then mixes it into everyone's buffer: after the
-# all-reduce (or the reduce-scatter) *every* rank holds the NaN, and a check there can no
-# longer say which rank produced it. So Megatron checks each bucket's **local** gradient norm
-# in `start_grad_sync`, after the grads are accumulated and *before* the scaling and the
-# collective (`_ParamAndGradBucketGroup.check_grads`, `param_and_grad_buffer.py:313-348`,
-# called at `:599-603`). Two DP ranks, one bucket each, rank 1's grads corrupted:
+# A NaN or Inf in a gradient usually comes from one rank: its batch, or its GPU's bad memory or
+# arithmetic. After the collective *every* rank holds the NaN, and a check there cannot say which
+# rank produced it. So Megatron checks each bucket's **local** gradient norm in `start_grad_sync`,
+# *before* the scaling and the collective (`_ParamAndGradBucketGroup.check_grads`,
+# `param_and_grad_buffer.py:313-348`, called at `:599-603`). Two DP ranks, one bucket each, rank
+# 1's grads corrupted:
 #
 # | | rank 0's bucket norm | rank 1's bucket norm | who reports |
 # |---|---|---|---|
 # | before the collective (the check here) | 3.1 | NaN | rank 1 only: its GPU, its batch |
 # | after the all-reduce | NaN | NaN | both: the fault is no longer attributable |
 #
-# `check_grads` does what `check_for_nan_in_grad` asks for: a `RuntimeError` that names the
-# bucket and the DP rank. Megatron routes the same norms through its rerun state machine
-# instead (NaN/Inf fatal, unexpectedly large grads not), which lives in a later chapter: so
-# the check is pluggable. `ddp.set_grad_check(fn)` makes every bucket group call
-# `fn(buckets)` at this point, with the group's buckets holding this rank's local, unscaled
-# grads (`bucket.grad_data`, `bucket.bucket_id`, `bucket.dp_rank`); `set_grad_check(None)`
-# restores the default. [Chapter 08's `Reliability`](../08_reliability/restarts.py) installs
-# the rerun machine's checks this way.
+# With `check_for_nan_in_grad`, `check_grads` raises a `RuntimeError` naming the bucket and the DP
+# rank. Megatron routes the same norms through its rerun state machine (a later chapter), so the
+# check is pluggable: `ddp.set_grad_check(fn)` makes every bucket group call `fn(buckets)` here,
+# on this rank's local, unscaled grads (`bucket.grad_data`, `bucket.bucket_id`, `bucket.dp_rank`);
+# `set_grad_check(None)` restores the default. [Chapter 08's
+# `Reliability`](../08_reliability/restarts.py) installs the rerun machine's checks this way.
 
 # %%
 class GradCheck:
@@ -289,12 +277,11 @@ class GradCheck:
 # With the distributed optimizer each rank updates only its shard of each bucket, writing the
 # new (bf16) weights into `param_data` — the storage that `param.data` already points to.
 # One `all_gather_into_tensor(out=bucket.param_data, in=my shard)` per bucket then gives every
-# rank the full new weights (`param_and_grad_buffer.py:351`). Without overlap this runs
-# synchronously at the end of the optimizer step. With `overlap_param_gather` it is deferred:
-# a **forward pre-hook** on every module (`distributed_data_parallel.py:413`) calls
-# `finish_param_sync` on the bucket groups of that module's own parameters. That call
-# dispatches the group's gather if nobody did yet, waits for it, and dispatches the *next*
-# group's gather, so gathering bucket `i+1` overlaps the forward compute that uses bucket `i`.
+# rank the full new weights (`param_and_grad_buffer.py:351`), at the end of the optimizer step.
+# With `overlap_param_gather` it is deferred: a **forward pre-hook** on every module
+# (`distributed_data_parallel.py:413`) calls `finish_param_sync` on the bucket groups of that
+# module's own parameters, which dispatches the group's gather if nobody did, waits for it, and
+# dispatches the *next* group's, so gathering bucket `i+1` overlaps the forward that uses `i`.
 # Buckets are stored in backward order, so "next in forward order" is the previous bucket group
 # (`distributed_data_parallel.py:300-306`).
 #
@@ -419,15 +406,14 @@ class BucketGroup(ReadyCount, GradReduction, GradCheck, ParamGather):
 # %% [markdown]
 # ## Reduced before stepped
 #
-# Between the backward and the optimizer step each rank holds only
-# its *local* gradients; they are the data-parallel mean only once `finish_grad_sync` has run
-# (Megatron's `train_step` guarantees it: `finalize_model_grads` calls it before
-# `optimizer.step()`, `megatron/core/distributed/finalize_model_grads.py:445`). A loop written by
-# hand that forgets it still trains — every rank on its own, different update — and nothing
-# complains. So the wrapper keeps one flag, shared with all its params as `param.grad_sync`:
-# set by the backward hook when a grad lands in the buffer, cleared by `finish_grad_sync` and
-# `zero_grad_buffer`. [Chapter 02's optimizers](../02_optimizer/mixed_precision.py) refuse to step
-# while it is set.
+# Between the backward and the optimizer step each rank holds only its *local* gradients; they
+# are the data-parallel mean only once `finish_grad_sync` has run (Megatron's
+# `finalize_model_grads` calls it before `optimizer.step()`,
+# `megatron/core/distributed/finalize_model_grads.py:445`). A hand-written loop that forgets it
+# still trains, every rank its own way, and nothing complains. So the wrapper keeps one flag,
+# shared with all its params as `param.grad_sync`: set by the backward hook when a grad lands
+# in the buffer, cleared by `finish_grad_sync` and `zero_grad_buffer`.
+# [Chapter 02's optimizers](../02_optimizer/mixed_precision.py) refuse to step while it is set.
 #
 # <details><summary>Megatron detail: no such flag</summary>
 #
@@ -458,15 +444,13 @@ class GradSyncState:
 # the evaluation sees the newest weights.
 #
 # **Aligned gathers.** A pre-hook's `finish_param_sync` normally dispatches the next bucket
-# group's gather, the prefetch of the previous section. With `align_param_gather` it does not
-# (`skip_next_bucket_dispatch`, `distributed_data_parallel.py:439-444`): the interleaved
-# schedule launches each model chunk's gathers itself, at the same moment on every pipeline
-# rank ([chapter 01](../01_main_loop/interleaved.py)), and the hooks only wait. No other
-# schedule launches anything, so without virtual stages the switch would leave every bucket
-# to be gathered on demand by the first pre-hook that needs it, the prefetch lost. Megatron
-# therefore turns it off unless there are virtual stages (`arguments.py:990-992`), and so does
-# `tinytron.config` when it resolves a run (`tests/test_config.py`); this class, like
-# megatron-core's, does what its config says.
+# group's gather. With `align_param_gather` it does not (`skip_next_bucket_dispatch`,
+# `distributed_data_parallel.py:439-444`): the interleaved schedule launches each model chunk's
+# gathers itself, at the same moment on every pipeline rank
+# ([chapter 01](../01_main_loop/interleaved.py)), and the hooks only wait. Without virtual
+# stages nothing would launch them and the prefetch would be lost, so Megatron turns the switch
+# off there (`arguments.py:990-992`), as does `tinytron.config` when it resolves a run
+# (`tests/test_config.py`); this class, like megatron-core's, does what its config says.
 
 # %%
 class SyncHooks:
@@ -573,20 +557,28 @@ class LoopCalls(GradLoopCalls):
 
 
 # %% [markdown]
-# **The state.** The constructor builds one buffer per `(param dtype, grad dtype)`, one bucket
-# group per bucket, chains the groups in forward order for the param gather, and registers a
-# hook on every trainable parameter. Later pipeline stages get one bucket: their data-parallel
+# **The state.** The constructor builds one buffer per `(param dtype, grad dtype)` with the
+# grads' scaling factor, one bucket group per bucket, and a hook on every trainable parameter,
+# with the plain functions below. Later pipeline stages get one bucket: their data-parallel
 # traffic is off the critical path. The methods other chapters need besides the sync (the
-# loss-scale multiply, the rank-0 broadcast, the state dicts) are a mixin in the private
-# module `tinytron.buffers._ddp_surface` (`chapters/05_buffers/_ddp_surface.py`).
-#
-# Two steps of the constructor are plain functions: the buffers, one per key, and the bucket
-# groups, one per bucket, chained in forward order.
+# loss-scale multiply, the rank-0 broadcast, the state dicts) are a mixin in
+# `chapters/05_buffers/_ddp_surface.py`.
 
 # %%
-def _make_buffers(params, config, dp_size: int, dp_rank: int, bucket_size, scaling: float,
+def _trainable_params(module) -> tuple[list, dict]:
+    """The module's trainable params and every param's name; ValueError when there are none."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("DistributedDataParallel: the module has no trainable parameters")
+    return params, {p: n for n, p in module.named_parameters()}
+
+
+def _make_buffers(params, config, dp_size: int, dp_rank: int, bucket_size,
                   names: dict) -> list[ParamAndGradBuffer]:
     """One ParamAndGradBuffer per (param dtype, grad dtype) of ``params``."""
+    # 1/dp_cp before a SUM (default); 1 with AVG or per-token normalization
+    scaling = 1.0 if config.calculate_per_token_loss or config.average_in_collective \
+        else 1.0 / dp_size
     buffers: list[ParamAndGradBuffer] = []
     for key, group_params in group_params_for_buffers(params, config.grad_reduce_in_fp32).items():
         buffers.append(ParamAndGradBuffer(
@@ -597,7 +589,10 @@ def _make_buffers(params, config, dp_size: int, dp_rank: int, bucket_size, scali
             gradient_scaling_factor=scaling, param_names=names))
     return buffers
 
+# %% [markdown]
+# Then the bucket groups, chained in forward order, and the hooks.
 
+# %%
 def _make_bucket_groups(buffers, config, group, group_size: int, stream,
                         timeline) -> list[BucketGroup]:
     """One BucketGroup per bucket, each pointing at the next one in forward order."""
@@ -606,6 +601,15 @@ def _make_bucket_groups(buffers, config, group, group_size: int, stream,
     for i in range(1, len(groups)):  # forward order = reverse bucket order
         groups[i].next_param_gather_bucket_group = groups[i - 1]
     return groups
+
+
+def _hook_params(ddp, params) -> None:
+    """Share one GradSyncState with every param and register their backward hooks."""
+    # Shared with every param, so that any optimizer over them can refuse unreduced grads.
+    ddp.grad_sync = GradSyncState()
+    for p in params:
+        p.grad_sync = ddp.grad_sync
+    ddp._grad_hooks = [p.register_post_accumulate_grad_hook(ddp._backward_hook) for p in params]
 
 
 # %% [markdown]
@@ -635,27 +639,16 @@ class DistributedDataParallel(SyncHooks, LoopCalls, ModuleSurface, torch.nn.Modu
         if disable_bucketing or pp_rank > 0:  # DP comm of later stages is off the critical path
             self.bucket_size = None
         self.timeline = timeline
-        params = [p for p in module.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("DistributedDataParallel: the module has no trainable parameters")
-        names = {p: n for n, p in module.named_parameters()}
+        params, names = _trainable_params(module)
         self.params_with_grad = params
-        # 1/dp_cp before a SUM (default); 1 with AVG or per-token normalization
-        scaling = 1.0 if config.calculate_per_token_loss or config.average_in_collective \
-            else 1.0 / self.dp_size
         # Megatron keeps the list under the name `buffers` (shadowing nn.Module.buffers()).
         self.buffers = _make_buffers(params, config, self.dp_size, self.dp_rank, self.bucket_size,
-                                     scaling, names)
+                                     names)
         self.comm_stream = CommStream(params[0].device)
         self.bucket_groups = _make_bucket_groups(self.buffers, config, self.dp_group, self.dp_size,
                                                  self.comm_stream, timeline)
         self.param_to_bucket_group = {p: g for g in self.bucket_groups for p in g.params}
-        # Shared with every param, so that any optimizer over them can refuse unreduced grads.
-        self.grad_sync = GradSyncState()
-        for p in params:
-            p.grad_sync = self.grad_sync
-        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._backward_hook)
-                            for p in params]
+        _hook_params(self, params)
         self._pre_hooks: dict = {}
         if config.overlap_param_gather:
             self.enable_forward_pre_hook()
@@ -668,9 +661,8 @@ class DistributedDataParallel(SyncHooks, LoopCalls, ModuleSurface, torch.nn.Modu
 # %% [markdown]
 # ## The configuration
 #
-# Every switch the hooks, the bucket groups and the wrapper above read is one field of the
-# config. The field names and defaults are Megatron's `DistributedDataParallelConfig`
-# (`megatron/core/distributed/distributed_data_parallel_config.py:12`). Note that
+# Every switch read above is a field of Megatron's `DistributedDataParallelConfig`, with its
+# name and default (`megatron/core/distributed/distributed_data_parallel_config.py:12`).
 # `grad_reduce_in_fp32` defaults to `False` there; Megatron's training script turns it on for
 # bf16 models unless `--grad-reduce-in-bf16` is given (`megatron/training/arguments.py:1181`).
 #
@@ -682,10 +674,9 @@ class DistributedDataParallel(SyncHooks, LoopCalls, ModuleSurface, torch.nn.Modu
 #
 # </details>
 #
-# The checks that refuse combinations tinytron cannot run
-# (a second optimizer instance, `overlap_param_gather` without the distributed optimizer, …)
-# live in the chapter's private module `tinytron.buffers._checks` (`chapters/05_buffers/_checks.py`);
-# each names the field it refuses.
+# The checks that refuse what tinytron cannot run (a second optimizer instance,
+# `overlap_param_gather` without the distributed optimizer, …) are in
+# `chapters/05_buffers/_checks.py`; each names the field it refuses.
 
 # %%
 @document_fields
@@ -745,9 +736,8 @@ class DistributedDataParallelConfig:
 # ## Demo 1: one process — hooks, `main_grad` and micro-batch accumulation
 #
 # On `ParallelGrid.single()` there is nobody to talk to, but the buffer, the hooks and the
-# accumulation are the same. Three micro-batches, the first two inside `no_sync()`:
-# `main_grad` must equal the sum of the three micro-batch gradients and `param.grad` must be
-# freed by the hook.
+# accumulation are the same. Three micro-batches, the first two inside `no_sync()`: `main_grad`
+# must be the sum of the three gradients, and every `param.grad` freed.
 
 # %%
 if __name__ == "__main__":
@@ -777,10 +767,9 @@ if __name__ == "__main__":
     assert w.main_grad.data_ptr() == ddp.buffers[0].grad_data[start:].data_ptr()
 
 # %% [markdown]
-# How often does a hook fire? `TinyNet` applies its `shared` layer twice in one forward:
-# one call. Put its first use inside a reentrant checkpoint (PyTorch's, which runs a nested
-# backward as Megatron's does) and the same weight is accumulated twice: two calls. That is
-# the count the golden counts exist for.
+# How often does a hook fire? `TinyNet` applies its `shared` layer twice in one forward: one
+# call. Put its first use inside PyTorch's reentrant checkpoint (a nested backward, as in
+# Megatron's) and the weight is accumulated twice: two calls, what golden counts are for.
 
 # %%
 if __name__ == "__main__":
@@ -801,11 +790,10 @@ if __name__ == "__main__":
 # ## Demo 2: a NaN stopped before the collective
 #
 # The same model with `check_for_nan_in_grad=True`, and one NaN written into this rank's
-# `main_grad` after the backward, as a bad GPU would. The default check raises before any
-# collective and names the bucket; with a check installed by `set_grad_check`, that function
-# receives the bucket instead, with the NaN still local; `set_grad_check(None)` brings the
-# default back. (On two ranks, [chapter 08's tests](../08_reliability/restarts.py) show that
-# only the faulty rank reports it.)
+# `main_grad` after the backward, as a bad GPU would. A check installed by `set_grad_check`
+# receives the bucket with the NaN still local; after `set_grad_check(None)` the default check
+# raises before any collective and names the bucket. (On two ranks,
+# [chapter 08's tests](../08_reliability/restarts.py) show that only the faulty rank reports it.)
 
 # %%
 if __name__ == "__main__":
@@ -838,12 +826,11 @@ if __name__ == "__main__":
 # %% [markdown]
 # ## Demo 3: two ranks — each shard is the data-parallel mean
 #
-# A real two-rank gloo world, the distributed optimizer's layout (reduce-scatter), overlap on,
-# buckets of 4000 elements, two micro-batches per step and two steps, so that the second
-# step's collectives are launched from the hooks (`tinytron.buffers._workers.grad_shard_vs_mean`).
-# Each rank trains on its own data; next to it, in the same process, a plain copy of the model
-# back-propagates *both* ranks' micro-batches, scaled to their mean. After `finish_grad_sync`,
-# every element of each rank's shard of every bucket must equal that single-process mean.
+# Two gloo ranks, the distributed optimizer's layout (reduce-scatter), overlap on, buckets of
+# 4000 elements, two micro-batches per step and two steps, so that the second step launches
+# from the hooks (`tinytron.buffers._workers.grad_shard_vs_mean`). Beside each rank, a plain
+# copy of the model back-propagates *both* ranks' micro-batches, scaled to their mean; every
+# element of each rank's shard of every bucket must equal that mean.
 
 # %%
 if __name__ == "__main__":
@@ -864,28 +851,29 @@ if __name__ == "__main__":
 # - A post-accumulate-grad hook per parameter adds `param.grad` into the fp32 `main_grad`,
 #   frees `param.grad`, and (with overlap, on the last micro-batch) counts the parameter ready.
 # - A bucket whose parameters have all reported launches its collective at once: all-reduce
-#   for plain DDP, reduce-scatter for the distributed optimizer; `finish_grad_sync` waits.
-# - The first step learns how many times each parameter reports (golden counts: once per
-#   backward pass that accumulates into it, twice under a reentrant checkpoint that shares
-#   it); launches from the hooks start in the second step.
-# - Grads are pre-scaled by `1/dp_cp` and summed (default), or averaged in the collective.
-# - Before the scaling and the collective, each bucket's *local* grads are checked (NaN/Inf, or
-#   whatever `set_grad_check` installs), so the rank that produced a bad value is the one that
-#   reports it; after the collective every rank would.
+#   for plain DDP, reduce-scatter for the distributed optimizer; `finish_grad_sync` waits. The
+#   first step learns the golden counts; the hooks launch from the second step on.
+# - Grads are pre-scaled by `1/dp_cp` and summed (default), or averaged in the collective;
+#   before that, each bucket's *local* grads are checked, so the faulty rank is the one that
+#   reports.
 # - With the distributed optimizer, `start_param_sync` all-gathers the new weights per bucket;
-#   with `overlap_param_gather` the forward pre-hooks wait for each bucket just before use and
-#   start the next bucket's gather.
+#   with `overlap_param_gather` each forward pre-hook waits for its bucket and starts the next.
 #
 # ## How production does it
 #
-# - Megatron-LM: `megatron/core/distributed/distributed_data_parallel.py` (hooks :345-373,
-#   `_make_forward_pre_hook` :413, `_make_backward_post_hook` :449, `no_sync` :480,
-#   `start_param_sync` :510, `finish_grad_sync` :544, `zero_grad_buffer` :566) and
-#   `param_and_grad_buffer.py` (`_ParamAndGradBucketGroup` :159: `check_grads` :313-348,
-#   called in `start_grad_sync` :556 at :599-603 before the scaling and the collective,
-#   `finish_grad_sync` :724, `register_grad_ready` :800, `start_param_sync` :351,
-#   `finish_param_sync` :494). On GPU the collectives are NCCL calls grouped by
+# - Megatron-LM: `megatron/core/distributed/distributed_data_parallel.py` and
+#   `param_and_grad_buffer.py`. On GPU the collectives are NCCL calls grouped by
 #   `_coalescing_manager`; here each bucket is one gloo (or NCCL) call on a side stream.
+#   <details><summary>Megatron detail: where each piece is</summary>
+#
+#   `distributed_data_parallel.py`: hooks :345-373, `_make_forward_pre_hook` :413,
+#   `_make_backward_post_hook` :449, `no_sync` :480, `start_param_sync` :510,
+#   `finish_grad_sync` :544, `zero_grad_buffer` :566. `param_and_grad_buffer.py`:
+#   `_ParamAndGradBucketGroup` :159, `check_grads` :313-348 (called in `start_grad_sync` :556 at
+#   :599-603, before the scaling and the collective), `finish_grad_sync` :724,
+#   `register_grad_ready` :800, `start_param_sync` :351, `finish_param_sync` :494.
+#
+#   </details>
 # - PyTorch DDP's C++ `Reducer` (`torch/csrc/distributed/c10d/reducer.cpp`) does the same
 #   bucket-ready counting, with buckets rebuilt after the first iteration in the order grads
 #   actually arrived; FSDP2 (`torch.distributed.fsdp.fully_shard`) reduce-scatters per module
