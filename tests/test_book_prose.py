@@ -42,6 +42,7 @@ PAGES_AT_GOAL = {
     "01_main_loop/memory_meter.py",
     "01_main_loop/microbatches.py",
     "01_main_loop/resident_flowing.py",
+    "01_main_loop/run.py",
     "01_main_loop/schedule_timeline.py",
     "01_main_loop/schedules.py",
     "01_main_loop/training_log.py",
@@ -162,7 +163,6 @@ def test_prose_per_page_meets_its_threshold():
 # kernel); each is named here with its length, and the list only shrinks.
 CELL_LINES_MAX = 40
 LONG_CELLS_LEFT = {
-    ("01_main_loop/loop.py", "def train("), ("01_main_loop/loop.py", "def pretrain("),
     ("01_main_loop/memory_meter.py", "class LiveBytesMeter"),
     ("01_main_loop/schedules.py", "def forward_backward_1f1b_bare("),
     ("01_main_loop/schedules.py", "def forward_backward_pipelining_without_interleaving("),
@@ -205,7 +205,6 @@ LONG_PAGES_LEFT = {
     "07_memory/step_time.py",  # 6,724
     "07_memory/calculator.py",  # 4,599
     "04_data/gpt_dataset.py",  # 3,591
-    "01_main_loop/loop.py",  # 3,575
     "08_reliability/rerun_state_machine.py",  # 3,300
     "08_reliability/restarts.py",  # 2,959
     "05_buffers/distributed_data_parallel.py",  # 2,891
