@@ -365,7 +365,7 @@ def _restore_pre_hooks(model: list, config: ScheduleConfig, held) -> bool:
 # - `before_optimizer_step_fn`, which `train_step` calls just before `optimizer.step()`: the
 #   step is the first write to the parameters since the last save, so a save whose copy to
 #   host is still running must finish it there (Megatron needs no such hook, see the
-#   Megatron detail under `train_step` above);
+#   Megatron detail under `train_step` on [01.1](loop.py));
 # - `load_checkpoint_fn`, called once by `pretrain` before the data iterators are built.
 #
 # Every save goes through `save_with_param_sync`: with the distributed optimizer's
@@ -521,6 +521,10 @@ def _setup(training, grid_provider, model_provider, ddp_config, optimizer_provid
     calc.update(state.consumed_train_samples, consistency_check=True)
     return grid, model, optimizer, scheduler, calc, iters, state
 
+
+# %% [markdown]
+# Two more helpers: the schedule with its config (and chapter 08's wrapper around it, when
+# given), and step 7's final save, skipped after an exit or a save of the same iteration.
 
 # %%
 def _forward_backward(model, optimizer, grid, ddp_config, vpp_size, schedule_overrides,

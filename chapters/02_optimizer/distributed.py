@@ -446,7 +446,7 @@ class DistributedOptimizer(ShardedCopies, MixedPrecisionOptimizer):
 # ### Several model chunks
 #
 # With virtual pipeline stages a rank holds $v$ model chunks, each wrapped in its own DDP with
-# its own buffers ([chapter 01's `wrap_with_ddp`](../01_main_loop/loop.py): only the first one
+# its own buffers ([chapter 01's `wrap_with_ddp`](../01_main_loop/run.py): only the first one
 # bucketed, `training.py:1783-1787`). Megatron does not build one optimizer per chunk: it
 # passes the whole model list to `get_megatron_optimizer` (`training.py:1979`), and the
 # DistributedOptimizer chains the chunks' buffers into one list
