@@ -873,7 +873,8 @@ def scratch_dir(name: str) -> str:
 
 def run(cfg: TrainConfig, argv: list[str], name: str = "run") -> int:
     """Train (or resume) as cfg says; return the process exit code."""
-    from tinytron.main_loop.loop import (gpt_forward_step, megatron_scheduler_provider, pretrain)
+    from tinytron.main_loop.loop import gpt_forward_step, megatron_scheduler_provider
+    from tinytron.main_loop.run import pretrain
     from tinytron.main_loop.training_log import (num_floating_point_operations,
                                                  peak_flops_per_device)
     from tinytron.parallel import ParallelGrid

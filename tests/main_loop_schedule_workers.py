@@ -278,9 +278,9 @@ def _schedule_dispatch(funcs: list, inside: dict) -> list:
 def _distopt_run(grid, config, batches, pp, vpp, m, distributed: bool) -> dict:
     """Three training steps over virtual stages with the loop's own optimizer provider."""
     from tinytron.buffers.distributed_data_parallel import DistributedDataParallelConfig
-    from tinytron.main_loop.loop import (_first_iteration_without_pre_hooks, _restore_pre_hooks,
-                                         build_schedule_config, megatron_optimizer_provider,
+    from tinytron.main_loop.loop import (build_schedule_config, megatron_optimizer_provider,
                                          wrap_with_ddp)
+    from tinytron.main_loop.run import _first_iteration_without_pre_hooks, _restore_pre_hooks
     from tinytron.optimizer import OptimizerConfig
 
     torch.manual_seed(0)

@@ -10,7 +10,8 @@ import torch
 from tinytron.buffers import DistributedDataParallelConfig
 from tinytron.main_loop._loop_workers import synthetic_iterators
 from tinytron.main_loop.loop import (gpt_forward_step, megatron_optimizer_provider,
-                                     megatron_scheduler_provider, pretrain)
+                                     megatron_scheduler_provider)
+from tinytron.main_loop.run import pretrain
 from tinytron.model import build_stage_models, global_parameter_name, tiny_config
 from tinytron.optimizer import OptimizerConfig, SchedulerConfig
 from tinytron.parallel import ParallelGrid

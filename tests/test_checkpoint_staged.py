@@ -34,8 +34,8 @@ def _run(root: str, async_mode: str | None, wire_hook: bool = True, iters: int =
     from tinytron.buffers import DistributedDataParallelConfig
     from tinytron.checkpoint import CheckpointConfig, make_checkpoint_hooks
     from tinytron.main_loop._loop_workers import synthetic_iterators
-    from tinytron.main_loop.loop import (megatron_optimizer_provider,
-                                         megatron_scheduler_provider, pretrain)
+    from tinytron.main_loop.loop import megatron_optimizer_provider, megatron_scheduler_provider
+    from tinytron.main_loop.run import pretrain
     from tinytron.model import build_stage_models
     from tinytron.optimizer import SchedulerConfig
     from tinytron.parallel import ParallelGrid

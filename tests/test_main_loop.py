@@ -16,12 +16,13 @@ from tinytron.launch import run_on_ranks
 from tinytron.main_loop._loop_workers import SyntheticTokens, synthetic_iterators
 from tinytron.main_loop.loop import (TorchOptimizer, TrainState, build_schedule_config, evaluate,
                                      megatron_optimizer_provider, megatron_scheduler_provider,
-                                     pretrain, train_step, wrap_with_ddp)
+                                     train_step, wrap_with_ddp)
 from tinytron.main_loop.microbatches import (ConstantNumMicroBatchesCalculator,
                                              StepBatchsizeNumMicroBatchesCalculator,
                                              build_num_microbatches_calculator, num_microbatches,
                                              parse_numeric_value, parse_step_batch_size_schedule,
                                              train_iters_from_samples)
+from tinytron.main_loop.run import pretrain
 from tinytron.main_loop.schedules import get_forward_backward_func
 from tinytron.model import GPTModel, build_stage_models
 from tinytron.optimizer import (DynamicGradScaler, OptimizerConfig, SchedulerConfig,

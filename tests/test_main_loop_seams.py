@@ -23,7 +23,8 @@ from tinytron.launch import run_on_ranks
 from tinytron.main_loop._loop_workers import synthetic_iterators
 from tinytron.main_loop.loop import (TrainState, build_schedule_config,
                                      megatron_optimizer_provider, megatron_scheduler_provider,
-                                     pretrain, train_step, wrap_with_ddp)
+                                     train_step, wrap_with_ddp)
+from tinytron.main_loop.run import pretrain
 from tinytron.main_loop.schedule_timeline import ScheduleRecorder
 from tinytron.main_loop.schedules import get_forward_backward_func
 from tinytron.model import build_stage_models

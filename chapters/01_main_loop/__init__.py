@@ -14,9 +14,10 @@ from tinytron.main_loop.microbatches import (ConstantNumMicroBatchesCalculator,
 from tinytron.main_loop.training_log import (LogState, format_log_line,
                                              num_floating_point_operations,
                                              peak_flops_per_device, training_log)
-from tinytron.main_loop.loop import (StepResult, TorchOptimizer, TrainState, TrainingRun,
-                                     evaluate, gpt_forward_step, pretrain, train, train_step)
+from tinytron.main_loop.loop import (StepResult, TorchOptimizer, TrainState, evaluate,
+                                     gpt_forward_step, train_step)
+from tinytron.main_loop.run import TrainingRun, pretrain, train
 
-# The loop comes first: the pages after it open up its parts (batches, schedules, log, memory).
-__pages__ = ["loop", "microbatches", "schedules", "interleaved", "schedule_timeline",
+# The loop comes first (one iteration, then the run): the pages after it open up its parts (batches, schedules, log, memory).
+__pages__ = ["loop", "run", "microbatches", "schedules", "interleaved", "schedule_timeline",
              "training_log", "memory_meter", "resident_flowing", "assembled"]

@@ -353,7 +353,8 @@ def expected_host_reads(m: int, world: int, buckets: int, b: int) -> dict:
         (rel + "rerun_state_machine.py:_reduce_any <- " + loop + "train_step", "tolist"): 1,
         ("02_optimizer/mixed_precision.py:get_grad_norm_fp32 <- " + rel + "restarts.py:wrapped",
          "__float__"): 1,
-        (rel + "restarts.py:<listcomp> <- " + loop + "checkpoint_and_decide_exit", "item"): world,
+        (rel + "restarts.py:<listcomp> <- 01_main_loop/run.py:checkpoint_and_decide_exit",
+         "item"): world,
         ("01_main_loop/training_log.py:<dictcomp> <- 01_main_loop/_parts.py:log_step",
          "__float__"): 1,
         (rel + "timers.py:all_ranks_seconds <- " + rel + "observability.py:_write_timers",
@@ -392,8 +393,11 @@ if __name__ == "__main__":
 # ## Where MoE, FP8 and Transformer Engine would enter this iteration
 #
 # tinytron implements none of the three; none changes the loop's shape, and each enters at
-# calls this page traced. This closes chapter 01 because this page is where the whole
-# iteration is in view:
+# calls this page traced: MoE in each layer's MLP (a router and two all-to-alls per layer and
+# direction), in the loss and in the expert weights' own gradient buffers; FP8 in every linear
+# layer's matmul and in the optimizer's write-back; Transformer Engine in the layer spec.
+#
+# <details><summary>Megatron detail: where each one enters, file by file</summary>
 #
 # | feature | where it enters the iteration | what it changes there | Megatron at e03878b5f |
 # |---|---|---|---|
@@ -403,6 +407,8 @@ if __name__ == "__main__":
 # | FP8 | every linear layer's matmul in forward and backward | inputs and weights cast to FP8 with per-tensor (or block) scales; the delayed recipe keeps an amax history per tensor, wrapped around the whole block | `megatron/core/transformer/transformer_block.py:597`, `megatron/core/fp8_utils.py:614` |
 # | | the optimizer step and the param all-gather | fp32 masters stay; the distributed optimizer can write the new weights straight to FP8 shards and all-gather those | `megatron/core/optimizer/distrib_optimizer.py:2752`, `megatron/core/fp8_utils.py:484` |
 # | Transformer Engine | the layer spec (appendix B's model) | fused TE modules replace norm + linear, the attention kernel and the row-parallel linear; TE is also where FP8 runs | `megatron/core/extensions/transformer_engine.py:989`, `:1583`, `megatron/core/models/gpt/gpt_layer_specs.py:351` |
+#
+# </details>
 
 # %% [markdown]
 # ## Summary
@@ -471,7 +477,7 @@ if __name__ == "__main__":
 #    This is a measurement on your machine. With a synchronous
 #    save every iteration the save's time adds to each step; with `async_save` the save returns
 #    early and its work goes on in the background, finished by `before_optimizer_step_fn` and
-#    `finalize_async_save_fn` in a later iteration (the loop page, and chapter 03's page on
+#    `finalize_async_save_fn` in a later iteration ([01.2](run.py), and chapter 03's page on
 #    saving in the background).
 #
 #    </details>

@@ -7,9 +7,6 @@
 # times and each visit is $1/v$ of a stage's work. This page builds Megatron's schedule table,
 # its warmup count and its constraints, and the interleaved schedule on top of the previous
 # page's pieces.
-#
-# You will build: `get_schedule_table`, `get_pp_rank_microbatches`, `check_interleaving`,
-# `forward_backward_pipelining_with_interleaving`.
 
 # %%
 from __future__ import annotations
@@ -167,13 +164,11 @@ def get_pp_rank_microbatches(num_microbatches: int, num_model_chunks: int,
 #   backward})$ of its chunk's list rather than the newest one.
 #
 # Grad sync: everything runs in `no_sync`; the hooks are let through for the backward of each
-# chunk's last micro-batch (so each chunk's buckets launch as soon as that chunk is done), or,
-# with a `grad_sync_func`, rank $r$ calls it for a chunk $r$ virtual steps after that chunk's
-# last backward (rank 0 at once): a gradient reaches rank 0 last, $r$ slots after it left rank
-# $r$, so rank $r$ runs each backward step $r$ slots before rank 0 does, and waiting $r$ steps
-# lines the launches up across the pipeline ranks (`schedules.py:1387-1398`). 1F1B does the
-# same thing its own way: stage 0 launches in its last backward, the others after their
-# cooldown (`schedules.py:2409-2430`).
+# chunk's last micro-batch, so each chunk's buckets launch as soon as that chunk is done. With
+# a `grad_sync_func`, rank $r$ calls it for a chunk $r$ virtual steps after that chunk's last
+# backward: rank $r$ runs each backward step $r$ slots before rank 0 does, so waiting $r$
+# steps lines the launches up across the ranks (`schedules.py:1387-1398`; 1F1B's way is
+# `schedules.py:2409-2430`).
 
 # %%
 class _TableWalk:
@@ -258,11 +253,10 @@ class _Interleaved(_TableWalk):
 #   rank $r$ looks at step $j = k + r$ and, if $j$ is the first micro-batch of its chunk $c$
 #   (micro-batch 0 in the table, $j = c\,g$), launches chunk $c + 1$.
 #
-# Why $k + r$: a forward reaches rank $r$ $r$ slots after rank 0, so rank $r$'s step $k$ runs
-# when rank 0's step $k + r$ does. Looking $r$ steps ahead, every rank launches chunk $c + 1$'s
-# all-gather at the moment rank 0 starts chunk $c$: the collectives start together rather than
-# staggered by the pipeline (Megatron's comment: unaligned asynchronous communication slows
-# the compute down). With a single chunk only chunk 0 is launched.
+# Why $k + r$: rank $r$'s step $k$ runs when rank 0's step $k + r$ does, so every rank
+# launches chunk $c + 1$'s all-gather at the moment rank 0 starts chunk $c$, together rather
+# than staggered by the pipeline (unaligned asynchronous communication slows the compute
+# down, says Megatron's comment). With a single chunk only chunk 0 is launched.
 #
 # <details><summary>Megatron detail: the callable's arguments</summary>
 #
@@ -293,11 +287,9 @@ def _param_sync(run: _Interleaved, k: int) -> None:
 # %% [markdown]
 # A forward launches what `_param_sync` says, then reads its chunk's input at the
 # released-adjusted index and stores the output; a backward pops the oldest (input, output,
-# gradient) of its chunk, opening `no_sync` for the chunk's last micro-batch as described
-# above. Both go through the previous page's `_Steps`,
-# and every message through its communicator's `exchange`, which moves up to four tensors in
-# one exchange (one batch, or single operations: the config's one method, below); the
-# recorder (when there is one) wraps both, as on the previous page.
+# gradient) of its chunk, opening `no_sync` for the chunk's last micro-batch. Both go through
+# the previous page's `_Steps`, and every message through its communicator's `exchange`,
+# which moves up to four tensors at once.
 
 # %%
 def _forward(run: _Interleaved, k: int):
@@ -453,15 +445,14 @@ def _sync_remaining_grads(run: _Interleaved) -> None:
 # `overlap_p2p_comm` requires `batch_p2p_comm = False` (`model_parallel_config.py:304-312`;
 # `ScheduleConfig` refuses both true), and the communicator posts *every* message as single
 # `isend`/`irecv`, the warmup's and cooldown's blocking ones included: Megatron's
-# `_communicate` reads one method from its config (`p2p_communication.py:374-378`). Under
-# NCCL a batch and a single operation travel on different communicators
-# ([appendix A](../parallel/pipeline_p2p.py)), so a gradient sent by a batch of the warmup
-# and received by a posted `irecv` would never arrive. Gloo matches both by peer and hides
-# the mix.
+# `_communicate` reads one method from its config (`p2p_communication.py:374-378`).
 #
 # <details><summary>Megatron detail: what gloo hid</summary>
 #
-# With batched warmup and cooldown
+# Under NCCL a batch and a single operation travel on different communicators
+# ([appendix A](../parallel/pipeline_p2p.py)), so a gradient sent by a batch of the warmup
+# and received by a posted `irecv` would never arrive. Gloo matches both by peer and hides
+# the mix. With batched warmup and cooldown
 # around a posted steady state, 6 of the 48 messages of one PP 2 iteration (two pipelines, 4
 # micro-batches) went out one way and in the other while every CPU test passed.
 # `tests/test_main_loop_p2p_methods.py` records each message's method at both ends through
@@ -608,10 +599,9 @@ def _finish_pending(pending: _Pending) -> None:
 # pipeline, and $m$ compatible with the group size $g$). A forward-only call (evaluation)
 # sets `grad_sync_func` and `param_sync_func` to `None` for its duration and puts them back
 # at the end, as Megatron does (`schedules.py:1062-1067, 2043-2045`; here also when the call
-# raises), so evaluation launches no all-gather of its own: the forward pre-hooks still
-# gather what it reads. Then it launches chunks 0 and 1's all-gathers, receives rank 0's
-# first input before the warmup, and runs the three phases, plain or overlapped as the config
-# says.
+# raises): the forward pre-hooks gather what evaluation reads. Then it launches chunks 0 and
+# 1's all-gathers, receives rank 0's first input, and runs the three phases, plain or
+# overlapped.
 
 # %%
 @contextlib.contextmanager
@@ -736,11 +726,9 @@ if __name__ == "__main__":
 # - The bubble shrinks from $(p-1)/(m+p-1)$ to $(p-1)/(v m + p - 1)$; the first rank pays with
 #   more activations in flight ($1 + \frac{p-1}{p v}$, measured above) and every rank with $v$
 #   times more messages.
-# - `overlap_p2p_comm` (Megatron's default, and the only variant it allows for $p \le 2$)
-#   posts the same messages asynchronously and waits for each where it is needed; the
-#   results are the plain variant's, bit for bit. It posts every message, blocking ones
-#   included, as single `isend`/`irecv` (`batch_p2p_comm = False`): under NCCL a batched
-#   send never meets a single receive.
+# - `overlap_p2p_comm` (Megatron's default) posts the same messages asynchronously, every one
+#   as a single `isend`/`irecv`, and waits for each where it is needed: bit for bit the plain
+#   variant's results.
 # - With `param_sync_func`, chunks 0 and 1 gather their parameters before the warmup and
 #   chunk $c + 1$ when chunk $c$ starts, each rank $r$ looking $r$ steps ahead so that every
 #   rank launches at once; forward-only calls launch none.

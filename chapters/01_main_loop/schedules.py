@@ -7,11 +7,6 @@
 # schedules from the naive one up: all forwards then all backwards (GPipe), a bare **1F1B** in
 # one function, and the 1F1B the trainer runs (with its forward-only evaluation), all over
 # appendix A's point-to-point sends; the next page interleaves.
-#
-# You will build: `ScheduleConfig`, `forward_step`, `backward_step`, `deallocate_output_tensor`,
-# `custom_backward`, `forward_backward_no_pipelining`, `forward_backward_gpipe`,
-# `forward_backward_1f1b_bare`, `forward_backward_pipelining_without_interleaving`,
-# `get_forward_backward_func`.
 
 # %%
 from __future__ import annotations
@@ -40,14 +35,10 @@ __all__ = ["ScheduleConfig", "ScheduleEvent", "ScheduleRecorder", "tensor_shape"
 # ## Why a schedule
 #
 # The global batch is cut into $m$ micro-batches whose gradients are **accumulated** into one
-# buffer before one optimizer step. Without pipeline parallelism the order is obvious, and the
-# only question is *when to average the gradients over data-parallel ranks*: once, during the
-# last micro-batch's backward. Averaging after every micro-batch would move $m$ times the bytes
-# for the same result, so Megatron runs micro-batches
-# $0 \dots m-2$ inside the DDP wrapper's `no_sync()` (the bucket hooks only accumulate) and the
-# last one outside it, where each bucket's collective fires as soon as its gradients are
-# complete (`forward_backward_no_pipelining`, `megatron/core/pipeline_parallel/schedules.py:634`;
-# chapter 05 builds `no_sync` and the buckets).
+# buffer before one optimizer step. Without pipeline parallelism the order is obvious; the
+# only question is when to average the gradients over data-parallel ranks: once, during the
+# last micro-batch's backward (`forward_backward_no_pipelining`,
+# `megatron/core/pipeline_parallel/schedules.py:634`), not $m$ times.
 #
 # With pipeline parallelism the model is cut into $p$ **stages**, one per rank of the `pp`
 # group. Stage $r$ cannot start micro-batch $i$ before stage $r-1$ has sent it, and cannot run
@@ -110,14 +101,10 @@ __all__ = ["ScheduleConfig", "ScheduleEvent", "ScheduleRecorder", "tensor_shape"
 # other stage returns its hidden states and a token count of 0.
 #
 # The message shape is fixed before anything arrives: $[s/c, b, h]$, and $[s/(c\,t), b, h]$
-# with sequence parallelism (`get_tensor_shapes`, `schedules.py:2057`). The arguments the
-# schedules refuse (a missing width, a sequence that does not split, a wrong number of chunks
-# or micro-batches) are checked in `chapters/01_main_loop/_schedule_checks.py`, each with a
-# one-line `ValueError` that names the numbers.
-#
-# Every schedule reads its switches from a `config`, a `ScheduleConfig` with the names of
-# Megatron's `ModelParallelConfig`; its fields are listed after the schedules, once each has
-# been seen at work.
+# with sequence parallelism (`get_tensor_shapes`, `schedules.py:2057`). What the schedules
+# refuse (a missing width, a sequence that does not split, a wrong number of chunks or
+# micro-batches) is checked in `chapters/01_main_loop/_schedule_checks.py`. Every schedule
+# reads its switches from a `ScheduleConfig`, listed after the schedules.
 
 # %%
 def _unwrap(chunk):
@@ -169,11 +156,10 @@ def forward_step(forward_step_func, data_iterator, model_chunk, num_microbatches
 # %% [markdown]
 # ## Backward, and the output that is freed before its backward
 #
-# Once a stage has *sent* its output $y_i$, the tensor's values are no longer needed: the next
-# stage has its own copy, and this stage's backward needs only $y_i$'s `grad_fn` (the graph
-# behind it) and the incoming gradient $\partial L / \partial y_i$. Yet the list of stored
-# outputs keeps $y_i$ alive until its backward — on stage 0 of the running example that is one
-# extra 32 MiB tensor per in-flight micro-batch. Megatron's `deallocate_output_tensor`
+# Once a stage has *sent* its output $y_i$, its values are no longer needed: the next stage
+# has its own copy, and this stage's backward needs only $y_i$'s `grad_fn` and the incoming
+# gradient. Yet the list of stored outputs keeps $y_i$ alive until its backward: on stage 0
+# of the running example, 32 MiB per in-flight micro-batch. Megatron's `deallocate_output_tensor`
 # (`schedules.py:157`) replaces `y.data` by a 1-element tensor right after the send. PyTorch's
 # `torch.autograd.backward(y, dy)` would then refuse the gradient (its shape no longer matches
 # `y`), so `custom_backward` (`schedules.py:190`) calls the autograd engine directly, which
@@ -227,12 +213,10 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, config: Sched
 # of tokens the last stage counted. The return value is the list of loss reports, one per
 # micro-batch. With `forward_only` there is no backward and no finalize: evaluation.
 #
-# Every schedule of this chapter calls its micro-batches through one small object, `_Steps`:
-# `forward(c, x)` runs `forward_step` on chunk $c$ with input $x$ and adds the token count
-# to the total, `backward(c, x, y, dy)` runs `backward_step`. The chunk is the last stage's
-# (it computes the loss) when it is the last chunk of the last pipeline rank. Two more helpers
-# build one `no_sync` context from one factory or a list of them (one per chunk), and call
-# `finalize_model_grads` with the token count when the loss is per token.
+# Every schedule of this chapter calls its micro-batches through `_Steps`: `forward(c, x)`
+# runs `forward_step` on chunk $c$ and adds the token count to the total, `backward(c, x, y,
+# dy)` runs `backward_step`. Two helpers build one `no_sync` context from one factory or one
+# per chunk, and call `finalize_model_grads` with the token count.
 
 # %%
 class _Steps:
@@ -312,11 +296,8 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model,
 # the previous stage sent, then the $m$ backwards, each on the gradient the next stage sent.
 # Nothing can deadlock: the messages between two neighbors are posted in the same order on
 # both sides. Here the backwards go oldest first, the order 1F1B will use, so the gradients
-# accumulate in the same order and come out bit for bit the same. Newest first (as GPipe's
-# figure draws it) has the same bubble but adds the micro-batches' gradients in another order:
-# on this page's model the results then differ in the last bits. On the last stage the
-# "output" is the loss and needs no incoming gradient (`recv_backward` returns `None` there);
-# on the first there is no input to differentiate, so nothing goes back.
+# accumulate in the same order and come out bit for bit the same; newest first (as GPipe's
+# figure draws it) differs in the last bits.
 #
 # <details><summary>Megatron detail: how far newest-first drifts</summary>
 #
@@ -326,8 +307,8 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model,
 #
 # </details>
 #
-# It is correct and it is what every pipeline schedule must reproduce. Its cost is memory:
-# before the first backward, each stage holds the activations of all $m$ micro-batches.
+# Its cost is memory: before the first backward, each stage holds the activations of all $m$
+# micro-batches.
 
 # %%
 def forward_backward_gpipe(forward_step_func, data_iterator, model, num_microbatches: int,
@@ -358,47 +339,60 @@ def forward_backward_gpipe(forward_step_func, data_iterator, model, num_microbat
 # pops the oldest, so backwards run in forward order — the order GPipe above used.
 #
 # The messages are appendix A's named helpers. In the steady state a stage posts its output
-# *and* the receive of that output's gradient in one exchange (`send_forward_recv_backward`),
-# then, after the backward, its input gradient and the receive of the next input
-# (`send_backward_recv_forward`). Posting both halves of a round at once is what keeps two
-# neighbors from each waiting for the other to send first. The last round has no next input,
-# so it only sends.
+# *and* the receive of its gradient in one exchange (`send_forward_recv_backward`), then,
+# after the backward, its input gradient and the receive of the next input
+# (`send_backward_recv_forward`): posting both halves at once keeps two neighbors from each
+# waiting for the other to send first.
 #
 # Read the function against the running example's table: on stage 0 of $p = 2$ with $m = 8$,
 # one warmup forward, seven steady rounds, one cooldown backward; on stage 1, eight rounds.
+# Its bookkeeping comes first: `forward` runs a micro-batch and stores its pair, `backward`
+# pops the oldest pair and returns the gradient of its input.
+
+# %%
+class _BareStage:
+    """The bare 1F1B's bookkeeping: forward stores (input, output), backward pops the oldest."""
+
+    def __init__(self, forward_step_func, data_iterator, model, m: int, grid: ParallelGrid):
+        self.func, self.data, self.model, self.m = forward_step_func, data_iterator, model, m
+        self.config, self.last = ScheduleConfig(), grid.is_last_stage()
+        self.inputs, self.outputs, self.reports = [], [], []
+        self.num_tokens = torch.zeros((), dtype=torch.int, device=grid.device)
+
+    def forward(self, x):
+        y, n = forward_step(self.func, self.data, self.model, self.m, x, self.reports,
+                            self.config, self.last)
+        self.num_tokens.add_(n.to(self.num_tokens.device))
+        self.inputs.append(x)
+        self.outputs.append(y)
+        return y
+
+    def backward(self, dy):
+        x, y = self.inputs.pop(0), self.outputs.pop(0)  # the oldest micro-batch in flight
+        torch.autograd.backward(y, grad_tensors=dy)  # dy is None for the loss
+        return None if x is None else x.grad
+
+# %% [markdown]
+# The order itself, in three loops.
 
 # %%
 def forward_backward_1f1b_bare(forward_step_func, data_iterator, model, num_microbatches: int,
                                shape, grid: ParallelGrid) -> list[dict]:
     """1F1B on this stage and nothing else: warmup, one-forward-one-backward, cooldown."""
-    m, config, last = num_microbatches, ScheduleConfig(), grid.is_last_stage()
+    m = num_microbatches
     warmup = min(grid.size("pp") - grid.rank("pp") - 1, m)
-    inputs, outputs, reports = [], [], []
-    num_tokens = torch.zeros((), dtype=torch.int, device=grid.device)
-
-    def forward(x):
-        y, n = forward_step(forward_step_func, data_iterator, model, m, x, reports, config,
-                            last)
-        num_tokens.add_(n.to(num_tokens.device))
-        inputs.append(x)
-        outputs.append(y)
-        return y
-
-    def backward(dy):
-        x, y = inputs.pop(0), outputs.pop(0)  # the oldest micro-batch in flight
-        torch.autograd.backward(y, grad_tensors=dy)  # dy is None for the loss
-        return None if x is None else x.grad
+    stage = _BareStage(forward_step_func, data_iterator, model, m, grid)
 
     # Warmup: fill the pipeline below this stage.
     for _ in range(warmup):
         x = p2p.recv_forward(shape, grid)
-        p2p.send_forward(forward(x), grid)
+        p2p.send_forward(stage.forward(x), grid)
 
     # Steady state: forward micro-batch i + warmup, then backward micro-batch i.
     x = p2p.recv_forward(shape, grid) if warmup < m else None
     for i in range(m - warmup):
-        dy = p2p.send_forward_recv_backward(forward(x), shape, grid)
-        dx = backward(dy)
+        dy = p2p.send_forward_recv_backward(stage.forward(x), shape, grid)
+        dx = stage.backward(dy)
         if i < m - warmup - 1:
             x = p2p.send_backward_recv_forward(dx, shape, grid)
         else:
@@ -407,10 +401,10 @@ def forward_backward_1f1b_bare(forward_step_func, data_iterator, model, num_micr
     # Cooldown: the warmup's micro-batches, backward.
     for _ in range(warmup):
         dy = p2p.recv_backward(shape, grid)
-        p2p.send_backward(backward(dy), grid)
+        p2p.send_backward(stage.backward(dy), grid)
 
-    finalize_model_grads([model], grid, num_tokens)
-    return reports
+    finalize_model_grads([model], grid, stage.num_tokens)
+    return stage.reports
 
 # %% [markdown]
 # Stage $r$ never holds more than $w_r + 1 = p - r$ pairs, whatever $m$ is: the warmup
@@ -432,13 +426,9 @@ def forward_backward_1f1b_bare(forward_step_func, data_iterator, model, num_micr
 #    cooldown (their collectives then hide in the pipeline's drain, `schedules.py:2405-2430`).
 # 3. **Forward only** (evaluation): no pairs, no backward, no gradient messages.
 # 4. **Callbacks and a communicator.** `finalize_model_grads_func` from the config, with the
-#    last stage's token count (it broadcasts it to the others). The messages go through
-#    `_StageP2P`, appendix A's helpers bound to this stage's message shape and dtype, and the
-#    micro-batches through `_Steps`: two objects a recorder can wrap (see below), so the
-#    schedule holds no recording code.
-#
-# `_GradSync` enters `no_sync` once and leaves it once (Megatron's `disable_grad_sync` /
-# `enable_grad_sync`).
+#    last stage's token count. The messages go through `_StageP2P`, appendix A's helpers bound
+#    to this stage's message shape and dtype, and the micro-batches through `_Steps`: two
+#    objects a recorder can wrap (see below).
 
 # %%
 def num_warmup_microbatches_1f1b(pp_size: int, pp_rank: int, num_microbatches: int) -> int:
@@ -469,10 +459,8 @@ def _call_all(funcs) -> None:
 
 # %% [markdown]
 # The communicator: one method per helper the schedules call, the stage's message shape and
-# dtype filled in. The first six are no-ops (or return `None`) at the pipeline's end on their
-# side; `exchange` is the interleaved schedule's four-way message. `_comm_and_steps` builds
-# the communicator and the steps of one schedule call, and hands both to the recorder's
-# `instrument` (told after the schedule).
+# dtype filled in; each is a no-op at the pipeline's end on its side. `exchange` is the
+# interleaved schedule's four-way message.
 
 # %%
 class _StageP2P:
@@ -522,9 +510,90 @@ def _comm_and_steps(forward_step_func, iterators, chunks, num_microbatches, seq_
                       config.recorder, stage=grid.rank("pp"))
 
 # %% [markdown]
-# The schedule, with the bare version's three phases and the additions numbered above.
-# `own_sync` says whether this stage lets its hooks launch the grad collectives in its last
-# backward (addition 2).
+# One call keeps its state in `_Run1F1B`. `own_sync` says whether this stage's hooks launch
+# the grad collectives in its last backward (addition 2); `keep` stores a pair once its output
+# was sent and pseudo-frees the output (addition 1).
+
+# %%
+class _Run1F1B:
+    """One 1F1B call: communicator and steps, the pairs in flight, the grad sync."""
+
+    def __init__(self, comm, steps, config: ScheduleConfig, m: int, forward_only: bool):
+        self.comm, self.steps, self.config, self.m = comm, steps, config, m
+        self.forward_only, self.x = forward_only, None  # x: the input of the next forward
+        self.warmup = num_warmup_microbatches_1f1b(comm.size, comm.rank, m)
+        self.own_sync = config.grad_sync_func is None or comm.rank == 0
+        self.inputs, self.outputs, self.sync = [], [], _GradSync(config)
+
+    def keep(self, x, y) -> None:
+        """After y was sent: store the pair, pseudo-free y (training only)."""
+        if not self.forward_only:
+            self.inputs.append(x)
+            self.outputs.append(y)
+            deallocate_output_tensor(y, self.config.deallocate_pipeline_outputs)
+
+    def backward(self, dy):
+        """Backward of the oldest micro-batch in flight; returns its input's gradient."""
+        return self.steps.backward(0, self.inputs.pop(0), self.outputs.pop(0), dy)
+
+# %% [markdown]
+# The warmup is the bare one with `keep`. The steady state adds forward-only rounds (send the
+# output, receive the next input, nothing back) and enables the grad sync before the last
+# stage's last backward, which falls in the steady state since its warmup is empty.
+
+# %%
+def _warmup_1f1b(run: _Run1F1B) -> None:
+    """w_r forwards, each output sent on before the next input is received."""
+    for _ in range(run.warmup):
+        x = run.comm.recv_forward()
+        y = run.steps.forward(0, x)
+        run.comm.send_forward(y)
+        run.keep(x, y)
+
+
+def _steady_1f1b(run: _Run1F1B) -> None:
+    """m - w_r rounds: forward the next micro-batch, then backward the oldest in flight."""
+    comm, steps, m, warmup = run.comm, run.steps, run.m, run.warmup
+    run.x = comm.recv_forward() if warmup < m else None
+    for i in range(m - warmup):
+        last = i == m - warmup - 1
+        y = steps.forward(0, run.x)
+        if run.forward_only:
+            comm.send_forward(y)
+            run.x = None if last else comm.recv_forward()
+            continue
+        dy = comm.send_forward_recv_backward(y)
+        run.keep(run.x, y)
+        if last and warmup == 0 and run.own_sync:
+            run.sync.enable()  # the last stage's last backward runs in the steady state
+        dx = run.backward(dy)
+        if last:
+            comm.send_backward(dx)
+        else:
+            run.x = comm.send_backward_recv_forward(dx)
+        y = dy = dx = None  # sent and done: not held through the next round
+
+# %% [markdown]
+# The cooldown enables the grad sync before this stage's last backward, or, on a stage that
+# leaves it to `grad_sync_func`, launches the collectives after it; then `finalize_model_grads`.
+
+# %%
+def _cooldown_1f1b(run: _Run1F1B, chunk, grid: ParallelGrid) -> list[dict]:
+    """The warmup's micro-batches, backward; the grad sync; finalize. Returns the reports."""
+    for i in range(run.warmup):
+        if i == run.warmup - 1 and run.own_sync:
+            run.sync.enable()
+        dy = run.comm.recv_backward()
+        run.comm.send_backward(run.backward(dy))
+    if run.sync.context is not None:  # stages > 0 with a grad_sync_func: launch now
+        run.sync.enable()
+        _call_all(run.config.grad_sync_func)
+    _finalize(run.config, [chunk], grid, run.steps.total_num_tokens)
+    return run.steps.store
+
+# %% [markdown]
+# The schedule: check, build the communicator and the run, hold the grad sync back, and the
+# three phases; evaluation stops after the steady state.
 
 # %%
 def forward_backward_pipelining_without_interleaving(
@@ -537,62 +606,20 @@ def forward_backward_pipelining_without_interleaving(
     checks.check_pipeline(grid, m)
     comm, steps = _comm_and_steps(forward_step_func, [data_iterator], [chunk], m, seq_length,
                                   micro_batch_size, grid, config)
-    warmup = num_warmup_microbatches_1f1b(comm.size, comm.rank, m)
-    own_sync = config.grad_sync_func is None or comm.rank == 0
-    inputs, outputs, sync = [], [], _GradSync(config)
+    run = _Run1F1B(comm, steps, config, m, forward_only)
     if not forward_only:
-        sync.disable()
-
-    def keep(x, y) -> None:  # after y was sent: store the pair, pseudo-free y
-        if not forward_only:
-            inputs.append(x)
-            outputs.append(y)
-            deallocate_output_tensor(y, config.deallocate_pipeline_outputs)
-
-    # Warmup.
-    for _ in range(warmup):
-        x = comm.recv_forward()
-        y = steps.forward(0, x)
-        comm.send_forward(y)
-        keep(x, y)
-    # Steady state.
-    x = comm.recv_forward() if warmup < m else None
-    for i in range(m - warmup):
-        last = i == m - warmup - 1
-        y = steps.forward(0, x)
-        if forward_only:
-            comm.send_forward(y)
-            x = None if last else comm.recv_forward()
-            continue
-        dy = comm.send_forward_recv_backward(y)
-        keep(x, y)
-        if last and warmup == 0 and own_sync:
-            sync.enable()  # the last stage's last backward runs in the steady state
-        dx = steps.backward(0, inputs.pop(0), outputs.pop(0), dy)  # the oldest in flight
-        if last:
-            comm.send_backward(dx)
-        else:
-            x = comm.send_backward_recv_forward(dx)
-        y = dy = dx = None  # sent and done: not held through the next round
+        run.sync.disable()
+    _warmup_1f1b(run)
+    _steady_1f1b(run)
     if forward_only:
         return steps.store
-    # Cooldown.
-    for i in range(warmup):
-        if i == warmup - 1 and own_sync:
-            sync.enable()
-        dy = comm.recv_backward()
-        comm.send_backward(steps.backward(0, inputs.pop(0), outputs.pop(0), dy))
-    if sync.context is not None:  # stages > 0 with a grad_sync_func: launch now
-        sync.enable()
-        _call_all(config.grad_sync_func)
-    _finalize(config, [chunk], grid, steps.total_num_tokens)
-    return steps.store
+    return _cooldown_1f1b(run, chunk, grid)
 
 # %% [markdown]
 # ## The knobs
 #
-# Every schedule above read its switches from `config`. `ScheduleConfig` carries the fields
-# of Megatron's `ModelParallelConfig` that the schedules read, with the same names. The callbacks are set by the training loop
+# `ScheduleConfig` carries the fields of Megatron's `ModelParallelConfig` that the schedules
+# read, with the same names. The callbacks are set by the training loop
 # (`megatron/training/training.py:3227-3245`): `grad_scale_func` is the optimizer's
 # `scale_loss` (fp16 loss scaling); with `overlap_grad_reduce`, `no_sync_func` is the DDP
 # wrapper's `no_sync` (one per chunk) and, with `align_grad_reduce` (on by default), also
@@ -613,14 +640,11 @@ def forward_backward_pipelining_without_interleaving(
 #
 # </details>
 #
-# `batch_p2p_comm` says how every pipeline message of a schedule call is posted: one `batch_isend_irecv` per exchange (Megatron's
-# default) or single `isend`/`irecv`; one schedule never mixes the two, because under NCCL
-# they travel on different communicators ([appendix A](../parallel/pipeline_p2p.py)). Left
-# at `None` it is the negation of `overlap_p2p_comm`, as Megatron's training arguments set it
-# (`megatron/training/argument_utils.py:302`). The `recorder` is tinytron's
-# (`ScheduleRecorder`, defined with the pictures it feeds on the timeline page): every
-# forward, backward, send and receive is stamped with `time.perf_counter()`, a clock shared by
-# the processes of one machine. How it records without a line in the schedules is told next.
+# `batch_p2p_comm` says how every message of a schedule call is posted: one
+# `batch_isend_irecv` per exchange or single `isend`/`irecv`, never a mix, since under NCCL
+# they travel on different communicators ([appendix A](../parallel/pipeline_p2p.py)); `None`
+# is `not overlap_p2p_comm`, as Megatron sets it (`megatron/training/argument_utils.py:302`).
+# The `recorder` is tinytron's (`ScheduleRecorder`, of the timeline page).
 
 # %%
 @dataclass
@@ -667,19 +691,24 @@ class ScheduleConfig:
 # anything. `instrument(comm, steps, recorder, stage)` returns the two objects unchanged
 # without a recorder; with one it wraps both (in
 # `chapters/01_main_loop/_schedule_recording.py`), so that every call of `steps.forward`,
-# `steps.backward` and of each communicator method becomes a `ScheduleEvent`. The wrappers
-# name each event's (chunk, micro-batch) from what the schedule hands them: the $n$-th forward
-# (or backward) of a chunk is micro-batch $n$, since every schedule runs a chunk's micro-batches
-# in order; a sent tensor belongs to the step that produced it; a received one to the step
-# that consumes it. A combined exchange is one event per tensor it moved, and a helper that
-# is a no-op at this end of the pipeline records nothing.
+# `steps.backward` and of each communicator method becomes a `ScheduleEvent`, stamped with
+# `time.perf_counter()`.
+#
+# <details><summary>How an event is named</summary>
+#
+# The wrappers name each event's (chunk, micro-batch) from what the schedule hands them: the
+# $n$-th forward (or backward) of a chunk is micro-batch $n$, since every schedule runs a
+# chunk's micro-batches in order; a sent tensor belongs to the step that produced it; a
+# received one to the step that consumes it. A combined exchange is one event per tensor it
+# moved, and a helper that is a no-op at this end of the pipeline records nothing.
+#
+# </details>
 #
 # ## Choosing the schedule
 #
 # `get_forward_backward_func` (`schedules.py:48`): one pipeline stage → no pipelining; more
-# than one with virtual stages → the interleaved schedule (next page); otherwise 1F1B. Every
-# function takes the same keywords, so the training loop calls whichever it got the same way.
-# The two naive schedules are for this page; the trainer never picks them.
+# than one with virtual stages → the interleaved schedule (next page); otherwise 1F1B, all with
+# the same keywords. The two naive schedules are for this page; the trainer never picks them.
 
 # %%
 def get_forward_backward_func(pp_size: int = 1, vpp_size: int | None = None) -> Callable:
@@ -695,15 +724,14 @@ def get_forward_backward_func(pp_size: int = 1, vpp_size: int | None = None) -> 
 # %% [markdown]
 # ## Demo: the running example's pipeline, on two gloo ranks
 #
-# The tiny GPT (4 layers, untied embeddings) cut into two stages, $m = 8$ micro-batches of one
-# sequence each — the running example's PP 2 and $m$ at CPU size. One training step through
-# `get_forward_backward_func(2)` with chapter 05's `finalize_model_grads`: each stage prints
-# the order it executed (from the recorder), and every gradient is compared with one process
-# running the 8 micro-batches one after the other, and GPipe and the bare 1F1B run on the same
-# weights and batches against it. Then a step of 4 micro-batches through a
-# 2-layer cut (the meter slows every operation down) runs under chapter 01's `LiveBytesMeter`,
-# stamped after every forward and backward, with and without pseudo-freeing; a saved-tensor
-# hook also counts the micro-batches whose activations autograd still holds.
+# The tiny GPT cut into two stages, $m = 8$ micro-batches of one sequence each: the running
+# example's PP 2 and $m$ at CPU size. One training step through `get_forward_backward_func(2)`:
+# each stage prints the order it executed (from the recorder), and every gradient is compared
+# with one process running the 8 micro-batches in turn, and with GPipe and the bare 1F1B.
+# Then a step of 4 micro-batches through a 2-layer cut runs under chapter 01's
+# `LiveBytesMeter`, stamped after every forward and backward, with and without
+# pseudo-freeing; a saved-tensor hook counts the micro-batches whose activations autograd
+# still holds.
 
 # %%
 if __name__ == "__main__":
@@ -770,16 +798,13 @@ if __name__ == "__main__":
 #
 # - No pipelining = gradient accumulation, with the DDP collectives held back (`no_sync`)
 #   until the last micro-batch's backward.
-# - GPipe (all forwards, then all backwards) is the naive pipeline schedule; 1F1B is the same
-#   work reordered into warmup, steady state and cooldown, and gives the same bits.
-# - 1F1B on stage $r$: $\min(p-r-1, m)$ warmup forwards, one-forward-one-backward rounds, then
-#   the cooldown; backwards in forward order; at most $p - r$ micro-batches alive (measured).
+# - 1F1B is GPipe's work reordered into warmup ($\min(p-r-1, m)$ forwards), steady
+#   one-forward-one-backward rounds and cooldown: the same bits, at most $p - r$ micro-batches
+#   alive (measured) instead of $m$.
 # - Sent outputs are pseudo-freed; their backward goes straight to the autograd engine.
-# - The loss lives on the last stage only (chapter 00's contract). The gradients equal one
-#   process running the micro-batches in turn: bit for bit with pipelining alone (tests: PP 2
-#   and PP 4, and no pipelining); with TP 2 × PP 2 and DP 2 × PP 2 the sums are split
-#   differently (over TP shards, over two DP halves), and the tests hold them within $10^{-6}$
-#   of one process.
+# - The gradients equal one process running the micro-batches in turn: bit for bit with
+#   pipelining alone; within $10^{-6}$ with TP 2 × PP 2 and DP 2 × PP 2, whose sums are split
+#   differently.
 #
 #   <details><summary>Megatron detail: the measured gaps</summary>
 #
@@ -789,7 +814,6 @@ if __name__ == "__main__":
 #
 #   </details>
 #
-# - The recorder is a wrapper around the communicator and the steps, not code in the schedule.
 #
 # ## How production does it
 #

@@ -445,7 +445,7 @@ class DistributedOptimizer(ShardedCopies, MixedPrecisionOptimizer):
 #
 # <details><summary>Megatron detail: the chunks' buffers, chained</summary>
 #
-# Each chunk has its own DDP ([chapter 01's `wrap_with_ddp`](../01_main_loop/loop.py): only the
+# Each chunk has its own DDP ([chapter 01's `wrap_with_ddp`](../01_main_loop/run.py): only the
 # first one bucketed, `training.py:1783-1787`). Megatron passes the whole model list to
 # `get_megatron_optimizer` (`training.py:1979`), and the DistributedOptimizer chains the
 # chunks' buffers into one list (`distrib_optimizer.py:685`). Here too `buffers` is every

@@ -190,7 +190,7 @@ def _training(args) -> SimpleNamespace:
 
 def run(argv=None) -> int:
     """Train (or resume) the tiny job; return the process exit code."""
-    from tinytron.main_loop.loop import pretrain
+    from tinytron.main_loop.run import pretrain
     from tinytron.parallel import ParallelGrid
 
     args = parse_args(argv)
