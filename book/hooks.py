@@ -306,9 +306,30 @@ def on_files(files, config, **kwargs):
         _POOL.shutdown(cancel_futures=True)
         _PAGES.clear()
     _POOL = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="book-page")
-    for path in executed_pages(files, plugin):
+    for path in longest_first(executed_pages(files, plugin)):
         _PAGES[path] = (kwargs, _POOL.submit(_NB2HTML[0], path, **kwargs))
     return files
+
+
+# The pages whose demos run longest (a trainer, a Triton kernel under the interpreter, a search
+# over layouts), longest first, as measured on two CPU cores. The pool starts them before the
+# rest: in the book's order appendix C's kernels came last and the build waited minutes on them
+# after every other page had finished. A page missing here only starts later.
+LONGEST_PAGES = [
+    "kernels/inductor.py", "01_main_loop/assembled.py", "kernels/flash_attention.py",
+    "model/gpt.py", "07_memory/measured.py", "07_memory/calculator.py",
+    "01_main_loop/interleaved.py", "model/generate.py", "kernels/roofline.py",
+    "07_memory/step_published.py", "kernels/swiglu.py", "01_main_loop/schedules.py",
+    "08_reliability/fault_injection.py", "01_main_loop/run.py", "kernels/rmsnorm.py",
+    "model/config.py", "02_optimizer/training.py", "kernels/fused_adamw.py",
+]
+
+
+def longest_first(paths: list[str]) -> list[str]:
+    """`paths` with the pages of LONGEST_PAGES first, in that list's order; the rest as given."""
+    rank = {page: i for i, page in enumerate(LONGEST_PAGES)}
+    key = lambda path: rank.get(Path(path).parent.name + "/" + Path(path).name, len(rank))  # noqa: E731
+    return sorted(paths, key=key)
 
 
 def executed_pages(files, plugin) -> list[str]:

@@ -387,3 +387,14 @@ def test_numbered_links_name_the_page_they_point_to():
             if page in numbers and numbers[page] != number:
                 wrong.append(f"{source.relative_to(CHAPTERS)}: [{number}]({target}) is page {numbers[page]}")
     assert not wrong, "numbered links that name another page's number:\n" + "\n".join(wrong)
+
+
+def test_the_build_starts_the_longest_pages_first():
+    """The pool's head start goes to pages that exist (a renamed page would silently lose it)."""
+    hooks = _hooks()
+    missing = [page for page in hooks.LONGEST_PAGES if not (CHAPTERS / page).exists()]
+    assert not missing, f"LONGEST_PAGES names pages that do not exist: {missing}"
+    order = hooks.longest_first([str(p) for p in PAGES])
+    assert [str(Path(p).relative_to(CHAPTERS)) for p in order[:len(hooks.LONGEST_PAGES)]] == \
+        hooks.LONGEST_PAGES
+    assert sorted(order) == sorted(map(str, PAGES))
