@@ -38,7 +38,7 @@ from tests.conftest import ROOT, chapter_pages
 # Injected by the test server only: material renders each mermaid diagram into a *closed*
 # shadow root, invisible to --dump-dom. The probe opens those roots and copies what they hold
 # into attributes, so the test reads the browser's own rendering.
-PROBE = b"""<script>(function () {
+PROBE = rb"""<script>(function () {
   var attach = Element.prototype.attachShadow;
   Element.prototype.attachShadow = function (init) {
     return attach.call(this, Object.assign({}, init, {mode: "open"}));
@@ -53,7 +53,7 @@ PROBE = b"""<script>(function () {
       if (svg) {  // each label's text, a line break as a newline; the diagram's drawn height
         var texts = [];
         root.querySelectorAll(".nodeLabel, .edgeLabel, text").forEach(function (l) {
-          texts.push(l.innerHTML.replace(/<br\s*\/?>|<\/tspan>/gi, "\\n").replace(/<[^>]+>/g, ""));
+          texts.push(l.innerHTML.replace(/<br\s*\/?>|<\/tspan>/gi, "\n").replace(/<[^>]+>/g, ""));
         });
         d.setAttribute("data-tt-labels", texts.join(" | "));
         d.setAttribute("data-tt-height", svg.getBoundingClientRect().height.toFixed(0));

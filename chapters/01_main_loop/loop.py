@@ -240,7 +240,7 @@ def sft_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 # tokens; the scheduler then advances by $8 \cdot 2 \cdot 64 = 1024$ samples.
 #
 # ```mermaid
-# flowchart LR
+# flowchart TB
 #   Z["zero_grad_buffer<br/>optimizer.zero_grad"] --> FB["forward_backward_func<br/>m micro-batches,<br/>finalize_model_grads"]
 #   FB --> ST["optimizer.step<br/>(ok, grad_norm, num_zeros)"]
 #   ST --> AG["AND ok, MAX grad_norm<br/>over the model-parallel group"]
