@@ -120,6 +120,17 @@ def _runs_snapshot() -> dict:
             for p in RUNS.rglob("*")}
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`-n 2 --dist loadfile`) hand out the test files in collection order.
+
+    xdist's default hands out the files with the most tests first, which put test_site.py (moved
+    to the end of the collection above, because it waits for the book build) in the middle: one
+    worker then waited on the build for 15 minutes while the other ran the remaining files alone.
+    """
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_sessionstart(session):
     _guard_output_dir()
     sys.addaudithook(_audit)
