@@ -14,18 +14,18 @@
 #
 # ```mermaid
 # sequenceDiagram
-#   participant A as launch 1 on node-A
-#   participant C as exit-16 checkpoint
-#   participant A2 as launch 2 on node-A
-#   participant B as launch 3 on node-B
-#   participant T as tracker file
-#   A->>T: iteration 3 rejected, initial_run
-#   A->>T: the rerun in place reproduces it, first_rerun_reproducible
-#   A->>C: start-of-step RNG states, machine state, the step's micro-batches (exit 16)
-#   C->>A2: loaded on the suspect GPU again
-#   Note over A2: proves nothing, exit 16 again, no line written
-#   C->>B: loaded on another GPU
-#   B->>T: a finite loss, second_rerun_not_reproducible (exit 17)
+#   participant A as launch 1<br/>node-A
+#   participant C as exit-16<br/>checkpoint
+#   participant A2 as launch 2<br/>node-A
+#   participant B as launch 3<br/>node-B
+#   participant T as tracker<br/>file
+#   A->>T: iteration 3 rejected<br/>initial_run
+#   A->>T: the rerun in place<br/>reproduces it<br/>first_rerun_reproducible
+#   A->>C: start-of-step RNG states,<br/>machine state, the step's<br/>micro-batches (exit 16)
+#   C->>A2: loaded on the<br/>suspect GPU again
+#   Note over A2: proves nothing<br/>exit 16 again<br/>no line written
+#   C->>B: loaded on<br/>another GPU
+#   B->>T: a finite loss<br/>second_rerun_not_reproducible<br/>(exit 17)
 # ```
 
 # %%
