@@ -62,11 +62,6 @@ def _run_pages_once(items) -> None:
     if not build[0].config.option.collectonly:
         _BUILDS.append(build[0].module)
         build[0].module.start_book_build()  # runs beside the tests until test_site.py needs it
-        if os.environ.get("PYTEST_XDIST_WORKER"):
-            # The build and its browser pass are the suite's longest path (about 18 of its 24
-            # minutes with two workers beside it): the workers, and every rank they start, yield
-            # the CPU to it. Started before this line, the build keeps the default priority.
-            os.nice(BUILD_HEAD_START_NICE)
     skip = pytest.mark.skip(reason="executed by the strict book build in this session "
                                    "(tests/test_site.py)")
     for item in items:
@@ -162,7 +157,6 @@ def pytest_collection_modifyitems(config, items):
 
 
 _BUILDS: list = []  # the module whose book build was started at collection
-BUILD_HEAD_START_NICE = 5
 
 
 def pytest_sessionfinish(session, exitstatus):
