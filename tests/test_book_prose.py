@@ -194,12 +194,28 @@ def test_code_cells_are_at_most_40_lines():
     assert not gone, f"LONG_CELLS_LEFT names cells now within {CELL_LINES_MAX} lines: {gone}"
 
 
-# A page a reader finishes in one sitting: at most ~2,500 words of prose in view (a folded answer,
-# hint or "Megatron detail" box is read on demand and not counted), and 3,000 with every box open.
-# A longer page is split where its mechanism has a seam (07's step time became three pages).
-# An exception would be named here with its reason; there is none.
-PAGE_WORDS_MAX, PAGE_WORDS_OPEN_MAX = 2500, 3000
-LONG_PAGES_LEFT: set[str] = set()
+# A page a reader finishes in one sitting: one lesson, at most ~2,500 words of prose, counted
+# with every folded answer, hint and "Megatron detail" box open (a reader who opens them reads
+# them). A longer page is split where its mechanism has a seam (07's step time became three
+# pages). The pages named here are still over, with their words when the limit came; each is
+# to be split, and the set only shrinks.
+PAGE_WORDS_MAX = 2500
+LONG_PAGES_LEFT = {
+    "01_main_loop/assembled.py",  # 2,879
+    "01_main_loop/interleaved.py",  # 2,885
+    "01_main_loop/schedules.py",  # 2,851
+    "02_optimizer/distributed.py",  # 2,898
+    "03_checkpoint/async_save.py",  # 2,983
+    "03_checkpoint/resume.py",  # 2,912
+    "05_buffers/distributed_data_parallel.py",  # 2,926
+    "07_memory/activations.py",  # 2,719
+    "07_memory/config_ledger.py",  # 2,724
+    "07_memory/step_compute.py",  # 2,520
+    "07_memory/step_time.py",  # 2,824
+    "08_reliability/restarts.py",  # 2,985
+    "kernels/flash_attention.py",  # 2,572
+    "model/gpt.py",  # 2,920
+}
 
 
 def prose_words(page: Path) -> tuple[int, int]:
@@ -213,7 +229,7 @@ def test_pages_are_at_most_2500_words():
     over = {}
     for page in _pages():
         shown, opened = prose_words(page)
-        if shown > PAGE_WORDS_MAX or opened > PAGE_WORDS_OPEN_MAX:
+        if opened > PAGE_WORDS_MAX:
             over[str(page.relative_to(CHAPTERS))] = (shown, opened)
     new = sorted(f"{name}: {shown} words in view, {opened} open" for name, (shown, opened)
                  in over.items() if name not in LONG_PAGES_LEFT)
