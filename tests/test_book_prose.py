@@ -210,7 +210,6 @@ LONG_PAGES_LEFT = {
     "05_buffers/distributed_data_parallel.py",  # 2,926
     "07_memory/activations.py",  # 2,719
     "07_memory/config_ledger.py",  # 2,724
-    "07_memory/step_compute.py",  # 2,520
     "07_memory/step_time.py",  # 2,824
     "08_reliability/restarts.py",  # 2,985
     "kernels/flash_attention.py",  # 2,572

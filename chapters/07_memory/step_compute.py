@@ -98,9 +98,9 @@ __all__ = ["Links", "StepOptions", "stage_flops", "stage_compute", "collective_s
 # `reduce_scatter_as_all_reduce` describes gloo, which has no reduce-scatter: torch emulates
 # it with an all-reduce (chapter 05's `_comm`), so on CPU the reduce-scatter costs twice.
 # `interference` is what a hidden transfer still costs: the compute seconds lost per second
-# of a transfer running behind it. On a GPU the copy engines and the network are separate
-# from the tensor cores and the default 0 ignores the few SMs NCCL occupies; on a CPU, gloo's
-# thread and the compute share the cores, and [07.12](step_published.py)'s CPU check measures it.
+# of a transfer running behind it. On a GPU it is the SMs NCCL's kernels take (the default, 16
+# of 132); on a CPU, gloo's thread and the compute share the cores, and
+# [07.12](step_published.py)'s CPU check measures it.
 #
 # <details><summary>Measuring the inputs on a real cluster</summary>
 #
@@ -109,8 +109,7 @@ __all__ = ["Links", "StepOptions", "stage_flops", "stage_compute", "collective_s
 # NCCL's own tests (their "bus bandwidth" is exactly the per-link rate used here), `pcie`
 # from a pinned host-to-device copy, `disk` from the time of one checkpoint save divided
 # by its bytes. On a CPU (07.12, and the trainer's own report) the compute rate is measured
-# and the law is off. The `interference` line was measured on a CPU by 07.12's check;
-# on a GPU it is the SMs NCCL's kernels take.
+# and the law is off.
 #
 # </details>
 
