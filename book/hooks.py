@@ -65,7 +65,8 @@ SHORT_TITLES = {  # where the rule above reads badly
     "00_overview/modes.py": "Pretrain, SFT and RL, one train step",
     "02_optimizer/scheduler.py": "Learning-rate and weight-decay schedule",
     "05_buffers/param_and_grad_buffer.py": "One contiguous buffer for all grads",
-    "05_buffers/distributed_data_parallel.py": "DDP hooks and bucket collectives",
+    "05_buffers/bucket_group.py": "Bucket groups and their collectives",
+    "05_buffers/distributed_data_parallel.py": "The DDP wrapper and its hooks",
     "06_recompute_offload/checkpoint.py": "A checkpoint that replays the RNG",
     "model/layers.py": "RMSNorm, RoPE and the init",
 }

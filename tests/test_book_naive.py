@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tinytron.launch import run_on_ranks
-from tinytron.optimizer.distributed import owners_by_size
+from tinytron.optimizer.zero1 import owners_by_size
 
 
 def both_naive_variants() -> dict:

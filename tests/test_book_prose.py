@@ -56,6 +56,7 @@ PAGES_AT_GOAL = {
     "02_optimizer/offload.py",
     "02_optimizer/scheduler.py",
     "02_optimizer/training.py",
+    "02_optimizer/zero1.py",
     "02_optimizer/zero_fsdp.py",
     "03_checkpoint/async_save.py",
     "03_checkpoint/formats.py",
@@ -75,6 +76,7 @@ PAGES_AT_GOAL = {
     "04_data/preprocess.py",
     "04_data/samplers.py",
     "04_data/sft.py",
+    "05_buffers/bucket_group.py",
     "05_buffers/distributed_data_parallel.py",
     "05_buffers/naive_ddp.py",
     "05_buffers/overlap_timeline.py",
@@ -204,10 +206,8 @@ LONG_PAGES_LEFT = {
     "01_main_loop/assembled.py",  # 2,879
     "01_main_loop/interleaved.py",  # 2,885
     "01_main_loop/schedules.py",  # 2,851
-    "02_optimizer/distributed.py",  # 2,898
     "03_checkpoint/async_save.py",  # 2,983
     "03_checkpoint/resume.py",  # 2,912
-    "05_buffers/distributed_data_parallel.py",  # 2,926
     "07_memory/activations.py",  # 2,719
     "07_memory/config_ledger.py",  # 2,724
     "07_memory/step_time.py",  # 2,824

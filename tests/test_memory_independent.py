@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import tinytron.buffers.param_and_grad_buffer as ch05
-from tinytron.buffers.distributed_data_parallel import (DistributedDataParallelConfig,
-                                                        default_bucket_size)
+from tinytron.buffers.bucket_group import default_bucket_size
+from tinytron.buffers.distributed_data_parallel import DistributedDataParallelConfig
 from tinytron.memory._workers import case_config
 from tinytron.memory.states import (MemoryConfig, _optimizer_order, buffer_layouts,
                                     chunk_params, offloaded_mask, owned_elements, state_ledger)

@@ -12,9 +12,8 @@ from tinytron.optimizer.muon import MaxLogitTracker, Muon, build_muon_adamw, qk_
 from tinytron.optimizer.offload import HybridDeviceOptimizer
 from tinytron.optimizer.scheduler import OptimizerParamScheduler
 
-__pages__ = ["algorithms", "muon", "scheduler", "mixed_precision", "distributed", "zero_fsdp",
-             "layer_wise",
-             "offload", "factory", "training"]
+__pages__ = ["algorithms", "muon", "scheduler", "mixed_precision", "zero1", "distributed",
+             "zero_fsdp", "layer_wise", "offload", "factory", "training"]
 
 __all__ = ["SGD", "Adam", "AdamW", "ChainedOptimizer", "Lion", "build_param_groups",
            "DistributedOptimizer", "OptimizerConfig", "SchedulerConfig", "get_megatron_optimizer",

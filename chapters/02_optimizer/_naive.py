@@ -1,4 +1,4 @@
-"""Rank functions for the whole-parameter ZeRO-1 of the DistributedOptimizer page (not a page)."""
+"""Rank functions: ZeRO-1 by whole parameters against the DistributedOptimizer (not a page)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from tinytron.buffers import DistributedDataParallel, DistributedDataParallelConfig
 from tinytron.optimizer._workers import batch, small_mlp
 from tinytron.optimizer.algorithms import AdamW
-from tinytron.optimizer.distributed import (DistributedOptimizer, NaiveZeRO1, data_parallel_step)
+from tinytron.optimizer.distributed import DistributedOptimizer, data_parallel_step
+from tinytron.optimizer.zero1 import NaiveZeRO1
 from tinytron.parallel import ParallelGrid
 
 

@@ -193,7 +193,7 @@ def param_gather_case(hidden: int = 256, ffn: int = 1024, num_layers: int = 6,
 
 
 def timeline_and_gather_runs() -> dict:
-    """Rank function for the DDP page: backward timelines (overlap off/on) and a gathered forward."""
+    """Rank function for the timeline page: backward timelines (overlap off/on), a gathered forward."""
     off, on = timeline_runs()
     return {"off": off, "on": on, "gather": param_gather_case()}
 

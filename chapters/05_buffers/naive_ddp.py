@@ -111,7 +111,7 @@ class NaiveDataParallel(torch.nn.Module):
 # | cost | where it comes from | what the real DDP does instead |
 # |---|---|---|
 # | one collective per parameter: 97 on a rank of the running example | each call pays a fixed launch and ring latency $\alpha$, however small the tensor (a norm weight is 8 KB) | [one flat buffer cut into buckets](param_and_grad_buffer.py): a handful of large collectives |
-# | the backward waits for every all-reduce | the call blocks inside the hook | [async collectives on a side stream](distributed_data_parallel.py), waited for once in `finish_grad_sync` |
+# | the backward waits for every all-reduce | the call blocks inside the hook | [async collectives on a side stream](bucket_group.py), waited for once in `finish_grad_sync` |
 # | `.grad` is a separate tensor per parameter, in the param's dtype | autograd allocates it | `main_grad`, an fp32 view of the buffer, where the grads of all micro-batches accumulate |
 #
 # A ring all-reduce of $n$ bytes over $d$ ranks takes about $2(d-1)\alpha + 2\frac{d-1}{d}
@@ -242,7 +242,7 @@ if __name__ == "__main__":
 #    <details><summary>Hint</summary>
 #
 #    Compare with `start_grad_sync` and `finish_grad_sync` on
-#    the [DDP page](distributed_data_parallel.py): the buffer gives each bucket one contiguous
+#    the [bucket-group page](bucket_group.py): the buffer gives each bucket one contiguous
 #    tensor to reduce, and the wait happens once, before the optimizer. Small tensors still
 #    pay the latency term $2(d-1)\alpha$ of the cost formula above, once per call.
 #

@@ -23,8 +23,9 @@
 #   F --> Z
 # ```
 #
-# This page builds the data structure: where each view lives. [The DDP page](distributed_data_parallel.py)
-# builds the hooks and the collectives, [`finalize_model_grads`](finalize_model_grads.py) the
+# This page builds the data structure: where each view lives. [The bucket groups](bucket_group.py)
+# launch the collectives, [the DDP wrapper](distributed_data_parallel.py) puts the hooks on the
+# model, [`finalize_model_grads`](finalize_model_grads.py) is the
 # last stop before the optimizer, [the timeline page](overlap_timeline.py) draws the overlap,
 # and [chapter 02's DistributedOptimizer](../02_optimizer/distributed.py) reads and writes the
 # shards.
@@ -570,8 +571,8 @@ def collective_bytes(numel: int, itemsize: int, dp: int, op: str) -> float:
 
 # %%
 if __name__ == "__main__":
-    from tinytron.buffers.distributed_data_parallel import (DistributedDataParallelConfig,
-                                                            default_bucket_size)
+    from tinytron.buffers.bucket_group import default_bucket_size
+    from tinytron.buffers.distributed_data_parallel import DistributedDataParallelConfig
     from tinytron.model import count_parameters_per_rank, llama_7b_config
 
     config, dp = llama_7b_config(), 64

@@ -336,7 +336,7 @@ if __name__ == "__main__":
 #   the gather's backward is a reduce-scatter. The ring gets the same result holding one block
 #   at a time, merging blocks with their log-sum-exp.
 # - Gradients of weights now come from different tokens on each CP rank: they are reduced over
-#   `dp_cp`, not `dp` ([chapter 05](../05_buffers/distributed_data_parallel.py)).
+#   `dp_cp`, not `dp` ([chapter 05](../05_buffers/bucket_group.py)).
 #
 # ## How production does it
 #
