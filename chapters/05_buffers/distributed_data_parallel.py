@@ -250,7 +250,7 @@ class GradReduction(GradLaunch):
 # check is pluggable: `ddp.set_grad_check(fn)` makes every bucket group call `fn(buckets)` here,
 # on this rank's local, unscaled grads (`bucket.grad_data`, `bucket.bucket_id`, `bucket.dp_rank`);
 # `set_grad_check(None)` restores the default. [Chapter 08's
-# `Reliability`](../08_reliability/restarts.py) installs the rerun machine's checks this way.
+# `Reliability`](../08_reliability/loop_hooks.py) installs the rerun machine's checks this way.
 
 # %%
 class GradCheck:
@@ -793,7 +793,7 @@ if __name__ == "__main__":
 # `main_grad` after the backward, as a bad GPU would. A check installed by `set_grad_check`
 # receives the bucket with the NaN still local; after `set_grad_check(None)` the default check
 # raises before any collective and names the bucket. (On two ranks,
-# [chapter 08's tests](../08_reliability/restarts.py) show that only the faulty rank reports it.)
+# [chapter 08's tests](../08_reliability/loop_hooks.py) show that only the faulty rank reports it.)
 
 # %%
 if __name__ == "__main__":
