@@ -152,7 +152,7 @@ SECTIONS: dict[str, str] = {
     "tokenizer": "tinytron.config:TokenizerConfig",
     "checkpoint": "tinytron.checkpoint.resume:CheckpointConfig",
     "logging": "tinytron.reliability.observability:LoggingConfig",
-    "reliability": "tinytron.reliability.restarts:ReliabilityConfig",
+    "reliability": "tinytron.reliability.loop_hooks:ReliabilityConfig",
 }
 
 

@@ -144,7 +144,7 @@ def _attribution_direct(save: str, bad_backward: bool) -> dict:
     from tinytron.buffers._workers import TinyNet, make_batches
     from tinytron.parallel import ParallelGrid
     from tinytron.reliability.rerun_state_machine import RerunDataIterator
-    from tinytron.reliability.restarts import Reliability, ReliabilityConfig
+    from tinytron.reliability.loop_hooks import Reliability, ReliabilityConfig
 
     rank = dist.get_rank()
     torch.manual_seed(0)

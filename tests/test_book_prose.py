@@ -95,6 +95,7 @@ PAGES_AT_GOAL = {
     "06_recompute_offload/activation_memory.py", "06_recompute_offload/checkpoint.py",
     "06_recompute_offload/offload.py", "06_recompute_offload/recompute.py",
     "08_reliability/fault_injection.py", "08_reliability/fault_tolerance.py",
+    "08_reliability/loop_hooks.py",
     "08_reliability/full_cuda_graph.py", "08_reliability/long_run.py",
     "08_reliability/observability.py", "08_reliability/rerun_diagnoses.py",
     "08_reliability/rerun_state_machine.py",
@@ -211,7 +212,6 @@ LONG_PAGES_LEFT = {
     "07_memory/activations.py",  # 2,719
     "07_memory/config_ledger.py",  # 2,724
     "07_memory/step_time.py",  # 2,824
-    "08_reliability/restarts.py",  # 2,985
     "kernels/flash_attention.py",  # 2,572
     "model/gpt.py",  # 2,920
 }

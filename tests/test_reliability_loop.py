@@ -12,7 +12,7 @@ import torch.distributed as dist
 from tinytron.reliability._run import run
 from tinytron.reliability.result_checks import (get_skipped_iterations_from_tracker_file,
                                                 parse_tracker_file)
-from tinytron.reliability.restarts import rerun_state_path
+from tinytron.reliability.loop_hooks import rerun_state_path
 from tests.reliability_workers import final_losses, logged, tracker_iteration
 
 ITERS = ["--train-iters", "4", "--save-interval", "2", "--timing-log-level", "1"]
@@ -84,7 +84,7 @@ def test_nan_in_a_gradient_bucket_is_caught_by_the_grad_check(tmp_path):
 
 
 def test_reliability_config_errors_name_the_field():
-    from tinytron.reliability.restarts import ReliabilityConfig
+    from tinytron.reliability.loop_hooks import ReliabilityConfig
 
     for kwargs, word in [(dict(rerun_mode="report_stats"), "rerun_mode"),
                          (dict(ft_step_timeout=0), "ft_step_timeout"),
@@ -121,7 +121,7 @@ def test_signal_handler_absorbs_ctrl_c_for_ten_seconds_and_not_after():
 def test_pending_rerun_state_is_ignored_on_another_world_size(tmp_path):
     import torch
 
-    from tinytron.reliability.restarts import Reliability, ReliabilityConfig
+    from tinytron.reliability.loop_hooks import Reliability, ReliabilityConfig
     from tinytron.reliability.rerun_state_machine import RerunState
 
     donor = Reliability(ReliabilityConfig(), save_dir=str(tmp_path), rank=0, world_size=2)

@@ -132,7 +132,7 @@ def test_a_pending_rerun_is_restored_on_its_layout_and_ignored_on_another(tmp_pa
     runs afresh on node-B.
     """
     from tinytron.reliability.result_checks import parse_tracker_file
-    from tinytron.reliability.restarts import rerun_state_path
+    from tinytron.reliability.loop_hooks import rerun_state_path
 
     args = ["--train-iters", "4", "--save-interval", "2",
             "--fault", "nan@3:diagnostic=persistent_error:node=node-A"]

@@ -351,7 +351,7 @@ def expected_host_reads(m: int, world: int, buckets: int, b: int) -> dict:
         (checks + "check_loss", "__bool__"): 2 * m,
         (checks + "check_grad_norms", "__bool__"): 2 * buckets,
         (rel + "rerun_state_machine.py:_reduce_any <- " + loop + "train_step", "tolist"): 1,
-        ("02_optimizer/mixed_precision.py:get_grad_norm_fp32 <- " + rel + "restarts.py:wrapped",
+        ("02_optimizer/mixed_precision.py:get_grad_norm_fp32 <- " + rel + "loop_hooks.py:wrapped",
          "__float__"): 1,
         (rel + "restarts.py:<listcomp> <- 01_main_loop/run.py:checkpoint_and_decide_exit",
          "item"): world,

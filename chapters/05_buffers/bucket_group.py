@@ -248,7 +248,7 @@ class GradReduction(GradLaunch):
 # check is pluggable: a group whose `grad_check` is a function calls `fn(buckets)` here, on this
 # rank's local, unscaled grads (`bucket.grad_data`, `bucket.bucket_id`, `bucket.dp_rank`);
 # `None` restores the default. The wrapper's `set_grad_check(fn)` sets it on every group, and
-# [chapter 08's `Reliability`](../08_reliability/restarts.py) installs the rerun machine's
+# [chapter 08's `Reliability`](../08_reliability/loop_hooks.py) installs the rerun machine's
 # checks this way.
 
 # %%
@@ -525,7 +525,7 @@ if __name__ == "__main__":
 # `finish_grad_sync` launches), and one NaN written into its grads after the backward, as a bad
 # GPU would. A function set as the group's `grad_check` receives the bucket with the NaN still
 # local; with `grad_check = None` the default check raises before any collective and names the
-# bucket. (On two ranks, [chapter 08's tests](../08_reliability/restarts.py) show that only the
+# bucket. (On two ranks, [chapter 08's tests](../08_reliability/loop_hooks.py) show that only the
 # faulty rank reports it.)
 
 # %%

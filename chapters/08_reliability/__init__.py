@@ -11,15 +11,15 @@ from tinytron.reliability.result_checks import (RerunConfig, RerunErrorInjector,
 from tinytron.reliability.fault_injection import Fault, FaultInjector, parse_fault
 from tinytron.reliability.fault_tolerance import (EXIT_CODE_HANG_DETECTED, FaultToleranceConfig,
                                                   RankMonitor)
-from tinytron.reliability.restarts import (DistributedSignalHandler, Reliability,
-                                           ReliabilityConfig, inprocess_restart)
+from tinytron.reliability.restarts import DistributedSignalHandler, inprocess_restart
+from tinytron.reliability.loop_hooks import Reliability, ReliabilityConfig
 from tinytron.reliability.timers import Timer, Timers
 from tinytron.reliability.observability import (LoggingConfig, MetricsLogger, ProgressBar,
                                                 memory_report, read_tensorboard_scalars)
 from tinytron.reliability.full_cuda_graph import FullCudaGraphUnavailable, FullCudaGraphWrapper
 
 __pages__ = ["long_run", "rerun_state_machine", "rerun_diagnoses", "result_checks", "fault_injection",
-             "fault_tolerance", "restarts", "timers", "observability", "trace", "full_cuda_graph"]
+             "fault_tolerance", "restarts", "loop_hooks", "timers", "observability", "trace", "full_cuda_graph"]
 
 __all__ = ["EXIT_CODE_FAILED_ON_RESULT_VALIDATION", "EXIT_CODE_RESUME_TO_DISAMBIGUATE",
            "RerunDataIterator", "RerunDiagnostic", "RerunMode", "RerunState", "RerunStateMachine",

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from tinytron.reliability.observability import LoggingConfig, MetricsLogger
-from tinytron.reliability.restarts import (Reliability, ReliabilityConfig,
-                                          init_torchrun_process_group)
+from tinytron.reliability.loop_hooks import Reliability, ReliabilityConfig
+from tinytron.reliability.restarts import init_torchrun_process_group
 
 MBS = 2
 MODELS = {  # tiny: the tests; small: a step long enough to see what the safety nets cost

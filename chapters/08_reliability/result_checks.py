@@ -263,7 +263,7 @@ def build_rerun_state_machine(config: RerunConfig, group=None, state_save_func=N
 # ("found NaN in local grad norm for bucket #0 in backward pass before data-parallel
 # communication collective"); `bucket_grad_norms` computes them for a list of flat gradient
 # tensors. Chapter 05's DDP calls a check installed with `set_grad_check` on each bucket
-# group's local grads right before its collective; [the restarts page](restarts.py) installs
+# group's local grads right before its collective; [08.8](loop_hooks.py) installs
 # these two there. `corrupt` is the hook the fault injector uses to play the hardware:
 # it sees the value before it is checked and may return a different one.
 
