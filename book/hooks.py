@@ -317,9 +317,10 @@ def on_files(files, config, **kwargs):
 # rest: in the book's order appendix C's kernels came last and the build waited minutes on them
 # after every other page had finished. A page missing here only starts later.
 LONGEST_PAGES = [
-    "kernels/inductor.py", "01_main_loop/assembled.py", "kernels/flash_attention.py",
-    "model/gpt.py", "07_memory/measured.py", "07_memory/calculator.py",
-    "01_main_loop/interleaved.py", "model/generate.py", "kernels/roofline.py",
+    "kernels/inductor.py", "01_main_loop/host_syncs.py", "01_main_loop/assembled.py",
+    "kernels/flash_attention.py", "model/gpt.py", "07_memory/measured.py",
+    "07_memory/calculator.py", "01_main_loop/interleaved.py", "model/generate.py",
+    "kernels/roofline.py",
     "07_memory/step_published.py", "kernels/swiglu.py", "01_main_loop/schedules.py",
     "08_reliability/fault_injection.py", "01_main_loop/run.py", "kernels/rmsnorm.py",
     "model/config.py", "02_optimizer/training.py", "kernels/fused_adamw.py",

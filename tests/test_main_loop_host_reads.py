@@ -1,4 +1,4 @@
-"""The host-read recorder of chapter 01's assembled page: it counts by site, restores torch,
+"""The host-read recorder of chapter 01's host-syncs page: it counts by site, restores torch,
 and on a GPU the model asks the device for nothing."""
 
 from __future__ import annotations

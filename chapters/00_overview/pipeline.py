@@ -185,7 +185,7 @@ if __name__ == "__main__":
 # \*1F1B, "one forward, one backward": with the model cut into pipeline stages, each stage
 # first runs a few micro-batches' forwards (the warm-up), then alternates one forward with one
 # backward of an earlier micro-batch, so that at most as many micro-batches as there are stages
-# keep their activations alive. [Chapter 01](../01_main_loop/schedules.py) builds it.
+# keep their activations alive. [Chapter 01](../01_main_loop/pipeline_orders.py) builds it.
 #
 # ## Summary
 #

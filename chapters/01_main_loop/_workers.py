@@ -285,11 +285,9 @@ def inflight_case(num_microbatches: int = 8, deallocate: bool = True, num_layers
 
 
 def schedules_demo(num_microbatches: int = 8) -> dict:
-    """PP2: one training step (order, parity), the naive schedules, live bytes with and without
-    pseudo-freeing."""
+    """PP2: one training step (order, parity), live bytes with and without pseudo-freeing."""
     m = num_microbatches
     return {"case": run_case(pp=2, num_microbatches=m, num_steps=1, record=True),
-            "naive": naive_case(m),
             "on": inflight_case(m // 2, deallocate=True, num_layers=2),  # the meter is slow:
             "off": inflight_case(m // 2, deallocate=False, num_layers=2)}  # half the steps
 
@@ -308,10 +306,24 @@ def timeline_cases(cases: list[tuple]) -> list[list]:
             for pp, vpp, m, g, layers in cases]
 
 
+def _recording_order(order: list):
+    """forward_step_func that also notes F<id> at each forward and B<id> when the gradient of
+    its output arrives: the start of that micro-batch's backward on this stage."""
+    def step(data_iterator, model):
+        batch = next(data_iterator)
+        out, loss_func = forward_step_func(iter([batch]), model)
+        order.append(f"F{batch['id']}")
+        out.register_hook(lambda grad: order.append(f"B{batch['id']}"))
+        return out, loss_func
+    return step
+
+
 def naive_case(num_microbatches: int = 6, num_layers: int = 4) -> dict:
-    """GPipe and the bare 1F1B against the trainer's 1F1B on the same weights and batches."""
-    from tinytron.main_loop.schedules import (forward_backward_1f1b_bare, forward_backward_gpipe,
-                                              forward_backward_pipelining_without_interleaving)
+    """GPipe and the bare 1F1B against the trainer's 1F1B on the same weights and batches:
+    gradients, losses, the order each ran in, and the peak live bytes of the naive two."""
+    from tinytron.main_loop.pipeline_orders import (forward_backward_1f1b_bare,
+                                                    forward_backward_gpipe)
+    from tinytron.main_loop.schedules import forward_backward_pipelining_without_interleaving
 
     m, grid = num_microbatches, grid_for(1, dist.get_world_size())
     config = tiny_config(num_layers=num_layers, tie_embeddings=False)
@@ -320,30 +332,31 @@ def naive_case(num_microbatches: int = 6, num_layers: int = 4) -> dict:
     ref = reference_run(config, [batches])[0]
     shape = (config.seq_length, 1, config.hidden_size)
 
-    def real():
+    def real(func):
         return forward_backward_pipelining_without_interleaving(
-            forward_step_func=forward_step_func, data_iterator=iter(batches), model=[model],
+            forward_step_func=func, data_iterator=iter(batches), model=[model],
             num_microbatches=m, seq_length=config.seq_length, micro_batch_size=1, grid=grid,
             config=ScheduleConfig(finalize_model_grads_func=finalize_model_grads))
 
     runs = {"real": real,
-            "gpipe": lambda: forward_backward_gpipe(forward_step_func, iter(batches), model, m,
-                                                    shape, grid),
-            "bare": lambda: forward_backward_1f1b_bare(forward_step_func, iter(batches), model,
-                                                       m, shape, grid)}
+            "gpipe": lambda func: forward_backward_gpipe(func, iter(batches), model, m, shape,
+                                                         grid),
+            "bare": lambda func: forward_backward_1f1b_bare(func, iter(batches), model, m,
+                                                            shape, grid)}
     out = {}
     for name, run in runs.items():
         model.zero_grad(set_to_none=True)
-        reports = run()
+        order: list[str] = []
+        reports = run(_recording_order(order))
         grads = full_grads([model], grid)
         out[name] = {"grads": grads, "losses": [r["lm loss"] for r in reports],
-                     "vs_reference": compare(grads, ref["grads"])}
+                     "vs_reference": compare(grads, ref["grads"]), "order": " ".join(order)}
     from tinytron.main_loop.memory_meter import LiveBytesMeter
 
     peaks = {}  # grads exist by now and accumulate in place: the peaks are activations
     for name in ("gpipe", "bare"):
         with LiveBytesMeter(record_every_op=False) as meter:
-            runs[name]()
+            runs[name](forward_step_func)
         peaks[name] = meter.peak
     real_run = out["real"]
     return {"stage": grid.rank("pp"), "num_reports": len(real_run["losses"]), "peaks": peaks,
@@ -351,5 +364,5 @@ def naive_case(num_microbatches: int = 6, num_layers: int = 4) -> dict:
                                            for n, g in res["grads"].items()),
                       "losses_equal": len(res["losses"]) == len(real_run["losses"]) and all(
                           torch.equal(a, b) for a, b in zip(res["losses"], real_run["losses"])),
-                      "vs_reference": res["vs_reference"]}
+                      "vs_reference": res["vs_reference"], "order": res["order"]}
                for name, res in out.items()}}

@@ -1,12 +1,12 @@
 # %% [markdown]
 # # 01 · Schedules: interleaved 1F1B with virtual stages
 #
-# 1F1B leaves every stage idle for $p - 1$ micro-batch slots at the start and at the end of the
-# iteration. Interleaving cuts those slots smaller: each pipeline rank holds $v$ non-adjacent
-# pieces of the model ("virtual stages", model chunks), so a micro-batch visits every rank $v$
-# times and each visit is $1/v$ of a stage's work. This page builds Megatron's schedule table,
-# its warmup count and its constraints, and the interleaved schedule on top of the previous
-# page's pieces.
+# [01.6](virtual_stages.py) planned interleaving: every rank walks the same table of $m\,v$
+# (micro-batch, chunk) pairs, and rank $r$ runs $w_r = 2(p-r-1) + (v-1)\,g$ forwards before its
+# first backward. This page runs that plan with [01.5](schedules.py)'s pieces: the bookkeeping
+# of $v$ chunks per rank, the parameter all-gathers launched one chunk ahead, the schedule in
+# its three phases, and its overlapped variant, which posts each message as soon as it can and
+# waits for it only where it is needed.
 
 # %%
 from __future__ import annotations
@@ -20,132 +20,12 @@ from tinytron.main_loop import _schedule_checks as checks
 from tinytron.main_loop._schedule_recording import recorded_handles
 from tinytron.main_loop.schedules import (ScheduleConfig, _comm_and_steps, _finalize, _GradSync,
                                           deallocate_output_tensor)
+from tinytron.main_loop.virtual_stages import (check_interleaving, get_pp_rank_microbatches,
+                                               get_schedule_table)
 from tinytron.parallel import ParallelGrid
 from tinytron.parallel import pipeline_p2p as p2p
 
-__all__ = ["get_schedule_table", "get_pp_rank_microbatches", "check_interleaving",
-           "forward_backward_pipelining_with_interleaving"]
-
-# %% [markdown]
-# ## Virtual stages and what they buy
-#
-# With $p = 2$ ranks, $v = 2$ chunks and 8 layers, rank 0 holds layers 0-1 and 4-5, rank 1 holds
-# 2-3 and 6-7 (appendix B's `build_stage_models`). A micro-batch goes rank 0 → 1 → 0 → 1: the
-# pipeline is $p\,v = 4$ "virtual stages" deep, but each one takes $1/v$ of the time. The
-# ramp-up and ramp-down still cost $p - 1$ slots, now of the short kind, so the bubble shrinks
-# by $v$ (Narayanan et al. 2021, *Efficient Large-Scale Language Model Training on GPU Clusters
-# Using Megatron-LM*, arXiv:2104.04473, §2.2.2): relative to the ideal time it is
-# $\frac{1}{v}\cdot\frac{p-1}{m}$, as a fraction of the iteration
-#
-# $$\text{bubble} = \frac{p-1}{v\,m + p - 1}.$$
-#
-# The price: $v$ times more point-to-point messages, and more activations in flight — the
-# first rank runs more forwards before its first backward (below), a memory factor of
-# $1 + \frac{p-1}{p\,v}$ over 1F1B (chapter 07).
-#
-# ## The schedule table
-#
-# Every rank walks the same list of $m\,v$ **virtual micro-batches**, `(micro-batch, chunk)`
-# pairs. Megatron builds it in groups of $g$ = `microbatch_group_size_per_vp_stage`
-# (default $p$): take micro-batches $[0, g)$ through chunk 0, then the same ones through chunk
-# 1, …, then the next group; the last group takes whatever is left (`get_schedule_table`,
-# `schedules.py:916`). The backward walks the same list with the chunk reversed, $v - 1 - c$.
-# Megatron's own example, $p = 2$, $g = 3$, $m = 5$, $v = 2$, from the comments of
-# `forward_backward_pipelining_with_interleaving` (`schedules.py:946`):
-#
-# | virtual id | 0 | 1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 | 9 |
-# |---|---|---|---|---|---|---|---|---|---|---|
-# | micro-batch | 0 | 1 | 2 | 0 | 1 | 2 | 3 | 4 | 3 | 4 |
-# | chunk (forward) | 0 | 0 | 0 | 1 | 1 | 1 | 0 | 0 | 1 | 1 |
-# | chunk (backward) | 1 | 1 | 1 | 0 | 0 | 0 | 1 | 1 | 0 | 0 |
-#
-# Why groups of at least $p$: micro-batch 0 leaves chunk 0 of the last rank after $p$ slots
-# and comes back to chunk 1 of rank 0. If rank 0 had fewer than $p$ micro-batches to push
-# through chunk 0 in the meantime it would idle, waiting for it. Hence the constraints the
-# interleaved function checks before it starts: $p \le g \le m$, and a last group
-# $m \bmod g$ that is either empty or at least $p$ long. With the default $g = p$ that is
-# simply "$m$ divisible by $p$".
-#
-# <details><summary>Megatron detail: two exception types</summary>
-#
-# Megatron raises a
-# `ValueError` and a `RuntimeError`; tinytron raises `ValueError` for both, naming the
-# numbers.
-#
-# </details>
-#
-# ```mermaid
-# flowchart LR
-#   subgraph R0["rank 0"]
-#     c00["chunk 0: layers 0-1"]
-#     c01["chunk 1: layers 4-5"]
-#   end
-#   subgraph R1["rank 1"]
-#     c10["chunk 0: layers 2-3"]
-#     c11["chunk 1: layers 6-7"]
-#   end
-#   c00 -- "send_forward" --> c10 -- "send_forward (wraps to rank 0)" --> c01 --> c11
-# ```
-
-# %%
-def get_schedule_table(num_microbatches: int, num_model_chunks: int,
-                       microbatch_group_size_per_vp_stage: int) -> list[tuple[int, int]]:
-    """The (micro-batch, chunk) of each forward virtual micro-batch, in execution order."""
-    m, v, g = num_microbatches, num_model_chunks, microbatch_group_size_per_vp_stage
-    table = []
-    for first in range(0, m, g):
-        group = range(first, min(first + g, m))  # the last group takes what is left
-        table.extend((mb, chunk) for chunk in range(v) for mb in group)
-    return table
-
-
-def check_interleaving(pp_size: int, num_microbatches: int,
-                       microbatch_group_size_per_vp_stage: int) -> None:
-    """ValueError unless p <= g <= m and the last group (m mod g) is empty or >= p."""
-    p, m, g = pp_size, num_microbatches, microbatch_group_size_per_vp_stage
-    if not p <= g <= m:
-        raise ValueError(f"microbatch_group_size_per_vp_stage ({g}) must lie in [pp ({p}), "
-                         f"num_microbatches ({m})]")
-    if 0 < m % g < p:
-        raise ValueError(f"num_microbatches ({m}) mod microbatch_group_size_per_vp_stage ({g}) "
-                         f"= {m % g} must be 0 or >= pp ({p}): a shorter last group leaves "
-                         "the first stage waiting (with the default group size: m % pp != 0)")
-
-# %% [markdown]
-# ## How far ahead each rank runs
-#
-# Rank $r$ runs $w_r = 2\,(p - r - 1) + (v - 1)\,g$ forwards before its first backward
-# (`get_pp_rank_microbatches`, `schedules.py:856`): $(v-1)\,g$ on every rank — the first
-# micro-batch must pass through all chunks but the last before any backward can start — plus
-# two slots per rank below it (one for the forward to reach the end, one for the gradient to
-# come back). If that reaches $m\,v$ everything is warmup (then cooldown): no steady state.
-# Forward-only runs everything as "warmup".
-#
-# The running example with $v = 2$ ($m = 8$, $p = 2$, $g = p = 2$, 8 layers per chunk):
-#
-# | rank | warmup $w_r$ | steady rounds $m v - w_r$ | 1F1B ($v = 1$) warmup |
-# |---|---|---|---|
-# | 0 | $2 \cdot 1 + 1 \cdot 2 = 4$ | 12 | 1 |
-# | 1 | $0 + 2 = 2$ | 14 | 0 |
-#
-# Rank 0 holds up to $w_0 + 1 = 5$ chunk-activations of half a stage each, 2.5 stage-sized
-# micro-batches against 1F1B's 2: the factor $1 + \frac{p-1}{p\,v} = 1.25$. The bubble drops
-# from $1/9 \approx 11\%$ to $(p-1)/(v m + p - 1) = 1/17 \approx 5.9\%$.
-
-# %%
-def get_pp_rank_microbatches(num_microbatches: int, num_model_chunks: int,
-                             microbatch_group_size_per_vp_stage: int, pp_size: int, pp_rank: int,
-                             forward_only: bool = False) -> tuple[int, bool, int, int]:
-    """(total m*v, all in warmup?, warmup count, remaining) for this rank."""
-    total = num_microbatches * num_model_chunks
-    if forward_only:
-        warmup = total
-    else:
-        warmup = 2 * (pp_size - pp_rank - 1)
-        warmup += (num_model_chunks - 1) * microbatch_group_size_per_vp_stage
-    all_warmup = warmup >= total
-    warmup = min(warmup, total)
-    return total, all_warmup, warmup, total - warmup
+__all__ = ["forward_backward_pipelining_with_interleaving"]
 
 # %% [markdown]
 # ## The bookkeeping
@@ -288,7 +168,7 @@ def _param_sync(run: _Interleaved, k: int) -> None:
 # A forward launches what `_param_sync` says, then reads its chunk's input at the
 # released-adjusted index and stores the output; a backward pops the oldest (input, output,
 # gradient) of its chunk, opening `no_sync` for the chunk's last micro-batch. Both go through
-# the previous page's `_Steps`, and every message through its communicator's `exchange`,
+# [01.5](schedules.py)'s `_Steps`, and every message through its communicator's `exchange`,
 # which moves up to four tensors at once.
 
 # %%
@@ -669,10 +549,7 @@ if __name__ == "__main__":
     from tinytron.main_loop._workers import interleaved_demo
 
     ranks = run_on_ranks(interleaved_demo, 2, timeout=180)
-    table = get_schedule_table(5, 2, 3)
-    print("virtual id   ", " ".join(f"{k:2d}" for k in range(10)))
-    print("micro-batch  ", " ".join(f"{mb:2d}" for mb, _ in table))
-    print("chunk        ", " ".join(f"{c:2d}" for _, c in table))
+    table = get_schedule_table(5, 2, 3)  # 01.6's table of Megatron's example
     for r, res in enumerate(ranks):
         warmup = get_pp_rank_microbatches(5, 2, 3, 2, r)[2]
         order = " ".join(f"{k[0].upper()}{c}.{mb}" for k, c, mb in res["example"]["orders"][0])
@@ -685,6 +562,36 @@ if __name__ == "__main__":
               f"(1F1B: {plain['max_in_flight_saved']} stage activations); peak live bytes "
               f"{ratio:.2f}x 1F1B's")
 
+# %% [markdown]
+# The live bytes of the $m = 4$ step on each rank, after every forward and backward, against
+# the share of the iteration's work done: interleaved runs twice as many steps of half the
+# size, and rank 0 climbs higher before its first backward.
+
+# %%
+if __name__ == "__main__":
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 2.8), sharey=True)
+    for r, (res, ax) in enumerate(zip(ranks, axes)):
+        for key, label, style in (("1f1b", "1F1B", ":"),
+                                  ("interleaved", "interleaved, v = 2", "-")):
+            lives = [live / 2**10 for *_, live, _ in res[key]["marks"]]
+            ax.step([(k + 1) / len(lives) for k in range(len(lives))], lives, style,
+                    where="post", label=label)
+        ax.set_title(f"rank {r}", fontsize=9)
+        ax.set_xlabel("share of the step's forwards and backwards done")
+    axes[0].set_ylabel("live KiB (measured)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("p = 2, m = 4: live bytes after each forward / backward", fontsize=10)
+    fig.tight_layout()
+    plt.show()
+
+# %% [markdown]
+# The claims: Megatron's table in order, forwards first for $w_r$ steps, the same bits as one
+# process, $w_r + 1$ chunk activations at most, and rank 0's memory factor.
+
+# %%
+if __name__ == "__main__":
     for r, res in enumerate(ranks):
         fwd = [(c, mb) for k, c, mb in res["example"]["orders"][0] if k == "forward"]
         bwd = [(c, mb) for k, c, mb in res["example"]["orders"][0] if k == "backward"]
@@ -718,14 +625,13 @@ if __name__ == "__main__":
 # %% [markdown]
 # ## Summary
 #
-# - Interleaving gives each rank $v$ model chunks; every rank walks the same table of $m\,v$
-#   (micro-batch, chunk) pairs, built in groups of $g$ micro-batches per chunk; the backward
-#   walks it with the chunks reversed.
-# - Rank $r$ runs $2(p-r-1) + (v-1)g$ warmup forwards (capped at $m v$); $p \le g \le m$ and a
-#   last group of 0 or at least $p$ micro-batches, else a `ValueError` naming the numbers.
-# - The bubble shrinks from $(p-1)/(m+p-1)$ to $(p-1)/(v m + p - 1)$; the first rank pays with
-#   more activations in flight ($1 + \frac{p-1}{p v}$, measured above) and every rank with $v$
-#   times more messages.
+# - Each chunk keeps FIFO lists of inputs, outputs and gradients; a message goes to the chunk
+#   the table names, and on the leading rank to the next (or previous) chunk of what the other
+#   end sent $p - 1$ slots before.
+# - The three phases of 1F1B run over virtual micro-batches, each exchange moving up to four
+#   tensors; each chunk's gradient buckets launch after its own last backward. Measured on rank
+#   0, the activations in flight grow by about $1 + \frac{p-1}{p v}$ over 1F1B, as
+#   [01.6](virtual_stages.py) planned.
 # - `overlap_p2p_comm` (Megatron's default) posts the same messages asynchronously, every one
 #   as a single `isend`/`irecv`, and waits for each where it is needed: bit for bit the plain
 #   variant's results.
@@ -736,28 +642,15 @@ if __name__ == "__main__":
 # ## How production does it
 #
 # - Megatron-LM: `forward_backward_pipelining_with_interleaving`
-#   (`megatron/core/pipeline_parallel/schedules.py:946`), `get_schedule_table` (`:916`),
-#   `get_pp_rank_microbatches` (`:856`). Its `overlap_p2p_comm_warmup_flush` also posts the
-#   warmup's and cooldown's receives ahead (not built here).
+#   (`megatron/core/pipeline_parallel/schedules.py:946`). Its `overlap_p2p_comm_warmup_flush`
+#   also posts the warmup's and cooldown's receives ahead (not built here).
 # - PyTorch: `torch.distributed.pipelining.ScheduleInterleaved1F1B` (and
-#   `ScheduleInterleavedZeroBubble`), which build a per-rank action list from a similar
-#   table and can be inspected before running.
+#   `ScheduleInterleavedZeroBubble`), which run a per-rank action list built from a similar
+#   table.
 #
 # ## Exercises
 #
-# 1. Run Megatron's example with $g = 5$ (one group). How do the warmup counts and the peak
-#    memory on rank 0 change?
-#
-#    <details><summary>Answer</summary>
-#
-#    $w_r = 2(p - r - 1) + (v - 1)g$ with $p = 2$, $v = 2$,
-#    $m = 5$: $g = 3$ gives 5 and 3, $g = 5$ gives 7 and 5 (`get_pp_rank_microbatches`), out of
-#    $m v = 10$ steps. Rank 0 then holds up to $w_0 + 1 = 8$ chunk activations instead of 6, a
-#    third more, and its steady state shrinks from 5 rounds to 3.
-#
-#    </details>
-#
-# 2. Why does the leading rank receive nothing during its first $p - 1$ virtual steps?
+# 1. Why does the leading rank receive nothing during its first $p - 1$ virtual steps?
 #
 #    <details><summary>Hint</summary>
 #
@@ -767,13 +660,25 @@ if __name__ == "__main__":
 #
 #    </details>
 #
-# 3. Derive the memory factor $1 + \frac{p-1}{p v}$ from the warmup count with $g = p$.
+# 2. With $p = 4$, $v = 3$ and $m = 8$, when does rank 2 launch chunk 2's parameter
+#    all-gather, and which step of rank 0 runs at the same moment?
 #
 #    <details><summary>Answer</summary>
 #
-#    With $g = p$, rank 0 warms up $w_0 = 2(p-1) + (v-1)p$
-#    forwards and holds at most $w_0 + 1 = vp + p - 1$ chunk activations, each $1/v$ of a
-#    stage: $p + \frac{p-1}{v}$ stage activations. 1F1B holds $p$ on rank 0. The ratio is
-#    $1 + \frac{p-1}{p v}$; for $p = 2$, $v = 2$ that is 5 chunk activations, 2.5 stages, 1.25.
+#    With the default $g = p = 4$, chunk 1 starts at table
+#    index $j = c\,g = 4$, the first micro-batch of chunk 1. Rank 2 launches chunk 2 before its
+#    forward step $k$ with $k + r = 4$, so $k = 2$; rank 0 runs its step $k + r = 4$, chunk 1's
+#    first forward, at the same moment. Chunks 0 and 1 were launched before the warmup.
+#
+#    </details>
+#
+# 3. In the overlapped variant, why must a send be waited before its output is pseudo-freed,
+#    when the plain variant can shrink the output right after its exchange?
+#
+#    <details><summary>Hint</summary>
+#
+#    A posted `isend` may still be reading the tensor's storage
+#    when the call returns; replacing `.data` then would hand the receiver garbage or free
+#    memory in use. The plain exchange returns only when every message it posted is done.
 #
 #    </details>

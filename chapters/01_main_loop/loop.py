@@ -15,9 +15,9 @@
 # and the same weights, bit for bit. In between is that loop again, with what a real step
 # adds: pipeline schedules, skipped steps, the agreement of the model-parallel group, and the
 # forward-only pass of evaluation. The pages after it open up the parts the loop calls —
-# [the batch arithmetic](microbatches.py), [the pipeline schedules](schedules.py) and [their
-# timelines](schedule_timeline.py), [the log line](training_log.py), and [what the iteration
-# holds in memory](resident_flowing.py).
+# [the batch arithmetic](microbatches.py), [the pipeline schedules](pipeline_orders.py) and
+# [their timelines](schedule_timeline.py), [the log line](training_log.py), and [what the
+# iteration holds in memory](resident_flowing.py).
 
 # %%
 from __future__ import annotations

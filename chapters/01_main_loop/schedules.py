@@ -1,12 +1,13 @@
 # %% [markdown]
-# # 01 · Schedules: no pipelining and 1F1B
+# # 01 · Schedules: no pipelining and 1F1B, as the trainer runs them
 #
-# An iteration runs $m$ micro-batches through forward and backward before the optimizer steps
-# once; *in which order*, and with pipeline parallelism *on which stage when*, is the
-# schedule's job. This page builds Megatron's no-pipelining schedule, then the pipeline
-# schedules from the naive one up: all forwards then all backwards (GPipe), a bare **1F1B** in
-# one function, and the 1F1B the trainer runs (with its forward-only evaluation), all over
-# appendix A's point-to-point sends; the next page interleaves.
+# [01.4](pipeline_orders.py) built the pipeline orders bare: GPipe, and 1F1B, which holds at
+# most $p - r$ micro-batches on stage $r$. The trainer needs more than the order. This page
+# builds Megatron's two schedules for one model chunk per rank — no pipelining (gradient
+# accumulation) and the 1F1B the trainer runs — with what they add around the order: a sent
+# output freed before its backward, the data-parallel gradient collectives held back until the
+# last backward, a forward-only pass for evaluation, the knobs, a recorder, and the choice
+# among the schedules. [01.6](virtual_stages.py) and [01.7](interleaved.py) interleave.
 
 # %%
 from __future__ import annotations
@@ -17,103 +18,41 @@ from typing import Callable
 
 import torch
 
-from tinytron.buffers import finalize_model_grads
 from tinytron.main_loop import _schedule_checks as checks
 from tinytron.main_loop._schedule_recording import instrument
+from tinytron.main_loop.pipeline_orders import _unwrap, forward_step, num_warmup_microbatches_1f1b
 from tinytron.main_loop.schedule_timeline import ScheduleEvent, ScheduleRecorder
-from tinytron.overview.loss import microbatch_objective
 from tinytron.parallel import ParallelGrid
 from tinytron.parallel import pipeline_p2p as p2p
 
 __all__ = ["ScheduleConfig", "ScheduleEvent", "ScheduleRecorder", "tensor_shape",
-           "forward_step", "backward_step", "deallocate_output_tensor", "custom_backward",
-           "forward_backward_no_pipelining", "forward_backward_gpipe",
-           "forward_backward_1f1b_bare", "forward_backward_pipelining_without_interleaving",
-           "get_forward_backward_func", "num_warmup_microbatches_1f1b"]
+           "backward_step", "deallocate_output_tensor", "custom_backward",
+           "forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
+           "get_forward_backward_func"]
 
 # %% [markdown]
-# ## Why a schedule
+# ## What the trainer adds to the order
 #
-# The global batch is cut into $m$ micro-batches whose gradients are **accumulated** into one
-# buffer before one optimizer step. Without pipeline parallelism the order is obvious; the
-# only question is when to average the gradients over data-parallel ranks: once, during the
-# last micro-batch's backward (`forward_backward_no_pipelining`,
-# `megatron/core/pipeline_parallel/schedules.py:634`), not $m$ times.
+# Without pipeline parallelism the order is obvious: each micro-batch's forward, then its
+# backward, gradients accumulating in one buffer. The only question is when to average the
+# gradients over data-parallel ranks: once, during the last micro-batch's backward
+# (`forward_backward_no_pipelining`, `megatron/core/pipeline_parallel/schedules.py:634`), not
+# $m$ times. The 1F1B schedule asks the same question, and three more: what a stage keeps of
+# an output it has sent, how evaluation runs without a backward, and how a recorder watches it
+# all without a line of the schedule changing.
 #
-# With pipeline parallelism the model is cut into $p$ **stages**, one per rank of the `pp`
-# group. Stage $r$ cannot start micro-batch $i$ before stage $r-1$ has sent it, and cannot run
-# $i$'s backward before stage $r+1$ has sent the gradient back. The naive order (all forwards,
-# then all backwards: "GPipe") keeps every stage idle for $p-1$ forward and $p-1$ backward
-# slots — the **bubble** — and stores the activations of all $m$ micro-batches at once.
+# ## The message shape
 #
-# **1F1B** (one forward, one backward; Narayanan et al., *PipeDream-Flush*, and Megatron's
-# default) has the same bubble but bounds memory: stage $r$ runs
-#
-# 1. **warmup**: $w_r = \min(p - r - 1,\ m)$ forwards (`schedules.py:2227`), just enough to fill
-#    the pipeline below it;
-# 2. **steady state**: $m - w_r$ rounds of *one forward, then one backward* of the oldest
-#    micro-batch still in flight;
-# 3. **cooldown**: the last $w_r$ backwards.
-#
-# A micro-batch's activations live from its forward to its backward, so stage $r$ never holds
-# more than $w_r + 1 = p - r$ micro-batches' activations, whatever $m$ is. GPipe holds $m$.
-#
-# ### The running example
-#
-# The book's 7B run has TP 2, PP 2, DP 64, micro-batch 2 and global batch 1024, so
-# $m = 1024 / (2 \cdot 64) = 8$ micro-batches per iteration on each pipeline:
-#
-# | stage $r$ | warmup $w_r$ | steady rounds | cooldown | max in flight $p - r$ |
-# |---|---|---|---|---|
-# | 0 (embedding, layers 0-15) | 1 | 7 | 1 | 2 |
-# | 1 (layers 16-31, head, loss) | 0 | 8 | 0 | 1 |
-#
-# Stage 0 runs `F0 | F1 B0 F2 B1 … F7 B6 | B7`, stage 1 runs `F0 B0 F1 B1 … F7 B7`.
-# Each message between them is one activation $[s/t, b, h] = [2048, 2, 4096]$ in bf16
-# (sequence parallelism splits $s$ over TP), 32 MiB, and the same for its gradient: 8 sends
-# in each direction per iteration. The bubble is $(p-1)/(m+p-1) = 1/9 \approx 11\%$ of the
-# iteration (Narayanan et al. 2021, arXiv:2104.04473 §2.2.1: bubble $= (p-1)/m$ of the ideal
-# time).
-#
-# ```mermaid
-# flowchart LR
-#   subgraph S0["stage 0: warmup 1"]
-#     a0["F0"] --> a1["F1"] --> a2["B0"] --> a3["F2"] --> a4["B1"] --> a5["… F7 B6"] --> a6["B7"]
-#   end
-#   subgraph S1["stage 1: warmup 0"]
-#     b0["F0"] --> b1["B0"] --> b2["F1"] --> b3["B1"] --> b4["… F7 B7"]
-#   end
-#   a0 -. "send act 0" .-> b0
-#   b1 -. "send grad 0" .-> a2
-# ```
-
-# %% [markdown]
-# ## One forward step and the loss contract
-#
-# `forward_step` hands the chunk the activation received from the previous stage
-# (`set_input_tensor`, chapter B), calls the user's `forward_step_func(data_iterator, model)`
-# and, **on the last stage only**, applies the returned `loss_func` — chapter 00's contract
-# `(loss_sum, num_tokens, {"lm loss": [sum, count]})`. What is back-propagated is chapter 00's
-# `microbatch_objective`: the raw sum with `calculate_per_token_loss` (the division by the
-# global token count happens once, in `finalize_model_grads`), else
-# $S_j / \max(N_j, 1) / m$ (`forward_step_calc_loss`, `schedules.py:251`). A legacy 2-tuple
-# `(loss, report)` is scaled by $c/m$ for $c$ context-parallel ranks, as Megatron does. Every
-# other stage returns its hidden states and a token count of 0.
-#
-# The message shape is fixed before anything arrives: $[s/c, b, h]$, and $[s/(c\,t), b, h]$
-# with sequence parallelism (`get_tensor_shapes`, `schedules.py:2057`). What the schedules
-# refuse (a missing width, a sequence that does not split, a wrong number of chunks or
-# micro-batches) is checked in `chapters/01_main_loop/_schedule_checks.py`. Every schedule
-# reads its switches from a `ScheduleConfig`, listed after the schedules.
+# A stage must post a receive before anything arrives, so the shape of every message is fixed
+# in advance: $[s/c, b, h]$ for $c$ context-parallel ranks, and $[s/(c\,t), b, h]$ with
+# sequence parallelism (`get_tensor_shapes`, `schedules.py:2057`); in the running example
+# $[2048, 2, 4096]$. What the schedules refuse (a missing width, a sequence that does not
+# split, a wrong number of chunks or micro-batches) is checked in
+# `chapters/01_main_loop/_schedule_checks.py`. Every schedule reads its switches from a
+# `ScheduleConfig`, listed after the schedules; [01.4](pipeline_orders.py)'s `forward_step`
+# runs each micro-batch.
 
 # %%
-def _unwrap(chunk):
-    """The module that owns set_input_tensor / config (through DDP's .module)."""
-    while not hasattr(chunk, "set_input_tensor") and hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 def tensor_shape(model_chunk, seq_length: int, micro_batch_size: int, grid: ParallelGrid,
                  config: ScheduleConfig) -> tuple[int, int, int]:
     """[s/cp (/tp under SP), b, h]: the activation a stage sends and the gradient it receives."""
@@ -125,33 +64,6 @@ def tensor_shape(model_chunk, seq_length: int, micro_batch_size: int, grid: Para
     checks.check_sequence_split(seq_length, split)
     return (seq_length // split, micro_batch_size, hidden)
 
-
-# %% [markdown]
-# `forward_step` itself: set the received input, run the user's step, and on the last stage
-# turn the loss contract into the scalar to back-propagate.
-
-# %%
-def forward_step(forward_step_func, data_iterator, model_chunk, num_microbatches: int,
-                 input_tensor, forward_data_store: list, config: ScheduleConfig,
-                 is_last_stage: bool, cp_size: int = 1):
-    """Run one micro-batch through one chunk; on the last stage turn it into the loss to backprop."""
-    _unwrap(model_chunk).set_input_tensor(input_tensor)
-    output, loss_func = forward_step_func(data_iterator, model_chunk)
-    num_tokens = torch.zeros((), dtype=torch.int)
-    if not is_last_stage:
-        return output, num_tokens
-    result = loss_func(output)
-    if len(result) == 3:
-        loss_sum, num_tokens, report = result
-        output = microbatch_objective(loss_sum, num_tokens, num_microbatches,
-                                      config.calculate_per_token_loss)
-    elif len(result) == 2:  # legacy contract: an already averaged loss
-        loss, report = result
-        output = loss * cp_size / num_microbatches
-    else:
-        raise ValueError(f"loss_func must return 2 or 3 values, got {len(result)}")
-    forward_data_store.append(report)
-    return output, num_tokens.detach().reshape(()).to(torch.int)
 
 # %% [markdown]
 # ## Backward, and the output that is freed before its backward
@@ -231,7 +143,7 @@ class _Steps:
     def forward(self, c: int, x):
         last = c == len(self.chunks) - 1 and self.grid.is_last_stage()
         y, n = forward_step(self.func, self.iterators[c], self.chunks[c], self.m, x, self.store,
-                            self.config, last, self.grid.size("cp"))
+                            last, self.config.calculate_per_token_loss, self.grid.size("cp"))
         self.total_num_tokens.add_(n.to(self.total_num_tokens.device))
         return y
 
@@ -289,132 +201,10 @@ def forward_backward_no_pipelining(*, forward_step_func, data_iterator, model,
     return steps.store
 
 # %% [markdown]
-# ## Pipelining, the naive way: all forwards, then all backwards
-#
-# With $p$ stages the simplest correct schedule is GPipe's (Huang et al. 2019,
-# arXiv:1811.06965): every stage runs the forwards of all $m$ micro-batches, each on the input
-# the previous stage sent, then the $m$ backwards, each on the gradient the next stage sent.
-# Nothing can deadlock: the messages between two neighbors are posted in the same order on
-# both sides. Here the backwards go oldest first, the order 1F1B will use, so the gradients
-# accumulate in the same order and come out bit for bit the same; newest first (as GPipe's
-# figure draws it) differs in the last bits.
-#
-# <details><summary>Megatron detail: how far newest-first drifts</summary>
-#
-# Measured: up to
-# $4 \cdot 10^{-9}$ on a gradient of the tiny GPT at $m = 6$ when the backwards run newest
-# first.
-#
-# </details>
-#
-# Its cost is memory: before the first backward, each stage holds the activations of all $m$
-# micro-batches.
-
-# %%
-def forward_backward_gpipe(forward_step_func, data_iterator, model, num_microbatches: int,
-                           shape, grid: ParallelGrid) -> list[dict]:
-    """All forwards, then all backwards (GPipe): the naive pipeline schedule, for the page."""
-    config, last, reports, pairs = ScheduleConfig(), grid.is_last_stage(), [], []
-    num_tokens = torch.zeros((), dtype=torch.int, device=grid.device)
-    for _ in range(num_microbatches):  # every forward; all m activations stay alive
-        x = p2p.recv_forward(shape, grid)
-        y, n = forward_step(forward_step_func, data_iterator, model, num_microbatches, x,
-                            reports, config, last)
-        p2p.send_forward(y, grid)
-        pairs.append((x, y))
-        num_tokens.add_(n.to(num_tokens.device))
-    for x, y in pairs:  # every backward, oldest first
-        torch.autograd.backward(y, grad_tensors=p2p.recv_backward(shape, grid))
-        p2p.send_backward(None if x is None else x.grad, grid)
-    finalize_model_grads([model], grid, num_tokens)  # the same division by the token count
-    return reports
-
-# %% [markdown]
-# ## 1F1B, bare
-#
-# `forward_backward_pipelining_without_interleaving` (`schedules.py:2089`) on stage $r$ of $p$,
-# with nothing but the order of work: $w_r = \min(p-r-1, m)$ warmup forwards, $m - w_r$
-# rounds of one forward then one backward, $w_r$ cooldown backwards. Two FIFO lists hold the
-# (input, output) pair of every micro-batch whose backward is still to come; a backward always
-# pops the oldest, so backwards run in forward order — the order GPipe above used.
-#
-# The messages are appendix A's named helpers. In the steady state a stage posts its output
-# *and* the receive of its gradient in one exchange (`send_forward_recv_backward`), then,
-# after the backward, its input gradient and the receive of the next input
-# (`send_backward_recv_forward`): posting both halves at once keeps two neighbors from each
-# waiting for the other to send first.
-#
-# Read the function against the running example's table: on stage 0 of $p = 2$ with $m = 8$,
-# one warmup forward, seven steady rounds, one cooldown backward; on stage 1, eight rounds.
-# Its bookkeeping comes first: `forward` runs a micro-batch and stores its pair, `backward`
-# pops the oldest pair and returns the gradient of its input.
-
-# %%
-class _BareStage:
-    """The bare 1F1B's bookkeeping: forward stores (input, output), backward pops the oldest."""
-
-    def __init__(self, forward_step_func, data_iterator, model, m: int, grid: ParallelGrid):
-        self.func, self.data, self.model, self.m = forward_step_func, data_iterator, model, m
-        self.config, self.last = ScheduleConfig(), grid.is_last_stage()
-        self.inputs, self.outputs, self.reports = [], [], []
-        self.num_tokens = torch.zeros((), dtype=torch.int, device=grid.device)
-
-    def forward(self, x):
-        y, n = forward_step(self.func, self.data, self.model, self.m, x, self.reports,
-                            self.config, self.last)
-        self.num_tokens.add_(n.to(self.num_tokens.device))
-        self.inputs.append(x)
-        self.outputs.append(y)
-        return y
-
-    def backward(self, dy):
-        x, y = self.inputs.pop(0), self.outputs.pop(0)  # the oldest micro-batch in flight
-        torch.autograd.backward(y, grad_tensors=dy)  # dy is None for the loss
-        return None if x is None else x.grad
-
-# %% [markdown]
-# The order itself, in three loops.
-
-# %%
-def forward_backward_1f1b_bare(forward_step_func, data_iterator, model, num_microbatches: int,
-                               shape, grid: ParallelGrid) -> list[dict]:
-    """1F1B on this stage and nothing else: warmup, one-forward-one-backward, cooldown."""
-    m = num_microbatches
-    warmup = min(grid.size("pp") - grid.rank("pp") - 1, m)
-    stage = _BareStage(forward_step_func, data_iterator, model, m, grid)
-
-    # Warmup: fill the pipeline below this stage.
-    for _ in range(warmup):
-        x = p2p.recv_forward(shape, grid)
-        p2p.send_forward(stage.forward(x), grid)
-
-    # Steady state: forward micro-batch i + warmup, then backward micro-batch i.
-    x = p2p.recv_forward(shape, grid) if warmup < m else None
-    for i in range(m - warmup):
-        dy = p2p.send_forward_recv_backward(stage.forward(x), shape, grid)
-        dx = stage.backward(dy)
-        if i < m - warmup - 1:
-            x = p2p.send_backward_recv_forward(dx, shape, grid)
-        else:
-            p2p.send_backward(dx, grid)
-
-    # Cooldown: the warmup's micro-batches, backward.
-    for _ in range(warmup):
-        dy = p2p.recv_backward(shape, grid)
-        p2p.send_backward(stage.backward(dy), grid)
-
-    finalize_model_grads([model], grid, stage.num_tokens)
-    return stage.reports
-
-# %% [markdown]
-# Stage $r$ never holds more than $w_r + 1 = p - r$ pairs, whatever $m$ is: the warmup
-# stores $w_r$, each steady round stores one and frees one. GPipe holds $m$. Both functions
-# are tested against the trainer's schedule below, on two gloo ranks: same losses and
-# bitwise the same gradients (`tests/test_main_loop_naive.py`).
-#
 # ## 1F1B as the trainer runs it
 #
-# The trainer's 1F1B is the same function with four additions, each a few lines:
+# The trainer's 1F1B is [01.4](pipeline_orders.py)'s bare function with four additions, each
+# a few lines:
 #
 # 1. **Pseudo-freeing.** A pair is stored only after its output was sent, and the output is
 #    shrunk to one element there (`deallocate_output_tensor`); its backward goes through
@@ -431,11 +221,6 @@ def forward_backward_1f1b_bare(forward_step_func, data_iterator, model, num_micr
 #    objects a recorder can wrap (see below).
 
 # %%
-def num_warmup_microbatches_1f1b(pp_size: int, pp_rank: int, num_microbatches: int) -> int:
-    """Forwards stage pp_rank runs before its first backward: min(p - r - 1, m)."""
-    return min(pp_size - pp_rank - 1, num_microbatches)
-
-
 class _GradSync:
     """Enter no_sync once, leave it once (Megatron's disable_grad_sync / enable_grad_sync)."""
 
@@ -626,8 +411,8 @@ def forward_backward_pipelining_without_interleaving(
 # `grad_sync_func` its `start_grad_sync`; `finalize_model_grads_func` is chapter 05's
 # `finalize_model_grads(model_chunks, grid, num_tokens)`. With `overlap_param_gather` and
 # `align_param_gather`, `param_sync_func` is each chunk's `start_param_sync`: only the
-# interleaved schedule calls it (next page); with one chunk the forward pre-hooks of chapter
-# 05 dispatch its all-gathers.
+# interleaved schedule calls it ([01.7](interleaved.py)); with one chunk the forward
+# pre-hooks of chapter 05 dispatch its all-gathers.
 #
 # <details><summary>Megatron detail: the grid, and who reads param_sync_func</summary>
 #
@@ -707,8 +492,9 @@ class ScheduleConfig:
 # ## Choosing the schedule
 #
 # `get_forward_backward_func` (`schedules.py:48`): one pipeline stage → no pipelining; more
-# than one with virtual stages → the interleaved schedule (next page); otherwise 1F1B, all with
-# the same keywords. The two naive schedules are for this page; the trainer never picks them.
+# than one with virtual stages → the interleaved schedule ([01.7](interleaved.py)); otherwise
+# 1F1B, all with the same keywords. The naive schedules of [01.4](pipeline_orders.py) are never
+# picked.
 
 # %%
 def get_forward_backward_func(pp_size: int = 1, vpp_size: int | None = None) -> Callable:
@@ -727,11 +513,10 @@ def get_forward_backward_func(pp_size: int = 1, vpp_size: int | None = None) -> 
 # The tiny GPT cut into two stages, $m = 8$ micro-batches of one sequence each: the running
 # example's PP 2 and $m$ at CPU size. One training step through `get_forward_backward_func(2)`:
 # each stage prints the order it executed (from the recorder), and every gradient is compared
-# with one process running the 8 micro-batches in turn, and with GPipe and the bare 1F1B.
-# Then a step of 4 micro-batches through a 2-layer cut runs under chapter 01's
-# `LiveBytesMeter`, stamped after every forward and backward, with and without
-# pseudo-freeing; a saved-tensor hook counts the micro-batches whose activations autograd
-# still holds.
+# with one process running the 8 micro-batches in turn. Then a step of 4 micro-batches
+# through a 2-layer cut runs under chapter 01's `LiveBytesMeter`, stamped after every forward
+# and backward, with and without pseudo-freeing; a saved-tensor hook counts the micro-batches
+# whose activations autograd still holds.
 
 # %%
 if __name__ == "__main__":
@@ -746,9 +531,6 @@ if __name__ == "__main__":
     for r, order in enumerate(orders):
         print(f"stage {r} (warmup {num_warmup_microbatches_1f1b(2, r, 8)}): {order}")
     print("grads bitwise equal to one process:", [r["case"]["bitwise"][0] for r in stages])
-    for name in ("gpipe", "bare"):
-        print(f"{name}: grads bitwise equal to the trainer's 1F1B:",
-              [r["naive"][name]["grads_bitwise"] for r in stages])
     for r, res in enumerate(stages):
         on, off = res["on"], res["off"]
         print(f"stage {r}: at most {on['max_in_flight_saved']} micro-batches alive "
@@ -778,16 +560,14 @@ if __name__ == "__main__":
     plt.show()
 
 # %% [markdown]
-# The claims: the orders of the table, the same bits as one process and as the two naive
-# schedules, at most $p - r$ micro-batches alive, and at least one message saved on stage 0.
+# The claims: the orders of [01.4](pipeline_orders.py)'s table, the same bits as one process,
+# at most $p - r$ micro-batches alive, and at least one message saved on stage 0.
 
 # %%
 if __name__ == "__main__":
     assert orders[0] == "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 B7"
     assert orders[1] == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7"
     assert all(r["case"]["bitwise"][0] for r in stages)  # same op order: same bits
-    assert all(r["naive"][name]["grads_bitwise"] and r["naive"][name]["losses_equal"]
-               for r in stages for name in ("gpipe", "bare"))
     assert [r["on"]["max_in_flight_saved"] for r in stages] == [2, 1]
     # pseudo-freeing saves (at least) the one stored output stage 0 has already sent
     saved = stages[0]["off"]["peak_at_marks"] - stages[0]["on"]["peak_at_marks"]
@@ -798,11 +578,10 @@ if __name__ == "__main__":
 #
 # - No pipelining = gradient accumulation, with the DDP collectives held back (`no_sync`)
 #   until the last micro-batch's backward.
-# - 1F1B is GPipe's work reordered into warmup ($\min(p-r-1, m)$ forwards), steady
-#   one-forward-one-backward rounds and cooldown: the same bits, at most $p - r$ micro-batches
-#   alive (measured) instead of $m$.
-# - Sent outputs are pseudo-freed; their backward goes straight to the autograd engine.
-# - The gradients equal one process running the micro-batches in turn: bit for bit with
+# - The trainer's 1F1B is the bare order plus four things: sent outputs pseudo-freed (their
+#   backward goes straight to the autograd engine), the grad sync enabled for the last
+#   backward only, a forward-only pass, and callbacks and a communicator a recorder can wrap.
+# - Its gradients equal one process running the micro-batches in turn: bit for bit with
 #   pipelining alone; within $10^{-6}$ with TP 2 × PP 2 and DP 2 × PP 2, whose sums are split
 #   differently.
 #
@@ -818,11 +597,10 @@ if __name__ == "__main__":
 # ## How production does it
 #
 # - Megatron-LM: `megatron/core/pipeline_parallel/schedules.py` (`get_forward_backward_func`
-#   :48, `deallocate_output_tensor` :157, `custom_backward` :190, `forward_step_calc_loss` :251,
-#   `backward_step` :494, `forward_backward_no_pipelining` :634,
-#   `forward_backward_pipelining_without_interleaving` :2089) over
-#   `megatron/core/pipeline_parallel/p2p_communication.py`; the callbacks are wired in
-#   `megatron/training/training.py:3227-3245`. It also offers partial activation
+#   :48, `deallocate_output_tensor` :157, `custom_backward` :190, `backward_step` :494,
+#   `forward_backward_no_pipelining` :634, `forward_backward_pipelining_without_interleaving`
+#   :2089) over `megatron/core/pipeline_parallel/p2p_communication.py`; the callbacks are wired
+#   in `megatron/training/training.py:3227-3245`. It also offers partial activation
 #   checkpointing per micro-batch in the warmup window and MoE-specific overlapped variants.
 # - PyTorch / torchtitan: `torch.distributed.pipelining` (`ScheduleGPipe`, `Schedule1F1B`,
 #   `ScheduleInterleaved1F1B`, and zero-bubble schedules that split the backward into input-
@@ -830,18 +608,14 @@ if __name__ == "__main__":
 #
 # ## Exercises
 #
-# 1. Under the `LiveBytesMeter` at $m = 6$ on two stages, GPipe's peak live bytes are 2.9×
-#    the bare 1F1B's on stage 0 and 4.7× on stage 1 (measured in
-#    `tests/test_main_loop_naive.py`), where $m / (p - r)$ predicts 3 and 6. What makes up
-#    the difference on stage 1?
+# 1. The running example with PP 4: how many bytes of sent outputs does stage 0 keep at its
+#    1F1B peak without pseudo-freeing, and how many with it?
 #
-#    <details><summary>Hint</summary>
+#    <details><summary>Answer</summary>
 #
-#    The ratio is of whole peaks, and both peaks hold bytes
-#    that are there once whatever $m$: the gradients the first backward allocates, and the
-#    temporaries of the forward or backward running at the peak (on stage 1, the head's logits
-#    and the loss's work tensors). Subtract what a one-micro-batch step peaks at, and compare
-#    what is left with $m / (p - r)$.
+#    Stage 0 holds up to $p - 0 = 4$ micro-batches' pairs,
+#    and each stored output is one message, $2048 \cdot 2 \cdot 4096$ bf16 values = 32 MiB:
+#    128 MiB kept. Pseudo-freed, each is one element: 4 × 2 bytes.
 #
 #    </details>
 #

@@ -380,7 +380,7 @@ if __name__ == "__main__":
 #    <details><summary>Hint</summary>
 #
 #    Count the micro-batches whose activations a stage holds at
-#    the peak of 1F1B ([chapter 01](../01_main_loop/schedules.py)): the first stage holds one
+#    the peak of 1F1B ([chapter 01](../01_main_loop/pipeline_orders.py)): the first stage holds one
 #    per pipeline stage, the last only one. Then ask which stage is short of memory, and how
 #    few of its layers `block` can recompute while the rest run at full speed.
 #
