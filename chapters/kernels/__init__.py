@@ -10,14 +10,14 @@ from tinytron.kernels.flash_attention import (ATTENTION_HEAD_DIMS, attention_byt
                                               flash_attention)
 from tinytron.kernels.fused_adamw import FlatAdamW, adamw_bytes, adamw_reference_, fused_adamw_
 from tinytron.kernels.rmsnorm import (rms_norm, rms_norm_bytes, rms_norm_forward_bound,
-                                      rms_norm_other_order, rms_norm_reference)
+                                      rms_norm_moved, rms_norm_other_order, rms_norm_reference)
 from tinytron.kernels.swiglu import swiglu, swiglu_bytes, swiglu_reference
 
 __pages__ = ["roofline", "rmsnorm", "swiglu", "cross_entropy", "flash_attention", "fused_adamw",
              "inductor"]
 
 __all__ = ["HAS_TRITON", "INTERPRET", "KERNEL_CHOICES", "resolve_kernels", "use_triton",
-           "rms_norm", "rms_norm_reference", "rms_norm_bytes", "rms_norm_forward_bound",
+           "rms_norm", "rms_norm_reference", "rms_norm_bytes", "rms_norm_forward_bound", "rms_norm_moved",
            "rms_norm_other_order",
            "swiglu", "swiglu_reference", "swiglu_bytes",
            "cross_entropy", "vocab_parallel_cross_entropy", "vocab_parallel_cross_entropy_reference",
