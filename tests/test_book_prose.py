@@ -208,7 +208,6 @@ LONG_PAGES_LEFT = {
     "03_checkpoint/async_save.py",  # 2,983
     "03_checkpoint/resume.py",  # 2,912
     "05_buffers/distributed_data_parallel.py",  # 2,926
-    "07_memory/activations.py",  # 2,719
     "07_memory/config_ledger.py",  # 2,724
     "07_memory/step_time.py",  # 2,824
     "08_reliability/restarts.py",  # 2,985
