@@ -1,4 +1,4 @@
-"""Chapter 07.12: the overlap-aware step-time model against a traced run of the trainer on CPU.
+"""Chapter 07.14: the overlap-aware step-time model against a traced run of the trainer on CPU.
 
 Two runs of tinytron.train on 2 gloo ranks, each recorded with chapter 08's tracer
 (torch.profiler, one `iteration-N` range per train_step):
@@ -30,7 +30,7 @@ line saying so and exits 0. Its results go to benchmarks/results/step_time_cuda.
 --out says otherwise.
 
 `--published` runs no trainer: it predicts every row of Megatron-LM's published H100
-weak-scaling table (README at e03878b5f) with the model's default H100 constants (page 07.12)
+weak-scaling table (README at e03878b5f) with the model's default H100 constants (page 07.14)
 and writes published, predicted and their ratio to benchmarks/results/step_time_published.json.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_step_time.py [--iters 16] [--out FILE]

@@ -480,7 +480,7 @@ def memory_report_at_start(cfg: TrainConfig, world_size: int, device: torch.devi
 
 
 def step_time_report_at_start(cfg: TrainConfig, world_size: int, device: torch.device):
-    """Chapter 07's step-time model for this run: its options, this machine's rates (07.11).
+    """Chapter 07's step-time model for this run: its options, this machine's rates (07.13).
 
     Every rank calls it (on a CPU it measures the gloo link); rank 0 prints `.text`.
     """

@@ -373,8 +373,8 @@ def test_every_page_has_one_number_and_a_short_title():
             assert m.group(1) == number, f"{page} is headed {m.group(1)} and sits at {number}"
 
 
-# A numbered link names the page it points to: "[07.9](07_memory/step_compute.py)" must be the page
-# the nav numbers 07.9, so splitting or reordering a chapter cannot leave a stale number behind.
+# A numbered link names the page it points to: "[07.10](07_memory/step_compute.py)" must be the page
+# the nav numbers 07.10, so splitting or reordering a chapter cannot leave a stale number behind.
 _NUMBERED_LINK = re.compile(r"\[(?:pages? |appendix )?((?:\d\d|[A-C])\.\d+)\b[^]]*\]\(([^)#\s]+\.py)(?:#[^)]*)?\)")
 
 

@@ -27,7 +27,8 @@ DEFAULT_THRESHOLD = 0.5
 CHAPTER_THRESHOLDS = {"04_data": 0.6}
 PAGE_THRESHOLDS = {"03_checkpoint/resume.py": 0.6,   # pages held higher than their chapter
                    "07_memory/calculator.py": 0.6,
-                   "07_memory/config_ledger.py": 0.6}
+                   "07_memory/config_ledger.py": 0.6,
+                   "07_memory/megatron_gap.py": 0.6}
 
 # Pages brought to their threshold; each is held there from then on (paths under chapters/).
 PAGES_AT_GOAL = {
@@ -108,10 +109,12 @@ PAGES_AT_GOAL = {
     "07_memory/config_ledger.py",
     "07_memory/ledger.py",
     "07_memory/measured.py",
+    "07_memory/megatron_gap.py",
     "07_memory/megatron_model.py",
     "07_memory/peak.py",
     "07_memory/states.py",
     "07_memory/step_compute.py",
+    "07_memory/step_offload.py",
     "07_memory/step_overlap.py",
     "07_memory/step_time.py",
     "model/generate.py",
@@ -201,16 +204,13 @@ def test_code_cells_are_at_most_40_lines():
 
 # A page a reader finishes in one sitting: one lesson, at most ~2,500 words of prose, counted
 # with every folded answer, hint and "Megatron detail" box open (a reader who opens them reads
-# them). A longer page is split where its mechanism has a seam (07's step time became three
+# them). A longer page is split where its mechanism has a seam (07's step time became four
 # pages). The pages named here are still over, with their words when the limit came; each is
 # to be split, and the set only shrinks.
 PAGE_WORDS_MAX = 2500
 LONG_PAGES_LEFT = {
     "03_checkpoint/async_save.py",  # 2,983
     "03_checkpoint/resume.py",  # 2,912
-    "07_memory/activations.py",  # 2,719
-    "07_memory/config_ledger.py",  # 2,724
-    "07_memory/step_time.py",  # 2,824
     "kernels/flash_attention.py",  # 2,572
     "model/gpt.py",  # 2,920
 }

@@ -159,7 +159,7 @@ def test_calculator_step_time_reports_the_models_parts():
     assert set(parts) == {"compute", "bubble", "tp", "cp", "dp", "pp", "optimizer",
                           "interference", "total"}
     assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"))
-    # the same model and constants as 07.11, with the search's tp_comm_overlap
+    # the same model and constants as 07.13, with the search's tp_comm_overlap
     from tinytron.memory.calculator import search_options
     step = estimate_step(running_example().replace(overlap_grad_reduce=True), Links(),
                          search_options(running_example()))
@@ -289,7 +289,7 @@ def test_the_trainers_report_uses_the_runs_own_options(tmp_path):
 
 
 def test_one_running_example_one_step_time():
-    """01, 07.8 and 07.11 quote the same model; 07.8 says which assumption differs."""
+    """01, 07.9 and 07.13 quote the same model; 07.9 says which assumption differs."""
     import re
     from pathlib import Path
 
@@ -297,16 +297,16 @@ def test_one_running_example_one_step_time():
 
     root = Path(__file__).resolve().parents[1] / "chapters"
     ex = running_example().replace(overlap_grad_reduce=True)
-    page = estimate_step(ex, Links(), StepOptions(save_interval=500)).total  # 07.11, its config
-    search = step_time(running_example())["total"]  # 07.8: tp_comm_overlap on
+    page = estimate_step(ex, Links(), StepOptions(save_interval=500)).total  # 07.13, its config
+    search = step_time(running_example())["total"]  # 07.9: tp_comm_overlap on
     assert search == pytest.approx(estimate_step(ex, Links(), search_options(ex)).total)
     log = (root / "01_main_loop" / "training_log.py").read_text()
-    assert f"predicts {page:.2f} s per" in log and f"in 07.11's {page:.2f} s/iter" in log
+    assert f"predicts {page:.2f} s per" in log and f"in 07.13's {page:.2f} s/iter" in log
     calc = (root / "07_memory" / "calculator.py").read_text()
     assert re.search(rf"estimates {search:.2f} s per step", calc)
-    assert f"(07.11: {page:.2f} s with TP's traffic" in calc
+    assert f"(07.13: {page:.2f} s with TP's traffic" in calc
     step = (root / "07_memory" / "step_time.py").read_text()
-    assert f"model gives {page:.2f} s per step" in step and f"{search:.2f} s, the number 07.8" in step
+    assert f"model gives {page:.2f} s per step" in step and f"{search:.2f} s, the number 07.9" in step
 
 
 def test_memory_json_carries_the_step_time_and_its_exposed_terms(capsys):

@@ -312,7 +312,7 @@ def megatron_num_floating_point_operations(config, batch_size: int, **kwargs) ->
 # $6 \cdot 4096 \cdot 128256 = 3.15$ GFLOP and causal attention
 # $6 \cdot 4096 \cdot 4097 \cdot 32 = 3.22$ GFLOP: 48.25 GFLOP per token,
 # $2.02 \cdot 10^{17}$ FLOPs per iteration, $7.9 \cdot 10^{14}$ per GPU on 256 GPUs. Chapter
-# 07.11's step-time model, which times every kernel and transfer of the example's layout (TP2
+# 07.13's step-time model, which times every kernel and transfer of the example's layout (TP2
 # with SP · PP2 · DP64, micro-batch 2, selective recompute) on an H100, predicts 1.94 s per
 # iteration: 41% MFU by this count. Full recomputation would make the hardware do 1.31× that;
 # MFU still counts $2.02 \cdot 10^{17}$.
@@ -405,7 +405,7 @@ if __name__ == "__main__":
     print(f"{'total':<22}{total:>14.4e}{total_meg:>14.4e}   relative {total / total_meg - 1:.2e}")
     tokens = gbs * big.seq_length
     print(f"tokens/iteration {tokens:,}; {total / tokens / 1e9:.2f} GFLOP/token; per GPU (256): "
-          f"{total / 256:.3e}; in 07.11's 1.94 s/iter: {total / 256 / 1.94 / 989e12:.1%} MFU")
+          f"{total / 256:.3e}; in 07.13's 1.94 s/iter: {total / 256 / 1.94 / 989e12:.1%} MFU")
     full = num_floating_point_operations(big, gbs, recompute="full")
     print(f"with full recompute the hardware does {full / total:.3f}x the model FLOPs")
     assert grouped["attention_core"] - meg["attention_core"] == 6 * 4096 * 4096 * 32 * gbs

@@ -579,11 +579,10 @@ def install_offload(model, manager: OffloadManager) -> None:
 # with little room — at 60% MFU they need 53 GB/s, 85% of the paper figure. A dense MLP's
 # internals (not in Megatron's list) would add 336 MiB per layer: no PCIe link hides that.
 # These are computed figures, not measurements. Chapter 07's
-# [step-time page](../07_memory/step_time.py) asks the same question of tinytron's own model
-# as chapter 07's ledger counts it (what tinytron's modules save, more per module than the
-# fused kernels counted here): 336 MiB per layer and micro-batch for the five modules, of
-# which three fit behind the forward at 50 GB/s. Which answer holds depends on the kernels a
-# run uses.
+# [offload page](../07_memory/step_offload.py) asks the same question of tinytron's own model,
+# with the layer's forward timed kernel by kernel by appendix C's law (3.5 ms, not 5.2): the
+# same 176 MiB per layer and micro-batch for the five modules, of which four (144 MiB) fit
+# behind the forward at 50 GB/s. Which answer holds depends on the kernels a run uses.
 
 # %%
 PCIE_GEN5_X16 = 32e9 * 16 * 128 / 130 / 8   # bytes/s per direction, on paper

@@ -10,16 +10,16 @@ from tinytron.memory.ledger import (RankLedger, megatron_args_from, plot_ledgers
                                     stage_ledgers)
 from tinytron.memory.calculator import (Hardware, memory_config_from, running_example,
                                         search_layouts)
-# The pages 07.9 to 07.11 are the modules step_compute, step_overlap and step_time; step_time
-# re-exports the names of the first two (the calculator's own step_time function stays
-# tinytron.memory.calculator.step_time).
+# The pages 07.10 to 07.13 are the modules step_compute, step_overlap, step_offload and
+# step_time; step_time re-exports the names of the first three (the calculator's own
+# step_time function stays tinytron.memory.calculator.step_time).
 from tinytron.memory.step_time import (Links, StepOptions, StepTime, best_offload_modules,
                                        estimate_step, offload_table)
 from tinytron.memory._step_time_io import step_timeline
 
 __pages__ = ["megatron_model", "states", "activations", "peak", "ledger", "measured",
-             "config_ledger", "calculator", "step_compute", "step_overlap", "step_time",
-             "step_published"]
+             "megatron_gap", "config_ledger", "calculator", "step_compute", "step_overlap",
+             "step_offload", "step_time", "step_published"]
 
 __all__ = ["NUM_BYTES_IN_MEGABYTE", "megatron_args", "megatron_param_counts",
            "megatron_theoretical_memory", "MemoryConfig", "chunk_params", "state_ledger", "Saved",

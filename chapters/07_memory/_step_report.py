@@ -1,10 +1,10 @@
-"""The trainer's step-time reports, from 07.11's model: at the start of a run, and at its end.
+"""The trainer's step-time reports, from 07.13's model: at the start of a run, and at its end.
 
 Not a page. `step_report_at_start` predicts the step of the run it is called for, with every
 overlap switch that run uses, and with rates that describe the machine it runs on:
 
 - on a GPU, appendix C's kernel law of that GPU (H100, H200 or A100 by its name; others are
-  reported against the H100's law, and the line says so) and 07.9's default links;
+  reported against the H100's law, and the line says so) and 07.10's default links;
 - on a CPU, this CPU's own rates, measured in a fraction of a second before the first
   iteration with every rank timing at once (as they will train): the FLOP rate of one
   micro-batch of the model, forward and backward (of its fc1 GEMM alone for a model too
@@ -115,12 +115,12 @@ def measure_cpu_links(cfg, dtype: torch.dtype = torch.float32) -> tuple[Links, s
 
 
 def gpu_links(device: torch.device) -> tuple[Links, str]:
-    """07.9's links with appendix C's law of this GPU, and the words that name it."""
+    """07.10's links with appendix C's law of this GPU, and the words that name it."""
     return links_for_gpu(torch.cuda.get_device_name(device))
 
 
 def links_for_gpu(name: str) -> tuple[Links, str]:
-    """07.9's links with the law of the GPU called `name` (H100's law when none matches)."""
+    """07.10's links with the law of the GPU called `name` (H100's law when none matches)."""
     from tinytron.kernels.roofline import LAWS
 
     key = next((k for k in LAWS if k in name.upper()), None)

@@ -1,4 +1,4 @@
-"""Plumbing of the step-time pages (07.11, 07.12): its time axis, the drawing, the saved CPU check.
+"""Plumbing of the step-time pages (07.13, 07.14): its time axis, the drawing, the saved CPU check.
 
 Not a page. `step_timeline` lays one iteration of the model out as lanes for the drawing;
 `plot_timeline` draws lanes; `trace_lanes` turns a traced iteration of the CPU check into
@@ -13,9 +13,9 @@ import os
 
 from tinytron.memory.states import MemoryConfig
 from tinytron.memory.step_published import cpu_links
-from tinytron.memory.step_time import (Links, StepOptions, StepTime, _offloaded_bytes,
-                                       checkpoint_bytes, estimate_step, p2p_seconds,
-                                       schedule_1f1b, stage_compute)
+from tinytron.memory.step_offload import _offloaded_bytes
+from tinytron.memory.step_time import (Links, StepOptions, StepTime, checkpoint_bytes,
+                                       estimate_step, p2p_seconds, schedule_1f1b, stage_compute)
 
 
 def step_timeline(cfg: MemoryConfig, links: Links = Links(),

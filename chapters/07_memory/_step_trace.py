@@ -1,4 +1,4 @@
-"""Calibrate and trace a run of tinytron.train on gloo ranks, for the step-time check (07.12).
+"""Calibrate and trace a run of tinytron.train on gloo ranks, for the step-time check (07.14).
 
 Not a page: `benchmarks/bench_step_time.py` launches `calibrate_and_trace` on every rank of a
 gloo world. It runs the real trainer under torch.profiler (chapter 08's trace) with every

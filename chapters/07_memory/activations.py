@@ -45,17 +45,13 @@ __all__ = ["Saved", "Dims", "attention_kernel", "attention_kernel_why", "layer_s
 # | SwiGLU | fc1 output ($2 f_t$), silu(gate), the product (fc2's input) | $P s_c b \cdot 4 f_t$ |
 # | dropout (×2, if $p > 0$) | the mask | $M s_r b h$ |
 #
-# The norms and the SP linears keep what Megatron's keep: the norm its input and $1/\mathrm{rms}$
-# ([B.2](../model/layers.py)), the column-parallel linear the $s_r$ slice it is given, which it
-# gathers again in backward ([A.2](../parallel/tensor_parallel.py),
+# The norms and the SP linears keep what Megatron's keep, as the table says
+# ([B.2](../model/layers.py), [A.2](../parallel/tensor_parallel.py),
 # `megatron/core/tensor_parallel/layers.py:486, 543-545`). What still differs from the paper
 # count (Korthikanti et al., Table 2) and from Megatron's formula is visible in the table:
-#
-# - **GQA** shrinks K and V: $g_t d$ instead of $h/t$.
-# - **SwiGLU** stores $4 f_t$ per token (fc1's $2 f_t$ output, $\mathrm{silu}$ of the gate,
-#   the product), where the formula counts $2 f_t$ (a GELU MLP's input and output).
-# - **No dropout, no masks**: the formula counts two 1-byte residual dropout masks whatever the
-#   dropout rate; this model keeps them only when $p > 0$.
+# **GQA** shrinks K and V ($g_t d$ instead of $h/t$); **SwiGLU** stores $4 f_t$ per token
+# where the formula counts $2 f_t$ (a GELU MLP's input and output); and the two 1-byte
+# residual dropout masks the formula always counts are kept here only when $p > 0$.
 #
 # **The kernel.** `scaled_dot_product_attention` picks a kernel per call, from the dtype, the
 # head layout, the mask, dropout, the device and the torch version, and `attention_kernel`
@@ -73,11 +69,10 @@ __all__ = ["Saved", "Dims", "attention_kernel", "attention_kernel_why", "layer_s
 # | CUDA | fp32 | any | yes | **math** |
 # | CUDA | bf16, fp16 | yes | yes | **math** |
 #
-# So an fp32 run with grouped queries on a GPU materializes the scores, and so does context
-# parallelism with grouped queries (its mask rules flash out): mem-efficient refuses grouped
-# queries (torch 2.5 to 2.13 at least) and flash refuses fp32 and masks. The flash, mem-efficient
-# and cuDNN kernels (the last preferred on sm_90 by some newer builds, and then named by torch
-# on the GPU) save q, k, v, the output and one fp32 logsumexp per query and head —
+# Mem-efficient refuses grouped queries (torch 2.5 to 2.13 at least) and flash refuses fp32
+# and masks, so on a GPU grouped queries in fp32, or under CP, materialize the scores. The
+# flash, mem-efficient and cuDNN kernels (the last preferred on sm_90 by some newer builds,
+# and then named by torch on the GPU) save q, k, v, the output and one fp32 logsumexp per query and head —
 # nothing of size $s^2$; mem-efficient pads the logsumexp rows to a multiple of 32. When the
 # math path runs (the table says so, or `attention_kernel = "math"`), it casts bf16 and fp16
 # inputs to fp32 **on every device** ("keep query, key, value in high precision",
@@ -95,8 +90,8 @@ __all__ = ["Saved", "Dims", "attention_kernel", "attention_kernel_why", "layer_s
 # the fused `native_dropout`, which keeps a bool mask: $M = 1$ byte per element, for the
 # residual and embedding dropouts and for the math kernel's attention dropout alike. On CPU
 # `F.dropout` multiplies by a noise tensor in the input's dtype and autograd keeps it:
-# $M = P$ on the residuals, $M_4 = 4$ inside the math kernel (its input is fp32 there). The
-# math kernel's other saved tensors are fp32 on both devices. Chapter 06's running table
+# $M = P$ on the residuals, $M_4 = 4$ inside the math kernel (its input is fp32 there).
+# Chapter 06's running table
 # counts Megatron's *unfused* softmax instead (bf16 probabilities and a 1-byte mask, the
 # memory formula's assumption); this rule is what PyTorch's SDPA math kernel, which tinytron
 # runs, keeps.
@@ -133,9 +128,8 @@ def saved_bytes(entries: list[Saved]) -> int:
     return sum(e.nbytes for e in entries)
 
 # %% [markdown]
-# Every formula above is written in the same handful of per-rank sizes; `Dims` computes them once
-# from the layout, so each saved tensor below reads like its row of the table. Which attention
-# kernel runs is decided next, since it changes the table most.
+# `Dims` computes the notation's per-rank sizes once from the layout, so each saved tensor
+# below reads like its row of the table.
 
 # %%
 @dataclass(frozen=True)
@@ -166,8 +160,8 @@ class Dims:
 
 
 # %% [markdown]
-# Which kernel runs: the one the config names, or else the one torch would pick for this
-# layer's call, with the reason, so that a surprising pick can be read rather than guessed.
+# Which kernel runs: the one the config names, else torch's pick for this layer's call, with
+# the reason.
 
 # %%
 def attention_kernel(cfg: MemoryConfig) -> str:
@@ -186,8 +180,7 @@ def attention_kernel_why(cfg: MemoryConfig) -> tuple[str, str]:
 
 
 # %% [markdown]
-# Two small rules the rows below share: how wide a dropout mask is on each device, and what
-# a norm keeps for its backward.
+# Two rules the rows below share: a dropout mask's width per device, and what a norm keeps.
 
 # %%
 def dropout_mask_bytes(cfg: MemoryConfig, input_bytes: int) -> int:
@@ -201,9 +194,8 @@ def _norm(module: str, x: Dims) -> list[Saved]:
     return [Saved(module, "input", n * x.h, x.P), Saved(module, "1/rms", n, 4)]
 
 # %% [markdown]
-# Core attention is where the kernel matters: the flash path saves $O(s)$ per head (and under CP
-# the gathered K and V), the math path the $O(s^2)$ probabilities. Selective recompute of core
-# attention keeps only the checkpoint's inputs and the output.
+# Core attention by kernel, as in the table, and its selective-recompute form (the
+# checkpoint's inputs and the output).
 
 # %%
 def _core_attention(cfg: MemoryConfig, x: Dims) -> list[Saved]:
@@ -246,9 +238,9 @@ def _selective_core_attention(cfg: MemoryConfig, x: Dims) -> list[Saved]:
 
 # %% [markdown]
 # The layer, assembled. The first norm of a chunk that received its input from the previous
-# stage saves the received tensor itself, counted once as the stage input. RoPE saves nothing of its own: its tables are built
-# once per sequence length, in $P$, and cached by the model ([page B.3](../model/gpt.py)), so
-# they are resident, not per micro-batch.
+# stage saves the received tensor itself, counted once as the stage input. RoPE's tables (in
+# $P$, one per sequence length) are resident, cached by the model
+# ([page B.3](../model/gpt.py)), not per micro-batch.
 #
 # **Recompute** (chapter 06, the model config's `recompute_*` switches, Megatron's names):
 #
@@ -397,8 +389,7 @@ def head_saved(cfg: MemoryConfig) -> list[Saved]:
             Saved("head", "per-token loss (the output)", n, 4)]
 
 # %% [markdown]
-# Under full recompute a chunk keeps, for each checkpointed run of layers, only the run's input
-# and its RNG snapshots; the layers outside any run (`block`) keep everything.
+# Full recompute, as in the table: each checkpointed run keeps its input and RNG snapshots.
 
 # %%
 def _full_recompute_groups(cfg: MemoryConfig, num_layers: int) -> tuple[int, int]:
@@ -424,8 +415,7 @@ def _full_recompute_saved(cfg: MemoryConfig, x: Dims, groups: int, first: bool) 
 
 # %% [markdown]
 # Offload splits each kept layer's tensors into what stays on the device and what goes to the
-# host, with the two rules above: the size threshold, and a storage leaves only with its last
-# device holder. The head's chunk keeps its last layer (the margin).
+# host, by the two rules above.
 
 # %%
 def _offloaded(cfg: MemoryConfig, layer: list[Saved]) -> tuple[list[Saved], list[Saved]]:
@@ -492,17 +482,13 @@ def chunk_saved(cfg: MemoryConfig, pp_rank: int, chunk: int) -> dict[str, list[S
 
 
 # %% [markdown]
-# ## Demo: one layer of the running example, and one of the tiny model
+# ## Demo: one layer of the running example, and a stage under each mode
 #
-# The demo prints the per-layer table of the running example at TP 2 with SP and selective
-# recompute and compares it with Megatron's per-layer term, then shows how the same layer's
-# bytes move under each recompute mode and with everything offloaded.
-#
-# **The assumptions** are the running example's, stated once on the front page: flash
-# attention, no dropout, selective recompute of `core_attn` (`calculator.running_example`).
-# What the cell prints: one layer on one rank keeps **696.0 MiB** per micro-batch
-# ($b = 2$, $s = 4096$, and 32 KiB of $1/\mathrm{rms}$), where Megatron's per-layer term
-# $sbh(18 + 4f/h)/t$ gives 512.0 MiB. Term by term, in units of $sbh/t$ bytes (16 MiB here):
+# The running example's layer (flash attention, no dropout, selective recompute of
+# `core_attn`, as on the front page) against Megatron's per-layer term. What the cell
+# prints: one layer on one rank keeps **696.0 MiB** per micro-batch ($b = 2$, $s = 4096$,
+# and 32 KiB of $1/\mathrm{rms}$), where Megatron's per-layer term $sbh(18 + 4f/h)/t$ gives
+# 512.0 MiB. Term by term, in units of $sbh/t$ bytes (16 MiB here):
 #
 # | tensor | Megatron's formula | here | difference |
 # |---|---|---|---|
@@ -604,10 +590,9 @@ if __name__ == "__main__":
 # - A layer's activations are a list of tensors, each with a shape that the layout cuts:
 #   TP divides the heads and the MLP width, SP the residual-stream tensors (norms, masks), CP
 #   the sequence of everything but the gathered K and V.
-# - The kernel matters more than any other choice: the flash path saves $O(s)$ per head, the
-#   math path $O(s^2)$, in fp32 on every device, with a 1-byte dropout mask on CUDA. Torch
-#   picks it from the dtype, the head layout, the mask and the device: on CUDA, fp32 with
-#   grouped queries runs the math path, and the ledger predicts that pick and says why.
+# - The kernel matters most: flash saves $O(s)$ per head, the math path $O(s^2)$ in fp32.
+#   Torch picks it from the dtype, the head layout, the mask and the device (on CUDA, fp32
+#   with grouped queries runs the math path); the ledger predicts the pick and says why.
 # - Recompute keeps checkpoint inputs (and RNG snapshots) instead of a region's insides;
 #   offload moves a region's saved tensors to the host when their last device holder lets go.
 #

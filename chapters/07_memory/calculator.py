@@ -1,13 +1,13 @@
 # %% [markdown]
-# # 07.8 · Memory: `tinytron-memory` — the command and the layout search
+# # 07.9 · Memory: `tinytron-memory` — the command and the layout search
 #
-# [07.7](config_ledger.py) turned a trainer's config into one layout's ledger, its
-# assumptions stated and its gap to Megatron's estimate taken apart. This page makes that a
-# command and asks the question a ledger alone cannot answer: of every layout of a model on
-# a number of GPUs, which fit the device, and which of those is fastest?
+# [07.7](megatron_gap.py) took one layout's ledger apart against Megatron's estimate and
+# [07.8](config_ledger.py) read it from a trainer's config, its assumptions stated. This page
+# makes that a command and asks the question a ledger alone cannot answer: of every layout
+# of a model on a number of GPUs, which fit the device, and which of those is fastest?
 # `tinytron-memory --config run.toml --world-size 256` prints the ledger of one layout;
 # `tinytron-memory --example --search --gpu-memory 80GiB --gpus 256` lists the layouts that
-# fit, ranked by the overlap-aware step time of pages 07.9 to 07.11.
+# fit, ranked by the overlap-aware step time of pages 07.10 to 07.13.
 #
 # You will build: `Hardware`, `step_time`, `candidate_layouts`, `search_layouts`,
 # `format_ledgers` and `main`.
@@ -42,7 +42,7 @@ __all__ = ["parse_bytes", "resolve_device", "memory_config_from", "running_examp
 # ## An estimated step time
 #
 # To rank the layouts that fit, the search needs a time per iteration: the overlap-aware
-# model of pages 07.9 to 07.11 (`tinytron.memory.step_time.estimate_step`). Compute is
+# model of pages 07.10 to 07.13 (`tinytron.memory.step_time.estimate_step`). Compute is
 # every kernel of a micro-batch timed by appendix C's law from the device's datasheet (H100
 # SXM by default); the pipeline bubble follows from the stages' compute; each TP, DP and PP
 # transfer is charged only for what its window — by Megatron's rules, bucket by bucket —
@@ -54,9 +54,9 @@ __all__ = ["parse_bytes", "resolve_device", "memory_config_from", "running_examp
 #
 # For the running example it estimates 1.86 s per step — 1.65 s of compute, a 0.17 s
 # bubble, 0.04 s of DP and PP transfers their windows cannot hide — the same model and
-# assumptions as 07.11 quotes, except `tp_comm_overlap`, which the search turns on and the
-# example's config file leaves off (07.11: 1.94 s with TP's traffic on the compute stream). These are
-# estimates from stated constants, not measurements; 07.12 holds the same model against
+# assumptions as 07.13 quotes, except `tp_comm_overlap`, which the search turns on and the
+# example's config file leaves off (07.13: 1.94 s with TP's traffic on the compute stream). These are
+# estimates from stated constants, not measurements; 07.14 holds the same model against
 # Megatron's published H100 throughput. `search_layouts` ranks the layouts that fit by the
 # total, and between two equal totals prefers the one with the smaller peak: the one with
 # more memory to spare. Change a constant of `Hardware` (a slower network, the A100's law)
@@ -74,7 +74,7 @@ class Hardware:
     gpus_per_node: int = 8
 
     def links(self):
-        """The same constants as the step-time model's Links (07.9)."""
+        """The same constants as the step-time model's Links (07.10)."""
         from tinytron.kernels.roofline import LAWS
         from tinytron.memory.step_time import Links
 
@@ -87,7 +87,7 @@ class Hardware:
 
 
 # %% [markdown]
-# `step_time` runs 07.11's model with the search's switches and sums its items into the parts
+# `step_time` runs 07.13's model with the search's switches and sums its items into the parts
 # the search prints; what the parts leave over is the compute time NCCL takes from the SMs.
 
 # %%
@@ -325,12 +325,12 @@ def _ledger_json(cfg: MemoryConfig, dp_rank: int, why: dict | None = None) -> di
             "step_time": step_time_json(cfg)}
 
 # %% [markdown]
-# The step time in the JSON is 07.11's model under the search's switches, item by item, so
+# The step time in the JSON is 07.13's model under the search's switches, item by item, so
 # the ledger and the time of a layout travel together.
 
 # %%
 def step_time_json(cfg: MemoryConfig, hw: Hardware = Hardware()) -> dict:
-    """07.11's step time of a layout under the search's switches: seconds and exposed items."""
+    """07.13's step time of a layout under the search's switches: seconds and exposed items."""
     try:
         step = estimate_step(cfg.replace(overlap_grad_reduce=True), hw.links(),
                              search_options(cfg))
@@ -356,7 +356,7 @@ def step_time_json(cfg: MemoryConfig, hw: Hardware = Hardware()) -> dict:
 # per stage its `pp_rank`, the `device` and `host` terms in bytes, the `total` and
 # `megatron_gap` (the `difference` and every named term in bytes, zeros included), and
 # Megatron's `weight_and_optimizer`, `activation` and the formula `branch` it took.
-# It also carries `step_time`: 07.11's model of the layout under the search's switches, in
+# It also carries `step_time`: 07.13's model of the layout under the search's switches, in
 # seconds — the total, compute, bubble, optimizer and exposed parts, and every item with
 # its seconds alone and what of it stays exposed — so a program reading the ledger reads
 # the time with it. `--search --json` prints the ranked layouts the same way: each one's
@@ -546,7 +546,7 @@ if __name__ == "__main__":
 # all-gather on a later stage), and the eight lie within 3% of each other: compute is
 # almost all of each step, and what separates them is how well each layout's GEMMs fill
 # the H100's waves. The search chooses among near-equals, and the estimate's own error
-# (07.12 holds it against Megatron's published runs, within about 10%) is larger than the
+# (07.14 holds it against Megatron's published runs, within about 10%) is larger than the
 # gaps. That is why production tools confirm the top few candidates with
 # short profiling runs instead of trusting the model's ranking.
 
@@ -614,7 +614,7 @@ if __name__ == "__main__":
 #    </details>
 #
 # 2. Set `Hardware.network_bandwidth` to 25 GB/s. Does the best layout change, and why?
-#    (07.10's rules: which window does the reduce-scatter no longer fit?)
+#    (07.11's rules: which window does the reduce-scatter no longer fit?)
 #
 #    <details><summary>Answer</summary>
 #

@@ -1,55 +1,44 @@
 # %% [markdown]
-# # 07.7 · Memory: one layout's ledger — from the trainer's config, against Megatron
+# # 07.8 · Memory: from the trainer's config — what the ledger assumed
 #
-# [07.6](measured.py) held the ledger against two meters on a CPU. This page and the next
-# turn it into a command: this one reads the trainer's own config, prints the first and the
-# last stage's ledger, and takes apart, term by term, where it and Megatron's estimate part
-# ways; [07.8](calculator.py) makes it the console script `tinytron-memory` and searches the
-# layouts that fit a device.
+# [07.7](megatron_gap.py) took the running example's ledger apart against Megatron's
+# estimate. A user does not start from a `MemoryConfig`, though, but from the TOML file the
+# trainer reads, and that file does not hold everything a ledger needs. This page reads the
+# trainer's own config into a `MemoryConfig`, checks it as the trainer would, and states,
+# before any number, what it assumed; [07.9](calculator.py) makes it the console script
+# `tinytron-memory` and searches the layouts that fit a device.
 #
-# You will build: `parse_bytes`, `resolve_device`, `memory_config_from`, `running_example`,
-# `peak_parts`, `megatron_gap`, `format_gap` and `assumption_lines`.
+# You will build: `parse_bytes`, `resolve_device`, `memory_config_from` and
+# `assumption_lines`.
 #
-# **What it answers, on the running example.** `tinytron-memory --example` prints, for DP
-# rank 0 of the first and the last pipeline stage (flash attention, no dropout, selective
-# recompute, as on the front page):
+# ```mermaid
+# flowchart LR
+#   T["run.toml<br/>--section.key overrides"] --> C["TrainConfig<br/>load_config"]
+#   W["--world-size"] --> M["memory_config_from<br/>checks layout and batch"]
+#   D["--device, or auto"] --> M
+#   C --> M
+#   M --> L["MemoryConfig"]
+#   L --> A["assumption lines"]
+#   L --> G["the ledger (07.5)<br/>and its gap (07.7)"]
+# ```
 #
-# | term | stage 0 | stage 1 |
-# |---|---|---|
-# | weights (bf16 param buffer) | 3,829.2 MiB | 3,829.3 MiB |
-# | grad buffer (fp32) | 7,658.5 MiB | 7,658.5 MiB |
-# | fp32 masters, $1/64$ | 119.7 MiB | 119.7 MiB |
-# | Adam moments, $1/64$ | 239.3 MiB | 239.3 MiB |
-# | activations at the peak | 22,537.6 MiB | 18,278.6 MiB |
-# | **total on the device** | **34,384.4 MiB** | **30,125.4 MiB** |
-# | where the peak is | backward of micro-batch 0, 2 in flight | forward of micro-batch 0, 1 in flight |
-#
-# Megatron's estimate for the same layout is 11,846.75 MiB of weights and optimizer state and
-# 16,416.06 MiB of activations, 28,262.81 MiB for every stage: 6,121.57 MiB less than the
-# ledger on stage 0 and 1,862.57 MiB less on stage 1. The command prints that difference
-# taken apart (the section "Where the ledger and Megatron's estimate part ways" below). The
-# resident parts agree to 12,672 B (07.2 explains the difference: where the final norm is
-# counted). The activations do not: Megatron charges 512 MiB per layer and micro-batch, this
-# ledger 696 MiB (07.3, term by term: the norms and the SP linears keep what Megatron's keep;
-# GQA and no dropout masks take 40 MiB off, the SwiGLU chain adds 224 MiB), for the same 32
-# layer-micro-batches on stage 0 — 16 layers, 2 micro-batches in flight. Both fit an 80 GiB device; only the ledger says by how
-# much. Before any number the command also says what it assumed — the world size and where
-# it came from, the device, the dtypes, the micro-batches per step and in flight — because a
-# ledger computed for the wrong world size or device looks just as precise as a right one.
+# Each input changes the answer. The README's CPU job, worked in small numbers: 4 layers of
+# width 128, micro-batch 8, global batch 32, and no world size in the file. One rank
+# means DP 1 and $32 / (8 \cdot 1) = 4$ micro-batches per step; at `--world-size 2` the
+# same file gives DP 2 and 2 micro-batches, at 4 ranks one, and at 3 ranks it is refused,
+# since $32$ is not a multiple of $8 \cdot 3$. Its ledger is 56.39 MiB on a CPU, where
+# the attention kernel is flash; the same file ledgered for a GPU runs fp32 attention with
+# grouped queries through the math kernel, and the ledger says 63.32 MiB.
 
 # %%
 from __future__ import annotations
 
-import math
 import re
 
-from tinytron.memory.activations import attention_kernel_why, chunk_saved, saved_bytes
-from tinytron.memory.ledger import RankLedger, megatron_args_from, rank_ledger, stage_ledgers
-from tinytron.memory.megatron_model import (_embedding_terms, _pipeline_factor, megatron_args,
-                                            megatron_theoretical_memory)
-from tinytron.memory.peak import activation_peak
-from tinytron.memory.states import MemoryConfig, buffer_layouts
-from tinytron.model.config import stage_layer_ranges
+from tinytron.memory.activations import attention_kernel_why
+from tinytron.memory.megatron_gap import (_megatron_pieces, format_gap, megatron_gap,
+                                          peak_parts, running_example)
+from tinytron.memory.states import MemoryConfig
 
 __all__ = ["parse_bytes", "resolve_device", "memory_config_from", "running_example",
            "peak_parts", "megatron_gap", "format_gap", "assumption_lines"]
@@ -135,8 +124,7 @@ def resolve_device(configured: str, flag: str | None = None) -> tuple[str, str]:
 
 # %% [markdown]
 # Then the translation itself: the layout sizes, the micro-batches per step from the global
-# batch, and the precision and optimizer switches under the ledger's names. The running
-# example is the same translation written out once.
+# batch, and the precision and optimizer switches under the ledger's names.
 
 # %%
 def memory_config_from(train, world_size: int, device: str | None = None) -> MemoryConfig:
@@ -163,294 +151,34 @@ def memory_config_from(train, world_size: int, device: str | None = None) -> Mem
         optimizer=opt.optimizer, optimizer_cpu_offload=opt.optimizer_cpu_offload,
         optimizer_offload_fraction=opt.optimizer_offload_fraction, device=device)
 
-
-def running_example() -> MemoryConfig:
-    """The book's 7B example: TP2 (SP) · PP2 · DP64, mbs 2, m 8, bf16, DistOpt, selective."""
-    from tinytron.model.config import llama_7b_config
-
-    return MemoryConfig(llama_7b_config(sequence_parallel=True, recompute_granularity="selective"),
-                        tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                        data_parallel_size=64, micro_batch_size=2, num_microbatches=8,
-                        use_distributed_optimizer=True)
-
-
 # %% [markdown]
-# ## Where the ledger and Megatron's estimate part ways, term by term
-#
-# On the running example the ledger says 34,384.4 MiB on stage 0 and 30,125.4 MiB on stage
-# 1; Megatron's `report_theoretical_memory` (`megatron/training/theoretical_memory_usage.py:428`
-# at e03878b5f) says 11,846.75 + 16,416.06 = 28,262.81 MiB for every stage. A number without
-# its reason is no use to someone sizing a job, so the command prints the difference taken
-# apart into named terms that add up to it. Each term is one place where Megatron's formula
-# leaves something out or counts it another way:
-#
-# | term | what Megatron's formula does | what the ledger does |
-# |---|---|---|
-# | parameters on the stage | one "most loaded" shard: the layers and norms spread evenly over the stages, plus one embedding table | this stage's own tensors (the final norm sits on the last stage) |
-# | padding of the buffers | none | the distributed optimizer's param and grad buffers padded to 64-element starts and $\mathrm{lcm}(d_{cp}, 128)$ bucket ends (07.2) |
-# | bytes per parameter | $2 + 4$ for weights and grads (mixed precision) | the config's dtypes: $4 + 4$ for an fp32 model |
-# | optimizer states | $12$ bytes per parameter, or $12/d$ with the distributed optimizer ($d$ without CP) | the owned shard over $d \cdot c$, the optimizer's own moments, no master copy for an fp32 model, nothing for what is offloaded |
-# | a layer's norms, linear_qkv input, attention, MLP, dropout masks | Korthikanti et al.'s Table 2: $s b h (18 + 4 f/h)/t$ with SP and selective recompute, else $s b h (10 + 24/t) \cdot 1.05$ | appendix B's model tensor by tensor (07.3): Megatron's norms and SP linear inputs (plus $1/\mathrm{rms}$), GQA, the SwiGLU chain, no masks without dropout |
-# | layer-micro-batches in flight | $L$ layers times $\min(1, m/p)$ or the interleaving penalty, the first stage's count, for every stage | the replayed schedule's in-flight set at the peak (07.4) |
-# | embedding | token ids and a 1-byte dropout mask, $p$ micro-batches | local ids and the out-of-range mask of the micro-batches in flight |
-# | received activations, send buffers | none | the stage input each in-flight micro-batch keeps, the message a send still holds |
-# | head: cross-entropy softmax, the rest | only with $p = 1$: $4 s b (h + V)/t$ | the last stage's fp32 softmax, final norm, output-layer input, targets and loss |
-# | transients at the peak | none | the temporaries alive inside the operation where the peak falls (07.4) |
-#
-# Megatron's per-layer number is not split by module in its code
-# (`megatron/training/theoretical_memory_usage.py:280` with SP and selective recompute, `:354`
-# without), but the paper's count is (Korthikanti et al., §4.2), and the split below follows
-# it: the two norm inputs, 2 bytes
-# each; the QKV input, 2; q, k, v and the projection's input, 8 (GQA not modelled); the fc1
-# input 2 plus $4f/h$ for the MLP's intermediates; two 1-byte dropout masks. Without SP the
-# same parts, with the TP-split ones divided by $t$ and $24/t$ standing for $f = 4h$.
-
-# %%
-_MIB = 2**20
-_LAYER_GROUPS = {"attn_norm": "norms", "mlp_norm": "norms", "qkv_linear": "linear_qkv input",
-                 "core_attn": "attention", "attn_proj": "attention", "mlp": "MLP",
-                 "bda": "dropout masks", "recompute": "recompute checkpoints"}
-_OTHER = "other layer tensors"
-_LABELS = {  # the printed order
-    "params": "parameters on the stage vs Megatron's shard",
-    "padding": "padding of the param and grad buffers",
-    "bytes_per_param": "weights + grads: the config's dtypes vs 2 + 4 B",
-    "optimizer": "optimizer states: owned shard, moments, offload",
-    "norms": "layers' norms: input, 1/rms", "linear_qkv input": "layers' "
-    "linear_qkv input", "attention": "layers' attention: q, k, v (GQA), output",
-    "MLP": "layers' MLP: fc1 input and the SwiGLU chain", "dropout masks": "layers' dropout masks",
-    "recompute checkpoints": "recompute: run inputs, RNG snapshots",
-    _OTHER: "layers' other saved tensors", "in_flight": "layer-micro-batches in flight",
-    "embedding": "embedding: token ids and masks", "stage_input": "received activations "
-    "(stage inputs)", "logits": "head: fp32 cross-entropy softmax (logits)",
-    "head": "head: final norm, output-layer input, targets",
-    "transient": "transients inside the op at the peak", "p2p": "send buffers in transit (p2p)"}
-
-
-def _megatron_pieces(cfg: MemoryConfig) -> dict:
-    """Megatron's activation estimate as parts that add up to it (bytes, floats)."""
-    a = megatron_args(megatron_args_from(cfg))
-    s, b, h, t = a.seq_length, a.micro_batch_size, a.hidden_size, a.tensor_model_parallel_size
-    f, v, p = a.ffn_hidden_size, a.padded_vocab_size, a.pipeline_model_parallel_size
-    if a.sequence_parallel and a.recompute_granularity == "selective":  # :280-351, all / t
-        per_h, head, scale = {"norms": 4, "linear_qkv input": 2, "attention": 8,
-                              "MLP": 2 + 4 * f / h, "dropout masks": 2}, (4 * v, 4 * h), 1 / t
-    else:  # :354-425: TP-only, times 1.05
-        per_h, head, scale = {"norms": 4, "linear_qkv input": 2, "attention": 8 / t,
-                              "MLP": 2 + 16 / t, "dropout masks": 2}, (2 * v / t, 2 * h), 1.05
-    factor = _pipeline_factor(a, cfg.num_microbatches)
-    return {"layer": {k: s * b * h * c * scale for k, c in per_h.items()},
-            "layers": a.num_layers * factor,
-            "embedding": _embedding_terms(a) * factor * scale,
-            "logits": s * b * head[0] * scale if p == 1 else 0.0,
-            "head": s * b * head[1] * scale if p == 1 else 0.0}
-
-# %% [markdown]
-# On the ledger's side the peak is one moment of the replayed schedule (07.4): the kept bytes
-# of the chunk-micro-batches in flight, plus the transient of the operation running, plus a
-# send buffer. `activation_peak` reports the sum, where it falls, and what it is made of: the
-# in-flight set itself, so that its tensors can be sorted into the table's terms, and the
-# transient of the step running. A backward's peak can fall before its chunk is freed (the
-# layers' backward) or after (the embedding's end of backward); the replay keeps the set of
-# whichever of the two was larger. `peak_parts` checks that the parts add up to the reported
-# peak to the byte.
-
-# %%
-def peak_parts(cfg: MemoryConfig, pp_rank: int) -> dict:
-    """The activation peak taken apart: the chunks in flight at it, the transient, the p2p."""
-    pk = activation_peak(cfg, pp_rank)
-    live, transient = pk["in_flight_at_peak"], pk["transient_at_peak"]
-    if sum(pk["per_chunk"][c] for c in live) + transient + pk["p2p_buffers"] != pk["peak"]:
-        raise RuntimeError(f"peak_parts: stage {pp_rank}'s parts do not add up to its peak")
-    return {"in_flight": live, "transient": transient, "p2p": pk["p2p_buffers"], "at": pk["at"]}
-
-# %% [markdown]
-# With both sides in parts, `megatron_gap` subtracts them. The resident terms come from the
-# buffers of 07.2: with $n$ the stage's parameters, $n_M$ Megatron's and $B$ its bytes per
-# parameter ($18$, or $6 + 12/d$), the four terms are $(n - n_M) B$, the buffers' padding
-# elements at their dtypes, $(P + G - 6)\,n$, and the optimizer's device bytes less
-# $(B - 6)\,n$ — they add up to the resident difference by construction. The activation terms
-# are, per group of a layer's tensors, the ledger's bytes in flight less Megatron's bytes of
-# that group times the ledger's layer-micro-batches $N$; then Megatron's per-layer total
-# times $N - N_M$; then the embedding and the head, each the ledger's bytes less Megatron's,
-# and the stage inputs, the transient and the send buffer, which Megatron has no term for.
-# Megatron's side is in floating point (its formula divides), so the terms add up to the
-# difference to within floating-point rounding: the test holds them to a byte.
-
-# %%
-def _resident_terms(cfg: MemoryConfig, pp_rank: int, led: RankLedger, meg: dict) -> dict:
-    """The four resident terms of the gap: parameters, padding, bytes per parameter, optimizer."""
-    bpp = 6 + 12 / cfg.data_parallel_size if cfg.use_distributed_optimizer else 18
-    layouts = buffer_layouts(cfg, pp_rank)
-    n = sum(p.count for params, _ in layouts for p in params)
-    padded = sum(layout.numel for _, layout in layouts)
-    d = led.device
-    return {"params": n * bpp - meg["weight_and_optimizer"],
-            "padding": (d["weights"] - cfg.param_bytes * n) + cfg.grad_bytes * (padded - n),
-            "bytes_per_param": (cfg.param_bytes + cfg.grad_bytes - 6) * n,
-            "optimizer": d["master_params"] + d["optimizer_state"] + d["fp32_grad_copies"]
-            - (bpp - 6) * n}
-
-# %% [markdown]
-# `megatron_gap` starts from those four, then sorts the tensors of the chunks in flight at the
-# peak into the activation terms and subtracts Megatron's piece for each.
-
-# %%
-def megatron_gap(cfg: MemoryConfig, pp_rank: int, dp_rank: int = 0) -> dict:
-    """Ledger − Megatron on one stage: the totals, and named terms (bytes) that add up to it."""
-    led = rank_ledger(cfg, pp_rank, dp_rank)
-    meg = megatron_theoretical_memory(megatron_args_from(cfg), cfg.num_microbatches)
-    terms = _resident_terms(cfg, pp_rank, led, meg)
-    parts, pieces = peak_parts(cfg, pp_rank), _megatron_pieces(cfg)
-    ranges = stage_layer_ranges(cfg.model.num_layers, cfg.pipeline_model_parallel_size,
-                                cfg.num_chunks, pp_rank)
-    held = {k: 0 for k in (*pieces["layer"], "recompute checkpoints", _OTHER, "embedding",
-                           "stage_input", "logits", "head")}
-    for c in parts["in_flight"]:
-        saved = chunk_saved(cfg, pp_rank, c)
-        for e in saved["layers"]:
-            held[_LAYER_GROUPS.get(e.module, _OTHER)] += e.nbytes
-        for e in saved["head"]:
-            held["logits" if e.what.startswith("cross-entropy softmax") else "head"] += e.nbytes
-        held["embedding"] += saved_bytes(saved["embedding"])
-        held["stage_input"] += saved_bytes(saved["stage_input"])
-    layers = sum(ranges[c][1] - ranges[c][0] for c in parts["in_flight"])
-    for group, value in held.items():
-        terms[group] = value - pieces["layer"].get(group, 0) * layers - pieces.get(group, 0)
-    terms.update(in_flight=sum(pieces["layer"].values()) * (layers - pieces["layers"]),
-                 transient=parts["transient"], p2p=parts["p2p"])
-    meg_stage = meg["weight_and_optimizer"] + meg["activation"]
-    return {"pp_rank": pp_rank, "ledger": {"resident": led.resident, "flowing": led.flowing,
-                                           "total": led.total},
-            "megatron": {"resident": meg["weight_and_optimizer"], "flowing": meg["activation"],
-                         "total": meg_stage},
-            "difference": led.total - meg_stage, "terms": terms, "peak": parts,
-            "layer_microbatches": (layers, pieces["layers"]),
-            "megatron_layer_bytes": sum(pieces["layer"].values())}
-
-# %% [markdown]
-# Printed, the terms that are zero on every stage are left out, each value is rounded to
-# 0.01 MiB (so the printed terms may miss the printed difference by a few hundredths), and
-# `--json` carries every term in bytes. The in-flight line names both counts and the bytes
-# Megatron charges per layer and micro-batch, because that is the one number a reader can
-# check against Megatron's log line "Activation memory footprint per transformer layer".
-
-# %%
-def format_gap(cfg: MemoryConfig, dp_rank: int = 0) -> list[str]:
-    """The ledger next to Megatron's formula per stage, and the difference by term, in MiB."""
-    gaps = [megatron_gap(cfg, led.pp_rank, dp_rank) for led in stage_ledgers(cfg, dp_rank)]
-    counts = "/".join(str(g["layer_microbatches"][0]) for g in gaps)
-    per_layer = gaps[0]["megatron_layer_bytes"] / _MIB
-    labels = {**_LABELS, "in_flight": f"{_LABELS['in_flight']}: {counts} vs Megatron's "
-              f"{gaps[0]['layer_microbatches'][1]:g} x {per_layer:,.1f} MiB"}
-    rows = [(label, [g["terms"][key] for g in gaps]) for key, label in labels.items()
-            if any(abs(g["terms"][key]) >= 0.005 * _MIB for g in gaps)]
-    rows.append(("sum of the terms = the difference", [g["difference"] for g in gaps]))
-    width = max(40, *(len(label) for label, _ in rows))
-    heads = "".join(f"{'stage ' + str(g['pp_rank']):>12}" for g in gaps)
-    lines = [f"{'ledger vs Megatron (MiB)':<{width + 2}}{heads}{'Megatron':>12}"]
-    for key, name in (("resident", "weights + grads + optimizer states"),
-                      ("flowing", "activations + p2p at the peak"), ("total", "total")):
-        lines.append(f"  {name:<{width}}" + "".join(f"{g['ledger'][key] / _MIB:>12,.2f}"
-                                                   for g in gaps)
-                     + f"{gaps[0]['megatron'][key] / _MIB:>12,.2f}")
-    lines.append(f"{'difference by term (ledger - Megatron, MiB)':<{width + 2}}{heads}")
-    lines += [f"  {label:<{width}}" + "".join(f"{v / _MIB:>+12,.2f}" for v in values)
-              for label, values in rows]
-    return lines
-
-# %% [markdown]
-# The running example's gap, as the command prints it:
+# The running example's own file, `configs/llama7b_tp2_pp2_dp64.toml`, read for 256 ranks on
+# CUDA, gives 07.7's `running_example` but for two fields the file sets and the example
+# leaves at their defaults: `overlap_grad_reduce` (the step-time pages, 07.13, turn it on as
+# the file does) and the model's `kernels = "auto"` (appendix C's kernels where they serve).
+# Neither changes a byte of the ledger; `tests/test_train_configs.py` checks that the
+# command prints the running example's numbers for this file. A world size that does not
+# divide by TP · PP · CP is refused with a message that says why, as the trainer refuses it.
 
 # %%
 if __name__ == "__main__":
-    print("\n".join(format_gap(running_example())))
-    gap0, gap1 = (megatron_gap(running_example(), r) for r in (0, 1))
-    assert all(abs(math.fsum(g["terms"].values()) - g["difference"]) < 1 for g in (gap0, gap1))
-    assert gap1["terms"]["in_flight"] == -8192 * _MIB and gap0["terms"]["in_flight"] == 0
+    from tinytron.config import ConfigError, load_config
+    from tinytron.main_loop.assembled import repo_file  # the repository's configs/, from 01.10
 
-# %% [markdown]
-# The same terms drawn, stage by stage: each bar is one named difference, ledger minus
-# Megatron, in MiB; the bars of a stage add up to its difference.
-
-# %%
-if __name__ == "__main__":
-    import matplotlib.pyplot as plt
-
-    keys = [k for k in _LABELS if max(abs(gap0["terms"][k]), abs(gap1["terms"][k])) >= _MIB]
-    fig, ax = plt.subplots(figsize=(7.5, 3.6))
-    for i, (g, color) in enumerate(((gap0, "tab:blue"), (gap1, "tab:orange"))):
-        ax.barh([y + 0.2 - 0.4 * i for y in range(len(keys))],
-                [g["terms"][k] / _MIB for k in keys], 0.4, color=color,
-                label=f"stage {g['pp_rank']}: {g['difference'] / _MIB:+,.0f} MiB in all")
-    ax.set_yticks(range(len(keys)), [_LABELS[k] for k in keys], fontsize=8)
-    ax.invert_yaxis()
-    ax.axvline(0, color="k", lw=0.8)
-    ax.set_xlabel("ledger − Megatron, MiB (running example, DP rank 0)")
-    ax.legend(fontsize=8, loc="lower left")
-    fig.tight_layout()
-    plt.show()
-    assert abs(sum(gap0["terms"][k] for k in keys) - gap0["difference"]) < 2 * _MIB * len(_LABELS)
-
-# %% [markdown]
-# *Figure:* the two estimates part ways in what a layer keeps (the SwiGLU chain) on stage 0
-# and in what the formula leaves out on stage 1 — the head, its transient and the
-# micro-batches a later stage does not hold.
-
-# %% [markdown]
-# Read the stage-0 column first. Its 6,121.57 MiB are almost all "what a layer keeps": per
-# layer and micro-batch ($s b h / t$ = 16 Mi elements at TP 2) the two norms keep their bf16
-# inputs as Megatron's do, plus the $1/\mathrm{rms}$ rows the formula leaves out (32 KiB);
-# the linear_qkv input is the same $s/t$ slice on both sides (the column-parallel layer
-# gathers it again in backward, A.2), so that line is gone; attention holds 120 MiB against
-# 128 (GQA's 8 KV groups make k and v smaller than Megatron's $h$-wide ones), the MLP 512 MiB
-# against 256 (fc1's input plus SwiGLU's gate, up, silu and product, $4 f_t$ bf16 elements
-# per token — Megatron's $4 f/h$ term counts two, a GELU MLP's input and output), and no
-# dropout masks against Megatron's 32 MiB (the model has no dropout; the formula always
-# charges two 1-byte masks). That is 696.03 MiB against 512 MiB, times 32 layer-micro-batches:
-# +5,889 MiB. Both sides agree on those 32 — 2 micro-batches of 16 layers — so the in-flight
-# line is zero. The rest is small: the backward's 264.50 MiB transient (fc2's backward,
-# 07.4), and the embedding's 31.92 MiB that Megatron charges for a 1-byte dropout mask the
-# model does not have.
-#
-# Stage 1 is where the two disagree in kind. Megatron's formula is the first stage's and is
-# reported for every stage, so it charges stage 1 for 32 layer-micro-batches; stage 1 holds one
-# micro-batch of its 16 layers at its peak, so the in-flight line gives back 8,192 MiB (16
-# times 512). In exchange the formula has no head for $p > 1$: the fp32 cross-entropy
-# softmax, $4 b s V/t$ = 2,004 MiB, the final norm, output-layer input and targets (96.12
-# MiB) and, largest, the 5,042 MiB transient of the cross-entropy chain (bf16 logits, their
-# fp32 copy, the shifted logits and their exponential, 07.4) — the moment stage 1 peaks in.
-# The stage input it received (32 MiB) is kept too. Net: +1,862.57 MiB. The ledger's numbers
-# are themselves a model, checked against two meters on a CPU in 07.6; what this table shows
-# is where the two models differ and by how much, not which one a GPU would confirm.
-#
-# <details><summary>Megatron detail: the output layer's input</summary>
-#
-# Of the head's 96.12 MiB, the output layer's input is the gathered sequence, 64 MiB, where
-# Megatron's column-parallel output layer keeps the 32 MiB slice.
-#
-# </details>
-#
-# <details><summary>Megatron detail: the README's CPU job, in fp32 and without SP</summary>
-#
-# The README's CPU job shows the other kind of term. `tinytron-memory --config
-# configs/tiny.toml` (no `--world-size`: one rank, and it says so; `device = "auto"` on a
-# machine without a GPU: cpu, and it says why) finds nearly twice the 33.10 MiB of
-# Megatron's formula. The model trains in fp32, which the formula does not model: weights and
-# grads cost $4 + 4$ bytes per parameter against its $2 + 4$ (+1.53 MiB for 0.80 M
-# parameters), and the optimizer $8$ against $12$, because fp32 parameters are their own
-# masters (−3.07 MiB). The run has no SP, so the formula takes its second branch
-# ($s b h (10 + 24/t) \cdot 1.05$, 2-byte activations) while every saved tensor here is 4
-# bytes wide: each layer group roughly doubles, the MLP most (+14.55 MiB). With $p = 1$ the
-# formula does count the head, at $2 \cdot 1.05$ bytes per logit against the fp32 softmax's
-# 4 (+0.95 MiB), and the transient at its peak (+2.00 MiB) is the forward's cross-entropy
-# again, here one `log_softmax` pass, since A.3 takes it on one rank. In all: 60.89 MiB,
-# +27.78 MiB.
-# `tests/test_memory_cli.py` holds every config in `configs/` to the same rule: the printed
-# terms add up to the printed difference.
-#
-# </details>
-
+    example_file = load_config(repo_file("configs/llama7b_tp2_pp2_dp64.toml"), [])
+    read = memory_config_from(example_file, 256, "cuda")
+    print(f"read: TP {read.tensor_model_parallel_size} PP {read.pipeline_model_parallel_size} "
+          f"DP {read.data_parallel_size}, {read.num_microbatches} micro-batches of "
+          f"{read.micro_batch_size}, bf16 {read.bf16}, fp32 grads {read.grad_reduce_in_fp32}")
+    ex = running_example()
+    assert read == ex.replace(overlap_grad_reduce=True, model=ex.model.replace(kernels="auto"))
+    try:
+        memory_config_from(example_file, 250, "cuda")
+    except ConfigError as e:
+        print("250 ranks:", e)
+    else:
+        raise AssertionError("250 ranks is not a multiple of TP · PP · CP = 4")
+    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("80GB") == 80 * 10**9
 
 # %% [markdown]
 # ## What the command assumed
@@ -509,18 +237,109 @@ def assumption_lines(cfg: MemoryConfig, why: dict) -> list[str]:
             + (" for every stage" if p > 1 else "")]
 
 # %% [markdown]
+# ## Demo: the README's CPU job, as the command reads it
+#
+# `tinytron-memory --config configs/tiny.toml` gives no world size, so the command takes
+# $t \cdot p \cdot c = 1$ rank and says so; `device = "auto"` resolves as the trainer would
+# on this machine. The cell builds the same `why` the command builds, prints the assumption
+# lines and then 07.7's gap for this config.
+
+# %%
+if __name__ == "__main__":
+    import torch
+
+    tiny = load_config(repo_file("configs/tiny.toml"), [])
+    device, device_why = resolve_device(tiny.training.device)
+    cfg = memory_config_from(tiny, 1, device)
+    why = {"world": "not given: --world-size defaults to TP · PP · CP = 1",
+           "device": device_why, "batch": "global batch 32 / (micro-batch 8 · DP 1)"}
+    print("\n".join(assumption_lines(cfg, why) + format_gap(cfg)))
+    gap = megatron_gap(cfg, 0)
+    assert device == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert cfg.data_parallel_size == 1 and cfg.num_microbatches == 4 and not cfg.bf16
+    assert abs(sum(gap["terms"].values()) - gap["difference"]) < 1
+    if device == "cpu":  # the numbers of the box below
+        assert round(gap["ledger"]["total"] / 2**20, 2) == 56.39
+        assert round(gap["difference"] / 2**20, 2) == 23.28
+
+# %% [markdown]
+# The other kind of term: a config the formula was not written for.
+#
+# <details><summary>Megatron detail: the README's CPU job, in fp32 and without SP</summary>
+#
+# The README's CPU job shows the other kind of term. `tinytron-memory --config
+# configs/tiny.toml` (no `--world-size`: one rank, and it says so; `device = "auto"` on a
+# machine without a GPU: cpu, and it says why) finds 1.7 times the 33.10 MiB of
+# Megatron's formula. The model trains in fp32, which the formula does not model: weights and
+# grads cost $4 + 4$ bytes per parameter against its $2 + 4$ (+1.53 MiB for 0.80 M
+# parameters), and the optimizer $8$ against $12$, because fp32 parameters are their own
+# masters (−3.07 MiB). The run has no SP, so the formula takes its second branch
+# ($s b h (10 + 24/t) \cdot 1.05$, 2-byte activations) while every saved tensor here is 4
+# bytes wide: each layer group roughly doubles, the MLP most (+14.55 MiB). With $p = 1$ the
+# formula does count the head, at $2 \cdot 1.05$ bytes per logit against the fp32 softmax's
+# 4 (+0.95 MiB), and the transient at its peak (+2.00 MiB) is the forward's cross-entropy
+# again, here one `log_softmax` pass, since A.3 takes it on one rank. In all: 56.39 MiB,
+# +23.28 MiB.
+# `tests/test_memory_cli.py` holds every config in `configs/` to the same rule: the printed
+# terms add up to the printed difference.
+#
+# </details>
+
+
+# %% [markdown]
 # ## Summary
 #
 # - `memory_config_from` reads the trainer's own TOML and a world size, checks what the
-#   trainer checks, and resolves the device as the trainer would.
-# - The ledger and Megatron's estimate agree on the resident state to a few kB; they part
-#   ways in the activations, and `megatron_gap` names every difference so the terms add up
-#   to it: the SwiGLU chain on stage 0, the head and the micro-batches in flight on stage 1.
-# - Before any number the ledger states what it assumed: world size, device, dtypes, batch.
+#   trainer checks (the layout against the model, the global batch against micro-batch ×
+#   DP) and resolves the device as the trainer would; every error names the field.
+# - Before any number the ledger states what it assumed — world size, device and kernel,
+#   dtypes, batch, micro-batches in flight — and where each came from: a flag, the config,
+#   or a default.
+# - The same file can give different ledgers on different machines (the README's job: 56.39
+#   MiB ledgered for a CPU, 63.32 MiB for a GPU); the assumption lines are how a reader
+#   tells which one they are looking at.
 #
 # ## How production does it
 #
-# Megatron's estimate is `megatron/training/theoretical_memory_usage.py:428`, printed once at
-# the first iteration; its activation term is the paper's count
-# (`megatron/training/theoretical_memory_usage.py:280`). It states no assumptions and takes
-# no stage apart; [07.8](calculator.py) puts this page's ledger behind a command.
+# Megatron's estimate (`megatron/training/theoretical_memory_usage.py:428`) is computed
+# from the arguments of a run already launched, on the devices it runs on, and states no
+# assumptions. torchtitan reads a TOML job config as tinytron does and reports the memory
+# it measures while it trains. [07.9](calculator.py) puts this page behind `tinytron-memory`.
+#
+# ## Exercises
+#
+# 1. A device is sold as "80 GB". Which of `--gpu-memory 80GB` and `80GiB` is its budget,
+#    and how many GiB does the other one give?
+#
+#    <details><summary>Answer</summary>
+#
+#    `80GiB`: a device reports its capacity in binary units, 85,899,345,920 bytes.
+#    `parse_bytes("80GB")` is 80,000,000,000 bytes, 74.5 GiB — 5.5 GiB of real memory the
+#    search would refuse to use.
+#
+#    </details>
+#
+# 2. Read `configs/tiny.toml` for 2, 3 and 4 ranks. What DP and micro-batches per step
+#    does each give, and what does the refusal say?
+#
+#    <details><summary>Answer</summary>
+#
+#    2 ranks: DP 2, 2 micro-batches of 8 per step; 4 ranks: DP 4, one. At 3 ranks
+#    `memory_config_from` raises `ConfigError: training.global_batch_size (32) must be
+#    divisible by micro_batch_size·dp = 8·3`, which the command prints as
+#    `tinytron-memory: error: ...` with exit status 2.
+#
+#    </details>
+#
+# 3. Ledger the same tiny config for a GPU (`--device cuda`) on this CPU machine. Which
+#    assumption line changes, and what does it cost?
+#
+#    <details><summary>Answer</summary>
+#
+#    The kernel line: the run is fp32 with grouped queries (2 groups for 4 heads), so on
+#    CUDA torch's rules pick the math kernel (flash takes only fp16/bf16, mem-efficient
+#    refuses grouped queries), and the line says so from the table of dispatch rules, no GPU
+#    being here to ask. The math kernel keeps the fp32 scores: the attention line of the gap
+#    grows from +4.86 to +11.80 MiB and the ledger from 56.39 to 63.32 MiB.
+#
+#    </details>

@@ -255,7 +255,7 @@ if __name__ == "__main__":
 # (every rank holds everything), then switch on one mechanism at a time. Each bar is the
 # ledger of the *most loaded* stage. The dashed line is the budget of an "80 GB" device:
 # such a device reports its capacity in binary units, so the line sits at 80 GiB, the budget
-# [07.8](calculator.py)'s search passes too, not at $80 \cdot 10^9$ B $= 74.5$ GiB. From PP 2
+# [07.9](calculator.py)'s search passes too, not at $80 \cdot 10^9$ B $= 74.5$ GiB. From PP 2
 # on, the most loaded rank fits under it.
 #
 # | switch | what it divides |

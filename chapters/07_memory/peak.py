@@ -244,8 +244,8 @@ def _transients(cfg: MemoryConfig, parts: dict) -> tuple[int, int, int]:
 # schedule, adds a chunk's kept bytes at each `F` and removes them at each `B`, and records the
 # largest sum of kept bytes, the running step's transient and the messages in transit. With
 # the peak it keeps what the peak is made of — the chunks in flight at that moment and the
-# transient of the step running — so that the calculator (07.7) can take the peak apart
-# without replaying the schedule a second time.
+# transient of the step running — so that 07.7's comparison with Megatron's estimate can
+# take the peak apart without replaying the schedule a second time.
 
 # %%
 def p2p_buffers(cfg: MemoryConfig, pp_rank: int) -> int:

@@ -1,7 +1,7 @@
 # %% [markdown]
-# # 07.9 · Memory: the step in time — compute, kernel by kernel
+# # 07.10 · Memory: the step in time — compute, kernel by kernel
 #
-# The ledger of the earlier pages says whether a layout *fits*, and [07.8](calculator.py)'s
+# The ledger of the earlier pages says whether a layout *fits*, and [07.9](calculator.py)'s
 # search ranks the layouts that fit by a step time; this page and the next two build that
 # time: how long an iteration takes, and why. A step is compute plus every transfer that compute
 # could not hide: the gradient reduce-scatter inside the backward (chapter 05), the parameter
@@ -9,8 +9,8 @@
 # (appendix A), the checkpoint's copy to host and its write to disk (chapter 03), the
 # activation copies of offload (chapter 06). This page states the model's inputs and times
 # the compute, kernel by kernel from the layout's shapes by appendix C's law, and the bytes of
-# a collective over a link; [07.10](step_overlap.py) finds each transfer's window by Megatron's
-# rules, and [07.11](step_time.py) adds up the step.
+# a collective over a link; [07.11](step_overlap.py) finds each transfer's window by Megatron's
+# rules, and [07.13](step_time.py) adds up the step.
 #
 # You will build: `Links`, `StepOptions`, `stage_flops`, `stage_compute`, `layer_gemms`,
 # `stage_kernel_seconds` and `collective_seconds`.
@@ -40,7 +40,7 @@ __all__ = ["Links", "StepOptions", "stage_flops", "stage_compute", "collective_s
 # Added to a step of about 1.9 seconds that is 2%; hidden it is 0%. Whether it hides depends
 # on a single rule: Megatron starts the reduce-scatter only in the backward of the *last*
 # micro-batch, and that backward lasts 117 ms. The transfer fits — and the order of the
-# buckets makes part of it stick out anyway ([07.11](step_time.py)). On a TP8 layout, one DP rank per node,
+# buckets makes part of it stick out anyway ([07.13](step_time.py)). On a TP8 layout, one DP rank per node,
 # the same gradients would cross one NIC at 50 GB/s and miss the window by far.
 #
 # So the model of these three pages takes each transfer, finds its window by Megatron's rule, and
@@ -51,7 +51,7 @@ __all__ = ["Links", "StepOptions", "stage_flops", "stage_compute", "collective_s
 #
 # where the max is applied bucket by bucket, layer by layer or micro-batch by micro-batch as
 # each rule says, not once for the whole transfer. The same numbers for every layout feed the
-# calculator's search ([07.8](calculator.py)), which ranks layouts by this step time.
+# calculator's search ([07.9](calculator.py)), which ranks layouts by this step time.
 #
 # In small numbers, one transfer of 30 ms in three layouts of the same 100 ms of compute:
 #
@@ -67,7 +67,7 @@ __all__ = ["Links", "StepOptions", "stage_flops", "stage_compute", "collective_s
 #
 # The same question runs through the book's other chapters. Chapter 03's asynchronous save
 # and the front page describe the checkpoint's copy to host differently: Megatron blocks for
-# it, a staged copy hides it. Rule 4 ([07.10](step_overlap.py)) puts both in numbers, so the choice is a number
+# it, a staged copy hides it. Rule 4 ([07.11](step_overlap.py)) puts both in numbers, so the choice is a number
 # of milliseconds per save rather than a matter of description.
 
 # %% [markdown]
@@ -100,7 +100,7 @@ __all__ = ["Links", "StepOptions", "stage_flops", "stage_compute", "collective_s
 # `interference` is what a hidden transfer still costs: the compute seconds lost per second
 # of a transfer running behind it. On a GPU it is the SMs NCCL's kernels take (the default, 16
 # of 132); on a CPU, gloo's thread and the compute share the cores, and
-# [07.12](step_published.py)'s CPU check measures it.
+# [07.14](step_published.py)'s CPU check measures it.
 #
 # <details><summary>Measuring the inputs on a real cluster</summary>
 #
@@ -108,7 +108,7 @@ __all__ = ["Links", "StepOptions", "stage_flops", "stage_compute", "collective_s
 # from a GEMM and a copy timed on the device (appendix C), `network` and `nvlink` from
 # NCCL's own tests (their "bus bandwidth" is exactly the per-link rate used here), `pcie`
 # from a pinned host-to-device copy, `disk` from the time of one checkpoint save divided
-# by its bytes. On a CPU (07.12, and the trainer's own report) the compute rate is measured
+# by its bytes. On a CPU (07.14, and the trainer's own report) the compute rate is measured
 # and the law is off.
 #
 # </details>
@@ -381,7 +381,7 @@ if __name__ == "__main__":
 # 157.5 MB, 3.15 ms at 50 GB/s.
 # Point-to-point has no ring: the whole tensor crosses one link, once. The same formula
 # serves gloo on one machine, where "the link" is the loopback socket and the memory copies
-# behind it; 07.12's CPU check measures its rate and latency instead of assuming them,
+# behind it; 07.14's CPU check measures its rate and latency instead of assuming them,
 # and reads a reduce-scatter as the all-reduce gloo runs underneath.
 #
 # A reduce-scatter and the all-gather that follows it move together exactly what one
@@ -416,7 +416,7 @@ if __name__ == "__main__":  # the worked example: 40 M fp32 gradients over 64 ra
 # ## Summary
 #
 # - A step is compute, bubble and optimizer plus what each transfer cannot hide in its
-#   window; [07.10](step_overlap.py) finds the windows and [07.11](step_time.py) adds them up.
+#   window; [07.11](step_overlap.py) finds the windows and [07.13](step_time.py) adds them up.
 # - The rates are inputs (`Links`, an H100 SXM node by default), each replaceable by a
 #   measurement; the run's overlap switches are `StepOptions`, under Megatron's names.
 # - Compute is every kernel of a micro-batch timed by appendix C's law: GEMMs by tiles and

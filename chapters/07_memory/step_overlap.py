@@ -1,13 +1,13 @@
 # %% [markdown]
-# # 07.10 · Memory: the step in time — the windows a transfer can hide in
+# # 07.11 · Memory: the step in time — the windows a transfer can hide in
 #
-# [07.9](step_compute.py) timed a micro-batch's compute kernel by kernel and a collective's
+# [07.10](step_compute.py) timed a micro-batch's compute kernel by kernel and a collective's
 # bytes over its link. A transfer costs the step only what it cannot hide, and where it may
 # hide is set by a rule in Megatron's code. This page reads those rules one by one and turns
 # each into a function of small numbers: the gradient reduce-scatter (rule 1), the parameter
 # all-gather (rule 2, also with virtual stages), the pipeline's sends (rule 3, with the
-# schedule played out) and the checkpoint's copy and write (rule 4). [07.11](step_time.py)
-# adds rule 5, offload, and puts the step together.
+# schedule played out) and the checkpoint's copy and write (rule 4). [07.12](step_offload.py)
+# adds rule 5, offload, and [07.13](step_time.py) puts the step together.
 #
 # You will build: `dp_buckets`, `reduce_scatter_exposed`, `all_gather_exposed`,
 # `aligned_gather_exposed`, `p2p_seconds`, `pipeline_seconds`, `schedule_1f1b`,
@@ -349,7 +349,7 @@ if __name__ == "__main__":  # the worked example above
 # F0 F1 at 0-2, waits for stage 1's B0 (F0 arrives there at 1, runs 1-2, B0 2-4), runs B0 at
 # 4-6, F2 6-7, B1 7-9, F3 9-10, B2 10-12, B3 13-15: 15 ms, as rule 3's formula says
 # ($4 \cdot 3 + 3$). The 3 ms of waiting are the bubble. The played
-# schedule feeds the drawing of a whole step on [07.12](step_published.py).
+# schedule feeds the drawing of a whole step on [07.14](step_published.py).
 
 # %%
 def schedule_1f1b(stages: list[tuple[float, float]], m: int, tau: float,

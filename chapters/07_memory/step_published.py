@@ -1,13 +1,13 @@
 # %% [markdown]
-# # 07.12 · Memory: the step-time model against clocks — Megatron's published runs and this CPU
+# # 07.14 · Memory: the step-time model against clocks — Megatron's published runs and this CPU
 #
-# Pages [07.9](step_compute.py) to [07.11](step_time.py) build a step out of kernels and
+# Pages [07.10](step_compute.py) to [07.13](step_time.py) build a step out of kernels and
 # transfers, each timed by a stated law. A model of time is worth what it predicts on runs
 # it was not fitted to, so this page holds it
 # against two clocks. First the one table of whole-iteration throughput Megatron-LM
 # publishes for its own code: the weak-scaling runs of its README at `e03878b5f`
 # (`images/model_table.png`, H100, GPT models from 1.7 B to 462 B parameters), every row
-# predicted with the same H100 constants of appendix C's law and 07.9's links, every
+# predicted with the same H100 constants of appendix C's law and 07.10's links, every
 # assumption the table leaves open written down with its reason. Then real runs of the
 # trainer on this machine, traced, beside the same model fed this CPU's measured rates.
 #
@@ -79,11 +79,11 @@ PUBLISHED = [PublishedRun("1.7B", 16, 2048, 24, 1, 1, 192, 408.8),
 # | virtual stages | the finest the layers allow (one layer each), 1F1B shown beside it | the README says PP overlap is on by default, which Megatron allows only with interleaving; the table does not say how fine, and the two bracket it |
 # | gradient reduce | bf16 (`--grad-reduce-in-bf16`) | Megatron's own H100 recipe does it (`examples/llama/train_llama3_8b_h100_fp8.sh` at `e03878b5f`); fp32 would double the DP bytes |
 # | data type | bf16 compute, the distributed optimizer | `--overlap-param-gather` requires the distributed optimizer |
-# | the network | 8 GPUs per node, one 400 Gb/s NIC each (07.9's `Links`) | the H100 SuperPOD the README's runs name |
+# | the network | 8 GPUs per node, one 400 Gb/s NIC each (07.10's `Links`) | the H100 SuperPOD the README's runs name |
 #
 # With virtual stages the run also gets `overlap_p2p_comm` (the README says PP overlap is on
 # by default, and Megatron allows it only with interleaving). The links, the law's three
-# fractions and the NCCL interference are 07.9's defaults, unchanged for every row: nothing
+# fractions and the NCCL interference are 07.10's defaults, unchanged for every row: nothing
 # below is fitted to this table.
 
 # %%
@@ -169,7 +169,7 @@ if __name__ == "__main__":
 # - **The trend is the physics'.** Per-GPU throughput rises from the 1.7B to the 16B model,
 #   as published, because a wider layer's GEMMs fill more of the H100's waves and its
 #   memory-bound kernels and the 131 K-logit loss weigh less next to them. With one
-#   efficiency for every shape (07.9's old `mfu`), the same rows *fall* with width: the
+#   efficiency for every shape (07.10's old `mfu`), the same rows *fall* with width: the
 #   demo asserts both.
 # - **Six of nine rows are within 10%**: 1.7B, 7.1B, 16B, 70B, 314B and 462B.
 # - **32B, 16% low.** TP8 without a pipeline and $m = 4$: the model leaves 73 ms of the
@@ -186,7 +186,7 @@ if __name__ == "__main__":
 #   rank runs 7-42 chunks per micro-batch), stragglers, and the SMs the p2p kernels take.
 #
 # The prediction uses nothing from these rows: the law's fractions are appendix C's, the
-# links 07.9's. Run it yourself with `python benchmarks/bench_step_time.py --published`,
+# links 07.10's. Run it yourself with `python benchmarks/bench_step_time.py --published`,
 # which writes the table, the constants and the assumptions to
 # `benchmarks/results/step_time_published.json`.
 

@@ -1,27 +1,23 @@
 # %% [markdown]
-# # 07.11 · Memory: the step in time — offload, and what stays exposed
+# # 07.13 · Memory: the step in time — what stays exposed
 #
-# [07.9](step_compute.py) timed the compute and [07.10](step_overlap.py) gave four transfers
-# their windows by Megatron's rules. This page adds the fifth, offload, against one layer's
-# compute, and puts the step together: `estimate_step` applies the five rules to every stage
-# and keeps, per item, what sticks out. The running example then reads item by item, and the
-# same model picks the offload modules that cost no time. The next page
-# ([07.12](step_published.py)) holds the model against Megatron's published H100 throughput
-# and against real runs of the trainer on this machine.
+# [07.10](step_compute.py) timed the compute, [07.11](step_overlap.py) gave four transfers
+# their windows by Megatron's rules and [07.12](step_offload.py) the fifth, offload, against
+# one layer's compute. This page puts the step together: `estimate_step` applies the five
+# rules to every stage and keeps, per item, what sticks out. The running example then reads
+# item by item. The next page ([07.14](step_published.py)) holds the model against
+# Megatron's published H100 throughput and against real runs of the trainer on this machine.
 #
-# You will build: `offload_table`, `best_offload_modules`, `StepTime`, `tp_layer_seconds`,
-# `optimizer_seconds` and `estimate_step`.
+# You will build: `StepItem`, `StepTime`, `tp_layer_seconds`, `optimizer_seconds` and
+# `estimate_step`.
 
 # %%
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field, replace
 
 from tinytron.kernels.roofline import gemm_seconds
-from tinytron.main_loop.training_log import flops_terms
 from tinytron.memory._layout_cache import LAYOUT_CACHE, layout_key
-from tinytron.memory.activations import _offloaded, layer_saved
 from tinytron.memory.states import MemoryConfig
 from tinytron.memory.step_compute import (STREAM_BYTES, Links, StepOptions, _pieces,
                                           collective_seconds, layer_gemms, stage_compute,
@@ -30,6 +26,8 @@ from tinytron.memory.step_overlap import (aligned_gather_exposed, all_gather_exp
                                           checkpoint_bytes, checkpoint_items, dp_buckets,
                                           p2p_seconds, pipeline_seconds, reduce_scatter_exposed,
                                           schedule_1f1b)
+from tinytron.memory.step_offload import (OFFLOAD_MODULES, best_offload_modules, layer_seconds,
+                                          offload_exposed, offload_table)
 
 __all__ = ["Links", "StepOptions", "StepItem", "StepTime", "stage_flops", "stage_compute",
            "collective_seconds",
@@ -38,110 +36,6 @@ __all__ = ["Links", "StepOptions", "StepItem", "StepTime", "stage_flops", "stage
            "estimate_step", "schedule_1f1b", "optimizer_seconds", "layer_seconds",
            "checkpoint_bytes", "offload_exposed", "OFFLOAD_MODULES", "STREAM_BYTES",
            "layer_gemms", "stage_kernel_seconds", "aligned_gather_exposed", "tp_layer_seconds"]
-
-# %% [markdown]
-# ## Rule 5: offload, module by module, against one layer's compute
-#
-# Chapter 06 moves the activations a module saves to host memory right after the module's
-# forward, on a side stream, and brings them back one layer ahead in the backward
-# (`megatron/core/pipeline_parallel/fine_grained_activation_offload.py`; the modules are
-# `attn_norm`, `qkv_linear`, `core_attn`, `attn_proj`, `mlp_norm`,
-# `megatron/core/transformer/transformer_config.py:1127-1146`). All copies of a layer share
-# one PCIe direction, and the next layer produces its own copies, so in steady state the
-# copies of one layer must fit in one layer's forward (device to host) and one layer's
-# backward (host to device); what does not fit piles up and is exposed, layer after layer
-# and micro-batch after micro-batch. The bytes come from chapter 07's `layer_saved` with
-# chapter 06's rule of what moves (`_offloaded`: tensors of at least
-# `min_offloaded_tensor_size` elements, the attention output once for `core_attn` and once
-# for `attn_proj`).
-# Prefetching one layer ahead means the copy back of layer $i-1$ overlaps the backward of
-# layer $i$: the window is one layer's backward, twice its forward plus recomputation, so
-# for the same bytes the forward (copy out) is always the binding window.
-# Not modeled: on many servers a GPU's PCIe link is shared with its NIC (GPUDirect RDMA
-# crosses the same switch), so offload's copies and the DP traffic compete; the stated 50
-# GB/s is then an upper bound.
-
-# %%
-OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
-
-
-def _offloaded_bytes(cfg: MemoryConfig, modules: tuple[str, ...]) -> int:
-    """Bytes per layer and micro-batch that offloading `modules` copies each way."""
-    if not modules:
-        return 0
-    model = cfg.model.replace(fine_grained_activation_offloading=True,
-                              offload_modules=list(modules))
-    sized = cfg.replace(model=model)
-    return sum(e.nbytes for e in _offloaded(sized, layer_saved(sized))[1])
-
-
-def layer_seconds(cfg: MemoryConfig, links: Links = Links()) -> tuple[float, float]:
-    """(forward, backward) seconds of one layer and micro-batch on one rank."""
-    if links.law is not None:  # a stage without the logits, divided by its layers
-        per = cfg.model.num_layers // cfg.pipeline_model_parallel_size
-        return tuple(x / per for x in stage_kernel_seconds(cfg, -1, links.law))
-    terms = flops_terms(cfg.model, cfg.micro_batch_size, recompute=cfg.recompute_granularity)
-    layers = sum(v for k, v in terms.items() if k not in ("logits", "recompute"))
-    per = cfg.model.num_layers * cfg.tensor_model_parallel_size * cfg.context_parallel_size
-    return (layers / 3 / per / links.flops,
-            (layers * 2 / 3 + terms["recompute"]) / per / links.flops)
-
-# %% [markdown]
-# `offload_table` puts each module alone against the layer's compute, and
-# `best_offload_modules` searches every valid set (`attn_proj` needs `core_attn`, as
-# chapter 06 checks) for the one that moves the most bytes and still hides in both
-# directions — the default this page suggests for `offload_modules` on a GPU.
-
-# %%
-def _module_bytes(cfg: MemoryConfig, name: str) -> int:
-    """Bytes one module's offload adds (attn_proj counted on top of core_attn)."""
-    if name == "attn_proj":
-        return (_offloaded_bytes(cfg, ("core_attn", "attn_proj"))
-                - _offloaded_bytes(cfg, ("core_attn",)))
-    return _offloaded_bytes(cfg, (name,))
-
-
-def offload_table(cfg: MemoryConfig, links: Links = Links()) -> list[dict]:
-    """Per module (and all five): bytes per layer, copy seconds, the windows, whether it hides."""
-    forward, backward = layer_seconds(cfg, links)
-    rows = [(name, _module_bytes(cfg, name)) for name in OFFLOAD_MODULES]
-    rows.append(("all five", _offloaded_bytes(cfg, OFFLOAD_MODULES)))
-    out = []
-    for name, nbytes in rows:
-        copy = links.latency + nbytes / links.pcie if nbytes else 0.0
-        out.append({"module": name, "bytes": nbytes, "copy": copy, "forward": forward,
-                    "backward": backward, "hides": copy <= forward and copy <= backward})
-    return out
-
-# %% [markdown]
-# The search over module sets, and the exposed time of whatever set a run configures: per
-# layer, what the copy out exceeds the forward by plus what the copy back exceeds the
-# backward by, for every offloaded layer and micro-batch.
-
-# %%
-def best_offload_modules(cfg: MemoryConfig, links: Links = Links()) -> list[str]:
-    """The valid module set with the most bytes whose copies hide in one layer's compute."""
-    forward, backward = layer_seconds(cfg, links)
-    best, best_bytes = [], 0
-    for n in range(1, len(OFFLOAD_MODULES) + 1):
-        for combo in itertools.combinations(OFFLOAD_MODULES, n):
-            if "attn_proj" in combo and "core_attn" not in combo:
-                continue
-            nbytes = _offloaded_bytes(cfg, combo)
-            copy = links.latency + nbytes / links.pcie
-            if copy <= min(forward, backward) and nbytes > best_bytes:
-                best, best_bytes = list(combo), nbytes
-    return best
-
-
-def offload_exposed(cfg: MemoryConfig, links: Links, layers: int) -> float:
-    """Exposed seconds of the configured offload over one step of a stage with `layers` layers."""
-    if not cfg.model.fine_grained_activation_offloading:
-        return 0.0
-    forward, backward = layer_seconds(cfg, links)
-    copy = links.latency + _offloaded_bytes(cfg, tuple(cfg.model.offload_modules)) / links.pcie
-    per_layer = max(0.0, copy - forward) + max(0.0, copy - backward)
-    return per_layer * layers * cfg.num_microbatches
 
 # %% [markdown]
 # ## The step: compute plus what stays exposed
@@ -227,7 +121,7 @@ class StepTime:
 # launch gaps, the scalar all-reduces of the step (gradient norm, found-inf, the logged loss:
 # microseconds on a GPU network), stragglers (a step waits for the slowest rank), and
 # contention between a transfer and the compute beyond the `interference` input. Each is
-# small on a healthy GPU cluster; 07.12's CPU check shows what they add on a crowded CPU.
+# small on a healthy GPU cluster; 07.14's CPU check shows what they add on a crowded CPU.
 
 # %% [markdown]
 # The DP rules per stage: the reduce-scatter of stage $s$ has its last backward plus the
@@ -396,8 +290,8 @@ def estimate_step(cfg: MemoryConfig, links: Links = Links(),
 # The model on the running example with Megatron's switches on (`overlap_grad_reduce`,
 # `overlap_param_gather`, a blocking save every 500 steps, all three as the running example's
 # `configs/llama7b_tp2_pp2_dp64.toml` sets them). First the four rows of the
-# back-of-envelope [07.9](step_compute.py) started from, recomputed: each transfer, its
-# window by the rules of [07.10](step_overlap.py), and what stays exposed.
+# back-of-envelope [07.10](step_compute.py) started from, recomputed: each transfer, its
+# window by the rules of [07.11](step_overlap.py), and what stays exposed.
 # Each row is one transfer of one stage; "time" is the transfer alone on its link, "window"
 # is what the rule lets it hide behind (for stage 1's reduce-scatter: its own last backward
 # plus stage 0's, the slack), "exposed" is what the step pays. Below the table the whole
@@ -450,17 +344,16 @@ if __name__ == "__main__":
 #   again (3 ms). Together 20 ms, more than the reduce-scatter leaves exposed.
 # - **The checkpoint's copy** is 9 ms per save per rank: blocking, 0.02 ms per step at one save
 #   every 500 steps; staged, nothing. The write (440 MB at 1 GB/s) hides easily in 500 steps.
-# - **Offloading all five modules** moves 176 MiB per layer and micro-batch each way; at
-#   50 GB/s that is 3.7 ms against a layer forward of 3.5 ms: just too slow, and four of the
-#   five modules fit (below). These are the bytes chapter 07's ledger counts for tinytron's
-#   modules, now that its norms keep what Megatron's keep (chapter 06's
-#   [offload page](../06_recompute_offload/offload.py) counts the same regions).
+# - **Offloading all five modules** (rule 5, [07.12](step_offload.py)) would move 176 MiB
+#   per layer and micro-batch each way: 3.7 ms against a 3.5 ms forward, just too slow. The
+#   example's config leaves offload off; a run that set the four modules that fit would pay
+#   nothing for them, as the last assert checks.
 #
 # In total the model gives 1.94 s per step, of which 0.12 s is exposed transfer — TP's
 # collectives (76 ms, on the compute stream: the example's config leaves `tp_comm_overlap`
 # off), the all-gather (20 ms), the p2p (11 ms) and the reduce-scatter's last bucket (6 ms)
 # — and 0.17 s pipeline bubble. With `tp_comm_overlap` the TP traffic hides inside its GEMMs,
-# which run in two pieces each and slow by 0.2%: 1.86 s, the number 07.8's search quotes.
+# which run in two pieces each and slow by 0.2%: 1.86 s, the number 07.9's search quotes.
 
 # %%
 if __name__ == "__main__":
@@ -474,6 +367,9 @@ if __name__ == "__main__":
     assert 1.8 < overlapped.total < step.total - 0.05
     naive = step.compute + step.bubble + sum(i.seconds for i in step.items)  # nothing hidden
     assert step.total < naive - 0.03
+    fitted = example.model.replace(fine_grained_activation_offloading=True,
+                                   offload_modules=best_offload_modules(example, links))
+    assert estimate_step(example.replace(model=fitted), links, options).item("offload").exposed == 0
 
 # %% [markdown]
 # Each item drawn twice: the transfer alone on its link, and what the step pays for it.
@@ -503,55 +399,6 @@ if __name__ == "__main__":
 # its DP bytes hide all but a few milliseconds or, on stage 1's one bucket, a third.
 
 # %% [markdown]
-# ## Offload, with its bandwidth (chapter 06's table)
-#
-# Which of chapter 06's regions can move to the host without slowing the step? For the
-# running example and PCIe Gen5 at 50 GB/s, per layer and micro-batch on one rank: each
-# module's bytes, its copy time, and the two windows (a layer's forward for the copy out, its
-# backward for the copy back). The backward is twice the forward plus the recomputation, so
-# the forward is the binding window. Every module fits alone; all five do not; the best set
-# that fits moves `attn_norm`, `qkv_linear`, `core_attn` and `attn_proj`: 144 MiB in 3.0 ms
-# of a 3.5 ms forward. At PCIe Gen4 (25 GB/s) only the smaller sets fit, so the same search
-# gives a smaller default.
-
-# %%
-if __name__ == "__main__":
-    fitted = best_offload_modules(example, links)
-    drawn = example.replace(model=example.model.replace(
-        fine_grained_activation_offloading=True, offload_modules=fitted))
-    print(f"{'module':<12}{'MiB/layer':>10}{'copy':>9}{'forward':>9}{'backward':>10}  hides")
-    for row in offload_table(example, links):
-        print(f"{row['module']:<12}{row['bytes'] / 2**20:>10.1f}{row['copy'] * 1e3:>7.2f}ms"
-              f"{row['forward'] * 1e3:>7.2f}ms{row['backward'] * 1e3:>8.2f}ms  {row['hides']}")
-    gen4 = best_offload_modules(example, replace(links, pcie=25e9))
-    print("fits at 50 GB/s:", fitted, " at 25 GB/s:", gen4)
-    assert fitted == ["attn_norm", "qkv_linear", "core_attn", "attn_proj"]
-    assert all(r["hides"] for r in offload_table(example, links)[:5])
-    assert _offloaded_bytes(example, tuple(gen4)) < _offloaded_bytes(example, tuple(fitted))
-    with_offload = estimate_step(drawn, links, options)
-    assert with_offload.item("offload").exposed == 0.0
-    too_much = example.replace(model=example.model.replace(
-        fine_grained_activation_offloading=True, offload_modules=list(OFFLOAD_MODULES)))
-    too_much_exposed = estimate_step(too_much, links, options).item("offload").exposed
-    print(f"all five exposed: {too_much_exposed * 1e3:.1f} ms per step")
-    assert too_much_exposed > 0
-
-# %% [markdown]
-# So on an H100 node the suggested `offload_modules` default is
-# `["attn_norm", "qkv_linear", "core_attn", "attn_proj"]` — what the model says hides behind
-# compute — and offload stays off unless memory asks for it. Offloading all five (176 MiB a
-# layer) needs 3.7 ms of copy in a 3.5 ms forward: the demo prints what that exposes per
-# step (19 ms here), a small price, but one the four-module set does not pay.
-#
-# The same search answers for any layout and link: a longer sequence makes a layer's
-# compute grow faster than its saved bytes (attention is quadratic in the sequence, the
-# saved tensors linear), so more modules fit; a larger TP divides both by the same factor
-# and changes nothing; a slower link — PCIe Gen4 — leaves `attn_norm` and `core_attn`
-# (80 MiB; `qkv_linear` in place of `attn_norm` moves the same bytes).
-# Chapter 06 keeps `offload_modules` empty by default, as Megatron does; when a run turns
-# offload on for a GPU, this set is the one that costs no time.
-
-# %% [markdown]
 # ## Measured on a GPU
 #
 # `bash scripts/gpu_check.sh 1` times the ~1B trainer on one GPU (`configs/gpt_1b.toml`, 16
@@ -559,7 +406,7 @@ if __name__ == "__main__":
 # appendix C's kernel law of that GPU and the run's own options: on one GPU nothing is
 # exposed, so the error is how far the law's GEMM, attention and bandwidth fractions are from
 # what the kernels achieved. With two or more GPUs, `bash scripts/gpu_check.sh 2` also traces
-# the DP 2 and PP 2 runs of 07.12's CPU check over NCCL. `chapters/_gpu_results.py` renders
+# the DP 2 and PP 2 runs of 07.14's CPU check over NCCL. `chapters/_gpu_results.py` renders
 # the tables from `benchmarks/results/gpu/<device>.json`.
 
 # %%
@@ -571,22 +418,18 @@ if __name__ == "__main__":
 # %% [markdown]
 # ## Summary
 #
-# - Offload hides when one layer's copies fit in one layer's forward (copy out) and backward
-#   (copy back); the forward binds. On a 50 GB/s PCIe link `attn_norm`, `qkv_linear`,
-#   `core_attn` and `attn_proj` hide; all five modules need a little more.
-# - `estimate_step` applies the five rules (four on [07.10](step_overlap.py), offload here)
-#   to every stage: compute + bubble + optimizer + what each transfer cannot hide.
+# - `estimate_step` applies the five rules (four on [07.11](step_overlap.py), offload on
+#   [07.12](step_offload.py)) to every stage: compute + bubble + optimizer + what each
+#   transfer cannot hide.
 # - For the running example the rules leave 0.12 s of 1.94 s exposed, most of it TP's
 #   traffic on the compute stream; among DP items the later stage's one-bucket all-gather
 #   exposes more than the reduce-scatter.
-# - The layouts' ranking (07.8's search) changes with the rules: without a pipeline there is
+# - The layouts' ranking (07.9's search) changes with the rules: without a pipeline there is
 #   no bubble and no one-bucket all-gather, so PP1 layouts that fit come first.
 #
 # ## How production does it
 #
-# - Megatron-LM offloads with
-#   `megatron/core/pipeline_parallel/fine_grained_activation_offload.py` and has no
-#   step-time model; its timers (chapter 08) measure the phases.
+# - Megatron-LM has no step-time model; its timers (chapter 08) measure the phases.
 # - torchtitan stages the checkpoint's copy (`maybe_wait_for_staging`) and leaves the layout
 #   to the user; NeMo's auto-configurator ranks layouts by short profiling runs.
 #
@@ -644,19 +487,7 @@ if __name__ == "__main__":
 #
 #    </details>
 #
-# 4. Replace `Links.pcie` by 25 GB/s (PCIe Gen4) and then 100 GB/s: what does
-#    `best_offload_modules` return, and what does the ledger (07.5) say each choice saves?
-#
-#    <details><summary>Answer</summary>
-#
-#    At 25 GB/s `attn_norm` and `core_attn` (80 MiB a
-#    layer); at 50 GB/s the four of the demo (144 MiB); at 100 GB/s all five (176 MiB). On
-#    stage 0 the ledger's peak activations go from 22.01 GiB to 18.26, 16.26 and 15.26 GiB:
-#    3.75, 5.75 and 6.75 GiB saved.
-#
-#    </details>
-#
-# 5. Stage the checkpoint (`StepOptions(checkpoint="staged")`) and set `save_interval` to 1:
+# 4. Stage the checkpoint (`StepOptions(checkpoint="staged")`) and set `save_interval` to 1:
 #    which of the copy and the write is exposed now, and by how much?
 #
 #    <details><summary>Answer</summary>

@@ -45,7 +45,7 @@ __all__ = ["EXIT_CODE_HANG_DETECTED", "SECTIONS", "FaultToleranceConfig", "RankM
 # 16 steps for `step`, `_MIN_ITERS_FOR_STEP_TIMEOUT_UPDATE`) replace the initial values and are
 # saved in `<save>/ft_state.json` for the next launch (`_maybe_update_timeouts`, `:244`).
 #
-# For the running example (7B, 256 GPUs) a step takes about 2 s: 07.11's model predicts 1.94 s,
+# For the running example (7B, 256 GPUs) a step takes about 2 s: 07.13's model predicts 1.94 s,
 # 41% MFU by chapter 01's count ($2.0 \cdot 10^{17}$ FLOPs per iteration over 256 × 989 TFLOP/s
 # × 1.94 s); a step
 # timeout of one minute — 30 steps — catches a hang 9 minutes before a 10-minute collective

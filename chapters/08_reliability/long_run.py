@@ -138,7 +138,7 @@ def young_daly_interval(profile: RunProfile) -> float:
 # %% [markdown]
 # ## Demo: the running example and a 16 384-GPU run
 #
-# Assumptions: a step of 2 s (the running example: 07.11 predicts 1.94 s, 41% MFU); a save
+# Assumptions: a step of 2 s (the running example: 07.13 predicts 1.94 s, 41% MFU); a save
 # that blocks 5 s (a synchronous save; chapter 03's async save hides even its copy to host,
 # blocking less);
 # 5 minutes to get a restarted job training again and 1 minute to load; 12% of failures are

@@ -147,7 +147,7 @@ def plot_roofline(ops: list[dict], gpu: GPU = H100_SXM, ax=None):
 # %% [markdown]
 # ## From a bound to a law: what a step-time model times kernels with
 #
-# The roofline is a lower bound. Chapter 07's step-time model (pages 07.9 to 07.12) needs a
+# The roofline is a lower bound. Chapter 07's step-time model (pages 07.10 to 07.14) needs a
 # *prediction* for every kernel of a micro-batch, on any layout, from datasheet numbers, so it
 # turns the bound into a law with three stated fractions and the two quantizations of a GEMM.
 # Each fraction is a property of the device and its libraries, the same for every model and
