@@ -26,6 +26,7 @@ CHAPTERS = ROOT / "chapters"
 DEFAULT_THRESHOLD = 0.5
 CHAPTER_THRESHOLDS = {"04_data": 0.6}
 PAGE_THRESHOLDS = {"03_checkpoint/resume.py": 0.6,   # pages held higher than their chapter
+                   "03_checkpoint/saved_state.py": 0.6,
                    "07_memory/calculator.py": 0.6,
                    "07_memory/config_ledger.py": 0.6,
                    "07_memory/megatron_gap.py": 0.6}
@@ -68,7 +69,9 @@ PAGES_AT_GOAL = {
     "03_checkpoint/resharding.py",
     "03_checkpoint/convert.py",
     "03_checkpoint/resume.py",
+    "03_checkpoint/saved_state.py",
     "03_checkpoint/sharded_keys.py",
+    "03_checkpoint/staged_copy.py",
     "03_checkpoint/torch_dist.py",
     "04_data/blended.py",
     "04_data/distribute.py",
@@ -209,8 +212,6 @@ def test_code_cells_are_at_most_40_lines():
 # to be split, and the set only shrinks.
 PAGE_WORDS_MAX = 2500
 LONG_PAGES_LEFT = {
-    "03_checkpoint/async_save.py",  # 2,983
-    "03_checkpoint/resume.py",  # 2,912
     "kernels/flash_attention.py",  # 2,572
     "model/gpt.py",  # 2,920
 }

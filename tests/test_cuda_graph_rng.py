@@ -160,7 +160,7 @@ def test_streams_are_generators_that_set_states_rewinds_in_place():
 
 
 def test_tracker_states_in_a_checkpoint_round_trip_and_old_files_load(tmp_path):
-    from tinytron.checkpoint.resume import get_rng_state, set_rng_state
+    from tinytron.checkpoint.saved_state import get_rng_state, set_rng_state
 
     names = [(DATA_PARALLEL_RNG, 11), (MODEL_PARALLEL_RNG, 12)]
     old = _StateSwappingTracker()

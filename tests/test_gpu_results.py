@@ -18,7 +18,7 @@ from tests.test_gpu_check import ROOT, TINY, _jsonl, gpu_check_helper
 PAGE_FILES = {"training_log": "01_main_loop/training_log.py", "measured": "07_memory/measured.py",
               "step_time": "07_memory/step_time.py", "kernels": "kernels/roofline.py",
               "recompute": "06_recompute_offload/recompute.py",
-              "async_save": "03_checkpoint/async_save.py"}
+              "async_save": "03_checkpoint/staged_copy.py"}
 ENV = {"schema": 1, "device": "NVIDIA H200", "slug": "h200", "device_count": 1,
        "torch": "2.11.0+cu128", "triton": "3.6.0", "cuda": "12.8", "python": "3.12.3",
        "dry_run": False, "date": "2026-12-02T10:30Z"}

@@ -214,7 +214,7 @@ def sft_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 #    (chapter 02) → `(update_successful, grad_norm, num_zeros)`. Just before it the loop calls
 #    the checkpoint's `before_optimizer_step` hook: it is the first write to the parameters
 #    since the last save, so a save whose copy to host is still running in the background
-#    must finish it here (chapter 03, [saving in the background](../03_checkpoint/async_save.py)).
+#    must finish it here (chapter 03, [the staged copy](../03_checkpoint/staged_copy.py)).
 #
 #    <details><summary>Megatron detail: no such hook</summary>
 #

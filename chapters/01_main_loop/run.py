@@ -364,8 +364,8 @@ def _restore_pre_hooks(model: list, config: ScheduleConfig, held) -> bool:
 #   the rest ([saving in the background](../03_checkpoint/async_save.py));
 # - `before_optimizer_step_fn`, which `train_step` calls just before `optimizer.step()`: the
 #   step is the first write to the parameters since the last save, so a save whose copy to
-#   host is still running must finish it there (Megatron needs no such hook, see the
-#   Megatron detail under `train_step` on [01.1](loop.py));
+#   host is still running must finish it there ([the staged copy](../03_checkpoint/staged_copy.py);
+#   Megatron needs no such hook, see the Megatron detail under `train_step` on [01.1](loop.py));
 # - `load_checkpoint_fn`, called once by `pretrain` before the data iterators are built.
 #
 # Every save goes through `save_with_param_sync`: with the distributed optimizer's

@@ -138,7 +138,7 @@ class HostCopies:
 # (`after_compute("d2h", "h2d")`). D2H reads the grads that the backward wrote there. H2D
 # overwrites parameters that earlier work may still be reading: chapter 03's staged
 # checkpoint copies the parameters to the host on a stream of its own, and its wait before the
-# step ([saving in the background](../03_checkpoint/async_save.py)) orders only the compute
+# step ([the staged copy](../03_checkpoint/staged_copy.py)) orders only the compute
 # stream, so an upload that ignored the compute stream could land in a checkpoint that should
 # hold the pre-step values. Megatron's H2D stream waits the same way
 # (`megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py:120`).

@@ -170,7 +170,7 @@ class ManagerPlumbing:
 
     def _rng_states(self, chunks) -> list | None:
         """A list of RNG states per (PP, TP) position: every DP rank's, or only this one's."""
-        from tinytron.checkpoint.resume import get_rng_state
+        from tinytron.checkpoint.saved_state import get_rng_state
 
         if self.config.no_save_rng:
             return None

@@ -1,18 +1,18 @@
 # %% [markdown]
 # # 03 · Checkpoint: saving in the background
 #
-# A synchronous save stops training for as long as the slowest rank takes to write its bytes.
-# An asynchronous save writes them in the background while training goes on, and the
-# checkpoint becomes visible only once every rank has finished. What is left for training to
-# wait for is the **snapshot**, a copy of the state as it was at the save's iteration.
-# Megatron takes it before the save returns (a device-to-host copy, then a fork). tinytron
-# *stages* it: the copy to host runs while the next forward and backward do, and training
-# waits only before the next `optimizer.step`, the first thing that writes the parameters
-# again. This page builds that pipeline and measures the times.
+# [Resharding](resharding.py) made a checkpoint readable on any layout; writing it still stops
+# training for as long as the slowest rank takes to write its bytes. An asynchronous save
+# writes them in the background while training goes on, and the checkpoint becomes visible
+# only once every rank has finished. What is left for training to wait for is the
+# **snapshot**, a copy of the state as it was at the save's iteration. On this page the
+# snapshot is taken before the save returns, as Megatron takes it (a device-to-host copy,
+# then a fork); [the next page](staged_copy.py) moves that copy behind the next forward and
+# backward. This page builds the writer, the queue and the collective finalize, and measures
+# what training waits for.
 #
-# You will build: `stage_tensors`, `AsyncSaver` (schedule, poll, finalize), the staged copy
-# and its wait (`before_optimizer_step`; the copies themselves in `_staging.py`),
-# `save_timeline`.
+# You will build: `stage_tensors`, the background writer (a forked process or a thread, every
+# wait bounded), `AsyncSaver` (schedule, poll, finalize), `save_timeline`.
 
 # %%
 from __future__ import annotations
@@ -29,17 +29,18 @@ from dataclasses import dataclass, field
 import torch
 
 from tinytron.checkpoint._common import CheckpointGroups
-from tinytron.checkpoint._staging import HostStaging, PinnedPool
+from tinytron.checkpoint._staging import HostStaging
 from tinytron.checkpoint.formats import CheckpointSaveError, fault_point
 from tinytron.checkpoint.sharded_keys import ShardedTensor
 from tinytron.checkpoint.torch_dist import SaveRequest
 
-__all__ = ["stage_tensors", "AsyncSaver", "ASYNC_MODES", "WRITER_TIMEOUT_S"]
+__all__ = ["stage_tensors", "AsyncSaver", "save_timeline", "ASYNC_MODES", "WRITER_TIMEOUT_S"]
 
 logger = logging.getLogger("tinytron.checkpoint")
 
 ASYNC_MODES = ("process", "thread")
 WRITER_TIMEOUT_S = 600.0   # Megatron's default collective timeout, 10 minutes
+
 
 # %% [markdown]
 # ## The stages, as Megatron runs them
@@ -69,11 +70,12 @@ WRITER_TIMEOUT_S = 600.0   # Megatron's default collective timeout, 10 minutes
 #    so the writer needs a copy frozen at this moment. On a GPU Megatron copies device to host
 #    into pinned memory (`preload_tensors`, `filesystem_async.py:227`) and blocks until the
 #    copy is done (`torch.cuda.synchronize()` before the fork, `async_utils.py:273`; the
-#    persistent caller waits on a queue instead, `:424`); tinytron stages the copy behind the
-#    next forward and backward instead (next section). On a CPU the cheapest
-#    snapshot is `fork()`: the child process sees the parent's memory as it was at the fork,
-#    copy-on-write, so nothing is copied unless training writes to a page before the child
-#    has saved it — the technique Redis uses for its background saves. Megatron's
+#    persistent caller waits on a queue instead, `:424`), and so does `stage_tensors` below
+#    ([the next page](staged_copy.py) stages the copy behind the next forward and backward
+#    instead). On a CPU the cheapest snapshot is `fork()`: the child process sees the
+#    parent's memory as it was at the fork, copy-on-write, so nothing is copied unless
+#    training writes to a page before the child has saved it — the technique Redis uses for
+#    its background saves. Megatron's
 #    `TemporalAsyncCaller` (`async_utils.py:237`) forks its writer for the same reason. The
 #    `thread` mode copies every tensor instead and writes from a thread.
 # 3. **Write** in the background: the child writes `common.pt` (rank 0), streams the chunks
@@ -95,7 +97,7 @@ WRITER_TIMEOUT_S = 600.0   # Megatron's default collective timeout, 10 minutes
 # `maybe_finalize_async_calls` finalizes them oldest first, as many as are done (`:688-695`).
 # tinytron's `AsyncSaver` holds one: a save scheduled while another is still writing first
 # waits for that one to finish (`finalize(blocking=True)` at the top of `schedule`). With a
-# save interval longer than a background write, as in the demos here, the two behave the
+# save interval longer than a background write, as in this chapter's demos, the two behave the
 # same; with saves closer together than a write takes, Megatron's training continues while
 # tinytron's blocks until the earlier save is complete.
 #
@@ -105,61 +107,8 @@ WRITER_TIMEOUT_S = 600.0   # Megatron's default collective timeout, 10 minutes
 # staging directory is never renamed and the tracker keeps naming the previous checkpoint.
 # The legacy format has no async path, in Megatron either (`checkpointing.py:598-600`).
 #
-# ## The staged copy
-#
-# A copy that training waits for costs its full time. In the running example a rank's share of
-# a fully parallel save is ≈ 2.0e9 × 14 B / 64 ≈ 0.44 GB (its 1/64 of the bf16 weights, the
-# fp32 masters and both Adam moments), ≈ 9 ms at PCIe Gen5's ≈ 50 GB/s: small next to a 2 s
-# step, but paid by every rank at every save. On a CPU the copy is a full pass over the state
-# in memory (`benchmarks/bench_checkpoint_staging.py` measures it for 100M parameters). And
-# nothing needs the copy finished before the next `optimizer.step`: the forward and backward
-# in between write activations and gradients, never a parameter or an optimizer state. So
-# tinytron starts the copies when the save is scheduled and lets them run behind the next
-# iteration's compute:
-#
-# ```mermaid
-# sequenceDiagram
-#   participant T as training (iteration k+1)
-#   participant S as staging (side stream / worker thread)
-#   participant W as writer
-#   T->>S: save at k: allocate host buffers, start the copies, plan (collective)
-#   T->>T: forward, backward (reads the parameters, writes gradients)
-#   S->>S: copy chunk by chunk into host (pinned) buffers
-#   T->>S: before_optimizer_step: wait for what is left
-#   T->>T: optimizer.step overwrites the parameters
-#   S->>W: copies complete: write (thread), or fork the writer (process, GPU)
-# ```
-#
-# On a GPU the copies run on a side CUDA stream into pinned buffers that the saver keeps from
-# one save to the next (allocating pinned memory is much slower than an ordinary allocation,
-# so each buffer is pinned once); on a CPU a worker thread copies (PyTorch releases the GIL
-# inside the copy, so the thread runs beside the forward). A CPU `fork` needs no copy at all
-# and is left as it is. The buffers are
-# allocated before the planning collective, so the plan describes exactly the tensors the
-# writer will write, and the copies overlap the plan too.
-#
-# <details><summary>One precondition: no parameter all-gather in flight</summary>
-#
-# With `overlap_param_gather` the next forward's pre-hooks write gathered parameters (chapter
-# 05). Megatron finishes that all-gather before every save (`force_param_sync`,
-# `training/training.py:2788-2789`), and so does chapter 01's loop (`save_with_param_sync`):
-# after it the forward has nothing left to write.
-#
-# </details>
-#
-# <details><summary>Megatron detail: the staged copy, measured on this book's CPU</summary>
-#
-# Measured on this book's 2-core machine, shared and loaded when it ran (load average 15–27;
-# `benchmarks/results/checkpoint_staging.json`, medians of 5): for the 100M-parameter model a
-# staged `thread`-mode save blocked training 0.055 s, against 0.31 s when the copy is taken
-# before `save` returns, 0.37 s with `fork`, and 7.0 s for a synchronous save (0.008, 0.044,
-# 0.053 of it). Hidden is not free on a CPU: the 1.2 GB copy and then the write share the two
-# cores with the forward and backward, which ran 2.0× slower beside them (1.6× beside the
-# write alone, 2.3× beside a forked writer and its copy-on-write faults).
-#
-# </details>
-#
-# On a GPU the copy runs on the copy engine, beside the kernels.
+# `stage_tensors` takes that snapshot: a pinned host copy of every CUDA chunk, a clone of
+# every CPU chunk in `thread` mode, and nothing at all for a CPU `fork`.
 
 # %%
 def stage_tensors(tensors: list[ShardedTensor], mode: str) -> list[ShardedTensor]:
@@ -254,8 +203,9 @@ def _timed_out(request: SaveRequest, timeout_s: float, who: str) -> dict:
 # timeout, `megatron/training/config/common_config.py:77`): a forked writer is killed, a
 # thread abandoned, and the save fails on every rank in one line naming what timed out.
 #
-# In `thread` mode the writer's thread first waits for the staged copies (if any), then
-# writes; a staging that failed becomes the outcome.
+# In `thread` mode the writer's thread writes. When the copy was staged behind the next step
+# ([next page](staged_copy.py)) it first waits for the copies; a staging that failed becomes
+# the outcome.
 
 # %%
 def _thread_write(w: _Writer) -> None:
@@ -335,39 +285,27 @@ class _Writer:
         return _process_outcome(self, timeout_s)
 
 
+
 # %% [markdown]
 # ## The queue
 #
 # `AsyncSaver.schedule(request, on_complete)` runs the synchronous part and starts the writer;
 # `finalize(blocking)` is the per-iteration poll. Every call is made on every rank (the
 # decisions are collective), and `finalize` returns the statistics of a save it completed —
-# the time training was blocked (in `schedule`, and in the wait before the next optimizer
-# step, below), how long the background write took — which the caller logs.
+# the time training was blocked in `schedule`, how long the background write took — which
+# the caller logs.
 #
-# `AsyncSaver` is put together from three whole classes, one per part of a save's life:
-# `_SaveQueue` (this cell: the save in flight and `schedule`), `_StagingWait` (the wait before
-# the next optimizer step) and `AsyncSaver` itself, which adds the collective `finalize`.
+# `AsyncSaver` is put together from two whole classes, one per part of a save's life:
+# `_SaveQueue` (the save in flight and `schedule`) and `AsyncSaver` itself, which adds the
+# collective `finalize`. The snapshot, the start of the writer and the reading of its outcome
+# are each one small method (`_snapshot`, `_writer`, `_outcome`), the three places where
+# [the next page's](staged_copy.py) staged saver does something else.
 # A save in numbers: scheduled at iteration 100 with a background write of 2.5 s and steps of
 # 1 s, `finalize(blocking=False)` at the start of iterations 101, 102 and 103 finds a writer
 # still running on some rank (the all-reduce of "done" gives 0) and returns `None`; at 104 all
 # ranks are done, the results are gathered and the tracker says 100.
-
-# %%
-def _start_copy(request: SaveRequest, staged: bool, rank: int, pool: PinnedPool,
-                mode: str) -> HostStaging | None:
-    """Point the request at its host copies: staged in the background, or taken now."""
-    staging = None
-    if staged:
-        staging = HostStaging(request.tensors, rank, pool)
-        request.tensors = staging.staged   # empty yet: planning reads only shapes
-        staging.start()
-    else:
-        request.tensors = stage_tensors(request.tensors, mode)
-    return staging
-
-
-# %% [markdown]
-# What the queue remembers about the save in flight.
+#
+# What the queue remembers about the save in flight:
 
 # %%
 @dataclass
@@ -382,8 +320,8 @@ class _Pending:
 
 
 # %% [markdown]
-# The queue: `schedule` finalizes a save still in flight, starts the copy, plans (the
-# collective part), and starts the writer unless it must wait for the copies to fork.
+# The queue: `schedule` finalizes a save still in flight, takes the snapshot, plans (the
+# collective part), and starts the writer.
 
 # %%
 class _SaveQueue:
@@ -395,78 +333,31 @@ class _SaveQueue:
             raise ValueError(f"async mode must be one of {ASYNC_MODES}, got {mode!r}")
         self.comm, self.mode, self.timeout_s = comm, mode, timeout_s
         self.pending: _Pending | None = None
-        self.wait_point = False    # set by the loop's first before_optimizer_step()
-        self.pool = PinnedPool()
         self.completed: list[dict] = []   # the stats of every save completed, in order
 
-    def _staged(self, tensors: list[ShardedTensor]) -> bool:
-        """Copy in the background? Only with a wait point, and only where a copy is needed."""
-        cuda = any(t.data.is_cuda for t in tensors)
-        return self.wait_point and (cuda or self.mode == "thread")
+    def _snapshot(self, request: SaveRequest) -> HostStaging | None:
+        """Freeze the request's chunks now (no background copy: None)."""
+        request.tensors = stage_tensors(request.tensors, self.mode)
+        return None
+
+    def _writer(self, p: _Pending) -> _Writer | None:
+        return _Writer(p.request, self.mode, p.staging)
 
     def schedule(self, request: SaveRequest, on_complete=None, label: str = "") -> dict:
-        """Start the snapshot, plan (collective), start the writer; the stats, updated later."""
+        """Snapshot, plan (collective), start the writer; the stats, updated later."""
         if self.pending is not None:
             self.finalize(blocking=True)
         t0 = time.perf_counter()
-        staging = _start_copy(request, self._staged(request.tensors), self.comm.rank, self.pool,
-                              self.mode)
+        pending = _Pending(request, on_complete, self._snapshot(request))
         request.plan()
-        pending = _Pending(request, on_complete, staging)
-        if staging is None or self.mode == "thread":
-            pending.writer = _Writer(request, self.mode, staging)
+        pending.writer = self._writer(pending)
         fault_point("after_schedule", self.comm.rank)
         blocked = time.perf_counter() - t0
         pending.stats = {"label": label, "blocking_s": blocked, "schedule_s": blocked,
-                         "staging_wait_s": 0.0, "staged": staging is not None,
+                         "staging_wait_s": 0.0, "staged": pending.staging is not None,
                          "scheduled_at": t0}
         self.pending = pending
         return pending.stats
-
-
-# %% [markdown]
-# ## The wait before the next optimizer step
-#
-# A staged save leaves `schedule` with its copies still running, and the first thing that
-# writes what they copy is the next `optimizer.step`. So the loop calls `before_optimizer_step()` just before it, and only there
-# does training wait for what is left of the copies — torchtitan's `maybe_wait_for_staging`
-# has this place in its loop. On a CPU the wait joins the staging thread. On a GPU the host
-# does not block at all: the current stream waits for the side stream's event, so the
-# optimizer's kernels queue behind the copies; a step that writes from a stream of its own
-# waits for the current stream first (chapter 02's offload optimizer uploads that way). In `process` mode the writer can only fork once
-# the host copies are complete, so the wait synchronizes and forks (a forked child copies no
-# CUDA state; it writes from the pinned buffers).
-#
-# The loop's first call also tells the saver that a wait point exists: until then (a script
-# that calls `save` and steps without the hook), `schedule` takes the snapshot before it
-# returns, as above, and nothing can overwrite a tensor while it is being copied. A process
-# killed while it stages (fault point `during_staging`, halfway through the copies) leaves an
-# `iter_….tmp` directory and nothing else: the tracker still names the previous checkpoint.
-
-# %%
-class _StagingWait:
-    """AsyncSaver's second part: the loop's wait for a staged save's copies."""
-
-    def before_optimizer_step(self) -> float:
-        """The loop's hook: wait for a staged save's copies; the seconds training was blocked."""
-        self.wait_point = True
-        p = self.pending
-        if p is None or p.staging is None or p.staging.fenced:
-            return 0.0
-        t0 = time.perf_counter()
-        self._fence(p)
-        waited = time.perf_counter() - t0
-        p.stats["staging_wait_s"] = waited
-        p.stats["blocking_s"] += waited
-        return waited
-
-    def _fence(self, p: _Pending) -> None:
-        if p.writer is None:   # process mode, CUDA tensors: fork once the host copies are complete
-            p.staging.wait(self.timeout_s)
-            p.staging.fenced = True
-            p.writer = _Writer(p.request, "thread" if p.staging.error else self.mode, p.staging)
-        else:
-            p.staging.fence(self.timeout_s)
 
 
 # %% [markdown]
@@ -474,15 +365,17 @@ class _StagingWait:
 #
 # `finalize` completes the save in flight. Not blocking, it asks first whether every rank's
 # writer is done: one `all_agree` (an integer all-reduce) over the world, so that all ranks
-# take the same branch, since the gather that follows is a collective. Then it fences a staged
-# save that was never fenced (a save at the last iteration has no next optimizer step), takes
-# the writer's outcome, and hands it to the request's `finalize` (the
-# [torch_dist](torch_dist.py) page's second collective), which commits on rank 0 or returns
-# the same error on every rank.
+# take the same branch, since the gather that follows is a collective. Then it takes the
+# writer's outcome (`_outcome`, bounded by `async_timeout_s`) and hands it to the request's
+# `finalize` (the [torch_dist](torch_dist.py) page's second collective), which commits on
+# rank 0 or returns the same error on every rank.
 
 # %%
-class AsyncSaver(_SaveQueue, _StagingWait):
+class AsyncSaver(_SaveQueue):
     """At most one torch_dist save in flight: snapshot, background write, collective finalize."""
+
+    def _outcome(self, p: _Pending) -> dict:
+        return p.writer.result(self.timeout_s)
 
     def finalize(self, blocking: bool) -> dict | None:
         """Complete the pending save if every rank's writer is done (or wait, if blocking)."""
@@ -492,13 +385,8 @@ class AsyncSaver(_SaveQueue, _StagingWait):
         if not blocking and not self.comm.all_agree(p.writer is not None and p.writer.done()):
             return None
         t0 = time.perf_counter()
-        if p.staging is not None and not p.staging.fenced:
-            self._fence(p)
-        outcome = p.writer.result(self.timeout_s)
+        outcome = self._outcome(p)
         self.pending = None
-        if p.staging is not None:
-            p.stats["staging_s"] = p.staging.seconds()
-            p.staging.release()
         error = p.request.finalize(outcome, p.on_complete)
         if error:
             raise CheckpointSaveError(error)
@@ -537,7 +425,7 @@ class AsyncSaver(_SaveQueue, _StagingWait):
 # an async save in `process` mode, about 24 times shorter, and 0.92 s in `thread` mode (which
 # copies every tensor before it returns); `benchmarks/results/checkpoint_staging.json` (5 runs)
 # records blocking / sync ratios of 0.053 for `process` mode and 0.008 for the staged `thread`
-# mode of the next demo.
+# mode of [the next page](staged_copy.py).
 #
 # </details>
 
@@ -589,56 +477,14 @@ if __name__ == "__main__":
     assert out["same_tensors"] and out["tracker"] == out["async_iteration"]
 
 # %% [markdown]
-# ## Demo: the staged copy, behind the next forward and backward
-#
-# The same model, saved once synchronously and once in `thread` mode with the wait point armed
-# (as chapter 01's loop arms it). The timeline splits the next training step where the loop
-# calls the hook: the save's schedule, the forward and backward, the wait before
-# `optimizer.step`, the step. The staging thread's copy runs beside the forward and backward,
-# then the same thread writes. The assertions check that the copy was staged, and that the
-# staged checkpoint's shard file and `common.pt` are byte for byte the synchronous save's
-# although the optimizer stepped while the write went on.
-
-# %%
-if __name__ == "__main__":
-    from tinytron.checkpoint._staging import staged_timeline_demo
-
-    with tempfile.TemporaryDirectory() as root:
-        out = staged_timeline_demo(root)
-    st = out["stats"]
-    print(f"sync save blocked {out['sync_s']:.3f} s; staged save blocked {st['blocking_s']:.3f} s "
-          f"(schedule {st['schedule_s']:.3f} s + wait {st['staging_wait_s']:.3f} s); the copy "
-          f"took {st['staging_s']:.3f} s beside the forward and backward")
-    save_timeline(out["events"])
-    plt.tight_layout()
-    plt.show()
-    assert st["staged"] and out["same_files"]
-
-# %% [markdown]
-# ## Measured on a GPU
-#
-# On a GPU the staged copy is a device-to-host copy on a side stream into pinned buffers, and
-# the optimizer's kernels queue behind it. `bash scripts/gpu_check.sh 2` runs
-# `benchmarks/bench_checkpoint_staging.py --device cuda` (the 100M model, its optimizer state
-# and its batch in GPU memory): the time training is blocked against a synchronous save, and
-# the whole step, timed to the GPU's completion, against a step with no save.
-# `chapters/_gpu_results.py` renders the table from `benchmarks/results/gpu/<device>.json`.
-
-# %%
-if __name__ == "__main__":
-    from tinytron._gpu_results import gpu_table
-
-    print(gpu_table("async_save"))
-
-# %% [markdown]
 # ## Summary
 #
 # - Async save = synchronous planning + a snapshot + a background writer + a collective
 #   finalize at a later iteration; the tracker moves only when every rank's writer succeeded.
-# - The snapshot: Megatron blocks for it (a pinned D2H copy, then the fork). tinytron stages
-#   it behind the next forward and backward — a side stream into pinned buffers on a GPU, a
-#   worker thread on a CPU (`fork()` needs no copy: copy-on-write) — and waits for it only in
-#   `before_optimizer_step`, which chapter 01's loop calls just before `optimizer.step`.
+# - The snapshot, as Megatron takes it, blocks the save: a pinned D2H copy, then the fork. On a
+#   CPU `fork()` needs no copy at all (copy-on-write); `thread` mode clones every tensor.
+# - The forked writer runs no collective and sets one thread before any torch op; every wait on
+#   it is bounded by `async_timeout_s`, after which the save fails on every rank in one line.
 # - One save in flight at a time; `finalize(blocking=False)` costs one integer all-reduce per
 #   iteration while a save is pending, and `finalize(blocking=True)` at exit.
 #
@@ -652,12 +498,9 @@ if __name__ == "__main__":
 #   default strategy at e03878b5f is NVIDIA Resiliency Extension's implementation of the same
 #   protocol.
 # - PyTorch: `torch.distributed.checkpoint.async_save` (staging to CPU, then a thread or a
-#   process with its own process group). torchtitan's `CheckpointManager`
-#   (`torchtitan/components/checkpoint.py`, async mode `async_with_pinned_mem`) copies into
-#   pinned memory on a staging stream, and `Trainer.train_step` (`torchtitan/train.py`) calls
-#   `maybe_wait_for_staging()` just before `optimizers.step()`: the place of tinytron's
-#   `before_optimizer_step` (torchtitan's wait synchronizes the host; tinytron's CUDA path
-#   only makes the current stream wait).
+#   process with its own process group); torchtitan's `CheckpointManager`
+#   (`torchtitan/components/checkpoint.py`) drives it, its pinned-memory mode on
+#   [the next page](staged_copy.py).
 #
 # ## Exercises
 #
@@ -669,8 +512,8 @@ if __name__ == "__main__":
 #
 #    After `os.fork` parent and child share pages until one of
 #    them writes. The optimizer step overwrites every parameter and moment page while the child
-#    still reads them, so the kernel copies each page at that moment. `save_timeline` of the first
-#    demo already shows the first step after `schedule`; time it against a later one.
+#    still reads them, so the kernel copies each page at that moment. The demo's timeline
+#    already shows the first step after `schedule`; time it against a later one.
 #
 #    </details>
 #
@@ -684,4 +527,17 @@ if __name__ == "__main__":
 #    from all of them.
 #
 #    </details>
-
+#
+# 3. Take the save in numbers above (a 2.5 s background write, 1 s steps, a save at the end of
+#    iteration 100) with `save_interval = 2`. How long does the save at iteration 102 block
+#    training in `schedule`, before its own snapshot? And with Megatron's queue?
+#
+#    <details><summary>Answer</summary>
+#
+#    The save of 100 is scheduled at t = 0 and its writer finishes at t = 2.5 s. The save of 102
+#    is scheduled at the end of iteration 102, at t = 2 s, and `schedule` first calls
+#    `finalize(blocking=True)` on the save still in flight: it waits 2.5 − 2 = 0.5 s, half a
+#    step. Megatron's `AsyncCallsQueue` appends the second save without waiting: 0 s, with two
+#    writers running at once for those 0.5 s.
+#
+#    </details>

@@ -1,25 +1,24 @@
 # %% [markdown]
 # # 03 · Checkpoint: what a resume restores
 #
-# A resumed run must continue as if it had never stopped: the same weights, the same optimizer
-# moments and step counts, the same learning rate, the next sample of the data, and the same
-# random draws for dropout. This page assembles the full training state on top of the two
-# formats, checks a checkpoint against the run before touching anything, and hands the loop
-# its three hooks.
+# [What a checkpoint holds](saved_state.py) listed the whole training state and where each part
+# is written. This page reads it back: a resumed run must continue as if it had never stopped —
+# the same weights, the same optimizer moments and step counts, the same learning rate, the
+# next sample of the data, and the same random draws for dropout. It checks a checkpoint
+# against the run before touching anything, and hands the loop its three hooks.
 #
-# Why it is hard: a run that resumes "almost" right does not fail, it drifts. Forget the Adam
-# moments and their step count, and the first update after the restart is about lr × sign(g)
-# in every coordinate, as at the very first step of a run; forget the sampler's position and
-# the model sees the first 24 samples twice; forget the tracker's RNG and every dropout mask
-# changes. None of these crashes, and a loss curve hides them. So the test of
-# this page is strict: the resumed run must equal the uninterrupted one bit for bit.
+# Why the order matters: a load that fails halfway is worse than one that fails at once. If
+# rank 0 has applied the new weights when rank 1 finds a truncated file, the ranks hold two
+# different models and the run goes on from neither checkpoint. So every rank reads
+# everything first, the ranks agree that all reads succeeded, and only then is anything
+# applied. The test of this page is strict: the resumed run must equal the uninterrupted one
+# bit for bit.
 #
 # A worked example in small numbers, the demo at the end of this page: 2 ranks, 2 pipeline
-# stages, 8 samples per step. After 3 steps the run saves; the checkpoint then holds, besides
-# the tensors, `iteration = 3`, `consumed_train_samples = 3 × 8 = 24`, the scheduler at 24
-# samples (past its 2-step, 16-sample warmup, into the cosine decay), and one `rng_state`
-# object per (PP, TP) position, here 2 × 1 = 2 of them, each a list with one entry (DP rank 0's;
-# the DP size is 1). A restart with another seed reads all of it, and step 4 sees sample 24
+# stages, 8 samples per step. After 3 steps the run saves: `iteration = 3`,
+# `consumed_train_samples = 24`, the scheduler at 24 samples (past its 2-step, 16-sample
+# warmup, into the cosine decay), and one `rng_state` object per (PP, TP) position, here
+# 2 × 1 = 2 of them. A restart with another seed reads all of it, and step 4 sees sample 24
 # on, at the same learning rate, with the same dropout masks.
 #
 # ```mermaid
@@ -36,100 +35,44 @@
 # `tinytron.checkpoint._resume_plumbing` (`chapters/03_checkpoint/_resume_plumbing.py`, named
 # `_resume_plumbing.py` below); the page keeps what decides the outcome of a resume.
 #
-# You will build: `CheckpointConfig`, `get_rng_state`, `set_rng_state`, `check_model_config`,
-# `CheckpointManager` (`save`, `load`, `finalize`), `make_checkpoint_hooks`.
+# You will build: `CheckpointConfig`, `check_model_config`, `CheckpointManager` (`save`,
+# `load`, `finalize`), `make_checkpoint_hooks`.
 
 # %%
 from __future__ import annotations
 
 import logging
 import time
-import random
 import warnings
 from dataclasses import dataclass
 from functools import partialmethod
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from tinytron.checkpoint._checks import check_checkpoint_config
 from tinytron.checkpoint._common import CheckpointGroups, LoadedState, set_main_state
 from tinytron.checkpoint._resume_plumbing import (CheckpointHooks, ManagerPlumbing,
-                                                  TrainStateFallback, _check_scheduler, _common,
+                                                  TrainStateFallback, _check_scheduler,
                                                   _load_rerun, _position_object, _rerun_object,
-                                                  _rerun_state, _train_state_class,
-                                                  _train_state_dict, load_checkpoint,
-                                                  save_checkpoint)
-from tinytron.checkpoint.async_save import ASYNC_MODES, WRITER_TIMEOUT_S, AsyncSaver
+                                                  _train_state_class, _train_state_dict,
+                                                  load_checkpoint, save_checkpoint)
+from tinytron.checkpoint.async_save import ASYNC_MODES, WRITER_TIMEOUT_S
 from tinytron.checkpoint.formats import (CheckpointSaveError, commit_checkpoint, detect_format,
                                          rotate_checkpoints, prepare_staging,
                                          resolve_checkpoint_dir, staging_dir, unwrap_chunks)
 from tinytron.checkpoint.legacy import legacy_param_groups, read_legacy
 from tinytron.checkpoint.resharding import (checkpoint_quantities, optimizer_pieces,
-                                            optimizer_sharded_state_dict, optimizer_state_keys,
-                                            optimizer_steps, piece_states, rederive_masters,
-                                            wanted_quantities)
-from tinytron.checkpoint.sharded_keys import (extra_state_objects, model_sharded_state_dict,
-                                              param_layouts)
-from tinytron.checkpoint.torch_dist import (SaveRequest, distribute_main_replicas, read_common,
-                                            read_sharded)
+                                            optimizer_sharded_state_dict, piece_states,
+                                            rederive_masters, wanted_quantities)
+from tinytron.checkpoint.saved_state import _save_request, set_rng_state
+from tinytron.checkpoint.sharded_keys import model_sharded_state_dict, param_layouts
+from tinytron.checkpoint.staged_copy import StagedAsyncSaver
+from tinytron.checkpoint.torch_dist import SaveRequest, read_common, read_sharded
 
-__all__ = ["CheckpointConfig", "TrainStateFallback", "get_rng_state", "set_rng_state",
-           "check_model_config", "CheckpointManager", "CheckpointHooks", "make_checkpoint_hooks",
-           "save_checkpoint", "load_checkpoint", "ARCH_FIELDS"]
-
-# %% [markdown]
-# ## Every random number generator
-#
-# Megatron saves five generators per rank (`get_rng_state`, `checkpointing.py:371`): Python's
-# `random`, NumPy's, torch's CPU generator, the current CUDA device's, and the named states of
-# the RNG tracker (appendix A: `model-parallel-rng`, `data-parallel-rng`, …). Dropout inside a
-# TP region draws from the tracker's TP-forked stream, dropout outside from the default one:
-# restoring all of them makes the masks after a resume identical to an uninterrupted run.
-#
-# They are stored as one object per (PP, TP) position — Megatron's
-# `ShardedObject('rng_state', shape (pp, tp))` — holding a list: with the default seeding all
-# DP ranks of a position share their streams, and the list holds DP rank 0's state alone;
-# with `data_parallel_random_init` the states of all DP ranks are gathered into it
-# (`checkpointing.py:382-391`), and on load a rank takes its own DP entry (entry 0 if DP
-# changed, or without the flag, `:1993-1996`). When TP or PP changed the streams mean something else —
-# a TP rank's model-parallel seed is `seed + 2718 + tp_rank` — so, as in Megatron
-# (`checkpointing.py:1693-1706`), they are **not** restored and a warning says so.
-#
-# NumPy's state holds an array; it is stored as a list so that the checkpoint stays loadable
-# with `torch.load(weights_only=True)`.
-#
-# <details><summary>Megatron detail: the RNG list under context parallelism</summary>
-#
-# The gather runs over DP alone, not DP × CP: with CP 2 × DP 2 the list has 2 entries, written
-# by CP rank 0's DP group, and both CP ranks of DP rank $d$ restore entry $d$.
-#
-# </details>
-
-# %%
-def get_rng_state(tracker=None) -> dict:
-    """Python, NumPy, torch CPU, CUDA and tracker states of this process."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"random_rng_state": random.getstate(),
-            "np_rng_state": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-            "torch_rng_state": torch.get_rng_state(),
-            "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-            "rng_tracker_states": None if tracker is None else tracker.get_states()}
-
-
-def set_rng_state(state: dict, tracker=None) -> None:
-    """Restore what get_rng_state returned."""
-    random.setstate(tuple(x if not isinstance(x, list) else tuple(x)
-                          for x in state["random_rng_state"]))
-    name, keys, pos, has_gauss, cached = state["np_rng_state"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch_rng_state"])
-    if state.get("cuda_rng_state") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda_rng_state"])
-    if tracker is not None and state.get("rng_tracker_states") is not None:
-        tracker.set_states(state["rng_tracker_states"])
-
+__all__ = ["CheckpointConfig", "TrainStateFallback", "check_model_config", "CheckpointManager",
+           "CheckpointHooks", "make_checkpoint_hooks", "save_checkpoint", "load_checkpoint",
+           "ARCH_FIELDS"]
 
 # %% [markdown]
 # ## Does this checkpoint belong to this run?
@@ -156,86 +99,11 @@ def check_model_config(saved: dict | None, config, where) -> None:
 
 
 # %% [markdown]
-# ## Saving the whole state
+# ## The manager
 #
-# `common.pt` (or each legacy file) holds what is not a sharded tensor, Megatron's content
-# (`generate_state_dict`, `checkpointing.py:993`): `args` (the model config, the layout, the
-# consumed-sample counters Megatron reads back from its saved args), `checkpoint_version`,
-# `iteration`, `opt_param_scheduler` (only when the optimizer is saved, as in Megatron,
-# `:1032-1058`), `num_floating_point_operations_so_far`, the optimizer's loss scale and step
-# counts, `rerun_state_machine` (below), and `content_metadata`
-# (`distrib_optim_sharding_type = "fully_reshardable"`: the optimizer state is in model space,
-# see [resharding](resharding.py)); `args` also records `no_save_rng` and `no_save_optim`, so
-# that a load does not ask for what was not saved (`checkpointing.py:1694-1695, 1713-1714`).
-# The loop's `train_state` is tinytron's addition. The param groups' hyperparameters are not
-# here but in a per-(PP, TP) object, `optimizer.param_groups`, next to the RNG states.
-#
-# In numbers, for the demo's checkpoint at iteration 3: `args` says `tensor_model_parallel_size
-# = 1`, `pipeline_model_parallel_size = 2`, `data_parallel_size = 1`, `consumed_train_samples
-# = 24`; `opt_param_scheduler` holds `num_steps = 24` (the scheduler counts samples);
-# `optimizer["steps"]` holds Adam's step counts (3 after three steps). Those dictionaries are
-# put together by `_common` and `_args` in `_resume_plumbing.py`, and
-# the per-(PP, TP) object by `_position_object` there: `ShardedObject(key, data, (pp, tp),
-# (pp_rank, tp_rank))`, written by DP rank 0 alone, so a DP 8 run writes each of them once,
-# not eight times.
-
-# %% [markdown]
-# The rerun state machine of [chapter 08](../08_reliability/rerun_state_machine.py) goes into every
-# `torch_dist` checkpoint, as in Megatron (`checkpointing.py:563-566, 1061-1062`;
-# `rerun_state_machine.py:858-871`): its mode, state and iteration in `common.pt` under
-# `rerun_state_machine`, and each rank's part as the object `rerun_state_machine_state` of
-# shape `(world,)` at offset `(rank,)`, written in steady state too, so that successive
-# checkpoints have the same keys. A disabled machine saves nothing (`:806-807`), and the
-# legacy format carries none (`:809-816`). `_rerun_state` and `_rerun_object`
-# (`_resume_plumbing.py`) build the two parts.
-#
-# <details><summary>Megatron detail: the per-rank rerun content</summary>
-#
-# The per-rank part is chapter 08's `state_dict()`, not Megatron's dict
-# (`rerun_state_machine.py:858-871`): tinytron's machine keeps its flags in its own layout, so
-# the object has Megatron's key and shape, `(world,)` at `(rank,)`, but its own content.
-#
-# </details>
-
-# %% [markdown]
-# A `torch_dist` save is one DCP request, and `_save_request` lists what goes into it: the
-# model's sharded tensors, the optimizer's in model space (masters and moments under
-# `optimizer.state.<quantity>.<key>`, so that any other layout can read them back, see
-# [resharding](resharding.py)), the objects (each layer's extra state, the RNG states and the
-# param groups per (PP, TP) position, the rerun machine per rank) and `common.pt`. With
-# `ckpt_fully_parallel_save` (the default, as in Megatron) the DP-replicated chunks are first
-# spread over the DP ranks ([torch_dist](torch_dist.py)), so that every rank writes a similar
-# share: with DP 4, each rank writes about a quarter of the model instead of DP rank 0 writing
-# all of it.
-
-# %%
-def _save_request(manager, staging, state, chunks, optimizer, scheduler) -> SaveRequest:
-    """Every sharded tensor and object of the full state, as one DCP save."""
-    layouts = param_layouts(chunks, manager.grid)
-    tensors = model_sharded_state_dict(chunks, manager.grid)
-    steps = None
-    if optimizer is not None:
-        pieces, _ = optimizer_pieces(optimizer)
-        keys = optimizer_state_keys(optimizer, pieces, manager.comm) + ["param"]
-        tensors += optimizer_sharded_state_dict(optimizer, layouts, manager.grid, keys)
-        steps = optimizer_steps(optimizer, pieces, layouts, manager.comm)
-    objects = (extra_state_objects(chunks, manager.grid)
-               + manager._position_objects(chunks, optimizer))
-    common = _common(chunks[0].config, manager.grid, state, optimizer, scheduler, steps,
-                     manager.config)
-    if manager.config.ckpt_fully_parallel_save:
-        distribute_main_replicas(tensors, manager.comm)
-    rerun = _rerun_state(manager.rerun_state_machine, manager.comm)
-    if rerun is not None:
-        common["rerun_state_machine"], machine = rerun
-        objects.append(_rerun_object(manager.comm, machine))
-    return SaveRequest(staging, tensors, objects, manager.comm, common,
-                       manager.config.thread_count, checksums=manager.config.crc_checksums)
-
-
-# %% [markdown]
 # The manager holds what lives as long as the run: the options, the grid and its
-# checkpoint process groups, and the background saver when saves are asynchronous. `save`
+# checkpoint process groups, and the background saver ([`StagedAsyncSaver`](staged_copy.py))
+# when saves are asynchronous. `save`
 # follows the order of [the formats page](formats.py): rank 0 prepares the staging
 # directory, all ranks wait for it, then the state is written in the chosen format and
 # committed (at once, or at a later `finalize` for an async save). `commit` is a closure that
@@ -270,7 +138,8 @@ def _save_sync(manager, request: SaveRequest, commit, iteration: int, t0: float)
 
 # %% [markdown]
 # The manager itself: `save` prepares the staging directory, binds the commit, and hands the
-# state to the legacy writer, the background saver or the synchronous save above.
+# state to the legacy writer, or builds the request ([`_save_request`](saved_state.py)) for
+# the background saver or the synchronous save above.
 
 # %%
 class CheckpointManager(ManagerPlumbing):
@@ -280,7 +149,7 @@ class CheckpointManager(ManagerPlumbing):
         self.config, self.grid, self.rng_tracker = config, grid, rng_tracker
         self.rerun_state_machine = rerun_state_machine
         self.comm = CheckpointGroups(grid)
-        self.saver = (AsyncSaver(self.comm, config.async_mode, config.async_timeout_s)
+        self.saver = (StagedAsyncSaver(self.comm, config.async_mode, config.async_timeout_s)
                       if config.async_save else None)
         self.stats: list[dict] = []
 
@@ -699,7 +568,7 @@ if __name__ == "__main__":
 # - The order is Megatron's: weights, optimizer, then the scheduler, which writes its lr and
 #   weight decay into the param groups; `no_load_optim` leaves the scheduler at step 0.
 # - What a checkpoint's args say was not saved (RNG, optimizer) is not asked for; the rerun
-#   state machine rides along in every `torch_dist` checkpoint.
+#   state machine is restored only on the same layout, with a rerun pending.
 # - Across a TP or PP change the tensors reshard but the RNG streams do not, and are not
 #   restored (with a warning), as in Megatron.
 # - Everything is read and checked before anything is applied: a bad checkpoint leaves the run
@@ -708,12 +577,12 @@ if __name__ == "__main__":
 # ## How production does it
 #
 # - Megatron: `megatron/training/checkpointing.py` (`load_checkpoint:1613`, RNG `:1974-2027`,
-#   progress from the saved args `:1880-1890`, `generate_state_dict:993`) and
+#   progress from the saved args `:1880-1890`, the load order `:1919-1952`) and
 #   `megatron/training/training.py` (`save_checkpoint_and_time:2773`, the async finalize call
 #   `:3416`, consumed samples back-filled from iterations `:4177`).
-# - torchtitan: `torchtitan/components/checkpoint.py` keeps the model, optimizer, scheduler,
-#   data loader and train state as `Stateful` objects and saves them with DCP; its data loader
-#   state replaces Megatron's consumed-samples counter.
+# - torchtitan: `torchtitan/components/checkpoint.py` (`CheckpointManager.load`) loads the same
+#   `Stateful` objects it saved (model, optimizer, scheduler, data loader, train state) with
+#   DCP, each restoring itself.
 #
 # ## Exercises
 #

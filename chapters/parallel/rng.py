@@ -91,7 +91,7 @@ __all__ = ["MODEL_PARALLEL_RNG", "DATA_PARALLEL_RNG", "EXPERT_PARALLEL_RNG", "De
 # | capturable | no graph on a CPU | yes, once the graph registers `generators()` |
 #
 # `get_states()` still returns state *tensors* (a byte tensor per stream, as before), so the
-# checkpoint format of [chapter 03](../03_checkpoint/resume.py) does not change and old
+# checkpoint format of [chapter 03](../03_checkpoint/saved_state.py) does not change and old
 # checkpoints load; `set_states()` writes those tensors *into* the existing generator objects,
 # never replacing them, because a graph registered the objects and a recompute may run while
 # the default points at one of them.
