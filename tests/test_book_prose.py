@@ -212,7 +212,6 @@ LONG_PAGES_LEFT = {
     "07_memory/config_ledger.py",  # 2,724
     "07_memory/step_time.py",  # 2,824
     "08_reliability/restarts.py",  # 2,985
-    "kernels/flash_attention.py",  # 2,572
     "model/gpt.py",  # 2,920
 }
 
