@@ -396,7 +396,7 @@ def _train_tiny(kernels: str, steps: int = 2):
 
 
 def test_model_with_triton_kernels_trains_like_torch():
-    from tinytron.model.gpt import KernelRMSNorm
+    from tinytron.model.transformer_layer import KernelRMSNorm
 
     model_k, losses_k, grads_k = _train_tiny("triton")
     _, losses_t, grads_t = _train_tiny("torch")

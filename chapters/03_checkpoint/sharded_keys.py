@@ -51,7 +51,7 @@ __all__ = ["ShardedTensor", "ShardedObject", "sharded_key", "TensorLayout", "par
 # these names, `gpt_layer_specs.py`, `sharded_state_dict_keys_map`). `linear_fc1` holds gate and
 # up stacked, and each TP rank holds its slice of *both*: its chunk is two pieces, at offsets
 # $r f/t$ and $f + r f/t$ (Megatron's `apply_swiglu_sharded_factory`, `mlp.py`). The QKV rows
-# are grouped per KV group ([B.3](../model/gpt.py)), which is Megatron's order, so a TP rank's rows are one
+# are grouped per KV group ([B.3](../model/transformer_layer.py)), which is Megatron's order, so a TP rank's rows are one
 # contiguous chunk.
 #
 # With tied embeddings and PP > 1 the last stage's output layer is a replica of

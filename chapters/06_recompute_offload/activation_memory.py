@@ -138,7 +138,7 @@ def _offloaded_bytes(config, terms: dict) -> int:
 
 # %% [markdown]
 # The RoPE tables its layers share cost a chunk nothing per micro-batch: the model builds them
-# once per sequence length and keeps them ([page B.3](../model/gpt.py)). Full recompute keeps, per checkpointed run, the run's input and an RNG snapshot;
+# once per sequence length and keeps them ([page B.4](../model/gpt.py)). Full recompute keeps, per checkpointed run, the run's input and an RNG snapshot;
 # `block` adds its plain layers. Offload subtracts what the chosen regions free in every layer
 # but the margin.
 
@@ -148,7 +148,7 @@ def decoder_activation_bytes(config, num_layers: int, tp: int = 1, micro_batch_s
                              post_process: bool = True) -> int:
     """Bytes the layers of one pipeline chunk keep after its forward, under the config's modes."""
     b, e, m, n = micro_batch_size, dtype_bytes, mask_bytes, num_layers
-    rope = 0  # the RoPE tables are the model's cache, not per micro-batch (page B.3)
+    rope = 0  # the RoPE tables are the model's cache, not per micro-batch (page B.4)
     if config.recompute_granularity == "full":
         s_local = config.seq_length // tp if config.sequence_parallel else config.seq_length
         run = s_local * b * config.hidden_size * e

@@ -33,7 +33,7 @@ __all__ = ["Saved", "Dims", "attention_kernel", "attention_kernel_why", "layer_s
 # with sequence parallelism (else $s_c$) for the residual stream, $b$ the micro-batch, $d$ the
 # head size, $a_t = a/t$ query heads and $g_t = g/t$ key/value groups on this rank,
 # $f_t = f/t$, $P$ bytes per parameter-dtype element (2 in bf16). Reading the model of
-# [B.3](../model/gpt.py) op by op (`torch.autograd.graph.saved_tensors_hooks` lists the same
+# [B.3](../model/transformer_layer.py) op by op (`torch.autograd.graph.saved_tensors_hooks` lists the same
 # thing; the tests compare the two):
 #
 # | module | saved tensor | bytes |
@@ -240,7 +240,7 @@ def _selective_core_attention(cfg: MemoryConfig, x: Dims) -> list[Saved]:
 # The layer, assembled. The first norm of a chunk that received its input from the previous
 # stage saves the received tensor itself, counted once as the stage input. RoPE's tables (in
 # $P$, one per sequence length) are resident, cached by the model
-# ([page B.3](../model/gpt.py)), not per micro-batch.
+# ([page B.4](../model/gpt.py)), not per micro-batch.
 #
 # **Recompute** (chapter 06, the model config's `recompute_*` switches, Megatron's names):
 #

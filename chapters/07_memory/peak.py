@@ -129,7 +129,7 @@ def _mlp_half(cfg: MemoryConfig) -> int:
 def _forward_transient(cfg: MemoryConfig, x: Dims, head: bool) -> int:
     """Bytes alive in a chunk's forward on top of what it keeps, at its largest moment."""
     unit = x.P * x.s_r * x.b * x.h  # one residual-stream tensor
-    rope = 0  # RoPE's tables are the model's cache (page B.3), not a forward temporary
+    rope = 0  # RoPE's tables are the model's cache (page B.4), not a forward temporary
     # the layer's input and the mid-layer residual are alive, but the norms keep both (B.2)
     resid = 0
     end_of_layer = resid + 2 * unit + rope  # fc2's output and the new residual

@@ -35,7 +35,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # %% [markdown]
 # ## Which parameters a rank holds, in the order DDP sees them
 #
-# A pipeline rank holds one `GPTModel` chunk per virtual stage ([B.3](../model/gpt.py)). Each chunk is
+# A pipeline rank holds one `GPTModel` chunk per virtual stage ([B.4](../model/gpt.py)). Each chunk is
 # wrapped in its own DDP with its own buffer, as Megatron wraps each model chunk
 # (`megatron/training/training.py`, `get_model`). Inside a chunk the parameters come in
 # registration order: the embedding (first chunk of the first stage), then per layer

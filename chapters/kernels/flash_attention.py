@@ -209,9 +209,8 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_pt
 
 
 # %% [markdown]
-# The dQ kernel is the forward's loop again: one query block of one head, walking the key
-# blocks up to the diagonal. It recomputes $P$ and $dP$ like the dK/dV kernel, but sums
-# $dS\,K$ over keys instead of over queries.
+# The dQ kernel is the forward's loop again, recomputing $P$ and $dP$ like the dK/dV kernel
+# but summing $dS\,K$ over keys instead of over queries.
 
 # %%
 @triton.jit
@@ -285,10 +284,9 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
 # values) beside its slices of the Q, K and V tiles, which Triton loads into registers before
 # staging them for the tensor cores; 8 warps halve every share. Smaller tiles are not simply
 # safer, though: $32 \times 32$ dQ at 8 warps spills 12 B at $d = 64$ and $32 \times 32$ dK/dV
-# 24 B at $d = 32$ (Triton 3.6, sm_90), which is why every head size is compiled. The chosen
-# tiles compile without spills for both targets, both Triton versions and every configured
-# head size, and on sm_90, the lent device's architecture, each stays at least 24 registers
-# under the limit (a $64 \times 64$ forward at 8 warps also compiles cleanly, but at 250).
+# 24 B at $d = 32$ (Triton 3.6, sm_90), which is why every head size is compiled. On sm_90, the
+# lent device's architecture, each chosen tile stays at least 24 registers under the limit (a
+# $64 \times 64$ forward at 8 warps also compiles cleanly, but at 250).
 # Whether they are also the *fastest* is a question for a benchmark on the GPU.
 #
 # **fp32.** Exact fp32 products (`input_precision="ieee"`) cannot use the tensor cores, so
@@ -461,11 +459,6 @@ def tile_schedule(seq_len: int, block_m: int, block_n: int, causal: bool = True)
 # ## Demo: the tiles, the worked example, and parity with causal GQA at ragged lengths
 #
 # The picture shows which tiles a causal forward visits at $s = 72$ with $16 \times 16$ tiles.
-# Then the worked example through the kernel (a head of 16 with one non-zero channel), and
-# forward and backward against `scaled_dot_product_attention` in fp32 for GQA ratios 1, 2 and 4
-# at lengths that are not multiples of the tile, causal and not, with fp32 and bf16 inputs
-# (bf16 is held to $2^{-6}$ of the largest value; with $P$ and $dS$ rounded to bf16 for the
-# tensor cores its error is that of SDPA's own bf16 path, ~0.5%).
 
 # %%
 if __name__ == "__main__":
@@ -498,8 +491,10 @@ if __name__ == "__main__":
     print(f"worked example: o = {worked:.3f}")
 
 # %% [markdown]
-# Parity with `scaled_dot_product_attention` in fp32: GQA ratios 1, 2 and 4, lengths that are not
-# multiples of the tile, causal and not, fp32 and bf16 inputs.
+# Forward and backward against `scaled_dot_product_attention` in fp32: GQA ratios 1, 2 and 4,
+# lengths that are not multiples of the tile, causal and not, fp32 and bf16 inputs (bf16 is held
+# to $2^{-6}$ of the largest value: with $P$ and $dS$ rounded to bf16 for the tensor cores, its
+# error is that of SDPA's own bf16 path, ~0.5%).
 
 # %%
 if __name__ == "__main__":
@@ -525,8 +520,8 @@ if __name__ == "__main__":
               f"(o, dq, dk, dv) {[f'{x:.0e}' for x in g]}")
 
 # %% [markdown]
-# Last, what each form keeps for the backward and what the eager form moves per score; the asserts
-# state the demo's claims.
+# Last, what each form keeps for the backward and what the eager form moves per score, and the
+# asserts.
 
 # %%
 if __name__ == "__main__":

@@ -117,7 +117,7 @@ def check_kernels(c: ModelConfig) -> None:
                          f"{ATTENTION_HEAD_DIMS}, got hidden_size // num_attention_heads = {c.head_dim}")
 
 
-# -- appendix B.3 (gpt.py): the model's input checks -----------------------------------------
+# -- appendix B.4 (gpt.py): the model's input checks -----------------------------------------
 def on_host(t: torch.Tensor) -> bool:
     """Whether a check of t reads host memory (free) rather than waiting for a device (a sync)."""
     return t.device.type == "cpu"

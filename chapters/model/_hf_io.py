@@ -1,4 +1,4 @@
-"""Appendix B.4's checks and file plumbing: config.json rules, the checkpoint's inventory,
+"""Appendix B.5's checks and file plumbing: config.json rules, the checkpoint's inventory,
 the safetensors reader and the tokenizer files. The page (chapters/model/hf.py) keeps the
 name and layout mapping; the messages here name the tensor or key at fault.
 """

@@ -1,5 +1,5 @@
 # %% [markdown]
-# # B.5 · Model: generating text with a KV cache
+# # B.6 · Model: generating text with a KV cache
 #
 # A trained model predicts the next token from every token before it. Generating text repeats
 # that prediction: append the token drawn, predict again. Done naively, every step runs the

@@ -1,5 +1,5 @@
 # %% [markdown]
-# # B.4 · Model: Hugging Face Llama import and export
+# # B.5 · Model: Hugging Face Llama import and export
 #
 # Load a Hugging Face Llama checkpoint (`config.json` + `model.safetensors`) into this book's
 # model — split over TP ranks and pipeline stages when given a grid — and write the model back
@@ -48,7 +48,7 @@ __all__ = ["hf_config_dict", "config_from_hf", "to_hf_tensors", "from_hf_tensor"
 # | `output_layer.weight` | `lm_head.weight` (absent when tied) |
 #
 # Two of them are not one-to-one. `linear_qkv` is fused and grouped by key/value group
-# ([page B.3](gpt.py)): with $a/g$ query heads per group its rows are
+# ([page B.3](transformer_layer.py)): with $a/g$ query heads per group its rows are
 # $[q_{0} \dots q_{a/g-1}, k_0, v_0, \; q_{a/g} \dots, k_1, v_1, \dots]$ (each $d$ rows), while
 # Hugging Face keeps three matrices. Hugging Face's query head $j$ reads key/value head
 # $j \,/\, (a/g)$ (`repeat_kv` in `modeling_llama.py`), the same grouping, so the conversion is

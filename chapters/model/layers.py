@@ -164,7 +164,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # at `:92`); Transformer Engine fuses it into one kernel (`fused_apply_rotary_pos_emb`).
 #
 # The tables are the same in every step, so the model builds them **once per sequence length**
-# and caches them ([page B.3](gpt.py)) rather than taking a power, an outer product, a cosine
+# and caches them ([page B.4](gpt.py)) rather than taking a power, an outer product, a cosine
 # and a sine per position in every layer. Applying the formula per half instead (four
 # half-width products written into the halves of one output, no `rotate_half`) saves the
 # concatenation but not time: on a CPU each of those products walks a strided half of $x$, and
@@ -392,6 +392,6 @@ if __name__ == "__main__":
 #    With PP 2, stage 1's local layer 0 is the model's layer 8.
 #    Seeded by local names, both stages would draw the same weights for their layer 0, and the
 #    model would differ from the one-process model of the same seed. Look at
-#    <code>global_parameter_name</code> in <code>init_parameters</code> ([page B.3](gpt.py)).
+#    <code>global_parameter_name</code> in <code>init_parameters</code> ([page B.4](gpt.py)).
 #
 #    </details>
