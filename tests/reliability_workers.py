@@ -235,6 +235,10 @@ def host_sync_hang_job(report_path: str) -> None:
             grad = torch.full((4,), float(rank))
             monitor.mark()
         work = dist.all_reduce(grad, async_op=True)   # returns at once, as NCCL's does
-        work.wait()                                   # the host sync where rank 0 blocks
+        try:
+            work.wait()                               # the host sync where rank 0 blocks
+        except RuntimeError:                          # rank 1 ended first: the verdict wins
+            monitor.wait_for_verdict()
+            raise
         monitor.on_training_step_end()
     monitor.shutdown()

@@ -128,3 +128,18 @@ def test_a_rank_blocked_in_a_host_sync_is_not_blamed_on_two_gloo_ranks(tmp_path)
         verdict
     assert "rank 0 hung" not in verdict
     assert verdict.endswith("waiting for it, further along the step: ranks [0]"), verdict
+
+
+def test_a_failed_collective_waits_for_the_hang_verdict():
+    """A peer ended for a hang makes this rank's collective fail first: the verdict still wins."""
+    master = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=10),
+                           wait_for_workers=False)
+    store = dist.PrefixStore("w/", master)
+    store.set("verdict", "1|hang detected: rank 1 hung in section 'step' at iteration 3")
+    cfg = FaultToleranceConfig(heartbeat_interval=0.05, heartbeat_timeout=5.0)
+    exits = []
+    monitor = RankMonitor(cfg, 0, 2, store=store, exit_fn=exits.append).start()
+    t0 = time.monotonic()
+    monitor.wait_for_verdict()             # what the loop does when its all-reduce raised
+    assert exits == [EXIT_CODE_HANG_DETECTED] and time.monotonic() - t0 < cfg.heartbeat_timeout
+    assert monitor.verdict.startswith("hang detected: rank 1 hung")

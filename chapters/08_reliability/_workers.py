@@ -117,7 +117,11 @@ def hang_job(num_iters: int, faults: list, ft_kwargs: dict) -> list:
         monitor.on_training_step_start(it)
         injector.at_step_start(it)
         grad = torch.full((4,), float(rank))
-        dist.all_reduce(grad)            # the collective a healthy rank waits in
+        try:
+            dist.all_reduce(grad)        # the collective a healthy rank waits in
+        except RuntimeError:             # the hung rank's process ended first: the verdict
+            monitor.wait_for_verdict()   # ends this one too, with the hang code
+            raise
         time.sleep(0.05)
         monitor.on_training_step_end()
         done.append(it)

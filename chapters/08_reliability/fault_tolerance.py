@@ -363,7 +363,7 @@ class Sections:
 
 # %%
 class LoopHooks:
-    """What the training loop calls: start, bracket steps, mark progress, shut down."""
+    """What the training loop calls: start, bracket steps, mark progress, wait, shut down."""
 
     def start(self) -> "RankMonitor":
         """Open the setup section and start beating."""
@@ -388,6 +388,15 @@ class LoopHooks:
         """A progress point inside a section (the loop calls it around each micro-batch)."""
         with self._lock:
             self._mine["marks"] += 1
+
+    def wait_for_verdict(self) -> None:
+        """After the main thread's collective failed: a peer may have been ended for a hang.
+
+        Give this monitor up to `heartbeat_timeout` to read the verdict and end the process
+        with the hang code; return if none comes (the caller re-raises its error).
+        """
+        if self._thread is not None:
+            self._thread.join(timeout=self.config.heartbeat_timeout)
 
     def shutdown(self) -> None:
         """Stop beating (end of training)."""
@@ -504,6 +513,12 @@ class RankMonitor(JobEnd, MonitorThread, Reports, LoopHooks, Sections, MonitorSt
 # thread sleep forever; rank 0 reaches the all-reduce and waits. The monitors find the hang,
 # every rank exits with code 18, and the verdict file names the rank, the section, the
 # iteration and the line where rank 1's main thread is stuck.
+#
+# Who leaves first is a race. If rank 1's monitor ends its process before rank 0's monitor
+# has read the verdict, rank 0's all-reduce fails at once ("connection closed by peer") and
+# its main thread would end the rank with that error, not code 18. So the loop catches the
+# collective's error and calls `wait_for_verdict`: rank 0's monitor then has up to
+# `heartbeat_timeout` to read the verdict and end the process with the hang code.
 
 # %%
 if __name__ == "__main__":
