@@ -390,12 +390,8 @@ class LoopHooks:
             self._mine["marks"] += 1
 
     def wait_for_verdict(self) -> None:
-        """After the main thread's collective failed: a peer may have been ended for a hang.
-
-        Give this monitor up to `heartbeat_timeout` to read the verdict and end the process
-        with the hang code; return if none comes (the caller re-raises its error).
-        """
-        if self._thread is not None:
+        """After a failed collective: up to heartbeat_timeout for a hang verdict to end us."""
+        if self._thread is not None:  # none came: the caller re-raises its error
             self._thread.join(timeout=self.config.heartbeat_timeout)
 
     def shutdown(self) -> None:
