@@ -17,6 +17,11 @@ if not torch.cuda.is_available():
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = ROOT / "chapters"
 
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # Two workers and the book build share the cores (the README's `-n 2`): one intra-op thread
+    # per worker, as each rank of a gloo world has, so no process spin-waits on its own threads.
+    torch.set_num_threads(1)
+
 
 @pytest.fixture
 def one_thread():
