@@ -84,15 +84,14 @@ def test_rmsnorm_bound_admits_another_summation_order_and_nothing_coarser():
     x = torch.randn(2048, 2048, generator=gen).bfloat16()
     w = (1 + 0.1 * torch.randn(2048, generator=gen)).bfloat16()
     allowed = x.numel() * (2048 + 16) / 2 ** 16
-    verdict = lambda y: rms_norm_moved(y, x, w)  # noqa: E731
     for threads in (256, 64):
-        moved, worst = verdict(rms_norm_other_order(x, w, threads=threads))
+        moved, worst = rms_norm_moved(rms_norm_other_order(x, w, threads=threads), x, w)
         assert 0 < moved <= allowed and 0.5 < worst <= 1, (threads, moved, worst)
     x32 = x.float()
     r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)
     for y in (rms_norm_other_order(x, w, acc_dtype=torch.bfloat16),
               w * (x32 * r.bfloat16().float()).bfloat16(), (x32 * r * w.float()).bfloat16()):
-        moved, worst = verdict(y)
+        moved, worst = rms_norm_moved(y, x, w)
         assert moved > allowed or worst > 1, (moved, worst)
 
 

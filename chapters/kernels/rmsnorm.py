@@ -427,19 +427,19 @@ if __name__ == "__main__":
     xb = torch.randn(2048, 2048, generator=gen).bfloat16()
     wb = (1 + 0.1 * torch.randn(2048, generator=gen)).bfloat16()
     allowed = xb.numel() * (2048 + 16) / 2 ** 16
-    verdict = lambda y: rms_norm_moved(y, xb, wb)  # noqa: E731 - (outputs moved, worst gap / bound)
     x32 = xb.float()
     r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)
     wrong = {"squares summed in bf16": rms_norm_other_order(xb, wb, acc_dtype=torch.bfloat16),
              "r rounded to bf16": wb * (x32 * r.bfloat16().float()).bfloat16(),
              "cast after the weight": (x32 * r * wb.float()).bfloat16()}
-    moved, worst = verdict(rms_norm_other_order(xb, wb))
+    moved, worst = rms_norm_moved(rms_norm_other_order(xb, wb), xb, wb)  # (moved, gap / bound)
     print(f"another order: {moved} of {xb.numel():,} outputs moved (allowed {allowed:,.0f}), "
           f"worst gap / bound {worst:.2f}")
-    for name, y in wrong.items():
-        print(f"{name}: {verdict(y)[0]:,} moved, worst gap / bound {verdict(y)[1]:.2f}")
+    broken = {name: rms_norm_moved(y, xb, wb) for name, y in wrong.items()}
+    for name, (n, gap) in broken.items():
+        print(f"{name}: {n:,} moved, worst gap / bound {gap:.2f}")
     assert 0 < moved <= allowed and worst <= 1
-    assert all(verdict(y)[0] > allowed or verdict(y)[1] > 1 for y in wrong.values())
+    assert all(n > allowed or gap > 1 for n, gap in broken.values())
 
 # %% [markdown]
 # ## Summary
