@@ -24,11 +24,11 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from tinytron.memory.config_ledger import (_DEFAULT_WHY, assumption_lines, format_gap,
-                                           megatron_gap, memory_config_from, parse_bytes,
-                                           peak_parts, resolve_device, running_example)
+from tinytron.memory.config_ledger import (_DEFAULT_WHY, assumption_lines, memory_config_from,
+                                           parse_bytes, resolve_device)
 from tinytron.memory.ledger import (DEVICE_TERMS, RankLedger, megatron_args_from, plot_ledgers,
                                     stage_ledgers)
+from tinytron.memory.megatron_gap import format_gap, megatron_gap, peak_parts, running_example
 from tinytron.memory.megatron_model import megatron_theoretical_memory
 from tinytron.memory.peak import activation_peak
 from tinytron.memory.states import MemoryConfig, state_ledger

@@ -40,8 +40,7 @@ from tinytron.memory.megatron_gap import (_megatron_pieces, format_gap, megatron
                                           peak_parts, running_example)
 from tinytron.memory.states import MemoryConfig
 
-__all__ = ["parse_bytes", "resolve_device", "memory_config_from", "running_example",
-           "peak_parts", "megatron_gap", "format_gap", "assumption_lines"]
+__all__ = ["parse_bytes", "resolve_device", "memory_config_from", "assumption_lines"]
 
 # %% [markdown]
 # ## From the trainer's config to a `MemoryConfig`
