@@ -512,9 +512,11 @@ class RankMonitor(JobEnd, MonitorThread, Reports, LoopHooks, Sections, MonitorSt
 #
 # Who leaves first is a race. If rank 1's monitor ends its process before rank 0's monitor
 # has read the verdict, rank 0's all-reduce fails at once ("connection closed by peer") and
-# its main thread would end the rank with that error, not code 18. So the loop catches the
-# collective's error and calls `wait_for_verdict`: rank 0's monitor then has up to
-# `heartbeat_timeout` to read the verdict and end the process with the hang code.
+# its main thread would end the rank with that error, not code 18. So the demo's loop catches
+# the collective's error and calls `wait_for_verdict`: rank 0's monitor then has up to
+# `heartbeat_timeout` to read the verdict and end the process with the hang code. The trainer
+# does not need to: under torchrun the agent stops every other rank as soon as one exits, so
+# the job ends either way, its verdict in the report (`tests/test_reliability_restart.py`).
 
 # %%
 if __name__ == "__main__":
