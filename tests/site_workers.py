@@ -130,7 +130,7 @@ class ProbeHandler(http.server.SimpleHTTPRequestHandler):
 
     def do_POST(self):  # noqa: N802
         name = self.path.removeprefix(DOM_POST)
-        if not (self.path.startswith(DOM_POST) and name.isdigit()):
+        if self.server.doms_dir is None or not (self.path.startswith(DOM_POST) and name.isdigit()):
             return self.send_error(404)
         dom = self.rfile.read(int(self.headers["Content-Length"]))
         (self.server.doms_dir / f"{int(name):03d}.html").write_bytes(dom)
@@ -147,11 +147,13 @@ class ProbeHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-def serve(site_dir: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
-    """(server, its address) of the probed site, served from a daemon thread."""
+def serve(site_dir: Path, pass_html: bytes = b"",
+          doms_dir: Path | None = None) -> tuple[http.server.ThreadingHTTPServer, str]:
+    """(server, its address) of the probed site, served from a daemon thread; with `doms_dir`,
+    also the browser pass's page and the DOMs it posts back."""
     handler = functools.partial(ProbeHandler, directory=str(site_dir))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.pass_html, server.doms_dir = b"", site_dir
+    server.pass_html, server.doms_dir = pass_html, doms_dir
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
@@ -239,26 +241,24 @@ def render(out: Path) -> None:
     if chromium() is None:
         _write(out / "doms.json", json.dumps({"skip": NO_CHROMIUM}))
         return
-    server, address = serve(out / "site")
-    doms = server.doms_dir = out / "doms"
-    doms.mkdir()
     pages = [[f"/{rel}", 1280, 2000] for rel, _ in pages_to_check()] + [
         [f"/{PHONE_PAGE}", 412, 900]]
-    names = [f"{i:03d}.html" for i in range(len(pages))]
-    server.pass_html = (PASS_JS % (json.dumps(pages), DOM_POST, SETTLE_MS)).encode()
+    doms = out / "doms"
+    doms.mkdir()
+    server, address = serve(out / "site", (PASS_JS % (json.dumps(pages), DOM_POST,
+                                                      SETTLE_MS)).encode(), doms)
     try:
-        budget = (SETTLE_MS + 2000) * len(pages)
         browser(f"{address}{PASS_PAGE}", "--dump-dom", "--window-size=1280,2000",
-                budget_ms=budget)
-        for (url, width, height), name in zip(pages, names):
-            if not (doms / name).exists():  # the budget ended first: this page alone
+                budget_ms=(SETTLE_MS + 2000) * len(pages))
+        for i, (url, width, height) in enumerate(pages):
+            if not (doms / f"{i:03d}.html").exists():  # the budget ended first: this page alone
                 dom = browser(f"{address}{url}", "--dump-dom", f"--window-size={width},{height}")
-                (doms / name).write_text(dom, encoding="utf-8")
+                (doms / f"{i:03d}.html").write_text(dom, encoding="utf-8")
     finally:
         server.shutdown()
-    (doms / names[-1]).rename(doms / "phone.html")
-    listed = [[rel, name] for (rel, _), name in zip(pages_to_check(), names)]
-    _write(out / "doms.json", json.dumps(listed))
+    (doms / f"{len(pages) - 1:03d}.html").rename(doms / "phone.html")
+    _write(out / "doms.json", json.dumps([[rel, f"{i:03d}.html"]
+                                          for i, (rel, _) in enumerate(pages_to_check())]))
 
 
 def _write(path: Path, text: str) -> None:
