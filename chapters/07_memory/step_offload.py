@@ -179,6 +179,8 @@ if __name__ == "__main__":
     gen4 = best_offload_modules(example, replace(links, pcie=25e9))
     print("fits at 50 GB/s:", fitted, " at 25 GB/s:", gen4)
     assert fitted == ["attn_norm", "qkv_linear", "core_attn", "attn_proj"]
+    assert [_offloaded_bytes(example, m) // 2**20 for m in (tuple(fitted), OFFLOAD_MODULES)] \
+        == [144, 176]  # MiB per layer and micro-batch, as this page and chapter 06 quote
     assert all(r["hides"] for r in offload_table(example, links)[:5])
     assert _offloaded_bytes(example, tuple(gen4)) < _offloaded_bytes(example, tuple(fitted))
     layers = example.model.num_layers // example.pipeline_model_parallel_size
